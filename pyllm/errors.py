@@ -1,0 +1,33 @@
+"""Errors pyllm reports to its users.
+
+Every error that bad input can cause is a ``PyllmError``: the CLI prints its message on one line and exits
+non-zero, and the library raises it instead of an IndexError deep inside a model.
+"""
+
+
+class PyllmError(Exception):
+    """Base of every error caused by bad input (files, arguments, settings)."""
+
+
+class GGUFError(PyllmError):
+    """A GGUF file is malformed, truncated or uses something pyllm does not support."""
+
+
+class ModelError(PyllmError):
+    """A model's architecture or tensors are unsupported or inconsistent."""
+
+
+class TokenizerError(PyllmError):
+    """The vocabulary in a model file cannot be turned into a tokenizer."""
+
+
+class TemplateError(PyllmError):
+    """A chat template failed to render (or tried something the sandbox forbids)."""
+
+
+class DownloadError(PyllmError):
+    """A registry model could not be fetched or failed its checksum."""
+
+
+class ContextFullError(PyllmError):
+    """The prompt and the reply would not fit in the model's context window."""
