@@ -1,0 +1,244 @@
+"""`pyllm` command line: one argparse parser with subcommands, one error style.
+
+Errors caused by input print one line on stderr (``pyllm: error: ...``) and exit 1; usage errors exit 2 (argparse);
+Ctrl-C exits 130 without a traceback. ``--verbose`` shows tracebacks for debugging.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .. import registry
+from ..errors import PyllmError
+
+EXAMPLES = """examples:
+  pyllm chat                              chat with the default model ({default}), fetched on first use
+  pyllm run smollm2-135m "Once upon a time" -n 64 --temp 0
+  pyllm info qwen2.5-coder-0.5b
+  pyllm list                              registry models and whether they are cached
+  pyllm bench model.gguf -p 512 -n 128
+"""
+
+
+def add_model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    kw = dict(nargs="?", default=registry.DEFAULT_MODEL) if optional else {}
+    p.add_argument("model", help=f"a .gguf file or a registry name ({', '.join(registry.REGISTRY)})", **kw)
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("runtime")
+    g.add_argument("--ctx", "-c", type=int, default=4096, help="context length in tokens (default 4096)")
+    g.add_argument("--kv", default="f16", help="KV cache type: f16 (default), bf16, f32")
+    g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: physical cores)")
+    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    g.add_argument("--backend", default="fast", choices=["fast", "reference"],
+                   help="kernels: fast (default) or reference (float32, for checking accuracy)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=default_n, help=f"tokens to generate (default {default_n})")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="min-p (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="RNG seed (same seed, same text)")
+
+
+def sampling_kwargs(a) -> dict:
+    return dict(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                repeat_penalty=a.repeat_penalty)
+
+
+def load_from_args(a):
+    import pyllm
+
+    return pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=a.kv, n_threads=a.threads,
+                      backend=a.backend, quiet=False)
+
+
+def cmd_run(a) -> int:
+    prompt = a.prompt
+    if prompt is None:
+        if sys.stdin.isatty():
+            raise PyllmError("no prompt: give one as an argument or on standard input")
+        prompt = sys.stdin.read()
+    llm = load_from_args(a)
+    kw = sampling_kwargs(a)
+    if a.chat:
+        ids = llm.chat_ids([{"role": "user", "content": prompt}])
+    else:
+        ids = llm.tokenize(prompt)
+    pieces = []
+    for piece in llm.generate(ids, max_tokens=a.max_tokens, stop=a.stop, stream=True, **kw):
+        pieces.append(piece)
+        if not a.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    st = llm.stats
+    if a.json:
+        print(json.dumps({"text": "".join(pieces), "prompt_tokens": st.prompt_tokens,
+                          "generated_tokens": st.generated_tokens, "finish_reason": st.finish_reason,
+                          "timings": st.as_dict()}))
+    else:
+        sys.stdout.write("\n")
+        if a.verbose:
+            print(f"[{st.prompt_tokens} prompt tokens, {st.prompt_tps:.1f} t/s; {st.generated_tokens} generated, "
+                  f"{st.decode_tps:.1f} t/s; {st.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(a) -> int:
+    from ..gguf import open_gguf
+    from ..info import format_info, model_info
+    from ..models.config import ModelConfig
+
+    path = registry.resolve(a.model, quiet=False)
+    if path.is_dir():
+        raise PyllmError(f"{path}: is a directory, not a model file")
+    with open_gguf(path) as gf:
+        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+        info = model_info(gf, cfg, n_ctx=a.ctx, kv_kind=a.kv)
+    print(json.dumps(info, indent=2) if a.json else format_info(info))
+    return 0
+
+
+def cmd_list(a) -> int:
+    rows = registry.list_models()
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'NAME':<22}{'SIZE':>10}  {'CACHED':<7} DESCRIPTION")
+    for r in rows:
+        print(f"{r['name']:<22}{r['size'] / 2**20:>7.0f} MiB  {'yes' if r['cached'] else 'no':<7} {r['description']}")
+    print(f"cache: {registry.cache_dir() / 'models'}")
+    return 0
+
+
+def cmd_pull(a) -> int:
+    for name in a.names:
+        path = registry.pull(name, force=a.force)
+        print(path)
+    return 0
+
+
+def cmd_chat(a) -> int:
+    from .chat import run_chat
+
+    return run_chat(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pyllm", description="Quantized local LLM inference.",
+        epilog=EXAMPLES.format(default=registry.DEFAULT_MODEL), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="store_true", help="print versions and the extension's build, then exit")
+    p.add_argument("--verbose", "-v", action="store_true", help="timings, memory and tracebacks")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    _add_parser = sub.add_parser
+
+    def add_parser(*args, **kw):
+        sp = _add_parser(*args, **kw)
+        # SUPPRESS keeps a top-level --verbose from being reset by the subcommand's default
+        sp.add_argument("--verbose", "-v", action="store_true", default=argparse.SUPPRESS,
+                        help="timings, memory and tracebacks")
+        return sp
+
+    sub.add_parser = add_parser
+
+    s = sub.add_parser("chat", help="interactive chat (streams tokens)", description="Interactive chat.")
+    add_model_arg(s, optional=True)
+    s.add_argument("--system", default=None, help="system prompt")
+    s.add_argument("--quiet", action="store_true", help="no status line after replies")
+    s.add_argument("--no-color", action="store_true", help="no colors")
+    s.add_argument("--lines", action="store_true", help="piped input: one message per line")
+    add_runtime_args(s)
+    add_sampling_args(s, 512)
+    s.set_defaults(func=cmd_chat)
+
+    s = sub.add_parser("run", help="complete a prompt", description="Print a completion as it is generated.")
+    add_model_arg(s)
+    s.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
+    s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and timings")
+    add_runtime_args(s)
+    add_sampling_args(s, 256)
+    s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("info", help="describe a model file", description="Describe a model file.")
+    add_model_arg(s)
+    s.add_argument("--ctx", "-c", type=int, default=4096, help="context length for the KV cache size (default 4096)")
+    s.add_argument("--kv", default="f16", help="KV cache type for the size (default f16)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_info)
+
+    s = sub.add_parser("list", help="registry models and the cache", description="List registry models.")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_list)
+
+    s = sub.add_parser("pull", help="download registry models", description="Download registry models into the cache.")
+    s.add_argument("names", nargs="+", metavar="NAME", help=", ".join(registry.REGISTRY))
+    s.add_argument("--force", action="store_true", help="download again even if cached")
+    s.set_defaults(func=cmd_pull)
+
+    try:
+        from .bench import add_bench_parser
+
+        add_bench_parser(sub)
+    except ImportError:
+        pass
+    return p
+
+
+def version_text() -> str:
+    import torch
+
+    from .. import __version__
+
+    lines = [f"pyllm {__version__}", f"torch {torch.__version__}"]
+    try:
+        from .. import _ext
+
+        lines.append(f"extension: {_ext.build_info()}")
+    except Exception as e:  # the version banner must work even when the extension cannot build
+        lines.append(f"extension: unavailable ({e})")
+    lines.append(f"cuda usable: {torch.cuda.is_available()}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.version:
+        print(version_text())
+        return 0
+    if not a.command:
+        parser.print_help()
+        return 2
+    a.verbose = getattr(a, "verbose", False)
+    try:
+        return a.func(a)
+    except PyllmError as e:
+        if a.verbose:
+            raise
+        print(f"pyllm: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (e.g. `| head`): not an error worth a traceback
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

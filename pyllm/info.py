@@ -1,0 +1,77 @@
+"""What `pyllm info` prints: a model file described from its header alone (no weights read, no tokenizer built)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .runtime.kv_cache import KVCache
+
+TOKENIZER_KIND = {"gpt2": "byte-level BPE", "llama": "SentencePiece", "bert": "WordPiece"}
+
+
+def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None, kv_kind: str = "f16") -> dict:
+    by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    n_params = 0
+    for t in gf.tensors.values():
+        row = by_type[t.ggml_type.name]
+        row[0] += 1
+        row[1] += t.nbytes
+        n = 1
+        for d in t.shape:
+            n *= d
+        n_params += n
+    md = gf.metadata
+    tok_model = md.get("tokenizer.ggml.model", "?")
+    kv_per_token = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "f16")
+    info = {
+        "file": str(gf.path),
+        "name": md.get("general.name", ""),
+        "architecture": cfg.arch,
+        "parameters": n_params,
+        "file_bytes": gf.path.stat().st_size,
+        "tensor_types": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_type.items())},
+        "context_length": cfg.n_ctx_train,
+        "n_layer": cfg.n_layer,
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "n_kv_head": cfg.n_kv_head,
+        "head_dim": cfg.head_dim,
+        "n_ff": cfg.n_ff,
+        "rope": f"{cfg.rope_style}, base {cfg.rope_base:g}",
+        "vocab_size": cfg.n_vocab,
+        "tokenizer": f"{TOKENIZER_KIND.get(tok_model, tok_model)} ({tok_model}, pre={md.get('tokenizer.ggml.pre', '-')})",
+        "chat_template": "yes" if md.get("tokenizer.chat_template") else "no (plain fallback)",
+        "kv_bytes_per_token_f16": int(kv_per_token),
+    }
+    if n_ctx:
+        info["n_ctx"] = n_ctx
+        info["kv_cache"] = kv_kind
+        info["kv_bytes_total"] = int(KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim,
+                                                             kv_kind if kv_kind in ("f32", "f16", "bf16") else "f16")
+                                     * n_ctx)
+    return info
+
+
+def format_info(info: dict) -> str:
+    def size(b):
+        return f"{b / 2**20:.1f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
+
+    lines = [
+        f"file:            {info['file']} ({size(info['file_bytes'])})",
+        f"name:            {info['name']}",
+        f"architecture:    {info['architecture']}",
+        f"parameters:      {info['parameters'] / 1e6:.1f} M",
+        f"layers:          {info['n_layer']} (embd {info['n_embd']}, ff {info['n_ff']}, heads {info['n_head']}, "
+        f"kv heads {info['n_kv_head']}, head dim {info['head_dim']})",
+        f"rope:            {info['rope']}",
+        f"context length:  {info['context_length']} (trained)",
+        f"vocabulary:      {info['vocab_size']} tokens, {info['tokenizer']}",
+        f"chat template:   {info['chat_template']}",
+        f"KV cache:        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB per token (f16)",
+    ]
+    if "n_ctx" in info:
+        lines.append(f"                 {size(info['kv_bytes_total'])} for n_ctx={info['n_ctx']} ({info['kv_cache']})")
+    lines.append("block types:")
+    for name, row in info["tensor_types"].items():
+        lines.append(f"  {name:<6} {row['tensors']:>5} tensors  {size(row['bytes']):>12}")
+    return "\n".join(lines)

@@ -1,0 +1,235 @@
+"""LLM: the public object. Loads a model file and offers tokenize / logits / generate / chat.
+
+One LLM owns one model, one KV cache and one generation loop; calls are serialized by a lock, so two threads
+sharing it take turns instead of corrupting the cache.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from . import registry
+from .errors import PyllmError
+from .runtime.generator import GenerationStats, Generator
+from .runtime.sampler import Sampler, SamplerSettings
+
+DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class LLM:
+    def __init__(self, path: Path, gguf_file, config, weights: dict, tokenizer, template, model, kv, n_ctx: int,
+                 device: str, backend: str, n_threads: int, load_seconds: float):
+        self.path = path
+        self.gguf = gguf_file
+        self.config = config
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.template = template
+        self.model = model
+        self.kv = kv
+        self.n_ctx = n_ctx
+        self.device = device
+        self.backend = backend
+        self.n_threads = n_threads
+        self.load_seconds = load_seconds
+        self.generator = Generator(model, kv, n_ctx)
+        self._lock = threading.RLock()
+
+    # ---- text <-> ids -------------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: Iterable[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.generator.stats
+
+    @property
+    def n_vocab(self) -> int:
+        return self.config.n_vocab
+
+    def reset(self) -> None:
+        """Forget the cached conversation (the next call prefills from scratch)."""
+        with self._lock:
+            self.generator.reset()
+
+    # ---- evaluation ---------------------------------------------------------------------------------------------
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """float32 [len(ids), n_vocab]: a fresh evaluation from position 0."""
+        ids = self._check_ids(ids)
+        with self._lock:
+            return self.generator.evaluate_all(ids).float()
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < self.config.n_vocab]
+        if bad:
+            raise PyllmError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.n_vocab - 1})")
+        if not ids:
+            raise PyllmError("empty prompt: give at least one token")
+        return ids
+
+    def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+                        top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
+                        sampler: Sampler | None = None, **sampling) -> Iterator[int]:
+        """Iterator of generated ids (an end-of-generation id is yielded, then it stops)."""
+        ids = self._check_ids(ids)
+        if max_tokens < 0:
+            raise PyllmError(f"max_tokens must be >= 0, got {max_tokens}")
+        if sampler is None:
+            sampler = Sampler(SamplerSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                              seed=seed, **sampling))
+        for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
+            sampler.accept(t)
+        with self._lock:
+            yield from self.generator.generate(ids, sampler.sample, max_tokens, self.tokenizer.is_eog)
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        return list(prompt)
+
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, stop: list[str] | None = None,
+                 stream: bool = False, **sampling) -> str | Iterator[str]:
+        """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces."""
+        it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop or [], sampling)
+        return it if stream else "".join(it)
+
+    def _stream_text(self, ids: list[int], max_tokens: int, stop: list[str], sampling: dict) -> Iterator[str]:
+        from .tokenizer import StreamDecoder
+
+        dec = StreamDecoder(self.tokenizer)
+        stop = [s for s in stop if s]
+        hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming in the tail
+        pending = ""
+        gen = self.generate_tokens(ids, max_tokens=max_tokens, **sampling)
+        try:
+            for tok in gen:
+                if self.tokenizer.is_eog(tok):
+                    break
+                pending += dec.push(tok)
+                if stop:
+                    cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
+                    if cut >= 0:
+                        if cut:
+                            yield pending[:cut]
+                        self.generator.stats.finish_reason = "stop"
+                        return
+                    if len(pending) > hold:
+                        yield pending[:len(pending) - hold]
+                        pending = pending[len(pending) - hold:]
+                elif pending:
+                    yield pending
+                    pending = ""
+            pending += dec.flush()
+            if pending:
+                yield pending
+        finally:
+            gen.close()
+
+    # ---- chat ---------------------------------------------------------------------------------------------------
+    def format_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        text = self.format_chat(messages)
+        ids = self.tokenize(text, add_bos=None, special=True)
+        bos = self.tokenizer.bos_id
+        if len(ids) > 1 and bos is not None and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]  # the template wrote BOS and the tokenizer added another
+        return ids
+
+    def chat(self, messages: list[dict], max_tokens: int = 512, stop: list[str] | None = None, stream: bool = False,
+             **sampling) -> str | Iterator[str]:
+        """Reply to ``messages`` ([{"role": ..., "content": ...}]) formatted with the model's chat template."""
+        it = self._stream_text(self.chat_ids(messages), max_tokens, stop or [], sampling)
+        return it if stream else "".join(it)
+
+    # ---- description --------------------------------------------------------------------------------------------
+    def info(self) -> dict:
+        from .info import model_info
+
+        return model_info(self.gguf, self.config, self.tokenizer, self.template, n_ctx=self.n_ctx,
+                          kv_kind=self.kv.kind)
+
+    def close(self) -> None:
+        self.gguf.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
+         kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True) -> LLM:
+    """Load a GGUF file (path) or a registry model (name, fetched on first use).
+
+    backend: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights dequantized by the torch
+    reference code (cached per weight on first use: for tests and accuracy baselines, not for speed).
+    """
+    from . import ops
+    from .linear import linear_functions
+    from .chat_template import ChatTemplate
+    from .gguf import open_gguf
+    from .models import build_model
+    from .models.config import ModelConfig
+    from .quant import qtensor_from_gguf
+    from .runtime.kv_cache import make_kv_cache
+    from .tokenizer import Tokenizer
+
+    t0 = time.perf_counter()
+    if device != "cpu":
+        raise PyllmError(f"device {device!r} is not available in this build (supported: cpu)")
+    if backend not in ("fast", "reference"):
+        raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
+    path = registry.resolve(model, quiet=quiet)
+    if path.is_dir():
+        raise PyllmError(f"{path}: is a directory, not a model file")
+    gf = open_gguf(path)
+    try:
+        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+        n_ctx = int(n_ctx) if n_ctx else cfg.n_ctx_train
+        if n_ctx < 8:
+            raise PyllmError(f"n_ctx must be at least 8, got {n_ctx}")
+        from .runtime.kv_cache import KVCache
+        need = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_cache
+                                       if kv_cache in ("f32", "f16", "bf16") else "f16") * n_ctx
+        avail = _available_memory()
+        if avail is not None and need > 0.9 * avail:
+            raise PyllmError(f"a KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
+                             f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx")
+        weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}
+        tok = Tokenizer.from_gguf(gf.metadata)
+        template = ChatTemplate.from_metadata(gf.metadata, tok)
+        if n_threads:
+            ops.set_num_threads(n_threads)
+            torch.set_num_threads(n_threads)
+        linear, embed = linear_functions(backend)
+        mdl = build_model(cfg, weights, linear, embed, max_pos=n_ctx)
+        kv = make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
+    except BaseException:
+        gf.close()
+        raise
+    return LLM(path, gf, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
+               n_threads or torch.get_num_threads(), time.perf_counter() - t0)

@@ -1,0 +1,22 @@
+"""Architecture name -> decoder class. The llama family shares one decoder; others get a small file each."""
+
+from __future__ import annotations
+
+from ..errors import ModelError
+from .config import ModelConfig
+from .llama import LlamaModel
+
+ARCHITECTURES = {
+    "llama": LlamaModel,
+    "mistral": LlamaModel,
+    "qwen2": LlamaModel,
+    "qwen3": LlamaModel,
+}
+
+
+def build_model(cfg: ModelConfig, weights: dict, linear, embed, max_pos: int):
+    cls = ARCHITECTURES.get(cfg.arch)
+    if cls is None:
+        raise ModelError(f"unsupported architecture {cfg.arch!r} (general.architecture); "
+                         f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    return cls(cfg, weights, linear, embed, max_pos)

@@ -1,0 +1,107 @@
+"""ModelConfig: the numbers a decoder needs, read from GGUF metadata and checked before any tensor is touched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ModelError
+
+# llama.cpp's rope type per architecture: "norm" rotates adjacent pairs (x[2i], x[2i+1]) because the converter
+# permuted the Q/K rows of llama-arch checkpoints; "neox" rotates the two halves (x[i], x[i + d/2]).
+ROPE_STYLE = {
+    "llama": "norm",
+    "mistral": "norm",
+    "granite": "norm",
+    "qwen2": "neox",
+    "qwen3": "neox",
+    "phi3": "neox",
+    "gemma3": "neox",
+}
+
+
+@dataclass
+class ModelConfig:
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_vocab: int
+    n_ctx_train: int
+    rope_base: float = 10000.0
+    rope_dim: int = 0
+    rope_style: str = "norm"
+    rms_eps: float = 1e-5
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tied_output: bool = False
+    sliding_window: int = 0
+    extra: dict = field(default_factory=dict)  # architecture-specific values (gemma3: local rope base, pattern, ...)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_head * self.head_dim
+
+    def kv_bytes_per_token(self, bytes_per_elem: float = 2.0) -> int:
+        """Bytes the KV cache holds per token: 2 (K and V) x layers x kv heads x head_dim x element size."""
+        return int(2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_elem)
+
+    @classmethod
+    def from_metadata(cls, md: dict, tensor_names: set[str], source: str = "model") -> "ModelConfig":
+        arch = md.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelError(f"{source}: metadata has no general.architecture")
+
+        def get(key, default=None, required=False):
+            v = md.get(f"{arch}.{key}", default)
+            if required and v is None:
+                raise ModelError(f"{source}: metadata key {arch}.{key} is missing")
+            return v
+
+        def get_int(key, default=None, required=False, lo=1, hi=1 << 31):
+            v = get(key, default, required)
+            if isinstance(v, list):  # some files store per-layer arrays (e.g. head counts); all equal here
+                if not v or len(set(v)) != 1:
+                    raise ModelError(f"{source}: {arch}.{key} varies per layer ({v[:8]}...), which is not supported")
+                v = v[0]
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ModelError(f"{source}: {arch}.{key} = {v!r} is not an integer in [{lo}, {hi}]")
+            return v
+
+        n_embd = get_int("embedding_length", required=True)
+        n_head = get_int("attention.head_count", required=True)
+        n_kv_head = get_int("attention.head_count_kv", n_head)
+        if n_head % n_kv_head:
+            raise ModelError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_kv_head}")
+        head_dim = get_int("attention.key_length", n_embd // n_head if n_embd % n_head == 0 else None, required=True)
+        tokens = md.get("tokenizer.ggml.tokens")
+        n_vocab = len(tokens) if isinstance(tokens, list) else get_int("vocab_size", required=True)
+        rope_dim = get_int("rope.dimension_count", head_dim)
+        if rope_dim > head_dim or rope_dim % 2:
+            raise ModelError(f"{source}: rope.dimension_count {rope_dim} does not fit head_dim {head_dim}")
+        eps = get("attention.layer_norm_rms_epsilon", 1e-5)
+        base = get("rope.freq_base", 10000.0)
+        if not isinstance(base, (int, float)) or not base > 0:
+            raise ModelError(f"{source}: {arch}.rope.freq_base = {base!r} is not a positive number")
+        cfg = cls(
+            arch=arch,
+            n_layer=get_int("block_count", required=True, hi=4096),
+            n_embd=n_embd,
+            n_ff=get_int("feed_forward_length", required=True),
+            n_head=n_head,
+            n_kv_head=n_kv_head,
+            head_dim=head_dim,
+            n_vocab=n_vocab,
+            n_ctx_train=get_int("context_length", 4096),
+            rope_base=float(base),
+            rope_dim=rope_dim,
+            rope_style=ROPE_STYLE.get(arch, "norm"),
+            rms_eps=float(eps),
+            qkv_bias="blk.0.attn_q.bias" in tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+            tied_output="output.weight" not in tensor_names,
+            sliding_window=get_int("attention.sliding_window", 0, lo=0),
+        )
+        return cfg

@@ -1,0 +1,141 @@
+"""One decoder for the llama family (llama/SmolLM2, mistral, qwen2, qwen3), driven by ModelConfig flags.
+
+Activations are float32 on the CPU. Weights stay quantized (QTensor) and go through ``linear`` on every use, so
+the kernels decide how they are read: the fused dequantize-in-GEMV for decode, dequantize + matmul for prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelError
+from .config import ModelConfig
+
+Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, K] f32, QTensor [N, K]) -> [T, N] f32
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, D] f32; w: [D]. Computed in float32 like llama.cpp's ggml_rms_norm."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def rope_tables(cfg: ModelConfig, n_pos: int, base: float | None = None,
+                freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [n_pos, rope_dim/2] float32. freq_factors (llama3 rope_freqs) divide the frequencies."""
+    base = cfg.rope_base if base is None else base
+    half = cfg.rope_dim // 2
+    inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2.0 / cfg.rope_dim))
+    if freq_factors is not None:
+        inv = inv / freq_factors.double()[:half]
+    ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv[None, :]
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str, rope_dim: int) -> torch.Tensor:
+    """x: [T, H, hd]; cos/sin: [T, rope_dim/2]. Rotates the first rope_dim dims of each head."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    xr = x[..., :rope_dim]
+    if style == "neox":
+        half = rope_dim // 2
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    if rope_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rope_dim:]), dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
+              window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Causal grouped-query attention.
+
+    q: [T, H, hd] for positions start_pos..start_pos+T-1; k, v: [Hkv, S, hd] for positions 0..S-1.
+    window > 0 limits each query to the last ``window`` positions (sliding-window layers). Returns [T, H*hd].
+    """
+    t, h, hd = q.shape
+    s = k.shape[1]
+    qh = q.transpose(0, 1)  # [H, T, hd]
+    mask = None
+    if t > 1 or window:
+        qpos = torch.arange(start_pos, start_pos + t)[:, None]
+        kpos = torch.arange(s)[None, :]
+        mask = kpos <= qpos
+        if window:
+            mask &= kpos > qpos - window
+    if softcap:
+        raise ModelError("attention logit soft-capping is not supported")
+    out = F.scaled_dot_product_attention(qh[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                         enable_gqa=h != k.shape[0])[0]
+    return out.transpose(0, 1).reshape(t, h * v.shape[-1])
+
+
+class LlamaModel:
+    """The llama-family decoder. ``weights`` maps GGUF tensor names to QTensors (still quantized)."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict, linear: Linear, embed: Callable, max_pos: int):
+        self.cfg = cfg
+        self.w = weights
+        self.linear = linear
+        self.embed = embed  # (QTensor, ids [T]) -> [T, D] f32: dequantizes only the rows looked up
+        need = ["token_embd.weight", "output_norm.weight"]
+        for i in range(cfg.n_layer):
+            need += [f"blk.{i}.{n}.weight" for n in
+                     ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                      "ffn_down")]
+        missing = [n for n in need if n not in weights]
+        if missing:
+            raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        self.output = weights.get("output.weight", weights["token_embd.weight"])
+        # Norm weights and biases are tiny: keep them as float32 tensors.
+        self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}
+        ff = weights.get("rope_freqs.weight")
+        self.cos, self.sin = rope_tables(cfg, max_pos, freq_factors=None if ff is None else self.vec["rope_freqs.weight"])
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
+        """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32."""
+        cfg, w, vec, lin = self.cfg, self.w, self.vec, self.linear
+        t = tokens.shape[0]
+        x = self.embed(w["token_embd.weight"], tokens)  # [T, D]
+        cos, sin = self.cos[start_pos:start_pos + t], self.sin[start_pos:start_pos + t]
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            h = rms_norm(x, vec[p + "attn_norm.weight"], cfg.rms_eps)
+            q = lin(h, w[p + "attn_q.weight"])
+            k = lin(h, w[p + "attn_k.weight"])
+            v = lin(h, w[p + "attn_v.weight"])
+            if cfg.qkv_bias:
+                q = q + vec[p + "attn_q.bias"]
+                k = k + vec[p + "attn_k.bias"]
+                v = v + vec[p + "attn_v.bias"]
+            q = q.view(t, cfg.n_head, cfg.head_dim)
+            k = k.view(t, cfg.n_kv_head, cfg.head_dim)
+            v = v.view(t, cfg.n_kv_head, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, vec[p + "attn_q_norm.weight"], cfg.rms_eps)
+                k = rms_norm(k, vec[p + "attn_k_norm.weight"], cfg.rms_eps)
+            q = apply_rope(q, cos, sin, cfg.rope_style, cfg.rope_dim)
+            k = apply_rope(k, cos, sin, cfg.rope_style, cfg.rope_dim)
+            kv.update(i, start_pos, k, v)
+            if start_pos == 0:
+                # A fresh prompt attends to its own keys in float32, not to their rounded cache copies.
+                kk, vv = k.transpose(0, 1), v.transpose(0, 1)
+            else:
+                kk, vv = kv.view(i, start_pos + t)
+            a = attention(q, kk, vv, start_pos, self.scale, cfg.sliding_window)
+            x = x + lin(a, w[p + "attn_output.weight"])
+            h = rms_norm(x, vec[p + "ffn_norm.weight"], cfg.rms_eps)
+            g = lin(h, w[p + "ffn_gate.weight"])
+            u = lin(h, w[p + "ffn_up.weight"])
+            x = x + lin(F.silu(g) * u, w[p + "ffn_down.weight"])
+        if not all_logits:
+            x = x[-1:]
+        x = rms_norm(x, vec["output_norm.weight"], cfg.rms_eps)
+        return lin(x, self.output)

@@ -1,0 +1,129 @@
+"""The generation loop: prefill a prompt (reusing the cached prefix), then decode one token at a time.
+
+``Generator`` owns the KV cache's bookkeeping: ``tokens`` lists exactly the tokens whose keys and values are in
+the cache, in order. It is extended only after a forward pass completes, so an interrupt (Ctrl-C, a closed
+iterator, an exception) between or inside steps leaves the cache consistent and the next call reuses it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..errors import ContextFullError
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0  # tokens in the prompt
+    prompt_evaluated: int = 0  # tokens actually prefilled (the rest came from the cache)
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    decode_seconds: float = 0.0
+    finish_reason: str = ""  # "eog", "length", "context", "stop", "interrupted"
+    ttft: float = 0.0  # seconds from the call to the first generated token
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_evaluated / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first token comes out of prefill, so decode speed counts the steps after it
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds and steps else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, prompt_evaluated=self.prompt_evaluated,
+                    prompt_seconds=self.prompt_seconds, generated_tokens=self.generated_tokens,
+                    decode_seconds=self.decode_seconds, finish_reason=self.finish_reason, ttft=self.ttft,
+                    prompt_tps=self.prompt_tps, decode_tps=self.decode_tps)
+
+
+@dataclass
+class Generator:
+    model: object  # has forward(tokens [T] int64, start_pos, kv, all_logits=False) -> logits
+    kv: object
+    n_ctx: int
+    n_batch: int = 512  # prompt tokens per forward pass: bounds activation memory for long prompts
+    tokens: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def reset(self) -> None:
+        self.tokens = []
+
+    def truncate(self, n: int) -> None:
+        """Forget cached tokens from position n on (their cache slots are simply overwritten later)."""
+        del self.tokens[n:]
+
+    def _forward(self, toks: list[int], all_logits: bool = False) -> torch.Tensor:
+        pos = len(self.tokens)
+        if pos + len(toks) > self.n_ctx:
+            raise ContextFullError(f"context full: {pos} cached + {len(toks)} new tokens exceed n_ctx={self.n_ctx}")
+        with torch.inference_mode():
+            logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
+        self.tokens.extend(toks)
+        return logits
+
+    def common_prefix(self, ids: list[int]) -> int:
+        n = 0
+        for a, b in zip(self.tokens, ids):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def prefill(self, ids: list[int]) -> torch.Tensor:
+        """Brings the cache to exactly ``ids`` and returns the logits [n_vocab] after the last one."""
+        if not ids:
+            raise ValueError("cannot generate from an empty prompt")
+        if len(ids) >= self.n_ctx:
+            raise ContextFullError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
+                                   f"use a larger n_ctx (--ctx) or a shorter prompt")
+        keep = min(self.common_prefix(ids), len(ids) - 1)  # re-evaluate at least one token to get logits
+        self.truncate(keep)
+        logits = None
+        for i in range(keep, len(ids), self.n_batch):
+            logits = self._forward(ids[i:i + self.n_batch])
+        self.stats.prompt_evaluated = len(ids) - keep
+        return logits[-1]
+
+    def evaluate_all(self, ids: list[int]) -> torch.Tensor:
+        """Fresh evaluation from position 0: logits [len(ids), n_vocab] (for tests and perplexity)."""
+        self.reset()
+        out = [self._forward(ids[i:i + self.n_batch], all_logits=True) for i in range(0, len(ids), self.n_batch)]
+        return torch.cat(out)
+
+    def generate(self, ids: list[int], sample: Callable[[torch.Tensor], int], max_tokens: int,
+                 is_eog: Callable[[int], bool]) -> Iterator[int]:
+        """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context."""
+        st = self.stats = GenerationStats(prompt_tokens=len(ids))
+        t0 = time.perf_counter()
+        st.finish_reason = "interrupted"
+        logits = self.prefill(ids)
+        st.prompt_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        for n in range(max_tokens):
+            tok = sample(logits)
+            st.generated_tokens += 1
+            if n == 0:
+                st.ttft = time.perf_counter() - t0
+                t1 = time.perf_counter()
+            yield tok
+            if is_eog(tok):
+                st.finish_reason = "eog"
+                break
+            if n + 1 == max_tokens:
+                st.finish_reason = "length"
+                break
+            if len(self.tokens) + 1 > self.n_ctx:
+                st.finish_reason = "context"
+                break
+            logits = self._forward([tok])[-1]
+            st.decode_seconds = time.perf_counter() - t1
+        else:
+            st.finish_reason = "length"
+        st.decode_seconds = time.perf_counter() - t1

@@ -1,0 +1,174 @@
+"""The sampler: a fixed chain of small, pure steps over (candidate ids, logits), then a seeded draw.
+
+Order (as llama.cpp's default chain): logit bias -> repetition/frequency/presence penalties over the last
+``penalty_last_n`` tokens -> top-k -> typical-p -> top-p -> min-p -> temperature -> draw. Greedy when temperature
+is 0. The RNG lives in the sampler, so the same seed replays the same draws.
+
+Each step takes and returns ``(ids, logits)``: int64 ids of the surviving candidates and their float64 logits,
+sorted by descending logit once top-k (or the first step that needs order) has run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import PyllmError
+
+
+def apply_logit_bias(ids, logits, bias: dict[int, float]):
+    if bias:
+        logits = logits.copy()
+        pos = {int(t): j for j, t in enumerate(ids)} if len(ids) != len(logits) else None
+        for tok, b in bias.items():
+            j = tok if pos is None else pos.get(tok)
+            if j is not None and 0 <= j < len(logits):
+                logits[j] += b
+    return ids, logits
+
+
+def apply_penalties(ids, logits, recent: list[int], repeat: float, frequency: float, presence: float):
+    """llama.cpp semantics: repeat divides positive logits and multiplies negative ones; frequency and presence
+    subtract count*frequency + presence for tokens that occurred in the window."""
+    if not recent or (repeat == 1.0 and frequency == 0.0 and presence == 0.0):
+        return ids, logits
+    logits = logits.copy()
+    toks, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+    idx = np.searchsorted(ids, toks) if len(ids) != len(logits) else toks
+    ok = (idx < len(ids)) & (ids[np.minimum(idx, len(ids) - 1)] == toks)
+    idx, counts = idx[ok], counts[ok]
+    l = logits[idx]
+    l = np.where(l > 0, l / repeat, l * repeat)
+    l -= counts * frequency + presence
+    logits[idx] = l
+    return ids, logits
+
+
+def sort_desc(ids, logits):
+    order = np.argsort(-logits, kind="stable")
+    return ids[order], logits[order]
+
+
+def top_k(ids, logits, k: int):
+    """Keeps the k largest (k <= 0 keeps all). Output sorted by descending logit."""
+    if 0 < k < len(logits):
+        part = np.argpartition(-logits, k - 1)[:k]
+        ids, logits = ids[part], logits[part]
+    return sort_desc(ids, logits)
+
+
+def softmax(logits):
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+def typical_p(ids, logits, p: float, min_keep: int = 1):
+    """Locally typical sampling: keep tokens whose surprise is closest to the entropy, up to mass p."""
+    if p >= 1.0 or len(logits) <= min_keep:
+        return ids, logits
+    probs = softmax(logits)
+    ent = -(probs * np.log(probs + 1e-30)).sum()
+    shift = np.abs(-np.log(probs + 1e-30) - ent)
+    order = np.argsort(shift, kind="stable")
+    cum = np.cumsum(probs[order])
+    # llama.cpp stops at the first token whose cumulative mass exceeds p (strictly), top-p at >= p
+    keep = max(min_keep, int(np.searchsorted(cum, p, side="right") + 1))
+    sel = np.sort(order[:keep])  # back to descending-logit order (inputs were sorted)
+    return ids[sel], logits[sel]
+
+
+def top_p(ids, logits, p: float, min_keep: int = 1):
+    """Smallest prefix (by descending probability) whose mass reaches p. Inputs sorted descending."""
+    if p >= 1.0 or len(logits) <= min_keep:
+        return ids, logits
+    cum = np.cumsum(softmax(logits))
+    keep = max(min_keep, int(np.searchsorted(cum, p) + 1))
+    return ids[:keep], logits[:keep]
+
+
+def min_p(ids, logits, p: float, min_keep: int = 1):
+    """Drops tokens whose probability is below p times the top token's (logit < max + log p)."""
+    if p <= 0.0 or len(logits) <= min_keep:
+        return ids, logits
+    keep = logits >= logits.max() + math.log(p)
+    if keep.sum() < min_keep:
+        return ids[:min_keep], logits[:min_keep]
+    return ids[keep], logits[keep]
+
+
+@dataclass
+class SamplerSettings:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
+    logit_bias: dict = field(default_factory=dict)
+    seed: int | None = None
+
+    def validate(self) -> None:
+        checks = [
+            ("temperature", self.temperature >= 0 and math.isfinite(self.temperature), ">= 0"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p < 1.0, "in [0, 1)"),
+            ("typical_p", 0.0 < self.typical_p <= 1.0, "in (0, 1]"),
+            ("repeat_penalty", self.repeat_penalty > 0, "> 0"),
+            ("penalty_last_n", self.penalty_last_n >= 0, ">= 0"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise PyllmError(f"sampler setting {name}={getattr(self, name)!r} must be {want}")
+
+
+class Sampler:
+    """Turns a logits vector into a token id. Keeps the RNG and the recent-token window for penalties."""
+
+    def __init__(self, settings: SamplerSettings | None = None, **kw):
+        self.s = settings or SamplerSettings(**kw)
+        self.s.validate()
+        self.rng = np.random.Generator(np.random.PCG64(self.s.seed))
+        self.recent: deque[int] = deque(maxlen=max(self.s.penalty_last_n, 1))
+
+    def accept(self, token: int) -> None:
+        """Records a token of the context (prompt or generated) for the penalty window."""
+        if self.s.penalty_last_n:
+            self.recent.append(int(token))
+
+    def candidates(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """Runs every step before the draw: surviving ids and their final (temperature-scaled) logits."""
+        s = self.s
+        lg = logits.detach().to(torch.float64).cpu().numpy().reshape(-1)
+        ids = np.arange(lg.shape[0], dtype=np.int64)
+        ids, lg = apply_logit_bias(ids, lg, s.logit_bias)
+        ids, lg = apply_penalties(ids, lg, list(self.recent), s.repeat_penalty, s.frequency_penalty,
+                                  s.presence_penalty)
+        if s.temperature == 0:
+            j = int(np.argmax(lg))
+            return ids[j:j + 1], lg[j:j + 1]
+        ids, lg = top_k(ids, lg, s.top_k)
+        ids, lg = typical_p(ids, lg, s.typical_p)
+        ids, lg = top_p(ids, lg, s.top_p)
+        ids, lg = min_p(ids, lg, s.min_p)
+        return ids, lg / s.temperature
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """logits: [n_vocab] float. Returns the chosen id and records it for the penalty window."""
+        ids, lg = self.candidates(logits)
+        if len(ids) == 1:
+            tok = int(ids[0])
+        else:
+            probs = softmax(lg)
+            cum = np.cumsum(probs)
+            u = self.rng.random() * cum[-1]
+            tok = int(ids[min(int(np.searchsorted(cum, u, side="right")), len(ids) - 1)])
+        self.accept(tok)
+        return tok

@@ -1,0 +1,104 @@
+"""Sampler steps against hand-computed cases; seed determinism; the draw's distribution.
+
+Reference: the numbers below are worked out by hand from the definitions in llama.cpp's sampler chain.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pyllm.errors import PyllmError
+from pyllm.runtime import sampler as S
+
+
+def arr(*x):
+    return np.array(x, dtype=np.float64)
+
+
+def test_top_k_keeps_k_largest_sorted():
+    ids, lg = S.top_k(np.arange(5), arr(1, 5, 3, 4, 2), 3)
+    assert ids.tolist() == [1, 3, 2] and lg.tolist() == [5, 4, 3]
+    ids, lg = S.top_k(np.arange(3), arr(1, 3, 2), 0)  # 0 = off, still sorted
+    assert ids.tolist() == [1, 2, 0]
+
+
+def test_top_p_smallest_prefix_reaching_p():
+    # probabilities 0.5, 0.3, 0.2 (logits are their logs): p=0.75 needs the first two
+    lg = np.log(arr(0.5, 0.3, 0.2))
+    ids, _ = S.top_p(np.arange(3), lg, 0.75)
+    assert ids.tolist() == [0, 1]
+    ids, _ = S.top_p(np.arange(3), lg, 0.45)
+    assert ids.tolist() == [0]
+    ids, _ = S.top_p(np.arange(3), lg, 1.0)
+    assert ids.tolist() == [0, 1, 2]
+
+
+def test_min_p_relative_to_top():
+    lg = np.log(arr(0.5, 0.3, 0.04, 0.16))
+    ids, _ = S.min_p(np.arange(4), lg, 0.1)  # threshold 0.05: drops 0.04
+    assert sorted(ids.tolist()) == [0, 1, 3]
+
+
+def test_typical_p_keeps_tokens_nearest_entropy():
+    p = arr(0.4, 0.3, 0.2, 0.1)
+    ids, lg = S.top_k(np.arange(4), np.log(p), 0)
+    ent = -(p * np.log(p)).sum()  # 1.2799
+    # |surprise - entropy|: 0.363, 0.076, 0.330, 1.023 -> order 1, 2, 0, 3; mass 0.3, 0.5, 0.9
+    kept, _ = S.typical_p(ids, lg, 0.45)
+    assert sorted(kept.tolist()) == [1, 2]
+    kept, _ = S.typical_p(ids, lg, 0.6)
+    assert sorted(kept.tolist()) == [0, 1, 2]
+    assert math.isclose(ent, 1.2798542258336676)
+
+
+def test_penalties_llama_cpp_semantics():
+    ids = np.arange(4)
+    lg = arr(2.0, -2.0, 1.0, 0.5)
+    _, out = S.apply_penalties(ids, lg, [0, 1, 0], repeat=2.0, frequency=0.1, presence=0.5)
+    # token 0 (count 2): 2/2 - 0.2 - 0.5 = 0.3; token 1 (count 1): -2*2 - 0.1 - 0.5 = -4.6; others unchanged
+    assert np.allclose(out, [0.3, -4.6, 1.0, 0.5])
+
+
+def test_logit_bias():
+    _, out = S.apply_logit_bias(np.arange(3), arr(0, 0, 0), {2: -math.inf, 0: 1.5})
+    assert out[0] == 1.5 and out[2] == -math.inf
+
+
+def test_greedy_is_argmax_and_ignores_seed():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    for seed in (1, 2, 3):
+        assert S.Sampler(temperature=0, seed=seed).sample(logits) == 1
+
+
+def test_same_seed_same_draws_and_distribution():
+    logits = torch.randn(1000)
+    a = S.Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    b = S.Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=42)
+    da = [a.sample(logits) for _ in range(50)]
+    db = [b.sample(logits) for _ in range(50)]
+    assert da == db
+    c = S.Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=43)
+    assert [c.sample(logits) for _ in range(50)] != da
+
+
+def test_draw_matches_softmax_frequencies():
+    logits = torch.tensor([0.0, math.log(3.0), math.log(6.0)])  # p = 0.1, 0.3, 0.6
+    s = S.Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+    counts = np.bincount([s.sample(logits) for _ in range(20000)], minlength=3) / 20000
+    assert np.allclose(counts, [0.1, 0.3, 0.6], atol=0.015)
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([0.0, 1.0])
+    s = S.Sampler(temperature=0.25, top_k=0, top_p=1.0, min_p=0.0, seed=0)
+    freq1 = np.mean([s.sample(logits) for _ in range(4000)])
+    assert abs(freq1 - 1 / (1 + math.exp(-4))) < 0.02  # p(1) = sigmoid(1 / 0.25)
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_p=0), dict(min_p=1.0), dict(top_k=-2),
+                                 dict(repeat_penalty=0)])
+def test_bad_settings_raise(bad):
+    with pytest.raises(PyllmError):
+        S.Sampler(**bad)
