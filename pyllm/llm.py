@@ -192,7 +192,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     from .linear import linear_functions
     from .chat_template import ChatTemplate
     from .gguf import open_gguf
-    from .models import build_model
+    from .models import build_model, model_class
     from .models.config import ModelConfig
     from .quant import qtensor_from_gguf
     from .runtime.kv_cache import make_kv_cache
@@ -209,6 +209,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     gf = open_gguf(path)
     try:
         cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+        model_class(cfg)  # an unsupported architecture fails before any other work
         n_ctx = int(n_ctx) if n_ctx else cfg.n_ctx_train
         if n_ctx < 8:
             raise PyllmError(f"n_ctx must be at least 8, got {n_ctx}")

@@ -14,9 +14,13 @@ ARCHITECTURES = {
 }
 
 
-def build_model(cfg: ModelConfig, weights: dict, linear, embed, max_pos: int):
+def model_class(cfg: ModelConfig):
     cls = ARCHITECTURES.get(cfg.arch)
     if cls is None:
         raise ModelError(f"unsupported architecture {cfg.arch!r} (general.architecture); "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
-    return cls(cfg, weights, linear, embed, max_pos)
+    return cls
+
+
+def build_model(cfg: ModelConfig, weights: dict, linear, embed, max_pos: int):
+    return model_class(cfg)(cfg, weights, linear, embed, max_pos)

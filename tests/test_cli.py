@@ -1,0 +1,147 @@
+"""The CLI as a user meets it: subprocesses, exit codes, one-line errors without tracebacks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+
+def pyllm(*args, stdin=None, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "pyllm", *args], input=stdin, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def assert_clean_error(res, *needles):
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert "Traceback" not in err, err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pyllm: error:"), err
+    for n in needles:
+        assert n.lower() in err.lower(), (n, err)
+
+
+def write_tiny_gguf(path, arch="llama", qtype=gguf.GGMLQuantizationType.F32):
+    """A 1-layer model file with random weights (no tokenizer); enough to reach each loading check."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(4)
+    w.add_head_count_kv(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    rng = np.random.default_rng(0)
+    w.add_tensor("token_embd.weight", rng.standard_normal((100, 32), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight", rng.standard_normal((32, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_run_greedy(smollm2_path):
+    res = pyllm("run", smollm2_path, "The capital of France is", "-n", "8", "--temp", "0")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+
+
+def test_run_json_and_stdin(smollm2_path):
+    res = pyllm("run", smollm2_path, "-n", "4", "--temp", "0", "--json", stdin="Hello")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["generated_tokens"] <= 4 and isinstance(out["text"], str)
+
+
+def test_info(smollm2_path, qwen2_path):
+    res = pyllm("info", smollm2_path)
+    assert res.returncode == 0, res.stderr
+    for needle in ("llama", "Q4_1", "Q8_0", "F32", "49152", "8192", "KV cache", "chat template"):
+        assert needle in res.stdout, needle
+    res = pyllm("info", qwen2_path, "--json")
+    info = json.loads(res.stdout)
+    assert info["architecture"] == "qwen2"
+    assert set(info["tensor_types"]) == {"F32", "Q4_K", "Q5_0", "Q6_K", "Q8_0"}
+    assert 4.5e8 < info["parameters"] < 5.5e8
+    # 24 layers x 2 kv heads x 64 dims x 2 (K, V) x 2 bytes
+    assert info["kv_bytes_per_token_f16"] == 24 * 2 * 64 * 2 * 2
+
+
+def test_list(smollm2_path):
+    res = pyllm("list")
+    assert res.returncode == 0
+    assert "smollm2-135m" in res.stdout and "qwen2.5-coder-0.5b" in res.stdout
+
+
+def test_chat_piped(smollm2_path):
+    res = pyllm("chat", smollm2_path, "-n", "16", "--temp", "0", stdin="What is the capital of France?")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+
+
+def test_missing_file():
+    assert_clean_error(pyllm("run", "/nonexistent/model.gguf", "hi"), "/nonexistent/model.gguf")
+
+
+def test_unknown_registry_name():
+    assert_clean_error(pyllm("run", "no-such-model", "hi"), "no-such-model")
+
+
+def test_directory(tmp_path):
+    assert_clean_error(pyllm("run", str(tmp_path), "hi"), "directory")
+
+
+def test_not_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("hello, I am not a model\n" * 10)
+    assert_clean_error(pyllm("run", str(p), "hi"), "GGUF")
+
+
+def test_truncated_header(tmp_path, smollm2_path):
+    p = tmp_path / "trunc_header.gguf"
+    with open(smollm2_path, "rb") as f:
+        p.write_bytes(f.read(4096))  # inside the metadata (the token list)
+    assert_clean_error(pyllm("run", str(p), "hi"), "trunc")
+
+
+def test_truncated_data(tmp_path):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf")
+    data = src.read_bytes()
+    p = tmp_path / "trunc_data.gguf"
+    p.write_bytes(data[:-1000])
+    assert_clean_error(pyllm("run", str(p), "hi"), "trunc")
+
+
+def test_unknown_architecture(tmp_path):
+    p = write_tiny_gguf(tmp_path / "arch.gguf", arch="frobnicator")
+    assert_clean_error(pyllm("run", str(p), "hi"), "frobnicator")
+
+
+def test_unknown_block_type(tmp_path):
+    src = write_tiny_gguf(tmp_path / "tiny.gguf")
+    data = bytearray(src.read_bytes())
+    # the tensor info of token_embd: name, n_dims=2, dims (32, 100), then the u32 type id (F32 = 0)
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name) + 4 + 16
+    assert int.from_bytes(data[at:at + 4], "little") == 0
+    data[at:at + 4] = (77).to_bytes(4, "little")
+    p = tmp_path / "badtype.gguf"
+    p.write_bytes(bytes(data))
+    assert_clean_error(pyllm("run", str(p), "hi"), "77")
+
+
+def test_bad_flag_value_is_usage_error(smollm2_path):
+    res = pyllm("run", smollm2_path, "hi", "-n", "many")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+
+
+def test_version():
+    res = pyllm("--version")
+    assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout
