@@ -28,10 +28,13 @@ def reference_functions() -> tuple[Callable, Callable]:
     return linear, embed
 
 
-def linear_functions(backend: str) -> tuple[Callable, Callable]:
+def linear_functions(backend: str, n_threads: int | None = None) -> tuple[Callable, Callable]:
     """(linear(x [T,K] f32, w QTensor [N,K]) -> [T,N] f32, embed(w, ids [T]) -> [T,K] f32) for a backend."""
     if backend == "reference":
         return reference_functions()
     from . import ops
+
+    if n_threads:
+        ops.set_num_threads(n_threads)
 
     return ops.qmatmul, ops.embedding

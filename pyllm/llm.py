@@ -188,7 +188,6 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     backend: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights dequantized by the torch
     reference code (cached per weight on first use: for tests and accuracy baselines, not for speed).
     """
-    from . import ops
     from .linear import linear_functions
     from .chat_template import ChatTemplate
     from .gguf import open_gguf
@@ -224,9 +223,8 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         tok = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_metadata(gf.metadata, tok)
         if n_threads:
-            ops.set_num_threads(n_threads)
             torch.set_num_threads(n_threads)
-        linear, embed = linear_functions(backend)
+        linear, embed = linear_functions(backend, n_threads)
         mdl = build_model(cfg, weights, linear, embed, max_pos=n_ctx)
         kv = make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
     except BaseException:

@@ -1,0 +1,213 @@
+"""`pyllm bench`: prompt processing (pp) and token generation (tg) speed, in the spirit of llama-bench.
+
+Only model evaluation is timed (no tokenization, no sampling): pp evaluates N prompt tokens in one batch from an
+empty cache; tg evaluates N tokens one at a time from an empty cache. Each row reports mean ± std over -r runs
+after one warm-up, plus where it stands on the roofline: tg's GB/s (weight bytes + KV bytes read per token x tok/s)
+against measured read bandwidth, pp's GFLOP/s against the measured matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from ..errors import PyllmError
+
+
+def add_bench_parser(sub) -> None:
+    s = sub.add_parser(
+        "bench", help="measure pp/tg tok/s against the roofline",
+        description="Measure prompt processing and token generation speed (llama-bench style).",
+        epilog="examples:\n  pyllm bench smollm2-135m\n  pyllm bench model.gguf -p 512 -n 128 -r 5 -o json\n"
+               "  pyllm bench --synthetic llama3-8b:q4_k_m -r 2\n  pyllm bench --probe",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("models", nargs="*", help="GGUF files or registry names")
+    s.add_argument("--synthetic", action="append", default=[], metavar="SHAPE:TYPE",
+                   help="a random-weight model built in memory, e.g. llama3-8b:q4_k_m, llama3-1b:q4_0, "
+                        "qwen2.5-7b:q4_k_m (repeatable)")
+    s.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (0 = skip; default 512)")
+    s.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (0 = skip; default 128)")
+    s.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default 5)")
+    s.add_argument("-t", "--threads", type=int, default=None, help="threads (default: physical cores)")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--kv", default="f16", help="KV cache type (default f16)")
+    s.add_argument("--backend", default="fast", choices=["fast", "reference"])
+    s.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
+    s.add_argument("--probe", action="store_true", help="(re)measure this machine's bandwidth and FLOP rate first")
+    s.set_defaults(func=cmd_bench)
+
+
+class Subject:
+    """What a bench row measures: a model, its KV cache and a generator, loaded from a file or synthesized."""
+
+    def __init__(self, name, cfg, weights, model, kv, generator, size_bytes):
+        self.name, self.cfg, self.weights, self.model = name, cfg, weights, model
+        self.kv, self.gen, self.size_bytes = kv, generator, size_bytes
+
+    @property
+    def n_params(self) -> int:
+        n = 0
+        for w in self.weights.values():
+            m = 1
+            for d in w.shape:
+                m *= d
+            n += m
+        return n
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes a decode step reads: every weight once, except the embedding table (one row), unless tied."""
+        total = 0
+        for name, w in self.weights.items():
+            if name == "token_embd.weight" and not self.cfg.tied_output:
+                total += w.nbytes // w.shape[0]
+            else:
+                total += w.nbytes
+        return total
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in matmuls per token (all but the embedding lookup)."""
+        n = 0
+        for name, w in self.weights.items():
+            if len(w.shape) == 2 and (name != "token_embd.weight" or self.cfg.tied_output):
+                n += w.shape[0] * w.shape[1]
+        return n
+
+
+def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
+    from ..linear import linear_functions
+    from ..models import build_model
+    from ..runtime.generator import Generator
+    from ..runtime.kv_cache import make_kv_cache
+
+    n_ctx = max(a.n_prompt, a.n_gen) + 16
+    if synthetic:
+        from ..models.synthetic import synthetic_model
+
+        cfg, weights = synthetic_model(synthetic)
+        linear, embed = linear_functions(a.backend)
+        mdl = build_model(cfg, weights, linear, embed, max_pos=n_ctx)
+        kv = make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
+        size = sum(w.nbytes for w in weights.values())
+        return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size)
+    import pyllm
+
+    llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, backend=a.backend,
+                     quiet=False)
+    return Subject(llm.path.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator,
+                   llm.path.stat().st_size)
+
+
+def time_pp(s: Subject, n: int) -> float:
+    toks = torch.randint(0, s.cfg.n_vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    s.gen.reset()
+    s.gen.n_batch = n  # one batch, as llama-bench's pp test
+    t = time.perf_counter()
+    s.gen._forward(toks)
+    return time.perf_counter() - t
+
+
+def time_tg(s: Subject, n: int) -> float:
+    s.gen.reset()
+    t = time.perf_counter()
+    for _ in range(n):
+        s.gen._forward([1])
+    return time.perf_counter() - t
+
+
+def run_tests(s: Subject, a, roof: dict) -> list[dict]:
+    rows = []
+    cfg = s.cfg
+    kv_elem = s.kv.nbytes / (s.kv.max_seq * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 2)
+    for test, n in (("pp", a.n_prompt), ("tg", a.n_gen)):
+        if n <= 0:
+            continue
+        fn = time_pp if test == "pp" else time_tg
+        fn(s, n)  # warm-up: page faults, first-use allocations, extension load
+        samples = [n / fn(s, n) for _ in range(a.repetitions)]
+        mean = statistics.fmean(samples)
+        std = statistics.stdev(samples) if len(samples) > 1 else 0.0
+        row = dict(model_filename=s.name, model_type=f"{cfg.arch} {s.n_params / 1e6:.0f}M",
+                   model_size=s.size_bytes, model_n_params=s.n_params, backends=a.device, n_threads=a.threads,
+                   n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, test=f"{test}{n}",
+                   avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.backend)
+        if test == "tg":
+            # the cache grows from 0 to n positions: on average n/2 positions of K and V are read per step
+            kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * kv_elem * (n / 2)
+            per_tok = s.weight_bytes_per_token() + kv_bytes
+            row["bytes_per_token"] = int(per_tok)
+            row["gbs"] = per_tok * mean / 1e9
+            row["bw_share"] = row["gbs"] / roof["read_gbs"] if roof else None
+        else:
+            attn = 2 * 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * n / 2  # QK^T and PV over n/2 keys on average
+            flops_tok = 2 * s.matmul_params() + attn
+            row["gflops"] = flops_tok * mean / 1e9
+            row["flops_share"] = row["gflops"] / roof["matmul_gflops"] if roof else None
+        rows.append(row)
+    return rows
+
+
+def format_md(rows: list[dict], roof: dict) -> str:
+    out = io.StringIO()
+    if roof:
+        out.write(f"roofline ({roof['cpu']}, {roof['threads']} threads): read {roof['read_gbs']:.1f} GB/s "
+                  f"(1 thread {roof['read_gbs_1t']:.1f}), f32 matmul {roof['matmul_gflops']:.0f} GFLOP/s\n\n")
+    out.write("| model | size | params | backend | threads | test | t/s | roofline |\n")
+    out.write("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |\n")
+    for r in rows:
+        if "gbs" in r:
+            share = f"{r['gbs']:.1f} GB/s" + (f" ({100 * r['bw_share']:.0f}% of BW)" if r.get("bw_share") else "")
+        else:
+            share = f"{r['gflops']:.0f} GFLOP/s" + (f" ({100 * r['flops_share']:.0f}% of peak)"
+                                                    if r.get("flops_share") else "")
+        out.write(f"| {r['model_filename']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e6:.0f} M "
+                  f"| {r['backends']} ({r['pyllm_backend']}, kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
+                  f"| {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {share} |\n")
+    return out.getvalue()
+
+
+def cmd_bench(a) -> int:
+    from ..roofline import physical_cores, probe
+
+    if a.repetitions < 1:
+        raise PyllmError(f"--repetitions must be >= 1, got {a.repetitions}")
+    if a.n_prompt < 0 or a.n_gen < 0:
+        raise PyllmError("-p and -n must be >= 0")
+    a.threads = a.threads or physical_cores()
+    torch.set_num_threads(a.threads)
+    if a.backend == "fast":
+        from .. import ops
+
+        ops.set_num_threads(a.threads)
+    roof = probe(a.threads, force=a.probe) if a.device == "cpu" else {}
+    if not a.models and not a.synthetic:
+        if a.probe:
+            print(json.dumps(roof, indent=2))
+            return 0
+        raise PyllmError("give at least one model (or --synthetic SHAPE:TYPE, or --probe)")
+    rows = []
+    subjects = [(m, None) for m in a.models] + [(None, s) for s in a.synthetic]
+    for model, synth in subjects:
+        s = load_subject(model, synth, a)
+        with torch.inference_mode():
+            rows += run_tests(s, a, roof)
+        if a.output == "md":
+            sys.stderr.write(f"pyllm: measured {s.name}\n")
+    if a.output == "json":
+        print(json.dumps(rows, indent=2))
+    elif a.output == "csv":
+        buf = io.StringIO()
+        keys = [k for k in rows[0] if k != "samples_ts"] if rows else []
+        w = csv.DictWriter(buf, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+        print(buf.getvalue(), end="")
+    else:
+        print(format_md(rows, roof), end="")
+    return 0

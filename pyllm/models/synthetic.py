@@ -1,0 +1,121 @@
+"""Models of real shapes with random weights, built in memory (no file): for speed work on any machine.
+
+Speed does not depend on weight values, but it does depend on every byte being real memory: the blocks are
+filled with random bytes (tiled from one random buffer, so building an 8B model takes seconds) and every fp16
+scale is set to a small finite value, so no kernel meets NaNs or untouched zero pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import PyllmError
+from ..gguf import BLOCK_INFO, GGMLType
+from ..quant import QTensor
+from .config import ModelConfig
+
+SHAPES = {
+    # name: (n_layer, n_embd, n_ff, n_head, n_kv_head, head_dim, n_vocab, rope_base, arch, tied)
+    "llama3-8b": (32, 4096, 14336, 32, 8, 128, 128256, 500000.0, "llama", False),
+    "llama3-1b": (16, 2048, 8192, 32, 8, 64, 128256, 500000.0, "llama", True),
+    "qwen2.5-7b": (28, 3584, 18944, 28, 4, 128, 152064, 1000000.0, "qwen2", False),
+    "smollm2-135m": (30, 576, 1536, 9, 3, 64, 49152, 100000.0, "llama", True),
+}
+
+# Byte offsets of the fp16 scale fields inside one block, per type.
+_SCALE_OFFSETS = {
+    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2), GGMLType.Q8_0: (0,),
+    GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (208,),
+}
+
+# Block type of each tensor role per file type, as llama.cpp's quantizer picks them (Q4_K_M: Q6_K for the output,
+# and for attn_v / ffn_down of the "use_more_bits" layers).
+FTYPES = {
+    "q4_k_m": dict(default=GGMLType.Q4_K, output=GGMLType.Q6_K, embd=GGMLType.Q4_K, more=GGMLType.Q6_K),
+    "q4_0": dict(default=GGMLType.Q4_0, output=GGMLType.Q6_K, embd=GGMLType.Q4_0, more=GGMLType.Q4_0),
+    "q8_0": dict(default=GGMLType.Q8_0, output=GGMLType.Q8_0, embd=GGMLType.Q8_0, more=GGMLType.Q8_0),
+    "q6_k": dict(default=GGMLType.Q6_K, output=GGMLType.Q6_K, embd=GGMLType.Q6_K, more=GGMLType.Q6_K),
+    "f16": dict(default=GGMLType.F16, output=GGMLType.F16, embd=GGMLType.F16, more=GGMLType.F16),
+}
+
+_POOL: dict[int, torch.Tensor] = {}
+
+
+def random_qtensor(qtype: GGMLType, n: int, k: int, name: str = "w", seed: int = 0) -> QTensor:
+    """A QTensor [n, k] of ``qtype`` with random quants and finite scales."""
+    bs, ts = BLOCK_INFO[qtype]
+    if k % bs:
+        raise PyllmError(f"{name}: K={k} is not a multiple of the {qtype.name} block size {bs}")
+    row_bytes = k // bs * ts
+    total = n * row_bytes
+    pool = _POOL.get(seed)
+    if pool is None:
+        g = torch.Generator().manual_seed(seed)
+        pool = _POOL[seed] = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, generator=g)
+    data = torch.empty(total, dtype=torch.uint8)
+    for i in range(0, total, pool.numel()):
+        m = min(pool.numel(), total - i)
+        data[i:i + m] = pool[:m]
+    data = data.view(n, row_bytes)
+    if qtype in (GGMLType.F16, GGMLType.BF16):
+        vals = (torch.rand(n, k) - 0.5) * 0.1
+        data = vals.to(torch.float16 if qtype == GGMLType.F16 else torch.bfloat16).view(torch.uint8).view(n, -1)
+    elif qtype == GGMLType.F32:
+        data = ((torch.rand(n, k) - 0.5) * 0.1).view(torch.uint8).view(n, -1)
+    else:
+        blocks = data.view(-1, ts)
+        scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+        for off in _SCALE_OFFSETS[qtype]:
+            blocks[:, off:off + 2] = scale
+    shape = (n, k)
+    return QTensor(qtype, shape, data.contiguous(), name=name)
+
+
+def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
+    """spec 'SHAPE:FTYPE' (e.g. 'llama3-8b:q4_k_m') -> (ModelConfig, weights dict of QTensors)."""
+    shape, _, ftype = spec.partition(":")
+    ftype = ftype or "q4_k_m"
+    if shape not in SHAPES:
+        raise PyllmError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+    if ftype not in FTYPES:
+        raise PyllmError(f"unknown synthetic file type {ftype!r}; known: {', '.join(FTYPES)}")
+    L, D, FF, H, HKV, HD, V, base, arch, tied = SHAPES[shape]
+    ft = FTYPES[ftype]
+    cfg = ModelConfig(arch=arch, n_layer=L, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD, n_vocab=V,
+                      n_ctx_train=8192, rope_base=base, rope_dim=HD, rope_style="neox" if arch == "qwen2" else "norm",
+                      rms_eps=1e-5, qkv_bias=arch == "qwen2", tied_output=tied)
+
+    def pick(t: GGMLType, k: int) -> GGMLType:
+        # K-quants need rows that are multiples of 256; llama.cpp falls back to a 32-block type there
+        if BLOCK_INFO[t][0] == 256 and k % 256:
+            return GGMLType.Q5_0 if t != GGMLType.Q6_K else GGMLType.Q8_0
+        return t
+
+    def vec(n):
+        return QTensor(GGMLType.F32, (n,), torch.ones(n).view(torch.uint8), name="norm")
+
+    w: dict[str, QTensor] = {}
+    w["token_embd.weight"] = random_qtensor(pick(ft["embd"], D), V, D, "token_embd.weight")
+    if not tied:
+        w["output.weight"] = random_qtensor(pick(ft["output"], D), V, D, "output.weight")
+    w["output_norm.weight"] = vec(D)
+    for i in range(L):
+        p = f"blk.{i}."
+        more = i < L // 8 or i >= 7 * L // 8 or (i - L // 8) % 3 == 2  # llama.cpp's use_more_bits
+        w[p + "attn_norm.weight"] = vec(D)
+        w[p + "ffn_norm.weight"] = vec(D)
+        w[p + "attn_q.weight"] = random_qtensor(pick(ft["default"], D), H * HD, D, p + "attn_q.weight", seed=1)
+        w[p + "attn_k.weight"] = random_qtensor(pick(ft["default"], D), HKV * HD, D, p + "attn_k.weight", seed=2)
+        vt = ft["more"] if more else ft["default"]
+        w[p + "attn_v.weight"] = random_qtensor(pick(vt, D), HKV * HD, D, p + "attn_v.weight", seed=3)
+        w[p + "attn_output.weight"] = random_qtensor(pick(ft["default"], H * HD), D, H * HD, p + "attn_output.weight",
+                                                     seed=4)
+        w[p + "ffn_gate.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_gate.weight", seed=5)
+        w[p + "ffn_up.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_up.weight", seed=6)
+        w[p + "ffn_down.weight"] = random_qtensor(pick(vt, FF), D, FF, p + "ffn_down.weight", seed=7)
+        if cfg.qkv_bias:
+            w[p + "attn_q.bias"] = vec(H * HD)
+            w[p + "attn_k.bias"] = vec(HKV * HD)
+            w[p + "attn_v.bias"] = vec(HKV * HD)
+    return cfg, w

@@ -1,0 +1,114 @@
+"""The machine's roofline: measured memory read bandwidth and peak float32 matmul rate, cached per machine.
+
+Decode reads every weight byte once per token, so tg tok/s is bounded by bandwidth / bytes per token; prefill
+reuses weights across tokens and is bounded by arithmetic. Every bench row is reported against these numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import torch
+
+from .registry import cache_dir
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def physical_cores() -> int:
+    """Physical cores (not hyperthreads), the default thread count for decode."""
+    try:
+        cores = set()
+        phys = core = None
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("physical id"):
+                    phys = line.split(":")[1].strip()
+                elif line.startswith("core id"):
+                    core = line.split(":")[1].strip()
+                elif not line.strip():
+                    if core is not None:
+                        cores.add((phys, core))
+                    phys = core = None
+        if cores:
+            return min(len(cores), len(os.sched_getaffinity(0)))
+    except (OSError, AttributeError):
+        pass
+    return os.cpu_count() or 1
+
+
+def measure_read_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s of a streaming read (a float32 sum) over an array far larger than the last-level cache."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+        a.sum()  # fault the pages in
+        best = 0.0
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a.sum()
+            best = max(best, a.numel() * 4 / (time.perf_counter() - t))
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+def measure_matmul_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a float32 n x n matmul (oneDNN/MKL: close to the FMA peak)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        best = 0.0
+        for _ in range(repeats):
+            t = time.perf_counter()
+            a @ b
+            best = max(best, 2 * n**3 / (time.perf_counter() - t))
+        return best
+    finally:
+        torch.set_num_threads(old)
+
+
+def probe(threads: int | None = None, force: bool = False) -> dict:
+    """Measures (or loads the cached) roofline for 1 and ``threads`` threads."""
+    threads = threads or physical_cores()
+    path = cache_dir() / "roofline.json"
+    key = f"{_cpu_name()}|{os.cpu_count()}|{threads}"
+    cached = {}
+    if path.exists():
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+    if key in cached and not force:
+        return cached[key]
+    r = {
+        "cpu": _cpu_name(),
+        "threads": threads,
+        "read_gbs_1t": measure_read_bandwidth(1) / 1e9,
+        "read_gbs": measure_read_bandwidth(threads) / 1e9,
+        "matmul_gflops_1t": measure_matmul_flops(1) / 1e9,
+        "matmul_gflops": measure_matmul_flops(threads) / 1e9,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    cached[key] = r
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cached, indent=2))
+    except OSError:
+        pass
+    return r
