@@ -150,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = add_parser
 
-    s = sub.add_parser("chat", help="interactive chat (streams tokens)", description="Interactive chat.")
+    from .chat import HELP_EPILOG as CHAT_EPILOG
+
+    s = sub.add_parser("chat", help="interactive chat (streams tokens)", description="Interactive chat.",
+                       epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(s, optional=True)
     s.add_argument("--system", default=None, help="system prompt")
     s.add_argument("--quiet", action="store_true", help="no status line after replies")
@@ -186,12 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="download again even if cached")
     s.set_defaults(func=cmd_pull)
 
-    try:
-        from .bench import add_bench_parser
+    # Subcommands that live in their own modules register themselves here.
+    from .bench import add_bench_parser
 
-        add_bench_parser(sub)
-    except ImportError:
-        pass
+    add_bench_parser(sub)
+    import importlib
+
+    for mod, fn in (("perplexity", "add_perplexity_parser"), ("convert", "add_convert_parser")):
+        try:
+            m = importlib.import_module(f"{__package__}.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{mod}":
+                raise
+            continue
+        getattr(m, fn)(sub)
     return p
 
 
