@@ -377,7 +377,8 @@ class GGUFFile:
             elif version == 1:
                 hint = " (GGUF v1 is obsolete; re-convert the model)"
             raise GGUFError(
-                f"{shown}: unsupported GGUF version {version}{hint}; supported: {', '.join(map(str, SUPPORTED_VERSIONS))}"
+                f"{shown}: unsupported GGUF version {version}{hint}; "
+                f"supported: {', '.join(map(str, SUPPORTED_VERSIONS))}"
             )
         self.version = version
         n_tensors = p.u64("tensor count")
@@ -386,7 +387,9 @@ class GGUFFile:
         # length + u32 n_dims + one u64 dim + u32 type + u64 offset. Counts that cannot fit are rejected up front.
         left = size - p.pos
         if n_kv * 13 > left:
-            raise p.fail(f"metadata count {n_kv} cannot fit in the {left} bytes left; the file is truncated or corrupt", 16)
+            raise p.fail(
+                f"metadata count {n_kv} cannot fit in the {left} bytes left; the file is truncated or corrupt", 16
+            )
         if n_tensors * 32 > left:
             raise p.fail(
                 f"tensor count {n_tensors} cannot fit in the {left} bytes left; the file is truncated or corrupt", 8
@@ -405,7 +408,8 @@ class GGUFFile:
         self.metadata = metadata
 
         alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        valid = isinstance(alignment, int) and not isinstance(alignment, bool) and alignment > 0
+        if not valid or alignment & (alignment - 1):
             raise p.fail(f"general.alignment is {alignment!r}; it must be a positive power of two")
         self.alignment = alignment
 

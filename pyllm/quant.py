@@ -255,7 +255,9 @@ class QTensor:
         for s in want:
             n *= s
         if data.numel() != n:
-            raise ModelError(f"{name!r}: {data.numel()} bytes of data for {self.qtype.name} shape {self.shape}, need {n}")
+            raise ModelError(
+                f"{name!r}: {data.numel()} bytes of data for {self.qtype.name} shape {self.shape}, need {n}"
+            )
         self.data = data.reshape(want)
 
     @property

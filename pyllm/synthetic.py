@@ -44,8 +44,9 @@ MAX_CODE: dict[GGMLType, float] = {
 _FLOAT_NP = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
 # Types that write_gguf can build from float values (gguf-py has quantizers for these).
 _QUANTIZABLE = frozenset(
-    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0}
-)
+    {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,
+     GGMLType.Q8_0}
+)  # fmt: skip
 
 
 def random_blocks(qtype: GGMLType, n_blocks: int, rng: np.random.Generator | None = None, amplitude: float = 1.0):
