@@ -1,71 +1,628 @@
-"""`pyllm chat`: a streaming chat loop. On a TTY a prompt_toolkit prompt; piped, one reply to standard input."""
+"""`pyllm chat`: a streaming chat REPL on a terminal; one reply per message when piped.
+
+The conversation logic (``ChatSession``) is separate from the terminal (``run_repl``) so that it can be driven
+by piped input, by tests with a fake model, and by prompt_toolkit alike. This module imports only the standard
+library at the top: ``pyllm --help`` imports it for the epilog and must stay fast.
+"""
 
 from __future__ import annotations
 
+import json
+import math
+import os
 import sys
+import tempfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable, TextIO
 
-from ..errors import PyllmError
+from ..errors import ContextFullError, PyllmError
+
+HELP_EPILOG = """keys (on a terminal):
+  Enter sends; Alt-Enter or Esc then Enter inserts a newline; a line starting with \"\"\" opens a block that
+  ends at a line ending with \"\"\"; Ctrl-C stops a reply (the partial reply is kept) or clears the line;
+  Ctrl-D or /bye quits; /help lists the commands. History is kept in $XDG_DATA_HOME/pyllm/chat_history.
+
+piped (not a terminal): standard input is one message (or one per line with --lines); only replies are written.
+
+examples:
+  pyllm chat                                  the default model, fetched on first use
+  pyllm chat model.gguf --system "Be brief." --temp 0.2
+  echo "Write a haiku about rain" | pyllm chat smollm2-135m --temp 0
+"""
 
 
-def _stream_reply(llm, messages, a, out) -> str:
-    from .main import sampling_kwargs
+class SettingError(ValueError):
+    """A sampling setting outside its range (from /set, or from a command line flag)."""
 
-    parts = []
+
+# ---- settings -----------------------------------------------------------------------------------------------------
+
+def _finite_float(text) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(text)
+    return v
+
+
+def _strict_int(text) -> int:
+    if isinstance(text, float):  # int(1.5) would silently truncate a value the user meant as given
+        raise ValueError(text)
+    return int(text)
+
+
+def _seed(text):
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "random", "off", "-1")):
+        return None
+    return _strict_int(text)
+
+
+# name -> (parser, check, what a valid value is). The ranges match SamplerSettings.validate, so a value that
+# passes here never fails later in the middle of a reply.
+RULES: dict[str, tuple[Callable, Callable, str]] = {
+    "temperature": (_finite_float, lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_k": (_strict_int, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (_finite_float, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "min_p": (_finite_float, lambda v: 0 <= v < 1, "a number in [0, 1) (0 = off)"),
+    "seed": (_seed, lambda v: v is None or 0 <= v < 2**63, "an integer >= 0, or 'random'"),
+    "max_tokens": (_strict_int, lambda v: v >= 1, "an integer >= 1"),
+    "repeat_penalty": (_finite_float, lambda v: v > 0, "a number > 0 (1 = off)"),
+}
+ALIASES = {"temp": "temperature", "t": "temperature", "k": "top_k", "p": "top_p", "n": "max_tokens",
+           "num_predict": "max_tokens", "max": "max_tokens"}
+RULES_EXAMPLE = {"temp": 0.7, "temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "seed": 42, "max_tokens": 256}
+FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
+         "max_tokens": "-n/--max-tokens", "repeat_penalty": "--repeat-penalty"}
+
+
+def canonical_setting(name: str) -> str:
+    key = name.strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in RULES:
+        raise SettingError(f"unknown setting {name!r}; one of: temp, {', '.join(k for k in RULES if k != 'temperature')}")
+    return key
+
+
+def parse_setting(name: str, value) -> tuple[str, object]:
+    """(canonical name, checked value) from a name and a string (or an already typed value)."""
+    key = canonical_setting(name)
+    parse, check, want = RULES[key]
+    label = "temp" if key == "temperature" else key
     try:
-        for piece in llm.chat(messages, max_tokens=a.max_tokens, stream=True, **sampling_kwargs(a)):
-            parts.append(piece)
-            out.write(piece)
-            out.flush()
-    except KeyboardInterrupt:
-        out.write(" [interrupted]")
-    out.write("\n")
-    out.flush()
-    return "".join(parts)
+        v = parse(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise SettingError(f"{label} must be {want}, got {value!r}") from None
+    if not check(v):
+        raise SettingError(f"{label} must be {want}, got {value!r}")
+    return key, v
+
+
+@dataclass
+class Settings:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    max_tokens: int = 512
+    repeat_penalty: float = 1.0
+
+    @classmethod
+    def from_args(cls, a) -> "Settings":
+        """Checks every flag before the model loads, so a typo fails in a second, naming the flag."""
+        s = cls()
+        for f in fields(cls):
+            attr = {"temperature": "temp"}.get(f.name, f.name)
+            if not hasattr(a, attr):
+                continue
+            try:
+                s.set(f.name, getattr(a, attr))
+            except SettingError as e:
+                raise SettingError(f"argument {FLAGS[f.name]}: {e}") from None
+        return s
+
+    def set(self, name: str, value) -> str:
+        key, v = parse_setting(name, value)
+        setattr(self, key, v)
+        return key
+
+    def sampling(self, seed_offset: int = 0) -> dict:
+        seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed,
+                    repeat_penalty=self.repeat_penalty)
+
+    def describe(self) -> str:
+        seed = "random" if self.seed is None else self.seed
+        return (f"temp {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}, min_p {self.min_p:g}, "
+                f"seed {seed}, max_tokens {self.max_tokens}, repeat_penalty {self.repeat_penalty:g}")
+
+
+# ---- commands ------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Command:
+    name: str  # canonical name, or "unknown"
+    arg: str  # the rest of the line (for "unknown": the word that was typed)
+
+
+COMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "help": (("help", "?", "h"), "/help", "this list"),
+    "bye": (("bye", "exit", "quit", "q"), "/bye", "quit (or Ctrl-D)"),
+    "reset": (("reset", "clear", "new"), "/reset", "start a new conversation (the system prompt stays)"),
+    "system": (("system", "sys"), "/system [TEXT]", "set the system prompt (no TEXT: show it; '/system -' clears it)"),
+    "set": (("set",), "/set NAME VALUE", "NAME: temp top_k top_p min_p seed max_tokens repeat_penalty; "
+                                         "/set alone shows them"),
+    "show": (("show", "info"), "/show", "model, settings, context used, KV cache"),
+    "save": (("save",), "/save FILE", "write the conversation as JSON"),
+    "load": (("load",), "/load FILE", "replace the conversation with one saved by /save (or a JSON message list)"),
+    "regen": (("regen", "retry", "redo"), "/regen", "throw away the last reply and generate it again"),
+}
+_BY_ALIAS = {alias: name for name, (aliases, _, _) in COMMANDS.items() for alias in aliases}
+
+
+def parse_command(text: str) -> Command | None:
+    """A slash command, or None for a message. '//text' is the message '/text'."""
+    s = text.strip()
+    if not s.startswith("/") or s.startswith("//"):
+        return None
+    words = s[1:].split(None, 1)
+    head = words[0] if words else ""
+    arg = words[1].strip() if len(words) > 1 else ""
+    name = _BY_ALIAS.get(head.lower())
+    return Command(name, arg) if name else Command("unknown", head)
+
+
+def help_text() -> str:
+    width = max(len(usage) for _, usage, _ in COMMANDS.values())
+    lines = [f"  {usage:<{width}}  {desc}" for _, usage, desc in COMMANDS.values()]
+    lines.append("  start a message with // to send a text beginning with /")
+    lines += ["", *HELP_EPILOG.split("\n\n")[0].splitlines()]
+    return "\n".join(lines)
+
+
+# ---- conversation files --------------------------------------------------------------------------------------------
+
+ROLES = ("system", "user", "assistant")
+
+
+def parse_conversation(data, source: str = "conversation") -> tuple[str | None, list[dict]]:
+    """(system prompt, turns) from what /save writes or from a plain [{"role", "content"}] list."""
+    if isinstance(data, dict):
+        if "messages" not in data:
+            raise PyllmError(f"{source}: no 'messages' list (expected what /save writes)")
+        data = data["messages"]
+    if not isinstance(data, list):
+        raise PyllmError(f"{source}: expected a list of messages, got {type(data).__name__}")
+    system, turns = None, []
+    for i, m in enumerate(data):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+            raise PyllmError(f"{source}: message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
+                             f"\"content\": text}}, got {str(m)[:80]}")
+        if m["role"] == "system":
+            if i != 0:
+                raise PyllmError(f"{source}: message {i} is a system message; only the first may be one")
+            system = m["content"]
+        else:
+            turns.append({"role": m["role"], "content": m["content"]})
+    return system, turns
+
+
+def _sanitize_for_terminal(text: str) -> str:
+    """Model text can hold control characters (a byte-level token can be any byte): shown raw, ESC sequences
+    would restyle the terminal and CR would overwrite the line being written."""
+    return text.translate(_CONTROL)
+
+
+_CONTROL = {c: "\ufffd" for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0x20), 0x7F, *range(0x80, 0xA0)]}
+_CONTROL[0x0D] = None
+
+
+# ---- the conversation ----------------------------------------------------------------------------------------------
+
+class ChatSession:
+    """One conversation with one model: turns, settings, slash commands, context fitting and streaming.
+
+    ``out`` receives reply text only; ``ui`` receives everything else (status lines, notes, command output).
+    Turns are committed only once a reply is complete or interrupted, so an exception at any point leaves the
+    conversation as it was before the message.
+    """
+
+    def __init__(self, llm, settings: Settings, system: str | None = None, out: TextIO = sys.stdout,
+                 ui: TextIO = sys.stderr, color: bool = False, quiet: bool = False, terminal: bool = False):
+        self.llm = llm
+        self.settings = settings
+        self.system = system or None
+        self.turns: list[dict] = []
+        self.out, self.ui = out, ui
+        self.color, self.quiet, self.terminal = color, quiet, terminal
+        self.interrupted = False  # whether the last reply was stopped by Ctrl-C
+        self._regens = 0  # consecutive /regen of the same message: a fixed seed would replay the same reply
+
+    # ---- output ----
+    def _style(self, code: str, text: str) -> str:
+        return f"\x1b[{code}m{text}\x1b[0m" if self.color else text
+
+    def note(self, text: str) -> None:
+        self.ui.write(self._style("2", text) + "\n")
+        self.ui.flush()
+
+    def error(self, text: str) -> None:
+        self.ui.write(self._style("31", f"error: {text}") + "\n")
+        self.ui.flush()
+
+    def say(self, text: str) -> None:
+        self.ui.write(text + "\n")
+        self.ui.flush()
+
+    def messages(self, turns: list[dict] | None = None) -> list[dict]:
+        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
+        return sys_msg + list(self.turns if turns is None else turns)
+
+    # ---- context ----
+    def fit(self, turns: list[dict]) -> tuple[list[int], list[dict], int]:
+        """Prompt ids for ``turns`` (the last one is the new user message), dropping the oldest turns after the
+        system prompt when the conversation and room for a reply no longer fit. Returns (ids, kept turns,
+        number of dropped messages). Nothing is changed when even the newest message alone does not fit."""
+        n_ctx = self.llm.n_ctx
+        reserve = min(self.settings.max_tokens, n_ctx // 4)  # room for at least part of a reply
+        ids = self.llm.chat_ids(self.messages(turns))
+        if len(ids) + reserve <= n_ctx:
+            return ids, turns, 0
+        # Dropping re-prefills the whole conversation, so trim to 3/4 of the context rather than to just fit:
+        # otherwise every following message would drop one turn and pay that prefill again.
+        goal = n_ctx * 3 // 4
+        kept = list(turns)
+        while len(ids) + reserve > goal and len(kept) > 1:
+            nxt = next((i for i in range(1, len(kept)) if kept[i]["role"] == "user"), len(kept) - 1)
+            kept = kept[nxt:]
+            ids = self.llm.chat_ids(self.messages(kept))
+        if len(ids) >= n_ctx:
+            what = "the message and the system prompt" if self.system else "the message"
+            raise ContextFullError(f"{what} take {len(ids)} tokens but the context holds {n_ctx}; "
+                                   f"shorten it or use a larger --ctx")
+        return ids, kept, len(turns) - len(kept)
+
+    # ---- replies ----
+    def exchange(self, user_text: str, base: list[dict] | None = None, seed_offset: int = 0) -> str | None:
+        """Sends one user message after ``base`` (default: the whole conversation) and commits it with its
+        reply. Returns the reply, or None when nothing was generated (interrupted during the prompt)."""
+        base = self.turns if base is None else base
+        user = {"role": "user", "content": user_text}
+        ids, kept, dropped = self.fit([*base, user])
+        if dropped:
+            self.note(f"(the conversation no longer fit the context of {self.llm.n_ctx} tokens: "
+                      f"dropped the {dropped} oldest message{'s' * (dropped > 1)})")
+        reply, interrupted = self._stream(ids, seed_offset)
+        self.interrupted = interrupted
+        if interrupted and not reply:
+            self.note("[interrupted before the reply started; the message was not kept]")
+            return None
+        self.turns = kept[:-1] + [user, {"role": "assistant", "content": reply}]
+        if not self.quiet:
+            self.status(interrupted)
+        elif interrupted:
+            self.note("[interrupted]")
+        return reply
+
+    def _stream(self, ids: list[int], seed_offset: int) -> tuple[str, bool]:
+        s = self.settings
+        parts: list[str] = []
+        interrupted = False
+        it = self.llm.generate(ids, max_tokens=s.max_tokens, stream=True, **s.sampling(seed_offset))
+        try:
+            for piece in it:
+                parts.append(piece)
+                self.out.write(_sanitize_for_terminal(piece) if self.terminal else piece)
+                self.out.flush()
+        except KeyboardInterrupt:
+            # the generator extends its token list only after a forward pass completes, so stopping here
+            # leaves the KV cache matching the tokens it lists; the next message reuses it
+            interrupted = True
+        finally:
+            it.close()
+        text = "".join(parts)
+        if text or not interrupted:
+            self.out.write("\n")
+            self.out.flush()
+        return text, interrupted
+
+    def status(self, interrupted: bool = False) -> None:
+        st = self.llm.stats
+        cached = st.prompt_tokens - st.prompt_evaluated
+        parts = [f"{st.prompt_tokens} prompt tokens" + (f" ({cached} cached)" if cached > 0 else ""),
+                 f"ttft {st.ttft:.2f}s", f"{st.generated_tokens} tokens", f"{st.decode_tps:.1f} tok/s"]
+        if interrupted:
+            parts.append("interrupted")
+        elif st.finish_reason == "length":
+            parts.append("cut at max_tokens: /set max_tokens N for longer replies")
+        elif st.finish_reason == "context":
+            parts.append("context full")
+        self.note("[" + (" · " if self.terminal else ", ").join(parts) + "]")
+
+    # ---- commands ----
+    def handle(self, text: str) -> bool:
+        """One line of input: a command or a message. Returns False when the user asked to quit."""
+        cmd = parse_command(text)
+        if cmd is None:
+            msg = text.strip()
+            if msg.startswith("//"):
+                msg = msg[1:]
+            if msg:
+                self._regens = 0
+                self._guarded(lambda: self.exchange(msg))
+            return True
+        if cmd.name == "bye":
+            return False
+        handler = getattr(self, f"cmd_{cmd.name}")
+        self._guarded(lambda: handler(cmd.arg))
+        return True
+
+    def _guarded(self, fn) -> None:
+        try:
+            fn()
+        except PyllmError as e:
+            self.error(str(e))
+
+    def cmd_unknown(self, word: str) -> None:
+        raise PyllmError(f"unknown command /{word}; /help lists the commands (start with // to send a '/' text)")
+
+    def cmd_help(self, arg: str) -> None:
+        self.say(help_text())
+
+    def cmd_reset(self, arg: str) -> None:
+        self.turns = []
+        self._regens = 0
+        self.llm.reset()
+        self.note("(new conversation" + (", same system prompt)" if self.system else ")"))
+
+    def cmd_system(self, arg: str) -> None:
+        if not arg:
+            self.say(f"system prompt: {self.system!r}" if self.system else "no system prompt")
+            return
+        self.system = None if arg == "-" else arg
+        self.llm.reset()  # the cached prefix starts with the old system prompt
+        self.note("(system prompt cleared)" if self.system is None else "(system prompt set)")
+
+    def cmd_set(self, arg: str) -> None:
+        if not arg:
+            self.say(self.settings.describe())
+            return
+        name, _, value = arg.partition(" ")
+        try:
+            if not value.strip():
+                canonical_setting(name)  # an unknown name is the more useful message
+                raise SettingError(f"/set {name} needs a value, e.g. /set {name} {RULES_EXAMPLE.get(name, 1)}")
+            key = self.settings.set(name, value)
+        except SettingError as e:
+            raise PyllmError(str(e)) from None
+        self.note(f"({key} = {getattr(self.settings, key)})")
+
+    def cmd_show(self, arg: str) -> None:
+        llm = self.llm
+        cfg = llm.config
+        used = len(llm.generator.tokens)
+        weights = sum(getattr(w, "nbytes", 0) for w in getattr(llm, "weights", {}).values())
+        lines = [
+            f"model      {llm.path.name} ({cfg.arch}, {cfg.n_layer} layers, vocab {cfg.n_vocab})",
+            f"runtime    {llm.device}, backend {llm.backend}, {llm.n_threads} threads"
+            + (f", weights {weights / 2**20:.1f} MiB" if weights else ""),
+            f"context    {used} / {llm.n_ctx} tokens used ({len(self.turns)} messages)",
+            f"KV cache   {llm.kv.kind}, {llm.kv.nbytes / 2**20:.1f} MiB",
+            f"settings   {self.settings.describe()}",
+            f"system     {self.system!r}" if self.system else "system     (none)",
+        ]
+        self.say("\n".join(lines))
+
+    def cmd_save(self, arg: str) -> None:
+        if not arg:
+            raise PyllmError("/save needs a file name, e.g. /save chat.json")
+        path = Path(arg).expanduser()
+        data = {"format": "pyllm-chat", "version": 1, "model": self.llm.path.name,
+                "settings": {f.name: getattr(self.settings, f.name) for f in fields(Settings)},
+                "messages": self.messages()}
+        try:
+            # write-then-rename: an interrupted save never truncates a conversation saved earlier
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, ensure_ascii=False, indent=1)
+                f.write("\n")
+            os.replace(tmp, path)
+        except OSError as e:
+            raise PyllmError(f"cannot write {path}: {e.strerror or e}") from None
+        self.note(f"(saved {len(self.messages())} messages to {path})")
+
+    def cmd_load(self, arg: str) -> None:
+        if not arg:
+            raise PyllmError("/load needs a file name, e.g. /load chat.json")
+        path = Path(arg).expanduser()
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except OSError as e:
+            raise PyllmError(f"cannot read {path}: {e.strerror or e}; the conversation is unchanged") from None
+        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+            raise PyllmError(f"{path} is not a JSON conversation ({e}); the conversation is unchanged") from None
+        try:
+            system, turns = parse_conversation(data, str(path))
+        except PyllmError as e:
+            raise PyllmError(f"{e}; the conversation is unchanged") from None
+        self.turns = turns
+        if system is not None:
+            self.system = system
+        self._regens = 0
+        self.llm.reset()
+        self.note(f"(loaded {len(turns)} messages from {path}"
+                  + (", with its system prompt)" if system is not None else ")"))
+        last = next((m for m in reversed(turns) if m["role"] == "assistant"), None)
+        if last is not None:
+            self.note("last reply: " + _shorten(last["content"], 200))
+
+    def cmd_regen(self, arg: str) -> None:
+        if len(self.turns) < 2 or self.turns[-1]["role"] != "assistant" or self.turns[-2]["role"] != "user":
+            raise PyllmError("/regen: no reply to regenerate yet")
+        self._regens += 1
+        if self.settings.temperature == 0:
+            self.note("(temp is 0: the reply will be the same; /set temp 0.8 for a different one)")
+        self.exchange(self.turns[-2]["content"], base=self.turns[:-2], seed_offset=self._regens)
+
+
+def _shorten(text: str, n: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+# ---- terminal and pipes --------------------------------------------------------------------------------------------
+
+def history_path() -> Path:
+    base = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".local" / "share"  # the XDG spec ignores relative
+    return root / "pyllm" / "chat_history"
+
+
+def use_color(a, stream: TextIO) -> bool:
+    return (stream.isatty() and not getattr(a, "no_color", False) and "NO_COLOR" not in os.environ
+            and os.environ.get("TERM") != "dumb")
+
+
+def _prompt_sessions(color: bool):
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.formatted_text import ANSI
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+    from prompt_toolkit.output import ColorDepth
+
+    kb = KeyBindings()
+
+    @kb.add("escape", "enter")
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    @kb.add("c-c")
+    def _clear(event):
+        buf = event.current_buffer
+        if buf.text:
+            buf.reset()
+        else:  # an empty line: let the loop say how to quit
+            event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
+
+    try:
+        path = history_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        open(path, "ab").close()  # FileHistory appends on every Enter: an unwritable file must fail here, once
+        history = FileHistory(str(path))
+    except OSError:
+        history = InMemoryHistory()
+    depth = None if color else ColorDepth.DEPTH_1_BIT
+    mk = (lambda s: ANSI(f"\x1b[1;32m{s}\x1b[0m")) if color else (lambda s: s)
+    main = PromptSession(mk(">>> "), history=history, key_bindings=kb, multiline=False,
+                         prompt_continuation=mk("... "), color_depth=depth)
+    block = PromptSession(mk("... "), history=InMemoryHistory(), key_bindings=kb, color_depth=depth)
+    return main, block
+
+
+def read_block(first: str, more: Callable[[], str]) -> str:
+    """A \"\"\"-quoted message: ``first`` starts with \"\"\"; ``more`` reads the next line until one ends with \"\"\"."""
+    body = first.strip()[3:]
+    if body.endswith('"""') and body.strip():
+        return body[:-3]
+    lines = [body] if body else []
+    while True:
+        line = more()
+        if line.rstrip().endswith('"""'):
+            last = line.rstrip()[:-3]
+            if last:
+                lines.append(last)
+            return "\n".join(lines)
+        lines.append(line)
+
+
+def run_repl(chat: ChatSession, banner: str) -> int:
+    main, block = _prompt_sessions(chat.color)
+    chat.note(banner)
+    while True:
+        at_prompt = True
+        try:
+            text = main.prompt()
+            if text.strip().startswith('"""'):
+                text = read_block(text, block.prompt)
+                try:
+                    main.history.append_string('"""' + text + '"""')
+                except OSError:
+                    pass
+            at_prompt = False
+            if not chat.handle(text):
+                return 0
+        except KeyboardInterrupt:
+            # at the prompt: Ctrl-C on an empty line (a non-empty one is cleared in place). Elsewhere: outside
+            # the reply stream (e.g. while the prompt is tokenized), where nothing has been committed yet
+            chat.note("(Ctrl-D or /bye to quit)" if at_prompt else "[interrupted]")
+        except EOFError:
+            return 0
+
+
+def run_piped(chat: ChatSession, a) -> int:
+    if a.lines:
+        said = False
+        for line in sys.stdin:  # lazily, so another program can converse line by line
+            if line.strip():
+                said = True
+                chat.exchange(line.strip())
+                if chat.interrupted:
+                    raise KeyboardInterrupt  # exit 130 like any interrupted command, after the partial reply
+        if not said:
+            raise PyllmError("nothing to say: standard input is empty")
+        return 0
+    chat.exchange(a._stdin_text)
+    if chat.interrupted:
+        raise KeyboardInterrupt
+    return 0
+
+
+def _verbose_load(llm, ui: TextIO) -> None:
+    import resource
+
+    weights = sum(getattr(w, "nbytes", 0) for w in llm.weights.values())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
+    ui.write(f"loaded {llm.path.name} in {llm.load_seconds:.2f}s: {llm.config.arch}, weights "
+             f"{weights / 2**20:.1f} MiB, KV cache {llm.kv.kind} {llm.kv.nbytes / 2**20:.1f} MiB "
+             f"(n_ctx {llm.n_ctx}), backend {llm.backend}, {llm.n_threads} threads, peak RSS {rss:.0f} MiB\n")
+    ui.flush()
 
 
 def run_chat(a) -> int:
     from .main import load_from_args
 
+    for stream in (sys.stdout, sys.stderr):
+        # a byte-level token can decode to U+FFFD or a surrogate; never let one end the session
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")
+    try:
+        settings = Settings.from_args(a)
+        if a.ctx is not None and a.ctx < 0:
+            raise SettingError(f"argument --ctx: must be >= 8 (or 0 for the model's own), got {a.ctx}")
+        if a.threads is not None and a.threads < 1:
+            raise SettingError(f"argument --threads: must be >= 1, got {a.threads}")
+    except SettingError as e:
+        # a usage error like argparse's own (exit 2), reported before the model is loaded
+        print(f"pyllm chat: error: {e}", file=sys.stderr)
+        return 2
+
+    terminal = sys.stdin.isatty() and sys.stdout.isatty()
+    if not terminal and not a.lines:
+        a._stdin_text = sys.stdin.read().strip()  # read first: empty input fails without loading a model
+        if not a._stdin_text:
+            raise PyllmError("nothing to say: standard input is empty (pipe a message in, or run in a terminal)")
     llm = load_from_args(a)
-    messages = [{"role": "system", "content": a.system}] if a.system else []
-    if not sys.stdin.isatty():
-        text = sys.stdin.read()
-        inputs = [ln for ln in text.splitlines() if ln.strip()] if a.lines else [text]
-        for msg in inputs:
-            messages.append({"role": "user", "content": msg})
-            reply = _stream_reply(llm, messages, a, sys.stdout)
-            messages.append({"role": "assistant", "content": reply})
-        return 0
-
-    from prompt_toolkit import PromptSession
-
-    session = PromptSession()
-    print(f"pyllm chat: {llm.path.name} ({llm.config.arch}). Ctrl-D or /bye to quit, /reset for a new chat.",
-          file=sys.stderr)
-    while True:
-        try:
-            text = session.prompt(">>> ")
-        except KeyboardInterrupt:
-            continue
-        except EOFError:
-            return 0
-        if not text.strip():
-            continue
-        if text.strip() in ("/bye", "/exit", "/quit"):
-            return 0
-        if text.strip() == "/reset":
-            messages = messages[:1] if a.system else []
-            print("(new conversation)", file=sys.stderr)
-            continue
-        messages.append({"role": "user", "content": text})
-        try:
-            reply = _stream_reply(llm, messages, a, sys.stdout)
-        except PyllmError as e:
-            messages.pop()
-            print(f"pyllm: error: {e}", file=sys.stderr)
-            continue
-        messages.append({"role": "assistant", "content": reply})
-        if not a.quiet:
-            st = llm.stats
-            print(f"\x1b[2m[{st.prompt_tokens} prompt tokens, ttft {st.ttft:.2f}s, {st.generated_tokens} tokens, "
-                  f"{st.decode_tps:.1f} t/s]\x1b[0m", file=sys.stderr)
+    ui = sys.stdout if terminal else sys.stderr
+    if a.verbose:
+        _verbose_load(llm, sys.stderr)
+    color = terminal and use_color(a, sys.stdout)
+    chat = ChatSession(llm, settings, system=a.system, out=sys.stdout, ui=ui, color=color,
+                       quiet=a.quiet or (not terminal and not a.verbose), terminal=terminal)
+    if not terminal:
+        return run_piped(chat, a)
+    banner = (f"pyllm chat · {llm.path.name} ({llm.config.arch}, context {llm.n_ctx}, KV {llm.kv.kind}). "
+              f"/help for commands, Alt-Enter for a newline, Ctrl-D or /bye to quit.")
+    return run_repl(chat, banner)

@@ -1,0 +1,486 @@
+"""`pyllm chat`: the command parser and settings (no model), the conversation logic with a scripted fake model,
+and the real REPL in a pseudo-terminal with SmolLM2 (pexpect), piped mode and the CLI's error cases.
+
+The pseudo-terminal tests synchronize on the status line printed after every reply, never on sleeps, and every
+expect has a timeout, so a broken REPL fails the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pyllm.cli.chat import ChatSession, Command, Settings, SettingError, parse_command, parse_conversation, read_block
+from pyllm.errors import ContextFullError, PyllmError
+
+# ---- commands and settings (no model) ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, want", [
+    ("/bye", Command("bye", "")),
+    ("  /exit  ", Command("bye", "")),
+    ("/set temp 0.5", Command("set", "temp 0.5")),
+    ("/SET   top_k   5 ", Command("set", "top_k   5")),
+    ("/system You are\na pirate.", Command("system", "You are\na pirate.")),
+    ("/save ~/chat.json", Command("save", "~/chat.json")),
+    ("/?", Command("help", "")),
+    ("/frobnicate now", Command("unknown", "frobnicate")),
+    ("/", Command("unknown", "")),
+])
+def test_parse_command(text, want):
+    assert parse_command(text) == want
+
+
+@pytest.mark.parametrize("text", ["hello", "  what is /etc?", "//usr/bin is a directory", ""])
+def test_messages_are_not_commands(text):
+    assert parse_command(text) is None
+
+
+@pytest.mark.parametrize("name, value, key, want", [
+    ("temp", "0", "temperature", 0.0),
+    ("temperature", " 1.5 ", "temperature", 1.5),
+    ("top-k", "0", "top_k", 0),
+    ("top_p", "1", "top_p", 1.0),
+    ("min_p", "0", "min_p", 0.0),
+    ("seed", "42", "seed", 42),
+    ("seed", "random", "seed", None),
+    ("max_tokens", "16", "max_tokens", 16),
+    ("n", "7", "max_tokens", 7),
+])
+def test_settings_valid(name, value, key, want):
+    s = Settings()
+    assert s.set(name, value) == key
+    assert getattr(s, key) == want
+
+
+@pytest.mark.parametrize("name, value, needle", [
+    ("temp", "-1", "temp must be a number >= 0"),
+    ("temp", "hot", "temp must be"),
+    ("temp", "nan", "temp must be"),
+    ("temp", "inf", "temp must be"),
+    ("top_k", "2.5", "top_k must be an integer"),
+    ("top_k", "-3", "top_k must be an integer >= 0"),
+    ("top_p", "0", "top_p must be a number in (0, 1]"),
+    ("top_p", "1.01", "top_p must be"),
+    ("min_p", "1", "min_p must be a number in [0, 1)"),
+    ("seed", "-5", "seed must be an integer >= 0"),
+    ("seed", "abc", "seed must be"),
+    ("max_tokens", "0", "max_tokens must be an integer >= 1"),
+    ("colour", "red", "unknown setting 'colour'"),
+])
+def test_settings_invalid(name, value, needle):
+    s = Settings()
+    before = Settings()
+    with pytest.raises(SettingError, match=re.escape(needle)):
+        s.set(name, value)
+    assert s == before  # a rejected value never half-applies
+
+
+def test_settings_from_args_names_the_flag():
+    a = SimpleNamespace(temp=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=None, max_tokens=512, repeat_penalty=1.0)
+    assert Settings.from_args(a) == Settings()
+    a.top_p = 2.0
+    with pytest.raises(SettingError, match=r"argument --top-p: top_p must be a number in \(0, 1\]"):
+        Settings.from_args(a)
+
+
+def test_read_block():
+    lines = iter(["second line", "", "last\"\"\""])
+    assert read_block('"""first', lambda: next(lines)) == "first\nsecond line\n\nlast"
+    assert read_block('"""one line"""', lambda: pytest.fail("read too far")) == "one line"
+    lines = iter(["only", '"""'])
+    assert read_block('"""', lambda: next(lines)) == "only"
+
+
+def test_parse_conversation():
+    sys_, turns = parse_conversation({"messages": [{"role": "system", "content": "S"},
+                                                   {"role": "user", "content": "u"},
+                                                   {"role": "assistant", "content": "a"}]})
+    assert sys_ == "S" and [m["role"] for m in turns] == ["user", "assistant"]
+    assert parse_conversation([{"role": "user", "content": "x"}]) == (None, [{"role": "user", "content": "x"}])
+    for bad, needle in [({"msgs": []}, "no 'messages'"), ("text", "expected a list"),
+                        ([{"role": "robot", "content": "x"}], "message 0"),
+                        ([{"role": "user", "content": 3}], "message 0"),
+                        ([{"role": "user", "content": "x"}, {"role": "system", "content": "s"}], "only the first")]:
+        with pytest.raises(PyllmError, match=re.escape(needle)):
+            parse_conversation(bad, "f.json")
+
+
+# ---- the conversation logic with a scripted model ------------------------------------------------------------------
+
+
+class FakeLLM:
+    """Just enough of pyllm.LLM: one token per word of each message (plus 4 for its header), and a reply that
+    is the next scripted list of pieces. A piece that is an exception instance is raised instead."""
+
+    def __init__(self, replies, n_ctx=64):
+        self.replies = list(replies)
+        self.n_ctx = n_ctx
+        self.calls = []
+        self.resets = 0
+        self.path = Path("/models/fake.gguf")
+        self.config = SimpleNamespace(arch="llama", n_layer=2, n_vocab=100)
+        self.kv = SimpleNamespace(kind="f16", nbytes=2**20)
+        self.generator = SimpleNamespace(tokens=[])
+        self.weights = {}
+        self.device, self.backend, self.n_threads = "cpu", "fast", 2
+        self.stats = SimpleNamespace(prompt_tokens=0, prompt_evaluated=0, ttft=0.01, generated_tokens=0,
+                                     decode_tps=100.0, finish_reason="eog")
+
+    def chat_ids(self, messages):
+        return [1] * sum(4 + len(m["content"].split()) for m in messages) + [2, 2]
+
+    def reset(self):
+        self.resets += 1
+
+    def generate(self, ids, max_tokens, stream, **sampling):
+        self.calls.append((len(ids), sampling))
+        self.stats.prompt_tokens = self.stats.prompt_evaluated = len(ids)
+        self.stats.generated_tokens = 0
+        for piece in self.replies.pop(0):
+            if isinstance(piece, BaseException):
+                raise piece
+            self.stats.generated_tokens += 1
+            yield piece
+
+
+def make_chat(replies, n_ctx=64, system=None, **kw):
+    out, ui = io.StringIO(), io.StringIO()
+    llm = FakeLLM(replies, n_ctx)
+    return ChatSession(llm, Settings(max_tokens=8), system=system, out=out, ui=ui, **kw), llm, out, ui
+
+
+def test_exchange_commits_turns_and_streams():
+    chat, llm, out, ui = make_chat([["Hello", " Ada", "!"]])
+    assert chat.handle("Hi, I am Ada") is True
+    assert out.getvalue() == "Hello Ada!\n"
+    assert chat.turns == [{"role": "user", "content": "Hi, I am Ada"}, {"role": "assistant", "content": "Hello Ada!"}]
+    assert "prompt tokens" in ui.getvalue() and "tok/s" in ui.getvalue()
+
+
+def test_interrupt_keeps_partial_reply():
+    chat, llm, out, ui = make_chat([["Once", " upon", KeyboardInterrupt()], ["ok"]])
+    chat.handle("tell a story")
+    assert chat.interrupted
+    assert chat.turns[-1] == {"role": "assistant", "content": "Once upon"}
+    assert "interrupted" in ui.getvalue()
+    chat.handle("next")
+    assert len(chat.turns) == 4 and chat.turns[-1]["content"] == "ok"
+
+
+def test_interrupt_before_any_text_keeps_nothing():
+    chat, llm, out, ui = make_chat([[KeyboardInterrupt()]])
+    chat.handle("hello")
+    assert chat.turns == [] and "not kept" in ui.getvalue()
+
+
+def test_error_during_generation_keeps_conversation():
+    chat, llm, out, ui = make_chat([["a"], ["partial", PyllmError("template exploded")]])
+    chat.handle("one")
+    before = list(chat.turns)
+    chat.handle("two")
+    assert chat.turns == before and "error: template exploded" in ui.getvalue()
+
+
+def test_overflow_drops_oldest_turns_after_system_prompt():
+    # n_ctx 64, reserve min(8, 16) = 8: each exchange costs 4+3 (user) + 4+5 (assistant) = 16 tokens
+    replies = [["w1 w2 w3 w4 w5"]] * 6
+    chat, llm, out, ui = make_chat(replies, system="be brief")
+    for i in range(6):
+        chat.handle(f"message number {i}")
+        assert llm.calls[-1][0] + 8 <= 64
+    assert chat.turns[0]["role"] == "user" and chat.turns[-2]["content"] == "message number 5"
+    assert re.search(r"dropped the \d+ oldest messages", ui.getvalue())
+    assert ui.getvalue().count("dropped") == 2  # trimmed with room to spare, not once per message
+    assert chat.messages()[0] == {"role": "system", "content": "be brief"}
+
+
+def test_message_bigger_than_context_is_an_error_and_keeps_conversation():
+    chat, llm, out, ui = make_chat([["fine"]], system="sys")
+    chat.handle("hello")
+    before = list(chat.turns)
+    with pytest.raises(ContextFullError, match="take .* tokens but the context holds 64"):
+        chat.exchange("word " * 100)
+    assert chat.turns == before
+    chat.handle("word " * 100)  # the REPL path reports it instead of raising
+    assert "error:" in ui.getvalue() and chat.turns == before
+
+
+def test_set_show_reset_system_commands():
+    chat, llm, out, ui = make_chat([["x"]])
+    chat.handle("/set temp 0")
+    assert chat.settings.temperature == 0
+    chat.handle("/set temp -2")
+    chat.handle("/set top_k")
+    chat.handle("/set bogus 1")
+    text = ui.getvalue()
+    assert "temp must be a number >= 0" in text and "needs a value" in text and "unknown setting" in text
+    assert chat.settings.temperature == 0
+    chat.handle("/system Talk like a pirate.")
+    assert chat.messages()[0]["content"] == "Talk like a pirate."
+    chat.handle("hi")
+    chat.handle("/show")
+    shown = ui.getvalue()
+    assert "fake.gguf" in shown and "/ 64 tokens" in shown and "KV cache   f16, 1.0 MiB" in shown
+    chat.handle("/reset")
+    assert chat.turns == [] and chat.system == "Talk like a pirate." and llm.resets >= 2
+    chat.handle("/nope")
+    assert "unknown command /nope" in ui.getvalue()
+    assert chat.handle("/bye") is False
+
+
+def test_regen_replaces_last_reply_with_a_new_seed():
+    chat, llm, out, ui = make_chat([["first"], ["second"]])
+    chat.settings.set("seed", "7")
+    chat.handle("/regen")
+    assert "no reply to regenerate" in ui.getvalue()
+    chat.handle("q")
+    chat.handle("/regen")
+    assert [m["content"] for m in chat.turns] == ["q", "second"]
+    assert [c[1]["seed"] for c in llm.calls] == [7, 8]
+
+
+def test_save_load_round_trip_and_bad_files(tmp_path):
+    chat, llm, out, ui = make_chat([["reply one"]], system="sys")
+    chat.handle("question one")
+    f = tmp_path / "c.json"
+    chat.handle(f"/save {f}")
+    data = json.loads(f.read_text())
+    assert data["messages"][0] == {"role": "system", "content": "sys"} and len(data["messages"]) == 3
+    saved = list(chat.turns)
+    chat.handle("/reset")
+    chat.handle(f"/load {f}")
+    assert chat.turns == saved and chat.system == "sys"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for arg in [bad, tmp_path / "missing.json", tmp_path]:
+        chat.handle(f"/load {arg}")
+        assert chat.turns == saved
+    errs = ui.getvalue()
+    assert errs.count("the conversation is unchanged") == 3
+    chat.handle(f"/save {tmp_path}/no/such/dir/x.json")
+    assert "cannot write" in ui.getvalue()
+
+
+def test_terminal_output_strips_control_characters():
+    chat, llm, out, ui = make_chat([["a\x1b[31mb\rc\ufffd"]], terminal=True)
+    chat.handle("hi")
+    assert out.getvalue() == "a\ufffd[31mbc\ufffd\n"
+    assert chat.turns[-1]["content"] == "a\x1b[31mb\rc\ufffd"  # the conversation keeps the exact text
+
+
+# ---- the real CLI ---------------------------------------------------------------------------------------------------
+
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color", NO_COLOR="")
+ENV.pop("NO_COLOR")
+BACKEND = os.environ.get("PYLLM_TEST_CHAT_BACKEND", "fast")
+
+
+def cli(*args, stdin="", timeout=120):
+    return subprocess.run([sys.executable, "-m", "pyllm", "chat", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=ENV)
+
+
+def assert_error(res, code, *needles):
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert "Traceback" not in err, err
+    assert len(err.splitlines()) == 1 and "error:" in err, err
+    for n in needles:
+        assert n.lower() in err.lower(), (n, err)
+
+
+@pytest.fixture
+def main_chat(monkeypatch, capsys):
+    """The CLI in this process (a subprocess pays torch's import again: seconds on a busy CI core)."""
+    from pyllm.cli.main import main
+
+    def run(*args, stdin="hi"):
+        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        try:
+            code = main(["chat", *args])
+        except SystemExit as e:  # argparse's own usage errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
+
+
+def test_cli_missing_model_subprocess(tmp_path):
+    assert_error(cli(str(tmp_path / "nope.gguf"), stdin="hi"), 1, "nope.gguf")
+
+
+def test_cli_unknown_registry_name(main_chat):
+    assert_error(main_chat("no-such-model-xyz"), 1, "no-such-model-xyz")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--temp", "-1"], "--temp"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["-n", "0"], "--max-tokens"),
+    (["--seed", "-3"], "--seed"),
+    (["--ctx", "-5"], "--ctx"),
+    (["--temp", "warm"], "--temp"),  # argparse's own type check
+])
+def test_cli_bad_flag_value(main_chat, args, needle):
+    # validated before the model is touched: a nonexistent model must not be the reported problem
+    res = main_chat("/nonexistent.gguf", *args)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert needle in res.stderr and "Traceback" not in res.stderr and "nonexistent" not in res.stderr
+
+
+def test_cli_empty_stdin(main_chat):
+    assert_error(main_chat("/nonexistent.gguf", stdin="  \n"), 1, "standard input is empty")
+
+
+def test_cli_context_overflow(smollm2_path):
+    res = cli(smollm2_path, "--ctx", "32", "--backend", BACKEND, stdin="tell me a story about " * 20)
+    assert_error(res, 1, "context holds 32", "--ctx")
+    assert res.stdout == ""
+
+
+def test_piped_one_message(smollm2_path):
+    res = cli(smollm2_path, "--temp", "0", "-n", "16", "--backend", BACKEND,
+              stdin="What is the capital of France?\n")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+    assert "\x1b" not in res.stdout and ">>>" not in res.stdout and "tok/s" not in res.stdout + res.stderr
+
+
+def test_piped_lines_is_a_conversation(smollm2_path):
+    res = cli(smollm2_path, "--temp", "0", "-n", "24", "--lines", "--backend", BACKEND,
+              stdin="My name is Ada.\n\nWhat is my name?\n")
+    assert res.returncode == 0, res.stderr
+    first, _, second = res.stdout.partition("\n")
+    assert "Ada" in second, res.stdout
+
+
+# ---- the REPL in a pseudo-terminal -----------------------------------------------------------------------------------
+
+try:
+    import pexpect
+except ImportError:  # the unit tests above still run
+    pexpect = None
+PROMPT = ">>> "
+STATUS = re.compile(r"tok/s[^\]]*\]")
+T = 90  # generous: a cold start on 2 busy cores (imports, model load) takes seconds, not minutes
+
+
+@pytest.fixture
+def repl(smollm2_path, tmp_path):
+    if pexpect is None:
+        pytest.skip("pexpect is not installed")
+    children = []
+
+    def spawn(*extra):
+        env = dict(ENV, XDG_DATA_HOME=str(tmp_path / "data"))
+        child = pexpect.spawn(sys.executable, ["-m", "pyllm", "chat", smollm2_path, "--temp", "0", "-n", "48",
+                                               "--backend", BACKEND, *extra],
+                              env=env, cwd=str(tmp_path), encoding="utf-8", codec_errors="replace",
+                              dimensions=(40, 200), timeout=T)
+        children.append(child)
+        child.expect("Ctrl-D or /bye to quit")
+        child.expect_exact(PROMPT)
+        return child
+
+    yield spawn
+    for c in children:
+        if c.isalive():
+            c.terminate(force=True)
+
+
+def ask(child, text):
+    """Sends a message; returns what the REPL wrote for the reply (up to its status line)."""
+    child.sendline(text)
+    child.expect(STATUS)
+    out = child.before
+    child.expect_exact(PROMPT)
+    # drop the echo of the typed line: the reply starts on the line after it
+    return out.split("\n", 1)[1] if "\n" in out else out
+
+
+def strip_ansi(s):
+    return re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", s)
+
+
+def test_repl_two_turns_reset_and_bye(repl, tmp_path):
+    child = repl("--no-color")
+    ask(child, "My name is Ada.")
+    reply = strip_ansi(ask(child, "What is my name?"))
+    assert "Ada" in reply, reply
+    child.sendline("/reset")
+    child.expect_exact("new conversation")
+    child.expect_exact(PROMPT)
+    child.sendline("/show")
+    child.expect(r"context\s+0 / 4096 tokens used")
+    child.expect_exact(PROMPT)
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
+    child.wait()
+    assert child.exitstatus == 0
+    assert "My name is Ada." in (tmp_path / "data" / "pyllm" / "chat_history").read_text()
+
+
+def test_repl_ctrl_c_stops_reply_and_conversation_continues(repl):
+    child = repl()  # colors on: the status line is dim
+    child.sendline("/set max_tokens 2000")
+    child.expect_exact("max_tokens = 2000")
+    child.expect_exact(PROMPT)
+    child.sendline("Write a very long story about a dragon and a knight.")
+    child.expect(r"\w+ \w+ \w+ \w+")  # the reply is streaming
+    child.sendintr()
+    child.expect_exact("interrupted")
+    child.expect_exact(PROMPT)
+    child.sendline("/set max_tokens 48")
+    child.expect_exact(PROMPT)
+    reply = strip_ansi(ask(child, "What is the capital of France?"))
+    assert "Paris" in reply, reply
+    # Ctrl-C at the prompt clears the typed line instead of quitting or sending it
+    child.send("some half-typed text")
+    child.sendintr()
+    child.sendline("/set")
+    child.expect_exact("temp 0,")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pexpect.EOF)
+    child.wait()
+    assert child.exitstatus == 0
+
+
+def test_repl_set_save_load(repl, tmp_path):
+    child = repl("--no-color", "--system", "You are a helpful assistant.")
+    child.sendline("/set temp 0")
+    child.expect_exact("temperature = 0")
+    child.expect_exact(PROMPT)
+    child.sendline("/set top_p 7")
+    child.expect_exact("top_p must be a number in (0, 1]")
+    child.expect_exact(PROMPT)
+    first = ask(child, "What is the capital of France?")
+    child.sendline("/save conv.json")
+    child.expect_exact("saved 3 messages")
+    child.expect_exact(PROMPT)
+    saved = json.loads((tmp_path / "conv.json").read_text())
+    assert [m["role"] for m in saved["messages"]] == ["system", "user", "assistant"]
+    assert saved["messages"][2]["content"].strip() in strip_ansi(first)
+    child.sendline("/reset")
+    child.expect_exact(PROMPT)
+    child.sendline("/load nothing-here.json")
+    child.expect_exact("the conversation is unchanged")
+    child.expect_exact(PROMPT)
+    child.sendline("/load conv.json")
+    child.expect_exact("loaded 2 messages")
+    child.expect_exact(PROMPT)
+    child.sendline("/save again.json")
+    child.expect_exact(PROMPT)
+    assert json.loads((tmp_path / "again.json").read_text())["messages"] == saved["messages"]
+    child.sendline("/bye")
+    child.expect(pexpect.EOF)
