@@ -1,8 +1,9 @@
 """Models of real shapes with random weights, built in memory (no file): for speed work on any machine.
 
 Speed does not depend on weight values, but it does depend on every byte being real memory: the blocks are
-filled with random bytes (tiled from one random buffer, so building an 8B model takes seconds) and every fp16
-scale is set to a small finite value, so no kernel meets NaNs or untouched zero pages.
+filled with random bytes (tiled from one random buffer, so building an 8B model takes seconds, where
+pyllm.synthetic.random_blocks draws every byte) and every fp16 scale is set to a small finite value, so no kernel
+meets NaNs or untouched zero pages.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from ..errors import PyllmError
 from ..gguf import BLOCK_INFO, GGMLType
 from ..quant import QTensor
+from ..synthetic import SCALE_OFFSETS
 from .config import ModelConfig
 
 SHAPES = {
@@ -20,13 +22,6 @@ SHAPES = {
     "llama3-1b": (16, 2048, 8192, 32, 8, 64, 128256, 500000.0, "llama", True),
     "qwen2.5-7b": (28, 3584, 18944, 28, 4, 128, 152064, 1000000.0, "qwen2", False),
     "smollm2-135m": (30, 576, 1536, 9, 3, 64, 49152, 100000.0, "llama", True),
-}
-
-# Byte offsets of the fp16 scale fields inside one block, per type.
-_SCALE_OFFSETS = {
-    GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q5_1: (0, 2), GGMLType.Q8_0: (0,),
-    GGMLType.Q2_K: (80, 82), GGMLType.Q3_K: (108,), GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2),
-    GGMLType.Q6_K: (208,),
 }
 
 # Block type of each tensor role per file type, as llama.cpp's quantizer picks them (Q4_K_M: Q6_K for the output,
@@ -66,7 +61,7 @@ def random_qtensor(qtype: GGMLType, n: int, k: int, name: str = "w", seed: int =
     else:
         blocks = data.view(-1, ts)
         scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
-        for off in _SCALE_OFFSETS[qtype]:
+        for off in SCALE_OFFSETS[qtype]:
             blocks[:, off:off + 2] = scale
     shape = (n, k)
     return QTensor(qtype, shape, data.contiguous(), name=name)
