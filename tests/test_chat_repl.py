@@ -370,7 +370,7 @@ try:
     import pexpect
 except ImportError:  # the unit tests above still run
     pexpect = None
-PROMPT = ">>> "
+PROMPT = ">>>"  # prompt_toolkit moves the cursor over the trailing space instead of printing it
 STATUS = re.compile(r"tok/s[^\]]*\]")
 T = 90  # generous: a cold start on 2 busy cores (imports, model load) takes seconds, not minutes
 
@@ -484,3 +484,87 @@ def test_repl_set_save_load(repl, tmp_path):
     assert json.loads((tmp_path / "again.json").read_text())["messages"] == saved["messages"]
     child.sendline("/bye")
     child.expect(pexpect.EOF)
+
+
+# ---- the REPL's keys with a scripted model (no model file: runs even before the kernels build) --------------------
+
+FAKE_REPL = r'''
+import sys, time
+from types import SimpleNamespace
+from pathlib import Path
+from pyllm.cli.chat import ChatSession, Settings, run_repl
+
+class SlowLLM:
+    n_ctx = 4096
+    path = Path("fake.gguf")
+    config = SimpleNamespace(arch="llama", n_layer=1, n_vocab=10)
+    kv = SimpleNamespace(kind="f16", nbytes=0)
+    generator = SimpleNamespace(tokens=[])
+    weights = {}
+    device, backend, n_threads = "cpu", "fast", 1
+    stats = SimpleNamespace(prompt_tokens=1, prompt_evaluated=1, ttft=0.0, generated_tokens=1, decode_tps=1.0,
+                            finish_reason="eog")
+    def chat_ids(self, messages):
+        self.last = messages[-1]["content"]
+        return [1]
+    def reset(self):
+        pass
+    def generate(self, ids, **kw):
+        if self.last == "story":
+            while True:  # until Ctrl-C
+                time.sleep(0.02)
+                yield "word "
+        yield "you said " + repr(self.last)
+
+chat = ChatSession(SlowLLM(), Settings(), out=sys.stdout, ui=sys.stdout, color=False, terminal=True)
+sys.exit(run_repl(chat, "fake chat. Ctrl-D or /bye to quit"))
+'''
+
+
+def test_repl_keys_with_scripted_model(tmp_path):
+    if pexpect is None:
+        pytest.skip("pexpect is not installed")
+    script = tmp_path / "fake_repl.py"
+    script.write_text(FAKE_REPL)
+    env = dict(ENV, XDG_DATA_HOME=str(tmp_path / "data"), PYTHONPATH=str(Path(__file__).parent.parent))
+    child = pexpect.spawn(sys.executable, [str(script)], env=env, cwd=str(tmp_path), encoding="utf-8",
+                          dimensions=(40, 200), timeout=T)
+    try:
+        child.expect_exact("Ctrl-D or /bye to quit")
+        child.expect_exact(PROMPT)
+        child.send("line one\x1b\r")  # Esc then Enter: a newline, not a send
+        child.send("line two\r")
+        child.expect_exact("you said 'line one\\nline two'")
+        child.expect_exact(PROMPT)
+        child.sendline('"""')
+        child.sendline("block a")
+        child.sendline('block b"""')
+        child.expect_exact("you said 'block a\\nblock b'")
+        child.expect_exact(PROMPT)
+        child.send("half-typed junk")
+        child.sendintr()  # clears the line in place
+        child.sendline("after clear")
+        child.expect_exact("you said 'after clear'")
+        child.expect_exact(PROMPT)
+        child.sendline("story")
+        child.expect_exact("word word word")
+        child.sendintr()
+        child.expect_exact("interrupted]")
+        child.expect_exact(PROMPT)
+        child.sendline("/save c.json")
+        child.expect_exact("saved")
+        child.expect_exact(PROMPT)
+        msgs = json.loads((tmp_path / "c.json").read_text())["messages"]
+        assert msgs[-2]["content"] == "story" and msgs[-1]["content"].startswith("word word word")
+        child.sendintr()  # on an empty line: a hint, not an exit
+        child.expect_exact("Ctrl-D or /bye to quit")
+        child.expect_exact(PROMPT)  # keys sent before the prompt is up would be flushed with the cooked input
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        child.wait()
+        assert child.exitstatus == 0
+        history = (tmp_path / "data" / "pyllm" / "chat_history").read_text()
+        assert "after clear" in history and "half-typed junk" not in history and "block a\n+block b" in history
+    finally:
+        if child.isalive():
+            child.terminate(force=True)
