@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from ..errors import ModelError
 from .config import ModelConfig
+from .gemma3 import Gemma3Model
 from .llama import LlamaModel
+from .phi3 import Phi3Model
 
 ARCHITECTURES = {
     "llama": LlamaModel,
     "mistral": LlamaModel,
     "qwen2": LlamaModel,
     "qwen3": LlamaModel,
+    "gemma3": Gemma3Model,
+    "phi3": Phi3Model,
 }
 
 

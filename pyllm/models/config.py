@@ -104,4 +104,22 @@ class ModelConfig:
             tied_output="output.weight" not in tensor_names,
             sliding_window=get_int("attention.sliding_window", 0, lo=0),
         )
+        scaling = get("rope.scaling.type")
+        factor = get("rope.scaling.factor", 1.0)
+        if scaling not in (None, "none", "linear", "llama3"):  # llama3 scaling travels as the rope_freqs tensor
+            raise ModelError(f"{source}: {arch}.rope.scaling.type = {scaling!r} is not supported")
+        if scaling == "linear" and factor != 1.0:
+            if arch != "gemma3" or not isinstance(factor, (int, float)) or not factor > 0:
+                raise ModelError(f"{source}: linear rope scaling (factor {factor!r}) is not supported for {arch}")
+            cfg.extra["rope_scale"] = float(factor)  # gemma3 scales its global layers only
+        if arch == "gemma3":
+            # llama.cpp hard-codes these for gemma3 (no metadata keys): local RoPE base 10000, a global layer every
+            # 6th, and queries scaled by head_dim**-0.5 except for 27B (62 layers), which uses n_embd / n_head.
+            cfg.extra.update(
+                rope_local_base=float(get("rope.local_freq_base", 10000.0)),
+                swa_pattern=6,
+                query_pre_attn_scalar=n_embd // n_head if cfg.n_layer == 62 else head_dim,
+                final_logit_softcapping=float(get("final_logit_softcapping", 0.0) or 0.0),
+                attn_logit_softcapping=float(get("attn_logit_softcapping", 0.0) or 0.0),
+            )
         return cfg

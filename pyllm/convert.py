@@ -1,0 +1,293 @@
+"""Hugging Face checkpoint (config.json, safetensors, tokenizer.json) -> GGUF, written with the ``gguf`` package.
+
+The output follows llama.cpp's convert_hf_to_gguf.py where it matters for loading: tensor names from gguf's
+TensorNameMap, llama-arch Q/K rows permuted for the interleaved rotation, llama3 rope scaling as a ``rope_freqs``
+tensor, Gemma norms stored as (1 + w), byte-level BPE vocabularies with merges and the pre-tokenizer name.
+Weights are quantized by pyllm.quantize (1-D tensors stay float32, as llama.cpp keeps them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .errors import PyllmError
+from .gguf import GGMLType
+from .quantize import QUANTIZERS, quantize
+
+
+class ConvertError(PyllmError):
+    pass
+
+
+# HF model_type -> GGUF architecture. Mistral is written as "llama" (as llama.cpp does) plus its sliding window.
+ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+        "gemma3_text": "gemma3"}
+PERMUTE_QK = {"llama"}  # archs whose runtime uses the interleaved ("norm") rotation
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
+BASE_TYPE = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0,
+             "q4_k_m": GGMLType.Q4_K}
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp's LlamaModel.permute: HF's half-split rotation order -> interleaved pairs within each head.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise ConvertError(f"{path}: cannot read JSON ({e})") from e
+
+
+def _load_tensors(d: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ConvertError(f"{d}: no *.safetensors files (only safetensors checkpoints are supported)")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as s:
+            for k in s.keys():
+                out[k] = s.get_tensor(k)
+    return out
+
+
+def _rope(cfg: dict) -> tuple[float, dict]:
+    # transformers 5 writes rope_parameters (theta inside); older configs write rope_theta + rope_scaling.
+    rp = dict(cfg.get("rope_parameters") or {})
+    if "full_attention" in rp:  # per-layer-type parameters (gemma3): the global layers' are the file's
+        rp = dict(rp["full_attention"])
+    rs = dict(cfg.get("rope_scaling") or {})
+    theta = cfg.get("rope_theta") or rp.get("rope_theta") or 10000.0
+    scaling = {**rs, **rp}
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    return float(theta), scaling | {"rope_type": kind}
+
+
+def _llama3_factors(theta: float, dim: int, sc: dict) -> np.ndarray:
+    # llama.cpp LlamaModel.generate_extra_tensors: per-frequency divisors that transformers' llama3 rope applies.
+    factor = sc.get("factor", 8.0)
+    lo, hi = sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+    old = sc.get("original_max_position_embeddings", 8192)
+    freqs = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    lo_wl, hi_wl = old / lo, old / hi
+    out = []
+    for f in freqs.tolist():
+        wl = 2 * math.pi / f
+        if wl < hi_wl:
+            out.append(1.0)
+        elif wl > lo_wl:
+            out.append(factor)
+        else:
+            smooth = (old / wl - lo) / (hi - lo)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _pretokenizer_name(tj: dict) -> str:
+    """llama.cpp names the pre-tokenizer by hashing its output; we recognise the tokenizer.json structure."""
+    pt = tj.get("pre_tokenizer") or {}
+    parts = pt.get("pretokenizers", [pt]) if pt.get("type") == "Sequence" else [pt]
+    text = json.dumps(parts)
+    if any(p.get("type") == "Digits" and p.get("individual_digits") for p in parts):
+        return "smollm"
+    if "\\\\p{N}{1,3}" in text or "\\p{N}{1,3}" in text:
+        return "llama-bpe"
+    if "[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?\\\\p{L}+|\\\\p{N}|" in text or "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|" in text:
+        return "qwen2"
+    if len(parts) == 1 and parts[0].get("type") == "ByteLevel" and parts[0].get("use_regex", True):
+        return "gpt2"
+    raise ConvertError(f"unrecognised pre-tokenizer in tokenizer.json: {text[:200]}")
+
+
+def _token_id(tok, vocab: dict) -> int | None:
+    if isinstance(tok, dict):
+        tok = tok.get("content")
+    return vocab.get(tok) if isinstance(tok, str) else None
+
+
+def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
+    import gguf
+
+    tj = _read_json(d / "tokenizer.json")
+    tc = _read_json(d / "tokenizer_config.json")
+    model = tj.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        raise ConvertError(f"{d}/tokenizer.json: only byte-level BPE tokenizers are supported "
+                           f"(model type {model.get('type')!r})")
+    vocab = dict(model["vocab"])
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    for i, a in added.items():
+        vocab[a["content"]] = i
+    if max(vocab.values()) >= n_vocab:
+        raise ConvertError(f"{d}: tokenizer has id {max(vocab.values())} but the model's vocab_size is {n_vocab}")
+    tokens = [f"[PAD{i}]" for i in range(n_vocab)]
+    types = [gguf.TokenType.UNUSED] * n_vocab
+    for t, i in vocab.items():
+        tokens[i] = t
+        a = added.get(i)
+        types[i] = (gguf.TokenType.NORMAL if a is None else
+                    gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(_pretokenizer_name(tj))
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    bos = _token_id(tc.get("bos_token"), vocab)
+    eos = _token_id(tc.get("eos_token"), vocab)
+    bos = bos if bos is not None else cfg.get("bos_token_id")
+    eos = eos if eos is not None else cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0]
+    if bos is not None:
+        w.add_bos_token_id(int(bos))
+    if eos is not None:
+        w.add_eos_token_id(int(eos))
+    pad = _token_id(tc.get("pad_token"), vocab)
+    if pad is not None:
+        w.add_pad_token_id(pad)
+    w.add_add_bos_token(bool(tc.get("add_bos_token", False)))
+    tmpl = tc.get("chat_template")
+    if isinstance(tmpl, list):  # named templates: the default one
+        tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+    if tmpl is None and (d / "chat_template.jinja").exists():
+        tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+    if tmpl:
+        w.add_chat_template(tmpl)
+
+
+def _tensor_type(name: str, arr_shape: tuple, ftype: str, layer_info: tuple[int, int] | None,
+                 tied: bool) -> GGMLType:
+    if len(arr_shape) == 1 or ftype == "f32":
+        return GGMLType.F32
+    t = BASE_TYPE[ftype]
+    if ftype == "q4_k_m":
+        # llama.cpp's Q4_K_M mix: Q6_K for the output head and for attn_v / ffn_down on the "more bits" layers
+        # (first and last eighth, and every third in between). A tied embedding is the output head too.
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            t = GGMLType.Q6_K
+        elif layer_info and (".attn_v." in name or ".ffn_down." in name):
+            i, n = layer_info
+            if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2:
+                t = GGMLType.Q6_K
+    bs = QUANTIZERS[t][0] if t in QUANTIZERS else 1
+    if arr_shape[-1] % bs:
+        # Rows that do not hold whole blocks: a 32-block type if it fits (llama.cpp falls back similarly), else f16.
+        t = GGMLType.Q8_0 if arr_shape[-1] % 32 == 0 else GGMLType.F16
+    return t
+
+
+def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=print) -> Path:
+    import gguf
+
+    d, out_path = Path(hf_dir), Path(out_path)
+    if ftype not in BASE_TYPE:
+        raise ConvertError(f"unknown --type {ftype!r} (choose one of: {', '.join(BASE_TYPE)})")
+    if not d.is_dir():
+        raise ConvertError(f"{d}: not a directory (expected a Hugging Face checkpoint)")
+    cfg = _read_json(d / "config.json")
+    if not cfg:
+        raise ConvertError(f"{d}: config.json is missing")
+    if "text_config" in cfg and cfg.get("model_type") not in ARCH:
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    mt = cfg.get("model_type")
+    arch = ARCH.get(mt)
+    if arch is None:
+        raise ConvertError(f"{d}/config.json: model_type {mt!r} is not supported (supported: {', '.join(ARCH)})")
+    tensors = _load_tensors(d)
+    n_layer, n_embd = cfg["num_hidden_layers"], cfg["hidden_size"]
+    n_head = cfg["num_attention_heads"]
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    head_dim = cfg.get("head_dim") or n_embd // n_head
+    theta, rs = _rope(cfg)
+    rope_dim = int(head_dim * cfg.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0)))
+    n_vocab = cfg.get("vocab_size") or tensors["model.embed_tokens.weight"].shape[0]
+
+    w = gguf.GGUFWriter(str(out_path), arch)
+    w.add_name(cfg.get("_name_or_path") or d.name)
+    w.add_file_type(FILE_TYPES[ftype])
+    w.add_context_length(cfg.get("max_position_embeddings", 4096))
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(rope_dim)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))
+    w.add_vocab_size(n_vocab)
+    if cfg.get("sliding_window") and (mt in ("mistral", "phi3", "gemma3_text")
+                                      and cfg.get("use_sliding_window", True) is not False):
+        w.add_sliding_window(int(cfg["sliding_window"]))
+    kind = rs["rope_type"]
+    extra: dict[str, np.ndarray] = {}
+    if kind == "llama3":
+        extra["rope_freqs.weight"] = _llama3_factors(theta, rope_dim, rs)
+    elif kind == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rs["factor"]))
+    elif kind != "default":
+        raise ConvertError(f"{d}/config.json: rope scaling {kind!r} is not supported (default, linear, llama3)")
+    if mt == "gemma3_text":
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention", {}).get("rope_theta")
+        local = local or cfg.get("rope_local_base_freq") or 10000.0
+        if float(local) != 10000.0:
+            w.add_key_value(f"{arch}.rope.local_freq_base", float(local), gguf.GGUFValueType.FLOAT32)
+        if cfg.get("query_pre_attn_scalar") not in (None, head_dim):
+            raise ConvertError(f"{d}: query_pre_attn_scalar {cfg['query_pre_attn_scalar']} != head_dim "
+                               "is not representable in gemma3 GGUF metadata")
+    _write_tokenizer(w, d, cfg, n_vocab)
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
+    tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in tensors
+    out: list[tuple[str, torch.Tensor]] = []
+    for hf_name, t in tensors.items():
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        if "rotary_emb.inv_freq" in hf_name:
+            continue
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ConvertError(f"{d}: tensor {hf_name} has no GGUF name for architecture {arch}")
+        t = t.float()
+        if arch in PERMUTE_QK and name.endswith("attn_q.weight"):
+            t = _permute(t, n_head)
+        elif arch in PERMUTE_QK and name.endswith("attn_k.weight"):
+            t = _permute(t, n_kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1  # llama.cpp stores Gemma's (1 + w) so the runtime's plain RMSNorm applies
+        out.append((name, t))
+    for name, a in extra.items():
+        out.append((name, torch.from_numpy(a)))
+
+    for name, t in out:
+        m = re.match(r"blk\.(\d+)\.", name)
+        qt = _tensor_type(name, tuple(t.shape), ftype, (int(m.group(1)), n_layer) if m else None, tied)
+        a = t.numpy()
+        if qt == GGMLType.F32:
+            w.add_tensor(name, a.astype(np.float32))
+        elif qt == GGMLType.F16:
+            w.add_tensor(name, a.astype(np.float16))
+        else:
+            raw = quantize(a.reshape(-1, a.shape[-1]), qt)
+            w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(int(qt)))
+        if log:
+            log(f"{name:32s} {qt.name:5s} {tuple(t.shape)}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path

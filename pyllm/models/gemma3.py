@@ -1,0 +1,111 @@
+"""Gemma 3 decoder: the llama skeleton with Gemma's differences, reusing llama.py's helpers.
+
+Differences from LlamaModel (each checked against transformers' Gemma3ForCausalLM and llama.cpp's gemma3 graph):
+- the input embedding is multiplied by sqrt(n_embd) (the tied output head is not);
+- RMSNorm is x * (1 + w); llama.cpp's converter already stored (1 + w) in the file, so the plain rms_norm applies;
+- pre- and post-norms around both attention and MLP (post_attention_norm, post_ffw_norm);
+- QK-norm, GeGLU with the tanh GELU;
+- local layers attend to a sliding window with their own RoPE base (10000); every ``swa_pattern``-th layer is
+  global with rope.freq_base (and rope scaling, if any);
+- queries scaled by query_pre_attn_scalar**-0.5 (head_dim except for 27B, where it is n_embd / n_head);
+- optional soft-capping of the final logits (gemma2-style metadata; gemma3 files normally have none).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelError
+from .config import ModelConfig
+from .llama import Linear, apply_rope, attention, rms_norm, rope_tables
+
+
+class Gemma3Model:
+    LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+                     "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
+
+    def __init__(self, cfg: ModelConfig, weights: dict, linear: Linear, embed: Callable, max_pos: int):
+        self.cfg = cfg
+        self.w = weights
+        self.linear = linear
+        self.embed = embed
+        need = ["token_embd.weight", "output_norm.weight"]
+        for i in range(cfg.n_layer):
+            need += [f"blk.{i}.{n}.weight" for n in self.LAYER_TENSORS]
+        missing = [n for n in need if n not in weights]
+        if missing:
+            raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        ex = cfg.extra
+        self.output = weights.get("output.weight", weights["token_embd.weight"])
+        self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}
+        pattern = int(ex.get("swa_pattern", 6))
+        # llama.cpp and transformers agree: layer i is global when (i + 1) % pattern == 0.
+        self.is_global = [pattern <= 0 or (i + 1) % pattern == 0 for i in range(cfg.n_layer)]
+        self.window = cfg.sliding_window
+        scale_g = float(ex.get("rope_scale", 1.0))  # linear rope scaling applies to the global layers only
+        n_tab = max_pos
+        self.rope_global = rope_tables(cfg, n_tab, base=cfg.rope_base)
+        if scale_g != 1.0:
+            self.rope_global = self._scaled(cfg, n_tab, cfg.rope_base, scale_g)
+        self.rope_local = rope_tables(cfg, n_tab, base=float(ex.get("rope_local_base", 10000.0)))
+        self.scale = float(ex.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
+        # HF multiplies by the embed scale cast to the activation dtype; in float32 that is this float32 value.
+        self.embed_scale = torch.tensor(math.sqrt(cfg.n_embd), dtype=torch.float32)
+        self.final_softcap = float(ex.get("final_logit_softcapping", 0.0) or 0.0)
+        if ex.get("attn_logit_softcapping"):
+            raise ModelError(f"{cfg.arch}: attention logit soft-capping is not supported")
+
+    @staticmethod
+    def _scaled(cfg, n_pos, base, factor):
+        half = cfg.rope_dim // 2
+        inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2.0 / cfg.rope_dim))
+        ang = (torch.arange(n_pos, dtype=torch.float64)[:, None] / factor) * inv[None, :]
+        return ang.cos().float(), ang.sin().float()
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
+        cfg, w, vec, lin, eps = self.cfg, self.w, self.vec, self.linear, self.cfg.rms_eps
+        t = tokens.shape[0]
+        x = self.embed(w["token_embd.weight"], tokens) * self.embed_scale
+        sl = slice(start_pos, start_pos + t)
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            glob = self.is_global[i]
+            cos, sin = self.rope_global if glob else self.rope_local
+            h = rms_norm(x, vec[p + "attn_norm.weight"], eps)
+            q = lin(h, w[p + "attn_q.weight"]).view(t, cfg.n_head, cfg.head_dim)
+            k = lin(h, w[p + "attn_k.weight"]).view(t, cfg.n_kv_head, cfg.head_dim)
+            v = lin(h, w[p + "attn_v.weight"]).view(t, cfg.n_kv_head, cfg.head_dim)
+            q = rms_norm(q, vec[p + "attn_q_norm.weight"], eps)
+            k = rms_norm(k, vec[p + "attn_k_norm.weight"], eps)
+            q = apply_rope(q, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
+            k = apply_rope(k, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
+            kv.update(i, start_pos, k, v)
+            attn = functools.partial(attention, start_pos=start_pos, scale=self.scale,
+                                     window=0 if glob else self.window)
+            if start_pos == 0:
+                # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
+                a = attn(q, k.transpose(0, 1), v.transpose(0, 1))
+            elif hasattr(kv, "attend"):
+                a = kv.attend(i, q, start_pos, attn)  # quantized/rotated caches attend in their own storage
+            else:
+                a = attn(q, *kv.view(i, start_pos + t))
+            a = lin(a, w[p + "attn_output.weight"])
+            x = x + rms_norm(a, vec[p + "post_attention_norm.weight"], eps)
+            h = rms_norm(x, vec[p + "ffn_norm.weight"], eps)
+            g = lin(h, w[p + "ffn_gate.weight"])
+            u = lin(h, w[p + "ffn_up.weight"])
+            m = lin(F.gelu(g, approximate="tanh") * u, w[p + "ffn_down.weight"])
+            x = x + rms_norm(m, vec[p + "post_ffw_norm.weight"], eps)
+        if not all_logits:
+            x = x[-1:]
+        x = rms_norm(x, vec["output_norm.weight"], eps)
+        logits = lin(x, self.output)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
