@@ -1,0 +1,188 @@
+// The CUDA launchers' torch boundary: every tensor is checked here (device, dtype, shape, contiguity,
+// alignment), sizes are derived from the tensors, and only raw pointers, ints and the current stream cross
+// into csrc/cuda.  Errors name the argument and the offending value (ValueError / TypeError in Python).
+//
+// register_cuda(m) adds the cuda_* functions to a module: csrc/bindings.cpp calls it under #ifdef PYLLM_CUDA;
+// built with -DPYLLM_CUDA_STANDALONE this file is also a module of its own (pyllm/cuda_backend.py builds
+// it that way when pyllm._C lacks the CUDA functions, so the CUDA side can be tested on its own).
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <string>
+
+#include "cuda_kernels.h"
+
+namespace pyllm {
+namespace {
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dt, int64_t ndim) {
+    TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+    TORCH_CHECK_TYPE(t.scalar_type() == dt, name, " must be ", dt, ", got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == ndim, name, " must have ", ndim, " dimensions, got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (shape ", t.sizes(), ", strides ", t.strides(), ")");
+}
+
+void check_same_device(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
+    TORCH_CHECK_VALUE(a.device() == b.device(), an, " is on ", a.device(), " but ", bn, " is on ", b.device());
+}
+
+QType to_qtype(int64_t id) {
+    const QTypeTraits* tr = qtype_traits(static_cast<int>(id));
+    TORCH_CHECK_VALUE(tr != nullptr, "qtype ", id, " is not a GGML type id");
+    return static_cast<QType>(id);
+}
+
+cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// Checks w against (qtype, K) and returns (N, row_bytes).
+std::pair<int64_t, int64_t> check_weight(const at::Tensor& w, QType t, int64_t K) {
+    check_tensor(w, "w", at::kByte, 2);
+    const QTypeTraits* tr = qtype_traits(static_cast<int>(t));
+    TORCH_CHECK_VALUE(K > 0 && K % tr->block_size == 0, "K=", K, " is not a positive multiple of the ", tr->name,
+                      " block size ", tr->block_size);
+    const int64_t row_bytes = static_cast<int64_t>(qtype_row_bytes(t, K));
+    TORCH_CHECK_VALUE(w.size(1) == row_bytes, "w has rows of ", w.size(1), " bytes, but ", tr->name, " with K=", K,
+                      " needs ", row_bytes);
+    TORCH_CHECK_VALUE(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31), "w has ", w.size(0),
+                      " rows; 1 .. 2^31-1 supported");
+    TORCH_CHECK_VALUE(K < (int64_t{1} << 30), "K=", K, " is too large");
+    return {w.size(0), row_bytes};
+}
+
+at::Tensor gemv(const at::Tensor& w, int64_t qtype, const at::Tensor& x, std::optional<at::Tensor> out) {
+    const QType t = to_qtype(qtype);
+    TORCH_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
+                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K)");
+    check_tensor(x, "x", at::kFloat, 2);
+    check_same_device(w, "w", x, "x");
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK_VALUE(M >= 1 && M <= CUDA_GEMV_MAX_M, "cuda_gemv: x has M=", M, " rows; the fused GEMV takes 1..",
+                      CUDA_GEMV_MAX_M, " (dequantize + matmul above)");
+    const auto [N, row_bytes] = check_weight(w, t, K);
+    const int align = gemv_cuda_alignment(t);
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(w.data_ptr()) % align == 0, "cuda_gemv: ", qtype_name(t),
+                      " weights must be ", align, "-byte aligned; w.data_ptr() % ", align, " = ",
+                      reinterpret_cast<uintptr_t>(w.data_ptr()) % align, " (use a fresh copy, not a byte-offset view)");
+    at::Tensor y;
+    if (out) {
+        y = *out;
+        check_tensor(y, "out", at::kFloat, 2);
+        check_same_device(w, "w", y, "out");
+        TORCH_CHECK_VALUE(y.size(0) == M && y.size(1) == N, "out has shape ", y.sizes(), ", expected [", M, ", ", N, "]");
+    } else {
+        y = at::empty({M, N}, x.options());
+    }
+    const c10::cuda::CUDAGuard guard(x.device());
+    const cudaStream_t s = stream_of(x);
+    at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor xds = at::empty({M, K / 32, 2}, x.options());
+    quantize_act_cuda(x.data_ptr<float>(), xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()),
+                      static_cast<int>(M), static_cast<int>(K), s);
+    gemv_cuda(t, w.data_ptr<uint8_t>(), static_cast<size_t>(row_bytes), xq.data_ptr<int8_t>(),
+              reinterpret_cast<const float2*>(xds.data_ptr<float>()), y.data_ptr<float>(), static_cast<int>(M),
+              static_cast<int>(N), static_cast<int>(K), s);
+    return y;
+}
+
+// (xq int8 [M, K], xds f32 [M, K/32, 2]) exactly as cuda_gemv prepares them (for tests and reuse).
+std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x) {
+    check_tensor(x, "x", at::kFloat, 2);
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK_VALUE(M >= 1 && K > 0 && K % 32 == 0, "cuda_quantize_act: x shape ", x.sizes(),
+                      " needs M >= 1 and K a positive multiple of 32");
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor xds = at::empty({M, K / 32, 2}, x.options());
+    quantize_act_cuda(x.data_ptr<float>(), xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()),
+                      static_cast<int>(M), static_cast<int>(K), stream_of(x));
+    return {xq, xds};
+}
+
+// Rows of W (all, or ids) as fp16 (half=True) or fp32.  check_ids=False skips the range check, which needs a
+// device->host sync: for CUDA-graph capture, where the caller guarantees the ids.
+at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, std::optional<at::Tensor> ids, bool half,
+                      bool check_ids) {
+    const QType t = to_qtype(qtype);
+    TORCH_CHECK_VALUE(dequant_cuda_supported(t), "cuda_dequantize: type ", qtype_name(t), " has no CUDA kernel");
+    const auto [N, row_bytes] = check_weight(w, t, K);
+    TORCH_CHECK_VALUE(K % 8 == 0, "cuda_dequantize: K=", K, " must be a multiple of 8");
+    int64_t n_out = N;
+    const int64_t* idp = nullptr;
+    if (ids) {
+        check_tensor(*ids, "ids", at::kLong, 1);
+        check_same_device(w, "w", *ids, "ids");
+        n_out = ids->size(0);
+        if (check_ids && n_out > 0) {
+            const int64_t lo = ids->min().item<int64_t>(), hi = ids->max().item<int64_t>();
+            TORCH_CHECK_VALUE(lo >= 0 && hi < N, "cuda_dequantize: row index ", lo < 0 ? lo : hi,
+                              " is out of range for ", N, " rows");
+        }
+        idp = ids->data_ptr<int64_t>();
+    }
+    const c10::cuda::CUDAGuard guard(w.device());
+    at::Tensor out = at::empty({n_out, K}, w.options().dtype(half ? at::kHalf : at::kFloat));
+    dequantize_cuda(t, w.data_ptr<uint8_t>(), static_cast<size_t>(row_bytes), idp, n_out, static_cast<int>(K),
+                    half ? reinterpret_cast<__half*>(out.data_ptr<at::Half>()) : nullptr,
+                    half ? nullptr : out.data_ptr<float>(), stream_of(w));
+    return out;
+}
+
+// q [H, D] f32; k, v [Hkv, max_seq, D] f16; len int32 [1] on the device (valid positions) -> out [H, D] f32.
+at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& len,
+                       double scale) {
+    check_tensor(q, "q", at::kFloat, 2);
+    check_tensor(k, "k", at::kHalf, 3);
+    check_tensor(v, "v", at::kHalf, 3);
+    check_tensor(len, "len", at::kInt, 1);
+    check_same_device(q, "q", k, "k");
+    check_same_device(q, "q", v, "v");
+    check_same_device(q, "q", len, "len");
+    TORCH_CHECK_VALUE(len.numel() == 1, "len must hold one value, got shape ", len.sizes());
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k has shape ", k.sizes(), " but v has ", v.sizes());
+    const int64_t H = q.size(0), D = q.size(1), Hkv = k.size(0), max_seq = k.size(1);
+    TORCH_CHECK_VALUE(k.size(2) == D, "k has head_dim ", k.size(2), " but q has ", D);
+    TORCH_CHECK_VALUE(attn_decode_supported_head_dim(static_cast<int>(D)), "cuda_attn_decode: head_dim ", D,
+                      " is not supported (64, 128, 256)");
+    TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "cuda_attn_decode: ", H, " query heads is not a multiple of ", Hkv,
+                      " KV heads");
+    TORCH_CHECK_VALUE(max_seq >= 1 && max_seq < (int64_t{1} << 30), "cuda_attn_decode: max_seq=", max_seq);
+    const c10::cuda::CUDAGuard guard(q.device());
+    const int chunks = attn_decode_chunks(static_cast<int>(max_seq));
+    at::Tensor part_o = at::empty({H, chunks, D}, q.options());
+    at::Tensor part_ml = at::empty({H, chunks, 2}, q.options());
+    at::Tensor out = at::empty({H, D}, q.options());
+    attn_decode_cuda(q.data_ptr<float>(), reinterpret_cast<const __half*>(k.data_ptr<at::Half>()),
+                     reinterpret_cast<const __half*>(v.data_ptr<at::Half>()), len.data_ptr<int>(),
+                     part_o.data_ptr<float>(), part_ml.data_ptr<float>(), out.data_ptr<float>(), static_cast<int>(H),
+                     static_cast<int>(Hkv), static_cast<int>(D), static_cast<int>(max_seq), static_cast<float>(scale),
+                     stream_of(q));
+    return out;
+}
+
+}  // namespace
+
+void register_cuda(pybind11::module& m) {
+    namespace py = pybind11;
+    m.def("cuda_gemv_supported", [](int64_t qtype) { return gemv_cuda_supported(to_qtype(qtype)); }, py::arg("qtype"),
+          "Whether the fused CUDA GEMV handles this GGML type id.");
+    m.def("cuda_dequant_supported", [](int64_t qtype) { return dequant_cuda_supported(to_qtype(qtype)); },
+          py::arg("qtype"), "Whether cuda_dequantize handles this GGML type id.");
+    m.def("cuda_gemv", &gemv, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("out") = py::none(),
+          "y [M, N] f32 = x [M, K] f32 @ W^T for M <= 8, W uint8 [N, row_bytes] raw GGUF blocks on the GPU.");
+    m.def("cuda_quantize_act", &quantize_act, py::arg("x"),
+          "The int8 activation codes and (d, d*sum) scales cuda_gemv computes from x [M, K].");
+    m.def("cuda_dequantize", &dequantize, py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("ids") = py::none(),
+          py::arg("half") = true, py::arg("check_ids") = true,
+          "Rows of W (all, or ids int64 [n]) -> [n, K] fp16 (half) or fp32, equal to gguf.quants in fp32.");
+    m.def("cuda_attn_decode", &attn_decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("len"),
+          py::arg("scale"),
+          "One token's attention: q [H, D] f32 over k, v [Hkv, max_seq, D] f16, first len[0] positions.");
+}
+
+}  // namespace pyllm
+
+#ifdef PYLLM_CUDA_STANDALONE
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { pyllm::register_cuda(m); }
+#endif

@@ -1,0 +1,94 @@
+// Small helpers every CUDA file uses: byte-packed integer math that also runs on the host (so the per-type
+// GEMV math is checked on CPU-only CI by tests/gpu/gemv_host_selftest.cu), aligned loads, and launch checks.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../common/decode.h"
+
+// "#pragma unroll" in __host__ __device__ code: g++ warns about the pragma in nvcc's host pass.
+#if defined(__CUDA_ARCH__)
+#define PYLLM_UNROLL _Pragma("unroll")
+#else
+#define PYLLM_UNROLL
+#endif
+
+namespace pyllm {
+namespace cuda {
+
+// Sum of the 4 signed byte products of a and b, plus c: the inner product of every quantized dot (dp4a).
+PYLLM_HD inline int dp4a(int a, int b, int c) {
+#if defined(__CUDA_ARCH__)
+    return __dp4a(a, b, c);
+#else
+    for (int i = 0; i < 4; ++i)
+        c += static_cast<int>(static_cast<int8_t>(a >> (8 * i))) * static_cast<int>(static_cast<int8_t>(b >> (8 * i)));
+    return c;
+#endif
+}
+
+// Per-byte a - b, wrapping: turns 6-bit codes 0..63 into signed int8 -32..31 four at a time (Q6_K).
+PYLLM_HD inline int vsub4(int a, int b) {
+#if defined(__CUDA_ARCH__)
+    return static_cast<int>(__vsub4(static_cast<unsigned>(a), static_cast<unsigned>(b)));
+#else
+    uint32_t r = 0;
+    for (int i = 0; i < 4; ++i)
+        r |= static_cast<uint32_t>(static_cast<uint8_t>((a >> (8 * i)) - (b >> (8 * i)))) << (8 * i);
+    return static_cast<int>(r);
+#endif
+}
+
+// fp16 bits -> float; the hardware conversion on the device, the exact bit version on the host.
+PYLLM_HD inline float h2f(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+    return __half2float(__ushort_as_half(h));
+#else
+    return fp16_to_fp32(h);
+#endif
+}
+
+// Loads at the alignment each block layout guarantees.  Blocks of 18/22/34/210 bytes are only 2-byte
+// aligned, so their 32-bit words are assembled from two 16-bit loads (still coalesced across the warp).
+PYLLM_HD inline uint16_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+PYLLM_HD inline int ld_i32_a2(const uint8_t* p) {
+    const uint16_t* q = reinterpret_cast<const uint16_t*>(p);
+    return static_cast<int>(static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 16));
+}
+PYLLM_HD inline int ld_i32(const uint8_t* p) { return *reinterpret_cast<const int*>(p); }
+PYLLM_HD inline int4 ld_i128(const void* p) { return *reinterpret_cast<const int4*>(p); }  // 16-byte aligned
+PYLLM_HD inline int2 ld_i64(const void* p) { return *reinterpret_cast<const int2*>(p); }   // 8-byte aligned
+
+// Moves bits 0..3 of h to bit 4 of bytes 0..3: the 5th bit of four Q5_0 codes.
+PYLLM_HD inline int spread_bit4(uint32_t h) {
+    return static_cast<int>(((h << 4) & 0x10u) | ((h << 11) & 0x1000u) | ((h << 18) & 0x100000u) |
+                            ((h << 25) & 0x10000000u));
+}
+
+// Throws with the launcher's name when a launch failed (bad configuration, no kernel image for this GPU).
+inline void check_launch(const char* what) {
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
+}
+
+#if defined(__CUDACC__)
+// Sum over the 32 lanes of a warp; every lane gets the total.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+#endif
+
+}  // namespace cuda
+}  // namespace pyllm

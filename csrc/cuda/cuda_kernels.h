@@ -1,0 +1,68 @@
+// Every CUDA launcher: raw device pointers, sizes and an explicit stream (always the last argument), no
+// torch.  csrc/cuda/bindings_cuda.cpp checks tensors and calls these; launchers assume valid sizes and
+// throw std::invalid_argument (unsupported type, naming it) or std::runtime_error (launch failure).
+//
+// Shapes use torch order: a weight is N rows of K values, each row K / block_size GGUF blocks of
+// row_bytes bytes, rows back to back.  x: [M, K] fp32, y: [M, N] fp32, all row-major and contiguous.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/qtype.h"
+
+namespace pyllm {
+
+// ---- decode GEMV (gemv.cu) --------------------------------------------------------------------------------
+constexpr int CUDA_GEMV_MAX_M = 8;  // above this many activation rows, dequantize + cuBLAS wins (prefill)
+
+// Types the fused GEMV handles: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K.
+bool gemv_cuda_supported(QType t);
+
+// Weight-pointer alignment the GEMV needs for type t (16 for Q4_K/Q5_K, whose 16-byte loads need it).
+int gemv_cuda_alignment(QType t);
+
+// x [M, K] fp32 -> xq int8 [M, K] + xds float2 [M, K/32] = (d, d * sum(codes)) per 32 values.
+// K % 32 == 0, 1 <= M.
+void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cudaStream_t stream);
+
+// y[m, n] = sum_k x[m, k] * W[n, k] for 1 <= M <= CUDA_GEMV_MAX_M, from activations prepared by
+// quantize_act_cuda.  w: N * row_bytes bytes, aligned to gemv_cuda_alignment(t); K % block_size == 0.
+void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
+               int N, int K, cudaStream_t stream);
+
+// AWQ int4 slot: the AWQ engineer declares gemv_awq_cuda(...) here, over its repacked layout, reusing
+// quantize_act_cuda (see the note at the end of gemv_types.cuh).
+
+// ---- dequantize (dequant.cu) -------------------------------------------------------------------------------
+// Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows).
+bool dequant_cuda_supported(QType t);
+
+// out[i, :] = W[ids ? ids[i] : i, :] as fp16 (out_f16) or fp32 (out_f32; exactly one non-null); n_out rows.
+// Values equal gguf.quants.dequantize in fp32 bit for bit (fp16: that value rounded to nearest).
+// ids are device int64 and must lie in [0, N) (the caller checks; a bad id reads out of bounds).
+void dequantize_cuda(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_out, int K,
+                     __half* out_f16, float* out_f32, cudaStream_t stream);
+
+// ---- decode attention (attention.cu) ----------------------------------------------------------------------
+// Head sizes the kernel is instantiated for.
+bool attn_decode_supported_head_dim(int D);
+
+// Number of key chunks (split-K partitions) for a cache of max_seq positions; sizes the scratch buffers.
+int attn_decode_chunks(int max_seq);
+
+// One new token's attention over an fp16 KV cache (flash-decoding: each CTA scores one chunk of positions for
+// the query heads of one KV head, a second kernel merges the chunks).
+//   q   [H, D] fp32 (RoPE applied); k, v [Hkv, max_seq, D] fp16 (one layer of the cache);
+//   len: device int32, the number of valid positions (1..max_seq), read on the device so the call can be
+//        captured once in a CUDA graph and replayed for every position;
+//   part_o [H, chunks, D] fp32 and part_ml [H, chunks, 2] fp32: scratch (chunks = attn_decode_chunks);
+//   out [H, D] fp32.  H % Hkv == 0.
+void attn_decode_cuda(const float* q, const __half* k, const __half* v, const int* len, float* part_o,
+                      float* part_ml, float* out, int H, int Hkv, int D, int max_seq, float scale,
+                      cudaStream_t stream);
+
+}  // namespace pyllm

@@ -1,0 +1,170 @@
+// Decode GEMV: y[M, N] = x[M, K] @ W[N, K]^T for 1..8 activation rows, W read once in its GGUF block form
+// and dequantized in registers (the per-type math is in gemv_types.cuh).
+//
+// Shape of the work: a CTA of 4 warps owns R rows (R = 1 for M = 1, else 2, as ggml's mmvq: two rows share
+// each activation load once M > 1).  Its 128 threads walk the row's slots (16- or 32-value pieces of blocks)
+// with stride 128, so each warp reads a contiguous run of the row; partial sums are reduced across the warp
+// by shuffles and across the 4 warps through shared memory.  Accumulation is fp32 per slot, int32 inside.
+//
+// Why this shape: at batch 1 the GEMV is a stream over W; one row per CTA gives N CTAs (>= 4096 for every
+// Llama-3 matrix), enough independent loads in flight to cover HBM latency without a split-K reduction.
+#include "cuda_kernels.h"
+#include "gemv_types.cuh"
+
+namespace pyllm {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+
+// x -> int8 codes per 32 values.  8 lanes own one 32-value block (4 values each), so the block's max and
+// code sum are 3 shuffles away; groups of 8 lanes never straddle a block because K % 32 == 0.
+__global__ void __launch_bounds__(256) quantize_act_kernel(const float* __restrict__ x, int8_t* __restrict__ xq,
+                                                           float2* __restrict__ xds, int64_t n_vals) {
+    const int64_t i4 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+    const bool live = i4 < n_vals;
+    float4 v = live ? *reinterpret_cast<const float4*>(x + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
+    float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float d = amax / 127.0f;
+    // __fdiv_rn: IEEE division even under --use_fast_math, so the codes are reproducible by a numpy reference
+    const int q0 = d > 0.f ? __float2int_rn(__fdiv_rn(v.x, d)) : 0;
+    const int q1 = d > 0.f ? __float2int_rn(__fdiv_rn(v.y, d)) : 0;
+    const int q2 = d > 0.f ? __float2int_rn(__fdiv_rn(v.z, d)) : 0;
+    const int q3 = d > 0.f ? __float2int_rn(__fdiv_rn(v.w, d)) : 0;
+    int sum = q0 + q1 + q2 + q3;
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (!live) return;
+    const uint32_t packed = (static_cast<uint32_t>(q0) & 0xffu) | ((static_cast<uint32_t>(q1) & 0xffu) << 8) |
+                            ((static_cast<uint32_t>(q2) & 0xffu) << 16) | ((static_cast<uint32_t>(q3) & 0xffu) << 24);
+    *reinterpret_cast<uint32_t*>(xq + i4) = packed;
+    if ((threadIdx.x & 7) == 0) xds[i4 / kActBlock] = make_float2(d, d * static_cast<float>(sum));
+}
+
+template <QType T, int M, int R>
+__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
+                                                        const int8_t* __restrict__ xq,
+                                                        const float2* __restrict__ xds, float* __restrict__ y,
+                                                        int N, int K) {
+    using Ty = GemvType<T>;
+    const int row0 = blockIdx.x * R;
+    const int n_slots = (K / Ty::kElems) * Ty::kSlots;
+    const int nds = K / kActBlock;
+    const uint8_t* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w + static_cast<size_t>(min(row0 + r, N - 1)) * row_bytes;  // tail rows read row N-1, never written
+
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+
+    for (int s = threadIdx.x; s < n_slots; s += kThreads) {
+        const int kb = s / Ty::kSlots, sl = s % Ty::kSlots;
+        const int8_t* xb = xq + static_cast<size_t>(kb) * Ty::kElems;
+        const float2* db = xds + static_cast<size_t>(kb) * (Ty::kElems / kActBlock);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const typename Ty::Frag f = Ty::load(wr[r] + static_cast<size_t>(kb) * Ty::kBytes, sl);
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+                acc[m][r] += Ty::dot(f, sl, xb + static_cast<size_t>(m) * K, db + static_cast<size_t>(m) * nds);
+        }
+    }
+
+    __shared__ float red[kWarps][M * R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = warp_sum(acc[m][r]);
+            if (lane == 0) red[warp][m * R + r] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < M * R) {
+        const int m = threadIdx.x / R, r = threadIdx.x % R;
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < kWarps; ++i) v += red[i][threadIdx.x];
+        if (row0 + r < N) y[static_cast<size_t>(m) * N + row0 + r] = v;
+    }
+}
+
+template <QType T, int M>
+void launch_m(const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N, int K,
+              cudaStream_t stream) {
+    constexpr int R = M == 1 ? 1 : 2;
+    gemv_kernel<T, M, R><<<(N + R - 1) / R, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K);
+}
+
+template <QType T>
+void launch_type(int M, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N,
+                 int K, cudaStream_t stream) {
+    switch (M) {
+        case 1: launch_m<T, 1>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 2: launch_m<T, 2>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 3: launch_m<T, 3>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 4: launch_m<T, 4>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 5: launch_m<T, 5>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 6: launch_m<T, 6>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 7: launch_m<T, 7>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 8: launch_m<T, 8>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        default: throw std::invalid_argument("gemv_cuda: M=" + std::to_string(M) + " is outside 1.." +
+                                             std::to_string(CUDA_GEMV_MAX_M));
+    }
+}
+
+}  // namespace
+}  // namespace cuda
+
+bool gemv_cuda_supported(QType t) {
+    switch (t) {
+        case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q8_0:
+        case QType::Q4_K: case QType::Q5_K: case QType::Q6_K:
+            return true;
+        default:
+            return false;
+    }
+}
+
+int gemv_cuda_alignment(QType t) {
+    switch (t) {
+        case QType::Q4_K: case QType::Q5_K: return 16;
+        case QType::Q4_1: return 4;
+        default: return 2;
+    }
+}
+
+void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cudaStream_t stream) {
+    const int64_t n = static_cast<int64_t>(M) * K;
+    const int64_t threads = n / 4;
+    const unsigned grid = static_cast<unsigned>((threads + 255) / 256);
+    cuda::quantize_act_kernel<<<grid, 256, 0, stream>>>(x, xq, xds, n);
+    cuda::check_launch("quantize_act_cuda");
+}
+
+void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
+               int N, int K, cudaStream_t stream) {
+    using cuda::launch_type;
+    switch (t) {
+        case QType::Q4_0: launch_type<QType::Q4_0>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        case QType::Q4_1: launch_type<QType::Q4_1>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        case QType::Q5_0: launch_type<QType::Q5_0>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        case QType::Q8_0: launch_type<QType::Q8_0>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        case QType::Q4_K: launch_type<QType::Q4_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        case QType::Q5_K: launch_type<QType::Q5_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        case QType::Q6_K: launch_type<QType::Q6_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        // AWQ int4 is not a GGUF type: it gets its own launcher (cuda_kernels.h), not a case here.
+        default:
+            throw std::invalid_argument(std::string("gemv_cuda: weight type ") + qtype_name(t) +
+                                        " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K)");
+    }
+    cuda::check_launch("gemv_cuda");
+}
+
+}  // namespace pyllm
