@@ -112,18 +112,20 @@ class Generator:
             if n == 0:
                 st.ttft = time.perf_counter() - t0
                 t1 = time.perf_counter()
-            yield tok
+            # the reason is set before the yield: a consumer that stops at this token never resumes us
             if is_eog(tok):
                 st.finish_reason = "eog"
-                break
-            if n + 1 == max_tokens:
+            elif n + 1 == max_tokens:
                 st.finish_reason = "length"
-                break
-            if len(self.tokens) + 1 > self.n_ctx:
+            elif len(self.tokens) + 1 > self.n_ctx:
                 st.finish_reason = "context"
+            else:
+                st.finish_reason = "interrupted"
+            st.decode_seconds = time.perf_counter() - t1
+            yield tok
+            if st.finish_reason != "interrupted":
                 break
             logits = self._forward([tok])[-1]
-            st.decode_seconds = time.perf_counter() - t1
         else:
             st.finish_reason = "length"
         st.decode_seconds = time.perf_counter() - t1
