@@ -1,0 +1,107 @@
+// Byte layouts of the GGUF quant blocks (ggml-common.h), plus pyllm's own 8-bit activation blocks.
+//
+// Every struct is exactly the on-disk block; the static_asserts catch a padding surprise on a new compiler
+// before it silently shifts every field.  fp16 values are kept as raw uint16_t bits (convert with
+// fp16_to_fp32 in decode.h) so this header needs neither <cuda_fp16.h> nor F16C.  Every GGUF block size is
+// even and GGUF data is 32-byte aligned, so the uint16_t fields are always 2-byte aligned in practice.
+#pragma once
+
+#include <cstdint>
+
+#include "qtype.h"
+
+namespace pyllm {
+
+// ---- 32-element "legacy" blocks: element j < 16 in the low nibble of qs[j], j + 16 in the high nibble
+struct block_q4_0 {
+    uint16_t d;          // scale (fp16)
+    uint8_t qs[QK / 2];  // 4-bit codes q, value = (q - 8) * d
+};
+static_assert(sizeof(block_q4_0) == 18, "wrong q4_0 block size");
+
+struct block_q4_1 {
+    uint16_t d, m;       // scale, min (fp16); value = q * d + m
+    uint8_t qs[QK / 2];
+};
+static_assert(sizeof(block_q4_1) == 20, "wrong q4_1 block size");
+
+struct block_q5_0 {
+    uint16_t d;
+    uint8_t qh[4];       // bit j (little-endian u32) = 5th bit of element j
+    uint8_t qs[QK / 2];  // value = (q - 16) * d
+};
+static_assert(sizeof(block_q5_0) == 22, "wrong q5_0 block size");
+
+struct block_q5_1 {
+    uint16_t d, m;
+    uint8_t qh[4];
+    uint8_t qs[QK / 2];  // value = q * d + m
+};
+static_assert(sizeof(block_q5_1) == 24, "wrong q5_1 block size");
+
+struct block_q8_0 {
+    uint16_t d;
+    int8_t qs[QK];       // value = q * d
+};
+static_assert(sizeof(block_q8_0) == 34, "wrong q8_0 block size");
+
+// ---- 256-element K-quant super-blocks
+struct block_q2_K {
+    uint8_t scales[QK_K / 16];  // per 16 elements: low nibble scale, high nibble min
+    uint8_t qs[QK_K / 4];       // 2-bit codes
+    uint16_t d, dmin;           // super-block scale for scales / mins
+};
+static_assert(sizeof(block_q2_K) == 84, "wrong q2_K block size");
+
+struct block_q3_K {
+    uint8_t hmask[QK_K / 8];    // high bit of each code (set = no -4 offset)
+    uint8_t qs[QK_K / 4];       // low 2 bits
+    uint8_t scales[12];         // 16 six-bit scales, stored with a +32 offset
+    uint16_t d;
+};
+static_assert(sizeof(block_q3_K) == 110, "wrong q3_K block size");
+
+struct block_q4_K {
+    uint16_t d, dmin;
+    uint8_t scales[12];         // 8 six-bit scales + 8 six-bit mins (get_scale_min_k4)
+    uint8_t qs[QK_K / 2];
+};
+static_assert(sizeof(block_q4_K) == 144, "wrong q4_K block size");
+
+struct block_q5_K {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];
+    uint8_t qs[QK_K / 2];
+};
+static_assert(sizeof(block_q5_K) == 176, "wrong q5_K block size");
+
+struct block_q6_K {
+    uint8_t ql[QK_K / 2];       // low 4 bits
+    uint8_t qh[QK_K / 4];       // high 2 bits
+    int8_t scales[QK_K / 16];   // per 16 elements
+    uint16_t d;
+};
+static_assert(sizeof(block_q6_K) == 210, "wrong q6_K block size");
+
+// ---- activation blocks (pyllm's own, in memory only, never in files)
+// An activation row quantized per 32 values for the 32-element weight types.  Unlike ggml's Q8_0/Q8_1 the
+// scale stays fp32 (rounding it to fp16 would add error for nothing: these never leave the cache), and
+// s = d * sum(qs) lets the Q4_0/Q5_0 offsets and the Q4_1/Q5_1 mins be applied once per block.
+struct block_q8_32 {
+    float d;
+    float s;
+    int8_t qs[QK];
+};
+static_assert(sizeof(block_q8_32) == 40, "wrong q8_32 block size");
+
+// An activation row quantized per 256 values for the K-quants (ggml's Q8_K): bsums are the sums of each
+// 16 codes, so the K-quant mins / offsets need no second pass over qs.
+struct block_q8_K {
+    float d;
+    int8_t qs[QK_K];
+    int16_t bsums[QK_K / 16];
+};
+static_assert(sizeof(block_q8_K) == 292, "wrong q8_K block size");
+
+}  // namespace pyllm

@@ -1,0 +1,88 @@
+// GGML tensor type ids (the numbers stored in GGUF files) and their block traits.
+//
+// One enum mirrors pyllm.gguf.GGMLType so C++ never switches on magic integers; qtype_traits() is the one
+// table every size check and every error message reads.  Types the kernels do not handle still have a row
+// here (name, sizes) so that errors can say "IQ2_XXS is not supported" instead of "type 16".
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace pyllm {
+
+enum class QType : int {
+    F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
+    Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15,
+    IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23,
+    I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30,
+};
+
+constexpr int QK = 32;     // elements per block of the "legacy" types (Q4_0 ... Q8_0)
+constexpr int QK_K = 256;  // elements per super-block of the K-quants
+
+struct QTypeTraits {
+    const char* name;
+    int block_size;  // elements per block (1 for plain float types)
+    int type_size;   // bytes per block
+    bool cpu;        // handled by the CPU kernels (gemv, dequantize)
+};
+
+// nullptr for ids that are not GGML types at all.
+inline const QTypeTraits* qtype_traits(int id) {
+    static const QTypeTraits F32_{"F32", 1, 4, true}, F16_{"F16", 1, 2, true}, BF16_{"BF16", 1, 2, true},
+        Q4_0_{"Q4_0", QK, 18, true}, Q4_1_{"Q4_1", QK, 20, true}, Q5_0_{"Q5_0", QK, 22, true},
+        Q5_1_{"Q5_1", QK, 24, true}, Q8_0_{"Q8_0", QK, 34, true}, Q8_1_{"Q8_1", QK, 36, false},
+        Q2_K_{"Q2_K", QK_K, 84, true}, Q3_K_{"Q3_K", QK_K, 110, true}, Q4_K_{"Q4_K", QK_K, 144, true},
+        Q5_K_{"Q5_K", QK_K, 176, true}, Q6_K_{"Q6_K", QK_K, 210, true}, Q8_K_{"Q8_K", QK_K, 292, false},
+        IQ2_XXS_{"IQ2_XXS", QK_K, 66, false}, IQ2_XS_{"IQ2_XS", QK_K, 74, false},
+        IQ3_XXS_{"IQ3_XXS", QK_K, 98, false}, IQ1_S_{"IQ1_S", QK_K, 50, false},
+        IQ4_NL_{"IQ4_NL", QK, 18, false}, IQ3_S_{"IQ3_S", QK_K, 110, false}, IQ2_S_{"IQ2_S", QK_K, 82, false},
+        IQ4_XS_{"IQ4_XS", QK_K, 136, false}, I8_{"I8", 1, 1, false}, I16_{"I16", 1, 2, false},
+        I32_{"I32", 1, 4, false}, I64_{"I64", 1, 8, false}, F64_{"F64", 1, 8, false},
+        IQ1_M_{"IQ1_M", QK_K, 56, false};
+    switch (static_cast<QType>(id)) {
+        case QType::F32: return &F32_;
+        case QType::F16: return &F16_;
+        case QType::BF16: return &BF16_;
+        case QType::Q4_0: return &Q4_0_;
+        case QType::Q4_1: return &Q4_1_;
+        case QType::Q5_0: return &Q5_0_;
+        case QType::Q5_1: return &Q5_1_;
+        case QType::Q8_0: return &Q8_0_;
+        case QType::Q8_1: return &Q8_1_;
+        case QType::Q2_K: return &Q2_K_;
+        case QType::Q3_K: return &Q3_K_;
+        case QType::Q4_K: return &Q4_K_;
+        case QType::Q5_K: return &Q5_K_;
+        case QType::Q6_K: return &Q6_K_;
+        case QType::Q8_K: return &Q8_K_;
+        case QType::IQ2_XXS: return &IQ2_XXS_;
+        case QType::IQ2_XS: return &IQ2_XS_;
+        case QType::IQ3_XXS: return &IQ3_XXS_;
+        case QType::IQ1_S: return &IQ1_S_;
+        case QType::IQ4_NL: return &IQ4_NL_;
+        case QType::IQ3_S: return &IQ3_S_;
+        case QType::IQ2_S: return &IQ2_S_;
+        case QType::IQ4_XS: return &IQ4_XS_;
+        case QType::I8: return &I8_;
+        case QType::I16: return &I16_;
+        case QType::I32: return &I32_;
+        case QType::I64: return &I64_;
+        case QType::F64: return &F64_;
+        case QType::IQ1_M: return &IQ1_M_;
+    }
+    return nullptr;
+}
+
+inline const char* qtype_name(QType t) {
+    const QTypeTraits* tr = qtype_traits(static_cast<int>(t));
+    return tr ? tr->name : "unknown";
+}
+
+// Bytes one row of K elements occupies; K must be a multiple of the block size.
+inline size_t qtype_row_bytes(QType t, int64_t K) {
+    const QTypeTraits* tr = qtype_traits(static_cast<int>(t));
+    return static_cast<size_t>(K / tr->block_size) * static_cast<size_t>(tr->type_size);
+}
+
+}  // namespace pyllm

@@ -1,0 +1,78 @@
+// Small AVX2 helpers shared by the gemv_avx2_*.cpp files.  Included only when PYLLM_AVX2 is set.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PYLLM_AVX2 1
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace pyllm {
+namespace cpu {
+namespace avx2 {
+
+#define PYLLM_INLINE inline __attribute__((always_inline))
+
+PYLLM_INLINE float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+PYLLM_INLINE float hsum(__m128 s) {
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+PYLLM_INLINE int hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+    return _mm_cvtsi128_si32(s);
+}
+
+PYLLM_INLINE float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+PYLLM_INLINE float f16(uint16_t h) { return _cvtsh_ss(h); }
+
+// 16 packed bytes of nibbles -> 32 bytes: low nibbles in bytes 0..15, high nibbles in 16..31 (the element
+// order of every 32-block and of each Q4_K 64-chunk's two halves).
+PYLLM_INLINE __m256i nibbles_32(const uint8_t* qs) {
+    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+// 32 bits -> 32 bytes, 0xFF where bit j is set (byte j), for the Q5 fifth bits.
+PYLLM_INLINE __m256i bits_to_bytes_32(const uint8_t* p) {
+    uint32_t x32;
+    memcpy(&x32, p, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));  // all bits but bit (j % 8)
+    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// sum of u8 * s8 over 32 bytes -> 8 int32 partial sums.  maddubs saturates at int16, which never happens
+// for our codes (unsigned <= 63 against |xq| <= 127: 2 * 63 * 127 = 16002 < 32767).
+PYLLM_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// s8 * s8: move the sign of a onto b so maddubs sees |a| (unsigned).  Exact because activations never
+// hold -128 (|x * 127 / max|x|| <= 127 after rounding), so negating b cannot wrap: 2 * 128 * 127 < 32767.
+PYLLM_INLINE __m256i dot_s8s8(__m256i a, __m256i b) {
+    return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+}  // namespace avx2
+}  // namespace cpu
+}  // namespace pyllm
+#endif

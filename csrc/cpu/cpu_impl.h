@@ -1,0 +1,58 @@
+// Internals shared by the CPU kernel files: the activation formats, the per-row dot signature and the
+// per-ISA kernel tables.  Not part of the launcher API (that is csrc/kernels.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/blocks.h"
+#include "../kernels.h"
+
+namespace pyllm {
+namespace cpu {
+
+// How x is prepared before the row dots run (once per call, then shared by every row and thread).
+enum class Act : int {
+    F32,    // fp32 as given (float weight types)
+    Q8_32,  // block_q8_32 per 32 values (Q4_0 ... Q8_0)
+    Q8_K,   // block_q8_K per 256 values (K-quants)
+};
+
+// One weight row against M activation rows: y[m * ldy] = dot(W row, x_m) for m < M.
+// w: one row (K / block_size blocks); xa: M prepared activation rows, xa_stride bytes apart.
+using RowDot = void (*)(int K, const uint8_t* w, const uint8_t* xa, size_t xa_stride, float* y, size_t ldy);
+
+struct RowKernel {
+    Act act = Act::F32;
+    RowDot fn[GEMV_MAX_M] = {};  // fn[M - 1]; all null = not available for this ISA
+};
+
+// Kernel tables.  The _generic one covers every CPU type; the SIMD one leaves types it lacks empty (the
+// dispatcher then falls back to _generic for that type).
+RowKernel row_kernel_generic(QType t);
+RowKernel row_kernel_avx2_legacy(QType t);   // float types + 32-element blocks
+RowKernel row_kernel_avx2_kquants(QType t);  // K-quants
+bool avx2_compiled();
+
+// Activation quantizers: x [K] -> K/32 block_q8_32 or K/256 block_q8_K.  The generic and AVX2 versions
+// produce identical bytes (same fp32 products, round-to-nearest-even), so both ISAs see the same inputs.
+void quantize_q8_32_generic(const float* x, int K, block_q8_32* out);
+void quantize_q8_K_generic(const float* x, int K, block_q8_K* out);
+void quantize_q8_32_avx2(const float* x, int K, block_q8_32* out);
+void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out);
+
+// Bytes one activation row takes in a given format.
+inline size_t act_row_bytes(Act a, int K) {
+    switch (a) {
+        case Act::F32: return static_cast<size_t>(K) * sizeof(float);
+        case Act::Q8_32: return static_cast<size_t>(K / QK) * sizeof(block_q8_32);
+        case Act::Q8_K: return static_cast<size_t>(K / QK_K) * sizeof(block_q8_K);
+    }
+    return 0;
+}
+
+}  // namespace cpu
+}  // namespace pyllm
+
+// Fills a RowKernel's fn[] with the 8 instances of a `template <int M>` row dot.
+#define PYLLM_ROWDOT_TABLE(f) {f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>}

@@ -1,0 +1,60 @@
+// Quantized rows -> fp32 rows (prefill's dequantize-then-GEMM path, embedding lookups, ops.dequantize).
+// Bit-identical to gguf.quants.dequantize (see decode.h).
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "../common/decode.h"
+#include "../kernels.h"
+
+namespace pyllm {
+namespace {
+
+template <class B, int bs>
+void dequant_row(const uint8_t* w, int K, float* out) {
+    const B* b = reinterpret_cast<const B*>(w);
+    for (int i = 0; i < K / bs; ++i) dequant_block(b[i], out + static_cast<size_t>(bs) * i);
+}
+
+void dequant_row_any(QType t, const uint8_t* w, int K, float* out) {
+    switch (t) {
+        case QType::F32: memcpy(out, w, sizeof(float) * K); return;
+        case QType::F16: {
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(w);
+            for (int k = 0; k < K; ++k) out[k] = fp16_to_fp32(h[k]);
+            return;
+        }
+        case QType::BF16: {
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(w);
+            for (int k = 0; k < K; ++k) out[k] = bf16_to_fp32(h[k]);
+            return;
+        }
+        case QType::Q4_0: return dequant_row<block_q4_0, QK>(w, K, out);
+        case QType::Q4_1: return dequant_row<block_q4_1, QK>(w, K, out);
+        case QType::Q5_0: return dequant_row<block_q5_0, QK>(w, K, out);
+        case QType::Q5_1: return dequant_row<block_q5_1, QK>(w, K, out);
+        case QType::Q8_0: return dequant_row<block_q8_0, QK>(w, K, out);
+        case QType::Q2_K: return dequant_row<block_q2_K, QK_K>(w, K, out);
+        case QType::Q3_K: return dequant_row<block_q3_K, QK_K>(w, K, out);
+        case QType::Q4_K: return dequant_row<block_q4_K, QK_K>(w, K, out);
+        case QType::Q5_K: return dequant_row<block_q5_K, QK_K>(w, K, out);
+        case QType::Q6_K: return dequant_row<block_q6_K, QK_K>(w, K, out);
+        default: return;  // bindings reject unsupported types before we get here
+    }
+}
+
+}  // namespace
+
+void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_ids, int K,
+                         float* out) {
+    // A handful of rows (an embedding lookup at decode) is not worth waking threads for.
+    const int nt = n_ids * static_cast<int64_t>(K) >= (1 << 16) ? cpu_get_num_threads() : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t i = 0; i < n_ids; ++i) {
+        const int64_t r = ids ? ids[i] : i;
+        dequant_row_any(t, w + row_bytes * r, K, out + static_cast<size_t>(K) * i);
+    }
+}
+
+}  // namespace pyllm

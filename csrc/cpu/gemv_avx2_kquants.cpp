@@ -1,0 +1,172 @@
+// AVX2 row dots for the K-quants (Q4_K, Q5_K, Q6_K) against Q8_K activations.  Same integer sums as the
+// generic kernels (gemv_generic.cpp documents the precision): codes * xq through maddubs (int16 pairs),
+// times the 6/8-bit sub-block scales through madd (int32), one fp32 FMA per super-block and row.
+// Q2_K and Q3_K run the generic kernels (rare in practice: only the smallest quant mixes use them).
+#include "avx2_util.h"
+#include "cpu_impl.h"
+
+namespace pyllm {
+namespace cpu {
+
+#ifdef PYLLM_AVX2
+namespace {
+using namespace avx2;
+
+template <class A>
+PYLLM_INLINE const A* act_row(const uint8_t* xa, size_t xs, int m) {
+    return reinterpret_cast<const A*>(xa + static_cast<size_t>(m) * xs);
+}
+
+// Q4_K/Q5_K 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), the get_scale_min_k4 layout
+// unpacked with 32-bit masks (ggml's utmp trick) instead of 16 byte-wise branches.
+PYLLM_INLINE __m256i k4_scales_mins(const uint8_t* scales) {
+    uint32_t u[4];
+    memcpy(u, scales, 12);
+    const uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+    u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+    const uint32_t mins_lo = u[1] & kmask1;
+    u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+    u[2] = mins_lo;
+    u[0] &= kmask1;
+    // 16 x int16: scales 0..7 in the low lane, mins 0..7 in the high lane
+    return _mm256_cvtepu8_epi16(_mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
+                                              static_cast<int>(u[1]), static_cast<int>(u[0])));
+}
+
+// Broadcast int16 element e of each 128-bit lane to all 8 int16 of that lane (pshufb control).
+PYLLM_INLINE __m256i bcast16(__m256i v, int e_lo, int e_hi) {
+    const __m256i ctl = _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(((2 * e_hi + 1) << 8) | (2 * e_hi))),
+                                         _mm_set1_epi16(static_cast<short>(((2 * e_lo + 1) << 8) | (2 * e_lo))));
+    return _mm256_shuffle_epi8(v, ctl);
+}
+
+// Q4_K (HasHigh = false) and Q5_K (HasHigh = true): 4 chunks of 64 = 32 low nibbles with (sc, m)[2j], 32
+// high nibbles with (sc, m)[2j + 1]; Q5_K adds bit 2j / 2j+1 of qh[l] as +16.
+template <class B, bool HasHigh, int M>
+void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    const B* blk = reinterpret_cast<const B*>(w);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[M];
+    __m128 accm[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = _mm_setzero_ps();
+    for (int i = 0; i < K / QK_K; ++i) {
+        const B& b = blk[i];
+        const float d = f16(b.d), dmin = f16(b.dmin);
+        const __m256i sm = k4_scales_mins(b.scales);
+        const __m128i mins = _mm256_extracti128_si256(sm, 1);
+        const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);  // scales in both lanes
+        __m256i sumi[M];
+        for (int m = 0; m < M; ++m) {
+            const block_q8_K& a = act_row<block_q8_K>(xa, xs, m)[i];
+            // sum_g min_g * (bsum_2g + bsum_2g+1): the dmin term, 8 int16 pair-sums against 8 mins
+            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
+            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
+            const __m128i pm = _mm_madd_epi16(mins, bs32);
+            accm[m] = _mm_fmadd_ps(_mm_set1_ps(dmin * a.d), _mm_cvtepi32_ps(pm), accm[m]);
+            sumi[m] = _mm256_setzero_si256();
+        }
+        __m256i hb;
+        if constexpr (HasHigh) hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
+        for (int j = 0; j < QK_K / 64; ++j) {
+            const __m256i sc_l = bcast16(scales, 2 * j, 2 * j), sc_h = bcast16(scales, 2 * j + 1, 2 * j + 1);
+            const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j));
+            __m256i ql = _mm256_and_si256(qb, m4), qh = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+            if constexpr (HasHigh) {
+                // bit 0 of each byte of hb is bit 2j of qh[l]; srli_epi16 by 1 leaks bits across the byte
+                // boundary only into bit 7, which the & 1 drops
+                const __m256i one = _mm256_set1_epi8(1);
+                ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+                hb = _mm256_srli_epi16(hb, 1);
+                qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+                hb = _mm256_srli_epi16(hb, 1);
+            }
+            for (int m = 0; m < M; ++m) {
+                const int8_t* xq = act_row<block_q8_K>(xa, xs, m)[i].qs + 64 * j;
+                const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+                const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32));
+                const __m256i p0 = _mm256_madd_epi16(sc_l, _mm256_maddubs_epi16(ql, x0));
+                const __m256i p1 = _mm256_madd_epi16(sc_h, _mm256_maddubs_epi16(qh, x1));
+                sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(p0, p1));
+            }
+        }
+        for (int m = 0; m < M; ++m) {
+            const float dx = act_row<block_q8_K>(xa, xs, m)[i].d;
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+        }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy] = hsum(acc[m]) - hsum(accm[m]);
+}
+
+// Q6_K: per 128-half, four 32-groups built from ql (low 4 bits) and qh (2 high bits), each two 16-groups
+// with their own int8 scale.  Codes are kept unsigned (0..63) for maddubs; the -32 offset is applied once
+// per super-block as 32 * sum_g scale_g * bsum_g.
+template <int M>
+void dot_q6_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    const block_q6_K* blk = reinterpret_cast<const block_q6_K*>(w);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int i = 0; i < K / QK_K; ++i) {
+        const block_q6_K& b = blk[i];
+        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales));
+        const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // 16 scales as int16
+        __m256i sumi[M];
+        for (int m = 0; m < M; ++m) {
+            const block_q8_K& a = act_row<block_q8_K>(xa, xs, m)[i];
+            const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
+            sumi[m] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5));
+        }
+        for (int h = 0; h < 2; ++h) {
+            // scales 8h..8h+7 in both lanes; group k of this half uses 2k (low lane) and 2k+1 (high lane)
+            const __m128i s = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.scales + 8 * h)));
+            const __m256i sh = _mm256_set_m128i(s, s);
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
+            const __m256i hh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+            // (qh >> 2k) & 3 via srli_epi16: bits leaking in from the neighbour byte land above bit 1
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+            for (int k = 0; k < 4; ++k) {
+                const __m256i sck = bcast16(sh, 2 * k, 2 * k + 1);
+                for (int m = 0; m < M; ++m) {
+                    const int8_t* xq = act_row<block_q8_K>(xa, xs, m)[i].qs + 128 * h + 32 * k;
+                    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+                    sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(sck, _mm256_maddubs_epi16(q[k], xv)));
+                }
+            }
+        }
+        const float d = f16(b.d);
+        for (int m = 0; m < M; ++m) {
+            const float dx = act_row<block_q8_K>(xa, xs, m)[i].d;
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+        }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy] = hsum(acc[m]);
+}
+
+template <int M> void dot_q4_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q45_k<block_q4_K, false, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_q5_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q45_k<block_q5_K, true, M>(K, w, xa, xs, y, ldy); }
+
+}  // namespace
+
+RowKernel row_kernel_avx2_kquants(QType t) {
+    switch (t) {
+        case QType::Q4_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q4_k)};
+        case QType::Q5_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q5_k)};
+        case QType::Q6_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q6_k)};
+        default: return {};
+    }
+}
+
+#else
+RowKernel row_kernel_avx2_kquants(QType) { return {}; }
+#endif
+
+}  // namespace cpu
+}  // namespace pyllm

@@ -1,0 +1,243 @@
+// AVX2 row dots for the float weight types and the 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), and
+// the AVX2 activation quantizers.  Precision is documented in gemv_generic.cpp (the same math, vectorized).
+//
+// Every kernel is `template <int M>`: each weight block is decoded into registers once and then dotted with
+// the M activation rows, so W streams from memory once per call whatever M is.
+#include <type_traits>
+
+#include "avx2_util.h"
+#include "cpu_impl.h"
+
+namespace pyllm {
+namespace cpu {
+
+#ifdef PYLLM_AVX2
+namespace {
+using namespace avx2;
+
+template <class A>
+PYLLM_INLINE const A* act_row(const uint8_t* xa, size_t xs, int m) {
+    return reinterpret_cast<const A*>(xa + static_cast<size_t>(m) * xs);
+}
+
+// ---- float weights: 8 values per step, fp32 FMA ---------------------------------------------------------
+struct LoadF32 {
+    using T = float;
+    static PYLLM_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+    static PYLLM_INLINE float load1(const float* p) { return *p; }
+};
+struct LoadF16 {
+    using T = uint16_t;
+    static PYLLM_INLINE __m256 load8(const uint16_t* p) {
+        return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    }
+    static PYLLM_INLINE float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+};
+struct LoadBF16 {
+    using T = uint16_t;
+    static PYLLM_INLINE __m256 load8(const uint16_t* p) {
+        const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+    }
+    static PYLLM_INLINE float load1(const uint16_t* p) {
+        const uint32_t u = static_cast<uint32_t>(*p) << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+};
+
+template <class L, int M>
+void dot_float(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    // Independent accumulators hide the 4-cycle FMA latency when M alone does not.
+    constexpr int U = M == 1 ? 4 : (M <= 3 ? 2 : 1);
+    const typename L::T* wr = reinterpret_cast<const typename L::T*>(w);
+    __m256 acc[U][M];
+    for (int u = 0; u < U; ++u)
+        for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
+    int k = 0;
+    for (; k + 8 * U <= K; k += 8 * U)
+        for (int u = 0; u < U; ++u) {
+            const __m256 wv = L::load8(wr + k + 8 * u);
+            for (int m = 0; m < M; ++m)
+                acc[u][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(act_row<float>(xa, xs, m) + k + 8 * u), acc[u][m]);
+        }
+    for (; k + 8 <= K; k += 8) {
+        const __m256 wv = L::load8(wr + k);
+        for (int m = 0; m < M; ++m)
+            acc[0][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(act_row<float>(xa, xs, m) + k), acc[0][m]);
+    }
+    float tail[M] = {};
+    for (; k < K; ++k)
+        for (int m = 0; m < M; ++m) tail[m] += L::load1(wr + k) * act_row<float>(xa, xs, m)[k];
+    for (int m = 0; m < M; ++m) {
+        __m256 s = acc[0][m];
+        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
+        y[m * ldy] = hsum(s) + tail[m];
+    }
+}
+
+// ---- 32-element blocks ----------------------------------------------------------------------------------
+// Per block b and activation row m:  d * dx * sum(code * xq)  +  (min - offset * d) * s_m,  s_m = dx * sum(xq)
+// The first term is vectorized (8 int32 lanes -> fp32 FMA); the second is one scalar FMA per block.
+template <class B>
+struct Legacy;
+template <>
+struct Legacy<block_q4_0> {
+    static constexpr bool is_signed = false;
+    static PYLLM_INLINE __m256i codes(const block_q4_0& b) { return nibbles_32(b.qs); }
+    static PYLLM_INLINE float c(const block_q4_0&, float d) { return -8.f * d; }
+};
+template <>
+struct Legacy<block_q4_1> {
+    static constexpr bool is_signed = false;
+    static PYLLM_INLINE __m256i codes(const block_q4_1& b) { return nibbles_32(b.qs); }
+    static PYLLM_INLINE float c(const block_q4_1& b, float) { return f16(b.m); }
+};
+template <>
+struct Legacy<block_q5_0> {
+    static constexpr bool is_signed = false;
+    static PYLLM_INLINE __m256i codes(const block_q5_0& b) {
+        return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
+    }
+    static PYLLM_INLINE float c(const block_q5_0&, float d) { return -16.f * d; }
+};
+template <>
+struct Legacy<block_q5_1> {
+    static constexpr bool is_signed = false;
+    static PYLLM_INLINE __m256i codes(const block_q5_1& b) {
+        return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
+    }
+    static PYLLM_INLINE float c(const block_q5_1& b, float) { return f16(b.m); }
+};
+template <>
+struct Legacy<block_q8_0> {
+    static constexpr bool is_signed = true;
+    static PYLLM_INLINE __m256i codes(const block_q8_0& b) {
+        return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
+    }
+    static PYLLM_INLINE float c(const block_q8_0&, float) { return 0.f; }
+};
+
+template <class B, int M>
+PYLLM_INLINE void legacy_step(const B& b, const uint8_t* xa, size_t xs, int i, __m256* acc, float* accs) {
+    const __m256i q = Legacy<B>::codes(b);
+    const float d = f16(b.d), c = Legacy<B>::c(b, d);
+    for (int m = 0; m < M; ++m) {
+        const block_q8_32& a = act_row<block_q8_32>(xa, xs, m)[i];
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs));
+        const __m256i p = Legacy<B>::is_signed ? dot_s8s8(q, xq) : dot_u8s8(q, xq);
+        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[m]);
+        if constexpr (!std::is_same<B, block_q8_0>::value) accs[m] += c * a.s;
+    }
+}
+
+template <class B, int M>
+void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    // Two blocks per step for M <= 2 so the per-row FMA chains (vector and scalar) overlap.
+    constexpr int U = M <= 2 ? 2 : 1;
+    const B* blk = reinterpret_cast<const B*>(w);
+    const int nb = K / QK;
+    __m256 acc[U][M];
+    float accs[U][M];
+    for (int u = 0; u < U; ++u)
+        for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps(), accs[u][m] = 0.f;
+    int i = 0;
+    for (; i + U <= nb; i += U)
+        for (int u = 0; u < U; ++u) legacy_step<B, M>(blk[i + u], xa, xs, i + u, acc[u], accs[u]);
+    for (; i < nb; ++i) legacy_step<B, M>(blk[i], xa, xs, i, acc[0], accs[0]);
+    for (int m = 0; m < M; ++m) {
+        __m256 s = acc[0][m];
+        float ss = accs[0][m];
+        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]), ss += accs[u][m];
+        y[m * ldy] = hsum(s) + ss;
+    }
+}
+
+template <int M> void dot_f32(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_float<LoadF32, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_f16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_float<LoadF16, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_bf16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_float<LoadBF16, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_q4_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_0, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_1, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_q5_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_0, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_1, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q8_0, M>(K, w, xa, xs, y, ldy); }
+
+// 32 floats -> 32 int8 codes of x * id, round-half-even; returns the code sum.
+PYLLM_INLINE int quantize_32(const float* x, float id, int8_t* out) {
+    const __m256 vid = _mm256_set1_ps(id);
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), vid));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), vid));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), vid));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), vid));
+    const int sum = hsum_i32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+    // packs work per 128-bit lane; the permute restores element order.
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), p);
+    return sum;
+}
+
+PYLLM_INLINE float amax_n(const float* x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    return hmax(mx);
+}
+
+}  // namespace
+
+bool avx2_compiled() { return true; }
+
+void quantize_q8_32_avx2(const float* x, int K, block_q8_32* out) {
+    for (int i = 0; i < K / QK; ++i) {
+        const float amax = amax_n(x + QK * i, QK);
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        const int sum = quantize_32(x + QK * i, id, out[i].qs);
+        out[i].d = d;
+        out[i].s = d * static_cast<float>(sum);
+    }
+}
+
+void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) {
+    for (int i = 0; i < K / QK_K; ++i) {
+        const float* xb = x + QK_K * i;
+        const float amax = amax_n(xb, QK_K);
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        for (int j = 0; j < QK_K / 32; ++j) {
+            quantize_32(xb + 32 * j, id, out[i].qs + 32 * j);
+            // bsums per 16 codes, summed from the stored bytes (cheap next to the weight stream)
+            const __m256i q16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out[i].qs + 32 * j)));
+            const __m256i q16b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out[i].qs + 32 * j + 16)));
+            out[i].bsums[2 * j] = static_cast<int16_t>(hsum_i32(_mm256_madd_epi16(q16, _mm256_set1_epi16(1))));
+            out[i].bsums[2 * j + 1] = static_cast<int16_t>(hsum_i32(_mm256_madd_epi16(q16b, _mm256_set1_epi16(1))));
+        }
+        out[i].d = d;
+    }
+}
+
+RowKernel row_kernel_avx2_legacy(QType t) {
+    switch (t) {
+        case QType::F32: return {Act::F32, PYLLM_ROWDOT_TABLE(dot_f32)};
+        case QType::F16: return {Act::F32, PYLLM_ROWDOT_TABLE(dot_f16)};
+        case QType::BF16: return {Act::F32, PYLLM_ROWDOT_TABLE(dot_bf16)};
+        case QType::Q4_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q4_0)};
+        case QType::Q4_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q4_1)};
+        case QType::Q5_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_0)};
+        case QType::Q5_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_1)};
+        case QType::Q8_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q8_0)};
+        default: return {};
+    }
+}
+
+#else  // no AVX2 at compile time: the dispatcher only ever uses the generic kernels
+
+bool avx2_compiled() { return false; }
+void quantize_q8_32_avx2(const float* x, int K, block_q8_32* out) { quantize_q8_32_generic(x, K, out); }
+void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) { quantize_q8_K_generic(x, K, out); }
+RowKernel row_kernel_avx2_legacy(QType) { return {}; }
+
+#endif
+
+}  // namespace cpu
+}  // namespace pyllm

@@ -1,0 +1,197 @@
+"""Builds and loads the C++ (and later CUDA) extension ``pyllm._C`` on first use.
+
+Why a JIT build (``torch.utils.cpp_extension.load`` + ninja) instead of compiling in ``setup.py``:
+- ``pip install -e .`` / ``pip install pyllm`` stay instant and need no compiler at install time;
+- an AOT build needs torch at build time, so pip's build isolation would download a second, multi-GB torch
+  (or every user must remember ``--no-build-isolation``);
+- the extension is compiled with ``-march=native`` for the machine that runs it.
+The build is cached under ``pyllm.registry.cache_dir()/ext/<key>`` where the key hashes the sources, flags,
+torch/Python versions and the CPU, so a source change, a torch upgrade or a home directory shared between
+different machines gets its own build instead of a stale (or SIGILL-ing) one.
+
+Nothing here runs at ``import pyllm``: ``load()`` is first called by the first kernel call in ``pyllm.ops``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+from .errors import PyllmError
+
+# The one source list (setup.py reads it too, to ship exactly these files with a wheel).  Paths are
+# relative to the csrc directory; headers are found through the include path.
+CPU_SOURCES = [
+    "bindings.cpp",
+    "cpu/gemv.cpp",
+    "cpu/gemv_generic.cpp",
+    "cpu/gemv_avx2_legacy.cpp",
+    "cpu/gemv_avx2_kquants.cpp",
+    "cpu/dequant.cpp",
+]
+# CUDA files (.cu, and cuda/bindings_cuda.cpp which defines pyllm::register_cuda) go here; they are compiled
+# only when torch has CUDA (torch.version.cuda) and nvcc exists, with -DPYLLM_CUDA defined for every file so
+# bindings.cpp calls register_cuda(m).
+CUDA_SOURCES: list[str] = []
+
+# -march=native: build for this machine (the cache key includes the CPU).  -ffp-contract=off: gcc would
+# otherwise fuse a*b-c into FMAs, and dequantize() must match gguf.quants bit for bit; the SIMD kernels
+# use explicit FMA intrinsics.  No -ffast-math: it would let gcc reorder the scalar reference kernels
+# (their job is to be the plain definition) and assume no NaN/inf in model data.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17"]
+LDFLAGS = ["-fopenmp"]
+CUDA_FLAGS = ["-O3", "--use_fast_math", "-DPYLLM_CUDA", "-std=c++17"]
+
+NAME = "pyllm_C"
+_module = None
+_error: PyllmError | None = None
+_cuda_built = False
+
+
+def csrc_dir() -> Path:
+    """``<repo>/csrc`` for a source checkout / editable install, else ``pyllm/_csrc`` shipped by setup.py."""
+    here = Path(__file__).resolve().parent
+    for d in (here.parent / "csrc", here / "_csrc"):
+        if (d / "bindings.cpp").is_file():
+            return d
+    raise PyllmError(f"pyllm: the C++ sources are missing (looked in {here.parent / 'csrc'} and {here / '_csrc'}); "
+                     "reinstall pyllm")
+
+
+def _cuda_wanted() -> bool:
+    import torch
+    from torch.utils import cpp_extension
+
+    return bool(CUDA_SOURCES and torch.version.cuda and cpp_extension.CUDA_HOME
+                and (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()))
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        model = next((ln for ln in text.splitlines() if ln.startswith("model name")), "")
+        flags = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        return model + flags
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _build_key(src: Path, sources: list[str], cuda: bool) -> str:
+    import torch
+
+    # The listed sources and the headers they may include (.cuh only for CUDA builds), so edits to CUDA files
+    # do not rebuild a CPU-only extension.
+    files = {src / s for s in sources}
+    files |= {p for p in src.rglob("*.h")} | ({p for p in src.rglob("*.cuh")} if cuda else set())
+    h = hashlib.sha256()
+    for p in sorted(files):
+        h.update(str(p.relative_to(src)).encode())
+        h.update(p.read_bytes())
+    h.update(repr((sources, CFLAGS, LDFLAGS, CUDA_FLAGS if cuda else None, torch.__version__, sys.version,
+                   _cpu_id())).encode())
+    return f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
+
+
+def _diagnose(exc: BaseException) -> PyllmError:
+    """A one-paragraph error naming the missing piece, or the compiler's last lines."""
+    from torch.utils import cpp_extension
+
+    missing = []
+    if not cpp_extension.is_ninja_available():
+        missing.append("ninja (pip install ninja)")
+    cxx = os.environ.get("CXX", "c++")
+    if not shutil.which(cxx):
+        missing.append(f"a C++ compiler ({cxx!r} not on PATH; install g++ or set CXX)")
+    inc = sysconfig.get_paths().get("include")
+    if inc and not Path(inc, "Python.h").exists():
+        missing.append(f"the Python headers ({inc}/Python.h; install python3-dev)")
+    if missing:
+        return PyllmError("pyllm: cannot build the C++ extension: missing " + ", ".join(missing))
+    text = str(exc).strip().splitlines()
+    tail = "\n".join(text[-15:])
+    return PyllmError(f"pyllm: compiling the C++ extension failed ({type(exc).__name__}); set "
+                      f"PYLLM_VERBOSE_BUILD=1 for the full log. Last lines:\n{tail}")
+
+
+def load():
+    """The extension module (built on first call, then cached in-process and on disk).
+
+    Raises PyllmError if it cannot be built (naming what is missing) or PYLLM_NO_EXT=1 is set.
+    """
+    global _module, _error, _cuda_built
+    if _module is not None:
+        return _module
+    if _error is not None:
+        raise _error
+    if os.environ.get("PYLLM_NO_EXT") == "1":
+        _error = PyllmError("pyllm: the C++ extension is disabled (PYLLM_NO_EXT=1)")
+        raise _error
+    try:
+        import torch  # noqa: F401  (torch's libgomp must be loaded before ours resolves to it)
+        from torch.utils import cpp_extension
+
+        from . import registry
+
+        src = csrc_dir()
+        cuda = _cuda_wanted()
+        sources = CPU_SOURCES + (CUDA_SOURCES if cuda else [])
+        build = registry.cache_dir() / "ext" / _build_key(src, sources, cuda)
+        build.mkdir(parents=True, exist_ok=True)
+        if not (build / f"{NAME}.so").exists():
+            print("pyllm: compiling the C++ extension (first use, ~1 min)...", file=sys.stderr, flush=True)
+        mod = cpp_extension.load(
+            name=NAME,
+            sources=[str(src / s) for s in sources],
+            extra_include_paths=[str(src)],
+            extra_cflags=CFLAGS + (["-DPYLLM_CUDA"] if cuda else []),
+            extra_cuda_cflags=CUDA_FLAGS,
+            extra_ldflags=LDFLAGS,
+            build_directory=str(build),
+            with_cuda=cuda,
+            verbose=os.environ.get("PYLLM_VERBOSE_BUILD") == "1",
+        )
+    except PyllmError as e:
+        _error = e
+        raise
+    except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError / OSError
+        _error = _diagnose(e)
+        raise _error from e
+    _cuda_built = cuda
+    _module = mod
+    sys.modules["pyllm._C"] = mod  # `pyllm._C.set_isa(...)` etc. once loaded
+    import pyllm
+
+    pyllm._C = mod
+    return mod
+
+
+def has_extension() -> bool:
+    """True if the extension is (or can be) built and loaded; builds it on first call."""
+    try:
+        load()
+        return True
+    except PyllmError:
+        return False
+
+
+def has_cuda() -> bool:
+    """True if the extension was built with CUDA kernels and a CUDA device is usable."""
+    if not has_extension() or not _cuda_built:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def build_info() -> str:
+    """One line for `pyllm --version`: ISA, threads, CUDA, build directory."""
+    m = load()
+    cuda = "with CUDA" if _cuda_built else "CPU only"
+    return (f"{m.__name__} ({cuda}; cpu kernels {m.get_isa()} of {'/'.join(m.available_isas())}, "
+            f"{m.get_num_threads()} threads) in {Path(m.__file__).parent}")
