@@ -1,0 +1,310 @@
+"""The C++ CPU kernels (pyllm._C via pyllm._ext) against gguf.quants, the oracle.
+
+Weights are random raw GGUF blocks: random bytes are valid codes for every type, and the fp16 scale/min fields
+are overwritten with random finite values of sane size (|d| in [0.002, 0.02]) so no block is inf/nan.
+gguf.quants.dequantize (gguf-py, independent of pyllm) turns them into the float weights W [N, K]; the reference
+product is computed in float64 as x.double() @ W.double().T.  Inputs are fresh each run: the seed comes from the
+clock (or PYLLM_TEST_SEED) and every failure message prints it.
+
+Tolerances (error metric: max|y - ref| / max(max|ref|, rms), where rms = sqrt(mean sum_k (W x)^2) is the size
+of an output for random data, so a single output that happens to be near zero cannot make the test flaky):
+- TOL_F32 = 1e-5, float weights (F32/F16/BF16): weights widen exactly, fp32 FMA sums over K <= 4864 in 8-32
+  partial sums: error ~ sqrt(K) * 2^-24 * (sum|w x| / |y|) ~ 1e-6; seen <= 4e-7.
+- TOL_Q8 = 2e-2, quantized weights: x is rounded to int8 per block (32 or 256 values) with scale max|x|/127, a
+  per-value error uniform in +-max|x|/254.  For Gaussian x that is ~0.5-0.7% of an output's size; seen <= 1.1%
+  over many runs, so 2% leaves margin while a real bug (a wrong nibble order, scale or offset on even one
+  sub-block in eight) is >= 10%.
+- TOL_ISA = 1e-5, scalar vs AVX2: the same integer block sums, fp32 block accumulation in a different order.
+"""
+
+import functools
+import os
+import time
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from pyllm import _ext, ops
+from pyllm.errors import PyllmError
+from pyllm.gguf import GGMLType
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as GT  # noqa: E402
+from gguf import quants  # noqa: E402
+
+SEED = int(os.environ.get("PYLLM_TEST_SEED") or time.time_ns() % 2**31)
+TOL_F32, TOL_Q8, TOL_ISA = 1e-5, 2e-2, 1e-5
+
+FLOAT_TYPES = ["F32", "F16", "BF16"]
+LEGACY_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+ALL_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES
+# Byte offsets of the fp16 scale / min fields inside each block (REFERENCE.md section 5).
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0]}
+# (N, K): the fixture models' projections (SmolLM2 576/1536, Qwen2.5-0.5B 896/4864) and odd row counts.
+SHAPES = {
+    "float": [(1536, 576), (896, 4864), (1, 8), (7, 13), (33, 100)],
+    "legacy": [(1536, 576), (4864, 896), (896, 4864), (1, 576), (7, 64), (33, 160)],
+    "k": [(576, 1536), (896, 4864), (1, 256), (7, 512), (33, 768)],
+}
+MS = [1, 2, 5, 8]
+
+
+def family(name):
+    return "float" if name in FLOAT_TYPES else ("legacy" if name in LEGACY_TYPES else "k")
+
+
+def rng_for(*key):
+    return np.random.default_rng([SEED, zlib.crc32(repr(key).encode())])
+
+
+def why(*what):
+    return f"(PYLLM_TEST_SEED={SEED}; {', '.join(map(str, what))})"
+
+
+@pytest.fixture(scope="module")
+def C():
+    try:
+        mod = _ext.load()
+    except PyllmError as e:
+        pytest.skip(f"extension unavailable: {e}")
+    yield mod
+    mod.set_isa("avx2" if "avx2" in mod.available_isas() else "scalar")
+
+
+class Weight:
+    """raw uint8 [N, row_bytes] blocks; W f32 [N, K] from the oracle; W64 its float64 copy and colsq = sum_n W^2
+    [K] (cached: the float64 work dominates the test time otherwise)."""
+
+    def __init__(self, raw, W):
+        self.raw, self.W = raw, W
+        self.W64 = W.double()
+        self.colsq = (self.W64 ** 2).sum(0)
+
+    def ref(self, x):
+        return x.double() @ self.W64.T
+
+
+@functools.lru_cache(maxsize=2)
+def make_weight(name, N, K) -> Weight:
+    return Weight(*_make_weight(name, N, K))
+
+
+def _make_weight(name, N, K):
+    """(raw uint8 [N, row_bytes], W float32 [N, K] from the oracle)."""
+    rng = rng_for("w", name, N, K)
+    if name == "F32":
+        w = rng.standard_normal((N, K), dtype=np.float32)
+        return torch.from_numpy(w.view(np.uint8).copy()), torch.from_numpy(w)
+    if name == "F16":
+        w = rng.standard_normal((N, K)).astype(np.float16)
+        return torch.from_numpy(w.view(np.uint8).copy()), torch.from_numpy(w.astype(np.float32))
+    if name == "BF16":
+        bits = (rng.standard_normal((N, K), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        raw = bits.view(np.uint8).copy()
+        return torch.from_numpy(raw), torch.from_numpy(quants.dequantize(raw, GT.BF16).reshape(N, K))
+    qt = GT[name]
+    bs, ts = gguf.GGML_QUANT_SIZES[qt]
+    nb = N * K // bs
+    raw = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
+    for off in F16_FIELDS[name]:
+        d = rng.uniform(0.002, 0.02, nb) * rng.choice([-1.0, 1.0], nb)
+        raw[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    raw = raw.reshape(N, K // bs * ts)
+    W = quants.dequantize(raw, qt).reshape(N, K).astype(np.float32)
+    return torch.from_numpy(raw), torch.from_numpy(W)
+
+
+def rel_err(y, ref, x, w: Weight):
+    """max|y - ref| / max(max|ref|, rms);  rms^2 = mean_{m,n} sum_k x_mk^2 W_nk^2 (computed in O(M K))."""
+    y, ref = y.double(), ref.double()
+    rms = ((x.double() ** 2).sum(0) @ w.colsq / (x.shape[0] * w.W.shape[0])).sqrt()
+    return ((y - ref).abs().max() / torch.maximum(ref.abs().max(), rms)).item()
+
+
+def gemv_cases():
+    for name in ALL_TYPES:
+        for N, K in SHAPES[family(name)]:
+            for M in MS:
+                yield pytest.param(name, N, K, M, id=f"{name}-N{N}-K{K}-M{M}")
+
+
+@pytest.mark.parametrize("name,N,K,M", list(gemv_cases()))
+def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
+    wt = make_weight(name, N, K)
+    w = wt.raw
+    x = torch.from_numpy(rng_for("x", name, N, K, M).standard_normal((M, K), dtype=np.float32))
+    ref = wt.ref(x)
+    tol = TOL_F32 if name in FLOAT_TYPES else TOL_Q8
+    ys = {}
+    for isa in C.available_isas():
+        C.set_isa(isa)
+        ys[isa] = C.gemv(x, w, int(GT[name]))
+        assert ys[isa].shape == (M, N) and ys[isa].dtype == torch.float32
+        err = rel_err(ys[isa], ref, x, wt)
+        assert err < tol, f"{name} {isa} gemv error {err:.3g} > {tol} " + why(N, K, M)
+    if "avx2" in ys:
+        err = rel_err(ys["avx2"], ys["scalar"], x, wt)
+        assert err < TOL_ISA, f"{name}: scalar and avx2 differ by {err:.3g} " + why(N, K, M)
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_gemv_threads_and_out(C, name):
+    """Rows are independent, so 1 and 2 threads give identical bits; `out` is filled in place."""
+    N, K = SHAPES[family(name)][1]
+    w = make_weight(name, N, K).raw
+    x = torch.from_numpy(rng_for("xt", name).standard_normal((3, K), dtype=np.float32))
+    old = C.get_num_threads()
+    try:
+        C.set_num_threads(1)
+        y1 = C.gemv(x, w, int(GT[name]))
+        C.set_num_threads(2)
+        out = torch.full((3, N), float("nan"))
+        y2 = C.gemv(x, w, int(GT[name]), out)
+    finally:
+        C.set_num_threads(old)
+    assert y2.data_ptr() == out.data_ptr()
+    assert torch.equal(y1, out), why(name)
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_dequantize_is_bit_exact(C, name):
+    N, K = SHAPES[family(name)][-1]
+    w, W = make_weight(name, N, K).raw, make_weight(name, N, K).W
+    got = C.dequantize(w, int(GT[name]))
+    assert got.shape == (N, K)
+    assert torch.equal(got, W), f"{name}: dequantize differs from gguf.quants " + why(N, K)
+    ids = torch.from_numpy(rng_for("ids", name).integers(0, N, 9))
+    for dt in (torch.int64, torch.int32):
+        assert torch.equal(C.dequantize(w, int(GT[name]), ids.to(dt)), W[ids]), why(name, dt)
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+@pytest.mark.parametrize("M", [9, 40])
+def test_gemm_prefill(C, name, M):
+    """Dequantized tiles + torch GEMM; (896, 4864) spans several tiles of rows."""
+    N, K = (896, 4864) if M == 9 else SHAPES[family(name)][-1]
+    wt = make_weight(name, N, K)
+    x = torch.from_numpy(rng_for("xg", name, M).standard_normal((M, K), dtype=np.float32))
+    err = rel_err(C.gemm(x, wt.raw, int(GT[name])), wt.ref(x), x, wt)
+    assert err < TOL_F32, f"{name} gemm error {err:.3g} " + why(N, K, M)
+
+
+# ---- pyllm.ops on QTensors ---------------------------------------------------------------------------------
+
+def qtensor(name, N, K):
+    from pyllm.quant import QTensor
+
+    return QTensor(GGMLType[name], (N, K), make_weight(name, N, K).raw, name=f"test.{name}")
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16"])
+def test_ops_fast_matches_reference(C, name):
+    N, K = SHAPES[family(name)][0]
+    w = qtensor(name, N, K)
+    rng = rng_for("ops", name)
+    try:
+        for M in (1, 8, 20):
+            x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
+            ops.set_backend("reference")
+            ref = ops.qmatmul(x, w)
+            ops.set_backend("fast")
+            y = ops.qmatmul(x, w)
+            tol = TOL_F32 if name in FLOAT_TYPES or M > 8 else TOL_Q8
+            assert rel_err(y, ref, x, make_weight(name, N, K)) < tol, why(name, M)
+        x3 = torch.from_numpy(rng.standard_normal((2, 3, K), dtype=np.float32))
+        assert ops.qmatmul(x3, w).shape == (2, 3, N)
+        assert torch.equal(ops.dequantize(w), w.dequantize())
+        ids = torch.tensor([[0, 5], [N - 1, 0]])
+        assert torch.equal(ops.embedding(w, ids), w.rows(ids))
+    finally:
+        ops.set_backend("fast")
+
+
+def test_ops_fall_back_for_types_the_kernels_lack(C):
+    """IQ4_NL is a real GGUF type quant.py dequantizes but the CPU kernels do not: qmatmul must still work."""
+    rng = rng_for("iq4")
+    N, K = 7, 64
+    raw = rng.integers(0, 256, (N * K // 32, 18), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(0.002, 0.02, (N * K // 32, 1)).astype(np.float16).view(np.uint8)
+    from pyllm.quant import QTensor
+
+    w = QTensor(GGMLType.IQ4_NL, (N, K), torch.from_numpy(raw.reshape(N, -1)))
+    x = torch.from_numpy(rng.standard_normal((2, K), dtype=np.float32))
+    assert torch.allclose(ops.qmatmul(x, w), x @ w.dequantize().T)
+    assert torch.equal(ops.dequantize(w), w.dequantize())
+    with pytest.raises(NotImplementedError, match="IQ4_NL"):
+        C.gemv(x, w.data, int(GGMLType.IQ4_NL))
+
+
+# ---- bad calls raise Python exceptions naming the values ------------------------------------------------
+
+Q4_0 = int(GGMLType.Q4_0)
+
+
+def q4_0(N=4, K=576):
+    return make_weight("Q4_0", N, K).raw
+
+
+def test_error_wrong_dtype(C):
+    with pytest.raises(TypeError, match=r"gemv: x must be Float, got Double"):
+        C.gemv(torch.zeros(1, 576, dtype=torch.float64), q4_0(), Q4_0)
+    with pytest.raises(TypeError, match=r"w must be Byte, got Int"):
+        C.gemv(torch.zeros(1, 576), torch.zeros(4, 324, dtype=torch.int32), Q4_0)
+
+
+def test_error_wrong_device(C):
+    with pytest.raises(ValueError, match=r"x is on meta"):
+        C.gemv(torch.zeros(1, 576, device="meta"), q4_0(), Q4_0)
+
+
+def test_error_wrong_rank(C):
+    with pytest.raises(ValueError, match=r"x must be 2-D, got shape \[1, 1, 576\]"):
+        C.gemv(torch.zeros(1, 1, 576), q4_0(), Q4_0)
+
+
+def test_error_too_many_rows_for_gemv(C):
+    with pytest.raises(ValueError, match=r"x has 9 rows, the fused GEMV takes 1..8"):
+        C.gemv(torch.zeros(9, 576), q4_0(), Q4_0)
+
+
+def test_error_non_contiguous(C):
+    with pytest.raises(ValueError, match=r"x must be contiguous"):
+        C.gemv(torch.zeros(576, 2).T, q4_0(), Q4_0)
+
+
+def test_error_k_not_divisible_by_block(C):
+    with pytest.raises(ValueError, match=r"K=100 is not a multiple of Q4_0's block size 32"):
+        C.gemv(torch.zeros(1, 100), q4_0(), Q4_0)
+
+
+def test_error_row_bytes_mismatch(C):
+    with pytest.raises(ValueError, match=r"gemv: w has 610 bytes per row but Q4_0 with K=576 needs 324"):
+        C.gemv(torch.zeros(1, 576), torch.zeros(4, 610, dtype=torch.uint8), Q4_0)
+
+
+def test_error_unknown_type_id(C):
+    with pytest.raises(ValueError, match=r"unknown GGML type id 99"):
+        C.gemv(torch.zeros(1, 576), q4_0(), 99)
+    with pytest.raises(ValueError, match=r"unknown GGML type id -1"):
+        C.dequantize(q4_0(), -1)
+
+
+def test_error_out_shape(C):
+    with pytest.raises(ValueError, match=r"out has shape \[1, 5\], expected \[1, 4\]"):
+        C.gemv(torch.zeros(1, 576), q4_0(), Q4_0, torch.zeros(1, 5))
+
+
+def test_error_ids_out_of_range(C):
+    with pytest.raises(IndexError, match=r"ids\[1\] = 4 is out of range for 4 rows"):
+        C.dequantize(q4_0(), Q4_0, torch.tensor([0, 4]))
+
+
+def test_error_bad_settings(C):
+    with pytest.raises(ValueError, match=r"unknown ISA 'sse9'"):
+        C.set_isa("sse9")
+    with pytest.raises(ValueError, match=r"n must be >= 1, got 0"):
+        C.set_num_threads(0)
