@@ -1,0 +1,196 @@
+"""GPU benchmarks for tools/gpu_check.sh (not a pytest file): GEMV GB/s against the measured copy bandwidth, and
+synthetic Llama-3-8B decode/prefill through pyllm.cuda_backend with a torch fp16 baseline. Prints a table last.
+
+Timing follows /work/.library/device/METHOD.md: warm-up first, CUDA events, the GEMV calls captured in a graph
+(20 calls rotating over weight copies that together exceed the L2, so launch gaps and cache hits stay out),
+random data (never zeros), median of repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from pyllm import cuda_backend  # noqa: E402
+from pyllm.gguf import BLOCK_INFO, GGMLType  # noqa: E402
+from pyllm.quant import QTensor  # noqa: E402
+
+SCALE_OFFSETS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q8_0: (0,),
+                 GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}
+TYPES = list(SCALE_OFFSETS)
+SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096), (128256, 4096)]  # (N out, K in)
+L2_BYTES = 60 << 20
+
+
+def random_weight(qtype: GGMLType, n: int, k: int, name: str = "w") -> QTensor:
+    """Random blocks made on the GPU, fp16 scales set to a small finite value."""
+    bs, ts = BLOCK_INFO[qtype]
+    data = torch.randint(0, 256, (n * (k // bs), ts), dtype=torch.uint8, device="cuda")
+    s = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8).cuda()
+    for off in SCALE_OFFSETS.get(qtype, ()):
+        data[:, off:off + 2] = s
+    return QTensor(qtype, (n, k), data.view(n, -1), name)
+
+
+def median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a device-to-device copy, bytes read + written."""
+    n = 2 << 30
+    a = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = median_ms(lambda: b.copy_(a))
+    del a, b
+    return 2 * n / ms / 1e6
+
+
+def bench_gemv(K, bw: float) -> list[dict]:
+    rows = []
+    for t in TYPES:
+        for n, k in SHAPES:
+            w0 = random_weight(t, n, k)
+            copies = max(2, min(8, math.ceil(3 * L2_BYTES / w0.nbytes)))
+            ws = [w0] + [random_weight(t, n, k) for _ in range(copies - 1)]
+            x = torch.randn(1, k, device="cuda")
+            out = torch.empty(1, n, device="cuda")
+            calls = 20
+            for w in ws:  # warm-up outside capture
+                K.cuda_gemv(w.data, int(t), x, out)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for i in range(calls):
+                    K.cuda_gemv(ws[i % copies].data, int(t), x, out)
+            ms = median_ms(g.replay) / calls
+            gbs = w0.nbytes / ms / 1e6
+            rows.append(dict(type=t.name, N=n, K=k, us=ms * 1e3, GBs=gbs, pct=100 * gbs / bw))
+            print(f"gemv {t.name:5s} {n:6d}x{k:<6d} {ms * 1e3:8.2f} us {gbs:7.0f} GB/s {100 * gbs / bw:5.1f}%", flush=True)
+            del ws, g
+    return rows
+
+
+def llama3_8b(ftype: str):
+    from pyllm.models.config import ModelConfig
+
+    L, D, FF, H, HKV, HD, V = 32, 4096, 14336, 32, 8, 128, 128256
+    cfg = ModelConfig(arch="llama", n_layer=L, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD, n_vocab=V,
+                      n_ctx_train=8192, rope_base=500000.0, rope_dim=HD, rope_style="norm", rms_eps=1e-5)
+    main = {"q4_k_m": GGMLType.Q4_K, "q4_0": GGMLType.Q4_0}[ftype]
+    w = {"token_embd.weight": random_weight(main, V, D), "output.weight": random_weight(GGMLType.Q6_K, V, D),
+         "output_norm.weight": QTensor(GGMLType.F32, (D,), torch.ones(D, device="cuda").view(torch.uint8))}
+    for i in range(L):
+        p = f"blk.{i}."
+        more = ftype == "q4_k_m" and (i < L // 8 or i >= 7 * L // 8 or (i - L // 8) % 3 == 2)
+        vt = GGMLType.Q6_K if more else main
+        for n in ("attn_norm", "ffn_norm"):
+            w[p + n + ".weight"] = QTensor(GGMLType.F32, (D,), torch.ones(D, device="cuda").view(torch.uint8))
+        w[p + "attn_q.weight"] = random_weight(main, H * HD, D)
+        w[p + "attn_k.weight"] = random_weight(main, HKV * HD, D)
+        w[p + "attn_v.weight"] = random_weight(vt, HKV * HD, D)
+        w[p + "attn_output.weight"] = random_weight(main, D, H * HD)
+        w[p + "ffn_gate.weight"] = random_weight(main, FF, D)
+        w[p + "ffn_up.weight"] = random_weight(main, FF, D)
+        w[p + "ffn_down.weight"] = random_weight(vt, D, FF)
+    return cfg, w
+
+
+def to_fp16(K, w: dict) -> dict:
+    out = {}
+    for name, t in w.items():
+        if len(t.shape) == 2 and name != "token_embd.weight":
+            d = K.cuda_dequantize(t.data, int(t.qtype), t.shape[1], None, True, True)
+            out[name] = QTensor(GGMLType.F16, t.shape, d.view(torch.uint8), name)
+        else:
+            out[name] = t
+    return out
+
+
+def bench_decode(K, ftype: str, bw: float, ctx: int, fp16_baseline: bool) -> list[dict]:
+    cfg, w = llama3_8b(ftype)
+    rows = []
+    variants = [(ftype, w)] + ([("fp16 torch", None)] if fp16_baseline else [])
+    for label, weights in variants:
+        if weights is None:
+            weights = to_fp16(K, w)
+            del w
+            torch.cuda.empty_cache()
+        per_token = sum(t.nbytes for n, t in weights.items() if n != "token_embd.weight")
+        dec = cuda_backend.CudaDecoder(cfg, weights, max_seq=ctx + 160)
+        dec.k.normal_()
+        dec.v.normal_()
+        prompt = torch.randint(0, cfg.n_vocab, (512,), device="cuda")
+        pp_ms = median_ms(lambda: dec.prefill(prompt, 0), reps=3, warmup=1)
+        dec.capture()
+        res = dict(model=f"llama3-8b {label}", pp512=512 / pp_ms * 1e3, GB_per_token=per_token / 1e9)
+        for pos, key in ((1, "tg128"), (ctx, f"tg128@{ctx}")):
+            dec.greedy(1, pos, 4)  # warm
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dec.greedy(1, pos, 128)  # syncs once at the end (tolist)
+            dt = time.perf_counter() - t0
+            res[key] = 128 / dt
+        res["roofline_pct"] = 100 * res["tg128"] * per_token / (bw * 1e9)
+        rows.append(res)
+        print(json.dumps(res), flush=True)
+        del dec, weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--no-decode", action="store_true")
+    ap.add_argument("--ctx", type=int, default=4096)
+    args = ap.parse_args()
+    K = cuda_backend.kernels()
+    props = torch.cuda.get_device_properties(0)
+    bw = copy_bandwidth()
+    print(f"device {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__} cuda {torch.version.cuda}; "
+          f"copy bandwidth {bw:.0f} GB/s", flush=True)
+    gemv = bench_gemv(K, bw)
+    dec = []
+    if not args.no_decode:
+        for i, ft in enumerate(("q4_k_m", "q4_0")):
+            try:
+                dec += bench_decode(K, ft, bw, args.ctx, fp16_baseline=i == 0)
+            except Exception as e:  # report and keep the GEMV table
+                print(f"decode bench {ft} failed: {type(e).__name__}: {e}", flush=True)
+    Path(args.out, "bench.json").write_text(json.dumps(dict(copy_GBs=bw, gemv=gemv, decode=dec), indent=1))
+    print(f"\n=== GEMV (M=1), % of copy bandwidth {bw:.0f} GB/s ===")
+    print("type   " + "".join(f"{n}x{k:<8}" for n, k in SHAPES))
+    for t in TYPES:
+        cells = [r for r in gemv if r["type"] == t.name]
+        print(f"{t.name:6s} " + "".join(f"{r['GBs']:5.0f} {r['pct']:4.0f}%   " for r in cells))
+    if dec:
+        print("=== synthetic Llama-3-8B (tok/s) ===")
+        for r in dec:
+            print(f"{r['model']:22s} pp512 {r['pp512']:7.0f}  tg128 {r['tg128']:6.1f}  "
+                  f"tg128@{args.ctx} {r[f'tg128@{args.ctx}']:6.1f}  {r['GB_per_token']:.2f} GB/tok  "
+                  f"{r['roofline_pct']:.0f}% of copy-BW roofline")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

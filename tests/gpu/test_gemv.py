@@ -1,0 +1,88 @@
+"""CUDA decode GEMV vs float64 references on gguf.quants-dequantized weights, every type, M = 1..8.
+
+Two references per case:
+- exact: W64 @ (the kernel's own int8 activation codes x their scales): only fp32 accumulation differs, so
+  ||y - ref|| / ||ref|| <= 2e-5 (catches any indexing error, however small its effect);
+- float: W64 @ x64 with x unquantized: NMSE <= 5e-4 (ggml's test_mul_mat bound; the int8 activations cost
+  ~1e-5 here), the accuracy the model sees.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from pyllm.gguf import BLOCK_INFO, GGMLType
+from cuda_testutil import random_blocks, reference, to_cuda
+
+TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+SHAPES = [(1, 256), (37, 1024), (1000, 4096), (130, 14336)]
+
+
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+@pytest.mark.parametrize("N,Kd", SHAPES)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gemv_matches_float64(K, qtype, N, Kd, M):
+    rng = np.random.default_rng(hash((int(qtype), N, Kd, M)) & 0xFFFF)
+    blocks = random_blocks(qtype, N, Kd, rng)
+    w64 = reference(qtype, blocks).astype(np.float64)
+    x = torch.randn(M, Kd, dtype=torch.float32, device="cuda") * 3
+    out = torch.full((M, N), float("nan"), device="cuda")  # poisoned: every element must be written
+    y = K.cuda_gemv(to_cuda(blocks), int(qtype), x, out)
+    assert y.data_ptr() == out.data_ptr()
+    y64 = y.double().cpu().numpy()
+    assert np.isfinite(y64).all(), "unwritten or non-finite outputs"
+
+    xq, xds = K.cuda_quantize_act(x)
+    xdeq = (xq.double().view(M, Kd // 32, 32) * xds[..., 0:1].double()).view(M, Kd).cpu().numpy()
+    exact = xdeq @ w64.T
+    rel = np.linalg.norm(y64 - exact) / np.linalg.norm(exact)
+    assert rel <= 2e-5, f"{qtype.name} N={N} K={Kd} M={M}: ||y - W xq|| / ||W xq|| = {rel:.3g}"
+
+    ref = x.double().cpu().numpy() @ w64.T
+    nmse = np.sum((y64 - ref) ** 2) / np.sum(ref ** 2)
+    assert nmse <= 5e-4, f"{qtype.name} N={N} K={Kd} M={M}: NMSE vs float64 = {nmse:.3g}"
+
+
+def test_quantize_act_codes(K):
+    """int8 codes = round-half-even(x / d), d = max|x| / 127 per 32 values; the (d, d*sum) pairs match."""
+    x = torch.randn(3, 4096, device="cuda") * torch.logspace(-3, 3, 4096, device="cuda")
+    x[1, :32] = 0  # an all-zero block: d = 0, codes 0
+    xq, xds = K.cuda_quantize_act(x)
+    xb = x.cpu().view(3, -1, 32)
+    d = xb.abs().amax(-1) / 127
+    q = torch.where(d[..., None] > 0, torch.round(xb / d[..., None].clamp_min(1e-38)), torch.zeros_like(xb))
+    assert torch.equal(xds[..., 0].cpu(), d)
+    assert (xq.cpu().view(3, -1, 32).float() - q).abs().max() <= 1  # ties may round either way after /d
+    s = xds[..., 1].cpu()
+    torch.testing.assert_close(s, d * xq.cpu().view(3, -1, 32).float().sum(-1), rtol=1e-6, atol=0)
+
+
+def _w(qtype, n=8, k=256):
+    return to_cuda(random_blocks(qtype, n, k, np.random.default_rng(0)))
+
+
+def test_errors(K):
+    w = _w(GGMLType.Q4_0)
+    x = torch.randn(1, 256, device="cuda")
+    with pytest.raises(ValueError, match="M=9"):
+        K.cuda_gemv(w, int(GGMLType.Q4_0), torch.randn(9, 256, device="cuda"))
+    with pytest.raises(TypeError, match="x must be Float"):
+        K.cuda_gemv(w, int(GGMLType.Q4_0), x.half())
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        K.cuda_gemv(w, int(GGMLType.Q4_0), x.cpu())
+    with pytest.raises(ValueError, match="rows of 144 bytes.*needs 162"):  # K=288 needs 9 blocks per row
+        K.cuda_gemv(w, int(GGMLType.Q4_0), torch.randn(1, 288, device="cuda"))
+    with pytest.raises(ValueError, match="multiple"):
+        K.cuda_gemv(w, int(GGMLType.Q4_0), torch.randn(1, 250, device="cuda"))
+    with pytest.raises(ValueError, match="Q2_K"):
+        K.cuda_gemv(_w(GGMLType.Q2_K), int(GGMLType.Q2_K), x)
+    with pytest.raises(ValueError, match="not a GGML type id"):
+        K.cuda_gemv(w, 999, x)
+    wk = _w(GGMLType.Q4_K, n=4)
+    flat = torch.empty(wk.numel() + 1, dtype=torch.uint8, device="cuda")
+    mis = flat[1:].view(wk.shape)
+    mis.copy_(wk)
+    with pytest.raises(ValueError, match="aligned"):
+        K.cuda_gemv(mis, int(GGMLType.Q4_K), x)
+    with pytest.raises(ValueError, match="out has shape"):
+        K.cuda_gemv(w, int(GGMLType.Q4_0), x, torch.empty(1, 7, device="cuda"))

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One-shot GPU validation for a fresh device machine (H200: torch 2.11 cu130, nvcc 13.0), within 8 minutes:
+#   1. build the CUDA kernels (pyllm._C if it has them, else the standalone pyllm_cuda), sm_90 only;
+#   2. pytest tests/gpu (float64 references, gguf.quants oracle, CPU-reference end to end);
+#   3. GEMV GB/s vs copy bandwidth, synthetic Llama-3-8B pp512/tg128 (+ fp16 torch baseline);
+# and prints a short table last.  Logs and bench.json go to $OUT (the device tool's folder) or /tmp.
+#
+# Missing packages (gguf, maybe prompt_toolkit) travel as wheels in .whl/ (carry ".whl"); prepare them here:
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 --platform any -d .whl gguf==0.19.0 prompt_toolkit wcwidth
+# Env: GPU_CHECK_SKIP_BENCH=1 (tests only), GPU_CHECK_CTX (long-context position, default 4096).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${OUT:-/tmp/pyllm-gpu-check}
+mkdir -p "$LOG"
+export PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+export PYLLM_CACHE_DIR=${PYLLM_CACHE_DIR:-/tmp/pyllm-cache}
+t0=$(date +%s)
+stamp() { echo "[gpu_check +$(( $(date +%s) - t0 ))s] $*"; }
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$LOG/device.txt"
+python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$LOG/device.txt"
+python3 -c "import gguf" 2>/dev/null || echo "WARNING: gguf is not importable: the oracle tests will fail (carry .whl)"
+
+stamp "build"
+timeout 300 python3 -c "
+import time; t = time.time()
+from pyllm import cuda_backend
+k = cuda_backend.kernels()
+print('kernels from', k.__name__, 'built/loaded in %.0f s' % (time.time() - t))
+" 2>&1 | tee "$LOG/build.log"
+build_rc=${PIPESTATUS[0]}
+[ "$build_rc" = 0 ] || { stamp "BUILD FAILED (rc $build_rc)"; exit 1; }
+
+stamp "tests/gpu"
+timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu 2>&1 | tee "$LOG/tests.log"
+test_rc=${PIPESTATUS[0]}
+
+bench_rc=skipped
+if [ "${GPU_CHECK_SKIP_BENCH:-0}" != 1 ]; then
+    stamp "benchmarks"
+    timeout 240 python3 tests/gpu/bench_cuda.py --out "$LOG" --ctx "${GPU_CHECK_CTX:-4096}" 2>&1 | tee "$LOG/bench.log"
+    bench_rc=${PIPESTATUS[0]}
+fi
+
+stamp "done"
+echo "=== summary ==="
+cat "$LOG/device.txt"
+echo "tests: $(tail -1 "$LOG/tests.log") (rc $test_rc)"
+if [ "$bench_rc" != skipped ]; then
+    sed -n '/^=== GEMV/,$p' "$LOG/bench.log"
+    echo "bench rc $bench_rc"
+fi
+[ "$test_rc" = 0 ] && { [ "$bench_rc" = 0 ] || [ "$bench_rc" = skipped ]; }
