@@ -1,0 +1,506 @@
+"""Tokenizer built from a GGUF file's vocabulary, matching llama.cpp token for token.
+
+llama.cpp is the reference for GGUF files (the models were converted for it and are evaluated with it), so where
+it and transformers' GGUF converter disagree, this module follows llama.cpp:
+
+* special tokens are cut out of the text first, longest token first over the whole text (llama.cpp's
+  ``tokenizer_st_partition``), control/unknown ones only when ``special=True``, user-defined ones always;
+* byte-level BPE vocabularies pre-split with the regex list llama.cpp keeps per ``tokenizer.ggml.pre``
+  (e.g. ``smollm`` isolates every digit before the GPT-2 regex runs);
+* SentencePiece vocabularies (``llama`` model) merge by token score over the whole fragment, spaces escaped
+  to U+2581, with byte fallback -- which is BPE with merges ranked by the merged token's score;
+* tokens whose text is an end-of-generation marker (``<|im_end|>``, ``</s>``, ...) become control tokens and
+  end generation, whatever type the file gave them.
+
+The BPE merging itself runs in the ``tokenizers`` library; only the special-token split is Python.
+"""
+
+from __future__ import annotations
+
+import codecs
+import re
+from typing import Iterable, Sequence
+
+from pyllm.errors import TokenizerError
+
+# GGUF token types (llama.cpp's LLAMA_TOKEN_TYPE_*)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# llama.cpp recognises these by text (llama-vocab.cpp, "maintain a list of tokens that cause end-of-generation")
+_EOG_TEXTS = frozenset(
+    [
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
+    ]
+)
+_EOT_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
+    "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
+)
+# fill-in-the-middle pad/repo/separator tokens also end generation in llama.cpp
+_FIM_EOG_TEXTS = (
+    ("tokenizer.ggml.fim_pad_token_id", ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]")),
+    ("tokenizer.ggml.fim_rep_token_id", ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>")),
+    ("tokenizer.ggml.fim_sep_token_id", ("<|file_sep|>",)),
+)
+
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# tokenizer.ggml.pre -> (regexes applied in turn, each isolating its matches; ignore_merges)
+_PRE_SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"), False),
+    "gpt2": ((_GPT2_RE,), False),
+    "mpt": ((_GPT2_RE,), False),
+    "olmo": ((_GPT2_RE,), False),
+    "jais": ((_GPT2_RE,), False),
+    "llama3": ((_LLAMA3_RE,), True),
+    "llama-v3": ((_LLAMA3_RE,), True),
+    "llama-bpe": ((_LLAMA3_RE,), True),
+    "falcon3": ((_LLAMA3_RE,), True),
+    "dbrx": ((_LLAMA3_RE,), False),
+    "smaug-bpe": ((_LLAMA3_RE,), False),
+    "qwen2": ((_QWEN2_RE,), False),
+    "deepseek-r1-qwen": ((_QWEN2_RE,), False),
+    "stablelm2": ((_QWEN2_RE,), False),
+    "smollm": ((r"\p{N}", _GPT2_RE), False),
+    "starcoder": ((r"\p{N}", _GPT2_RE), False),
+    "refact": ((r"\p{N}", _GPT2_RE), False),
+    "codeshell": ((r"\p{N}", _GPT2_RE), False),
+    "exaone": ((r"\p{N}", _GPT2_RE), False),
+    "minerva-7b": ((r"\p{N}", _GPT2_RE), False),
+}
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _gpt2_byte_table() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map that byte-level vocabularies are spelled in."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_BYTE_TO_CHAR = _gpt2_byte_table()
+_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+
+
+def _field(md: dict, key: str, kind, default=None, required=False):
+    value = md.get(key, default)
+    if value is None:
+        if required:
+            raise TokenizerError(f"GGUF metadata lacks {key!r}, needed to build the tokenizer")
+        return None
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TokenizerError(f"GGUF metadata {key} = {value!r} is not an integer")
+    if kind is bool and not isinstance(value, (bool, int)):
+        raise TokenizerError(f"GGUF metadata {key} = {value!r} is not a boolean")
+    if kind is str and not isinstance(value, str):
+        raise TokenizerError(f"GGUF metadata {key} = {value!r} is not a string")
+    if kind is list and not isinstance(value, (list, tuple)):
+        raise TokenizerError(f"GGUF metadata {key} is a {type(value).__name__}, expected an array")
+    return bool(value) if kind is bool else value
+
+
+class Tokenizer:
+    """Text <-> token ids for one GGUF vocabulary. Build with :meth:`from_gguf`."""
+
+    def __init__(self, *, kind: str, tokens: list[str], types: list[int], backend, bos_id, eos_id, eog_ids,
+                 add_bos: bool, add_eos: bool, add_space_prefix: bool):
+        self.kind = kind
+        self._tokens = tokens
+        self._types = types
+        self._backend = backend
+        self.n_vocab = len(tokens)
+        self.bos_id: int | None = bos_id
+        self.eos_id: int | None = eos_id
+        self.eog_ids: frozenset[int] = frozenset(eog_ids)
+        self.add_bos = add_bos
+        self.add_eos = add_eos
+        self.add_space_prefix = add_space_prefix
+        self._piece_cache: dict[int, bytes] = {}
+        self._build_special_index()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_gguf(cls, metadata: dict) -> "Tokenizer":
+        md = metadata
+        model = _field(md, "tokenizer.ggml.model", str, required=True)
+        tokens = _field(md, "tokenizer.ggml.tokens", list, required=True)
+        n = len(tokens)
+        if n == 0:
+            raise TokenizerError("GGUF metadata tokenizer.ggml.tokens is empty")
+        types = _field(md, "tokenizer.ggml.token_type", list)
+        if types is None:
+            types = [NORMAL] * n
+        elif len(types) != n:
+            raise TokenizerError(
+                f"GGUF metadata tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {n}"
+            )
+        types = list(types)
+
+        if model == "gpt2":
+            kind, default_bos, default_eos = "bpe", 11, 11
+        elif model == "llama":
+            kind, default_bos, default_eos = "spm", 1, 2
+        else:
+            raise TokenizerError(
+                f"GGUF metadata tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2', 'llama')"
+            )
+
+        def special_id(key, default):
+            value = _field(md, key, int)
+            if value is None:
+                return default if default is not None and 0 <= default < n else None
+            if not 0 <= value < n:
+                raise TokenizerError(f"GGUF metadata {key} = {value} is out of range for a vocabulary of {n} tokens")
+            return value
+
+        bos_id = special_id("tokenizer.ggml.bos_token_id", default_bos)
+        eos_id = special_id("tokenizer.ggml.eos_token_id", default_eos)
+        eot_id = special_id("tokenizer.ggml.eot_token_id", None)
+        eom_id = special_id("tokenizer.ggml.eom_token_id", None)
+        special_id("tokenizer.ggml.unknown_token_id", None)
+        special_id("tokenizer.ggml.padding_token_id", None)
+
+        # llama.cpp adds BOS for a sentencepiece vocabulary unless the file says otherwise, and always for llama 3
+        pre = _field(md, "tokenizer.ggml.pre", str) or "default"
+        add_bos = _field(md, "tokenizer.ggml.add_bos_token", bool, default=kind == "spm")
+        if kind == "bpe" and _PRE_SPLITS.get(pre, (None, False))[1]:
+            add_bos = True
+        add_eos = _field(md, "tokenizer.ggml.add_eos_token", bool, default=False)
+        add_space_prefix = kind == "spm" and _field(md, "tokenizer.ggml.add_space_prefix", bool, default=True)
+        if add_bos and bos_id is None:
+            raise TokenizerError("GGUF metadata asks to add a BOS token but tokenizer.ggml.bos_token_id is missing")
+
+        index = {t: i for i, t in enumerate(tokens)}
+        eog, types = _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id)
+
+        if kind == "bpe":
+            merges = _field(md, "tokenizer.ggml.merges", list, required=True)
+            backend = _bpe_backend(tokens, index, merges, pre)
+        else:
+            scores = _field(md, "tokenizer.ggml.scores", list)
+            if scores is not None and len(scores) != n:
+                raise TokenizerError(
+                    f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries but tokenizer.ggml.tokens has {n}"
+                )
+            backend = _spm_backend(tokens, types, index, scores)
+        return cls(kind=kind, tokens=list(tokens), types=types, backend=backend, bos_id=bos_id, eos_id=eos_id,
+                   eog_ids=eog, add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
+
+    def _build_special_index(self):
+        # Two tables (all special tokens; user-defined only), each: first char -> candidate lengths, longest first.
+        self._special_all: dict[str, int] = {}
+        self._special_user: dict[str, int] = {}
+        for i, (t, ty) in enumerate(zip(self._tokens, self._types)):
+            if not t:
+                continue
+            if ty in (CONTROL, UNKNOWN):
+                self._special_all.setdefault(t, i)
+            elif ty == USER_DEFINED:
+                self._special_all.setdefault(t, i)
+                self._special_user.setdefault(t, i)
+
+        def lengths(table):
+            by_first: dict[str, set[int]] = {}
+            for t in table:
+                by_first.setdefault(t[0], set()).add(len(t))
+            return {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
+
+        self._lengths_all = lengths(self._special_all)
+        self._lengths_user = lengths(self._special_user)
+        self._first_re_all = _first_char_re(self._lengths_all)
+        self._first_re_user = _first_char_re(self._lengths_user)
+
+    # ------------------------------------------------------------------ encoding
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids for ``text``; ``special`` lets control tokens written in the text become themselves."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+        if add_bos is None:
+            add_bos = self.add_bos
+        out: list[int] = []
+        if add_bos:
+            if self.bos_id is None:
+                raise TokenizerError("this vocabulary has no BOS token (tokenizer.ggml.bos_token_id)")
+            out.append(self.bos_id)
+        prev_special = True
+        for part in self._partition(text, special):
+            if isinstance(part, int):
+                out.append(part)
+                prev_special = True
+                continue
+            if self.kind == "spm":
+                if self.add_space_prefix and prev_special:
+                    part = " " + part
+                part = part.replace(" ", "\u2581")
+            out.extend(self._backend.encode(part, add_special_tokens=False).ids)
+            prev_special = False
+        if add_bos and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    def _partition(self, text: str, special: bool) -> list:
+        """Split ``text`` into raw strings and special token ids the way llama.cpp does.
+
+        llama.cpp takes special tokens longest first and cuts every non-overlapping occurrence of each out of the
+        text still unclaimed; all candidate occurrences are found first so that this costs one pass.
+        """
+        if not text:
+            return []
+        table = self._special_all if special else self._special_user
+        lengths = self._lengths_all if special else self._lengths_user
+        first_re = self._first_re_all if special else self._first_re_user
+        if first_re is None:
+            return [text]
+        found = []  # (-len, token id, pos)
+        for m in first_re.finditer(text):
+            p = m.start()
+            room = len(text) - p
+            for L in lengths[text[p]]:
+                if L > room:
+                    continue
+                tid = table.get(text[p:p + L])
+                if tid is not None:
+                    found.append((-L, tid, p))
+        if not found:
+            return [text]
+        found.sort()
+        claimed = bytearray(len(text) + 1)
+        accepted = []
+        for negl, tid, p in found:
+            end = p - negl
+            if claimed[p] or claimed[end - 1] or (end - p > 2 and any(claimed[p:end])):
+                continue
+            claimed[p:end] = b"\x01" * (end - p)
+            accepted.append((p, end, tid))
+        accepted.sort()
+        parts: list = []
+        pos = 0
+        for p, end, tid in accepted:
+            if p > pos:
+                parts.append(text[pos:p])
+            parts.append(tid)
+            pos = end
+        if pos < len(text):
+            parts.append(text[pos:])
+        return parts
+
+    # ------------------------------------------------------------------ decoding
+    def _check_id(self, tid) -> int:
+        if isinstance(tid, bool) or not isinstance(tid, int):
+            try:
+                tid = int(tid)
+            except (TypeError, ValueError):
+                raise TokenizerError(f"token id {tid!r} is not an integer") from None
+        if not 0 <= tid < self.n_vocab:
+            raise TokenizerError(f"token id {tid} is out of range for a vocabulary of {self.n_vocab} tokens")
+        return tid
+
+    def is_special(self, tid: int) -> bool:
+        """Control or unknown token: dropped from text when decoding with ``skip_special``."""
+        return self._types[self._check_id(tid)] in (CONTROL, UNKNOWN)
+
+    def token_bytes(self, tid: int, skip_special: bool = False) -> bytes:
+        """The raw bytes token ``tid`` contributes to the text (may be part of a UTF-8 character)."""
+        tid = self._check_id(tid)
+        ty = self._types[tid]
+        if ty in (CONTROL, UNKNOWN):
+            return b"" if skip_special else self._tokens[tid].encode("utf-8")
+        piece = self._piece_cache.get(tid)
+        if piece is None:
+            piece = self._piece(tid, ty)
+            self._piece_cache[tid] = piece
+        return piece
+
+    def _piece(self, tid: int, ty: int) -> bytes:
+        text = self._tokens[tid]
+        if ty == USER_DEFINED:
+            return text.encode("utf-8")
+        if ty == BYTE:
+            m = _BYTE_TOKEN.fullmatch(text)
+            if m:
+                return bytes([int(m.group(1), 16)])
+            if self.kind == "bpe" and len(text) == 1 and text in _CHAR_TO_BYTE:
+                return bytes([_CHAR_TO_BYTE[text]])
+            return text.encode("utf-8")
+        if ty == UNUSED:
+            return b""  # llama.cpp renders unused tokens as nothing
+        if self.kind == "spm":
+            return text.replace("\u2581", " ").encode("utf-8")
+        out = bytearray()
+        for ch in text:
+            b = _CHAR_TO_BYTE.get(ch)
+            if b is None:
+                out += ch.encode("utf-8")  # not in the byte alphabet: a mislabelled added token, keep it as text
+            else:
+                out.append(b)
+        return bytes(out)
+
+    def token_text(self, tid: int) -> str:
+        """The token's string as the vocabulary spells it (e.g. ``<|im_start|>``, ``Ġhello``, ``▁hi``)."""
+        return self._tokens[self._check_id(tid)]
+
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+        ids = list(ids)
+        data = b"".join(self.token_bytes(t, skip_special) for t in ids)
+        text = data.decode("utf-8", errors="replace")
+        # the prefix space the encoder inserted is not part of the text
+        if self.kind == "spm" and self.add_space_prefix and ids and not (ids[0] == self.bos_id) and text[:1] == " ":
+            text = text[1:]
+        return text
+
+    def is_eog(self, tid: int) -> bool:
+        return tid in self.eog_ids
+
+    def token_id(self, text: str) -> int | None:
+        """Id of the token spelled exactly ``text``, or None."""
+        if not hasattr(self, "_index"):
+            self._index = {}
+            for i, t in enumerate(self._tokens):
+                self._index.setdefault(t, i)
+        return self._index.get(text)
+
+    def __repr__(self):
+        return f"Tokenizer(kind={self.kind!r}, n_vocab={self.n_vocab}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+class StreamDecoder:
+    """Turns a stream of token ids into text pieces that never end inside a UTF-8 character.
+
+    Bytes that may still complete a character are held back; bytes that can no longer become valid UTF-8 come
+    out as U+FFFD as soon as that is certain (the incremental UTF-8 decoder's "replace" rule).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._first = True
+
+    def push(self, tid: int) -> str:
+        data = self.tokenizer.token_bytes(tid, self.skip_special)
+        text = self._dec.decode(data, final=False)
+        tok = self.tokenizer
+        if self._first and (data or text):
+            self._first = False
+            if tok.kind == "spm" and tok.add_space_prefix and tid != tok.bos_id and text[:1] == " ":
+                text = text[1:]
+        return text
+
+    def flush(self) -> str:
+        """Whatever is held back (an incomplete character becomes U+FFFD); the decoder can be reused after."""
+        text = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return text
+
+
+def _first_char_re(lengths: dict[str, list[int]]):
+    if not lengths:
+        return None
+    return re.compile("[" + "".join(re.escape(c) for c in sorted(lengths)) + "]")
+
+
+def _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id):
+    """llama.cpp's end-of-generation set, and token types with every EOG-looking token made a control token."""
+    types = list(types)
+    eog = set()
+    for key, texts in _FIM_EOG_TEXTS:
+        tid = md.get(key)
+        if not (isinstance(tid, int) and 0 <= tid < len(tokens)):
+            tid = next((index[t] for t in texts if t in index), None)
+        if tid is not None:
+            eog.add(tid)
+    for t in _EOG_TEXTS:
+        tid = index.get(t)
+        if tid is not None:
+            eog.add(tid)
+            if types[tid] != CONTROL:
+                types[tid] = CONTROL  # llama.cpp overrides the type: "</s>" in a Qwen vocab is special too
+    if eot_id is None:
+        eot_id = next((index[t] for t in _EOT_TEXTS if t in index), None)
+    if eom_id is None:
+        eom_id = index.get("<|eom_id|>")
+    for tid in (eos_id, eot_id, eom_id):
+        if tid is not None:
+            eog.add(tid)
+    texts = {tokens[i]: i for i in eog}
+    # gpt-oss/solar-open: "<|end|>" ends a message, not the generation
+    if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
+                               or ("<|calls|>" in texts and "<|flush|>" in texts)):
+        eog.discard(texts["<|end|>"])
+        types[texts["<|end|>"]] = USER_DEFINED
+    if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+        eog.discard(texts["</s>"])
+        types[texts["</s>"]] = NORMAL
+    for t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
+        if t in index:
+            types[index[t]] = USER_DEFINED
+    return eog, types
+
+
+def _bpe_backend(tokens: Sequence[str], index: dict, merges: Sequence[str], pre: str):
+    from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
+
+    if pre not in _PRE_SPLITS:
+        raise TokenizerError(
+            f"GGUF metadata tokenizer.ggml.pre = {pre!r} is not supported (supported: {', '.join(sorted(_PRE_SPLITS))})"
+        )
+    regexes, ignore_merges = _PRE_SPLITS[pre]
+    pairs = []
+    for i, m in enumerate(merges):
+        if not isinstance(m, str):
+            raise TokenizerError(f"GGUF metadata tokenizer.ggml.merges[{i}] = {m!r} is not a string")
+        cut = m.find(" ", 1)
+        if cut < 0:
+            raise TokenizerError(f"GGUF metadata tokenizer.ggml.merges[{i}] = {m!r} is not two tokens")
+        a, b = m[:cut], m[cut + 1:]
+        # a merge whose parts or result are missing could never fire in llama.cpp's output either
+        if a in index and b in index and (a + b) in index:
+            pairs.append((a, b))
+    model = models.BPE(index, pairs, ignore_merges=ignore_merges)
+    tk = HFTokenizer(model)
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    return tk
+
+
+def _spm_backend(tokens: Sequence[str], types: Sequence[int], index: dict, scores):
+    """BPE whose merges are ranked by the merged token's score, as llama.cpp's SPM tokenizer merges."""
+    from tokenizers import Tokenizer as HFTokenizer, models
+
+    if scores is None:
+        scores = [0.0] * len(tokens)
+    # highest score merges first; llama.cpp breaks ties by position, which only id order approximates
+    order = sorted(
+        (i for i, ty in enumerate(types) if ty != BYTE and len(tokens[i]) > 1), key=lambda i: (-scores[i], i)
+    )
+    pairs = []
+    get = index.get
+    for i in order:
+        t = tokens[i]
+        for k in range(1, len(t)):
+            a = t[:k]
+            if get(a) is not None:
+                b = t[k:]
+                if get(b) is not None:
+                    pairs.append((a, b))
+    model = models.BPE(index, pairs, byte_fallback=True)
+    return HFTokenizer(model)

@@ -1,0 +1,318 @@
+"""pyllm.tokenizer against llama.cpp (pinned ids in tests/data/tokenizer_refs.json) and transformers.
+
+llama.cpp is the reference for GGUF vocabularies; tools/make_tokenizer_refs.py regenerates the pinned ids with
+llama-cpp-python, which CI does not install. transformers' GGUF tokenizer is compared too, with the strings
+where the two references disagree listed explicitly (and checked to still disagree, so the list stays honest).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+
+import pytest
+
+from conftest import fixture_path, hf_tokenizer
+from pyllm.errors import TokenizerError
+from pyllm.tokenizer import StreamDecoder, Tokenizer
+
+MODELS = ("smollm2", "qwen2", "gemma3")
+REFS_PATH = os.path.join(os.path.dirname(__file__), "data", "tokenizer_refs.json")
+
+CORPUS = [
+    "",
+    " ",
+    "Hello world",
+    " Hello world",
+    "  Hello  world  ",
+    "hello\n",
+    "\n\n\n",
+    "a  1",
+    "\n\n  1. Definitions.",
+    "   leading spaces and trailing   ",
+    "def f(x):\n\tif x:\n\t\treturn x  # tab-indented\n    else:\n        return None\n",
+    "for (int i = 0; i < n; ++i) {\n    sum += a[i];\n}",
+    "x\t\ty \t z\r\nw",
+    "1234567890 3.14159 -42 1e-10 0x1F",
+    "The year 2024 had 366 days; 100000000000000000000 is big.",
+    "  123 and\t456 and\n789",
+    "I'm sure you'll see they've done it, isn't it? He'd say I'M SURE",
+    "café naïve résumé Ångström Øresund straße",
+    "Ελληνικά и русский текст, עברית, العربية",
+    "日本語のテキストと中文文本，한국어 텍스트。",
+    "emoji: 🦙🚀👩‍👩‍👧‍👦 🇫🇷 ❤️ 👍🏽",
+    "mixed 日本 english 123 😀 end",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "<|endoftext|>text after eot",
+    "plain </s> in the middle</s>",
+    "<s>bos-looking</s>",
+    "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
+    "<bos><eos><pad><unk>",
+    "<tool_call>{\"name\": \"f\"}</tool_call>",
+    "<|fim_prefix|>def a():<|fim_suffix|>\n<|fim_middle|>",
+    "<|im_start|<|im_end|>>",
+    "fake <|not_a_token|> and <|im_start",
+    "!!!??? ... --- *** ### @@@ $$$ %%%",
+    "https://example.com/path?q=1&r=2#frag",
+    "zero\u200bwidth\u00a0nbsp\u2003emspace\u3000ideographic",
+    "                                                                 many spaces",
+    "\u2581already escaped\u2581\u2581",
+    "trailing newline spaces  \n  ",
+    "ÀÉÎÕÜ ĀāĒē ǅǆ ﬁﬂ",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟙𝟚𝟛 ½ ² Ⅻ",
+    "tabs\t\t\tand\n\n\nnewlines\r\r",
+]
+
+# Parts of the corpus also checked with special=False (special markers must come out as plain text pieces)
+NON_SPECIAL = [
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "plain </s> in the middle</s>",
+    "<start_of_turn>user\nhello<end_of_turn>\n<start_of_turn>model\n",
+    "<tool_call>{\"name\": \"f\"}</tool_call>",
+    "\n\n  spaces  and newlines\n\n",
+]
+WITH_BOS = ["", "Hello world", "<|im_start|>user\nhi", "<bos>already there"]
+
+# Where transformers' GGUF tokenizer and llama.cpp disagree, and why (llama.cpp wins: it is what the GGUF is for).
+HF_DIFFERS = {
+    "smollm2": {
+        # llama.cpp's smollm pre-tokenizer isolates every digit before the GPT-2 regex, so the spaces before a
+        # digit stay one "  " piece; transformers runs the regex first and leaves " " + " " + "1".
+        "a  1",
+        "\n\n  1. Definitions.",
+        "  123 and\t456 and\n789",
+        # "\p{N}" is every number (No/Nl too): "½", "²", "Ⅻ" are isolated like digits, which transformers'
+        # Digits pre-tokenizer (decimal digits only) does not do
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝟙𝟚𝟛 ½ ² Ⅻ",
+    },
+    "qwen2": {
+        # "</s>" is a normal token in Qwen's vocabulary, but llama.cpp makes it a control token (EOG list)
+        "plain </s> in the middle</s>",
+        "<s>bos-looking</s>",
+    },
+    "gemma3": {
+        # Gemma stores runs of 2..31 spaces as user-defined tokens spelled with real spaces. llama.cpp cuts
+        # user-defined tokens out of the text first, longest first (31 + 31 + 3 spaces); transformers renames
+        # them to "▁▁..." and lets BPE merge the escaped spaces (16 + 16 + 16 + 17).
+        "                                                                 many spaces",
+        # a literal "▁▁" in the text: transformers reaches its renamed two-space token, llama.cpp has no
+        # "▁▁" token to merge into and keeps two "▁"
+        "\u2581already escaped\u2581\u2581",
+    },
+}
+
+
+def ref_cases(key: str):
+    """(text, add_special, special) cases pinned per model; shared with tools/make_tokenizer_refs.py."""
+    cases = [(t, False, True) for t in CORPUS]
+    cases += [(t, False, False) for t in NON_SPECIAL]
+    cases += [(t, True, True) for t in WITH_BOS]
+    return cases
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_metadata(key: str) -> dict:
+    from pyllm.gguf import open_gguf
+
+    gf = open_gguf(fixture_path(key))
+    try:
+        return dict(gf.metadata)
+    finally:
+        close = getattr(gf, "close", None)
+        if close:
+            close()
+
+
+@functools.lru_cache(maxsize=None)
+def pyllm_tokenizer(key: str) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf_metadata(key))
+
+
+@functools.lru_cache(maxsize=None)
+def llama_cpp_refs():
+    if not os.path.exists(REFS_PATH):
+        return None
+    with open(REFS_PATH, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def encode_like(tok: Tokenizer, text: str, add_special: bool, special: bool):
+    # llama.cpp's add_special adds BOS only where the vocabulary asks for it: pyllm's add_bos=None
+    return tok.encode(text, add_bos=None if add_special else False, special=special)
+
+
+# ---------------------------------------------------------------------------------------------- llama.cpp
+@pytest.mark.parametrize("key", MODELS)
+def test_matches_llama_cpp(key):
+    refs = llama_cpp_refs()
+    if refs is None or key not in refs["models"]:
+        pytest.skip("no pinned llama.cpp ids; run tools/make_tokenizer_refs.py")
+    tok = pyllm_tokenizer(key)
+    cases = refs["models"][key]["cases"]
+    assert len(cases) >= 30
+    assert {c["text"] for c in cases} >= set(CORPUS), "corpus changed: rerun tools/make_tokenizer_refs.py"
+    bad = []
+    for c in cases:
+        got = encode_like(tok, c["text"], c["add_special"], c["special"])
+        if got != c["ids"]:
+            bad.append((c["text"], c["add_special"], c["special"], got, c["ids"]))
+    assert not bad, "\n".join(f"{t!r} add_special={a} special={s}:\n  pyllm {g}\n  llama {w}" for t, a, s, g, w in bad)
+
+
+def test_smollm_digits_split_first_like_llama_cpp():
+    tok = pyllm_tokenizer("smollm2")
+    assert tok.encode("a  1", add_bos=False) == [81, 256, 33]
+    assert tok.encode("\n\n  1. Definitions.", add_bos=False) == [39892, 33, 30, 39331, 30]
+
+
+# ---------------------------------------------------------------------------------------------- transformers
+@pytest.mark.parametrize("key", MODELS)
+def test_matches_transformers_except_pinned_differences(key):
+    hf = hf_tokenizer(key)
+    tok = pyllm_tokenizer(key)
+    agree_wrong, differ_now = [], []
+    for text in CORPUS:
+        ours = tok.encode(text, add_bos=False)
+        theirs = hf.encode(text, add_special_tokens=False)
+        if text in HF_DIFFERS[key]:
+            if ours == theirs:
+                differ_now.append(text)
+        elif ours != theirs:
+            agree_wrong.append((text, ours, theirs))
+    assert not agree_wrong, "\n".join(f"{t!r}\n  pyllm {o}\n  hf    {h}" for t, o, h in agree_wrong)
+    assert not differ_now, f"listed as differing from transformers but now equal: {differ_now}"
+
+
+# ---------------------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("key", MODELS)
+def test_round_trip(key):
+    tok = pyllm_tokenizer(key)
+    for text in CORPUS + NON_SPECIAL:
+        if tok.kind == "spm" and "\u2581" in text:
+            continue  # sentencepiece spells spaces as U+2581, so a literal one decodes as a space (llama.cpp too)
+        for special in (True, False):
+            ids = tok.encode(text, add_bos=False, special=special)
+            assert tok.decode(ids) == text, (text, special, ids)
+            assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_stream_decoder_yields_whole_characters(key):
+    tok = pyllm_tokenizer(key)
+    for text in ["emoji: 🦙🚀👩‍👩‍👧‍👦 🇫🇷 ❤️ 👍🏽", "日本語のテキストと中文文本，한국어 텍스트。", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ok"]:
+        ids = tok.encode(text, add_bos=False)
+        dec = StreamDecoder(tok)
+        pieces = [dec.push(i) for i in ids] + [dec.flush()]
+        assert "".join(pieces) == text
+        assert all("\ufffd" not in p for p in pieces)
+        # some token must have carried a partial character for this test to mean anything
+        assert any(len(tok.token_bytes(i).decode("utf-8", "replace")) != len(tok.token_bytes(i).decode("utf-8", "ignore")) for i in ids) or key == "gemma3"
+
+
+def test_stream_decoder_holds_back_then_replaces_invalid_bytes():
+    tok = pyllm_tokenizer("qwen2")
+    byte_ids = {}
+    for i in range(tok.n_vocab):
+        b = tok.token_bytes(i)
+        if len(b) == 1 and b[0] >= 0x80:
+            byte_ids[b[0]] = i
+    dec = StreamDecoder(tok)
+    # "é" = C3 A9: nothing comes out until the second byte arrives
+    assert dec.push(byte_ids[0xC3]) == ""
+    assert dec.push(byte_ids[0xA9]) == "é"
+    # a lone continuation byte can never complete: replaced at once
+    assert dec.push(byte_ids[0xA9]) == "\ufffd"
+    # a lead byte followed by ASCII: the lead byte is invalid once the ASCII arrives
+    assert dec.push(byte_ids[0xE6]) == ""
+    assert dec.push(tok.encode("a", add_bos=False)[0]) == "\ufffda"
+    # an incomplete sequence at the end comes out as U+FFFD on flush
+    assert dec.push(byte_ids[0xF0]) == ""
+    assert dec.flush() == "\ufffd"
+
+
+# ---------------------------------------------------------------------------------------------- vocab facts
+def test_special_ids_and_eog():
+    s = pyllm_tokenizer("smollm2")
+    assert (s.kind, s.n_vocab, s.bos_id, s.eos_id, s.add_bos) == ("bpe", 49152, 1, 2, False)
+    assert s.token_text(2) == "<|im_end|>" and s.is_eog(2) and s.is_eog(0)  # <|endoftext|>
+    assert not s.is_eog(1)
+
+    q = pyllm_tokenizer("qwen2")
+    assert (q.kind, q.bos_id, q.eos_id, q.add_bos) == ("bpe", 151643, 151645, False)
+    names = {q.token_text(i) for i in q.eog_ids}
+    # llama.cpp: eos, <|endoftext|>, </s>, and the FIM pad/repo/file-separator tokens end generation
+    assert names == {"<|im_end|>", "<|endoftext|>", "</s>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
+    assert q.encode("</s>", add_bos=False) == [q.token_id("</s>")]
+    assert len(q.encode("</s>", add_bos=False, special=False)) > 1
+    assert q.decode(q.encode("a</s>b", add_bos=False), skip_special=True) == "ab"
+
+    g = pyllm_tokenizer("gemma3")
+    assert (g.kind, g.n_vocab, g.bos_id, g.eos_id, g.add_bos) == ("spm", 262144, 2, 1, True)
+    # "</s>" is in Gemma's vocabulary, so llama.cpp's text rule makes it end generation too
+    assert {g.token_text(i) for i in g.eog_ids} == {"<eos>", "<end_of_turn>", "</s>"}
+    assert g.encode("hi")[0] == 2 and g.encode("hi", add_bos=False)[0] != 2
+    assert g.token_bytes(g.token_id("<0x41>")) == b"A"
+    assert g.token_bytes(g.token_id("\u2581the")) == b" the"
+
+
+def test_skip_special_and_token_text():
+    tok = pyllm_tokenizer("smollm2")
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>", add_bos=False)
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tok.decode(ids, skip_special=True) == "user\nhi"
+    assert tok.token_text(ids[0]) == "<|im_start|>"
+    assert tok.token_text(tok.encode(" hello", add_bos=False)[0]) == "\u0120hello"
+    with pytest.raises(TokenizerError, match="out of range"):
+        tok.decode([tok.n_vocab])
+
+
+def test_build_is_fast():
+    md = gguf_metadata("qwen2")
+    t = time.process_time()
+    Tokenizer.from_gguf(md)
+    # ~0.4 s on an idle core; generous so a busy CI box does not flake
+    assert time.process_time() - t < 5.0
+
+
+# ---------------------------------------------------------------------------------------------- bad metadata
+def _tiny_md(**over):
+    md = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": ["a", "b", "ab", "<|end|>"],
+        "tokenizer.ggml.token_type": [1, 1, 1, 3],
+        "tokenizer.ggml.merges": ["a b"],
+        "tokenizer.ggml.bos_token_id": 3,
+        "tokenizer.ggml.eos_token_id": 3,
+    }
+    md.update(over)
+    return {k: v for k, v in md.items() if v is not None}
+
+
+def test_tiny_vocab_works():
+    tok = Tokenizer.from_gguf(_tiny_md())
+    assert tok.encode("abab<|end|>", add_bos=False) == [2, 2, 3]
+    assert tok.is_eog(3)
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"tokenizer.ggml.token_type": [1, 1, 1]}, "token_type has 3 entries but tokenizer.ggml.tokens has 4"),
+        ({"tokenizer.ggml.bos_token_id": 99}, "bos_token_id = 99 is out of range"),
+        ({"tokenizer.ggml.eos_token_id": -1}, "eos_token_id = -1 is out of range"),
+        ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model = 'bert' is not supported"),
+        ({"tokenizer.ggml.model": None}, "lacks 'tokenizer.ggml.model'"),
+        ({"tokenizer.ggml.tokens": None}, "lacks 'tokenizer.ggml.tokens'"),
+        ({"tokenizer.ggml.merges": None}, "lacks 'tokenizer.ggml.merges'"),
+        ({"tokenizer.ggml.pre": "klingon"}, "tokenizer.ggml.pre = 'klingon' is not supported"),
+        ({"tokenizer.ggml.merges": ["ab"]}, r"merges\[0\] = 'ab' is not two tokens"),
+        ({"tokenizer.ggml.tokens": "abc"}, "expected an array"),
+        ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0]}, "scores has 1 entries"),
+    ],
+)
+def test_bad_metadata_names_field_and_value(over, match):
+    with pytest.raises(TokenizerError, match=match):
+        Tokenizer.from_gguf(_tiny_md(**over))
