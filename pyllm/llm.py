@@ -7,6 +7,7 @@ sharing it take turns instead of corrupting the cache.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -15,11 +16,17 @@ from typing import Iterable, Iterator
 import torch
 
 from . import registry
-from .errors import PyllmError
+from .errors import ContextFullError, PyllmError
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+
+
+def _check_policy(policy: str) -> str:
+    if policy not in ("stop", "shift"):
+        raise PyllmError(f"context_policy must be 'stop' or 'shift', got {policy!r}")
+    return policy
 
 
 def _available_memory() -> int | None:
@@ -35,7 +42,7 @@ def _available_memory() -> int | None:
 
 class LLM:
     def __init__(self, path: Path, gguf_file, config, weights: dict, tokenizer, template, model, kv, n_ctx: int,
-                 device: str, backend: str, n_threads: int, load_seconds: float):
+                 device: str, backend: str, n_threads: int, load_seconds: float, context_policy: str = "stop"):
         self.path = path
         self.gguf = gguf_file
         self.config = config
@@ -49,8 +56,13 @@ class LLM:
         self.backend = backend
         self.n_threads = n_threads
         self.load_seconds = load_seconds
+        self.context_policy = _check_policy(context_policy)
+        self.chat_dropped = 0  # messages the last chat() dropped from the front of its history ("shift")
         self.generator = Generator(model, kv, n_ctx)
         self._lock = threading.RLock()
+        # Bumped by every call that changes the cache. The RLock lets one thread in twice, so a stream left
+        # suspended while the same thread starts another call must notice, not continue from a foreign cache.
+        self._epoch = 0
 
     # ---- text <-> ids -------------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
@@ -70,6 +82,7 @@ class LLM:
     def reset(self) -> None:
         """Forget the cached conversation (the next call prefills from scratch)."""
         with self._lock:
+            self._epoch += 1
             self.generator.reset()
 
     # ---- evaluation ---------------------------------------------------------------------------------------------
@@ -77,6 +90,7 @@ class LLM:
         """float32 [len(ids), n_vocab]: a fresh evaluation from position 0."""
         ids = self._check_ids(ids)
         with self._lock:
+            self._epoch += 1
             return self.generator.evaluate_all(ids).float()
 
     def _check_ids(self, ids) -> list[int]:
@@ -101,7 +115,17 @@ class LLM:
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
         with self._lock:
-            yield from self.generator.generate(ids, sampler.sample, max_tokens, self.tokenizer.is_eog)
+            self._epoch += 1
+            mine = self._epoch
+            inner = self.generator.generate(ids, sampler.sample, max_tokens, self.tokenizer.is_eog)
+            try:
+                for tok in inner:
+                    yield tok
+                    if self._epoch != mine:
+                        raise PyllmError("this generation was superseded: another call on the same LLM (in this "
+                                         "thread, while the stream was unfinished) replaced its cache; start it again")
+            finally:
+                inner.close()
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -158,10 +182,42 @@ class LLM:
             ids = ids[1:]  # the template wrote BOS and the tokenizer added another
         return ids
 
+    def fit_chat(self, messages: list[dict], reserve: int = 0) -> tuple[list[int], list[dict], int]:
+        """(ids, kept messages, number dropped): the prompt for ``messages`` under ``context_policy``.
+
+        "stop": the messages unchanged (a prompt that does not fit raises ContextFullError when it is prefilled).
+        "shift": drops the oldest messages after the leading system message(s), whole turns (a turn starts at a
+        user message), until prompt + ``reserve`` reply tokens fit in n_ctx; the cached system prompt is reused and
+        the rest re-prefilled. ContextFullError if the system prompt and the last message alone do not fit.
+        """
+        ids = self.chat_ids(messages)
+        if self.context_policy == "stop" or len(ids) + reserve <= self.n_ctx:
+            return ids, list(messages), 0
+        head = 0
+        while head < len(messages) and messages[head].get("role") == "system":
+            head += 1
+        kept = list(messages)
+        while len(ids) + reserve > self.n_ctx and len(kept) - head > 1:
+            del kept[head]
+            while len(kept) - head > 1 and kept[head].get("role") != "user":
+                del kept[head]  # never start the history with an orphaned assistant/tool reply
+            ids = self.chat_ids(kept)
+        if len(ids) + reserve > self.n_ctx:
+            raise ContextFullError(f"the system prompt and the last message take {len(ids)} tokens; with {reserve} "
+                                   f"for the reply they exceed n_ctx={self.n_ctx}: use a larger --ctx or a shorter "
+                                   f"message")
+        return ids, kept, len(messages) - len(kept)
+
     def chat(self, messages: list[dict], max_tokens: int = 512, stop: list[str] | None = None, stream: bool = False,
              **sampling) -> str | Iterator[str]:
-        """Reply to ``messages`` ([{"role": ..., "content": ...}]) formatted with the model's chat template."""
-        it = self._stream_text(self.chat_ids(messages), max_tokens, stop or [], sampling)
+        """Reply to ``messages`` ([{"role": ..., "content": ...}]) formatted with the model's chat template.
+
+        With context_policy "shift", old turns that no longer fit are dropped first (count in ``chat_dropped``;
+        room is kept for min(max_tokens, n_ctx // 4) reply tokens). A reply that still fills the context stops
+        with finish_reason "context".
+        """
+        ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
+        it = self._stream_text(ids, max_tokens, stop or [], sampling)
         return it if stream else "".join(it)
 
     # ---- description --------------------------------------------------------------------------------------------
@@ -182,8 +238,13 @@ class LLM:
 
 
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
-         kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True) -> LLM:
+         kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
+         context_policy: str = "stop") -> LLM:
     """Load a GGUF file (path) or a registry model (name, fetched on first use).
+
+    kv_cache: f16 (default), bf16, f32, q8_0, q4_0, q4_rot (see runtime/kv_cache.py). context_policy: what chat()
+    does when the conversation outgrows n_ctx: "stop" (ContextFullError / finish_reason "context") or "shift"
+    (drop the oldest turns after the system prompt and re-prefill; see LLM.fit_chat).
 
     backend: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights dequantized by the torch
     reference code (cached per weight on first use: for tests and accuracy baselines, not for speed).
@@ -202,6 +263,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         raise PyllmError(f"device {device!r} is not available in this build (supported: cpu)")
     if backend not in ("fast", "reference"):
         raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
+    _check_policy(context_policy)
     path = registry.resolve(model, quiet=quiet)
     if path.is_dir():
         raise PyllmError(f"{path}: is a directory, not a model file")
@@ -212,13 +274,18 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         n_ctx = int(n_ctx) if n_ctx else cfg.n_ctx_train
         if n_ctx < 8:
             raise PyllmError(f"n_ctx must be at least 8, got {n_ctx}")
-        from .runtime.kv_cache import KVCache
-        need = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_cache
-                                       if kv_cache in ("f32", "f16", "bf16") else "f16") * n_ctx
+        from .runtime.kv_cache import KVCache, check_kind
+        check_kind(kv_cache, cfg.head_dim)
+        per_token = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_cache)
+        need = per_token * n_ctx
         avail = _available_memory()
         if avail is not None and need > 0.9 * avail:
-            raise PyllmError(f"a KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
-                             f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx")
+            raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
+                             f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx or a smaller "
+                             f"--kv type (q8_0, q4_rot)")
+        if not quiet:
+            print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
+                  f"n_ctx={n_ctx}", file=sys.stderr)
         weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}
         tok = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_metadata(gf.metadata, tok)
@@ -231,4 +298,4 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         gf.close()
         raise
     return LLM(path, gf, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
-               n_threads or torch.get_num_threads(), time.perf_counter() - t0)
+               n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
