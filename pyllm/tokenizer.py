@@ -177,11 +177,10 @@ class Tokenizer:
         special_id("tokenizer.ggml.unknown_token_id", None)
         special_id("tokenizer.ggml.padding_token_id", None)
 
-        # llama.cpp adds BOS for a sentencepiece vocabulary unless the file says otherwise, and always for llama 3
+        # llama.cpp adds BOS for a sentencepiece or llama-3 vocabulary unless the file says otherwise
         pre = _field(md, "tokenizer.ggml.pre", str) or "default"
-        add_bos = _field(md, "tokenizer.ggml.add_bos_token", bool, default=kind == "spm")
-        if kind == "bpe" and _PRE_SPLITS.get(pre, (None, False))[1]:
-            add_bos = True
+        bos_default = kind == "spm" or (kind == "bpe" and _PRE_SPLITS.get(pre, (None, False))[1])
+        add_bos = _field(md, "tokenizer.ggml.add_bos_token", bool, default=bos_default)
         add_eos = _field(md, "tokenizer.ggml.add_eos_token", bool, default=False)
         add_space_prefix = kind == "spm" and _field(md, "tokenizer.ggml.add_space_prefix", bool, default=True)
         if add_bos and bos_id is None:

@@ -316,3 +316,13 @@ def test_tiny_vocab_works():
 def test_bad_metadata_names_field_and_value(over, match):
     with pytest.raises(TokenizerError, match=match):
         Tokenizer.from_gguf(_tiny_md(**over))
+
+
+def test_add_bos_defaults_follow_llama_cpp():
+    # llama 3 vocabularies get BOS unless the file says otherwise; the file's flag always wins
+    assert Tokenizer.from_gguf(_tiny_md(**{"tokenizer.ggml.pre": "llama-bpe"})).add_bos is True
+    md = _tiny_md(**{"tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False})
+    assert Tokenizer.from_gguf(md).add_bos is False
+    assert Tokenizer.from_gguf(_tiny_md()).add_bos is False
+    tok = Tokenizer.from_gguf(_tiny_md(**{"tokenizer.ggml.add_bos_token": True}))
+    assert tok.encode("ab") == [3, 2] and tok.encode("ab", add_bos=False) == [2]
