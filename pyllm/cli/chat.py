@@ -277,8 +277,8 @@ class ChatSession:
             kept = kept[nxt:]
             ids = self.llm.chat_ids(self.messages(kept))
         if len(ids) >= n_ctx:
-            what = "the message and the system prompt" if self.system else "the message"
-            raise ContextFullError(f"{what} take {len(ids)} tokens but the context holds {n_ctx}; "
+            what = "the message and the system prompt take" if self.system else "the message takes"
+            raise ContextFullError(f"{what} {len(ids)} tokens but the context holds {n_ctx}; "
                                    f"shorten it or use a larger --ctx")
         return ids, kept, len(turns) - len(kept)
 
@@ -320,11 +320,10 @@ class ChatSession:
             interrupted = True
         finally:
             it.close()
-        text = "".join(parts)
-        if text or not interrupted:
-            self.out.write("\n")
-            self.out.flush()
-        return text, interrupted
+            if parts:  # also before an error message, which must not continue the reply's line
+                self.out.write("\n")
+                self.out.flush()
+        return "".join(parts), interrupted
 
     def status(self, interrupted: bool = False) -> None:
         st = self.llm.stats
@@ -480,7 +479,7 @@ def history_path() -> Path:
 
 
 def use_color(a, stream: TextIO) -> bool:
-    return (stream.isatty() and not getattr(a, "no_color", False) and "NO_COLOR" not in os.environ
+    return (stream.isatty() and not getattr(a, "no_color", False) and not os.environ.get("NO_COLOR")
             and os.environ.get("TERM") != "dumb")
 
 
