@@ -205,7 +205,25 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
     arch = ARCH.get(mt)
     if arch is None:
         raise ConvertError(f"{d}/config.json: model_type {mt!r} is not supported (supported: {', '.join(ARCH)})")
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")
+               if not isinstance(cfg.get(k), int)]
+    if missing:
+        raise ConvertError(f"{d}/config.json: missing or non-integer {', '.join(missing)}")
     tensors = _load_tensors(d)
+
+    # Written next to the target and renamed at the end: an interrupted conversion leaves no half file behind.
+    tmp = out_path.with_name(out_path.name + ".part")
+    try:
+        _write(gguf, w := gguf.GGUFWriter(str(tmp), arch), d, cfg, arch, mt, tensors, ftype, log)
+        w.close()
+        tmp.replace(out_path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out_path
+
+
+def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     n_layer, n_embd = cfg["num_hidden_layers"], cfg["hidden_size"]
     n_head = cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_head
@@ -214,7 +232,6 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
     rope_dim = int(head_dim * cfg.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0)))
     n_vocab = cfg.get("vocab_size") or tensors["model.embed_tokens.weight"].shape[0]
 
-    w = gguf.GGUFWriter(str(out_path), arch)
     w.add_name(cfg.get("_name_or_path") or d.name)
     w.add_file_type(FILE_TYPES[ftype])
     w.add_context_length(cfg.get("max_position_embeddings", 4096))
@@ -289,5 +306,3 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
-    w.close()
-    return out_path

@@ -1,0 +1,131 @@
+"""Qwen3, Mistral (sliding window), Llama 3 rope scaling, Phi-3 (fused QKV / gate-up, partial rotary) and Gemma 3
+(sandwich norms, local/global layers): tiny random transformers checkpoints, converted by ``pyllm convert``,
+loaded by pyllm and compared with transformers on the same token ids.
+
+- f16: the checkpoints hold f16-representable weights, so the file is exact and all-position logits must match
+  within 1e-3 relative (max|diff| / max|logit| per position); greedy continuations must be equal.
+- q8_0: against transformers running the same q8_0-rounded weights (dequantized with gguf.quants): within 1e-3;
+  against the float checkpoint: within 0.1 (measured 0.02-0.06: random tiny models are quantization-sensitive).
+- q4_k_m (Q4_K with Q6_K for the head and some attn_v / ffn_down): against transformers on the same rounded
+  weights within 1e-3, which ties pyllm's Q4_K/Q6_K quantizers' byte layout to gguf.quants' dequantizers; the
+  distance to the float checkpoint (~0.5 on random tiny models) is only bounded (< 1).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import tiny_models as tm
+
+PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2) # past the window of 8",
+]
+
+
+def rel_per_position(ours, theirs):
+    return ((ours - theirs).abs().amax(-1) / theirs.abs().amax(-1)).max().item()
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].double()
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_f16_logits_match_transformers(arch):
+    llm, hf = tm.pyllm_model(arch, "f16"), tm.hf_model(arch)
+    for prompt in PROMPTS:
+        ids = llm.tokenize(prompt)
+        ours, theirs = llm.logits(ids).double(), hf_logits(hf, ids)
+        rel = rel_per_position(ours, theirs)
+        print(f"{arch} f16 {len(ids)} tokens: max rel {rel:.2e}")
+        assert rel < 1e-3, f"{arch} {prompt!r}: max|diff|/max|logit| = {rel:.2e}"
+        assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_f16_greedy_matches_transformers(arch):
+    llm, hf = tm.pyllm_model(arch, "f16"), tm.hf_model(arch)
+    ids = llm.tokenize(PROMPTS[0])
+    ours = list(llm.generate_tokens(ids, max_tokens=24, temperature=0))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, top_k=None, top_p=None,
+                          temperature=None, pad_token_id=0, eos_token_id=None)
+    theirs = out[0, len(ids):].tolist()
+    n = min(len(ours), len(theirs))  # pyllm stops at an end-of-generation token, which it yields
+    assert ours[:n] == theirs[:n] and (n == len(theirs) or llm.tokenizer.is_eog(ours[-1]))
+
+
+def _hf_with_file_weights(arch: str, llm):
+    """transformers' model with each matrix rounded to the type the GGUF holds it in (dequantized by gguf.quants)."""
+    import gguf
+
+    from pyllm.quantize import quantize
+
+    m = copy.deepcopy(tm.hf_model(arch))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[llm.config.arch.upper()], llm.config.n_layer)
+    with torch.no_grad():
+        for hf_name, p in m.named_parameters():
+            if p.ndim == 2:  # rows keep their blocks under llama's Q/K row permutation, so rounding commutes
+                qtype = llm.weights[names.get_name(hf_name, try_suffixes=(".weight", ".bias"))].qtype
+                raw = quantize(p.numpy(), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(int(qtype)))))
+    return m
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_q8_0_logits(arch):
+    from pyllm.gguf import GGMLType
+
+    llm = tm.pyllm_model(arch, "q8_0")
+    assert {w.qtype for n, w in llm.weights.items() if len(w.shape) == 2} == {GGMLType.Q8_0}
+    same = _hf_with_file_weights(arch, llm)
+    ids = llm.tokenize(PROMPTS[1])
+    ours = llm.logits(ids).double()
+    exact = rel_per_position(ours, hf_logits(same, ids))
+    vs_float = rel_per_position(ours, hf_logits(tm.hf_model(arch), ids))
+    print(f"{arch} q8_0: vs same weights {exact:.2e}, vs float {vs_float:.2e}")
+    assert exact < 1e-3 and vs_float < 0.1
+
+
+@pytest.mark.parametrize("arch", ["llama3", "gemma3"])
+def test_q4_k_m_logits(arch):
+    from pyllm.gguf import GGMLType
+
+    llm = tm.pyllm_model(arch, "q4_k_m")
+    types = {n: w.qtype for n, w in llm.weights.items() if len(w.shape) == 2}
+    assert GGMLType.Q4_K in types.values() and GGMLType.Q6_K in types.values(), types
+    ids = llm.tokenize(PROMPTS[1])
+    ours = llm.logits(ids).double()
+    exact = rel_per_position(ours, hf_logits(_hf_with_file_weights(arch, llm), ids))
+    vs_float = rel_per_position(ours, hf_logits(tm.hf_model(arch), ids))
+    print(f"{arch} q4_k_m: vs same weights {exact:.2e}, vs float {vs_float:.2e}")
+    assert exact < 1e-3 and vs_float < 1.0
+
+
+def test_tokenizer_round_trip_matches_transformers():
+    llm, hf_tok = tm.pyllm_model("qwen3", "f16"), tm.tokenizer()
+    for text in tm.CORPUS + ["  leading spaces", "tabs\t\tand\nnewlines\n\n", "<|im_start|>user\nhi<|im_end|>", ""]:
+        ids = hf_tok(text)["input_ids"]
+        assert llm.tokenize(text, add_bos=False) == ids, text
+        assert llm.detokenize(ids) == hf_tok.decode(ids)
+
+
+def test_chat_template_travels():
+    llm, hf_tok = tm.pyllm_model("mistral", "f16"), tm.tokenizer()
+    msgs = [{"role": "user", "content": "Hello"}]
+    assert llm.format_chat(msgs) == hf_tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert llm.tokenizer.is_eog(llm.tokenize("<|im_end|>", add_bos=False)[0])
+
+
+def test_phi3_fused_tensors_split_without_copies():
+    llm = tm.pyllm_model("phi3", "q8_0")
+    assert "blk.0.attn_qkv.weight" in llm.gguf.tensors and "blk.0.ffn_gate.weight" not in llm.gguf.tensors
+    w = llm.model.w
+    fused = llm.weights["blk.0.attn_qkv.weight"].data
+    assert w["blk.0.attn_q.weight"].data.data_ptr() == fused.data_ptr()
+    assert w["blk.0.attn_k.weight"].data.data_ptr() > fused.data_ptr()
+    assert np.prod(w["blk.0.ffn_gate.weight"].shape) == np.prod(w["blk.0.ffn_up.weight"].shape)
