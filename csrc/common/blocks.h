@@ -84,19 +84,12 @@ struct block_q6_K {
 };
 static_assert(sizeof(block_q6_K) == 210, "wrong q6_K block size");
 
-// ---- activation blocks (pyllm's own, in memory only, never in files)
-// An activation row quantized per 32 values for the 32-element weight types.  Unlike ggml's Q8_0/Q8_1 the
-// scale stays fp32 (rounding it to fp16 would add error for nothing: these never leave the cache), and
-// s = d * sum(qs) lets the Q4_0/Q5_0 offsets and the Q4_1/Q5_1 mins be applied once per block.
-struct block_q8_32 {
-    float d;
-    float s;
-    int8_t qs[QK];
-};
-static_assert(sizeof(block_q8_32) == 40, "wrong q8_32 block size");
+// ---- activation blocks (in memory only, never in files)
+// The 32-element weight types take activations as a structure-of-arrays row instead (csrc/cpu/cpu_impl.h
+// Q8Row), so the AVX2 kernels can load 8 block scales as one vector.
 
-// An activation row quantized per 256 values for the K-quants (ggml's Q8_K): bsums are the sums of each
-// 16 codes, so the K-quant mins / offsets need no second pass over qs.
+// An activation row quantized per 256 values for the K-quants (ggml's Q8_K, GGML type 15): d = max|x| / 127,
+// bsums are the sums of each 16 codes, so the K-quant mins / offsets need no second pass over qs.
 struct block_q8_K {
     float d;
     int8_t qs[QK_K];

@@ -14,7 +14,7 @@ namespace cpu {
 // How x is prepared before the row dots run (once per call, then shared by every row and thread).
 enum class Act : int {
     F32,    // fp32 as given (float weight types)
-    Q8_32,  // block_q8_32 per 32 values (Q4_0 ... Q8_0)
+    Q8_32,  // Q8Row: int8 per 32 values (Q4_0 ... Q8_0)
     Q8_K,   // block_q8_K per 256 values (K-quants)
 };
 
@@ -34,18 +34,42 @@ RowKernel row_kernel_avx2_legacy(QType t);   // float types + 32-element blocks
 RowKernel row_kernel_avx2_kquants(QType t);  // K-quants
 bool avx2_compiled();
 
-// Activation quantizers: x [K] -> K/32 block_q8_32 or K/256 block_q8_K.  The generic and AVX2 versions
-// produce identical bytes (same fp32 products, round-to-nearest-even), so both ISAs see the same inputs.
-void quantize_q8_32_generic(const float* x, int K, block_q8_32* out);
+// One activation row for the 32-element types, structure-of-arrays so 8 consecutive block scales load as one
+// vector.  For block b: d[b] = max|x| / 127 (fp32: these never leave the cache, so no fp16 rounding),
+// qs[32b..32b+31] = round(x / d), s[b] = d * sum(qs of b), which applies the Q4_0/Q5_0 offsets and the
+// Q4_1/Q5_1 mins once per block.  Bytes: qs [K] | d [nbp] | s [nbp], nbp = K/32 rounded up to 8.
+template <class I, class F>
+struct Q8RowT {
+    I* qs;
+    F* d;
+    F* s;
+};
+using Q8Row = Q8RowT<int8_t, float>;
+using Q8RowC = Q8RowT<const int8_t, const float>;
+
+inline int q8_row_nbp(int K) { return (K / QK + 7) / 8 * 8; }
+inline size_t q8_row_bytes(int K) { return static_cast<size_t>(K) + 8 * static_cast<size_t>(q8_row_nbp(K)); }
+inline Q8Row q8_row(uint8_t* p, int K) {
+    float* d = reinterpret_cast<float*>(p + K);
+    return {reinterpret_cast<int8_t*>(p), d, d + q8_row_nbp(K)};
+}
+inline Q8RowC q8_row(const uint8_t* p, int K) {
+    const float* d = reinterpret_cast<const float*>(p + K);
+    return {reinterpret_cast<const int8_t*>(p), d, d + q8_row_nbp(K)};
+}
+
+// Activation quantizers: x [K] -> a Q8Row, or K/256 block_q8_K.  The generic and AVX2 versions produce
+// identical bytes (same fp32 products, round-to-nearest-even), so both ISAs see the same inputs.
+void quantize_q8_32_generic(const float* x, int K, Q8Row out);
 void quantize_q8_K_generic(const float* x, int K, block_q8_K* out);
-void quantize_q8_32_avx2(const float* x, int K, block_q8_32* out);
+void quantize_q8_32_avx2(const float* x, int K, Q8Row out);
 void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out);
 
-// Bytes one activation row takes in a given format.
+// Bytes one activation row takes in a given format (multiples of 32, so rows stay 32-byte aligned).
 inline size_t act_row_bytes(Act a, int K) {
     switch (a) {
         case Act::F32: return static_cast<size_t>(K) * sizeof(float);
-        case Act::Q8_32: return static_cast<size_t>(K / QK) * sizeof(block_q8_32);
+        case Act::Q8_32: return q8_row_bytes(K);
         case Act::Q8_K: return static_cast<size_t>(K / QK_K) * sizeof(block_q8_K);
     }
     return 0;

@@ -109,8 +109,8 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
             uint8_t* dst = act_buf.data() + xs * m;
             const float* xm = x + static_cast<size_t>(m) * K;
             if (k.act == Act::Q8_32) {
-                auto* b = reinterpret_cast<block_q8_32*>(dst);
-                simd ? cpu::quantize_q8_32_avx2(xm, K, b) : cpu::quantize_q8_32_generic(xm, K, b);
+                const cpu::Q8Row r = cpu::q8_row(dst, K);
+                simd ? cpu::quantize_q8_32_avx2(xm, K, r) : cpu::quantize_q8_32_generic(xm, K, r);
             } else {
                 auto* b = reinterpret_cast<block_q8_K*>(dst);
                 simd ? cpu::quantize_q8_K_avx2(xm, K, b) : cpu::quantize_q8_K_generic(xm, K, b);

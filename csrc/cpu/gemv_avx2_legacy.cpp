@@ -3,6 +3,7 @@
 //
 // Every kernel is `template <int M>`: each weight block is decoded into registers once and then dotted with
 // the M activation rows, so W streams from memory once per call whatever M is.
+#include <cstddef>
 #include <type_traits>
 
 #include "avx2_util.h"
@@ -78,79 +79,114 @@ void dot_float(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
 }
 
 // ---- 32-element blocks ----------------------------------------------------------------------------------
-// Per block b and activation row m:  d * dx * sum(code * xq)  +  (min - offset * d) * s_m,  s_m = dx * sum(xq)
-// The first term is vectorized (8 int32 lanes -> fp32 FMA); the second is one scalar FMA per block.
+// Per block b and activation row m:  dw_b * dx_b * sum(code * xq)  +  c_b * s_b,   s_b = dx_b * sum(xq),
+// c_b = -offset * dw_b (Q4_0, Q5_0) or the block min (Q4_1, Q5_1).  Blocks go 8 at a time so their 8 fp16
+// scales convert in one vcvtph2ps, the 8 products dw * dx in one multiply and the c * s terms in one FMA;
+// per block only the integer dot, its conversion and one FMA remain.
+template <class B>
+PYLLM_INLINE __m256 f16x8(const B* b, size_t off) {  // the fp16 field at byte `off` of 8 consecutive blocks
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(b) + off;
+    uint16_t h[8];
+    for (int j = 0; j < 8; ++j) memcpy(&h[j], p + j * sizeof(B), 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<short>(h[0]), static_cast<short>(h[1]),
+                                          static_cast<short>(h[2]), static_cast<short>(h[3]),
+                                          static_cast<short>(h[4]), static_cast<short>(h[5]),
+                                          static_cast<short>(h[6]), static_cast<short>(h[7])));
+}
+
 template <class B>
 struct Legacy;
 template <>
 struct Legacy<block_q4_0> {
-    static constexpr bool is_signed = false;
+    static constexpr bool is_signed = false, has_c = true;
     static PYLLM_INLINE __m256i codes(const block_q4_0& b) { return nibbles_32(b.qs); }
     static PYLLM_INLINE float c(const block_q4_0&, float d) { return -8.f * d; }
+    static PYLLM_INLINE __m256 c8(const block_q4_0*, __m256 d) { return _mm256_mul_ps(d, _mm256_set1_ps(-8.f)); }
 };
 template <>
 struct Legacy<block_q4_1> {
-    static constexpr bool is_signed = false;
+    static constexpr bool is_signed = false, has_c = true;
     static PYLLM_INLINE __m256i codes(const block_q4_1& b) { return nibbles_32(b.qs); }
     static PYLLM_INLINE float c(const block_q4_1& b, float) { return f16(b.m); }
+    static PYLLM_INLINE __m256 c8(const block_q4_1* b, __m256) { return f16x8(b, offsetof(block_q4_1, m)); }
 };
 template <>
 struct Legacy<block_q5_0> {
-    static constexpr bool is_signed = false;
+    static constexpr bool is_signed = false, has_c = true;
     static PYLLM_INLINE __m256i codes(const block_q5_0& b) {
         return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
     }
     static PYLLM_INLINE float c(const block_q5_0&, float d) { return -16.f * d; }
+    static PYLLM_INLINE __m256 c8(const block_q5_0*, __m256 d) { return _mm256_mul_ps(d, _mm256_set1_ps(-16.f)); }
 };
 template <>
 struct Legacy<block_q5_1> {
-    static constexpr bool is_signed = false;
+    static constexpr bool is_signed = false, has_c = true;
     static PYLLM_INLINE __m256i codes(const block_q5_1& b) {
         return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
     }
     static PYLLM_INLINE float c(const block_q5_1& b, float) { return f16(b.m); }
+    static PYLLM_INLINE __m256 c8(const block_q5_1* b, __m256) { return f16x8(b, offsetof(block_q5_1, m)); }
 };
 template <>
 struct Legacy<block_q8_0> {
-    static constexpr bool is_signed = true;
+    static constexpr bool is_signed = true, has_c = false;
     static PYLLM_INLINE __m256i codes(const block_q8_0& b) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
     }
     static PYLLM_INLINE float c(const block_q8_0&, float) { return 0.f; }
+    static PYLLM_INLINE __m256 c8(const block_q8_0*, __m256) { return _mm256_setzero_ps(); }
 };
 
-template <class B, int M>
-PYLLM_INLINE void legacy_step(const B& b, const uint8_t* xa, size_t xs, int i, __m256* acc, float* accs) {
-    const __m256i q = Legacy<B>::codes(b);
-    const float d = f16(b.d), c = Legacy<B>::c(b, d);
-    for (int m = 0; m < M; ++m) {
-        const block_q8_32& a = act_row<block_q8_32>(xa, xs, m)[i];
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs));
-        const __m256i p = Legacy<B>::is_signed ? dot_s8s8(q, xq) : dot_u8s8(q, xq);
-        acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[m]);
-        if constexpr (!std::is_same<B, block_q8_0>::value) accs[m] += c * a.s;
-    }
+template <class B>
+PYLLM_INLINE __m256 block_dot(__m256i q, const int8_t* xq) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    return _mm256_cvtepi32_ps(Legacy<B>::is_signed ? dot_s8s8(q, x) : dot_u8s8(q, x));
 }
 
 template <class B, int M>
 void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    // Two blocks per step for M <= 2 so the per-row FMA chains (vector and scalar) overlap.
+    // Two accumulators per row for M <= 2, so consecutive blocks' FMAs do not wait on each other.
     constexpr int U = M <= 2 ? 2 : 1;
     const B* blk = reinterpret_cast<const B*>(w);
     const int nb = K / QK;
+    Q8RowC a[M];
     __m256 acc[U][M];
-    float accs[U][M];
-    for (int u = 0; u < U; ++u)
-        for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps(), accs[u][m] = 0.f;
+    float tail[M];
+    alignas(32) float dd[M][8];  // dw * dx of the current 8 blocks, broadcast from L1 per block
+    for (int m = 0; m < M; ++m) {
+        a[m] = q8_row(xa + xs * m, K);
+        tail[m] = 0.f;
+        for (int u = 0; u < U; ++u) acc[u][m] = _mm256_setzero_ps();
+    }
     int i = 0;
-    for (; i + U <= nb; i += U)
-        for (int u = 0; u < U; ++u) legacy_step<B, M>(blk[i + u], xa, xs, i + u, acc[u], accs[u]);
-    for (; i < nb; ++i) legacy_step<B, M>(blk[i], xa, xs, i, acc[0], accs[0]);
+    for (; i + 8 <= nb; i += 8) {
+        const __m256 dw = f16x8(blk + i, offsetof(B, d));
+        const __m256 cw = Legacy<B>::c8(blk + i, dw);
+        for (int m = 0; m < M; ++m) {
+            _mm256_store_ps(dd[m], _mm256_mul_ps(dw, _mm256_loadu_ps(a[m].d + i)));
+            if constexpr (Legacy<B>::has_c) acc[0][m] = _mm256_fmadd_ps(cw, _mm256_loadu_ps(a[m].s + i), acc[0][m]);
+        }
+        for (int j = 0; j < 8; ++j) {
+            const __m256i q = Legacy<B>::codes(blk[i + j]);
+            for (int m = 0; m < M; ++m) {
+                __m256& ac = acc[j % U][m];
+                ac = _mm256_fmadd_ps(_mm256_broadcast_ss(&dd[m][j]), block_dot<B>(q, a[m].qs + QK * (i + j)), ac);
+            }
+        }
+    }
+    for (; i < nb; ++i) {  // the last K/32 % 8 blocks
+        const __m256i q = Legacy<B>::codes(blk[i]);
+        const float d = f16(blk[i].d), c = Legacy<B>::c(blk[i], d);
+        for (int m = 0; m < M; ++m) {
+            acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), block_dot<B>(q, a[m].qs + QK * i), acc[0][m]);
+            tail[m] += c * a[m].s[i];
+        }
+    }
     for (int m = 0; m < M; ++m) {
         __m256 s = acc[0][m];
-        float ss = accs[0][m];
-        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]), ss += accs[u][m];
-        y[m * ldy] = hsum(s) + ss;
+        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
+        y[m * ldy] = hsum(s) + tail[m];
     }
 }
 
@@ -189,13 +225,13 @@ PYLLM_INLINE float amax_n(const float* x, int n) {
 
 bool avx2_compiled() { return true; }
 
-void quantize_q8_32_avx2(const float* x, int K, block_q8_32* out) {
+void quantize_q8_32_avx2(const float* x, int K, Q8Row out) {
     for (int i = 0; i < K / QK; ++i) {
         const float amax = amax_n(x + QK * i, QK);
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        const int sum = quantize_32(x + QK * i, id, out[i].qs);
-        out[i].d = d;
-        out[i].s = d * static_cast<float>(sum);
+        const int sum = quantize_32(x + QK * i, id, out.qs + QK * i);
+        out.d[i] = d;
+        out.s[i] = d * static_cast<float>(sum);
     }
 }
 
@@ -233,7 +269,7 @@ RowKernel row_kernel_avx2_legacy(QType t) {
 #else  // no AVX2 at compile time: the dispatcher only ever uses the generic kernels
 
 bool avx2_compiled() { return false; }
-void quantize_q8_32_avx2(const float* x, int K, block_q8_32* out) { quantize_q8_32_generic(x, K, out); }
+void quantize_q8_32_avx2(const float* x, int K, Q8Row out) { quantize_q8_32_generic(x, K, out); }
 void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) { quantize_q8_K_generic(x, K, out); }
 RowKernel row_kernel_avx2_legacy(QType) { return {}; }
 

@@ -60,7 +60,7 @@ void dot_float(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
     }
 }
 
-// ---- 32-element blocks against block_q8_32 --------------------------------------------------------------
+// ---- 32-element blocks against Q8Row activations ----------------------------------------------------------
 // value = (code - Offset) * d (+ m when the type has mins); per block and activation row:
 //   sum_j value_j * xq_j * dx = d * (dx * sum(code * xq) - Offset * s) + m * s,   s = dx * sum(xq)
 template <class B>
@@ -105,10 +105,11 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
         for (int j = 0; j < QK; ++j) q[j] = Legacy<B>::code(blk[i], j);
         const float d = fp16_to_fp32(blk[i].d), mn = Legacy<B>::min(blk[i]);
         for (int m = 0; m < M; ++m) {
-            const block_q8_32& a = act_row<block_q8_32>(xa, xs, m)[i];
+            const Q8RowC a = q8_row(xa + xs * m, K);
             int isum = 0;
-            for (int j = 0; j < QK; ++j) isum += q[j] * a.qs[j];
-            acc[m] += d * (a.d * static_cast<float>(isum) - static_cast<float>(Legacy<B>::offset) * a.s) + mn * a.s;
+            for (int j = 0; j < QK; ++j) isum += q[j] * a.qs[QK * i + j];
+            acc[m] += d * (a.d[i] * static_cast<float>(isum) - static_cast<float>(Legacy<B>::offset) * a.s[i]) +
+                      mn * a.s[i];
         }
     }
     for (int m = 0; m < M; ++m) y[m * ldy] = acc[m];
@@ -232,7 +233,7 @@ RowKernel row_kernel_generic(QType t) {
 // ---- activation quantizers ------------------------------------------------------------------------------
 // Symmetric int8 with the fp32 scale d = max|x| / 127; q = round-half-even(x * (1/d)), exactly what
 // _mm256_cvtps_epi32 does, so the AVX2 quantizers produce the same bytes.
-void quantize_q8_32_generic(const float* x, int K, block_q8_32* out) {
+void quantize_q8_32_generic(const float* x, int K, Q8Row out) {
     for (int i = 0; i < K / QK; ++i) {
         const float* xb = x + QK * i;
         float amax = 0.f;
@@ -241,11 +242,11 @@ void quantize_q8_32_generic(const float* x, int K, block_q8_32* out) {
         int sum = 0;
         for (int j = 0; j < QK; ++j) {
             const int q = static_cast<int>(std::nearbyint(xb[j] * id));
-            out[i].qs[j] = static_cast<int8_t>(q);
+            out.qs[QK * i + j] = static_cast<int8_t>(q);
             sum += q;
         }
-        out[i].d = d;
-        out[i].s = d * static_cast<float>(sum);
+        out.d[i] = d;
+        out.s[i] = d * static_cast<float>(sum);
     }
 }
 

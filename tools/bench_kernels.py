@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Decode GEMV (and prefill GEMM) kernel speed against the machine's measured memory read bandwidth.
+
+    python tools/bench_kernels.py                      # default types, 1 and all-core threads, markdown table
+    python tools/bench_kernels.py --types Q4_0,Q4_K --threads 1,2 --m 1,8 --repeat 3
+
+Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
+compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
+4096x14336, 14336x4096 and 4096x4096 (Llama-3-8B's FFN and attention shapes); enough copies of each are cycled
+through that every call reads from DRAM, not from the last-level cache.  Numbers are noisy on a shared
+machine: each point is the best of --repeat rounds of several calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from pyllm import _ext  # noqa: E402
+
+# ggml id, block size, bytes per block, fp16 field offsets
+TYPES = {
+    "F32": (0, 1, 4, []), "F16": (1, 1, 2, []), "BF16": (30, 1, 2, []),
+    "Q4_0": (2, 32, 18, [0]), "Q4_1": (3, 32, 20, [0, 2]), "Q5_0": (6, 32, 22, [0]), "Q5_1": (7, 32, 24, [0, 2]),
+    "Q8_0": (8, 32, 34, [0]), "Q2_K": (10, 256, 84, [80, 82]), "Q3_K": (11, 256, 110, [108]),
+    "Q4_K": (12, 256, 144, [0, 2]), "Q5_K": (13, 256, 176, [0, 2]), "Q6_K": (14, 256, 210, [208]),
+}
+SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096)]  # (N, K)
+OUT_OF_CACHE_BYTES = 256 << 20  # cycle through at least this much weight data (L3 here: 32 MiB)
+
+
+def random_weight(name: str, N: int, K: int, rng) -> torch.Tensor:
+    tid, bs, ts, f16 = TYPES[name]
+    if bs == 1:
+        v = rng.standard_normal((N, K), dtype=np.float32)
+        v = v if name == "F32" else (v.astype(np.float16) if name == "F16" else (v.view(np.uint32) >> 16).astype(np.uint16))
+        return torch.from_numpy(v.view(np.uint8).reshape(N, -1).copy())
+    nb = N * K // bs
+    raw = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
+    for off in f16:
+        raw[:, off:off + 2] = rng.uniform(0.002, 0.02, (nb, 1)).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(N, -1))
+
+
+def read_bandwidth(C, threads: int, repeat: int) -> float:
+    buf = torch.ones(1 << 30, dtype=torch.uint8)
+    C.read_sum(buf, threads)  # fault pages in
+    best = 0.0
+    for _ in range(max(3, repeat)):
+        t = time.perf_counter()
+        C.read_sum(buf, threads)
+        best = max(best, buf.numel() / (time.perf_counter() - t))
+    return best
+
+
+def bench_gemv(C, ws: list[torch.Tensor], tid: int, M: int, repeat: int, gemm: bool = False) -> float:
+    """Best seconds per call, cycling through the copies in ws."""
+    K = ws[0].shape[1] * TYPES_BY_ID[tid][1] // TYPES_BY_ID[tid][2]
+    x = torch.randn(M, K)
+    out = torch.empty(M, ws[0].shape[0])
+    f = C.gemm if gemm else C.gemv
+    for w in ws:
+        f(x, w, tid, out)
+    calls = max(len(ws), 8)
+    best = math.inf
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for i in range(calls):
+            f(x, ws[i % len(ws)], tid, out)
+        best = min(best, (time.perf_counter() - t) / calls)
+    return best
+
+
+TYPES_BY_ID = {v[0]: v for v in TYPES.values()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K,F16")
+    ap.add_argument("--threads", default=None, help="comma list (default: 1 and the physical core count)")
+    ap.add_argument("--m", default="1", help="activation rows, comma list (<= 8: fused GEMV)")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--isa", default=None, help="avx2 | scalar (default: the extension's choice)")
+    ap.add_argument("--shapes", default=None, help="NxK,... (default: 14336x4096,4096x14336,4096x4096)")
+    a = ap.parse_args()
+
+    C = _ext.load()
+    if a.isa:
+        C.set_isa(a.isa)
+    threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted({1, C.physical_cores()})
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
+    ms = [int(m) for m in a.m.split(",")]
+    rng = np.random.default_rng(0)
+
+    bw = {}
+    for t in threads:
+        bw[t] = read_bandwidth(C, t, a.repeat)
+    print(f"# pyllm kernel bench: isa={C.get_isa()}, load average {os.getloadavg()[0]:.1f} "
+          f"(other processes share these cores: numbers are noisy)")
+    print("read bandwidth (1 GiB streaming sum): " + ", ".join(f"{t} thread(s) {bw[t] / 1e9:.1f} GB/s" for t in threads))
+    print()
+    print("| type | N x K | M | threads | weight MB | us/call | GB/s | % of read BW |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in a.types.split(","):
+        tid = TYPES[name][0]
+        for N, K in shapes:
+            w0 = random_weight(name, N, K, rng)
+            copies = max(1, math.ceil(OUT_OF_CACHE_BYTES / w0.numel()))
+            ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+            for M in ms:
+                for t in threads:
+                    C.set_num_threads(t)
+                    s = bench_gemv(C, ws, tid, M, a.repeat, gemm=M > 8)
+                    gbs = w0.numel() / s / 1e9
+                    print(f"| {name} | {N}x{K} | {M} | {t} | {w0.numel() / 1e6:.1f} | {s * 1e6:.0f} | {gbs:.1f} | "
+                          f"{100 * gbs * 1e9 / bw[t]:.0f}% |", flush=True)
+            del ws, w0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
