@@ -161,6 +161,20 @@ def test_matches_llama_cpp(key):
     assert not bad, "\n".join(f"{t!r} add_special={a} special={s}:\n  pyllm {g}\n  llama {w}" for t, a, s, g, w in bad)
 
 
+@pytest.mark.parametrize("key", MODELS)
+def test_vocab_facts_and_pieces_match_llama_cpp(key):
+    refs = llama_cpp_refs()
+    if refs is None or "pieces" not in refs["models"].get(key, {}):
+        pytest.skip("no pinned llama.cpp vocabulary facts; run tools/make_tokenizer_refs.py")
+    ref = refs["models"][key]
+    tok = pyllm_tokenizer(key)
+    assert (tok.n_vocab, tok.bos_id, tok.eos_id, tok.add_bos) == (ref["n_vocab"], ref["bos"], ref["eos"], ref["add_bos"])
+    assert sorted(tok.eog_ids) == ref["eog"]
+    for i, with_special, without in ref["pieces"]:
+        assert tok.token_bytes(i).hex() == with_special, (i, tok.token_text(i))
+        assert tok.token_bytes(i, skip_special=True).hex() == without, (i, tok.token_text(i))
+
+
 def test_smollm_digits_split_first_like_llama_cpp():
     tok = pyllm_tokenizer("smollm2")
     assert tok.encode("a  1", add_bos=False) == [81, 256, 33]

@@ -9,6 +9,7 @@ json that tests/test_tokenizer.py compares against. Run after changing the corpu
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -39,7 +40,27 @@ def main() -> int:
             # llama.cpp's add_bos means "add the special tokens the vocabulary asks for"
             ids = llm.tokenize(text.encode("utf-8"), add_bos=add_special, special=special)
             cases.append({"text": text, "add_special": add_special, "special": special, "ids": list(ids)})
-        out["models"][key] = {"file": os.path.basename(path), "cases": cases}
+        vocab = llama_cpp.llama_model_get_vocab(llm._model.model)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        eog = [i for i in range(n_vocab) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+        # the bytes each token contributes (with and without special tokens rendered): what streaming relies on
+        ids = sorted(set(range(300)) | set(eog) | {i for c in cases for i in c["ids"]} | set(range(n_vocab - 50, n_vocab)))
+        buf = ctypes.create_string_buffer(1024)
+
+        def piece(i, special):
+            n = llama_cpp.llama_token_to_piece(vocab, i, buf, len(buf), 0, special)
+            return buf.raw[:n].hex()
+
+        out["models"][key] = {
+            "file": os.path.basename(path),
+            "n_vocab": n_vocab,
+            "bos": llama_cpp.llama_vocab_bos(vocab),
+            "eos": llama_cpp.llama_vocab_eos(vocab),
+            "add_bos": bool(llama_cpp.llama_vocab_get_add_bos(vocab)),
+            "eog": eog,
+            "pieces": [[i, piece(i, True), piece(i, False)] for i in ids],
+            "cases": cases,
+        }
         print(f"{key}: {len(cases)} cases", file=sys.stderr)
         del llm
     with open(OUT + ".tmp", "w", encoding="utf-8") as f:
