@@ -834,9 +834,10 @@ def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_m
                     w.kill()
                     fail(expect, kind, error=err)
                     rep.cases += 1
-                    rep.restarts += 1
-                    w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv)
                     i = expect + 1
+                    if i < end:
+                        rep.restarts += 1
+                        w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv)
                     break
                 rep.cases += 1
                 rep.max_case_seconds = max(rep.max_case_seconds, msg["t"])
@@ -850,9 +851,10 @@ def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_m
                     fail(msg["i"], msg["outcome"], error=msg.get("error"), tb=msg.get("tb"))
                     if msg["outcome"] == "memory":  # a fresh worker, so the next cases get a fresh baseline
                         w.kill()
-                        rep.restarts += 1
-                        w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv)
                         i = msg["i"] + 1
+                        if i < end:
+                            rep.restarts += 1
+                            w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv)
                         break
                 expect += 1
             else:
@@ -864,7 +866,8 @@ def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_m
                 last_print = time.monotonic()
                 print(f"[fuzz] {rep.cases}/{n_cases} cases, {rep.opened} opened, {len(rep.failures)} failures, "
                       f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        w.p.stdin.close()
+        if w.p.poll() is None:
+            w.p.stdin.close()
         w.kill()
     rep.seconds = time.perf_counter() - t0
     return rep
