@@ -7,7 +7,9 @@ converted GGUFs carry a real vocabulary, merges, special tokens and a chat templ
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -28,7 +30,9 @@ VOCAB = 384  # the trained vocabulary is smaller; the rest are [PADn] rows, as i
 
 @functools.lru_cache(maxsize=None)
 def root() -> Path:
-    return Path(tempfile.mkdtemp(prefix="pyllm-tiny-"))
+    d = Path(tempfile.mkdtemp(prefix="pyllm-tiny-"))
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
+    return d
 
 
 @functools.lru_cache(maxsize=None)
