@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .runtime.kv_cache import KVCache
+from .runtime.kv_cache import KV_KINDS, KVCache, check_kind
 
 TOKENIZER_KIND = {"gpt2": "byte-level BPE", "llama": "SentencePiece", "bert": "WordPiece"}
 
@@ -42,14 +42,24 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         "tokenizer": f"{TOKENIZER_KIND.get(tok_model, tok_model)} ({tok_model}, pre={md.get('tokenizer.ggml.pre', '-')})",
         "chat_template": "yes" if md.get("tokenizer.chat_template") else "no (plain fallback)",
         "kv_bytes_per_token_f16": int(kv_per_token),
+        "kv_bytes_per_token_by_kind": {k: KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, k)
+                                       for k in KV_KINDS if _fits(k, cfg.head_dim)},
     }
     if n_ctx:
         info["n_ctx"] = n_ctx
         info["kv_cache"] = kv_kind
-        info["kv_bytes_total"] = int(KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim,
-                                                             kv_kind if kv_kind in ("f32", "f16", "bf16") else "f16")
-                                     * n_ctx)
+        check_kind(kv_kind, cfg.head_dim)
+        info["kv_bytes_per_token"] = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_kind)
+        info["kv_bytes_total"] = int(info["kv_bytes_per_token"] * n_ctx)
     return info
+
+
+def _fits(kind: str, head_dim: int) -> bool:
+    try:
+        check_kind(kind, head_dim)
+    except Exception:
+        return False
+    return True
 
 
 def format_info(info: dict) -> str:
@@ -67,7 +77,9 @@ def format_info(info: dict) -> str:
         f"context length:  {info['context_length']} (trained)",
         f"vocabulary:      {info['vocab_size']} tokens, {info['tokenizer']}",
         f"chat template:   {info['chat_template']}",
-        f"KV cache:        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB per token (f16)",
+        f"KV cache:        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB per token (f16); "
+        + ", ".join(f"{k} {b / 1024:.2f}" for k, b in info["kv_bytes_per_token_by_kind"].items()
+                    if k not in ("f16", "bf16")) + " KiB",
     ]
     if "n_ctx" in info:
         lines.append(f"                 {size(info['kv_bytes_total'])} for n_ctx={info['n_ctx']} ({info['kv_cache']})")

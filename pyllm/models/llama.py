@@ -6,6 +6,7 @@ the kernels decide how they are read: the fused dequantize-in-GEMV for decode, d
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -126,10 +127,11 @@ class LlamaModel:
             kv.update(i, start_pos, k, v)
             if start_pos == 0:
                 # A fresh prompt attends to its own keys in float32, not to their rounded cache copies.
-                kk, vv = k.transpose(0, 1), v.transpose(0, 1)
+                a = attention(q, k.transpose(0, 1), v.transpose(0, 1), start_pos, self.scale, cfg.sliding_window)
             else:
-                kk, vv = kv.view(i, start_pos + t)
-            a = attention(q, kk, vv, start_pos, self.scale, cfg.sliding_window)
+                # The cache runs attention over its own storage (a rotated cache attends in its rotated basis).
+                a = kv.attend(i, q, start_pos, functools.partial(attention, start_pos=start_pos, scale=self.scale,
+                                                                 window=cfg.sliding_window))
             x = x + lin(a, w[p + "attn_output.weight"])
             h = rms_norm(x, vec[p + "ffn_norm.weight"], cfg.rms_eps)
             g = lin(h, w[p + "ffn_gate.weight"])
