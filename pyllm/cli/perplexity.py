@@ -1,0 +1,75 @@
+"""`pyllm perplexity MODEL -f TEXT -c 512 [--kv KIND] [--chunks N] [--kl-base f16]` (llama.cpp's protocol).
+
+See pyllm/perplexity.py for the protocol and how each chunk is made to read the KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import PyllmError
+from ..runtime.kv_cache import KV_KINDS
+
+
+def add_perplexity_parser(sub) -> None:
+    s = sub.add_parser("perplexity", help="perplexity of a text (llama.cpp protocol), KV cache quality",
+                       description="Perplexity over chunks of -c tokens, scoring the second half of each chunk "
+                                   "(llama.cpp's protocol). With --kl-base, also the mean KL divergence of the "
+                                   "--kv cache's token distributions against the base cache's.")
+    from .main import add_model_arg
+
+    add_model_arg(s)
+    s.add_argument("-f", "--file", required=True, help="text file to score")
+    s.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default 512)")
+    s.add_argument("--chunks", type=int, default=None, help="score at most N chunks (default: all)")
+    s.add_argument("--kv", default=None, action="append", dest="kv_list", metavar="KIND",
+                   help=f"KV cache type, repeatable to compare several in one run ({', '.join(KV_KINDS)}; "
+                        "default f16)")
+    s.add_argument("--kl-base", default=None, metavar="KIND",
+                   help="also compute KL divergence against this cache type (e.g. f16)")
+    s.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
+    s.add_argument("--device", default="cpu", help="cpu (default)")
+    s.add_argument("--backend", default="fast", choices=["fast", "reference"], help="kernels (default fast)")
+    s.add_argument("--json", action="store_true", help="print one JSON object with the results")
+    s.set_defaults(func=cmd_perplexity)
+
+
+def cmd_perplexity(a) -> int:
+    import pyllm
+
+    from ..perplexity import evaluate, format_table
+
+    kinds = list(dict.fromkeys(a.kv_list or ["f16"]))
+    try:
+        text = Path(a.file).read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise PyllmError(f"{a.file}: cannot read: {e.strerror or e}") from None
+    llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache="f16", n_threads=a.threads,
+                     backend=a.backend, quiet=False)
+
+    def on_chunk(i, n, stats):
+        if a.json:
+            return
+        if i == 0:
+            print(f"{n} chunks of {a.ctx} tokens, scoring {a.ctx - 1 - a.ctx // 2} per chunk", file=sys.stderr)
+        row = "  ".join(f"{k}: {st.running[-1]:.4f}" for k, st in stats.items())
+        print(f"[{i + 1}/{n}] {row}", file=sys.stderr, flush=True)
+
+    stats = evaluate(llm, text, n_ctx=a.ctx, kinds=kinds, kl_base=a.kl_base, n_chunks=a.chunks, on_chunk=on_chunk)
+    if a.json:
+        print(json.dumps({"model": llm.path.name, "ctx": a.ctx, "kl_base": a.kl_base,
+                          "results": [st.as_dict(bool(a.kl_base)) for st in stats.values()]}))
+        return 0
+    for kind, st in stats.items():
+        line = f"{kind}: Final estimate: PPL = {st.ppl:.4f} +/- {st.ppl_err:.5f}"
+        if a.kl_base and kind != a.kl_base:
+            line += (f"   mean KLD vs {a.kl_base} = {st.kld_mean:.6f} +/- {st.kld_err:.6f}, "
+                     f"same top-1 {100 * st.same_top1 / max(st.count, 1):.2f}%")
+        print(line)
+    if len(stats) > 1:
+        print()
+        print(format_table(llm.path.name, stats, a.kl_base))
+    return 0

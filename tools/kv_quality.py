@@ -1,0 +1,83 @@
+"""KV cache quality and speed per cache kind: the tables for docs/BENCHMARKS.md.
+
+  python tools/kv_quality.py quality MODEL... [-f TEXT] [-c 512] [--chunks 4]   perplexity + mean KLD vs f16
+  python tools/kv_quality.py speed MODEL [--depth 2048] [-n 64]                 decode tok/s at a filled context
+
+quality: llama.cpp's perplexity protocol (pyllm/perplexity.py), every kind scored on the same chunks, KL against
+the f16 cache. speed: fills the cache to --depth tokens, then times n single-token decode steps (each reads the
+whole cache), min-of-3 to damp noise from other processes; kinds are interleaved so drift hits all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pyllm  # noqa: E402
+from pyllm.perplexity import evaluate, format_table  # noqa: E402
+from pyllm.runtime.kv_cache import make_kv_cache  # noqa: E402
+
+KINDS = ["f16", "q8_0", "q4_0", "q4_rot"]
+
+
+def quality(a) -> None:
+    text = Path(a.file).read_text(encoding="utf-8", errors="replace")
+    for m in a.models:
+        llm = pyllm.load(m, n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
+        t = time.perf_counter()
+        stats = evaluate(llm, text, n_ctx=a.ctx, kinds=KINDS, kl_base="f16", n_chunks=a.chunks,
+                         on_chunk=lambda i, n, s: print(f"  [{i + 1}/{n}] " + " ".join(
+                             f"{k} {st.running[-1]:.3f}" for k, st in s.items()), file=sys.stderr, flush=True))
+        print(f"\n{llm.path.name}: {a.chunks} chunks x {a.ctx}, {time.perf_counter() - t:.0f} s, backend "
+              f"{a.backend}")
+        print(format_table(llm.path.name, stats, "f16"), flush=True)
+
+
+def speed(a) -> None:
+    llm = pyllm.load(a.models[0], n_ctx=a.depth + a.n + 8, backend=a.backend, n_threads=a.threads)
+    cfg, model = llm.config, llm.model
+    ids = torch.randint(0, cfg.n_vocab, (a.depth,), generator=torch.Generator().manual_seed(0))
+    caches = {k: make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, a.depth + a.n + 8, cfg.head_dim) for k in KINDS}
+    with torch.inference_mode():
+        for k, c in caches.items():
+            for i in range(0, a.depth, 512):
+                model.forward(ids[i:i + 512], i, c)
+        res = {k: [] for k in KINDS}
+        tok = torch.tensor([1])
+        for _ in range(3):
+            for k, c in caches.items():
+                t = time.perf_counter()
+                for j in range(a.n):
+                    model.forward(tok, a.depth + j, c)
+                res[k].append(a.n / (time.perf_counter() - t))
+    print(f"| model | KV | KV MiB at {a.depth} | tg{a.n} @ depth {a.depth} t/s (best of 3) | median |")
+    print("|---|---|---|---|---|")
+    for k, c in caches.items():
+        mib = c.nbytes / c.max_seq * a.depth / 2**20
+        print(f"| {llm.path.name} | {k} | {mib:.1f} | {max(res[k]):.2f} | {statistics.median(res[k]):.2f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("mode", choices=["quality", "speed"])
+    p.add_argument("models", nargs="+")
+    p.add_argument("-f", "--file", default="/usr/share/common-licenses/GPL-3")
+    p.add_argument("-c", "--ctx", type=int, default=512)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--depth", type=int, default=2048)
+    p.add_argument("-n", type=int, default=32)
+    p.add_argument("--backend", default="fast", choices=["fast", "reference"])
+    p.add_argument("-t", "--threads", type=int, default=None)
+    a = p.parse_args()
+    quality(a) if a.mode == "quality" else speed(a)
+
+
+if __name__ == "__main__":
+    main()
