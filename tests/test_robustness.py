@@ -256,8 +256,9 @@ def test_cli_hostile_template_one_line_exit_1(tiny_with_template):
     r = subprocess.run([sys.executable, "-m", "pyllm", "run", str(path), "hi", "--chat", "-n", "2", "--ctx", "64", "--backend", "reference"],
                        capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert r.returncode == 1, r.stderr
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("pyllm: error:") and "template" in lines[0], r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("pyllm: error:")]  # (load may print status lines)
+    assert len(errors) == 1 and "template" in errors[0], r.stderr
+    assert r.stderr.rstrip().endswith(errors[0]), r.stderr
     assert "Traceback" not in r.stderr and "subclasses" not in r.stdout
 
 
