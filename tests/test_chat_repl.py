@@ -280,12 +280,14 @@ def test_terminal_output_strips_control_characters():
 # ---- the real CLI ---------------------------------------------------------------------------------------------------
 
 # no cursor position requests: nothing in a pexpect pty answers them, and prompt_toolkit would wait and warn
-ENV = dict(os.environ, PYTHONUNBUFFERED="1", PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color")
+ROOT = str(Path(__file__).resolve().parent.parent)
+ENV = dict(os.environ, PYTHONUNBUFFERED="1", PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color",
+           PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
 ENV.pop("NO_COLOR", None)
 BACKEND = os.environ.get("PYLLM_TEST_CHAT_BACKEND", "fast")
 
 
-def cli(*args, stdin="", timeout=120):
+def cli(*args, stdin="", timeout=300):
     return subprocess.run([sys.executable, "-m", "pyllm", "chat", *args], input=stdin, capture_output=True,
                           text=True, timeout=timeout, env=ENV)
 
@@ -294,9 +296,11 @@ def assert_error(res, code, *needles):
     assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
     err = res.stderr.strip()
     assert "Traceback" not in err, err
-    assert len(err.splitlines()) == 1 and "error:" in err, err
+    # the error is one line and the last; loading may have said something before it
+    last = err.splitlines()[-1] if err else ""
+    assert last.startswith("pyllm: error:") and sum("error" in ln for ln in err.splitlines()) == 1, err
     for n in needles:
-        assert n.lower() in err.lower(), (n, err)
+        assert n.lower() in last.lower(), (n, err)
 
 
 @pytest.fixture
@@ -350,19 +354,19 @@ def test_cli_context_overflow(smollm2_path):
 
 
 def test_piped_one_message(smollm2_path):
-    res = cli(smollm2_path, "--temp", "0", "-n", "16", "--backend", BACKEND,
-              stdin="What is the capital of France?\n")
+    res = cli(smollm2_path, "--temp", "0", "-n", "16", "--backend", BACKEND, "--system",
+              "You are a helpful assistant.", stdin="What is the capital of France?\n")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "\x1b" not in res.stdout and ">>>" not in res.stdout and "tok/s" not in res.stdout + res.stderr
 
 
 def test_piped_lines_is_a_conversation(smollm2_path):
-    res = cli(smollm2_path, "--temp", "0", "-n", "24", "--lines", "--backend", BACKEND,
-              stdin="My name is Ada.\n\nWhat is my name?\n")
+    res = cli(smollm2_path, "--temp", "0", "-n", "24", "--lines", "--backend", BACKEND, "--system",
+              "You are a helpful assistant.", stdin="Remember this secret word: pineapple.\n\nWhat is the secret word?\n")
     assert res.returncode == 0, res.stderr
-    first, _, second = res.stdout.partition("\n")
-    assert "Ada" in second, res.stdout
+    # the second reply (its one line, at temp 0) names the word given only in the first message
+    assert "pineapple" in res.stdout.strip().splitlines()[-1].lower(), res.stdout
 
 
 # ---- the REPL in a pseudo-terminal -----------------------------------------------------------------------------------
@@ -374,7 +378,7 @@ except ImportError:  # the unit tests above still run
 PROMPT = ">>>"  # prompt_toolkit moves the cursor over the trailing space instead of printing it
 PROMPT_DONE = "\x1b[?2004l"
 STATUS = re.compile(r"tok/s[^\]]*\]")
-T = 90  # generous: a cold start on 2 busy cores (imports, model load) takes seconds, not minutes
+T = 180  # generous: a cold start on 2 busy cores (imports, model load) takes seconds, not minutes
 
 
 @pytest.fixture
@@ -421,26 +425,31 @@ def strip_ansi(s):
 
 
 def test_repl_two_turns_reset_and_bye(repl, tmp_path):
-    child = repl("--no-color")
-    ask(child, "My name is Ada.")
-    reply = strip_ansi(ask(child, "What is my name?"))
-    assert "Ada" in reply, reply
-    child.sendline("/reset")
+    # SmolLM2-135M does not reliably recall a user's name at temp 0 ("My name is Ada." -> it calls itself
+    # Ada, then names itself Elena); it does recall a word it was asked to remember
+    child = repl("--no-color", "--system", "You are a helpful assistant.")
+    ask(child, "Remember this secret word: pineapple.")
+    reply = strip_ansi(ask(child, "What is the secret word?"))
+    assert "pineapple" in reply.lower(), reply
+    send(child, "/reset")
     child.expect_exact("new conversation")
     child.expect_exact(PROMPT)
-    child.sendline("/show")
+    send(child, "/show")
     child.expect(r"context\s+0 / 4096 tokens used")
     child.expect_exact(PROMPT)
-    child.sendline("/bye")
+    # the same question without the first turn: the word came from the conversation, not from the question
+    reply = strip_ansi(ask(child, "What is the secret word?"))
+    assert "pineapple" not in reply.lower(), reply
+    send(child, "/bye")
     child.expect(pexpect.EOF)
     child.wait()
     assert child.exitstatus == 0
-    assert "My name is Ada." in (tmp_path / "data" / "pyllm" / "chat_history").read_text()
+    assert "Remember this secret word" in (tmp_path / "data" / "pyllm" / "chat_history").read_text()
 
 
 def test_repl_ctrl_c_stops_reply_and_conversation_continues(repl):
     child = repl()  # colors on: the status line is dim
-    child.sendline("/set max_tokens 2000")
+    send(child, "/set max_tokens 2000")
     child.expect_exact("max_tokens = 2000")
     child.expect_exact(PROMPT)
     send(child, "Write a very long story about a dragon and a knight.")
@@ -448,14 +457,14 @@ def test_repl_ctrl_c_stops_reply_and_conversation_continues(repl):
     child.sendintr()
     child.expect_exact("interrupted")
     child.expect_exact(PROMPT)
-    child.sendline("/set max_tokens 48")
+    send(child, "/set max_tokens 48")
     child.expect_exact(PROMPT)
     reply = strip_ansi(ask(child, "What is the capital of France?"))
     assert "Paris" in reply, reply
     # Ctrl-C at the prompt clears the typed line instead of quitting or sending it
     child.send("some half-typed text")
     child.sendintr()
-    child.sendline("/set")
+    send(child, "/set")
     child.expect_exact("temp 0,")
     child.expect_exact(PROMPT)
     child.sendeof()
@@ -466,31 +475,31 @@ def test_repl_ctrl_c_stops_reply_and_conversation_continues(repl):
 
 def test_repl_set_save_load(repl, tmp_path):
     child = repl("--no-color", "--system", "You are a helpful assistant.")
-    child.sendline("/set temp 0")
+    send(child, "/set temp 0")
     child.expect_exact("temperature = 0")
     child.expect_exact(PROMPT)
-    child.sendline("/set top_p 7")
+    send(child, "/set top_p 7")
     child.expect_exact("top_p must be a number in (0, 1]")
     child.expect_exact(PROMPT)
     first = ask(child, "What is the capital of France?")
-    child.sendline("/save conv.json")
+    send(child, "/save conv.json")
     child.expect_exact("saved 3 messages")
     child.expect_exact(PROMPT)
     saved = json.loads((tmp_path / "conv.json").read_text())
     assert [m["role"] for m in saved["messages"]] == ["system", "user", "assistant"]
     assert saved["messages"][2]["content"].strip() in strip_ansi(first)
-    child.sendline("/reset")
+    send(child, "/reset")
     child.expect_exact(PROMPT)
-    child.sendline("/load nothing-here.json")
+    send(child, "/load nothing-here.json")
     child.expect_exact("the conversation is unchanged")
     child.expect_exact(PROMPT)
-    child.sendline("/load conv.json")
+    send(child, "/load conv.json")
     child.expect_exact("loaded 2 messages")
     child.expect_exact(PROMPT)
-    child.sendline("/save again.json")
+    send(child, "/save again.json")
     child.expect_exact(PROMPT)
     assert json.loads((tmp_path / "again.json").read_text())["messages"] == saved["messages"]
-    child.sendline("/bye")
+    send(child, "/bye")
     child.expect(pexpect.EOF)
 
 
@@ -534,7 +543,7 @@ def test_repl_keys_with_scripted_model(tmp_path):
         pytest.skip("pexpect is not installed")
     script = tmp_path / "fake_repl.py"
     script.write_text(FAKE_REPL)
-    env = dict(ENV, XDG_DATA_HOME=str(tmp_path / "data"), PYTHONPATH=str(Path(__file__).parent.parent))
+    env = dict(ENV, XDG_DATA_HOME=str(tmp_path / "data"))
     child = pexpect.spawn(sys.executable, [str(script)], env=env, cwd=str(tmp_path), encoding="utf-8",
                           dimensions=(40, 200), timeout=T)
     try:
@@ -545,7 +554,9 @@ def test_repl_keys_with_scripted_model(tmp_path):
         child.expect_exact("you said 'line one\\nline two'")
         child.expect_exact(PROMPT)
         child.sendline('"""')
+        child.expect_exact("...")  # the block's continuation prompt
         child.sendline("block a")
+        child.expect_exact("...")
         child.sendline('block b"""')
         child.expect_exact("you said 'block a\\nblock b'")
         child.expect_exact(PROMPT)
