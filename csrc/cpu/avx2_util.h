@@ -43,11 +43,28 @@ PYLLM_INLINE float hmax(__m256 v) {
 
 PYLLM_INLINE float f16(uint16_t h) { return _cvtsh_ss(h); }
 
+// Software prefetch of the weight stream, PYLLM_PREFETCH bytes ahead of the bytes being decoded.  One core
+// keeps only a limited number of L1 misses in flight; the decode math between loads otherwise starves the
+// hardware prefetcher of issue slots.
+#ifndef PYLLM_PREFETCH
+#define PYLLM_PREFETCH 1536
+#endif
+template <int Bytes>
+PYLLM_INLINE void prefetch_ahead(const void* p) {
+#if PYLLM_PREFETCH > 0
+    const char* c = static_cast<const char*>(p) + PYLLM_PREFETCH;
+    for (int l = 0; l < Bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T0);
+#else
+    (void)p;
+#endif
+}
+
 // 16 packed bytes of nibbles -> 32 bytes: low nibbles in bytes 0..15, high nibbles in 16..31 (the element
 // order of every 32-block and of each Q4_K 64-chunk's two halves).
+// (broadcast load + per-lane variable shift: 2 vector ALU uops, where srli + vinserti128 + and take 3)
 PYLLM_INLINE __m256i nibbles_32(const uint8_t* qs) {
-    const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    return _mm256_and_si256(_mm256_srlv_epi32(t, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 // 32 bits -> 32 bytes, 0xFF where bit j is set (byte j), for the Q5 fifth bits.

@@ -51,6 +51,7 @@ void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = _mm_setzero_ps();
     for (int i = 0; i < K / QK_K; ++i) {
         const B& b = blk[i];
+        prefetch_ahead<sizeof(B)>(&b);
         const float d = f16(b.d), dmin = f16(b.dmin);
         const __m256i sm = k4_scales_mins(b.scales);
         const __m128i mins = _mm256_extracti128_si256(sm, 1);
@@ -108,6 +109,7 @@ void dot_q6_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, s
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int i = 0; i < K / QK_K; ++i) {
         const block_q6_K& b = blk[i];
+        prefetch_ahead<sizeof(block_q6_K)>(&b);
         const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.scales));
         const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);  // 16 scales as int16
         __m256i sumi[M];

@@ -57,12 +57,14 @@ void dot_float(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
     for (int u = 0; u < U; ++u)
         for (int m = 0; m < M; ++m) acc[u][m] = _mm256_setzero_ps();
     int k = 0;
-    for (; k + 8 * U <= K; k += 8 * U)
+    for (; k + 8 * U <= K; k += 8 * U) {
+        prefetch_ahead<8 * U * sizeof(typename L::T)>(wr + k);
         for (int u = 0; u < U; ++u) {
             const __m256 wv = L::load8(wr + k + 8 * u);
             for (int m = 0; m < M; ++m)
                 acc[u][m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(act_row<float>(xa, xs, m) + k + 8 * u), acc[u][m]);
         }
+    }
     for (; k + 8 <= K; k += 8) {
         const __m256 wv = L::load8(wr + k);
         for (int m = 0; m < M; ++m)
@@ -83,15 +85,20 @@ void dot_float(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
 // c_b = -offset * dw_b (Q4_0, Q5_0) or the block min (Q4_1, Q5_1).  Blocks go 8 at a time so their 8 fp16
 // scales convert in one vcvtph2ps, the 8 products dw * dx in one multiply and the c * s terms in one FMA;
 // per block only the integer dot, its conversion and one FMA remain.
+// The fp16 field at byte `off` of 8 consecutive blocks -> 8 floats.  Packed with scalar shifts/ors: those run
+// on the integer pipes, which the vector-bound dot products leave idle (8 vpinsrw would compete with them).
 template <class B>
-PYLLM_INLINE __m256 f16x8(const B* b, size_t off) {  // the fp16 field at byte `off` of 8 consecutive blocks
+PYLLM_INLINE __m256 f16x8(const B* b, size_t off) {
     const uint8_t* p = reinterpret_cast<const uint8_t*>(b) + off;
-    uint16_t h[8];
-    for (int j = 0; j < 8; ++j) memcpy(&h[j], p + j * sizeof(B), 2);
-    return _mm256_cvtph_ps(_mm_setr_epi16(static_cast<short>(h[0]), static_cast<short>(h[1]),
-                                          static_cast<short>(h[2]), static_cast<short>(h[3]),
-                                          static_cast<short>(h[4]), static_cast<short>(h[5]),
-                                          static_cast<short>(h[6]), static_cast<short>(h[7])));
+    uint64_t lo = 0, hi = 0;
+    for (int j = 0; j < 4; ++j) {
+        uint16_t a, c;
+        memcpy(&a, p + j * sizeof(B), 2);
+        memcpy(&c, p + (j + 4) * sizeof(B), 2);
+        lo |= static_cast<uint64_t>(a) << (16 * j);
+        hi |= static_cast<uint64_t>(c) << (16 * j);
+    }
+    return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
 }
 
 template <class B>
@@ -161,6 +168,7 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
     }
     int i = 0;
     for (; i + 8 <= nb; i += 8) {
+        prefetch_ahead<8 * sizeof(B)>(blk + i);
         const __m256 dw = f16x8(blk + i, offsetof(B, d));
         const __m256 cw = Legacy<B>::c8(blk + i, dw);
         for (int m = 0; m < M; ++m) {
