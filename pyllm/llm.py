@@ -265,6 +265,8 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
     _check_policy(context_policy)
     path = registry.resolve(model, quiet=quiet)
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq.py)
+        from .awq import load_awq; return load_awq(path, device, n_ctx, kv_cache, n_threads, backend, quiet, context_policy)  # noqa: E702
     if path.is_dir():
         raise PyllmError(f"{path}: is a directory, not a model file")
     gf = open_gguf(path)
