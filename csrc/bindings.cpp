@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 
@@ -96,6 +97,32 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     return y;
 }
 
+// y = x @ W.T picking the path: fused GEMV for M <= 8 rows, dequantized tiles + GEMM above.  x may have any
+// leading dims: f32 [..., K] -> [..., N] (`out` likewise).  One call from Python, so decode pays one crossing.
+Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out) {
+    if (x.dim() == 2) {
+        if (x.size(0) >= 1 && x.size(0) <= pyllm::GEMV_MAX_M) return gemv(x, w, qtype, out);
+        if (x.size(0) > pyllm::GEMV_MAX_M) return gemm(x, w, qtype, out);
+    }
+    TORCH_CHECK_VALUE(x.dim() >= 1, "mul_mat: x must have at least 1 dimension, got a scalar");
+    TORCH_CHECK_VALUE(w.dim() == 2, "mul_mat: w must be 2-D, got shape ", w.sizes());
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = w.size(0);
+    const Tensor x2 = x.reshape({-1, x.size(-1)});
+    if (x2.size(0) == 0) {
+        check_qtype("mul_mat", qtype);
+        return out ? *out : at::empty(shape, at::kFloat);
+    }
+    std::optional<Tensor> out2;
+    if (out) {
+        TORCH_CHECK_VALUE(out->sizes() == at::IntArrayRef(shape), "mul_mat: out has shape ", out->sizes(),
+                          ", expected ", at::IntArrayRef(shape));
+        out2 = out->view({-1, w.size(0)});
+    }
+    const Tensor y = x2.size(0) <= pyllm::GEMV_MAX_M ? gemv(x2, w, qtype, out2) : gemm(x2, w, qtype, out2);
+    return out ? *out : y.view(shape);
+}
+
 // Rows of W as fp32: w u8 [N, row_bytes] -> [N, K], or [len(ids), K] for the rows ids (int64 or int32, 1-D).
 Tensor dequantize(const Tensor& w, int64_t qtype, const std::optional<Tensor>& ids) {
     const QTypeTraits& tr = check_qtype("dequantize", qtype);
@@ -172,6 +199,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemv", &gemv, "y[M,N] = x[M,K] @ W.T, M <= 8, W as raw GGUF blocks u8 [N, row_bytes]", py::arg("x"),
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
     m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M: dequantized tiles + torch GEMM", py::arg("x"),
+          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
+    m.def("mul_mat", &mul_mat, "y[..., N] = x[..., K] @ W.T: gemv for <= 8 rows of x, else gemm", py::arg("x"),
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
     m.def("dequantize", &dequantize, "W (or rows ids of W) as fp32 [N or len(ids), K]", py::arg("w"),
           py::arg("qtype"), py::arg("ids") = py::none());

@@ -213,6 +213,9 @@ def test_gemm_prefill(C, name, M):
     assert err < TOL_F32, f"{name} gemm error {err:.3g} " + why(N, K, M)
 
 
+Q4_0 = int(GGMLType.Q4_0)
+
+
 # ---- pyllm.ops on QTensors ---------------------------------------------------------------------------------
 
 def qtensor(name, N, K):
@@ -244,6 +247,33 @@ def test_ops_fast_matches_reference(C, name):
         ops.set_backend("fast")
 
 
+def test_mul_mat_picks_the_path_and_keeps_leading_dims(C):
+    wt = make_weight("Q4_0", 33, 160)
+    rng = rng_for("mm")
+    for shape in [(1, 160), (8, 160), (9, 160), (2, 3, 160), (2, 7, 160), (0, 160)]:
+        x = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
+        y = C.mul_mat(x, wt.raw, Q4_0)
+        assert y.shape == (*shape[:-1], 33)
+        x2 = x.reshape(-1, 160)
+        if x2.shape[0]:
+            want = C.gemv(x2, wt.raw, Q4_0) if x2.shape[0] <= 8 else C.gemm(x2, wt.raw, Q4_0)
+            assert torch.equal(y.reshape(-1, 33), want), why(shape)
+            out = torch.empty(*shape[:-1], 33)
+            assert C.mul_mat(x, wt.raw, Q4_0, out).data_ptr() == out.data_ptr() and torch.equal(out, y)
+
+
+def test_ops_without_extension_use_the_reference(C, monkeypatch):
+    """If the extension cannot be built, ops still works (torch reference) instead of failing."""
+    lazy = ops._LazyExtension()
+    lazy.failed = PyllmError("pretend the compiler is missing")
+    monkeypatch.setattr(ops, "_C", lazy)
+    w = qtensor("Q4_K", 7, 512)
+    x = torch.from_numpy(rng_for("noext").standard_normal((2, 512), dtype=np.float32))
+    assert torch.equal(ops.qmatmul(x, w), x @ w.dequantize().T)
+    assert torch.equal(ops.dequantize(w), w.dequantize())
+    assert torch.equal(ops.embedding(w, torch.tensor([3, 1])), w.rows(torch.tensor([3, 1])))
+
+
 def test_ops_fall_back_for_types_the_kernels_lack(C):
     """IQ4_NL is a real GGUF type quant.py dequantizes but the CPU kernels do not: qmatmul must still work."""
     rng = rng_for("iq4")
@@ -261,9 +291,6 @@ def test_ops_fall_back_for_types_the_kernels_lack(C):
 
 
 # ---- bad calls raise Python exceptions naming the values ------------------------------------------------
-
-Q4_0 = int(GGMLType.Q4_0)
-
 
 def q4_0(N=4, K=576):
     return make_weight("Q4_0", N, K).raw
