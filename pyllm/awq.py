@@ -626,3 +626,16 @@ def load_awq(path, device: str = "cpu", n_ctx: int = 4096, kv_cache: str = "f16"
     kv = make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
     return LLM(info.path, info, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
                n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
+
+
+def folder_info(path, n_ctx: int | None = None, kv_kind: str = "f16") -> dict:
+    """`pyllm info DIR` for an AWQ folder: the GGUF info dict, from config.json and the shard headers only."""
+    from .info import model_info
+
+    info, cfg, _ = open_awq(path)
+    out = model_info(info, cfg, n_ctx=n_ctx, kv_kind=kv_kind)
+    out["file_bytes"] = sum(p.stat().st_size for p in Path(path).glob("*.safetensors"))
+    out["quantization"] = f"AWQ gemm, 4-bit, group size {info.quant['group_size']}"
+    tj = Path(path) / "tokenizer.json"
+    out["tokenizer"] = "tokenizer.json" if tj.is_file() else "missing (tokenizer.json)"
+    return out

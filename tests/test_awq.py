@@ -349,3 +349,18 @@ def test_pyllm_load_routes_folders(tmp_path):
     (d / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(PyllmError, match="no quantization_config"):
         pyllm.load(d)
+
+
+def test_cli_info_on_awq_folder(tmp_path, capsys):
+    from pyllm.cli.main import main
+
+    d = _tiny_folder(tmp_path / "i")
+    assert main(["info", str(d), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["architecture"] == "llama" and info["quantization"].startswith("AWQ gemm, 4-bit, group size 32")
+    assert info["tensor_types"]["AWQ_GEMM_W4"]["tensors"] == 7
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "awq", "bits": 4, "version": "exllama"}}))
+    assert main(["info", str(d)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "version 'exllama' is not supported" in err[0]
