@@ -98,6 +98,11 @@ def cmd_info(a) -> int:
     from ..models.config import ModelConfig
 
     path = registry.resolve(a.model, quiet=False)
+    if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq.py)
+        from ..awq import folder_info
+        info = folder_info(path, n_ctx=a.ctx, kv_kind=a.kv)
+        print(json.dumps(info, indent=2) if a.json else format_info(info))
+        return 0
     if path.is_dir():
         raise PyllmError(f"{path}: is a directory, not a model file")
     with open_gguf(path) as gf:
