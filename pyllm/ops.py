@@ -4,8 +4,9 @@
     dequantize(w QTensor [N, K]) -> [N, K] f32
     embedding(w QTensor [N, K], ids int [T]) -> [T, K] f32   rows of W
 
-M <= 8 (decode) runs the fused dequantize-in-GEMV (W read once, quantized); larger M (prefill) dequantizes
-W a tile at a time and multiplies with torch's GEMM (the choice is made in C++, bindings.cpp mul_mat).  Types
+M <= 8 (decode) runs the fused dequantize-in-GEMV (W read once, quantized); up to 32 rows it runs on 8-row
+chunks (int8 dot products beat dequantizing W); larger M (prefill) dequantizes W a tile at a time and
+multiplies with torch's fp32 GEMM.  The choice is made in C++ (bindings.cpp mul_mat).  Types
 the extension lacks, and every call when the extension cannot be built, take the reference path:
 ``QTensor.dequantize()`` + a float32 matmul.
 
@@ -23,7 +24,7 @@ import torch
 from . import _ext
 from .errors import PyllmError
 
-GEMV_MAX_M = 8  # = pyllm::GEMV_MAX_M (csrc/kernels.h): the most rows of x the fused GEMV takes
+GEMV_MAX_M = 8  # = pyllm::GEMV_MAX_M (csrc/kernels.h): the most rows of x one fused GEMV pass takes
 
 
 class _LazyExtension:

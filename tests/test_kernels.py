@@ -194,12 +194,14 @@ def test_gemv_threads_and_out(C, name):
 def test_dequantize_is_bit_exact(C, name):
     N, K = SHAPES[family(name)][-1]
     w, W = make_weight(name, N, K).raw, make_weight(name, N, K).W
-    got = C.dequantize(w, int(GT[name]))
-    assert got.shape == (N, K)
-    assert torch.equal(got, W), f"{name}: dequantize differs from gguf.quants " + why(N, K)
-    ids = torch.from_numpy(rng_for("ids", name).integers(0, N, 9))
-    for dt in (torch.int64, torch.int32):
-        assert torch.equal(C.dequantize(w, int(GT[name]), ids.to(dt)), W[ids]), why(name, dt)
+    for isa in C.available_isas():
+        C.set_isa(isa)
+        got = C.dequantize(w, int(GT[name]))
+        assert got.shape == (N, K)
+        assert torch.equal(got, W), f"{name} {isa}: dequantize differs from gguf.quants " + why(N, K)
+        ids = torch.from_numpy(rng_for("ids", name).integers(0, N, 9))
+        for dt in (torch.int64, torch.int32):
+            assert torch.equal(C.dequantize(w, int(GT[name]), ids.to(dt)), W[ids]), why(name, isa, dt)
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)
@@ -230,13 +232,13 @@ def test_ops_fast_matches_reference(C, name):
     w = qtensor(name, N, K)
     rng = rng_for("ops", name)
     try:
-        for M in (1, 8, 20):
+        for M in (1, 8, 20, 40):
             x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
             ops.set_backend("reference")
             ref = ops.qmatmul(x, w)
             ops.set_backend("fast")
             y = ops.qmatmul(x, w)
-            tol = TOL_F32 if name in FLOAT_TYPES or M > 8 else TOL_Q8
+            tol = TOL_F32 if name in FLOAT_TYPES or M > C.GEMV_CHUNKED_MAX_M else TOL_Q8
             assert rel_err(y, ref, x, make_weight(name, N, K)) < tol, why(name, M)
         x3 = torch.from_numpy(rng.standard_normal((2, 3, K), dtype=np.float32))
         assert ops.qmatmul(x3, w).shape == (2, 3, N)
@@ -250,13 +252,16 @@ def test_ops_fast_matches_reference(C, name):
 def test_mul_mat_picks_the_path_and_keeps_leading_dims(C):
     wt = make_weight("Q4_0", 33, 160)
     rng = rng_for("mm")
-    for shape in [(1, 160), (8, 160), (9, 160), (2, 3, 160), (2, 7, 160), (0, 160)]:
+    for shape in [(1, 160), (8, 160), (9, 160), (2, 3, 160), (2, 7, 160), (0, 160), (33, 160), (3, 11, 160)]:
         x = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32))
         y = C.mul_mat(x, wt.raw, Q4_0)
         assert y.shape == (*shape[:-1], 33)
         x2 = x.reshape(-1, 160)
+        if x2.shape[0] > C.GEMV_CHUNKED_MAX_M:
+            want = C.gemm(x2, wt.raw, Q4_0)
+        elif x2.shape[0]:  # 8-row GEMV chunks
+            want = torch.cat([C.gemv(x2[i:i + 8], wt.raw, Q4_0) for i in range(0, x2.shape[0], 8)])
         if x2.shape[0]:
-            want = C.gemv(x2, wt.raw, Q4_0) if x2.shape[0] <= 8 else C.gemm(x2, wt.raw, Q4_0)
             assert torch.equal(y.reshape(-1, 33), want), why(shape)
             out = torch.empty(*shape[:-1], 33)
             assert C.mul_mat(x, wt.raw, Q4_0, out).data_ptr() == out.data_ptr() and torch.equal(out, y)

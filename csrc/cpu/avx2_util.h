@@ -89,6 +89,20 @@ PYLLM_INLINE __m256i dot_s8s8(__m256i a, __m256i b) {
     return dot_u8s8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
 
+// 32 int8 codes -> 32 floats y[j] = a_j * float(q_j) - b_j with (a, b) = (a0, b0) for j < 16, (a1, b1) after.
+// Multiply and subtract stay separate roundings (no FMA) to match gguf.quants.dequantize bit for bit.
+template <bool Sub>
+PYLLM_INLINE void store32(__m256i q, float a0, float a1, float b0, float b1, float* y) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int p = 0; p < 4; ++p) {
+        const __m256 a = _mm256_set1_ps(p < 2 ? a0 : a1);
+        __m256 v = _mm256_mul_ps(a, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(parts[p])));
+        if (Sub) v = _mm256_sub_ps(v, _mm256_set1_ps(p < 2 ? b0 : b1));
+        _mm256_storeu_ps(y + 8 * p, v);
+    }
+}
+
 }  // namespace avx2
 }  // namespace cpu
 }  // namespace pyllm

@@ -34,6 +34,10 @@ RowKernel row_kernel_avx2_legacy(QType t);   // float types + 32-element blocks
 RowKernel row_kernel_avx2_kquants(QType t);  // K-quants
 bool avx2_compiled();
 
+// One row of K values -> fp32, bit-identical to the decode.h decoders; false if the type has no AVX2 version.
+bool dequant_row_avx2_legacy(QType t, const uint8_t* w, int K, float* out);
+bool dequant_row_avx2_kquants(QType t, const uint8_t* w, int K, float* out);
+
 // One activation row for the 32-element types, structure-of-arrays so 8 consecutive block scales load as one
 // vector.  For block b: d[b] = max|x| / 127 (fp32: these never leave the cache, so no fp16 rounding),
 // qs[32b..32b+31] = round(x / d), s[b] = d * sum(qs of b), which applies the Q4_0/Q5_0 offsets and the

@@ -1,12 +1,13 @@
 // Quantized rows -> fp32 rows (prefill's dequantize-then-GEMM path, embedding lookups, ops.dequantize).
-// Bit-identical to gguf.quants.dequantize (see decode.h).
+// Bit-identical to gguf.quants.dequantize (see decode.h); the AVX2 versions (gemv_avx2_*.cpp) keep the same
+// separate multiply / add roundings, and the tests check both ISAs against gguf.quants.
 #include <omp.h>
 
 #include <algorithm>
 #include <cstring>
 
 #include "../common/decode.h"
-#include "../kernels.h"
+#include "cpu_impl.h"
 
 namespace pyllm {
 namespace {
@@ -17,7 +18,8 @@ void dequant_row(const uint8_t* w, int K, float* out) {
     for (int i = 0; i < K / bs; ++i) dequant_block(b[i], out + static_cast<size_t>(bs) * i);
 }
 
-void dequant_row_any(QType t, const uint8_t* w, int K, float* out) {
+void dequant_row_any(QType t, const uint8_t* w, int K, float* out, bool simd) {
+    if (simd && (cpu::dequant_row_avx2_legacy(t, w, K, out) || cpu::dequant_row_avx2_kquants(t, w, K, out))) return;
     switch (t) {
         case QType::F32: memcpy(out, w, sizeof(float) * K); return;
         case QType::F16: {
@@ -50,10 +52,11 @@ void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int6
                          float* out) {
     // A handful of rows (an embedding lookup at decode) is not worth waking threads for.
     const int nt = n_ids * static_cast<int64_t>(K) >= (1 << 16) ? cpu_get_num_threads() : 1;
+    const bool simd = cpu_get_isa() == Isa::Avx2;
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t i = 0; i < n_ids; ++i) {
         const int64_t r = ids ? ids[i] : i;
-        dequant_row_any(t, w + row_bytes * r, K, out + static_cast<size_t>(K) * i);
+        dequant_row_any(t, w + row_bytes * r, K, out + static_cast<size_t>(K) * i, simd);
     }
 }
 

@@ -2,6 +2,7 @@
 // generic kernels (gemv_generic.cpp documents the precision): codes * xq through maddubs (int16 pairs),
 // times the 6/8-bit sub-block scales through madd (int32), one fp32 FMA per super-block and row.
 // Q2_K and Q3_K run the generic kernels (rare in practice: only the smallest quant mixes use them).
+#include "../common/decode.h"
 #include "avx2_util.h"
 #include "cpu_impl.h"
 
@@ -155,7 +156,77 @@ void dot_q6_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, s
 template <int M> void dot_q4_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q45_k<block_q4_K, false, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q45_k<block_q5_K, true, M>(K, w, xa, xs, y, ldy); }
 
+// Q4_K / Q5_K rows -> fp32: (d * sc) * q - (dmin * m) per 32-group, as decode.h.
+template <class B, bool HasHigh>
+void dequant_q45_k(const uint8_t* w, int K, float* out) {
+    const B* blk = reinterpret_cast<const B*>(w);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int i = 0; i < K / QK_K; ++i) {
+        const B& b = blk[i];
+        const float d = f16(b.d), dmin = f16(b.dmin);
+        float dl[8], ml[8];
+        for (int g = 0; g < 8; ++g) {
+            uint8_t sc, m;
+            get_scale_min_k4(g, b.scales, &sc, &m);
+            dl[g] = d * static_cast<float>(sc), ml[g] = dmin * static_cast<float>(m);
+        }
+        __m256i hb;
+        if constexpr (HasHigh) hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh));
+        float* y = out + static_cast<size_t>(QK_K) * i;
+        for (int j = 0; j < 4; ++j) {
+            const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs + 32 * j));
+            __m256i ql = _mm256_and_si256(qb, m4), qh = _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4);
+            if constexpr (HasHigh) {
+                ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+                hb = _mm256_srli_epi16(hb, 1);
+                qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(hb, one), 4));
+                hb = _mm256_srli_epi16(hb, 1);
+            }
+            store32<true>(ql, dl[2 * j], dl[2 * j], ml[2 * j], ml[2 * j], y + 64 * j);
+            store32<true>(qh, dl[2 * j + 1], dl[2 * j + 1], ml[2 * j + 1], ml[2 * j + 1], y + 64 * j + 32);
+        }
+    }
+}
+
+// Q6_K rows -> fp32: (d * sc) * (q - 32) per 16-group.
+void dequant_q6_k(const uint8_t* w, int K, float* out) {
+    const block_q6_K* blk = reinterpret_cast<const block_q6_K*>(w);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03), o32 = _mm256_set1_epi8(32);
+    for (int i = 0; i < K / QK_K; ++i) {
+        const block_q6_K& b = blk[i];
+        const float d = f16(b.d);
+        float* y = out + static_cast<size_t>(QK_K) * i;
+        for (int h = 0; h < 2; ++h) {
+            const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
+            const __m256i hh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
+            const __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4)),
+                _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4))};
+            for (int k = 0; k < 4; ++k) {
+                const int g = 8 * h + 2 * k;
+                store32<false>(_mm256_sub_epi8(q[k], o32), d * static_cast<float>(b.scales[g]),
+                               d * static_cast<float>(b.scales[g + 1]), 0.f, 0.f, y + 128 * h + 32 * k);
+            }
+        }
+    }
+}
+
 }  // namespace
+
+bool dequant_row_avx2_kquants(QType t, const uint8_t* w, int K, float* out) {
+    switch (t) {
+        case QType::Q4_K: dequant_q45_k<block_q4_K, false>(w, K, out); return true;
+        case QType::Q5_K: dequant_q45_k<block_q5_K, true>(w, K, out); return true;
+        case QType::Q6_K: dequant_q6_k(w, K, out); return true;
+        default: return false;
+    }
+}
 
 RowKernel row_kernel_avx2_kquants(QType t) {
     switch (t) {
@@ -168,6 +239,7 @@ RowKernel row_kernel_avx2_kquants(QType t) {
 
 #else
 RowKernel row_kernel_avx2_kquants(QType) { return {}; }
+bool dequant_row_avx2_kquants(QType, const uint8_t*, int, float*) { return false; }
 #endif
 
 }  // namespace cpu

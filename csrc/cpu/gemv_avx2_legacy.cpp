@@ -229,9 +229,45 @@ PYLLM_INLINE float amax_n(const float* x, int n) {
     return hmax(mx);
 }
 
+template <class B>
+void dequant_legacy(const uint8_t* w, int K, float* out) {
+    const B* blk = reinterpret_cast<const B*>(w);
+    for (int i = 0; i < K / QK; ++i) {
+        const float d = f16(blk[i].d);
+        __m256i q = Legacy<B>::codes(blk[i]);
+        if constexpr (std::is_same<B, block_q4_1>::value || std::is_same<B, block_q5_1>::value) {
+            // d * q + m: the min is added, so negate it for store32's subtraction (exact)
+            const float m = f16(blk[i].m);
+            store32<true>(q, d, d, -m, -m, out + QK * i);
+        } else {
+            if constexpr (std::is_same<B, block_q4_0>::value) q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+            if constexpr (std::is_same<B, block_q5_0>::value) q = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+            store32<false>(q, d, d, 0.f, 0.f, out + QK * i);
+        }
+    }
+}
+
 }  // namespace
 
 bool avx2_compiled() { return true; }
+
+bool dequant_row_avx2_legacy(QType t, const uint8_t* w, int K, float* out) {
+    switch (t) {
+        case QType::Q4_0: dequant_legacy<block_q4_0>(w, K, out); return true;
+        case QType::Q4_1: dequant_legacy<block_q4_1>(w, K, out); return true;
+        case QType::Q5_0: dequant_legacy<block_q5_0>(w, K, out); return true;
+        case QType::Q5_1: dequant_legacy<block_q5_1>(w, K, out); return true;
+        case QType::Q8_0: dequant_legacy<block_q8_0>(w, K, out); return true;
+        case QType::F16: {
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(w);
+            int k = 0;
+            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(out + k, LoadF16::load8(h + k));
+            for (; k < K; ++k) out[k] = LoadF16::load1(h + k);
+            return true;
+        }
+        default: return false;
+    }
+}
 
 void quantize_q8_32_avx2(const float* x, int K, Q8Row out) {
     for (int i = 0; i < K / QK; ++i) {
@@ -280,6 +316,7 @@ bool avx2_compiled() { return false; }
 void quantize_q8_32_avx2(const float* x, int K, Q8Row out) { quantize_q8_32_generic(x, K, out); }
 void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) { quantize_q8_K_generic(x, K, out); }
 RowKernel row_kernel_avx2_legacy(QType) { return {}; }
+bool dequant_row_avx2_legacy(QType, const uint8_t*, int, float*) { return false; }
 
 #endif
 
