@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import mmap
-import os
 import re
 import struct
 from pathlib import Path

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import shutil
-import struct
 from pathlib import Path
 
 import pytest
