@@ -239,7 +239,7 @@ class LLM:
 
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
-         context_policy: str = "stop") -> LLM:
+         context_policy: str = "stop", verbose: bool = False) -> LLM:
     """Load a GGUF file (path) or a registry model (name, fetched on first use).
 
     kv_cache: f16 (default), bf16, f32, q8_0, q4_0, q4_rot (see runtime/kv_cache.py). context_policy: what chat()
@@ -285,7 +285,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
             raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
                              f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx or a smaller "
                              f"--kv type (q8_0, q4_rot)")
-        if not quiet:
+        if verbose:
             print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
                   f"n_ctx={n_ctx}", file=sys.stderr)
         weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}

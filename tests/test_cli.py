@@ -81,7 +81,8 @@ def test_list(smollm2_path):
 
 
 def test_chat_piped(smollm2_path):
-    res = pyllm("chat", smollm2_path, "-n", "16", "--temp", "0", stdin="What is the capital of France?")
+    res = pyllm("chat", smollm2_path, "-n", "16", "--temp", "0", "--system", "You are a helpful assistant.",
+                stdin="What is the capital of France?")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
 

@@ -58,7 +58,7 @@ def load_from_args(a):
     import pyllm
 
     return pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=a.kv, n_threads=a.threads,
-                      backend=a.backend, quiet=False)
+                      backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False))
 
 
 def cmd_run(a) -> int:
