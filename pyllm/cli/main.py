@@ -31,7 +31,8 @@ def add_model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--ctx", "-c", type=int, default=4096, help="context length in tokens (default 4096)")
-    g.add_argument("--kv", default="f16", help="KV cache type: f16 (default), bf16, f32")
+    g.add_argument("--kv", default="f16", choices=["f16", "bf16", "f32", "q8_0", "q4_0", "q4_rot"],
+                   help="KV cache type: f16 (default), bf16, f32, q8_0, q4_0, q4_rot (Hadamard-rotated 4-bit)")
     g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: physical cores)")
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     g.add_argument("--backend", default="fast", choices=["fast", "reference"],

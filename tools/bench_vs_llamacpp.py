@@ -1,0 +1,90 @@
+"""pyllm vs llama.cpp (llama-cpp-python, built from source on this machine) on the same GGUF and thread count.
+
+Runs are interleaved A B A B so machine noise hits both alike; each side times only model evaluation:
+pp = one batch of P prompt tokens from an empty cache, tg = N tokens one at a time from an empty cache.
+Prints a markdown table with both speeds and the ratio pyllm / llama.cpp per row.
+
+    pip install llama-cpp-python      # slow: compiles llama.cpp
+    python tools/bench_vs_llamacpp.py smollm2-135m qwen2.5-coder-0.5b -t 2 -p 512 -n 128 -r 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def llamacpp_runner(path: str, threads: int, n_ctx: int):
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=n_ctx,
+                n_ubatch=n_ctx, verbose=False)
+
+    def pp(n: int) -> float:
+        toks = [(i * 7919) % 1000 + 100 for i in range(n)]
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(toks)
+        return time.perf_counter() - t
+
+    def tg(n: int) -> float:
+        llm.reset()
+        t = time.perf_counter()
+        for _ in range(n):
+            llm.eval([1])
+        return time.perf_counter() - t
+
+    return pp, tg
+
+
+def pyllm_runner(path: str, threads: int, n_ctx: int):
+    import pyllm
+    from pyllm.cli.bench import Subject, time_pp, time_tg
+
+    llm = pyllm.load(path, n_ctx=n_ctx, n_threads=threads)
+    s = Subject(path, llm.config, llm.weights, llm.model, llm.kv, llm.generator, 0)
+    return (lambda n: time_pp(s, n)), (lambda n: time_tg(s, n))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("models", nargs="+", help="GGUF paths or registry names")
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-r", "--repetitions", type=int, default=5)
+    a = ap.parse_args()
+
+    import torch
+
+    from pyllm import registry
+
+    torch.set_num_threads(a.threads)
+    print(f"| model | test | pyllm t/s | llama.cpp t/s | ratio |")
+    print(f"| --- | --- | ---: | ---: | ---: |")
+    for m in a.models:
+        path = str(registry.resolve(m))
+        n_ctx = max(a.n_prompt, a.n_gen) + 16
+        ours = pyllm_runner(path, a.threads, n_ctx)
+        theirs = llamacpp_runner(path, a.threads, n_ctx)
+        for test, n, k in (("pp", a.n_prompt, 0), ("tg", a.n_gen, 1)):
+            if n <= 0:
+                continue
+            ours[k](n)
+            theirs[k](n)  # warm-up both
+            so, st = [], []
+            for _ in range(a.repetitions):
+                so.append(n / ours[k](n))
+                st.append(n / theirs[k](n))
+            mo, mt = statistics.fmean(so), statistics.fmean(st)
+            sdo = statistics.stdev(so) if len(so) > 1 else 0
+            sdt = statistics.stdev(st) if len(st) > 1 else 0
+            name = path.rsplit("/", 1)[-1]
+            print(f"| {name} | {test}{n} | {mo:.1f} ± {sdo:.1f} | {mt:.1f} ± {sdt:.1f} | {mo / mt:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
