@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pyllm.gguf import GGMLType
-from cuda_testutil import SCALES, random_blocks, reference, to_cuda
+from .cuda_testutil import SCALES, random_blocks, reference, to_cuda
 
 TYPES = list(SCALES)
 

@@ -13,7 +13,7 @@ import torch
 
 from pyllm.gguf import GGMLType
 from pyllm.quant import QTensor
-from cuda_testutil import random_blocks
+from .cuda_testutil import random_blocks
 
 N_LAYER, D, FF, H, HKV, HD, VOCAB = 2, 256, 512, 4, 2, 64, 512
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pyllm.gguf import BLOCK_INFO, GGMLType
-from cuda_testutil import random_blocks, reference, to_cuda
+from .cuda_testutil import random_blocks, reference, to_cuda
 
 TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 SHAPES = [(1, 256), (37, 1024), (1000, 4096), (130, 14336)]
