@@ -207,6 +207,172 @@ uint64_t read_sum(const Tensor& buf, int64_t threads) {
     return pyllm::read_sum_cpu(buf.data_ptr<uint8_t>(), static_cast<size_t>(buf.numel()), static_cast<int>(threads));
 }
 
+// ---- decode_step: one token through all layers of a llama-family model (csrc/cpu/decode_step.cpp) --------
+// DecodeContext holds the raw pointers plus references to every tensor they point into (so the storage lives
+// as long as the context) and the scratch buffers; everything is checked here, once.
+struct DecodeContext {
+    pyllm::DecodeModel model;
+    pyllm::DecodeScratch scratch;
+    std::vector<Tensor> keep;
+    int64_t vocab_rows = 0;
+};
+
+constexpr const char* kDC = "DecodeContext";
+
+pyllm::DecodeWeight decode_weight(DecodeContext& c, const std::string& name, const Tensor& w, int64_t qtype,
+                                  int64_t N, int64_t K) {
+    const QTypeTraits& tr = check_qtype(kDC, qtype);
+    check_tensor(kDC, name.c_str(), w, at::kByte, 2);
+    TORCH_CHECK_VALUE(K > 0 && K % tr.block_size == 0, kDC, ": ", name, ": K=", K, " is not a multiple of ",
+                      tr.name, "'s block size ", tr.block_size);
+    const int64_t need = K / tr.block_size * tr.type_size;
+    TORCH_CHECK_VALUE(w.size(1) == need, kDC, ": ", name, " has ", w.size(1), " bytes per row but ", tr.name,
+                      " with K=", K, " needs ", need);
+    if (N >= 0)
+        TORCH_CHECK_VALUE(w.size(0) == N, kDC, ": ", name, " has ", w.size(0), " rows, expected ", N);
+    c.keep.push_back(w);
+    return {w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)), static_cast<QType>(qtype)};
+}
+
+const float* decode_vec(DecodeContext& c, const std::string& name, const Tensor& t, int64_t n) {
+    check_tensor(kDC, name.c_str(), t, at::kFloat, 1);
+    TORCH_CHECK_VALUE(t.size(0) == n, kDC, ": ", name, " has ", t.size(0), " values, expected ", n);
+    c.keep.push_back(t);
+    return t.data_ptr<float>();
+}
+
+// weights: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]); qtypes likewise.
+// q_bias/k_bias/v_bias: empty or one per layer; q_norm/k_norm: empty or one per layer ([head_dim]).
+std::unique_ptr<DecodeContext> make_decode_context(
+    const std::vector<Tensor>& weights, const std::vector<int64_t>& qtypes, const std::vector<Tensor>& attn_norm,
+    const std::vector<Tensor>& ffn_norm, const std::vector<Tensor>& q_bias, const std::vector<Tensor>& k_bias,
+    const std::vector<Tensor>& v_bias, const std::vector<Tensor>& q_norm, const std::vector<Tensor>& k_norm,
+    const Tensor& token_embd, int64_t token_embd_qtype, const Tensor& output, int64_t output_qtype,
+    const Tensor& output_norm, const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+    int64_t n_embd, int64_t n_ff, int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t rope_dim,
+    const std::string& rope_style, double eps, double scale, int64_t window) {
+    auto ctx = std::make_unique<DecodeContext>();
+    pyllm::DecodeConfig& c = ctx->model.cfg;
+    const int64_t n_layer = static_cast<int64_t>(attn_norm.size());
+    TORCH_CHECK_VALUE(n_layer >= 1, kDC, ": no layers (attn_norm is empty)");
+    TORCH_CHECK_VALUE(n_embd >= 1 && n_ff >= 1 && n_head >= 1 && n_kv_head >= 1 && head_dim >= 1, kDC,
+                      ": sizes must be >= 1, got n_embd=", n_embd, " n_ff=", n_ff, " n_head=", n_head, " n_kv_head=",
+                      n_kv_head, " head_dim=", head_dim);
+    TORCH_CHECK_VALUE(n_head % n_kv_head == 0, kDC, ": n_head ", n_head, " is not a multiple of n_kv_head ",
+                      n_kv_head);
+    TORCH_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= head_dim, kDC, ": rope_dim ", rope_dim,
+                      " must be even and in [2, head_dim=", head_dim, "]");
+    TORCH_CHECK_VALUE(rope_style == "norm" || rope_style == "neox", kDC, ": rope_style must be 'norm' or 'neox', got '",
+                      rope_style, "'");
+    TORCH_CHECK_VALUE(window >= 0, kDC, ": window must be >= 0, got ", window);
+    TORCH_CHECK_VALUE(eps > 0 && scale > 0, kDC, ": eps and scale must be > 0, got ", eps, ", ", scale);
+    TORCH_CHECK_VALUE(weights.size() == 7 * static_cast<size_t>(n_layer) && qtypes.size() == weights.size(), kDC,
+                      ": expected 7 weights and qtypes per layer (", 7 * n_layer, "), got ", weights.size(), " and ",
+                      qtypes.size());
+    TORCH_CHECK_VALUE(ffn_norm.size() == static_cast<size_t>(n_layer), kDC, ": ffn_norm has ", ffn_norm.size(),
+                      " entries, expected ", n_layer);
+    const bool bias = !q_bias.empty();
+    TORCH_CHECK_VALUE((q_bias.size() == k_bias.size() && k_bias.size() == v_bias.size()) &&
+                          (!bias || q_bias.size() == static_cast<size_t>(n_layer)),
+                      kDC, ": q/k/v_bias must be empty or have one tensor per layer (", n_layer, "), got ",
+                      q_bias.size(), "/", k_bias.size(), "/", v_bias.size());
+    const bool qkn = !q_norm.empty();
+    TORCH_CHECK_VALUE(q_norm.size() == k_norm.size() && (!qkn || q_norm.size() == static_cast<size_t>(n_layer)), kDC,
+                      ": q/k_norm must be empty or have one tensor per layer (", n_layer, "), got ", q_norm.size(),
+                      "/", k_norm.size());
+    const int64_t qd = n_head * head_dim, kvd = n_kv_head * head_dim;
+
+    // KV cache: (n_layer, n_kv_head, max_seq, head_dim), fp16 or fp32, K and V alike.
+    TORCH_CHECK_TYPE(k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kFloat, kDC,
+                     ": k_cache must be float16 or float32, got ", c10::toString(k_cache.scalar_type()));
+    check_tensor(kDC, "k_cache", k_cache, k_cache.scalar_type(), 4);
+    check_tensor(kDC, "v_cache", v_cache, k_cache.scalar_type(), 4);
+    TORCH_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(3) == head_dim &&
+                          k_cache.size(2) >= 1,
+                      kDC, ": k_cache has shape ", k_cache.sizes(), ", expected (", n_layer, ", ", n_kv_head,
+                      ", max_seq, ", head_dim, ")");
+    TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), kDC, ": v_cache has shape ", v_cache.sizes(),
+                      " but k_cache has ", k_cache.sizes());
+    TORCH_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, kDC, ": max_seq too large");
+    check_tensor(kDC, "cos", cos, at::kFloat, 2);
+    check_tensor(kDC, "sin", sin, at::kFloat, 2);
+    TORCH_CHECK_VALUE(cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes() && cos.size(0) >= 1, kDC,
+                      ": cos/sin have shapes ", cos.sizes(), "/", sin.sizes(), ", expected equal [max_pos, ",
+                      rope_dim / 2, "]");
+
+    c.n_layer = static_cast<int>(n_layer);
+    c.n_embd = static_cast<int>(n_embd);
+    c.n_ff = static_cast<int>(n_ff);
+    c.n_head = static_cast<int>(n_head);
+    c.n_kv_head = static_cast<int>(n_kv_head);
+    c.head_dim = static_cast<int>(head_dim);
+    c.rope_dim = static_cast<int>(rope_dim);
+    c.max_pos = static_cast<int>(std::min<int64_t>(cos.size(0), INT32_MAX));
+    c.max_seq = static_cast<int>(k_cache.size(2));
+    c.window = static_cast<int>(std::min<int64_t>(window, INT32_MAX));
+    c.neox = rope_style == "neox";
+    c.kv_f16 = k_cache.scalar_type() == at::kHalf;
+    c.eps = static_cast<float>(eps);
+    c.scale = static_cast<float>(scale);
+
+    DecodeContext& d = *ctx;
+    d.keep.insert(d.keep.end(), {cos, sin, k_cache, v_cache});
+    d.model.cos = cos.data_ptr<float>();
+    d.model.sin = sin.data_ptr<float>();
+    d.model.k_cache = k_cache.data_ptr();
+    d.model.v_cache = v_cache.data_ptr();
+    d.model.layers.resize(n_layer);
+    for (int64_t i = 0; i < n_layer; ++i) {
+        pyllm::DecodeLayer& L = d.model.layers[i];
+        const std::string p = "layer " + std::to_string(i) + " ";
+        const Tensor* w = &weights[7 * i];
+        const int64_t* t = &qtypes[7 * i];
+        L.wq = decode_weight(d, p + "attn_q", w[0], t[0], qd, n_embd);
+        L.wk = decode_weight(d, p + "attn_k", w[1], t[1], kvd, n_embd);
+        L.wv = decode_weight(d, p + "attn_v", w[2], t[2], kvd, n_embd);
+        L.wo = decode_weight(d, p + "attn_output", w[3], t[3], n_embd, qd);
+        L.wgate = decode_weight(d, p + "ffn_gate", w[4], t[4], n_ff, n_embd);
+        L.wup = decode_weight(d, p + "ffn_up", w[5], t[5], n_ff, n_embd);
+        L.wdown = decode_weight(d, p + "ffn_down", w[6], t[6], n_embd, n_ff);
+        L.attn_norm = decode_vec(d, p + "attn_norm", attn_norm[i], n_embd);
+        L.ffn_norm = decode_vec(d, p + "ffn_norm", ffn_norm[i], n_embd);
+        if (bias) {
+            L.bq = decode_vec(d, p + "attn_q.bias", q_bias[i], qd);
+            L.bk = decode_vec(d, p + "attn_k.bias", k_bias[i], kvd);
+            L.bv = decode_vec(d, p + "attn_v.bias", v_bias[i], kvd);
+        }
+        if (qkn) {
+            L.q_norm = decode_vec(d, p + "attn_q_norm", q_norm[i], head_dim);
+            L.k_norm = decode_vec(d, p + "attn_k_norm", k_norm[i], head_dim);
+        }
+    }
+    d.model.token_embd = decode_weight(d, "token_embd", token_embd, token_embd_qtype, -1, n_embd);
+    d.vocab_rows = token_embd.size(0);
+    d.model.output = decode_weight(d, "output", output, output_qtype, -1, n_embd);
+    TORCH_CHECK_VALUE(output.size(0) <= INT32_MAX, kDC, ": output has too many rows");
+    c.n_vocab = static_cast<int>(output.size(0));
+    d.model.output_norm = decode_vec(d, "output_norm", output_norm, n_embd);
+    d.scratch.resize(d.model);
+    return ctx;
+}
+
+// logits_out: f32 [n_vocab] (or [1, n_vocab]) filled with the logits of `token` at position `pos`.
+void decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
+    const pyllm::DecodeConfig& c = ctx.model.cfg;
+    TORCH_CHECK_INDEX(token >= 0 && token < ctx.vocab_rows, "decode_step: token ", token, " is out of range for ",
+                      ctx.vocab_rows, " embedding rows");
+    const int64_t limit = std::min(c.max_seq, c.max_pos);
+    TORCH_CHECK_INDEX(pos >= 0 && pos < limit, "decode_step: pos ", pos, " is out of range: the KV cache holds ",
+                      c.max_seq, " positions and the rope tables ", c.max_pos);
+    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_step: logits_out must be float32, got ",
+                     c10::toString(logits_out.scalar_type()));
+    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == c.n_vocab,
+                      "decode_step: logits_out must be a contiguous CPU tensor of ", c.n_vocab,
+                      " values, got shape ", logits_out.sizes());
+    pybind11::gil_scoped_release nogil;
+    pyllm::decode_step_cpu(ctx.model, ctx.scratch, token, static_cast<int>(pos), logits_out.data_ptr<float>());
+}
+
 }  // namespace
 
 #ifdef PYLLM_CUDA
@@ -238,6 +404,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     });
     m.def("read_sum", &read_sum, "sum of buf as uint64 words, read by `threads` threads (bandwidth probe)",
           py::arg("buf"), py::arg("threads"));
+    py::class_<DecodeContext>(m, "DecodeContext",
+                              "llama-family model + KV cache + scratch for decode_step (built once per model/cache)")
+        .def(py::init(&make_decode_context), py::arg("weights"), py::arg("qtypes"), py::arg("attn_norm"),
+             py::arg("ffn_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"),
+             py::arg("k_norm"), py::arg("token_embd"), py::arg("token_embd_qtype"), py::arg("output"),
+             py::arg("output_qtype"), py::arg("output_norm"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+             py::arg("v_cache"), py::arg("n_embd"), py::arg("n_ff"), py::arg("n_head"), py::arg("n_kv_head"),
+             py::arg("head_dim"), py::arg("rope_dim"), py::arg("rope_style"), py::arg("eps"), py::arg("scale"),
+             py::arg("window"))
+        .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
+        .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
+    m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",
+          py::arg("ctx"), py::arg("token"), py::arg("pos"), py::arg("logits_out"));
     m.attr("GEMV_MAX_M") = pyllm::GEMV_MAX_M;
     m.attr("GEMV_CHUNKED_MAX_M") = GEMV_CHUNKED_MAX_M;
 #ifdef PYLLM_CUDA

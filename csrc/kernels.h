@@ -41,6 +41,42 @@ void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int6
 // Sums n bytes as uint64 words with `threads` threads (a streaming read for measuring memory bandwidth).
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads);
 
+// ---- One decode token for the llama family (csrc/cpu/decode_step.cpp) ------------------------------------
+struct DecodeWeight {
+    const uint8_t* data = nullptr;  // N rows of row_bytes
+    size_t row_bytes = 0;
+    QType qtype{};
+};
+struct DecodeLayer {
+    DecodeWeight wq, wk, wv, wo, wgate, wup, wdown;
+    const float* attn_norm = nullptr;
+    const float* ffn_norm = nullptr;
+    const float *bq = nullptr, *bk = nullptr, *bv = nullptr;  // all or none ([H*hd], [Hkv*hd], [Hkv*hd])
+    const float *q_norm = nullptr, *k_norm = nullptr;         // both or none ([hd])
+};
+struct DecodeConfig {
+    int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
+    int rope_dim = 0, max_pos = 0, max_seq = 0, window = 0;  // window 0 = full attention
+    bool neox = false, kv_f16 = true;
+    float eps = 1e-5f, scale = 1.f;
+};
+struct DecodeModel {
+    DecodeConfig cfg;
+    std::vector<DecodeLayer> layers;
+    DecodeWeight token_embd, output;
+    const float* output_norm = nullptr;
+    const float *cos = nullptr, *sin = nullptr;  // [max_pos, rope_dim/2]
+    void *k_cache = nullptr, *v_cache = nullptr;  // (n_layer, n_kv_head, max_seq, head_dim) fp16 or fp32
+};
+// Per-model scratch, allocated once (resize) so a step allocates nothing.
+struct DecodeScratch {
+    std::vector<float> x, h, q, k, v, att, g, u, scores;
+    void resize(const DecodeModel& m);
+};
+// Embeds `token`, runs it at position `pos` through all layers (writing K/V at pos), logits: [n_vocab].
+// Caller checked 0 <= token < vocab rows, 0 <= pos < min(max_seq, max_pos).
+void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits);
+
 // ---- CUDA ------------------------------------------------------------------------------------------------
 // The CUDA launchers live in csrc/cuda/cuda_kernels.h (they need cuda_runtime.h for cudaStream_t); their
 // bindings register themselves through pyllm::register_cuda (bindings.cpp, under PYLLM_CUDA).

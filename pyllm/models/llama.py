@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import ops
 from ..errors import ModelError
 from .config import ModelConfig
 
@@ -79,6 +80,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
 class LlamaModel:
     """The llama-family decoder. ``weights`` maps GGUF tensor names to QTensors (still quantized)."""
 
+    # Decode (one token) runs as one extension call (csrc/cpu/decode_step.cpp) when the fast kernels and a plain
+    # f16/f32 KVCache are in use; False forces the torch path below (tests compare the two).
+    use_cpp_decode = True
+    _decode_ctx = None  # (kv, its k tensor, DecodeContext or None when that kv/model cannot use the C++ step)
+
     def __init__(self, cfg: ModelConfig, weights: dict, linear: Linear, embed: Callable, max_pos: int):
         self.cfg = cfg
         self.w = weights
@@ -104,6 +110,10 @@ class LlamaModel:
         """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32."""
         cfg, w, vec, lin = self.cfg, self.w, self.vec, self.linear
         t = tokens.shape[0]
+        if t == 1 and self.use_cpp_decode:
+            logits = self._cpp_decode(tokens, start_pos, kv)
+            if logits is not None:
+                return logits
         x = self.embed(w["token_embd.weight"], tokens)  # [T, D]
         cos, sin = self.cos[start_pos:start_pos + t], self.sin[start_pos:start_pos + t]
         for i in range(cfg.n_layer):
@@ -141,3 +151,43 @@ class LlamaModel:
             x = x[-1:]
         x = rms_norm(x, vec["output_norm.weight"], cfg.rms_eps)
         return lin(x, self.output)
+
+    def _cpp_decode(self, tokens: torch.Tensor, start_pos: int, kv) -> torch.Tensor | None:
+        """Logits [1, n_vocab] of one token via the extension's decode_step, or None where it does not apply."""
+        c = self._decode_ctx
+        if c is None or c[0] is not kv or c[1] is not getattr(kv, "k", None):
+            c = self._decode_ctx = (kv, getattr(kv, "k", None), self._make_decode_ctx(kv))
+        if c[2] is None:
+            return None
+        kv._check(start_pos, 1)
+        logits = torch.empty(1, c[2].n_vocab)
+        ops._C.decode_step(c[2], int(tokens[0]), start_pos, logits)
+        return logits
+
+    def _make_decode_ctx(self, kv):
+        from ..runtime.kv_cache import KVCache
+
+        if (self.linear is not ops.qmatmul or self.embed is not ops.embedding or ops.get_backend() != "fast"
+                or type(kv) is not KVCache or kv.dtype not in (torch.float16, torch.float32)
+                or kv.k.device.type != "cpu"):
+            return None
+        cfg, w, vec = self.cfg, self.w, self.vec
+        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        mats = [w[f"blk.{i}.{n}.weight"] for i in range(cfg.n_layer) for n in names]
+
+        def vecs(name, on=True):
+            return [vec[f"blk.{i}.{name}"].float().contiguous() for i in range(cfg.n_layer)] if on else []
+
+        try:
+            return ops._C.DecodeContext(
+                [m.data for m in mats], [int(m.qtype) for m in mats], vecs("attn_norm.weight"),
+                vecs("ffn_norm.weight"), vecs("attn_q.bias", cfg.qkv_bias), vecs("attn_k.bias", cfg.qkv_bias),
+                vecs("attn_v.bias", cfg.qkv_bias), vecs("attn_q_norm.weight", cfg.qk_norm),
+                vecs("attn_k_norm.weight", cfg.qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
+                self.output.data, int(self.output.qtype), vec["output_norm.weight"].float().contiguous(),
+                self.cos.contiguous(), self.sin.contiguous(), kv.k, kv.v, cfg.n_embd, cfg.n_ff, cfg.n_head,
+                cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, self.scale,
+                cfg.sliding_window)
+        except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
+            # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
+            return None

@@ -1,0 +1,219 @@
+// One decode token (M = 1) through every layer of a llama-family model in a single call: the per-token work
+// outside the GEMVs (RMSNorm, bias, QK-norm, RoPE, KV store, attention, SiLU, residuals) is a few microseconds
+// of arithmetic, but as ~50 torch ops per layer it cost ~25 ms per token in dispatch.  Semantics follow
+// LlamaModel.forward (pyllm/models/llama.py) for t == 1; the GEMVs are the same gemv_cpu calls qmatmul makes,
+// so only summation order in the small ops differs.  No torch here: bindings.cpp checked every size.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/decode.h"
+#include "kernels.h"
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+namespace pyllm {
+
+namespace {
+
+inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    // Round-to-nearest-even, like torch's .to(float16).
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
+    if (a < 0x38800000u) {  // subnormal half (or zero)
+        float af;
+        std::memcpy(&af, &a, 4);
+        const float scaled = af * 16777216.0f;  // 2^24: half subnormal step = 2^-24
+        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));
+    }
+    const uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round
+    return static_cast<uint16_t>(sign | (a >> 13));
+#endif
+}
+
+inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return fp16_to_fp32(h);
+#endif
+}
+
+// y = x * rsqrt(mean(x^2) + eps) * w  (w may be nullptr: no weight)
+inline void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
+    double ss = 0.0;
+    for (int i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+    const float r = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+    for (int i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+}
+
+inline void rope(float* x, const float* c, const float* s, int rope_dim, bool neox) {
+    const int half = rope_dim / 2;
+    if (neox) {
+        for (int i = 0; i < half; ++i) {
+            const float a = x[i], b = x[i + half];
+            x[i] = a * c[i] - b * s[i];
+            x[i + half] = b * c[i] + a * s[i];
+        }
+    } else {
+        for (int i = 0; i < half; ++i) {
+            const float a = x[2 * i], b = x[2 * i + 1];
+            x[2 * i] = a * c[i] - b * s[i];
+            x[2 * i + 1] = b * c[i] + a * s[i];
+        }
+    }
+}
+
+inline float load_kv(const void* base, size_t idx, bool f16) {
+    return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
+}
+
+inline void gemv(const DecodeWeight& w, const float* x, float* y, int N, int K) {
+    gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, 1, N, K);
+}
+
+}  // namespace
+
+void DecodeScratch::resize(const DecodeModel& m) {
+    const DecodeConfig& c = m.cfg;
+    x.assign(c.n_embd, 0.f);
+    h.assign(c.n_embd, 0.f);
+    q.assign(static_cast<size_t>(c.n_head) * c.head_dim, 0.f);
+    k.assign(static_cast<size_t>(c.n_kv_head) * c.head_dim, 0.f);
+    v.assign(static_cast<size_t>(c.n_kv_head) * c.head_dim, 0.f);
+    att.assign(static_cast<size_t>(c.n_head) * c.head_dim, 0.f);
+    g.assign(c.n_ff, 0.f);
+    u.assign(c.n_ff, 0.f);
+    scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
+}
+
+void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
+    const DecodeConfig& c = m.cfg;
+    const int D = c.n_embd, H = c.n_head, Hkv = c.n_kv_head, hd = c.head_dim, F = c.n_ff;
+    const int group = H / Hkv;
+    float* x = s.x.data();
+    float* h = s.h.data();
+    float* q = s.q.data();
+    float* k = s.k.data();
+    float* v = s.v.data();
+    float* att = s.att.data();
+
+    dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, &token, 1, D, x);
+    const float* cs = m.cos + static_cast<size_t>(pos) * (c.rope_dim / 2);
+    const float* sn = m.sin + static_cast<size_t>(pos) * (c.rope_dim / 2);
+    const int j0 = c.window > 0 ? std::max(0, pos - c.window + 1) : 0;
+    const int n_keys = pos + 1 - j0;
+    const size_t layer_stride = static_cast<size_t>(Hkv) * c.max_seq * hd;
+    // A parallel region costs a few microseconds: only worth it once the heads have real work.
+    const int nt = std::min(cpu_get_num_threads(), H);
+    const bool par = nt > 1 && static_cast<int64_t>(n_keys) * hd * H >= 32768;
+
+    for (int il = 0; il < c.n_layer; ++il) {
+        const DecodeLayer& L = m.layers[il];
+        rms_norm(x, L.attn_norm, h, D, c.eps);
+        gemv(L.wq, h, q, H * hd, D);
+        gemv(L.wk, h, k, Hkv * hd, D);
+        gemv(L.wv, h, v, Hkv * hd, D);
+        if (L.bq) {
+            for (int i = 0; i < H * hd; ++i) q[i] += L.bq[i];
+            for (int i = 0; i < Hkv * hd; ++i) k[i] += L.bk[i];
+            for (int i = 0; i < Hkv * hd; ++i) v[i] += L.bv[i];
+        }
+        if (L.q_norm) {
+            for (int hh = 0; hh < H; ++hh) rms_norm(q + hh * hd, L.q_norm, q + hh * hd, hd, c.eps);
+            for (int hh = 0; hh < Hkv; ++hh) rms_norm(k + hh * hd, L.k_norm, k + hh * hd, hd, c.eps);
+        }
+        for (int hh = 0; hh < H; ++hh) rope(q + hh * hd, cs, sn, c.rope_dim, c.neox);
+        for (int hh = 0; hh < Hkv; ++hh) rope(k + hh * hd, cs, sn, c.rope_dim, c.neox);
+
+        // Store K/V at pos: cache[layer, head, pos, :]
+        const size_t lbase = static_cast<size_t>(il) * layer_stride;
+        for (int hh = 0; hh < Hkv; ++hh) {
+            const size_t off = lbase + (static_cast<size_t>(hh) * c.max_seq + pos) * hd;
+            if (c.kv_f16) {
+                uint16_t* kc = static_cast<uint16_t*>(m.k_cache) + off;
+                uint16_t* vc = static_cast<uint16_t*>(m.v_cache) + off;
+                for (int d = 0; d < hd; ++d) { kc[d] = f32_to_f16(k[hh * hd + d]); vc[d] = f32_to_f16(v[hh * hd + d]); }
+            } else {
+                std::memcpy(static_cast<float*>(m.k_cache) + off, k + hh * hd, sizeof(float) * hd);
+                std::memcpy(static_cast<float*>(m.v_cache) + off, v + hh * hd, sizeof(float) * hd);
+            }
+        }
+
+        // Attention of each query head over keys j0..pos of its kv head.  At pos 0 the Python path attends to
+        // the fresh fp32 K/V (not their rounded cache copies): one key, so the output is v itself.
+        auto head = [&](int hh) {
+            const int kh = hh / group;
+            float* o = att + static_cast<size_t>(hh) * hd;
+            if (pos == 0) {
+                std::memcpy(o, v + kh * hd, sizeof(float) * hd);
+                return;
+            }
+            const float* qh = q + static_cast<size_t>(hh) * hd;
+            float* sc = s.scores.data() + static_cast<size_t>(hh) * c.max_seq;
+            const size_t hbase = lbase + static_cast<size_t>(kh) * c.max_seq * hd;
+            float mx = -INFINITY;
+            for (int j = 0; j < n_keys; ++j) {
+                const size_t kb = hbase + static_cast<size_t>(j0 + j) * hd;
+                float dot = 0.f;
+                if (c.kv_f16) {
+                    const uint16_t* kr = static_cast<const uint16_t*>(m.k_cache) + kb;
+                    for (int d = 0; d < hd; ++d) dot += qh[d] * f16_to_f32(kr[d]);
+                } else {
+                    const float* kr = static_cast<const float*>(m.k_cache) + kb;
+                    for (int d = 0; d < hd; ++d) dot += qh[d] * kr[d];
+                }
+                sc[j] = dot * c.scale;
+                mx = std::max(mx, sc[j]);
+            }
+            float sum = 0.f;
+            for (int j = 0; j < n_keys; ++j) { sc[j] = std::exp(sc[j] - mx); sum += sc[j]; }
+            const float inv = 1.0f / sum;
+            for (int d = 0; d < hd; ++d) o[d] = 0.f;
+            for (int j = 0; j < n_keys; ++j) {
+                const float p = sc[j] * inv;
+                const size_t vb = hbase + static_cast<size_t>(j0 + j) * hd;
+                if (c.kv_f16) {
+                    const uint16_t* vr = static_cast<const uint16_t*>(m.v_cache) + vb;
+                    for (int d = 0; d < hd; ++d) o[d] += p * f16_to_f32(vr[d]);
+                } else {
+                    const float* vr = static_cast<const float*>(m.v_cache) + vb;
+                    for (int d = 0; d < hd; ++d) o[d] += p * vr[d];
+                }
+            }
+        };
+        if (par) {
+#pragma omp parallel for num_threads(nt) schedule(static)
+            for (int hh = 0; hh < H; ++hh) head(hh);
+        } else {
+            for (int hh = 0; hh < H; ++hh) head(hh);
+        }
+
+        gemv(L.wo, att, h, D, H * hd);
+        for (int i = 0; i < D; ++i) x[i] += h[i];
+        rms_norm(x, L.ffn_norm, h, D, c.eps);
+        gemv(L.wgate, h, s.g.data(), F, D);
+        gemv(L.wup, h, s.u.data(), F, D);
+        float* g = s.g.data();
+        const float* u = s.u.data();
+        for (int i = 0; i < F; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        gemv(L.wdown, g, h, D, F);
+        for (int i = 0; i < D; ++i) x[i] += h[i];
+    }
+    rms_norm(x, m.output_norm, h, D, c.eps);
+    gemv(m.output, h, logits, c.n_vocab, D);
+}
+
+}  // namespace pyllm
