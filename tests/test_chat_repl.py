@@ -363,10 +363,10 @@ def test_piped_one_message(smollm2_path):
 
 def test_piped_lines_is_a_conversation(smollm2_path):
     res = cli(smollm2_path, "--temp", "0", "-n", "24", "--lines", "--backend", BACKEND, "--system",
-              "You are a helpful assistant.", stdin="Remember this secret word: pineapple.\n\nWhat is the secret word?\n")
+              "You are a helpful assistant.", stdin="The password is banana.\n\nWhat is the password?\n")
     assert res.returncode == 0, res.stderr
     # the second reply (its one line, at temp 0) names the word given only in the first message
-    assert "pineapple" in res.stdout.strip().splitlines()[-1].lower(), res.stdout
+    assert "banana" in res.stdout.strip().splitlines()[-1].lower(), res.stdout
 
 
 # ---- the REPL in a pseudo-terminal -----------------------------------------------------------------------------------
@@ -426,11 +426,11 @@ def strip_ansi(s):
 
 def test_repl_two_turns_reset_and_bye(repl, tmp_path):
     # SmolLM2-135M does not reliably recall a user's name at temp 0 ("My name is Ada." -> it calls itself
-    # Ada, then names itself Elena); it does recall a word it was asked to remember
+    # Ada, then names itself Elena); it does recall a password it was told (with both the fast and the reference kernels)
     child = repl("--no-color", "--system", "You are a helpful assistant.")
-    ask(child, "Remember this secret word: pineapple.")
-    reply = strip_ansi(ask(child, "What is the secret word?"))
-    assert "pineapple" in reply.lower(), reply
+    ask(child, "The password is banana.")
+    reply = strip_ansi(ask(child, "What is the password?"))
+    assert "banana" in reply.lower(), reply
     send(child, "/reset")
     child.expect_exact("new conversation")
     child.expect_exact(PROMPT)
@@ -438,13 +438,13 @@ def test_repl_two_turns_reset_and_bye(repl, tmp_path):
     child.expect(r"context\s+0 / 4096 tokens used")
     child.expect_exact(PROMPT)
     # the same question without the first turn: the word came from the conversation, not from the question
-    reply = strip_ansi(ask(child, "What is the secret word?"))
-    assert "pineapple" not in reply.lower(), reply
+    reply = strip_ansi(ask(child, "What is the password?"))
+    assert "banana" not in reply.lower(), reply
     send(child, "/bye")
     child.expect(pexpect.EOF)
     child.wait()
     assert child.exitstatus == 0
-    assert "Remember this secret word" in (tmp_path / "data" / "pyllm" / "chat_history").read_text()
+    assert "The password is banana." in (tmp_path / "data" / "pyllm" / "chat_history").read_text()
 
 
 def test_repl_ctrl_c_stops_reply_and_conversation_continues(repl):
