@@ -243,6 +243,9 @@ const float* decode_vec(DecodeContext& c, const std::string& name, const Tensor&
 
 // weights: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]); qtypes likewise.
 // q_bias/k_bias/v_bias: empty or one per layer; q_norm/k_norm: empty or one per layer ([head_dim]).
+// Gemma 3: post_attn_norm/post_ffw_norm (empty or one per layer, [n_embd]), embd_scale (0 = none), act
+// ('silu' or 'gelu_tanh'), final_softcap (0 = none), a second rope table cos2/sin2 chosen per layer by
+// layer_rope (0/1; empty = all 0) and per-layer windows layer_window (empty = `window` for every layer).
 std::unique_ptr<DecodeContext> make_decode_context(
     const std::vector<Tensor>& weights, const std::vector<int64_t>& qtypes, const std::vector<Tensor>& attn_norm,
     const std::vector<Tensor>& ffn_norm, const std::vector<Tensor>& q_bias, const std::vector<Tensor>& k_bias,
@@ -250,7 +253,11 @@ std::unique_ptr<DecodeContext> make_decode_context(
     const Tensor& token_embd, int64_t token_embd_qtype, const Tensor& output, int64_t output_qtype,
     const Tensor& output_norm, const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
     int64_t n_embd, int64_t n_ff, int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t rope_dim,
-    const std::string& rope_style, double eps, double scale, int64_t window) {
+    const std::string& rope_style, double eps, double scale, int64_t window,
+    const std::vector<Tensor>& post_attn_norm, const std::vector<Tensor>& post_ffw_norm, double embd_scale,
+    const std::string& act, double final_softcap, const std::optional<Tensor>& cos2,
+    const std::optional<Tensor>& sin2, const std::vector<int64_t>& layer_rope,
+    const std::vector<int64_t>& layer_window) {
     auto ctx = std::make_unique<DecodeContext>();
     pyllm::DecodeConfig& c = ctx->model.cfg;
     const int64_t n_layer = static_cast<int64_t>(attn_norm.size());
@@ -281,6 +288,27 @@ std::unique_ptr<DecodeContext> make_decode_context(
                       ": q/k_norm must be empty or have one tensor per layer (", n_layer, "), got ", q_norm.size(),
                       "/", k_norm.size());
     const int64_t qd = n_head * head_dim, kvd = n_kv_head * head_dim;
+    // Gemma 3 extras (defaults keep the llama-family step unchanged).
+    TORCH_CHECK_VALUE(post_attn_norm.size() == post_ffw_norm.size() &&
+                          (post_attn_norm.empty() || post_attn_norm.size() == static_cast<size_t>(n_layer)),
+                      kDC, ": post_attn_norm/post_ffw_norm must be empty or have one tensor per layer (", n_layer,
+                      "), got ", post_attn_norm.size(), "/", post_ffw_norm.size());
+    TORCH_CHECK_VALUE(act == "silu" || act == "gelu_tanh", kDC, ": act must be 'silu' or 'gelu_tanh', got '", act,
+                      "'");
+    TORCH_CHECK_VALUE(embd_scale >= 0 && final_softcap >= 0, kDC, ": embd_scale and final_softcap must be >= 0, got ",
+                      embd_scale, ", ", final_softcap);
+    TORCH_CHECK_VALUE(cos2.has_value() == sin2.has_value(), kDC, ": cos2 and sin2 must be given together");
+    TORCH_CHECK_VALUE(layer_rope.empty() || layer_rope.size() == static_cast<size_t>(n_layer), kDC,
+                      ": layer_rope must be empty or have one entry per layer (", n_layer, "), got ",
+                      layer_rope.size());
+    for (int64_t r : layer_rope)
+        TORCH_CHECK_VALUE(r == 0 || (r == 1 && cos2.has_value()), kDC,
+                          ": layer_rope entries must be 0, or 1 when cos2/sin2 are given, got ", r);
+    TORCH_CHECK_VALUE(layer_window.empty() || layer_window.size() == static_cast<size_t>(n_layer), kDC,
+                      ": layer_window must be empty or have one entry per layer (", n_layer, "), got ",
+                      layer_window.size());
+    for (int64_t w : layer_window)
+        TORCH_CHECK_VALUE(w >= 0, kDC, ": layer_window entries must be >= 0, got ", w);
 
     // KV cache: (n_layer, n_kv_head, max_seq, head_dim), fp16 or fp32, K and V alike.
     TORCH_CHECK_TYPE(k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kFloat, kDC,
@@ -300,6 +328,14 @@ std::unique_ptr<DecodeContext> make_decode_context(
                       ": cos/sin have shapes ", cos.sizes(), "/", sin.sizes(), ", expected equal [max_pos, ",
                       rope_dim / 2, "]");
 
+    if (cos2) {
+        check_tensor(kDC, "cos2", *cos2, at::kFloat, 2);
+        check_tensor(kDC, "sin2", *sin2, at::kFloat, 2);
+        TORCH_CHECK_VALUE(cos2->sizes() == cos.sizes() && sin2->sizes() == cos.sizes(), kDC,
+                          ": cos2/sin2 have shapes ", cos2->sizes(), "/", sin2->sizes(), ", expected cos's ",
+                          cos.sizes());
+    }
+
     c.n_layer = static_cast<int>(n_layer);
     c.n_embd = static_cast<int>(n_embd);
     c.n_ff = static_cast<int>(n_ff);
@@ -309,7 +345,9 @@ std::unique_ptr<DecodeContext> make_decode_context(
     c.rope_dim = static_cast<int>(rope_dim);
     c.max_pos = static_cast<int>(std::min<int64_t>(cos.size(0), INT32_MAX));
     c.max_seq = static_cast<int>(k_cache.size(2));
-    c.window = static_cast<int>(std::min<int64_t>(window, INT32_MAX));
+    c.gelu_tanh = act == "gelu_tanh";
+    c.embd_scale = static_cast<float>(embd_scale);
+    c.final_softcap = static_cast<float>(final_softcap);
     c.neox = rope_style == "neox";
     c.kv_f16 = k_cache.scalar_type() == at::kHalf;
     c.eps = static_cast<float>(eps);
@@ -319,6 +357,11 @@ std::unique_ptr<DecodeContext> make_decode_context(
     d.keep.insert(d.keep.end(), {cos, sin, k_cache, v_cache});
     d.model.cos = cos.data_ptr<float>();
     d.model.sin = sin.data_ptr<float>();
+    if (cos2) {
+        d.keep.insert(d.keep.end(), {*cos2, *sin2});
+        d.model.cos2 = cos2->data_ptr<float>();
+        d.model.sin2 = sin2->data_ptr<float>();
+    }
     d.model.k_cache = k_cache.data_ptr();
     d.model.v_cache = v_cache.data_ptr();
     d.model.layers.resize(n_layer);
@@ -345,6 +388,12 @@ std::unique_ptr<DecodeContext> make_decode_context(
             L.q_norm = decode_vec(d, p + "attn_q_norm", q_norm[i], head_dim);
             L.k_norm = decode_vec(d, p + "attn_k_norm", k_norm[i], head_dim);
         }
+        if (!post_attn_norm.empty()) {
+            L.post_attn_norm = decode_vec(d, p + "post_attention_norm", post_attn_norm[i], n_embd);
+            L.post_ffw_norm = decode_vec(d, p + "post_ffw_norm", post_ffw_norm[i], n_embd);
+        }
+        L.rope = layer_rope.empty() ? 0 : static_cast<int>(layer_rope[i]);
+        L.window = static_cast<int>(std::min<int64_t>(layer_window.empty() ? window : layer_window[i], INT32_MAX));
     }
     d.model.token_embd = decode_weight(d, "token_embd", token_embd, token_embd_qtype, -1, n_embd);
     d.vocab_rows = token_embd.size(0);
@@ -405,14 +454,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("read_sum", &read_sum, "sum of buf as uint64 words, read by `threads` threads (bandwidth probe)",
           py::arg("buf"), py::arg("threads"));
     py::class_<DecodeContext>(m, "DecodeContext",
-                              "llama-family model + KV cache + scratch for decode_step (built once per model/cache)")
+                              "llama-family / Gemma 3 model + KV cache + scratch for decode_step (built once per model/cache)")
         .def(py::init(&make_decode_context), py::arg("weights"), py::arg("qtypes"), py::arg("attn_norm"),
              py::arg("ffn_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"),
              py::arg("k_norm"), py::arg("token_embd"), py::arg("token_embd_qtype"), py::arg("output"),
              py::arg("output_qtype"), py::arg("output_norm"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
              py::arg("v_cache"), py::arg("n_embd"), py::arg("n_ff"), py::arg("n_head"), py::arg("n_kv_head"),
              py::arg("head_dim"), py::arg("rope_dim"), py::arg("rope_style"), py::arg("eps"), py::arg("scale"),
-             py::arg("window"))
+             py::arg("window"), py::arg("post_attn_norm") = std::vector<Tensor>{},
+             py::arg("post_ffw_norm") = std::vector<Tensor>{}, py::arg("embd_scale") = 0.0,
+             py::arg("act") = "silu", py::arg("final_softcap") = 0.0, py::arg("cos2") = py::none(),
+             py::arg("sin2") = py::none(), py::arg("layer_rope") = std::vector<int64_t>{},
+             py::arg("layer_window") = std::vector<int64_t>{})
         .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
         .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
     m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",

@@ -41,7 +41,7 @@ void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int6
 // Sums n bytes as uint64 words with `threads` threads (a streaming read for measuring memory bandwidth).
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads);
 
-// ---- One decode token for the llama family (csrc/cpu/decode_step.cpp) ------------------------------------
+// ---- One decode token for the llama family and Gemma 3 (csrc/cpu/decode_step.cpp) ------------------------------------
 struct DecodeWeight {
     const uint8_t* data = nullptr;  // N rows of row_bytes
     size_t row_bytes = 0;
@@ -53,19 +53,27 @@ struct DecodeLayer {
     const float* ffn_norm = nullptr;
     const float *bq = nullptr, *bk = nullptr, *bv = nullptr;  // all or none ([H*hd], [Hkv*hd], [Hkv*hd])
     const float *q_norm = nullptr, *k_norm = nullptr;         // both or none ([hd])
+    // Gemma-style norms of the attention / MLP output before each residual add (nullptr: none) ([n_embd]).
+    const float *post_attn_norm = nullptr, *post_ffw_norm = nullptr;
+    int rope = 0;    // 0: cos/sin, 1: cos2/sin2 (Gemma's local layers have their own RoPE base)
+    int window = 0;  // this layer's sliding window (0 = full attention)
 };
 struct DecodeConfig {
     int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
-    int rope_dim = 0, max_pos = 0, max_seq = 0, window = 0;  // window 0 = full attention
+    int rope_dim = 0, max_pos = 0, max_seq = 0;
     bool neox = false, kv_f16 = true;
+    bool gelu_tanh = false;  // MLP activation of the gate: SiLU (llama) or tanh-GELU (Gemma)
     float eps = 1e-5f, scale = 1.f;
+    float embd_scale = 0.f;     // 0: none; else the embedding row is multiplied by it (Gemma: sqrt(n_embd))
+    float final_softcap = 0.f;  // 0: none; else logits = tanh(logits / c) * c
 };
 struct DecodeModel {
     DecodeConfig cfg;
     std::vector<DecodeLayer> layers;
     DecodeWeight token_embd, output;
     const float* output_norm = nullptr;
-    const float *cos = nullptr, *sin = nullptr;  // [max_pos, rope_dim/2]
+    const float *cos = nullptr, *sin = nullptr;    // [max_pos, rope_dim/2]
+    const float *cos2 = nullptr, *sin2 = nullptr;  // second table (layers with rope == 1), same shape, or nullptr
     void *k_cache = nullptr, *v_cache = nullptr;  // (n_layer, n_kv_head, max_seq, head_dim) fp16 or fp32
 };
 // Per-model scratch, allocated once (resize) so a step allocates nothing.

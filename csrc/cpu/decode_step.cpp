@@ -1,7 +1,7 @@
-// One decode token (M = 1) through every layer of a llama-family model in a single call: the per-token work
+// One decode token (M = 1) through every layer of a llama-family or Gemma 3 model in a single call: the per-token work
 // outside the GEMVs (RMSNorm, bias, QK-norm, RoPE, KV store, attention, SiLU, residuals) is a few microseconds
 // of arithmetic, but as ~50 torch ops per layer it cost ~25 ms per token in dispatch.  Semantics follow
-// LlamaModel.forward (pyllm/models/llama.py) for t == 1; the GEMVs are the same gemv_cpu calls qmatmul makes,
+// LlamaModel.forward (pyllm/models/llama.py) and Gemma3Model.forward (gemma3.py) for t == 1; the GEMVs are the same gemv_cpu calls qmatmul makes,
 // so only summation order in the small ops differs.  No torch here: bindings.cpp checked every size.
 #include <omp.h>
 
@@ -111,17 +111,20 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
     float* att = s.att.data();
 
     dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, &token, 1, D, x);
-    const float* cs = m.cos + static_cast<size_t>(pos) * (c.rope_dim / 2);
-    const float* sn = m.sin + static_cast<size_t>(pos) * (c.rope_dim / 2);
-    const int j0 = c.window > 0 ? std::max(0, pos - c.window + 1) : 0;
-    const int n_keys = pos + 1 - j0;
+    if (c.embd_scale != 0.f)
+        for (int i = 0; i < D; ++i) x[i] *= c.embd_scale;
+    const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
     const size_t layer_stride = static_cast<size_t>(Hkv) * c.max_seq * hd;
-    // A parallel region costs a few microseconds: only worth it once the heads have real work.
     const int nt = std::min(cpu_get_num_threads(), H);
-    const bool par = nt > 1 && static_cast<int64_t>(n_keys) * hd * H >= 32768;
 
     for (int il = 0; il < c.n_layer; ++il) {
         const DecodeLayer& L = m.layers[il];
+        const float* cs = (L.rope ? m.cos2 : m.cos) + rope_off;
+        const float* sn = (L.rope ? m.sin2 : m.sin) + rope_off;
+        const int j0 = L.window > 0 ? std::max(0, pos - L.window + 1) : 0;
+        const int n_keys = pos + 1 - j0;
+        // A parallel region costs a few microseconds: only worth it once the heads have real work.
+        const bool par = nt > 1 && static_cast<int64_t>(n_keys) * hd * H >= 32768;
         rms_norm(x, L.attn_norm, h, D, c.eps);
         gemv(L.wq, h, q, H * hd, D);
         gemv(L.wk, h, k, Hkv * hd, D);
@@ -202,18 +205,33 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
         }
 
         gemv(L.wo, att, h, D, H * hd);
+        if (L.post_attn_norm) rms_norm(h, L.post_attn_norm, h, D, c.eps);
         for (int i = 0; i < D; ++i) x[i] += h[i];
         rms_norm(x, L.ffn_norm, h, D, c.eps);
         gemv(L.wgate, h, s.g.data(), F, D);
         gemv(L.wup, h, s.u.data(), F, D);
         float* g = s.g.data();
         const float* u = s.u.data();
-        for (int i = 0; i < F; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        if (c.gelu_tanh) {
+            // torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+            for (int i = 0; i < F; ++i) {
+                const float a = g[i];
+                g[i] = 0.5f * a * (1.0f + std::tanh(k0 * (a + k1 * a * a * a))) * u[i];
+            }
+        } else {
+            for (int i = 0; i < F; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        }
         gemv(L.wdown, g, h, D, F);
+        if (L.post_ffw_norm) rms_norm(h, L.post_ffw_norm, h, D, c.eps);
         for (int i = 0; i < D; ++i) x[i] += h[i];
     }
     rms_norm(x, m.output_norm, h, D, c.eps);
     gemv(m.output, h, logits, c.n_vocab, D);
+    if (c.final_softcap != 0.f) {
+        const float cap = c.final_softcap;
+        for (int i = 0; i < c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
+    }
 }
 
 }  // namespace pyllm

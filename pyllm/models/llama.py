@@ -165,29 +165,41 @@ class LlamaModel:
         return logits
 
     def _make_decode_ctx(self, kv):
-        from ..runtime.kv_cache import KVCache
+        cfg = self.cfg
+        return make_decode_ctx(self, kv, bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, cos=self.cos, sin=self.sin,
+                               window=cfg.sliding_window)
 
-        if (self.linear is not ops.qmatmul or self.embed is not ops.embedding or ops.get_backend() != "fast"
-                or type(kv) is not KVCache or kv.dtype not in (torch.float16, torch.float32)
-                or kv.k.device.type != "cpu"):
-            return None
-        cfg, w, vec = self.cfg, self.w, self.vec
-        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-        mats = [w[f"blk.{i}.{n}.weight"] for i in range(cfg.n_layer) for n in names]
 
-        def vecs(name, on=True):
-            return [vec[f"blk.{i}.{name}"].float().contiguous() for i in range(cfg.n_layer)] if on else []
+def make_decode_ctx(model, kv, *, bias: bool, qk_norm: bool, cos, sin, window: int, **extra):
+    """The extension's DecodeContext for ``model`` (LlamaModel or Gemma3Model) and ``kv``, or None where the C++
+    step does not apply: not the fast qmatmul/embedding ops, not a plain f16/f32 CPU KVCache, no extension, or a
+    weight type / layout it does not take.  ``extra``: the context's Gemma options (post norms, act, ...)."""
+    from ..runtime.kv_cache import KVCache
 
-        try:
-            return ops._C.DecodeContext(
-                [m.data for m in mats], [int(m.qtype) for m in mats], vecs("attn_norm.weight"),
-                vecs("ffn_norm.weight"), vecs("attn_q.bias", cfg.qkv_bias), vecs("attn_k.bias", cfg.qkv_bias),
-                vecs("attn_v.bias", cfg.qkv_bias), vecs("attn_q_norm.weight", cfg.qk_norm),
-                vecs("attn_k_norm.weight", cfg.qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
-                self.output.data, int(self.output.qtype), vec["output_norm.weight"].float().contiguous(),
-                self.cos.contiguous(), self.sin.contiguous(), kv.k, kv.v, cfg.n_embd, cfg.n_ff, cfg.n_head,
-                cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, self.scale,
-                cfg.sliding_window)
-        except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
-            # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
-            return None
+    if (model.linear is not ops.qmatmul or model.embed is not ops.embedding or ops.get_backend() != "fast"
+            or type(kv) is not KVCache or kv.dtype not in (torch.float16, torch.float32)
+            or kv.k.device.type != "cpu"):
+        return None
+    cfg, w, vec = model.cfg, model.w, model.vec
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    mats = [w[f"blk.{i}.{n}.weight"] for i in range(cfg.n_layer) for n in names]
+
+    def vecs(name, on=True):
+        return [vec[f"blk.{i}.{name}"].float().contiguous() for i in range(cfg.n_layer)] if on else []
+
+    try:
+        if extra.get("post_norms"):
+            extra.update(post_attn_norm=vecs("post_attention_norm.weight"), post_ffw_norm=vecs("post_ffw_norm.weight"))
+        extra.pop("post_norms", None)
+        return ops._C.DecodeContext(
+            [m.data for m in mats], [int(m.qtype) for m in mats], vecs("attn_norm.weight"),
+            vecs("ffn_norm.weight"), vecs("attn_q.bias", bias), vecs("attn_k.bias", bias),
+            vecs("attn_v.bias", bias), vecs("attn_q_norm.weight", qk_norm),
+            vecs("attn_k_norm.weight", qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
+            model.output.data, int(model.output.qtype), vec["output_norm.weight"].float().contiguous(),
+            cos.contiguous(), sin.contiguous(), kv.k, kv.v, cfg.n_embd, cfg.n_ff, cfg.n_head,
+            cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, model.scale,
+            window, **extra)
+    except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
+        # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
+        return None
