@@ -22,10 +22,16 @@ import torch.nn.functional as F
 
 from ..errors import ModelError
 from .config import ModelConfig
-from .llama import Linear, apply_rope, attention, rms_norm, rope_tables
+from .llama import Linear, LlamaModel, apply_rope, attention, make_decode_ctx, rms_norm, rope_tables
 
 
 class Gemma3Model:
+    # Decode (t == 1) runs as one C++ call (csrc/cpu/decode_step.cpp) under the same rules as LlamaModel: fast
+    # kernels, a plain f16/f32 KVCache and the extension present; False forces the torch path (tests compare).
+    use_cpp_decode = True
+    _decode_ctx = None  # (kv, its k tensor, DecodeContext or None), built lazily like LlamaModel's
+    _cpp_decode = LlamaModel._cpp_decode
+
     LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                      "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
 
@@ -71,6 +77,10 @@ class Gemma3Model:
     def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
         cfg, w, vec, lin, eps = self.cfg, self.w, self.vec, self.linear, self.cfg.rms_eps
         t = tokens.shape[0]
+        if t == 1 and self.use_cpp_decode:
+            logits = self._cpp_decode(tokens, start_pos, kv)
+            if logits is not None:
+                return logits
         x = self.embed(w["token_embd.weight"], tokens) * self.embed_scale
         sl = slice(start_pos, start_pos + t)
         for i in range(cfg.n_layer):
@@ -109,3 +119,12 @@ class Gemma3Model:
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
+
+    def _make_decode_ctx(self, kv):
+        # Local layers: rope table 1 (rope_local_base) and the sliding window; global layers: table 0, full attention.
+        return make_decode_ctx(
+            self, kv, bias=False, qk_norm=True, cos=self.rope_global[0], sin=self.rope_global[1], window=0,
+            post_norms=True, embd_scale=float(self.embed_scale), act="gelu_tanh", final_softcap=self.final_softcap,
+            cos2=self.rope_local[0].contiguous(), sin2=self.rope_local[1].contiguous(),
+            layer_rope=[0 if g else 1 for g in self.is_global],
+            layer_window=[0 if g else int(self.window or 0) for g in self.is_global])
