@@ -8,6 +8,7 @@ rendering is capped in output size and wall time so a template cannot hang or ex
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from datetime import datetime
@@ -53,6 +54,17 @@ class _Budget(Exception):
     """Raised from the trace hook when a render runs past its deadline."""
 
 
+_FORMAT_NUMBER = re.compile(r"\d{7,}")
+
+
+def _check_format_widths(fmt: str) -> None:
+    """Rejects format strings with a width or precision of a million or more (they allocate that much at once)."""
+    from jinja2.exceptions import SecurityError
+
+    if _FORMAT_NUMBER.search(fmt):
+        raise SecurityError("the template formats with a width or precision larger than the output limit")
+
+
 def _environment():
     import jinja2
     import jinja2.ext
@@ -60,7 +72,7 @@ def _environment():
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Env(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**"])
+        intercepted_binops = frozenset(["*", "**", "%"])
 
         def unsafe_undefined(self, obj, attribute):
             # jinja's default renders a forbidden attribute as empty text; a template reaching for one is hostile
@@ -73,6 +85,8 @@ def _environment():
                         raise SecurityError("the template builds a sequence larger than the output limit")
             if operator == "**" and isinstance(right, int) and right > 4096:
                 raise SecurityError("the template raises a number to a power too large")
+            if operator == "%" and isinstance(left, str):
+                _check_format_widths(left)  # '%0200000000d' % 1 allocates before any output check
             return super().call_binop(context, operator, left, right)
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
@@ -80,6 +94,16 @@ def _environment():
             for a in list(args) + list(kwargs.values()):
                 if isinstance(a, int) and not isinstance(a, bool) and a > MAX_OUTPUT_CHARS:
                     raise SecurityError(f"the template passes {a} to a call, larger than the output limit")
+            fn = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format in a safe formatter
+            owner = getattr(fn, "__self__", None)
+            name = getattr(fn, "__name__", "")
+            if isinstance(owner, str):
+                if name in ("format", "format_map"):
+                    _check_format_widths(owner)  # '{:>200000000}'.format(1)
+                elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+                    grow = (owner.count(args[0]) if args[0] else len(owner) + 1) * max(len(args[1]) - len(args[0]), 0)
+                    if len(owner) + grow > MAX_OUTPUT_CHARS:
+                        raise SecurityError("the template builds a string larger than the output limit (replace)")
             return super().call(__context, __obj, *args, **kwargs)
 
     def raise_exception(message):
@@ -93,6 +117,20 @@ def _environment():
         return datetime.now().strftime(fmt)
 
     env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    # lipsum(n) runs in jinja's own code, out of reach of the render deadline; no chat template needs it
+    env.globals.pop("lipsum", None)
+    jinja_replace = env.filters["replace"]
+
+    def replace(eval_ctx, s, old, new, count=None):
+        # the |replace filter bypasses Env.call; bound its result the same way
+        if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
+            grow = (s.count(old) if old else len(s) + 1) * max(len(new) - len(old), 0)
+            if len(s) + grow > MAX_OUTPUT_CHARS:
+                raise SecurityError("the template builds a string larger than the output limit (replace)")
+        return jinja_replace(eval_ctx, s, old, new, count)
+
+    replace.jinja_pass_arg = jinja_replace.jinja_pass_arg
+    env.filters["replace"] = replace
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

@@ -129,6 +129,12 @@ def test_messages_validated(messages, match):
         ("{{ 'x' * 10**9 }}", "limit|forbids"),
         ("{{ 'x'.ljust(10**10) }}", "limit|forbids"),
         ("{{ 7 ** 999999 }}", "too large"),
+        # single operations that allocate hundreds of MB before any output check (docs/SECURITY.md)
+        ("{{ '%0200000000d' % 1 }}", "width or precision"),
+        ("{{ '{:>200000000}'.format(1) }}", "width or precision"),
+        ("{{ ('x' * 100000).replace('x', 'y' * 1000) }}", "larger than the output limit"),
+        ("{{ ('a' * 1000000) | replace('a', 'aaaaaaaaaa') }}", "larger than the output limit"),
+        ("{{ lipsum(20000) }}", "undefined"),
         ("{{ raise_exception('x') }}", "raised an error: x"),
         ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "exhausted|failed"),
         ("{{ messages[0]['content'] + 1 }}", "failed: TypeError"),
@@ -140,6 +146,11 @@ def test_hostile_or_broken_templates_raise_quickly(source, match):
     with pytest.raises(TemplateError, match=match):
         ChatTemplate(source, "", "").render([{"role": "user", "content": "hi"}])
     assert time.monotonic() - t0 < 10
+
+
+def test_ordinary_formatting_still_works():
+    src = "{{ '%5d' % 3 }}|{{ '{:>3}'.format(1) }}|{{ 'ab'.replace('a', 'c') }}"
+    assert ChatTemplate(src, "", "").render([]) == "    3|  1|cb"
 
 
 def test_template_errors_do_not_leave_a_tracer_installed():
