@@ -287,7 +287,12 @@ class QTensor:
         """
         if self.qtype not in _FLOAT_DTYPES:
             raise ModelError(f"{self.name!r}: typed() is for float tensors, this one is {self.qtype.name}")
-        return self.data.view(_FLOAT_DTYPES[self.qtype]).reshape(self.shape)
+        dt = _FLOAT_DTYPES[self.qtype]
+        data = self.data
+        if data.data_ptr() % dt.itemsize:
+            # a file with alignment 1 or 2 may place a float tensor at an odd offset: a view is impossible there
+            data = data.clone()
+        return data.view(dt).reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype = F32) -> torch.Tensor:
         """All values as a new ``dtype`` tensor of ``self.shape`` (``[N, K]`` for a matrix)."""

