@@ -180,12 +180,13 @@ class ChatTemplate:
             raise TemplateError(f"chat template cannot be compiled: {e}") from None
 
     @classmethod
-    def from_metadata(cls, md: dict, tokenizer) -> "ChatTemplate":
-        """The file's ``tokenizer.chat_template``, or a fallback fitting the vocabulary's turn markers."""
+    def from_metadata(cls, md: dict, tokenizer, use_file_template: bool = True) -> "ChatTemplate":
+        """The file's ``tokenizer.chat_template``, or a fallback fitting the vocabulary's turn markers
+        (always the fallback when ``use_file_template`` is False: the way out of a broken or hostile template)."""
         bos = tokenizer.token_text(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         source = md.get("tokenizer.chat_template")
-        if isinstance(source, str) and source.strip():
+        if use_file_template and isinstance(source, str) and source.strip():
             return cls(source, bos, eos)
         if tokenizer.token_id("<start_of_turn>") is not None and tokenizer.token_id("<end_of_turn>") is not None:
             source = GEMMA_TEMPLATE

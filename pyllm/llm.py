@@ -171,6 +171,12 @@ class LLM:
             gen.close()
 
     # ---- chat ---------------------------------------------------------------------------------------------------
+    def use_fallback_template(self) -> None:
+        """Format chats with pyllm's plain template for this vocabulary instead of the file's own."""
+        from .chat_template import ChatTemplate
+
+        self.template = ChatTemplate.from_metadata({}, self.tokenizer, use_file_template=False)
+
     def format_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
 

@@ -260,6 +260,11 @@ def test_cli_hostile_template_one_line_exit_1(tiny_with_template):
     assert len(errors) == 1 and "template" in errors[0], r.stderr
     assert r.stderr.rstrip().endswith(errors[0]), r.stderr
     assert "Traceback" not in r.stderr and "subclasses" not in r.stdout
+    assert "--plain-template" in errors[0]  # the way out is offered...
+    r = subprocess.run([sys.executable, "-m", "pyllm", "run", str(path), "hi", "--chat", "-n", "2", "--ctx", "64",
+                        "--backend", "reference", "--plain-template"],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert r.returncode == 0, r.stderr  # ...and works
 
 
 # ---- registry pulls --------------------------------------------------------------------------------------------

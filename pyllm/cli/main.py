@@ -12,7 +12,7 @@ import os
 import sys
 
 from .. import registry
-from ..errors import PyllmError
+from ..errors import PyllmError, TemplateError
 
 EXAMPLES = """examples:
   pyllm chat                              chat with the default model ({default}), fetched on first use
@@ -37,6 +37,8 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     g.add_argument("--backend", default="fast", choices=["fast", "reference"],
                    help="kernels: fast (default) or reference (float32, for checking accuracy)")
+    g.add_argument("--plain-template", action="store_true",
+                   help="format chats with pyllm's plain template instead of the file's own chat template")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
@@ -58,8 +60,11 @@ def sampling_kwargs(a) -> dict:
 def load_from_args(a):
     import pyllm
 
-    return pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=a.kv, n_threads=a.threads,
-                      backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False))
+    llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=a.kv, n_threads=a.threads,
+                     backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False))
+    if getattr(a, "plain_template", False):
+        llm.use_fallback_template()
+    return llm
 
 
 def cmd_run(a) -> int:
@@ -243,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     except PyllmError as e:
         if a.verbose:
             raise
-        print(f"pyllm: error: {e}", file=sys.stderr)
+        hint = ""
+        if isinstance(e, TemplateError) and hasattr(a, "plain_template") and not a.plain_template:
+            hint = "; rerun with --plain-template to use a plain chat format instead"
+        print(f"pyllm: error: {e}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("", file=sys.stderr)
