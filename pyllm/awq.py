@@ -590,9 +590,9 @@ def load_awq(path, device: str = "cpu", n_ctx: int = 4096, kv_cache: str = "f16"
     import time
 
     from .chat_template import ChatTemplate
-    from .llm import LLM, _available_memory, _check_policy
+    from .llm import LLM, _check_policy, plan_kv_cache
     from .models import build_model, model_class
-    from .runtime.kv_cache import KVCache, check_kind, make_kv_cache
+    from .runtime.kv_cache import make_kv_cache
 
     t0 = time.perf_counter()
     if device != "cpu":
@@ -602,15 +602,7 @@ def load_awq(path, device: str = "cpu", n_ctx: int = 4096, kv_cache: str = "f16"
     _check_policy(context_policy)
     info, cfg, weights = open_awq(path)
     model_class(cfg)
-    n_ctx = int(n_ctx) if n_ctx else cfg.n_ctx_train
-    if n_ctx < 8:
-        raise PyllmError(f"n_ctx must be at least 8, got {n_ctx}")
-    check_kind(kv_cache, cfg.head_dim)
-    need = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_cache) * n_ctx
-    avail = _available_memory()
-    if avail is not None and need > 0.9 * avail:
-        raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
-                         f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx")
+    n_ctx, _, _ = plan_kv_cache(cfg, n_ctx, kv_cache)
     tok = tokenizer_from_hf(info.path, cfg.n_vocab)
     info.metadata["tokenizer.ggml.model"] = "llama" if tok.kind == "spm" else "gpt2"
     md = {"tokenizer.chat_template": info.metadata["tokenizer.chat_template"] or None}

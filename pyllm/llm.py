@@ -40,6 +40,25 @@ def _available_memory() -> int | None:
     return None
 
 
+def plan_kv_cache(cfg, n_ctx: int, kv_cache: str) -> tuple[int, float, float]:
+    """Checks n_ctx and the cache kind, and refuses a cache that will not fit in available memory, before any
+    allocation. Returns (n_ctx, bytes per token, total bytes)."""
+    from .runtime.kv_cache import KVCache, check_kind
+
+    n_ctx = int(n_ctx) if n_ctx else cfg.n_ctx_train
+    if n_ctx < 8:
+        raise PyllmError(f"n_ctx must be at least 8, got {n_ctx}")
+    check_kind(kv_cache, cfg.head_dim)
+    per_token = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_cache)
+    need = per_token * n_ctx
+    avail = _available_memory()
+    if avail is not None and need > 0.9 * avail:
+        raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
+                         f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx or a smaller "
+                         f"--kv type (q8_0, q4_rot)")
+    return n_ctx, per_token, need
+
+
 class LLM:
     def __init__(self, path: Path, gguf_file, config, weights: dict, tokenizer, template, model, kv, n_ctx: int,
                  device: str, backend: str, n_threads: int, load_seconds: float, context_policy: str = "stop"):
@@ -279,18 +298,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     try:
         cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
         model_class(cfg)  # an unsupported architecture fails before any other work
-        n_ctx = int(n_ctx) if n_ctx else cfg.n_ctx_train
-        if n_ctx < 8:
-            raise PyllmError(f"n_ctx must be at least 8, got {n_ctx}")
-        from .runtime.kv_cache import KVCache, check_kind
-        check_kind(kv_cache, cfg.head_dim)
-        per_token = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_cache)
-        need = per_token * n_ctx
-        avail = _available_memory()
-        if avail is not None and need > 0.9 * avail:
-            raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
-                             f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx or a smaller "
-                             f"--kv type (q8_0, q4_rot)")
+        n_ctx, per_token, need = plan_kv_cache(cfg, n_ctx, kv_cache)
         if verbose:
             print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
                   f"n_ctx={n_ctx}", file=sys.stderr)
