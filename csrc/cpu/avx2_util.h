@@ -14,6 +14,12 @@ namespace avx2 {
 
 #define PYLLM_INLINE inline __attribute__((always_inline))
 
+// Row m of the prepared activations (rows of xs bytes holding blocks of type A).
+template <class A>
+PYLLM_INLINE const A* act_row(const uint8_t* xa, size_t xs, int m) {
+    return reinterpret_cast<const A*>(xa + static_cast<size_t>(m) * xs);
+}
+
 PYLLM_INLINE float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));

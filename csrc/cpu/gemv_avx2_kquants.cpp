@@ -13,11 +13,6 @@ namespace cpu {
 namespace {
 using namespace avx2;
 
-template <class A>
-PYLLM_INLINE const A* act_row(const uint8_t* xa, size_t xs, int m) {
-    return reinterpret_cast<const A*>(xa + static_cast<size_t>(m) * xs);
-}
-
 // Q4_K/Q5_K 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), the get_scale_min_k4 layout
 // unpacked with 32-bit masks (ggml's utmp trick) instead of 16 byte-wise branches.
 PYLLM_INLINE __m256i k4_scales_mins(const uint8_t* scales) {

@@ -16,11 +16,6 @@ namespace cpu {
 namespace {
 using namespace avx2;
 
-template <class A>
-PYLLM_INLINE const A* act_row(const uint8_t* xa, size_t xs, int m) {
-    return reinterpret_cast<const A*>(xa + static_cast<size_t>(m) * xs);
-}
-
 // ---- float weights: 8 values per step, fp32 FMA ---------------------------------------------------------
 struct LoadF32 {
     using T = float;
