@@ -56,7 +56,7 @@ Tensor make_out(const char* fn, const std::optional<Tensor>& out, int64_t M, int
 }
 
 // y = x @ W.T for 1 <= M <= 8 rows of x: x f32 [M, K], w u8 [N, row_bytes] -> y f32 [M, N]
-Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out) {
+Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x) {
     const QTypeTraits& tr = check_qtype("gemv", qtype);
     check_tensor("gemv", "x", x, at::kFloat, 2);
     const int64_t M = x.size(0), K = x.size(1);
@@ -67,7 +67,7 @@ Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     Tensor y = make_out("gemv", out, M, N);
     pyllm::gemv_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
                     x.data_ptr<float>(), y.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N),
-                    static_cast<int>(K));
+                    static_cast<int>(K), precise_x);
     return y;
 }
 
@@ -102,14 +102,15 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
 // quantized) take 8-19 ms where dequantizing W alone costs ~30 ms; above ~64 rows the fp32 GEMM wins.
 constexpr int64_t GEMV_CHUNKED_MAX_M = 32;
 
-Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out) {
+Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out,
+                    bool precise_x) {
     const int64_t M = x.size(0);
     check_tensor("mul_mat", "x", x, at::kFloat, 2);
     check_tensor("mul_mat", "w", w, at::kByte, 2);
     Tensor y = make_out("mul_mat", out, M, w.size(0));
     for (int64_t m0 = 0; m0 < M; m0 += pyllm::GEMV_MAX_M) {
         const int64_t mr = std::min<int64_t>(pyllm::GEMV_MAX_M, M - m0);
-        gemv(x.narrow(0, m0, mr), w, qtype, y.narrow(0, m0, mr));  // row slices of contiguous tensors stay contiguous
+        gemv(x.narrow(0, m0, mr), w, qtype, y.narrow(0, m0, mr), precise_x);  // row slices of contiguous tensors stay contiguous
     }
     return y;
 }
@@ -117,10 +118,10 @@ Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::
 // y = x @ W.T picking the path: fused GEMV for M <= 8 rows (chunks of 8 up to GEMV_CHUNKED_MAX_M), dequantized
 // tiles + GEMM above.  x may have any leading dims: f32 [..., K] -> [..., N] (`out` likewise).  One call from
 // Python, so decode pays one crossing.
-Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out) {
+Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x) {
     if (x.dim() == 2) {
-        if (x.size(0) >= 1 && x.size(0) <= pyllm::GEMV_MAX_M) return gemv(x, w, qtype, out);
-        if (x.size(0) > pyllm::GEMV_MAX_M && x.size(0) <= GEMV_CHUNKED_MAX_M) return gemv_chunked(x, w, qtype, out);
+        if (x.size(0) >= 1 && x.size(0) <= pyllm::GEMV_MAX_M) return gemv(x, w, qtype, out, precise_x);
+        if (x.size(0) > pyllm::GEMV_MAX_M && x.size(0) <= GEMV_CHUNKED_MAX_M) return gemv_chunked(x, w, qtype, out, precise_x);
         if (x.size(0) > GEMV_CHUNKED_MAX_M) return gemm(x, w, qtype, out);
     }
     TORCH_CHECK_VALUE(x.dim() >= 1, "mul_mat: x must have at least 1 dimension, got a scalar");
@@ -139,8 +140,8 @@ Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optio
         out2 = out->view({-1, w.size(0)});
     }
     const int64_t M = x2.size(0);
-    const Tensor y = M <= pyllm::GEMV_MAX_M ? gemv(x2, w, qtype, out2)
-                     : M <= GEMV_CHUNKED_MAX_M ? gemv_chunked(x2, w, qtype, out2) : gemm(x2, w, qtype, out2);
+    const Tensor y = M <= pyllm::GEMV_MAX_M ? gemv(x2, w, qtype, out2, precise_x)
+                     : M <= GEMV_CHUNKED_MAX_M ? gemv_chunked(x2, w, qtype, out2, precise_x) : gemm(x2, w, qtype, out2);
     return out ? *out : y.view(shape);
 }
 
@@ -432,12 +433,13 @@ void register_cuda(pybind11::module& m);  // csrc/cuda/bindings_cuda.cpp: the cu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "pyllm kernels: fused dequantize-in-GEMV (decode), dequantize (+GEMM for prefill)";
-    m.def("gemv", &gemv, "y[M,N] = x[M,K] @ W.T, M <= 8, W as raw GGUF blocks u8 [N, row_bytes]", py::arg("x"),
-          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
+    m.def("gemv", &gemv, "y[M,N] = x[M,K] @ W.T, M <= 8, W as raw GGUF blocks u8 [N, row_bytes]; precise_x: "
+          "16-bit activations where the type has such a kernel (Q8_0)", py::arg("x"), py::arg("w"), py::arg("qtype"),
+          py::arg("out") = py::none(), py::arg("precise_x") = false);
     m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M: dequantized tiles + torch GEMM", py::arg("x"),
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
     m.def("mul_mat", &mul_mat, "y[..., N] = x[..., K] @ W.T: gemv (8-row chunks up to 32 rows), else gemm", py::arg("x"),
-          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
+          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("precise_x") = false);
     m.def("dequantize", &dequantize, "W (or rows ids of W) as fp32 [N or len(ids), K]", py::arg("w"),
           py::arg("qtype"), py::arg("ids") = py::none());
     m.def("set_isa", &set_isa, "CPU kernels to use: 'avx2' (default where available) or 'scalar'");

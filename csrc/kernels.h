@@ -32,7 +32,10 @@ int cpu_physical_cores();              // cores (not SMT siblings) this process 
 
 // y[m, n] = sum_k x[m, k] * W[n, k] for 1 <= M <= GEMV_MAX_M, W read once in its quantized form.
 // w: N * row_bytes bytes; x: [M, K]; y: [M, N].
-void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K);
+// precise_x: keep the activations at 16 bits where the type has such a kernel (Q8_0; others ignore it).  For
+// the output projection, whose error goes straight into the logits.
+void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
+              bool precise_x = false);
 
 // Rows of W to fp32: out[i, :] = W[ids[i], :] (ids == nullptr: all N rows, n_ids = N).  out: [n_ids, K].
 void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_ids, int K,

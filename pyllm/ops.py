@@ -72,6 +72,18 @@ def qmatmul(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor
     return _reference_matmul(x, w, out)
 
 
+def qmatmul_output(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qmatmul for the output projection: its error goes straight into the logits, so the GEMV keeps the
+    activations at 16 bits where the weight type has such a kernel (Q8_0, what small models' tied embeddings
+    use; see Q16Row in csrc/cpu/cpu_impl.h).  Other types, and prefill's GEMM, are the same as qmatmul."""
+    if _fast:
+        try:
+            return _C.mul_mat(x, w.data, w.qtype, out, True)
+        except NotImplementedError:
+            pass
+    return _reference_matmul(x, w, out)
+
+
 def dequantize(w) -> torch.Tensor:
     """W as f32 with W's shape ([N, K], or [K] for a vector); bit-identical to gguf.quants.dequantize."""
     if _fast:

@@ -10,13 +10,15 @@ Each quantized-weight product is checked twice (error metric: max|y - ref| / max
 rms = sqrt(mean_{m,n} sum_k (W x)^2) is the size of an output for random data, so one output that happens to be
 near zero cannot make a test flaky):
 - against x_q @ W.T, x_q being x rounded to int8 blocks exactly as the kernels do it (emulated in numpy: scale
-  max|x|/127 in fp32, round half to even): TOL_EXACT = 1e-5.  The kernels then differ from float64 only by fp32
+  max|x|/127 in fp32, round half to even; with precise_x, Q8_0 gets int16 blocks, scale max|x|/32767):
+  TOL_EXACT = 1e-5.  The kernels then differ from float64 only by fp32
   rounding of per-block scale products and sums (~1e-7 per block, seen <= 1e-6), so any wrong nibble, bit,
   scale, min or offset shows up by orders of magnitude;
 - against the plain float64 product: TOL_Q8 = 5e-2.  Rounding x to int8 with scale max|x_block|/127 adds an
   error of std ~ max|x_block| / (127 sqrt 12) per value, ~0.66% of an output's rms for Gaussian x over blocks of
   256 (~0.55% for 32).  Over many outputs the metric is ~1%; with one or a few outputs it is |z| * 0.66% (seen
-  up to 2.3%), so 5% is a 7-sigma bound that does not flake yet catches a broken quantizer.
+  up to 2.3%), so 5% is a 7-sigma bound that does not flake yet catches a broken quantizer.  Q8_0 with
+  precise_x (int16 x): TOL_Q16 = 1e-3, the same argument with 32767 levels (~2.6e-5 of an output's rms per sigma).
 Float weights (F32/F16/BF16, x unquantized): TOL_F32 = 1e-5; weights widen exactly and fp32 FMA sums over
 K <= 4864 in 8-32 partial sums err by ~sqrt(K) * 2^-24 relative (seen <= 4e-7).
 Scalar vs AVX2: TOL_ISA = 1e-5 (the same integer block sums, fp32 block accumulation in another order).
@@ -40,7 +42,7 @@ from gguf import GGMLQuantizationType as GT  # noqa: E402
 from gguf import quants  # noqa: E402
 
 SEED = int(os.environ.get("PYLLM_TEST_SEED") or time.time_ns() % 2**31)
-TOL_F32, TOL_EXACT, TOL_Q8, TOL_ISA = 1e-5, 1e-5, 5e-2, 1e-5
+TOL_F32, TOL_EXACT, TOL_Q8, TOL_Q16, TOL_ISA = 1e-5, 1e-5, 5e-2, 1e-3, 1e-5
 
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 LEGACY_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
@@ -130,11 +132,12 @@ def rel_err(y, ref, x, w: Weight):
     return ((y - ref).abs().max() / torch.maximum(ref.abs().max(), rms)).item()
 
 
-def quantize_like_kernels(x: torch.Tensor, block: int) -> torch.Tensor:
+def quantize_like_kernels(x: torch.Tensor, block: int, levels: int = 127) -> torch.Tensor:
     """x f32 [M, K] -> float64 [M, K]: the values the kernels multiply after rounding x to int8 per `block`
-    (block 32 for Q4_0..Q8_0, 256 for the K-quants): d = max|x| / 127 and q = rint(x * (1/d)), all in fp32."""
+    (block 32 for Q4_0..Q5_1, 256 for the K-quants): d = max|x| / 127 and q = rint(x * (1/d)), all in fp32.
+    Q8_0 weights get int16 activations: levels = 32767."""
     xb = x.numpy().reshape(x.shape[0], -1, block)
-    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
+    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(levels)
     with np.errstate(divide="ignore"):
         inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
     q = np.rint(xb * inv)
@@ -169,6 +172,27 @@ def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
     if "avx2" in ys:
         err = rel_err(ys["avx2"], ys["scalar"], x, wt)
         assert err < TOL_ISA, f"{name}: scalar and avx2 differ by {err:.3g} " + why(N, K, M)
+
+
+@pytest.mark.parametrize("N,K", [(96, 640), (37, 576), (160, 896)])
+@pytest.mark.parametrize("M", [1, 3, 8, 13])
+def test_gemv_precise_x_keeps_16_bit_activations_for_q8_0(C, N, K, M):
+    """mul_mat(..., precise_x=True) (the output projection): Q8_0 against int16 activations, ~100x closer to the
+    float64 product than the int8 path; types without a 16-bit kernel give exactly their plain result."""
+    wt = make_weight("Q8_0", N, K)
+    x = torch.from_numpy(rng_for("x16", "Q8_0", N, K, M).standard_normal((M, K), dtype=np.float32))
+    xq = quantize_like_kernels(x, 32, levels=32767)
+    ys = {}
+    for isa in C.available_isas():
+        C.set_isa(isa)
+        ys[isa] = C.mul_mat(x, wt.raw, int(GT["Q8_0"]), None, True)
+        for r, tol, what in [(xq @ wt.W64.T, TOL_EXACT, "int16-x float64"), (wt.ref(x), TOL_Q16, "float64")]:
+            err = rel_err(ys[isa], r, x, wt)
+            assert err < tol, f"Q8_0 precise_x {isa} vs {what}: error {err:.3g} > {tol} " + why(N, K, M)
+    if "avx2" in ys:
+        assert rel_err(ys["avx2"], ys["scalar"], x, wt) < TOL_ISA
+    q4 = make_weight("Q4_0", N, K)
+    assert torch.equal(C.mul_mat(x, q4.raw, int(GT["Q4_0"]), None, True), C.mul_mat(x, q4.raw, int(GT["Q4_0"])))
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)

@@ -14,7 +14,8 @@ namespace cpu {
 // How x is prepared before the row dots run (once per call, then shared by every row and thread).
 enum class Act : int {
     F32,    // fp32 as given (float weight types)
-    Q8_32,  // Q8Row: int8 per 32 values (Q4_0 ... Q8_0)
+    Q8_32,   // Q8Row: int8 per 32 values (Q4_0 ... Q8_0)
+    Q16_32,  // Q16Row: int16 per 32 values (Q8_0 when the caller asks for precise activations)
     Q8_K,   // block_q8_K per 256 values (K-quants)
 };
 
@@ -32,6 +33,9 @@ struct RowKernel {
 RowKernel row_kernel_generic(QType t);
 RowKernel row_kernel_avx2_legacy(QType t);   // float types + 32-element blocks
 RowKernel row_kernel_avx2_kquants(QType t);  // K-quants
+// Kernels for gemv_cpu(precise_x = true): 16-bit activations; empty for types that have none (Q8_0 has).
+RowKernel row_kernel_generic_x16(QType t);
+RowKernel row_kernel_avx2_x16(QType t);
 bool avx2_compiled();
 
 // One row of K values -> fp32, bit-identical to the decode.h decoders; false if the type has no AVX2 version.
@@ -62,18 +66,45 @@ inline Q8RowC q8_row(const uint8_t* p, int K) {
     return {reinterpret_cast<const int8_t*>(p), d, d + q8_row_nbp(K)};
 }
 
+// One activation row at 16 bits, for the Q8_0 output projection (gemv_cpu's precise_x): int16 codes per 32
+// values with d[b] = max|x| / 32767 (fp32).  With int8 activations a Q8_0 GEMV's error is dominated by the
+// activations, and the tied output matrices of small models (SmolLM2, Qwen2.5 and Gemma 3 keep them in Q8_0)
+// put that error straight into the logits: on SmolLM2 it is a quarter of the decode path's KL from float32.
+// On AVX2 the int16 dot (2 vpmovsxbw + 2 vpmaddwd + 1 vpaddd per 32 weights) costs one uop more than the int8
+// one, so the weight stream still sets the speed.  Only for the output: inside a layer q/k/v (and gate/up)
+// read one shared input, and giving the Q8_0 one of them different rounding than its Q5_0 siblings was
+// measured to hurt (Qwen2.5's attention-sink token).  Bytes: qs [K] int16 | d [nbp] floats.
+template <class I, class F>
+struct Q16RowT {
+    I* qs;
+    F* d;
+};
+using Q16Row = Q16RowT<int16_t, float>;
+using Q16RowC = Q16RowT<const int16_t, const float>;
+
+inline size_t q16_row_bytes(int K) { return 2 * static_cast<size_t>(K) + 4 * static_cast<size_t>(q8_row_nbp(K)); }
+inline Q16Row q16_row(uint8_t* p, int K) {
+    return {reinterpret_cast<int16_t*>(p), reinterpret_cast<float*>(p + 2 * static_cast<size_t>(K))};
+}
+inline Q16RowC q16_row(const uint8_t* p, int K) {
+    return {reinterpret_cast<const int16_t*>(p), reinterpret_cast<const float*>(p + 2 * static_cast<size_t>(K))};
+}
+
 // Activation quantizers: x [K] -> a Q8Row, or K/256 block_q8_K.  The generic and AVX2 versions produce
 // identical bytes (same fp32 products, round-to-nearest-even), so both ISAs see the same inputs.
 void quantize_q8_32_generic(const float* x, int K, Q8Row out);
 void quantize_q8_K_generic(const float* x, int K, block_q8_K* out);
 void quantize_q8_32_avx2(const float* x, int K, Q8Row out);
 void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out);
+void quantize_q16_32_generic(const float* x, int K, Q16Row out);
+void quantize_q16_32_avx2(const float* x, int K, Q16Row out);
 
 // Bytes one activation row takes in a given format (multiples of 32, so rows stay 32-byte aligned).
 inline size_t act_row_bytes(Act a, int K) {
     switch (a) {
         case Act::F32: return static_cast<size_t>(K) * sizeof(float);
         case Act::Q8_32: return q8_row_bytes(K);
+        case Act::Q16_32: return q16_row_bytes(K);
         case Act::Q8_K: return static_cast<size_t>(K / QK_K) * sizeof(block_q8_K);
     }
     return 0;

@@ -80,8 +80,8 @@ inline float load_kv(const void* base, size_t idx, bool f16) {
     return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
 }
 
-inline void gemv(const DecodeWeight& w, const float* x, float* y, int N, int K) {
-    gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, 1, N, K);
+inline void gemv(const DecodeWeight& w, const float* x, float* y, int N, int K, bool precise_x = false) {
+    gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, 1, N, K, precise_x);
 }
 
 }  // namespace
@@ -227,7 +227,7 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
         for (int i = 0; i < D; ++i) x[i] += h[i];
     }
     rms_norm(x, m.output_norm, h, D, c.eps);
-    gemv(m.output, h, logits, c.n_vocab, D);
+    gemv(m.output, h, logits, c.n_vocab, D, /*precise_x=*/true);  // as ops.qmatmul_output
     if (c.final_softcap != 0.f) {
         const float cap = c.final_softcap;
         for (int i = 0; i < c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;

@@ -26,7 +26,8 @@ namespace {
 constexpr int kTypeIds = 32;
 
 struct Tables {
-    RowKernel k[2][kTypeIds];  // [Isa][type id]; the SIMD row falls back to generic per type
+    RowKernel k[2][kTypeIds];    // [Isa][type id]; the SIMD row falls back to generic per type
+    RowKernel x16[2][kTypeIds];  // precise_x kernels, or the plain ones where a type has none
     Tables() {
         for (int t = 0; t < kTypeIds; ++t) {
             const QType q = static_cast<QType>(t);
@@ -34,6 +35,9 @@ struct Tables {
             RowKernel s = cpu::row_kernel_avx2_legacy(q);
             if (!s.fn[0]) s = cpu::row_kernel_avx2_kquants(q);
             k[1][t] = s.fn[0] ? s : k[0][t];
+            const RowKernel g16 = cpu::row_kernel_generic_x16(q), a16 = cpu::row_kernel_avx2_x16(q);
+            x16[0][t] = g16.fn[0] ? g16 : k[0][t];
+            x16[1][t] = a16.fn[0] ? a16 : (g16.fn[0] ? g16 : k[1][t]);
         }
     }
 };
@@ -95,8 +99,10 @@ int cpu_get_num_threads() {
     return g_threads;
 }
 
-void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K) {
-    const RowKernel& k = tables().k[static_cast<int>(g_isa)][static_cast<int>(t)];
+void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
+              bool precise_x) {
+    const Tables& tab = tables();
+    const RowKernel& k = (precise_x ? tab.x16 : tab.k)[static_cast<int>(g_isa)][static_cast<int>(t)];
     const bool simd = g_isa == Isa::Avx2;
 
     // Activations prepared once per call, shared read-only by all threads: [M, act_row_bytes]
@@ -111,6 +117,9 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
             if (k.act == Act::Q8_32) {
                 const cpu::Q8Row r = cpu::q8_row(dst, K);
                 simd ? cpu::quantize_q8_32_avx2(xm, K, r) : cpu::quantize_q8_32_generic(xm, K, r);
+            } else if (k.act == Act::Q16_32) {
+                const cpu::Q16Row r = cpu::q16_row(dst, K);
+                simd ? cpu::quantize_q16_32_avx2(xm, K, r) : cpu::quantize_q16_32_generic(xm, K, r);
             } else {
                 auto* b = reinterpret_cast<block_q8_K*>(dst);
                 simd ? cpu::quantize_q8_K_avx2(xm, K, b) : cpu::quantize_q8_K_generic(xm, K, b);

@@ -130,6 +130,7 @@ struct Legacy<block_q5_1> {
     static PYLLM_INLINE float c(const block_q5_1& b, float) { return f16(b.m); }
     static PYLLM_INLINE __m256 c8(const block_q5_1* b, __m256) { return f16x8(b, offsetof(block_q5_1, m)); }
 };
+
 template <>
 struct Legacy<block_q8_0> {
     static constexpr bool is_signed = true, has_c = false;
@@ -200,7 +201,61 @@ template <int M> void dot_q4_0(int K, const uint8_t* w, const uint8_t* xa, size_
 template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_1, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_1, M>(K, w, xa, xs, y, ldy); }
+
+// ---- Q8_0 against int16 activations (Q16Row) -----------------------------------------------------------
+// Per block: dw * dx * sum(code * xq) with the codes sign-extended to int16 and vpmaddwd; |code * xq| <= 128 *
+// 32767, so the 4 products per int32 lane stay far below 2^31.  Same block loop as dot_legacy.
+PYLLM_INLINE __m256 block_dot_q16(__m256i w0, __m256i w1, const int16_t* xq) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+}
+
 template <int M> void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q8_0, M>(K, w, xa, xs, y, ldy); }
+
+template <int M>
+void dot_q8_0_x16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    constexpr int U = M <= 2 ? 2 : 1;
+    const block_q8_0* blk = reinterpret_cast<const block_q8_0*>(w);
+    const int nb = K / QK;
+    Q16RowC a[M];
+    __m256 acc[U][M];
+    alignas(32) float dd[M][8];
+    for (int m = 0; m < M; ++m) {
+        a[m] = q16_row(xa + xs * m, K);
+        for (int u = 0; u < U; ++u) acc[u][m] = _mm256_setzero_ps();
+    }
+    auto codes = [&](int b, __m256i& w0, __m256i& w1) {
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[b].qs)));
+        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[b].qs + 16)));
+    };
+    int i = 0;
+    for (; i + 8 <= nb; i += 8) {
+        prefetch_ahead<8 * sizeof(block_q8_0)>(blk + i);
+        const __m256 dw = f16x8(blk + i, offsetof(block_q8_0, d));
+        for (int m = 0; m < M; ++m) _mm256_store_ps(dd[m], _mm256_mul_ps(dw, _mm256_loadu_ps(a[m].d + i)));
+        for (int j = 0; j < 8; ++j) {
+            __m256i w0, w1;
+            codes(i + j, w0, w1);
+            for (int m = 0; m < M; ++m) {
+                __m256& ac = acc[j % U][m];
+                ac = _mm256_fmadd_ps(_mm256_broadcast_ss(&dd[m][j]), block_dot_q16(w0, w1, a[m].qs + QK * (i + j)), ac);
+            }
+        }
+    }
+    for (; i < nb; ++i) {  // the last K/32 % 8 blocks
+        __m256i w0, w1;
+        codes(i, w0, w1);
+        const float d = f16(blk[i].d);
+        for (int m = 0; m < M; ++m)
+            acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), block_dot_q16(w0, w1, a[m].qs + QK * i), acc[0][m]);
+    }
+    for (int m = 0; m < M; ++m) {
+        __m256 s = acc[0][m];
+        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
+        y[m * ldy] = hsum(s);
+    }
+}
 
 // 32 floats -> 32 int8 codes of x * id, round-half-even; returns the code sum.
 PYLLM_INLINE int quantize_32(const float* x, float id, int8_t* out) {
@@ -274,6 +329,23 @@ void quantize_q8_32_avx2(const float* x, int K, Q8Row out) {
     }
 }
 
+void quantize_q16_32_avx2(const float* x, int K, Q16Row out) {
+    for (int i = 0; i < K / QK; ++i) {
+        const float amax = amax_n(x + QK * i, QK);
+        const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int h = 0; h < 2; ++h) {
+            const float* xb = x + QK * i + 16 * h;
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), vid));
+            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), vid));
+            // packs interleaves the 128-bit lanes: [i0 lo, i1 lo, i0 hi, i1 hi] -> permute back to order
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qs + QK * i + 16 * h), p);
+        }
+        out.d[i] = d;
+    }
+}
+
 void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) {
     for (int i = 0; i < K / QK_K; ++i) {
         const float* xb = x + QK_K * i;
@@ -305,12 +377,35 @@ RowKernel row_kernel_avx2_legacy(QType t) {
     }
 }
 
+RowKernel row_kernel_avx2_x16(QType t) {
+    return t == QType::Q8_0 ? RowKernel{Act::Q16_32, PYLLM_ROWDOT_TABLE(dot_q8_0_x16)} : RowKernel{};
+}
+
 #else  // no AVX2 at compile time: the dispatcher only ever uses the generic kernels
 
 bool avx2_compiled() { return false; }
 void quantize_q8_32_avx2(const float* x, int K, Q8Row out) { quantize_q8_32_generic(x, K, out); }
+void quantize_q16_32_avx2(const float* x, int K, Q16Row out) {
+    for (int i = 0; i < K / QK; ++i) {
+        const float amax = amax_n(x + QK * i, QK);
+        const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
+        const __m256 vid = _mm256_set1_ps(id);
+        for (int h = 0; h < 2; ++h) {
+            const float* xb = x + QK * i + 16 * h;
+            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), vid));
+            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), vid));
+            // packs interleaves the 128-bit lanes: [i0 lo, i1 lo, i0 hi, i1 hi] -> permute back to order
+            const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qs + QK * i + 16 * h), p);
+        }
+        out.d[i] = d;
+    }
+}
+
 void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) { quantize_q8_K_generic(x, K, out); }
+void quantize_q16_32_avx2(const float* x, int K, Q16Row out) { quantize_q16_32_generic(x, K, out); }
 RowKernel row_kernel_avx2_legacy(QType) { return {}; }
+RowKernel row_kernel_avx2_x16(QType) { return {}; }
 bool dequant_row_avx2_legacy(QType, const uint8_t*, int, float*) { return false; }
 
 #endif

@@ -8,8 +8,10 @@
 // Precision (both ISAs):
 //   F32/F16/BF16 weights: weights widened exactly to fp32, x unquantized, fp32 products and sums (8 partial
 //     sums, like one AVX2 register).
-//   Q4_0/Q4_1/Q5_0/Q5_1/Q8_0: x rounded to int8 per 32 values with an fp32 scale (|error| <= max|x|/254 per
+//   Q4_0/Q4_1/Q5_0/Q5_1: x rounded to int8 per 32 values with an fp32 scale (|error| <= max|x|/254 per
 //     value), exact int32 block dot products, fp32 scaling and accumulation per block.
+//   Q8_0 asked for 16-bit activations (gemv_cpu's precise_x, the output projection): x rounded to int16
+//     (|error| <= max|x|/65534 per value), see Q16Row in cpu_impl.h.
 //   K-quants: x rounded to int8 per 256 values (ggml's Q8_K), exact int32 sums per super-block, fp32 after.
 #include <cmath>
 #include <cstring>
@@ -89,6 +91,7 @@ struct Legacy<block_q5_1> {
     static int code(const block_q5_1& b, int j) { return q5_1_code(b, j); }
     static float min(const block_q5_1& b) { return fp16_to_fp32(b.m); }
 };
+
 template <>
 struct Legacy<block_q8_0> {
     static constexpr int offset = 0;
@@ -205,7 +208,24 @@ template <int M> void dot_q4_0(int K, const uint8_t* w, const uint8_t* xa, size_
 template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_1, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_1, M>(K, w, xa, xs, y, ldy); }
+// Q8_0 against int16 activations: per block d_w * d_x * sum(code * xq), the int32 sum exact.
 template <int M> void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q8_0, M>(K, w, xa, xs, y, ldy); }
+
+template <int M>
+void dot_q8_0_x16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    const block_q8_0* blk = reinterpret_cast<const block_q8_0*>(w);
+    float acc[M] = {};
+    for (int i = 0; i < K / QK; ++i) {
+        const float d = fp16_to_fp32(blk[i].d);
+        for (int m = 0; m < M; ++m) {
+            const Q16RowC a = q16_row(xa + xs * m, K);
+            int isum = 0;
+            for (int j = 0; j < QK; ++j) isum += blk[i].qs[j] * a.qs[QK * i + j];
+            acc[m] += d * a.d[i] * static_cast<float>(isum);
+        }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy] = acc[m];
+}
 template <int M> void dot_q4_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q45_k<block_q4_K, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q45_k<block_q5_K, M>(K, w, xa, xs, y, ldy); }
 
@@ -230,6 +250,10 @@ RowKernel row_kernel_generic(QType t) {
     }
 }
 
+RowKernel row_kernel_generic_x16(QType t) {
+    return t == QType::Q8_0 ? RowKernel{Act::Q16_32, PYLLM_ROWDOT_TABLE(dot_q8_0_x16)} : RowKernel{};
+}
+
 // ---- activation quantizers ------------------------------------------------------------------------------
 // Symmetric int8 with the fp32 scale d = max|x| / 127; q = round-half-even(x * (1/d)), exactly what
 // _mm256_cvtps_epi32 does, so the AVX2 quantizers produce the same bytes.
@@ -247,6 +271,18 @@ void quantize_q8_32_generic(const float* x, int K, Q8Row out) {
         }
         out.d[i] = d;
         out.s[i] = d * static_cast<float>(sum);
+    }
+}
+
+// Symmetric int16 with d = max|x| / 32767, the same rounding.
+void quantize_q16_32_generic(const float* x, int K, Q16Row out) {
+    for (int i = 0; i < K / QK; ++i) {
+        const float* xb = x + QK * i;
+        float amax = 0.f;
+        for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+        const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
+        for (int j = 0; j < QK; ++j) out.qs[QK * i + j] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
+        out.d[i] = d;
     }
 }
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .. import ops
 from ..errors import ModelError
 from .config import ModelConfig
 from .llama import Linear, LlamaModel, apply_rope, attention, make_decode_ctx, rms_norm, rope_tables
@@ -49,6 +50,8 @@ class Gemma3Model:
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         ex = cfg.extra
         self.output = weights.get("output.weight", weights["token_embd.weight"])
+        # The fast backend's output projection keeps 16-bit activations (ops.qmatmul_output), as decode_step does.
+        self.output_linear = ops.qmatmul_output if linear is ops.qmatmul else linear
         self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}
         pattern = int(ex.get("swa_pattern", 6))
         # llama.cpp and transformers agree: layer i is global when (i + 1) % pattern == 0.
@@ -115,7 +118,7 @@ class Gemma3Model:
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, vec["output_norm.weight"], eps)
-        logits = lin(x, self.output)
+        logits = self.output_linear(x, self.output)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -100,6 +100,8 @@ class LlamaModel:
             raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         self.output = weights.get("output.weight", weights["token_embd.weight"])
+        # The fast backend's output projection keeps 16-bit activations (ops.qmatmul_output), as decode_step does.
+        self.output_linear = ops.qmatmul_output if linear is ops.qmatmul else linear
         # Norm weights and biases are tiny: keep them as float32 tensors.
         self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}
         ff = weights.get("rope_freqs.weight")
@@ -150,7 +152,7 @@ class LlamaModel:
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, vec["output_norm.weight"], cfg.rms_eps)
-        return lin(x, self.output)
+        return self.output_linear(x, self.output)
 
     def _cpp_decode(self, tokens: torch.Tensor, start_pos: int, kv) -> torch.Tensor | None:
         """Logits [1, n_vocab] of one token via the extension's decode_step, or None where it does not apply."""
