@@ -47,6 +47,7 @@ class Gemma3Model:
         if missing:
             raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        cfg.check_shapes(weights)
         ex = cfg.extra
         self.output = weights.get("output.weight", weights["token_embd.weight"])
         self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}

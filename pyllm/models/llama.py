@@ -99,6 +99,7 @@ class LlamaModel:
         if missing:
             raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        cfg.check_shapes(weights)
         self.output = weights.get("output.weight", weights["token_embd.weight"])
         # Norm weights and biases are tiny: keep them as float32 tensors.
         self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}
