@@ -61,13 +61,13 @@ def test_harness_catches_crash_hang_and_foreign_exceptions(fz, monkeypatch):
 
 
 def test_fuzz_deep_ci_run(fz, smollm2_path):
-    """1500 deterministic cases (another seed than the run above) with --deep: files that open also go through
+    """1000 deterministic cases (another seed than the run above) with --deep: files that open also go through
     ModelConfig, dequantization, the tokenizer (encode, decode, streaming), the chat template and pyllm.load plus
     two greedy tokens. Only PyllmError may escape any of them; the stage counts show each layer was reached."""
-    rep = fz.fuzz(1500, seed=2, deep=True, smollm2=smollm2_path, case_timeout=30.0)
+    rep = fz.fuzz(1000, seed=2, deep=True, smollm2=smollm2_path, case_timeout=30.0)
     print(rep.summary())
-    assert rep.cases == 1500
+    assert rep.cases == 1000
     assert not rep.failures, rep.summary()
-    for stage, least in {"config": 80, "dequantize": 120, "tokenizer": 80, "encode/decode": 80, "template": 80,
-                         "load": 25, "generate": 25}.items():
+    for stage, least in {"config": 60, "dequantize": 90, "tokenizer": 60, "encode/decode": 60, "template": 60,
+                         "load": 20, "generate": 20}.items():
         assert rep.stages.get(stage, 0) >= least, (stage, rep.stages)
