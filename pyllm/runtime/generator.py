@@ -36,9 +36,9 @@ def release_free_heap() -> None:
 
     Why: a prefill of a few hundred tokens allocates activation and attention-score buffers of 10-40 MiB and frees
     them. glibc raises its mmap threshold after freeing such a buffer, so the next ones come from the heap, and
-    the freed heap stays resident (up to twice the threshold: 8-21 MiB in the 20,000-token soak of SmolLM2 at
-    n_ctx 1024, varying with the prefill size, which read as +6% RSS growth). Trimming after a long prefill keeps
-    the resident size flat between calls; it costs well under a millisecond against a prefill of ~a second.
+    the freed heap stays resident (8-21 MiB in tools/soak.py with SmolLM2 at n_ctx 1024, varying with the last
+    prefill's size; the 20,000-token soak read it as +6% RSS growth). Trimming after a long prefill keeps the
+    resident size flat between calls (docs/SECURITY.md, Soak); it took 0.07 ms, against ~a second of prefill.
     """
     if _malloc_trim is not None:
         _malloc_trim(0)
