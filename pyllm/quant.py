@@ -32,8 +32,12 @@ def _shifts(values, shape, device) -> torch.Tensor:
 
 
 def _f16(b: torch.Tensor, off: int) -> torch.Tensor:
-    """fp16 at byte ``off`` of every block -> float32 [nb, 1]."""
-    return b[:, off : off + 2].contiguous().view(torch.float16).to(F32)
+    """fp16 at byte ``off`` of every block -> float32 [nb, 1].
+
+    Always a copy: a one-block slice is already contiguous, so .contiguous() would keep the mapping's address, and
+    a tensor at an odd file offset (general.alignment 1) cannot be viewed as fp16 there.
+    """
+    return b[:, off : off + 2].clone(memory_format=torch.contiguous_format).view(torch.float16).to(F32)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The GGUF fuzz harness (tools/fuzz_gguf.py) in CI: a deterministic few thousand cases, and a check that the
-harness itself notices crashes, hangs and foreign exceptions. The long run's numbers are in docs/SECURITY.md."""
+"""The GGUF fuzz harness (tools/fuzz_gguf.py) in CI: a deterministic few thousand cases through the reader, a
+shorter deep run through the layers above it, and a check that the harness itself notices crashes, hangs and
+foreign exceptions. The long run's numbers are in docs/SECURITY.md."""
 
 from __future__ import annotations
 
@@ -57,3 +58,16 @@ def test_harness_catches_crash_hang_and_foreign_exceptions(fz, monkeypatch):
     kinds = {f["i"]: f["kind"] for f in rep.failures}
     assert kinds == {1: "error", 3: "crash", 6: "hang"}, rep.summary()
     assert rep.cases == 7 and rep.restarts == 1
+
+
+def test_fuzz_deep_ci_run(fz, smollm2_path):
+    """1000 deterministic cases (another seed than the run above) with --deep: files that open also go through
+    ModelConfig, dequantization, the tokenizer (encode, decode, streaming), the chat template and pyllm.load plus
+    two greedy tokens. Only PyllmError may escape any of them; the stage counts show each layer was reached."""
+    rep = fz.fuzz(1000, seed=2, deep=True, smollm2=smollm2_path, case_timeout=30.0)
+    print(rep.summary())
+    assert rep.cases == 1000
+    assert not rep.failures, rep.summary()
+    for stage, least in {"config": 60, "dequantize": 90, "tokenizer": 60, "encode/decode": 60, "template": 60,
+                         "load": 20, "generate": 20}.items():
+        assert rep.stages.get(stage, 0) >= least, (stage, rep.stages)

@@ -71,6 +71,21 @@ def test_arbitrary_scale_bytes_match_oracle(qtype):
     assert_bits_equal(dequantize_blocks(qtype, torch.from_numpy(raw)), oracle(qtype, raw))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_rows", [1, 3])
+def test_blocks_at_an_odd_offset_match_oracle(qtype, n_rows):
+    """A file with general.alignment 1 can place a tensor at an odd byte offset, so its fp16 scales are not
+    2-byte aligned in the mapping. One block (a single-row view is already contiguous, so no copy happens on the
+    way to the fp16 view) and several rows both dequantize like gguf-py (found by tools/fuzz_gguf.py --deep)."""
+    bs, ts = BLOCK_INFO[qtype]
+    raw = random_blocks(qtype, n_rows, np.random.default_rng(7 + int(qtype))).reshape(n_rows, ts)
+    buf = torch.cat([torch.zeros(1, dtype=torch.uint8), torch.from_numpy(raw).reshape(-1)])
+    w = QTensor(qtype, (n_rows, bs), buf[1:].view(n_rows, ts))
+    assert w.data.data_ptr() % 2 == 1
+    assert_bits_equal(w.dequantize(), oracle(qtype, raw))
+    assert_bits_equal(w.rows(torch.tensor([n_rows - 1])), oracle(qtype, raw[-1:]))
+
+
 @pytest.mark.parametrize("qtype", [GGMLType.Q4_K, GGMLType.Q5_0, GGMLType.F16], ids=lambda t: t.name)
 def test_chunked_path(monkeypatch, qtype):
     bs, ts = BLOCK_INFO[qtype]

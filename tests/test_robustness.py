@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -412,3 +413,22 @@ def test_float_tensor_at_an_odd_offset_reads_correctly():
     buf = torch.cat([torch.zeros(1, dtype=torch.uint8), vals.view(torch.uint8)])
     q = QTensor(GGMLType.F32, (4,), buf[1:])
     assert torch.equal(q.typed(), vals) and torch.equal(q.dequantize(), vals)
+
+
+@pytest.mark.parametrize("key,value,tensor", [("llama.feed_forward_length", 96, "blk.0.ffn_gate.weight"),
+                                              ("llama.attention.key_length", 32, "blk.0.attn_q.weight"),
+                                              ("llama.attention.head_count_kv", 4, "blk.0.attn_k.weight"),
+                                              ("llama.embedding_length", 128, "token_embd.weight")])
+def test_tensor_shapes_that_contradict_the_metadata_are_refused_at_load(tmp_path, key, value, tensor):
+    """The tensors are written with the writer's own shapes (n_embd 64, n_ff 128, 4 heads / 2 kv heads of 16);
+    metadata claiming other sizes used to load and then fail in the first forward pass with a torch RuntimeError
+    (found by tools/fuzz_gguf.py --deep). Now load() names the tensor, its shape and the needed one."""
+    import pyllm
+    from pyllm.errors import ModelError
+    from pyllm.synthetic import write_tiny_llama
+
+    p = write_tiny_llama(tmp_path / "m.gguf", metadata={key: value})
+    with pytest.raises(ModelError, match=rf"tensor '{re.escape(tensor)}' has shape .* needs"):
+        pyllm.load(p, n_ctx=32, backend="reference")
+    ok = pyllm.load(write_tiny_llama(tmp_path / "ok.gguf"), n_ctx=32, backend="reference")
+    assert ok.generate([1, 2], max_tokens=2, temperature=0.0) is not None

@@ -15,6 +15,11 @@ Cases run in a worker subprocess watched by the parent, so crashes and hangs are
 
     python tools/fuzz_gguf.py -n 100000 --seed 1 --out /tmp/fuzz-crashes      # the long run
     python tools/fuzz_gguf.py -n 3000 --seed 0                                   # what CI runs (tests/test_fuzz_gguf.py)
+    python tools/fuzz_gguf.py --deep -n 1000 --seed 2                            # and the deep run CI adds
+
+``--deep``: files that open are also fed to ModelConfig, every small tensor's dequantization, the tokenizer
+(encode, decode, streaming decode), the chat template, and the public ``pyllm.load`` (n_ctx 32, reference backend)
+with two greedy tokens; the report counts the cases that completed each stage.
 
 Seeds: ``smollm2_head`` (the first 256 KiB of SmolLM2-135M, a real header cut short), ``smollm2_mini`` (SmolLM2's
 real metadata with arrays cut to 64 entries and its full 272-entry tensor table with shapes shrunk and real data
@@ -46,6 +51,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# A worker imports torch and runs every seed (pyllm.load included, with --deep) before its first case: 5-40 s on
+# a loaded 2-core machine, and more than 120 s under nice 19 there, so the limit is generous.
+WORKER_START_TIMEOUT = 600.0
 HEAD_BYTES = 256 * 1024
 
 # GGUF value types (gguf.h): scalar sizes; 8 = string, 9 = array.
@@ -579,52 +587,65 @@ def _touch(v) -> int:
     return s
 
 
-def _deep(gf, path: str) -> None:
-    """The loaders above the reader, fed the metadata of a file that opened (only the stages that exist)."""
+def _deep(gf, path: str, reached: set) -> None:
+    """The layers above the reader, fed a file that opened: config, dequantization, tokenizer (encode, decode,
+    streaming decode), chat template, then the public ``pyllm.load`` (small n_ctx, reference backend) and two
+    greedy tokens. ``reached`` collects the stages that ran to completion (the report counts them, so a CI run
+    shows it reached each layer). A PyllmError from any stage ends that stage; anything else escapes."""
+    from pyllm.errors import PyllmError
     from pyllm.models.config import ModelConfig
 
     try:
-        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=os.path.basename(path))
-    except Exception as e:
-        from pyllm.errors import PyllmError
+        ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=os.path.basename(path))
+        reached.add("config")
+    except PyllmError:
+        pass
+    from pyllm.gguf import COMPUTE_TYPES
+    from pyllm.quant import qtensor_from_gguf
 
-        if isinstance(e, PyllmError):
-            cfg = None
-        else:
-            raise
-    try:
-        from pyllm.quant import qtensor_from_gguf
-    except ImportError:
-        qtensor_from_gguf = None
-    if qtensor_from_gguf is not None:
-        from pyllm.gguf import COMPUTE_TYPES
+    for name, t in gf.tensors.items():
+        if t.ggml_type in COMPUTE_TYPES and t.nbytes <= 1 << 16:
+            qtensor_from_gguf(gf, name).dequantize()
+            reached.add("dequantize")
+    from pyllm.chat_template import ChatTemplate
+    from pyllm.tokenizer import StreamDecoder, Tokenizer
 
-        for name, t in gf.tensors.items():
-            if t.ggml_type in COMPUTE_TYPES and t.nbytes <= 1 << 16:
-                q = qtensor_from_gguf(gf, name)
-                q.dequantize()
-    try:
-        from pyllm.tokenizer import Tokenizer
-    except ImportError:
-        return
     if "tokenizer.ggml.tokens" in gf.metadata and len(gf.metadata.get("tokenizer.ggml.tokens") or ()) < 5000:
-        from pyllm.errors import PyllmError
-
         try:
             tok = Tokenizer.from_gguf(gf.metadata)
         except PyllmError:
-            return
-        ids = tok.encode("Hello, world! héllo 123")
-        tok.decode(ids)
-        try:
-            from pyllm.chat_template import ChatTemplate
-        except ImportError:
-            return
-        tmpl = ChatTemplate.from_metadata(gf.metadata, tok)
-        try:
-            tmpl.render([{"role": "user", "content": "hi"}])
-        except PyllmError:
-            pass
+            tok = None
+        if tok is not None:
+            reached.add("tokenizer")
+            for text in ("Hello, world! héllo 123", "<|im_start|>user\n\u00e9\U0001f327\ufe0f<s></s>\t  x"):
+                ids = tok.encode(text)
+                tok.decode(ids)
+                tok.decode(ids, skip_special=True)
+                dec = StreamDecoder(tok)
+                "".join(dec.push(i) for i in ids) + dec.flush()
+            tok.decode(list(range(min(tok.n_vocab, 64))))  # every kind of token, special ones too
+            reached.add("encode/decode")
+            tmpl = ChatTemplate.from_metadata(gf.metadata, tok)
+            try:
+                tmpl.render([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+                             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}])
+                reached.add("template")
+            except PyllmError:
+                pass
+    import pyllm
+
+    try:
+        llm = pyllm.load(path, n_ctx=32, backend="reference", kv_cache="f32")
+    except PyllmError:
+        return
+    reached.add("load")
+    try:
+        llm.generate([0], max_tokens=2, temperature=0.0)
+        reached.add("generate")
+    except PyllmError:
+        pass
+    finally:
+        llm.close()
 
 
 def _reason(msg: str, path: str) -> str:
@@ -638,8 +659,9 @@ def _reason(msg: str, path: str) -> str:
     return " ".join(msg.lstrip(": ").split()[:8])
 
 
-def run_one(data: bytes, path: str, deep: bool) -> tuple[str, str]:
-    """Returns ("opened", "") or ("rejected", reason); raises anything else (the worker reports it as a failure)."""
+def run_one(data: bytes, path: str, deep: bool, reached: set | None = None) -> tuple[str, str]:
+    """Returns ("opened", "") or ("rejected", reason); raises anything else (the worker reports it as a failure).
+    ``reached``: with ``deep``, collects the deep stages that completed."""
     from pyllm.errors import PyllmError
     from pyllm.gguf import open_gguf
 
@@ -661,7 +683,7 @@ def run_one(data: bytes, path: str, deep: bool) -> tuple[str, str]:
         repr(gf)
         if deep:
             try:
-                _deep(gf, path)
+                _deep(gf, path, set() if reached is None else reached)
             except PyllmError:
                 pass
     finally:
@@ -705,7 +727,10 @@ def worker_main(args) -> None:
                     time.sleep(3600)
                 if st_kind == "crash":
                     os.kill(os.getpid(), signal.SIGSEGV)
-                res["outcome"], res["reason"] = run_one(data, path, args.deep)
+                reached = set()
+                res["outcome"], res["reason"] = run_one(data, path, args.deep, reached)
+                if reached:
+                    res["stages"] = sorted(reached)
             except BaseException as e:  # noqa: BLE001 - everything that is not a PyllmError is a finding
                 res["outcome"] = "error"
                 res["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -737,12 +762,13 @@ class Report:
     restarts: int = 0
     seeds: dict[str, int] = field(default_factory=dict)
     reasons: dict[str, int] = field(default_factory=dict)  # rejection kinds (message shapes) and their counts
+    stages: dict[str, int] = field(default_factory=dict)  # --deep: cases that completed each stage
 
     def summary(self) -> str:
         s = (f"{self.cases} cases in {self.seconds:.1f} s: {self.opened} opened, {self.rejected} rejected with "
              f"PyllmError, {len(self.failures)} failures; slowest case {self.max_case_seconds * 1000:.0f} ms; worker "
              f"peak RSS growth {self.max_rss_growth_mb:.1f} MiB; {len(self.reasons)} kinds of rejection; "
-             f"seeds {self.seeds}")
+             f"seeds {self.seeds}" + (f"; deep stages completed {self.stages}" if self.stages else ""))
         for f in self.failures[:20]:
             s += f"\n  FAIL case {f['i']} [{f['kind']}] {f.get('error', '')} ({f.get('desc', '')}) {f.get('saved', '')}"
         return s
@@ -754,7 +780,7 @@ class _Worker:
                work_dir, "--seed", str(seed), "--rss-limit-mb", str(rss_limit_mb)] + (["--deep"] if deep else [])
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=False)
         self.buf = b""
-        hello = self.read(120.0)
+        hello = self.read(WORKER_START_TIMEOUT)
         if hello is None or not hello.get("ready"):
             self.kill()
             raise RuntimeError(f"fuzz worker failed to start (exit {self.p.poll()})")
@@ -842,6 +868,8 @@ def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_m
                 rep.cases += 1
                 rep.max_case_seconds = max(rep.max_case_seconds, msg["t"])
                 rep.max_rss_growth_mb = max(rep.max_rss_growth_mb, (msg["peak_kb"] - w.base_peak_kb) / 1024)
+                for st in msg.get("stages", ()):
+                    rep.stages[st] = rep.stages.get(st, 0) + 1
                 if msg["outcome"] == "opened":
                     rep.opened += 1
                 elif msg["outcome"] == "rejected":
@@ -880,7 +908,8 @@ def main(argv=None) -> int:
     ap.add_argument("--start", type=int, default=0, help="first case index (to replay one case: --start I -n 1)")
     ap.add_argument("--timeout", type=float, default=10.0, help="per-case time limit, seconds")
     ap.add_argument("--rss-limit-mb", type=int, default=256, help="allowed growth of the worker's peak RSS")
-    ap.add_argument("--deep", action="store_true", help="also run config/quant/tokenizer/template on files that open")
+    ap.add_argument("--deep", action="store_true", help="files that open also go through config, dequantization, "
+                    "tokenizer, chat template and pyllm.load + 2 greedy tokens")
     ap.add_argument("--smollm2", default=None, help="path of SmolLM2-135M-Instruct.Q4_1.gguf (default: the cache)")
     ap.add_argument("--out", default=None, help="directory for failing inputs")
     ap.add_argument("--json", action="store_true")

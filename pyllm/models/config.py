@@ -44,6 +44,38 @@ class ModelConfig:
     def kv_dim(self) -> int:
         return self.n_kv_head * self.head_dim
 
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape (QTensor order: [rows, cols] = [out, in]) each llama-family layer tensor must have, by name
+        suffix. Vocabulary-sized tensors are left out (files pad the embedding rows past the token list)."""
+        d, q, kv, ff = self.n_embd, self.n_head * self.head_dim, self.kv_dim, self.n_ff
+        return {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q, d),
+                "attn_k.weight": (kv, d), "attn_v.weight": (kv, d), "attn_output.weight": (d, q),
+                "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d), "ffn_down.weight": (d, ff),
+                "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+                "attn_q_norm.weight": (self.head_dim,), "attn_k_norm.weight": (self.head_dim,),
+                "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
+
+    def check_shapes(self, weights: dict) -> None:
+        """ModelError naming the first tensor whose shape disagrees with the metadata's hyperparameters.
+
+        Why: a file is untrusted, and a tensor table that contradicts the header (n_embd, heads, head_dim, n_ff)
+        would otherwise load and then fail inside the first forward pass with a torch shape error."""
+        want = self.layer_shapes()
+        expect = [("token_embd.weight", None, self.n_embd), ("output.weight", None, self.n_embd),
+                  ("output_norm.weight", (self.n_embd,), None),
+                  ("rope_freqs.weight", (self.rope_dim // 2,), None)]
+        expect += [(f"blk.{i}.{n}", shape, None) for i in range(self.n_layer) for n, shape in want.items()]
+        for name, shape, cols in expect:
+            t = weights.get(name)
+            if t is None:
+                continue
+            got = tuple(t.shape)
+            if (shape is not None and got != shape) or (cols is not None and (len(got) != 2 or got[1] != cols)):
+                exp = shape if shape is not None else f"(n_vocab, {cols})"
+                raise ModelError(f"{self.arch} tensor {name!r} has shape {got}, but the metadata (n_embd "
+                                 f"{self.n_embd}, heads {self.n_head}/{self.n_kv_head}, head_dim {self.head_dim}, "
+                                 f"n_ff {self.n_ff}) needs {exp}")
+
     def kv_bytes_per_token(self, bytes_per_elem: float = 2.0) -> int:
         """Bytes the KV cache holds per token: 2 (K and V) x layers x kv heads x head_dim x element size."""
         return int(2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_elem)

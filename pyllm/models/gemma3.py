@@ -48,6 +48,7 @@ class Gemma3Model:
         if missing:
             raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        cfg.check_shapes(weights)
         ex = cfg.extra
         self.output = weights.get("output.weight", weights["token_embd.weight"])
         # The fast backend's output projection keeps 16-bit activations (ops.qmatmul_output), as decode_step does.

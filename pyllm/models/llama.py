@@ -99,6 +99,7 @@ class LlamaModel:
         if missing:
             raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        cfg.check_shapes(weights)
         self.output = weights.get("output.weight", weights["token_embd.weight"])
         # The fast backend's output projection keeps 16-bit activations (ops.qmatmul_output), as decode_step does.
         self.output_linear = ops.qmatmul_output if linear is ops.qmatmul else linear
