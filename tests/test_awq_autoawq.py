@@ -224,6 +224,11 @@ def test_smollm2_awq_matches_transformers():
     for prompt in PROMPTS:
         check_logits(llm, ref, prompt)
     check_greedy(llm, ref, "AWQ SmolLM2-135M")
+    from transformers import AutoTokenizer
+
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    assert llm.format_chat(msgs) == AutoTokenizer.from_pretrained(d).apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True)
     out = pyllm.load(d, n_ctx=256).generate("The capital of France is", max_tokens=12, temperature=0)
     print("AWQ SmolLM2 (fast backend):", repr(out))
     assert len(out.strip()) > 0
