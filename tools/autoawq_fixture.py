@@ -1,4 +1,4 @@
-"""AWQ fixtures written by AutoAWQ 0.2.9 itself (the writer behind most hub "-AWQ" repos), for tests/test_awq_autoawq.py.
+"""AWQ fixtures written by AutoAWQ 0.2.9 itself (the writer behind most hub "-AWQ" repos), for the AWQ tests.
 
 AutoAWQ needs transformers 4.51.3 while pyllm's tests run on transformers 5, so it lives in its own venv:
 
