@@ -63,16 +63,20 @@ def hf_dense(awq_dir: Path, state_dict: dict):
 
 def dequantized_state_dict(awq_dir: Path) -> dict:
     """Every tensor of the folder in fp32, quantized linears through AutoAWQ's dequantize_gemm (tests/test_awq.py)."""
+    from safetensors.torch import load_file
+
     g = json.loads((awq_dir / "config.json").read_text())["quantization_config"]["group_size"]
-    where = awq._open_shards(awq_dir)
+    t = {}
+    for shard in sorted(awq_dir.glob("*.safetensors")):  # read by safetensors itself, not by pyllm
+        t.update(load_file(str(shard)))
     sd = {}
-    for name in where:
+    for name in t:
         mod, _, suffix = name.rpartition(".")
         if suffix == "qweight":
-            qw, qz, s = (where[mod + x].get(mod + x) for x in (".qweight", ".qzeros", ".scales"))
+            qw, qz, s = (t[mod + x] for x in (".qweight", ".qzeros", ".scales"))
             sd[mod + ".weight"] = dequantize_gemm(qw, qz, s.float(), 4, g).T.contiguous()
         elif suffix in ("weight", "bias"):
-            sd[name] = where[name].get(name).float()
+            sd[name] = t[name].float()
     return sd
 
 
