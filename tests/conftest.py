@@ -62,3 +62,55 @@ def pyllm_model(key: str, **kw):
     import pyllm
 
     return pyllm.load(fixture_path(key), **kw)
+
+
+# ------------------------------------------------------------------ AWQ checkpoints from real writers (cached)
+def _tool(name: str):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"pyllm_tools_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def autoawq_fixtures():
+    """Folder of checkpoints and packed layers written by AutoAWQ 0.2.9 (tools/autoawq_fixture.py) in its own venv
+    (transformers 4.51.3), both built once per machine under the pyllm cache. Skips when the venv cannot be built."""
+    aw = _tool("autoawq_fixture")
+    try:
+        return aw.cached_fixtures()
+    except aw.VenvUnavailable as e:
+        pytest.skip(f"AutoAWQ 0.2.9 venv unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def auto_round_awq():
+    """{name: folder} of tiny random models quantized by auto-round 0.16.1 to "auto_awq" (tools/make_awq_fixture.py),
+    written once per machine under the pyllm cache (keyed by the tool's source and the writer's versions)."""
+    auto_round = pytest.importorskip("auto_round", reason="auto-round not installed: no AWQ writer in this env")
+    import json
+
+    import torch
+    import transformers
+
+    aw, mk = _tool("autoawq_fixture"), _tool("make_awq_fixture")
+    specs = {"llama-g64": dict(group_size=64, arch="llama", tied=False, seed=64),
+             "qwen2-g128": dict(group_size=128, arch="qwen2", tied=True, seed=128)}
+
+    def build(d):
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+        for name, kw in specs.items():
+            mk.build(d / name, **kw)
+
+    key = aw.source_key(auto_round.__version__, transformers.__version__, torch.__version__, repr(specs))
+    root = aw.cached("auto-round-" + auto_round.__version__, key, build)
+    out = {}
+    for name in specs:
+        hits = [p.parent for p in sorted((root / name / "awq").rglob("config.json"))
+                if "quantization_config" in json.loads(p.read_text())]
+        out[name] = hits[0]
+    return out
