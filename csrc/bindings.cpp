@@ -183,7 +183,7 @@ int64_t awq_qtype(int64_t group_size) {
 }
 
 // AutoAWQ "gemm" tensors -> AWQ rows: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N]
-// -> uint8 [N, K/2 + 3K/G] for the type awq_qtype(G).
+// -> uint8 [N, 3K/G + K/2] (blocks.h AwqRow) for the type awq_qtype(G).
 Tensor awq_repack(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int64_t group_size) {
     const char* fn = "awq_repack";
     const int64_t id = awq_qtype(group_size);
@@ -477,7 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("group_size"));
     m.def("awq_repack", &awq_repack,
           "AutoAWQ gemm qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N] -> AWQ rows u8 "
-          "[N, K/2 + 3K/G] of type awq_qtype(G)",
+          "[N, 3K/G + K/2] of type awq_qtype(G)",
           py::arg("qweight"), py::arg("qzeros"), py::arg("scales"), py::arg("group_size"));
     m.def("set_isa", &set_isa, "CPU kernels to use: 'avx2' (default where available) or 'scalar'");
     m.def("get_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_get_isa())); });

@@ -39,7 +39,7 @@ void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int6
                          float* out);
 
 // AutoAWQ "gemm" weights -> AWQ rows (common/blocks.h AwqRow) for the AWQ_G<G> types.  qweight int32 [K, N/8],
-// qzeros int32 [K/G, N/8], scales fp16 bits [K/G, N] -> out [N, K/2 + 3K/G].  Caller checked G in {32, 64, 128,
+// qzeros int32 [K/G, N/8], scales fp16 bits [K/G, N] -> out [N, 3K/G + K/2].  Caller checked G in {32, 64, 128,
 // 256}, K % G == 0, N % 8 == 0 and every shape.
 void awq_repack_cpu(const int32_t* qweight, const int32_t* qzeros, const uint16_t* scales, int K, int N, int G,
                     uint8_t* out);

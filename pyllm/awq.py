@@ -136,8 +136,8 @@ class AWQTensor:
 
 class AWQRows:
     """An AWQ weight repacked once at load into pyllm's CPU row layout (csrc/common/blocks.h ``AwqRow``): ``data``
-    uint8 [N, K/2 + 3K/G], per output row the K 4-bit codes in the Q4_0 element order, then K/G fp16 scales and K/G
-    u8 zeros; ``qtype`` is the extension's internal type id for G (csrc/common/qtype.h ``AWQ_G*``, not a GGUF id).
+    uint8 [N, 3K/G + K/2], per output row K/G fp16 scales, K/G u8 zeros, then the K 4-bit codes in the Q4_0 element
+    order; ``qtype`` is the extension's internal type id for G (csrc/common/qtype.h ``AWQ_G*``, not a GGUF id).
     It has a QTensor's interface (data, qtype, shape, dequantize, rows), so ops.qmatmul / ops.embedding and the C++
     decode step run it through the same GEMV / prefill / dequantize dispatch as GGUF blocks."""
 

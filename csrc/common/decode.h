@@ -117,7 +117,7 @@ PYLLM_HD inline int q6_k_code(const block_q6_K& b, int e) {  // -32..31, scale i
 // ---- whole blocks -> float, bit-identical to gguf.quants.dequantize
 // AWQ rows (blocks.h AwqRow): the three parts of a row, the code of element e (0..15), and the scale / zero of group g.
 PYLLM_HD inline AwqRow awq_row(const uint8_t* w, int K, int G) {
-    return {w, w + K / 2, w + K / 2 + 2 * (K / G)};
+    return {w + 3 * (K / G), w, w + 2 * (K / G)};  // {qs, s, z}: s | z | qs
 }
 PYLLM_HD inline int awq_code(const uint8_t* qs, int e) {
     const uint8_t b = qs[16 * (e / 32) + e % 16];

@@ -31,7 +31,7 @@ void awq_repack_cpu(const int32_t* qweight, const int32_t* qzeros, const uint16_
                 for (int j = 0; j < QK; ++j)
                     wv[j] = static_cast<uint32_t>(qweight[static_cast<size_t>(QK * kb + j) * N8 + c]);
                 for (int i = 0; i < 8; ++i) {
-                    uint8_t* dst = out + static_cast<size_t>(8 * c + AWQ_ORDER[i]) * rb + QK / 2 * kb;
+                    uint8_t* dst = out + static_cast<size_t>(8 * c + AWQ_ORDER[i]) * rb + 3 * ng + QK / 2 * kb;
                     // element j in the low nibble of byte j, element j + 16 in its high nibble
                     for (int j = 0; j < QK / 2; ++j)
                         dst[j] = static_cast<uint8_t>(((wv[j] >> (4 * i)) & 15) | (((wv[j + 16] >> (4 * i)) & 15) << 4));
@@ -42,7 +42,7 @@ void awq_repack_cpu(const int32_t* qweight, const int32_t* qzeros, const uint16_
             for (int i = 0; i < 8; ++i) {
                 const int n = 8 * c + AWQ_ORDER[i];
                 uint8_t* row = out + static_cast<size_t>(n) * rb;
-                uint8_t* s = row + K / 2;
+                uint8_t* s = row;  // row: s [ng] fp16 | z [ng] | qs [K/2]
                 uint8_t* z = s + 2 * ng;
                 for (int g = 0; g < ng; ++g) {
                     memcpy(s + 2 * g, scales + static_cast<size_t>(g) * N + n, 2);
