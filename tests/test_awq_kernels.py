@@ -65,6 +65,7 @@ def test_repack_dequantize_is_exact(C, k, n, g):
     ids = torch.from_numpy(rng_for("ids", k, n, g).integers(0, n, 7))
     for isa in C.available_isas():
         C.set_isa(isa)
+        assert torch.equal(C.awq_repack(w.qweight, w.qzeros, w.s, g), w.rows), f"{isa} repack differs"
         got = C.dequantize(w.rows, w.qtype)
         assert torch.equal(got, w.W), f"{isa}: dequantize of the repacked rows differs " + why(k, n, g)
         assert torch.equal(C.dequantize(w.rows, w.qtype, ids), w.W[ids]), why(isa, k, n, g)
