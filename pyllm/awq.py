@@ -177,7 +177,11 @@ def repack(w: AWQTensor, C=None) -> AWQRows | None:
         from . import _ext
 
         C = _ext.load()
-    if w.group_size not in (32, 64, 128, 256) or w.device.type != "cpu":
+    try:
+        qtype = int(C.awq_qtype(w.group_size))  # the extension knows which group sizes have a layout
+    except ValueError:
+        return None
+    if w.device.type != "cpu":
         return None
     scales = w.scales
     if scales.dtype != torch.float16:
@@ -185,12 +189,12 @@ def repack(w: AWQTensor, C=None) -> AWQRows | None:
         if not torch.equal(scales.to(w.scales.dtype), w.scales):
             return None
     data = C.awq_repack(w.qweight.contiguous(), w.qzeros.contiguous(), scales.contiguous(), w.group_size)
-    return AWQRows(data, int(C.awq_qtype(w.group_size)), w.shape, w.group_size, w.name)
+    return AWQRows(data, qtype, w.shape, w.group_size, w.name)
 
 
 def repack_weights(weights: dict) -> int:
-    """Replace every AWQTensor of ``weights`` (in place) that has a CPU row layout; returns how many are left
-    as AWQTensor (0 when the extension is unavailable counts every one)."""
+    """Replace every AWQTensor of ``weights`` (in place) that has a CPU row layout by its AWQRows; returns how
+    many stay AWQTensor (all of them when the extension is unavailable)."""
     from . import _ext
 
     todo = [n for n, w in weights.items() if isinstance(w, AWQTensor)]

@@ -241,3 +241,60 @@ def test_fast_backend_matches_reference(fixtures, g):  # noqa: F811 (the importe
         t2 = lg.topk(2).values
         assert (t2[0] - t2[1]).item() < 0.1, f"greedy diverges at {i} where the reference's top-2 gap is " \
                                             f"{(t2[0] - t2[1]).item():.3f}"
+
+
+def test_without_extension_awq_tensors_stay(C, monkeypatch):
+    from pyllm import _ext
+    from pyllm.errors import PyllmError
+
+    def no_ext():
+        raise PyllmError("no extension (test)")
+
+    monkeypatch.setattr(_ext, "load", no_ext)
+    w = make(C, 128, 16, 32)
+    weights = {"b": awq.AWQTensor(w.qweight, w.qzeros, w.s, 32)}
+    assert awq.repack_weights(weights) == 1 and isinstance(weights["b"], awq.AWQTensor)
+
+
+# ---- speed tooling: synthetic AWQ models and `pyllm bench DIR` ---------------------------------------------------
+def test_synthetic_awq_model(C):
+    from pyllm.errors import PyllmError
+    from pyllm.linear import linear_functions
+    from pyllm.models import build_model
+    from pyllm.models.synthetic import synthetic_model
+    from pyllm.runtime.kv_cache import make_kv_cache
+
+    with pytest.raises(PyllmError, match=r"K=576.*group_size 128 \(try another awq_g<G>\)"):
+        synthetic_model("smollm2-135m:awq")
+    cfg, w = synthetic_model("smollm2-135m:awq_g64")
+    assert isinstance(w["blk.0.ffn_down.weight"], awq.AWQRows) and w["blk.0.ffn_down.weight"].shape == (576, 1536)
+    assert w["token_embd.weight"].qtype.name == "F16"
+    lin, emb = linear_functions("fast")
+    mdl = build_model(cfg, w, lin, emb, max_pos=8)
+    kv = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 8, cfg.head_dim)
+    with torch.inference_mode():
+        a = mdl.forward(torch.tensor([1, 2, 3]), 0, kv)
+        b = mdl.forward(torch.tensor([4]), 3, kv)
+    assert mdl._decode_ctx[2] is not None and torch.isfinite(a).all() and torch.isfinite(b).all()
+
+
+@needs_writer
+def test_bench_on_awq_folder(fixtures, monkeypatch, capsys):  # noqa: F811 (the imported fixture)
+    import json
+
+    from pyllm import roofline
+    from pyllm.cli.main import main
+
+    from pyllm import ops
+
+    monkeypatch.setattr(roofline, "probe", lambda *a, **k: {})  # no bandwidth measurement in a unit test
+    d, _ = fixtures[64]
+    threads = torch.get_num_threads(), ops.get_num_threads()
+    try:
+        assert main(["bench", str(d), "-p", "4", "-n", "2", "-r", "1", "-t", "1", "-o", "json"]) == 0
+    finally:  # bench sets both thread counts process-wide; later tests expect the defaults
+        torch.set_num_threads(threads[0])
+        ops.set_num_threads(threads[1])
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["test"] for r in rows] == ["pp4", "tg2"] and all(r["avg_ts"] > 0 for r in rows)
+    assert rows[0]["model_size"] == sum(p.stat().st_size for p in d.glob("*.safetensors"))

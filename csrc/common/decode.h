@@ -114,8 +114,7 @@ PYLLM_HD inline int q6_k_code(const block_q6_K& b, int e) {  // -32..31, scale i
     return (lo | (hi << 4)) - 32;
 }
 
-// ---- whole blocks -> float, bit-identical to gguf.quants.dequantize
-// AWQ rows (blocks.h AwqRow): the three parts of a row, the code of element e (0..15), and the scale / zero of group g.
+// ---- AWQ rows (blocks.h AwqRow): the three parts of a row, the code of element e (0..15), the scale of group g
 PYLLM_HD inline AwqRow awq_row(const uint8_t* w, int K, int G) {
     return {w + 3 * (K / G), w, w + 2 * (K / G)};  // {qs, s, z}: s | z | qs
 }
@@ -138,6 +137,7 @@ PYLLM_HD inline void dequant_awq_row(const uint8_t* w, int K, int G, float* y) {
     }
 }
 
+// ---- whole blocks -> float, bit-identical to gguf.quants.dequantize
 PYLLM_HD inline void dequant_block(const block_q4_0& b, float* y) {
     const float d = fp16_to_fp32(b.d);
     for (int j = 0; j < QK; ++j) y[j] = d * static_cast<float>(q4_0_code(b, j) - 8);

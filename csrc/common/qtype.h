@@ -6,7 +6,7 @@
 //
 // Ids 56..59 are pyllm's own (no GGUF file holds them; GGML's ids stay far below): AWQ int4 weights repacked at
 // load into a row layout for the CPU kernels (AWQ_G32 ... AWQ_G256, one id per group size G; the layout is in
-// blocks.h, the repacker in csrc/cpu/awq.cpp, the Python side in pyllm/awq.py).  In the traits a "block" is one
+// blocks.h, the repacker in csrc/cpu/awq_repack.cpp, the Python side in pyllm/awq.py).  In the traits a "block" is one
 // group: G elements in G/2 + 3 bytes (nibbles, an fp16 scale, a u8 zero), so row bytes, shape checks and the
 // gemv / mul_mat / dequantize / decode_step dispatch work for them unchanged.
 #pragma once
@@ -24,7 +24,7 @@ enum class QType : int {
     AWQ_G32 = 56, AWQ_G64 = 57, AWQ_G128 = 58, AWQ_G256 = 59,  // pyllm-internal (see above)
 };
 
-// Largest type id any table indexes (ids are < this).
+// Every type id (GGML's and pyllm's) is below this: the size of the tables indexed by id.
 constexpr int QTYPE_ID_LIMIT = 64;
 
 // The AWQ type id for group size G, or -1 when G has no CPU layout.
