@@ -3,6 +3,7 @@
 
     python tools/bench_kernels.py                      # default types, 1 and all-core threads, markdown table
     python tools/bench_kernels.py --types Q4_0,Q4_K --threads 1,2 --m 1,8 --repeat 3
+    python tools/bench_kernels.py --types Q4_0,AWQ_G128 --cpu-time    # AWQ int4 rows (pyllm/awq.py AWQRows)
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
 compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
