@@ -19,7 +19,7 @@ using pyllm::QTypeTraits;
 
 const QTypeTraits& check_qtype(const char* fn, int64_t id) {
     const QTypeTraits* tr = pyllm::qtype_traits(static_cast<int>(id));
-    TORCH_CHECK_VALUE(tr != nullptr && id >= 0 && id < 64, fn, ": unknown GGML type id ", id);
+    TORCH_CHECK_VALUE(tr != nullptr && id >= 0 && id < pyllm::QTYPE_ID_LIMIT, fn, ": unknown GGML type id ", id);
     TORCH_CHECK_NOT_IMPLEMENTED(tr->cpu, fn, ": ", tr->name, " (GGML type ", id,
                                 ") is not supported by the CPU kernels");
     return *tr;
@@ -175,6 +175,39 @@ Tensor dequantize(const Tensor& w, int64_t qtype, const std::optional<Tensor>& i
     return y;
 }
 
+// The internal type id of AWQ rows with group size G (csrc/common/qtype.h AWQ_G*).
+int64_t awq_qtype(int64_t group_size) {
+    const int id = group_size > 0 && group_size <= 256 ? pyllm::awq_qtype_id(static_cast<int>(group_size)) : -1;
+    TORCH_CHECK_VALUE(id >= 0, "awq_qtype: group_size ", group_size,
+                      " has no CPU layout (supported: 32, 64, 128, 256)");
+    return id;
+}
+
+// AutoAWQ "gemm" tensors -> AWQ rows: qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N]
+// -> uint8 [N, 3K/G + K/2] (blocks.h AwqRow) for the type awq_qtype(G).
+Tensor awq_repack(const Tensor& qweight, const Tensor& qzeros, const Tensor& scales, int64_t group_size) {
+    const char* fn = "awq_repack";
+    const int64_t id = awq_qtype(group_size);
+    check_tensor(fn, "qweight", qweight, at::kInt, 2);
+    check_tensor(fn, "qzeros", qzeros, at::kInt, 2);
+    check_tensor(fn, "scales", scales, at::kHalf, 2);
+    const int64_t K = qweight.size(0), N8 = qweight.size(1), G = group_size;
+    TORCH_CHECK_VALUE(K > 0 && N8 > 0 && K % G == 0, fn, ": qweight has shape ", qweight.sizes(),
+                      "; K = ", K, " must be a positive multiple of group_size ", G);
+    TORCH_CHECK_VALUE(K <= INT32_MAX / 2 && N8 <= INT32_MAX / 8, fn, ": qweight shape ", qweight.sizes(), " is too large");
+    TORCH_CHECK_VALUE(qzeros.size(0) == K / G && qzeros.size(1) == N8, fn, ": qzeros has shape ", qzeros.sizes(),
+                      ", expected [", K / G, ", ", N8, "] for qweight ", qweight.sizes(), " and group_size ", G);
+    TORCH_CHECK_VALUE(scales.size(0) == K / G && scales.size(1) == 8 * N8, fn, ": scales has shape ",
+                      scales.sizes(), ", expected [", K / G, ", ", 8 * N8, "] for qweight ", qweight.sizes(),
+                      " and group_size ", G);
+    const int64_t rb = static_cast<int64_t>(pyllm::qtype_row_bytes(static_cast<QType>(id), K));
+    Tensor out = at::empty({8 * N8, rb}, at::kByte);
+    pyllm::awq_repack_cpu(qweight.data_ptr<int32_t>(), qzeros.data_ptr<int32_t>(),
+                          reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), static_cast<int>(K),
+                          static_cast<int>(8 * N8), static_cast<int>(G), out.data_ptr<uint8_t>());
+    return out;
+}
+
 void set_isa(const std::string& name) {
     pyllm::Isa isa;
     if (name == "scalar" || name == "generic") isa = pyllm::Isa::Scalar;
@@ -198,7 +231,7 @@ void set_num_threads(int64_t n) {
 
 std::vector<int64_t> supported_types() {
     std::vector<int64_t> r;
-    for (int id = 0; id < 64; ++id)
+    for (int id = 0; id < pyllm::QTYPE_ID_LIMIT; ++id)
         if (pyllm::qtype_traits(id) && pyllm::cpu_type_supported(static_cast<QType>(id))) r.push_back(id);
     return r;
 }
@@ -442,6 +475,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("precise_x") = false);
     m.def("dequantize", &dequantize, "W (or rows ids of W) as fp32 [N or len(ids), K]", py::arg("w"),
           py::arg("qtype"), py::arg("ids") = py::none());
+    m.def("awq_qtype", &awq_qtype, "internal type id of AWQ rows with group size G (32, 64, 128, 256)",
+          py::arg("group_size"));
+    m.def("awq_repack", &awq_repack,
+          "AutoAWQ gemm qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N] -> AWQ rows u8 "
+          "[N, 3K/G + K/2] of type awq_qtype(G)",
+          py::arg("qweight"), py::arg("qzeros"), py::arg("scales"), py::arg("group_size"));
     m.def("set_isa", &set_isa, "CPU kernels to use: 'avx2' (default where available) or 'scalar'");
     m.def("get_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_get_isa())); });
     m.def("available_isas", &available_isas);

@@ -41,6 +41,12 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
 void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_ids, int K,
                          float* out);
 
+// AutoAWQ "gemm" weights -> AWQ rows (common/blocks.h AwqRow) for the AWQ_G<G> types.  qweight int32 [K, N/8],
+// qzeros int32 [K/G, N/8], scales fp16 bits [K/G, N] -> out [N, 3K/G + K/2].  Caller checked G in {32, 64, 128,
+// 256}, K % G == 0, N % 8 == 0 and every shape.
+void awq_repack_cpu(const int32_t* qweight, const int32_t* qzeros, const uint16_t* scales, int K, int N, int G,
+                    uint8_t* out);
+
 // Sums n bytes as uint64 words with `threads` threads (a streaming read for measuring memory bandwidth).
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads);
 

@@ -32,6 +32,8 @@ CPU_SOURCES = [
     "cpu/gemv_generic.cpp",
     "cpu/gemv_avx2_legacy.cpp",
     "cpu/gemv_avx2_kquants.cpp",
+    "cpu/gemv_avx2_awq.cpp",
+    "cpu/awq_repack.cpp",
     "cpu/dequant.cpp",
     "cpu/decode_step.cpp",
 ]

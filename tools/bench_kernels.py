@@ -3,6 +3,7 @@
 
     python tools/bench_kernels.py                      # default types, 1 and all-core threads, markdown table
     python tools/bench_kernels.py --types Q4_0,Q4_K --threads 1,2 --m 1,8 --repeat 3
+    python tools/bench_kernels.py --types Q4_0,AWQ_G128 --cpu-time    # AWQ int4 rows (pyllm/awq.py AWQRows)
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
 compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
@@ -32,6 +33,9 @@ TYPES = {
     "Q4_0": (2, 32, 18, [0]), "Q4_1": (3, 32, 20, [0, 2]), "Q5_0": (6, 32, 22, [0]), "Q5_1": (7, 32, 24, [0, 2]),
     "Q8_0": (8, 32, 34, [0]), "Q2_K": (10, 256, 84, [80, 82]), "Q3_K": (11, 256, 110, [108]),
     "Q4_K": (12, 256, 144, [0, 2]), "Q5_K": (13, 256, 176, [0, 2]), "Q6_K": (14, 256, 210, [208]),
+    # pyllm's AWQ rows (csrc/common/blocks.h): a "block" is one group; the fp16 scales sit after the codes
+    "AWQ_G32": (56, 32, 19, None), "AWQ_G64": (57, 64, 35, None), "AWQ_G128": (58, 128, 67, None),
+    "AWQ_G256": (59, 256, 131, None),
 }
 SHAPES = [(14336, 4096), (4096, 14336), (4096, 4096)]  # (N, K)
 OUT_OF_CACHE_BYTES = 256 << 20  # cycle through at least this much weight data (L3 here: 32 MiB)
@@ -43,6 +47,10 @@ def random_weight(name: str, N: int, K: int, rng) -> torch.Tensor:
         v = rng.standard_normal((N, K), dtype=np.float32)
         v = v if name == "F32" else (v.astype(np.float16) if name == "F16" else (v.view(np.uint32) >> 16).astype(np.uint16))
         return torch.from_numpy(v.view(np.uint8).reshape(N, -1).copy())
+    if f16 is None:  # AWQ rows: scales fp16 [K/G] | zeros u8 [K/G] | codes [K/2]
+        raw = rng.integers(0, 256, (N, K // bs * ts), dtype=np.uint8)
+        raw[:, :2 * (K // bs)] = rng.uniform(0.002, 0.02, (N, K // bs)).astype(np.float16).view(np.uint8)
+        return torch.from_numpy(raw)
     nb = N * K // bs
     raw = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
     for off in f16:

@@ -84,6 +84,25 @@ struct block_q6_K {
 };
 static_assert(sizeof(block_q6_K) == 210, "wrong q6_K block size");
 
+// ---- AWQ int4 rows (pyllm's CPU layout, in memory only: repacked at load from AutoAWQ "gemm" tensors)
+// One row per output n (W is [N, K] as everywhere), K values in groups of G = 32, 64, 128 or 256 (QType::AWQ_G*):
+//   s  [K/G]  fp16 group scales (raw bits; the row may start at an odd byte, so load them with memcpy)
+//   z  [K/G]  u8 group zeros 0..15
+//   qs [K/2]  4-bit codes q; per 32 elements 16 bytes, element j < 16 in the low nibble of byte j and element
+//             j + 16 in the high nibble (the Q4_0 / Q4_1 element order, so the same nibble decoders apply)
+// The group parameters come first so that a row is read front to back: a GEMV needs a group's scale before its
+// codes, and with the scales at the row's end every row began with a cache miss ~K/2 bytes ahead of the
+// prefetched stream (measured: 25-30% slower than Q4_0 per byte).
+// value = (q - z) * s, formed in fp32: exact ((q - z) needs 5 bits, s 11), so it equals AutoAWQ's fp32
+// dequantization bit for bit.  Row bytes 3K/G + K/2: 4.19 bits per weight at G = 128 (Q4_0: 4.5).
+constexpr int AWQ_ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // nibble i of an AutoAWQ word holds column 8c + AWQ_ORDER[i]
+
+struct AwqRow {
+    const uint8_t* qs;
+    const uint8_t* s;
+    const uint8_t* z;
+};
+
 // ---- activation blocks (in memory only, never in files)
 // The 32-element weight types take activations as a structure-of-arrays row instead (csrc/cpu/cpu_impl.h
 // Q8Row), so the AVX2 kernels can load 8 block scales as one vector.

@@ -114,6 +114,29 @@ PYLLM_HD inline int q6_k_code(const block_q6_K& b, int e) {  // -32..31, scale i
     return (lo | (hi << 4)) - 32;
 }
 
+// ---- AWQ rows (blocks.h AwqRow): the three parts of a row, the code of element e (0..15), the scale of group g
+PYLLM_HD inline AwqRow awq_row(const uint8_t* w, int K, int G) {
+    return {w + 3 * (K / G), w, w + 2 * (K / G)};  // {qs, s, z}: s | z | qs
+}
+PYLLM_HD inline int awq_code(const uint8_t* qs, int e) {
+    const uint8_t b = qs[16 * (e / 32) + e % 16];
+    return (e % 32) < 16 ? (b & 15) : (b >> 4);
+}
+PYLLM_HD inline float awq_scale(const AwqRow& r, int g) {
+    uint16_t h;
+    memcpy(&h, r.s + 2 * g, 2);
+    return fp16_to_fp32(h);
+}
+// One AWQ row -> fp32: (q - z) * s, exact (see blocks.h).
+PYLLM_HD inline void dequant_awq_row(const uint8_t* w, int K, int G, float* y) {
+    const AwqRow r = awq_row(w, K, G);
+    for (int g = 0; g < K / G; ++g) {
+        const float s = awq_scale(r, g);
+        const int z = r.z[g];
+        for (int e = G * g; e < G * (g + 1); ++e) y[e] = static_cast<float>(awq_code(r.qs, e) - z) * s;
+    }
+}
+
 // ---- whole blocks -> float, bit-identical to gguf.quants.dequantize
 PYLLM_HD inline void dequant_block(const block_q4_0& b, float* y) {
     const float d = fp16_to_fp32(b.d);

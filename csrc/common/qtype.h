@@ -3,6 +3,12 @@
 // One enum mirrors pyllm.gguf.GGMLType so C++ never switches on magic integers; qtype_traits() is the one
 // table every size check and every error message reads.  Types the kernels do not handle still have a row
 // here (name, sizes) so that errors can say "IQ2_XXS is not supported" instead of "type 16".
+//
+// Ids 56..59 are pyllm's own (no GGUF file holds them; GGML's ids stay far below): AWQ int4 weights repacked at
+// load into a row layout for the CPU kernels (AWQ_G32 ... AWQ_G256, one id per group size G; the layout is in
+// blocks.h, the repacker in csrc/cpu/awq_repack.cpp, the Python side in pyllm/awq.py).  In the traits a "block" is one
+// group: G elements in G/2 + 3 bytes (nibbles, an fp16 scale, a u8 zero), so row bytes, shape checks and the
+// gemv / mul_mat / dequantize / decode_step dispatch work for them unchanged.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +21,22 @@ enum class QType : int {
     Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15,
     IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23,
     I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30,
+    AWQ_G32 = 56, AWQ_G64 = 57, AWQ_G128 = 58, AWQ_G256 = 59,  // pyllm-internal (see above)
 };
+
+// Every type id (GGML's and pyllm's) is below this: the size of the tables indexed by id.
+constexpr int QTYPE_ID_LIMIT = 64;
+
+// The AWQ type id for group size G, or -1 when G has no CPU layout.
+inline int awq_qtype_id(int G) {
+    switch (G) {
+        case 32: return static_cast<int>(QType::AWQ_G32);
+        case 64: return static_cast<int>(QType::AWQ_G64);
+        case 128: return static_cast<int>(QType::AWQ_G128);
+        case 256: return static_cast<int>(QType::AWQ_G256);
+        default: return -1;
+    }
+}
 
 constexpr int QK = 32;     // elements per block of the "legacy" types (Q4_0 ... Q8_0)
 constexpr int QK_K = 256;  // elements per super-block of the K-quants
@@ -39,7 +60,8 @@ inline const QTypeTraits* qtype_traits(int id) {
         IQ4_NL_{"IQ4_NL", QK, 18, false}, IQ3_S_{"IQ3_S", QK_K, 110, false}, IQ2_S_{"IQ2_S", QK_K, 82, false},
         IQ4_XS_{"IQ4_XS", QK_K, 136, false}, I8_{"I8", 1, 1, false}, I16_{"I16", 1, 2, false},
         I32_{"I32", 1, 4, false}, I64_{"I64", 1, 8, false}, F64_{"F64", 1, 8, false},
-        IQ1_M_{"IQ1_M", QK_K, 56, false};
+        IQ1_M_{"IQ1_M", QK_K, 56, false}, AWQ_G32_{"AWQ_G32", 32, 19, true}, AWQ_G64_{"AWQ_G64", 64, 35, true},
+        AWQ_G128_{"AWQ_G128", 128, 67, true}, AWQ_G256_{"AWQ_G256", 256, 131, true};
     switch (static_cast<QType>(id)) {
         case QType::F32: return &F32_;
         case QType::F16: return &F16_;
@@ -70,6 +92,10 @@ inline const QTypeTraits* qtype_traits(int id) {
         case QType::I64: return &I64_;
         case QType::F64: return &F64_;
         case QType::IQ1_M: return &IQ1_M_;
+        case QType::AWQ_G32: return &AWQ_G32_;
+        case QType::AWQ_G64: return &AWQ_G64_;
+        case QType::AWQ_G128: return &AWQ_G128_;
+        case QType::AWQ_G256: return &AWQ_G256_;
     }
     return nullptr;
 }

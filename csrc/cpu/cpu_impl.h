@@ -33,6 +33,7 @@ struct RowKernel {
 RowKernel row_kernel_generic(QType t);
 RowKernel row_kernel_avx2_legacy(QType t);   // float types + 32-element blocks
 RowKernel row_kernel_avx2_kquants(QType t);  // K-quants
+RowKernel row_kernel_avx2_awq(QType t);      // AWQ rows (AWQ_G32 ... AWQ_G256)
 // Kernels for gemv_cpu(precise_x = true): 16-bit activations; empty for types that have none (Q8_0 has).
 RowKernel row_kernel_generic_x16(QType t);
 RowKernel row_kernel_avx2_x16(QType t);
@@ -41,6 +42,18 @@ bool avx2_compiled();
 // One row of K values -> fp32, bit-identical to the decode.h decoders; false if the type has no AVX2 version.
 bool dequant_row_avx2_legacy(QType t, const uint8_t* w, int K, float* out);
 bool dequant_row_avx2_kquants(QType t, const uint8_t* w, int K, float* out);
+bool dequant_row_avx2_awq(QType t, const uint8_t* w, int K, float* out);
+
+// Group size of an AWQ row type (0 for every other type).
+inline int awq_group_size(QType t) {
+    switch (t) {
+        case QType::AWQ_G32: return 32;
+        case QType::AWQ_G64: return 64;
+        case QType::AWQ_G128: return 128;
+        case QType::AWQ_G256: return 256;
+        default: return 0;
+    }
+}
 
 // One activation row for the 32-element types, structure-of-arrays so 8 consecutive block scales load as one
 // vector.  For block b: d[b] = max|x| / 127 (fp32: these never leave the cache, so no fp16 rounding),

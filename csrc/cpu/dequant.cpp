@@ -19,7 +19,9 @@ void dequant_row(const uint8_t* w, int K, float* out) {
 }
 
 void dequant_row_any(QType t, const uint8_t* w, int K, float* out, bool simd) {
-    if (simd && (cpu::dequant_row_avx2_legacy(t, w, K, out) || cpu::dequant_row_avx2_kquants(t, w, K, out))) return;
+    if (simd && (cpu::dequant_row_avx2_legacy(t, w, K, out) || cpu::dequant_row_avx2_kquants(t, w, K, out) ||
+                 cpu::dequant_row_avx2_awq(t, w, K, out)))
+        return;
     switch (t) {
         case QType::F32: memcpy(out, w, sizeof(float) * K); return;
         case QType::F16: {
@@ -42,6 +44,10 @@ void dequant_row_any(QType t, const uint8_t* w, int K, float* out, bool simd) {
         case QType::Q4_K: return dequant_row<block_q4_K, QK_K>(w, K, out);
         case QType::Q5_K: return dequant_row<block_q5_K, QK_K>(w, K, out);
         case QType::Q6_K: return dequant_row<block_q6_K, QK_K>(w, K, out);
+        case QType::AWQ_G32:
+        case QType::AWQ_G64:
+        case QType::AWQ_G128:
+        case QType::AWQ_G256: return dequant_awq_row(w, K, cpu::awq_group_size(t), out);
         default: return;  // bindings reject unsupported types before we get here
     }
 }

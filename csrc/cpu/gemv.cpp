@@ -23,7 +23,7 @@ using cpu::RowKernel;
 
 namespace {
 
-constexpr int kTypeIds = 32;
+constexpr int kTypeIds = QTYPE_ID_LIMIT;
 
 struct Tables {
     RowKernel k[2][kTypeIds];    // [Isa][type id]; the SIMD row falls back to generic per type
@@ -34,6 +34,7 @@ struct Tables {
             k[0][t] = cpu::row_kernel_generic(q);
             RowKernel s = cpu::row_kernel_avx2_legacy(q);
             if (!s.fn[0]) s = cpu::row_kernel_avx2_kquants(q);
+            if (!s.fn[0]) s = cpu::row_kernel_avx2_awq(q);
             k[1][t] = s.fn[0] ? s : k[0][t];
             const RowKernel g16 = cpu::row_kernel_generic_x16(q), a16 = cpu::row_kernel_avx2_x16(q);
             x16[0][t] = g16.fn[0] ? g16 : k[0][t];

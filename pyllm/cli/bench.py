@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import io
 import json
 import statistics
@@ -31,7 +32,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("models", nargs="*", help="GGUF files or registry names")
     s.add_argument("--synthetic", action="append", default=[], metavar="SHAPE:TYPE",
                    help="a random-weight model built in memory, e.g. llama3-8b:q4_k_m, llama3-1b:q4_0, "
-                        "qwen2.5-7b:q4_k_m (repeatable)")
+                        "qwen2.5-7b:q4_k_m, llama3-8b:awq (AWQ int4, group size 128) (repeatable)")
     s.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (0 = skip; default 512)")
     s.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (0 = skip; default 128)")
     s.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default 5)")
@@ -100,8 +101,9 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
 
     llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, backend=a.backend,
                      quiet=False)
-    return Subject(llm.path.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator,
-                   llm.path.stat().st_size)
+    p = llm.path
+    size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size  # AWQ folder
+    return Subject(p.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size)
 
 
 def time_pp(s: Subject, n: int) -> float:
@@ -194,6 +196,8 @@ def cmd_bench(a) -> int:
     rows = []
     subjects = [(m, None) for m in a.models] + [(None, s) for s in a.synthetic]
     for model, synth in subjects:
+        s = None  # the previous model's memory goes before the next one loads (two 8B models may not fit)
+        gc.collect()
         s = load_subject(model, synth, a)
         with torch.inference_mode():
             rows += run_tests(s, a, roof)

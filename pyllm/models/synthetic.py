@@ -4,6 +4,10 @@ Speed does not depend on weight values, but it does depend on every byte being r
 filled with random bytes (tiled from one random buffer, so building an 8B model takes seconds, where
 pyllm.synthetic.random_blocks draws every byte) and every fp16 scale is set to a small finite value, so no kernel
 meets NaNs or untouched zero pages.
+
+File type "awq" (or awq_g32 / awq_g64 / awq_g256; "awq" is G = 128) is an AutoAWQ "gemm" checkpoint of that shape:
+random qweight / qzeros words and small fp16 scales, repacked by the same C++ repacker a loaded AWQ folder goes
+through (pyllm/awq.py), with fp16 embeddings and lm_head as AutoAWQ leaves them.
 """
 
 from __future__ import annotations
@@ -67,15 +71,58 @@ def random_qtensor(qtype: GGMLType, n: int, k: int, name: str = "w", seed: int =
     return QTensor(qtype, shape, data.contiguous(), name=name)
 
 
+def _pool_bytes(total: int, seed: int) -> torch.Tensor:
+    """``total`` random bytes tiled from the seed's 16 MiB pool (uint8, flat)."""
+    pool = _POOL.get(seed)
+    if pool is None:
+        g = torch.Generator().manual_seed(seed)
+        pool = _POOL[seed] = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, generator=g)
+    data = torch.empty(total, dtype=torch.uint8)
+    for i in range(0, total, pool.numel()):
+        m = min(pool.numel(), total - i)
+        data[i:i + m] = pool[:m]
+    return data
+
+
+def random_f16(n: int, k: int, name: str, seed: int = 8) -> QTensor:
+    """F16 [n, k] from random bits with the exponent capped (|v| < 0.25, no inf/nan): no fp32 temporary the size of
+    an 8B model's embedding table."""
+    bits = _pool_bytes(n * k * 2, seed).view(torch.int16) & 0x33FF
+    return QTensor(GGMLType.F16, (n, k), bits.view(torch.uint8).view(n, 2 * k), name=name)
+
+
+def random_awq(n: int, k: int, g: int, name: str = "w", seed: int = 0):
+    """An AWQ weight [n, k] (group size g): random AutoAWQ qweight/qzeros words and fp16 scales in [0.002, 0.004],
+    repacked for the CPU kernels (pyllm.awq.AWQRows)."""
+    from .. import _ext
+    from ..awq import AWQRows
+
+    if k % g or n % 8:
+        raise PyllmError(f"{name}: AWQ needs K % group_size == 0 and N % 8 == 0, got K={k}, N={n}, "
+                         f"group_size {g} (try another awq_g<G>)")
+    C = _ext.load()
+    qweight = _pool_bytes(k * n // 2, seed).view(torch.int32).view(k, n // 8)
+    qzeros = _pool_bytes(k // g * n // 2, seed + 100).view(torch.int32).view(k // g, n // 8)
+    gen = torch.Generator().manual_seed(seed)
+    scales = (torch.rand(k // g, n, generator=gen) * 0.002 + 0.002).half()
+    return AWQRows(C.awq_repack(qweight, qzeros, scales, g), int(C.awq_qtype(g)), (n, k), g, name)
+
+
+AWQ_FTYPES = {"awq": 128, "awq_g32": 32, "awq_g64": 64, "awq_g128": 128, "awq_g256": 256}
+
+
 def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
-    """spec 'SHAPE:FTYPE' (e.g. 'llama3-8b:q4_k_m') -> (ModelConfig, weights dict of QTensors)."""
+    """spec 'SHAPE:FTYPE' (e.g. 'llama3-8b:q4_k_m', 'llama3-8b:awq') -> (ModelConfig, weights dict of QTensors /
+    AWQRows)."""
     shape, _, ftype = spec.partition(":")
     ftype = ftype or "q4_k_m"
     if shape not in SHAPES:
         raise PyllmError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
-    if ftype not in FTYPES:
-        raise PyllmError(f"unknown synthetic file type {ftype!r}; known: {', '.join(FTYPES)}")
+    if ftype not in FTYPES and ftype not in AWQ_FTYPES:
+        raise PyllmError(f"unknown synthetic file type {ftype!r}; known: {', '.join([*FTYPES, *AWQ_FTYPES])}")
     L, D, FF, H, HKV, HD, V, base, arch, tied = SHAPES[shape]
+    if ftype in AWQ_FTYPES:
+        return _synthetic_awq(SHAPES[shape], AWQ_FTYPES[ftype])
     ft = FTYPES[ftype]
     cfg = ModelConfig(arch=arch, n_layer=L, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD, n_vocab=V,
                       n_ctx_train=8192, rope_base=base, rope_dim=HD, rope_style="neox" if arch == "qwen2" else "norm",
@@ -109,6 +156,36 @@ def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
         w[p + "ffn_gate.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_gate.weight", seed=5)
         w[p + "ffn_up.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_up.weight", seed=6)
         w[p + "ffn_down.weight"] = random_qtensor(pick(vt, FF), D, FF, p + "ffn_down.weight", seed=7)
+        if cfg.qkv_bias:
+            w[p + "attn_q.bias"] = vec(H * HD)
+            w[p + "attn_k.bias"] = vec(HKV * HD)
+            w[p + "attn_v.bias"] = vec(HKV * HD)
+    return cfg, w
+
+
+def _synthetic_awq(shape: tuple, g: int) -> tuple[ModelConfig, dict]:
+    """An AutoAWQ-style model: every linear AWQ int4 (group size g), embeddings / lm_head / norms float."""
+    L, D, FF, H, HKV, HD, V, base, arch, tied = shape
+    # HF checkpoints (the only source of AWQ models) use the half-split rotation: pyllm/awq.py config_from_hf
+    cfg = ModelConfig(arch=arch, n_layer=L, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD, n_vocab=V,
+                      n_ctx_train=8192, rope_base=base, rope_dim=HD, rope_style="neox", rms_eps=1e-5,
+                      qkv_bias=arch == "qwen2", tied_output=tied)
+
+    def vec(n):
+        return QTensor(GGMLType.F32, (n,), torch.ones(n).view(torch.uint8), name="norm")
+
+    w: dict = {"token_embd.weight": random_f16(V, D, "token_embd.weight")}
+    if not tied:
+        w["output.weight"] = random_f16(V, D, "output.weight", seed=9)
+    w["output_norm.weight"] = vec(D)
+    for i in range(L):
+        p = f"blk.{i}."
+        w[p + "attn_norm.weight"] = vec(D)
+        w[p + "ffn_norm.weight"] = vec(D)
+        for j, (name, n, k) in enumerate((("attn_q", H * HD, D), ("attn_k", HKV * HD, D), ("attn_v", HKV * HD, D),
+                                          ("attn_output", D, H * HD), ("ffn_gate", FF, D), ("ffn_up", FF, D),
+                                          ("ffn_down", D, FF))):
+            w[p + name + ".weight"] = random_awq(n, k, g, p + name + ".weight", seed=j + 1)
         if cfg.qkv_bias:
             w[p + "attn_q.bias"] = vec(H * HD)
             w[p + "attn_k.bias"] = vec(HKV * HD)
