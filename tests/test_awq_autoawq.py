@@ -13,7 +13,10 @@ Fixtures (tests/conftest.py, built once per machine under the pyllm cache):
 References and tolerances:
 - unpacking: pyllm's dequantize equals AutoAWQ's ``dequantize_gemm`` bit for bit, in fp16 and fp32;
 - logits: transformers (main env, fp32) running the same architecture with the weights AutoAWQ dequantized
-  (``dequantize_gemm`` for auto-round's folders); every position: same argmax, max|diff| / max|logit| < 1e-3;
+  (``dequantize_gemm`` for auto-round's folders); every position: same argmax, max|diff| / max|logit| < 1e-3 on
+  the reference backend.  The fast backend runs short prompts through the int4 GEMV with int8 activations
+  (tests/test_kernels.py: ~1% of an output's size), so there: < 5e-2, and the argmax may differ only where the
+  reference's top-2 gap is below 0.1;
 - greedy text: 32 tokens equal to transformers' greedy ``generate`` on at least 3 of 4 prompts, and a divergence
   only where the reference's top-2 logit gap is < 1e-2 (the near-ties are printed, as in tests/test_model.py).
 """
@@ -80,15 +83,19 @@ def dequantized_state_dict(awq_dir: Path) -> dict:
     return sd
 
 
-def check_logits(llm, ref_model, text: str):
+def check_logits(llm, ref_model, text: str, tol: float = 1e-3, tie: float = 0.0):
+    """Every position: max|diff| / max|logit| < tol, and the same argmax except where the reference's top-2 gap
+    is below ``tie``."""
     ids = llm.tokenize(text)
     assert len(ids) > 4
     got = llm.logits(ids).double()
     with torch.no_grad():
         ref = ref_model(torch.tensor([ids])).logits[0].double()
     rel = ((got - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
-    assert torch.equal(got.argmax(-1), ref.argmax(-1)), "argmax differs"
-    assert rel < 1e-3, f"worst position max|diff|/max|logit| = {rel:.2e}"
+    top2 = ref.topk(2, -1).values
+    differs = (got.argmax(-1) != ref.argmax(-1)) & (top2[:, 0] - top2[:, 1] >= tie)
+    assert not differs.any(), f"argmax differs at positions {differs.nonzero().flatten().tolist()}"
+    assert rel < tol, f"worst position max|diff|/max|logit| = {rel:.2e}"
     return rel
 
 
@@ -188,7 +195,8 @@ def test_autoawq_logits_match_transformers(autoawq_fixtures, autoawq_refs, name,
 
     llm = pyllm.load(autoawq_fixtures / name, backend=backend, n_ctx=128)
     assert llm.config.rope_style == "neox"
-    rel = check_logits(llm, autoawq_refs[name], "Hello world! The quick brown fox jumps over the lazy dog.")
+    tol, tie = (1e-3, 0.0) if backend == "reference" else (5e-2, 0.1)
+    rel = check_logits(llm, autoawq_refs[name], "Hello world! The quick brown fox jumps over the lazy dog.", tol, tie)
     print(f"{name} {backend}: max rel logit diff {rel:.2e}")
 
 
