@@ -36,7 +36,9 @@ def test_injected_leak_is_caught(soak, tmp_path):
     from pyllm.synthetic import write_tiny_llama
 
     p = str(write_tiny_llama(tmp_path / "m.gguf", n_ctx=512))
-    leak = 64 * 1024
+    # 64 KiB per token, or more in a big process (the full test suite holds GBs): the run's pass/fail is growth
+    # relative to the start RSS, so the leak must come to well over 2% of it within the ~600 tokens
+    leak = max(64 * 1024, int(soak.sample(False)["rss_mib"] * 2**20 * 0.10 / 600) // 4096 * 4096)
     r = soak.soak(p, tokens=600, n_ctx=256, max_reply=32, backend="reference", progress=False,
                   leak_bytes_per_token=leak, log=str(tmp_path / "log.csv"))
     want = leak * 1000 / 2**20
