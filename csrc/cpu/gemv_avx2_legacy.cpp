@@ -385,25 +385,8 @@ RowKernel row_kernel_avx2_x16(QType t) {
 
 bool avx2_compiled() { return false; }
 void quantize_q8_32_avx2(const float* x, int K, Q8Row out) { quantize_q8_32_generic(x, K, out); }
-void quantize_q16_32_avx2(const float* x, int K, Q16Row out) {
-    for (int i = 0; i < K / QK; ++i) {
-        const float amax = amax_n(x + QK * i, QK);
-        const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
-        const __m256 vid = _mm256_set1_ps(id);
-        for (int h = 0; h < 2; ++h) {
-            const float* xb = x + QK * i + 16 * h;
-            const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb), vid));
-            const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + 8), vid));
-            // packs interleaves the 128-bit lanes: [i0 lo, i1 lo, i0 hi, i1 hi] -> permute back to order
-            const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out.qs + QK * i + 16 * h), p);
-        }
-        out.d[i] = d;
-    }
-}
-
-void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) { quantize_q8_K_generic(x, K, out); }
 void quantize_q16_32_avx2(const float* x, int K, Q16Row out) { quantize_q16_32_generic(x, K, out); }
+void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) { quantize_q8_K_generic(x, K, out); }
 RowKernel row_kernel_avx2_legacy(QType) { return {}; }
 RowKernel row_kernel_avx2_x16(QType) { return {}; }
 bool dequant_row_avx2_legacy(QType, const uint8_t*, int, float*) { return false; }
