@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not pyllm._ext.has_extension(), reason="needs th
 
 def _kv(model, n_ctx, dtype):
     c = model.cfg
-    return KVCache(c.n_layer, c.n_kv_head, n_ctx, c.head_dim, dtype=dtype)
+    return KVCache(c.n_layer, c.n_kv_head, n_ctx, c.head_dim, {torch.float16: "f16", torch.float32: "f32"}[dtype])
 
 
 def _greedy(model, kv, tok, pos, n, cpp):

@@ -1,7 +1,9 @@
 """KV cache quality and speed per cache kind: the tables for docs/BENCHMARKS.md.
 
-  python tools/kv_quality.py quality MODEL... [-f TEXT] [-c 512] [--chunks 4]   perplexity + mean KLD vs f16
+  python tools/kv_quality.py quality MODEL... [-f TEXT] [-c 512] [--chunks 4] [--kinds f16,q8_0,f16/q8_0]
   python tools/kv_quality.py speed MODEL [--depth 2048] [-n 64]                 decode tok/s at a filled context
+
+Kinds are cache types, or KEY/VALUE pairs such as f16/q4_rot (keys and values in different types).
 
 quality: llama.cpp's perplexity protocol (pyllm/perplexity.py), every kind scored on the same chunks, KL against
 the f16 cache. speed: fills the cache to --depth tokens, then times n single-token decode steps (each reads the
@@ -32,7 +34,7 @@ def quality(a) -> None:
     for m in a.models:
         llm = pyllm.load(m, n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
         t = time.perf_counter()
-        stats = evaluate(llm, text, n_ctx=a.ctx, kinds=KINDS, kl_base="f16", n_chunks=a.chunks,
+        stats = evaluate(llm, text, n_ctx=a.ctx, kinds=a.kinds.split(","), kl_base="f16", n_chunks=a.chunks,
                          on_chunk=lambda i, n, s: print(f"  [{i + 1}/{n}] " + " ".join(
                              f"{k} {st.running[-1]:.3f}" for k, st in s.items()), file=sys.stderr, flush=True))
         print(f"\n{llm.path.name}: {a.chunks} chunks x {a.ctx}, {time.perf_counter() - t:.0f} s, backend "
@@ -73,6 +75,7 @@ def main() -> None:
     p.add_argument("-f", "--file", default="/usr/share/common-licenses/GPL-3")
     p.add_argument("-c", "--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated cache kinds (KEY/VALUE allowed)")
     p.add_argument("--depth", type=int, default=2048)
     p.add_argument("-n", type=int, default=32)
     p.add_argument("--backend", default="fast", choices=["fast", "reference"])

@@ -20,37 +20,6 @@ namespace pyllm {
 
 namespace {
 
-inline uint16_t f32_to_f16(float f) {
-#if defined(__F16C__)
-    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
-#else
-    // Round-to-nearest-even, like torch's .to(float16).
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000u;
-    uint32_t a = x & 0x7fffffffu;
-    if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
-    if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-    if (a < 0x38800000u) {  // subnormal half (or zero)
-        float af;
-        std::memcpy(&af, &a, 4);
-        const float scaled = af * 16777216.0f;  // 2^24: half subnormal step = 2^-24
-        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));
-    }
-    const uint32_t mant_odd = (a >> 13) & 1u;
-    a += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round
-    return static_cast<uint16_t>(sign | (a >> 13));
-#endif
-}
-
-inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return fp16_to_fp32(h);
-#endif
-}
-
 // y = x * rsqrt(mean(x^2) + eps) * w  (w may be nullptr: no weight)
 inline void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
     double ss = 0.0;
@@ -76,10 +45,6 @@ inline void rope(float* x, const float* c, const float* s, int rope_dim, bool ne
     }
 }
 
-inline float load_kv(const void* base, size_t idx, bool f16) {
-    return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
-}
-
 inline void gemv(const DecodeWeight& w, const float* x, float* y, int N, int K) {
     gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, 1, N, K);
 }
@@ -97,6 +62,7 @@ void DecodeScratch::resize(const DecodeModel& m) {
     g.assign(c.n_ff, 0.f);
     u.assign(c.n_ff, 0.f);
     scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
+    tmp.assign(static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
 }
 
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
@@ -114,7 +80,6 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
     if (c.embd_scale != 0.f)
         for (int i = 0; i < D; ++i) x[i] *= c.embd_scale;
     const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
-    const size_t layer_stride = static_cast<size_t>(Hkv) * c.max_seq * hd;
     const int nt = std::min(cpu_get_num_threads(), H);
 
     for (int il = 0; il < c.n_layer; ++il) {
@@ -141,22 +106,34 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
         for (int hh = 0; hh < H; ++hh) rope(q + hh * hd, cs, sn, c.rope_dim, c.neox);
         for (int hh = 0; hh < Hkv; ++hh) rope(k + hh * hd, cs, sn, c.rope_dim, c.neox);
 
-        // Store K/V at pos: cache[layer, head, pos, :]
-        const size_t lbase = static_cast<size_t>(il) * layer_stride;
+        // Store K/V at pos: row (layer, head, pos) of each part, centered ((x - mu)) and rotated (R^T) as the part
+        // says -- the same storage basis kv_cache.py writes.
+        const size_t lrow = static_cast<size_t>(il) * Hkv;  // first row index of this layer, in units of max_seq
+        float* tmp = s.tmp.data();
         for (int hh = 0; hh < Hkv; ++hh) {
-            const size_t off = lbase + (static_cast<size_t>(hh) * c.max_seq + pos) * hd;
-            if (c.kv_f16) {
-                uint16_t* kc = static_cast<uint16_t*>(m.k_cache) + off;
-                uint16_t* vc = static_cast<uint16_t*>(m.v_cache) + off;
-                for (int d = 0; d < hd; ++d) { kc[d] = f32_to_f16(k[hh * hd + d]); vc[d] = f32_to_f16(v[hh * hd + d]); }
-            } else {
-                std::memcpy(static_cast<float*>(m.k_cache) + off, k + hh * hd, sizeof(float) * hd);
-                std::memcpy(static_cast<float*>(m.v_cache) + off, v + hh * hd, sizeof(float) * hd);
+            const size_t row = (lrow + hh) * c.max_seq + pos;
+            for (int part = 0; part < 2; ++part) {
+                const KVPart& P = part ? m.v_cache : m.k_cache;
+                const float* x = (part ? v : k) + static_cast<size_t>(hh) * hd;
+                if (P.mu) {
+                    const float* mu = P.mu + (lrow + hh) * hd;
+                    for (int d = 0; d < hd; ++d) tmp[d] = x[d] - mu[d];
+                    x = tmp;
+                }
+                if (P.rot) {
+                    kv_rotate(P.rot, x, tmp + hd, hd, true);
+                    x = tmp + hd;
+                }
+                kv_store_row(P.type, x, hd, static_cast<uint8_t*>(P.data) + row * P.row_bytes);
             }
         }
 
-        // Attention of each query head over keys j0..pos of its kv head.  At pos 0 the Python path attends to
-        // the fresh fp32 K/V (not their rounded cache copies): one key, so the output is v itself.
+        // Attention of each query head over keys j0..pos of its kv head, in the storage basis: q R^T for rotated
+        // keys (centered keys need nothing: softmax ignores the per-query shift q . mu_k), then o R + mu_v for
+        // rotated / centered values.  At pos 0 the Python path attends to the fresh fp32 K/V (not their rounded
+        // cache copies): one key, so the output is v itself.
+        const KVPart& KP = m.k_cache;
+        const KVPart& VP = m.v_cache;
         auto head = [&](int hh) {
             const int kh = hh / group;
             float* o = att + static_cast<size_t>(hh) * hd;
@@ -165,36 +142,21 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
                 return;
             }
             const float* qh = q + static_cast<size_t>(hh) * hd;
-            float* sc = s.scores.data() + static_cast<size_t>(hh) * c.max_seq;
-            const size_t hbase = lbase + static_cast<size_t>(kh) * c.max_seq * hd;
-            float mx = -INFINITY;
-            for (int j = 0; j < n_keys; ++j) {
-                const size_t kb = hbase + static_cast<size_t>(j0 + j) * hd;
-                float dot = 0.f;
-                if (c.kv_f16) {
-                    const uint16_t* kr = static_cast<const uint16_t*>(m.k_cache) + kb;
-                    for (int d = 0; d < hd; ++d) dot += qh[d] * f16_to_f32(kr[d]);
-                } else {
-                    const float* kr = static_cast<const float*>(m.k_cache) + kb;
-                    for (int d = 0; d < hd; ++d) dot += qh[d] * kr[d];
-                }
-                sc[j] = dot * c.scale;
-                mx = std::max(mx, sc[j]);
+            float* t2 = s.tmp.data() + static_cast<size_t>(hh) * 2 * hd;
+            if (KP.rot) {
+                kv_rotate(KP.rot, qh, t2, hd, true);
+                qh = t2;
             }
-            float sum = 0.f;
-            for (int j = 0; j < n_keys; ++j) { sc[j] = std::exp(sc[j] - mx); sum += sc[j]; }
-            const float inv = 1.0f / sum;
-            for (int d = 0; d < hd; ++d) o[d] = 0.f;
-            for (int j = 0; j < n_keys; ++j) {
-                const float p = sc[j] * inv;
-                const size_t vb = hbase + static_cast<size_t>(j0 + j) * hd;
-                if (c.kv_f16) {
-                    const uint16_t* vr = static_cast<const uint16_t*>(m.v_cache) + vb;
-                    for (int d = 0; d < hd; ++d) o[d] += p * f16_to_f32(vr[d]);
-                } else {
-                    const float* vr = static_cast<const float*>(m.v_cache) + vb;
-                    for (int d = 0; d < hd; ++d) o[d] += p * vr[d];
-                }
+            float* sc = s.scores.data() + static_cast<size_t>(hh) * c.max_seq;
+            const size_t r0 = (lrow + kh) * c.max_seq + j0;
+            float* os = VP.rot ? t2 + hd : o;
+            kv_attend_head(KP.type, static_cast<const uint8_t*>(KP.data) + r0 * KP.row_bytes, KP.row_bytes, VP.type,
+                           static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes, VP.row_bytes, qh, hd, n_keys,
+                           c.scale, sc, os);
+            if (VP.rot) kv_rotate(VP.rot, os, o, hd, false);
+            if (VP.mu) {
+                const float* mu = VP.mu + (lrow + kh) * hd;
+                for (int d = 0; d < hd; ++d) o[d] += mu[d];
             }
         };
         if (par) {

@@ -1,0 +1,314 @@
+// The decode step's attention over a KV cache of any row type (fp32, fp16, q8_0, q4_0 blocks): q . k and the
+// weighted sum of V are computed straight from the stored rows (the dequantization is fused into the dot and
+// the accumulation), so a quantized cache is read at its own size instead of being expanded first.
+// Quantization (kv_store_row) matches pyllm/runtime/kv_cache.py bit for bit: q8_0 d = absmax/127 stored fp16,
+// q = roundf(x / d); q4_0 d = m/-8 (m: the first value of largest magnitude), q = min(15, floor(x / d + 8.5)).
+// No torch here: bindings.cpp checked every size.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/blocks.h"
+#include "common/decode.h"
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PYLLM_KV_AVX2 1
+#include <immintrin.h>
+#endif
+
+namespace pyllm {
+
+namespace {
+
+inline uint16_t to_f16(float f) {
+#if defined(__F16C__)
+    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    // Round-to-nearest-even on the bits (normal range; the cache's scales and values stay far from subnormals).
+    uint32_t x;
+    std::memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t a = x & 0x7fffffffu;
+    if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
+    if (a < 0x38800000u) {
+        float af;
+        std::memcpy(&af, &a, 4);
+        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(af * 16777216.0f)));
+    }
+    a += 0xc8000fffu + ((a >> 13) & 1u);
+    return static_cast<uint16_t>(sign | (a >> 13));
+#endif
+}
+
+inline float d_of(const uint8_t* blk) {
+    uint16_t h;
+    std::memcpy(&h, blk, 2);
+    return fp16_to_fp32(h);
+}
+
+// ---- scalar reference -------------------------------------------------------------------------------------
+// q . row (hd values)
+float dot_row_scalar(KVType t, const uint8_t* row, const float* q, int hd) {
+    float s = 0.f;
+    switch (t) {
+        case KVType::F32: {
+            const float* r = reinterpret_cast<const float*>(row);
+            for (int i = 0; i < hd; ++i) s += q[i] * r[i];
+            return s;
+        }
+        case KVType::F16: {
+            const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+            for (int i = 0; i < hd; ++i) s += q[i] * fp16_to_fp32(r[i]);
+            return s;
+        }
+        case KVType::Q8_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), q += QK) {
+                const block_q8_0& blk = *reinterpret_cast<const block_q8_0*>(row);
+                float a = 0.f;
+                for (int i = 0; i < QK; ++i) a += q[i] * blk.qs[i];
+                s += a * d_of(row);
+            }
+            return s;
+        case KVType::Q4_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), q += QK) {
+                const block_q4_0& blk = *reinterpret_cast<const block_q4_0*>(row);
+                float a = 0.f;
+                for (int i = 0; i < QK; ++i) a += q[i] * static_cast<float>(q4_0_code(blk, i) - 8);
+                s += a * d_of(row);
+            }
+            return s;
+    }
+    return s;
+}
+
+// o += p * row
+void axpy_row_scalar(KVType t, const uint8_t* row, float p, float* o, int hd) {
+    switch (t) {
+        case KVType::F32: {
+            const float* r = reinterpret_cast<const float*>(row);
+            for (int i = 0; i < hd; ++i) o[i] += p * r[i];
+            return;
+        }
+        case KVType::F16: {
+            const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+            for (int i = 0; i < hd; ++i) o[i] += p * fp16_to_fp32(r[i]);
+            return;
+        }
+        case KVType::Q8_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), o += QK) {
+                const block_q8_0& blk = *reinterpret_cast<const block_q8_0*>(row);
+                const float w = p * d_of(row);
+                for (int i = 0; i < QK; ++i) o[i] += w * blk.qs[i];
+            }
+            return;
+        case KVType::Q4_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), o += QK) {
+                const block_q4_0& blk = *reinterpret_cast<const block_q4_0*>(row);
+                const float w = p * d_of(row);
+                for (int i = 0; i < QK; ++i) o[i] += w * static_cast<float>(q4_0_code(blk, i) - 8);
+            }
+            return;
+    }
+}
+
+#if PYLLM_KV_AVX2
+#define KV_INLINE inline __attribute__((always_inline))
+KV_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+// 8 int8 -> 8 floats
+KV_INLINE __m256 i8x8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// A q4_0 block's 32 codes as int8 values (code - 8), in element order (low nibbles 0..15, high 16..31).
+KV_INLINE void q4_values(const block_q4_0& b, int8_t* out) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
+    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(raw, m), eight));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16),
+                     _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight));
+}
+KV_INLINE __m256 dot32(const int8_t* c, const float* q) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), i8x8(c));
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), i8x8(c + 8), a);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), i8x8(c + 16), a);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), i8x8(c + 24), a);
+}
+KV_INLINE void axpy32(const int8_t* c, __m256 w, float* o) {
+    for (int i = 0; i < QK; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, i8x8(c + i), _mm256_loadu_ps(o + i)));
+}
+
+float dot_row_avx2(KVType t, const uint8_t* row, const float* q, int hd) {
+    __m256 acc = _mm256_setzero_ps();
+    switch (t) {
+        case KVType::F32: {
+            const float* r = reinterpret_cast<const float*>(row);
+            for (int i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(r + i), acc);
+            break;
+        }
+        case KVType::F16: {
+            const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+            for (int i = 0; i < hd; i += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i),
+                                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))), acc);
+            break;
+        }
+        case KVType::Q8_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), q += QK) {
+                const block_q8_0& blk = *reinterpret_cast<const block_q8_0*>(row);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d_of(row)), dot32(blk.qs, q), acc);
+            }
+            break;
+        case KVType::Q4_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), q += QK) {
+                alignas(32) int8_t c[QK];
+                q4_values(*reinterpret_cast<const block_q4_0*>(row), c);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d_of(row)), dot32(c, q), acc);
+            }
+            break;
+    }
+    return hsum8(acc);
+}
+
+void axpy_row_avx2(KVType t, const uint8_t* row, float p, float* o, int hd) {
+    switch (t) {
+        case KVType::F32: {
+            const float* r = reinterpret_cast<const float*>(row);
+            const __m256 w = _mm256_set1_ps(p);
+            for (int i = 0; i < hd; i += 8)
+                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(r + i), _mm256_loadu_ps(o + i)));
+            return;
+        }
+        case KVType::F16: {
+            const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
+            const __m256 w = _mm256_set1_ps(p);
+            for (int i = 0; i < hd; i += 8)
+                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_cvtph_ps(_mm_loadu_si128(
+                                                                reinterpret_cast<const __m128i*>(r + i))),
+                                                        _mm256_loadu_ps(o + i)));
+            return;
+        }
+        case KVType::Q8_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), o += QK)
+                axpy32(reinterpret_cast<const block_q8_0*>(row)->qs, _mm256_set1_ps(p * d_of(row)), o);
+            return;
+        case KVType::Q4_0:
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), o += QK) {
+                alignas(32) int8_t c[QK];
+                q4_values(*reinterpret_cast<const block_q4_0*>(row), c);
+                axpy32(c, _mm256_set1_ps(p * d_of(row)), o);
+            }
+            return;
+    }
+}
+#endif
+
+template <float (*Dot)(KVType, const uint8_t*, const float*, int), void (*Axpy)(KVType, const uint8_t*, float, float*, int)>
+void attend(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows, size_t v_stride,
+            const float* q, int hd, int n, float scale, float* sc, float* o) {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+        sc[j] = Dot(kt, k_rows + j * k_stride, q, hd) * scale;
+        mx = std::max(mx, sc[j]);
+    }
+    float sum = 0.f;
+    for (int j = 0; j < n; ++j) {
+        sc[j] = std::exp(sc[j] - mx);
+        sum += sc[j];
+    }
+    const float inv = 1.0f / sum;
+    std::fill(o, o + hd, 0.f);
+    for (int j = 0; j < n; ++j) Axpy(vt, v_rows + j * v_stride, sc[j] * inv, o, hd);
+}
+
+}  // namespace
+
+size_t kv_row_bytes(KVType t, int hd) {
+    switch (t) {
+        case KVType::F32: return sizeof(float) * hd;
+        case KVType::F16: return sizeof(uint16_t) * hd;
+        case KVType::Q8_0: return sizeof(block_q8_0) * (hd / QK);
+        case KVType::Q4_0: return sizeof(block_q4_0) * (hd / QK);
+    }
+    return 0;
+}
+
+void kv_store_row(KVType t, const float* x, int hd, void* row) {
+    switch (t) {
+        case KVType::F32: std::memcpy(row, x, sizeof(float) * hd); return;
+        case KVType::F16: {
+            uint16_t* r = static_cast<uint16_t*>(row);
+            for (int i = 0; i < hd; ++i) r[i] = to_f16(x[i]);
+            return;
+        }
+        case KVType::Q8_0: {
+            block_q8_0* b = static_cast<block_q8_0*>(row);
+            for (int ib = 0; ib < hd / QK; ++ib, x += QK) {
+                float amax = 0.f;
+                for (int i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
+                const float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.f;
+                const uint16_t dh = to_f16(d);
+                std::memcpy(&b[ib].d, &dh, 2);
+                for (int i = 0; i < QK; ++i) b[ib].qs[i] = static_cast<int8_t>(std::roundf(x[i] * id));
+            }
+            return;
+        }
+        case KVType::Q4_0: {
+            block_q4_0* b = static_cast<block_q4_0*>(row);
+            for (int ib = 0; ib < hd / QK; ++ib, x += QK) {
+                float amax = 0.f, m = 0.f;
+                for (int i = 0; i < QK; ++i)
+                    if (std::fabs(x[i]) > amax) { amax = std::fabs(x[i]); m = x[i]; }
+                const float d = m / -8.0f, id = d != 0 ? 1.0f / d : 0.f;
+                const uint16_t dh = to_f16(d);
+                std::memcpy(&b[ib].d, &dh, 2);
+                for (int i = 0; i < QK / 2; ++i) {
+                    const int lo = std::min(15, static_cast<int>(std::floor(x[i] * id + 8.5f)));
+                    const int hi = std::min(15, static_cast<int>(std::floor(x[i + QK / 2] * id + 8.5f)));
+                    b[ib].qs[i] = static_cast<uint8_t>(lo | (hi << 4));
+                }
+            }
+            return;
+        }
+    }
+}
+
+void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose) {
+    if (transpose) {  // y_i = sum_j x_j R[i][j]
+        for (int i = 0; i < hd; ++i) {
+            const float* r = R + static_cast<size_t>(i) * hd;
+            float s = 0.f;
+            for (int j = 0; j < hd; ++j) s += x[j] * r[j];
+            y[i] = s;
+        }
+    } else {  // y_i = sum_j x_j R[j][i]
+        std::fill(y, y + hd, 0.f);
+        for (int j = 0; j < hd; ++j) {
+            const float* r = R + static_cast<size_t>(j) * hd;
+            for (int i = 0; i < hd; ++i) y[i] += x[j] * r[i];
+        }
+    }
+}
+
+void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o) {
+    attend<dot_row_scalar, axpy_row_scalar>(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o);
+}
+
+void kv_attend_head(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                    size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o) {
+#if PYLLM_KV_AVX2
+    if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
+        attend<dot_row_avx2, axpy_row_avx2>(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o);
+        return;
+    }
+#endif
+    kv_attend_head_scalar(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o);
+}
+
+}  // namespace pyllm
