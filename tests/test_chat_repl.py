@@ -587,3 +587,16 @@ def test_repl_keys_with_scripted_model(tmp_path):
     finally:
         if child.isalive():
             child.terminate(force=True)
+
+
+def test_context_policy_stop_reports_instead_of_dropping():
+    # --context-policy stop: the same overflow as above is an error that keeps the conversation, not a drop
+    replies = [["w1 w2 w3 w4 w5"]] * 6
+    chat, llm, out, ui = make_chat(replies, system="be brief")
+    llm.context_policy = "stop"
+    for i in range(3):
+        chat.handle(f"message number {i}")
+    before = list(chat.turns)
+    chat.handle("message number 3")  # 3 exchanges of 16 + system 6 + this 7 + reply room 8 > 64
+    assert chat.turns == before and "dropped" not in ui.getvalue()
+    assert "error:" in ui.getvalue() and "--context-policy shift" in ui.getvalue()
