@@ -362,7 +362,10 @@ def test_piped_one_message(smollm2_path):
 
 
 def test_piped_lines_is_a_conversation(smollm2_path):
-    res = cli(smollm2_path, "--temp", "0", "-n", "24", "--lines", "--backend", BACKEND, "--system",
+    # The reference kernels: whether the 135M model recalls the word at temp 0 hinges on near-tie logits, which
+    # the fast kernels' summation order decides (it flipped when the decode attention became 8-wide FMA: replies
+    # stay coherent but forget); this test is about the conversation reaching the model, not about the kernels.
+    res = cli(smollm2_path, "--temp", "0", "-n", "24", "--lines", "--backend", "reference", "--system",
               "You are a helpful assistant.", stdin="The password is banana.\n\nWhat is the password?\n")
     assert res.returncode == 0, res.stderr
     # the second reply (its one line, at temp 0) names the word given only in the first message
