@@ -127,14 +127,16 @@ KV_INLINE float hsum8(__m256 v) {
 KV_INLINE __m256 i8x8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// A q4_0 block's 32 codes as int8 values (code - 8), in element order (low nibbles 0..15, high 16..31).
-KV_INLINE void q4_values(const block_q4_0& b, int8_t* out) {
+// A q4_0 block's 32 values (code - 8) as int8, in registers: lo = elements 0..15, hi = 16..31.
+KV_INLINE void q4_values(const block_q4_0& b, __m128i& lo, __m128i& hi) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
     const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_sub_epi8(_mm_and_si128(raw, m), eight));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16),
-                     _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight));
+    lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
+    hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
 }
+// 8 int8 in the low half of x -> 8 floats
+KV_INLINE __m256 i8x8(__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)); }
+// q8_0: the codes straight from memory (vpmovsxbd takes a memory operand)
 KV_INLINE __m256 dot32(const int8_t* c, const float* q) {
     __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), i8x8(c));
     a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), i8x8(c + 8), a);
@@ -144,6 +146,19 @@ KV_INLINE __m256 dot32(const int8_t* c, const float* q) {
 KV_INLINE void axpy32(const int8_t* c, __m256 w, float* o) {
     for (int i = 0; i < QK; i += 8)
         _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, i8x8(c + i), _mm256_loadu_ps(o + i)));
+}
+// q4_0: the unpacked codes in registers (no round trip through memory)
+KV_INLINE __m256 dot32(__m128i lo, __m128i hi, const float* q) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), i8x8(lo));
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), i8x8(_mm_srli_si128(lo, 8)), a);
+    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), i8x8(hi), a);
+    return _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), i8x8(_mm_srli_si128(hi, 8)), a);
+}
+KV_INLINE void axpy32(__m128i lo, __m128i hi, __m256 w, float* o) {
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(w, i8x8(lo), _mm256_loadu_ps(o)));
+    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(w, i8x8(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(o + 8)));
+    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(w, i8x8(hi), _mm256_loadu_ps(o + 16)));
+    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(w, i8x8(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(o + 24)));
 }
 
 float dot_row_avx2(KVType t, const uint8_t* row, const float* q, int hd) {
@@ -169,9 +184,9 @@ float dot_row_avx2(KVType t, const uint8_t* row, const float* q, int hd) {
             break;
         case KVType::Q4_0:
             for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), q += QK) {
-                alignas(32) int8_t c[QK];
-                q4_values(*reinterpret_cast<const block_q4_0*>(row), c);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d_of(row)), dot32(c, q), acc);
+                __m128i lo, hi;
+                q4_values(*reinterpret_cast<const block_q4_0*>(row), lo, hi);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d_of(row)), dot32(lo, hi, q), acc);
             }
             break;
     }
@@ -202,9 +217,9 @@ void axpy_row_avx2(KVType t, const uint8_t* row, float p, float* o, int hd) {
             return;
         case KVType::Q4_0:
             for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), o += QK) {
-                alignas(32) int8_t c[QK];
-                q4_values(*reinterpret_cast<const block_q4_0*>(row), c);
-                axpy32(c, _mm256_set1_ps(p * d_of(row)), o);
+                __m128i lo, hi;
+                q4_values(*reinterpret_cast<const block_q4_0*>(row), lo, hi);
+                axpy32(lo, hi, _mm256_set1_ps(p * d_of(row)), o);
             }
             return;
     }

@@ -2,7 +2,9 @@
 // outside the GEMVs (RMSNorm, bias, QK-norm, RoPE, KV store, attention, SiLU, residuals) is a few microseconds
 // of arithmetic, but as ~50 torch ops per layer it cost ~25 ms per token in dispatch.  Semantics follow
 // LlamaModel.forward (pyllm/models/llama.py) and Gemma3Model.forward (gemma3.py) for t == 1; the GEMVs are the same gemv_cpu calls qmatmul makes,
-// so only summation order in the small ops differs.  No torch here: bindings.cpp checked every size.
+// so only summation order in the small ops differs.  The KV cache may hold any KVType per part (K and V apart):
+// attention.cpp stores the new row and attends over the stored rows directly.  No torch here: bindings.cpp
+// checked every size.
 #include <omp.h>
 
 #include <algorithm>
@@ -11,10 +13,6 @@
 
 #include "common/decode.h"
 #include "kernels.h"
-
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 namespace pyllm {
 
