@@ -465,12 +465,23 @@ Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k
     TORCH_CHECK_VALUE(v.size(0) == k.size(0) && v.size(1) == k.size(1) && k.size(1) >= 1 && H % k.size(0) == 0, fn,
                       ": k/v shapes ", k.sizes(), "/", v.sizes(), " do not fit q ", q.sizes());
     Tensor out = at::empty({H, hd}, q.options());
-    std::vector<float> sc(k.size(1));
     const int64_t group = H / k.size(0), S = k.size(1);
+    std::vector<float> sc(group * S), buf(hd);
+    if (!scalar) {  // the decode step's kernel: one call per KV head for its group of query heads
+        for (int64_t kh = 0; kh < k.size(0); ++kh)
+            pyllm::kv_attend_group(static_cast<pyllm::KVType>(k_type),
+                                   static_cast<const uint8_t*>(k.data_ptr()) + kh * S * kr, kr,
+                                   static_cast<pyllm::KVType>(v_type),
+                                   static_cast<const uint8_t*>(v.data_ptr()) + kh * S * vr, vr,
+                                   q.data_ptr<float>() + kh * group * hd, hd, static_cast<int>(group),
+                                   static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale), sc.data(),
+                                   S, out.data_ptr<float>() + kh * group * hd, hd, buf.data());
+        return out;
+    }
     for (int64_t h = 0; h < H; ++h) {
         const auto* kp = static_cast<const uint8_t*>(k.data_ptr()) + (h / group) * S * kr;
         const auto* vp = static_cast<const uint8_t*>(v.data_ptr()) + (h / group) * S * vr;
-        (scalar ? pyllm::kv_attend_head_scalar : pyllm::kv_attend_head)(
+        pyllm::kv_attend_head_scalar(
             static_cast<pyllm::KVType>(k_type), kp, kr, static_cast<pyllm::KVType>(v_type), vp, vr,
             q.data_ptr<float>() + h * hd, static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale),
             sc.data(), out.data_ptr<float>() + h * hd);

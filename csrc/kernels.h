@@ -79,11 +79,14 @@ void kv_store_row(KVType t, const float* x, int hd, void* row);
 void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose);
 // One query head over n keys: o[hd] = sum_j softmax_j(scale * q . k_j) v_j, with k_j / v_j the rows at
 // k_rows + j * k_stride / v_rows + j * v_stride bytes, all in the storage basis (the caller rotates q and
-// un-rotates o).  sc: n floats of scratch.  AVX2 where the ISA is set to it, else the scalar reference.
-void kv_attend_head(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                    size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o);
+// un-rotates o).  sc: n floats of scratch.  The scalar reference of kv_attend_group.
 void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                            size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o);
+// G query heads sharing one KV head (GQA): q rows q_stride apart, scores sc rows sc_stride apart (n each),
+// outputs o rows o_stride apart; each stored row is converted once for the group.  buf: hd floats of scratch.
+void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                     size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
+                     size_t sc_stride, float* o, size_t o_stride, float* buf);
 
 struct DecodeConfig {
     int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
@@ -106,6 +109,7 @@ struct DecodeModel {
 // Per-model scratch, allocated once (resize) so a step allocates nothing.
 struct DecodeScratch {
     std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;  // tmp: [n_head * 2 * head_dim] (rotations)
+    std::vector<float> rowbuf;  // [2 * n_kv_head * head_dim]: one converted KV row per attention task
     void resize(const DecodeModel& m);
 };
 // Embeds `token`, runs it at position `pos` through all layers (writing K/V at pos), logits: [n_vocab].

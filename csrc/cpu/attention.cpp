@@ -1,8 +1,9 @@
 // The decode step's attention over a KV cache of any row type (fp32, fp16, q8_0, q4_0 blocks): q . k and the
 // weighted sum of V are computed straight from the stored rows (the dequantization is fused into the dot and
 // the accumulation), so a quantized cache is read at its own size instead of being expanded first.
-// AVX2 kernels for every row type (8-wide FMA; block rows convert their int8 codes and apply one scale per
-// block), the scalar loops beside them as the reference.  At a 2048-token context the attention, not the GEMVs,
+// AVX2: per KV head, each stored row is converted once to floats in L1 (block rows: int8 codes times the block
+// scale) and used by every query head of the group (8-wide FMA dots and axpys); the scalar per-head loops beside
+// it are the reference.  At a 2048-token context the attention, not the GEMVs,
 // dominates a small model's step: the scalar fp16 loop made the step ~3.5x slower there (SmolLM2, measured).
 // Quantization (kv_store_row) matches pyllm/runtime/kv_cache.py bit for bit: q8_0 d = absmax/127 stored fp16,
 // q = roundf(x / d); q4_0 d = m/-8 (m: the first value of largest magnitude), q = min(15, floor(x / d + 8.5)).
@@ -136,92 +137,77 @@ KV_INLINE void q4_values(const block_q4_0& b, __m128i& lo, __m128i& hi) {
 }
 // 8 int8 in the low half of x -> 8 floats
 KV_INLINE __m256 i8x8(__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)); }
-// q8_0: the codes straight from memory (vpmovsxbd takes a memory operand)
-KV_INLINE __m256 dot32(const int8_t* c, const float* q) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), i8x8(c));
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), i8x8(c + 8), a);
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), i8x8(c + 16), a);
-    return _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), i8x8(c + 24), a);
-}
-KV_INLINE void axpy32(const int8_t* c, __m256 w, float* o) {
-    for (int i = 0; i < QK; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, i8x8(c + i), _mm256_loadu_ps(o + i)));
-}
-// q4_0: the unpacked codes in registers (no round trip through memory)
-KV_INLINE __m256 dot32(__m128i lo, __m128i hi, const float* q) {
-    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), i8x8(lo));
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8), i8x8(_mm_srli_si128(lo, 8)), a);
-    a = _mm256_fmadd_ps(_mm256_loadu_ps(q + 16), i8x8(hi), a);
-    return _mm256_fmadd_ps(_mm256_loadu_ps(q + 24), i8x8(_mm_srli_si128(hi, 8)), a);
-}
-KV_INLINE void axpy32(__m128i lo, __m128i hi, __m256 w, float* o) {
-    _mm256_storeu_ps(o, _mm256_fmadd_ps(w, i8x8(lo), _mm256_loadu_ps(o)));
-    _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(w, i8x8(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(o + 8)));
-    _mm256_storeu_ps(o + 16, _mm256_fmadd_ps(w, i8x8(hi), _mm256_loadu_ps(o + 16)));
-    _mm256_storeu_ps(o + 24, _mm256_fmadd_ps(w, i8x8(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(o + 24)));
-}
-
-float dot_row_avx2(KVType t, const uint8_t* row, const float* q, int hd) {
-    __m256 acc = _mm256_setzero_ps();
+// One stored row -> hd floats (the values in the storage basis).
+void row_to_f32_avx2(KVType t, const uint8_t* row, float* y, int hd) {
     switch (t) {
-        case KVType::F32: {
-            const float* r = reinterpret_cast<const float*>(row);
-            for (int i = 0; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(r + i), acc);
-            break;
-        }
+        case KVType::F32: std::memcpy(y, row, sizeof(float) * hd); return;
         case KVType::F16: {
             const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
             for (int i = 0; i < hd; i += 8)
-                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i),
-                                      _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))), acc);
-            break;
+                _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
+            return;
         }
         case KVType::Q8_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), q += QK) {
-                const block_q8_0& blk = *reinterpret_cast<const block_q8_0*>(row);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d_of(row)), dot32(blk.qs, q), acc);
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), y += QK) {
+                const __m256 d = _mm256_set1_ps(d_of(row));
+                const int8_t* c = reinterpret_cast<const block_q8_0*>(row)->qs;
+                for (int i = 0; i < QK; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(d, i8x8(c + i)));
             }
-            break;
+            return;
         case KVType::Q4_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), q += QK) {
+            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), y += QK) {
+                const __m256 d = _mm256_set1_ps(d_of(row));
                 __m128i lo, hi;
                 q4_values(*reinterpret_cast<const block_q4_0*>(row), lo, hi);
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d_of(row)), dot32(lo, hi, q), acc);
+                _mm256_storeu_ps(y, _mm256_mul_ps(d, i8x8(lo)));
+                _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8))));
+                _mm256_storeu_ps(y + 16, _mm256_mul_ps(d, i8x8(hi)));
+                _mm256_storeu_ps(y + 24, _mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8))));
             }
-            break;
+            return;
     }
+}
+
+KV_INLINE float dot_f32(const float* a, const float* b, int hd) {
+    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    for (int i = 8; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
     return hsum8(acc);
 }
 
-void axpy_row_avx2(KVType t, const uint8_t* row, float p, float* o, int hd) {
-    switch (t) {
-        case KVType::F32: {
-            const float* r = reinterpret_cast<const float*>(row);
-            const __m256 w = _mm256_set1_ps(p);
-            for (int i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(r + i), _mm256_loadu_ps(o + i)));
-            return;
+// G query heads of one KV head: each stored row is converted once (into buf, L1) and used by all G heads, so
+// the conversion cost is shared by the group (GQA: 3 heads per KV head in SmolLM2, 7 in Qwen2.5-0.5B).
+void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                       size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale,
+                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* buf) {
+    for (int j = 0; j < n; ++j) {
+        const uint8_t* r = k_rows + j * k_stride;
+        const float* kr = kt == KVType::F32 ? reinterpret_cast<const float*>(r) : buf;
+        if (kt != KVType::F32) row_to_f32_avx2(kt, r, buf, hd);
+        for (int g = 0; g < G; ++g) sc[g * sc_stride + j] = dot_f32(q + g * q_stride, kr, hd) * scale;
+    }
+    for (int g = 0; g < G; ++g) {
+        float* sg = sc + g * sc_stride;
+        float mx = -INFINITY;
+        for (int j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
+        float sum = 0.f;
+        for (int j = 0; j < n; ++j) {
+            sg[j] = std::exp(sg[j] - mx);
+            sum += sg[j];
         }
-        case KVType::F16: {
-            const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
-            const __m256 w = _mm256_set1_ps(p);
+        const float inv = 1.0f / sum;
+        for (int j = 0; j < n; ++j) sg[j] *= inv;
+        std::fill(o + g * o_stride, o + g * o_stride + hd, 0.f);
+    }
+    for (int j = 0; j < n; ++j) {
+        const uint8_t* r = v_rows + j * v_stride;
+        const float* vr = vt == KVType::F32 ? reinterpret_cast<const float*>(r) : buf;
+        if (vt != KVType::F32) row_to_f32_avx2(vt, r, buf, hd);
+        for (int g = 0; g < G; ++g) {
+            const __m256 w = _mm256_set1_ps(sc[g * sc_stride + j]);
+            float* og = o + g * o_stride;
             for (int i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(o + i, _mm256_fmadd_ps(w, _mm256_cvtph_ps(_mm_loadu_si128(
-                                                                reinterpret_cast<const __m128i*>(r + i))),
-                                                        _mm256_loadu_ps(o + i)));
-            return;
+                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(og + i)));
         }
-        case KVType::Q8_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), o += QK)
-                axpy32(reinterpret_cast<const block_q8_0*>(row)->qs, _mm256_set1_ps(p * d_of(row)), o);
-            return;
-        case KVType::Q4_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), o += QK) {
-                __m128i lo, hi;
-                q4_values(*reinterpret_cast<const block_q4_0*>(row), lo, hi);
-                axpy32(lo, hi, _mm256_set1_ps(p * d_of(row)), o);
-            }
-            return;
     }
 }
 #endif
@@ -318,15 +304,20 @@ void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KV
     attend<dot_row_scalar, axpy_row_scalar>(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o);
 }
 
-void kv_attend_head(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                    size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o) {
+void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                     size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
+                     size_t sc_stride, float* o, size_t o_stride, float* buf) {
 #if PYLLM_KV_AVX2
     if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
-        attend<dot_row_avx2, axpy_row_avx2>(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o);
+        attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
+                          o_stride, buf);
         return;
     }
 #endif
-    kv_attend_head_scalar(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o);
+    (void)buf;
+    for (int g = 0; g < G; ++g)
+        kv_attend_head_scalar(kt, k_rows, k_stride, vt, v_rows, v_stride, q + g * q_stride, hd, n, scale,
+                              sc + g * sc_stride, o + g * o_stride);
 }
 
 }  // namespace pyllm

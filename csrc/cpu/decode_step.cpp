@@ -61,6 +61,7 @@ void DecodeScratch::resize(const DecodeModel& m) {
     u.assign(c.n_ff, 0.f);
     scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
     tmp.assign(static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
+    rowbuf.assign(static_cast<size_t>(2) * c.n_kv_head * c.head_dim, 0.f);
 }
 
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
@@ -132,36 +133,48 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
         // cache copies): one key, so the output is v itself.
         const KVPart& KP = m.k_cache;
         const KVPart& VP = m.v_cache;
-        auto head = [&](int hh) {
-            const int kh = hh / group;
-            float* o = att + static_cast<size_t>(hh) * hd;
+        // Tasks: (kv head, half of its query group) -- each converts a stored row once for its heads (GQA), and
+        // two halves per KV head keep both cores busy when there are few KV heads.
+        const int split = group >= 2 ? 2 : 1;
+        auto task = [&](int t) {
+            const int kh = t / split, h0 = kh * group + group * (t % split) / split,
+                      h1 = kh * group + group * (t % split + 1) / split;
+            if (h1 <= h0) return;
             if (pos == 0) {
-                std::memcpy(o, v + kh * hd, sizeof(float) * hd);
+                for (int hh = h0; hh < h1; ++hh) std::memcpy(att + static_cast<size_t>(hh) * hd, v + kh * hd, sizeof(float) * hd);
                 return;
             }
-            const float* qh = q + static_cast<size_t>(hh) * hd;
-            float* t2 = s.tmp.data() + static_cast<size_t>(hh) * 2 * hd;
-            if (KP.rot) {
-                kv_rotate(KP.rot, qh, t2, hd, true);
-                qh = t2;
-            }
-            float* sc = s.scores.data() + static_cast<size_t>(hh) * c.max_seq;
             const size_t r0 = (lrow + kh) * c.max_seq + j0;
-            float* os = VP.rot ? t2 + hd : o;
-            kv_attend_head(KP.type, static_cast<const uint8_t*>(KP.data) + r0 * KP.row_bytes, KP.row_bytes, VP.type,
-                           static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes, VP.row_bytes, qh, hd, n_keys,
-                           c.scale, sc, os);
-            if (VP.rot) kv_rotate(VP.rot, os, o, hd, false);
-            if (VP.mu) {
-                const float* mu = VP.mu + (lrow + kh) * hd;
-                for (int d = 0; d < hd; ++d) o[d] += mu[d];
+            float* tq = s.tmp.data() + static_cast<size_t>(h0) * 2 * hd;  // rotated q / pre-rotation o, per head
+            const float* qg = q + static_cast<size_t>(h0) * hd;
+            size_t q_stride = hd;
+            if (KP.rot) {
+                for (int hh = h0; hh < h1; ++hh)
+                    kv_rotate(KP.rot, q + static_cast<size_t>(hh) * hd, tq + static_cast<size_t>(hh - h0) * 2 * hd, hd, true);
+                qg = tq;
+                q_stride = 2 * static_cast<size_t>(hd);
+            }
+            float* og = VP.rot ? tq + hd : att + static_cast<size_t>(h0) * hd;
+            const size_t o_stride = VP.rot ? 2 * static_cast<size_t>(hd) : hd;
+            kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + r0 * KP.row_bytes, KP.row_bytes, VP.type,
+                            static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes, VP.row_bytes, qg, q_stride,
+                            h1 - h0, hd, n_keys, c.scale, s.scores.data() + static_cast<size_t>(h0) * c.max_seq,
+                            c.max_seq, og, o_stride, s.rowbuf.data() + static_cast<size_t>(t) * hd);
+            for (int hh = h0; hh < h1; ++hh) {
+                float* o = att + static_cast<size_t>(hh) * hd;
+                if (VP.rot) kv_rotate(VP.rot, og + (hh - h0) * o_stride, o, hd, false);
+                if (VP.mu) {
+                    const float* mu = VP.mu + (lrow + kh) * hd;
+                    for (int d = 0; d < hd; ++d) o[d] += mu[d];
+                }
             }
         };
+        const int n_tasks = Hkv * split;
         if (par) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-            for (int hh = 0; hh < H; ++hh) head(hh);
+#pragma omp parallel for num_threads(std::min(nt, n_tasks)) schedule(static)
+            for (int t = 0; t < n_tasks; ++t) task(t);
         } else {
-            for (int hh = 0; hh < H; ++hh) head(hh);
+            for (int t = 0; t < n_tasks; ++t) task(t);
         }
 
         gemv(L.wo, att, h, D, H * hd);
