@@ -275,6 +275,35 @@ const float* decode_vec(DecodeContext& c, const std::string& name, const Tensor&
     return t.data_ptr<float>();
 }
 
+// A KV cache part: kv_type 0 f32, 1 f16, 2 q8_0, 3 q4_0 (pyllm.runtime.kv_cache's storage); t has `lead` dims then
+// head_dim values (float types) or head_dim/32 blocks as bytes (uint8).  Returns the row bytes.
+size_t check_kv_rows(const char* fn, const char* name, const Tensor& t, int64_t kv_type, int64_t head_dim,
+                     int64_t lead) {
+    TORCH_CHECK_VALUE(kv_type >= 0 && kv_type <= 3, fn, ": ", name, " type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 "
+                      "(q4_0), got ", kv_type);
+    const auto kt = static_cast<pyllm::KVType>(kv_type);
+    const bool block = kt == pyllm::KVType::Q8_0 || kt == pyllm::KVType::Q4_0;
+    TORCH_CHECK_VALUE(!block || head_dim % 32 == 0, fn, ": ", name, ": block types need head_dim % 32 == 0, got ",
+                      head_dim);
+    const at::ScalarType want = block ? at::kByte : kt == pyllm::KVType::F16 ? at::kHalf : at::kFloat;
+    check_tensor(fn, name, t, want, lead + 1);
+    const int64_t row = static_cast<int64_t>(pyllm::kv_row_bytes(kt, static_cast<int>(head_dim)));
+    const int64_t last = block ? row : head_dim;
+    TORCH_CHECK_VALUE(t.size(lead) == last, fn, ": ", name, " rows have ", t.size(lead), " entries, expected ", last);
+    return static_cast<size_t>(row);
+}
+
+const float* check_kv_extra(const char* fn, const char* name, const std::optional<Tensor>& t, int64_t numel,
+                            std::vector<Tensor>& keep) {
+    if (!t) return nullptr;
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", name, " must be float32, got ",
+                     c10::toString(t->scalar_type()));
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->is_contiguous() && t->numel() == numel, fn, ": ", name,
+                      " must be a contiguous CPU tensor of ", numel, " values, got shape ", t->sizes());
+    keep.push_back(*t);
+    return t->data_ptr<float>();
+}
+
 // weights: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]); qtypes likewise.
 // q_bias/k_bias/v_bias: empty or one per layer; q_norm/k_norm: empty or one per layer ([head_dim]).
 // Gemma 3: post_attn_norm/post_ffw_norm (empty or one per layer, [n_embd]), embd_scale (0 = none), act
@@ -291,7 +320,8 @@ std::unique_ptr<DecodeContext> make_decode_context(
     const std::vector<Tensor>& post_attn_norm, const std::vector<Tensor>& post_ffw_norm, double embd_scale,
     const std::string& act, double final_softcap, const std::optional<Tensor>& cos2,
     const std::optional<Tensor>& sin2, const std::vector<int64_t>& layer_rope,
-    const std::vector<int64_t>& layer_window) {
+    const std::vector<int64_t>& layer_window, int64_t k_type, int64_t v_type, const std::optional<Tensor>& k_mu,
+    const std::optional<Tensor>& v_mu, const std::optional<Tensor>& k_rot, const std::optional<Tensor>& v_rot) {
     auto ctx = std::make_unique<DecodeContext>();
     pyllm::DecodeConfig& c = ctx->model.cfg;
     const int64_t n_layer = static_cast<int64_t>(attn_norm.size());
@@ -344,17 +374,16 @@ std::unique_ptr<DecodeContext> make_decode_context(
     for (int64_t w : layer_window)
         TORCH_CHECK_VALUE(w >= 0, kDC, ": layer_window entries must be >= 0, got ", w);
 
-    // KV cache: (n_layer, n_kv_head, max_seq, head_dim), fp16 or fp32, K and V alike.
-    TORCH_CHECK_TYPE(k_cache.scalar_type() == at::kHalf || k_cache.scalar_type() == at::kFloat, kDC,
-                     ": k_cache must be float16 or float32, got ", c10::toString(k_cache.scalar_type()));
-    check_tensor(kDC, "k_cache", k_cache, k_cache.scalar_type(), 4);
-    check_tensor(kDC, "v_cache", v_cache, k_cache.scalar_type(), 4);
-    TORCH_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(3) == head_dim &&
-                          k_cache.size(2) >= 1,
-                      kDC, ": k_cache has shape ", k_cache.sizes(), ", expected (", n_layer, ", ", n_kv_head,
-                      ", max_seq, ", head_dim, ")");
-    TORCH_CHECK_VALUE(v_cache.sizes() == k_cache.sizes(), kDC, ": v_cache has shape ", v_cache.sizes(),
-                      " but k_cache has ", k_cache.sizes());
+    // KV cache: K and V each (n_layer, n_kv_head, max_seq, row) of its own type (-1: f16/f32 from the dtype).
+    if (k_type < 0) k_type = k_cache.scalar_type() == at::kHalf ? 1 : 0;
+    if (v_type < 0) v_type = v_cache.scalar_type() == at::kHalf ? 1 : 0;
+    const size_t k_row = check_kv_rows(kDC, "k_cache", k_cache, k_type, head_dim, 3);
+    const size_t v_row = check_kv_rows(kDC, "v_cache", v_cache, v_type, head_dim, 3);
+    TORCH_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(2) >= 1, kDC,
+                      ": k_cache has shape ", k_cache.sizes(), ", expected (", n_layer, ", ", n_kv_head,
+                      ", max_seq, row)");
+    TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kDC, ": v_cache has shape ",
+                      v_cache.sizes(), " but k_cache has ", k_cache.sizes());
     TORCH_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, kDC, ": max_seq too large");
     check_tensor(kDC, "cos", cos, at::kFloat, 2);
     check_tensor(kDC, "sin", sin, at::kFloat, 2);
@@ -383,7 +412,6 @@ std::unique_ptr<DecodeContext> make_decode_context(
     c.embd_scale = static_cast<float>(embd_scale);
     c.final_softcap = static_cast<float>(final_softcap);
     c.neox = rope_style == "neox";
-    c.kv_f16 = k_cache.scalar_type() == at::kHalf;
     c.eps = static_cast<float>(eps);
     c.scale = static_cast<float>(scale);
 
@@ -396,8 +424,11 @@ std::unique_ptr<DecodeContext> make_decode_context(
         d.model.cos2 = cos2->data_ptr<float>();
         d.model.sin2 = sin2->data_ptr<float>();
     }
-    d.model.k_cache = k_cache.data_ptr();
-    d.model.v_cache = v_cache.data_ptr();
+    const int64_t mu_n = n_layer * n_kv_head * head_dim;
+    d.model.k_cache = {static_cast<pyllm::KVType>(k_type), k_cache.data_ptr(), k_row,
+                       check_kv_extra(kDC, "k_mu", k_mu, mu_n, d.keep), check_kv_extra(kDC, "k_rot", k_rot, head_dim * head_dim, d.keep)};
+    d.model.v_cache = {static_cast<pyllm::KVType>(v_type), v_cache.data_ptr(), v_row,
+                       check_kv_extra(kDC, "v_mu", v_mu, mu_n, d.keep), check_kv_extra(kDC, "v_rot", v_rot, head_dim * head_dim, d.keep)};
     d.model.layers.resize(n_layer);
     for (int64_t i = 0; i < n_layer; ++i) {
         pyllm::DecodeLayer& L = d.model.layers[i];
@@ -456,6 +487,56 @@ void decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& l
     pyllm::decode_step_cpu(ctx.model, ctx.scratch, token, static_cast<int>(pos), logits_out.data_ptr<float>());
 }
 
+
+// The decode step's attention for tests: q [H, hd] f32 over all S rows of k [Hkv, S, row] / v (types as
+// check_kv_rows), scale -> out [H, hd] in the storage basis (no rotation, no means).  scalar: the reference loop.
+Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k_type, int64_t v_type, double scale,
+                    bool scalar) {
+    const char* fn = "kv_attention";
+    check_tensor(fn, "q", q, at::kFloat, 2);
+    const int64_t H = q.size(0), hd = q.size(1);
+    const size_t kr = check_kv_rows(fn, "k", k, k_type, hd, 2), vr = check_kv_rows(fn, "v", v, v_type, hd, 2);
+    TORCH_CHECK_VALUE(v.size(0) == k.size(0) && v.size(1) == k.size(1) && k.size(1) >= 1 && H % k.size(0) == 0, fn,
+                      ": k/v shapes ", k.sizes(), "/", v.sizes(), " do not fit q ", q.sizes());
+    Tensor out = at::empty({H, hd}, q.options());
+    const int64_t group = H / k.size(0), S = k.size(1);
+    std::vector<float> sc(group * S), buf(hd);
+    if (!scalar) {  // the decode step's kernel: one call per KV head for its group of query heads
+        for (int64_t kh = 0; kh < k.size(0); ++kh)
+            pyllm::kv_attend_group(static_cast<pyllm::KVType>(k_type),
+                                   static_cast<const uint8_t*>(k.data_ptr()) + kh * S * kr, kr,
+                                   static_cast<pyllm::KVType>(v_type),
+                                   static_cast<const uint8_t*>(v.data_ptr()) + kh * S * vr, vr,
+                                   q.data_ptr<float>() + kh * group * hd, hd, static_cast<int>(group),
+                                   static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale), sc.data(),
+                                   S, out.data_ptr<float>() + kh * group * hd, hd, buf.data());
+        return out;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const auto* kp = static_cast<const uint8_t*>(k.data_ptr()) + (h / group) * S * kr;
+        const auto* vp = static_cast<const uint8_t*>(v.data_ptr()) + (h / group) * S * vr;
+        pyllm::kv_attend_head_scalar(
+            static_cast<pyllm::KVType>(k_type), kp, kr, static_cast<pyllm::KVType>(v_type), vp, vr,
+            q.data_ptr<float>() + h * hd, static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale),
+            sc.data(), out.data_ptr<float>() + h * hd);
+    }
+    return out;
+}
+
+// x [N, hd] f32 -> N stored rows of kv_type, as the decode step writes them.
+Tensor kv_store(const Tensor& x, int64_t kv_type) {
+    check_tensor("kv_store", "x", x, at::kFloat, 2);
+    const int64_t n = x.size(0), hd = x.size(1);
+    Tensor probe = kv_type == 1 ? at::empty({n, hd}, x.options().dtype(at::kHalf))
+                   : kv_type == 0 ? at::empty({n, hd}, x.options())
+                                  : at::empty({n, hd / 32 * (kv_type == 2 ? 34 : 18)}, x.options().dtype(at::kByte));
+    const size_t row = check_kv_rows("kv_store", "out", probe, kv_type, hd, 1);
+    for (int64_t i = 0; i < n; ++i)
+        pyllm::kv_store_row(static_cast<pyllm::KVType>(kv_type), x.data_ptr<float>() + i * hd, static_cast<int>(hd),
+                            static_cast<uint8_t*>(probe.data_ptr()) + i * row);
+    return probe;
+}
+
 }  // namespace
 
 #ifdef PYLLM_CUDA
@@ -506,11 +587,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("post_ffw_norm") = std::vector<Tensor>{}, py::arg("embd_scale") = 0.0,
              py::arg("act") = "silu", py::arg("final_softcap") = 0.0, py::arg("cos2") = py::none(),
              py::arg("sin2") = py::none(), py::arg("layer_rope") = std::vector<int64_t>{},
-             py::arg("layer_window") = std::vector<int64_t>{})
+             py::arg("layer_window") = std::vector<int64_t>{}, py::arg("k_type") = -1, py::arg("v_type") = -1,
+             py::arg("k_mu") = py::none(), py::arg("v_mu") = py::none(), py::arg("k_rot") = py::none(),
+             py::arg("v_rot") = py::none())
         .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
         .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
     m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",
           py::arg("ctx"), py::arg("token"), py::arg("pos"), py::arg("logits_out"));
+    m.def("kv_attention", &kv_attention, "decode attention of q [H, hd] over KV rows k/v [Hkv, S, row] (tests)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_type"), py::arg("v_type"), py::arg("scale"),
+          py::arg("scalar") = false);
+    m.def("kv_store", &kv_store, "x [N, hd] f32 -> N KV cache rows of kv_type, as decode_step stores them",
+          py::arg("x"), py::arg("kv_type"));
     m.attr("GEMV_MAX_M") = pyllm::GEMV_MAX_M;
     m.attr("GEMV_CHUNKED_MAX_M") = GEMV_CHUNKED_MAX_M;
 #ifdef PYLLM_CUDA

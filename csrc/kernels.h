@@ -67,10 +67,40 @@ struct DecodeLayer {
     int rope = 0;    // 0: cos/sin, 1: cos2/sin2 (Gemma's local layers have their own RoPE base)
     int window = 0;  // this layer's sliding window (0 = full attention)
 };
+// ---- KV cache rows for the decode step's attention (csrc/cpu/attention.cpp) ------------------------------------
+// One position of one KV head is a row of head_dim values: fp32, fp16, or head_dim/32 llama.cpp blocks (q8_0:
+// fp16 d + 32 int8; q4_0: fp16 d + 16 bytes of nibbles, value = (code - 8) d), as pyllm/runtime/kv_cache.py stores.
+enum class KVType : int { F32 = 0, F16 = 1, Q8_0 = 2, Q4_0 = 3 };
+size_t kv_row_bytes(KVType t, int hd);
+// Keys or values of every layer: row (layer, head, pos) at data + ((layer * n_kv_head + head) * max_seq + pos) *
+// row_bytes.  Stored rows are (x - mu) R^T: mu [n_layer, n_kv_head, hd] or nullptr (not centered), R [hd, hd]
+// row-major (orthogonal) or nullptr (not rotated).
+struct KVPart {
+    KVType type = KVType::F16;
+    void* data = nullptr;
+    size_t row_bytes = 0;
+    const float* mu = nullptr;
+    const float* rot = nullptr;
+};
+// x [hd] (already centered/rotated) -> one stored row; quantization bit-identical to kv_cache.py's.
+void kv_store_row(KVType t, const float* x, int hd, void* row);
+// y = x R^T (rotate) or y = x R (unrotate); x, y: [hd], distinct.
+void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose);
+// One query head over n keys: o[hd] = sum_j softmax_j(scale * q . k_j) v_j, with k_j / v_j the rows at
+// k_rows + j * k_stride / v_rows + j * v_stride bytes, all in the storage basis (the caller rotates q and
+// un-rotates o).  sc: n floats of scratch.  The scalar reference of kv_attend_group.
+void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o);
+// G query heads sharing one KV head (GQA): q rows q_stride apart, scores sc rows sc_stride apart (n each),
+// outputs o rows o_stride apart; each stored row is converted once for the group.  buf: hd floats of scratch.
+void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                     size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
+                     size_t sc_stride, float* o, size_t o_stride, float* buf);
+
 struct DecodeConfig {
     int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
     int rope_dim = 0, max_pos = 0, max_seq = 0;
-    bool neox = false, kv_f16 = true;
+    bool neox = false;
     bool gelu_tanh = false;  // MLP activation of the gate: SiLU (llama) or tanh-GELU (Gemma)
     float eps = 1e-5f, scale = 1.f;
     float embd_scale = 0.f;     // 0: none; else the embedding row is multiplied by it (Gemma: sqrt(n_embd))
@@ -83,11 +113,12 @@ struct DecodeModel {
     const float* output_norm = nullptr;
     const float *cos = nullptr, *sin = nullptr;    // [max_pos, rope_dim/2]
     const float *cos2 = nullptr, *sin2 = nullptr;  // second table (layers with rope == 1), same shape, or nullptr
-    void *k_cache = nullptr, *v_cache = nullptr;  // (n_layer, n_kv_head, max_seq, head_dim) fp16 or fp32
+    KVPart k_cache, v_cache;  // rows (n_layer, n_kv_head, max_seq) of any KVType each
 };
 // Per-model scratch, allocated once (resize) so a step allocates nothing.
 struct DecodeScratch {
-    std::vector<float> x, h, q, k, v, att, g, u, scores;
+    std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;  // tmp: [n_head * 2 * head_dim] (rotations)
+    std::vector<float> rowbuf;  // [2 * n_kv_head * head_dim]: one converted KV row per attention task
     void resize(const DecodeModel& m);
 };
 // Embeds `token`, runs it at position `pos` through all layers (writing K/V at pos), logits: [n_vocab].

@@ -36,6 +36,7 @@ CPU_SOURCES = [
     "cpu/awq_repack.cpp",
     "cpu/dequant.cpp",
     "cpu/decode_step.cpp",
+    "cpu/attention.cpp",
 ]
 # CUDA files (.cu, and cuda/bindings_cuda.cpp which defines pyllm::register_cuda) go here; they are compiled
 # only when torch has CUDA (torch.version.cuda) and nvcc exists, with -DPYLLM_CUDA defined for every file so

@@ -55,7 +55,7 @@ def plan_kv_cache(cfg, n_ctx: int, kv_cache: str) -> tuple[int, float, float]:
     if avail is not None and need > 0.9 * avail:
         raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
                          f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx or a smaller "
-                         f"--kv type (q8_0, q4_rot)")
+                         f"--kv type (q8_0, q4_rot, or -ctk/-ctv per part)")
     return n_ctx, per_token, need
 
 
@@ -267,7 +267,8 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
          context_policy: str = "stop", verbose: bool = False) -> LLM:
     """Load a GGUF file (path) or a registry model (name, fetched on first use).
 
-    kv_cache: f16 (default), bf16, f32, q8_0, q4_0, q4_rot (see runtime/kv_cache.py). context_policy: what chat()
+    kv_cache: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot, or "KEY/VALUE" such as "f16/q4_rot" (see
+    runtime/kv_cache.py). context_policy: what chat()
     does when the conversation outgrows n_ctx: "stop" (ContextFullError / finish_reason "context") or "shift"
     (drop the oldest turns after the system prompt and re-prefill; see LLM.fit_chat).
 

@@ -146,3 +146,22 @@ def test_bad_flag_value_is_usage_error(smollm2_path):
 def test_version():
     res = pyllm("--version")
     assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout
+
+
+def test_run_context_policy(smollm2_path):
+    # a prompt longer than --ctx: "stop" (run's default) is a one-line error naming the fix; "shift" drops the
+    # prompt's oldest tokens, says so, and generates
+    prompt = "one two three four five six seven eight nine ten " * 4
+    assert_clean_error(pyllm("run", smollm2_path, prompt, "--ctx", "24", "-n", "4", "--temp", "0"),
+                       "context", "--context-policy shift")
+    res = pyllm("run", smollm2_path, prompt, "--ctx", "24", "-n", "4", "--temp", "0", "--context-policy", "shift")
+    assert res.returncode == 0, res.stderr
+    assert "dropped its oldest" in res.stderr and res.stdout.strip()
+
+
+def test_run_kv_types_per_part(smollm2_path):
+    res = pyllm("run", smollm2_path, "The capital of France is", "-n", "6", "--temp", "0", "-ctk", "q8_0", "-ctv",
+                "q4_rot")
+    assert res.returncode == 0, res.stderr
+    assert "Paris" in res.stdout
+    assert_clean_error(pyllm("run", smollm2_path, "Hi", "--kv", "q5_k"), "unknown KV cache type")

@@ -116,15 +116,25 @@ def test_gemma3_decode_from_position_zero(gemma3):
     assert int(a.argmax()) == int(b.argmax())
 
 
-def test_gemma3_quantized_kv_cache_takes_python_path(gemma3):
+def test_gemma3_quantized_kv_cache_cpp_matches_python(gemma3):
+    """A q8_0 cache (centered keys) takes the C++ step too, sliding-window layers included; reference: the torch
+    path over the same kind. Each path quantizes its own K/V, so the bound is q8_0-loose (6% of the max logit)."""
     from pyllm.runtime.kv_cache import make_kv_cache
 
     model = gemma3.model
     c = model.cfg
-    kv = make_kv_cache("q8_0", c.n_layer, c.n_kv_head, 32, c.head_dim)
-    model.forward(torch.tensor([2, 3, 4]), 0, kv)
-    model.forward(torch.tensor([5]), 3, kv)
-    assert model._decode_ctx[0] is kv and model._decode_ctx[2] is None
+    out = []
+    for cpp in (False, True):
+        kv = make_kv_cache("q8_0", c.n_layer, c.n_kv_head, 32, c.head_dim)
+        model.use_cpp_decode = cpp
+        try:
+            model.forward(torch.tensor([2, 3, 4]), 0, kv)
+            out.append(torch.stack([model.forward(torch.tensor([5 + i]), 3 + i, kv)[0] for i in range(6)]))
+        finally:
+            model.use_cpp_decode = True
+        if cpp:
+            assert model._decode_ctx[0] is kv and model._decode_ctx[2] is not None
+    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0.06 * float(out[0].abs().max()))
     model._decode_ctx = None
 
 

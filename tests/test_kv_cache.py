@@ -3,8 +3,9 @@
 Bounds (per 32-value block with absmax A; fp16 scale rounding adds a relative 2^-11 of the scale):
   q8_0: |x - x'| <= A/254 (half a step, step A/127)
   q4_0: |x - x'| <= A/8 (one step: values opposite in sign to the block's extreme clamp at code 15)
-  q4_rot: the q4_0 bound holds per value in the stored (centered, rotated) basis; R is orthogonal, so each head
-          vector's L2 error in the model basis is at most the L2 norm of those per-value bounds.
+  q4_rot, q8_rot: the q4_0 / q8_0 bound holds per value in the stored (centered, rotated) basis; R is
+          orthogonal, so each head vector's L2 error in the model basis is at most the L2 norm of those bounds.
+  Keys of every block kind are stored centered (minus a per-head mean), so their bound is on x - mu.
 """
 
 import functools
@@ -17,7 +18,8 @@ from pyllm.errors import ContextFullError, PyllmError
 from pyllm.models.llama import attention
 from pyllm.runtime.kv_cache import KV_KINDS, QK, KVCache, hadamard_rotation, make_kv_cache
 
-QUANT = ["q8_0", "q4_0", "q4_rot"]
+QUANT = ["q8_0", "q8_rot", "q4_0", "q4_rot"]
+MIXED = ["f16/q8_0", "q8_0/q4_rot", "q4_rot/f32"]  # KEY/VALUE kinds
 FP16_SLACK = 1 + 2.0 ** -10
 
 
@@ -33,27 +35,26 @@ def _random_kv(t=40, h=3, hd=64, seed=0):
 
 def _check_bounds(c, layer, pos, k, v):
     kk, vv = c.view(layer, pos + k.shape[0])
-    for j, (x, y) in enumerate(((k, kk), (v, vv))):
+    for part, x, y in ((c.k_part, k, kk), (c.v_part, v, vv)):
         x = x.transpose(0, 1).float()  # [Hkv, T, hd]
         y = y[:, pos:]
         err = y - x
-        if c.kind in ("f16", "bf16", "f32"):
-            tol = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 0.0}[c.kind]
+        if part.kind in ("f16", "bf16", "f32"):
+            tol = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8, "f32": 0.0}[part.kind]
             assert (err.abs() <= x.abs() * tol + 2.0 ** -24).all()  # fp16 subnormal step
             continue
-        if c.kind == "q4_rot":
-            z = (x - c.mu[layer, j]) @ c.rot_t  # the stored basis
-            amax = z.unflatten(-1, (-1, QK)).abs().amax(-1)  # [Hkv, T, nb]
-            bound = (QK * (amax / 8 * FP16_SLACK) ** 2).sum(-1).sqrt()  # L2 per head vector
+        z = part.to_storage(layer, x)  # the stored basis: x - mu (keys, rotated kinds), times R^T (rotated)
+        amax = z.unflatten(-1, (-1, QK)).abs().amax(-1, keepdim=True)  # [Hkv, T, nb, 1]
+        step = 1 / 254 if part.q8 else 1 / 8
+        if part.rot is not None:
+            bound = (QK * (amax[..., 0] * step * FP16_SLACK) ** 2).sum(-1).sqrt()  # L2 per head vector
             assert (err.norm(dim=-1) <= bound * 1.0001 + 1e-6).all()
             continue
-        amax = x.unflatten(-1, (-1, QK)).abs().amax(-1, keepdim=True)
-        step = {"q8_0": 1 / 254, "q4_0": 1 / 8}[c.kind]
         bound = (amax * step + amax * 2.0 ** -10).expand(*amax.shape[:-1], QK).flatten(-2)
-        assert (err.abs() <= bound + 1e-7).all(), (c.kind, (err.abs() - bound).max())
+        assert (err.abs() <= bound + 1e-6).all(), (part.kind, (err.abs() - bound).max())
 
 
-@pytest.mark.parametrize("kind", KV_KINDS)
+@pytest.mark.parametrize("kind", list(KV_KINDS) + MIXED)
 def test_round_trip_random(kind):
     c = make_kv_cache(kind, 2, 3, 64, 64)
     k, v = _random_kv()
@@ -73,12 +74,17 @@ def test_rotation_is_orthogonal_and_spreads_outliers():
 
 
 def test_sizes_and_bad_shapes():
-    for kind in KV_KINDS:
+    for kind in list(KV_KINDS) + MIXED:
         c = make_kv_cache(kind, 2, 3, 16, 64)
-        extra = c.mu.numel() * 4 if kind == "q4_rot" else 0
+        extra = sum(p.mu.numel() * 4 for p in c.parts if getattr(p, "centered", False))  # the per-head means
         assert c.nbytes == KVCache.bytes_per_token(2, 3, 64, kind) * 16 + extra
     assert KVCache.bytes_per_token(30, 3, 64, "q8_0") == 30 * 3 * 2 * 2 * 34
     assert KVCache.bytes_per_token(30, 3, 64, "q4_0") == 30 * 3 * 2 * 2 * 18
+    assert KVCache.bytes_per_token(30, 3, 64, "f16/q4_0") == 30 * 3 * (64 * 2 + 2 * 18)  # f16 K row + two q4_0 V blocks
+    assert make_kv_cache("q8_0/q8_0", 1, 1, 8, 64).kind == "q8_0"
+    for bad in ("q8_0/q5_k", "f16/f16/f16", "q8"):
+        with pytest.raises(PyllmError, match="unknown KV cache type"):
+            make_kv_cache(bad, 1, 1, 8, 64)
     with pytest.raises(PyllmError, match="multiple of 32"):
         make_kv_cache("q8_0", 1, 1, 8, 80)
     with pytest.raises(PyllmError, match="power of two"):
@@ -89,7 +95,7 @@ def test_sizes_and_bad_shapes():
         make_kv_cache("q4_0", 1, 1, 8, 64).update(0, 7, torch.zeros(2, 1, 64), torch.zeros(2, 1, 64))
 
 
-@pytest.mark.parametrize("kind", KV_KINDS)
+@pytest.mark.parametrize("kind", list(KV_KINDS) + MIXED)
 @pytest.mark.parametrize("t,start", [(1, 37), (5, 20)])
 def test_attention_matches_float64_on_dequantized_cache(kind, t, start):
     """kv.attend (the model's path: a rotated cache attends in its own basis) == float64 attention over view()."""
@@ -164,7 +170,7 @@ def test_round_trip_real_kv(kind):
         num += (kk - k.transpose(0, 1)).pow(2).sum().item()
         den += k.pow(2).sum().item()
     rel = (num / den) ** 0.5
-    limit = {"f32": 0, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.012, "q4_0": 0.2, "q4_rot": 0.1}[kind]
+    limit = {"f32": 0, "f16": 1e-3, "bf16": 5e-3, "q8_0": 0.012, "q8_rot": 0.008, "q4_0": 0.2, "q4_rot": 0.1}[kind]
     assert rel <= limit, f"{kind}: relative RMS error of real keys {rel:.4f}"
     if kind == "q4_rot":
         c0 = make_kv_cache("q4_0", cfg.n_layer, cfg.n_kv_head, 64, cfg.head_dim)
@@ -172,7 +178,9 @@ def test_round_trip_real_kv(kind):
         for layer, (k, v) in kv.items():
             c0.update(layer, 0, k, v)
             num0 += (c0.view(layer, k.shape[0])[0] - k.transpose(0, 1)).pow(2).sum().item()
-        assert num < 0.5 * num0, "the rotation should at least halve q4_0's key error on real keys"
+        # q4_0's keys are centered too (the offset was most of their error), so the rotation's gain is what is
+        # left: measured 0.77 of q4_0's squared error on these keys
+        assert num < 0.85 * num0, "the rotation should cut q4_0's key error on real keys"
 
 
 @pytest.mark.parametrize("kind", QUANT)
@@ -190,16 +198,15 @@ def test_prefix_reuse_equals_fresh_evaluation_quantized(kind, swap_kv):
     assert llm.stats.prompt_evaluated == len(b) - len(a)
     with torch.inference_mode():
         reused = llm.model.forward(torch.tensor(b[len(a):]), len(a), llm.kv)[-1]
+        # fresh: from an empty cache, a then the rest as one batch each (a generator.prefill with n_batch=len(a)
+        # would cut the rest into len(a)-sized batches, whose K/V round differently at the quantization step)
         llm.reset()
-        llm.generator.n_batch = len(a)
-        try:
-            fresh = llm.generator.prefill(b)
-        finally:
-            llm.generator.n_batch = 512
+        llm.model.forward(torch.tensor(a), 0, llm.kv)
+        fresh = llm.model.forward(torch.tensor(b[len(a):]), len(a), llm.kv)[-1]
     assert torch.allclose(reused, fresh, rtol=0, atol=1e-4 * fresh.abs().max().item())
     exact = llm.logits(b)[-1]  # float32 attention throughout
     rel = ((fresh - exact).abs().max() / exact.abs().max()).item()
-    assert rel < {"q8_0": 0.03, "q4_0": 0.3, "q4_rot": 0.25}[kind], f"{kind}: {rel:.3f}"
+    assert rel < {"q8_0": 0.03, "q8_rot": 0.03, "q4_0": 0.3, "q4_rot": 0.25}[kind], f"{kind}: {rel:.3f}"
     if kind != "q4_0":
         assert fresh.argmax() == exact.argmax()
 

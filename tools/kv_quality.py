@@ -1,7 +1,9 @@
 """KV cache quality and speed per cache kind: the tables for docs/BENCHMARKS.md.
 
-  python tools/kv_quality.py quality MODEL... [-f TEXT] [-c 512] [--chunks 4]   perplexity + mean KLD vs f16
+  python tools/kv_quality.py quality MODEL... [-f TEXT] [-c 512] [--chunks 4] [--kinds f16,q8_0,f16/q8_0]
   python tools/kv_quality.py speed MODEL [--depth 2048] [-n 64]                 decode tok/s at a filled context
+
+Kinds are cache types, or KEY/VALUE pairs such as f16/q4_rot (keys and values in different types).
 
 quality: llama.cpp's perplexity protocol (pyllm/perplexity.py), every kind scored on the same chunks, KL against
 the f16 cache. speed: fills the cache to --depth tokens, then times n single-token decode steps (each reads the
@@ -11,6 +13,7 @@ whole cache), min-of-3 to damp noise from other processes; kinds are interleaved
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -24,7 +27,7 @@ import pyllm  # noqa: E402
 from pyllm.perplexity import _Tee, evaluate, format_table  # noqa: E402
 from pyllm.runtime.kv_cache import make_kv_cache  # noqa: E402
 
-KINDS = ["f16", "q8_0", "q4_0", "q4_rot"]
+KINDS = ["f16", "q8_0", "q8_rot", "q4_0", "q4_rot"]
 
 
 def quality(a) -> None:
@@ -32,7 +35,7 @@ def quality(a) -> None:
     for m in a.models:
         llm = pyllm.load(m, n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
         t = time.perf_counter()
-        stats = evaluate(llm, text, n_ctx=a.ctx, kinds=KINDS, kl_base="f16", n_chunks=a.chunks,
+        stats = evaluate(llm, text, n_ctx=a.ctx, kinds=a.kinds.split(","), kl_base="f16", n_chunks=a.chunks,
                          on_chunk=lambda i, n, s: print(f"  [{i + 1}/{n}] " + " ".join(
                              f"{k} {st.running[-1]:.3f}" for k, st in s.items()), file=sys.stderr, flush=True))
         print(f"\n{llm.path.name}: {a.chunks} chunks x {a.ctx}, {time.perf_counter() - t:.0f} s, backend "
@@ -41,24 +44,29 @@ def quality(a) -> None:
 
 
 def speed(a) -> None:
+    load0 = f"{os.getloadavg()[0]:.2f}"
     llm = pyllm.load(a.models[0], n_ctx=a.depth + a.n + 8, backend=a.backend, n_threads=a.threads)
     cfg, model = llm.config, llm.model
     ids = torch.randint(0, cfg.n_vocab, (a.depth,), generator=torch.Generator().manual_seed(0))
-    caches = {k: make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, a.depth + a.n + 8, cfg.head_dim) for k in KINDS}
+    kinds = a.kinds.split(",")
+    caches = {k: make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, a.depth + a.n + 8, cfg.head_dim) for k in kinds}
     with torch.inference_mode():
         tee = _Tee(list(caches.values()))
         model.forward(ids[:512], 0, tee)  # the first batch attends in float32: compute it once for all kinds
         for k, c in caches.items():
             for i in range(512, a.depth, 512):
                 model.forward(ids[i:i + 512], i, c)
-        res = {k: [] for k in KINDS}
+        res = {k: [] for k in kinds}
         tok = torch.tensor([1])
+        for c in caches.values():  # the first step after a prefill may estimate means (torch path): warm up
+            model.forward(tok, a.depth, c)
         for _ in range(3):
             for k, c in caches.items():
                 t = time.perf_counter()
                 for j in range(a.n):
                     model.forward(tok, a.depth + j, c)
                 res[k].append(a.n / (time.perf_counter() - t))
+    print(f"load average before/after: {load0} / {os.getloadavg()[0]:.2f}")
     print(f"| model | KV | KV MiB at {a.depth} | tg{a.n} @ depth {a.depth} t/s (best of 3) | median |")
     print("|---|---|---|---|---|")
     for k, c in caches.items():
@@ -73,6 +81,7 @@ def main() -> None:
     p.add_argument("-f", "--file", default="/usr/share/common-licenses/GPL-3")
     p.add_argument("-c", "--ctx", type=int, default=512)
     p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated cache kinds (KEY/VALUE allowed)")
     p.add_argument("--depth", type=int, default=2048)
     p.add_argument("-n", type=int, default=32)
     p.add_argument("--backend", default="fast", choices=["fast", "reference"])

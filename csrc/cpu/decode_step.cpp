@@ -2,7 +2,9 @@
 // outside the GEMVs (RMSNorm, bias, QK-norm, RoPE, KV store, attention, SiLU, residuals) is a few microseconds
 // of arithmetic, but as ~50 torch ops per layer it cost ~25 ms per token in dispatch.  Semantics follow
 // LlamaModel.forward (pyllm/models/llama.py) and Gemma3Model.forward (gemma3.py) for t == 1; the GEMVs are the same gemv_cpu calls qmatmul makes,
-// so only summation order in the small ops differs.  No torch here: bindings.cpp checked every size.
+// so only summation order in the small ops differs.  The KV cache may hold any KVType per part (K and V apart):
+// attention.cpp stores the new row and attends over the stored rows directly.  No torch here: bindings.cpp
+// checked every size.
 #include <omp.h>
 
 #include <algorithm>
@@ -12,44 +14,9 @@
 #include "common/decode.h"
 #include "kernels.h"
 
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-
 namespace pyllm {
 
 namespace {
-
-inline uint16_t f32_to_f16(float f) {
-#if defined(__F16C__)
-    return static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
-#else
-    // Round-to-nearest-even, like torch's .to(float16).
-    uint32_t x;
-    std::memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000u;
-    uint32_t a = x & 0x7fffffffu;
-    if (a >= 0x7f800000u) return static_cast<uint16_t>(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));
-    if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to inf
-    if (a < 0x38800000u) {  // subnormal half (or zero)
-        float af;
-        std::memcpy(&af, &a, 4);
-        const float scaled = af * 16777216.0f;  // 2^24: half subnormal step = 2^-24
-        return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(scaled)));
-    }
-    const uint32_t mant_odd = (a >> 13) & 1u;
-    a += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round
-    return static_cast<uint16_t>(sign | (a >> 13));
-#endif
-}
-
-inline float f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    return fp16_to_fp32(h);
-#endif
-}
 
 // y = x * rsqrt(mean(x^2) + eps) * w  (w may be nullptr: no weight)
 inline void rms_norm(const float* x, const float* w, float* y, int n, float eps) {
@@ -76,10 +43,6 @@ inline void rope(float* x, const float* c, const float* s, int rope_dim, bool ne
     }
 }
 
-inline float load_kv(const void* base, size_t idx, bool f16) {
-    return f16 ? f16_to_f32(static_cast<const uint16_t*>(base)[idx]) : static_cast<const float*>(base)[idx];
-}
-
 inline void gemv(const DecodeWeight& w, const float* x, float* y, int N, int K, bool precise_x = false) {
     gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, 1, N, K, precise_x);
 }
@@ -97,6 +60,8 @@ void DecodeScratch::resize(const DecodeModel& m) {
     g.assign(c.n_ff, 0.f);
     u.assign(c.n_ff, 0.f);
     scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
+    tmp.assign(static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
+    rowbuf.assign(static_cast<size_t>(2) * c.n_kv_head * c.head_dim, 0.f);
 }
 
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
@@ -114,7 +79,6 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
     if (c.embd_scale != 0.f)
         for (int i = 0; i < D; ++i) x[i] *= c.embd_scale;
     const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
-    const size_t layer_stride = static_cast<size_t>(Hkv) * c.max_seq * hd;
     const int nt = std::min(cpu_get_num_threads(), H);
 
     for (int il = 0; il < c.n_layer; ++il) {
@@ -141,67 +105,76 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
         for (int hh = 0; hh < H; ++hh) rope(q + hh * hd, cs, sn, c.rope_dim, c.neox);
         for (int hh = 0; hh < Hkv; ++hh) rope(k + hh * hd, cs, sn, c.rope_dim, c.neox);
 
-        // Store K/V at pos: cache[layer, head, pos, :]
-        const size_t lbase = static_cast<size_t>(il) * layer_stride;
+        // Store K/V at pos: row (layer, head, pos) of each part, centered ((x - mu)) and rotated (R^T) as the part
+        // says -- the same storage basis kv_cache.py writes.
+        const size_t lrow = static_cast<size_t>(il) * Hkv;  // first row index of this layer, in units of max_seq
+        float* tmp = s.tmp.data();
         for (int hh = 0; hh < Hkv; ++hh) {
-            const size_t off = lbase + (static_cast<size_t>(hh) * c.max_seq + pos) * hd;
-            if (c.kv_f16) {
-                uint16_t* kc = static_cast<uint16_t*>(m.k_cache) + off;
-                uint16_t* vc = static_cast<uint16_t*>(m.v_cache) + off;
-                for (int d = 0; d < hd; ++d) { kc[d] = f32_to_f16(k[hh * hd + d]); vc[d] = f32_to_f16(v[hh * hd + d]); }
-            } else {
-                std::memcpy(static_cast<float*>(m.k_cache) + off, k + hh * hd, sizeof(float) * hd);
-                std::memcpy(static_cast<float*>(m.v_cache) + off, v + hh * hd, sizeof(float) * hd);
+            const size_t row = (lrow + hh) * c.max_seq + pos;
+            for (int part = 0; part < 2; ++part) {
+                const KVPart& P = part ? m.v_cache : m.k_cache;
+                const float* x = (part ? v : k) + static_cast<size_t>(hh) * hd;
+                if (P.mu) {
+                    const float* mu = P.mu + (lrow + hh) * hd;
+                    for (int d = 0; d < hd; ++d) tmp[d] = x[d] - mu[d];
+                    x = tmp;
+                }
+                if (P.rot) {
+                    kv_rotate(P.rot, x, tmp + hd, hd, true);
+                    x = tmp + hd;
+                }
+                kv_store_row(P.type, x, hd, static_cast<uint8_t*>(P.data) + row * P.row_bytes);
             }
         }
 
-        // Attention of each query head over keys j0..pos of its kv head.  At pos 0 the Python path attends to
-        // the fresh fp32 K/V (not their rounded cache copies): one key, so the output is v itself.
-        auto head = [&](int hh) {
-            const int kh = hh / group;
-            float* o = att + static_cast<size_t>(hh) * hd;
+        // Attention of each query head over keys j0..pos of its kv head, in the storage basis: q R^T for rotated
+        // keys (centered keys need nothing: softmax ignores the per-query shift q . mu_k), then o R + mu_v for
+        // rotated / centered values.  At pos 0 the Python path attends to the fresh fp32 K/V (not their rounded
+        // cache copies): one key, so the output is v itself.
+        const KVPart& KP = m.k_cache;
+        const KVPart& VP = m.v_cache;
+        // Tasks: (kv head, half of its query group) -- each converts a stored row once for its heads (GQA), and
+        // two halves per KV head keep both cores busy when there are few KV heads.
+        const int split = group >= 2 ? 2 : 1;
+        auto task = [&](int t) {
+            const int kh = t / split, h0 = kh * group + group * (t % split) / split,
+                      h1 = kh * group + group * (t % split + 1) / split;
+            if (h1 <= h0) return;
             if (pos == 0) {
-                std::memcpy(o, v + kh * hd, sizeof(float) * hd);
+                for (int hh = h0; hh < h1; ++hh) std::memcpy(att + static_cast<size_t>(hh) * hd, v + kh * hd, sizeof(float) * hd);
                 return;
             }
-            const float* qh = q + static_cast<size_t>(hh) * hd;
-            float* sc = s.scores.data() + static_cast<size_t>(hh) * c.max_seq;
-            const size_t hbase = lbase + static_cast<size_t>(kh) * c.max_seq * hd;
-            float mx = -INFINITY;
-            for (int j = 0; j < n_keys; ++j) {
-                const size_t kb = hbase + static_cast<size_t>(j0 + j) * hd;
-                float dot = 0.f;
-                if (c.kv_f16) {
-                    const uint16_t* kr = static_cast<const uint16_t*>(m.k_cache) + kb;
-                    for (int d = 0; d < hd; ++d) dot += qh[d] * f16_to_f32(kr[d]);
-                } else {
-                    const float* kr = static_cast<const float*>(m.k_cache) + kb;
-                    for (int d = 0; d < hd; ++d) dot += qh[d] * kr[d];
-                }
-                sc[j] = dot * c.scale;
-                mx = std::max(mx, sc[j]);
+            const size_t r0 = (lrow + kh) * c.max_seq + j0;
+            float* tq = s.tmp.data() + static_cast<size_t>(h0) * 2 * hd;  // rotated q / pre-rotation o, per head
+            const float* qg = q + static_cast<size_t>(h0) * hd;
+            size_t q_stride = hd;
+            if (KP.rot) {
+                for (int hh = h0; hh < h1; ++hh)
+                    kv_rotate(KP.rot, q + static_cast<size_t>(hh) * hd, tq + static_cast<size_t>(hh - h0) * 2 * hd, hd, true);
+                qg = tq;
+                q_stride = 2 * static_cast<size_t>(hd);
             }
-            float sum = 0.f;
-            for (int j = 0; j < n_keys; ++j) { sc[j] = std::exp(sc[j] - mx); sum += sc[j]; }
-            const float inv = 1.0f / sum;
-            for (int d = 0; d < hd; ++d) o[d] = 0.f;
-            for (int j = 0; j < n_keys; ++j) {
-                const float p = sc[j] * inv;
-                const size_t vb = hbase + static_cast<size_t>(j0 + j) * hd;
-                if (c.kv_f16) {
-                    const uint16_t* vr = static_cast<const uint16_t*>(m.v_cache) + vb;
-                    for (int d = 0; d < hd; ++d) o[d] += p * f16_to_f32(vr[d]);
-                } else {
-                    const float* vr = static_cast<const float*>(m.v_cache) + vb;
-                    for (int d = 0; d < hd; ++d) o[d] += p * vr[d];
+            float* og = VP.rot ? tq + hd : att + static_cast<size_t>(h0) * hd;
+            const size_t o_stride = VP.rot ? 2 * static_cast<size_t>(hd) : hd;
+            kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + r0 * KP.row_bytes, KP.row_bytes, VP.type,
+                            static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes, VP.row_bytes, qg, q_stride,
+                            h1 - h0, hd, n_keys, c.scale, s.scores.data() + static_cast<size_t>(h0) * c.max_seq,
+                            c.max_seq, og, o_stride, s.rowbuf.data() + static_cast<size_t>(t) * hd);
+            for (int hh = h0; hh < h1; ++hh) {
+                float* o = att + static_cast<size_t>(hh) * hd;
+                if (VP.rot) kv_rotate(VP.rot, og + (hh - h0) * o_stride, o, hd, false);
+                if (VP.mu) {
+                    const float* mu = VP.mu + (lrow + kh) * hd;
+                    for (int d = 0; d < hd; ++d) o[d] += mu[d];
                 }
             }
         };
+        const int n_tasks = Hkv * split;
         if (par) {
-#pragma omp parallel for num_threads(nt) schedule(static)
-            for (int hh = 0; hh < H; ++hh) head(hh);
+#pragma omp parallel for num_threads(std::min(nt, n_tasks)) schedule(static)
+            for (int t = 0; t < n_tasks; ++t) task(t);
         } else {
-            for (int hh = 0; hh < H; ++hh) head(hh);
+            for (int t = 0; t < n_tasks; ++t) task(t);
         }
 
         gemv(L.wo, att, h, D, H * hd);

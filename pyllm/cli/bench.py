@@ -38,7 +38,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default 5)")
     s.add_argument("-t", "--threads", type=int, default=None, help="threads (default: physical cores)")
     s.add_argument("--device", default="cpu")
-    s.add_argument("--kv", default="f16", help="KV cache type (default f16)")
+    s.add_argument("--kv", default="f16", help="KV cache type (default f16), or KEY/VALUE such as f16/q8_0")
+    s.add_argument("--kv-k", "-ctk", default=None, metavar="TYPE", help="key cache type (overrides --kv for keys)")
+    s.add_argument("--kv-v", "-ctv", default=None, metavar="TYPE", help="value cache type (overrides --kv)")
     s.add_argument("--backend", default="fast", choices=["fast", "reference"])
     s.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     s.add_argument("--probe", action="store_true", help="(re)measure this machine's bandwidth and FLOP rate first")
@@ -181,6 +183,9 @@ def cmd_bench(a) -> int:
         raise PyllmError(f"--repetitions must be >= 1, got {a.repetitions}")
     if a.n_prompt < 0 or a.n_gen < 0:
         raise PyllmError("-p and -n must be >= 0")
+    from .main import kv_kind_from_args
+
+    a.kv = kv_kind_from_args(a)  # --kv with --kv-k/--kv-v applied: "q8_0", "f16/q4_rot", ...
     a.threads = a.threads or physical_cores()
     torch.set_num_threads(a.threads)
     if a.backend == "fast":

@@ -268,6 +268,10 @@ class ChatSession:
         ids = self.llm.chat_ids(self.messages(turns))
         if len(ids) + reserve <= n_ctx:
             return ids, turns, 0
+        if getattr(self.llm, "context_policy", "shift") == "stop":
+            raise ContextFullError(f"the conversation takes {len(ids)} tokens and the reply needs room for {reserve} "
+                                   f"in a context of {n_ctx}: /clear to start over, or restart with a larger --ctx "
+                                   f"or --context-policy shift (drops the oldest turns)")
         # Dropping re-prefills the whole conversation, so trim to 3/4 of the context rather than to just fit:
         # otherwise every following message would drop one turn and pay that prefill again.
         goal = n_ctx * 3 // 4
@@ -613,7 +617,7 @@ def run_chat(a) -> int:
         a._stdin_text = sys.stdin.read().strip()  # read first: empty input fails without loading a model
         if not a._stdin_text:
             raise PyllmError("nothing to say: standard input is empty (pipe a message in, or run in a terminal)")
-    llm = load_from_args(a)
+    llm = load_from_args(a, context_policy="shift")
     ui = sys.stdout if terminal else sys.stderr
     if a.verbose:
         _verbose_load(llm, sys.stderr)

@@ -31,8 +31,16 @@ def add_model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("runtime")
     g.add_argument("--ctx", "-c", type=int, default=4096, help="context length in tokens (default 4096)")
-    g.add_argument("--kv", default="f16", choices=["f16", "bf16", "f32", "q8_0", "q4_0", "q4_rot"],
-                   help="KV cache type: f16 (default), bf16, f32, q8_0, q4_0, q4_rot (Hadamard-rotated 4-bit)")
+    g.add_argument("--kv", default="f16", metavar="TYPE",
+                   help="KV cache type for keys and values: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot "
+                        "(Hadamard-rotated 4-bit), or KEY/VALUE such as f16/q4_rot")
+    g.add_argument("--kv-k", "-ctk", default=None, metavar="TYPE", help="key cache type (overrides --kv for keys)")
+    g.add_argument("--kv-v", "-ctv", default=None, metavar="TYPE",
+                   help="value cache type (overrides --kv for values)")
+    g.add_argument("--context-policy", default=None, choices=["stop", "shift"],
+                   help="when the context is full: stop with a message, or shift (drop the oldest turns after the "
+                        "system prompt, or the oldest prompt tokens, and re-prefill). Default: shift for chat, "
+                        "stop for run")
     g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: physical cores)")
     g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     g.add_argument("--backend", default="fast", choices=["fast", "reference"],
@@ -57,11 +65,20 @@ def sampling_kwargs(a) -> dict:
                 repeat_penalty=a.repeat_penalty)
 
 
-def load_from_args(a):
+def kv_kind_from_args(a) -> str:
+    """--kv, with --kv-k / --kv-v overriding its key or value half: the cache kind string ("q8_0", "f16/q4_rot")."""
+    from ..runtime.kv_cache import join_kind, split_kind
+
+    k, v = split_kind(a.kv)
+    return join_kind(getattr(a, "kv_k", None) or k, getattr(a, "kv_v", None) or v)
+
+
+def load_from_args(a, context_policy: str = "stop"):
     import pyllm
 
-    llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=a.kv, n_threads=a.threads,
-                     backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False))
+    llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
+                     backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False),
+                     context_policy=getattr(a, "context_policy", None) or context_policy)
     if getattr(a, "plain_template", False):
         llm.use_fallback_template()
     return llm
@@ -79,6 +96,7 @@ def cmd_run(a) -> int:
         ids = llm.chat_ids([{"role": "user", "content": prompt}])
     else:
         ids = llm.tokenize(prompt)
+    ids = fit_prompt(llm, ids, a.max_tokens)
     pieces = []
     for piece in llm.generate(ids, max_tokens=a.max_tokens, stop=a.stop, stream=True, **kw):
         pieces.append(piece)
@@ -92,6 +110,8 @@ def cmd_run(a) -> int:
                           "timings": st.as_dict()}))
     else:
         sys.stdout.write("\n")
+        if st.finish_reason == "context":
+            print(f"pyllm: stopped: the context of {llm.n_ctx} tokens is full (use a larger --ctx)", file=sys.stderr)
         if a.verbose:
             print(f"[{st.prompt_tokens} prompt tokens, {st.prompt_tps:.1f} t/s; {st.generated_tokens} generated, "
                   f"{st.decode_tps:.1f} t/s; {st.finish_reason}]", file=sys.stderr)
@@ -135,6 +155,26 @@ def cmd_pull(a) -> int:
         path = registry.pull(name, force=a.force)
         print(path)
     return 0
+
+
+def fit_prompt(llm, ids: list[int], max_tokens: int) -> list[int]:
+    """The prompt under llm.context_policy: "stop" raises ContextFullError when it leaves no room to generate;
+    "shift" drops its oldest tokens (after a leading BOS) so that min(max_tokens, n_ctx // 4) tokens fit after it."""
+    from ..errors import ContextFullError
+
+    n_ctx = llm.n_ctx
+    if len(ids) < n_ctx:
+        return ids
+    if llm.context_policy == "stop":
+        raise ContextFullError(f"the prompt takes {len(ids)} tokens but the context holds {n_ctx}: use a larger "
+                               f"--ctx, a shorter prompt, or --context-policy shift to drop its oldest tokens")
+    reserve = max(1, min(max_tokens, n_ctx // 4))
+    head = ids[:1] if ids and ids[0] == llm.tokenizer.bos_id else []
+    keep = n_ctx - reserve - len(head)
+    dropped = len(ids) - len(head) - keep
+    print(f"pyllm: the prompt takes {len(ids)} tokens; dropped its oldest {dropped} to fit the context of {n_ctx}",
+          file=sys.stderr)
+    return head + ids[len(ids) - keep:]
 
 
 def cmd_chat(a) -> int:

@@ -26,8 +26,8 @@ def add_perplexity_parser(sub) -> None:
     s.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     s.add_argument("--chunks", type=int, default=None, help="score at most N chunks (default: all)")
     s.add_argument("--kv", default=None, action="append", dest="kv_list", metavar="KIND",
-                   help=f"KV cache type, repeatable to compare several in one run ({', '.join(KV_KINDS)}; "
-                        "default f16)")
+                   help=f"KV cache type, repeatable to compare several in one run ({', '.join(KV_KINDS)}, or "
+                        "KEY/VALUE such as f16/q4_rot; default f16)")
     s.add_argument("--kl-base", default=None, metavar="KIND",
                    help="also compute KL divergence against this cache type (e.g. f16)")
     s.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")

@@ -80,10 +80,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
 class LlamaModel:
     """The llama-family decoder. ``weights`` maps GGUF tensor names to QTensors (still quantized)."""
 
-    # Decode (one token) runs as one extension call (csrc/cpu/decode_step.cpp) when the fast kernels and a plain
-    # f16/f32 KVCache are in use; False forces the torch path below (tests compare the two).
+    # Decode (one token) runs as one extension call (csrc/cpu/decode_step.cpp) when the fast kernels and a CPU
+    # KVCache are in use (any kind: the step attends over quantized rows directly, csrc/cpu/attention.cpp); False
+    # forces the torch path below (tests compare the two).
     use_cpp_decode = True
-    _decode_ctx = None  # (kv, its k tensor, DecodeContext or None when that kv/model cannot use the C++ step)
+    _decode_ctx = None  # (kv, its key storage, DecodeContext or None when that kv/model cannot use the C++ step)
 
     def __init__(self, cfg: ModelConfig, weights: dict, linear: Linear, embed: Callable, max_pos: int):
         self.cfg = cfg
@@ -158,9 +159,10 @@ class LlamaModel:
     def _cpp_decode(self, tokens: torch.Tensor, start_pos: int, kv) -> torch.Tensor | None:
         """Logits [1, n_vocab] of one token via the extension's decode_step, or None where it does not apply."""
         c = self._decode_ctx
-        if c is None or c[0] is not kv or c[1] is not getattr(kv, "k", None):
-            c = self._decode_ctx = (kv, getattr(kv, "k", None), self._make_decode_ctx(kv))
-        if c[2] is None:
+        part = getattr(getattr(kv, "k_part", None), "data", None)
+        if c is None or c[0] is not kv or c[1] is not part:
+            c = self._decode_ctx = (kv, part, self._make_decode_ctx(kv))
+        if c[2] is None or not kv.means_ready():  # the first steps of a centered cache estimate its means in torch
             return None
         kv._check(start_pos, 1)
         logits = torch.empty(1, c[2].n_vocab)
@@ -175,13 +177,17 @@ class LlamaModel:
 
 def make_decode_ctx(model, kv, *, bias: bool, qk_norm: bool, cos, sin, window: int, **extra):
     """The extension's DecodeContext for ``model`` (LlamaModel or Gemma3Model) and ``kv``, or None where the C++
-    step does not apply: not the fast qmatmul/embedding ops, not a plain f16/f32 CPU KVCache, no extension, or a
-    weight type / layout it does not take.  ``extra``: the context's Gemma options (post norms, act, ...)."""
+    step does not apply: not the fast qmatmul/embedding ops, not a CPU KVCache of kinds the step stores (bf16
+    is not), no extension, or a weight type / layout it does not take.  ``extra``: the context's Gemma options
+    (post norms, act, ...)."""
     from ..runtime.kv_cache import KVCache
 
     if (model.linear is not ops.qmatmul or model.embed is not ops.embedding or ops.get_backend() != "fast"
-            or type(kv) is not KVCache or kv.dtype not in (torch.float16, torch.float32)
-            or kv.k.device.type != "cpu"):
+            or not isinstance(kv, KVCache) or kv.k_part.data.device.type != "cpu"):
+        return None
+    try:
+        kvx = kv_cache_args(kv)
+    except KeyError:  # a kind the C++ step does not store (bf16)
         return None
     cfg, w, vec = model.cfg, model.w, model.vec
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -200,9 +206,25 @@ def make_decode_ctx(model, kv, *, bias: bool, qk_norm: bool, cos, sin, window: i
             vecs("attn_v.bias", bias), vecs("attn_q_norm.weight", qk_norm),
             vecs("attn_k_norm.weight", qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
             model.output.data, int(model.output.qtype), vec["output_norm.weight"].float().contiguous(),
-            cos.contiguous(), sin.contiguous(), kv.k, kv.v, cfg.n_embd, cfg.n_ff, cfg.n_head,
+            cos.contiguous(), sin.contiguous(), kvx["k_cache"], kvx["v_cache"], cfg.n_embd, cfg.n_ff, cfg.n_head,
             cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, model.scale,
-            window, **extra)
+            window, k_type=kvx["k_type"], v_type=kvx["v_type"], k_mu=kvx["k_mu"], v_mu=kvx["v_mu"],
+            k_rot=kvx["k_rot"], v_rot=kvx["v_rot"], **extra)
     except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
         # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
         return None
+
+
+KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_rot": 3, "q8_rot": 2}  # csrc/kernels.h KVType
+
+
+def kv_cache_args(kv) -> dict:
+    """The DecodeContext arguments describing ``kv``'s storage: per part its tensor, KVType id, mean (the live
+    tensor, updated in place when the cache re-estimates it) and rotation R. KeyError for kinds it cannot store."""
+    out = {}
+    for name, p in (("k", kv.k_part), ("v", kv.v_part)):
+        out[f"{name}_type"] = KV_TYPE_IDS[p.kind]
+        out[f"{name}_cache"] = p.data
+        out[f"{name}_mu"] = p.mu if getattr(p, "centered", False) else None
+        out[f"{name}_rot"] = p.rot.contiguous() if p.rot is not None else None
+    return out

@@ -1,6 +1,7 @@
 """The KV cache: one preallocated buffer per model, written at a position and read up to a length.
 
-Kinds (``make_kv_cache(kind, ...)``, ``pyllm.load(kv_cache=kind)``, ``--kv kind``):
+Kinds (``make_kv_cache(kind, ...)``, ``pyllm.load(kv_cache=kind)``, ``--kv kind``; ``"K/V"`` such as
+``"f16/q8_0"`` picks the key and value types separately, like llama.cpp's -ctk/-ctv; ``--kv-k``/``--kv-v``):
 
 =======  =============  ==================================================================================
 kind     bits/value     storage
@@ -8,15 +9,27 @@ kind     bits/value     storage
 f32      32             plain tensors
 f16      16             plain tensors (the default)
 bf16     16             plain tensors
-q8_0     8.5            llama.cpp's q8_0: blocks of 32 along head_dim, int8 values + one fp16 scale
-q4_0     4.5            llama.cpp's q4_0: blocks of 32 along head_dim, 4-bit values + one fp16 scale
+q8_0     8.5            llama.cpp's q8_0 blocks: 32 values along head_dim, int8 values + one fp16 scale
+q4_0     4.5            llama.cpp's q4_0 blocks: 32 values along head_dim, 4-bit values + one fp16 scale
 q4_rot   4.5            q4_0 of each head vector, centered and rotated (randomized Hadamard)
+q8_rot   8.5            q8_0 of each head vector, centered and rotated (as q4_rot)
 =======  =============  ==================================================================================
+
+Block kinds are stored as llama.cpp lays its blocks out (fp16 scale, then the codes: 34 bytes for q8_0, 18 for
+q4_0), one row of head_dim/32 blocks per (layer, head, position), so the C++ decode step reads them as they are.
 
 Every kind has the same interface: ``update(layer, pos, k, v)`` stores (quantizes) new positions, ``view(layer,
 upto)`` returns float K/V in the model's basis (dequantized), and ``attend(layer, q, start_pos, attn)`` runs the
 model's attention over the cache's own storage -- the rotated kind attends in its rotated basis, so the rotation
 costs O(T * head_dim^2) per step instead of O(S * head_dim^2) for un-rotating the whole cache.
+
+Centered keys (every block kind). Keys are stored minus a fixed per-(layer, head) mean mu_k. For one query,
+q.(k_j - mu_k) = q.k_j - q.mu_k shifts every score of that query by the same constant, which softmax ignores
+(masking keeps only keys of the same query, so it is still one constant per row): attention over centered keys
+needs no correction at all. It matters: RoPE leaves the slow channels of K with a large common component --
+Qwen2's K bias puts values of 100-200 there -- which otherwise sets the step of every block that holds one. On
+Qwen2.5-0.5B a plain q8_0 key cache costs +5.6% perplexity (llama.cpp's own q8_0 K: +2.6%, KLD 0.019 on the same
+text and GGUF); centered keys bring that to the numbers in docs/BENCHMARKS.md.
 
 Why the rotation works (q4_rot). Let R = H D / sqrt(n), with H the n x n Sylvester-Hadamard matrix (entries +-1,
 n = head_dim, a power of two) and D a fixed diagonal of random signs; R R^T = I. Vectors are rows here, so a head
@@ -24,16 +37,15 @@ vector x is stored as x R^T.
   * Scores: (q R^T) . (k R^T) = q R^T R k^T = q . k, so rotating Q the same way leaves softmax(q K^T) unchanged.
   * Values: the output o = sum_j p_j v_j is linear in V, so attending over rotated values gives o R^T, and
     (o R^T) R = o un-rotates it.
-  * Offsets: keys and values are stored minus a fixed per-(layer, head) mean mu. For one query, q.(k_j - mu_k) =
-    q.k_j - q.mu_k shifts every score by the same constant, which softmax ignores (masking keeps only keys of the
-    same query, so it is still one constant per row); and sum_j p_j (v_j - mu_v) = o - mu_v because the weights
-    sum to 1, so adding mu_v back to the output is exact. Removing the mean matters: RoPE leaves the slow channels
-    of K with a large common component (Qwen2's K bias is huge), which otherwise sets the 4-bit step of every block.
+  * Offsets: keys are centered as above; values are stored minus a mean mu_v too, and sum_j p_j (v_j - mu_v) =
+    o - mu_v because the weights sum to 1, so adding mu_v back to the output is exact.
   * Quantization: each rotated coordinate is a +-1/sqrt(n)-weighted sum of all n coordinates, so a few outlier
     channels (RoPE'd keys and Qwen's K bias have them) are spread over the whole vector. The block absmax then
     tracks the vector's RMS instead of its outliers, and the 4-bit step (absmax / 8) shrinks accordingly. The
     error is committed in the rotated basis; R is orthogonal, so its L2 norm per vector is the same after
     un-rotating. The random signs keep structured vectors (e.g. one aligned with a row of H) from staying peaky.
+The means are estimated from the first batch written at position 0 (without position 0 itself, often an
+attention-sink outlier) and then fixed until the cache is rewritten from position 0.
 """
 
 from __future__ import annotations
@@ -47,133 +59,49 @@ from ..errors import PyllmError
 
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QK = 32  # values per quantization block (llama.cpp's QK8_0 / QK4_0)
-# bytes per block of 32 values: q8_0 = 32 int8 + fp16 scale; q4_0 = 16 bytes of nibbles + fp16 scale
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_rot": 18}
+# bytes per block of 32 values: q8_0 = fp16 scale + 32 int8; q4_0 = fp16 scale + 16 bytes of nibbles
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_rot": 18, "q8_rot": 34}
+ROTATED = ("q4_rot", "q8_rot")
 KV_KINDS = tuple(KV_DTYPES) + tuple(BLOCK_BYTES)
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (q [T,H,hd], k, v [Hkv,S,hd])
 
 
+def split_kind(kind: str) -> tuple[str, str]:
+    """"q8_0" -> ("q8_0", "q8_0"); "f16/q8_0" -> ("f16", "q8_0") (key type, value type). Raises on unknown types."""
+    parts = kind.split("/") if isinstance(kind, str) else [kind]
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or any(p not in KV_KINDS for p in parts):
+        raise PyllmError(f"unknown KV cache type {kind!r}; choose one of: {', '.join(KV_KINDS)} "
+                         f"(or KEY/VALUE such as f16/q8_0)")
+    return parts[0], parts[1]
+
+
+def join_kind(k_kind: str, v_kind: str) -> str:
+    """The kind string of a cache with these key and value types ("q8_0" when both are q8_0)."""
+    split_kind(f"{k_kind}/{v_kind}")
+    return k_kind if k_kind == v_kind else f"{k_kind}/{v_kind}"
+
+
 def bytes_per_value(kind: str) -> float:
+    """Mean bytes per cached value (keys and values together)."""
+    return sum(_part_bytes(p) for p in split_kind(kind)) / 2
+
+
+def _part_bytes(kind: str) -> float:
     if kind in KV_DTYPES:
         return float(torch.empty((), dtype=KV_DTYPES[kind]).element_size())
-    if kind in BLOCK_BYTES:
-        return BLOCK_BYTES[kind] / QK
-    raise PyllmError(f"unknown KV cache type {kind!r}; choose one of: {', '.join(KV_KINDS)}")
+    return BLOCK_BYTES[kind] / QK
 
 
 def check_kind(kind: str, head_dim: int) -> None:
     """Raises PyllmError if ``kind`` is unknown or cannot store heads of ``head_dim`` values."""
-    bytes_per_value(kind)
-    if kind in BLOCK_BYTES and head_dim % QK:
-        raise PyllmError(f"KV cache type {kind} needs head_dim to be a multiple of {QK}; this model has {head_dim}")
-    if kind == "q4_rot" and head_dim & (head_dim - 1):
-        raise PyllmError(f"KV cache type q4_rot needs head_dim to be a power of two; this model has {head_dim}")
-
-
-class KVCache:
-    """Keys and values of every layer for up to ``max_seq`` positions.
-
-    k, v: (n_layer, n_kv_head, max_seq, head_dim) in ``dtype``. Positions past the valid length hold stale values;
-    the runtime tracks the valid length, so truncating the cache (prefix reuse) costs nothing.
-    """
-
-    kind = "f16"
-
-    def __init__(self, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int,
-                 dtype: torch.dtype = torch.float16, device: str | torch.device = "cpu"):
-        self.n_layer, self.n_kv_head, self.max_seq, self.head_dim = n_layer, n_kv_head, max_seq, head_dim
-        self.dtype = dtype
-        shape = (n_layer, n_kv_head, max_seq, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    @staticmethod
-    def bytes_per_token(n_layer: int, n_kv_head: int, head_dim: int, kind: str = "f16") -> float:
-        """K and V bytes one position takes in every layer (scales included for the block kinds)."""
-        return 2.0 * n_layer * n_kv_head * head_dim * bytes_per_value(kind)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._buffers())
-
-    def _buffers(self) -> list[torch.Tensor]:
-        return [self.k, self.v]
-
-    def _check(self, pos: int, t: int) -> None:
-        if pos < 0 or pos + t > self.max_seq:
-            raise PyllmError(f"KV cache holds {self.max_seq} positions; cannot write {t} at position {pos}")
-
-    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v: (T, n_kv_head, head_dim) at positions pos..pos+T-1 of ``layer``."""
-        t = k.shape[0]
-        self._check(pos, t)
-        self.k[layer, :, pos:pos + t] = k.transpose(0, 1).to(self.dtype)
-        self.v[layer, :, pos:pos + t] = v.transpose(0, 1).to(self.dtype)
-
-    def view(self, layer: int, upto: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of positions 0..upto-1 as (n_kv_head, upto, head_dim) in ``dtype`` (a copy unless dtype matches)."""
-        return (self.k[layer, :, :upto].to(dtype), self.v[layer, :, :upto].to(dtype))
-
-    def attend(self, layer: int, q: torch.Tensor, start_pos: int, attn: Attention) -> torch.Tensor:
-        """Attention of q [T, H, hd] (positions start_pos..) over cached positions 0..start_pos+T-1.
-
-        ``attn(q, k, v)`` is the model's attention (mask, scale and window bound in) and returns [T, H*hd].
-        """
-        k, v = self.view(layer, start_pos + q.shape[0])
-        return attn(q, k, v)
-
-
-class BlockQuantKVCache(KVCache):
-    """Shared storage of the block kinds: per (layer, K|V, head, position) head_dim/32 blocks, one fp16 scale each.
-
-    codes: (n_layer, 2, n_kv_head, max_seq, nb, code_width); scales: (n_layer, 2, n_kv_head, max_seq, nb) fp16,
-    nb = head_dim/32, index 0 = K, 1 = V. K and V share one tensor so a decode step quantizes and dequantizes
-    them in one pass each: at one token per step the cost is op dispatch, not arithmetic.
-    Subclasses define ``_quantize(x [..., nb, 32] f32) -> (codes, scales f16 [..., nb])`` and
-    ``_dequantize(codes, scales) -> [..., nb, 32] f32``.
-    """
-
-    code_shape: tuple[int, ...] = ()
-    code_dtype = torch.int8
-
-    def __init__(self, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int,
-                 device: str | torch.device = "cpu"):
-        check_kind(self.kind, head_dim)
-        self.n_layer, self.n_kv_head, self.max_seq, self.head_dim = n_layer, n_kv_head, max_seq, head_dim
-        self.dtype = None  # no float storage dtype: see kind
-        lead = (n_layer, 2, n_kv_head, max_seq, head_dim // QK)
-        self.codes = torch.zeros(lead + self.code_shape, dtype=self.code_dtype, device=device)
-        self.scales = torch.zeros(lead, dtype=torch.float16, device=device)
-
-    def _buffers(self) -> list[torch.Tensor]:
-        return [self.codes, self.scales]
-
-    def _store(self, x: torch.Tensor) -> torch.Tensor:
-        """Model basis -> storage basis (identity here; the rotated kind overrides it). x: [..., hd] f32."""
-        return x
-
-    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        t = k.shape[0]
-        self._check(pos, t)
-        kv = torch.stack((k, v)).float().transpose(1, 2)  # [2, Hkv, T, hd]
-        c, d = self._quantize(self._store(kv).reshape(2, self.n_kv_head, t, self.head_dim // QK, QK))
-        self.codes[layer, :, :, pos:pos + t] = c
-        self.scales[layer, :, :, pos:pos + t] = d
-
-    def _stored(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized K, V in the storage basis: (Hkv, upto, hd) float32 each."""
-        x = self._dequantize(self.codes[layer, :, :, :upto], self.scales[layer, :, :, :upto])
-        x = x.view(2, self.n_kv_head, upto, self.head_dim)
-        return x[0], x[1]
-
-    def view(self, layer: int, upto: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self._stored(layer, upto)
-        return k.to(dtype), v.to(dtype)
-
-    def attend(self, layer: int, q: torch.Tensor, start_pos: int, attn: Attention) -> torch.Tensor:
-        k, v = self._stored(layer, start_pos + q.shape[0])
-        return attn(q, k, v)
+    for p in split_kind(kind):
+        if p in BLOCK_BYTES and head_dim % QK:
+            raise PyllmError(f"KV cache type {p} needs head_dim to be a multiple of {QK}; this model has {head_dim}")
+        if p in ROTATED and head_dim & (head_dim - 1):
+            raise PyllmError(f"KV cache type {p} needs head_dim to be a power of two; this model has {head_dim}")
 
 
 def _round_away(x: torch.Tensor) -> torch.Tensor:
@@ -181,55 +109,41 @@ def _round_away(x: torch.Tensor) -> torch.Tensor:
     return torch.sign(x) * torch.floor(x.abs() + 0.5)
 
 
-class Q8_0KVCache(BlockQuantKVCache):
-    """llama.cpp q8_0: d = absmax / 127, q = roundf(x / d) in [-127, 127], x ~ q * d.
+def quantize_q8_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp q8_0 of x [..., nb, 32] f32: d = absmax / 127, q = roundf(x / d) in [-127, 127], x ~ q * d.
 
     Round-trip error per value <= d/2 plus the fp16 rounding of d (relative 2^-11, times |q| <= 127).
+    Returns codes int8 [..., nb, 32] and d fp16 [..., nb].
     """
-
-    kind = "q8_0"
-    code_shape = (QK,)
-    code_dtype = torch.int8
-
-    @staticmethod
-    def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        d = x.abs().amax(-1) / 127.0  # [..., nb]
-        inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-        q = _round_away(x * inv[..., None]).to(torch.int8)
-        return q, d.to(torch.float16)
-
-    @staticmethod
-    def _dequantize(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        return q.to(torch.float32).mul_(d.to(torch.float32).unsqueeze(-1))
+    d = x.abs().amax(-1) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return _round_away(x * inv[..., None]).to(torch.int8), d.to(torch.float16)
 
 
-class Q4_0KVCache(BlockQuantKVCache):
-    """llama.cpp q4_0: d = m / -8 with m the value of largest magnitude (sign kept), q = min(15, floor(x/d + 8.5)),
-    x ~ (q - 8) * d. Codes pack two per byte as llama.cpp does: byte j holds value j (low nibble) and j + 16 (high).
+def dequantize_q8_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32).mul_(d.to(torch.float32).unsqueeze(-1))
+
+
+def quantize_q4_0(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp q4_0 of x [..., nb, 32]: d = m / -8 with m the value of largest magnitude (sign kept),
+    q = min(15, floor(x/d + 8.5)), x ~ (q - 8) * d. Codes pack two per byte as llama.cpp does: byte j holds value
+    j (low nibble) and j + 16 (high).
 
     Round-trip error per value <= |d|/2, except values of the sign opposite to m near +|m|, which clamp at q = 15:
-    <= |d| = absmax/8 (plus the fp16 rounding of d).
+    <= |d| = absmax/8 (plus the fp16 rounding of d). Returns packed uint8 [..., nb, 16] and d fp16 [..., nb].
     """
+    idx = x.abs().argmax(-1, keepdim=True)  # the first of equal magnitudes, like llama.cpp's strict '<'
+    m = x.gather(-1, idx).squeeze(-1)
+    d = m / -8.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.floor(x * inv[..., None] + 8.5).clamp_(0, 15).to(torch.uint8)  # [..., nb, 32]
+    return q[..., :QK // 2] | (q[..., QK // 2:] << 4), d.to(torch.float16)
 
-    kind = "q4_0"
-    code_shape = (QK // 2,)
-    code_dtype = torch.uint8
 
-    @staticmethod
-    def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        idx = x.abs().argmax(-1, keepdim=True)  # the first of equal magnitudes, like llama.cpp's strict '<'
-        m = x.gather(-1, idx).squeeze(-1)
-        d = m / -8.0
-        inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
-        q = torch.floor(x * inv[..., None] + 8.5).clamp_(0, 15).to(torch.uint8)  # [..., nb, 32]
-        packed = q[..., :QK // 2] | (q[..., QK // 2:] << 4)
-        return packed, d.to(torch.float16)
-
-    @staticmethod
-    def _dequantize(packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-        # cat + in-place int8 subtract + one float pass: the cheapest of the torch spellings measured
-        q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).view(torch.int8).sub_(8)  # [..., nb, 32] in -8..7
-        return q.to(torch.float32).mul_(d.to(torch.float32).unsqueeze(-1))
+def dequantize_q4_0(packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    # cat + in-place int8 subtract + one float pass: the cheapest of the torch spellings measured
+    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).view(torch.int8).sub_(8)  # [..., nb, 32] in -8..7
+    return q.to(torch.float32).mul_(d.to(torch.float32).unsqueeze(-1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -248,73 +162,173 @@ def hadamard_rotation(n: int, signs_seed: int | None = 0) -> torch.Tensor:
     return (h / n ** 0.5).float()
 
 
-class Q4RotKVCache(Q4_0KVCache):
-    """q4_0 storage of centered, rotated head vectors: stores (k - mu_k) R^T and (v - mu_v) R^T.
+class _FloatPart:
+    """Keys or values of every layer as a plain tensor (n_layer, n_kv_head, max_seq, head_dim) in ``dtype``."""
 
-    mu: (n_layer, 2, n_kv_head, head_dim) float32, one mean key and value per layer and head, estimated from the
-    first batch written at position 0 (without position 0 itself, often an attention-sink outlier) and then
-    fixed. See the module docstring for why neither the rotation nor the offsets change attention.
+    rot = None
+    centered = False
+
+    def __init__(self, kind, n_layer, n_kv_head, max_seq, head_dim, device, is_key):
+        self.kind, self.dtype = kind, KV_DTYPES[kind]
+        self.data = torch.zeros((n_layer, n_kv_head, max_seq, head_dim), dtype=self.dtype, device=device)
+        self.buffers = [self.data]
+
+    def write(self, layer: int, pos: int, x: torch.Tensor) -> None:  # x: [Hkv, T, hd]
+        self.data[layer, :, pos:pos + x.shape[1]] = x.to(self.dtype)
+
+    def stored(self, layer: int, upto: int) -> torch.Tensor:
+        return self.data[layer, :, :upto]
+
+    def view(self, layer: int, upto: int) -> torch.Tensor:
+        return self.data[layer, :, :upto]
+
+
+class _BlockPart:
+    """Keys or values as llama.cpp blocks: uint8 (n_layer, n_kv_head, max_seq, nb * block_bytes), nb = head_dim/32.
+
+    Stored vectors are x - mu (keys of every block kind; values of the rotated kinds), times R^T for those.
+    mu: (n_layer, n_kv_head, 1, head_dim) float32 (zeros where not centered).
     """
 
-    kind = "q4_rot"
+    def __init__(self, kind, n_layer, n_kv_head, max_seq, head_dim, device, is_key):
+        self.kind, self.hd, self.hkv = kind, head_dim, n_kv_head
+        self.nb, self.bb = head_dim // QK, BLOCK_BYTES[kind]
+        self.data = torch.zeros((n_layer, n_kv_head, max_seq, self.nb * self.bb), dtype=torch.uint8, device=device)
+        self.q8 = kind in ("q8_0", "q8_rot")
+        self.quantize, self.dequantize = (quantize_q8_0, dequantize_q8_0) if self.q8 else (quantize_q4_0,
+                                                                                             dequantize_q4_0)
+        self.rot = hadamard_rotation(head_dim).to(device) if kind in ROTATED else None  # R [hd, hd]
+        self.rot_t = None if self.rot is None else self.rot.T.contiguous()  # R^T: x R^T rotates a row vector x
+        self.centered = is_key or self.rot is not None
+        self.mu = torch.zeros(n_layer, n_kv_head, 1, head_dim, device=device)
+        self.buffers = [self.data] + ([self.mu] if self.centered else [])
 
-    def __init__(self, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int,
+    def to_storage(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Model basis -> storage basis: (x - mu) [R^T]. x: [Hkv, T, hd] f32."""
+        if self.centered:
+            x = x - self.mu[layer]
+        return x if self.rot is None else x @ self.rot_t
+
+    def write(self, layer: int, pos: int, x: torch.Tensor) -> None:
+        t = x.shape[1]
+        c, d = self.quantize(self.to_storage(layer, x).reshape(self.hkv, t, self.nb, QK))
+        blk = torch.cat((d.unsqueeze(-1).view(torch.uint8), c.view(torch.uint8)), -1)  # [Hkv, T, nb, bb]
+        self.data[layer, :, pos:pos + t] = blk.flatten(-2)
+
+    def stored(self, layer: int, upto: int) -> torch.Tensor:
+        """Dequantized, in the storage basis: [Hkv, upto, hd] f32."""
+        b = self.data[layer, :, :upto].view(self.hkv, upto, self.nb, self.bb)
+        d = b[..., :2].view(torch.float16)[..., 0]
+        c = b[..., 2:].view(torch.int8) if self.q8 else b[..., 2:]
+        return self.dequantize(c, d).view(self.hkv, upto, self.hd)
+
+    def view(self, layer: int, upto: int) -> torch.Tensor:
+        x = self.stored(layer, upto)
+        if self.rot is not None:
+            x = x @ self.rot  # (x - mu) R^T R = x - mu
+        return x + self.mu[layer] if self.centered else x
+
+
+def _make_part(kind, *args, is_key):
+    return (_FloatPart if kind in KV_DTYPES else _BlockPart)(kind, *args, is_key=is_key)
+
+
+class KVCache:
+    """Keys and values of every layer for up to ``max_seq`` positions, each in its own type (``kind`` "K/V").
+
+    ``k_part``/``v_part`` hold the storage. For float kinds ``k``/``v`` are the tensors (n_layer, n_kv_head,
+    max_seq, head_dim) themselves. Positions past the valid length hold stale values; the runtime tracks the valid
+    length, so truncating the cache (prefix reuse) costs nothing.
+    """
+
+    def __init__(self, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int, kind: str = "f16",
                  device: str | torch.device = "cpu"):
-        super().__init__(n_layer, n_kv_head, max_seq, head_dim, device)
-        self.rot = hadamard_rotation(head_dim).to(device)  # R [hd, hd]
-        self.rot_t = self.rot.T.contiguous()  # R^T: x R^T rotates a row vector x
-        self.mu = torch.zeros(n_layer, 2, n_kv_head, 1, head_dim, device=device)
+        check_kind(kind, head_dim)
+        self.n_layer, self.n_kv_head, self.max_seq, self.head_dim = n_layer, n_kv_head, max_seq, head_dim
+        self.k_kind, self.v_kind = split_kind(kind)
+        self.kind = join_kind(self.k_kind, self.v_kind)
+        args = (n_layer, n_kv_head, max_seq, head_dim, device)
+        self.k_part = _make_part(self.k_kind, *args, is_key=True)
+        self.v_part = _make_part(self.v_kind, *args, is_key=False)
+        self.parts = (self.k_part, self.v_part)
+        # a plain float cache of one dtype: the tensors and dtype the C++ decode step and older callers read
+        same_float = self.k_kind == self.v_kind and self.k_kind in KV_DTYPES
+        self.dtype = KV_DTYPES[self.k_kind] if same_float else None
+        self.k = self.k_part.data if self.k_kind in KV_DTYPES else None
+        self.v = self.v_part.data if self.v_kind in KV_DTYPES else None
         self.mu_set = [False] * n_layer  # False while the layer holds position 0 alone (or nothing)
+        self.centered = any(p.centered for p in self.parts)
 
-    def _buffers(self) -> list[torch.Tensor]:
-        return [self.codes, self.scales, self.mu]
+    @staticmethod
+    def bytes_per_token(n_layer: int, n_kv_head: int, head_dim: int, kind: str = "f16") -> float:
+        """K and V bytes one position takes in every layer (scales included for the block kinds)."""
+        return 2.0 * n_layer * n_kv_head * head_dim * bytes_per_value(kind)
 
-    def _write(self, layer: int, pos: int, kv: torch.Tensor) -> None:
-        """kv: [2, Hkv, T, hd] f32 in the model basis -> codes/scales at pos.. of ``layer``."""
-        t = kv.shape[2]
-        x = (kv - self.mu[layer]) @ self.rot_t
-        c, d = self._quantize(x.reshape(2, self.n_kv_head, t, self.head_dim // QK, QK))
-        self.codes[layer, :, :, pos:pos + t] = c
-        self.scales[layer, :, :, pos:pos + t] = d
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for p in self.parts for t in p.buffers)
+
+    def _check(self, pos: int, t: int) -> None:
+        if pos < 0 or pos + t > self.max_seq:
+            raise PyllmError(f"KV cache holds {self.max_seq} positions; cannot write {t} at position {pos}")
+
+    def means_ready(self) -> bool:
+        """True once every layer's means are fixed (or the cache has none): the C++ decode step needs it."""
+        return not self.centered or all(self.mu_set)
 
     def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v: (T, n_kv_head, head_dim) at positions pos..pos+T-1 of ``layer``."""
         t = k.shape[0]
         self._check(pos, t)
-        kv = torch.stack((k, v)).float().transpose(1, 2)  # [2, Hkv, T, hd]
-        if pos == 0:
-            self.mu_set[layer] = False  # the cache is being rewritten from the start: estimate again
-            self.mu[layer].zero_()
-        if not self.mu_set[layer] and pos + t >= 2:
-            old = self.view(layer, pos) if pos else None  # position 0, stored before there was a mean
-            skip = 1 if pos == 0 else 0
-            self.mu[layer] = kv[:, :, skip:].mean(2, keepdim=True)
-            self.mu_set[layer] = True
-            if old is not None:
-                self._write(layer, 0, torch.stack(old))
-        self._write(layer, pos, kv)
+        k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, T, hd]
+        if self.centered:
+            if pos == 0:
+                self.mu_set[layer] = False  # the cache is being rewritten from the start: estimate again
+                for p in self.parts:
+                    if p.centered:
+                        p.mu[layer].zero_()
+            if not self.mu_set[layer] and pos + t >= 2:
+                old = self.view(layer, pos) if pos else None  # position 0, stored before there was a mean
+                skip = 1 if pos == 0 else 0
+                for p, x in zip(self.parts, (k, v)):
+                    if p.centered:
+                        p.mu[layer] = x[:, skip:].mean(1, keepdim=True)
+                self.mu_set[layer] = True
+                if old is not None:
+                    self.k_part.write(layer, 0, old[0])
+                    self.v_part.write(layer, 0, old[1])
+        self.k_part.write(layer, pos, k)
+        self.v_part.write(layer, pos, v)
 
     def view(self, layer: int, upto: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self._stored(layer, upto)
-        mu = self.mu[layer]
-        return (k @ self.rot + mu[0]).to(dtype), (v @ self.rot + mu[1]).to(dtype)  # (x - mu) R^T R + mu = x
+        """K and V of positions 0..upto-1 as (n_kv_head, upto, head_dim) in ``dtype`` (model basis)."""
+        return self.k_part.view(layer, upto).to(dtype), self.v_part.view(layer, upto).to(dtype)
 
     def attend(self, layer: int, q: torch.Tensor, start_pos: int, attn: Attention) -> torch.Tensor:
+        """Attention of q [T, H, hd] (positions start_pos..) over cached positions 0..start_pos+T-1.
+
+        ``attn(q, k, v)`` is the model's attention (mask, scale and window bound in) and returns [T, H*hd]. It runs
+        in the storage basis: centered keys need nothing (softmax ignores a per-query shift); rotated keys take
+        q R^T; rotated/centered values give (o - mu_v) R^T, mapped back here.
+        """
         t, h, hd = q.shape
-        k, v = self._stored(layer, start_pos + t)
-        # scores against k - mu_k differ from q.k by q.mu_k, the same for every key of a query: softmax drops it
-        out = attn(q.float() @ self.rot_t, k, v).view(t, h, hd)  # = (o - mu_v) R^T, since sum_j p_j = 1
-        mu_v = self.mu[layer, 1, :, 0].repeat_interleave(h // self.n_kv_head, dim=0)  # [H, hd], GQA head map
-        return (out @ self.rot + mu_v).reshape(t, h * hd)
-
-
-_CLASSES = {"q8_0": Q8_0KVCache, "q4_0": Q4_0KVCache, "q4_rot": Q4RotKVCache}
+        upto = start_pos + t
+        k = self.k_part.stored(layer, upto).float()
+        v = self.v_part.stored(layer, upto).float()
+        kp, vp = self.k_part, self.v_part
+        if kp.rot is not None:
+            q = q.float() @ kp.rot_t
+        out = attn(q, k, v)
+        if vp.rot is None and not vp.centered:
+            return out
+        out = out.view(t, h, hd)
+        if vp.rot is not None:
+            out = out @ vp.rot
+        if vp.centered:
+            out = out + vp.mu[layer, :, 0].repeat_interleave(h // self.n_kv_head, dim=0)  # [H, hd], GQA head map
+        return out.reshape(t, h * hd)
 
 
 def make_kv_cache(kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int,
                   device: str | torch.device = "cpu") -> KVCache:
-    check_kind(kind, head_dim)
-    if kind in KV_DTYPES:
-        c = KVCache(n_layer, n_kv_head, max_seq, head_dim, KV_DTYPES[kind], device)
-        c.kind = kind
-        return c
-    return _CLASSES[kind](n_layer, n_kv_head, max_seq, head_dim, device)
+    return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device)
