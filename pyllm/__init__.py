@@ -7,14 +7,13 @@
         print(piece, end="", flush=True)
 """
 
-import os as _os
-
 __version__ = "0.1.0"
 
-# The kernels and torch share one OpenMP runtime. Its default active wait keeps idle workers spinning for
-# milliseconds after each parallel region, which starves the main thread on a machine with as many busy
-# processes as cores (2-thread decode measured 6x slower than 1-thread that way). Must be set before torch loads.
-_os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP wait policy: left at the runtime's default (spin a while, then sleep). A decode step opens ~7 parallel
+# regions per layer, and waking sleeping workers for each costs more than the GEMV: on an idle 2-core machine
+# OMP_WAIT_POLICY=PASSIVE measured 14.2 ms per SmolLM2 token against 5.6-6.5 ms with spinning workers
+# (tools/decode_profile.py). Where every core is busy with other processes the spinning hurts instead; set
+# OMP_WAIT_POLICY=PASSIVE there (it must be in the environment before torch loads).
 
 from .errors import PyllmError  # noqa: E402
 
