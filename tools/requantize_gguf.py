@@ -1,0 +1,66 @@
+"""Requantize a GGUF file's 2-D weights to one block type (Q4_0 or Q8_0), keeping its metadata and its 1-D tensors.
+
+    python tools/requantize_gguf.py smollm2-135m q4_0 /tmp/SmolLM2-135M-Instruct.Q4_0.gguf
+
+For speed comparisons on the same model in other block types (issue 3: SmolLM2 as Q4_1, Q4_0 and Q8_0).
+Weights go through gguf-py both ways (``gguf.quants.dequantize`` then ``gguf.quants.quantize``, llama.cpp's
+reference quantizers), so the file is what llama.cpp's own tools would write from these values; requantizing an
+already quantized file compounds the rounding, which is fine for speed, not for quality work. Metadata is copied
+field by field as gguf-py's own gguf_new_metadata script does; general.file_type is set to the new type.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import gguf
+import numpy as np
+
+TYPES = {"q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0),
+         "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+
+
+def requantize(src: str, kind: str, dst: str) -> None:
+    qtype, ftype = TYPES[kind]
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    writer = gguf.GGUFWriter(dst, arch)
+    for field in reader.fields.values():
+        if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+            continue
+        if field.name == gguf.Keys.General.FILE_TYPE:
+            writer.add_file_type(ftype)
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub)
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    for t in reader.tensors:
+        shape = [int(d) for d in reversed(t.shape)]  # gguf-py lists ne0 first; numpy wants rows first
+        if len(shape) == 2 and shape[-1] % block == 0:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+            q = gguf.quants.quantize(w, qtype)
+            writer.add_tensor(t.name, q, raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="GGUF path or registry name")
+    ap.add_argument("type", choices=sorted(TYPES))
+    ap.add_argument("out")
+    a = ap.parse_args()
+    from pyllm.registry import resolve
+
+    requantize(str(resolve(a.model)), a.type, a.out)
+    print(a.out, file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
