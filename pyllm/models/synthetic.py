@@ -47,16 +47,7 @@ def random_qtensor(qtype: GGMLType, n: int, k: int, name: str = "w", seed: int =
     if k % bs:
         raise PyllmError(f"{name}: K={k} is not a multiple of the {qtype.name} block size {bs}")
     row_bytes = k // bs * ts
-    total = n * row_bytes
-    pool = _POOL.get(seed)
-    if pool is None:
-        g = torch.Generator().manual_seed(seed)
-        pool = _POOL[seed] = torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, generator=g)
-    data = torch.empty(total, dtype=torch.uint8)
-    for i in range(0, total, pool.numel()):
-        m = min(pool.numel(), total - i)
-        data[i:i + m] = pool[:m]
-    data = data.view(n, row_bytes)
+    data = _pool_bytes(n * row_bytes, seed).view(n, row_bytes)
     if qtype in (GGMLType.F16, GGMLType.BF16):
         vals = (torch.rand(n, k) - 0.5) * 0.1
         data = vals.to(torch.float16 if qtype == GGMLType.F16 else torch.bfloat16).view(torch.uint8).view(n, -1)
