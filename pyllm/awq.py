@@ -672,16 +672,12 @@ def load_awq(path, device: str = "cpu", n_ctx: int = 4096, kv_cache: str = "f16"
     import time
 
     from .chat_template import ChatTemplate
-    from .llm import LLM, _check_policy, plan_kv_cache
+    from .llm import LLM, check_load_args, plan_kv_cache
     from .models import build_model, model_class
     from .runtime.kv_cache import make_kv_cache
 
     t0 = time.perf_counter()
-    if device != "cpu":
-        raise PyllmError(f"device {device!r} is not available for AWQ models (supported: cpu)")
-    if backend not in ("fast", "reference"):
-        raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
-    _check_policy(context_policy)
+    check_load_args(device, backend, context_policy)
     info, cfg, weights = open_awq(path)
     model_class(cfg)
     n_ctx, _, _ = plan_kv_cache(cfg, n_ctx, kv_cache)

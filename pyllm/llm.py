@@ -23,6 +23,15 @@ from .runtime.sampler import Sampler, SamplerSettings
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 
+def check_load_args(device: str, backend: str, context_policy: str) -> None:
+    """The checks every loader (GGUF here, AWQ in pyllm/awq.py) makes before touching a file."""
+    if device != "cpu":
+        raise PyllmError(f"device {device!r} is not available in this build (supported: cpu)")
+    if backend not in ("fast", "reference"):
+        raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
+    _check_policy(context_policy)
+
+
 def _check_policy(policy: str) -> str:
     if policy not in ("stop", "shift"):
         raise PyllmError(f"context_policy must be 'stop' or 'shift', got {policy!r}")
@@ -285,11 +294,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     from .tokenizer import Tokenizer
 
     t0 = time.perf_counter()
-    if device != "cpu":
-        raise PyllmError(f"device {device!r} is not available in this build (supported: cpu)")
-    if backend not in ("fast", "reference"):
-        raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
-    _check_policy(context_policy)
+    check_load_args(device, backend, context_policy)
     path = registry.resolve(model, quiet=quiet)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq.py)
         from .awq import load_awq; return load_awq(path, device, n_ctx, kv_cache, n_threads, backend, quiet, context_policy)  # noqa: E702

@@ -62,11 +62,12 @@ def _reference_matmul(x: torch.Tensor, w, out):
     return out
 
 
-def qmatmul(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x f32 [..., K] @ W.T -> f32 [..., N].  ``out``: optional f32 [..., N] to fill (and return)."""
+def qmatmul(x: torch.Tensor, w, out: torch.Tensor | None = None, precise_x: bool = False) -> torch.Tensor:
+    """x f32 [..., K] @ W.T -> f32 [..., N].  ``out``: optional f32 [..., N] to fill (and return).  ``precise_x``:
+    16-bit activations where the weight type has such a GEMV (see qmatmul_output)."""
     if _fast:
         try:
-            return _C.mul_mat(x, w.data, w.qtype, out)
+            return _C.mul_mat(x, w.data, w.qtype, out, precise_x)
         except NotImplementedError:  # a GGML type the kernels lack, or no extension
             pass
     return _reference_matmul(x, w, out)
@@ -76,12 +77,7 @@ def qmatmul_output(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch
     """qmatmul for the output projection: its error goes straight into the logits, so the GEMV keeps the
     activations at 16 bits where the weight type has such a kernel (Q8_0, what small models' tied embeddings
     use; see Q16Row in csrc/cpu/cpu_impl.h).  Other types, and prefill's GEMM, are the same as qmatmul."""
-    if _fast:
-        try:
-            return _C.mul_mat(x, w.data, w.qtype, out, True)
-        except NotImplementedError:
-            pass
-    return _reference_matmul(x, w, out)
+    return qmatmul(x, w, out, precise_x=True)
 
 
 def dequantize(w) -> torch.Tensor:
