@@ -321,7 +321,8 @@ std::unique_ptr<DecodeContext> make_decode_context(
     const std::string& act, double final_softcap, const std::optional<Tensor>& cos2,
     const std::optional<Tensor>& sin2, const std::vector<int64_t>& layer_rope,
     const std::vector<int64_t>& layer_window, int64_t k_type, int64_t v_type, const std::optional<Tensor>& k_mu,
-    const std::optional<Tensor>& v_mu, const std::optional<Tensor>& k_rot, const std::optional<Tensor>& v_rot) {
+    const std::optional<Tensor>& v_mu, const std::optional<Tensor>& k_rot, const std::optional<Tensor>& v_rot,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& k_sink, const std::optional<Tensor>& v_sink) {
     auto ctx = std::make_unique<DecodeContext>();
     pyllm::DecodeConfig& c = ctx->model.cfg;
     const int64_t n_layer = static_cast<int64_t>(attn_norm.size());
@@ -429,6 +430,10 @@ std::unique_ptr<DecodeContext> make_decode_context(
                        check_kv_extra(kDC, "k_mu", k_mu, mu_n, d.keep), check_kv_extra(kDC, "k_rot", k_rot, head_dim * head_dim, d.keep)};
     d.model.v_cache = {static_cast<pyllm::KVType>(v_type), v_cache.data_ptr(), v_row,
                        check_kv_extra(kDC, "v_mu", v_mu, mu_n, d.keep), check_kv_extra(kDC, "v_rot", v_rot, head_dim * head_dim, d.keep)};
+    d.model.k_cache.scale = check_kv_extra(kDC, "k_scale", k_scale, mu_n, d.keep);
+    // the sinks are written by the step (position 0); check_kv_extra checked they are contiguous float32 tensors
+    d.model.k_cache.sink = const_cast<float*>(check_kv_extra(kDC, "k_sink", k_sink, mu_n, d.keep));
+    d.model.v_cache.sink = const_cast<float*>(check_kv_extra(kDC, "v_sink", v_sink, mu_n, d.keep));
     d.model.layers.resize(n_layer);
     for (int64_t i = 0; i < n_layer; ++i) {
         pyllm::DecodeLayer& L = d.model.layers[i];
@@ -589,7 +594,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("sin2") = py::none(), py::arg("layer_rope") = std::vector<int64_t>{},
              py::arg("layer_window") = std::vector<int64_t>{}, py::arg("k_type") = -1, py::arg("v_type") = -1,
              py::arg("k_mu") = py::none(), py::arg("v_mu") = py::none(), py::arg("k_rot") = py::none(),
-             py::arg("v_rot") = py::none())
+             py::arg("v_rot") = py::none(), py::arg("k_scale") = py::none(), py::arg("k_sink") = py::none(),
+             py::arg("v_sink") = py::none())
         .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
         .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
     m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",

@@ -73,14 +73,18 @@ struct DecodeLayer {
 enum class KVType : int { F32 = 0, F16 = 1, Q8_0 = 2, Q4_0 = 3 };
 size_t kv_row_bytes(KVType t, int hd);
 // Keys or values of every layer: row (layer, head, pos) at data + ((layer * n_kv_head + head) * max_seq + pos) *
-// row_bytes.  Stored rows are (x - mu) R^T: mu [n_layer, n_kv_head, hd] or nullptr (not centered), R [hd, hd]
-// row-major (orthogonal) or nullptr (not rotated).
+// row_bytes.  Stored rows are ((x - mu) / s) R^T: mu [n_layer, n_kv_head, hd] or nullptr (not centered), s the
+// same shape or nullptr (keys only: queries then attend as (q * s) R^T), R [hd, hd] row-major (orthogonal) or
+// nullptr (not rotated).  sink: [n_layer, n_kv_head, hd] float rows holding position 0 exactly (storage basis),
+// read by attention instead of the stored row 0, or nullptr.  Why each exists: pyllm/runtime/kv_cache.py.
 struct KVPart {
     KVType type = KVType::F16;
     void* data = nullptr;
     size_t row_bytes = 0;
     const float* mu = nullptr;
     const float* rot = nullptr;
+    const float* scale = nullptr;
+    float* sink = nullptr;
 };
 // x [hd] (already centered/rotated) -> one stored row; quantization bit-identical to kv_cache.py's.
 void kv_store_row(KVType t, const float* x, int hd, void* row);
@@ -88,14 +92,17 @@ void kv_store_row(KVType t, const float* x, int hd, void* row);
 void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose);
 // One query head over n keys: o[hd] = sum_j softmax_j(scale * q . k_j) v_j, with k_j / v_j the rows at
 // k_rows + j * k_stride / v_rows + j * v_stride bytes, all in the storage basis (the caller rotates q and
-// un-rotates o).  sc: n floats of scratch.  The scalar reference of kv_attend_group.
+// un-rotates o).  sc: n floats of scratch.  lse (or nullptr): log sum_j exp(scale * q . k_j), so that the caller
+// can merge this softmax with one over other keys.  The scalar reference of kv_attend_group.
 void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o);
+                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o,
+                           float* lse = nullptr);
 // G query heads sharing one KV head (GQA): q rows q_stride apart, scores sc rows sc_stride apart (n each),
 // outputs o rows o_stride apart; each stored row is converted once for the group.  buf: hd floats of scratch.
+// lse: G floats (or nullptr), as kv_attend_head_scalar's.
 void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
-                     size_t sc_stride, float* o, size_t o_stride, float* buf);
+                     size_t sc_stride, float* o, size_t o_stride, float* buf, float* lse = nullptr);
 
 struct DecodeConfig {
     int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
@@ -118,6 +125,7 @@ struct DecodeModel {
 // Per-model scratch, allocated once (resize) so a step allocates nothing.
 struct DecodeScratch {
     std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;  // tmp: [n_head * 2 * head_dim] (rotations)
+    std::vector<float> sink;  // [n_head * (head_dim + 2)]: the sink row's output and the two log-sum-exps per head
     std::vector<float> rowbuf;  // [2 * n_kv_head * head_dim]: one converted KV row per attention task
     void resize(const DecodeModel& m);
 };

@@ -84,9 +84,9 @@ class _Tee:
     def __init__(self, caches: list[KVCache]):
         self.caches = caches
 
-    def update(self, layer, pos, k, v) -> None:
+    def update(self, layer, pos, k, v, q=None) -> None:
         for c in self.caches:
-            c.update(layer, pos, k, v)
+            c.update(layer, pos, k, v, q=q)
 
 
 def chunk_tokens(llm, text: str, n_ctx: int) -> tuple[list[int], int | None]:

@@ -237,7 +237,8 @@ def test_kv_attention_matches_float64_on_dequantized_rows(kind, isa):
     k[:, :, 9] *= 20  # an outlier channel
     c.update(0, 0, k, v)
     q = torch.randn(hkv * group, hd, generator=g) * 2
-    kd, vd = (p.stored(0, s).double().repeat_interleave(group, 0) for p in c.parts)  # storage basis
+    # storage basis, the stored row 0 (the kernel reads rows; the step's exact sink row is tested apart)
+    kd, vd = (p.stored(0, s, sink=False).double().repeat_interleave(group, 0) for p in c.parts)
     p = torch.softmax(torch.einsum("hd,hsd->hs", q.double(), kd) * hd ** -0.5, -1)
     want = torch.einsum("hs,hsd->hd", p, vd)
     got = ops._C.kv_attention(q, c.k_part.data[0], c.v_part.data[0], KV_IDS[kind], KV_IDS[kind], hd ** -0.5,
@@ -258,7 +259,7 @@ def test_kv_store_is_bit_identical_to_python(kind):
     assert torch.equal(ops._C.kv_store(x, KV_IDS[kind]), part.data[0, 0])
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_rot", "f16/q8_rot"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_rot", "f16/q8_rot", "q4_rot/f16"])
 def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
     """C++ decode over a quantized cache (centered keys, rotations) against the torch path over the same kind.
     Both quantize their own K/V, so codes at rounding boundaries differ: the bound is looser than f16's."""
@@ -277,3 +278,31 @@ def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
     assert toks_c == toks_py
     tol = 0.06 if "q4" not in kind else 0.2
     torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=tol * float(lg_py.abs().max()))
+
+
+def test_cpp_step_writes_the_exact_sink_row_from_position_zero(smollm2):
+    """A cache without means (f16 keys, q4_0 values) runs the C++ step from position 0, so the step itself stores
+    the exact sink row. Reference: the torch path over the same kind, token by token from position 0 (its sink is
+    v at position 0, as float32); bound as test_smollm2_cpp_decode_quantized_cache's for 4-bit caches."""
+    from pyllm.runtime.kv_cache import make_kv_cache
+
+    model, cfg = smollm2.model, smollm2.model.cfg
+    ids = smollm2.tokenize("The capital of France is")
+    out = []
+    for cpp in (False, True):
+        kv = make_kv_cache("f16/q4_0", cfg.n_layer, cfg.n_kv_head, 64, cfg.head_dim)
+        model.use_cpp_decode = cpp
+        try:
+            lg = torch.cat([model.forward(torch.tensor([t]), i, kv) for i, t in enumerate(ids)])
+        finally:
+            model.use_cpp_decode = True
+        if cpp:
+            assert model._decode_ctx is not None and model._decode_ctx[2] is not None, "C++ step was not used"
+        out.append((lg, kv.v_part.sink.clone()))
+    (lg_py, sink_py), (lg_c, sink_c) = out
+    # the two paths' GEMVs round differently, and deeper layers' position-0 rows inherit it (as the cache rows do
+    # in _compare); a wrong or missing row is off by the row's whole size
+    torch.testing.assert_close(sink_c, sink_py, rtol=0, atol=0.05 * float(sink_py.abs().max()))
+    assert sink_py.abs().max() > 0
+    torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=0.2 * float(lg_py.abs().max()))
+    assert (lg_c.argmax(-1) == lg_py.argmax(-1)).all()

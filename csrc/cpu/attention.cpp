@@ -178,7 +178,7 @@ KV_INLINE float dot_f32(const float* a, const float* b, int hd) {
 // the conversion cost is shared by the group (GQA: 3 heads per KV head in SmolLM2, 7 in Qwen2.5-0.5B).
 void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                        size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale,
-                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* buf) {
+                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* buf, float* lse) {
     for (int j = 0; j < n; ++j) {
         const uint8_t* r = k_rows + j * k_stride;
         const float* kr = kt == KVType::F32 ? reinterpret_cast<const float*>(r) : buf;
@@ -196,6 +196,7 @@ void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType
         }
         const float inv = 1.0f / sum;
         for (int j = 0; j < n; ++j) sg[j] *= inv;
+        if (lse) lse[g] = mx + std::log(sum);
         std::fill(o + g * o_stride, o + g * o_stride + hd, 0.f);
     }
     for (int j = 0; j < n; ++j) {
@@ -214,7 +215,7 @@ void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType
 
 template <float (*Dot)(KVType, const uint8_t*, const float*, int), void (*Axpy)(KVType, const uint8_t*, float, float*, int)>
 void attend(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows, size_t v_stride,
-            const float* q, int hd, int n, float scale, float* sc, float* o) {
+            const float* q, int hd, int n, float scale, float* sc, float* o, float* lse) {
     float mx = -INFINITY;
     for (int j = 0; j < n; ++j) {
         sc[j] = Dot(kt, k_rows + j * k_stride, q, hd) * scale;
@@ -226,6 +227,7 @@ void attend(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const 
         sum += sc[j];
     }
     const float inv = 1.0f / sum;
+    if (lse) *lse = mx + std::log(sum);
     std::fill(o, o + hd, 0.f);
     for (int j = 0; j < n; ++j) Axpy(vt, v_rows + j * v_stride, sc[j] * inv, o, hd);
 }
@@ -300,24 +302,25 @@ void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose)
 }
 
 void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o) {
-    attend<dot_row_scalar, axpy_row_scalar>(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o);
+                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o,
+                           float* lse) {
+    attend<dot_row_scalar, axpy_row_scalar>(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o, lse);
 }
 
 void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
-                     size_t sc_stride, float* o, size_t o_stride, float* buf) {
+                     size_t sc_stride, float* o, size_t o_stride, float* buf, float* lse) {
 #if PYLLM_KV_AVX2
     if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
         attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
-                          o_stride, buf);
+                          o_stride, buf, lse);
         return;
     }
 #endif
     (void)buf;
     for (int g = 0; g < G; ++g)
         kv_attend_head_scalar(kt, k_rows, k_stride, vt, v_rows, v_stride, q + g * q_stride, hd, n, scale,
-                              sc + g * sc_stride, o + g * o_stride);
+                              sc + g * sc_stride, o + g * o_stride, lse ? lse + g : nullptr);
 }
 
 }  // namespace pyllm

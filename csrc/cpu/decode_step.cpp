@@ -62,6 +62,7 @@ void DecodeScratch::resize(const DecodeModel& m) {
     scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
     tmp.assign(static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
     rowbuf.assign(static_cast<size_t>(2) * c.n_kv_head * c.head_dim, 0.f);
+    sink.assign(static_cast<size_t>(c.n_head) * (c.head_dim + 3), 0.f);
 }
 
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
@@ -119,10 +120,16 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
                     for (int d = 0; d < hd; ++d) tmp[d] = x[d] - mu[d];
                     x = tmp;
                 }
+                if (P.scale) {
+                    const float* sc = P.scale + (lrow + hh) * hd;
+                    for (int d = 0; d < hd; ++d) tmp[d] = x[d] / sc[d];
+                    x = tmp;
+                }
                 if (P.rot) {
                     kv_rotate(P.rot, x, tmp + hd, hd, true);
                     x = tmp + hd;
                 }
+                if (P.sink && pos == 0) std::memcpy(P.sink + (lrow + hh) * hd, x, sizeof(float) * hd);
                 kv_store_row(P.type, x, hd, static_cast<uint8_t*>(P.data) + row * P.row_bytes);
             }
         }
@@ -148,18 +155,56 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
             float* tq = s.tmp.data() + static_cast<size_t>(h0) * 2 * hd;  // rotated q / pre-rotation o, per head
             const float* qg = q + static_cast<size_t>(h0) * hd;
             size_t q_stride = hd;
-            if (KP.rot) {
-                for (int hh = h0; hh < h1; ++hh)
-                    kv_rotate(KP.rot, q + static_cast<size_t>(hh) * hd, tq + static_cast<size_t>(hh - h0) * 2 * hd, hd, true);
+            if (KP.rot || KP.scale) {  // (q * s) R^T; the head's second half of tmp holds q * s until o lands there
+                for (int hh = h0; hh < h1; ++hh) {
+                    const float* qh = q + static_cast<size_t>(hh) * hd;
+                    float* dst = tq + static_cast<size_t>(hh - h0) * 2 * hd;
+                    if (KP.scale) {
+                        const float* sc = KP.scale + (lrow + kh) * hd;
+                        for (int d = 0; d < hd; ++d) dst[hd + d] = qh[d] * sc[d];
+                        qh = dst + hd;
+                    }
+                    if (KP.rot) kv_rotate(KP.rot, qh, dst, hd, true);
+                    else std::memcpy(dst, qh, sizeof(float) * hd);
+                }
                 qg = tq;
                 q_stride = 2 * static_cast<size_t>(hd);
             }
             float* og = VP.rot ? tq + hd : att + static_cast<size_t>(h0) * hd;
             const size_t o_stride = VP.rot ? 2 * static_cast<size_t>(hd) : hd;
-            kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + r0 * KP.row_bytes, KP.row_bytes, VP.type,
-                            static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes, VP.row_bytes, qg, q_stride,
-                            h1 - h0, hd, n_keys, c.scale, s.scores.data() + static_cast<size_t>(h0) * c.max_seq,
-                            c.max_seq, og, o_stride, s.rowbuf.data() + static_cast<size_t>(t) * hd);
+            const int G = h1 - h0;
+            float* sc = s.scores.data() + static_cast<size_t>(h0) * c.max_seq;
+            float* buf = s.rowbuf.data() + static_cast<size_t>(t) * hd;
+            // Exact sink rows: softmax over the stored rows 1..pos and over row 0 (its exact float copy where the
+            // part keeps one) separately, then merged by their log-sum-exps -- the same softmax over all keys.
+            const bool sink = j0 == 0 && (KP.sink || VP.sink);
+            const int r_first = sink ? 1 : 0;
+            float* lse = sink ? s.sink.data() + static_cast<size_t>(H) * hd + h0 : nullptr;  // [G] rows 1..pos
+            kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + (r0 + r_first) * KP.row_bytes,
+                            KP.row_bytes, VP.type, static_cast<const uint8_t*>(VP.data) + (r0 + r_first) * VP.row_bytes,
+                            VP.row_bytes, qg, q_stride, G, hd, n_keys - r_first, c.scale, sc, c.max_seq, og, o_stride,
+                            buf, lse);
+            if (sink) {
+                float* o0 = s.sink.data() + static_cast<size_t>(h0) * hd;  // [G, hd] row 0's output (its v)
+                float* lse0 = lse + H;                                      // [G]
+                float* sc0 = lse0 + H;                                      // [G] scratch
+                const bool ks = KP.sink != nullptr, vs = VP.sink != nullptr;
+                const size_t f32row = sizeof(float) * hd;
+                kv_attend_group(ks ? KVType::F32 : KP.type,
+                                ks ? reinterpret_cast<const uint8_t*>(KP.sink + (lrow + kh) * hd)
+                                   : static_cast<const uint8_t*>(KP.data) + r0 * KP.row_bytes,
+                                ks ? f32row : KP.row_bytes, vs ? KVType::F32 : VP.type,
+                                vs ? reinterpret_cast<const uint8_t*>(VP.sink + (lrow + kh) * hd)
+                                   : static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes,
+                                vs ? f32row : VP.row_bytes, qg, q_stride, G, hd, 1, c.scale, sc0, 1, o0, hd, buf, lse0);
+                for (int g = 0; g < G; ++g) {
+                    const float mx = std::max(lse[g], lse0[g]);
+                    const float w1 = std::exp(lse[g] - mx), w0 = std::exp(lse0[g] - mx), inv = 1.0f / (w0 + w1);
+                    float* o = og + g * o_stride;
+                    const float* a = o0 + static_cast<size_t>(g) * hd;
+                    for (int d = 0; d < hd; ++d) o[d] = (w1 * o[d] + w0 * a[d]) * inv;
+                }
+            }
             for (int hh = h0; hh < h1; ++hh) {
                 float* o = att + static_cast<size_t>(hh) * hd;
                 if (VP.rot) kv_rotate(VP.rot, og + (hh - h0) * o_stride, o, hd, false);

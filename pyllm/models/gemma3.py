@@ -99,7 +99,7 @@ class Gemma3Model:
             k = rms_norm(k, vec[p + "attn_k_norm.weight"], eps)
             q = apply_rope(q, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
             k = apply_rope(k, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
-            kv.update(i, start_pos, k, v)
+            kv.update(i, start_pos, k, v, q=q)
             attn = functools.partial(attention, start_pos=start_pos, scale=self.scale,
                                      window=0 if glob else self.window)
             if start_pos == 0:

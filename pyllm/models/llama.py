@@ -138,7 +138,7 @@ class LlamaModel:
                 k = rms_norm(k, vec[p + "attn_k_norm.weight"], cfg.rms_eps)
             q = apply_rope(q, cos, sin, cfg.rope_style, cfg.rope_dim)
             k = apply_rope(k, cos, sin, cfg.rope_style, cfg.rope_dim)
-            kv.update(i, start_pos, k, v)
+            kv.update(i, start_pos, k, v, q=q)
             if start_pos == 0:
                 # A fresh prompt attends to its own keys in float32, not to their rounded cache copies.
                 a = attention(q, k.transpose(0, 1), v.transpose(0, 1), start_pos, self.scale, cfg.sliding_window)
@@ -209,7 +209,8 @@ def make_decode_ctx(model, kv, *, bias: bool, qk_norm: bool, cos, sin, window: i
             cos.contiguous(), sin.contiguous(), kvx["k_cache"], kvx["v_cache"], cfg.n_embd, cfg.n_ff, cfg.n_head,
             cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, model.scale,
             window, k_type=kvx["k_type"], v_type=kvx["v_type"], k_mu=kvx["k_mu"], v_mu=kvx["v_mu"],
-            k_rot=kvx["k_rot"], v_rot=kvx["v_rot"], **extra)
+            k_rot=kvx["k_rot"], v_rot=kvx["v_rot"], k_scale=kvx["k_scale"], k_sink=kvx["k_sink"],
+            v_sink=kvx["v_sink"], **extra)
     except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
         # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
         return None
@@ -219,12 +220,15 @@ KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_rot": 3, "q8_rot": 
 
 
 def kv_cache_args(kv) -> dict:
-    """The DecodeContext arguments describing ``kv``'s storage: per part its tensor, KVType id, mean (the live
-    tensor, updated in place when the cache re-estimates it) and rotation R. KeyError for kinds it cannot store."""
+    """The DecodeContext arguments describing ``kv``'s storage: per part its tensor, KVType id, mean and key scale
+    (the live tensors, updated in place when the cache re-estimates them), rotation R and exact sink row (written
+    by the step at position 0). KeyError for kinds it cannot store."""
     out = {}
     for name, p in (("k", kv.k_part), ("v", kv.v_part)):
         out[f"{name}_type"] = KV_TYPE_IDS[p.kind]
         out[f"{name}_cache"] = p.data
         out[f"{name}_mu"] = p.mu if getattr(p, "centered", False) else None
         out[f"{name}_rot"] = p.rot.contiguous() if p.rot is not None else None
+        out[f"{name}_sink"] = getattr(p, "sink", None)
+    out["k_scale"] = kv.k_part.scale if getattr(kv.k_part, "scaled", False) else None
     return out

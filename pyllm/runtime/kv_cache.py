@@ -44,8 +44,27 @@ vector x is stored as x R^T.
     tracks the vector's RMS instead of its outliers, and the 4-bit step (absmax / 8) shrinks accordingly. The
     error is committed in the rotated basis; R is orthogonal, so its L2 norm per vector is the same after
     un-rotating. The random signs keep structured vectors (e.g. one aligned with a row of H) from staying peaky.
-The means are estimated from the first batch written at position 0 (without position 0 itself, often an
-attention-sink outlier) and then fixed until the cache is rewritten from position 0.
+Balanced key scales (keys of every block kind). A fixed per-(layer, head, channel) scale s is exact for the same
+reason: storing k / s and attending with q * s leaves every q . k unchanged. It sets where the rounding error
+lands. A score moves by (q * s) . e, e the error of the stored key. Rotated, e is about isotropic with a size set by
+the stored vectors' RMS, so the score's error variance goes as sum_c q_c^2 s_c^2 times sum_c k_c^2 / s_c^2
+(per-channel mean squares of the centered keys and of the queries); by Cauchy-Schwarz that product is smallest,
+(sum_c |q_c| |k_c|)^2, at s_c^2 = rms(k_c) / rms(q_c) -- SmoothQuant's balance (alpha = 1/2) between the two sides
+of a product. Unrotated blocks gain the same way: a channel the queries barely read no longer sets its block's
+step. Qwen2.5 is the case that needs it: RoPE turns its K bias into a few huge key channels the mean cannot
+remove, and its queries hardly use them. Rotation alone spread them over every coordinate (4-bit rotated keys
+were worse than plain q4_0 there: +31% perplexity against +17%); with the scales q4_rot is at +2.6% and q8_0
+goes from +2.1% to +0.1% (docs/BENCHMARKS.md). The scales come from the same batch as the means, queries included
+(``update(..., q=q)``; without queries, from the keys alone: s_c^2 = rms(k_c)).
+
+Exact sink row (every block kind). Position 0 (BOS, or the first token) is where most heads park their
+attention -- it holds a large share of every softmax -- so its rounding error reaches every later query with a
+large weight. Each block part also keeps position 0's row exactly (float32, in the storage basis, one row per
+layer and head: a few KiB); attention reads that row instead of the quantized one. On the 4-bit kinds this halves
+the part of the KL divergence it touches (docs/BENCHMARKS.md).
+
+The means (and scales) are estimated from the first batch written at position 0 (without position 0 itself, often
+an attention-sink outlier) and then fixed until the cache is rewritten from position 0.
 """
 
 from __future__ import annotations
@@ -176,7 +195,7 @@ class _FloatPart:
     def write(self, layer: int, pos: int, x: torch.Tensor) -> None:  # x: [Hkv, T, hd]
         self.data[layer, :, pos:pos + x.shape[1]] = x.to(self.dtype)
 
-    def stored(self, layer: int, upto: int) -> torch.Tensor:
+    def stored(self, layer: int, upto: int, sink: bool = True) -> torch.Tensor:
         return self.data[layer, :, :upto]
 
     def view(self, layer: int, upto: int) -> torch.Tensor:
@@ -201,32 +220,66 @@ class _BlockPart:
         self.rot_t = None if self.rot is None else self.rot.T.contiguous()  # R^T: x R^T rotates a row vector x
         self.centered = is_key or self.rot is not None
         self.mu = torch.zeros(n_layer, n_kv_head, 1, head_dim, device=device)
-        self.buffers = [self.data] + ([self.mu] if self.centered else [])
+        self.scaled = is_key
+        self.scale = torch.ones(n_layer, n_kv_head, 1, head_dim, device=device)  # s: stored keys are k / s
+        self.sink = torch.zeros(n_layer, n_kv_head, 1, head_dim, device=device)  # position 0, exact (storage basis)
+        self.buffers = ([self.data, self.sink] + ([self.mu] if self.centered else [])
+                        + ([self.scale] if self.scaled else []))
 
     def to_storage(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Model basis -> storage basis: (x - mu) [R^T]. x: [Hkv, T, hd] f32."""
+        """Model basis -> storage basis: ((x - mu) / s) [R^T]. x: [Hkv, T, hd] f32."""
         if self.centered:
             x = x - self.mu[layer]
+        if self.scaled:
+            x = x / self.scale[layer]
         return x if self.rot is None else x @ self.rot_t
 
     def write(self, layer: int, pos: int, x: torch.Tensor) -> None:
         t = x.shape[1]
-        c, d = self.quantize(self.to_storage(layer, x).reshape(self.hkv, t, self.nb, QK))
+        y = self.to_storage(layer, x)
+        c, d = self.quantize(y.reshape(self.hkv, t, self.nb, QK))
         blk = torch.cat((d.unsqueeze(-1).view(torch.uint8), c.view(torch.uint8)), -1)  # [Hkv, T, nb, bb]
         self.data[layer, :, pos:pos + t] = blk.flatten(-2)
+        if pos == 0:
+            self.sink[layer] = y[:, :1]
 
-    def stored(self, layer: int, upto: int) -> torch.Tensor:
-        """Dequantized, in the storage basis: [Hkv, upto, hd] f32."""
+    def stored(self, layer: int, upto: int, sink: bool = True) -> torch.Tensor:
+        """Dequantized, in the storage basis, position 0 exact (its stored row where ``sink`` is False):
+        [Hkv, upto, hd] f32."""
         b = self.data[layer, :, :upto].view(self.hkv, upto, self.nb, self.bb)
         d = b[..., :2].view(torch.float16)[..., 0]
         c = b[..., 2:].view(torch.int8) if self.q8 else b[..., 2:]
-        return self.dequantize(c, d).view(self.hkv, upto, self.hd)
+        x = self.dequantize(c, d).view(self.hkv, upto, self.hd)
+        if upto and sink:
+            x[:, :1] = self.sink[layer]
+        return x
 
     def view(self, layer: int, upto: int) -> torch.Tensor:
         x = self.stored(layer, upto)
         if self.rot is not None:
             x = x @ self.rot  # (x - mu) R^T R = x - mu
+        if self.scaled:
+            x = x * self.scale[layer]
         return x + self.mu[layer] if self.centered else x
+
+
+def balanced_key_scale(k: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
+    """s [Hkv, 1, hd] with s_c^2 = rms(k_c) / rms(q_c) (see the module docstring), normalized to RMS 1 per head.
+
+    k: centered keys [Hkv, T, hd]; q: the same positions' queries [T, H, hd] (H a multiple of Hkv), or None (keys
+    alone). Channel RMSs are floored at 1/16 of their head's mean so that a channel a short prompt left near zero
+    cannot get an extreme scale.
+    """
+    def rms(x: torch.Tensor, dims) -> torch.Tensor:
+        r = x.double().pow(2).mean(dims).sqrt()  # [Hkv, hd]
+        return torch.maximum(r, r.mean(-1, keepdim=True) / 16).clamp_min(1e-30)
+
+    s2 = rms(k, 1)
+    if q is not None:
+        hkv, hd = k.shape[0], k.shape[2]
+        s2 = s2 / rms(q.reshape(q.shape[0], hkv, -1, hd), (0, 2))
+    s = s2.sqrt()
+    return (s / s.pow(2).mean(-1, keepdim=True).sqrt()).float().unsqueeze(1)
 
 
 def _make_part(kind, *args, is_key):
@@ -276,23 +329,30 @@ class KVCache:
         """True once every layer's means are fixed (or the cache has none): the C++ decode step needs it."""
         return not self.centered or all(self.mu_set)
 
-    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v: (T, n_kv_head, head_dim) at positions pos..pos+T-1 of ``layer``."""
+    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None) -> None:
+        """Store k, v: (T, n_kv_head, head_dim) at positions pos..pos+T-1 of ``layer``. q: the same positions'
+        queries (T, n_head, head_dim), used only to estimate the balanced key scales (rotated kinds)."""
         t = k.shape[0]
         self._check(pos, t)
         k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, T, hd]
         if self.centered:
+            kp = self.k_part
             if pos == 0:
                 self.mu_set[layer] = False  # the cache is being rewritten from the start: estimate again
                 for p in self.parts:
                     if p.centered:
                         p.mu[layer].zero_()
+                if getattr(kp, "scaled", False):
+                    kp.scale[layer].fill_(1.0)
             if not self.mu_set[layer] and pos + t >= 2:
                 old = self.view(layer, pos) if pos else None  # position 0, stored before there was a mean
                 skip = 1 if pos == 0 else 0
                 for p, x in zip(self.parts, (k, v)):
                     if p.centered:
                         p.mu[layer] = x[:, skip:].mean(1, keepdim=True)
+                if getattr(kp, "scaled", False):
+                    kp.scale[layer] = balanced_key_scale(k[:, skip:] - kp.mu[layer],
+                                                         None if q is None else q[skip:].float())
                 self.mu_set[layer] = True
                 if old is not None:
                     self.k_part.write(layer, 0, old[0])
@@ -308,14 +368,17 @@ class KVCache:
         """Attention of q [T, H, hd] (positions start_pos..) over cached positions 0..start_pos+T-1.
 
         ``attn(q, k, v)`` is the model's attention (mask, scale and window bound in) and returns [T, H*hd]. It runs
-        in the storage basis: centered keys need nothing (softmax ignores a per-query shift); rotated keys take
-        q R^T; rotated/centered values give (o - mu_v) R^T, mapped back here.
+        in the storage basis: centered keys need nothing (softmax ignores a per-query shift); scaled and rotated
+        keys take (q * s) R^T; rotated/centered values give (o - mu_v) R^T, mapped back here.
         """
         t, h, hd = q.shape
         upto = start_pos + t
         k = self.k_part.stored(layer, upto).float()
         v = self.v_part.stored(layer, upto).float()
         kp, vp = self.k_part, self.v_part
+        g = h // self.n_kv_head
+        if getattr(kp, "scaled", False):
+            q = q.float() * kp.scale[layer, :, 0].repeat_interleave(g, dim=0)  # [H, hd], GQA head map
         if kp.rot is not None:
             q = q.float() @ kp.rot_t
         out = attn(q, k, v)
@@ -325,7 +388,7 @@ class KVCache:
         if vp.rot is not None:
             out = out @ vp.rot
         if vp.centered:
-            out = out + vp.mu[layer, :, 0].repeat_interleave(h // self.n_kv_head, dim=0)  # [H, hd], GQA head map
+            out = out + vp.mu[layer, :, 0].repeat_interleave(g, dim=0)
         return out.reshape(t, h * hd)
 
 
