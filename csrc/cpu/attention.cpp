@@ -1,16 +1,17 @@
 // The decode step's attention over a KV cache of any row type (fp32, fp16, q8_0, q4_0 blocks): q . k and the
 // weighted sum of V are computed from the stored rows one row at a time (no expanded copy of the cache), so a
-// quantized cache is read at its own size.  AVX2: per KV head, each stored row is converted to floats once, in
-// L1 (block rows: int8 codes times the block scale), and used by every query head of the group (8-wide FMA dots
-// and axpys); the scalar per-head loops beside it are the reference.  At a 2048-token context the attention,
-// not the GEMVs, dominates a small model's step: the scalar fp16 loop ran SmolLM2 at 5.4 t/s there, an 8-wide
-// one 33 t/s (load ~8).
+// quantized cache is read at its own size.  AVX2: per KV head and its group of query heads, scores 8 rows at a
+// time per head (8 accumulators, one reduction), a vectorized softmax, and outputs accumulated in registers
+// (each V row converted once per 2 heads); the scalar per-head loops beside it are the reference.  At a
+// 2048-token context the attention, not the GEMVs, dominates a small model's step: the scalar fp16 loop ran
+// SmolLM2 at 5.4 t/s there, an 8-wide one 33 t/s (load ~8).
 // Quantization (kv_store_row) matches pyllm/runtime/kv_cache.py bit for bit: q8_0 d = absmax/127 stored fp16,
 // q = roundf(x / d); q4_0 d = m/-8 (m: the first value of largest magnitude), q = min(15, floor(x / d + 8.5)).
 // No torch here: bindings.cpp checked every size.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common/blocks.h"
 #include "common/decode.h"
@@ -124,56 +125,111 @@ KV_INLINE float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+// a[0..7] -> (sum a[0], ..., sum a[7])
+KV_INLINE __m256 hsum8x8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 // 8 int8 -> 8 floats
 KV_INLINE __m256 i8x8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// A q4_0 block's 32 values (code - 8) as int8, in registers: lo = elements 0..15, hi = 16..31.
-KV_INLINE void q4_values(const block_q4_0& b, __m128i& lo, __m128i& hi) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
-    hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
-}
-// 8 int8 in the low half of x -> 8 floats
-KV_INLINE __m256 i8x8(__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)); }
-// One stored row -> hd floats (the values in the storage basis).
-void row_to_f32_avx2(KVType t, const uint8_t* row, float* y, int hd) {
-    switch (t) {
-        case KVType::F32: std::memcpy(y, row, sizeof(float) * hd); return;
-        case KVType::F16: {
-            const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
-            for (int i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
-            return;
-        }
-        case KVType::Q8_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), y += QK) {
-                const __m256 d = _mm256_set1_ps(d_of(row));
-                const int8_t* c = reinterpret_cast<const block_q8_0*>(row)->qs;
-                for (int i = 0; i < QK; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(d, i8x8(c + i)));
-            }
-            return;
-        case KVType::Q4_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), y += QK) {
-                const __m256 d = _mm256_set1_ps(d_of(row));
-                __m128i lo, hi;
-                q4_values(*reinterpret_cast<const block_q4_0*>(row), lo, hi);
-                _mm256_storeu_ps(y, _mm256_mul_ps(d, i8x8(lo)));
-                _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8))));
-                _mm256_storeu_ps(y + 16, _mm256_mul_ps(d, i8x8(hi)));
-                _mm256_storeu_ps(y + 24, _mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8))));
-            }
-            return;
+
+// 32 values (elements 32t..32t+31) of a stored row as floats in x[0..3]; returns the factor they still need
+// (the block scale d of q8_0 / q4_0 rows, 1 otherwise).
+template <KVType T>
+KV_INLINE float tile32(const uint8_t* row, int t, __m256* x) {
+    if constexpr (T == KVType::F32) {
+        const float* r = reinterpret_cast<const float*>(row) + 32 * t;
+        for (int k = 0; k < 4; ++k) x[k] = _mm256_loadu_ps(r + 8 * k);
+        return 1.f;
+    } else if constexpr (T == KVType::F16) {
+        const uint16_t* r = reinterpret_cast<const uint16_t*>(row) + 32 * t;
+        for (int k = 0; k < 4; ++k) x[k] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 8 * k)));
+        return 1.f;
+    } else if constexpr (T == KVType::Q8_0) {
+        const block_q8_0* b = reinterpret_cast<const block_q8_0*>(row) + t;
+        for (int k = 0; k < 4; ++k) x[k] = i8x8(b->qs + 8 * k);
+        return d_of(reinterpret_cast<const uint8_t*>(b));
+    } else {
+        // q4_0: the 16 bytes zero-extended to int32 lanes; element i is the low nibble of byte i, i + 16 the high one
+        const block_q4_0* b = reinterpret_cast<const block_q4_0*>(row) + t;
+        const __m256i m = _mm256_set1_epi32(0x0F), e = _mm256_set1_epi32(8);
+        const __m256i x0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b->qs)));
+        const __m256i x1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b->qs + 8)));
+        x[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x0, m), e));
+        x[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x1, m), e));
+        x[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x0, 4), e));
+        x[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x1, 4), e));
+        return d_of(reinterpret_cast<const uint8_t*>(b));
     }
 }
 
-KV_INLINE float dot_f32(const float* a, const float* b, int hd) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    for (int i = 8; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return hsum8(acc);
+// ---- scores: sc[g * sc_stride + j] = scale * q_g . k_j ------------------------------------------------------
+// Rows are taken RB at a time and each head dots all RB with RB accumulators, reduced together: one
+// transpose-add tree and one store for RB scores instead of a horizontal sum per (row, head).
+constexpr int RB = 8;
+
+KV_INLINE void store_scores(float* out, __m256 s, int nr) {
+    if (nr == RB) {
+        _mm256_storeu_ps(out, s);
+    } else {
+        alignas(32) float t[RB];
+        _mm256_store_ps(t, s);
+        std::memcpy(out, t, sizeof(float) * nr);
+    }
 }
 
+// Float keys (f32, or f16 converted in the dot loop: for the small groups of a decode task, converting again
+// per head costs less than storing a converted copy and reading it back).  Block keys are converted once per
+// row into L1 scratch (kb: RB * hd floats) and dotted as f32.
+void scores_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd,
+                 int n, float scale, float* sc, size_t sc_stride, float* kb) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < n; j0 += RB) {
+        const int nr = std::min(RB, n - j0);
+        const uint8_t* rows[RB];
+        for (int r = 0; r < RB; ++r) rows[r] = k_rows + (j0 + std::min(r, nr - 1)) * k_stride;  // tail: repeats
+        if (kt == KVType::Q8_0 || kt == KVType::Q4_0) {
+            for (int r = 0; r < RB; ++r) {
+                float* y = kb + r * hd;
+                for (int t = 0; t < hd / QK; ++t) {
+                    __m256 x[4];
+                    const __m256 d = _mm256_set1_ps(kt == KVType::Q8_0 ? tile32<KVType::Q8_0>(rows[r], t, x)
+                                                                       : tile32<KVType::Q4_0>(rows[r], t, x));
+                    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(y + 32 * t + 8 * k, _mm256_mul_ps(d, x[k]));
+                }
+                rows[r] = reinterpret_cast<const uint8_t*>(y);
+            }
+        }
+        for (int g = 0; g < G; ++g) {
+            const float* qg = q + g * q_stride;
+            __m256 acc[RB];
+            for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+            if (kt == KVType::F16) {
+                for (int i = 0; i < hd; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    for (int r = 0; r < RB; ++r)
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(
+                                                     reinterpret_cast<const __m128i*>(rows[r] + 2 * i))),
+                                                 qv, acc[r]);
+                }
+            } else {
+                for (int i = 0; i < hd; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    for (int r = 0; r < RB; ++r)
+                        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(rows[r]) + i), qv,
+                                                 acc[r]);
+                }
+            }
+            store_scores(sc + g * sc_stride + j0, _mm256_mul_ps(hsum8x8(acc), vscale), nr);
+        }
+    }
+}
+
+// ---- softmax ------------------------------------------------------------------------------------------------
 // e^x for x <= 0 (softmax arguments): Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
 // within 2 ulp of expf on [-87, 0]; below -87 the result is e^-87 (~1.6e-38), as good as 0 next to the max's 1.
 KV_INLINE __m256 exp256(__m256 x) {
@@ -193,7 +249,8 @@ KV_INLINE __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// Each of the G score rows -> its softmax, in place.  (The scalar std::exp loop was a third of the attention.)
+// Each of the G score rows -> its softmax, in place.  (The scalar std::exp loop was a third of the attention
+// once the dots were 8-wide.)
 void softmax_avx2(float* sc, size_t sc_stride, int G, int n) {
     const int n8 = n & ~7;
     for (int g = 0; g < G; ++g) {
@@ -223,29 +280,68 @@ void softmax_avx2(float* sc, size_t sc_stride, int G, int n) {
     }
 }
 
-// G query heads of one KV head: each stored row is converted once (into buf, L1) and used by all G heads, so
-// the conversion cost is shared by the group (GQA: 3 heads per KV head in SmolLM2, 7 in Qwen2.5-0.5B).
+// ---- values: o_g = sum_j p_g[j] v_j -------------------------------------------------------------------------
+// Outputs are accumulated in registers, 32 elements of H <= 2 heads at a time (8 accumulators), over all rows;
+// each row's 32 values are converted in registers once for the H heads.  (Converting rows into scratch and
+// adding each into outputs in memory cost a load and a store of the output per row and head.)
+template <KVType T, int H>
+void values_tile(const uint8_t* v_rows, size_t v_stride, const float* const* p, int n, int t, float* const* o) {
+    constexpr bool BLOCK = T == KVType::Q8_0 || T == KVType::Q4_0;
+    __m256 acc[H][4];
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+        __m256 x[4];
+        const float d = tile32<T>(v_rows + j * v_stride, t, x);
+        for (int h = 0; h < H; ++h) {
+            const __m256 w = _mm256_set1_ps(BLOCK ? p[h][j] * d : p[h][j]);
+            for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_fmadd_ps(w, x[k], acc[h][k]);
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o[h] + 32 * t + 8 * k, acc[h][k]);
+}
+
+template <KVType T>
+void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t sc_stride, int G, int hd, int n,
+                 float* o, size_t o_stride) {
+    for (int g0 = 0; g0 < G; g0 += 2) {  // (3 heads' 12 accumulators + the row's 4 spill out of 16 registers)
+        const int H = std::min(2, G - g0);
+        const float* p[2] = {sc + g0 * sc_stride, sc + (g0 + H - 1) * sc_stride};
+        float* out[2] = {o + g0 * o_stride, o + (g0 + H - 1) * o_stride};
+        for (int t = 0; t < hd / 32; ++t) {
+            if (H == 2) values_tile<T, 2>(v_rows, v_stride, p, n, t, out);
+            else values_tile<T, 1>(v_rows, v_stride, p, n, t, out);
+        }
+    }
+    if constexpr (T == KVType::F32 || T == KVType::F16) {  // float rows: hd is a multiple of 8, maybe not of 32
+        for (int i = hd & ~31; i < hd; i += 8)
+            for (int g = 0; g < G; ++g) {
+                const float* p = sc + g * sc_stride;
+                __m256 acc = _mm256_setzero_ps();
+                for (int j = 0; j < n; ++j) {
+                    const uint8_t* row = v_rows + j * v_stride;
+                    const __m256 x = T == KVType::F32 ? _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i)
+                                                      : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                                            reinterpret_cast<const uint16_t*>(row) + i)));
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), x, acc);
+                }
+                _mm256_storeu_ps(o + g * o_stride + i, acc);
+            }
+    }
+}
+
+// G query heads of one KV head.  kb: RB * hd floats of scratch.
 void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                        size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale,
-                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* buf) {
-    for (int j = 0; j < n; ++j) {
-        const uint8_t* r = k_rows + j * k_stride;
-        const float* kr = kt == KVType::F32 ? reinterpret_cast<const float*>(r) : buf;
-        if (kt != KVType::F32) row_to_f32_avx2(kt, r, buf, hd);
-        for (int g = 0; g < G; ++g) sc[g * sc_stride + j] = dot_f32(q + g * q_stride, kr, hd) * scale;
-    }
+                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* kb) {
+    scores_avx2(kt, k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, kb);
     softmax_avx2(sc, sc_stride, G, n);
-    for (int g = 0; g < G; ++g) std::fill(o + g * o_stride, o + g * o_stride + hd, 0.f);
-    for (int j = 0; j < n; ++j) {
-        const uint8_t* r = v_rows + j * v_stride;
-        const float* vr = vt == KVType::F32 ? reinterpret_cast<const float*>(r) : buf;
-        if (vt != KVType::F32) row_to_f32_avx2(vt, r, buf, hd);
-        for (int g = 0; g < G; ++g) {
-            const __m256 w = _mm256_set1_ps(sc[g * sc_stride + j]);
-            float* og = o + g * o_stride;
-            for (int i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(og + i)));
-        }
+    switch (vt) {
+        case KVType::F32: values_avx2<KVType::F32>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::F16: values_avx2<KVType::F16>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::Q8_0: values_avx2<KVType::Q8_0>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::Q4_0: values_avx2<KVType::Q4_0>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
     }
 }
 #endif
@@ -345,14 +441,16 @@ void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KV
 void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
                      size_t sc_stride, float* o, size_t o_stride, float* buf) {
+    (void)buf;  // (the AVX2 kernel wants RB rows of scratch: its own, per thread)
 #if PYLLM_KV_AVX2
     if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
+        thread_local std::vector<float> kb;
+        if (kb.size() < static_cast<size_t>(RB) * hd) kb.resize(static_cast<size_t>(RB) * hd);
         attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
-                          o_stride, buf);
+                          o_stride, kb.data());
         return;
     }
 #endif
-    (void)buf;
     for (int g = 0; g < G; ++g)
         kv_attend_head_scalar(kt, k_rows, k_stride, vt, v_rows, v_stride, q + g * q_stride, hd, n, scale,
                               sc + g * sc_stride, o + g * o_stride);
