@@ -1,8 +1,9 @@
 // The decode step's attention over a KV cache of any row type (fp32, fp16, q8_0, q4_0 blocks): q . k and the
 // weighted sum of V are computed from the stored rows one row at a time (no expanded copy of the cache), so a
 // quantized cache is read at its own size.  AVX2: per KV head and its group of query heads, scores 8 rows at a
-// time per head (8 accumulators, one reduction), a vectorized softmax, and outputs accumulated in registers
-// (each V row converted once per 2 heads); the scalar per-head loops beside it are the reference.  At a
+// time per head (8 accumulators, one reduction; q8_0 / q4_0 keys dotted in integers with the query quantized to
+// q8 blocks, as llama.cpp does), a vectorized softmax, and outputs accumulated in registers (each V row converted
+// once per 2 heads); the scalar per-head loops beside it are the reference (float q, no query rounding).  At a
 // 2048-token context the attention, not the GEMVs, dominates a small model's step: the scalar fp16 loop ran
 // SmolLM2 at 5.4 t/s there, an 8-wide one 33 t/s (load ~8).
 // Quantization (kv_store_row) matches pyllm/runtime/kv_cache.py bit for bit: q8_0 d = absmax/127 stored fp16,
@@ -182,28 +183,15 @@ KV_INLINE void store_scores(float* out, __m256 s, int nr) {
     }
 }
 
-// Float keys (f32, or f16 converted in the dot loop: for the small groups of a decode task, converting again
-// per head costs less than storing a converted copy and reading it back).  Block keys are converted once per
-// row into L1 scratch (kb: RB * hd floats) and dotted as f32.
-void scores_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd,
-                 int n, float scale, float* sc, size_t sc_stride, float* kb) {
+// Float keys: f32, or f16 converted in the dot loop (for the small groups of a decode task, converting again
+// per head costs less than storing a converted copy and reading it back).
+void scores_f_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd,
+                   int n, float scale, float* sc, size_t sc_stride) {
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int j0 = 0; j0 < n; j0 += RB) {
         const int nr = std::min(RB, n - j0);
         const uint8_t* rows[RB];
         for (int r = 0; r < RB; ++r) rows[r] = k_rows + (j0 + std::min(r, nr - 1)) * k_stride;  // tail: repeats
-        if (kt == KVType::Q8_0 || kt == KVType::Q4_0) {
-            for (int r = 0; r < RB; ++r) {
-                float* y = kb + r * hd;
-                for (int t = 0; t < hd / QK; ++t) {
-                    __m256 x[4];
-                    const __m256 d = _mm256_set1_ps(kt == KVType::Q8_0 ? tile32<KVType::Q8_0>(rows[r], t, x)
-                                                                       : tile32<KVType::Q4_0>(rows[r], t, x));
-                    for (int k = 0; k < 4; ++k) _mm256_storeu_ps(y + 32 * t + 8 * k, _mm256_mul_ps(d, x[k]));
-                }
-                rows[r] = reinterpret_cast<const uint8_t*>(y);
-            }
-        }
         for (int g = 0; g < G; ++g) {
             const float* qg = q + g * q_stride;
             __m256 acc[RB];
@@ -225,6 +213,153 @@ void scores_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, const float*
                 }
             }
             store_scores(sc + g * sc_stride + j0, _mm256_mul_ps(hsum8x8(acc), vscale), nr);
+        }
+    }
+}
+
+// ---- integer scores for q8_0 / q4_0 keys ----------------------------------------------------------------------
+// llama.cpp's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0: each query head is quantized once per call to q8 blocks
+// (d_q = absmax/127 in fp32, q = round(x / d_q)), and a (head, row, block) dot is maddubs + an integer
+// reduction; the RB rows' block dots are reduced together (rows in lanes) and scaled by their d_k times d_q
+// with one FMA.  The query's rounding (half a step of 1/127 of its block's absmax per value) is the only
+// difference from the float dot over the dequantized rows.
+KV_INLINE __m256i hsum8x8_epi32(const __m256i* a) {
+    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+KV_INLINE uint16_t ld16(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return h;
+}
+
+// The fp16 scales at rows[r] + off (r < 8) as floats (inserted in registers: eight 2-byte stores read back
+// as one vector would stall store forwarding).
+KV_INLINE __m256 scales8(const uint8_t* const* rows, size_t off) {
+    __m128i h = _mm_cvtsi32_si128(ld16(rows[0] + off));
+    h = _mm_insert_epi16(h, ld16(rows[1] + off), 1);
+    h = _mm_insert_epi16(h, ld16(rows[2] + off), 2);
+    h = _mm_insert_epi16(h, ld16(rows[3] + off), 3);
+    h = _mm_insert_epi16(h, ld16(rows[4] + off), 4);
+    h = _mm_insert_epi16(h, ld16(rows[5] + off), 5);
+    h = _mm_insert_epi16(h, ld16(rows[6] + off), 6);
+    h = _mm_insert_epi16(h, ld16(rows[7] + off), 7);
+    return _mm256_cvtph_ps(h);
+}
+
+// G query heads -> q8 blocks: codes qq (hd per head), scales dq (hd/32 per head), qsum (each block's code sum).
+void quantize_q8(const float* q, size_t q_stride, int G, int hd, int8_t* qq, float* dq, int32_t* qsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const int nb = hd / QK;
+    for (int g = 0; g < G; ++g) {
+        const float* x = q + g * q_stride;
+        for (int b = 0; b < nb; ++b, x += QK) {
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int k = 0; k < 4; ++k) {
+                v[k] = _mm256_loadu_ps(x + 8 * k);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+            }
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            const float d = _mm_cvtss_f32(m) / 127.0f;
+            const __m256 id = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.f);
+            __m256i w[4];
+            for (int k = 0; k < 4; ++k) w[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));  // round half to even
+            // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
+            const __m256i p = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3])),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            int8_t* out = qq + g * hd + b * QK;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), p);
+            int32_t s = 0;
+            for (int i = 0; i < QK; ++i) s += out[i];
+            dq[g * nb + b] = d;
+            qsum[g * nb + b] = s;
+        }
+    }
+}
+
+struct IntScratch {
+    std::vector<int8_t> qq;
+    std::vector<float> dq, dk;
+    std::vector<int32_t> qsum;
+    std::vector<uint8_t> kb;
+};
+
+// q4_0 rows enter as their unsigned codes c (maddubs' unsigned operand, no sign trick), and a block's
+// sum (c - 8) q is completed exactly in integers as sum c q - 8 sum q.
+template <KVType KT>
+void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd, int n,
+                     float scale, float* sc, size_t sc_stride) {
+    constexpr bool Q4 = KT == KVType::Q4_0;
+    constexpr size_t bsz = Q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const int nb = hd / QK;
+    thread_local IntScratch S;
+    const size_t gh = static_cast<size_t>(G) * hd, gb = static_cast<size_t>(G) * nb;
+    if (S.qq.size() < gh) S.qq.resize(gh);
+    if (S.dq.size() < gb) S.dq.resize(gb), S.qsum.resize(gb);
+    if (S.dk.size() < static_cast<size_t>(RB) * nb) S.dk.resize(static_cast<size_t>(RB) * nb);
+    if (Q4 && S.kb.size() < static_cast<size_t>(RB) * hd) S.kb.resize(static_cast<size_t>(RB) * hd);
+    const int8_t* qq = S.qq.data();
+    const float* dq = S.dq.data();
+    const int32_t* qsum = S.qsum.data();
+    float* dk = S.dk.data();  // the chunk's block scales, [b][r]
+    quantize_q8(q, q_stride, G, hd, S.qq.data(), S.dq.data(), S.qsum.data());
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < n; j0 += RB) {
+        const int nr = std::min(RB, n - j0);
+        const uint8_t* rows[RB];
+        for (int r = 0; r < RB; ++r) rows[r] = k_rows + (j0 + std::min(r, nr - 1)) * k_stride;  // tail: repeats
+        for (int b = 0; b < nb; ++b) _mm256_storeu_ps(dk + b * RB, scales8(rows, b * bsz));
+        if constexpr (Q4) {
+            // per block, rows r and r + 4 side by side (128-bit halves), as the low nibbles (elements 0..15)
+            // and the high ones (16..31): 8 vectors of 32 codes
+            for (int b = 0; b < nb; ++b)
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i x = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(rows[k + 4] + b * bsz + 2),
+                                                          reinterpret_cast<const __m128i*>(rows[k] + b * bsz + 2));
+                    __m256i* dst = reinterpret_cast<__m256i*>(S.kb.data()) + (b * 4 + k) * 2;
+                    _mm256_storeu_si256(dst, _mm256_and_si256(x, low4));
+                    _mm256_storeu_si256(dst + 1, _mm256_and_si256(_mm256_srli_epi16(x, 4), low4));
+                }
+        }
+        for (int g = 0; g < G; ++g) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int b = 0; b < nb; ++b) {
+                const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * hd + b * QK));
+                __m256i dot;  // the RB rows' integer block dots
+                if constexpr (Q4) {
+                    // a pair of rows: 8 int16 per row (|.| <= 4 * 15 * 127); an int16 hadd tree to 2 per row
+                    // (<= 16 * 15 * 127 = 30480: no overflow); madd to one int32 per row, rows 0..3 | 4..7
+                    const __m256i ql = _mm256_permute2x128_si256(qv, qv, 0x00);
+                    const __m256i qh = _mm256_permute2x128_si256(qv, qv, 0x11);
+                    const __m256i* kp = reinterpret_cast<const __m256i*>(S.kb.data()) + b * 8;
+                    __m256i p[4];
+                    for (int k = 0; k < 4; ++k)
+                        p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256(kp + 2 * k), ql),
+                                                _mm256_maddubs_epi16(_mm256_loadu_si256(kp + 2 * k + 1), qh));
+                    const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+                    dot = _mm256_sub_epi32(_mm256_madd_epi16(h, ones), _mm256_set1_epi32(8 * qsum[g * nb + b]));
+                } else {
+                    // sign trick: maddubs(|q|, k * sign(q)) = sum q k, pairs <= 2 * 127 * 127 (no saturation)
+                    const __m256i qa = _mm256_sign_epi8(qv, qv);
+                    __m256i p[RB];
+                    for (int r = 0; r < RB; ++r) {
+                        const __m256i kv = _mm256_loadu_si256(
+                            reinterpret_cast<const __m256i*>(rows[r] + b * bsz + offsetof(block_q8_0, qs)));
+                        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(kv, qv)), ones);
+                    }
+                    dot = hsum8x8_epi32(p);
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                      _mm256_mul_ps(_mm256_loadu_ps(dk + b * RB), _mm256_set1_ps(dq[g * nb + b])), acc);
+            }
+            store_scores(sc + g * sc_stride + j0, _mm256_mul_ps(acc, vscale), nr);
         }
     }
 }
@@ -331,11 +466,20 @@ void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t
     }
 }
 
-// G query heads of one KV head.  kb: RB * hd floats of scratch.
+// G query heads of one KV head.
 void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                        size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale,
-                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* kb) {
-    scores_avx2(kt, k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, kb);
+                       float* sc, size_t sc_stride, float* o, size_t o_stride) {
+    switch (kt) {
+        case KVType::F32:
+        case KVType::F16: scores_f_avx2(kt, k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride); break;
+        case KVType::Q8_0:
+            scores_int_avx2<KVType::Q8_0>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
+            break;
+        case KVType::Q4_0:
+            scores_int_avx2<KVType::Q4_0>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
+            break;
+    }
     softmax_avx2(sc, sc_stride, G, n);
     switch (vt) {
         case KVType::F32: values_avx2<KVType::F32>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
@@ -441,13 +585,11 @@ void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KV
 void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
                      size_t sc_stride, float* o, size_t o_stride, float* buf) {
-    (void)buf;  // (the AVX2 kernel wants RB rows of scratch: its own, per thread)
+    (void)buf;  // (the AVX2 kernel converts no row into scratch; its integer path keeps its own, per thread)
 #if PYLLM_KV_AVX2
     if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
-        thread_local std::vector<float> kb;
-        if (kb.size() < static_cast<size_t>(RB) * hd) kb.resize(static_cast<size_t>(RB) * hd);
         attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
-                          o_stride, kb.data());
+                          o_stride);
         return;
     }
 #endif
