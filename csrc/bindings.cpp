@@ -505,7 +505,7 @@ Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k
                       ": k/v shapes ", k.sizes(), "/", v.sizes(), " do not fit q ", q.sizes());
     Tensor out = at::empty({H, hd}, q.options());
     const int64_t group = H / k.size(0), S = k.size(1);
-    std::vector<float> sc(group * S), buf(hd);
+    std::vector<float> sc(group * S);
     if (!scalar) {  // the decode step's kernel: one call per KV head for its group of query heads
         for (int64_t kh = 0; kh < k.size(0); ++kh)
             pyllm::kv_attend_group(static_cast<pyllm::KVType>(k_type),
@@ -514,7 +514,7 @@ Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k
                                    static_cast<const uint8_t*>(v.data_ptr()) + kh * S * vr, vr,
                                    q.data_ptr<float>() + kh * group * hd, hd, static_cast<int>(group),
                                    static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale), sc.data(),
-                                   S, out.data_ptr<float>() + kh * group * hd, hd, buf.data());
+                                   S, out.data_ptr<float>() + kh * group * hd, hd);
         return out;
     }
     for (int64_t h = 0; h < H; ++h) {

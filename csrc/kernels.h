@@ -98,11 +98,12 @@ void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KV
                            size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o,
                            float* lse = nullptr);
 // G query heads sharing one KV head (GQA): q rows q_stride apart, scores sc rows sc_stride apart (n each),
-// outputs o rows o_stride apart; each stored row is converted once for the group.  buf: hd floats of scratch.
-// lse: G floats (or nullptr), as kv_attend_head_scalar's.
+// outputs o rows o_stride apart; each stored row is read once for the group.  lse: G floats (or nullptr), as
+// kv_attend_head_scalar's.  AVX2: q8_0 / q4_0 keys are dotted in integers against the query rounded to q8 blocks
+// (llama.cpp's vec_dot_q4_0_q8_0), which the float64 reference in tests/test_decode_step.py reproduces.
 void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
-                     size_t sc_stride, float* o, size_t o_stride, float* buf, float* lse = nullptr);
+                     size_t sc_stride, float* o, size_t o_stride, float* lse = nullptr);
 
 struct DecodeConfig {
     int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
@@ -126,7 +127,6 @@ struct DecodeModel {
 struct DecodeScratch {
     std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;  // tmp: [n_head * 2 * head_dim] (rotations)
     std::vector<float> sink;  // [n_head * (head_dim + 2)]: the sink row's output and the two log-sum-exps per head
-    std::vector<float> rowbuf;  // [2 * n_kv_head * head_dim]: one converted KV row per attention task
     void resize(const DecodeModel& m);
 };
 // Embeds `token`, runs it at position `pos` through all layers (writing K/V at pos), logits: [n_vocab].

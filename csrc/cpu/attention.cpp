@@ -1,16 +1,18 @@
 // The decode step's attention over a KV cache of any row type (fp32, fp16, q8_0, q4_0 blocks): q . k and the
 // weighted sum of V are computed from the stored rows one row at a time (no expanded copy of the cache), so a
-// quantized cache is read at its own size.  AVX2: per KV head, each stored row is converted to floats once, in
-// L1 (block rows: int8 codes times the block scale), and used by every query head of the group (8-wide FMA dots
-// and axpys); the scalar per-head loops beside it are the reference.  At a 2048-token context the attention,
-// not the GEMVs, dominates a small model's step: the scalar fp16 loop ran SmolLM2 at 5.4 t/s there, an 8-wide
-// one 33 t/s (load ~8).
+// quantized cache is read at its own size.  AVX2: per KV head and its group of query heads, scores 8 rows at a
+// time per head (8 accumulators, one reduction; q8_0 / q4_0 keys dotted in integers with the query quantized to
+// q8 blocks, as llama.cpp does), a vectorized softmax, and outputs accumulated in registers (each V row converted
+// once per 2 heads); the scalar per-head loops beside it are the reference (float q, no query rounding).  At a
+// 2048-token context the attention, not the GEMVs, dominates a small model's step: the scalar fp16 loop ran
+// SmolLM2 at 5.4 t/s there, an 8-wide one 33 t/s (load ~8).
 // Quantization (kv_store_row) matches pyllm/runtime/kv_cache.py bit for bit: q8_0 d = absmax/127 stored fp16,
 // q = roundf(x / d); q4_0 d = m/-8 (m: the first value of largest magnitude), q = min(15, floor(x / d + 8.5)).
 // No torch here: bindings.cpp checked every size.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common/blocks.h"
 #include "common/decode.h"
@@ -124,91 +126,367 @@ KV_INLINE float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+// a[0..7] -> (sum a[0], ..., sum a[7])
+KV_INLINE __m256 hsum8x8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 // 8 int8 -> 8 floats
 KV_INLINE __m256 i8x8(const int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-// A q4_0 block's 32 values (code - 8) as int8, in registers: lo = elements 0..15, hi = 16..31.
-KV_INLINE void q4_values(const block_q4_0& b, __m128i& lo, __m128i& hi) {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs));
-    const __m128i m = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    lo = _mm_sub_epi8(_mm_and_si128(raw, m), eight);
-    hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), m), eight);
+
+// 32 values (elements 32t..32t+31) of a stored row as floats in x[0..3]; returns the factor they still need
+// (the block scale d of q8_0 / q4_0 rows, 1 otherwise).
+template <KVType T>
+KV_INLINE float tile32(const uint8_t* row, int t, __m256* x) {
+    if constexpr (T == KVType::F32) {
+        const float* r = reinterpret_cast<const float*>(row) + 32 * t;
+        for (int k = 0; k < 4; ++k) x[k] = _mm256_loadu_ps(r + 8 * k);
+        return 1.f;
+    } else if constexpr (T == KVType::F16) {
+        const uint16_t* r = reinterpret_cast<const uint16_t*>(row) + 32 * t;
+        for (int k = 0; k < 4; ++k) x[k] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 8 * k)));
+        return 1.f;
+    } else if constexpr (T == KVType::Q8_0) {
+        const block_q8_0* b = reinterpret_cast<const block_q8_0*>(row) + t;
+        for (int k = 0; k < 4; ++k) x[k] = i8x8(b->qs + 8 * k);
+        return d_of(reinterpret_cast<const uint8_t*>(b));
+    } else {
+        // q4_0: the 16 bytes zero-extended to int32 lanes; element i is the low nibble of byte i, i + 16 the high one
+        const block_q4_0* b = reinterpret_cast<const block_q4_0*>(row) + t;
+        const __m256i m = _mm256_set1_epi32(0x0F), e = _mm256_set1_epi32(8);
+        const __m256i x0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b->qs)));
+        const __m256i x1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b->qs + 8)));
+        x[0] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x0, m), e));
+        x[1] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(x1, m), e));
+        x[2] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x0, 4), e));
+        x[3] = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(x1, 4), e));
+        return d_of(reinterpret_cast<const uint8_t*>(b));
+    }
 }
-// 8 int8 in the low half of x -> 8 floats
-KV_INLINE __m256 i8x8(__m128i x) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x)); }
-// One stored row -> hd floats (the values in the storage basis).
-void row_to_f32_avx2(KVType t, const uint8_t* row, float* y, int hd) {
-    switch (t) {
-        case KVType::F32: std::memcpy(y, row, sizeof(float) * hd); return;
-        case KVType::F16: {
-            const uint16_t* r = reinterpret_cast<const uint16_t*>(row);
-            for (int i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + i))));
-            return;
+
+// ---- scores: sc[g * sc_stride + j] = scale * q_g . k_j ------------------------------------------------------
+// Rows are taken RB at a time and each head dots all RB with RB accumulators, reduced together: one
+// transpose-add tree and one store for RB scores instead of a horizontal sum per (row, head).
+constexpr int RB = 8;
+
+KV_INLINE void store_scores(float* out, __m256 s, int nr) {
+    if (nr == RB) {
+        _mm256_storeu_ps(out, s);
+    } else {
+        alignas(32) float t[RB];
+        _mm256_store_ps(t, s);
+        std::memcpy(out, t, sizeof(float) * nr);
+    }
+}
+
+// Float keys: f32, or f16 converted in the dot loop (for the small groups of a decode task, converting again
+// per head costs less than storing a converted copy and reading it back).
+void scores_f_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd,
+                   int n, float scale, float* sc, size_t sc_stride) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < n; j0 += RB) {
+        const int nr = std::min(RB, n - j0);
+        const uint8_t* rows[RB];
+        for (int r = 0; r < RB; ++r) rows[r] = k_rows + (j0 + std::min(r, nr - 1)) * k_stride;  // tail: repeats
+        for (int g = 0; g < G; ++g) {
+            const float* qg = q + g * q_stride;
+            __m256 acc[RB];
+            for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+            if (kt == KVType::F16) {
+                for (int i = 0; i < hd; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    for (int r = 0; r < RB; ++r)
+                        acc[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(
+                                                     reinterpret_cast<const __m128i*>(rows[r] + 2 * i))),
+                                                 qv, acc[r]);
+                }
+            } else {
+                for (int i = 0; i < hd; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + i);
+                    for (int r = 0; r < RB; ++r)
+                        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(rows[r]) + i), qv,
+                                                 acc[r]);
+                }
+            }
+            store_scores(sc + g * sc_stride + j0, _mm256_mul_ps(hsum8x8(acc), vscale), nr);
         }
-        case KVType::Q8_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q8_0), y += QK) {
-                const __m256 d = _mm256_set1_ps(d_of(row));
-                const int8_t* c = reinterpret_cast<const block_q8_0*>(row)->qs;
-                for (int i = 0; i < QK; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(d, i8x8(c + i)));
-            }
-            return;
-        case KVType::Q4_0:
-            for (int b = 0; b < hd / QK; ++b, row += sizeof(block_q4_0), y += QK) {
-                const __m256 d = _mm256_set1_ps(d_of(row));
-                __m128i lo, hi;
-                q4_values(*reinterpret_cast<const block_q4_0*>(row), lo, hi);
-                _mm256_storeu_ps(y, _mm256_mul_ps(d, i8x8(lo)));
-                _mm256_storeu_ps(y + 8, _mm256_mul_ps(d, i8x8(_mm_srli_si128(lo, 8))));
-                _mm256_storeu_ps(y + 16, _mm256_mul_ps(d, i8x8(hi)));
-                _mm256_storeu_ps(y + 24, _mm256_mul_ps(d, i8x8(_mm_srli_si128(hi, 8))));
-            }
-            return;
     }
 }
 
-KV_INLINE float dot_f32(const float* a, const float* b, int hd) {
-    __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-    for (int i = 8; i < hd; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    return hsum8(acc);
+// ---- integer scores for q8_0 / q4_0 keys ----------------------------------------------------------------------
+// llama.cpp's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0: each query head is quantized once per call to q8 blocks
+// (d_q = absmax/127 in fp32, q = round(x / d_q)), and a (head, row, block) dot is maddubs + an integer
+// reduction; the RB rows' block dots are reduced together (rows in lanes) and scaled by their d_k times d_q
+// with one FMA.  The query's rounding (half a step of 1/127 of its block's absmax per value) is the only
+// difference from the float dot over the dequantized rows.
+KV_INLINE __m256i hsum8x8_epi32(const __m256i* a) {
+    const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
+    const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
+    const __m256i u0 = _mm256_hadd_epi32(t0, t1), u1 = _mm256_hadd_epi32(t2, t3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-// G query heads of one KV head: each stored row is converted once (into buf, L1) and used by all G heads, so
-// the conversion cost is shared by the group (GQA: 3 heads per KV head in SmolLM2, 7 in Qwen2.5-0.5B).
-void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                       size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale,
-                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* buf, float* lse) {
-    for (int j = 0; j < n; ++j) {
-        const uint8_t* r = k_rows + j * k_stride;
-        const float* kr = kt == KVType::F32 ? reinterpret_cast<const float*>(r) : buf;
-        if (kt != KVType::F32) row_to_f32_avx2(kt, r, buf, hd);
-        for (int g = 0; g < G; ++g) sc[g * sc_stride + j] = dot_f32(q + g * q_stride, kr, hd) * scale;
+KV_INLINE uint16_t ld16(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return h;
+}
+
+// The fp16 scales at rows[r] + off (r < 8) as floats (inserted in registers: eight 2-byte stores read back
+// as one vector would stall store forwarding).
+KV_INLINE __m256 scales8(const uint8_t* const* rows, size_t off) {
+    __m128i h = _mm_cvtsi32_si128(ld16(rows[0] + off));
+    h = _mm_insert_epi16(h, ld16(rows[1] + off), 1);
+    h = _mm_insert_epi16(h, ld16(rows[2] + off), 2);
+    h = _mm_insert_epi16(h, ld16(rows[3] + off), 3);
+    h = _mm_insert_epi16(h, ld16(rows[4] + off), 4);
+    h = _mm_insert_epi16(h, ld16(rows[5] + off), 5);
+    h = _mm_insert_epi16(h, ld16(rows[6] + off), 6);
+    h = _mm_insert_epi16(h, ld16(rows[7] + off), 7);
+    return _mm256_cvtph_ps(h);
+}
+
+// G query heads -> q8 blocks: codes qq (hd per head), scales dq (hd/32 per head), qsum (each block's code sum).
+void quantize_q8(const float* q, size_t q_stride, int G, int hd, int8_t* qq, float* dq, int32_t* qsum) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const int nb = hd / QK;
+    for (int g = 0; g < G; ++g) {
+        const float* x = q + g * q_stride;
+        for (int b = 0; b < nb; ++b, x += QK) {
+            __m256 v[4], mx = _mm256_setzero_ps();
+            for (int k = 0; k < 4; ++k) {
+                v[k] = _mm256_loadu_ps(x + 8 * k);
+                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+            }
+            __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            m = _mm_max_ss(m, _mm_movehdup_ps(m));
+            const float d = _mm_cvtss_f32(m) / 127.0f;
+            const __m256 id = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.f);
+            __m256i w[4];
+            for (int k = 0; k < 4; ++k) w[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));  // round half to even
+            // 32 int32 -> 32 int8 in order (the packs interleave 128-bit lanes; the permute undoes it)
+            const __m256i p = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(w[0], w[1]), _mm256_packs_epi32(w[2], w[3])),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            int8_t* out = qq + g * hd + b * QK;
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), p);
+            int32_t s = 0;
+            for (int i = 0; i < QK; ++i) s += out[i];
+            dq[g * nb + b] = d;
+            qsum[g * nb + b] = s;
+        }
     }
+}
+
+struct IntScratch {
+    std::vector<int8_t> qq;
+    std::vector<float> dq, dk;
+    std::vector<int32_t> qsum;
+    std::vector<uint8_t> kb;
+};
+
+// q4_0 rows enter as their unsigned codes c (maddubs' unsigned operand, no sign trick), and a block's
+// sum (c - 8) q is completed exactly in integers as sum c q - 8 sum q.
+template <KVType KT>
+void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd, int n,
+                     float scale, float* sc, size_t sc_stride) {
+    constexpr bool Q4 = KT == KVType::Q4_0;
+    constexpr size_t bsz = Q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
+    const int nb = hd / QK;
+    thread_local IntScratch S;
+    const size_t gh = static_cast<size_t>(G) * hd, gb = static_cast<size_t>(G) * nb;
+    if (S.qq.size() < gh) S.qq.resize(gh);
+    if (S.dq.size() < gb) S.dq.resize(gb), S.qsum.resize(gb);
+    if (S.dk.size() < static_cast<size_t>(RB) * nb) S.dk.resize(static_cast<size_t>(RB) * nb);
+    if (Q4 && S.kb.size() < static_cast<size_t>(RB) * hd) S.kb.resize(static_cast<size_t>(RB) * hd);
+    const int8_t* qq = S.qq.data();
+    const float* dq = S.dq.data();
+    const int32_t* qsum = S.qsum.data();
+    float* dk = S.dk.data();  // the chunk's block scales, [b][r]
+    quantize_q8(q, q_stride, G, hd, S.qq.data(), S.dq.data(), S.qsum.data());
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < n; j0 += RB) {
+        const int nr = std::min(RB, n - j0);
+        const uint8_t* rows[RB];
+        for (int r = 0; r < RB; ++r) rows[r] = k_rows + (j0 + std::min(r, nr - 1)) * k_stride;  // tail: repeats
+        for (int b = 0; b < nb; ++b) _mm256_storeu_ps(dk + b * RB, scales8(rows, b * bsz));
+        if constexpr (Q4) {
+            // per block, rows r and r + 4 side by side (128-bit halves), as the low nibbles (elements 0..15)
+            // and the high ones (16..31): 8 vectors of 32 codes
+            for (int b = 0; b < nb; ++b)
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i x = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(rows[k + 4] + b * bsz + 2),
+                                                          reinterpret_cast<const __m128i*>(rows[k] + b * bsz + 2));
+                    __m256i* dst = reinterpret_cast<__m256i*>(S.kb.data()) + (b * 4 + k) * 2;
+                    _mm256_storeu_si256(dst, _mm256_and_si256(x, low4));
+                    _mm256_storeu_si256(dst + 1, _mm256_and_si256(_mm256_srli_epi16(x, 4), low4));
+                }
+        }
+        for (int g = 0; g < G; ++g) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int b = 0; b < nb; ++b) {
+                const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * hd + b * QK));
+                __m256i dot;  // the RB rows' integer block dots
+                if constexpr (Q4) {
+                    // a pair of rows: 8 int16 per row (|.| <= 4 * 15 * 127); an int16 hadd tree to 2 per row
+                    // (<= 16 * 15 * 127 = 30480: no overflow); madd to one int32 per row, rows 0..3 | 4..7
+                    const __m256i ql = _mm256_permute2x128_si256(qv, qv, 0x00);
+                    const __m256i qh = _mm256_permute2x128_si256(qv, qv, 0x11);
+                    const __m256i* kp = reinterpret_cast<const __m256i*>(S.kb.data()) + b * 8;
+                    __m256i p[4];
+                    for (int k = 0; k < 4; ++k)
+                        p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_loadu_si256(kp + 2 * k), ql),
+                                                _mm256_maddubs_epi16(_mm256_loadu_si256(kp + 2 * k + 1), qh));
+                    const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
+                    dot = _mm256_sub_epi32(_mm256_madd_epi16(h, ones), _mm256_set1_epi32(8 * qsum[g * nb + b]));
+                } else {
+                    // sign trick: maddubs(|q|, k * sign(q)) = sum q k, pairs <= 2 * 127 * 127 (no saturation)
+                    const __m256i qa = _mm256_sign_epi8(qv, qv);
+                    __m256i p[RB];
+                    for (int r = 0; r < RB; ++r) {
+                        const __m256i kv = _mm256_loadu_si256(
+                            reinterpret_cast<const __m256i*>(rows[r] + b * bsz + offsetof(block_q8_0, qs)));
+                        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(kv, qv)), ones);
+                    }
+                    dot = hsum8x8_epi32(p);
+                }
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                                      _mm256_mul_ps(_mm256_loadu_ps(dk + b * RB), _mm256_set1_ps(dq[g * nb + b])), acc);
+            }
+            store_scores(sc + g * sc_stride + j0, _mm256_mul_ps(acc, vscale), nr);
+        }
+    }
+}
+
+// ---- softmax ------------------------------------------------------------------------------------------------
+// e^x for x <= 0 (softmax arguments): Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
+// within 2 ulp of expf on [-87, 0]; below -87 the result is e^-87 (~1.6e-38), as good as 0 next to the max's 1.
+KV_INLINE __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+// Each of the G score rows -> its softmax, in place; lse[g] (or nullptr): its log-sum-exp.  (The scalar std::exp
+// loop was a third of the attention once the dots were 8-wide.)
+void softmax_avx2(float* sc, size_t sc_stride, int G, int n, float* lse) {
+    const int n8 = n & ~7;
     for (int g = 0; g < G; ++g) {
         float* sg = sc + g * sc_stride;
-        float mx = -INFINITY;
-        for (int j = 0; j < n; ++j) mx = std::max(mx, sg[j]);
-        float sum = 0.f;
-        for (int j = 0; j < n; ++j) {
+        __m256 vm = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < n8; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sg + j));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        for (int j = n8; j < n; ++j) mx = std::max(mx, sg[j]);
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vs = _mm256_setzero_ps();
+        for (int j = 0; j < n8; j += 8) {
+            const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vmx));
+            _mm256_storeu_ps(sg + j, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        float sum = hsum8(vs);
+        for (int j = n8; j < n; ++j) {
             sg[j] = std::exp(sg[j] - mx);
             sum += sg[j];
         }
         const float inv = 1.0f / sum;
-        for (int j = 0; j < n; ++j) sg[j] *= inv;
         if (lse) lse[g] = mx + std::log(sum);
-        std::fill(o + g * o_stride, o + g * o_stride + hd, 0.f);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (int j = 0; j < n8; j += 8) _mm256_storeu_ps(sg + j, _mm256_mul_ps(_mm256_loadu_ps(sg + j), vinv));
+        for (int j = n8; j < n; ++j) sg[j] *= inv;
     }
+}
+
+// ---- values: o_g = sum_j p_g[j] v_j -------------------------------------------------------------------------
+// Outputs are accumulated in registers, 32 elements of H <= 2 heads at a time (8 accumulators), over all rows;
+// each row's 32 values are converted in registers once for the H heads.  (Converting rows into scratch and
+// adding each into outputs in memory cost a load and a store of the output per row and head.)
+template <KVType T, int H>
+void values_tile(const uint8_t* v_rows, size_t v_stride, const float* const* p, int n, int t, float* const* o) {
+    constexpr bool BLOCK = T == KVType::Q8_0 || T == KVType::Q4_0;
+    __m256 acc[H][4];
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_setzero_ps();
     for (int j = 0; j < n; ++j) {
-        const uint8_t* r = v_rows + j * v_stride;
-        const float* vr = vt == KVType::F32 ? reinterpret_cast<const float*>(r) : buf;
-        if (vt != KVType::F32) row_to_f32_avx2(vt, r, buf, hd);
-        for (int g = 0; g < G; ++g) {
-            const __m256 w = _mm256_set1_ps(sc[g * sc_stride + j]);
-            float* og = o + g * o_stride;
-            for (int i = 0; i < hd; i += 8)
-                _mm256_storeu_ps(og + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(og + i)));
+        __m256 x[4];
+        const float d = tile32<T>(v_rows + j * v_stride, t, x);
+        for (int h = 0; h < H; ++h) {
+            const __m256 w = _mm256_set1_ps(BLOCK ? p[h][j] * d : p[h][j]);
+            for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_fmadd_ps(w, x[k], acc[h][k]);
         }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o[h] + 32 * t + 8 * k, acc[h][k]);
+}
+
+template <KVType T>
+void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t sc_stride, int G, int hd, int n,
+                 float* o, size_t o_stride) {
+    for (int g0 = 0; g0 < G; g0 += 2) {  // (3 heads' 12 accumulators + the row's 4 spill out of 16 registers)
+        const int H = std::min(2, G - g0);
+        const float* p[2] = {sc + g0 * sc_stride, sc + (g0 + H - 1) * sc_stride};
+        float* out[2] = {o + g0 * o_stride, o + (g0 + H - 1) * o_stride};
+        for (int t = 0; t < hd / 32; ++t) {
+            if (H == 2) values_tile<T, 2>(v_rows, v_stride, p, n, t, out);
+            else values_tile<T, 1>(v_rows, v_stride, p, n, t, out);
+        }
+    }
+    if constexpr (T == KVType::F32 || T == KVType::F16) {  // float rows: hd is a multiple of 8, maybe not of 32
+        for (int i = hd & ~31; i < hd; i += 8)
+            for (int g = 0; g < G; ++g) {
+                const float* p = sc + g * sc_stride;
+                __m256 acc = _mm256_setzero_ps();
+                for (int j = 0; j < n; ++j) {
+                    const uint8_t* row = v_rows + j * v_stride;
+                    const __m256 x = T == KVType::F32 ? _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i)
+                                                      : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                                            reinterpret_cast<const uint16_t*>(row) + i)));
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), x, acc);
+                }
+                _mm256_storeu_ps(o + g * o_stride + i, acc);
+            }
+    }
+}
+
+// G query heads of one KV head.
+void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
+                       size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale,
+                       float* sc, size_t sc_stride, float* o, size_t o_stride, float* lse) {
+    switch (kt) {
+        case KVType::F32:
+        case KVType::F16: scores_f_avx2(kt, k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride); break;
+        case KVType::Q8_0:
+            scores_int_avx2<KVType::Q8_0>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
+            break;
+        case KVType::Q4_0:
+            scores_int_avx2<KVType::Q4_0>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
+            break;
+    }
+    softmax_avx2(sc, sc_stride, G, n, lse);
+    switch (vt) {
+        case KVType::F32: values_avx2<KVType::F32>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::F16: values_avx2<KVType::F16>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::Q8_0: values_avx2<KVType::Q8_0>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::Q4_0: values_avx2<KVType::Q4_0>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
     }
 }
 #endif
@@ -285,6 +563,24 @@ void kv_store_row(KVType t, const float* x, int hd, void* row) {
 }
 
 void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose) {
+#if PYLLM_KV_AVX2
+    // y = x R^T: 8 rows of R at a time with 8 accumulators and one reduction (the scalar loop below is one
+    // dependent add per element -- ~3 us per head vector at hd 64, paid for every rotated K/V row stored and
+    // every query head of a rotated cache)
+    if (transpose && hd % 8 == 0 && cpu_get_isa() == Isa::Avx2) {
+        for (int i0 = 0; i0 < hd; i0 += RB) {
+            __m256 acc[RB];
+            for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
+            for (int j = 0; j < hd; j += 8) {
+                const __m256 xv = _mm256_loadu_ps(x + j);
+                for (int r = 0; r < RB; ++r)
+                    acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(R + static_cast<size_t>(i0 + r) * hd + j), xv, acc[r]);
+            }
+            _mm256_storeu_ps(y + i0, hsum8x8(acc));
+        }
+        return;
+    }
+#endif
     if (transpose) {  // y_i = sum_j x_j R[i][j]
         for (int i = 0; i < hd; ++i) {
             const float* r = R + static_cast<size_t>(i) * hd;
@@ -309,15 +605,14 @@ void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KV
 
 void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
-                     size_t sc_stride, float* o, size_t o_stride, float* buf, float* lse) {
+                     size_t sc_stride, float* o, size_t o_stride, float* lse) {
 #if PYLLM_KV_AVX2
     if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
         attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
-                          o_stride, buf, lse);
+                          o_stride, lse);
         return;
     }
 #endif
-    (void)buf;
     for (int g = 0; g < G; ++g)
         kv_attend_head_scalar(kt, k_rows, k_stride, vt, v_rows, v_stride, q + g * q_stride, hd, n, scale,
                               sc + g * sc_stride, o + g * o_stride, lse ? lse + g : nullptr);

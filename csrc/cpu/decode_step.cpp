@@ -61,7 +61,6 @@ void DecodeScratch::resize(const DecodeModel& m) {
     u.assign(c.n_ff, 0.f);
     scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
     tmp.assign(static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
-    rowbuf.assign(static_cast<size_t>(2) * c.n_kv_head * c.head_dim, 0.f);
     sink.assign(static_cast<size_t>(c.n_head) * (c.head_dim + 3), 0.f);
 }
 
@@ -174,7 +173,6 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
             const size_t o_stride = VP.rot ? 2 * static_cast<size_t>(hd) : hd;
             const int G = h1 - h0;
             float* sc = s.scores.data() + static_cast<size_t>(h0) * c.max_seq;
-            float* buf = s.rowbuf.data() + static_cast<size_t>(t) * hd;
             // Exact sink rows: softmax over the stored rows 1..pos and over row 0 (its exact float copy where the
             // part keeps one) separately, then merged by their log-sum-exps -- the same softmax over all keys.
             const bool sink = j0 == 0 && (KP.sink || VP.sink);
@@ -183,7 +181,7 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
             kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + (r0 + r_first) * KP.row_bytes,
                             KP.row_bytes, VP.type, static_cast<const uint8_t*>(VP.data) + (r0 + r_first) * VP.row_bytes,
                             VP.row_bytes, qg, q_stride, G, hd, n_keys - r_first, c.scale, sc, c.max_seq, og, o_stride,
-                            buf, lse);
+                            lse);
             if (sink) {
                 float* o0 = s.sink.data() + static_cast<size_t>(h0) * hd;  // [G, hd] row 0's output (its v)
                 float* lse0 = lse + H;                                      // [G]
@@ -196,7 +194,7 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
                                 ks ? f32row : KP.row_bytes, vs ? KVType::F32 : VP.type,
                                 vs ? reinterpret_cast<const uint8_t*>(VP.sink + (lrow + kh) * hd)
                                    : static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes,
-                                vs ? f32row : VP.row_bytes, qg, q_stride, G, hd, 1, c.scale, sc0, 1, o0, hd, buf, lse0);
+                                vs ? f32row : VP.row_bytes, qg, q_stride, G, hd, 1, c.scale, sc0, 1, o0, hd, lse0);
                 for (int g = 0; g < G; ++g) {
                     const float mx = std::max(lse[g], lse0[g]);
                     const float w1 = std::exp(lse[g] - mx), w0 = std::exp(lse0[g] - mx), inv = 1.0f / (w0 + w1);
