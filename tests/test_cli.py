@@ -165,3 +165,14 @@ def test_run_kv_types_per_part(smollm2_path):
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert_clean_error(pyllm("run", smollm2_path, "Hi", "--kv", "q5_k"), "unknown KV cache type")
+
+
+def test_bench_at_depth(smollm2_path):
+    """-d D (llama-bench's depth): both tests start from D cached tokens and say so in their name."""
+    res = pyllm("bench", smollm2_path, "-p", "8", "-n", "4", "-d", "40", "-r", "1", "-t", "1", "--kv", "q4_rot",
+                "-o", "json")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert [r["test"] for r in rows] == ["pp8 @ d40", "tg4 @ d40"]
+    assert all(r["n_depth"] == 40 and r["avg_ts"] > 0 and r["kv_type"] == "q4_rot" for r in rows)
+    assert_clean_error(pyllm("bench", smollm2_path, "-d", "-1"), "-d")

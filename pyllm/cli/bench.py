@@ -1,9 +1,11 @@
 """`pyllm bench`: prompt processing (pp) and token generation (tg) speed, in the spirit of llama-bench.
 
 Only model evaluation is timed (no tokenization, no sampling): pp evaluates N prompt tokens in one batch from an
-empty cache; tg evaluates N tokens one at a time from an empty cache. Each row reports mean ± std over -r runs
-after one warm-up, plus where it stands on the roofline: tg's GB/s (weight bytes + KV bytes read per token x tok/s)
-against measured read bandwidth, pp's GFLOP/s against the measured matmul rate.
+empty cache; tg evaluates N tokens one at a time from an empty cache. With -d D (llama-bench's depth) both start
+from a cache already holding D tokens (filled once, untimed; each run truncates back to D), and the test reads
+"tg128 @ d2048": the speed of a long chat, where the attention reads the whole cache at every step. Each row
+reports mean ± std over -r runs after one warm-up, plus where it stands on the roofline: tg's GB/s (weight bytes +
+KV bytes read per token x tok/s) against measured read bandwidth, pp's GFLOP/s against the measured matmul rate.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ def add_bench_parser(sub) -> None:
         "bench", help="measure pp/tg tok/s against the roofline",
         description="Measure prompt processing and token generation speed (llama-bench style).",
         epilog="examples:\n  pyllm bench smollm2-135m\n  pyllm bench model.gguf -p 512 -n 128 -r 5 -o json\n"
-               "  pyllm bench --synthetic llama3-8b:q4_k_m -r 2\n  pyllm bench --probe",
+               "  pyllm bench --synthetic llama3-8b:q4_k_m -r 2\n"
+               "  pyllm bench smollm2-135m -p 0 -n 128 -d 2048 --kv q4_rot   (decode at a 2048-token context)\n"
+               "  pyllm bench --probe",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("models", nargs="*", help="GGUF files or registry names")
     s.add_argument("--synthetic", action="append", default=[], metavar="SHAPE:TYPE",
@@ -35,6 +39,8 @@ def add_bench_parser(sub) -> None:
                         "qwen2.5-7b:q4_k_m, llama3-8b:awq (AWQ int4, group size 128) (repeatable)")
     s.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (0 = skip; default 512)")
     s.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (0 = skip; default 128)")
+    s.add_argument("-d", "--n-depth", type=int, default=0,
+                   help="tokens already in the KV cache when each test starts (default 0), e.g. -d 2048")
     s.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default 5)")
     s.add_argument("-t", "--threads", type=int, default=None, help="threads (default: physical cores)")
     s.add_argument("--device", default="cpu")
@@ -89,7 +95,7 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     from ..runtime.generator import Generator
     from ..runtime.kv_cache import make_kv_cache
 
-    n_ctx = max(a.n_prompt, a.n_gen) + 16
+    n_ctx = a.n_depth + max(a.n_prompt, a.n_gen) + 16
     if synthetic:
         from ..models.synthetic import synthetic_model
 
@@ -108,17 +114,29 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     return Subject(p.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size)
 
 
-def time_pp(s: Subject, n: int) -> float:
-    toks = torch.randint(0, s.cfg.n_vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+def _random_tokens(s: Subject, n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, s.cfg.n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fill_cache(s: Subject, depth: int) -> None:
+    """Puts ``depth`` random tokens in the cache (batches of 512, untimed) for the tests to start from."""
     s.gen.reset()
+    toks = _random_tokens(s, depth, seed=1)
+    for i in range(0, depth, 512):
+        s.gen._forward(toks[i:i + 512])
+
+
+def time_pp(s: Subject, n: int, depth: int = 0) -> float:
+    toks = _random_tokens(s, n)
+    s.gen.truncate(depth)
     s.gen.n_batch = n  # one batch, as llama-bench's pp test
     t = time.perf_counter()
     s.gen._forward(toks)
     return time.perf_counter() - t
 
 
-def time_tg(s: Subject, n: int) -> float:
-    s.gen.reset()
+def time_tg(s: Subject, n: int, depth: int = 0) -> float:
+    s.gen.truncate(depth)
     t = time.perf_counter()
     for _ in range(n):
         s.gen._forward([1])
@@ -129,27 +147,31 @@ def run_tests(s: Subject, a, roof: dict) -> list[dict]:
     rows = []
     cfg = s.cfg
     kv_elem = s.kv.nbytes / (s.kv.max_seq * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 2)
+    depth = a.n_depth
+    fill_cache(s, depth)
     for test, n in (("pp", a.n_prompt), ("tg", a.n_gen)):
         if n <= 0:
             continue
         fn = time_pp if test == "pp" else time_tg
-        fn(s, n)  # warm-up: page faults, first-use allocations, extension load
-        samples = [n / fn(s, n) for _ in range(a.repetitions)]
+        fn(s, n, depth)  # warm-up: page faults, first-use allocations, extension load
+        samples = [n / fn(s, n, depth) for _ in range(a.repetitions)]
         mean = statistics.fmean(samples)
         std = statistics.stdev(samples) if len(samples) > 1 else 0.0
         row = dict(model_filename=s.name, model_type=f"{cfg.arch} {s.n_params / 1e6:.0f}M",
                    model_size=s.size_bytes, model_n_params=s.n_params, backends=a.device, n_threads=a.threads,
-                   n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, test=f"{test}{n}",
+                   n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, n_depth=depth,
+                   test=f"{test}{n}" + (f" @ d{depth}" if depth else ""),
                    avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.backend)
         if test == "tg":
-            # the cache grows from 0 to n positions: on average n/2 positions of K and V are read per step
-            kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * kv_elem * (n / 2)
+            # the cache grows from depth to depth + n positions: on average depth + n/2 positions of K and V are read
+            kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * kv_elem * (depth + n / 2)
             per_tok = s.weight_bytes_per_token() + kv_bytes
             row["bytes_per_token"] = int(per_tok)
             row["gbs"] = per_tok * mean / 1e9
             row["bw_share"] = row["gbs"] / roof["read_gbs"] if roof else None
         else:
-            attn = 2 * 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * n / 2  # QK^T and PV over n/2 keys on average
+            # QK^T and PV over depth + n/2 keys on average
+            attn = 2 * 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * (depth + n / 2)
             flops_tok = 2 * s.matmul_params() + attn
             row["gflops"] = flops_tok * mean / 1e9
             row["flops_share"] = row["gflops"] / roof["matmul_gflops"] if roof else None
@@ -181,8 +203,8 @@ def cmd_bench(a) -> int:
 
     if a.repetitions < 1:
         raise PyllmError(f"--repetitions must be >= 1, got {a.repetitions}")
-    if a.n_prompt < 0 or a.n_gen < 0:
-        raise PyllmError("-p and -n must be >= 0")
+    if a.n_prompt < 0 or a.n_gen < 0 or a.n_depth < 0:
+        raise PyllmError("-p, -n and -d must be >= 0")
     from .main import kv_kind_from_args
 
     a.kv = kv_kind_from_args(a)  # --kv with --kv-k/--kv-v applied: "q8_0", "f16/q4_rot", ...
