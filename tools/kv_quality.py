@@ -2,6 +2,8 @@
 
   python tools/kv_quality.py quality MODEL... [-f TEXT] [-c 512] [--chunks 4] [--kinds f16,q8_0,f16/q8_0]
   python tools/kv_quality.py speed MODEL [--depth 2048] [-n 64]                 decode tok/s at a filled context
+  python tools/kv_quality.py first-batch MODEL [--first 2,8,32,256] [--chunks 2]   KL when the statistics come
+                                                                                 from a short first batch
 
 Kinds are cache types, or KEY/VALUE pairs such as f16/q4_rot (keys and values in different types).
 
@@ -43,6 +45,43 @@ def quality(a) -> None:
         print(format_table(llm.path.name, stats, "f16"), flush=True)
 
 
+def first_batch(a) -> None:
+    """The perplexity protocol's chunks with the context half written in two batches, the first holding n tokens:
+    a cache estimates its means and key scales from that first batch, as a chat that opens with a short prompt
+    does. Mean KL divergence against the f16 cache written the same way."""
+    from pyllm.perplexity import chunk_tokens
+
+    text = Path(a.file).read_text(encoding="utf-8", errors="replace")
+    llm = pyllm.load(a.models[0], n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
+    cfg, model, half = llm.config, llm.model, a.ctx // 2
+    ids, bos = chunk_tokens(llm, text, a.ctx)
+    firsts = [int(x) for x in a.first.split(",")]
+    kinds = [k for k in a.kinds.split(",") if k != "f16"]
+    kl = {(n, k): [] for n in firsts for k in kinds}
+    with torch.inference_mode():
+        for c in range(min(a.chunks, len(ids) // a.ctx)):
+            chunk = ids[c * a.ctx:(c + 1) * a.ctx]
+            if bos is not None:
+                chunk[0] = bos
+            for n in firsts:
+                lps = {}
+                for k in ["f16"] + kinds:
+                    kv = make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, a.ctx, cfg.head_dim)
+                    model.forward(torch.tensor(chunk[:n]), 0, kv)
+                    if n < half:
+                        model.forward(torch.tensor(chunk[n:half]), n, kv)
+                    logits = model.forward(torch.tensor(chunk[half:-1]), half, kv, all_logits=True)
+                    lps[k] = torch.log_softmax(logits.float(), -1)
+                for k in kinds:
+                    base = lps["f16"]
+                    kl[(n, k)].append((base.exp() * (base - lps[k])).sum(-1).mean().item())
+    print(f"{llm.path.name}: mean KLD vs f16 by first-batch length, {a.chunks} chunks x {a.ctx}")
+    print("| first batch | " + " | ".join(kinds) + " |")
+    print("|---:|" + "---:|" * len(kinds))
+    for n in firsts:
+        print(f"| {n} | " + " | ".join(f"{statistics.fmean(kl[(n, k)]):.5f}" for k in kinds) + " |")
+
+
 def speed(a) -> None:
     load0 = f"{os.getloadavg()[0]:.2f}"
     llm = pyllm.load(a.models[0], n_ctx=a.depth + a.n + 8, backend=a.backend, n_threads=a.threads)
@@ -76,7 +115,7 @@ def speed(a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["quality", "speed"])
+    p.add_argument("mode", choices=["quality", "speed", "first-batch"])
     p.add_argument("models", nargs="+")
     p.add_argument("-f", "--file", default="/usr/share/common-licenses/GPL-3")
     p.add_argument("-c", "--ctx", type=int, default=512)
@@ -84,10 +123,11 @@ def main() -> None:
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated cache kinds (KEY/VALUE allowed)")
     p.add_argument("--depth", type=int, default=2048)
     p.add_argument("-n", type=int, default=32)
+    p.add_argument("--first", default="2,8,32,256", help="first-batch lengths (first-batch mode)")
     p.add_argument("--backend", default="fast", choices=["fast", "reference"])
     p.add_argument("-t", "--threads", type=int, default=None)
     a = p.parse_args()
-    quality(a) if a.mode == "quality" else speed(a)
+    {"quality": quality, "speed": speed, "first-batch": first_batch}[a.mode](a)
 
 
 if __name__ == "__main__":
