@@ -2,6 +2,8 @@
 
   python tools/kv_quality.py quality MODEL... [-f TEXT] [-c 512] [--chunks 4] [--kinds f16,q8_0,f16/q8_0]
   python tools/kv_quality.py speed MODEL [--depth 2048] [-n 64]                 decode tok/s at a filled context
+  python tools/kv_quality.py decode-kl MODEL [--chunks 2] [--torch]               KL with the scored half decoded
+                                                                                 token by token (C++ step)
   python tools/kv_quality.py first-batch MODEL [--first 2,8,32,256] [--chunks 2]   KL when the statistics come
                                                                                  from a short first batch
 
@@ -82,6 +84,39 @@ def first_batch(a) -> None:
         print(f"| {n} | " + " | ".join(f"{statistics.fmean(kl[(n, k)]):.5f}" for k in kinds) + " |")
 
 
+def decode_kl(a) -> None:
+    """KL against the f16 cache with the scored half of each chunk decoded one token at a time (teacher forcing)
+    through the C++ decode step (--torch: the torch path), so the step's own attention over each cache kind is
+    what is measured. Its floor is not 0: the decode GEMVs round activations to int8, so any perturbation of the
+    inputs flips some roundings (f32 vs f16 caches already differ by ~0.003 on Qwen2.5)."""
+    from pyllm.perplexity import chunk_tokens
+
+    text = Path(a.file).read_text(encoding="utf-8", errors="replace")
+    llm = pyllm.load(a.models[0], n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
+    cfg, model, half = llm.config, llm.model, a.ctx // 2
+    model.use_cpp_decode = not a.torch
+    ids, bos = chunk_tokens(llm, text, a.ctx)
+    kinds = [k for k in a.kinds.split(",") if k != "f16"]
+    kl = {k: [] for k in kinds}
+    with torch.inference_mode():
+        for c in range(min(a.chunks, len(ids) // a.ctx)):
+            chunk = ids[c * a.ctx:(c + 1) * a.ctx]
+            if bos is not None:
+                chunk[0] = bos
+            lps = {}
+            for k in ["f16"] + kinds:
+                kv = make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, a.ctx, cfg.head_dim)
+                model.forward(torch.tensor(chunk[:half]), 0, kv)
+                out = [model.forward(torch.tensor([chunk[i]]), i, kv)[-1] for i in range(half, a.ctx - 1)]
+                lps[k] = torch.log_softmax(torch.stack(out).float(), -1)
+            for k in kinds:
+                kl[k].append((lps["f16"].exp() * (lps["f16"] - lps[k])).sum(-1).mean().item())
+    print(f"{llm.path.name}: mean KLD vs f16, scored half decoded token by token "
+          f"({'torch path' if a.torch else 'C++ step'}), {a.chunks} chunks x {a.ctx}")
+    for k in kinds:
+        print(f"| {k} | {statistics.fmean(kl[k]):.5f} |")
+
+
 def speed(a) -> None:
     load0 = f"{os.getloadavg()[0]:.2f}"
     llm = pyllm.load(a.models[0], n_ctx=a.depth + a.n + 8, backend=a.backend, n_threads=a.threads)
@@ -115,7 +150,7 @@ def speed(a) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=["quality", "speed", "first-batch"])
+    p.add_argument("mode", choices=["quality", "speed", "first-batch", "decode-kl"])
     p.add_argument("models", nargs="+")
     p.add_argument("-f", "--file", default="/usr/share/common-licenses/GPL-3")
     p.add_argument("-c", "--ctx", type=int, default=512)
@@ -124,10 +159,11 @@ def main() -> None:
     p.add_argument("--depth", type=int, default=2048)
     p.add_argument("-n", type=int, default=32)
     p.add_argument("--first", default="2,8,32,256", help="first-batch lengths (first-batch mode)")
+    p.add_argument("--torch", action="store_true", help="decode-kl: the torch path instead of the C++ step")
     p.add_argument("--backend", default="fast", choices=["fast", "reference"])
     p.add_argument("-t", "--threads", type=int, default=None)
     a = p.parse_args()
-    {"quality": quality, "speed": speed, "first-batch": first_batch}[a.mode](a)
+    {"quality": quality, "speed": speed, "first-batch": first_batch, "decode-kl": decode_kl}[a.mode](a)
 
 
 if __name__ == "__main__":
