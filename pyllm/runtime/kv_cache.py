@@ -331,7 +331,7 @@ class KVCache:
 
     def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None) -> None:
         """Store k, v: (T, n_kv_head, head_dim) at positions pos..pos+T-1 of ``layer``. q: the same positions'
-        queries (T, n_head, head_dim), used only to estimate the balanced key scales (rotated kinds)."""
+        queries (T, n_head, head_dim), used only to estimate the balanced key scales (block kinds)."""
         t = k.shape[0]
         self._check(pos, t)
         k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, T, hd]
