@@ -100,6 +100,11 @@ def chunk_tokens(llm, text: str, n_ctx: int) -> tuple[list[int], int | None]:
     return ids, tok.bos_id if add_bos else None
 
 
+def kl_divergence(base_lp: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
+    """KL(base || other) per row, from log-probabilities [..., n_vocab] (llama.cpp's --kl-divergence)."""
+    return (base_lp.exp() * (base_lp - lp)).sum(-1)
+
+
 def evaluate(llm, text: str, n_ctx: int = 512, kinds: list[str] | tuple[str, ...] = ("f16",),
              kl_base: str | None = None, n_chunks: int | None = None,
              on_chunk: Callable[[int, int, dict[str, Stats]], None] | None = None) -> dict[str, Stats]:
@@ -142,7 +147,7 @@ def evaluate(llm, text: str, n_ctx: int = 512, kinds: list[str] | tuple[str, ...
                 if kl_base and kind == kl_base:
                     base_lp = lp
                 elif base_lp is not None:
-                    kl = (base_lp.exp() * (base_lp - lp)).sum(-1).double()  # [scored]
+                    kl = kl_divergence(base_lp, lp).double()  # [scored]
                     st.kld += kl.sum().item()
                     st.kld2 += kl.pow(2).sum().item()
                     st.same_top1 += int((base_lp.argmax(-1) == lp.argmax(-1)).sum())

@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pyllm  # noqa: E402
-from pyllm.perplexity import _Tee, evaluate, format_table  # noqa: E402
+from pyllm.perplexity import _Tee, chunk_tokens, evaluate, format_table, kl_divergence  # noqa: E402
 from pyllm.runtime.kv_cache import make_kv_cache  # noqa: E402
 
 KINDS = ["f16", "q8_0", "q8_rot", "q4_0", "q4_rot"]
@@ -47,24 +47,27 @@ def quality(a) -> None:
         print(format_table(llm.path.name, stats, "f16"), flush=True)
 
 
+def _chunks(llm, a):
+    """The perplexity protocol's chunks of --file (BOS first where the model adds one), at most --chunks."""
+    ids, bos = chunk_tokens(llm, Path(a.file).read_text(encoding="utf-8", errors="replace"), a.ctx)
+    for c in range(min(a.chunks, len(ids) // a.ctx)):
+        chunk = ids[c * a.ctx:(c + 1) * a.ctx]
+        if bos is not None:
+            chunk[0] = bos
+        yield chunk
+
+
 def first_batch(a) -> None:
     """The perplexity protocol's chunks with the context half written in two batches, the first holding n tokens:
     a cache estimates its means and key scales from that first batch, as a chat that opens with a short prompt
     does. Mean KL divergence against the f16 cache written the same way."""
-    from pyllm.perplexity import chunk_tokens
-
-    text = Path(a.file).read_text(encoding="utf-8", errors="replace")
     llm = pyllm.load(a.models[0], n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
     cfg, model, half = llm.config, llm.model, a.ctx // 2
-    ids, bos = chunk_tokens(llm, text, a.ctx)
     firsts = [int(x) for x in a.first.split(",")]
     kinds = [k for k in a.kinds.split(",") if k != "f16"]
     kl = {(n, k): [] for n in firsts for k in kinds}
     with torch.inference_mode():
-        for c in range(min(a.chunks, len(ids) // a.ctx)):
-            chunk = ids[c * a.ctx:(c + 1) * a.ctx]
-            if bos is not None:
-                chunk[0] = bos
+        for chunk in _chunks(llm, a):
             for n in firsts:
                 lps = {}
                 for k in ["f16"] + kinds:
@@ -75,8 +78,7 @@ def first_batch(a) -> None:
                     logits = model.forward(torch.tensor(chunk[half:-1]), half, kv, all_logits=True)
                     lps[k] = torch.log_softmax(logits.float(), -1)
                 for k in kinds:
-                    base = lps["f16"]
-                    kl[(n, k)].append((base.exp() * (base - lps[k])).sum(-1).mean().item())
+                    kl[(n, k)].append(kl_divergence(lps["f16"], lps[k]).mean().item())
     print(f"{llm.path.name}: mean KLD vs f16 by first-batch length, {a.chunks} chunks x {a.ctx}")
     print("| first batch | " + " | ".join(kinds) + " |")
     print("|---:|" + "---:|" * len(kinds))
@@ -89,20 +91,13 @@ def decode_kl(a) -> None:
     through the C++ decode step (--torch: the torch path), so the step's own attention over each cache kind is
     what is measured. Its floor is not 0: the decode GEMVs round activations to int8, so any perturbation of the
     inputs flips some roundings (f32 vs f16 caches already differ by ~0.003 on Qwen2.5)."""
-    from pyllm.perplexity import chunk_tokens
-
-    text = Path(a.file).read_text(encoding="utf-8", errors="replace")
     llm = pyllm.load(a.models[0], n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
     cfg, model, half = llm.config, llm.model, a.ctx // 2
     model.use_cpp_decode = not a.torch
-    ids, bos = chunk_tokens(llm, text, a.ctx)
     kinds = [k for k in a.kinds.split(",") if k != "f16"]
     kl = {k: [] for k in kinds}
     with torch.inference_mode():
-        for c in range(min(a.chunks, len(ids) // a.ctx)):
-            chunk = ids[c * a.ctx:(c + 1) * a.ctx]
-            if bos is not None:
-                chunk[0] = bos
+        for chunk in _chunks(llm, a):
             lps = {}
             for k in ["f16"] + kinds:
                 kv = make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, a.ctx, cfg.head_dim)
@@ -110,7 +105,7 @@ def decode_kl(a) -> None:
                 out = [model.forward(torch.tensor([chunk[i]]), i, kv)[-1] for i in range(half, a.ctx - 1)]
                 lps[k] = torch.log_softmax(torch.stack(out).float(), -1)
             for k in kinds:
-                kl[k].append((lps["f16"].exp() * (lps["f16"] - lps[k])).sum(-1).mean().item())
+                kl[k].append(kl_divergence(lps["f16"], lps[k]).mean().item())
     print(f"{llm.path.name}: mean KLD vs f16, scored half decoded token by token "
           f"({'torch path' if a.torch else 'C++ step'}), {a.chunks} chunks x {a.ctx}")
     for k in kinds:
