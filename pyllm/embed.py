@@ -77,15 +77,27 @@ def embed_counted(llm, items: list[str], normalize: bool = True, pooling: str | 
     return [v for v, _ in out], sum(n for _, n in out)
 
 
+def _encode(v: list[float], encoding_format: str | None):
+    """base64 is OpenAI's packed form (the openai client asks for it): little-endian float32 bytes."""
+    if encoding_format != "base64":
+        return v
+    import base64
+
+    import numpy as np
+
+    return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
+
+
 def create_embedding(llm, input, model: str | None = None, encoding_format: str | None = None, **ignored) -> dict:
     """OpenAI ``/v1/embeddings`` response for ``input`` (a string or a list of strings)."""
-    if encoding_format not in (None, "float"):
-        raise PyllmError(f"encoding_format {encoding_format!r} is not supported (use \"float\")")
+    if encoding_format not in (None, "float", "base64"):
+        raise PyllmError(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}")
     if isinstance(input, str):
         input = [input]
     if not isinstance(input, list) or not input or not all(isinstance(t, str) for t in input):
         raise PyllmError("input must be a string or a non-empty list of strings")
     vecs, n = embed_counted(llm, input)
     return {"object": "list", "model": model or llm.path.name,
-            "data": [{"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vecs)],
+            "data": [{"object": "embedding", "index": i, "embedding": _encode(v, encoding_format)}
+                     for i, v in enumerate(vecs)],
             "usage": {"prompt_tokens": n, "total_tokens": n}}

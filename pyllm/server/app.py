@@ -61,20 +61,11 @@ class Metrics:
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = self.cache_hits = 0
         self.decode_tps = 0.0
         self.busy_seconds = 0.0
+        self.cancelled = 0
 
     def request(self, route: str, status: int) -> None:
         with self.lock:
             self.requests[route, status] = self.requests.get((route, status), 0) + 1
-
-    def usage(self, usage: dict, decode_tps: float) -> None:
-        with self.lock:
-            self.prompt_tokens += usage.get("prompt_tokens", 0)
-            self.generated_tokens += usage.get("completion_tokens", 0)
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-            self.cached_tokens += cached
-            self.cache_hits += cached > 0
-            if decode_tps:
-                self.decode_tps = decode_tps
 
     def text(self, scheduler: Scheduler) -> str:
         rows = [
@@ -82,6 +73,8 @@ class Metrics:
              [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())]),
             ("pyllm_prompt_tokens_total", "counter", "prompt tokens of completed requests", [("", self.prompt_tokens)]),
             ("pyllm_generated_tokens_total", "counter", "generated tokens", [("", self.generated_tokens)]),
+            ("pyllm_requests_cancelled_total", "counter", "generations stopped because the client went away",
+             [("", self.cancelled)]),
             ("pyllm_prompt_cache_tokens_total", "counter", "prompt tokens reused from the KV cache",
              [("", self.cached_tokens)]),
             ("pyllm_prompt_cache_hits_total", "counter", "requests that reused a cached prefix",
@@ -103,9 +96,25 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     """The ASGI app serving ``llm`` under the model id ``model_name``."""
     metrics = Metrics()
 
+    last_stats = [llm.stats]
+
     def on_done(job: Job, seconds: float) -> None:
+        # Counted from the generator's own statistics, so a cancelled stream's tokens count too; a job that
+        # generated nothing (an error, an embedding) leaves the same stats object behind.
+        st = llm.stats
+        fresh = st is not last_stats[0]
+        last_stats[0] = st
         with metrics.lock:
             metrics.busy_seconds += seconds
+            metrics.cancelled += job.cancel.is_set()
+            if fresh:
+                metrics.prompt_tokens += st.prompt_tokens
+                metrics.generated_tokens += st.generated_tokens
+                cached = st.prompt_tokens - st.prompt_evaluated
+                metrics.cached_tokens += cached
+                metrics.cache_hits += cached > 0
+                if st.decode_tps:
+                    metrics.decode_tps = st.decode_tps
 
     scheduler = Scheduler(on_done)
     created = int(time.time())
@@ -151,17 +160,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     job.cancel.set()
                     raise asyncio.CancelledError from None
 
-    def record_usage(usage: dict | None) -> None:
-        if usage:
-            metrics.usage(usage, llm.stats.decode_tps)
-
     async def generate(request: Request, route: str, fn_name: str) -> Response:
         data = await read_json(request)
         stream = bool(data.get("stream"))
-        client_usage = bool((data.get("stream_options") or {}).get("include_usage")) if isinstance(
-            data.get("stream_options"), dict) else False
-        if stream:  # usage always comes back to the server (metrics); the client gets it only if it asked
-            data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
         fn = getattr(llm, fn_name)
         job = scheduler.submit(lambda: fn(**data))
         try:
@@ -174,7 +175,6 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         if kind == "error":
             raise _as_api_error(value)
         if not stream:
-            record_usage(value.get("usage"))
             metrics.request(route, 200)
             return JSONResponse(value)
 
@@ -188,14 +188,6 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                         yield "data: " + json.dumps({"error": {"message": e.message, "type": ERROR_TYPES[e.status],
                                                                "param": e.param, "code": e.code}}) + "\n\n"
                         return
-                    if "usage" in value:
-                        if value["usage"] is not None:
-                            record_usage(value["usage"])
-                            if not client_usage:
-                                item = await job.out.get()
-                                continue
-                        elif not client_usage:
-                            value = {k: v for k, v in value.items() if k != "usage"}
                     yield "data: " + json.dumps(value) + "\n\n"
                     item = await job.out.get()
                 yield "data: [DONE]\n\n"
