@@ -188,6 +188,13 @@ def cmd_serve(a) -> int:
                          "requests are served one at a time in arrival order")
     if not 0 <= a.port <= 65535:
         raise PyllmError(f"--port must be in 0..65535, got {a.port}")
+    import socket
+
+    try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
+        with socket.create_server((a.host, a.port)):
+            pass
+    except OSError as e:
+        raise PyllmError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     from ..server.app import serve
 
     llm = load_from_args(a)
