@@ -159,6 +159,7 @@ class Run:
     stop: list[str]
     sampler: Sampler
     constraint: dict
+    cancel: Any = None  # a threading.Event: set, the generation stops at its next token
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -184,6 +185,9 @@ class Run:
         gen = llm.generate_tokens(self.ids, max_tokens=self.max_tokens, sampler=self.sampler, **self.constraint)
         try:
             for t in gen:
+                if self.cancel is not None and self.cancel.is_set():
+                    self.finish_reason = "cancelled"
+                    break
                 self.completion_tokens += 1
                 if self.completion_tokens == 1:
                     st = llm.stats
@@ -222,14 +226,14 @@ class Run:
                          [(tok.token_bytes(i).decode("utf-8", errors="replace"), v) for i, v in top], list(b))
 
 
-def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint) -> Run:
+def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
     if not ids:
         raise BadRequest("the prompt is empty", "prompt")
     bad = [i for i in ids if not 0 <= i < llm.n_vocab]
     if bad:
         raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{llm.n_vocab - 1})", "prompt")
     return Run(llm, ids, _max_tokens(llm, len(ids), max_tokens), _stop_list(stop),
-               _sampler(llm, n_logprobs=n_logprobs, **sampling), constraint)
+               _sampler(llm, n_logprobs=n_logprobs, **sampling), constraint, cancel)
 
 
 def _model_name(llm, model) -> str:
@@ -267,10 +271,12 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
                       repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                       logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
                       response_format: dict | None = None, grammar: str | None = None,
-                      json_schema: dict | None = None, stream_options: dict | None = None, **ignored):
+                      json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
+                      **ignored):
     """OpenAI text completion of ``prompt`` (a string, or token ids). Returns the response dict, or with
     ``stream=True`` an iterator of ``text_completion`` chunk dicts (the last one carries finish_reason; with
-    ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token."""
+    ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token.
+    ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
     _check_n(n)
     if suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
@@ -286,7 +292,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
         _number("logprobs", logprobs, 0, 20, integer=True)
     run = _new_run(llm, ids, max_tokens, stop, _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty,
                                                          presence_penalty, frequency_penalty, logit_bias, seed),
-                   logprobs, structured_output_kwargs(llm, response_format, grammar, json_schema))
+                   logprobs, structured_output_kwargs(llm, response_format, grammar, json_schema), cancel)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": _model_name(llm, model)}
     prefix = (prompt if isinstance(prompt, str) else llm.detokenize(ids)) if echo else ""
@@ -472,7 +478,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
                            repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                            logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
                            response_format: dict | None = None, grammar: str | None = None,
-                           json_schema: dict | None = None, stream_options: dict | None = None, **ignored):
+                           json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
+                           **ignored):
     """OpenAI chat completion of ``messages`` through the model's chat template. ``tools`` / ``tool_choice`` as
     OpenAI (auto, none, required, {"type": "function", "function": {"name": ...}}): calls the model writes come
     back as ``message.tool_calls`` with finish_reason "tool_calls". ``max_tokens`` None = until the context is
@@ -499,7 +506,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     n_lp = (top_logprobs or 0) if logprobs else None
     run = _new_run(llm, ids, max_completion_tokens if max_completion_tokens is not None else max_tokens, stop,
                    _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty,
-                             frequency_penalty, logit_bias, seed), n_lp, constraint)
+                             frequency_penalty, logit_bias, seed), n_lp, constraint, cancel)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
     if stream:
         return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,

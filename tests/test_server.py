@@ -259,6 +259,30 @@ def test_disconnect_mid_stream_frees_the_worker(smol):
     _ok(smol)
 
 
+def test_disconnect_while_waiting_for_a_whole_response_cancels_it(smol):
+    before = smol.metrics()
+    body = json.dumps({"model": "smollm2", "messages": _chat("Tell a very long story about a dragon."),
+                       "max_tokens": 400, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", smol.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                  b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 60
+        while smol.metrics()["pyllm_requests_processing"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = smol.metrics()
+        if m["pyllm_requests_cancelled_total"] > before["pyllm_requests_cancelled_total"]:
+            break
+        time.sleep(0.2)
+    m = smol.metrics()
+    assert m["pyllm_requests_cancelled_total"] == before["pyllm_requests_cancelled_total"] + 1
+    assert m["pyllm_generated_tokens_total"] - before["pyllm_generated_tokens_total"] < 400
+    _ok(smol)
+
+
 def test_concurrent_greedy_clients_get_their_solo_text(smol):
     c = smol.client()
     prompts = [f"Count from {i} to {i + 5}." for i in range(8)]

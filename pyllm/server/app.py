@@ -163,8 +163,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     async def generate(request: Request, route: str, fn_name: str) -> Response:
         data = await read_json(request)
         stream = bool(data.get("stream"))
+        data.pop("cancel", None)  # pyllm's own keyword, not a request parameter
         fn = getattr(llm, fn_name)
-        job = scheduler.submit(lambda: fn(**data))
+        job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
         try:
             first = await next_item(request, job)
         except asyncio.CancelledError:
@@ -208,7 +209,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         data = await read_json(request)
         if "input" not in data:
             raise APIError(400, "missing required parameter 'input'", "input")
-        job = scheduler.submit(lambda: llm.create_embedding(**data))
+        job = scheduler.submit(lambda cancel: llm.create_embedding(**data))
         try:
             kind, value = await next_item(request, job)
         except asyncio.CancelledError:

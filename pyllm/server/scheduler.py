@@ -20,7 +20,7 @@ DONE = object()  # end of a job's items
 
 @dataclass
 class Job:
-    fn: Callable[[], Any]  # runs on the worker: returns a dict, or an iterator of dicts (a stream)
+    fn: Callable[[threading.Event], Any]  # fn(cancel) runs on the worker: a dict, or an iterator of dicts (a stream)
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("item", dict) | ("error", exc) | DONE
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -43,7 +43,7 @@ class Scheduler:
         """Jobs waiting for the worker."""
         return self._q.qsize()
 
-    def submit(self, fn: Callable[[], Any]) -> Job:
+    def submit(self, fn: Callable[[threading.Event], Any]) -> Job:
         job = Job(fn, asyncio.get_running_loop())
         self._q.put(job)
         return job
@@ -71,7 +71,7 @@ class Scheduler:
     @staticmethod
     def _run(job: Job) -> None:
         try:
-            result = job.fn()
+            result = job.fn(job.cancel)
             if isinstance(result, dict):
                 job.put(("item", result))
             else:
