@@ -17,11 +17,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import openai  # the test extra installs it (pyproject.toml)
 import pytest
 
 from conftest import fixture_path, pyllm_model
-
-openai = pytest.importorskip("openai")  # in the test extra; only an install without it skips
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-key"
