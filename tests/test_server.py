@@ -233,6 +233,19 @@ def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     assert m["pyllm_queue_depth"] == 0
 
 
+def _metrics_after_one_cancel(server, before: dict) -> dict:
+    """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pyllm_requests_cancelled_total"] > before["pyllm_requests_cancelled_total"]:
+            break
+        time.sleep(0.2)
+    m = server.metrics()
+    assert m["pyllm_requests_cancelled_total"] == before["pyllm_requests_cancelled_total"] + 1
+    return m
+
+
 def test_disconnect_mid_stream_frees_the_worker(smol):
     before = smol.metrics()
     c = smol.client()
@@ -244,14 +257,7 @@ def test_disconnect_mid_stream_frees_the_worker(smol):
         if got == 4:
             break
     stream.close()  # drops the connection
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        m = smol.metrics()
-        if m["pyllm_requests_cancelled_total"] > before["pyllm_requests_cancelled_total"]:
-            break
-        time.sleep(0.2)
-    m = smol.metrics()
-    assert m["pyllm_requests_cancelled_total"] == before["pyllm_requests_cancelled_total"] + 1
+    m = _metrics_after_one_cancel(smol, before)
     assert m["pyllm_requests_processing"] == 0
     generated = m["pyllm_generated_tokens_total"] - before["pyllm_generated_tokens_total"]
     assert 3 <= generated < 400  # stopped soon after the client left, not at max_tokens
@@ -270,14 +276,7 @@ def test_disconnect_while_waiting_for_a_whole_response_cancels_it(smol):
         while smol.metrics()["pyllm_requests_processing"] == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        m = smol.metrics()
-        if m["pyllm_requests_cancelled_total"] > before["pyllm_requests_cancelled_total"]:
-            break
-        time.sleep(0.2)
-    m = smol.metrics()
-    assert m["pyllm_requests_cancelled_total"] == before["pyllm_requests_cancelled_total"] + 1
+    m = _metrics_after_one_cancel(smol, before)
     assert m["pyllm_generated_tokens_total"] - before["pyllm_generated_tokens_total"] < 400
     _ok(smol)
 
