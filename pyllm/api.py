@@ -86,7 +86,9 @@ def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, p
     _number("repeat_penalty", repeat_penalty, 0)
     if seed is not None:
         _number("seed", seed, integer=True)
-    settings = SamplerSettings(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p) or 1.0,
+    if top_p == 0:  # nothing but the most likely token survives: greedy (the sampler's top_p range is (0, 1])
+        temperature, top_p = 0, 1.0
+    settings = SamplerSettings(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                                min_p=float(min_p), typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
                                frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
                                logit_bias=_logit_bias(logit_bias, llm.n_vocab),

@@ -79,6 +79,12 @@ def test_logprobs_in_responses(llm):
         assert t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"], abs=1e-6)  # greedy: the top token
 
 
+def test_top_p_zero_is_greedy(llm):
+    prompt = "The capital of France is"
+    want = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+    assert llm.create_completion(prompt, max_tokens=6, temperature=1.5, top_p=0, seed=3)["choices"][0]["text"] == want
+
+
 def test_bad_arguments_raise_before_generating(llm):
     msgs = [{"role": "user", "content": "Hi"}]
     for kw, param in [({"top_p": 2}, "top_p"), ({"n": 2}, "n"), ({"stop": 3}, "stop"),
