@@ -336,5 +336,5 @@ def fetch(remote: Remote, part: Path, progress: Progress | None = None, timeout:
         progress.update(have)
     if total is not None and have != total:
         raise DownloadError(f"{remote.url}: the server announced {total} bytes but sent {have} "
-                            f"(tried {MAX_STALLS} times to resume; the partial file is kept for the next pull)")
+                            f"(tried {MAX_STALLS} times to resume)")
     return h.hexdigest(), have

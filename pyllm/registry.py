@@ -369,6 +369,12 @@ def pull_remote(ref: str, quiet: bool = False, force: bool = False, sha256: str 
         bar = download.Progress(remote.filename, remote.size, enabled=None if not quiet else False)
         try:
             digest, size = download.fetch(remote, part, bar)
+        except DownloadError as e:
+            kept = part.stat().st_size if part.exists() else 0
+            if kept:
+                raise DownloadError(f"{e}; the {kept} bytes received are kept and the next pull resumes "
+                                    f"from there") from None
+            raise
         finally:
             bar.close()
         if remote.size is not None and size != remote.size:
