@@ -3,7 +3,8 @@
 The output follows llama.cpp's convert_hf_to_gguf.py where it matters for loading: tensor names from gguf's
 TensorNameMap, llama-arch Q/K rows permuted for the interleaved rotation, llama3 rope scaling as a ``rope_freqs``
 tensor, Gemma norms stored as (1 + w), byte-level BPE vocabularies with merges and the pre-tokenizer name.
-Weights are quantized by pyllm.quantize (1-D tensors stay float32, as llama.cpp keeps them).
+Weights are quantized by pyllm.quantize (1-D tensors stay float32, as llama.cpp keeps them); as llama.cpp's
+quantizer does, the output head is Q6_K under q4_0 and q4_k_m, and ``general.quantization_version`` is 2.
 """
 
 from __future__ import annotations
