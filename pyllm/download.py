@@ -46,7 +46,8 @@ def is_remote(ref: str) -> bool:
 
 
 def hf_endpoint() -> str:
-    return (os.environ.get("PYLLM_HF_ENDPOINT") or os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+    ep = os.environ.get("PYLLM_HF_ENDPOINT") or os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    return ep.rstrip("/")
 
 
 def _user_agent() -> str:

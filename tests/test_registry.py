@@ -109,7 +109,6 @@ class Server:
 @pytest.fixture
 def server(tmp_path, monkeypatch):
     monkeypatch.setenv("PYLLM_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("PYLLM_HF_ENDPOINT", "")  # each test sets its own endpoint
     s = Server()
     monkeypatch.setenv("PYLLM_HF_ENDPOINT", s.base)
     yield s
@@ -269,7 +268,8 @@ def cached_fake(tmp_path, monkeypatch, gguf_bytes):
     p.parent.mkdir(parents=True)
     p.write_bytes(gguf_bytes)
     calls = []
-    monkeypatch.setattr(registry, "_pull_registry", lambda m, final, quiet: (calls.append(1), final.write_bytes(gguf_bytes)))
+    monkeypatch.setattr(registry, "_pull_registry",
+                        lambda m, final, quiet: (calls.append(1), final.write_bytes(gguf_bytes)))
     return m, p, calls
 
 
@@ -314,7 +314,8 @@ def test_rm_and_list(cached_fake, server, gguf_bytes, tmp_path):
     q = registry.pull(server.base + "/u/tiny.gguf", quiet=True)
     rows = {r["name"]: r for r in registry.cached_files()}
     assert rows["fake"]["registry"] and rows["fake"]["chat_template"] is False
-    assert rows[server.base + "/u/tiny.gguf"]["chat_template"] is True and rows[server.base + "/u/tiny.gguf"]["size"] == len(gguf_bytes)
+    row = rows[server.base + "/u/tiny.gguf"]
+    assert row["chat_template"] is True and row["size"] == len(gguf_bytes) and row["verified"]
     outside = tmp_path / "mine.gguf"
     outside.write_bytes(b"x")
     with pytest.raises(PyllmError, match="not in the cache"):

@@ -88,7 +88,8 @@ def load_from_args(a, context_policy: str = "stop"):
                      context_policy=getattr(a, "context_policy", None) or context_policy)
     if getattr(a, "plain_template", False):
         llm.use_fallback_template()
-    elif (a.command == "chat" or getattr(a, "chat", False)) and getattr(llm.template, "is_fallback", False):
+    elif getattr(llm.template, "is_fallback", False) and (getattr(a, "command", None) == "chat"
+                                                          or getattr(a, "chat", False)):
         print(f"pyllm: warning: {llm.path.name} has no chat template (a base model?); chats use a plain "
               f"fallback format, and replies may just continue the text", file=sys.stderr)
     return llm
