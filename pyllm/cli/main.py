@@ -98,6 +98,8 @@ def load_from_args(a, context_policy: str = "stop"):
 def cmd_run(a) -> int:
     prompt = a.prompt
     if prompt is None:
+        if sys.stdin.isatty() and not sys.stdout.isatty():
+            raise PyllmError("no prompt: give one as an argument or on standard input")
         if sys.stdin.isatty():  # no prompt on a terminal: a conversation, as `ollama run MODEL` opens one
             a.command = "chat"
             a.quiet, a.no_color, a.lines = False, False, False
@@ -267,8 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_info)
 
     s = sub.add_parser("list", help="registry models and the cache",
-                       description=f"List registry models (base = no chat template) and the cached files. The "
-                                   f"cache is $PYLLM_CACHE_DIR, else $XDG_CACHE_HOME/pyllm, else ~/.cache/pyllm.")
+                       description="List registry models (base = no chat template) and the cached files. The "
+                                   "cache is $PYLLM_CACHE_DIR, else $XDG_CACHE_HOME/pyllm, else ~/.cache/pyllm.")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_list)
 
