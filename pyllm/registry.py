@@ -11,7 +11,7 @@ Integrity. Each cached file has a record (``CACHE/verified/<path under models>.j
 where it came from) written when its sha256 was last checked. Using a cached model compares only size and mtime
 with the record, so a file is hashed once, not on every run; a file changed since (any write moves its mtime) is
 hashed again and refused, naming the file and ``pyllm pull --force NAME``, if its digest is not the expected one.
-``pyllm pull`` of a cached model always re-hashes it and downloads again when it is corrupted.
+``pyllm pull`` of a cached model makes the same check and downloads again when the file is corrupted.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def _looks_like_path(s: str) -> bool:
 
 def pull(name: str, quiet: bool = False, force: bool = False, sha256: str | None = None) -> Path:
     """Fetch ``name`` (a registry name, an http(s) URL or hf.co/OWNER/REPO[:QUANT]) into the cache if needed and
-    return its path. A cached file is re-hashed; a corrupted one is downloaded again."""
+    return its path. A cached file is checked (see verify_cached); a corrupted one is downloaded again."""
     from . import download
 
     if download.is_remote(name):
@@ -259,7 +259,7 @@ def pull(name: str, quiet: bool = False, force: bool = False, sha256: str | None
     with _locked(final.parent / f".{m.filename}.lock"):
         if is_cached(name) and not force:
             try:
-                verify_cached(final, m.sha256, name, full=True)
+                verify_cached(final, m.sha256, name)
                 if not quiet:
                     print(_summary(f"{name} is cached", final, m.size, "verified"), file=sys.stderr)
                 return final
@@ -349,7 +349,7 @@ def pull_remote(ref: str, quiet: bool = False, force: bool = False, sha256: str 
         raise PyllmError(f"--sha256 {sha256!r}: not a sha256 digest (64 hex digits)")
     cached = find_remote(ref)
     if cached is not None and not force:
-        verify_cached(cached, sha256, ref, full=True)
+        verify_cached(cached, sha256, ref)
         if not quiet:
             print(_summary(f"{ref} is cached", cached, cached.stat().st_size, "verified"), file=sys.stderr)
         return cached

@@ -298,14 +298,17 @@ def test_resolve_hashes_once_then_trusts_size_and_mtime(cached_fake, monkeypatch
 def test_pull_of_a_corrupted_cached_file_downloads_again(cached_fake, capsys):
     m, p, calls = cached_fake
     registry.resolve("fake")
-    _corrupt(p, keep_mtime=True)  # even a change the record cannot see: pull re-hashes in full
+    _corrupt(p)
     assert registry.pull("fake") == p and calls == [1]
     err = capsys.readouterr().err
     assert "is corrupted" in err and "downloading it again" in err and "sha256 verified" in err
     assert registry.pull("fake") == p and calls == [1]  # intact now: not downloaded again
     assert "fake is cached: fake.gguf" in capsys.readouterr().err
+    # the documented gap: an edit that restores size and mtime passes the cheap check; --force replaces the file
+    _corrupt(p, keep_mtime=True)
+    assert registry.resolve("fake") == p
     registry.pull("fake", force=True, quiet=True)
-    assert calls == [1, 1]
+    assert calls == [1, 1] and registry.sha256_file(p) == m.sha256
 
 
 def test_rm_and_list(cached_fake, server, gguf_bytes, tmp_path):
