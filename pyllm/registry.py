@@ -427,7 +427,8 @@ def resolve(model: str | os.PathLike, download: bool = True, quiet: bool = False
         return pull_remote(s, quiet=quiet)
     p = Path(s).expanduser()
     if not p.exists():
-        raise PyllmError(f"{s}: no such file, and not a registry name (known: {', '.join(REGISTRY)})")
+        raise PyllmError(f"{s}: no such file, and not a registry name (known: {', '.join(REGISTRY)}), URL or "
+                         f"hf.co/OWNER/REPO[:QUANT]")
     return p
 
 

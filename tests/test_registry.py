@@ -45,6 +45,7 @@ class Server:
         self.files: dict[str, bytes] = {}
         self.mode: dict[str, set] = {}
         self.log: list[tuple[str, str | None]] = []  # (path, Range header)
+        self.redirects: dict[str, tuple[str, str]] = {}  # path -> (location, sha256 for X-Linked-Etag)
         srv = self
 
         class H(BaseHTTPRequestHandler):
@@ -57,6 +58,14 @@ class Server:
                 srv.log.append((path, rng))
                 if len(srv.log) > 200:  # a runaway client: stop answering
                     self.send_error(500)
+                    return
+                if path in srv.redirects:  # the HF hub's way: 302 to a CDN, the sha256 in X-Linked-Etag
+                    to, etag = srv.redirects[path]
+                    self.send_response(302)
+                    self.send_header("Location", to)
+                    self.send_header("X-Linked-Etag", f'"{etag}"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
                 if path not in srv.files:
                     self.send_error(404)
@@ -190,6 +199,17 @@ def test_wrong_sha256_deletes_the_download(server, gguf_bytes):
         registry.pull(server.base + "/tiny.gguf", quiet=True, sha256="1" * 64)
     good = hashlib.sha256(gguf_bytes).hexdigest()
     assert registry.pull(server.base + "/tiny.gguf", quiet=True, sha256=good).read_bytes() == gguf_bytes
+
+
+def test_sha_in_x_linked_etag_of_a_redirect(server, gguf_bytes):
+    server.files["/cdn/tiny.gguf"] = gguf_bytes
+    server.redirects["/bad/tiny.gguf"] = ("/cdn/tiny.gguf", "ab" * 32)
+    with pytest.raises(DownloadError, match="from the server's ETag"):
+        registry.pull(server.base + "/bad/tiny.gguf", quiet=True)
+    assert _leftovers(registry.models_dir()) == []
+    server.redirects["/ok/tiny.gguf"] = ("/cdn/tiny.gguf", hashlib.sha256(gguf_bytes).hexdigest())
+    p = registry.pull(server.base + "/ok/tiny.gguf", quiet=True)
+    assert p.read_bytes() == gguf_bytes and registry.read_record(p)["source"] == server.base + "/ok/tiny.gguf"
 
 
 def test_server_without_range_support_restarts(server, gguf_bytes):
