@@ -336,6 +336,6 @@ def fetch(remote: Remote, part: Path, progress: Progress | None = None, timeout:
     if progress:
         progress.update(have)
     if total is not None and have != total:
-        raise DownloadError(f"{remote.url}: the server announced {total} bytes but sent {have} "
-                            f"(tried {MAX_STALLS} times to resume)")
+        raise DownloadError(f"{remote.url}: the server announced {total} bytes but sent {have} (resuming with "
+                            f"Range requests did not bring the rest)")
     return h.hexdigest(), have
