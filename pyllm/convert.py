@@ -3,7 +3,8 @@
 The output follows llama.cpp's convert_hf_to_gguf.py where it matters for loading: tensor names from gguf's
 TensorNameMap, llama-arch Q/K rows permuted for the interleaved rotation, llama3 rope scaling as a ``rope_freqs``
 tensor, Gemma norms stored as (1 + w), byte-level BPE vocabularies with merges and the pre-tokenizer name.
-Weights are quantized by pyllm.quantize (1-D tensors stay float32, as llama.cpp keeps them).
+Weights are quantized by pyllm.quantize (1-D tensors stay float32, as llama.cpp keeps them); as llama.cpp's
+quantizer does, the output head is Q6_K under q4_0 and q4_k_m, and ``general.quantization_version`` is 2.
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def _token_id(tok, vocab: dict) -> int | None:
 def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
     import gguf
 
+    if not (d / "tokenizer.json").is_file():
+        raise ConvertError(f"{d}: tokenizer.json is missing (pyllm converts checkpoints with a Hugging Face "
+                           f"fast tokenizer file; save one with AutoTokenizer.from_pretrained(...).save_pretrained)")
     tj = _read_json(d / "tokenizer.json")
     tc = _read_json(d / "tokenizer_config.json")
     model = tj.get("model") or {}
@@ -172,6 +176,10 @@ def _tensor_type(name: str, arr_shape: tuple, ftype: str, layer_info: tuple[int,
     if len(arr_shape) == 1 or ftype == "f32":
         return GGMLType.F32
     t = BASE_TYPE[ftype]
+    if ftype == "q4_0" and (name == "output.weight" or (tied and name == "token_embd.weight")):
+        # llama.cpp's quantizer (llama_tensor_get_type) gives the output head Q6_K for every type below Q8_0,
+        # or Q8_0 when its rows are not whole 256-blocks
+        t = GGMLType.Q6_K if arr_shape[-1] % 256 == 0 else GGMLType.Q8_0
     if ftype == "q4_k_m":
         # llama.cpp's Q4_K_M mix: Q6_K for the output head and for attn_v / ffn_down on the "more bits" layers
         # (first and last eighth, and every third in between). A tied embedding is the output head too.
@@ -234,6 +242,7 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
 
     w.add_name(cfg.get("_name_or_path") or d.name)
     w.add_file_type(FILE_TYPES[ftype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)  # as convert_hf_to_gguf.py writes it (2)
     w.add_context_length(cfg.get("max_position_embeddings", 4096))
     w.add_embedding_length(n_embd)
     w.add_block_count(n_layer)

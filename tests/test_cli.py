@@ -176,3 +176,55 @@ def test_bench_at_depth(smollm2_path):
     assert [r["test"] for r in rows] == ["pp8 @ d40", "tg4 @ d40"]
     assert all(r["n_depth"] == 40 and r["avg_ts"] > 0 and r["kv_type"] == "q4_rot" for r in rows)
     assert_clean_error(pyllm("bench", smollm2_path, "-d", "-1"), "-d")
+
+
+# ---- run's own flags and edges -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def no_template_gguf(tmp_path_factory):
+    """A tiny synthetic llama whose file has an empty chat template (what a base model's file looks like)."""
+    from pyllm.synthetic import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("nt") / "base.gguf", n_ctx=64,
+                                metadata={"tokenizer.chat_template": ""}))
+
+
+def test_run_unknown_flag_prints_runs_usage(no_template_gguf):
+    res = pyllm("run", no_template_gguf, "hi", "--frobnicate", "x")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "usage: pyllm run" in res.stderr and "pyllm run: error: unrecognized arguments: --frobnicate" in res.stderr
+
+
+def test_run_system_implies_chat_and_a_base_model_warns_once(no_template_gguf):
+    res = pyllm("run", no_template_gguf, "hi", "--system", "Be brief.", "-n", "2", "--backend", "reference",
+                "--ctx", "64", "--temp", "0")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("has no chat template") == 1 and "plain fallback" in res.stderr
+    res = pyllm("run", no_template_gguf, "hi", "-n", "2", "--backend", "reference", "--ctx", "64")
+    assert res.returncode == 0 and "chat template" not in res.stderr  # raw completion: nothing to warn about
+
+
+def test_run_reads_a_piped_prompt_and_dash(no_template_gguf):
+    for args in ([], ["-"]):
+        res = pyllm("run", no_template_gguf, *args, "-n", "2", "--backend", "reference", "--ctx", "64", "--json",
+                    stdin="hello there")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["prompt_tokens"] > 1
+
+
+def test_run_without_prompt_on_a_terminal_opens_the_chat(no_template_gguf, tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PROMPT_TOOLKIT_NO_CPR="1", TERM="xterm-256color",
+               XDG_DATA_HOME=str(tmp_path))
+    child = pexpect.spawn(sys.executable, ["-m", "pyllm", "run", no_template_gguf, "-n", "2", "--backend",
+                                           "reference", "--ctx", "64"], env=env, cwd=str(tmp_path),
+                          encoding="utf-8", codec_errors="replace", dimensions=(40, 200), timeout=180)
+    try:
+        child.expect_exact("Ctrl-D or /bye to quit")
+        child.expect_exact(">>>")
+        child.send("/bye\r")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

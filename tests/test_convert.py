@@ -111,3 +111,45 @@ def test_convert_errors_are_one_line(tmp_path, capsys):
     assert "safetensors" in _convert_err(capsys, ["convert", str(tmp_path), out])
     assert "unknown --type" in str(pytest.raises(Exception, convert, tm.hf_dir("qwen3"), out, "q5_x").value)
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("arch,head", [("mistral", "output.weight"), ("qwen3", "token_embd.weight")])
+def test_q4_0_output_head_is_q6_k_as_llama_cpp(tmp_path, arch, head):
+    """llama.cpp's quantizer (llama_tensor_get_type) writes the output head (or a tied embedding, which is the
+    head) as Q6_K for every type below Q8_0; the other matrices stay Q4_0. The file also carries
+    general.quantization_version = 2, as convert_hf_to_gguf.py writes it. Reference: the f16 conversion's head;
+    the Q6_K head must be within 0.3x of the error a Q4_0 head of the same weights has (Q6_K ~ 6.6 bits vs 4.5).
+    The file must load and give finite logits."""
+    import pyllm
+    import torch
+
+    out = convert(tm.hf_dir(arch), tmp_path / "m.gguf", "q4_0", log=None)
+    gf = open_gguf(out)
+    assert gf.tensors[head].ggml_type == GGMLType.Q6_K
+    assert gf.tensors["blk.0.attn_q.weight"].ggml_type == GGMLType.Q4_0
+    assert gf.metadata["general.quantization_version"] == 2 and gf.metadata["general.file_type"] == 2
+    ours = qtensor_from_gguf(gf, head).dequantize().numpy()
+    ref_gf = open_gguf(tm.gguf_path(arch, "f16"))
+    ref = qtensor_from_gguf(ref_gf, head).dequantize().numpy()
+    as_q4_0 = gq.quants.dequantize(quantize(ref, GGMLType.Q4_0), gq.GGMLQuantizationType.Q4_0).reshape(ref.shape)
+    gf.close()
+    ref_gf.close()
+
+    def rel(x):
+        return float(np.sqrt(((x - ref) ** 2).mean() / (ref ** 2).mean()))
+
+    print(f"{arch} {head}: Q6_K rel RMS {rel(ours):.4f}, Q4_0 would be {rel(as_q4_0):.4f}")
+    assert rel(ours) < 0.3 * rel(as_q4_0)
+    with pyllm.load(str(out), n_ctx=64, backend="reference") as q:
+        assert torch.isfinite(q.logits(list(range(3, 19)))).all()
+
+
+def test_convert_without_tokenizer_json_names_the_file(tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tm.hf_dir("qwen3"), d)
+    (d / "tokenizer.json").unlink()
+    err = _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf")])
+    assert "tokenizer.json is missing" in err and "tokenizer type" not in err
+    assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()

@@ -45,8 +45,19 @@ def test_injected_leak_is_caught(soak, tmp_path):
     assert 0.9 * want < r["slope_mib_per_1k_tokens_last_half"] < 1.25 * want, r
     assert r["overflows"] > 0 and r["warmup_overflows"] > 0  # the run really overflowed its context
     assert not r["ok"]
+    if r["malloc_used_slope_mib_per_1k_tokens_last_half"] is not None:  # glibc: the in-use bytes show the leak
+        assert r["diagnosis"].startswith("leak"), r
+        assert r["malloc_used_slope_mib_per_1k_tokens_last_half"] > 0.8 * want, r
     rows = (tmp_path / "log.csv").read_text().splitlines()
     assert rows[0].startswith("turn,tokens,") and len(rows) == r["turns"] + 2  # header, start, one per turn
     clean = soak.soak(p, tokens=600, n_ctx=256, max_reply=32, backend="reference", progress=False)
     assert clean["slope_mib_per_1k_tokens_last_half"] < 0.2 * want, clean
     assert clean["invalid_utf8_replies"] == 0
+    assert not clean["diagnosis"].startswith("leak"), clean
+
+
+def test_diagnosis_tells_a_leak_from_allocator_high_water(soak):
+    assert soak.diagnose(0.5, 0.3, 0.1, 0.1) == "flat"
+    assert soak.diagnose(5.0, 6.0, 2.0, 1.9).startswith("leak")
+    assert soak.diagnose(5.0, 6.0, 2.0, 0.01).startswith("allocator high-water")
+    assert soak.diagnose(5.0, 6.0, 2.0, None).startswith("growing")

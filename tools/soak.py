@@ -18,8 +18,9 @@ lines for any other suffix, with the glibc allocator's totals, the Python object
 Python's traced heap). The report gives start, end and peak RSS, the growth, and the least-squares slope of RSS
 over the last half of the run in MiB per 1,000 generated tokens: a per-token leak shows as a positive slope even
 when the end-start difference is small, so the run passes only when the growth is < 2% *and* the slope projected
-over the whole run is < 2% of the start. ``--leak-bytes-per-token B`` leaks B bytes per generated token on purpose
-(a self-test of the detector). Every reply must also be valid UTF-8 (no lone surrogates).
+over the whole run is < 2% of the start. The ``diagnosis`` compares the RSS slope with the slope of the bytes
+glibc has handed out (``mallinfo2`` in-use): a leak moves both, allocator high-water only RSS.
+``--leak-bytes-per-token B`` leaks B bytes per generated token on purpose (a self-test of the detector). Every reply must also be valid UTF-8 (no lone surrogates).
 
     python tools/soak.py smollm2-135m -n 20000 --ctx 1024 --log /tmp/soak.csv --json   # the record run
     python tools/soak.py -n 2000 --ctx 512 --json
@@ -107,6 +108,18 @@ def slope_per_1k(xs: list[float], ys: list[float]) -> float:
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     return 1000.0 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+
+
+def diagnose(growth: float, projected: float, rss_slope: float, used_slope: float | None) -> str:
+    """Name what RSS growth is: a leak grows the bytes malloc has handed out (in use) along with RSS; allocator
+    high-water grows RSS while the in-use bytes stay flat (freed memory the heap keeps resident)."""
+    if growth < 2.0 and projected < 2.0:
+        return "flat"
+    if used_slope is None:
+        return "growing (no allocator statistics here to tell a leak from allocator high-water)"
+    if rss_slope > 0 and used_slope >= 0.5 * rss_slope:
+        return "leak: the allocated (in-use) bytes grow with the tokens"
+    return "allocator high-water: RSS grows while the allocated (in-use) bytes do not"
 
 
 class _Log:
@@ -207,7 +220,7 @@ def soak(model: str, tokens: int = 20000, n_ctx: int = 2048, max_reply: int = 25
 
     # ---- the measured run -------------------------------------------------------------------------------------------
     generated = overflows = 0
-    samples = []  # (generated tokens, rss MiB)
+    samples = []  # (generated tokens, rss MiB, malloc in-use MiB or None)
     peak = start["rss_mib"]
     t0 = time.perf_counter()
     gen_seconds = 0.0
@@ -221,7 +234,7 @@ def soak(model: str, tokens: int = 20000, n_ctx: int = 2048, max_reply: int = 25
             continue
         s = sample(trace)
         peak = max(peak, s["rss_mib"])
-        samples.append((generated, s["rss_mib"]))
+        samples.append((generated, s["rss_mib"], s.get("malloc_used_mib")))
         stats = llm.stats
         out.write(dict(turn=st["turns"] - start_turns, tokens=generated, turn_tokens=n,
                        prompt_tokens=stats.prompt_tokens, prefilled=stats.prompt_evaluated,
@@ -241,10 +254,13 @@ def soak(model: str, tokens: int = 20000, n_ctx: int = 2048, max_reply: int = 25
         diff = tracemalloc.take_snapshot().compare_to(snap0, "lineno")
         top = [f"{d.size_diff / 1024:+.1f} KiB ({d.count_diff:+d} blocks) {d.traceback[0].filename}:"
                f"{d.traceback[0].lineno}" for d in diff[:8]]
-    half = [(x, y) for x, y in samples if x > generated / 2]
-    slope = slope_per_1k([x for x, _ in half], [y for _, y in half])
+    half = [t for t in samples if t[0] > generated / 2]
+    slope = slope_per_1k([t[0] for t in half], [t[1] for t in half])
+    used = [t for t in half if t[2] is not None]
+    used_slope = slope_per_1k([t[0] for t in used], [t[2] for t in used]) if used else None
     growth = (end - start["rss_mib"]) / start["rss_mib"] * 100
     projected = slope * generated / 1000 / start["rss_mib"] * 100
+    diagnosis = diagnose(growth, projected, slope, used_slope)
     return dict(model=str(llm.path.name), backend=backend, n_ctx=n_ctx, max_reply=max_reply, overflow=overflow,
                 start="after load and a warm-up (a prompt of n_ctx-2 tokens + 1 decode step, then chat turns "
                       "through the first overflow and one more reply)",
@@ -259,6 +275,8 @@ def soak(model: str, tokens: int = 20000, n_ctx: int = 2048, max_reply: int = 25
                 py_objects_start=start["py_objects"], py_objects_end=end_s["py_objects"],
                 malloc_free_start_mib=start.get("malloc_free_mib"), malloc_free_end_mib=end_s.get("malloc_free_mib"),
                 slope_mib_per_1k_tokens_last_half=round(slope, 4), slope_samples=len(half),
+                malloc_used_slope_mib_per_1k_tokens_last_half=None if used_slope is None else round(used_slope, 4),
+                diagnosis=diagnosis,
                 projected_growth_percent=round(projected, 2),
                 **(dict(py_traced_start_mib=start["py_traced_mib"], py_traced_end_mib=end_s["py_traced_mib"],
                         py_heap_growth_by_line=top) if trace else {}),

@@ -18,8 +18,15 @@ EXAMPLES = """examples:
   pyllm chat                              chat with the default model ({default}), fetched on first use
   pyllm run smollm2-135m "Once upon a time" -n 64 --temp 0
   pyllm info qwen2.5-coder-0.5b
-  pyllm list                              registry models and whether they are cached
+  pyllm list                              registry models and the cached files, with sizes
+  pyllm pull hf.co/OWNER/REPO:Q4_K_M      any GGUF from the Hugging Face hub (or an https:// URL)
+  pyllm rm qwen2.5-coder-0.5b             delete a cached model
   pyllm bench model.gguf -p 512 -n 128
+
+environment:
+  PYLLM_CACHE_DIR   where models and the compiled extension are cached (default $XDG_CACHE_HOME/pyllm,
+                    else ~/.cache/pyllm)
+  PYLLM_HF_ENDPOINT the Hugging Face endpoint for hf.co/... (default $HF_ENDPOINT, else https://huggingface.co)
 """
 
 
@@ -81,19 +88,31 @@ def load_from_args(a, context_policy: str = "stop"):
                      context_policy=getattr(a, "context_policy", None) or context_policy)
     if getattr(a, "plain_template", False):
         llm.use_fallback_template()
+    elif getattr(llm.template, "is_fallback", False) and (getattr(a, "command", None) == "chat"
+                                                          or getattr(a, "chat", False)):
+        print(f"pyllm: warning: {llm.path.name} has no chat template (a base model?); chats use a plain "
+              f"fallback format, and replies may just continue the text", file=sys.stderr)
     return llm
 
 
 def cmd_run(a) -> int:
     prompt = a.prompt
     if prompt is None:
-        if sys.stdin.isatty():
+        if sys.stdin.isatty() and not sys.stdout.isatty():
             raise PyllmError("no prompt: give one as an argument or on standard input")
+        if sys.stdin.isatty():  # no prompt on a terminal: a conversation, as `ollama run MODEL` opens one
+            a.command = "chat"
+            a.quiet, a.no_color, a.lines = False, False, False
+            return cmd_chat(a)
         prompt = sys.stdin.read()
+    elif a.prompt == "-":
+        prompt = sys.stdin.read()
+    a.chat = a.chat or a.system is not None  # a system prompt only means something inside the chat template
     llm = load_from_args(a)
     kw = sampling_kwargs(a)
     if a.chat:
-        ids = llm.chat_ids([{"role": "user", "content": prompt}])
+        msgs = [{"role": "system", "content": a.system}] if a.system else []
+        ids = llm.chat_ids(msgs + [{"role": "user", "content": prompt}])
     else:
         ids = llm.tokenize(prompt)
     ids = fit_prompt(llm, ids, a.max_tokens)
@@ -140,20 +159,35 @@ def cmd_info(a) -> int:
 
 def cmd_list(a) -> int:
     rows = registry.list_models()
+    files = [f for f in registry.cached_files() if not f["registry"]]
     if a.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"registry": rows, "other_cached": files, "cache": str(registry.models_dir())}, indent=2))
         return 0
-    print(f"{'NAME':<22}{'SIZE':>10}  {'CACHED':<7} DESCRIPTION")
+    print(f"{'NAME':<22}{'SIZE':>10}  {'CACHED':<7}{'KIND':<6} DESCRIPTION")
     for r in rows:
-        print(f"{r['name']:<22}{r['size'] / 2**20:>7.0f} MiB  {'yes' if r['cached'] else 'no':<7} {r['description']}")
-    print(f"cache: {registry.cache_dir() / 'models'}")
+        print(f"{r['name']:<22}{r['size'] / 2**20:>7.0f} MiB  {'yes' if r['cached'] else 'no':<7}"
+              f"{'chat' if r['chat'] else 'base':<6} {r['description']}")
+    for f in files:
+        kind = {True: "chat", False: "base", None: "?"}[f["chat_template"]]
+        print(f"{f['name']:<22}{f['size'] / 2**20:>7.0f} MiB  {'yes':<7}{kind:<6} {f['path']}")
+    print(f"cache: {registry.models_dir()} (set {registry.CACHE_ENV} to move it); base = no chat template, "
+          f"chat uses a plain fallback format")
     return 0
 
 
 def cmd_pull(a) -> int:
+    if a.sha256 and len(a.names) > 1:
+        raise PyllmError("--sha256 applies to one model: pull them one at a time")
     for name in a.names:
-        path = registry.pull(name, force=a.force)
+        path = registry.pull(name, force=a.force, sha256=a.sha256)
         print(path)
+    return 0
+
+
+def cmd_rm(a) -> int:
+    for target in a.targets:
+        for p in registry.remove(target):
+            print(f"removed {p}")
     return 0
 
 
@@ -243,8 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("run", help="complete a prompt", description="Print a completion as it is generated.")
     add_model_arg(s)
-    s.add_argument("prompt", nargs="?", default=None, help="the prompt (default: read standard input)")
+    s.add_argument("prompt", nargs="?", default=None,
+                   help="the prompt; '-' or none with piped input reads standard input; none on a terminal "
+                        "opens a chat")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    s.add_argument("--system", default=None, help="system prompt (implies --chat)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and timings")
     add_runtime_args(s)
@@ -272,14 +309,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
 
-    s = sub.add_parser("list", help="registry models and the cache", description="List registry models.")
+    s = sub.add_parser("list", help="registry models and the cache",
+                       description="List registry models (base = no chat template) and the cached files. The "
+                                   "cache is $PYLLM_CACHE_DIR, else $XDG_CACHE_HOME/pyllm, else ~/.cache/pyllm.")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_list)
 
-    s = sub.add_parser("pull", help="download registry models", description="Download registry models into the cache.")
-    s.add_argument("names", nargs="+", metavar="NAME", help=", ".join(registry.REGISTRY))
-    s.add_argument("--force", action="store_true", help="download again even if cached")
+    s = sub.add_parser("pull", help="download models into the cache",
+                       description="Download models into the cache and check their sha256: registry names, "
+                                   "http(s) URLs of GGUF files (resumable), or hf.co/OWNER/REPO[:QUANT] (the "
+                                   "repository's GGUF for QUANT, default Q4_K_M). A cached model is re-hashed "
+                                   "and downloaded again if corrupted.")
+    s.add_argument("names", nargs="+", metavar="NAME",
+                   help=f"{', '.join(registry.REGISTRY)}, a URL, or hf.co/OWNER/REPO[:QUANT]")
+    s.add_argument("--force", action="store_true", help="download again even if cached and intact")
+    s.add_argument("--sha256", default=None, metavar="HEX", help="expected sha256 of a URL's file")
     s.set_defaults(func=cmd_pull)
+
+    s = sub.add_parser("rm", help="delete cached models", description="Delete cached models (and their records "
+                                                                      "and partial downloads).")
+    s.add_argument("targets", nargs="+", metavar="MODEL",
+                   help="a registry name, a pulled URL or hf.co/... reference, or a file in the cache")
+    s.set_defaults(func=cmd_rm)
 
     # Subcommands that live in their own modules register themselves here.
     from .bench import add_bench_parser
@@ -316,7 +367,10 @@ def version_text() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    a = parser.parse_args(argv)
+    a, extra = parser.parse_known_args(argv)
+    if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top-level one
+        subs = next((act.choices for act in parser._actions if isinstance(act, argparse._SubParsersAction)), {})
+        (subs.get(a.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if a.version:
         print(version_text())
         return 0

