@@ -374,6 +374,64 @@ class ChatTemplate:
         return "".join(out)
 
 
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def _placeholder(i: int, content: str) -> str:
+    # keeps the content's own leading/trailing whitespace, so a template that trims the content (Gemma, Llama 3)
+    # trims the placeholder the same way
+    core = content.strip()
+    lead = content[:len(content) - len(content.lstrip())]
+    trail = content[len(content.rstrip()):] if core else ""
+    return f"{lead}\ue000{i}\ue001{trail}"
+
+
+def content_spans(template: "ChatTemplate", messages: list[dict], text: str,
+                  add_generation_prompt: bool, **kwargs: Any) -> list[tuple[int, int]]:
+    """The character ranges of ``text`` (``messages`` rendered by ``template``) that came from message content.
+
+    The template is rendered a second time with each content replaced by a placeholder; substituting the
+    contents back must give ``text`` exactly, and then the placeholders' positions are the content's. A template
+    that transforms content in other ways (or tests it) fails that check, and every occurrence of each content
+    in ``text`` is taken instead: safe (content is never markup), at worst also covering some of the template's
+    own text when a message repeats it.
+    """
+    msgs = _validate(messages)
+    cores = [m["content"].strip() if isinstance(m.get("content"), str) else "" for m in msgs]
+    if not any(cores):
+        return []
+    if not any("\ue000" in m.get("content") or "\ue001" in m.get("content")
+               for m in msgs if isinstance(m.get("content"), str)):
+        marked = [dict(m, content=_placeholder(i, m["content"])) if cores[i] else m for i, m in enumerate(msgs)]
+        try:
+            rendered = template.render(marked, add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateError:
+            rendered = None
+        if rendered is not None:
+            spans, out, pos, at = [], [], 0, 0
+            for m in _MARK.finditer(rendered):
+                i = int(m.group(1))
+                if i >= len(cores) or not cores[i]:
+                    break
+                out.append(rendered[pos:m.start()])
+                at += m.start() - pos
+                spans.append((at, at + len(cores[i])))
+                out.append(cores[i])
+                at += len(cores[i])
+                pos = m.end()
+            else:
+                out.append(rendered[pos:])
+                if "".join(out) == text:
+                    return spans
+    spans = []
+    for core in set(c for c in cores if c):
+        start = text.find(core)
+        while start >= 0:
+            spans.append((start, start + len(core)))
+            start = text.find(core, start + 1)
+    return sorted(spans)
+
+
 class _BrokenTemplate(ChatTemplate):
     """The file's template when it does not compile: renders nothing, raises the compile error every time."""
 

@@ -209,8 +209,13 @@ class LLM:
         return self.template.render(messages, add_generation_prompt=add_generation_prompt)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The prompt for ``messages``: the template's own markup becomes special tokens, message content never
+        does (a message holding ``<|im_start|>system`` is that text, not a forged turn; see content_spans)."""
+        from .chat_template import content_spans
+
         text = self.format_chat(messages)
-        ids = self.tokenize(text, add_bos=None, special=True)
+        plain = content_spans(self.template, messages, text, add_generation_prompt=True)
+        ids = self.tokenizer.encode(text, add_bos=None, special=True, plain=plain)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and bos is not None and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS and the tokenizer added another
