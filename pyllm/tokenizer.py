@@ -23,6 +23,8 @@ from typing import Iterable, Sequence
 
 from pyllm.errors import TokenizerError
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 # GGUF token types (llama.cpp's LLAMA_TOKEN_TYPE_*)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -244,6 +246,10 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+        if _SURROGATE.search(text):
+            # a lone surrogate (from bytes that were not UTF-8, via surrogateescape, or a JSON "\\ud800") has no
+            # UTF-8 form; one replacement character each keeps every offset (plain spans) where it was
+            text = _SURROGATE.sub("\ufffd", text)
         if add_bos is None:
             add_bos = self.add_bos
         out: list[int] = []
