@@ -572,7 +572,10 @@ class GGUFFile:
                 pass  # tensors still point into it; the mapping goes away with the last of them
 
     def __del__(self):
-        self._close_fd()
+        try:
+            self._close_fd()
+        except Exception:  # at interpreter exit the os module may already be gone
+            pass
 
     def __enter__(self) -> GGUFFile:
         return self

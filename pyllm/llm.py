@@ -376,6 +376,21 @@ class LLM:
         self.close()
 
 
+def _check_small_float_tensors(gf, weights: dict, source: str) -> None:
+    """ModelError naming the first small float tensor (norms, biases, rope factors: up to 1M elements each, a
+    fraction of a millisecond to check) that holds NaN or Inf. Why at load: the fast kernels quantize activations
+    to int8, where a NaN from a norm turns into finite garbage that no check on the logits can see."""
+    from .errors import ModelError
+    from .gguf import GGMLType
+
+    for name, info in gf.tensors.items():
+        if info.ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) and info.n_elements <= 1 << 20:
+            t = weights[name].dequantize()
+            if not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise ModelError(f"{source}: tensor {name!r} holds {bad} NaN or Inf value(s) of {t.numel()}")
+
+
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
          context_policy: str = "stop", verbose: bool = False) -> LLM:
@@ -414,6 +429,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
             print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
                   f"n_ctx={n_ctx}", file=sys.stderr)
         weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}
+        _check_small_float_tensors(gf, weights, path.name)
         tok = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_metadata(gf.metadata, tok)
         if n_threads:
