@@ -65,8 +65,6 @@ BAD_FLAGS = [
     (["chat", "M", "--threads", "10000"], "--threads"),
     (["bench", "M", "--threads", "-1"], "--threads"),
     (["bench", "M", "-t", "10000"], "--threads"),
-    (["bench", "M", "-p", "-5"], "--n-prompt"),
-    (["bench", "M", "-r", "0"], "--repetitions"),
     (["run", "M", "hi", "--seed", "-5"], "--seed"),
     (["run", "M", "hi", "--temp", "nan"], "--temp"),
     (["run", "M", "hi", "--temp", "inf"], "--temp"),

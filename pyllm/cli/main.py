@@ -298,16 +298,12 @@ def version_text() -> str:
 
 # ---- numeric flags: checked for every subcommand before anything is loaded --------------------------------------
 
-# dest -> (flag as the user wrote it, lowest, highest or None, integer?); None values mean "the default".
+# dest -> (flag as the user wrote it, lowest, highest or None); a value of None means "the default".
 NUMERIC_FLAGS = {
-    "ctx": ("--ctx", 0, 1 << 24, True),
-    "threads": ("--threads", 1, None, True),
-    "n_prompt": ("-p/--n-prompt", 0, 1 << 24, True),
-    "n_gen": ("-n/--n-gen", 0, 1 << 24, True),
-    "n_depth": ("-d/--n-depth", 0, 1 << 24, True),
-    "repetitions": ("-r/--repetitions", 1, 10000, True),
-    "chunks": ("--chunks", 1, None, True),
-}
+    "ctx": ("--ctx", 0, 1 << 24),
+    "threads": ("--threads", 1, None),
+    "chunks": ("--chunks", 1, None),
+}  # bench checks its own -p/-n/-d/-r (pyllm/cli/bench.py)
 
 
 def max_threads() -> int:
@@ -316,14 +312,14 @@ def max_threads() -> int:
 
 
 def check_numeric_args(a) -> None:
-    """PyllmError naming the flag for any numeric flag out of range (argparse checks only that it parses: it
+    """SettingError naming the flag for any numeric flag out of range (argparse checks only that it parses: it
     takes -1, 10**9, nan and inf). Sampling flags follow the REPL's /set rules (pyllm/cli/chat.py RULES), so
     `run`, `chat` and /set accept the same values; --seed -1 means random everywhere."""
     import math
 
     from .chat import Settings, SettingError
 
-    for dest, (flag, lo, hi, _) in NUMERIC_FLAGS.items():
+    for dest, (flag, lo, hi) in NUMERIC_FLAGS.items():
         v = getattr(a, dest, None)
         if v is None:
             continue
