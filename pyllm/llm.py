@@ -198,8 +198,10 @@ class LLM:
             sampler.accept(t)
 
         def sample(logits):
-            # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage
-            if not bool(torch.isfinite(logits).all()):
+            # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage. The sum is
+            # non-finite whenever an element is (one pass, no temporary: ~10 us for Qwen's 151,936 logits, where
+            # isfinite().all() took 1-10 ms on a loaded machine); only then is each element checked.
+            if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
                 raise self._nonfinite_error(logits)
             return sampler.sample(logits)
 
