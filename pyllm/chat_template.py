@@ -54,57 +54,193 @@ class _Budget(Exception):
     """Raised from the trace hook when a render runs past its deadline."""
 
 
+# Every intermediate value is bounded, not just the output: one built-in call ('a' * n, str.center, a big-int
+# product, |indent with a long prefix) allocates all at once, before the output cap or the deadline can act.
+MAX_VALUE_CHARS = MAX_OUTPUT_CHARS
+MAX_INT_BITS = 1 << 16  # ~20,000 decimal digits: far above any counter a chat template keeps
+MAX_JSON_INDENT = 64
+
 _FORMAT_NUMBER = re.compile(r"\d{7,}")
 
 
-def _check_format_widths(fmt: str) -> None:
-    """Rejects format strings with a width or precision of a million or more (they allocate that much at once)."""
+def _refuse(what: str):
+    from jinja2.exceptions import SecurityError
+
+    return SecurityError(f"the template builds {what} larger than the output limit ({MAX_VALUE_CHARS} characters)")
+
+
+def _ints(values) -> list[int]:
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _check_format_widths(fmt: str, args=()) -> None:
+    """Refuses format strings whose widths or precisions (written in the format, or taken from the arguments by
+    ``*`` and ``{:{}}``) add up to more than the limit: they allocate that much at once."""
     from jinja2.exceptions import SecurityError
 
     if _FORMAT_NUMBER.search(fmt):
         raise SecurityError("the template formats with a width or precision larger than the output limit")
+    widths = [abs(v) for v in _ints(args)]
+    fields = fmt.count("%") + fmt.count("{")
+    if widths and fields * max(widths) > MAX_VALUE_CHARS:
+        raise _refuse("a formatted string")
+
+
+def _size(x) -> int:
+    return len(x) if isinstance(x, (str, list, tuple, dict)) else 0
+
+
+def _check_result(x, what: str):
+    if _size(x) > MAX_VALUE_CHARS:
+        raise _refuse(what)
+    return x
+
+
+def _replace_growth(s: str, old: str, new: str) -> int:
+    return (s.count(old) if old else len(s) + 1) * max(len(new) - len(old), 0)
+
+
+def _check_int_bits(bits: int) -> None:
+    from jinja2.exceptions import SecurityError
+
+    if bits > MAX_INT_BITS:
+        raise SecurityError(f"the template computes an integer of about {bits} bits (limit {MAX_INT_BITS})")
+
+
+def _filter_estimate(name: str, value, args: tuple, kwargs: dict) -> int:
+    """An upper bound on the size of what filter ``name`` would build, computed before it runs."""
+
+    def arg(i, key, default=None):
+        return args[i] if len(args) > i else kwargs.get(key, default)
+
+    n = len(value) if isinstance(value, str) else 0
+    if name == "center":
+        w = arg(0, "width", 80)
+        return max(n, w if isinstance(w, int) else 0)
+    if name == "indent":
+        w = arg(0, "width", 4)
+        per_line = len(w) if isinstance(w, str) else (w if isinstance(w, int) else 0)
+        return n + (value.count("\n") + 1 if isinstance(value, str) else 1) * per_line
+    if name == "join":
+        d = arg(0, "d", "")
+        items = len(value) if hasattr(value, "__len__") else 0
+        return items * _size(d) + sum(_size(v) for v in value) if isinstance(value, (list, tuple)) else items * _size(d)
+    if name == "wordwrap":
+        width = arg(0, "width", 79)
+        wrap = arg(2, "wrapstring", "\n")
+        lines = n // max(width if isinstance(width, int) else 1, 1) + n // 2 + 1
+        return n + lines * _size(wrap)
+    if name == "replace" and isinstance(value, str):
+        old, new = arg(0, "old"), arg(1, "new")
+        if isinstance(old, str) and isinstance(new, str):
+            return n + _replace_growth(value, old, new)
+    if name == "format" and isinstance(value, str):
+        _check_format_widths(value, list(args) + list(kwargs.values()))
+    if name == "tojson":
+        indent = arg(0, "indent")
+        if isinstance(indent, str) and len(indent) > MAX_JSON_INDENT or (
+                isinstance(indent, int) and indent > MAX_JSON_INDENT):
+            from jinja2.exceptions import SecurityError
+
+            raise SecurityError(f"the template asks for a JSON indent larger than {MAX_JSON_INDENT}")
+    return 0
+
+
+def _bounded_filter(name: str, fn):
+    """``fn`` with its arguments checked first and its result checked after (jinja calls filters directly, not
+    through Environment.call, and folds them at compile time when the arguments are constants)."""
+    import functools
+
+    from jinja2.utils import _PassArg
+
+    pass_arg = _PassArg.from_obj(fn)
+
+    @functools.wraps(fn)
+    def wrapped(*a, **kw):
+        lead = 1 if pass_arg is not None else 0  # context / eval context / environment comes first
+        value, args = (a[lead], a[lead + 1:]) if len(a) > lead else (None, ())
+        for v in _ints(list(args) + list(kw.values())):
+            if v > MAX_VALUE_CHARS:
+                raise _refuse(f"a value with |{name}({v})")
+        if _filter_estimate(name, value, args, kw) > MAX_VALUE_CHARS:
+            raise _refuse(f"a string with |{name}")
+        return _check_result(fn(*a, **kw), f"a value with |{name}")
+
+    return wrapped
 
 
 def _environment():
     import jinja2
     import jinja2.ext
+    from jinja2.compiler import CodeGenerator
     from jinja2.exceptions import SecurityError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    class Generator(CodeGenerator):
+        def visit_Concat(self, node, frame):
+            # `a ~ b` compiles to a plain join that no sandbox hook sees; route it through a bounded one
+            self.write("environment.bounded_concat((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
     class Env(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**", "%"])
+        intercepted_binops = frozenset(["*", "**", "%", "+"])
+        code_generator_class = Generator
 
         def unsafe_undefined(self, obj, attribute):
             # jinja's default renders a forbidden attribute as empty text; a template reaching for one is hostile
             raise SecurityError(f"access to attribute {attribute!r} of {type(obj).__name__!r} object is not allowed")
 
+        @staticmethod
+        def bounded_concat(values):
+            parts = [str(v) for v in values]
+            if sum(map(len, parts)) > MAX_VALUE_CHARS:
+                raise _refuse("a string (~)")
+            return "".join(parts)
+
         def call_binop(self, context, operator, left, right):
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_OUTPUT_CHARS:
-                        raise SecurityError("the template builds a sequence larger than the output limit")
-            if operator == "**" and isinstance(right, int) and right > 4096:
-                raise SecurityError("the template raises a number to a power too large")
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_VALUE_CHARS:
+                        raise _refuse("a sequence")
+                if isinstance(left, int) and isinstance(right, int):
+                    _check_int_bits(left.bit_length() + right.bit_length())
+            if operator == "**" and isinstance(left, int) and isinstance(right, int):
+                if right > 4096:
+                    raise SecurityError("the template raises a number to a power too large")
+                _check_int_bits(max(left.bit_length() - 1, 1) * max(right, 0))
+            if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+                if len(left) + len(right) > MAX_VALUE_CHARS:
+                    raise _refuse("a sequence (+)")
             if operator == "%" and isinstance(left, str):
-                _check_format_widths(left)  # '%0200000000d' % 1 allocates before any output check
-            return super().call_binop(context, operator, left, right)
+                # '%0200000000d' % 1 and '%*d' % (10**6, 1) allocate before any output check
+                _check_format_widths(left, right if isinstance(right, tuple) else (right,))
+            return _check_result(super().call_binop(context, operator, left, right), f"a value ({operator})")
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
             # str.ljust(10**9) and friends allocate before any output check could see them
-            for a in list(args) + list(kwargs.values()):
-                if isinstance(a, int) and not isinstance(a, bool) and a > MAX_OUTPUT_CHARS:
+            for a in _ints(list(args) + list(kwargs.values())):
+                if a > MAX_VALUE_CHARS:
                     raise SecurityError(f"the template passes {a} to a call, larger than the output limit")
             fn = getattr(__obj, "__wrapped__", __obj)  # jinja wraps str.format in a safe formatter
             owner = getattr(fn, "__self__", None)
             name = getattr(fn, "__name__", "")
             if isinstance(owner, str):
                 if name in ("format", "format_map"):
-                    _check_format_widths(owner)  # '{:>200000000}'.format(1)
+                    _check_format_widths(owner, list(args) + list(kwargs.values()))  # '{:>200000000}'.format(1)
                 elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
-                    grow = (owner.count(args[0]) if args[0] else len(owner) + 1) * max(len(args[1]) - len(args[0]), 0)
-                    if len(owner) + grow > MAX_OUTPUT_CHARS:
-                        raise SecurityError("the template builds a string larger than the output limit (replace)")
-            return super().call(__context, __obj, *args, **kwargs)
+                    if len(owner) + _replace_growth(owner, args[0], args[1]) > MAX_VALUE_CHARS:
+                        raise _refuse("a string (replace)")
+                elif name == "expandtabs":
+                    size = _ints(list(args) + list(kwargs.values()))
+                    if owner.count("\t") * (size[0] if size else 8) > MAX_VALUE_CHARS:
+                        raise _refuse("a string (expandtabs)")
+                elif name == "join" and args and hasattr(args[0], "__len__"):
+                    if len(owner) * len(args[0]) > MAX_VALUE_CHARS:
+                        raise _refuse("a string (join)")
+            return _check_result(super().call(__context, __obj, *args, **kwargs), f"a value ({name or 'call'})")
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -119,19 +255,9 @@ def _environment():
     env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     # lipsum(n) runs in jinja's own code, out of reach of the render deadline; no chat template needs it
     env.globals.pop("lipsum", None)
-    jinja_replace = env.filters["replace"]
-
-    def replace(eval_ctx, s, old, new, count=None):
-        # the |replace filter bypasses Env.call; bound its result the same way
-        if isinstance(s, str) and isinstance(old, str) and isinstance(new, str):
-            grow = (s.count(old) if old else len(s) + 1) * max(len(new) - len(old), 0)
-            if len(s) + grow > MAX_OUTPUT_CHARS:
-                raise SecurityError("the template builds a string larger than the output limit (replace)")
-        return jinja_replace(eval_ctx, s, old, new, count)
-
-    replace.jinja_pass_arg = jinja_replace.jinja_pass_arg
-    env.filters["replace"] = replace
     env.filters["tojson"] = tojson
+    for name, fn in list(env.filters.items()):
+        env.filters[name] = _bounded_filter(name, fn)
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env
@@ -168,16 +294,24 @@ class ChatTemplate:
     def __init__(self, source: str | None, bos_token: str = "", eos_token: str = ""):
         self.source = source if source is not None else CHATML_TEMPLATE
         self.is_fallback = source is None
+        self.error: str | None = None  # set when the file's template could not be compiled
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         import jinja2
 
         try:
-            self._template = _env().from_string(self.source)
+            with _deadline(time.monotonic() + MAX_SECONDS):
+                self._template = _env().from_string(self.source)
         except jinja2.TemplateSyntaxError as e:
             raise TemplateError(f"chat template has a syntax error at line {e.lineno}: {e.message}") from None
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template cannot be compiled: {e}") from None
+        except _Budget:
+            raise TemplateError(f"chat template did not compile within {MAX_SECONDS:g} s") from None
+        except (RecursionError, MemoryError) as e:  # 300 nested parentheses or {% if %} blocks
+            raise TemplateError(f"chat template cannot be compiled: it nests too deeply ({type(e).__name__})") from None
+        except Exception as e:  # whatever else jinja or Python's compiler raises: still a bad template, not a crash
+            raise TemplateError(f"chat template cannot be compiled: {type(e).__name__}: {e}") from None
 
     @classmethod
     def from_metadata(cls, md: dict, tokenizer, use_file_template: bool = True) -> "ChatTemplate":
@@ -187,7 +321,12 @@ class ChatTemplate:
         eos = tokenizer.token_text(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
         source = md.get("tokenizer.chat_template")
         if use_file_template and isinstance(source, str) and source.strip():
-            return cls(source, bos, eos)
+            try:
+                return cls(source, bos, eos)
+            except TemplateError as e:
+                # the model stays loadable: the error comes back at the first render, where the CLI offers
+                # --plain-template (use_fallback_template) as the way around it
+                return _BrokenTemplate(source, str(e))
         if tokenizer.token_id("<start_of_turn>") is not None and tokenizer.token_id("<end_of_turn>") is not None:
             source = GEMMA_TEMPLATE
         elif tokenizer.token_id("<|im_start|>") is not None and tokenizer.token_id("<|im_end|>") is not None:
@@ -200,6 +339,9 @@ class ChatTemplate:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         import jinja2
+
+        if self.error is not None:
+            raise TemplateError(self.error)
 
         ctx = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         ctx.update(kwargs)
@@ -232,6 +374,72 @@ class ChatTemplate:
         return "".join(out)
 
 
+_MARK = re.compile("\ue000(\\d+)\ue001")
+
+
+def _placeholder(i: int, content: str) -> str:
+    # keeps the content's own leading/trailing whitespace, so a template that trims the content (Gemma, Llama 3)
+    # trims the placeholder the same way
+    core = content.strip()
+    lead = content[:len(content) - len(content.lstrip())]
+    trail = content[len(content.rstrip()):] if core else ""
+    return f"{lead}\ue000{i}\ue001{trail}"
+
+
+def content_spans(template: "ChatTemplate", messages: list[dict], text: str,
+                  add_generation_prompt: bool, **kwargs: Any) -> list[tuple[int, int]]:
+    """The character ranges of ``text`` (``messages`` rendered by ``template``) that came from message content.
+
+    The template is rendered a second time with each content replaced by a placeholder; substituting the
+    contents back must give ``text`` exactly, and then the placeholders' positions are the content's. A template
+    that transforms content in other ways (or tests it) fails that check, and every occurrence of each content
+    in ``text`` is taken instead: safe (content is never markup), at worst also covering some of the template's
+    own text when a message repeats it.
+    """
+    msgs = _validate(messages)
+    cores = [m["content"].strip() if isinstance(m.get("content"), str) else "" for m in msgs]
+    if not any(cores):
+        return []
+    if not any("\ue000" in m.get("content") or "\ue001" in m.get("content")
+               for m in msgs if isinstance(m.get("content"), str)):
+        marked = [dict(m, content=_placeholder(i, m["content"])) if cores[i] else m for i, m in enumerate(msgs)]
+        try:
+            rendered = template.render(marked, add_generation_prompt=add_generation_prompt, **kwargs)
+        except TemplateError:
+            rendered = None
+        if rendered is not None:
+            spans, out, pos, at = [], [], 0, 0
+            for m in _MARK.finditer(rendered):
+                i = int(m.group(1))
+                if i >= len(cores) or not cores[i]:
+                    break
+                out.append(rendered[pos:m.start()])
+                at += m.start() - pos
+                spans.append((at, at + len(cores[i])))
+                out.append(cores[i])
+                at += len(cores[i])
+                pos = m.end()
+            else:
+                out.append(rendered[pos:])
+                if "".join(out) == text:
+                    return spans
+    spans = []
+    for core in set(c for c in cores if c):
+        start = text.find(core)
+        while start >= 0:
+            spans.append((start, start + len(core)))
+            start = text.find(core, start + 1)
+    return sorted(spans)
+
+
+class _BrokenTemplate(ChatTemplate):
+    """The file's template when it does not compile: renders nothing, raises the compile error every time."""
+
+    def __init__(self, source: str, error: str):
+        self.source, self.error, self.is_fallback = source, error, False
+        self.bos_token = self.eos_token = ""
+
+
 class _deadline:
     """Abort template code once ``deadline`` passes, even in loops that print nothing.
 
@@ -251,9 +459,10 @@ class _deadline:
         return self._local
 
     def _global(self, frame, event, arg):
+        # checked on every call, not only in template frames: jinja's own Python helpers can loop too
+        if time.monotonic() > self.deadline:
+            raise _Budget()
         if frame.f_code.co_filename == "<template>":
-            if time.monotonic() > self.deadline:
-                raise _Budget()
             return self._local
         return None
 

@@ -349,14 +349,19 @@ class GGUFFile:
                 # ACCESS_COPY: a private mapping, so torch views are writable (torch warns on read-only buffers)
                 # and a stray in-place op can never write into the user's model file.
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+                # kept open to fstat the very file that is mapped (the path may since name another file)
+                self._fd: int | None = os.dup(f.fileno())
+                st = os.fstat(self._fd)
         except OSError as e:
             raise GGUFError(f"{shown}: cannot map the file: {e.strerror or e}") from None
+        self._stamp = (st.st_size, st.st_mtime_ns)
         self._mm: mmap.mmap | None = mm
         try:
             self._parse(shown, mm, size)
         except BaseException:
             mm.close()
             self._mm = None
+            self._close_fd()
             raise
         # One view of the whole mapping; tensors are slices of it. Going through numpy matters: the ndarray holds
         # a buffer export on the mmap, so the mapping cannot be unmapped while any tensor still points into it
@@ -527,8 +532,37 @@ class GGUFFile:
                 f"e.g. {first}; supported: {', '.join(sorted(t.name for t in COMPUTE_TYPES))}"
             )
 
+    def check_unchanged(self) -> None:
+        """GGUFError if the mapped file was truncated or rewritten since it was opened.
+
+        Why: the weights are read from the mapping, not copied; pages of a file truncated under it raise SIGBUS on
+        the next read (the process dies), and pages rewritten in place silently change the weights. One fstat
+        (about a microsecond) before each forward pass turns both into an error. A change landing *during* a
+        forward pass is not caught (see docs/SECURITY.md)."""
+        if self._fd is None:
+            return
+        try:
+            st = os.fstat(self._fd)
+        except OSError as e:
+            raise GGUFError(f"{self.path}: cannot check the model file: {e.strerror or e}") from None
+        size, mtime = self._stamp
+        if st.st_size != size:
+            raise GGUFError(f"{self.path}: the model file changed size while loaded ({size} -> {st.st_size} bytes); "
+                            f"load it again")
+        if st.st_mtime_ns != mtime:
+            raise GGUFError(f"{self.path}: the model file was modified while loaded; load it again")
+
+    def _close_fd(self) -> None:
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Drop this object's hold on the mapping. Views already handed out keep it mapped until they are freed."""
+        self._close_fd()
         self._u8 = None
         mm, self._mm = self._mm, None
         if mm is not None:
@@ -536,6 +570,12 @@ class GGUFFile:
                 mm.close()
             except BufferError:
                 pass  # tensors still point into it; the mapping goes away with the last of them
+
+    def __del__(self):
+        try:
+            self._close_fd()
+        except Exception:  # at interpreter exit the os module may already be gone
+            pass
 
     def __enter__(self) -> GGUFFile:
         return self

@@ -6,6 +6,7 @@ sharing it take turns instead of corrupting the cache.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -36,6 +37,55 @@ def _check_policy(policy: str) -> str:
     if policy not in ("stop", "shift"):
         raise PyllmError(f"context_policy must be 'stop' or 'shift', got {policy!r}")
     return policy
+
+
+def check_int(name: str, value, lo: int = 0, hi: int | None = None) -> int:
+    """``value`` as an int in [lo, hi], or a PyllmError naming ``name`` (no bool, float or string slips through)."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PyllmError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        raise PyllmError(f"{name} must be an integer in [{lo}, {hi if hi is not None else 'inf'}), got {value}"
+                         if hi is None else f"{name} must be an integer in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_seed(seed) -> int | None:
+    """None or -1: a random seed (llama.cpp's convention); otherwise an integer in [0, 2**63)."""
+    if seed is None:
+        return None
+    if not isinstance(seed, bool) and isinstance(seed, int) and seed == -1:
+        return None
+    try:
+        return check_int("seed", seed, 0, 2**63 - 1)
+    except PyllmError:
+        raise PyllmError(f"seed must be an integer >= 0, or -1/None for a random one, got {seed!r}") from None
+
+
+_REAL_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "frequency_penalty",
+                  "presence_penalty")
+_INT_SETTINGS = ("top_k", "penalty_last_n")
+
+
+def check_sampling(settings: dict) -> dict:
+    """Type checks of sampling settings before the sampler compares them (a string or NaN would otherwise end in
+    a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate)."""
+    import math
+    import numbers
+
+    out = dict(settings)
+    for k, v in settings.items():
+        if k in _REAL_SETTINGS:
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
+                raise PyllmError(f"{k} must be a finite number, got {v!r}")
+            out[k] = float(v)
+        elif k in _INT_SETTINGS:
+            out[k] = check_int(k, v, 0)
+        elif k == "seed":
+            out[k] = check_seed(v)
+    return out
 
 
 def _available_memory() -> int | None:
@@ -119,7 +169,11 @@ class LLM:
         ids = self._check_ids(ids)
         with self._lock:
             self._epoch += 1
-            return self.generator.evaluate_all(ids).float()
+            self._check_file()
+            out = self.generator.evaluate_all(ids).float()
+        if not bool(torch.isfinite(out).all()):
+            raise self._nonfinite_error(out)
+        return out
 
     def _check_ids(self, ids) -> list[int]:
         ids = [int(i) for i in ids]
@@ -135,25 +189,67 @@ class LLM:
                         sampler: Sampler | None = None, **sampling) -> Iterator[int]:
         """Iterator of generated ids (an end-of-generation id is yielded, then it stops)."""
         ids = self._check_ids(ids)
-        if max_tokens < 0:
-            raise PyllmError(f"max_tokens must be >= 0, got {max_tokens}")
+        max_tokens = check_int("max_tokens", max_tokens, 0)
         if sampler is None:
-            sampler = Sampler(SamplerSettings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                              seed=seed, **sampling))
+            kw = check_sampling(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                     **sampling))
+            sampler = Sampler(SamplerSettings(**kw))
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
+
+        def sample(logits):
+            # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage. The sum is
+            # non-finite whenever an element is (one pass, no temporary: ~10 us for Qwen's 151,936 logits, where
+            # isfinite().all() took 1-10 ms on a loaded machine); only then is each element checked.
+            if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
+                raise self._nonfinite_error(logits)
+            return sampler.sample(logits)
+
         with self._lock:
             self._epoch += 1
             mine = self._epoch
-            inner = self.generator.generate(ids, sampler.sample, max_tokens, self.tokenizer.is_eog)
+            self._check_file()
+            inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog)
             try:
-                for tok in inner:
+                while True:
+                    self._check_file()  # the next forward pass reads the mapped weights
+                    try:
+                        tok = next(inner)
+                    except StopIteration:
+                        return
                     yield tok
                     if self._epoch != mine:
                         raise PyllmError("this generation was superseded: another call on the same LLM (in this "
                                          "thread, while the stream was unfinished) replaced its cache; start it again")
             finally:
                 inner.close()
+
+    def _check_file(self) -> None:
+        check = getattr(self.gguf, "check_unchanged", None)
+        if check is not None:
+            check()
+
+    def _nonfinite_error(self, logits) -> PyllmError:
+        bad = int((~torch.isfinite(logits)).sum())
+        where = ""
+        culprit = self._find_nonfinite_weight()
+        if culprit:
+            where = f"; tensor {culprit!r} holds NaN or Inf values"
+        elif not all(map(math.isfinite, (self.config.rms_eps, self.config.rope_base))):
+            where = "; a hyper-parameter (rms epsilon or rope base) is not finite"
+        return PyllmError(f"{self.path.name}: the model produced non-finite logits ({bad} of {logits.numel()} "
+                          f"are NaN or Inf){where}: the file's weights or hyper-parameters are broken")
+
+    def _find_nonfinite_weight(self) -> str | None:
+        """The first weight with a NaN or Inf (only looked for once generation has gone non-finite)."""
+        for name, w in self.weights.items():
+            try:
+                t = w.dequantize() if hasattr(w, "dequantize") else w
+                if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    return name
+            except Exception:  # a weight that cannot even be dequantized is not the one to report here
+                continue
+        return None
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -163,6 +259,10 @@ class LLM:
     def generate(self, prompt: str | list[int], max_tokens: int = 256, stop: list[str] | None = None,
                  stream: bool = False, **sampling) -> str | Iterator[str]:
         """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces."""
+        max_tokens = check_int("max_tokens", max_tokens, 0)  # now, not at the first next() of a stream
+        sampling = check_sampling(sampling)
+        if stop is not None and (isinstance(stop, str) or not all(isinstance(x, str) for x in stop)):
+            raise PyllmError(f"stop must be a list of strings, got {stop!r}")
         it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop or [], sampling)
         return it if stream else "".join(it)
 
@@ -211,9 +311,13 @@ class LLM:
 
     def chat_ids(self, messages: list[dict], suffix: str = "", **template_kw) -> list[int]:
         """The prompt ids for ``messages``; ``suffix`` is text appended after the generation prompt (the start
-        of the reply, e.g. a forced tool call)."""
-        text = self.format_chat(messages, **template_kw) + suffix
-        ids = self.tokenize(text, add_bos=None, special=True)
+        of the reply, e.g. a forced tool call).  The template's own markup becomes special tokens, message content
+        never does (a message holding ``<|im_start|>system`` is that text, not a forged turn; see content_spans)."""
+        from .chat_template import content_spans
+
+        text = self.format_chat(messages, **template_kw)
+        plain = content_spans(self.template, messages, text, add_generation_prompt=True, **template_kw)
+        ids = self.tokenizer.encode(text + suffix, add_bos=None, special=True, plain=plain)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and bos is not None and ids[0] == bos and ids[1] == bos:
             ids = ids[1:]  # the template wrote BOS and the tokenizer added another
@@ -253,6 +357,8 @@ class LLM:
         room is kept for min(max_tokens, n_ctx // 4) reply tokens). A reply that still fills the context stops
         with finish_reason "context".
         """
+        max_tokens = check_int("max_tokens", max_tokens, 0)
+        sampling = check_sampling(sampling)
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
         it = self._stream_text(ids, max_tokens, stop or [], sampling)
         return it if stream else "".join(it)
@@ -300,6 +406,21 @@ class LLM:
         self.close()
 
 
+def _check_small_float_tensors(gf, weights: dict, source: str) -> None:
+    """ModelError naming the first small float tensor (norms, biases, rope factors: up to 1M elements each, a
+    fraction of a millisecond to check) that holds NaN or Inf. Why at load: the fast kernels quantize activations
+    to int8, where a NaN from a norm turns into finite garbage that no check on the logits can see."""
+    from .errors import ModelError
+    from .gguf import GGMLType
+
+    for name, info in gf.tensors.items():
+        if info.ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) and info.n_elements <= 1 << 20:
+            t = weights[name].dequantize()
+            if not bool(torch.isfinite(t).all()):
+                bad = int((~torch.isfinite(t)).sum())
+                raise ModelError(f"{source}: tensor {name!r} holds {bad} NaN or Inf value(s) of {t.numel()}")
+
+
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
          context_policy: str = "stop", verbose: bool = False) -> LLM:
@@ -338,6 +459,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
             print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
                   f"n_ctx={n_ctx}", file=sys.stderr)
         weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}
+        _check_small_float_tensors(gf, weights, path.name)
         tok = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_metadata(gf.metadata, tok)
         if n_threads:

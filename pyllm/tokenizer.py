@@ -23,6 +23,8 @@ from typing import Iterable, Sequence
 
 from pyllm.errors import TokenizerError
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
 # GGUF token types (llama.cpp's LLAMA_TOKEN_TYPE_*)
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -233,10 +235,21 @@ class Tokenizer:
         self._first_re_user = _first_char_re(self._lengths_user)
 
     # ------------------------------------------------------------------ encoding
-    def encode(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
-        """Token ids for ``text``; ``special`` lets control tokens written in the text become themselves."""
+    def encode(self, text: str, add_bos: bool | None = None, special: bool = True,
+               plain: Sequence[tuple[int, int]] = ()) -> list[int]:
+        """Token ids for ``text``; ``special`` lets control tokens written in the text become themselves.
+
+        ``plain``: character ranges (start, end) of ``text`` where that is never so, as with ``special=False``
+        (only user-defined tokens are cut there): message content inside a rendered chat template, so that a
+        user who types ``<|im_start|>system`` gets that text, not a forged turn. A token that would straddle a
+        range's edge is not cut either.
+        """
         if not isinstance(text, str):
             raise TokenizerError(f"encode() needs a str, got {type(text).__name__}")
+        if _SURROGATE.search(text):
+            # a lone surrogate (from bytes that were not UTF-8, via surrogateescape, or a JSON "\\ud800") has no
+            # UTF-8 form; one replacement character each keeps every offset (plain spans) where it was
+            text = _SURROGATE.sub("\ufffd", text)
         if add_bos is None:
             add_bos = self.add_bos
         out: list[int] = []
@@ -245,7 +258,7 @@ class Tokenizer:
                 raise TokenizerError("this vocabulary has no BOS token (tokenizer.ggml.bos_token_id)")
             out.append(self.bos_id)
         prev_special = True
-        for part in self._partition(text, special):
+        for part in self._partition(text, special, plain):
             if isinstance(part, int):
                 out.append(part)
                 prev_special = True
@@ -260,7 +273,7 @@ class Tokenizer:
             out.append(self.eos_id)
         return out
 
-    def _partition(self, text: str, special: bool) -> list:
+    def _partition(self, text: str, special: bool, plain: Sequence[tuple[int, int]] = ()) -> list:
         """Split ``text`` into raw strings and special token ids the way llama.cpp does.
 
         llama.cpp takes special tokens longest first and cuts every non-overlapping occurrence of each out of the
@@ -287,6 +300,16 @@ class Tokenizer:
             return [text]
         found.sort()
         claimed = bytearray(len(text) + 1)
+        if plain:
+            guard = bytearray(len(text) + 1)
+            for a, b in plain:
+                a, b = max(int(a), 0), min(int(b), len(text))
+                if b > a:
+                    guard[a:b] = b"\x01" * (b - a)
+            user = self._special_user
+            # inside content only user-defined tokens, and only wholly inside (llama.cpp's parse_special=false)
+            found = [(negl, tid, p) for negl, tid, p in found
+                     if not any(guard[p:p - negl]) or (text[p:p - negl] in user and all(guard[p:p - negl]))]
         accepted = []
         for negl, tid, p in found:
             end = p - negl

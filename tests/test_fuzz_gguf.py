@@ -71,3 +71,16 @@ def test_fuzz_deep_ci_run(fz, smollm2_path):
     for stage, least in {"config": 60, "dequantize": 90, "tokenizer": 60, "encode/decode": 60, "template": 60,
                          "load": 20, "generate": 20}.items():
         assert rep.stages.get(stage, 0) >= least, (stage, rep.stages)
+
+
+def test_fuzz_semantic_ci_run(fz):
+    """400 well-formed files whose values lie (tools/fuzz_gguf.py --semantic): hyper-parameters of the wrong type or
+    range, missing keys, vocabularies that disagree with the embedding, NaN/Inf weights, template bombs, shapes that
+    lie. Each goes through config, tokenizer, template, pyllm.load and two tokens; only PyllmError may escape, and
+    some files must still load and generate (the lies are not all fatal, so the layers past load are reached)."""
+    rep = fz.fuzz(400, seed=4, semantic=True, seeds={"tiny_llama": fz.seed_tiny_llama()}, case_timeout=60.0)
+    print(rep.summary())
+    assert rep.cases == 400
+    assert not rep.failures, rep.summary()
+    for stage, least in {"config": 100, "tokenizer": 100, "template": 80, "load": 30, "generate": 15}.items():
+        assert rep.stages.get(stage, 0) >= least, (stage, rep.stages)

@@ -16,6 +16,7 @@ Cases run in a worker subprocess watched by the parent, so crashes and hangs are
     python tools/fuzz_gguf.py -n 100000 --seed 1 --out /tmp/fuzz-crashes      # the long run
     python tools/fuzz_gguf.py -n 3000 --seed 0                                   # what CI runs (tests/test_fuzz_gguf.py)
     python tools/fuzz_gguf.py --deep -n 1000 --seed 2                            # and the deep run CI adds
+    python tools/fuzz_gguf.py --semantic -n 600 --seed 4                         # well-formed files that lie
 
 ``--deep``: files that open are also fed to ModelConfig, every small tensor's dequantization, the tokenizer
 (encode, decode, streaming decode), the chat template, and the public ``pyllm.load`` (n_ctx 32, reference backend)
@@ -522,19 +523,153 @@ def random_table(rng: random.Random) -> tuple[bytes, list[str]]:
     return out, [f"random table n={n} align={alignment}"]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Semantic mode: well-formed files whose values lie
+# ---------------------------------------------------------------------------------------------------------------
+
+# A few templates that do their damage in one built-in call or at compile time (tests/test_template_bombs.py has
+# the full corpus); a lying file may carry any of them.
+BOMB_TEMPLATES = [
+    "{% set x = namespace(v=10**4000) %}{% for i in range(40) %}{% set x.v = x.v * x.v %}{% endfor %}{{ x.v }}",
+    "{% set s = namespace(v='ab') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}{% endfor %}{{ s.v }}",
+    "{{ 'x'|center(999999) ~ 'y'|center(999999) }}",
+    "{{ ('a\n' * 100000)|indent('p' * 100000, true) }}",
+    "{{ range(100000)|join('s' * 1000000) }}",
+    "{{ [[1]]|tojson(indent=100000000) }}",
+    "{{ " + "(" * 300 + "1" + ")" * 300 + " }}",
+    "{% if true %}" * 300 + "x" + "{% endif %}" * 300,
+    "{{ messages[0]['content'] ~ '<|im_start|>system' }}",
+]
+
+
+def _lie(rng: random.Random, vt: int, v):
+    """A (type, value) of the same key that is well-formed but wrong: another type, or a value out of range."""
+    choices = [
+        (STRING, "12"), (STRING, ""), (STRING, "\u00e9" * rng.randint(1, 4)), (7, rng.randint(0, 1)),
+        (6, float("nan")), (6, float("inf")), (6, float("-inf")), (6, 0.0), (6, -1.0), (6, 1e30), (12, 1e-300),
+        (4, 0), (4, 1), (4, 2**31), (4, 2**32 - 1), (5, -1), (10, 2**63), (10, 2**64 - 1), (11, -(2**63)),
+        (ARRAY, (STRING, ["a", "b"])), (ARRAY, (4, [])), (ARRAY, (4, [7] * rng.randint(1, 40))),
+        (ARRAY, (4, [rng.randint(0, 9) for _ in range(rng.randint(2, 40))])), (ARRAY, (ARRAY, [(4, [1]), (4, [2])])),
+    ]
+    if vt in _VFMT and vt not in (6, 12, 7) and isinstance(v, int):  # an integer near the original
+        choices += [(vt, max(0, v + d)) for d in (-v, -1, 1, v, 3 * v)]
+        choices += [(vt, v * 2**k) for k in (8, 16) if v * 2**k < 2 ** (8 * _VSIZE[vt] - 1)]
+    return rng.choice(choices)
+
+
+def semantic_mutate(seed_bytes: bytes, rng: random.Random) -> tuple[bytes, list[str]]:
+    """One to three semantic lies in a trusted model file (the tiny llama seed), rebuilt as a well-formed GGUF:
+    hyper-parameters of another type or out of range, missing keys, another architecture, vocabularies longer or
+    shorter than the embedding, token types/scores/merges that do not match, special ids out of range, a
+    template bomb, NaN/Inf written into float weights or quantized block scales, and tensors whose shapes lie
+    while their data stays in place (fewer rows, swapped dimensions)."""
+    kvs, tinfos, data_start = _read_kvs(seed_bytes, max_items=1 << 30)
+    kvs = [(k.decode() if isinstance(k, bytes) else k, vt, v) for k, vt, v in kvs]
+    kvs = [(k, vt, v.decode("utf-8", "surrogateescape") if isinstance(v, bytes) else v) for k, vt, v in kvs]
+    kvs = [(k, vt, (v[0], [x.decode("utf-8", "surrogateescape") if isinstance(x, bytes) else x for x in v[1]])
+            if vt == ARRAY else v) for k, vt, v in kvs]
+    tinfos = [(n.decode("utf-8", "surrogateescape"), list(ne), tt, off) for n, ne, tt, off in tinfos]
+    data = bytearray(seed_bytes[data_start:])
+    arch = next(v for k, vt, v in kvs if k == "general.architecture")
+    bi = _block_info()
+    ops = []
+    for _ in range(rng.choice([1, 1, 2, 3])):
+        r = rng.random()
+        keys = [k for k, _, _ in kvs]
+        if r < 0.40:  # a hyper-parameter or tokenizer scalar lies
+            cands = [j for j, (k, vt, v) in enumerate(kvs) if k.startswith(arch + ".") or
+                     (k.startswith("tokenizer.ggml.") and vt != ARRAY)]
+            j = rng.choice(cands)
+            k, vt, v = kvs[j]
+            nvt, nv = _lie(rng, vt, v)
+            kvs[j] = (k, nvt, nv)
+            ops.append(f"{k}: {vt}:{str(v)[:20]} -> {nvt}:{str(nv)[:40]}")
+        elif r < 0.48:  # a key goes missing
+            j = rng.randrange(len(kvs))
+            ops.append(f"drop {kvs[j][0]}")
+            del kvs[j]
+        elif r < 0.53:  # another architecture over the llama keys
+            new = rng.choice(["qwen2", "qwen3", "gemma3", "phi3", "mistral", "granite", "mamba", "", "llama\x00"])
+            kvs = [(k, vt, new if k == "general.architecture" else v) for k, vt, v in kvs]
+            ops.append(f"architecture -> {new!r}")
+        elif r < 0.68:  # vocabulary arrays that disagree with each other or with the embedding
+            name = rng.choice(["tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges",
+                               "tokenizer.ggml.scores"])
+            j = keys.index(name) if name in keys else None
+            if j is None:
+                kvs.append((name, ARRAY, (6, [0.0] * rng.choice([1, 300, 400]))))
+                ops.append(f"add {name}")
+                continue
+            k, vt, (et, items) = kvs[j]
+            how = rng.choice(["grow", "shrink", "empty", "dup", "retype"])
+            if how == "grow":
+                extra = [items[-1] if et != STRING else f"<|lie_{n}|>" for n in range(rng.choice([1, 16, 300]))]
+                items = items + extra
+            elif how == "shrink":
+                items = items[:rng.randint(0, len(items) - 1)]
+            elif how == "empty":
+                items = []
+            elif how == "dup":
+                items = items + items[: rng.randint(1, 20)]
+            else:
+                et, items = (STRING, [str(x) for x in items]) if et != STRING else (4, list(range(len(items))))
+            kvs[j] = (k, vt, (et, items))
+            ops.append(f"{name} {how} -> {len(items)} items")
+        elif r < 0.73:  # the chat template is a bomb
+            kvs = [x for x in kvs if x[0] != "tokenizer.chat_template"]
+            t = rng.choice(BOMB_TEMPLATES)
+            kvs.append(("tokenizer.chat_template", STRING, t))
+            ops.append(f"template bomb {t[:30]!r}")
+        elif r < 0.88:  # NaN / Inf in the weights
+            j = rng.randrange(len(tinfos))
+            name, ne, tt, off = tinfos[j]
+            bs, ts = bi[tt]
+            val = rng.choice([float("nan"), float("inf"), float("-inf")])
+            if tt == 0:  # F32: any element
+                n = 1
+                for d in ne:
+                    n *= d
+                at = off + 4 * rng.randrange(n)
+                data[at:at + 4] = struct.pack("<f", val)
+            elif tt in (1, 8, 2, 3):  # F16, and Q8_0/Q4_0/Q4_1, whose blocks start with an fp16 scale
+                at = off + (2 * rng.randrange(ne[0]) if tt == 1 else ts * rng.randrange(max(ne[0] // bs, 1)))
+                data[at:at + 2] = struct.pack("<e", val)
+            else:
+                continue
+            ops.append(f"{val} in {name}")
+        else:  # a shape that lies while the data stays where it is
+            j = rng.randrange(len(tinfos))
+            name, ne, tt, off = tinfos[j]
+            bs, _ = bi[tt]
+            if len(ne) == 2 and rng.random() < 0.5 and ne[1] > 1:
+                ne = [ne[0], rng.randint(1, ne[1] - 1)]  # fewer rows
+            elif len(ne) == 2 and ne[1] % bs == 0:
+                ne = [ne[1], ne[0]]  # transposed (same size)
+            else:
+                ne = [ne[0]] + [1] * rng.randint(0, 2)
+            tinfos[j] = (name, ne, tt, off)
+            ops.append(f"{name} shape -> {ne}")
+    align = next((v for k, vt, v in kvs if k == "general.alignment" and isinstance(v, int)), 32)
+    return build(kvs, tinfos, bytes(data), alignment=align), ops
+
+
 class CaseMaker:
     """Deterministic case generator: case(i) depends only on (seed, i) and the seed files."""
 
-    def __init__(self, seeds: dict[str, bytes], seed: int):
+    def __init__(self, seeds: dict[str, bytes], seed: int, semantic: bool = False):
         self.seeds = seeds
         self.names = sorted(seeds)
         self.layouts = {k: walk(v) for k, v in seeds.items()}
         self.seed = seed
+        self.semantic = semantic
         self.weights = {"smollm2_head": 2, "smollm2_mini": 4, "all_types": 3, "tiny_llama": 3}
 
     def case(self, i: int) -> tuple[bytes, str]:
         h = hashlib.sha256(f"{self.seed}:{i}".encode()).digest()
         rng = random.Random(int.from_bytes(h[:8], "little"))
+        if self.semantic:
+            data, ops = semantic_mutate(self.seeds["tiny_llama"], rng)
+            return data, "tiny_llama semantic: " + "; ".join(ops)
         if rng.random() < 0.12:
             data, ops = random_table(rng)
             return data, "; ".join(ops)
@@ -704,7 +839,8 @@ def worker_main(args) -> None:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything the library prints goes to stderr, never into the protocol
     seeds = {p.stem: p.read_bytes() for p in Path(args.seed_dir).glob("*.gguf")}
-    maker = CaseMaker(seeds, args.seed)
+    maker = CaseMaker(seeds, args.seed, semantic=args.semantic)
+    args.deep = args.deep or args.semantic
     path = os.path.join(args.work_dir, f"case-{os.getpid()}.gguf")
     # PYLLM_FUZZ_SELFTEST="raise:3,crash:7,hang:12": misbehave on those cases (tests that the harness notices)
     selftest = {int(i): k for k, _, i in (e.partition(":") for e in os.environ.get("PYLLM_FUZZ_SELFTEST", "").split(",") if e)}
@@ -775,9 +911,10 @@ class Report:
 
 
 class _Worker:
-    def __init__(self, seed_dir, work_dir, seed, deep, rss_limit_mb, env):
+    def __init__(self, seed_dir, work_dir, seed, deep, rss_limit_mb, env, semantic=False):
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--seed-dir", seed_dir, "--work-dir",
                work_dir, "--seed", str(seed), "--rss-limit-mb", str(rss_limit_mb)] + (["--deep"] if deep else [])
+        cmd += ["--semantic"] if semantic else []
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=False)
         self.buf = b""
         hello = self.read(WORKER_START_TIMEOUT)
@@ -814,12 +951,16 @@ class _Worker:
 
 def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_mb: int = 256, deep: bool = False,
          smollm2: str | None = None, out_dir: str | None = None, batch: int = 200, progress: bool = False,
-         env: dict | None = None, start: int = 0, seeds: dict[str, bytes] | None = None) -> Report:
+         env: dict | None = None, start: int = 0, seeds: dict[str, bytes] | None = None,
+         semantic: bool = False) -> Report:
     rep = Report()
     t0 = time.perf_counter()
     seeds = make_seeds(smollm2) if seeds is None else seeds
+    if semantic:
+        seeds = {"tiny_llama": seeds.get("tiny_llama") or seed_tiny_llama()}
+        deep = True
     rep.seeds = {k: len(v) for k, v in seeds.items()}
-    maker = CaseMaker(seeds, seed)
+    maker = CaseMaker(seeds, seed, semantic=semantic)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(prefix="pyllm-fuzz-seeds-") as seed_dir, \
             tempfile.TemporaryDirectory(prefix="pyllm-fuzz-", dir=shm) as work_dir:
@@ -828,7 +969,7 @@ def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_m
         wenv = dict(os.environ if env is None else env)
         wenv["PYTHONPATH"] = str(REPO) + os.pathsep + wenv.get("PYTHONPATH", "")
         wenv.setdefault("OMP_NUM_THREADS", "1")
-        w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv)
+        w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv, semantic)
         i, end = start, start + n_cases
         last_print = time.monotonic()
 
@@ -863,7 +1004,7 @@ def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_m
                     i = expect + 1
                     if i < end:
                         rep.restarts += 1
-                        w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv)
+                        w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv, semantic)
                     break
                 rep.cases += 1
                 rep.max_case_seconds = max(rep.max_case_seconds, msg["t"])
@@ -882,7 +1023,7 @@ def fuzz(n_cases: int, seed: int = 0, *, case_timeout: float = 10.0, rss_limit_m
                         i = msg["i"] + 1
                         if i < end:
                             rep.restarts += 1
-                            w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv)
+                            w = _Worker(seed_dir, work_dir, seed, deep, rss_limit_mb, wenv, semantic)
                         break
                 expect += 1
             else:
@@ -910,6 +1051,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rss-limit-mb", type=int, default=256, help="allowed growth of the worker's peak RSS")
     ap.add_argument("--deep", action="store_true", help="files that open also go through config, dequantization, "
                     "tokenizer, chat template and pyllm.load + 2 greedy tokens")
+    ap.add_argument("--semantic", action="store_true", help="well-formed files whose values lie (hyper-parameters "
+                    "of the wrong type or range, vocabularies that disagree with the embedding, NaN weights, "
+                    "template bombs, shapes that lie), each taken through --deep")
     ap.add_argument("--smollm2", default=None, help="path of SmolLM2-135M-Instruct.Q4_1.gguf (default: the cache)")
     ap.add_argument("--out", default=None, help="directory for failing inputs")
     ap.add_argument("--json", action="store_true")
@@ -921,7 +1065,7 @@ def main(argv=None) -> int:
         worker_main(a)
         return 0
     rep = fuzz(a.cases, a.seed, case_timeout=a.timeout, rss_limit_mb=a.rss_limit_mb, deep=a.deep, smollm2=a.smollm2,
-               out_dir=a.out, progress=True, start=a.start)
+               out_dir=a.out, progress=True, start=a.start, semantic=a.semantic)
     if a.json:
         d = dict(rep.__dict__)
         print(json.dumps(d, indent=1, default=str))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass, fields
@@ -53,6 +54,8 @@ def _strict_int(text) -> int:
 
 def _seed(text):
     if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "random", "off", "-1")):
+        return None
+    if isinstance(text, int) and not isinstance(text, bool) and text == -1:  # --seed -1: random, as in llama.cpp
         return None
     return _strict_int(text)
 
@@ -205,6 +208,43 @@ def parse_conversation(data, source: str = "conversation") -> tuple[str | None, 
         else:
             turns.append({"role": m["role"], "content": m["content"]})
     return system, turns
+
+
+MAX_CONVERSATION_BYTES = 64 << 20
+MAX_JSON_DEPTH = 32  # a saved conversation nests 3 deep; deeper is not a conversation
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def dump_conversation(data) -> str:
+    """JSON text for /save. Readable UTF-8, except that lone surrogates (text from bytes that were not UTF-8 has
+    them) are written as \\uXXXX escapes: they have no UTF-8 form, and json.loads restores them exactly."""
+    text = json.dumps(data, ensure_ascii=False, indent=1) + "\n"
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
+
+def _json_depth(raw: bytes) -> int:
+    """How deep brackets outside strings nest (checked before parsing: the parser recurses once per level)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return 0  # cannot be deeper than that
+    import numpy as np
+
+    outside = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", raw)  # strings may hold brackets
+    brackets = np.frombuffer(re.sub(rb"[^\[\]{}]", b"", outside), dtype=np.uint8)
+    if len(brackets) > 1 << 20:
+        return len(brackets)  # a million JSON containers is no conversation; spare the memory of the sum
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def load_conversation_json(raw: bytes):
+    """Parsed JSON of a conversation file: UTF-8, nesting bounded (ValueError otherwise)."""
+    text = raw.decode("utf-8")
+    if _json_depth(raw) > MAX_JSON_DEPTH:
+        raise ValueError(f"it nests deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("it nests too deeply") from None
 
 
 def _sanitize_for_terminal(text: str) -> str:
@@ -361,10 +401,15 @@ class ChatSession:
         return True
 
     def _guarded(self, fn) -> None:
+        """Runs one command or message; any error is one line and the conversation goes on (Ctrl-C and exits
+        still propagate)."""
         try:
             fn()
         except PyllmError as e:
             self.error(str(e))
+        except (Exception, RecursionError, MemoryError) as e:  # a bug must not end the session and lose the chat
+            first = (str(e).splitlines() or [""])[0][:300]
+            self.error(f"{type(e).__name__}: {first} (the conversation is unchanged)")
 
     def cmd_unknown(self, word: str) -> None:
         raise PyllmError(f"unknown command /{word}; /help lists the commands (start with // to send a '/' text)")
@@ -423,15 +468,24 @@ class ChatSession:
         data = {"format": "pyllm-chat", "version": 1, "model": self.llm.path.name,
                 "settings": {f.name: getattr(self.settings, f.name) for f in fields(Settings)},
                 "messages": self.messages()}
+        text = dump_conversation(data)
+        tmp = None
         try:
-            # write-then-rename: an interrupted save never truncates a conversation saved earlier
+            # write-then-rename: an interrupted save never truncates a conversation saved earlier, and the
+            # temporary file is removed on any failure (a full disk, Ctrl-C)
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent if str(path.parent) else ".")
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, ensure_ascii=False, indent=1)
-                f.write("\n")
+                f.write(text)
             os.replace(tmp, path)
+            tmp = None
         except OSError as e:
             raise PyllmError(f"cannot write {path}: {e.strerror or e}") from None
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
         self.note(f"(saved {len(self.messages())} messages to {path})")
 
     def cmd_load(self, arg: str) -> None:
@@ -439,10 +493,15 @@ class ChatSession:
             raise PyllmError("/load needs a file name, e.g. /load chat.json")
         path = Path(arg).expanduser()
         try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
+            with open(path, "rb") as f:
+                raw = f.read(MAX_CONVERSATION_BYTES + 1)  # bounded: /load /dev/zero must not read forever
         except OSError as e:
             raise PyllmError(f"cannot read {path}: {e.strerror or e}; the conversation is unchanged") from None
+        if len(raw) > MAX_CONVERSATION_BYTES:
+            raise PyllmError(f"{path} is larger than {MAX_CONVERSATION_BYTES >> 20} MiB, too large for a "
+                             f"conversation; the conversation is unchanged")
+        try:
+            data = load_conversation_json(raw)
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
             raise PyllmError(f"{path} is not a JSON conversation ({e}); the conversation is unchanged") from None
         try:

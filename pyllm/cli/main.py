@@ -95,6 +95,27 @@ def load_from_args(a, context_policy: str = "stop"):
     return llm
 
 
+def read_stdin_text(limit: int = 64 << 20) -> str:
+    """Standard input as text: at most ``limit`` bytes (a bigger prompt could not fit any context anyway), and
+    bytes that are not UTF-8 replaced by U+FFFD with a note (as the tokenizer does with lone surrogates)."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a StringIO in tests
+        return sys.stdin.read(limit)
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise PyllmError(f"standard input is larger than {limit >> 20} MiB; give a shorter prompt")
+    return decode_utf8(data, "standard input")
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        print(f"pyllm: note: {what} is not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); invalid "
+              f"bytes were replaced by U+FFFD", file=sys.stderr)
+        return data.decode("utf-8", errors="replace")
+
+
 def cmd_run(a) -> int:
     prompt = a.prompt
     if prompt is None:
@@ -104,9 +125,11 @@ def cmd_run(a) -> int:
             a.command = "chat"
             a.quiet, a.no_color, a.lines = False, False, False
             return cmd_chat(a)
-        prompt = sys.stdin.read()
+        prompt = read_stdin_text()
     elif a.prompt == "-":
-        prompt = sys.stdin.read()
+        prompt = read_stdin_text()
+    elif any("\udc80" <= c <= "\udcff" for c in prompt):  # argv bytes that were not UTF-8 (surrogateescape)
+        prompt = decode_utf8(os.fsencode(prompt), "the prompt")
     a.chat = a.chat or a.system is not None  # a system prompt only means something inside the chat template
     llm = load_from_args(a)
     kw = sampling_kwargs(a)
@@ -365,6 +388,48 @@ def version_text() -> str:
     return "\n".join(lines)
 
 
+# ---- numeric flags: checked for every subcommand before anything is loaded --------------------------------------
+
+# dest -> (flag as the user wrote it, lowest, highest or None); a value of None means "the default".
+NUMERIC_FLAGS = {
+    "ctx": ("--ctx", 0, 1 << 24),
+    "threads": ("--threads", 1, None),
+    "chunks": ("--chunks", 1, None),
+}  # bench checks its own -p/-n/-d/-r (pyllm/cli/bench.py)
+
+
+def max_threads() -> int:
+    """More threads than this only thrashes (and at some count the OpenMP runtime fails with its own text)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_numeric_args(a) -> None:
+    """SettingError naming the flag for any numeric flag out of range (argparse checks only that it parses: it
+    takes -1, 10**9, nan and inf). Sampling flags follow the REPL's /set rules (pyllm/cli/chat.py RULES), so
+    `run`, `chat` and /set accept the same values; --seed -1 means random everywhere."""
+    import math
+
+    from .chat import Settings, SettingError
+
+    for dest, (flag, lo, hi) in NUMERIC_FLAGS.items():
+        v = getattr(a, dest, None)
+        if v is None:
+            continue
+        if dest == "threads":
+            hi = max_threads()
+        if dest == "ctx" and getattr(a, "command", None) == "perplexity":
+            lo = 16  # a chunk scores its second half
+        if (isinstance(v, float) and not math.isfinite(v)) or v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            extra = f" ({os.cpu_count()} CPUs here)" if dest == "threads" else ""
+            extra += " (0 = the model's own)" if dest == "ctx" and lo == 0 else ""
+            raise SettingError(f"argument {flag}: must be {rng}{extra}, got {v}")
+    if getattr(a, "command", None) in ("run", "chat") and hasattr(a, "temp"):
+        Settings.from_args(a)  # names the flag; same rules as /set
+        if a.seed is not None and a.seed == -1:
+            a.seed = None  # random, like chat
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a, extra = parser.parse_known_args(argv)
@@ -378,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     a.verbose = getattr(a, "verbose", False)
+    from .chat import SettingError
+
+    try:
+        check_numeric_args(a)
+    except (PyllmError, SettingError) as e:
+        # a usage error like argparse's own (exit 2), reported before any model is loaded
+        print(f"pyllm: error: {e}", file=sys.stderr)
+        return 2
     try:
         return a.func(a)
     except PyllmError as e:

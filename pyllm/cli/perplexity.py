@@ -8,9 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from ..errors import PyllmError
 from ..runtime.kv_cache import KV_KINDS
 
 
@@ -40,13 +38,10 @@ def add_perplexity_parser(sub) -> None:
 def cmd_perplexity(a) -> int:
     import pyllm
 
-    from ..perplexity import evaluate, format_table
+    from ..perplexity import evaluate, format_table, read_text_file
 
     kinds = list(dict.fromkeys(a.kv_list or ["f16"]))
-    try:
-        text = Path(a.file).read_text(encoding="utf-8", errors="replace")
-    except OSError as e:
-        raise PyllmError(f"{a.file}: cannot read: {e.strerror or e}") from None
+    text = read_text_file(a.file)
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache="f16", n_threads=a.threads,
                      backend=a.backend, quiet=False)
 

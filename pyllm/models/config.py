@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..errors import ModelError
@@ -17,6 +18,12 @@ ROPE_STYLE = {
     "phi3": "neox",
     "gemma3": "neox",
 }
+
+
+def _show(v) -> str:
+    """A metadata value for an error message: type and a bounded repr (a lying file can hold a huge array)."""
+    r = repr(v)
+    return f"{r[:60]}{'...' if len(r) > 60 else ''} ({type(v).__name__})"
 
 
 @dataclass
@@ -65,6 +72,13 @@ class ModelConfig:
                   ("output_norm.weight", (self.n_embd,), None),
                   ("rope_freqs.weight", (self.rope_dim // 2,), None)]
         expect += [(f"blk.{i}.{n}", shape, None) for i in range(self.n_layer) for n, shape in want.items()]
+        for name in ("token_embd.weight", "output.weight"):
+            t = weights.get(name)
+            rows = tuple(t.shape)[0] if t is not None and len(tuple(t.shape)) == 2 else None
+            if rows is not None and rows < self.n_vocab:
+                # a token id past the table's last row would index out of it at generation
+                raise ModelError(f"{self.arch} tensor {name!r} has {rows} rows but the vocabulary has {self.n_vocab} "
+                                 f"tokens: every token needs a row")
         for name, shape, cols in expect:
             t = weights.get(name)
             if t is None:
@@ -95,12 +109,22 @@ class ModelConfig:
         def get_int(key, default=None, required=False, lo=1, hi=1 << 31):
             v = get(key, default, required)
             if isinstance(v, list):  # some files store per-layer arrays (e.g. head counts); all equal here
-                if not v or len(set(v)) != 1:
-                    raise ModelError(f"{source}: {arch}.{key} varies per layer ({v[:8]}...), which is not supported")
+                if not v or len(set(map(repr, v))) != 1:  # repr: elements may be unhashable (nested arrays)
+                    raise ModelError(f"{source}: {arch}.{key} varies per layer ({_show(v[:8])}), which is not "
+                                     f"supported")
                 v = v[0]
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise ModelError(f"{source}: {arch}.{key} = {v!r} is not an integer in [{lo}, {hi}]")
+                raise ModelError(f"{source}: {arch}.{key} = {_show(v)} is not an integer in [{lo}, {hi}]")
             return v
+
+        def get_float(key, default, lo=0.0, hi=float("inf"), lo_open=True):
+            v = get(key, default)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or \
+                    not (v > lo if lo_open else v >= lo) or not v <= hi:
+                want = f"a finite number {'>' if lo_open else '>='} {lo:g}" + (f" and <= {hi:g}" if hi < float("inf")
+                                                                               else "")
+                raise ModelError(f"{source}: {arch}.{key} = {_show(v)} is not {want}")
+            return float(v)
 
         n_embd = get_int("embedding_length", required=True)
         n_head = get_int("attention.head_count", required=True)
@@ -113,10 +137,13 @@ class ModelConfig:
         rope_dim = get_int("rope.dimension_count", head_dim)
         if rope_dim > head_dim or rope_dim % 2:
             raise ModelError(f"{source}: rope.dimension_count {rope_dim} does not fit head_dim {head_dim}")
-        eps = get("attention.layer_norm_rms_epsilon", 1e-5)
-        base = get("rope.freq_base", 10000.0)
-        if not isinstance(base, (int, float)) or not base > 0:
-            raise ModelError(f"{source}: {arch}.rope.freq_base = {base!r} is not a positive number")
+        eps = get_float("attention.layer_norm_rms_epsilon", 1e-5, hi=1.0)
+        base = get_float("rope.freq_base", 10000.0)
+        if isinstance(tokens, list) and md.get(f"{arch}.vocab_size") is not None:
+            declared = get_int("vocab_size")
+            if declared < n_vocab:
+                raise ModelError(f"{source}: {arch}.vocab_size = {declared} but tokenizer.ggml.tokens has {n_vocab} "
+                                 f"tokens")
         cfg = cls(
             arch=arch,
             n_layer=get_int("block_count", required=True, hi=4096),
@@ -137,21 +164,21 @@ class ModelConfig:
             sliding_window=get_int("attention.sliding_window", 0, lo=0),
         )
         scaling = get("rope.scaling.type")
-        factor = get("rope.scaling.factor", 1.0)
-        if scaling not in (None, "none", "linear", "llama3"):  # llama3 scaling travels as the rope_freqs tensor
+        factor = get_float("rope.scaling.factor", 1.0)
+        if not isinstance(scaling, (str, type(None))) or scaling not in (None, "none", "linear", "llama3"):  # llama3 scaling travels as the rope_freqs tensor
             raise ModelError(f"{source}: {arch}.rope.scaling.type = {scaling!r} is not supported")
         if scaling == "linear" and factor != 1.0:
-            if arch != "gemma3" or not isinstance(factor, (int, float)) or not factor > 0:
+            if arch != "gemma3":
                 raise ModelError(f"{source}: linear rope scaling (factor {factor!r}) is not supported for {arch}")
             cfg.extra["rope_scale"] = float(factor)  # gemma3 scales its global layers only
         if arch == "gemma3":
             # llama.cpp hard-codes these for gemma3 (no metadata keys): local RoPE base 10000, a global layer every
             # 6th, and queries scaled by head_dim**-0.5 except for 27B (62 layers), which uses n_embd / n_head.
             cfg.extra.update(
-                rope_local_base=float(get("rope.local_freq_base", 10000.0)),
+                rope_local_base=get_float("rope.local_freq_base", 10000.0),
                 swa_pattern=6,
                 query_pre_attn_scalar=n_embd // n_head if cfg.n_layer == 62 else head_dim,
-                final_logit_softcapping=float(get("final_logit_softcapping", 0.0) or 0.0),
-                attn_logit_softcapping=float(get("attn_logit_softcapping", 0.0) or 0.0),
+                final_logit_softcapping=get_float("final_logit_softcapping", 0.0, lo_open=False),
+                attn_logit_softcapping=get_float("attn_logit_softcapping", 0.0, lo_open=False),
             )
         return cfg

@@ -1,0 +1,149 @@
+"""Bad bytes and values at every door other than the model file: argv, stdin, numeric flags of every subcommand,
+library arguments, perplexity's text file, and the REPL's /load and /save.
+
+Reference: each bad input ends in one line starting ``pyllm: error:`` (CLI; exit 2 for a bad flag, before any
+model is loaded, so a nonexistent model is never what is reported) or a PyllmError (library), never a traceback,
+and reads at most a bounded number of bytes (/dev/zero). Valid edge values (--seed -1 = random) are accepted.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pyllm.cli.main import main
+from pyllm.errors import PyllmError
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys):
+    """The CLI in this process, stdin given as bytes."""
+
+    def run(*args, stdin=b""):
+        raw = io.BytesIO(stdin)
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(raw, encoding="utf-8"))
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's own usage errors
+            code = e.code
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
+
+
+def assert_one_line_error(res, code, *needles):
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    lines = [ln for ln in res.stderr.strip().splitlines() if "error" in ln]
+    assert "Traceback" not in res.stderr and len(lines) == 1 and lines[0].startswith("pyllm: error:"), res.stderr
+    for n in needles:
+        assert n in lines[0], (n, res.stderr)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pyllm.synthetic import write_tiny_llama
+
+    return str(write_tiny_llama(tmp_path_factory.mktemp("doors") / "tiny.gguf", n_layer=1, n_embd=32, n_ff=64,
+                                n_head=2, n_kv_head=1, n_vocab=320, n_ctx=64))
+
+
+BAD_FLAGS = [
+    (["run", "M", "hi", "--threads", "-1"], "--threads"),
+    (["run", "M", "hi", "--threads", "0"], "--threads"),
+    (["run", "M", "hi", "--threads", "10000"], "--threads"),
+    (["chat", "M", "--threads", "10000"], "--threads"),
+    (["bench", "M", "--threads", "-1"], "--threads"),
+    (["bench", "M", "-t", "10000"], "--threads"),
+    (["run", "M", "hi", "--seed", "-5"], "--seed"),
+    (["run", "M", "hi", "--temp", "nan"], "--temp"),
+    (["run", "M", "hi", "--temp", "inf"], "--temp"),
+    (["run", "M", "hi", "--top-p", "0"], "--top-p"),
+    (["run", "M", "hi", "--top-k", "-1"], "--top-k"),
+    (["run", "M", "hi", "--min-p", "1"], "--min-p"),
+    (["run", "M", "hi", "--repeat-penalty", "0"], "--repeat-penalty"),
+    (["run", "M", "hi", "-n", "-1"], "--max-tokens"),
+    (["run", "M", "hi", "--ctx", "-1"], "--ctx"),
+    (["run", "M", "hi", "--ctx", "1000000000"], "--ctx"),
+    (["chat", "M", "--top-p", "nan"], "--top-p"),
+    (["info", "M", "--ctx", "-3"], "--ctx"),
+    (["perplexity", "M", "-f", "x", "-c", "4"], "--ctx"),
+    (["perplexity", "M", "-f", "x", "--chunks", "0"], "--chunks"),
+    (["perplexity", "M", "-f", "x", "-t", "-2"], "--threads"),
+]
+
+
+@pytest.mark.parametrize("args, flag", BAD_FLAGS)
+def test_numeric_flags_are_checked_before_loading(cli, args, flag):
+    args = [("/nonexistent.gguf" if a == "M" else a) for a in args]
+    res = cli(*args, stdin=b"hi")
+    assert_one_line_error(res, 2, flag)
+    assert "nonexistent" not in res.stderr
+
+
+def test_seed_minus_one_is_random_on_run(cli, tiny):
+    res = cli("run", tiny, "hello", "-n", "3", "--seed", "-1", "--temp", "0.8")
+    assert res.returncode == 0, res.stderr
+
+
+def test_non_utf8_prompt_on_stdin_and_argv(cli, tiny):
+    res = cli("run", tiny, "-n", "2", "--temp", "0", stdin=b"caf\xe9 \xff\xfe ok")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    assert "not valid UTF-8" in res.stderr
+    # argv: Python hands undecodable bytes over as lone surrogates (surrogateescape)
+    res = cli("run", tiny, os.fsdecode(b"caf\xe9 \xff"), "-n", "2", "--temp", "0")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+
+
+def test_non_utf8_prompt_in_a_real_process(tiny):
+    # the real argv and stdin paths (no monkeypatching): bytes that are not UTF-8 on both
+    for args, stdin in (([b"caf\xe9 \xff"], b""), ([], b"\xff\xfe\x00 text")):
+        res = subprocess.run([sys.executable, "-m", "pyllm", "run", tiny, *args, "-n", "2", "--temp", "0"],
+                             input=stdin, capture_output=True, env=ENV, timeout=300)
+        assert res.returncode == 0 and b"Traceback" not in res.stderr, res.stderr
+
+
+def test_chat_piped_non_utf8(cli, tiny):
+    res = cli("chat", tiny, "-n", "2", "--temp", "0", stdin=b"\xff\xfe hello")
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+
+
+def test_perplexity_reads_a_bounded_amount(cli, tmp_path, monkeypatch):
+    import pyllm.perplexity as ppl
+
+    monkeypatch.setattr(ppl, "MAX_TEXT_BYTES", 1 << 20)
+    res = cli("perplexity", "/nonexistent.gguf", "-f", "/dev/zero")
+    assert_one_line_error(res, 1, "/dev/zero", "MiB")
+    assert_one_line_error(cli("perplexity", "/nonexistent.gguf", "-f", str(tmp_path / "no.txt")), 1, "no.txt")
+
+
+def test_library_arguments(tiny):
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    for bad in (float("nan"), "x", -1, 2.5, True):
+        with pytest.raises(PyllmError, match="max_tokens"):
+            llm.generate("hi", max_tokens=bad)
+    with pytest.raises(PyllmError, match="seed"):
+        llm.generate("hi", max_tokens=2, seed=-5)
+    for name, bad in (("temperature", float("nan")), ("temperature", "hot"), ("top_p", None), ("top_k", 1.5),
+                      ("min_p", float("inf")), ("repeat_penalty", "x")):
+        with pytest.raises(PyllmError, match=name):
+            llm.generate("hi", max_tokens=2, **{name: bad})
+    with pytest.raises(PyllmError, match="max_tokens"):
+        llm.chat([{"role": "user", "content": "hi"}], max_tokens=float("nan"))
+    with pytest.raises(PyllmError, match="stop"):
+        llm.generate("hi", max_tokens=2, stop="x")
+    # seed -1 is random; a lone surrogate in the prompt is a replacement character, not a crash
+    assert isinstance(llm.generate("hi\udcff", max_tokens=2, seed=-1), str)
+    assert llm.tokenize("a\ud800b") == llm.tokenize("a\ufffdb")

@@ -1,0 +1,111 @@
+"""Template bombs: templates that do their damage inside one built-in call (big-int arithmetic, string and list
+doubling, huge widths, deep nesting), where neither the output cap nor the render deadline can act.
+
+Reference: each template must end in TemplateError -- at compile time or at render -- in well under the render
+deadline plus a margin (5 s on a loaded 2-core machine), and the whole corpus must grow the process's peak RSS by
+less than 256 MiB (the unbounded versions allocate gigabytes or never finish). A model whose template is a bomb
+still loads, and ``use_fallback_template`` (the CLI's --plain-template) routes around it.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+
+from pyllm.chat_template import ChatTemplate
+from pyllm.errors import TemplateError
+
+MSGS = [{"role": "user", "content": "hi"}]
+NEST = 300
+
+BOMBS = {
+    "int squaring": "{% set x = namespace(v=10**4000) %}{% for i in range(40) %}{% set x.v = x.v * x.v %}"
+                    "{% endfor %}{{ x.v > 0 }}",
+    "power tower": "{{ (999999 ** 4096) ** 4096 }}",
+    "int mul chain": "{% set n = namespace(v=7) %}{% for i in range(100000) %}{% set n.v = n.v * 12345678901234567 %}"
+                     "{% endfor %}{{ n.v > 1 }}",
+    "tilde doubling": "{% set s = namespace(v='ab') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}{% endfor %}"
+                      "{{ s.v|length }}",
+    "plus string doubling": "{% set s = namespace(v='ab') %}{% for i in range(40) %}{% set s.v = s.v + s.v %}"
+                            "{% endfor %}{{ s.v|length }}",
+    "plus list doubling": "{% set s = namespace(v=[1, 2]) %}{% for i in range(40) %}{% set s.v = s.v + s.v %}"
+                          "{% endfor %}{{ s.v|length }}",
+    "star repetition": "{{ ('a' * 1000) * 1000000 }}",
+    "star list": "{{ ([0] * 1000000) * 1000 }}",
+    "format filter width": "{{ '%0999999d%0999999d%0999999d'|format(1, 2, 3) }}",
+    "format star width": "{{ ('%*d' * 1000) % ((999999, 1) * 1000) }}",
+    "str.format nested width": "{{ ('{:{w}}' * 100000).format('a', w=999999) }}",
+    "center filter": "{{ 'x'|center(2000000000) }}",
+    "center constant folded": "{{ 'x'|center(999999) ~ 'y'|center(999999) }}",
+    "indent huge prefix": "{{ ('a\n' * 100000)|indent('p' * 100000, true) }}",
+    "indent width": "{{ ('a\n' * 100000)|indent(999999, true) }}",
+    "wordwrap wrapstring": "{{ ('a ' * 400000)|wordwrap(1, true, 'w' * 100000) }}",
+    "join separator": "{{ range(100000)|join('s' * 1000000) }}",
+    "str.join method": "{{ ('s' * 999999).join(range(100000)|map('string')|list) }}",
+    "tojson indent": "{{ [[[[1]]]]|tojson(indent=100000000) }}",
+    "tojson indent string": "{{ [[[[1]]]]|tojson(indent='x' * 100000) }}",
+    "replace filter": "{{ ('a' * 1000000)|replace('a', 'aaaaaaaaaa')|replace('a', 'aaaaaaaaaa') }}",
+    "expandtabs": "{{ ('\t' * 100000).expandtabs(999999) }}",
+    "ljust": "{{ 'a'.ljust(2000000000) }}",
+    "range": "{{ range(10**12)|list|length }}",
+    "nested parens": "{{ " + "(" * NEST + "1" + ")" * NEST + " }}",
+    "nested if": "{% if true %}" * NEST + "x" + "{% endif %}" * NEST,
+    "nested for": "{% for a in [1] %}" * NEST + "x" + "{% endfor %}" * NEST,
+    "nested lists": "{{ " + "[" * NEST + "]" * NEST + " }}",
+    "deep filter chain": "{{ 'a'" + "|trim" * 3000 + " }}",
+    "percent width": "{{ '%0200000000d' % 1 }}",
+    "lipsum": "{{ lipsum(100000) }}",
+}
+
+
+@pytest.mark.parametrize("name", list(BOMBS))
+def test_template_bomb_is_a_template_error_in_bounded_time(name):
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError):
+        ChatTemplate(BOMBS[name]).render(MSGS)
+    assert time.monotonic() - t0 < 5.0, name
+
+
+def test_template_bomb_corpus_bounded_memory():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    for src in BOMBS.values():
+        try:
+            ChatTemplate(src).render(MSGS)
+        except TemplateError:
+            pass
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux -> MiB
+    assert grown < 256, f"peak RSS grew by {grown:.0f} MiB"
+
+
+def test_bounds_leave_real_templates_alone():
+    # what real templates do: loops, concatenation, tojson with a small indent, |trim, string methods
+    src = ("{% for m in messages %}{{ '<|' ~ m['role'] ~ '|>' + m['content']|trim + ('\n' * 2) }}"
+           "{{ {'a': [1, 2]}|tojson(indent=2) }}{{ '%5d'|format(42) }}{{ 'x'.center(9) }}{{ 2 ** 64 }}"
+           "{% endfor %}")
+    out = ChatTemplate(src).render([{"role": "user", "content": "  hi  "}])
+    assert out.startswith("<|user|>hi\n\n{\n  \"a\": [") and "   42" in out and "18446744073709551616" in out
+
+
+class _Tok:
+    bos_id, eos_id = 0, 1
+
+    def token_text(self, i):
+        return ["<s>", "</s>"][i]
+
+    def token_id(self, text):
+        return None
+
+
+@pytest.mark.parametrize("name", ["nested parens", "nested if", "center constant folded"])
+def test_a_template_that_cannot_compile_still_loads_and_the_plain_template_routes_around_it(name):
+    t0 = time.monotonic()
+    tmpl = ChatTemplate.from_metadata({"tokenizer.chat_template": BOMBS[name]}, _Tok())
+    if name != "center constant folded":
+        assert tmpl.error is not None
+    with pytest.raises(TemplateError):
+        tmpl.render(MSGS)
+    plain = ChatTemplate.from_metadata({"tokenizer.chat_template": BOMBS[name]}, _Tok(), use_file_template=False)
+    assert plain.render(MSGS) == "<s>User: hi\nAssistant:"
+    assert time.monotonic() - t0 < 5.0
