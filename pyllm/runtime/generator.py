@@ -128,8 +128,13 @@ class Generator:
         return torch.cat(out)
 
     def generate(self, ids: list[int], sample: Callable[[torch.Tensor], int], max_tokens: int,
-                 is_eog: Callable[[int], bool]) -> Iterator[int]:
-        """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context."""
+                 is_eog: Callable[[int], bool], is_done: Callable[[], bool] | None = None) -> Iterator[int]:
+        """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context.
+
+        ``is_done`` (a grammar constraint's): checked after each token; True means the structured output is
+        complete and only an end-of-generation id could follow, so generation ends there (finish_reason "eog")
+        without spending a decode step on that forced id.
+        """
         st = self.stats = GenerationStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
         st.finish_reason = "interrupted"
@@ -143,7 +148,7 @@ class Generator:
                 st.ttft = time.perf_counter() - t0
                 t1 = time.perf_counter()
             # the reason is set before the yield: a consumer that stops at this token never resumes us
-            if is_eog(tok):
+            if is_eog(tok) or (is_done is not None and is_done()):
                 st.finish_reason = "eog"
             elif n + 1 == max_tokens:
                 st.finish_reason = "length"
