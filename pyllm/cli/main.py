@@ -17,6 +17,7 @@ from ..errors import PyllmError, TemplateError
 EXAMPLES = """examples:
   pyllm chat                              chat with the default model ({default}), fetched on first use
   pyllm run smollm2-135m "Once upon a time" -n 64 --temp 0
+  pyllm run smollm2-135m "A user record:" --chat --json-schema user.schema.json
   pyllm info qwen2.5-coder-0.5b
   pyllm list                              registry models and whether they are cached
   pyllm bench model.gguf -p 512 -n 128
@@ -84,7 +85,31 @@ def load_from_args(a, context_policy: str = "stop"):
     return llm
 
 
+def read_text_arg(path: str, what: str) -> str:
+    """The text of a FILE argument ('-' = standard input); PyllmError naming the flag and file."""
+    try:
+        if path == "-":
+            return sys.stdin.read()
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PyllmError(f"{what} {path}: {getattr(e, 'strerror', None) or e}") from None
+
+
+def constraint_kwargs(a) -> dict:
+    """json_schema / grammar for generate() from --json-schema FILE / --grammar FILE."""
+    if getattr(a, "json_schema", None):
+        return {"json_schema": read_text_arg(a.json_schema, "--json-schema")}
+    if getattr(a, "grammar", None):
+        return {"grammar": read_text_arg(a.grammar, "--grammar")}
+    return {}
+
+
 def cmd_run(a) -> int:
+    if a.prompt is None and "-" in (a.json_schema, a.grammar):
+        raise PyllmError("standard input cannot hold both the prompt and the schema or grammar: give the prompt "
+                         "as an argument")
+    constrained = constraint_kwargs(a)
     prompt = a.prompt
     if prompt is None:
         if sys.stdin.isatty():
@@ -92,6 +117,9 @@ def cmd_run(a) -> int:
         prompt = sys.stdin.read()
     llm = load_from_args(a)
     kw = sampling_kwargs(a)
+    if constrained:
+        # compiled before the prompt is evaluated, so a bad schema or grammar fails fast
+        kw["constraint"] = llm.make_constraint(**constrained)
     if a.chat:
         ids = llm.chat_ids([{"role": "user", "content": prompt}])
     else:
@@ -220,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and timings")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="constrain the output to JSON valid under the JSON schema in FILE ('-' = stdin)")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="constrain the output to the llama.cpp GBNF grammar in FILE ('-' = stdin)")
     add_runtime_args(s)
     add_sampling_args(s, 256)
     s.set_defaults(func=cmd_run)

@@ -191,7 +191,11 @@ class Constraint:
 
 
 def _first_line(msg: str) -> str:
-    return (msg or "unknown error").strip().splitlines()[0]
+    """An engine message on one line: its first line plus any "error: ..." detail lines (regex errors put the
+    reason after a quoted excerpt and a caret line)."""
+    lines = [ln.strip() for ln in (msg or "unknown error").splitlines() if ln.strip()] or ["unknown error"]
+    detail = [ln for ln in lines[1:] if ln.lower().startswith("error")]
+    return " ".join([lines[0]] + detail)[:400]
 
 
 def make_constraint(vocab_fn, json_schema=None, grammar=None, constraint: Constraint | None = None):
