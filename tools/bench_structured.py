@@ -137,8 +137,8 @@ class OUT:
     def step(self, c, logits, token):
         g, bm = c
         g.write_mask_into(bm.data_ptr(), bm.numel(), 4)
-        allowed = torch.from_numpy(np.unpackbits(bm.numpy().view(np.uint8), bitorder="little")[:self.n_vocab])
-        logits.masked_fill_(allowed == 0, float("-inf"))
+        allowed = np.unpackbits(bm.numpy().view(np.uint8), bitorder="little")[:self.n_vocab].view(bool)
+        np.copyto(logits.numpy(), -np.inf, where=~allowed)  # as Constraint.mask: no intra-op thread wake-up
         g.advance(token)
 
 
