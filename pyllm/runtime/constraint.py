@@ -52,8 +52,8 @@ class _Encoder:
 class GrammarVocab:
     """The engine's view of one model's vocabulary: token bytes for every id, and the end-of-generation ids.
 
-    Building it walks the whole vocabulary (0.6-2 s for 49k tokens, 2.5-6 s for 151k on a busy machine), so the LLM keeps one
-    (``LLM.grammar_vocab``) and every constraint for that model shares it.
+    Building it walks the whole vocabulary (0.6-2 s for 49k tokens, 2.5-6 s for 151k on a busy machine), so the
+    LLM keeps one (``LLM.grammar_vocab``) and every constraint for that model shares it.
     """
 
     def __init__(self, tokenizer, n_vocab: int | None = None):
