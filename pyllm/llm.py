@@ -235,11 +235,14 @@ class LLM:
 
         self.template = ChatTemplate.from_metadata({}, self.tokenizer, use_file_template=False)
 
-    def format_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt)
+    def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kw) -> str:
+        """``template_kw``: extra template variables (``tools=[...]`` for templates that describe tools)."""
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **template_kw)
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        text = self.format_chat(messages)
+    def chat_ids(self, messages: list[dict], suffix: str = "", **template_kw) -> list[int]:
+        """The prompt ids for ``messages``; ``suffix`` is text appended after the generation prompt (the start
+        of the reply, e.g. a forced tool call)."""
+        text = self.format_chat(messages, **template_kw) + suffix
         ids = self.tokenize(text, add_bos=None, special=True)
         bos = self.tokenizer.bos_id
         if len(ids) > 1 and bos is not None and ids[0] == bos and ids[1] == bos:
@@ -283,6 +286,32 @@ class LLM:
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
         it = self._stream_text(ids, max_tokens, stop or [], sampling)
         return it if stream else "".join(it)
+
+    # ---- OpenAI-shaped API (pyllm/api.py, pyllm/embed.py) ---------------------------------------------------------
+    def create_completion(self, prompt, **kw):
+        """OpenAI ``/v1/completions`` as llama-cpp-python's ``Llama.create_completion``: a dict, or an iterator of
+        chunk dicts with stream=True."""
+        from .api import create_completion
+
+        return create_completion(self, prompt, **kw)
+
+    def create_chat_completion(self, messages: list[dict], **kw):
+        """OpenAI ``/v1/chat/completions`` as llama-cpp-python's ``Llama.create_chat_completion``."""
+        from .api import create_chat_completion
+
+        return create_chat_completion(self, messages, **kw)
+
+    def embed(self, texts, **kw):
+        """L2-normalised pooled embeddings: a list of float lists (one per text; a str gives one list)."""
+        from .embed import embed
+
+        return embed(self, texts, **kw)
+
+    def create_embedding(self, input, **kw) -> dict:
+        """OpenAI ``/v1/embeddings`` response dict."""
+        from .embed import create_embedding
+
+        return create_embedding(self, input, **kw)
 
     # ---- description --------------------------------------------------------------------------------------------
     def info(self) -> dict:

@@ -205,6 +205,33 @@ def fit_prompt(llm, ids: list[int], max_tokens: int) -> list[int]:
     return head + ids[len(ids) - keep:]
 
 
+def cmd_serve(a) -> int:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise PyllmError(f"pyllm serve needs the server extra ({e.name} is missing): pip install \"pyllm[serve]\"")
+    if a.parallel != 1:
+        raise PyllmError("--parallel above 1 (batched decoding of several requests) is not available yet; "
+                         "requests are served one at a time in arrival order")
+    if not 0 <= a.port <= 65535:
+        raise PyllmError(f"--port must be in 0..65535, got {a.port}")
+    import socket
+
+    try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
+        with socket.create_server((a.host, a.port)):
+            pass
+    except OSError as e:
+        raise PyllmError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+    from ..server.app import serve
+
+    llm = load_from_args(a)
+    name = a.model if a.model in registry.REGISTRY else llm.path.name
+    serve(llm, a.alias or name, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PYLLM_API_KEY"),
+          max_body=a.max_body)
+    return 0
+
+
 def cmd_chat(a) -> int:
     from .chat import run_chat
 
@@ -256,6 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(s)
     add_sampling_args(s, 256)
     s.set_defaults(func=cmd_run)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                       description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
+                                   "/v1/embeddings, /v1/models, /health, /metrics).")
+    add_model_arg(s, optional=True)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PYLLM_API_KEY, else none)")
+    s.add_argument("--alias", default=None, help="model id clients use (default: the registry name or file name)")
+    s.add_argument("--parallel", "-np", type=int, default=1, help="sequences generated at once (only 1 for now)")
+    s.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes (default 8 MiB)")
+    add_runtime_args(s)
+    s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("info", help="describe a model file", description="Describe a model file.")
     add_model_arg(s)

@@ -115,6 +115,19 @@ def min_p(ids, logits, p: float, min_keep: int = 1):
     return ids[keep], logits[keep]
 
 
+def token_logprobs(logits: torch.Tensor, chosen: int, n_top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of ``chosen`` and its ``n_top`` most likely tokens as (id, logprob), from the raw
+    logits (before bias, penalties and truncation: what OpenAI's ``logprobs`` report).
+
+    logits: [n_vocab] float."""
+    lp = torch.log_softmax(logits.detach().reshape(-1).to(torch.float32), dim=-1)
+    top = []
+    if n_top > 0:
+        v, i = torch.topk(lp, min(n_top, lp.shape[0]))
+        top = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
+    return float(lp[int(chosen)]), top
+
+
 @dataclass
 class SamplerSettings:
     temperature: float = 0.8
@@ -154,6 +167,9 @@ class Sampler:
         self.s.validate()
         self.rng = np.random.Generator(np.random.PCG64(self.s.seed))
         self.recent: deque[int] = deque(maxlen=max(self.s.penalty_last_n, 1))
+        # None: no log-probabilities; n >= 0: sample() stores (logprob, top n) of each draw in ``last_logprobs``
+        self.logprobs: int | None = None
+        self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
 
     def accept(self, token: int) -> None:
         """Records a token of the context (prompt or generated) for the penalty window."""
@@ -191,5 +207,7 @@ class Sampler:
             tok = int(ids[min(int(np.searchsorted(cum, u, side="right")), len(ids) - 1)])
         if self.constraint is not None:
             self.constraint.advance(tok)
+        if self.logprobs is not None:
+            self.last_logprobs = token_logprobs(logits, tok, self.logprobs)
         self.accept(tok)
         return tok

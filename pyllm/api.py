@@ -1,0 +1,579 @@
+"""OpenAI-shaped completions over an LLM, as llama-cpp-python's ``Llama.create_completion`` /
+``create_chat_completion``: the same keyword arguments, the same response dicts, iterators of chunk dicts when
+``stream=True``. The server (pyllm/server/) serves exactly these dicts.
+
+Arguments are checked when the call is made, before anything is generated, so a streaming call with a bad
+argument raises at once instead of failing inside the stream.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from .errors import ContextFullError, PyllmError
+from .runtime.sampler import Sampler, SamplerSettings
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+# Qwen2.5 / Hermes convention: the model writes each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.
+# Templates that do not describe tools themselves get this instruction as a system message.
+TOOL_SYSTEM_FALLBACK = (
+    "You may call one or more functions to assist with the user query. The functions are described in JSON "
+    "below:\n<tools>\n{tools}\n</tools>\nFor each function call, return a JSON object with the function name and "
+    "arguments within <tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}}\n</tool_call>")
+
+
+class BadRequest(PyllmError):
+    """An argument of an OpenAI-style request is invalid (the server answers 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+# ---------------------------------------------------------------------------------------------- argument checks
+def _number(name: str, v, lo: float | None = None, hi: float | None = None, integer: bool = False):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+    if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
+        raise BadRequest(f"{name} must be {rng}, got {v!r}", name)
+    return v
+
+
+def _stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+
+
+def _logit_bias(bias, n_vocab: int) -> dict[int, float]:
+    if not bias:
+        return {}
+    if not isinstance(bias, dict):
+        raise BadRequest("logit_bias must be an object mapping token ids to a bias", "logit_bias")
+    out = {}
+    for k, v in bias.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+        if not 0 <= tok < n_vocab:
+            raise BadRequest(f"logit_bias token id {tok} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
+        out[tok] = float(_number("logit_bias value", v, -100, 100))
+    return out
+
+
+def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
+             logit_bias, seed, n_logprobs: int | None) -> Sampler:
+    _number("temperature", temperature, 0)
+    _number("top_p", top_p, 0, 1)
+    _number("top_k", top_k, 0, integer=True)
+    _number("min_p", min_p, 0, 1)
+    _number("presence_penalty", presence_penalty, -2, 2)
+    _number("frequency_penalty", frequency_penalty, -2, 2)
+    _number("repeat_penalty", repeat_penalty, 0)
+    if seed is not None:
+        _number("seed", seed, integer=True)
+    if top_p == 0:  # nothing but the most likely token survives: greedy (the sampler's top_p range is (0, 1])
+        temperature, top_p = 0, 1.0
+    settings = SamplerSettings(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
+                               min_p=float(min_p), typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
+                               frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
+                               logit_bias=_logit_bias(logit_bias, llm.n_vocab),
+                               seed=None if seed is None else int(seed) & (2**63 - 1))
+    try:
+        s = Sampler(settings)
+    except PyllmError as e:
+        raise BadRequest(str(e)) from None
+    s.logprobs = n_logprobs
+    return s
+
+
+def _max_tokens(llm, n_prompt: int, max_tokens) -> int:
+    if n_prompt >= llm.n_ctx:
+        raise ContextFullError(f"the prompt has {n_prompt} tokens but the context holds {llm.n_ctx}; use a larger "
+                               f"context (--ctx) or a shorter prompt")
+    room = llm.n_ctx - n_prompt
+    if max_tokens is None or max_tokens == -1:  # llama-cpp-python: None / -1 = until the context is full
+        return room
+    _number("max_tokens", max_tokens, 0, integer=True)
+    return min(max_tokens, room)
+
+
+def structured_output_kwargs(llm, response_format=None, grammar=None, json_schema=None) -> dict:
+    """The constraint keyword arguments for ``llm.generate_tokens`` (``json_schema`` / ``grammar``).
+
+    response_format {"type": "json_object"} asks for any JSON object; {"type": "json_schema", "json_schema":
+    {"schema": ...}} for that schema; {"type": "text"} for nothing. PyllmError when a constraint is asked of a
+    runtime whose generate_tokens cannot apply one."""
+    if response_format is not None:
+        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
+                                                                                         "json_schema"):
+            raise BadRequest("response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                             "response_format")
+        kind = response_format["type"]
+        if kind == "json_object":
+            json_schema = response_format.get("schema") or {"type": "object"}
+        elif kind == "json_schema":
+            js = response_format.get("json_schema")
+            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+                raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
+                                 "response_format")
+            json_schema = js.get("schema") or {}
+    kw = {k: v for k, v in (("json_schema", json_schema), ("grammar", grammar)) if v is not None}
+    if kw:
+        params = inspect.signature(llm.generate_tokens).parameters
+        missing = [k for k in kw if k not in params]
+        if missing:
+            raise PyllmError(f"structured output unavailable: this pyllm cannot constrain generation "
+                             f"({', '.join(missing)} is not supported yet)")
+    return kw
+
+
+# ------------------------------------------------------------------------------------------------ token stream
+@dataclass
+class TokenInfo:
+    id: int
+    text: str
+    logprob: float | None = None
+    top: list[tuple[str, float]] = field(default_factory=list)
+    bytes: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """One generation: its prompt, its settings, and what it produced (filled in while it streams)."""
+    llm: Any
+    ids: list[int]
+    max_tokens: int
+    stop: list[str]
+    sampler: Sampler
+    constraint: dict
+    cancel: Any = None  # a threading.Event: set, the generation stops at its next token
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    text: str = ""
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": len(self.ids), "completion_tokens": self.completion_tokens,
+                "total_tokens": len(self.ids) + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def pieces(self) -> Iterator[tuple[str, list[TokenInfo]]]:
+        """(text, tokens) pieces as they become final: text is held back while a stop string may be forming;
+        ``tokens`` are those whose text the piece completes (for logprobs)."""
+        from .tokenizer import StreamDecoder
+
+        llm, tok = self.llm, self.llm.tokenizer
+        dec = StreamDecoder(tok)
+        hold = max((len(s) for s in self.stop), default=1) - 1
+        pending, infos = "", []
+        self.finish_reason = "length"
+        if self.max_tokens == 0:
+            return
+        gen = llm.generate_tokens(self.ids, max_tokens=self.max_tokens, sampler=self.sampler, **self.constraint)
+        try:
+            for t in gen:
+                if self.cancel is not None and self.cancel.is_set():
+                    self.finish_reason = "cancelled"
+                    break
+                self.completion_tokens += 1
+                if self.completion_tokens == 1:
+                    st = llm.stats
+                    self.cached_tokens = st.prompt_tokens - st.prompt_evaluated
+                if tok.is_eog(t):
+                    self.finish_reason = "stop"
+                    break
+                if self.sampler.logprobs is not None:
+                    infos.append(self._info(t))
+                pending += dec.push(t)
+                cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    self.finish_reason = "stop"
+                    pending = pending[:cut]
+                    break
+                if len(pending) > hold:
+                    out, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+                    self.text += out
+                    yield out, infos
+                    infos = []
+            else:
+                pending += dec.flush()
+            if llm.stats.finish_reason == "context":
+                self.finish_reason = "length"
+            if pending or infos:
+                self.text += pending
+                yield pending, infos
+        finally:
+            gen.close()
+
+    def _info(self, t: int) -> TokenInfo:
+        tok = self.llm.tokenizer
+        lp, top = self.sampler.last_logprobs or (None, [])
+        b = tok.token_bytes(t)
+        return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
+                         [(tok.token_bytes(i).decode("utf-8", errors="replace"), v) for i, v in top], list(b))
+
+
+def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
+    if not ids:
+        raise BadRequest("the prompt is empty", "prompt")
+    bad = [i for i in ids if not 0 <= i < llm.n_vocab]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{llm.n_vocab - 1})", "prompt")
+    return Run(llm, ids, _max_tokens(llm, len(ids), max_tokens), _stop_list(stop),
+               _sampler(llm, n_logprobs=n_logprobs, **sampling), constraint, cancel)
+
+
+def _model_name(llm, model) -> str:
+    return model if isinstance(model, str) and model else llm.path.name
+
+
+def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
+              logit_bias, seed) -> dict:
+    return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
+                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed)
+
+
+def _check_n(n):
+    if n not in (None, 1):
+        raise BadRequest(f"n={n!r}: only one choice per request is supported", "n")
+
+
+# --------------------------------------------------------------------------------------------------- completion
+def _completion_logprobs(infos: list[TokenInfo], offset: int) -> dict:
+    out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+    for t in infos:
+        out["tokens"].append(t.text)
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(t.logprob)
+        out["top_logprobs"].append(dict(t.top))
+        offset += len(t.text)
+    return out
+
+
+def create_completion(llm, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = 16,
+                      temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                      typical_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
+                      stream: bool = False, logprobs: int | None = None, echo: bool = False,
+                      repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                      logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
+                      response_format: dict | None = None, grammar: str | None = None,
+                      json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
+                      **ignored):
+    """OpenAI text completion of ``prompt`` (a string, or token ids). Returns the response dict, or with
+    ``stream=True`` an iterator of ``text_completion`` chunk dicts (the last one carries finish_reason; with
+    ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token.
+    ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
+    _check_n(n)
+    if suffix:
+        raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = llm.tokenize(prompt)
+    elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        ids = list(prompt)
+    else:
+        raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    if logprobs is not None:
+        _number("logprobs", logprobs, 0, 20, integer=True)
+    run = _new_run(llm, ids, max_tokens, stop, _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty,
+                                                         presence_penalty, frequency_penalty, logit_bias, seed),
+                   logprobs, structured_output_kwargs(llm, response_format, grammar, json_schema), cancel)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": _model_name(llm, model)}
+    prefix = (prompt if isinstance(prompt, str) else llm.detokenize(ids)) if echo else ""
+    if stream:
+        return _completion_chunks(run, head, prefix, logprobs is not None, _include_usage(stream_options))
+    infos = []
+    for _, inf in run.pieces():
+        infos += inf
+    choice = {"text": prefix + run.text, "index": 0,
+              "logprobs": _completion_logprobs(infos, len(prefix)) if logprobs is not None else None,
+              "finish_reason": run.finish_reason}
+    return {**head, "choices": [choice], "usage": run.usage()}
+
+
+def _include_usage(stream_options) -> bool:
+    if stream_options is not None and not isinstance(stream_options, dict):
+        raise BadRequest("stream_options must be an object", "stream_options")
+    return bool((stream_options or {}).get("include_usage"))
+
+
+def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include_usage: bool) -> Iterator[dict]:
+    def chunk(text, lp, finish):
+        c = {**head, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    offset = len(prefix)
+    if prefix:
+        yield chunk(prefix, None, None)
+    for text, infos in run.pieces():
+        yield chunk(text, _completion_logprobs(infos, offset) if want_lp else None, None)
+        offset += len(text)
+    yield chunk("", None, run.finish_reason)
+    if include_usage:
+        yield {**head, "choices": [], "usage": run.usage()}
+
+
+# --------------------------------------------------------------------------------------------------------- chat
+def _text_content(content, i: int):
+    """OpenAI content: a string, None, or a list of parts of which pyllm reads the text ones."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise BadRequest(f"messages[{i}].content: only text parts are supported, got {p!r:.80}", "messages")
+        return "".join(parts)
+    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def normalize_messages(messages) -> list[dict]:
+    """OpenAI messages -> what chat templates read: text content, tool-call arguments as objects (templates write
+    them with ``tojson``), a tool result's name where only its call id is given."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    out, names = [], {}
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
+        m = dict(m)
+        m["content"] = _text_content(m.get("content"), i)
+        if m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                fn = dict((c or {}).get("function") or {})
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        fn["arguments"] = json.loads(args)
+                    except json.JSONDecodeError:
+                        pass
+                names[c.get("id")] = fn.get("name")
+                calls.append({**c, "function": fn})
+            m["tool_calls"] = calls
+        elif m["content"] is None:
+            m["content"] = ""
+        if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names:
+            m["name"] = names[m["tool_call_id"]]
+        out.append(m)
+    return out
+
+
+def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
+    """(tools, forced function name) after checking; tool_choice "none" (or no tools) gives ([], None)."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise BadRequest("tool_choice needs tools", "tool_choice")
+        return [], None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
+                                              and isinstance((t.get("function") or {}).get("name"), str)
+                                              for t in tools):
+        raise BadRequest("tools must be a list of {\"type\": \"function\", \"function\": {\"name\": ...}}", "tools")
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice in (None, "auto"):
+        return tools, None
+    if tool_choice == "none":
+        return [], None
+    if tool_choice == "required":
+        return tools, ""
+    if isinstance(tool_choice, dict) and (tool_choice.get("function") or {}).get("name") in names:
+        return tools, tool_choice["function"]["name"]
+    raise BadRequest(f"tool_choice must be \"auto\", \"none\", \"required\" or a function among {names}, got "
+                     f"{tool_choice!r}", "tool_choice")
+
+
+def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
+    """(reply prefix, constraint) forcing a tool call: "required" opens a call object; a named function also
+    writes the name. Where the runtime can constrain output, a named call's arguments follow the tool's JSON schema (the
+    whole call object is constrained); otherwise the model continues freely after the prefilled name."""
+    if constraint:
+        raise BadRequest("response_format cannot be combined with a forced tool call", "tool_choice")
+    if name:
+        schema = next(t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name)
+        call = {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
+                "required": ["name", "arguments"]}
+        try:
+            return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call)
+        except PyllmError:
+            return TOOL_OPEN + '\n{"name": "' + name + '", "arguments":', {}
+    # The call is opened up to the name's quote: after a bare "<tool_call>\n" small models tend to end the turn.
+    return TOOL_OPEN + '\n{"name": "', {}
+
+
+def _call(obj, names) -> dict | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or (names and obj["name"] not in names):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+
+
+FENCED = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
+# A reply that may still turn out to be a call: held back (not streamed) until the reply ends.
+CALL_STARTS = (TOOL_OPEN, "{", "```")
+
+
+def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | None, list[dict]]:
+    """(content before the first call or None, OpenAI tool_calls) from a reply in the <tool_call> convention. A
+    call whose JSON does not parse leaves the whole reply as content. Small models sometimes answer with the bare
+    call object instead (optionally in a ```json fence): a whole reply that is {"name": <one of names>,
+    "arguments": ...} is a call too."""
+    start = text.find(TOOL_OPEN)
+    if start < 0:
+        m = FENCED.fullmatch(text)
+        if m:
+            try:
+                call = _call(json.loads(m.group(1)), names or [""])
+            except json.JSONDecodeError:
+                call = None
+            if call:
+                return None, [call]
+        return text, []
+    calls = []
+    for m in re.finditer(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CLOSE) + r"|$)", text[start:],
+                         re.S):
+        try:
+            obj = json.loads(m.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        call = _call(obj, None)
+        if call is None:
+            return text, []
+        calls.append(call)
+    content = text[:start].strip()
+    return content or None, calls
+
+
+def _chat_logprobs(infos: list[TokenInfo]) -> dict:
+    return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": t.bytes,
+                         "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in t.top]}
+                        for t in infos]}
+
+
+def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None = None, tool_choice=None,
+                           max_tokens: int | None = None, max_completion_tokens: int | None = None,
+                           temperature: float = 0.8, top_p: float = 0.95, top_k: int = 40, min_p: float = 0.05,
+                           typical_p: float = 1.0, stop: str | list[str] | None = None, seed: int | None = None,
+                           stream: bool = False, logprobs: bool = False, top_logprobs: int | None = None,
+                           repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                           logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
+                           response_format: dict | None = None, grammar: str | None = None,
+                           json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
+                           **ignored):
+    """OpenAI chat completion of ``messages`` through the model's chat template. ``tools`` / ``tool_choice`` as
+    OpenAI (auto, none, required, {"type": "function", "function": {"name": ...}}): calls the model writes come
+    back as ``message.tool_calls`` with finish_reason "tool_calls". ``max_tokens`` None = until the context is
+    full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
+    _check_n(n)
+    if top_logprobs is not None:
+        _number("top_logprobs", top_logprobs, 0, 20, integer=True)
+    msgs = normalize_messages(messages)
+    tools, forced = _check_tools(tools, tool_choice)
+    constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
+    template_kw, prefix = {}, ""
+    if tools:
+        if "tools" in llm.template.source:
+            template_kw["tools"] = tools
+        else:
+            desc = "\n".join(json.dumps(t) for t in tools)
+            msgs = [{"role": "system", "content": TOOL_SYSTEM_FALLBACK.format(tools=desc)}] + msgs
+        if forced is not None:
+            prefix, constraint = _forced_call(llm, tools, forced, constraint)
+    try:
+        ids = llm.chat_ids(msgs, suffix=prefix, **template_kw)
+    except PyllmError as e:
+        raise BadRequest(str(e), "messages") from None
+    n_lp = (top_logprobs or 0) if logprobs else None
+    run = _new_run(llm, ids, max_completion_tokens if max_completion_tokens is not None else max_tokens, stop,
+                   _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty,
+                             frequency_penalty, logit_bias, seed), n_lp, constraint, cancel)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
+    if stream:
+        return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
+                            _include_usage(stream_options))
+    infos = []
+    for _, inf in run.pieces():
+        infos += inf
+    message = {"role": "assistant", "content": run.text}
+    finish = run.finish_reason
+    if tools:
+        content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools])
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish = "tool_calls"
+    choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(infos) if logprobs else None,
+              "finish_reason": finish}
+    return {**head, "object": "chat.completion", "choices": [choice], "usage": run.usage()}
+
+
+def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool):
+    head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(delta, finish=None, lp=None):
+        c = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        if include_usage:
+            c["usage"] = None
+        return c
+
+    yield chunk({"role": "assistant", "content": ""})
+    # With tools, content is held back while it may be the start of a call; from a call on, the rest is buffered
+    # and sent as tool_calls at the end (or as content, if it does not parse).
+    full, sent, held = prefix, 0, bool(prefix)
+    for text, infos in run.pieces():
+        lp = _chat_logprobs(infos) if want_lp else None
+        if not tools:
+            if text or lp:
+                yield chunk({"content": text}, lp=lp)
+            continue
+        full += text
+        if not sent and not held:
+            start = full.lstrip()
+            if any(start.startswith(c) for c in CALL_STARTS):
+                held = True
+            elif any(c.startswith(start) for c in CALL_STARTS):
+                continue  # too short to tell yet
+        if not held:
+            at = full.find(TOOL_OPEN)
+            if at >= 0:
+                held = True
+                upto = at
+            else:
+                upto = len(full) - max((k for k in range(1, len(TOOL_OPEN)) if full.endswith(TOOL_OPEN[:k])),
+                                       default=0)
+            if upto > sent:
+                yield chunk({"content": full[sent:upto]}, lp=lp)
+                sent = upto
+    finish = run.finish_reason
+    if tools:
+        content, calls = parse_tool_calls(full, tools)
+        if calls:
+            for i, c in enumerate(calls):
+                yield chunk({"tool_calls": [{"index": i, **c}]})
+            finish = "tool_calls"
+        elif len(full) > sent:
+            yield chunk({"content": full[sent:]})
+    yield chunk({}, finish)
+    if include_usage:
+        yield {**head, "choices": [], "usage": run.usage()}

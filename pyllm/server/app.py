@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP API over one LLM (Starlette routes, served by uvicorn; see docs/DESIGN.md, Server).
+
+Routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings, GET /health, GET /metrics.
+Responses are the dicts of pyllm/api.py; streams are OpenAI's server-sent events ending in ``data: [DONE]``.
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+import time
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..api import BadRequest
+from ..errors import ContextFullError, PyllmError
+from .scheduler import DONE, Job, Scheduler
+
+MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                                   "param": param, "code": code}}, status_code=status)
+
+
+def _as_api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, BadRequest):
+        return APIError(400, str(e), e.param)
+    if isinstance(e, ContextFullError):
+        return APIError(400, str(e), "messages", "context_length_exceeded")
+    if isinstance(e, PyllmError):
+        return APIError(400, str(e))
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+class Metrics:
+    """Counters for GET /metrics (Prometheus text format)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests: dict[tuple[str, int], int] = {}
+        self.prompt_tokens = self.generated_tokens = self.cached_tokens = self.cache_hits = 0
+        self.decode_tps = 0.0
+        self.busy_seconds = 0.0
+        self.cancelled = 0
+
+    def request(self, route: str, status: int) -> None:
+        with self.lock:
+            self.requests[route, status] = self.requests.get((route, status), 0) + 1
+
+    def text(self, scheduler: Scheduler) -> str:
+        rows = [
+            ("pyllm_requests_total", "counter", "HTTP requests by route and status",
+             [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())]),
+            ("pyllm_prompt_tokens_total", "counter", "prompt tokens of completed requests", [("", self.prompt_tokens)]),
+            ("pyllm_generated_tokens_total", "counter", "generated tokens", [("", self.generated_tokens)]),
+            ("pyllm_requests_cancelled_total", "counter", "generations stopped because the client went away",
+             [("", self.cancelled)]),
+            ("pyllm_prompt_cache_tokens_total", "counter", "prompt tokens reused from the KV cache",
+             [("", self.cached_tokens)]),
+            ("pyllm_prompt_cache_hits_total", "counter", "requests that reused a cached prefix",
+             [("", self.cache_hits)]),
+            ("pyllm_decode_tokens_per_second", "gauge", "decode speed of the last request", [("", self.decode_tps)]),
+            ("pyllm_busy_seconds_total", "counter", "seconds the model worker spent on requests",
+             [("", round(self.busy_seconds, 3))]),
+            ("pyllm_queue_depth", "gauge", "requests waiting for the model", [("", scheduler.depth)]),
+            ("pyllm_requests_processing", "gauge", "requests being generated now", [("", scheduler.busy)]),
+        ]
+        out = []
+        for name, kind, help_, samples in rows:
+            out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+            out += [f"{name}{labels} {value}" for labels, value in samples]
+        return "\n".join(out) + "\n"
+
+
+def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> Starlette:
+    """The ASGI app serving ``llm`` under the model id ``model_name``."""
+    metrics = Metrics()
+
+    last_stats = [llm.stats]
+
+    def on_done(job: Job, seconds: float) -> None:
+        # Counted from the generator's own statistics, so a cancelled stream's tokens count too; a job that
+        # generated nothing (an error, an embedding) leaves the same stats object behind.
+        st = llm.stats
+        fresh = st is not last_stats[0]
+        last_stats[0] = st
+        with metrics.lock:
+            metrics.busy_seconds += seconds
+            metrics.cancelled += job.cancel.is_set()
+            if fresh:
+                metrics.prompt_tokens += st.prompt_tokens
+                metrics.generated_tokens += st.generated_tokens
+                cached = st.prompt_tokens - st.prompt_evaluated
+                metrics.cached_tokens += cached
+                metrics.cache_hits += cached > 0
+                if st.decode_tps:
+                    metrics.decode_tps = st.decode_tps
+
+    scheduler = Scheduler(on_done)
+    created = int(time.time())
+    names = {model_name, llm.path.name, llm.path.stem}
+
+    async def read_json(request: Request) -> dict:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_body:
+            raise APIError(413, f"request body of {size} bytes exceeds the limit of {max_body} bytes")
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > max_body:
+                raise APIError(413, f"request body exceeds the limit of {max_body} bytes")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        model = data.get("model")
+        if model is not None and model not in names:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
+                           "model_not_found")
+        data["model"] = model_name
+        return data
+
+    def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None, "invalid_api_key")
+
+    async def next_item(request: Request, job: Job):
+        """The job's next item; cancels the job if the client disconnects while it waits."""
+        while True:
+            try:
+                return await asyncio.wait_for(job.out.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    job.cancel.set()
+                    raise asyncio.CancelledError from None
+
+    async def generate(request: Request, route: str, fn_name: str) -> Response:
+        data = await read_json(request)
+        stream = bool(data.get("stream"))
+        data.pop("cancel", None)  # pyllm's own keyword, not a request parameter
+        fn = getattr(llm, fn_name)
+        job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
+        try:
+            first = await next_item(request, job)
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        if first is DONE:
+            raise APIError(500, "the request produced no result")
+        kind, value = first
+        if kind == "error":
+            raise _as_api_error(value)
+        if not stream:
+            metrics.request(route, 200)
+            return JSONResponse(value)
+
+        async def events():
+            item = first
+            try:
+                while item is not DONE:
+                    kind, value = item
+                    if kind == "error":
+                        e = _as_api_error(value)
+                        yield "data: " + json.dumps({"error": {"message": e.message, "type": ERROR_TYPES[e.status],
+                                                               "param": e.param, "code": e.code}}) + "\n\n"
+                        return
+                    yield "data: " + json.dumps(value) + "\n\n"
+                    item = await job.out.get()
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel.set()  # the client went away (or the stream ended): stop at the next token
+
+        metrics.request(route, 200)
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, "/v1/chat/completions", "create_chat_completion")
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, "/v1/completions", "create_completion")
+
+    async def embeddings(request: Request) -> Response:
+        data = await read_json(request)
+        if "input" not in data:
+            raise APIError(400, "missing required parameter 'input'", "input")
+        job = scheduler.submit(lambda cancel: llm.create_embedding(**data))
+        try:
+            kind, value = await next_item(request, job)
+        except asyncio.CancelledError:
+            return Response(status_code=499)
+        if kind == "error":
+            e = _as_api_error(value)
+            raise APIError(e.status, e.message, e.param or "input", e.code)
+        metrics.request("/v1/embeddings", 200)
+        return JSONResponse(value)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                                         "owned_by": "pyllm", "meta": {"n_ctx": llm.n_ctx,
+                                                                                       "n_vocab": llm.n_vocab}}]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(request: Request) -> Response:
+        return PlainTextResponse(metrics.text(scheduler), media_type="text/plain; version=0.0.4")
+
+    routes = [
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+
+    async def on_api_error(request: Request, e: APIError) -> Response:
+        metrics.request(request.url.path if request.url.path in ROUTES else "other", e.status)
+        return error_response(e.status, e.message, e.param, e.code)
+
+    async def on_http_error(request: Request, e: HTTPException) -> Response:
+        metrics.request("other", e.status_code)
+        msg = {404: f"unknown route {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, e.detail)
+        return error_response(e.status_code, msg)
+
+    async def on_error(request: Request, e: Exception) -> Response:
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    ROUTES = {r.path for r in routes}
+
+    class Auth:
+        """API-key check in front of the /v1 routes (health and metrics stay open, as in llama-server)."""
+
+        def __init__(self, app):
+            self.app = app
+
+        async def __call__(self, scope, receive, send):
+            if scope["type"] == "http" and api_key is not None and scope["path"].startswith("/v1/"):
+                try:
+                    check_key(Request(scope))
+                except APIError as e:
+                    metrics.request(scope["path"] if scope["path"] in ROUTES else "other", 401)
+                    await error_response(e.status, e.message, e.param, e.code)(scope, receive, send)
+                    return
+            await self.app(scope, receive, send)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.close()
+
+    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                                                       Exception: on_error}, lifespan=lifespan)
+    app.add_middleware(Auth)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    return app
+
+
+def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
+          max_body: int = MAX_BODY_BYTES) -> None:
+    import sys
+
+    import uvicorn
+
+    app = create_app(llm, model_name, api_key=api_key, max_body=max_body)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    print(f"pyllm serve: {model_name} on http://{host}:{port}/v1 (context {llm.n_ctx}, KV {llm.kv.kind})",
+          file=sys.stderr, flush=True)
+    server.run()

@@ -1,0 +1,164 @@
+"""The llama-cpp-python-style library API (pyllm/api.py) and embeddings (pyllm/embed.py).
+
+References: the library's own greedy generate()/chat() for text, a float64 numpy log-softmax for logprobs,
+hand-written replies for the tool-call parser, cosine ranking of paraphrases for embeddings.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import pyllm_model
+from pyllm import PyllmError
+from pyllm.api import BadRequest, normalize_messages, parse_tool_calls
+from pyllm.runtime.sampler import token_logprobs
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return pyllm_model("smollm2", n_ctx=512, n_threads=1)
+
+
+def test_completion_matches_generate(llm):
+    prompt = "The capital of France is"
+    want = llm.generate(prompt, max_tokens=10, temperature=0)
+    r = llm.create_completion(prompt, max_tokens=10, temperature=0)
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == want
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": len(llm.tokenize(prompt)), "completion_tokens": 10,
+                          "total_tokens": len(llm.tokenize(prompt)) + 10,
+                          "prompt_tokens_details": r["usage"]["prompt_tokens_details"]}
+    cut = want.find(".")
+    assert cut > 0
+    r = llm.create_completion(prompt, max_tokens=10, temperature=0, stop=".")
+    assert r["choices"][0]["text"] == want[:cut] and r["choices"][0]["finish_reason"] == "stop"
+    echo = llm.create_completion(prompt, max_tokens=3, temperature=0, echo=True)["choices"][0]["text"]
+    assert echo.startswith(prompt)
+
+
+def test_chat_stream_matches_chat(llm):
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    want = llm.chat(msgs, max_tokens=16, temperature=0)
+    r = llm.create_chat_completion(msgs, max_tokens=16, temperature=0)
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": want}
+    chunks = list(llm.create_chat_completion(msgs, max_tokens=16, temperature=0, stream=True,
+                                             stream_options={"include_usage": True}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == want
+    assert chunks[-2]["choices"][0]["finish_reason"] == r["choices"][0]["finish_reason"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == \
+        r["usage"]["completion_tokens"]
+    # max_completion_tokens wins over max_tokens, as in OpenAI's API
+    r = llm.create_chat_completion(msgs, max_tokens=16, max_completion_tokens=2, temperature=0)
+    assert r["usage"]["completion_tokens"] == 2 and r["choices"][0]["finish_reason"] == "length"
+
+
+def test_token_logprobs_match_a_float64_log_softmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1000, generator=g) * 4
+    ref = logits.double().numpy()
+    ref = ref - ref.max() - np.log(np.exp(ref - ref.max()).sum())
+    lp, top = token_logprobs(logits, 17, 5)
+    assert lp == pytest.approx(ref[17], abs=1e-5)
+    order = np.argsort(-ref)[:5]
+    assert [i for i, _ in top] == order.tolist()
+    assert [v for _, v in top] == pytest.approx(ref[order].tolist(), abs=1e-5)
+
+
+def test_logprobs_in_responses(llm):
+    r = llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=5, temperature=0, logprobs=True,
+                                   top_logprobs=3)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5
+    text = b"".join(bytes(t["bytes"]) for t in content).decode("utf-8", errors="replace")
+    assert text == r["choices"][0]["message"]["content"]
+    for t in content:
+        assert len(t["top_logprobs"]) == 3
+        assert t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"], abs=1e-6)  # greedy: the top token
+
+
+def test_top_p_zero_is_greedy(llm):
+    prompt = "The capital of France is"
+    want = llm.create_completion(prompt, max_tokens=6, temperature=0)["choices"][0]["text"]
+    assert llm.create_completion(prompt, max_tokens=6, temperature=1.5, top_p=0, seed=3)["choices"][0]["text"] == want
+
+
+def test_bad_arguments_raise_before_generating(llm):
+    msgs = [{"role": "user", "content": "Hi"}]
+    for kw, param in [({"top_p": 2}, "top_p"), ({"n": 2}, "n"), ({"stop": 3}, "stop"),
+                      ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"max_tokens": -1.5}, "max_tokens"),
+                      ({"temperature": "hot"}, "temperature"), ({"tool_choice": "required"}, "tool_choice")]:
+        with pytest.raises(BadRequest) as e:
+            llm.create_chat_completion(msgs, stream=True, **kw)
+        assert e.value.param == param, kw
+    with pytest.raises(BadRequest):
+        llm.create_chat_completion([], max_tokens=1)
+
+
+def test_response_format_needs_structured_output(llm):
+    msgs = [{"role": "user", "content": "Give me a JSON object with a key a."}]
+    import inspect
+
+    if "json_schema" in inspect.signature(llm.generate_tokens).parameters:
+        r = llm.create_chat_completion(msgs, max_tokens=32, temperature=0, response_format={"type": "json_object"})
+        assert isinstance(json.loads(r["choices"][0]["message"]["content"]), dict)
+    else:
+        with pytest.raises(PyllmError, match="structured output unavailable"):
+            llm.create_chat_completion(msgs, response_format={"type": "json_object"})
+    with pytest.raises(BadRequest):
+        llm.create_chat_completion(msgs, response_format={"type": "yaml"})
+
+
+def test_parse_tool_calls():
+    names = ["get_weather"]
+    content, calls = parse_tool_calls('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+                                      '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+                                      '"Rome"}}\n</tool_call>', names)
+    assert content == "Sure."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # a bare or fenced call object naming a known tool
+    for text in ('{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                 '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'):
+        assert parse_tool_calls(text, names)[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    # not calls: unknown name (bare), broken JSON, plain text
+    for text in ('{"name": "rm_rf", "arguments": {}}', '<tool_call>\n{"name": "get_weather", "arg', "Hello"):
+        assert parse_tool_calls(text, names) == (text, [])
+
+
+def test_normalize_messages_for_templates():
+    msgs = normalize_messages([
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "2"}])
+    assert msgs[0]["content"] == "ab"
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # templates write it with tojson
+    assert msgs[2]["name"] == "f"
+    with pytest.raises(BadRequest):
+        normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+
+
+@pytest.mark.parametrize("key", ["smollm2", "qwen2"])
+def test_embeddings_rank_paraphrases_above_unrelated(key):
+    llm = pyllm_model(key, n_ctx=512, n_threads=1)
+    before = llm.generate("The capital of France is", max_tokens=6, temperature=0)
+    texts = ["The cat sat on the mat.", "A cat was sitting on the rug.",
+             "Quarterly revenue rose by eight percent.", "The stock market fell sharply today."]
+    e = torch.tensor(llm.embed(texts))
+    assert e.shape == (4, llm.config.n_embd)
+    assert torch.allclose(e.norm(dim=1), torch.ones(4), atol=1e-5)
+    sim = e @ e.T
+    # each text's nearest other text is its paraphrase, by a margin
+    for i, j in ((0, 1), (1, 0), (2, 3), (3, 2)):
+        others = [k for k in range(4) if k not in (i, j)]
+        assert sim[i, j] > max(sim[i, k] for k in others) + 0.05, (i, j, sim)
+    assert llm.embed("one text") == llm.embed(["one text"])[0]
+    # embedding leaves the model as it was: generation gives the same text
+    assert llm.generate("The capital of France is", max_tokens=6, temperature=0) == before
+    with pytest.raises(PyllmError):
+        llm.embed([])

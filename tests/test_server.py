@@ -1,0 +1,401 @@
+"""`pyllm serve` driven by the official openai client over 127.0.0.1.
+
+Each server runs `python -m pyllm.cli.main serve` in a subprocess on a free port. The references: the library's
+own greedy generation (the server must return the same text), OpenAI's documented stream and error shapes.
+Every wait is bounded.
+"""
+
+import concurrent.futures
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai  # the test extra installs it (pyproject.toml)
+import pytest
+
+from conftest import fixture_path, pyllm_model
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "sk-test-key"
+MAX_BODY = 65536
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, *args: str):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pyllm.cli.main", "serve", model, "--port", str(self.port), "--threads", "1",
+             *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 600  # a first run may compile the extension
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"pyllm serve exited {self.proc.returncode}: {self.proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        self.close()
+        raise RuntimeError("pyllm serve did not become healthy within 600 s")
+
+    def client(self, key=KEY, **kw):
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, timeout=300, max_retries=0, **kw)
+
+    def raw(self, path: str, body: bytes | None = None, key: str | None = KEY, method: str | None = None):
+        """(status, parsed JSON or text) of one request made without the openai client."""
+        req = urllib.request.Request(self.base + path, data=body, method=method or ("POST" if body else "GET"))
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                status, text = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+    def metrics(self) -> dict[str, float]:
+        _, text = self.raw("/metrics")
+        return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(\w+) ([-\d.e+]+)$", text, re.M)}
+
+    def close(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def smol():
+    s = Server(fixture_path("smollm2"), "--alias", "smollm2", "--ctx", "512", "--api-key", KEY,
+               "--max-body", str(MAX_BODY))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def smol_llm():
+    return pyllm_model("smollm2", n_ctx=512, n_threads=1)
+
+
+def _chat(text):
+    return [{"role": "user", "content": text}]
+
+
+def _ok(server):
+    """The server still answers a normal request correctly."""
+    r = server.client().chat.completions.create(model="smollm2", messages=_chat("Say hi."), max_tokens=4,
+                                                temperature=0)
+    assert r.choices[0].message.content and r.usage.completion_tokens == 4
+
+
+def test_models_and_health(smol):
+    ids = [m.id for m in smol.client().models.list().data]
+    assert ids == ["smollm2"]
+    assert smol.raw("/health", key=None) == (200, {"status": "ok"})
+
+
+def test_chat_matches_library_and_stream_matches_chat(smol, smol_llm):
+    msgs = _chat("Name three colors.")
+    want = smol_llm.chat(msgs, max_tokens=24, temperature=0)
+    c = smol.client()
+    r = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == len(smol_llm.chat_ids(msgs))
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+    chunks = list(c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [r.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_stream_ends_with_done_and_no_usage_unless_asked(smol):
+    req = json.dumps({"model": "smollm2", "messages": _chat("Hi"), "max_tokens": 3, "temperature": 0,
+                      "stream": True}).encode()
+    status, text = smol.raw("/v1/chat/completions", req)
+    assert status == 200
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    chunks = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(c["choices"] for c in chunks)  # no usage chunk without stream_options.include_usage
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_completion_matches_library_with_stop_and_logprobs(smol, smol_llm):
+    prompt = "The capital of France is"
+    want = smol_llm.generate(prompt, max_tokens=12, temperature=0, stop=["\n"])
+    c = smol.client()
+    r = c.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stop=["\n"], logprobs=3)
+    ch = r.choices[0]
+    assert ch.text == want and "\n" not in ch.text
+    lp = ch.logprobs
+    assert "".join(lp.tokens).startswith(ch.text)
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) == 3
+        assert max(top.values()) == pytest.approx(v, abs=1e-6)  # greedy: the chosen token is the most likely
+    streamed = "".join(x.choices[0].text for x in c.completions.create(
+        model="smollm2", prompt=prompt, max_tokens=12, temperature=0, stop=["\n"], stream=True))
+    assert streamed == want
+
+
+def test_sampling_parameters(smol, smol_llm):
+    c = smol.client()
+    msgs = _chat("Write a word.")
+    kw = dict(model="smollm2", messages=msgs, max_tokens=8)
+    # The seed replays the draws. Both requests find the same prompt in the KV cache: a fresh prefill and the
+    # one-token step over a cached prefix give logits that differ by up to ~0.5 (the step's int8 activations),
+    # enough to move a draw, so the cache state is part of what a seed replays.
+    c.chat.completions.create(temperature=0, **kw)
+    a = c.chat.completions.create(temperature=1.0, seed=7, **kw).choices[0].message.content
+    b = c.chat.completions.create(temperature=1.0, seed=7, **kw).choices[0].message.content
+    assert a == b
+    # logit_bias -100 on the greedy first token (reference: the library's logits) makes it another token
+    greedy = int(smol_llm.logits(smol_llm.chat_ids(msgs))[-1].argmax())
+    want = smol_llm.tokenizer.token_bytes(greedy)
+    for bias, same in (({}, True), ({str(greedy): -100}, False)):
+        r = c.chat.completions.create(temperature=0, logprobs=True, top_logprobs=2, logit_bias=bias, **kw)
+        first = r.choices[0].logprobs.content[0]
+        assert (bytes(first.bytes) == want) == same
+        assert len(first.top_logprobs) == 2 and first.logprob <= 0
+    # pyllm's extras, as llama-server accepts them
+    status, r = smol.raw("/v1/chat/completions", json.dumps({**kw, "temperature": 0.5, "top_k": 5, "min_p": 0.1,
+                                                             "repeat_penalty": 1.1, "presence_penalty": 0.5,
+                                                             "frequency_penalty": 0.5, "seed": 1}).encode())
+    assert status == 200 and r["usage"]["completion_tokens"] >= 1
+
+
+def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
+    c = smol.client()
+    # 400: malformed JSON
+    status, body = smol.raw("/v1/chat/completions", b'{"model": "smollm2", "messages": [')
+    assert status == 400 and "malformed JSON" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    _ok(smol)
+    # 404: unknown model, unknown route
+    with pytest.raises(openai.NotFoundError) as e:
+        c.chat.completions.create(model="gpt-9", messages=_chat("hi"), max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    status, body = smol.raw("/v1/nothing", b"{}")
+    assert status == 404 and "unknown route" in body["error"]["message"]
+    _ok(smol)
+    # 400: negative max_tokens, a bad sampler value
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="smollm2", prompt="hi", max_tokens=-5)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="smollm2", messages=_chat("hi"), max_tokens=2, temperature=-1)
+    _ok(smol)
+    # 400: a prompt longer than the context (512)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="smollm2", prompt="word " * 700, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    _ok(smol)
+    # 413: a body over the limit
+    status, body = smol.raw("/v1/completions", json.dumps({"model": "smollm2", "prompt": "a" * MAX_BODY}).encode())
+    assert status == 413 and "limit" in body["error"]["message"]
+    _ok(smol)
+    # 401: wrong and missing key (health stays open)
+    with pytest.raises(openai.AuthenticationError):
+        smol.client(key="sk-wrong").chat.completions.create(model="smollm2", messages=_chat("hi"), max_tokens=2)
+    status, body = smol.raw("/v1/models", key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    _ok(smol)
+    m = smol.metrics()
+    assert m["pyllm_queue_depth"] == 0
+
+
+def _metrics_after_one_cancel(server, before: dict) -> dict:
+    """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["pyllm_requests_cancelled_total"] > before["pyllm_requests_cancelled_total"]:
+            break
+        time.sleep(0.2)
+    m = server.metrics()
+    assert m["pyllm_requests_cancelled_total"] == before["pyllm_requests_cancelled_total"] + 1
+    return m
+
+
+def test_disconnect_mid_stream_frees_the_worker(smol):
+    before = smol.metrics()
+    c = smol.client()
+    stream = c.chat.completions.create(model="smollm2", messages=_chat("Tell a very long story about a dragon."),
+                                       max_tokens=400, temperature=0, stream=True)
+    got = 0
+    for ch in stream:
+        got += 1
+        if got == 4:
+            break
+    stream.close()  # drops the connection
+    m = _metrics_after_one_cancel(smol, before)
+    assert m["pyllm_requests_processing"] == 0
+    generated = m["pyllm_generated_tokens_total"] - before["pyllm_generated_tokens_total"]
+    assert 3 <= generated < 400  # stopped soon after the client left, not at max_tokens
+    _ok(smol)
+
+
+def test_disconnect_while_waiting_for_a_whole_response_cancels_it(smol):
+    before = smol.metrics()
+    body = json.dumps({"model": "smollm2", "messages": _chat("Tell a very long story about a dragon."),
+                       "max_tokens": 400, "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", smol.port), timeout=30) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                  b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 60
+        while smol.metrics()["pyllm_requests_processing"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+    m = _metrics_after_one_cancel(smol, before)
+    assert m["pyllm_generated_tokens_total"] - before["pyllm_generated_tokens_total"] < 400
+    _ok(smol)
+
+
+def test_concurrent_greedy_clients_get_their_solo_text(smol):
+    c = smol.client()
+    prompts = [f"Count from {i} to {i + 5}." for i in range(8)]
+
+    def ask(p):
+        r = c.chat.completions.create(model="smollm2", messages=_chat(p), max_tokens=12, temperature=0)
+        return r.choices[0].message.content
+
+    # Every request must find the same cached prefix (the shared "...Count from "), alone or not: a fresh
+    # prefill and a reused prefix give slightly different logits (docs/DESIGN.md, Server), so warm the cache first.
+    ask("Count from 100 to 105.")
+    solo = [ask(p) for p in prompts]
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(ask, prompts, timeout=600))
+    assert together == solo
+
+
+def test_embeddings_rank_paraphrases_first(smol):
+    texts = ["The cat sat on the mat.", "A cat was sitting on the rug.", "Quarterly revenue rose by eight percent."]
+    r = smol.client().embeddings.create(model="smollm2", input=texts)
+    v = [d.embedding for d in r.data]
+    assert [d.index for d in r.data] == [0, 1, 2] and r.usage.prompt_tokens > 0
+
+    def cos(a, b):
+        return sum(x * y for x, y in zip(a, b))
+
+    assert all(abs(cos(x, x) - 1) < 1e-4 for x in v)  # L2-normalised
+    assert cos(v[0], v[1]) > cos(v[0], v[2]) + 0.1 and cos(v[0], v[1]) > cos(v[1], v[2]) + 0.1
+    status, body = smol.raw("/v1/embeddings", json.dumps({"model": "smollm2", "input": []}).encode())
+    assert status == 400 and body["error"]["param"] == "input"
+
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    s = Server(fixture_path("qwen2"), "--alias", "qwen", "--ctx", "1024")
+    yield s
+    s.close()
+
+
+def test_tool_call_round_trip(qwen):
+    c = qwen.client()
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = c.chat.completions.create(model="qwen", messages=msgs, tools=WEATHER, temperature=0, max_tokens=64)
+    ch = r.choices[0]
+    assert ch.finish_reason == "tool_calls"
+    call = ch.message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    chunks = list(c.chat.completions.create(model="qwen", messages=msgs, tools=WEATHER, temperature=0,
+                                            max_tokens=64, stream=True))
+    calls = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("get_weather",
+                                                                                        {"city": "Paris"})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    msgs += [ch.message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 21, "sky": "sunny"})}]
+    r2 = c.chat.completions.create(model="qwen", messages=msgs, tools=WEATHER, temperature=0, max_tokens=48)
+    assert r2.choices[0].finish_reason in ("stop", "length") and r2.choices[0].message.content
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_tool_choice(qwen):
+    c = qwen.client()
+    hello = [{"role": "user", "content": "What is the weather in Rome?"}]
+    r = c.chat.completions.create(model="qwen", messages=hello, tools=WEATHER, temperature=0, max_tokens=48,
+                                  tool_choice="none")
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = c.chat.completions.create(model="qwen", messages=hello, tools=WEATHER, temperature=0, max_tokens=48,
+                                      tool_choice=choice)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="qwen", messages=hello, tools=WEATHER, max_tokens=4,
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def _readme_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index("## Serve")
+    end = text.index("\n## ", start + 1)
+    return text[start:end]
+
+
+def test_readme_serve_examples_run_against_a_live_server(smol):
+    sec = _readme_section()
+    curl = re.search(r"```bash\n(curl .*?)\n```", sec, re.S).group(1)
+    py = re.search(r"```python\n(.*?)\n```", sec, re.S).group(1)
+    port = str(smol.port)
+    fix = lambda s: s.replace("8080", port).replace("smollm2-135m", "smollm2").replace("sk-no-key", KEY)  # noqa: E731
+    out = subprocess.run(["bash", "-c", fix(curl).replace("curl ", f"curl -sS -H 'Authorization: Bearer {KEY}' ", 1)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["choices"][0]["message"]["content"]
+    out = subprocess.run([sys.executable, "-c", fix(py)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip()
+
+
+def test_serve_cli_errors_are_one_line():
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for args, msg in ((["--port", str(port)], "cannot listen on 127.0.0.1"),
+                          (["--parallel", "2"], "--parallel"), (["--port", "70000"], "--port")):
+            r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
+                               env=env, capture_output=True, text=True, timeout=120)
+            assert r.returncode == 1 and r.stderr.startswith("pyllm: error: ") and msg in r.stderr, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1
