@@ -157,7 +157,7 @@ class LLM:
 
         Structured output (at most one): ``json_schema`` (dict or JSON text), ``grammar`` (llama.cpp GBNF text) or
         a prebuilt ``constraint`` (LLM.make_constraint; one per generation). Only tokens the grammar allows are
-        sampled, and generation ends when the output is complete (finish_reason "eog", no end token yielded)."""
+        sampled; when the output is complete the end-of-generation id is yielded at once (finish_reason "eog")."""
         from .runtime.constraint import make_constraint
 
         ids = self._check_ids(ids)
@@ -175,7 +175,7 @@ class LLM:
             self._epoch += 1
             mine = self._epoch
             inner = self.generator.generate(ids, sampler.sample, max_tokens, self.tokenizer.is_eog,
-                                            is_done=sampler.constraint.is_done if sampler.constraint else None)
+                                            forced_end=sampler.constraint.end_token if sampler.constraint else None)
             try:
                 for tok in inner:
                     yield tok

@@ -181,12 +181,15 @@ def test_gbnf_list_of_ints():
 
 
 def test_generate_tokens_stops_when_complete():
-    """The generator ends at the completing token without yielding an end id (finish_reason eog)."""
+    """Once the grammar is complete, the end-of-generation id follows at once (no decode step is spent on it)."""
     llm = llm_of("smollm2")
     ids = llm.tokenize("Answer: ")
     toks = list(llm.generate_tokens(ids, max_tokens=20, temperature=0, grammar='root ::= "yes" | "no"'))
-    assert llm.detokenize(toks) in ("yes", "no")
-    assert not any(llm.tokenizer.is_eog(t) for t in toks) and llm.stats.finish_reason == "eog"
+    assert llm.detokenize(toks[:-1]) in ("yes", "no")
+    assert toks[-1] == llm.tokenizer.eos_id and llm.tokenizer.is_eog(toks[-1])
+    assert llm.stats.finish_reason == "eog"
+    # the forced end id is not evaluated: the cache holds the prompt and the grammar's tokens only
+    assert llm.generator.tokens == ids + toks[:-2]
 
 
 # ---- errors -------------------------------------------------------------------------------------------------

@@ -185,6 +185,10 @@ class Constraint:
         """True when the output is complete and nothing but an end-of-generation token may follow."""
         return self.m.is_stopped()
 
+    def end_token(self) -> int | None:
+        """The end-of-generation id to emit when the output is complete (is_done), else None."""
+        return self.vocab.eos_ids[0] if self.m.is_stopped() else None
+
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (it may still be extended)."""
         return self.m.is_accepting()
