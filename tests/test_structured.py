@@ -117,6 +117,11 @@ def test_mask_in_place_and_never_empty():
         c.advance(t)
     assert c.is_done()
     assert set(np.flatnonzero(c.allowed()).tolist()) <= set(llm.tokenizer.eog_ids)
+    # whitespace is bounded (a sampled small model must not pad forever): indented JSON fits, blank lines do not
+    for text, ok in (('{\n  "a": 1\n}', True), ('{"a":1}', True), ('{\n\n\n"a": 1}', False)):
+        c = llm.make_constraint(json_schema={"type": "object"})
+        assert all(c.allowed()[t] and (c.advance(t) or True)
+                   for t in llm.tokenize(text, add_bos=False, special=False)) == ok, text
 
 
 def test_sampler_masks_after_bias_and_before_greedy():

@@ -33,6 +33,10 @@ def _llguidance():
     return llguidance
 
 
+# JSON whitespace between tokens: nothing, one space, or a newline and an indent of up to 20 (llama.cpp's "space")
+JSON_WS = r"(?: |\n[ \t]{0,20})?"
+
+
 class _Encoder:
     """The callable llguidance tokenizes forced text with (bytes or str -> ids), plus the ids it needs."""
 
@@ -119,12 +123,13 @@ class Constraint:
     # ---- constructors -----------------------------------------------------------------------------------------
     @classmethod
     def from_json_schema(cls, schema: Any, vocab: GrammarVocab) -> "Constraint":
-        """Output is one JSON value valid under ``schema`` (a dict or JSON text). Compact separators are not
-        forced: the model may write whitespace, as llama.cpp and OpenAI allow."""
+        """Output is one JSON value valid under ``schema`` (a dict or JSON text). Whitespace between tokens is
+        allowed but bounded, as llama.cpp's json-schema-to-grammar bounds it (one space, or a newline and up to 20
+        indent characters): unbounded whitespace lets a small sampled model pad forever and never finish."""
         text = _schema_text(schema)
         llg = _llguidance()
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(text)
+            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
             raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
         return cls(grammar, vocab, "json_schema")
