@@ -138,6 +138,7 @@ class LLM:
         self.chat_dropped = 0  # messages the last chat() dropped from the front of its history ("shift")
         self.generator = Generator(model, kv, n_ctx)
         self._lock = threading.RLock()
+        self._grammar_vocab = None  # built on the first structured-output call (grammar_vocab)
         # Bumped by every call that changes the cache. The RLock lets one thread in twice, so a stream left
         # suspended while the same thread starts another call must notice, not continue from a foreign cache.
         self._epoch = 0
@@ -184,16 +185,44 @@ class LLM:
             raise PyllmError("empty prompt: give at least one token")
         return ids
 
+    @property
+    def grammar_vocab(self):
+        """The vocabulary as the constrained-decoding engine sees it (runtime/constraint.py), built on first use
+        and kept: it walks every token once."""
+        with self._lock:
+            if self._grammar_vocab is None:
+                from .runtime.constraint import GrammarVocab
+
+                self._grammar_vocab = GrammarVocab(self.tokenizer, self.config.n_vocab)
+            return self._grammar_vocab
+
+    def make_constraint(self, json_schema=None, grammar=None):
+        """A runtime.constraint.Constraint for this model: ``json_schema`` (a dict or JSON text; {"type":
+        "object"} is OpenAI's json_object) or ``grammar`` (GBNF text). PyllmError names an invalid one."""
+        from .runtime.constraint import make_constraint
+
+        return make_constraint(lambda: self.grammar_vocab, json_schema=json_schema, grammar=grammar)
+
     def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                         top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
-                        sampler: Sampler | None = None, **sampling) -> Iterator[int]:
-        """Iterator of generated ids (an end-of-generation id is yielded, then it stops)."""
+                        sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
+                        constraint=None, **sampling) -> Iterator[int]:
+        """Iterator of generated ids (an end-of-generation id is yielded, then it stops).
+
+        Structured output (at most one): ``json_schema`` (dict or JSON text), ``grammar`` (llama.cpp GBNF text) or
+        a prebuilt ``constraint`` (LLM.make_constraint; one per generation). Only tokens the grammar allows are
+        sampled; when the output is complete the end-of-generation id is yielded at once (finish_reason "eog")."""
+        from .runtime.constraint import make_constraint
+
         ids = self._check_ids(ids)
         max_tokens = check_int("max_tokens", max_tokens, 0)
+        constraint = make_constraint(lambda: self.grammar_vocab, json_schema, grammar, constraint)
         if sampler is None:
             kw = check_sampling(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                                      **sampling))
             sampler = Sampler(SamplerSettings(**kw))
+        if constraint is not None:
+            sampler.constraint = constraint
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
 
@@ -209,7 +238,8 @@ class LLM:
             self._epoch += 1
             mine = self._epoch
             self._check_file()
-            inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog)
+            inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog,
+                                            forced_end=sampler.constraint.end_token if sampler.constraint else None)
             try:
                 while True:
                     self._check_file()  # the next forward pass reads the mapped weights

@@ -17,6 +17,7 @@ from ..errors import PyllmError, TemplateError
 EXAMPLES = """examples:
   pyllm chat                              chat with the default model ({default}), fetched on first use
   pyllm run smollm2-135m "Once upon a time" -n 64 --temp 0
+  pyllm run smollm2-135m "A user record:" --chat --json-schema user.schema.json
   pyllm info qwen2.5-coder-0.5b
   pyllm list                              registry models and the cached files, with sizes
   pyllm pull hf.co/OWNER/REPO:Q4_K_M      any GGUF from the Hugging Face hub (or an https:// URL)
@@ -116,7 +117,38 @@ def decode_utf8(data: bytes, what: str) -> str:
         return data.decode("utf-8", errors="replace")
 
 
+def read_text_arg(path: str, what: str, limit: int = 1 << 20) -> str:
+    """The text of a FILE argument ('-' = standard input), at most ``limit`` bytes (a schema or grammar is small;
+    /dev/zero must not be read until memory runs out); PyllmError naming the flag and file."""
+    if path == "-":
+        return read_stdin_text(limit)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise PyllmError(f"{what} {path}: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise PyllmError(f"{what} {path}: larger than {limit >> 20} MiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PyllmError(f"{what} {path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
+def constraint_kwargs(a) -> dict:
+    """json_schema / grammar for generate() from --json-schema FILE / --grammar FILE."""
+    if getattr(a, "json_schema", None):
+        return {"json_schema": read_text_arg(a.json_schema, "--json-schema")}
+    if getattr(a, "grammar", None):
+        return {"grammar": read_text_arg(a.grammar, "--grammar")}
+    return {}
+
+
 def cmd_run(a) -> int:
+    if a.prompt is None and "-" in (a.json_schema, a.grammar):
+        raise PyllmError("standard input cannot hold both the prompt and the schema or grammar: give the prompt "
+                         "as an argument")
+    constrained = constraint_kwargs(a)
     prompt = a.prompt
     if prompt is None:
         if sys.stdin.isatty() and not sys.stdout.isatty():
@@ -133,6 +165,9 @@ def cmd_run(a) -> int:
     a.chat = a.chat or a.system is not None  # a system prompt only means something inside the chat template
     llm = load_from_args(a)
     kw = sampling_kwargs(a)
+    if constrained:
+        # compiled before the prompt is evaluated, so a bad schema or grammar fails fast
+        kw["constraint"] = llm.make_constraint(**constrained)
     if a.chat:
         msgs = [{"role": "system", "content": a.system}] if a.system else []
         ids = llm.chat_ids(msgs + [{"role": "user", "content": prompt}])
@@ -307,6 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--system", default=None, help="system prompt (implies --chat)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and timings")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="constrain the output to JSON valid under the JSON schema in FILE ('-' = stdin)")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="constrain the output to the llama.cpp GBNF grammar in FILE ('-' = stdin)")
     add_runtime_args(s)
     add_sampling_args(s, 256)
     s.set_defaults(func=cmd_run)

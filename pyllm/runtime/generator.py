@@ -128,16 +128,22 @@ class Generator:
         return torch.cat(out)
 
     def generate(self, ids: list[int], sample: Callable[[torch.Tensor], int], max_tokens: int,
-                 is_eog: Callable[[int], bool]) -> Iterator[int]:
-        """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context."""
+                 is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None) -> Iterator[int]:
+        """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context.
+
+        ``forced_end`` (a grammar constraint's ``end_token``): asked after each token; an id means the structured
+        output is complete and only that end id can follow, so it is yielded next without a decode step (the
+        same tokens the masked sampler would give, one forward pass sooner).
+        """
         st = self.stats = GenerationStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
         st.finish_reason = "interrupted"
         logits = self.prefill(ids)
         st.prompt_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
+        forced = None
         for n in range(max_tokens):
-            tok = sample(logits)
+            tok = sample(logits) if forced is None else forced
             st.generated_tokens += 1
             if n == 0:
                 st.ttft = time.perf_counter() - t0
@@ -155,7 +161,9 @@ class Generator:
             yield tok
             if st.finish_reason != "interrupted":
                 break
-            logits = self._forward([tok])[-1]
+            forced = forced_end() if forced_end is not None else None
+            if forced is None:
+                logits = self._forward([tok])[-1]
         else:
             st.finish_reason = "length"
         st.decode_seconds = time.perf_counter() - t1

@@ -1,8 +1,9 @@
 """The sampler: a fixed chain of small, pure steps over (candidate ids, logits), then a seeded draw.
 
 Order (as llama.cpp's default chain): logit bias -> repetition/frequency/presence penalties over the last
-``penalty_last_n`` tokens -> top-k -> typical-p -> top-p -> min-p -> temperature -> draw. Greedy when temperature
-is 0. The RNG lives in the sampler, so the same seed replays the same draws.
+``penalty_last_n`` tokens -> grammar constraint (runtime/constraint.py: drops every id the grammar does not allow)
+-> top-k -> typical-p -> top-p -> min-p -> temperature -> draw. Greedy when temperature is 0 (the argmax over the
+allowed ids). The RNG lives in the sampler, so the same seed replays the same draws.
 
 Each step takes and returns ``(ids, logits)``: int64 ids of the surviving candidates and their float64 logits,
 sorted by descending logit once top-k (or the first step that needs order) has run.
@@ -46,6 +47,20 @@ def apply_penalties(ids, logits, recent: list[int], repeat: float, frequency: fl
     l -= counts * frequency + presence
     logits[idx] = l
     return ids, logits
+
+
+def apply_constraint(ids, logits, allowed):
+    """Keeps only the ids a grammar allows (allowed: bool [n_vocab]). Dropping them, rather than setting -inf,
+    keeps top-k from filling its k slots with impossible tokens. The grammar always allows at least an
+    end-of-generation id, so the result is never empty."""
+    n = len(allowed)
+    if len(ids) == n:  # still the whole vocabulary in id order (bias and penalties keep it so)
+        keep = np.flatnonzero(allowed)
+    else:
+        keep = np.flatnonzero(allowed[np.minimum(ids, n - 1)] & (ids < n))
+    if not len(keep):
+        raise PyllmError("the grammar allows no token here (the vocabulary has no token for the next character)")
+    return ids[keep], logits[keep]
 
 
 def sort_desc(ids, logits):
@@ -145,8 +160,10 @@ class SamplerSettings:
 class Sampler:
     """Turns a logits vector into a token id. Keeps the RNG and the recent-token window for penalties."""
 
-    def __init__(self, settings: SamplerSettings | None = None, **kw):
+    def __init__(self, settings: SamplerSettings | None = None, constraint=None, **kw):
         self.s = settings or SamplerSettings(**kw)
+        # a runtime.constraint.Constraint (or None): masks candidates and advances with every sampled token
+        self.constraint = constraint
         self.s.validate()
         self.rng = np.random.Generator(np.random.PCG64(self.s.seed))
         self.recent: deque[int] = deque(maxlen=max(self.s.penalty_last_n, 1))
@@ -167,6 +184,8 @@ class Sampler:
         ids, lg = apply_logit_bias(ids, lg, s.logit_bias)
         ids, lg = apply_penalties(ids, lg, list(self.recent), s.repeat_penalty, s.frequency_penalty,
                                   s.presence_penalty)
+        if self.constraint is not None:
+            ids, lg = apply_constraint(ids, lg, self.constraint.allowed())
         if s.temperature == 0:
             j = int(np.argmax(lg))
             return ids[j:j + 1], lg[j:j + 1]
@@ -186,6 +205,8 @@ class Sampler:
             cum = np.cumsum(probs)
             u = self.rng.random() * cum[-1]
             tok = int(ids[min(int(np.searchsorted(cum, u, side="right")), len(ids) - 1)])
+        if self.constraint is not None:
+            self.constraint.advance(tok)
         if self.logprobs is not None:
             self.last_logprobs = token_logprobs(logits, tok, self.logprobs)
         self.accept(tok)

@@ -1,0 +1,266 @@
+"""Structured output: JSON schema, JSON object and GBNF constraints on the fixture models.
+
+References: every constrained output must validate with the ``jsonschema`` package (or parse under the GBNF's
+own shape, checked with a Python regex of the same language); exact checks for the mask (disallowed ids -inf,
+allowed ones untouched) and for the vocabulary bridge (the tokenizer's own bytes for every id).
+"""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+jsonschema = pytest.importorskip("jsonschema")  # in the test extra; CI installs it
+
+from conftest import pyllm_model  # noqa: E402
+from pyllm import PyllmError  # noqa: E402
+from pyllm.runtime.constraint import Constraint, make_constraint  # noqa: E402
+from pyllm.runtime.sampler import Sampler, SamplerSettings  # noqa: E402
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "required": ["city", "zip"], "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "role", "address"], "additionalProperties": False,
+}
+TAGS = {
+    "type": "object",
+    "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1,
+                            "maxItems": 3},
+                   "score": {"type": "number", "minimum": 0, "maximum": 10},
+                   "ok": {"type": "boolean"}},
+    "required": ["tags", "score", "ok"], "additionalProperties": False,
+}
+INTS_GBNF = 'root ::= "[" num ("," " "? num){0,4} "]"\nnum ::= "-"? [0-9]{1,3}\n'
+INTS_RE = re.compile(r"\[-?[0-9]{1,3}(, ?-?[0-9]{1,3}){0,4}\]")
+
+
+def llm_of(key):
+    return pyllm_model(key, n_ctx=512)
+
+
+def chat(llm, schema, **kw):
+    msgs = [{"role": "user", "content": "Invent a user record and answer in JSON only."}]
+    return llm.chat(msgs, max_tokens=96, json_schema=schema, **kw)
+
+
+def check_complete(llm, text, schema):
+    assert llm.stats.finish_reason == "eog", (llm.stats.finish_reason, text)
+    jsonschema.validate(json.loads(text), schema)
+
+
+# ---- the vocabulary bridge ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["smollm2", "qwen2", "gemma3"])
+def test_bridge_accepts_the_tokenizers_own_encoding(key):
+    """A grammar that is exactly one literal text must accept, token by token, the tokenizer's encoding of that
+    text (multi-byte UTF-8, byte-fallback tokens for gemma3's rare characters, spaces, newlines) and then allow
+    only end-of-generation ids."""
+    llm = llm_of(key)
+    text = 'naïve café — 日本語 \U0001f600 "q"\n\ttabs  {x}'
+    gbnf = "root ::= " + json.dumps(text, ensure_ascii=False)  # GBNF escapes: \n \t \" as JSON writes them
+    c = llm.make_constraint(grammar=gbnf)
+    ids = llm.tokenize(text, add_bos=False, special=False)
+    assert llm.detokenize(ids) == text
+    for t in ids:
+        assert c.allowed()[t], (t, llm.tokenizer.token_bytes(t))
+        c.advance(t)
+    assert c.is_done()
+    left = set(np.flatnonzero(c.allowed()).tolist())
+    assert left and left <= set(llm.tokenizer.eog_ids), left
+
+
+def test_bridge_vocab_is_built_once_and_covers_padding():
+    llm = llm_of("qwen2")  # its output layer has more rows than the vocabulary has tokens
+    v = llm.grammar_vocab
+    assert llm.grammar_vocab is v
+    assert v.n_vocab == llm.n_vocab >= llm.tokenizer.n_vocab
+    assert v.eos_ids[0] == llm.tokenizer.eos_id and set(v.eos_ids) == set(llm.tokenizer.eog_ids)
+    c = llm.make_constraint(json_schema={"type": "object"})
+    assert not c.allowed()[llm.tokenizer.n_vocab:].any()  # padding rows never allowed
+
+
+# ---- mask, sampler chain ------------------------------------------------------------------------------------
+def test_mask_in_place_and_never_empty():
+    """mask() sets exactly the disallowed ids to -inf (torch and numpy alike) and keeps the others; along a
+    valid document the mask is never empty, and at the end it holds only end-of-generation ids."""
+    llm = llm_of("smollm2")
+    doc = {"name": "Ada", "age": 36, "role": "admin", "address": {"city": "London", "zip": "12345"}}
+    ids = llm.tokenize(json.dumps(doc), add_bos=False, special=False)
+    c = llm.make_constraint(json_schema=PERSON)
+    rng = np.random.default_rng(0)
+    for t in ids:
+        allowed = c.allowed()
+        assert allowed.any()
+        lg = torch.from_numpy(rng.standard_normal(llm.n_vocab).astype(np.float32))
+        ref = lg.clone()
+        out = c.mask(lg)
+        assert out is lg
+        assert torch.isneginf(lg[torch.from_numpy(~allowed)]).all()
+        assert torch.equal(lg[torch.from_numpy(allowed)], ref[torch.from_numpy(allowed)])
+        ln = ref.numpy().copy()
+        c.mask(ln)
+        assert np.array_equal(ln, lg.numpy())
+        c.advance(t)
+    assert c.is_done()
+    assert set(np.flatnonzero(c.allowed()).tolist()) <= set(llm.tokenizer.eog_ids)
+    # whitespace is bounded (a sampled small model must not pad forever): indented JSON fits, blank lines do not
+    for text, ok in (('{\n  "a": 1\n}', True), ('{"a":1}', True), ('{\n\n\n"a": 1}', False)):
+        c = llm.make_constraint(json_schema={"type": "object"})
+        assert all(c.allowed()[t] and (c.advance(t) or True)
+                   for t in llm.tokenize(text, add_bos=False, special=False)) == ok, text
+
+
+def test_sampler_masks_after_bias_and_before_greedy():
+    """Greedy picks the best allowed id, whatever the logit bias does to disallowed ones; a bias on an allowed id
+    counts (the mask applies after bias and penalties)."""
+    llm = llm_of("smollm2")
+    tok = llm.tokenizer
+    brace = tok.encode("{", add_bos=False, special=False)
+    assert len(brace) == 1
+    logits = torch.zeros(llm.n_vocab)
+    logits[tok.encode("Hello", add_bos=False, special=False)[0]] = 50.0  # the best token overall: not JSON
+    c = llm.make_constraint(json_schema={"type": "object"})
+    allowed = c.allowed().copy()
+    s = Sampler(SamplerSettings(temperature=0, logit_bias={7: 100.0}), constraint=c)
+    assert not allowed[7]
+    t = s.sample(logits)
+    assert allowed[t]
+    # with a bias on one allowed id, that id wins
+    pick = int(np.flatnonzero(allowed)[-1])
+    c2 = llm.make_constraint(json_schema={"type": "object"})
+    s2 = Sampler(SamplerSettings(temperature=0, logit_bias={pick: 100.0}), constraint=c2)
+    assert s2.sample(logits) == pick
+    # at temperature > 0, with top-k 40, every draw is allowed (top-k never fills with masked ids)
+    for seed in range(5):
+        c3 = llm.make_constraint(json_schema={"type": "object"})
+        s3 = Sampler(SamplerSettings(temperature=1.5, top_k=40, top_p=1.0, min_p=0.0, seed=seed), constraint=c3)
+        assert allowed[s3.sample(torch.randn(llm.n_vocab, generator=torch.Generator().manual_seed(seed)))]
+
+
+# ---- generation on the fixtures -----------------------------------------------------------------------------
+@pytest.mark.parametrize("schema", [PERSON, TAGS], ids=["person", "tags"])
+def test_smollm2_schemas_greedy_and_sampled(schema):
+    llm = llm_of("smollm2")
+    check_complete(llm, chat(llm, schema, temperature=0), schema)
+    for seed in (1, 2, 3):
+        check_complete(llm, chat(llm, schema, temperature=0.8, seed=seed), schema)
+
+
+def test_qwen2_schema_greedy_and_sampled():
+    llm = llm_of("qwen2")
+    check_complete(llm, chat(llm, PERSON, temperature=0), PERSON)
+    check_complete(llm, chat(llm, TAGS, temperature=0.7, seed=5), TAGS)
+
+
+def test_json_object_and_schema_as_text():
+    llm = llm_of("smollm2")
+    # "any object" leaves the length to the model: a prompt it can follow keeps the reply short enough to close
+    out = llm.chat([{"role": "user", "content": 'Reply with the JSON object {"a": 1} and nothing else.'}],
+                   max_tokens=48, temperature=0, constraint=llm.make_constraint(json_schema={"type": "object"}))
+    assert isinstance(json.loads(out), dict) and llm.stats.finish_reason == "eog"
+    text_schema = json.dumps({"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "maxItems": 2})
+    out = llm.generate("Two letters: ", max_tokens=16, temperature=0, json_schema=text_schema)
+    assert json.loads(out) in (["a", "a"], ["a", "b"], ["b", "a"], ["b", "b"])
+
+
+def test_gbnf_list_of_ints():
+    llm = llm_of("smollm2")
+    for kw in (dict(temperature=0), dict(temperature=0.9, seed=4)):
+        out = llm.generate("The first primes, as a list: ", max_tokens=32, grammar=INTS_GBNF, **kw)
+        assert INTS_RE.fullmatch(out), out
+        assert all(isinstance(x, int) for x in json.loads(out))
+        assert llm.stats.finish_reason == "eog"
+
+
+def test_generate_tokens_stops_when_complete():
+    """Once the grammar is complete, the end-of-generation id follows at once (no decode step is spent on it)."""
+    llm = llm_of("smollm2")
+    ids = llm.tokenize("Answer: ")
+    toks = list(llm.generate_tokens(ids, max_tokens=20, temperature=0, grammar='root ::= "yes" | "no"'))
+    assert llm.detokenize(toks[:-1]) in ("yes", "no")
+    assert toks[-1] == llm.tokenizer.eos_id and llm.tokenizer.is_eog(toks[-1])
+    assert llm.stats.finish_reason == "eog"
+    # the forced end id is not evaluated: the cache holds the prompt and the grammar's tokens only
+    assert llm.generator.tokens == ids + toks[:-2]
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, needle", [
+    (dict(json_schema='{"type": "object",'), "not valid JSON"),
+    (dict(json_schema={"type": "nope"}), "invalid json_schema"),
+    (dict(json_schema={"type": "string", "pattern": "(("}), "unclosed group"),
+    (dict(json_schema=[1, 2]), "must be a JSON object"),
+    (dict(json_schema=False), "false"),
+    (dict(grammar="root ::= foo"), "Rule 'foo' not found"),
+    (dict(grammar='root ::= "a'), "invalid grammar"),
+    (dict(grammar="   "), "non-empty"),
+    (dict(json_schema={"type": "object"}, grammar='root ::= "a"'), "at most one"),
+])
+def test_invalid_schema_or_grammar(kw, needle):
+    llm = llm_of("smollm2")
+    with pytest.raises(PyllmError, match=re.escape(needle)):
+        list(llm.generate_tokens(llm.tokenize("x"), max_tokens=2, **kw))
+
+
+def test_make_constraint_none_without_request():
+    assert make_constraint(lambda: pytest.fail("vocabulary built for nothing")) is None
+    assert isinstance(make_constraint(lambda: llm_of("smollm2").grammar_vocab, grammar='root ::= "a"'), Constraint)
+
+
+# ---- CLI and README -----------------------------------------------------------------------------------------
+def run_cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "pyllm", *args], capture_output=True, text=True, timeout=600,
+                          cwd=cwd)
+
+
+def test_cli_run_json_schema_and_grammar(tmp_path, smollm2_path):
+    (tmp_path / "s.json").write_text(json.dumps(PERSON))
+    res = run_cli("run", smollm2_path, "Invent a user record as JSON.", "--chat", "--json-schema",
+                  str(tmp_path / "s.json"), "--temp", "0", "-n", "96", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["finish_reason"] == "eog"
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+    (tmp_path / "bad.gbnf").write_text("root ::= missing\n")
+    res = run_cli("run", smollm2_path, "x", "--grammar", str(tmp_path / "bad.gbnf"), "-n", "2")
+    assert res.returncode == 1 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == ["pyllm: error: invalid grammar: Failed to convert the grammar from "
+                                               "GBNF to Lark: Rule 'missing' not found"]
+
+
+def readme_section(title):
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    start = text.index(title)
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else None]
+
+
+def test_readme_structured_output_examples(tmp_path):
+    """Runs the README's library and CLI examples as written (registry model names resolve from the cache)."""
+    sec = readme_section("### Structured output")
+    py = re.search(r"```python\n(.*?)```", sec, re.S).group(1)
+    sh = re.search(r"```bash\n(.*?)```", sec, re.S).group(1)
+    res = subprocess.run([sys.executable, "-c", py], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    person_line, primes_line = res.stdout.strip().splitlines()
+    person = eval(person_line, {})  # printed dict
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int)
+    assert re.fullmatch(r"\[[0-9]+(, [0-9]+){2}\]", primes_line), primes_line
+    script = sh.replace("pyllm run", f"{sys.executable} -m pyllm run")
+    res = subprocess.run(["bash", "-ec", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert isinstance(json.loads(res.stdout)["city"], str)
