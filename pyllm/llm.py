@@ -21,6 +21,9 @@ from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+# What greedy decoding speculates with when the caller does not say (speculative="auto"): "none" until the
+# speedup is measured on a quiet machine (docs/BENCHMARKS.md, Speculative decoding).
+DEFAULT_SPECULATIVE = "none"
 
 
 def check_load_args(device: str, backend: str, context_policy: str) -> None:
@@ -87,6 +90,7 @@ class LLM:
         self.context_policy = _check_policy(context_policy)
         self.chat_dropped = 0  # messages the last chat() dropped from the front of its history ("shift")
         self.generator = Generator(model, kv, n_ctx)
+        self.draft = None  # the draft LLM for speculative="draft" (set_draft)
         self._lock = threading.RLock()
         # Bumped by every call that changes the cache. The RLock lets one thread in twice, so a stream left
         # suspended while the same thread starts another call must notice, not continue from a foreign cache.
@@ -130,11 +134,37 @@ class LLM:
             raise PyllmError("empty prompt: give at least one token")
         return ids
 
+    def set_draft(self, draft) -> None:
+        """Use ``draft`` (an LLM, or a model path / registry name to load) for speculative="draft". It must share
+        this model's vocabulary (checked: size and a sample of token texts; PyllmError otherwise)."""
+        from .runtime.speculative import check_same_vocab
+
+        if draft is not None and not isinstance(draft, LLM):
+            draft = load(draft, n_ctx=self.n_ctx, backend=self.backend, quiet=True)
+        if draft is not None:
+            check_same_vocab(self, draft)
+        self.draft = draft
+
+    def _spec_settings(self, speculative, spec_k, spec_ngram, temperature):
+        from .runtime.speculative import parse_speculative
+
+        if speculative == "auto":  # the default: greedy decoding speculates when DEFAULT_SPECULATIVE says so
+            speculative = DEFAULT_SPECULATIVE if temperature == 0 else None
+        return parse_speculative(speculative, k=spec_k, ngram=spec_ngram, draft=self.draft)
+
     def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                         top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
-                        sampler: Sampler | None = None, **sampling) -> Iterator[int]:
-        """Iterator of generated ids (an end-of-generation id is yielded, then it stops)."""
+                        sampler: Sampler | None = None, speculative="auto", spec_k: int | None = None,
+                        spec_ngram: int | None = None, **sampling) -> Iterator[int]:
+        """Iterator of generated ids (an end-of-generation id is yielded, then it stops).
+
+        speculative: "none"/None/False (one token per step), "lookup"/True (prompt lookup), "draft" (the model set
+        by set_draft / load(draft=)), or "auto" (DEFAULT_SPECULATIVE for greedy decoding, else none); spec_k: most
+        tokens drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py).
+        """
         ids = self._check_ids(ids)
+        spec = self._spec_settings(speculative, spec_k, spec_ngram,
+                                   temperature if sampler is None else sampler.s.temperature)
         if max_tokens < 0:
             raise PyllmError(f"max_tokens must be >= 0, got {max_tokens}")
         if sampler is None:
@@ -145,7 +175,8 @@ class LLM:
         with self._lock:
             self._epoch += 1
             mine = self._epoch
-            inner = self.generator.generate(ids, sampler.sample, max_tokens, self.tokenizer.is_eog)
+            inner = self.generator.generate(ids, sampler.sample, max_tokens, self.tokenizer.is_eog, spec=spec,
+                                            sampler=sampler)
             try:
                 for tok in inner:
                     yield tok
@@ -273,13 +304,15 @@ class LLM:
 
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
-         context_policy: str = "stop", verbose: bool = False) -> LLM:
+         context_policy: str = "stop", verbose: bool = False, draft=None) -> LLM:
     """Load a GGUF file (path) or a registry model (name, fetched on first use).
 
     kv_cache: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot, or "KEY/VALUE" such as "f16/q4_rot" (see
     runtime/kv_cache.py). context_policy: what chat()
     does when the conversation outgrows n_ctx: "stop" (ContextFullError / finish_reason "context") or "shift"
     (drop the oldest turns after the system prompt and re-prefill; see LLM.fit_chat).
+
+    draft: a smaller model (path, registry name or LLM) with the same vocabulary, for speculative="draft".
 
     backend: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights dequantized by the torch
     reference code (cached per weight on first use: for tests and accuracy baselines, not for speed).
@@ -319,5 +352,12 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     except BaseException:
         gf.close()
         raise
-    return LLM(path, gf, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
-               n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
+    llm = LLM(path, gf, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
+              n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
+    if draft is not None:  # a draft model for speculative decoding (same vocabulary, checked)
+        try:
+            llm.set_draft(draft)
+        except BaseException:
+            llm.close()
+            raise
+    return llm
