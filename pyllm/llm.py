@@ -91,6 +91,9 @@ class LLM:
         self.chat_dropped = 0  # messages the last chat() dropped from the front of its history ("shift")
         self.generator = Generator(model, kv, n_ctx)
         self.draft = None  # the draft LLM for speculative="draft" (set_draft)
+        # What generate_tokens' speculative="auto" / spec_k / spec_ngram default to (the CLI's --spec* flags):
+        # {"speculative": "lookup", "spec_k": 5, ...}; empty: DEFAULT_SPECULATIVE for greedy decoding.
+        self.spec_options: dict = {}
         self._lock = threading.RLock()
         # Bumped by every call that changes the cache. The RLock lets one thread in twice, so a stream left
         # suspended while the same thread starts another call must notice, not continue from a foreign cache.
@@ -148,9 +151,11 @@ class LLM:
     def _spec_settings(self, speculative, spec_k, spec_ngram, temperature):
         from .runtime.speculative import parse_speculative
 
-        if speculative == "auto":  # the default: greedy decoding speculates when DEFAULT_SPECULATIVE says so
-            speculative = DEFAULT_SPECULATIVE if temperature == 0 else None
-        return parse_speculative(speculative, k=spec_k, ngram=spec_ngram, draft=self.draft)
+        o = self.spec_options
+        if speculative == "auto":  # spec_options, else greedy decoding speculates as DEFAULT_SPECULATIVE says
+            speculative = o.get("speculative", DEFAULT_SPECULATIVE if temperature == 0 else None)
+        return parse_speculative(speculative, k=o.get("spec_k") if spec_k is None else spec_k,
+                                 ngram=o.get("spec_ngram") if spec_ngram is None else spec_ngram, draft=self.draft)
 
     def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                         top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
