@@ -209,7 +209,7 @@ def test_greedy_lookup_equals_plain_k7_scalar_kernels():
     ids = llm.chat_ids(EDIT)
     ops.set_isa("scalar")
     try:
-        (a, fa), (b, fb, st) = _pair(llm, ids, 64, _spec(7))
+        (a, fa), (b, fb, st) = _pair(llm, ids, 32, _spec(7))
     finally:
         ops.set_isa("avx2")
     assert b == a and fb == fa
