@@ -12,7 +12,6 @@ References:
   20,000 seeds (its sampling noise is ~0.01).
 """
 
-import numpy as np
 import pytest
 import torch
 
