@@ -492,6 +492,33 @@ void decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& l
     pyllm::decode_step_cpu(ctx.model, ctx.scratch, token, static_cast<int>(pos), logits_out.data_ptr<float>());
 }
 
+// tokens: int64 [M], 1 <= M <= GEMV_MAX_M, at positions pos..pos+M-1; logits_out: f32 [M, n_vocab] (all_logits)
+// or [n_vocab] / [1, n_vocab] (the last token's).  K/V are stored at every position.
+void decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const Tensor& logits_out, bool all_logits) {
+    const pyllm::DecodeConfig& c = ctx.model.cfg;
+    check_tensor("decode_steps", "tokens", tokens, at::kLong, 1);
+    const int64_t M = tokens.size(0);
+    TORCH_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "decode_steps: ", M, " tokens; it takes 1..",
+                      pyllm::GEMV_MAX_M);
+    const int64_t* tk = tokens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < M; ++i)
+        TORCH_CHECK_INDEX(tk[i] >= 0 && tk[i] < ctx.vocab_rows, "decode_steps: token ", tk[i],
+                          " is out of range for ", ctx.vocab_rows, " embedding rows");
+    const int64_t limit = std::min(c.max_seq, c.max_pos);
+    TORCH_CHECK_INDEX(pos >= 0 && pos + M <= limit, "decode_steps: positions ", pos, "..", pos + M - 1,
+                      " are out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ", c.max_pos);
+    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_steps: logits_out must be float32, got ",
+                     c10::toString(logits_out.scalar_type()));
+    const int64_t rows = all_logits ? M : 1;
+    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() &&
+                          logits_out.numel() == rows * c.n_vocab,
+                      "decode_steps: logits_out must be a contiguous CPU tensor of ", rows, " x ", c.n_vocab,
+                      " values, got shape ", logits_out.sizes());
+    pybind11::gil_scoped_release nogil;
+    pyllm::decode_steps_cpu(ctx.model, ctx.scratch, tk, static_cast<int>(M), static_cast<int>(pos),
+                            logits_out.data_ptr<float>(), all_logits);
+}
+
 
 // The decode step's attention for tests: q [H, hd] f32 over all S rows of k [Hkv, S, row] / v (types as
 // check_kv_rows), scale -> out [H, hd] in the storage basis (no rotation, no means).  scalar: the reference loop.
@@ -600,6 +627,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
     m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",
           py::arg("ctx"), py::arg("token"), py::arg("pos"), py::arg("logits_out"));
+    m.def("decode_steps", &decode_steps,
+          "1..GEMV_MAX_M tokens at pos.. through all layers in one pass (K/V stored at each) -> logits_out",
+          py::arg("ctx"), py::arg("tokens"), py::arg("pos"), py::arg("logits_out"), py::arg("all_logits") = true);
     m.def("kv_attention", &kv_attention, "decode attention of q [H, hd] over KV rows k/v [Hkv, S, row] (tests)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_type"), py::arg("v_type"), py::arg("scale"),
           py::arg("scalar") = false);

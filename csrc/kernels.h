@@ -125,13 +125,19 @@ struct DecodeModel {
 };
 // Per-model scratch, allocated once (resize) so a step allocates nothing.
 struct DecodeScratch {
-    std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;  // tmp: [n_head * 2 * head_dim] (rotations)
+    // x, h, q, k, v, att, g, u: GEMV_MAX_M rows each (decode_steps_cpu); tmp: [n_head * 2 * head_dim] (rotations)
+    std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;
     std::vector<float> sink;  // [n_head * (head_dim + 2)]: the sink row's output and the two log-sum-exps per head
     void resize(const DecodeModel& m);
 };
 // Embeds `token`, runs it at position `pos` through all layers (writing K/V at pos), logits: [n_vocab].
 // Caller checked 0 <= token < vocab rows, 0 <= pos < min(max_seq, max_pos).
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits);
+// M (1..GEMV_MAX_M) consecutive tokens at positions pos..pos+M-1 in one pass (each GEMV reads its weights once
+// for all rows; K/V stored at every position).  logits: [M, n_vocab] when all_logits, else [n_vocab] (last row).
+// Caller checked the tokens and pos + M <= min(max_seq, max_pos).
+void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos, float* logits,
+                      bool all_logits);
 
 // ---- CUDA ------------------------------------------------------------------------------------------------
 // The CUDA launchers live in csrc/cuda/cuda_kernels.h (they need cuda_runtime.h for cudaStream_t); their

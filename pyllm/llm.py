@@ -22,6 +22,9 @@ from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
+# What greedy decoding speculates with when the caller does not say (speculative="auto"): "none" until the
+# speedup is measured on a quiet machine (docs/BENCHMARKS.md, Speculative decoding).
+DEFAULT_SPECULATIVE = "none"
 
 
 def check_load_args(device: str, backend: str, context_policy: str) -> None:
@@ -137,6 +140,10 @@ class LLM:
         self.context_policy = _check_policy(context_policy)
         self.chat_dropped = 0  # messages the last chat() dropped from the front of its history ("shift")
         self.generator = Generator(model, kv, n_ctx)
+        self.draft = None  # the draft LLM for speculative="draft" (set_draft)
+        # What generate_tokens' speculative="auto" / spec_k / spec_ngram default to (the CLI's --spec* flags):
+        # {"speculative": "lookup", "spec_k": 5, ...}; empty: DEFAULT_SPECULATIVE for greedy decoding.
+        self.spec_options: dict = {}
         self._lock = threading.RLock()
         self._grammar_vocab = None  # built on the first structured-output call (grammar_vocab)
         # Bumped by every call that changes the cache. The RLock lets one thread in twice, so a stream left
@@ -203,15 +210,42 @@ class LLM:
 
         return make_constraint(lambda: self.grammar_vocab, json_schema=json_schema, grammar=grammar)
 
+    def set_draft(self, draft) -> None:
+        """Use ``draft`` (an LLM, or a model path / registry name to load) for speculative="draft". It must share
+        this model's vocabulary (checked: size and a sample of token texts; PyllmError otherwise)."""
+        from .runtime.speculative import check_same_vocab
+
+        if draft is not None and not isinstance(draft, LLM):
+            draft = load(draft, n_ctx=self.n_ctx, backend=self.backend, quiet=True)
+        if draft is not None:
+            check_same_vocab(self, draft)
+        self.draft = draft
+
+    def _spec_settings(self, speculative, spec_k, spec_ngram, temperature):
+        from .runtime.speculative import parse_speculative
+
+        o = self.spec_options
+        if speculative == "auto":  # spec_options, else greedy decoding speculates as DEFAULT_SPECULATIVE says
+            speculative = o.get("speculative", DEFAULT_SPECULATIVE if temperature == 0 else None)
+        return parse_speculative(speculative, k=o.get("spec_k") if spec_k is None else spec_k,
+                                 ngram=o.get("spec_ngram") if spec_ngram is None else spec_ngram, draft=self.draft)
+
     def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                         top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
-                        constraint=None, **sampling) -> Iterator[int]:
+                        constraint=None, speculative="auto", spec_k: int | None = None,
+                        spec_ngram: int | None = None, **sampling) -> Iterator[int]:
         """Iterator of generated ids (an end-of-generation id is yielded, then it stops).
 
         Structured output (at most one): ``json_schema`` (dict or JSON text), ``grammar`` (llama.cpp GBNF text) or
         a prebuilt ``constraint`` (LLM.make_constraint; one per generation). Only tokens the grammar allows are
-        sampled; when the output is complete the end-of-generation id is yielded at once (finish_reason "eog")."""
+        sampled; when the output is complete the end-of-generation id is yielded at once (finish_reason "eog").
+
+        speculative: "none"/None/False (one token per step), "lookup"/True (prompt lookup), "draft" (the model set
+        by set_draft / load(draft=)), or "auto" (DEFAULT_SPECULATIVE for greedy decoding, else none); spec_k: most
+        tokens drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). A
+        constrained generation does not speculate (the grammar state would have to roll back with the cache).
+        """
         from .runtime.constraint import make_constraint
 
         ids = self._check_ids(ids)
@@ -223,6 +257,8 @@ class LLM:
             sampler = Sampler(SamplerSettings(**kw))
         if constraint is not None:
             sampler.constraint = constraint
+        spec = None if sampler.constraint is not None else self._spec_settings(
+            speculative, spec_k, spec_ngram, sampler.s.temperature)
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
 
@@ -239,7 +275,8 @@ class LLM:
             mine = self._epoch
             self._check_file()
             inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog,
-                                            forced_end=sampler.constraint.end_token if sampler.constraint else None)
+                                            forced_end=sampler.constraint.end_token if sampler.constraint else None,
+                                            spec=spec, sampler=sampler)
             try:
                 while True:
                     self._check_file()  # the next forward pass reads the mapped weights
@@ -453,13 +490,15 @@ def _check_small_float_tensors(gf, weights: dict, source: str) -> None:
 
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
-         context_policy: str = "stop", verbose: bool = False) -> LLM:
+         context_policy: str = "stop", verbose: bool = False, draft=None) -> LLM:
     """Load a GGUF file (path) or a registry model (name, fetched on first use).
 
     kv_cache: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot, or "KEY/VALUE" such as "f16/q4_rot" (see
     runtime/kv_cache.py). context_policy: what chat()
     does when the conversation outgrows n_ctx: "stop" (ContextFullError / finish_reason "context") or "shift"
     (drop the oldest turns after the system prompt and re-prefill; see LLM.fit_chat).
+
+    draft: a smaller model (path, registry name or LLM) with the same vocabulary, for speculative="draft".
 
     backend: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights dequantized by the torch
     reference code (cached per weight on first use: for tests and accuracy baselines, not for speed).
@@ -500,5 +539,12 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     except BaseException:
         gf.close()
         raise
-    return LLM(path, gf, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
-               n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
+    llm = LLM(path, gf, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
+              n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
+    if draft is not None:  # a draft model for speculative decoding (same vocabulary, checked)
+        try:
+            llm.set_draft(draft)
+        except BaseException:
+            llm.close()
+            raise
+    return llm

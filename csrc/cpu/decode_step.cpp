@@ -5,6 +5,11 @@
 // so only summation order in the small ops differs.  The KV cache may hold any KVType per part (K and V apart):
 // attention.cpp stores the new row and attends over the stored rows directly.  No torch here: bindings.cpp
 // checked every size.
+//
+// decode_steps_cpu runs M <= GEMV_MAX_M consecutive tokens in one pass (speculative decoding verifies drafted
+// tokens this way): each GEMV reads its weights once for all M rows, and everything else is the one-token code
+// applied row by row, so row m computes what a one-token step at pos + m would, except for the GEMV's summation
+// order, which its row kernels choose per M.
 #include <omp.h>
 
 #include <algorithm>
@@ -43,56 +48,69 @@ inline void rope(float* x, const float* c, const float* s, int rope_dim, bool ne
     }
 }
 
-inline void gemv(const DecodeWeight& w, const float* x, float* y, int N, int K, bool precise_x = false) {
-    gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, 1, N, K, precise_x);
+// y [M, N] = x [M, K] W^T: the weights are read once for all M rows.
+inline void gemv(const DecodeWeight& w, const float* x, float* y, int M, int N, int K, bool precise_x = false) {
+    gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, M, N, K, precise_x);
 }
 
 }  // namespace
 
 void DecodeScratch::resize(const DecodeModel& m) {
     const DecodeConfig& c = m.cfg;
-    x.assign(c.n_embd, 0.f);
-    h.assign(c.n_embd, 0.f);
-    q.assign(static_cast<size_t>(c.n_head) * c.head_dim, 0.f);
-    k.assign(static_cast<size_t>(c.n_kv_head) * c.head_dim, 0.f);
-    v.assign(static_cast<size_t>(c.n_kv_head) * c.head_dim, 0.f);
-    att.assign(static_cast<size_t>(c.n_head) * c.head_dim, 0.f);
-    g.assign(c.n_ff, 0.f);
-    u.assign(c.n_ff, 0.f);
+    const size_t R = GEMV_MAX_M;  // rows of the multi-token step
+    x.assign(R * c.n_embd, 0.f);
+    h.assign(R * c.n_embd, 0.f);
+    q.assign(R * c.n_head * c.head_dim, 0.f);
+    k.assign(R * c.n_kv_head * c.head_dim, 0.f);
+    v.assign(R * c.n_kv_head * c.head_dim, 0.f);
+    att.assign(R * c.n_head * c.head_dim, 0.f);
+    g.assign(R * c.n_ff, 0.f);
+    u.assign(R * c.n_ff, 0.f);
     scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
     tmp.assign(static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
     sink.assign(static_cast<size_t>(c.n_head) * (c.head_dim + 3), 0.f);
 }
 
-void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
+void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos0, float* logits,
+                      bool all_logits) {
     const DecodeConfig& c = m.cfg;
     const int D = c.n_embd, H = c.n_head, Hkv = c.n_kv_head, hd = c.head_dim, F = c.n_ff;
     const int group = H / Hkv;
-    float* x = s.x.data();
-    float* h = s.h.data();
-    float* q = s.q.data();
-    float* k = s.k.data();
-    float* v = s.v.data();
-    float* att = s.att.data();
+    // Row r of each buffer belongs to tokens[r] at position pos0 + r.
+    float* const x0 = s.x.data();   // [M, D]
+    float* const h0b = s.h.data();  // [M, D]
+    float* const q0 = s.q.data();   // [M, H * hd]
+    float* const k0 = s.k.data();   // [M, Hkv * hd]
+    float* const v0 = s.v.data();   // [M, Hkv * hd]
+    float* const att0 = s.att.data();  // [M, H * hd]
+    float* const g0 = s.g.data();   // [M, F]
+    float* const u0 = s.u.data();   // [M, F]
 
-    dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, &token, 1, D, x);
+    dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, tokens, M, D, x0);
     if (c.embd_scale != 0.f)
-        for (int i = 0; i < D; ++i) x[i] *= c.embd_scale;
-    const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
+        for (size_t i = 0; i < static_cast<size_t>(M) * D; ++i) x0[i] *= c.embd_scale;
     const int nt = std::min(cpu_get_num_threads(), H);
 
     for (int il = 0; il < c.n_layer; ++il) {
         const DecodeLayer& L = m.layers[il];
+        for (int r = 0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, L.attn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
+        gemv(L.wq, h0b, q0, M, H * hd, D);
+        gemv(L.wk, h0b, k0, M, Hkv * hd, D);
+        gemv(L.wv, h0b, v0, M, Hkv * hd, D);
+      // Rows in order: row r stores K/V at pos0 + r, then attends over keys up to there (rows < r stored).
+      for (int r = 0; r < M; ++r) {
+        const int pos = pos0 + r;
+        float* q = q0 + static_cast<size_t>(r) * H * hd;
+        float* k = k0 + static_cast<size_t>(r) * Hkv * hd;
+        float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
+        float* att = att0 + static_cast<size_t>(r) * H * hd;
+        const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
         const float* cs = (L.rope ? m.cos2 : m.cos) + rope_off;
         const float* sn = (L.rope ? m.sin2 : m.sin) + rope_off;
         const int j0 = L.window > 0 ? std::max(0, pos - L.window + 1) : 0;
         const int n_keys = pos + 1 - j0;
         // A parallel region costs a few microseconds: only worth it once the heads have real work.
         const bool par = nt > 1 && static_cast<int64_t>(n_keys) * hd * H >= 32768;
-        rms_norm(x, L.attn_norm, h, D, c.eps);
-        gemv(L.wq, h, q, H * hd, D);
-        gemv(L.wk, h, k, Hkv * hd, D);
-        gemv(L.wv, h, v, Hkv * hd, D);
         if (L.bq) {
             for (int i = 0; i < H * hd; ++i) q[i] += L.bq[i];
             for (int i = 0; i < Hkv * hd; ++i) k[i] += L.bk[i];
@@ -220,34 +238,44 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
             for (int t = 0; t < n_tasks; ++t) task(t);
         }
 
-        gemv(L.wo, att, h, D, H * hd);
-        if (L.post_attn_norm) rms_norm(h, L.post_attn_norm, h, D, c.eps);
-        for (int i = 0; i < D; ++i) x[i] += h[i];
-        rms_norm(x, L.ffn_norm, h, D, c.eps);
-        gemv(L.wgate, h, s.g.data(), F, D);
-        gemv(L.wup, h, s.u.data(), F, D);
-        float* g = s.g.data();
-        const float* u = s.u.data();
+      }  // rows
+        const size_t MD = static_cast<size_t>(M) * D, MF = static_cast<size_t>(M) * F;
+        gemv(L.wo, att0, h0b, M, D, H * hd);
+        if (L.post_attn_norm)
+            for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_attn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
+        for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
+        for (int r = 0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, L.ffn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
+        gemv(L.wgate, h0b, g0, M, F, D);
+        gemv(L.wup, h0b, u0, M, F, D);
+        float* g = g0;
+        const float* u = u0;
         if (c.gelu_tanh) {
             // torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-            const float k0 = 0.7978845608028654f, k1 = 0.044715f;
-            for (int i = 0; i < F; ++i) {
+            const float c0 = 0.7978845608028654f, c1 = 0.044715f;
+            for (size_t i = 0; i < MF; ++i) {
                 const float a = g[i];
-                g[i] = 0.5f * a * (1.0f + std::tanh(k0 * (a + k1 * a * a * a))) * u[i];
+                g[i] = 0.5f * a * (1.0f + std::tanh(c0 * (a + c1 * a * a * a))) * u[i];
             }
         } else {
-            for (int i = 0; i < F; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+            for (size_t i = 0; i < MF; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
         }
-        gemv(L.wdown, g, h, D, F);
-        if (L.post_ffw_norm) rms_norm(h, L.post_ffw_norm, h, D, c.eps);
-        for (int i = 0; i < D; ++i) x[i] += h[i];
+        gemv(L.wdown, g, h0b, M, D, F);
+        if (L.post_ffw_norm)
+            for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_ffw_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
+        for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
     }
-    rms_norm(x, m.output_norm, h, D, c.eps);
-    gemv(m.output, h, logits, c.n_vocab, D, /*precise_x=*/true);  // as ops.qmatmul_output
+    // Only the last row's logits unless all are asked for: the output GEMV is the largest in small models.
+    const int r0 = all_logits ? 0 : M - 1, n_out = M - r0;
+    for (int r = r0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, m.output_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
+    gemv(m.output, h0b + static_cast<size_t>(r0) * D, logits, n_out, c.n_vocab, D, /*precise_x=*/true);  // as ops.qmatmul_output
     if (c.final_softcap != 0.f) {
         const float cap = c.final_softcap;
-        for (int i = 0; i < c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
+        for (size_t i = 0; i < static_cast<size_t>(n_out) * c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
     }
+}
+
+void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
+    decode_steps_cpu(m, s, &token, 1, pos, logits, true);
 }
 
 }  // namespace pyllm

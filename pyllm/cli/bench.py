@@ -50,6 +50,13 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--backend", default="fast", choices=["fast", "reference"])
     s.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     s.add_argument("--probe", action="store_true", help="(re)measure this machine's bandwidth and FLOP rate first")
+    s.add_argument("--spec", "-spec", default=None, choices=["lookup", "draft"],
+                   help="speculative test instead of pp/tg: greedy chat replies of -n tokens to the shipped grounded "
+                        "and open-ended prompts (pyllm/data/spec_prompts.json), plain and speculative interleaved; "
+                        "tok/s of each, speedup, acceptance and tokens per verification pass")
+    s.add_argument("--spec-k", type=int, default=None, metavar="K", help="most tokens drafted per step (1..7)")
+    s.add_argument("--spec-ngram", type=int, default=None, metavar="N", help="longest suffix prompt lookup matches")
+    s.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --spec draft")
     s.set_defaults(func=cmd_bench)
 
 
@@ -220,6 +227,8 @@ def cmd_bench(a) -> int:
             print(json.dumps(roof, indent=2))
             return 0
         raise PyllmError("give at least one model (or --synthetic SHAPE:TYPE, or --probe)")
+    if a.spec:
+        return cmd_bench_spec(a)
     rows = []
     subjects = [(m, None) for m in a.models] + [(None, s) for s in a.synthetic]
     for model, synth in subjects:
@@ -241,4 +250,65 @@ def cmd_bench(a) -> int:
         print(buf.getvalue(), end="")
     else:
         print(format_md(rows, roof), end="")
+    return 0
+
+
+# ---- speculative decoding test (--spec) ------------------------------------------------------------------------------
+def spec_prompts() -> list[dict]:
+    from importlib import resources
+
+    return json.loads(resources.files("pyllm").joinpath("data/spec_prompts.json").read_text())["prompts"]
+
+
+def time_reply(llm, ids: list[int], n: int, spec: str, a) -> tuple[list[int], float, object]:
+    """Greedy reply of up to n tokens from a fresh cache: (tokens, decode seconds, SpecStats or None). Decode time
+    starts after the first token (prefill is the same for both modes and not what speculation changes)."""
+    llm.reset()
+    out = list(llm.generate_tokens(ids, max_tokens=n, temperature=0, speculative=spec, spec_k=a.spec_k,
+                                   spec_ngram=a.spec_ngram))
+    st = llm.stats
+    return out, st.decode_seconds, st.spec
+
+
+def cmd_bench_spec(a) -> int:
+    """Plain vs speculative greedy decoding on each shipped prompt, interleaved (plain, spec, plain, spec, ...) so
+    that a busy machine slows both alike; tok/s counts the tokens after the first over the decode time."""
+    import pyllm
+
+    if not a.models:
+        raise PyllmError("--spec needs a model file or registry name (synthetic models have no tokenizer)")
+    if a.spec == "draft" and not a.draft:
+        raise PyllmError("--spec draft needs --draft MODEL")
+    n = a.n_gen or 128
+    rows = []
+    for model in a.models:
+        llm = pyllm.load(model, n_ctx=2048, kv_cache=a.kv, n_threads=a.threads, backend=a.backend, quiet=False,
+                         draft=a.draft if a.spec == "draft" else None)
+        for p in spec_prompts():
+            ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
+            time_reply(llm, ids, 8, "none", a)  # warm-up
+            plain, spec, same, st = [], [], True, None
+            for _ in range(a.repetitions):
+                ref, t0, _ = time_reply(llm, ids, n, "none", a)
+                out, t1, st = time_reply(llm, ids, n, a.spec, a)
+                same &= out == ref
+                plain.append((len(ref) - 1) / t0 if t0 else 0.0)
+                spec.append((len(out) - 1) / t1 if t1 else 0.0)
+            mp, ms = statistics.fmean(plain), statistics.fmean(spec)
+            rows.append(dict(model_filename=llm.path.name, prompt=p["name"], kind=p["kind"], spec=a.spec,
+                             n_gen=len(ref), kv_type=a.kv, plain_ts=mp, spec_ts=ms, speedup=ms / mp if mp else 0.0,
+                             acceptance=st.acceptance, mean_accepted=st.mean_accepted, drafted=st.drafted,
+                             plain_steps=st.plain_steps, same_tokens=same))
+            if a.output == "md":
+                sys.stderr.write(f"pyllm: measured {llm.path.name} {p['name']}\n")
+        llm.close()
+    if a.output == "json":
+        print(json.dumps(rows, indent=2))
+        return 0
+    print("| model | prompt | kind | tokens | plain t/s | spec t/s | speedup | accepted | tokens/pass | same |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for r in rows:
+        print(f"| {r['model_filename']} | {r['prompt']} | {r['kind']} | {r['n_gen']} | {r['plain_ts']:.1f} "
+              f"| {r['spec_ts']:.1f} | {r['speedup']:.2f}x | {r['acceptance']:.0%} of {r['drafted']} "
+              f"| {r['mean_accepted']:.2f} | {'yes' if r['same_tokens'] else 'NO'} |")
     return 0

@@ -374,6 +374,8 @@ class ChatSession:
         cached = st.prompt_tokens - st.prompt_evaluated
         parts = [f"{st.prompt_tokens} prompt tokens" + (f" ({cached} cached)" if cached > 0 else ""),
                  f"ttft {st.ttft:.2f}s", f"{st.generated_tokens} tokens", f"{st.decode_tps:.1f} tok/s"]
+        if st.spec is not None and st.spec.drafted:  # speculation ran: how much of what it drafted was kept
+            parts.append(f"{st.spec.acceptance:.0%} of {st.spec.drafted} drafted accepted")
         if interrupted:
             parts.append("interrupted")
         elif st.finish_reason == "length":

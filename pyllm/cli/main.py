@@ -68,6 +68,32 @@ def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
     g.add_argument("--seed", type=int, default=None, help="RNG seed (same seed, same text)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec", default=None, choices=["none", "lookup", "draft"],
+                   help="speculative decoding: lookup (drafts copied from the prompt and the text so far) or draft "
+                        "(a draft model, --draft); the output distribution is unchanged (default: none)")
+    g.add_argument("--spec-k", type=int, default=None, metavar="K",
+                   help="most tokens drafted per step, 1..7 (default 7; fewer while acceptance is low)")
+    g.add_argument("--spec-ngram", type=int, default=None, metavar="N",
+                   help="prompt lookup: longest suffix matched, tried down to 1 (default 4)")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="draft model for --spec draft (same tokenizer; --spec defaults to draft when given)")
+
+
+def spec_kwargs(a) -> dict:
+    """LLM.spec_options from --spec*: speculative=/spec_k=/spec_ngram= (only those given)."""
+    spec = getattr(a, "spec", None)
+    if spec is None and getattr(a, "draft", None):
+        spec = "draft"
+    out = {} if spec is None else dict(speculative=spec)
+    if getattr(a, "spec_k", None) is not None:
+        out["spec_k"] = a.spec_k
+    if getattr(a, "spec_ngram", None) is not None:
+        out["spec_ngram"] = a.spec_ngram
+    return out
+
+
 def sampling_kwargs(a) -> dict:
     return dict(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
                 repeat_penalty=a.repeat_penalty)
@@ -86,13 +112,15 @@ def load_from_args(a, context_policy: str = "stop"):
 
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
                      backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False),
-                     context_policy=getattr(a, "context_policy", None) or context_policy)
+                     context_policy=getattr(a, "context_policy", None) or context_policy,
+                     draft=getattr(a, "draft", None))
     if getattr(a, "plain_template", False):
         llm.use_fallback_template()
     elif getattr(llm.template, "is_fallback", False) and (getattr(a, "command", None) == "chat"
                                                           or getattr(a, "chat", False)):
         print(f"pyllm: warning: {llm.path.name} has no chat template (a base model?); chats use a plain "
               f"fallback format, and replies may just continue the text", file=sys.stderr)
+    llm.spec_options = spec_kwargs(a)  # every generation of this run/chat speculates as --spec* say
     return llm
 
 
@@ -190,8 +218,10 @@ def cmd_run(a) -> int:
         if st.finish_reason == "context":
             print(f"pyllm: stopped: the context of {llm.n_ctx} tokens is full (use a larger --ctx)", file=sys.stderr)
         if a.verbose:
+            spec = (f"; speculative: {st.spec.acceptance:.0%} of {st.spec.drafted} drafted accepted, "
+                    f"{st.spec.mean_accepted:.2f} tokens per pass") if st.spec is not None else ""
             print(f"[{st.prompt_tokens} prompt tokens, {st.prompt_tps:.1f} t/s; {st.generated_tokens} generated, "
-                  f"{st.decode_tps:.1f} t/s; {st.finish_reason}]", file=sys.stderr)
+                  f"{st.decode_tps:.1f} t/s; {st.finish_reason}{spec}]", file=sys.stderr)
     return 0
 
 
@@ -331,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lines", action="store_true", help="piped input: one message per line")
     add_runtime_args(s)
     add_sampling_args(s, 512)
+    add_spec_args(s)
     s.set_defaults(func=cmd_chat)
 
     s = sub.add_parser("run", help="complete a prompt", description="Print a completion as it is generated.")
@@ -349,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="constrain the output to the llama.cpp GBNF grammar in FILE ('-' = stdin)")
     add_runtime_args(s)
     add_sampling_args(s, 256)
+    add_spec_args(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",

@@ -32,6 +32,7 @@ class Gemma3Model:
     use_cpp_decode = True
     _decode_ctx = None  # (kv, its k tensor, DecodeContext or None), built lazily like LlamaModel's
     _cpp_decode = LlamaModel._cpp_decode
+    decode_context = LlamaModel.decode_context
 
     LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                      "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")

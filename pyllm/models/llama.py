@@ -158,16 +158,22 @@ class LlamaModel:
 
     def _cpp_decode(self, tokens: torch.Tensor, start_pos: int, kv) -> torch.Tensor | None:
         """Logits [1, n_vocab] of one token via the extension's decode_step, or None where it does not apply."""
+        ctx = self.decode_context(kv)
+        if ctx is None:
+            return None
+        kv._check(start_pos, 1)
+        logits = torch.empty(1, ctx.n_vocab)
+        ops._C.decode_step(ctx, int(tokens[0]), start_pos, logits)
+        return logits
+
+    def decode_context(self, kv):
+        """The extension's DecodeContext for ``kv`` (built once per cache), or None where the C++ step does not
+        apply now (see make_decode_ctx; and the first steps of a centered cache estimate its means in torch)."""
         c = self._decode_ctx
         part = getattr(getattr(kv, "k_part", None), "data", None)
         if c is None or c[0] is not kv or c[1] is not part:
             c = self._decode_ctx = (kv, part, self._make_decode_ctx(kv))
-        if c[2] is None or not kv.means_ready():  # the first steps of a centered cache estimate its means in torch
-            return None
-        kv._check(start_pos, 1)
-        logits = torch.empty(1, c[2].n_vocab)
-        ops._C.decode_step(c[2], int(tokens[0]), start_pos, logits)
-        return logits
+        return c[2] if c[2] is not None and kv.means_ready() else None
 
     def _make_decode_ctx(self, kv):
         cfg = self.cfg

@@ -53,6 +53,7 @@ class GenerationStats:
     decode_seconds: float = 0.0
     finish_reason: str = ""  # "eog", "length", "context", "stop", "interrupted"
     ttft: float = 0.0  # seconds from the call to the first generated token
+    spec: object = None  # speculative.SpecStats when speculation ran, else None
 
     @property
     def prompt_tps(self) -> float:
@@ -68,7 +69,8 @@ class GenerationStats:
         return dict(prompt_tokens=self.prompt_tokens, prompt_evaluated=self.prompt_evaluated,
                     prompt_seconds=self.prompt_seconds, generated_tokens=self.generated_tokens,
                     decode_seconds=self.decode_seconds, finish_reason=self.finish_reason, ttft=self.ttft,
-                    prompt_tps=self.prompt_tps, decode_tps=self.decode_tps)
+                    prompt_tps=self.prompt_tps, decode_tps=self.decode_tps,
+                    spec=self.spec.as_dict() if self.spec is not None else None)
 
 
 @dataclass
@@ -87,10 +89,15 @@ class Generator:
         """Forget cached tokens from position n on (their cache slots are simply overwritten later)."""
         del self.tokens[n:]
 
+    def check_room(self, n: int) -> None:
+        """ContextFullError unless n more tokens fit after the cached ones."""
+        pos = len(self.tokens)
+        if pos + n > self.n_ctx:
+            raise ContextFullError(f"context full: {pos} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
+
     def _forward(self, toks: list[int], all_logits: bool = False) -> torch.Tensor:
         pos = len(self.tokens)
-        if pos + len(toks) > self.n_ctx:
-            raise ContextFullError(f"context full: {pos} cached + {len(toks)} new tokens exceed n_ctx={self.n_ctx}")
+        self.check_room(len(toks))
         with torch.inference_mode():
             logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
         self.tokens.extend(toks)
@@ -127,19 +134,35 @@ class Generator:
         out = [self._forward(ids[i:i + self.n_batch], all_logits=True) for i in range(0, len(ids), self.n_batch)]
         return torch.cat(out)
 
+    def _reason(self, n: int, tok: int, n_prompt: int, max_tokens: int, is_eog) -> str:
+        """Why generation ends after the n-th generated token ``tok`` ("interrupted": it goes on)."""
+        if is_eog(tok):
+            return "eog"
+        if n + 1 == max_tokens:
+            return "length"
+        if n_prompt + n + 1 > self.n_ctx:  # tok would be cached at position n_prompt + n
+            return "context"
+        return "interrupted"
+
     def generate(self, ids: list[int], sample: Callable[[torch.Tensor], int], max_tokens: int,
-                 is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None) -> Iterator[int]:
+                 is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None, spec=None,
+                 sampler=None) -> Iterator[int]:
         """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context.
 
         ``forced_end`` (a grammar constraint's ``end_token``): asked after each token; an id means the structured
         output is complete and only that end id can follow, so it is yielded next without a decode step (the
         same tokens the masked sampler would give, one forward pass sooner).
+        spec: speculative.SpecSettings to speculate (then ``sampler``, the Sampler behind ``sample``, is needed
+        for verification), or None for one token per step; not combined with ``forced_end``.
         """
         st = self.stats = GenerationStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
         st.finish_reason = "interrupted"
         logits = self.prefill(ids)
         st.prompt_seconds = time.perf_counter() - t0
+        if spec is not None and max_tokens > 0:
+            yield from self._generate_speculative(ids, logits, sample, sampler, max_tokens, is_eog, spec, t0)
+            return
         t1 = time.perf_counter()
         forced = None
         for n in range(max_tokens):
@@ -149,14 +172,7 @@ class Generator:
                 st.ttft = time.perf_counter() - t0
                 t1 = time.perf_counter()
             # the reason is set before the yield: a consumer that stops at this token never resumes us
-            if is_eog(tok):
-                st.finish_reason = "eog"
-            elif n + 1 == max_tokens:
-                st.finish_reason = "length"
-            elif len(self.tokens) + 1 > self.n_ctx:
-                st.finish_reason = "context"
-            else:
-                st.finish_reason = "interrupted"
+            st.finish_reason = self._reason(n, tok, len(ids), max_tokens, is_eog)
             st.decode_seconds = time.perf_counter() - t1
             yield tok
             if st.finish_reason != "interrupted":
@@ -167,3 +183,76 @@ class Generator:
         else:
             st.finish_reason = "length"
         st.decode_seconds = time.perf_counter() - t1
+
+    def _generate_speculative(self, ids, logits, sample, sampler, max_tokens, is_eog, spec, t0) -> Iterator[int]:
+        """generate() with speculation: after each emitted token, a proposal of k tokens is verified in one
+        multi-row forward and the accepted ones (plus the model's own next token) are emitted together.
+
+        The cache is rolled back to the accepted tokens by truncating ``tokens``: rows past it are stale and get
+        overwritten, and the quantized caches' statistics were fixed by the prompt (speculation waits until
+        ``kv.means_ready()``), so nothing else needs undoing.
+        """
+        from . import speculative as sp
+
+        st = self.stats
+        sst = st.spec = sp.SpecStats()
+        ctrl = sp.SpecController(max_k=spec.k, adaptive=spec.adaptive)
+        draft = spec.mode == "draft"
+        prop = sp.DraftProposer(spec.draft) if draft else sp.LookupProposer(spec.ngram)
+        ctx = list(ids)  # prompt + generated: what lookup searches
+        since_probe = 0
+        queue = [sample(logits)]
+        st.ttft = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        n = 0
+        while True:
+            for tok in queue:
+                st.generated_tokens += 1
+                st.finish_reason = self._reason(n, tok, len(ids), max_tokens, is_eog)
+                st.decode_seconds = time.perf_counter() - t1
+                yield tok
+                if st.finish_reason != "interrupted":
+                    st.decode_seconds = time.perf_counter() - t1
+                    return
+                n += 1
+                ctx.append(tok)
+            # tok (the last emitted) is not cached yet; room: drafts that fit after it in the context
+            room = min(max_tokens - n - 1, self.n_ctx - len(self.tokens) - 1)
+            ready = getattr(self.kv, "means_ready", lambda: True)()
+            drafts, q, mlen, k = [], None, 0, 0
+            if ready and room > 0:
+                if draft:
+                    k = ctrl.choose_k(0, room)
+                    since_probe = 0 if k else since_probe + 1
+                    if k == 0 and since_probe >= 16:  # re-measure the draft's acceptance now and then
+                        k, since_probe = 1, 0
+                    if k:
+                        td = time.perf_counter()
+                        with torch.inference_mode():
+                            drafts, q = prop.propose(ctx, k, sampler)
+                        ctrl.draft_cost = (time.perf_counter() - td) / max(len(drafts), 1)
+                        k = len(drafts)
+                else:
+                    drafts, mlen = prop.propose(ctx, spec.k)
+                    k = ctrl.choose_k(mlen, min(len(drafts), room))
+            ts = time.perf_counter()
+            if k == 0:
+                logits = self._forward([tok])[-1]
+                ctrl.time(1, time.perf_counter() - ts)
+                nxt = sample(logits)
+                if drafts:  # free evidence: would the first drafted token have been accepted?
+                    ctrl.observe(mlen, int(drafts[0] == nxt), 1)
+                sst.plain_steps += 1
+                queue = [nxt]
+                continue
+            d = drafts[:k]
+            with torch.inference_mode():
+                rows = sp.forward_rows(self, [tok] + d)
+            ctrl.time(k + 1, time.perf_counter() - ts)
+            queue = sp.accept(sampler, rows, d, q)
+            a = len(queue) - 1  # accepted drafts
+            self.truncate(len(self.tokens) - (k - a))  # keep tok and the accepted drafts
+            ctrl.observe(mlen, a, min(a + 1, k))
+            sst.drafted += k
+            sst.accepted += a
+            sst.verifies += 1

@@ -1,0 +1,357 @@
+"""Speculative decoding: propose a few tokens cheaply, check them all with one forward pass of the model.
+
+Decode reads every weight once per token; a forward over M <= 8 tokens (the model's multi-row decode step, one
+GEMV pass per weight for all rows) costs little more than one, so every drafted token the model agrees with is
+nearly free. Two proposers:
+
+* ``LookupProposer`` (prompt lookup, "lookup"): the last n tokens (n = ngram..1) are looked up in the prompt and
+  the text so far, and the tokens that followed their latest earlier occurrence are the draft. No second model;
+  it pays off where the output repeats the input (editing code, rewriting or summarising a pasted text).
+* ``DraftProposer`` ("draft"): a smaller model with the same vocabulary drafts token by token.
+
+Verification (``accept``) keeps the output distribution exactly that of plain decoding: greedy (temperature 0)
+emits the model's own argmax at each row and stops at the first disagreement; sampling uses the standard
+speculative-sampling rule (accept a drafted x with probability min(1, p(x)/q(x)), else draw from
+norm(max(p - q, 0))), with q one-hot for lookup drafts.
+
+``SpecController`` decides per step whether to speculate and how many tokens: it keeps running estimates of the
+acceptance rate per match length (updated for free from plain steps too, by checking what would have been
+drafted) and of the time of a forward over M rows, and drafts k tokens only when the expected tokens per second
+(1 - a^(k+1)) / (1 - a) / t(k+1) beat plain decoding's 1 / t(1) by a margin. Open-ended text, where lookups
+rarely agree, therefore falls back to plain steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import PyllmError
+
+SPEC_MODES = ("none", "lookup", "draft")
+MAX_ROWS = 8  # rows of one verification forward: the fused GEMV's limit (ops.GEMV_MAX_M)
+DEFAULT_K = 7  # drafted tokens per verification at most (k + 1 = MAX_ROWS rows)
+DEFAULT_NGRAM = 4  # longest suffix looked up; shorter ones are tried down to 1
+
+
+@dataclass
+class SpecSettings:
+    """What to speculate with. ``draft``: the draft LLM for mode "draft" (pyllm.load'ed, same vocabulary)."""
+
+    mode: str = "lookup"
+    k: int = DEFAULT_K
+    ngram: int = DEFAULT_NGRAM
+    draft: object = None
+    adaptive: bool = True  # False: always draft k tokens when a proposal exists (tests, measurements)
+
+    def validate(self) -> "SpecSettings":
+        if self.mode not in SPEC_MODES:
+            raise PyllmError(f"speculative mode must be one of {', '.join(SPEC_MODES)}, got {self.mode!r}")
+        if not isinstance(self.k, int) or not 1 <= self.k <= MAX_ROWS - 1:
+            raise PyllmError(f"--spec-k must be an integer in 1..{MAX_ROWS - 1}, got {self.k!r}")
+        if not isinstance(self.ngram, int) or not 1 <= self.ngram <= 16:
+            raise PyllmError(f"--spec-ngram must be an integer in 1..16, got {self.ngram!r}")
+        if self.mode == "draft" and self.draft is None:
+            raise PyllmError("speculative mode 'draft' needs a draft model (--draft MODEL)")
+        return self
+
+
+def parse_speculative(value, k: int | None = None, ngram: int | None = None, draft=None) -> SpecSettings | None:
+    """``speculative=`` of the library: None/False/"none" -> None; True/"lookup"/"draft" or a SpecSettings."""
+    if isinstance(value, SpecSettings):
+        return value.validate() if value.mode != "none" else None
+    if value is None or value is False or value == "none":
+        return None
+    mode = "lookup" if value is True else value
+    if mode not in SPEC_MODES:
+        raise PyllmError(f"speculative must be one of {', '.join(SPEC_MODES)} (or True/False), got {value!r}")
+    s = SpecSettings(mode=mode, draft=draft)
+    if k is not None:
+        s.k = k
+    if ngram is not None:
+        s.ngram = ngram
+    return s.validate()
+
+
+# ---- proposers ---------------------------------------------------------------------------------------------------
+class LookupProposer:
+    """Prompt lookup over a growing token list: index of n-gram -> position after its latest occurrence.
+
+    ``propose(ctx, k)`` looks up the suffix of ``ctx`` (the longest n first) among the earlier positions and returns
+    (the up to k tokens that followed it, n), or ([], 0). Indexing is incremental: each position is added once, so a
+    step costs O(ngram) dict operations however long the context is.
+    """
+
+    def __init__(self, ngram: int = DEFAULT_NGRAM):
+        self.ngram = ngram
+        self.index: dict[tuple, int] = {}
+        self.ctx: list[int] = []
+        self.done = 0  # ends e (exclusive) 1..done are indexed
+
+    def _sync(self, ctx: list[int]) -> None:
+        # The generator only ever appends, or starts over; anything else (a caller's list) restarts the index.
+        n = len(self.ctx)
+        if len(ctx) < n or ctx[:n] != self.ctx:
+            self.index, self.ctx, self.done = {}, [], 0
+        self.ctx = list(ctx) if len(self.ctx) == 0 else self.ctx + ctx[n:]
+
+    def propose(self, ctx: list[int], k: int) -> tuple[list[int], int]:
+        self._sync(ctx)
+        c, L = self.ctx, len(self.ctx)
+        # index every end e < L: the current suffix (e = L) must not find itself
+        for e in range(self.done + 1, L):
+            for n in range(1, min(self.ngram, e) + 1):
+                self.index[tuple(c[e - n:e])] = e
+        self.done = max(self.done, L - 1)
+        for n in range(min(self.ngram, L), 0, -1):
+            e = self.index.get(tuple(c[L - n:L]))
+            if e is not None:
+                return c[e:e + k], n
+        return [], 0
+
+
+class DraftProposer:
+    """A draft model proposing k tokens one at a time (greedy, or sampled from its own distribution ``q``).
+
+    It keeps its own cache in step with the target's tokens (catching up several tokens in one multi-row pass).
+    """
+
+    def __init__(self, draft_llm):
+        self.llm = draft_llm
+        self.gen = draft_llm.generator
+
+    def propose(self, ctx: list[int], k: int, sampler) -> tuple[list[int], list]:
+        """Drafts up to k tokens after ``ctx``; returns (tokens, q) with q[i] = (ids, probs) of the draft's
+        distribution at token i (None when greedy)."""
+        gen = self.gen
+        keep = min(gen.common_prefix(ctx), len(ctx) - 1)
+        gen.truncate(keep)
+        logits = None
+        # catch up with the target: the missing tokens in passes of at most MAX_ROWS rows (a long gap: prefill)
+        rest = ctx[keep:]
+        if len(rest) > 4 * MAX_ROWS:
+            logits = gen.prefill(ctx)
+        else:
+            for i in range(0, len(rest), MAX_ROWS):
+                logits = forward_rows(gen, rest[i:i + MAX_ROWS], all_logits=False)[-1]
+        room = gen.n_ctx - len(gen.tokens) - 1
+        k = min(k, room)
+        out, qs = [], []
+        greedy = sampler.s.temperature == 0
+        recent = list(sampler.recent)
+        for i in range(k):
+            if greedy:
+                tok = int(torch.argmax(logits))
+                qs.append(None)
+            else:
+                ids, probs = distribution(sampler, logits, recent)
+                tok = int(ids[min(int(np.searchsorted(np.cumsum(probs), sampler.rng.random() * probs.sum(),
+                                                       side="right")), len(ids) - 1)])
+                qs.append((ids, probs))
+            out.append(tok)
+            recent.append(tok)
+            if i + 1 < k:
+                logits = forward_rows(gen, [tok], all_logits=False)[-1]
+        return out, qs
+
+
+# ---- the model's multi-row forward -------------------------------------------------------------------------------
+def forward_rows(gen, toks: list[int], all_logits: bool = True) -> torch.Tensor:
+    """Runs ``toks`` (1..MAX_ROWS) at the generator's next positions and appends them to its tokens.
+
+    Uses the model's multi-row C++ decode step (ops._C.decode_steps: the weights read once for all rows, each row
+    otherwise the one-token step) where it applies, else the model's forward. Returns logits [len(toks) or 1,
+    n_vocab] f32.
+    """
+    from .. import ops
+
+    model, kv = gen.model, gen.kv
+    ctx = model.decode_context(kv) if hasattr(model, "decode_context") and getattr(model, "use_cpp_decode", False) \
+        else None
+    if ctx is None or len(toks) > MAX_ROWS:
+        return gen._forward(toks, all_logits=all_logits)
+    pos = len(gen.tokens)
+    gen.check_room(len(toks))
+    kv._check(pos, len(toks))
+    out = torch.empty(len(toks) if all_logits else 1, ctx.n_vocab)
+    ops._C.decode_steps(ctx, torch.tensor(toks, dtype=torch.int64), pos, out, all_logits)
+    gen.tokens.extend(toks)
+    return out
+
+
+# ---- acceptance ----------------------------------------------------------------------------------------------------
+def distribution(sampler, logits: torch.Tensor, recent: list[int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The sampler's final distribution at ``logits`` (ids and probabilities summing to 1), with the penalty
+    window ``recent`` (default: the sampler's own)."""
+    saved = None
+    if recent is not None:
+        saved, sampler.recent = sampler.recent, type(sampler.recent)(recent, maxlen=sampler.recent.maxlen)
+    try:
+        ids, lg = sampler.candidates(logits)
+    finally:
+        if saved is not None:
+            sampler.recent = saved
+    e = np.exp(lg - lg.max())
+    return ids, e / e.sum()
+
+
+def _draw(sampler, ids: np.ndarray, probs: np.ndarray) -> int:
+    cum = np.cumsum(probs)
+    u = sampler.rng.random() * cum[-1]
+    return int(ids[min(int(np.searchsorted(cum, u, side="right")), len(ids) - 1)])
+
+
+def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None) -> list[int]:
+    """The tokens to emit after verifying ``drafts``: the accepted prefix, then one token of the model's own.
+
+    rows: logits [len(drafts) + 1, n_vocab], row i predicting the token after drafts[:i]. q: per draft the
+    proposer's distribution (ids, probs), or None for a deterministic proposal (lookup; or greedy). Every
+    emitted token is recorded in the sampler (penalty window), as sample() does.
+    """
+    out = []
+    greedy = sampler.s.temperature == 0
+    for i, d in enumerate(drafts + [None]):
+        if greedy:
+            tok = sampler.sample(rows[i])  # argmax after bias/penalties: exactly plain decoding's choice
+            out.append(tok)
+            if tok != d:
+                return out
+            continue
+        ids, p = distribution(sampler, rows[i])
+        if d is None:  # every draft accepted: the extra token comes from the last row
+            tok = _draw(sampler, ids, p)
+        else:
+            j = np.flatnonzero(ids == d)
+            pd = float(p[j[0]]) if len(j) else 0.0
+            qi = q[i] if q else None
+            if qi is None:
+                qd, qv = 1.0, None
+            else:
+                qj = np.flatnonzero(qi[0] == d)
+                qd = float(qi[1][qj[0]]) if len(qj) else 0.0
+                qv = qi
+            if qd > 0 and sampler.rng.random() < min(1.0, pd / qd):
+                sampler.accept(d)
+                out.append(d)
+                continue
+            # rejected: draw from norm(max(p - q, 0)) over the target's candidates
+            resid = p.copy()
+            if qv is None:
+                if len(j):
+                    resid[j[0]] = 0.0
+            else:
+                qmap = dict(zip(qv[0].tolist(), qv[1].tolist()))
+                resid = np.maximum(p - np.array([qmap.get(int(t), 0.0) for t in ids]), 0.0)
+            tok = _draw(sampler, ids, resid) if resid.sum() > 0 else _draw(sampler, ids, p)
+        sampler.accept(tok)
+        out.append(tok)
+        return out
+    return out
+
+
+# ---- when to speculate -------------------------------------------------------------------------------------------
+@dataclass
+class SpecStats:
+    drafted: int = 0  # tokens proposed and verified
+    accepted: int = 0  # of those, accepted
+    verifies: int = 0  # verification passes
+    plain_steps: int = 0  # one-token steps (no proposal, or speculation backed off)
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Tokens emitted per verification pass (accepted drafts + the model's own)."""
+        return (self.accepted + self.verifies) / self.verifies if self.verifies else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(drafted=self.drafted, accepted=self.accepted, verifies=self.verifies,
+                    plain_steps=self.plain_steps, acceptance=self.acceptance, mean_accepted=self.mean_accepted)
+
+
+@dataclass
+class SpecController:
+    """Chooses k for each proposal from running estimates (see the module docstring).
+
+    rate[n]: acceptance per drafted token for a lookup match of length n (draft model: n = 0), a Beta-like
+    running mean with a prior of ``prior`` over ``prior_weight`` observations, decayed so it follows the text.
+    t[M]: seconds of a forward over M rows, a running mean started from a prior ratio to t[1].
+    """
+
+    max_k: int = DEFAULT_K
+    adaptive: bool = True
+    gain: float = 1.10  # speculate only when the expected speed beats plain decoding by 10%
+    decay: float = 0.9
+    prior: float = 0.3
+    prior_weight: float = 2.0
+    draft_cost: float = 0.0  # seconds per drafted token spent by the proposer (draft model)
+    hits: dict = field(default_factory=dict)  # n -> (accepted, trials), decayed
+    t: dict = field(default_factory=dict)  # M -> seconds
+
+    def rate(self, n: int) -> float:
+        a, m = self.hits.get(n, (0.0, 0.0))
+        return (a + self.prior * self.prior_weight) / (m + self.prior_weight)
+
+    def observe(self, n: int, accepted: int, trials: int) -> None:
+        """``trials`` drafted tokens were checked in order and the first ``accepted`` agreed."""
+        a, m = self.hits.get(n, (0.0, 0.0))
+        self.hits[n] = (a * self.decay + accepted, m * self.decay + trials)
+
+    def time(self, rows: int, seconds: float) -> None:
+        old = self.t.get(rows)
+        self.t[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def cost(self, rows: int) -> float:
+        t1 = self.t.get(1)
+        if rows in self.t:
+            return self.t[rows]
+        if t1 is None:
+            return 1.0 + 0.15 * (rows - 1)
+        # a prior for an unmeasured M: interpolate from the measured ones, else +15% per row
+        known = sorted(m for m in self.t if m > 1)
+        for m in known:
+            if m > rows:
+                return t1 + (self.t[m] - t1) * (rows - 1) / (m - 1)
+        if known:
+            m = known[-1]
+            return self.t[m] * rows / m
+        return t1 * (1.0 + 0.15 * (rows - 1))
+
+    def choose_k(self, n: int, available: int) -> int:
+        """Drafted tokens to verify (0: take a plain step) for a proposal of ``available`` tokens."""
+        kmax = min(self.max_k, available)
+        if kmax <= 0:
+            return 0
+        if not self.adaptive:
+            return kmax
+        a = min(self.rate(n), 0.999)
+        base = 1.0 / self.cost(1)
+        best, best_k = base * self.gain, 0
+        for k in range(1, kmax + 1):
+            expect = (1.0 - a ** (k + 1)) / (1.0 - a)  # tokens per pass: accepted prefix (geometric) + 1
+            speed = expect / (self.cost(k + 1) + self.draft_cost * k)
+            if speed > best:
+                best, best_k = speed, k
+        return best_k
+
+
+def check_same_vocab(target, draft, samples: int = 64) -> None:
+    """PyllmError unless ``draft`` (an LLM) tokenizes like ``target``: the same vocabulary size and the same text
+    for a spread of token ids (both ends, the special tokens, and evenly spaced ids in between)."""
+    tt, dt = target.tokenizer, draft.tokenizer
+    name_t, name_d = getattr(target.path, "name", "target"), getattr(draft.path, "name", "draft")
+    if tt.n_vocab != dt.n_vocab:
+        raise PyllmError(f"draft model {name_d} has a vocabulary of {dt.n_vocab} tokens but {name_t} has "
+                         f"{tt.n_vocab}: a draft must use the same tokenizer")
+    n = tt.n_vocab
+    ids = sorted({0, n - 1, *(i * (n - 1) // samples for i in range(samples + 1)),
+                  *(i for i in (tt.bos_id, tt.eos_id) if i is not None)})
+    for i in ids:
+        a, b = tt.token_text(i), dt.token_text(i)
+        if a != b:
+            raise PyllmError(f"draft model {name_d} has a different tokenizer than {name_t}: token {i} is {b!r} "
+                             f"there and {a!r} here")

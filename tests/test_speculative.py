@@ -1,0 +1,269 @@
+"""Speculative decoding (pyllm/runtime/speculative.py, Generator._generate_speculative, ops._C.decode_steps).
+
+References:
+- the multi-row C++ step against M one-token steps: bit-identical logits and cache rows where the GEMV's row
+  kernels sum in the same order for every M (the scalar kernels; AVX2 for M <= 2), for f16, q8_0 and q4_rot caches;
+- greedy speculative output against plain decoding (speculative="none") on the real fixtures: identical tokens,
+  finish reasons and texts, with the verification run where its rows are bit-identical to one-token steps (k = 1,
+  2 rows, on AVX2; k = 7 on the scalar kernels). With k > 1 on AVX2 the 3..8-row GEMVs sum in another order and a
+  near-tie can flip (docs/BENCHMARKS.md, Speculative decoding);
+- sampling: the joint distribution of the first two tokens of a synthetic model, drafted by another synthetic
+  distribution (draft model) or by a fixed guess (lookup), against the exact one: total variation < 0.03 over
+  20,000 seeds (its sampling noise is ~0.01).
+"""
+
+import pytest
+import torch
+
+import pyllm
+from pyllm import ops
+from pyllm.errors import PyllmError
+from pyllm.runtime import speculative as sp
+from pyllm.runtime.sampler import Sampler, SamplerSettings
+
+from conftest import fixture_path
+
+
+# ---- prompt lookup ---------------------------------------------------------------------------------------------------
+def test_lookup_proposes_what_followed_the_latest_longest_match():
+    p = sp.LookupProposer(ngram=3)
+    ctx = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
+    # suffix (1, 2, 3) occurred at 0..2, followed by 4 5 9 ...
+    assert p.propose(ctx, 3) == ([4, 5, 9], 3)
+    # a shorter suffix only when no longer one matches; the latest occurrence wins: (2, 3) -> 7 (not 4)
+    assert sp.LookupProposer(ngram=3).propose([1, 2, 3, 4, 5, 2, 3, 7, 6, 2, 3], 2) == ([7, 6], 2)
+    # growing the same list incrementally gives what a fresh index gives
+    ctx2 = ctx + [4, 5]
+    assert p.propose(ctx2, 4) == sp.LookupProposer(ngram=3).propose(ctx2, 4)
+    # the suffix never matches itself; nothing seen before -> no proposal
+    assert sp.LookupProposer(ngram=2).propose([5, 6, 7], 4) == ([], 0)
+    # a list that is not an extension restarts the index
+    assert p.propose([8, 9, 8], 2) == ([9, 8], 1)
+
+
+def test_spec_settings_errors():
+    with pytest.raises(PyllmError, match="spec-k"):
+        sp.parse_speculative("lookup", k=8)
+    with pytest.raises(PyllmError, match="draft model"):
+        sp.parse_speculative("draft")
+    with pytest.raises(PyllmError, match="speculative must be"):
+        sp.parse_speculative("ngram")
+    assert sp.parse_speculative("none") is None and sp.parse_speculative(False) is None
+    assert sp.parse_speculative(True).mode == "lookup"
+
+
+def test_controller_backs_off_when_lookups_fail_and_drafts_when_they_agree():
+    c = sp.SpecController(max_k=7)
+    for _ in range(6):
+        c.time(1, 0.010)
+        c.time(8, 0.016)
+        c.time(2, 0.011)
+    for _ in range(30):
+        c.observe(1, 0, 1)  # one-token matches never agree (open-ended text)
+        c.observe(4, 5, 5)  # four-token matches always do (copying)
+    assert c.choose_k(1, 7) == 0
+    assert c.choose_k(4, 7) == 7
+    assert c.choose_k(4, 3) == 3  # never more than proposed
+    assert sp.SpecController(adaptive=False).choose_k(1, 5) == 5
+
+
+# ---- acceptance: greedy and the sampling distribution ----------------------------------------------------------------
+def test_accept_greedy_is_the_argmax_chain():
+    s = Sampler(SamplerSettings(temperature=0))
+    rows = torch.full((4, 6), -1.0)
+    for i, t in enumerate([2, 3, 5, 1]):
+        rows[i, t] = 1.0
+    assert sp.accept(s, rows, [2, 3, 5]) == [2, 3, 5, 1]  # all accepted + the last row's token
+    assert sp.accept(s, rows, [2, 4, 5]) == [2, 3]  # first disagreement: the model's own token, then stop
+
+
+V = 4
+
+
+def _target(prefix):  # a synthetic "model": logits of the next token given the prefix
+    g = torch.Generator().manual_seed(1000 + hash(tuple(prefix)) % 1000)
+    return torch.randn(V, generator=g) * 1.5
+
+
+def _draft(prefix):
+    g = torch.Generator().manual_seed(77 + hash(tuple(prefix)) % 1000)
+    return torch.randn(V, generator=g)
+
+
+def _exact_pair():
+    p = torch.softmax(_target([]), -1)
+    return {(a, b): float(p[a] * torch.softmax(_target([a]), -1)[b]) for a in range(V) for b in range(V)}
+
+
+def _speculative_pair(seed, mode):
+    """The first two tokens of one speculative run (k = 2) over the synthetic model."""
+    s = Sampler(SamplerSettings(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+    if mode == "draft":
+        drafts, qs, pre = [], [], []
+        for _ in range(2):
+            ids, q = sp.distribution(s, _draft(pre))
+            tok = sp._draw(s, ids, q)
+            drafts.append(tok)
+            qs.append((ids, q))
+            pre = pre + [tok]
+    else:  # lookup: a fixed guess, q one-hot
+        drafts, qs = [1, 2], None
+    rows = torch.stack([_target(drafts[:i]) for i in range(3)])
+    out = sp.accept(s, rows, drafts, qs)
+    if len(out) < 2:
+        out.append(s.sample(_target(out)))
+    return tuple(out[:2])
+
+
+@pytest.mark.parametrize("mode", ["draft", "lookup"])
+def test_speculative_sampling_keeps_the_distribution(mode):
+    n = 20000
+    counts = {}
+    for seed in range(n):
+        k = _speculative_pair(seed, mode)
+        counts[k] = counts.get(k, 0) + 1
+    exact = _exact_pair()
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n - p) for k, p in exact.items())
+    assert tv < 0.03, tv
+
+
+# ---- the multi-row C++ step -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot"])
+def test_decode_steps_rows_equal_one_token_steps(kind):
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=96, kv_cache=kind)
+    m, kv, g = llm.model, llm.kv, llm.generator
+    prompt = llm.tokenize("The quick brown fox jumps over the lazy dog because")
+    toks = torch.tensor([11, 523, 9071, 42, 3000, 17, 256, 1024], dtype=torch.int64)
+    try:
+        for isa, ms in (("scalar", (3, 8)), ("avx2", (1, 2))):
+            for M in ms:
+                ops.set_isa("avx2")  # the prompt's rows are the same for both paths: prefill them fast
+                g.reset()
+                g.prefill(prompt)
+                ops.set_isa(isa)
+                ctx = m.decode_context(kv)
+                assert ctx is not None, "the C++ step must apply to this cache"
+                pos = len(g.tokens)
+                seq = torch.empty(M, ctx.n_vocab)
+                for i in range(M):
+                    ops._C.decode_step(ctx, int(toks[i]), pos + i, seq[i:i + 1])
+                rows_seq = [p.data[:, :, pos:pos + M].clone() for p in kv.parts]
+                bat = torch.empty(M, ctx.n_vocab)
+                ops._C.decode_steps(ctx, toks[:M].contiguous(), pos, bat, True)
+                assert torch.equal(seq, bat), (isa, M, (seq - bat).abs().max())
+                for a, p in zip(rows_seq, kv.parts):
+                    assert torch.equal(a, p.data[:, :, pos:pos + M]), (isa, M)
+                last = torch.empty(1, ctx.n_vocab)
+                ops._C.decode_steps(ctx, toks[:M].contiguous(), pos, last, False)
+                assert torch.equal(last[0], seq[-1])
+    finally:
+        ops.set_isa("avx2")
+    with pytest.raises(ValueError, match="1..8"):
+        ops._C.decode_steps(ctx, torch.zeros(9, dtype=torch.int64), 20, torch.empty(9, ctx.n_vocab), True)
+    with pytest.raises(IndexError, match="out of range"):
+        ops._C.decode_steps(ctx, torch.zeros(4, dtype=torch.int64), 94, torch.empty(4, ctx.n_vocab), True)
+
+
+# ---- greedy output equals plain decoding on the fixtures ---------------------------------------------------------------
+CODE = '''def moving_average(values, window):
+    out = []
+    total = 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            out.append(total / window)
+    return out
+'''
+EDIT = [{"role": "user", "content": "Here is some code:\n\n" + CODE + "\nRewrite it with moving_average renamed to "
+                                    "rolling_mean. Output only the code."}]
+
+
+def _spec(k, mode="lookup", draft=None):
+    return sp.SpecSettings(mode=mode, k=k, draft=draft, adaptive=False)
+
+
+def _pair(llm, ids, n, spec, **kw):
+    """(plain tokens, finish), (speculative tokens, finish, SpecStats), each from a fresh cache."""
+    llm.reset()
+    a = list(llm.generate_tokens(ids, max_tokens=n, temperature=0, speculative="none", **kw))
+    fa = llm.stats.finish_reason
+    llm.reset()
+    b = list(llm.generate_tokens(ids, max_tokens=n, temperature=0, speculative=spec, **kw))
+    return (a, fa), (b, llm.stats.finish_reason, llm.stats.spec)
+
+
+@pytest.mark.parametrize("key,kind,n", [("smollm2", "f16", 160), ("qwen2", "q8_0", 96), ("gemma3", "q4_rot", 96)])
+def test_greedy_lookup_equals_plain(key, kind, n):
+    llm = pyllm.load(fixture_path(key), n_ctx=1024, kv_cache=kind)
+    ids = llm.chat_ids(EDIT)
+    (a, fa), (b, fb, st) = _pair(llm, ids, n, _spec(1))
+    assert b == a and fb == fa
+    assert st.verifies > 0 and st.accepted > 0, st  # speculation really ran, and copied something
+
+
+def test_greedy_lookup_equals_plain_k7_scalar_kernels():
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    ids = llm.chat_ids(EDIT)
+    ops.set_isa("scalar")
+    try:
+        (a, fa), (b, fb, st) = _pair(llm, ids, 32, _spec(7))
+    finally:
+        ops.set_isa("avx2")
+    assert b == a and fb == fa
+    assert st.accepted > 0 and st.drafted > 2 * st.verifies, st  # passes of 3..8 rows ran and agreed
+
+
+def test_greedy_lookup_near_the_context_limit():
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=256)
+    ids = llm.chat_ids(EDIT)
+    n_ctx = len(ids) + 37
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=n_ctx)
+    (a, fa), (b, fb, st) = _pair(llm, ids, 100, _spec(1))
+    assert fa == "context" and fb == "context"
+    assert b == a and len(a) == n_ctx - len(ids) + 1  # the last token is yielded, not cached (it has no room)
+    assert len(llm.generator.tokens) <= n_ctx
+
+
+def test_greedy_lookup_with_stop_strings_and_a_chat_reusing_its_prefix():
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=1024)
+    replies = {}
+    for mode in ("none", _spec(1)):
+        llm.reset()
+        text = llm.generate(llm.chat_ids(EDIT), max_tokens=80, temperature=0, stop=["total"], speculative=mode)
+        assert llm.stats.finish_reason in ("stop", "eog", "length")
+        msgs = EDIT + [{"role": "assistant", "content": text}, {"role": "user", "content": "Now add a docstring."}]
+        second = llm.chat(msgs, max_tokens=60, temperature=0, speculative=mode)
+        st = llm.stats
+        assert st.prompt_evaluated < st.prompt_tokens  # the first turn came from the cache
+        replies[mode if mode == "none" else "lookup"] = (text, second)
+    assert replies["lookup"] == replies["none"]
+
+
+def test_draft_model_greedy_equals_plain_and_vocab_is_checked():
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512, draft=fixture_path("smollm2"))
+    ids = llm.chat_ids(EDIT)
+    (a, fa), (b, fb, st) = _pair(llm, ids, 48, _spec(1, "draft", llm.draft))
+    assert b == a and fb == fa
+    assert st.acceptance > 0.9, st  # the same weights draft: nearly everything agrees
+    with pytest.raises(PyllmError, match="vocabulary of 151936 tokens"):
+        llm.set_draft(fixture_path("qwen2"))
+
+
+def test_readme_example_and_cli(capsys):
+    from pyllm.cli.main import main
+
+    llm = pyllm.load("smollm2-135m", n_ctx=256)
+    text = llm.generate("Repeat exactly: the quick brown fox jumps over the lazy dog. the quick brown", max_tokens=16,
+                        temperature=0, speculative="lookup")
+    st = llm.stats.spec
+    assert text and st is not None and 0.0 <= st.acceptance <= 1.0 and st.verifies + st.plain_steps > 0
+    assert main(["run", "smollm2-135m", "a b c a b c a b", "-n", "8", "--temp", "0", "--ctx", "128", "--spec",
+                 "lookup", "-v"]) == 0
+    assert "speculative:" in capsys.readouterr().err
+    assert main(["run", "smollm2-135m", "hi", "-n", "2", "--ctx", "128", "--spec", "draft"]) == 1
+    assert capsys.readouterr().err.strip() == \
+        "pyllm: error: speculative mode 'draft' needs a draft model (--draft MODEL)"
+    assert main(["run", "smollm2-135m", "hi", "-n", "2", "--ctx", "128", "--spec", "lookup", "--spec-k", "9"]) == 1
+    assert "--spec-k must be an integer in 1..7" in capsys.readouterr().err
