@@ -132,13 +132,49 @@ void pack_strip(QType t, const uint8_t* w, size_t row_bytes, int n0, const Shape
     }
 }
 
+// r[i] = row i of a 16 x 16 fp32 block -> r[i] = column i (unpack pairs, then 2x2 and 4x4 blocks of 128 bits).
+inline __attribute__((always_inline)) void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; ++i) {
+            t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
+        }
+    for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
 // c: 16 weight rows x 16 tokens (fp32, row stride 16) -> y[m0 + i][n0 + j] for the valid i < mr, j < nr.
 inline void store_transposed(const float* c, float* y, int N, int m0, int n0, int mr, int nr) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(N));
-    const __mmask16 mk = mr >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << mr) - 1);
+    __m512 r[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(c + kTile * j);
+    transpose16(r);
+    const __mmask16 mk = nr >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << nr) - 1);
     float* y0 = y + static_cast<size_t>(m0) * N + n0;
-    for (int j = 0; j < nr; ++j) _mm512_mask_i32scatter_ps(y0 + j, mk, idx, _mm512_loadu_ps(c + kTile * j), 4);
+    for (int i = 0; i < mr; ++i) _mm512_mask_storeu_ps(y0 + static_cast<size_t>(i) * N, mk, r[i]);
+}
+
+// c [4][16][16] (block_amx's layout) for weight rows n0 .. n0 + 32 and tokens m0 .. m0 + 32 -> y, keeping to
+// the mr0 / mr1 valid tokens of the two token tiles and the rows < N.
+inline void store_block(const float* c, float* y, int N, int m0, int n0, int mr0, int mr1) {
+    for (int i = 0; i < 2; ++i) {
+        const int nn = n0 + i * kTile, nr = std::min(kTile, N - nn);
+        if (nr <= 0) break;
+        store_transposed(c + (2 * i) * 256, y, N, m0, nn, mr0, nr);
+        if (mr1 > 0) store_transposed(c + (2 * i + 1) * 256, y, N, m0 + kTile, nn, mr1, nr);
+    }
 }
 
 // ---- AVX-512 BF16 micro-kernel: 8 weight rows x 32 tokens, 16 fp32 accumulators -----------------------------
@@ -190,7 +226,8 @@ void tile_config() {
 }
 
 // 32 weight rows (a0, a1: strip tiles of 16 rows) x 32 tokens (b0, b1: xp tiles), all of K -> c [4][16][16]:
-// c[2 i + t] = weight tile i x token tile t.
+// c[2 i + t] = weight tile i x token tile t.  The whole of K in one go: splitting K to keep the token chunk in
+// L1 (partial sums stored and reloaded as tiles) measured 1.5x slower; the operands stream from L2 fast enough.
 void block_amx(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0, const uint16_t* b1, int Kt, float* c) {
     _tile_zero(0);
     _tile_zero(1);
@@ -214,7 +251,8 @@ void block_amx(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0, const
 }
 #endif
 
-// Bytes of strip a thread keeps in L2 next to the 32 token rows of x it is multiplying (64 * Kt KiB... see NB).
+// Bytes of strip a thread keeps in L2 next to the 32 token rows of x it multiplies (64 Kt bytes); 512 KiB and
+// 1 MiB measured within noise of each other.
 constexpr size_t kStripBytes = size_t{1} << 20;
 
 void gemm_bf16(bool amx, QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N,
@@ -265,31 +303,27 @@ void gemm_bf16(bool amx, QType t, const uint8_t* w, size_t row_bytes, const floa
                 const uint16_t* b0 = xp + static_cast<size_t>(mb / kTile) * s.Kt * kTileElems;
                 const uint16_t* b1 = b0 + static_cast<size_t>(s.Kt) * kTileElems;
                 const int mr0 = std::min(kTile, M - mb), mr1 = std::min(kTile, M - mb - kTile);
-                for (int jb = 0; jb < s.NB && n0 + jb < N; jb += 2 * kTile) {
+                const int jn = std::min(s.NB, N - n0);  // strip rows that hold weights
+                for (int jb = 0; jb < jn; jb += 2 * kTile) {
                     const uint16_t* a0 = strip + static_cast<size_t>(jb / kTile) * s.Kt * kTileElems;
                     const uint16_t* a1 = a0 + static_cast<size_t>(s.Kt) * kTileElems;
 #ifdef PYLLM_AMX
                     if (amx) {
                         block_amx(a0, a1, b0, b1, s.Kt, c);
-                    } else
+                        store_block(c, y, N, mb, n0 + jb, mr0, mr1);
+                        continue;
+                    }
 #endif
-                    {
-                        // c layout as block_amx's: [weight tile][token tile][16][16]
-                        alignas(64) float c2[2 * kTile * kTile];
-                        for (int i = 0; i < 2; ++i) {
-                            const uint16_t* a = i ? a1 : a0;
-                            block_avx512(a, b0, b1, s.Kt, c2, 0);
-                            block_avx512(a, b0, b1, s.Kt, c2, 8);
-                            memcpy(c + (2 * i) * 256, c2, sizeof(float) * 256);
-                            memcpy(c + (2 * i + 1) * 256, c2 + 256, sizeof(float) * 256);
-                        }
-                    }
+                    // c layout as block_amx's: [weight tile][token tile][16][16]
+                    alignas(64) float c2[2 * kTile * kTile];
                     for (int i = 0; i < 2; ++i) {
-                        const int nn = n0 + jb + i * kTile, nr = std::min(kTile, N - nn);
-                        if (nr <= 0) break;
-                        store_transposed(c + (2 * i) * 256, y, N, mb, nn, mr0, nr);
-                        if (mr1 > 0) store_transposed(c + (2 * i + 1) * 256, y, N, mb + kTile, nn, mr1, nr);
+                        const uint16_t* a = i ? a1 : a0;
+                        block_avx512(a, b0, b1, s.Kt, c2, 0);
+                        block_avx512(a, b0, b1, s.Kt, c2, 8);
+                        memcpy(c + (2 * i) * 256, c2, sizeof(float) * 256);
+                        memcpy(c + (2 * i + 1) * 256, c2 + 256, sizeof(float) * 256);
                     }
+                    store_block(c, y, N, mb, n0 + jb, mr0, mr1);
                 }
             }
         }
