@@ -118,7 +118,7 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     return y;
 }
 
-// Up to this many rows, mul_mat runs the fused GEMV on 8-row chunks instead of dequantize + GEMM: measured
+// Up to this many rows, mul_mat runs the fused GEMV on 8-row chunks instead of dequantize + fp32 GEMM: measured
 // single-thread on 4096x4096 Q4_0/Q4_K, 2-4 GEMV passes (int8 maddubs: 32 MACs per instruction, W read
 // quantized) take 8-19 ms where dequantizing W alone costs ~30 ms; above ~64 rows the fp32 GEMM wins.
 constexpr int64_t GEMV_CHUNKED_MAX_M = 32;
@@ -140,14 +140,22 @@ Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::
 // straight into the logits, e.g. perplexity's all-position logits) keeps the fp32 GEMM.
 std::string prefill_kernel_for(bool precise_x) { return precise_x ? "f32" : ""; }
 
+// Rows from which mul_mat leaves the 8-row GEMV chunks for the GEMM: GEMV_CHUNKED_MAX_M + 1 for the fp32 GEMM
+// (and the output projection, which keeps it), lower where the prefill kernel is faster (cpu_prefill_min_rows).
+int64_t gemm_min_rows(bool precise_x) {
+    if (precise_x || pyllm::cpu_prefill_default() == pyllm::PrefillKernel::F32) return GEMV_CHUNKED_MAX_M + 1;
+    return std::min<int64_t>(GEMV_CHUNKED_MAX_M + 1, pyllm::cpu_prefill_min_rows());
+}
+
 // y = x @ W.T picking the path: fused GEMV for M <= 8 rows (chunks of 8 up to GEMV_CHUNKED_MAX_M), dequantized
 // tiles + GEMM above.  x may have any leading dims: f32 [..., K] -> [..., N] (`out` likewise).  One call from
 // Python, so decode pays one crossing.
 Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x) {
     if (x.dim() == 2) {
         if (x.size(0) >= 1 && x.size(0) <= pyllm::GEMV_MAX_M) return gemv(x, w, qtype, out, precise_x);
-        if (x.size(0) > pyllm::GEMV_MAX_M && x.size(0) <= GEMV_CHUNKED_MAX_M) return gemv_chunked(x, w, qtype, out, precise_x);
-        if (x.size(0) > GEMV_CHUNKED_MAX_M) return gemm(x, w, qtype, out, prefill_kernel_for(precise_x));
+        if (x.size(0) > pyllm::GEMV_MAX_M && x.size(0) < gemm_min_rows(precise_x))
+            return gemv_chunked(x, w, qtype, out, precise_x);
+        if (x.size(0) > pyllm::GEMV_MAX_M) return gemm(x, w, qtype, out, prefill_kernel_for(precise_x));
     }
     TORCH_CHECK_VALUE(x.dim() >= 1, "mul_mat: x must have at least 1 dimension, got a scalar");
     TORCH_CHECK_VALUE(w.dim() == 2, "mul_mat: w must be 2-D, got shape ", w.sizes());
@@ -166,7 +174,7 @@ Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optio
     }
     const int64_t M = x2.size(0);
     const Tensor y = M <= pyllm::GEMV_MAX_M ? gemv(x2, w, qtype, out2, precise_x)
-                     : M <= GEMV_CHUNKED_MAX_M ? gemv_chunked(x2, w, qtype, out2, precise_x)
+                     : M < gemm_min_rows(precise_x) ? gemv_chunked(x2, w, qtype, out2, precise_x)
                                                   : gemm(x2, w, qtype, out2, prefill_kernel_for(precise_x));
     return out ? *out : y.view(shape);
 }
@@ -586,6 +594,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("kernel") = "f32");
     m.def("prefill_kernel", [] { return std::string(pyllm::cpu_prefill_name(pyllm::cpu_prefill_default())); },
           "the GEMM kernel mul_mat uses above the GEMV's rows (PYLLM_ISA can force another)");
+    m.def("set_prefill_kernel", [](const std::string& name) {
+        pyllm::cpu_set_prefill_kernel(prefill_kernel_named(name));
+    }, "prefill GEMM kernel mul_mat uses: 'f32', 'avx512-bf16' or 'amx-bf16' (must be available)");
+    m.def("gemm_min_rows", &gemm_min_rows, "smallest x row count mul_mat sends to the GEMM (fewer: 8-row GEMVs)",
+          py::arg("precise_x") = false);
     m.def("prefill_kernels", [] {
         std::vector<std::string> r;
         for (auto k : {pyllm::PrefillKernel::F32, pyllm::PrefillKernel::Avx512Bf16, pyllm::PrefillKernel::AmxBf16})

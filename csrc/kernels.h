@@ -44,6 +44,8 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
 enum class PrefillKernel : int { F32 = 0, Avx512Bf16 = 1, AmxBf16 = 2 };
 bool cpu_prefill_available(PrefillKernel k);  // compiled in, the CPU has it and the OS enables its state
 PrefillKernel cpu_prefill_default();          // the fastest available, unless PYLLM_ISA names another ISA
+void cpu_set_prefill_kernel(PrefillKernel k);  // caller checked availability
+int cpu_prefill_min_rows();                    // mul_mat's rows from which the prefill GEMM beats 8-row GEMVs
 const char* cpu_prefill_name(PrefillKernel k);  // "f32", "avx512-bf16", "amx-bf16"
 // y[m, n] = sum_k x[m, k] * W[n, k]; k available and not F32.  w: N * row_bytes bytes; x: [M, K]; y: [M, N].
 void gemm_bf16_cpu(PrefillKernel k, QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M,

@@ -125,15 +125,39 @@ def test_threads_out_and_scales(C, kernel):
 
 
 def test_mul_mat_uses_the_prefill_kernel(C):
-    """Above GEMV_CHUNKED_MAX_M rows mul_mat runs prefill_kernel(); precise_x (the output projection) keeps f32."""
+    """From gemm_min_rows() rows mul_mat runs prefill_kernel() (AMX from 9 rows, others above the 32 rows of 8-row
+    GEMV chunks); precise_x (the output projection) keeps the fp32 GEMM above 32 rows and GEMV chunks below."""
     wt = make_weight("Q4_0", 100, 160)
-    x = torch.from_numpy(rng_for("pf-mm").standard_normal((2, 40, 160), dtype=np.float32))
     q = int(GT["Q4_0"])
-    y = C.mul_mat(x, wt.raw, q)
-    assert torch.equal(y.reshape(80, 100), C.gemm(x.reshape(80, 160), wt.raw, q, None, C.prefill_kernel()))
-    assert torch.equal(C.gemm(x.reshape(80, 160), wt.raw, q, None, ""), y.reshape(80, 100))
-    yp = C.mul_mat(x, wt.raw, q, None, True)
-    assert torch.equal(yp.reshape(80, 100), C.gemm(x.reshape(80, 160), wt.raw, q, None, "f32"))
+    first = C.gemm_min_rows()
+    assert first == (9 if C.prefill_kernel() == "amx-bf16" else C.GEMV_CHUNKED_MAX_M + 1)
+    assert C.gemm_min_rows(True) == C.GEMV_CHUNKED_MAX_M + 1
+    for rows in (first, 80):
+        x = torch.from_numpy(rng_for("pf-mm", rows).standard_normal((rows, 160), dtype=np.float32))
+        y = C.mul_mat(x.reshape(1, rows, 160), wt.raw, q)
+        assert torch.equal(y.reshape(rows, 100), C.gemm(x, wt.raw, q, None, C.prefill_kernel())), why(rows)
+        assert torch.equal(C.gemm(x, wt.raw, q, None, ""), y.reshape(rows, 100))
+    x = torch.from_numpy(rng_for("pf-mm-p").standard_normal((80, 160), dtype=np.float32))
+    assert torch.equal(C.mul_mat(x, wt.raw, q, None, True), C.gemm(x, wt.raw, q, None, "f32"))
+
+
+def test_set_prefill_kernel(C):
+    """set_prefill_kernel switches mul_mat's GEMM in this process (A/B benchmarks); unavailable names raise."""
+    wt = make_weight("Q4_0", 100, 160)
+    q = int(GT["Q4_0"])
+    x = torch.from_numpy(rng_for("pf-set").standard_normal((80, 160), dtype=np.float32))
+    default = C.prefill_kernel()
+    try:
+        for k in C.prefill_kernels():
+            C.set_prefill_kernel(k)
+            assert C.prefill_kernel() == k
+            assert torch.equal(C.mul_mat(x, wt.raw, q), C.gemm(x, wt.raw, q, None, k)), k
+    finally:
+        C.set_prefill_kernel(default)
+    for k in KERNELS:
+        if k not in C.prefill_kernels():
+            with pytest.raises(ValueError, match="not available"):
+                C.set_prefill_kernel(k)
 
 
 def test_pyllm_isa_forces_the_path():

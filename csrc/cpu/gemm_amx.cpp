@@ -18,6 +18,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -375,19 +376,34 @@ const char* cpu_prefill_name(PrefillKernel k) {
     return "?";
 }
 
+namespace {
+// -1: not chosen yet (PYLLM_ISA and the CPU decide on first use), else a PrefillKernel.
+std::atomic<int> g_prefill{-1};
+}  // namespace
+
 PrefillKernel cpu_prefill_default() {
+    int k = g_prefill.load(std::memory_order_relaxed);
+    if (k >= 0) return static_cast<PrefillKernel>(k);
     // PYLLM_ISA=amx|avx512|avx2|scalar forces the kernels of that ISA (for tests and A/B benchmarks); the
     // prefill GEMM follows it: avx2 and scalar mean the fp32 path.
-    static const PrefillKernel k = [] {
-        const char* e = getenv("PYLLM_ISA");
-        const std::string isa = e ? e : "";
-        const bool amx = isa.empty() || isa == "amx";
-        const bool avx512 = amx || isa == "avx512";
-        if (amx && cpu_prefill_available(PrefillKernel::AmxBf16)) return PrefillKernel::AmxBf16;
-        if (avx512 && cpu_prefill_available(PrefillKernel::Avx512Bf16)) return PrefillKernel::Avx512Bf16;
-        return PrefillKernel::F32;
-    }();
-    return k;
+    const char* e = getenv("PYLLM_ISA");
+    const std::string isa = e ? e : "";
+    const bool amx = isa.empty() || isa == "amx";
+    const bool avx512 = amx || isa == "avx512";
+    PrefillKernel pick = PrefillKernel::F32;
+    if (amx && cpu_prefill_available(PrefillKernel::AmxBf16)) pick = PrefillKernel::AmxBf16;
+    else if (avx512 && cpu_prefill_available(PrefillKernel::Avx512Bf16)) pick = PrefillKernel::Avx512Bf16;
+    g_prefill.store(static_cast<int>(pick), std::memory_order_relaxed);
+    return pick;
+}
+
+void cpu_set_prefill_kernel(PrefillKernel k) { g_prefill.store(static_cast<int>(k), std::memory_order_relaxed); }
+
+int cpu_prefill_min_rows() {
+    // AMX beats the 8-row GEMV chunks from 9 rows on (measured: equal at 9 rows on 4096 x 2048 Q4_0, 2-4x
+    // faster at 16-32 rows), since it decodes W once where the chunks decode it once per 8 rows; AVX-512 bf16
+    // only draws level with them at 32 rows.
+    return cpu_prefill_default() == PrefillKernel::AmxBf16 ? GEMV_MAX_M + 1 : 33;
 }
 
 }  // namespace pyllm
