@@ -21,6 +21,7 @@ Inputs are fresh each run (PYLLM_TEST_SEED replays them); shapes cover M = 9, 17
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -184,3 +185,15 @@ def test_errors(C):
         if k not in C.prefill_kernels():
             with pytest.raises(ValueError, match="not available"):
                 C.gemm(x, wt.raw, int(GT["Q4_0"]), None, k)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+@pytest.mark.parametrize("march", ["x86-64", "skylake-avx512", "cooperlake", "sapphirerapids"])
+def test_gemm_file_compiles_for_each_isa_level(march):
+    """gemm_amx.cpp on hosts without AVX-512 (stubs: f32 only), AVX-512 without BF16 (stubs), AVX-512 BF16 without
+    AMX (avx512-bf16 only) and AMX.  Reference: the compiler (the extension itself is built -march=native)."""
+    src = Path(__file__).resolve().parent.parent / "csrc"
+    cmd = ["g++", "-std=c++17", "-fsyntax-only", "-fopenmp", f"-march={march}", f"-I{src}",
+           str(src / "cpu" / "gemm_amx.cpp")]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"gemm_amx.cpp does not compile for -march={march}:\n{r.stderr[-3000:]}"
