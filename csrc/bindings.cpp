@@ -71,9 +71,23 @@ Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     return y;
 }
 
-// y = x @ W.T for any M (prefill): W is dequantized a tile of rows at a time into an fp32 buffer that stays
-// in cache, and each tile goes through torch's GEMM (MKL / oneDNN).  x f32 [M, K] -> y f32 [M, N]
-Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out) {
+pyllm::PrefillKernel prefill_kernel_named(const std::string& name) {
+    for (auto k : {pyllm::PrefillKernel::F32, pyllm::PrefillKernel::Avx512Bf16, pyllm::PrefillKernel::AmxBf16})
+        if (name == pyllm::cpu_prefill_name(k)) {
+            TORCH_CHECK_VALUE(pyllm::cpu_prefill_available(k), "gemm: kernel '", name,
+                              "' is not available (not compiled in, or this CPU or OS lacks it)");
+            return k;
+        }
+    TORCH_CHECK_VALUE(false, "gemm: unknown kernel '", name, "', expected 'f32', 'avx512-bf16' or 'amx-bf16'");
+    return pyllm::PrefillKernel::F32;
+}
+
+// y = x @ W.T for any M (prefill).  kernel "f32": W is dequantized a tile of rows at a time into an fp32 buffer
+// that stays in cache, and each tile goes through torch's GEMM (MKL / oneDNN).  "amx-bf16" / "avx512-bf16": W
+// dequantized to bf16 strips, x rounded to bf16, fp32 accumulation (csrc/cpu/gemm_amx.cpp).  "" = the default
+// (cpu_prefill_default).  x f32 [M, K] -> y f32 [M, N]
+Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out,
+            const std::string& kernel) {
     const QTypeTraits& tr = check_qtype("gemm", qtype);
     check_tensor("gemm", "x", x, at::kFloat, 2);
     const int64_t M = x.size(0), K = x.size(1);
@@ -81,6 +95,13 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     check_weight("gemm", w, tr, K);
     const int64_t N = w.size(0);
     Tensor y = make_out("gemm", out, M, N);
+    const pyllm::PrefillKernel pk = kernel.empty() ? pyllm::cpu_prefill_default() : prefill_kernel_named(kernel);
+    if (pk != pyllm::PrefillKernel::F32) {
+        pyllm::gemm_bf16_cpu(pk, static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
+                             x.data_ptr<float>(), y.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N),
+                             static_cast<int>(K));
+        return y;
+    }
     // ~8 MiB of fp32 per tile: big enough for an efficient GEMM, small enough to stay in L3.
     int64_t tile = std::max<int64_t>(64, (int64_t{2} << 20) / K);
     tile = std::min(N, (tile + 15) / 16 * 16);
@@ -97,7 +118,7 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     return y;
 }
 
-// Up to this many rows, mul_mat runs the fused GEMV on 8-row chunks instead of dequantize + GEMM: measured
+// Up to this many rows, mul_mat runs the fused GEMV on 8-row chunks instead of dequantize + fp32 GEMM: measured
 // single-thread on 4096x4096 Q4_0/Q4_K, 2-4 GEMV passes (int8 maddubs: 32 MACs per instruction, W read
 // quantized) take 8-19 ms where dequantizing W alone costs ~30 ms; above ~64 rows the fp32 GEMM wins.
 constexpr int64_t GEMV_CHUNKED_MAX_M = 32;
@@ -115,14 +136,26 @@ Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::
     return y;
 }
 
+// The prefill kernel for mul_mat: the default, except that the output projection (precise_x: its error goes
+// straight into the logits, e.g. perplexity's all-position logits) keeps the fp32 GEMM.
+std::string prefill_kernel_for(bool precise_x) { return precise_x ? "f32" : ""; }
+
+// Rows from which mul_mat leaves the 8-row GEMV chunks for the GEMM: GEMV_CHUNKED_MAX_M + 1 for the fp32 GEMM
+// (and the output projection, which keeps it), lower where the prefill kernel is faster (cpu_prefill_min_rows).
+int64_t gemm_min_rows(bool precise_x) {
+    if (precise_x || pyllm::cpu_prefill_default() == pyllm::PrefillKernel::F32) return GEMV_CHUNKED_MAX_M + 1;
+    return std::min<int64_t>(GEMV_CHUNKED_MAX_M + 1, pyllm::cpu_prefill_min_rows());
+}
+
 // y = x @ W.T picking the path: fused GEMV for M <= 8 rows (chunks of 8 up to GEMV_CHUNKED_MAX_M), dequantized
 // tiles + GEMM above.  x may have any leading dims: f32 [..., K] -> [..., N] (`out` likewise).  One call from
 // Python, so decode pays one crossing.
 Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x) {
     if (x.dim() == 2) {
         if (x.size(0) >= 1 && x.size(0) <= pyllm::GEMV_MAX_M) return gemv(x, w, qtype, out, precise_x);
-        if (x.size(0) > pyllm::GEMV_MAX_M && x.size(0) <= GEMV_CHUNKED_MAX_M) return gemv_chunked(x, w, qtype, out, precise_x);
-        if (x.size(0) > GEMV_CHUNKED_MAX_M) return gemm(x, w, qtype, out);
+        if (x.size(0) > pyllm::GEMV_MAX_M && x.size(0) < gemm_min_rows(precise_x))
+            return gemv_chunked(x, w, qtype, out, precise_x);
+        if (x.size(0) > pyllm::GEMV_MAX_M) return gemm(x, w, qtype, out, prefill_kernel_for(precise_x));
     }
     TORCH_CHECK_VALUE(x.dim() >= 1, "mul_mat: x must have at least 1 dimension, got a scalar");
     TORCH_CHECK_VALUE(w.dim() == 2, "mul_mat: w must be 2-D, got shape ", w.sizes());
@@ -141,7 +174,8 @@ Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optio
     }
     const int64_t M = x2.size(0);
     const Tensor y = M <= pyllm::GEMV_MAX_M ? gemv(x2, w, qtype, out2, precise_x)
-                     : M <= GEMV_CHUNKED_MAX_M ? gemv_chunked(x2, w, qtype, out2, precise_x) : gemm(x2, w, qtype, out2);
+                     : M < gemm_min_rows(precise_x) ? gemv_chunked(x2, w, qtype, out2, precise_x)
+                                                  : gemm(x2, w, qtype, out2, prefill_kernel_for(precise_x));
     return out ? *out : y.view(shape);
 }
 
@@ -582,8 +616,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("gemv", &gemv, "y[M,N] = x[M,K] @ W.T, M <= 8, W as raw GGUF blocks u8 [N, row_bytes]; precise_x: "
           "16-bit activations where the type has such a kernel (Q8_0)", py::arg("x"), py::arg("w"), py::arg("qtype"),
           py::arg("out") = py::none(), py::arg("precise_x") = false);
-    m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M: dequantized tiles + torch GEMM", py::arg("x"),
-          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
+    m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M; kernel 'f32' (dequantized tiles + torch GEMM), "
+          "'avx512-bf16', 'amx-bf16' or '' (the default, prefill_kernel())", py::arg("x"),
+          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("kernel") = "f32");
+    m.def("prefill_kernel", [] { return std::string(pyllm::cpu_prefill_name(pyllm::cpu_prefill_default())); },
+          "the GEMM kernel mul_mat uses above the GEMV's rows (PYLLM_ISA can force another)");
+    m.def("set_prefill_kernel", [](const std::string& name) {
+        pyllm::cpu_set_prefill_kernel(prefill_kernel_named(name));
+    }, "prefill GEMM kernel mul_mat uses: 'f32', 'avx512-bf16' or 'amx-bf16' (must be available)");
+    m.def("gemm_min_rows", &gemm_min_rows, "smallest x row count mul_mat sends to the GEMM (fewer: 8-row GEMVs)",
+          py::arg("precise_x") = false);
+    m.def("prefill_kernels", [] {
+        std::vector<std::string> r;
+        for (auto k : {pyllm::PrefillKernel::F32, pyllm::PrefillKernel::Avx512Bf16, pyllm::PrefillKernel::AmxBf16})
+            if (pyllm::cpu_prefill_available(k)) r.push_back(pyllm::cpu_prefill_name(k));
+        return r;
+    }, "prefill GEMM kernels this machine runs");
     m.def("mul_mat", &mul_mat, "y[..., N] = x[..., K] @ W.T: gemv (8-row chunks up to 32 rows), else gemm", py::arg("x"),
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("precise_x") = false);
     m.def("dequantize", &dequantize, "W (or rows ids of W) as fp32 [N or len(ids), K]", py::arg("w"),

@@ -37,6 +37,23 @@ int cpu_physical_cores();              // cores (not SMT siblings) this process 
 void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
               bool precise_x = false);
 
+// ---- Prefill GEMM on bf16 (csrc/cpu/gemm_amx.cpp) ----------------------------------------------------------
+// How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings.cpp).
+// Avx512Bf16: vdpbf16ps.  AmxBf16: AMX tiles (TDPBF16PS).  Both bf16 kernels round W (dequantized exactly) and
+// x to bf16 and accumulate in fp32: ~3e-3 relative error of y against float64.
+enum class PrefillKernel : int { F32 = 0, Avx512Bf16 = 1, AmxBf16 = 2 };
+bool cpu_prefill_available(PrefillKernel k);  // compiled in, the CPU has it and the OS enables its state
+PrefillKernel cpu_prefill_default();          // AMX if available, else f32; PYLLM_ISA=avx512 picks Avx512Bf16
+void cpu_set_prefill_kernel(PrefillKernel k);  // caller checked availability
+int cpu_prefill_min_rows();                    // mul_mat's rows from which the prefill GEMM beats 8-row GEMVs
+const char* cpu_prefill_name(PrefillKernel k);  // "f32", "avx512-bf16", "amx-bf16"
+// y[m, n] = sum_k x[m, k] * W[n, k]; k available and not F32.  w: N * row_bytes bytes; x: [M, K]; y: [M, N].
+void gemm_bf16_cpu(PrefillKernel k, QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M,
+                   int N, int K);
+namespace cpu {
+bool amx_usable();  // CPU has AMX-BF16 tiles, XCR0 enables them and Linux granted this process tile data
+}
+
 // Rows of W to fp32: out[i, :] = W[ids[i], :] (ids == nullptr: all N rows, n_ids = N).  out: [n_ids, K].
 void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_ids, int K,
                          float* out);

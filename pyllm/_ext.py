@@ -35,6 +35,7 @@ CPU_SOURCES = [
     "cpu/gemv_avx2_awq.cpp",
     "cpu/awq_repack.cpp",
     "cpu/dequant.cpp",
+    "cpu/gemm_amx.cpp",
     "cpu/decode_step.cpp",
     "cpu/attention.cpp",
 ]

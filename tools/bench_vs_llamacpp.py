@@ -2,10 +2,12 @@
 
 Runs are interleaved A B A B so machine noise hits both alike; each side times only model evaluation:
 pp = one batch of P prompt tokens from an empty cache, tg = N tokens one at a time from an empty cache.
-Prints a markdown table with both speeds and the ratio pyllm / llama.cpp per row.
+Prints a markdown table with both speeds and the ratio pyllm / llama.cpp per row.  --kernels runs pyllm's pp once
+per prefill GEMM kernel (f32, avx512-bf16, amx-bf16: pyllm._C.prefill_kernels()), interleaved with the rest.
 
     pip install llama-cpp-python      # slow: compiles llama.cpp
     python tools/bench_vs_llamacpp.py smollm2-135m qwen2.5-coder-0.5b -t 2 -p 512 -n 128 -r 5
+    python tools/bench_vs_llamacpp.py smollm2-135m -p 512 -n 0 --kernels f32,amx-bf16
 """
 
 from __future__ import annotations
@@ -55,11 +57,17 @@ def main() -> int:
     ap.add_argument("-p", "--n-prompt", type=int, default=512)
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--repetitions", type=int, default=5)
+    ap.add_argument("--kernels", default="", help="comma-separated pyllm prefill kernels for pp (default: the one "
+                    "pyllm picks)")
     a = ap.parse_args()
 
     import torch
 
-    from pyllm import registry
+    from pyllm import _ext, registry
+
+    C = _ext.load()
+    kernels = [k for k in a.kernels.split(",") if k] or [C.prefill_kernel()]
+    default = C.prefill_kernel()
 
     torch.set_num_threads(a.threads)
     print(f"| model | test | pyllm t/s | llama.cpp t/s | ratio |")
@@ -72,17 +80,27 @@ def main() -> int:
         for test, n, k in (("pp", a.n_prompt, 0), ("tg", a.n_gen, 1)):
             if n <= 0:
                 continue
-            ours[k](n)
-            theirs[k](n)  # warm-up both
-            so, st = [], []
-            for _ in range(a.repetitions):
-                so.append(n / ours[k](n))
-                st.append(n / theirs[k](n))
-            mo, mt = statistics.fmean(so), statistics.fmean(st)
-            sdo = statistics.stdev(so) if len(so) > 1 else 0
+            sides = kernels if test == "pp" else [default]
+            so = {kern: [] for kern in sides}
+            st = []
+            for rep in range(a.repetitions + 1):  # the first round warms both up
+                for kern in sides:
+                    C.set_prefill_kernel(kern)
+                    dt = ours[k](n)
+                    if rep:
+                        so[kern].append(n / dt)
+                dt = theirs[k](n)
+                if rep:
+                    st.append(n / dt)
+            C.set_prefill_kernel(default)
+            mt = statistics.fmean(st)
             sdt = statistics.stdev(st) if len(st) > 1 else 0
             name = path.rsplit("/", 1)[-1]
-            print(f"| {name} | {test}{n} | {mo:.1f} ± {sdo:.1f} | {mt:.1f} ± {sdt:.1f} | {mo / mt:.2f} |", flush=True)
+            for kern in sides:
+                mo = statistics.fmean(so[kern])
+                sdo = statistics.stdev(so[kern]) if len(so[kern]) > 1 else 0
+                label = f"{test}{n}" + (f" ({kern})" if test == "pp" else "")
+                print(f"| {name} | {label} | {mo:.1f} ± {sdo:.1f} | {mt:.1f} ± {sdt:.1f} | {mo / mt:.2f} |", flush=True)
     return 0
 
 

@@ -44,6 +44,10 @@ bool dequant_row_avx2_legacy(QType t, const uint8_t* w, int K, float* out);
 bool dequant_row_avx2_kquants(QType t, const uint8_t* w, int K, float* out);
 bool dequant_row_avx2_awq(QType t, const uint8_t* w, int K, float* out);
 
+// One row of K values of any CPU type -> fp32 (dequantize_rows_cpu's per-row step, without its thread team, for
+// callers already inside a parallel region).
+void dequantize_row(QType t, const uint8_t* w, int K, float* out);
+
 // Group size of an AWQ row type (0 for every other type).
 inline int awq_group_size(QType t) {
     switch (t) {

@@ -54,6 +54,12 @@ void dequant_row_any(QType t, const uint8_t* w, int K, float* out, bool simd) {
 
 }  // namespace
 
+namespace cpu {
+void dequantize_row(QType t, const uint8_t* w, int K, float* out) {
+    dequant_row_any(t, w, K, out, cpu_get_isa() == Isa::Avx2);
+}
+}  // namespace cpu
+
 void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_ids, int K,
                          float* out) {
     // A handful of rows (an embedding lookup at decode) is not worth waking threads for.
