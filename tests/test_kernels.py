@@ -77,9 +77,42 @@ def C():
     try:
         mod = _ext.load()
     except PyllmError as e:
-        pytest.skip(f"extension unavailable: {e}")
+        pytest.fail(f"extension unavailable: {e}")
     yield mod
-    mod.set_isa("avx2" if "avx2" in mod.available_isas() else "scalar")
+    mod.set_isa(mod.best_isa())
+
+
+ISAS = ["scalar", "avx2", "avx512", "amx"]
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next((ln for ln in f if ln.startswith("flags")), "flags:").split(":", 1)[1].split())
+
+
+def test_isa_detection_matches_the_kernel_and_names_the_paths(C):
+    """Reference: Linux's /proc/cpuinfo flags, which the kernel clears for register state it does not save (so
+    they already mean "CPUID and XCR0"); AMX also needs the tile-data permission, granted by Linux >= 5.16.
+    Prints which kernel paths this machine runs and which it lacks (pytest -s, or see the -rA summary)."""
+    avail = list(C.available_isas())
+    assert avail[0] == "scalar" and all(a in ISAS for a in avail)
+    assert C.best_isa() == avail[-1]
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags = cpu_flags()
+        expect = {"avx2": {"avx2", "fma", "f16c"} <= flags,
+                  "avx512": {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags}
+        expect["amx"] = expect["avx512"] and {"amx_tile", "amx_int8"} <= flags
+        for name, want in expect.items():
+            assert (name in avail) == want, f"{name}: cpuinfo says {want}, the extension says {name in avail}"
+    missing = [i for i in ISAS if i not in avail]
+    print(f"\nkernel paths run: {', '.join(avail)}; missing on this CPU: {', '.join(missing) or 'none'}")
+    for name in missing:
+        with pytest.raises(ValueError, match="not available"):
+            C.set_isa(name)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        C.set_isa("sse9")
 
 
 class Weight:
@@ -169,9 +202,13 @@ def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
         for r, tol, what in checks:
             err = rel_err(ys[isa], r, x, wt)
             assert err < tol, f"{name} {isa} gemv vs {what} reference: error {err:.3g} > {tol} " + why(N, K, M)
-    if "avx2" in ys:
-        err = rel_err(ys["avx2"], ys["scalar"], x, wt)
-        assert err < TOL_ISA, f"{name}: scalar and avx2 differ by {err:.3g} " + why(N, K, M)
+    for isa in ys:
+        err = rel_err(ys[isa], ys["scalar"], x, wt)
+        assert err < TOL_ISA, f"{name}: scalar and {isa} differ by {err:.3g} " + why(N, K, M)
+    for isa in ("avx512", "amx"):
+        # the VNNI dots compute the AVX2 kernels' integer sums in the same fp32 order: identical bits
+        if isa in ys:
+            assert torch.equal(ys[isa], ys["avx2"]), f"{name}: {isa} and avx2 differ " + why(N, K, M)
 
 
 @pytest.mark.parametrize("N,K", [(96, 640), (37, 576), (160, 896)])
@@ -189,8 +226,8 @@ def test_gemv_precise_x_keeps_16_bit_activations_for_q8_0(C, N, K, M):
         for r, tol, what in [(xq @ wt.W64.T, TOL_EXACT, "int16-x float64"), (wt.ref(x), TOL_Q16, "float64")]:
             err = rel_err(ys[isa], r, x, wt)
             assert err < tol, f"Q8_0 precise_x {isa} vs {what}: error {err:.3g} > {tol} " + why(N, K, M)
-    if "avx2" in ys:
-        assert rel_err(ys["avx2"], ys["scalar"], x, wt) < TOL_ISA
+    for isa in ys:
+        assert rel_err(ys[isa], ys["scalar"], x, wt) < TOL_ISA, isa
     q4 = make_weight("Q4_0", N, K)
     assert torch.equal(C.mul_mat(x, q4.raw, int(GT["Q4_0"]), None, True), C.mul_mat(x, q4.raw, int(GT["Q4_0"])))
 

@@ -567,7 +567,7 @@ void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose)
     // y = x R^T: 8 rows of R at a time with 8 accumulators and one reduction (the scalar loop below is one
     // dependent add per element -- ~3 us per head vector at hd 64, paid for every rotated K/V row stored and
     // every query head of a rotated cache)
-    if (transpose && hd % 8 == 0 && cpu_get_isa() == Isa::Avx2) {
+    if (transpose && hd % 8 == 0 && cpu_isa_simd(cpu_get_isa())) {
         for (int i0 = 0; i0 < hd; i0 += RB) {
             __m256 acc[RB];
             for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -607,7 +607,7 @@ void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType v
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
                      size_t sc_stride, float* o, size_t o_stride, float* lse) {
 #if PYLLM_KV_AVX2
-    if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
+    if (cpu_isa_simd(cpu_get_isa()) && hd % 8 == 0) {
         attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
                           o_stride, lse);
         return;

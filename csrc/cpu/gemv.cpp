@@ -6,9 +6,12 @@
 // not change torch's.
 #include <omp.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <set>
 #include <thread>
 #include <utility>
@@ -26,8 +29,8 @@ namespace {
 constexpr int kTypeIds = QTYPE_ID_LIMIT;
 
 struct Tables {
-    RowKernel k[2][kTypeIds];    // [Isa][type id]; the SIMD row falls back to generic per type
-    RowKernel x16[2][kTypeIds];  // precise_x kernels, or the plain ones where a type has none
+    RowKernel k[ISA_COUNT][kTypeIds];    // [Isa][type id]; each ISA falls back per type to the one below it
+    RowKernel x16[ISA_COUNT][kTypeIds];  // precise_x kernels, or the plain ones where a type has none
     Tables() {
         for (int t = 0; t < kTypeIds; ++t) {
             const QType q = static_cast<QType>(t);
@@ -36,9 +39,12 @@ struct Tables {
             if (!s.fn[0]) s = cpu::row_kernel_avx2_kquants(q);
             if (!s.fn[0]) s = cpu::row_kernel_avx2_awq(q);
             k[1][t] = s.fn[0] ? s : k[0][t];
+            const RowKernel v = cpu::row_kernel_avx512(q);
+            k[2][t] = k[3][t] = v.fn[0] ? v : k[1][t];
             const RowKernel g16 = cpu::row_kernel_generic_x16(q), a16 = cpu::row_kernel_avx2_x16(q);
             x16[0][t] = g16.fn[0] ? g16 : k[0][t];
             x16[1][t] = a16.fn[0] ? a16 : (g16.fn[0] ? g16 : k[1][t]);
+            x16[2][t] = x16[3][t] = a16.fn[0] || g16.fn[0] ? x16[1][t] : k[2][t];
         }
     }
 };
@@ -49,11 +55,53 @@ const Tables& tables() {
 }
 
 bool cpu_runs_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
 }
 
-Isa g_isa = (cpu::avx2_compiled() && cpu_runs_avx2()) ? Isa::Avx2 : Isa::Scalar;
+#if defined(__x86_64__)
+void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
+    __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+// XCR0: which register states the OS saves on a context switch (xgetbv needs CPUID.1:ECX.OSXSAVE).
+uint64_t xcr0() {
+    unsigned r[4];
+    cpuid(1, 0, r);
+    if (!(r[2] & (1u << 27))) return 0;
+    unsigned lo, hi;
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+#endif
+
+// AVX-512 F + BW + VL + VNNI in CPUID, and the OS saves the opmask and all 32 ZMM registers (XCR0 bits 5-7,
+// with SSE and AVX state, bits 1-2).  A kernel or hypervisor may hide AVX-512 state although CPUID lists it.
+bool cpu_runs_avx512() {
+#if defined(__x86_64__)
+    if (!cpu_runs_avx2()) return false;
+    unsigned r[4];
+    cpuid(0, 0, r);
+    if (r[0] < 7) return false;
+    cpuid(7, 0, r);
+    const bool f = r[1] & (1u << 16), bw = r[1] & (1u << 30), vl = r[1] & (1u << 31), vnni = r[2] & (1u << 11);
+    return f && bw && vl && vnni && (xcr0() & 0xE6) == 0xE6;
+#else
+    return false;
+#endif
+}
+
+Isa pick_default() {
+    for (int i = ISA_COUNT - 1; i > 0; --i)
+        if (cpu_isa_available(static_cast<Isa>(i))) return static_cast<Isa>(i);
+    return Isa::Scalar;
+}
+
+Isa g_isa = Isa::Scalar;  // set on first use from cpu_best_isa() (PYLLM_ISA: see bindings.cpp)
+bool g_isa_set = false;
 int g_threads = 0;  // 0 = not chosen yet: physical cores
 
 // Below this many weight bytes a parallel region costs more than it saves.
@@ -66,12 +114,63 @@ bool cpu_type_supported(QType t) {
     return id >= 0 && id < kTypeIds && tables().k[0][id].fn[0] != nullptr;
 }
 
-bool cpu_isa_available(Isa isa) {
-    return isa == Isa::Scalar || (isa == Isa::Avx2 && cpu::avx2_compiled() && cpu_runs_avx2());
+namespace cpu {
+// AMX tiles: AVX-512 (the int8 tile kernels load and scale through it), CPUID.7.0:EDX AMX-TILE (bit 24) and
+// AMX-INT8 (bit 25), the OS saves XTILECFG/XTILEDATA (XCR0 bits 17-18), and Linux grants this process the tile
+// data state: it is off by default and a tile instruction without it traps (SIGILL), so ask once with
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18).  Asked once; the answer is cached.
+bool amx_usable() {
+#if defined(__x86_64__) && defined(__linux__)
+    static const bool ok = [] {
+        if (!cpu_runs_avx512()) return false;
+        unsigned r[4];
+        cpuid(7, 0, r);
+        if (!(r[3] & (1u << 24)) || !(r[3] & (1u << 25))) return false;
+        if ((xcr0() & (3ull << 17)) != (3ull << 17)) return false;
+        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+#else
+    return false;
+#endif
 }
-void cpu_set_isa(Isa isa) { g_isa = isa; }
-Isa cpu_get_isa() { return g_isa; }
-const char* cpu_isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+}  // namespace cpu
+
+bool cpu_isa_available(Isa isa) {
+    switch (isa) {
+        case Isa::Scalar: return true;
+        case Isa::Avx2: return cpu::avx2_compiled() && cpu_runs_avx2();
+        case Isa::Avx512: return cpu::avx2_compiled() && cpu::avx512_compiled() && cpu_runs_avx512();
+        case Isa::Amx: return cpu_isa_available(Isa::Avx512) && cpu::amx_usable();
+    }
+    return false;
+}
+Isa cpu_best_isa() {
+    static const Isa best = pick_default();
+    return best;
+}
+void cpu_set_isa(Isa isa) {
+    g_isa = isa;
+    g_isa_set = true;
+}
+Isa cpu_get_isa() {
+    if (!g_isa_set) cpu_set_isa(cpu_best_isa());
+    return g_isa;
+}
+const char* cpu_isa_name(Isa isa) {
+    static const char* const names[ISA_COUNT] = {"scalar", "avx2", "avx512", "amx"};
+    const int i = static_cast<int>(isa);
+    return i >= 0 && i < ISA_COUNT ? names[i] : "?";
+}
+bool cpu_isa_from_name(const char* name, Isa* isa) {
+    for (int i = 0; i < ISA_COUNT; ++i)
+        if (std::strcmp(name, cpu_isa_name(static_cast<Isa>(i))) == 0) {
+            *isa = static_cast<Isa>(i);
+            return true;
+        }
+    return false;
+}
 
 int cpu_physical_cores() {
     cpu_set_t set;
@@ -103,8 +202,9 @@ int cpu_get_num_threads() {
 void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
               bool precise_x) {
     const Tables& tab = tables();
-    const RowKernel& k = (precise_x ? tab.x16 : tab.k)[static_cast<int>(g_isa)][static_cast<int>(t)];
-    const bool simd = g_isa == Isa::Avx2;
+    const Isa isa = cpu_get_isa();
+    const RowKernel& k = (precise_x ? tab.x16 : tab.k)[static_cast<int>(isa)][static_cast<int>(t)];
+    const bool simd = cpu_isa_simd(isa);
 
     // Activations prepared once per call, shared read-only by all threads: [M, act_row_bytes]
     thread_local std::vector<uint8_t> act_buf;
