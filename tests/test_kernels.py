@@ -211,6 +211,42 @@ def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
             assert torch.equal(ys[isa], ys["avx2"]), f"{name}: {isa} and avx2 differ " + why(N, K, M)
 
 
+def quantize_q8_K_residual(x: torch.Tensor) -> torch.Tensor:
+    """x f32 [M, K] -> float64 [M, K]: what the K-quant GEMVs multiply for a row with outliers: its Q8_K rounding
+    plus the Q8_K rounding of the fp32 residual x - d q (csrc/cpu/gemv.cpp q8_K_residual)."""
+    xb = x.numpy().reshape(x.shape[0], -1, 256)
+    d = np.abs(xb).max(axis=-1, keepdims=True) / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(d != 0, np.float32(1) / d, np.float32(0)).astype(np.float32)
+    q = np.rint(xb * inv).astype(np.float32)
+    r = torch.from_numpy((xb - d * q).reshape(x.shape).astype(np.float32))
+    return quantize_like_kernels(x, 256) + quantize_like_kernels(r, 256)
+
+
+@pytest.mark.parametrize("name", K_TYPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+def test_k_quant_gemv_keeps_the_residual_of_rows_with_outliers(C, name, M):
+    """Reference: float64 x @ W.T.  A row whose 256-blocks hold values ~60x its rms (Gemma 3's MLP outputs) gets a
+    second Q8_K row with the rounding residual, so its error is that of the two-level rounding (emulated:
+    TOL_EXACT) and ~100x below one Q8_K row's (measured: ~1e-2 single, ~1e-4 with the residual; bound 2e-3,
+    where a single row fails by 5x).  Every ISA path agrees with scalar within TOL_ISA."""
+    N, K = 96, 1024
+    wt = make_weight(name, N, K)
+    x = torch.from_numpy(rng_for("xo", name, M).standard_normal((M, K), dtype=np.float32))
+    x[:, 37::256] *= 60  # one outlier per block, as in Gemma's activations
+    single = quantize_like_kernels(x, 256) @ wt.W64.T
+    assert rel_err(single, wt.ref(x), x, wt) > 5 * 2e-3, "the test input must defeat a single Q8_K row"
+    ys = {}
+    for isa in C.available_isas():
+        C.set_isa(isa)
+        ys[isa] = C.gemv(x, wt.raw, int(GT[name]))
+        err = rel_err(ys[isa], quantize_q8_K_residual(x) @ wt.W64.T, x, wt)
+        assert err < TOL_EXACT, f"{name} {isa} vs two-level int8-x float64: {err:.3g} " + why(N, K, M)
+        err = rel_err(ys[isa], wt.ref(x), x, wt)
+        assert err < 2e-3, f"{name} {isa} vs float64: {err:.3g} " + why(N, K, M)
+        assert rel_err(ys[isa], ys["scalar"], x, wt) < TOL_ISA, f"{name}: {isa} vs scalar " + why(N, K, M)
+
+
 @pytest.mark.parametrize("N,K", [(96, 640), (37, 576), (160, 896)])
 @pytest.mark.parametrize("M", [1, 3, 8, 13])
 def test_gemv_precise_x_keeps_16_bit_activations_for_q8_0(C, N, K, M):
@@ -421,3 +457,28 @@ def test_error_bad_settings(C):
         C.set_isa("sse9")
     with pytest.raises(ValueError, match=r"n must be >= 1, got 0"):
         C.set_num_threads(0)
+
+
+def _pyllm(args, **env):
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    e = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), **env}
+    return subprocess.run([sys.executable, "-m", "pyllm.cli.main", *args], capture_output=True, text=True,
+                          timeout=600, env=e)
+
+
+def test_pyllm_isa_env_forces_the_kernels_and_rejects_what_the_cpu_lacks(C):
+    """README: `PYLLM_ISA=avx2 pyllm --version` names the forced kernels; an unknown or unavailable name is a
+    one-line error for a command that runs kernels, never a silent fallback to other kernels."""
+    forced = C.available_isas()[-2] if len(C.available_isas()) > 1 else "scalar"
+    r = _pyllm(["--version"], PYLLM_ISA=forced)
+    assert r.returncode == 0 and f"cpu kernels {forced} of " in r.stdout, r.stdout + r.stderr
+    r = _pyllm(["--version"])
+    assert f"cpu kernels {C.best_isa()} of " in r.stdout, r.stdout + r.stderr
+    bad = next((i for i in ISAS if i not in C.available_isas()), "sse9")
+    r = _pyllm(["run", "smollm2-135m", "hi", "-n", "1"], PYLLM_ISA=bad)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pyllm: error:") and f"PYLLM_ISA={bad}" in lines[0], r.stderr
