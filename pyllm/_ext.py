@@ -69,7 +69,7 @@ def _apply_isa_env(mod) -> None:
         return
     avail = list(mod.available_isas())
     if name not in ("scalar", "avx2", "avx512", "amx"):
-        raise IsaError(f"PYLLM_ISA={name!r} is not a kernel family; expected one of scalar, avx2, avx512, amx")
+        raise IsaError(f"PYLLM_ISA={name}: not a kernel family; expected one of scalar, avx2, avx512, amx")
     if name not in avail:
         raise IsaError(f"PYLLM_ISA={name}: this CPU (or its OS, or this build) cannot run it; available: "
                        f"{', '.join(avail)}")
