@@ -253,22 +253,28 @@ KV_INLINE __m256 scales8(const uint8_t* const* rows, size_t off) {
     return _mm256_cvtph_ps(h);
 }
 
+// 32 floats at x -> v[4], and their largest magnitude.
+KV_INLINE float load_absmax32(const float* x, __m256 v[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 // G query heads -> q8 blocks: codes qq (hd per head), scales dq (hd/32 per head), qsum (each block's code sum).
 void quantize_q8(const float* q, size_t q_stride, int G, int hd, int8_t* qq, float* dq, int32_t* qsum) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const int nb = hd / QK;
     for (int g = 0; g < G; ++g) {
         const float* x = q + g * q_stride;
         for (int b = 0; b < nb; ++b, x += QK) {
-            __m256 v[4], mx = _mm256_setzero_ps();
-            for (int k = 0; k < 4; ++k) {
-                v[k] = _mm256_loadu_ps(x + 8 * k);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
-            }
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            const float d = _mm_cvtss_f32(m) / 127.0f;
+            __m256 v[4];
+            const float d = load_absmax32(x, v) / 127.0f;
             const __m256 id = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.f);
             __m256i w[4];
             for (int k = 0; k < 4; ++k) w[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));  // round half to even
@@ -288,20 +294,12 @@ void quantize_q8(const float* q, size_t q_stride, int G, int hd, int8_t* qq, flo
 
 // G query heads -> int16 blocks for q8_0 keys: codes qq (hd per head), scales dq = absmax/32767 (hd/32 per head).
 void quantize_q16(const float* q, size_t q_stride, int G, int hd, int16_t* qq, float* dq) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const int nb = hd / QK;
     for (int g = 0; g < G; ++g) {
         const float* x = q + g * q_stride;
         for (int b = 0; b < nb; ++b, x += QK) {
-            __m256 v[4], mx = _mm256_setzero_ps();
-            for (int k = 0; k < 4; ++k) {
-                v[k] = _mm256_loadu_ps(x + 8 * k);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
-            }
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            const float d = _mm_cvtss_f32(m) / 32767.0f;
+            __m256 v[4];
+            const float d = load_absmax32(x, v) / 32767.0f;
             const __m256 id = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.f);
             int16_t* out = qq + g * hd + b * QK;
             for (int h = 0; h < 2; ++h) {
