@@ -15,7 +15,10 @@ from pyllm import ops
 from pyllm.models.llama import LlamaModel
 from pyllm.runtime.kv_cache import KVCache
 
-pytestmark = pytest.mark.skipif(not pyllm._ext.has_extension(), reason="needs the C++ extension")
+@pytest.fixture(autouse=True, scope="module")
+def _extension():
+    """These tests are about the extension: a build that fails is a failure (PyllmError), never a skip."""
+    pyllm._ext.load()
 
 
 def _kv(model, n_ctx, dtype):
