@@ -244,17 +244,18 @@ Tensor awq_repack(const Tensor& qweight, const Tensor& qzeros, const Tensor& sca
 
 void set_isa(const std::string& name) {
     pyllm::Isa isa;
-    if (name == "scalar" || name == "generic") isa = pyllm::Isa::Scalar;
-    else if (name == "avx2") isa = pyllm::Isa::Avx2;
-    else TORCH_CHECK_VALUE(false, "set_isa: unknown ISA '", name, "', expected 'scalar' or 'avx2'");
+    const std::string n = name == "generic" ? "scalar" : name;
+    TORCH_CHECK_VALUE(pyllm::cpu_isa_from_name(n.c_str(), &isa), "set_isa: unknown ISA '", name,
+                      "', expected one of scalar, avx2, avx512, amx");
     TORCH_CHECK_VALUE(pyllm::cpu_isa_available(isa), "set_isa: '", name,
-                      "' is not available (not compiled in, or this CPU lacks it)");
+                      "' is not available (not compiled in, or this CPU or OS lacks it)");
     pyllm::cpu_set_isa(isa);
 }
 
 std::vector<std::string> available_isas() {
-    std::vector<std::string> r{"scalar"};
-    if (pyllm::cpu_isa_available(pyllm::Isa::Avx2)) r.push_back("avx2");
+    std::vector<std::string> r;
+    for (int i = 0; i < pyllm::ISA_COUNT; ++i)
+        if (pyllm::cpu_isa_available(static_cast<pyllm::Isa>(i))) r.push_back(pyllm::cpu_isa_name(static_cast<pyllm::Isa>(i)));
     return r;
 }
 
@@ -642,9 +643,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "AutoAWQ gemm qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N] -> AWQ rows u8 "
           "[N, 3K/G + K/2] of type awq_qtype(G)",
           py::arg("qweight"), py::arg("qzeros"), py::arg("scales"), py::arg("group_size"));
-    m.def("set_isa", &set_isa, "CPU kernels to use: 'avx2' (default where available) or 'scalar'");
+    m.def("set_isa", &set_isa, "CPU kernels to use: 'scalar', 'avx2', 'avx512' or 'amx' (default: the best available)");
     m.def("get_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_get_isa())); });
     m.def("available_isas", &available_isas);
+    m.def("best_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_best_isa())); });
     m.def("set_num_threads", &set_num_threads, "threads for pyllm's CPU kernels (torch's own setting untouched)");
     m.def("get_num_threads", &pyllm::cpu_get_num_threads);
     m.def("physical_cores", &pyllm::cpu_physical_cores);

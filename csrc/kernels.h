@@ -19,13 +19,22 @@ namespace pyllm {
 constexpr int GEMV_MAX_M = 8;
 
 // ---- CPU (csrc/cpu) --------------------------------------------------------------------------------------
-enum class Isa : int { Scalar = 0, Avx2 = 1 };
+// Kernel families, each a superset of the one before: Avx512 = AVX-512 F/BW/VL + VNNI GEMV row kernels (the
+// AVX2 ones where a type has none); Amx adds AMX int8 tiles for prefill, and its GEMV is Avx512's (at M <= 8
+// a tile pass is not faster than the VNNI row dots).  Names: "scalar", "avx2", "avx512", "amx".
+enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Amx = 3 };
+constexpr int ISA_COUNT = 4;
 
 bool cpu_type_supported(QType t);      // gemv + dequantize exist for t
-bool cpu_isa_available(Isa isa);       // compiled in and the CPU runs it
+bool cpu_isa_available(Isa isa);       // compiled in, the CPU has it and the OS saves its register state
+Isa cpu_best_isa();                    // the best available one (the default)
 void cpu_set_isa(Isa isa);             // caller checked availability
 Isa cpu_get_isa();
-const char* cpu_isa_name(Isa isa);
+const char* cpu_isa_name(Isa isa);     // "scalar", "avx2", "avx512", "amx"
+bool cpu_isa_from_name(const char* name, Isa* isa);  // false for an unknown name
+// The AVX2 code paths (everything but the GEMV row kernels: quantizers, dequant, attention) serve every ISA
+// above Scalar.
+inline bool cpu_isa_simd(Isa isa) { return isa != Isa::Scalar; }
 void cpu_set_num_threads(int n);       // n >= 1
 int cpu_get_num_threads();
 int cpu_physical_cores();              // cores (not SMT siblings) this process may run on

@@ -33,6 +33,7 @@ CPU_SOURCES = [
     "cpu/gemv_avx2_legacy.cpp",
     "cpu/gemv_avx2_kquants.cpp",
     "cpu/gemv_avx2_awq.cpp",
+    "cpu/gemv_avx512.cpp",
     "cpu/awq_repack.cpp",
     "cpu/dequant.cpp",
     "cpu/gemm_amx.cpp",
@@ -56,6 +57,24 @@ NAME = "pyllm_C"
 _module = None
 _error: PyllmError | None = None
 _cuda_built = False
+
+
+class IsaError(PyllmError):
+    """PYLLM_ISA names kernels this build or CPU cannot run."""
+
+
+def _apply_isa_env(mod) -> None:
+    """PYLLM_ISA=scalar|avx2|avx512|amx forces a CPU kernel family (testing, benchmarking); unset: the best one."""
+    name = os.environ.get("PYLLM_ISA", "").strip().lower()
+    if not name:
+        return
+    avail = list(mod.available_isas())
+    if name not in ("scalar", "avx2", "avx512", "amx"):
+        raise IsaError(f"PYLLM_ISA={name}: not a kernel family; expected one of scalar, avx2, avx512, amx")
+    if name not in avail:
+        raise IsaError(f"PYLLM_ISA={name}: this CPU (or its OS, or this build) cannot run it; available: "
+                       f"{', '.join(avail)}")
+    mod.set_isa(name)
 
 
 def csrc_dir() -> Path:
@@ -167,6 +186,11 @@ def load():
     except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError / OSError
         _error = _diagnose(e)
         raise _error from e
+    try:
+        _apply_isa_env(mod)
+    except IsaError as e:
+        _error = e
+        raise
     _cuda_built = cuda
     _module = mod
     sys.modules["pyllm._C"] = mod  # `pyllm._C.set_isa(...)` etc. once loaded

@@ -38,6 +38,8 @@ class _LazyExtension:
         if self.failed is None:
             try:
                 mod = _ext.load()
+            except _ext.IsaError:  # PYLLM_ISA asked for kernels this machine lacks: an error, not a fallback
+                raise
             except PyllmError as e:
                 print(f"{e}\npyllm: falling back to the (slow) torch reference kernels", file=sys.stderr)
                 self.failed = e
@@ -133,8 +135,19 @@ def get_num_threads() -> int:
 
 
 def set_isa(name: str) -> None:
-    """CPU kernel family: "avx2" (default where the CPU has it) or "scalar" (the _generic reference kernels)."""
+    """CPU kernel family: "scalar" (the _generic reference kernels), "avx2", "avx512" (VNNI GEMV) or "amx"
+    (AVX-512 GEMV plus AMX tiles for prefill).  Default: the best the CPU and OS support; PYLLM_ISA forces one."""
     try:
         _C.set_isa(name)
     except NotImplementedError as e:
         raise PyllmError(str(e)) from None
+    except ValueError as e:
+        raise PyllmError(str(e)) from None
+
+
+def get_isa() -> str | None:
+    """The CPU kernel family in use ("scalar", "avx2", "avx512", "amx"), or None without the extension."""
+    try:
+        return _C.get_isa()
+    except NotImplementedError:
+        return None

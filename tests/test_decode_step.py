@@ -15,7 +15,10 @@ from pyllm import ops
 from pyllm.models.llama import LlamaModel
 from pyllm.runtime.kv_cache import KVCache
 
-pytestmark = pytest.mark.skipif(not pyllm._ext.has_extension(), reason="needs the C++ extension")
+@pytest.fixture(autouse=True, scope="module")
+def _extension():
+    """These tests are about the extension: a build that fails is a failure (PyllmError), never a skip."""
+    pyllm._ext.load()
 
 
 def _kv(model, n_ctx, dtype):
@@ -223,11 +226,12 @@ def test_binding_rejects_bad_arguments(tiny_qwen2):
 KV_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
 
 
-def _q8_blocks(q):
-    """q as the AVX2 kernel dots it with q8_0 / q4_0 keys: quantized per 32 values to q8 (d = absmax/127 in fp32,
-    codes round(q * (1/d)) half to even, as llama.cpp's quantize_row_q8_0), dequantized in float64."""
+def _q8_blocks(q, levels=127):
+    """q as the AVX2 kernel dots it with q4_0 keys: quantized per 32 values to q8 (d = absmax/127 in fp32,
+    codes round(q * (1/d)) half to even, as llama.cpp's quantize_row_q8_0), dequantized in float64; with q8_0
+    keys the same at 16 bits (levels 32767)."""
     b = q.unflatten(-1, (-1, 32))
-    d = b.abs().amax(-1, keepdim=True) / 127
+    d = b.abs().amax(-1, keepdim=True) / levels
     codes = torch.round(b * torch.where(d > 0, 1 / d, torch.zeros_like(d)))
     return (codes.double() * d.double()).flatten(-2)
 
@@ -236,9 +240,9 @@ def _q8_blocks(q):
 @pytest.mark.parametrize("isa", ["simd", "scalar"])
 def test_kv_attention_matches_float64_on_dequantized_rows(kind, isa):
     """Reference: float64 softmax attention over the rows kv_cache.py dequantizes (same stored bytes), with the
-    query the kernel dots: the AVX2 kernel takes q8_0 / q4_0 keys with an integer dot (llama.cpp's
-    vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0), each query head rounded to q8 blocks first, so for those kinds its
-    reference query is that rounded q (_q8_blocks); the scalar loop and float keys use q itself. The rounding is
+    query the kernel dots: the AVX2 kernel takes q8_0 / q4_0 keys with an integer dot (int16 query blocks against
+    q8_0 keys; llama.cpp's vec_dot_q4_0_q8_0 against q4_0), each query head rounded to blocks first, so for those
+    kinds its reference query is that rounded q (_q8_blocks); the scalar loop and float keys use q itself. The rounding is
     the kernel's one approximation (half a step of 1/127 of a block's absmax per query value, next to the key's
     own 1/254 (q8_0) or 1/8 (q4_0) of its block's absmax); its effect on the logits is bounded by
     test_smollm2_cpp_decode_quantized_cache. Tolerance: float32 accumulation over <= 77 keys x 64 dims, 2e-5 of
@@ -254,8 +258,8 @@ def test_kv_attention_matches_float64_on_dequantized_rows(kind, isa):
     q = torch.randn(hkv * group, hd, generator=g) * 2
     # storage basis, the stored row 0 (the kernel reads rows; the step's exact sink row is tested apart)
     kd, vd = (p.stored(0, s, sink=False).double().repeat_interleave(group, 0) for p in c.parts)
-    int_dot = isa == "simd" and kind in ("q8_0", "q4_0") and ops._C.get_isa() == "avx2"
-    qr = _q8_blocks(q) if int_dot else q.double()
+    int_dot = isa == "simd" and kind in ("q8_0", "q4_0") and ops._C.get_isa() != "scalar"
+    qr = _q8_blocks(q, 32767 if kind == "q8_0" else 127) if int_dot else q.double()
     p = torch.softmax(torch.einsum("hd,hsd->hs", qr, kd) * hd ** -0.5, -1)
     want = torch.einsum("hs,hsd->hd", p, vd)
     got = ops._C.kv_attention(q, c.k_part.data[0], c.v_part.data[0], KV_IDS[kind], KV_IDS[kind], hd ** -0.5,

@@ -19,7 +19,10 @@ from pyllm.models.gemma3 import Gemma3Model
 
 from test_decode_step import _compare, _greedy, _kv
 
-pytestmark = pytest.mark.skipif(not pyllm._ext.has_extension(), reason="needs the C++ extension")
+@pytest.fixture(autouse=True, scope="module")
+def _extension():
+    """These tests are about the extension: a build that fails is a failure (PyllmError), never a skip."""
+    pyllm._ext.load()
 
 
 TOL = 0.08

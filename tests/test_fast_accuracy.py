@@ -20,7 +20,7 @@ from test_model import PROMPTS
 # n_ubatch=1, f16 KV cache), measured by `python tools/kl_vs_llamacpp.py smollm2 qwen2 -n 200` with
 # llama-cpp-python 0.3.36 on 2026-11-29.  Issue 3 quotes ~2e-3 / ~4e-4 from another text; on this one
 # llama.cpp itself measures 5.3e-3 / 2.1e-3, so the bound is llama.cpp on the same positions.
-KL_LLAMA_CPP = {"smollm2": 5.31e-3, "qwen2": 2.14e-3}
+KL_LLAMA_CPP = {"smollm2": 5.31e-3, "qwen2": 2.14e-3, "gemma3": 7.18e-3}
 # Int8 activation rounding amplifies any fp32-level difference: two equally accurate builds (the same GEMVs, the
 # decode attention's summation order changed) measured 1.96e-3 and 2.41e-3 on Qwen2.5's 200 positions, and the
 # C++ step and pyllm's own torch path differ by ~2.7% of the max logit per position although both are int8 paths.
@@ -81,9 +81,11 @@ def cached_decode_kl(key):
     return _kl_cache[key]
 
 
-@pytest.mark.parametrize("key", ["smollm2", "qwen2"])
+@pytest.mark.parametrize("key", ["smollm2", "qwen2", "gemma3"])
 def test_mean_kl_of_decode_path_at_most_llama_cpp(key):
-    # measured 4.55e-3 (SmolLM2) and 1.96e-3 / 2.41e-3 (Qwen2.5, two builds) on 2026-11-29
+    # measured 4.55e-3 (SmolLM2) and 1.96e-3 / 2.41e-3 (Qwen2.5, two builds) on 2026-11-29; Gemma 3 (llama.cpp's
+    # 7.18e-3 from docs/BENCHMARKS.md, same protocol) 6.12e-3 / 6.90e-3 then.  With residual Q8_K rows for
+    # activations with outliers (csrc/cpu/gemv.cpp), 2026-12-01: Qwen2.5 6.69e-4, Gemma 3 1.79e-3
     if not os.path.exists(GPL3):
         pytest.skip(f"llama.cpp's figures were measured on {GPL3}, which this machine lacks")
     kl, agree = cached_decode_kl(key)

@@ -4,6 +4,7 @@
     python tools/bench_kernels.py                      # default types, 1 and all-core threads, markdown table
     python tools/bench_kernels.py --types Q4_0,Q4_K --threads 1,2 --m 1,8 --repeat 3
     python tools/bench_kernels.py --types Q4_0,AWQ_G128 --cpu-time    # AWQ int4 rows (pyllm/awq.py AWQRows)
+    python tools/bench_kernels.py --isa avx2,avx512 --cpu-time        # A/B: kernel paths interleaved per point
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
 compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
@@ -97,7 +98,10 @@ def main() -> int:
     ap.add_argument("--threads", default=None, help="comma list (default: 1 and the physical core count)")
     ap.add_argument("--m", default="1", help="activation rows, comma list (<= 8: fused GEMV)")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--isa", default=None, help="avx2 | scalar (default: the extension's choice)")
+    ap.add_argument("--isa", default=None,
+                    help="scalar | avx2 | avx512 | amx, or a comma list to compare: the paths alternate round by "
+                         "round at every point and a ratio column gives each one's speed over the first "
+                         "(default: the extension's choice)")
     ap.add_argument("--shapes", default=None, help="NxK,... (default: 14336x4096,4096x14336,4096x4096)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="single-thread rates per CPU-second (time.thread_time) instead of wall time: on a loaded "
@@ -105,8 +109,8 @@ def main() -> int:
     a = ap.parse_args()
 
     C = _ext.load()
-    if a.isa:
-        C.set_isa(a.isa)
+    isas = a.isa.split(",") if a.isa else [C.get_isa()]
+    C.set_isa(isas[0])
     threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted({1, C.physical_cores()})
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
     ms = [int(m) for m in a.m.split(",")]
@@ -119,12 +123,12 @@ def main() -> int:
     for t in threads:
         bw[t] = read_bandwidth(C, t, a.repeat, clock)
     unit = "GB per CPU-second" if a.cpu_time else "GB/s"
-    print(f"# pyllm kernel bench: isa={C.get_isa()}, {'CPU time' if a.cpu_time else 'wall time'}, load average "
+    print(f"# pyllm kernel bench: isa={','.join(isas)}, {'CPU time' if a.cpu_time else 'wall time'}, load average "
           f"{os.getloadavg()[0]:.1f} (other processes share these cores: numbers are noisy)")
     print("read bandwidth (1 GiB streaming sum): " + ", ".join(f"{t} thread(s) {bw[t] / 1e9:.1f} {unit}" for t in threads))
     print()
-    print("| type | N x K | M | threads | weight MB | us/call | GB/s | % of read BW |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| type | N x K | M | threads | isa | weight MB | us/call | GB/s | % of read BW | vs first isa |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in a.types.split(","):
         tid = TYPES[name][0]
         for N, K in shapes:
@@ -134,10 +138,16 @@ def main() -> int:
             for M in ms:
                 for t in threads:
                     C.set_num_threads(t)
-                    s = bench_gemv(C, ws, tid, M, a.repeat, gemm=M > 8, clock=clock)
-                    gbs = w0.numel() / s / 1e9
-                    print(f"| {name} | {N}x{K} | {M} | {t} | {w0.numel() / 1e6:.1f} | {s * 1e6:.0f} | {gbs:.1f} | "
-                          f"{100 * gbs * 1e9 / bw[t]:.0f}% |", flush=True)
+                    best = {i: math.inf for i in isas}
+                    for _ in range(a.repeat):  # interleaved, so load changes hit every path alike
+                        for i in isas:
+                            C.set_isa(i)
+                            best[i] = min(best[i], bench_gemv(C, ws, tid, M, 1, gemm=M > 8, clock=clock))
+                    for i in isas:
+                        s = best[i]
+                        gbs = w0.numel() / s / 1e9
+                        print(f"| {name} | {N}x{K} | {M} | {t} | {i} | {w0.numel() / 1e6:.1f} | {s * 1e6:.0f} | "
+                              f"{gbs:.1f} | {100 * gbs * 1e9 / bw[t]:.0f}% | {best[isas[0]] / s:.2f} |", flush=True)
             del ws, w0
     return 0
 

@@ -31,10 +31,11 @@ def main() -> None:
     ap.add_argument("models", nargs="+", help="fixture keys: smollm2, qwen2, gemma3")
     ap.add_argument("-n", type=int, action="append", help="report the mean over the first n positions (repeatable)")
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--pyllm-only", action="store_true",
+                    help="skip llama.cpp (not installed, or A/B of two pyllm builds: run once per PYTHONPATH)")
     args = ap.parse_args()
     ns = sorted(args.n or [200])
     text = Path(GPL3).read_text(encoding="utf-8")
-    from llama_cpp import Llama
 
     for key in args.models:
         path = str(fixture_path(key))
@@ -47,6 +48,13 @@ def main() -> None:
 
         fast = pyllm.load(path, n_ctx=max(ns) + 16, n_threads=args.threads)
         k_fast = kl(decode_logits(fast, ids))
+        if args.pyllm_only:
+            for n in ns:
+                print(f"{key}: positions 0..{n}: pyllm fast {k_fast[:n].mean().item():.3e} "
+                      f"(isa {pyllm.ops.get_isa()}, pyllm from {Path(pyllm.__file__).parent})", flush=True)
+            continue
+        from llama_cpp import Llama
+
         llm = Llama(path, n_ctx=max(ns) + 16, n_threads=args.threads, logits_all=True, verbose=False,
                     n_batch=512, n_ubatch=1)
         llm.eval(ids)

@@ -2,7 +2,7 @@
 // weighted sum of V are computed from the stored rows one row at a time (no expanded copy of the cache), so a
 // quantized cache is read at its own size.  AVX2: per KV head and its group of query heads, scores 8 rows at a
 // time per head (8 accumulators, one reduction; q8_0 / q4_0 keys dotted in integers with the query quantized to
-// q8 blocks, as llama.cpp does), a vectorized softmax, and outputs accumulated in registers (each V row converted
+// int16 / int8 blocks), a vectorized softmax, and outputs accumulated in registers (each V row converted
 // once per 2 heads); the scalar per-head loops beside it are the reference (float q, no query rounding).  At a
 // 2048-token context the attention, not the GEMVs, dominates a small model's step: the scalar fp16 loop ran
 // SmolLM2 at 5.4 t/s there, an 8-wide one 33 t/s (load ~8).
@@ -218,11 +218,14 @@ void scores_f_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, const floa
 }
 
 // ---- integer scores for q8_0 / q4_0 keys ----------------------------------------------------------------------
-// llama.cpp's vec_dot_q8_0_q8_0 / vec_dot_q4_0_q8_0: each query head is quantized once per call to q8 blocks
-// (d_q = absmax/127 in fp32, q = round(x / d_q)), and a (head, row, block) dot is maddubs + an integer
-// reduction; the RB rows' block dots are reduced together (rows in lanes) and scaled by their d_k times d_q
-// with one FMA.  The query's rounding (half a step of 1/127 of its block's absmax per value) is the only
-// difference from the float dot over the dequantized rows.
+// Each query head is quantized once per call to integer blocks (d_q = absmax/L in fp32, q = round(x / d_q)), and
+// a (head, row, block) dot is an integer product + reduction; the RB rows' block dots are reduced together (rows
+// in lanes) and scaled by their d_k times d_q with one FMA.  q4_0 keys: L = 127 and maddubs, llama.cpp's
+// vec_dot_q4_0_q8_0 (the key's 4-bit step dwarfs the query's rounding).  q8_0 keys: L = 32767 and vpmaddwd on
+// sign-extended keys: with an int8 query (llama.cpp's vec_dot_q8_0_q8_0) the query's rounding is as large as
+// the key's own, and on Gemma 3, whose attention logits are large, it alone moved the decode step's logits by
+// ~2% of the max logit against the float path (6.3% vs 4.3% at worst over 6 steps); the int16 dot costs the
+// same uops per block.  The query's rounding is the only difference from the float dot over the stored rows.
 KV_INLINE __m256i hsum8x8_epi32(const __m256i* a) {
     const __m256i t0 = _mm256_hadd_epi32(a[0], a[1]), t1 = _mm256_hadd_epi32(a[2], a[3]);
     const __m256i t2 = _mm256_hadd_epi32(a[4], a[5]), t3 = _mm256_hadd_epi32(a[6], a[7]);
@@ -250,22 +253,28 @@ KV_INLINE __m256 scales8(const uint8_t* const* rows, size_t off) {
     return _mm256_cvtph_ps(h);
 }
 
+// 32 floats at x -> v[4], and their largest magnitude.
+KV_INLINE float load_absmax32(const float* x, __m256 v[4]) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+        v[k] = _mm256_loadu_ps(x + 8 * k);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
 // G query heads -> q8 blocks: codes qq (hd per head), scales dq (hd/32 per head), qsum (each block's code sum).
 void quantize_q8(const float* q, size_t q_stride, int G, int hd, int8_t* qq, float* dq, int32_t* qsum) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     const int nb = hd / QK;
     for (int g = 0; g < G; ++g) {
         const float* x = q + g * q_stride;
         for (int b = 0; b < nb; ++b, x += QK) {
-            __m256 v[4], mx = _mm256_setzero_ps();
-            for (int k = 0; k < 4; ++k) {
-                v[k] = _mm256_loadu_ps(x + 8 * k);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[k]));
-            }
-            __m128 m = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-            m = _mm_max_ss(m, _mm_movehdup_ps(m));
-            const float d = _mm_cvtss_f32(m) / 127.0f;
+            __m256 v[4];
+            const float d = load_absmax32(x, v) / 127.0f;
             const __m256 id = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.f);
             __m256i w[4];
             for (int k = 0; k < 4; ++k) w[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));  // round half to even
@@ -283,7 +292,30 @@ void quantize_q8(const float* q, size_t q_stride, int G, int hd, int8_t* qq, flo
     }
 }
 
+// G query heads -> int16 blocks for q8_0 keys: codes qq (hd per head), scales dq = absmax/32767 (hd/32 per head).
+void quantize_q16(const float* q, size_t q_stride, int G, int hd, int16_t* qq, float* dq) {
+    const int nb = hd / QK;
+    for (int g = 0; g < G; ++g) {
+        const float* x = q + g * q_stride;
+        for (int b = 0; b < nb; ++b, x += QK) {
+            __m256 v[4];
+            const float d = load_absmax32(x, v) / 32767.0f;
+            const __m256 id = _mm256_set1_ps(d > 0 ? 1.0f / d : 0.f);
+            int16_t* out = qq + g * hd + b * QK;
+            for (int h = 0; h < 2; ++h) {
+                const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h], id));  // round half to even
+                const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + 1], id));
+                // packs interleaves the 128-bit lanes: [i0 lo, i1 lo, i0 hi, i1 hi] -> permute back to order
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * h),
+                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xD8));
+            }
+            dq[g * nb + b] = d;
+        }
+    }
+}
+
 struct IntScratch {
+    std::vector<int16_t> q16;
     std::vector<int8_t> qq;
     std::vector<float> dq, dk;
     std::vector<int32_t> qsum;
@@ -300,7 +332,7 @@ void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, siz
     const int nb = hd / QK;
     thread_local IntScratch S;
     const size_t gh = static_cast<size_t>(G) * hd, gb = static_cast<size_t>(G) * nb;
-    if (S.qq.size() < gh) S.qq.resize(gh);
+    if (S.qq.size() < gh) S.qq.resize(gh), S.q16.resize(gh);
     if (S.dq.size() < gb) S.dq.resize(gb), S.qsum.resize(gb);
     if (S.dk.size() < static_cast<size_t>(RB) * nb) S.dk.resize(static_cast<size_t>(RB) * nb);
     if (Q4 && S.kb.size() < static_cast<size_t>(RB) * hd) S.kb.resize(static_cast<size_t>(RB) * hd);
@@ -308,7 +340,9 @@ void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, siz
     const float* dq = S.dq.data();
     const int32_t* qsum = S.qsum.data();
     float* dk = S.dk.data();  // the chunk's block scales, [b][r]
-    quantize_q8(q, q_stride, G, hd, S.qq.data(), S.dq.data(), S.qsum.data());
+    const int16_t* q16 = S.q16.data();
+    if constexpr (Q4) quantize_q8(q, q_stride, G, hd, S.qq.data(), S.dq.data(), S.qsum.data());
+    else quantize_q16(q, q_stride, G, hd, S.q16.data(), S.dq.data());
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int j0 = 0; j0 < n; j0 += RB) {
@@ -331,9 +365,9 @@ void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, siz
         for (int g = 0; g < G; ++g) {
             __m256 acc = _mm256_setzero_ps();
             for (int b = 0; b < nb; ++b) {
-                const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * hd + b * QK));
                 __m256i dot;  // the RB rows' integer block dots
                 if constexpr (Q4) {
+                    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qq + g * hd + b * QK));
                     // a pair of rows: 8 int16 per row (|.| <= 4 * 15 * 127); an int16 hadd tree to 2 per row
                     // (<= 16 * 15 * 127 = 30480: no overflow); madd to one int32 per row, rows 0..3 | 4..7
                     const __m256i ql = _mm256_permute2x128_si256(qv, qv, 0x00);
@@ -346,13 +380,16 @@ void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, siz
                     const __m256i h = _mm256_hadd_epi16(_mm256_hadd_epi16(p[0], p[1]), _mm256_hadd_epi16(p[2], p[3]));
                     dot = _mm256_sub_epi32(_mm256_madd_epi16(h, ones), _mm256_set1_epi32(8 * qsum[g * nb + b]));
                 } else {
-                    // sign trick: maddubs(|q|, k * sign(q)) = sum q k, pairs <= 2 * 127 * 127 (no saturation)
-                    const __m256i qa = _mm256_sign_epi8(qv, qv);
+                    // int16 query against sign-extended int8 keys: |k q| <= 127 * 32767, 4 products per lane
+                    // and 8 lanes per row stay below 2^31 (32 * 127 * 32767 ~ 1.3e8)
+                    const __m256i q0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * hd + b * QK));
+                    const __m256i q1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q16 + g * hd + b * QK + 16));
                     __m256i p[RB];
                     for (int r = 0; r < RB; ++r) {
-                        const __m256i kv = _mm256_loadu_si256(
-                            reinterpret_cast<const __m256i*>(rows[r] + b * bsz + offsetof(block_q8_0, qs)));
-                        p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(qa, _mm256_sign_epi8(kv, qv)), ones);
+                        const int8_t* kq = reinterpret_cast<const int8_t*>(rows[r] + b * bsz + offsetof(block_q8_0, qs));
+                        const __m256i k0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kq)));
+                        const __m256i k1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kq + 16)));
+                        p[r] = _mm256_add_epi32(_mm256_madd_epi16(k0, q0), _mm256_madd_epi16(k1, q1));
                     }
                     dot = hsum8x8_epi32(p);
                 }
@@ -567,7 +604,7 @@ void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose)
     // y = x R^T: 8 rows of R at a time with 8 accumulators and one reduction (the scalar loop below is one
     // dependent add per element -- ~3 us per head vector at hd 64, paid for every rotated K/V row stored and
     // every query head of a rotated cache)
-    if (transpose && hd % 8 == 0 && cpu_get_isa() == Isa::Avx2) {
+    if (transpose && hd % 8 == 0 && cpu_isa_simd(cpu_get_isa())) {
         for (int i0 = 0; i0 < hd; i0 += RB) {
             __m256 acc[RB];
             for (int r = 0; r < RB; ++r) acc[r] = _mm256_setzero_ps();
@@ -607,7 +644,7 @@ void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType v
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
                      size_t sc_stride, float* o, size_t o_stride, float* lse) {
 #if PYLLM_KV_AVX2
-    if (cpu_get_isa() == Isa::Avx2 && hd % 8 == 0) {
+    if (cpu_isa_simd(cpu_get_isa()) && hd % 8 == 0) {
         attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
                           o_stride, lse);
         return;

@@ -1,16 +1,27 @@
 // Small AVX2 helpers shared by the gemv_avx2_*.cpp files.  Included only when PYLLM_AVX2 is set.
+//
+// gemv_avx512.cpp includes this header (and gemv_legacy_impl.h) a second time under
+// `#pragma GCC target(... avx512vnni)` with PYLLM_VNNI defined: the helpers then live in namespace avx512 (so
+// the two builds of each inline function never share a symbol) and dot_u8s8 becomes one vpdpbusd.  The pragma
+// does not define __AVX2__ etc. in g++, hence the explicit PYLLM_VNNI test.
 #pragma once
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(PYLLM_VNNI)
 #define PYLLM_AVX2 1
 #include <immintrin.h>
 
 #include <cstdint>
 #include <cstring>
 
+#ifdef PYLLM_VNNI
+#define PYLLM_SIMD_NS avx512
+#else
+#define PYLLM_SIMD_NS avx2
+#endif
+
 namespace pyllm {
 namespace cpu {
-namespace avx2 {
+namespace PYLLM_SIMD_NS {
 
 #define PYLLM_INLINE inline __attribute__((always_inline))
 
@@ -84,9 +95,14 @@ PYLLM_INLINE __m256i bits_to_bytes_32(const uint8_t* p) {
 }
 
 // sum of u8 * s8 over 32 bytes -> 8 int32 partial sums.  maddubs saturates at int16, which never happens
-// for our codes (unsigned <= 63 against |xq| <= 127: 2 * 63 * 127 = 16002 < 32767).
+// for our codes (unsigned <= 63 against |xq| <= 127: 2 * 63 * 127 = 16002 < 32767), so VNNI's vpdpbusd (no
+// intermediate int16) gives the same sums in one instruction instead of two plus a constant.
 PYLLM_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
+#ifdef PYLLM_VNNI
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
 }
 
 // s8 * s8: move the sign of a onto b so maddubs sees |a| (unsigned).  Exact because activations never
@@ -109,7 +125,7 @@ PYLLM_INLINE void store32(__m256i q, float a0, float a1, float b0, float b1, flo
     }
 }
 
-}  // namespace avx2
+}  // namespace PYLLM_SIMD_NS
 }  // namespace cpu
 }  // namespace pyllm
 #endif

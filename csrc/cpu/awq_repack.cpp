@@ -71,7 +71,7 @@ void awq_repack_cpu(const int32_t* qweight, const int32_t* qzeros, const uint16_
     const int strips = (N8 + CW - 1) / CW;
     const int nt = std::max(1, std::min(cpu_get_num_threads(), strips));
 #ifdef PYLLM_AVX2
-    const auto block = cpu_get_isa() == Isa::Avx2 ? repack_block_avx2 : repack_block_scalar;
+    const auto block = cpu_isa_simd(cpu_get_isa()) ? repack_block_avx2 : repack_block_scalar;
 #else
     const auto block = repack_block_scalar;
 #endif

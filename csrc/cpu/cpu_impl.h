@@ -37,7 +37,12 @@ RowKernel row_kernel_avx2_awq(QType t);      // AWQ rows (AWQ_G32 ... AWQ_G256)
 // Kernels for gemv_cpu(precise_x = true): 16-bit activations; empty for types that have none (Q8_0 has).
 RowKernel row_kernel_generic_x16(QType t);
 RowKernel row_kernel_avx2_x16(QType t);
+RowKernel row_kernel_avx512(QType t);        // AVX-512 VNNI rows (gemv_avx512.cpp); empty where AVX2 is as fast
 bool avx2_compiled();
+bool avx512_compiled();
+// AMX int8 tiles usable by this process: CPUID, OS state (XCR0) and Linux's tile-data permission, which this
+// call requests once (gemv.cpp).  For the prefill GEMM; the GEMV never needs it.
+bool amx_usable();
 
 // One row of K values -> fp32, bit-identical to the decode.h decoders; false if the type has no AVX2 version.
 bool dequant_row_avx2_legacy(QType t, const uint8_t* w, int K, float* out);

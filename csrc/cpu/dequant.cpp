@@ -64,7 +64,7 @@ void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int6
                          float* out) {
     // A handful of rows (an embedding lookup at decode) is not worth waking threads for.
     const int nt = n_ids * static_cast<int64_t>(K) >= (1 << 16) ? cpu_get_num_threads() : 1;
-    const bool simd = cpu_get_isa() == Isa::Avx2;
+    const bool simd = cpu_isa_simd(cpu_get_isa());
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t i = 0; i < n_ids; ++i) {
         const int64_t r = ids ? ids[i] : i;

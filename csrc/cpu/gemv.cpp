@@ -6,9 +6,13 @@
 // not change torch's.
 #include <omp.h>
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <set>
 #include <thread>
 #include <utility>
@@ -26,8 +30,8 @@ namespace {
 constexpr int kTypeIds = QTYPE_ID_LIMIT;
 
 struct Tables {
-    RowKernel k[2][kTypeIds];    // [Isa][type id]; the SIMD row falls back to generic per type
-    RowKernel x16[2][kTypeIds];  // precise_x kernels, or the plain ones where a type has none
+    RowKernel k[ISA_COUNT][kTypeIds];    // [Isa][type id]; each ISA falls back per type to the one below it
+    RowKernel x16[ISA_COUNT][kTypeIds];  // precise_x kernels, or the plain ones where a type has none
     Tables() {
         for (int t = 0; t < kTypeIds; ++t) {
             const QType q = static_cast<QType>(t);
@@ -36,9 +40,12 @@ struct Tables {
             if (!s.fn[0]) s = cpu::row_kernel_avx2_kquants(q);
             if (!s.fn[0]) s = cpu::row_kernel_avx2_awq(q);
             k[1][t] = s.fn[0] ? s : k[0][t];
+            const RowKernel v = cpu::row_kernel_avx512(q);
+            k[2][t] = k[3][t] = v.fn[0] ? v : k[1][t];
             const RowKernel g16 = cpu::row_kernel_generic_x16(q), a16 = cpu::row_kernel_avx2_x16(q);
             x16[0][t] = g16.fn[0] ? g16 : k[0][t];
             x16[1][t] = a16.fn[0] ? a16 : (g16.fn[0] ? g16 : k[1][t]);
+            x16[2][t] = x16[3][t] = a16.fn[0] || g16.fn[0] ? x16[1][t] : k[2][t];
         }
     }
 };
@@ -49,11 +56,53 @@ const Tables& tables() {
 }
 
 bool cpu_runs_avx2() {
+#if defined(__x86_64__) || defined(__i386__)
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
 }
 
-Isa g_isa = (cpu::avx2_compiled() && cpu_runs_avx2()) ? Isa::Avx2 : Isa::Scalar;
+#if defined(__x86_64__)
+void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
+    __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+// XCR0: which register states the OS saves on a context switch (xgetbv needs CPUID.1:ECX.OSXSAVE).
+uint64_t xcr0() {
+    unsigned r[4];
+    cpuid(1, 0, r);
+    if (!(r[2] & (1u << 27))) return 0;
+    unsigned lo, hi;
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+#endif
+
+// AVX-512 F + BW + VL + VNNI in CPUID, and the OS saves the opmask and all 32 ZMM registers (XCR0 bits 5-7,
+// with SSE and AVX state, bits 1-2).  A kernel or hypervisor may hide AVX-512 state although CPUID lists it.
+bool cpu_runs_avx512() {
+#if defined(__x86_64__)
+    if (!cpu_runs_avx2()) return false;
+    unsigned r[4];
+    cpuid(0, 0, r);
+    if (r[0] < 7) return false;
+    cpuid(7, 0, r);
+    const bool f = r[1] & (1u << 16), bw = r[1] & (1u << 30), vl = r[1] & (1u << 31), vnni = r[2] & (1u << 11);
+    return f && bw && vl && vnni && (xcr0() & 0xE6) == 0xE6;
+#else
+    return false;
+#endif
+}
+
+Isa pick_default() {
+    for (int i = ISA_COUNT - 1; i > 0; --i)
+        if (cpu_isa_available(static_cast<Isa>(i))) return static_cast<Isa>(i);
+    return Isa::Scalar;
+}
+
+Isa g_isa = Isa::Scalar;  // set on first use from cpu_best_isa() (PYLLM_ISA: see bindings.cpp)
+bool g_isa_set = false;
 int g_threads = 0;  // 0 = not chosen yet: physical cores
 
 // Below this many weight bytes a parallel region costs more than it saves.
@@ -66,12 +115,63 @@ bool cpu_type_supported(QType t) {
     return id >= 0 && id < kTypeIds && tables().k[0][id].fn[0] != nullptr;
 }
 
-bool cpu_isa_available(Isa isa) {
-    return isa == Isa::Scalar || (isa == Isa::Avx2 && cpu::avx2_compiled() && cpu_runs_avx2());
+namespace cpu {
+// AMX tiles: AVX-512 (the int8 tile kernels load and scale through it), CPUID.7.0:EDX AMX-TILE (bit 24) and
+// AMX-INT8 (bit 25), the OS saves XTILECFG/XTILEDATA (XCR0 bits 17-18), and Linux grants this process the tile
+// data state: it is off by default and a tile instruction without it traps (SIGILL), so ask once with
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18).  Asked once; the answer is cached.
+bool amx_usable() {
+#if defined(__x86_64__) && defined(__linux__)
+    static const bool ok = [] {
+        if (!cpu_runs_avx512()) return false;
+        unsigned r[4];
+        cpuid(7, 0, r);
+        if (!(r[3] & (1u << 24)) || !(r[3] & (1u << 25))) return false;
+        if ((xcr0() & (3ull << 17)) != (3ull << 17)) return false;
+        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+    }();
+    return ok;
+#else
+    return false;
+#endif
 }
-void cpu_set_isa(Isa isa) { g_isa = isa; }
-Isa cpu_get_isa() { return g_isa; }
-const char* cpu_isa_name(Isa isa) { return isa == Isa::Avx2 ? "avx2" : "scalar"; }
+}  // namespace cpu
+
+bool cpu_isa_available(Isa isa) {
+    switch (isa) {
+        case Isa::Scalar: return true;
+        case Isa::Avx2: return cpu::avx2_compiled() && cpu_runs_avx2();
+        case Isa::Avx512: return cpu::avx2_compiled() && cpu::avx512_compiled() && cpu_runs_avx512();
+        case Isa::Amx: return cpu_isa_available(Isa::Avx512) && cpu::amx_usable();
+    }
+    return false;
+}
+Isa cpu_best_isa() {
+    static const Isa best = pick_default();
+    return best;
+}
+void cpu_set_isa(Isa isa) {
+    g_isa = isa;
+    g_isa_set = true;
+}
+Isa cpu_get_isa() {
+    if (!g_isa_set) cpu_set_isa(cpu_best_isa());
+    return g_isa;
+}
+const char* cpu_isa_name(Isa isa) {
+    static const char* const names[ISA_COUNT] = {"scalar", "avx2", "avx512", "amx"};
+    const int i = static_cast<int>(isa);
+    return i >= 0 && i < ISA_COUNT ? names[i] : "?";
+}
+bool cpu_isa_from_name(const char* name, Isa* isa) {
+    for (int i = 0; i < ISA_COUNT; ++i)
+        if (std::strcmp(name, cpu_isa_name(static_cast<Isa>(i))) == 0) {
+            *isa = static_cast<Isa>(i);
+            return true;
+        }
+    return false;
+}
 
 int cpu_physical_cores() {
     cpu_set_t set;
@@ -100,20 +200,79 @@ int cpu_get_num_threads() {
     return g_threads;
 }
 
+namespace {
+
+// Q8_K activations have one scale per 256 values, so one large value rounds the other 255 of its block on a
+// coarse grid.  Gemma 3's MLP and attention outputs carry such values: its Q4_K/Q6_K attn_output and ffn_down
+// GEMVs were most of the decode path's error (Gemma-3-270M, 3 short prompts, last position vs the float32
+// reference: max error 6.4% of the max logit and mean KL 3.8e-3; those two layers in float32: 2.2% / 1.6e-3).
+// Such rows get a second Q8_K row holding the rounding residual x - d q, and the row dot runs with both
+// (the M = 2 kernel: the weights are decoded once), which leaves ~1/254 of the error (2.5% / 1.8e-3 in the same
+// measurement; per-32 scales instead: 2.9% / 2.0e-3).  "Such rows": the blocks' mean squared max is above
+// kOutlier^2 times the mean square, where a Gaussian row gives ~2.9^2; rows without outliers keep one Q8_K row
+// (the second dot costs ~15% CPU time on Q4_K).
+constexpr float kOutlier = 6.0f;
+
+bool q8_K_needs_residual(const float* x, int K) {
+    float amax2 = 0.f, ss[8] = {};
+    for (int i = 0; i < K / QK_K; ++i) {
+        const float* xb = x + QK_K * i;
+        float mx = 0.f;
+        for (int j = 0; j < QK_K; j += 8)
+            for (int l = 0; l < 8; ++l) {
+                mx = std::max(mx, std::fabs(xb[j + l]));
+                ss[l] += xb[j + l] * xb[j + l];
+            }
+        amax2 += mx * mx;
+    }
+    const float sum = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]));
+    return amax2 * QK_K > kOutlier * kOutlier * sum;
+}
+
+void quantize_q8_K(bool simd, const float* x, int K, block_q8_K* out) {
+    simd ? cpu::quantize_q8_K_avx2(x, K, out) : cpu::quantize_q8_K_generic(x, K, out);
+}
+
+// r = x - d q per block: what the Q8_K row q misses of x (fp32).
+void q8_K_residual(const float* x, const block_q8_K* q, int K, float* r) {
+    for (int i = 0; i < K / QK_K; ++i)
+        for (int j = 0; j < QK_K; ++j) r[QK_K * i + j] = x[QK_K * i + j] - q[i].d * static_cast<float>(q[i].qs[j]);
+}
+
+}  // namespace
+
 void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
               bool precise_x) {
     const Tables& tab = tables();
-    const RowKernel& k = (precise_x ? tab.x16 : tab.k)[static_cast<int>(g_isa)][static_cast<int>(t)];
-    const bool simd = g_isa == Isa::Avx2;
+    const Isa isa = cpu_get_isa();
+    const RowKernel& k = (precise_x ? tab.x16 : tab.k)[static_cast<int>(isa)][static_cast<int>(t)];
+    const bool simd = cpu_isa_simd(isa);
 
-    // Activations prepared once per call, shared read-only by all threads: [M, act_row_bytes]
+    // Activations prepared once per call, shared read-only by all threads: [M, act_row_bytes], or for Q8_K rows
+    // with outliers [2M, act_row_bytes] as (x_0, residual_0, x_1, residual_1, ...).
     thread_local std::vector<uint8_t> act_buf;
+    thread_local std::vector<float> res_buf, y_buf;
     const uint8_t* xa = reinterpret_cast<const uint8_t*>(x);
     const size_t xs = cpu::act_row_bytes(k.act, K);
+    bool residual = false;
+    if (k.act == Act::Q8_K) {
+        for (int m = 0; m < M && !residual; ++m) residual = q8_K_needs_residual(x + static_cast<size_t>(m) * K, K);
+        if (residual && M > GEMV_MAX_M / 2) {  // 2M rows must fit one row-dot call
+            for (int m0 = 0; m0 < M; m0 += GEMV_MAX_M / 2) {
+                const int mc = std::min(GEMV_MAX_M / 2, M - m0);
+                thread_local std::vector<float> part;
+                part.resize(static_cast<size_t>(mc) * N);
+                gemv_cpu(t, w, row_bytes, x + static_cast<size_t>(m0) * K, part.data(), mc, N, K, precise_x);
+                std::copy(part.begin(), part.end(), y + static_cast<size_t>(m0) * N);
+            }
+            return;
+        }
+    }
+    const int rows = residual ? 2 * M : M;
     if (k.act != Act::F32) {
-        if (act_buf.size() < xs * M) act_buf.resize(xs * M);
+        if (act_buf.size() < xs * rows) act_buf.resize(xs * rows);
         for (int m = 0; m < M; ++m) {
-            uint8_t* dst = act_buf.data() + xs * m;
+            uint8_t* dst = act_buf.data() + xs * (residual ? 2 * m : m);
             const float* xm = x + static_cast<size_t>(m) * K;
             if (k.act == Act::Q8_32) {
                 const cpu::Q8Row r = cpu::q8_row(dst, K);
@@ -123,24 +282,39 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
                 simd ? cpu::quantize_q16_32_avx2(xm, K, r) : cpu::quantize_q16_32_generic(xm, K, r);
             } else {
                 auto* b = reinterpret_cast<block_q8_K*>(dst);
-                simd ? cpu::quantize_q8_K_avx2(xm, K, b) : cpu::quantize_q8_K_generic(xm, K, b);
+                quantize_q8_K(simd, xm, K, b);
+                if (residual) {
+                    if (res_buf.size() < static_cast<size_t>(K)) res_buf.resize(K);
+                    q8_K_residual(xm, b, K, res_buf.data());
+                    quantize_q8_K(simd, res_buf.data(), K, reinterpret_cast<block_q8_K*>(dst + xs));
+                }
             }
         }
         xa = act_buf.data();
     }
 
-    const cpu::RowDot fn = k.fn[M - 1];
+    const cpu::RowDot fn = k.fn[rows - 1];
+    float* yo = y;
+    if (residual) {
+        if (y_buf.size() < static_cast<size_t>(rows) * N) y_buf.resize(static_cast<size_t>(rows) * N);
+        yo = y_buf.data();
+    }
     int nt = std::min(cpu_get_num_threads(), N);
     if (row_bytes * static_cast<size_t>(N) < kMinParallelBytes) nt = 1;
     if (nt <= 1) {
-        for (int n = 0; n < N; ++n) fn(K, w + row_bytes * n, xa, xs, y + n, N);
-        return;
-    }
-    // Dynamic chunks (~8 per thread) so a thread slowed by another process does not hold the others up;
-    // each chunk is still a contiguous run of rows for the hardware prefetcher.
-    const int chunk = std::max(1, N / (nt * 8));
+        for (int n = 0; n < N; ++n) fn(K, w + row_bytes * n, xa, xs, yo + n, N);
+    } else {
+        // Dynamic chunks (~8 per thread) so a thread slowed by another process does not hold the others up;
+        // each chunk is still a contiguous run of rows for the hardware prefetcher.
+        const int chunk = std::max(1, N / (nt * 8));
 #pragma omp parallel for num_threads(nt) schedule(dynamic, chunk)
-    for (int n = 0; n < N; ++n) fn(K, w + row_bytes * n, xa, xs, y + n, N);
+        for (int n = 0; n < N; ++n) fn(K, w + row_bytes * n, xa, xs, yo + n, N);
+    }
+    if (residual)
+        for (int m = 0; m < M; ++m) {
+            const float* a = yo + static_cast<size_t>(2 * m) * N;
+            for (int n = 0; n < N; ++n) y[static_cast<size_t>(m) * N + n] = a[n] + a[N + n];
+        }
 }
 
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads) {

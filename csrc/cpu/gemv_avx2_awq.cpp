@@ -18,7 +18,7 @@ namespace cpu {
 
 #ifdef PYLLM_AVX2
 namespace {
-using namespace avx2;
+using namespace PYLLM_SIMD_NS;
 
 // Scales s and mins -s*z of blocks i .. i+7 (i % 8 == 0, all in the row), one lane per block.  8 blocks span
 // NG = 256 / G groups; their NG scales / zeros are loaded once and spread with a lane permute.  -s*z is exact in

@@ -11,7 +11,7 @@ namespace cpu {
 
 #ifdef PYLLM_AVX2
 namespace {
-using namespace avx2;
+using namespace PYLLM_SIMD_NS;
 
 // Q4_K/Q5_K 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), the get_scale_min_k4 layout
 // unpacked with 32-bit masks (ggml's utmp trick) instead of 16 byte-wise branches.

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from .. import ops
 from ..errors import PyllmError
 
 
@@ -170,7 +171,8 @@ def run_tests(s: Subject, a, roof: dict) -> list[dict]:
                    model_size=s.size_bytes, model_n_params=s.n_params, backends=a.device, n_threads=a.threads,
                    n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, n_depth=depth,
                    test=f"{test}{n}" + (f" @ d{depth}" if depth else ""),
-                   avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.backend)
+                   avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.backend,
+                   isa=ops.get_isa() if a.device == "cpu" else None)
         if test == "tg":
             # the cache grows from depth to depth + n positions: on average depth + n/2 positions of K and V are read
             kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * kv_elem * (depth + n / 2)
@@ -209,7 +211,7 @@ def format_md(rows: list[dict], roof: dict) -> str:
             share = f"{r['gflops']:.0f} GFLOP/s" + (f" ({100 * r['flops_share']:.0f}% of peak)"
                                                     if r.get("flops_share") else "")
         out.write(f"| {r['model_filename']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e6:.0f} M "
-                  f"| {r['backends']} ({r['pyllm_backend']}, kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
+                  f"| {r['backends']} ({r['pyllm_backend']}{', ' + r['isa'] if r.get('isa') else ''}, kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
                   f"| {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {share} |\n")
     return out.getvalue()
 

@@ -448,13 +448,17 @@ class ChatSession:
         self.note(f"({key} = {getattr(self.settings, key)})")
 
     def cmd_show(self, arg: str) -> None:
+        from .. import ops
+
         llm = self.llm
         cfg = llm.config
         used = len(llm.generator.tokens)
         weights = sum(getattr(w, "nbytes", 0) for w in getattr(llm, "weights", {}).values())
         lines = [
             f"model      {llm.path.name} ({cfg.arch}, {cfg.n_layer} layers, vocab {cfg.n_vocab})",
-            f"runtime    {llm.device}, backend {llm.backend}, {llm.n_threads} threads"
+            f"runtime    {llm.device}, backend {llm.backend}"
+            + (f" ({ops.get_isa()} kernels)" if llm.device == "cpu" and llm.backend == "fast" and ops.get_isa() else "")
+            + f", {llm.n_threads} threads"
             + (f", weights {weights / 2**20:.1f} MiB" if weights else ""),
             f"context    {used} / {llm.n_ctx} tokens used ({len(self.turns)} messages)",
             f"KV cache   {llm.kv.kind}, {llm.kv.nbytes / 2**20:.1f} MiB",
