@@ -250,6 +250,14 @@ void set_isa(const std::string& name) {
     TORCH_CHECK_VALUE(pyllm::cpu_isa_available(isa), "set_isa: '", name,
                       "' is not available (not compiled in, or this CPU or OS lacks it)");
     pyllm::cpu_set_isa(isa);
+    // The prefill GEMM follows the family as PYLLM_ISA makes it (cpu_prefill_default): AMX tiles for amx,
+    // AVX-512 bf16 for avx512, fp32 below, so one switch moves both kernels for an A/B run.
+    using pyllm::PrefillKernel;
+    PrefillKernel pk = PrefillKernel::F32;
+    if (isa == pyllm::Isa::Amx && pyllm::cpu_prefill_available(PrefillKernel::AmxBf16)) pk = PrefillKernel::AmxBf16;
+    else if (isa == pyllm::Isa::Avx512 && pyllm::cpu_prefill_available(PrefillKernel::Avx512Bf16))
+        pk = PrefillKernel::Avx512Bf16;
+    pyllm::cpu_set_prefill_kernel(pk);
 }
 
 std::vector<std::string> available_isas() {

@@ -20,7 +20,7 @@ constexpr int GEMV_MAX_M = 8;
 
 // ---- CPU (csrc/cpu) --------------------------------------------------------------------------------------
 // Kernel families, each a superset of the one before: Avx512 = AVX-512 F/BW/VL + VNNI GEMV row kernels (the
-// AVX2 ones where a type has none); Amx adds AMX int8 tiles for prefill, and its GEMV is Avx512's (at M <= 8
+// AVX2 ones where a type has none); Amx adds AMX bf16 tiles for prefill (gemm_amx.cpp), and its GEMV is Avx512's (at M <= 8
 // a tile pass is not faster than the VNNI row dots).  Names: "scalar", "avx2", "avx512", "amx".
 enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2, Amx = 3 };
 constexpr int ISA_COUNT = 4;
@@ -59,9 +59,6 @@ const char* cpu_prefill_name(PrefillKernel k);  // "f32", "avx512-bf16", "amx-bf
 // y[m, n] = sum_k x[m, k] * W[n, k]; k available and not F32.  w: N * row_bytes bytes; x: [M, K]; y: [M, N].
 void gemm_bf16_cpu(PrefillKernel k, QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M,
                    int N, int K);
-namespace cpu {
-bool amx_usable();  // CPU has AMX-BF16 tiles, XCR0 enables them and Linux granted this process tile data
-}
 
 // Rows of W to fp32: out[i, :] = W[ids[i], :] (ids == nullptr: all N rows, n_ids = N).  out: [n_ids, K].
 void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_ids, int K,

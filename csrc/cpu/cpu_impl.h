@@ -40,8 +40,9 @@ RowKernel row_kernel_avx2_x16(QType t);
 RowKernel row_kernel_avx512(QType t);        // AVX-512 VNNI rows (gemv_avx512.cpp); empty where AVX2 is as fast
 bool avx2_compiled();
 bool avx512_compiled();
-// AMX int8 tiles usable by this process: CPUID, OS state (XCR0) and Linux's tile-data permission, which this
-// call requests once (gemv.cpp).  For the prefill GEMM; the GEMV never needs it.
+// AMX-BF16 tiles usable by this process: CPUID (AMX-TILE, AMX-BF16, AVX512_BF16 for the packing), OS state
+// (XCR0) and Linux's tile-data permission, which this call requests once (gemm_amx.cpp).  For the prefill GEMM;
+// the GEMV never needs it.
 bool amx_usable();
 
 // One row of K values -> fp32, bit-identical to the decode.h decoders; false if the type has no AVX2 version.

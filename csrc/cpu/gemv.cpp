@@ -6,7 +6,6 @@
 // not change torch's.
 #include <omp.h>
 #include <sched.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -115,28 +114,6 @@ bool cpu_type_supported(QType t) {
     return id >= 0 && id < kTypeIds && tables().k[0][id].fn[0] != nullptr;
 }
 
-namespace cpu {
-// AMX tiles: AVX-512 (the int8 tile kernels load and scale through it), CPUID.7.0:EDX AMX-TILE (bit 24) and
-// AMX-INT8 (bit 25), the OS saves XTILECFG/XTILEDATA (XCR0 bits 17-18), and Linux grants this process the tile
-// data state: it is off by default and a tile instruction without it traps (SIGILL), so ask once with
-// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 18).  Asked once; the answer is cached.
-bool amx_usable() {
-#if defined(__x86_64__) && defined(__linux__)
-    static const bool ok = [] {
-        if (!cpu_runs_avx512()) return false;
-        unsigned r[4];
-        cpuid(7, 0, r);
-        if (!(r[3] & (1u << 24)) || !(r[3] & (1u << 25))) return false;
-        if ((xcr0() & (3ull << 17)) != (3ull << 17)) return false;
-        constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-        return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-    }();
-    return ok;
-#else
-    return false;
-#endif
-}
-}  // namespace cpu
 
 bool cpu_isa_available(Isa isa) {
     switch (isa) {
