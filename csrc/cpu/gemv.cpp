@@ -231,9 +231,14 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
     thread_local std::vector<float> res_buf, y_buf;
     const uint8_t* xa = reinterpret_cast<const uint8_t*>(x);
     const size_t xs = cpu::act_row_bytes(k.act, K);
+    // Which rows carry outliers is decided per row, and a row without them gets an all-zero residual row (its
+    // dot is exactly 0), so a row's result never depends on the other rows of the call: verifying k drafted
+    // tokens in one call gives each the logits it gets alone (speculative decoding's greedy equality).
     bool residual = false;
+    thread_local std::vector<uint8_t> needs;
     if (k.act == Act::Q8_K) {
-        for (int m = 0; m < M && !residual; ++m) residual = q8_K_needs_residual(x + static_cast<size_t>(m) * K, K);
+        needs.assign(M, 0);
+        for (int m = 0; m < M; ++m) residual |= (needs[m] = q8_K_needs_residual(x + static_cast<size_t>(m) * K, K));
         if (residual && M > GEMV_MAX_M / 2) {  // 2M rows must fit one row-dot call
             for (int m0 = 0; m0 < M; m0 += GEMV_MAX_M / 2) {
                 const int mc = std::min(GEMV_MAX_M / 2, M - m0);
@@ -260,10 +265,12 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
             } else {
                 auto* b = reinterpret_cast<block_q8_K*>(dst);
                 quantize_q8_K(simd, xm, K, b);
-                if (residual) {
+                if (residual && needs[m]) {
                     if (res_buf.size() < static_cast<size_t>(K)) res_buf.resize(K);
                     q8_K_residual(xm, b, K, res_buf.data());
                     quantize_q8_K(simd, res_buf.data(), K, reinterpret_cast<block_q8_K*>(dst + xs));
+                } else if (residual) {
+                    std::memset(dst + xs, 0, xs);  // d = 0, codes and block sums 0: the dot adds exactly 0
                 }
             }
         }
