@@ -296,9 +296,15 @@ def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
         if cpp:
             assert model._decode_ctx is not None and model._decode_ctx[2] is not None, "C++ step was not used"
     (toks_py, lg_py), (toks_c, lg_c) = out
-    assert toks_c == toks_py
     tol = 0.06 if "q4" not in kind else 0.2
-    torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=tol * float(lg_py.abs().max()))
+    atol = tol * float(lg_py.abs().max())
+    # The two paths round different K/V codes, so greedy may part at a near-tie (SmolLM2 q4_rot: top-2 gap 0.14
+    # of a max logit 34); it must not part anywhere else, and the logits agree up to that step.
+    n = next((i for i, (a, b) in enumerate(zip(toks_py, toks_c)) if a != b), len(toks_py))
+    if n < len(toks_py):
+        gap = float(lg_py[n, toks_py[n]] - lg_py[n, toks_c[n]])
+        assert gap <= atol, f"greedy parted at step {n} where the torch path's margin is {gap:.3f} > {atol:.3f}"
+    torch.testing.assert_close(lg_c[:n + 1], lg_py[:n + 1], rtol=0, atol=atol)
 
 
 def test_cpp_step_writes_the_exact_sink_row_from_position_zero(smollm2):

@@ -87,8 +87,10 @@ PYLLM_INLINE __m256 block_dot(__m256i q, const int8_t* xq) {
 
 template <class B, int M>
 void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    // Two accumulators per row for M <= 2, so consecutive blocks' FMAs do not wait on each other.
-    constexpr int U = M <= 2 ? 2 : 1;
+    // Two accumulators per row, so consecutive blocks' FMAs do not wait on each other, for every M: a row's
+    // sum then has the same fp32 order whatever M is, so verifying k drafted tokens in one call gives each row
+    // the bits it gets alone (speculative decoding's greedy equality).
+    constexpr int U = 2;
     const B* blk = reinterpret_cast<const B*>(w);
     const int nb = K / QK;
     Q8RowC a[M];
