@@ -48,8 +48,9 @@ PYLLM_INLINE void group_params8(const AwqRow& r, int i, __m256& s, __m256& c) {
 
 template <int G, int M>
 void dot_awq(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    // Two accumulators per row for M <= 2, so consecutive blocks' FMAs do not wait on each other.
-    constexpr int U = M <= 2 ? 2 : 1;
+    // Two accumulators per row, so consecutive blocks' FMAs do not wait on each other, for every M (a row's sum
+    // has one order whatever M is: multi-row verification gives each row the bits it gets alone).
+    constexpr int U = 2;
     const AwqRow r = awq_row(w, K, G);
     const int nb = K / QK;
     Q8RowC a[M];

@@ -94,7 +94,7 @@ PYLLM_INLINE __m256 block_dot_q16(__m256i w0, __m256i w1, const int16_t* xq) {
 
 template <int M>
 void dot_q8_0_x16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    constexpr int U = M <= 2 ? 2 : 1;
+    constexpr int U = 2;  // for every M, as dot_legacy: a row's sum has one order whatever M is
     const block_q8_0* blk = reinterpret_cast<const block_q8_0*>(w);
     const int nb = K / QK;
     Q16RowC a[M];
