@@ -1,7 +1,7 @@
 """AWQ checkpoints (a Hugging Face folder, AutoAWQ "gemm" layout) -> the same ModelConfig / weights / tokenizer /
 chat template the GGUF path produces, so LlamaModel runs them unchanged.
 
-Format: /work/shared/REFERENCE.md §4. For a linear layer with K = in_features, N = out_features, G = group size:
+Format (AutoAWQ "gemm" checkpoints). For a linear layer with K = in_features, N = out_features, G = group size:
 ``qweight`` int32 [K, N/8] (eight nibbles per word packed along N; nibble i of word c is column 8c + ORDER[i],
 ORDER = [0,2,4,6,1,3,5,7]), ``qzeros`` int32 [K/G, N/8] packed the same way, ``scales`` fp16 [K/G, N];
 W^T = (q - z) * s. Only "gemm" with zero points is supported; gemv / gemv_fast / marlin / exllama / ipex and

@@ -3,7 +3,7 @@
 The file is memory-mapped, never read whole. Every count and length in the header is checked against the bytes
 left in the file before anything is allocated, so a corrupt or hostile file fails with a ``GGUFError`` that names
 the file, the field or tensor, the bad value and (where it helps) the byte offset, instead of a MemoryError, an
-IndexError or a segfault later. The layout follows ggml's ``docs/gguf.md``; see also /work/shared/REFERENCE.md §5.
+IndexError or a segfault later. The layout follows ggml's ``docs/gguf.md``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Each dequantizer is vectorized over all blocks at once and does its float32 arithmetic in the same order as
 ggml's ``dequantize_row_*`` (and gguf-py's ``gguf.quants``), so the result is bit-for-bit what gguf-py returns.
-That makes them the reference for the C++/CUDA kernels. Block layouts: /work/shared/REFERENCE.md §5.
+That makes them the reference for the C++/CUDA kernels. Block layouts: ggml's ggml-common.h.
 
 Nothing here runs at load time: a QTensor is a view of the file until someone asks for values.
 """
