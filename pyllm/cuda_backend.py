@@ -1,7 +1,7 @@
 """The CUDA side in Python: weights to VRAM in their quantized form, a CUDA (linear, embed) pair for the model,
 and a llama-family decoder whose one-token step is captured once in a CUDA graph.
 
-Self-contained on purpose (the lead wires it into ``pyllm.load(device="cuda")``): the kernels come from
+Self-contained on purpose (not yet reached from ``pyllm.load(device="cuda")``): the kernels come from
 ``pyllm._C`` when that was built with CUDA, else from a standalone build of csrc/cuda (``pyllm_cuda``).
 
 Paths, as the physics dictates:

@@ -1,7 +1,7 @@
 """The fast path (int8-activation GEMVs, C++ decode step) is at least as accurate as llama.cpp on the same files.
 
 Reference: pyllm's float32 reference backend (weights dequantized by the torch code, float32 matmuls), which
-tests/test_model.py ties to transformers at 1e-3. Bounds (issue 3): mean KL no larger than llama.cpp's own
+tests/test_model.py ties to transformers at 1e-3. Bounds: mean KL no larger than llama.cpp's own
 distance from that float32 reference on the same files and the same positions of real text (KL_LLAMA_CPP,
 measured with llama-cpp-python), greedy divergence only where the reference's top-2 gap is below 0.5, and the
 same argmax on the Foundation's prompts.
@@ -18,7 +18,7 @@ from test_model import PROMPTS
 
 # llama.cpp's own mean KL from the same float32 reference on the same N_POSITIONS tokens (its decode path,
 # n_ubatch=1, f16 KV cache), measured by `python tools/kl_vs_llamacpp.py smollm2 qwen2 -n 200` with
-# llama-cpp-python 0.3.36 on 2026-11-29.  Issue 3 quotes ~2e-3 / ~4e-4 from another text; on this one
+# llama-cpp-python 0.3.36 on 2026-11-29.  Figures of ~2e-3 / ~4e-4 quoted elsewhere came from another text; on this one
 # llama.cpp itself measures 5.3e-3 / 2.1e-3, so the bound is llama.cpp on the same positions.
 KL_LLAMA_CPP = {"smollm2": 5.31e-3, "qwen2": 2.14e-3, "gemma3": 7.18e-3}
 # Int8 activation rounding amplifies any fp32-level difference: two equally accurate builds (the same GEMVs, the

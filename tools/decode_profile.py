@@ -1,4 +1,4 @@
-"""How much of a decode step is spent outside the weight GEMVs (issue 3: target < 10%).
+"""How much of a decode step is spent outside the weight GEMVs (target: under 10%).
 
     python tools/decode_profile.py smollm2-135m qwen2.5-coder-0.5b gemma3-270m -t 2 --depth 0,512 -r 5
 

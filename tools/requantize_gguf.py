@@ -2,7 +2,7 @@
 
     python tools/requantize_gguf.py smollm2-135m q4_0 /tmp/SmolLM2-135M-Instruct.Q4_0.gguf
 
-For speed comparisons on the same model in other block types (issue 3: SmolLM2 as Q4_1, Q4_0 and Q8_0).
+For speed comparisons on the same model in other block types (SmolLM2 as Q4_1, Q4_0 and Q8_0).
 Weights go through gguf-py both ways (``gguf.quants.dequantize`` then ``gguf.quants.quantize``, llama.cpp's
 reference quantizers), so the file is what llama.cpp's own tools would write from these values; requantizing an
 already quantized file compounds the rounding, which is fine for speed, not for quality work. Metadata is copied
