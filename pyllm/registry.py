@@ -277,7 +277,7 @@ def _pull_registry(m: RegistryModel, final: Path, quiet: bool) -> None:
     from .download import Progress
 
     bar = Progress(m.name, m.size, enabled=None if not quiet else False)
-    with tempfile.TemporaryDirectory(prefix="pyllm-pull-", dir=final.parent) as tmp:
+    with tempfile.TemporaryDirectory(prefix=".pyllm-pull-", dir=final.parent) as tmp:
         tmpdir = Path(tmp)
         part_file = tmpdir / (m.filename + ".partial")
         h = hashlib.sha256()
@@ -444,7 +444,9 @@ def cached_files() -> list[dict]:
     if not root.is_dir():
         return rows
     for p in sorted(root.rglob("*")):
-        if not p.is_file() or p.name.startswith(".") or any(q.startswith(".") for q in p.relative_to(root).parts):
+        # Hidden names are pyllm's own: records, locks, partial downloads and the pull's staging folder.
+        if (not p.is_file() or p.name.endswith(".partial")
+                or any(q.startswith(".") for q in p.relative_to(root).parts)):
             continue
         rec = read_record(p) or {}
         reg = by_file.get(p.name) if p.parent == root else None

@@ -335,7 +335,15 @@ def test_rm_and_list(cached_fake, server, gguf_bytes, tmp_path):
     m, p, calls = cached_fake
     server.files["/u/tiny.gguf"] = gguf_bytes
     q = registry.pull(server.base + "/u/tiny.gguf", quiet=True)
+    # a pull in progress elsewhere: its staging folder and partial file are not models
+    staging = registry.models_dir() / ".pyllm-pull-x1"
+    staging.mkdir()
+    (staging / "other.gguf.partial").write_bytes(b"GGUF")
+    (registry.models_dir() / ".other.gguf.partial").write_bytes(b"GGUF")
+    (registry.models_dir() / "pyllm-pull-old").mkdir()  # an older pyllm's visible staging folder
+    (registry.models_dir() / "pyllm-pull-old" / "old.gguf.partial").write_bytes(b"GGUF")
     rows = {r["name"]: r for r in registry.cached_files()}
+    assert len(rows) == 2, sorted(rows)
     assert rows["fake"]["registry"] and rows["fake"]["chat_template"] is False
     row = rows[server.base + "/u/tiny.gguf"]
     assert row["chat_template"] is True and row["size"] == len(gguf_bytes) and row["verified"]
