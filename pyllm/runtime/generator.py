@@ -81,13 +81,20 @@ class Generator:
     n_batch: int = 512  # prompt tokens per forward pass: bounds activation memory for long prompts
     tokens: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    # (n, logits after the first n cached tokens) of the last prefill: the same prompt again gets these logits
+    # back instead of re-evaluating its last token through the one-token step, whose logits differ from the
+    # prefill's in the last bits -- enough to flip a near-tie, so a repeated greedy call would not repeat itself.
+    _prompt_logits: tuple[int, torch.Tensor] | None = None
 
     def reset(self) -> None:
         self.tokens = []
+        self._prompt_logits = None
 
     def truncate(self, n: int) -> None:
         """Forget cached tokens from position n on (their cache slots are simply overwritten later)."""
         del self.tokens[n:]
+        if self._prompt_logits is not None and self._prompt_logits[0] > n:
+            self._prompt_logits = None
 
     def check_room(self, n: int) -> None:
         """ContextFullError unless n more tokens fit after the cached ones."""
@@ -118,7 +125,12 @@ class Generator:
         if len(ids) >= self.n_ctx:
             raise ContextFullError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; "
                                    f"use a larger n_ctx (--ctx) or a shorter prompt")
-        keep = min(self.common_prefix(ids), len(ids) - 1)  # re-evaluate at least one token to get logits
+        common = self.common_prefix(ids)
+        if common == len(ids) and self._prompt_logits is not None and self._prompt_logits[0] == len(ids):
+            self.truncate(common)
+            self.stats.prompt_evaluated = 0
+            return self._prompt_logits[1].clone()  # samplers may edit logits in place
+        keep = min(common, len(ids) - 1)  # re-evaluate at least one token to get logits
         self.truncate(keep)
         logits = None
         for i in range(keep, len(ids), self.n_batch):
@@ -126,6 +138,7 @@ class Generator:
         self.stats.prompt_evaluated = len(ids) - keep
         if len(ids) - keep >= TRIM_AFTER_TOKENS:
             release_free_heap()
+        self._prompt_logits = (len(ids), logits[-1].clone())
         return logits[-1]
 
     def evaluate_all(self, ids: list[int]) -> torch.Tensor:
