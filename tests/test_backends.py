@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import pyllm
+import pyllm._ext
 from pyllm import backends
 from pyllm.backends import Backend, BackendUnavailable, DecodeStep
 from pyllm.errors import PyllmError

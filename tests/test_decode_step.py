@@ -301,7 +301,9 @@ def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
     """C++ decode over every cache kind (centered keys, key scales, sink rows, rotations; K and V apart) against
     the torch path over the same kind. Both quantize their own K/V, so codes at rounding boundaries differ: the
     bound is looser than f16's. The caches' contents, read back through kv_cache.py's inverse transform, agree
-    within the same bound as the logits' (a step storing rows in another basis is off by the rows' whole size)."""
+    within two rounding steps of their kind (each path rounds its own rows: a 4-bit step is 1/8 of a block's
+    absmax, so 0.4 of the head's max with the key scales; 8-bit: 0.06), where a step storing rows in another basis
+    (no centering, no rotation) is off by about the rows' whole size."""
     model = smollm2.model
     ids = torch.tensor(smollm2.tokenize("The capital of France is"))
     (toks_py, lg_py, kv_py), (toks_c, lg_c, kv_c) = _cpp_vs_torch_over_cache(model, ids, kind, 8)
@@ -317,7 +319,8 @@ def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
     upto = len(ids) + n  # rows written before the paths could part
     scale = kv_py[..., :upto, :].abs().amax(dim=(-2, -1), keepdim=True)  # per layer, K/V and head
     err = ((kv_c[..., :upto, :] - kv_py[..., :upto, :]).abs() / scale).max().item()
-    assert err < tol, f"{kind}: cache contents differ by {err:.3f} of their per-head max"
+    kv_tol = 0.4 if "q4" in kind else 0.06
+    assert err < kv_tol, f"{kind}: cache contents differ by {err:.3f} of their per-head max"
 
 
 def test_cpp_step_writes_the_exact_sink_row_from_position_zero(smollm2):
