@@ -103,7 +103,6 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     from .. import backends
     from ..models import build_model
     from ..runtime.generator import Generator
-    from ..runtime.kv_cache import make_kv_cache
 
     n_ctx = a.n_depth + max(a.n_prompt, a.n_gen) + 16
     if synthetic:
