@@ -212,35 +212,6 @@ def repack_weights(weights: dict) -> int:
     return left
 
 
-def awq_linear_functions(backend: str, n_threads: int | None = None, weights: dict | None = None):
-    """linear/embed for a model holding AWQ weights beside float QTensors.
-
-    "reference": the cached float32 dequantize + matmul of linear.py (AWQTensor.dequantize is the torch reference).
-    "fast": ``weights`` (when given) has its AWQTensors repacked in place into AWQRows; if all of them could be,
-    these are the GGUF ops themselves (ops.qmatmul / ops.embedding: fused int4 GEMV for decode, the C++ decode
-    step, dequantized tiles + GEMM for prefill).  AWQTensors left (no extension, a group size or scale dtype the
-    row layout lacks) are dequantized chunk by chunk per call, which trades speed for memory."""
-    from .linear import linear_functions
-
-    linear, embed = linear_functions(backend, n_threads)
-    if backend == "reference":
-        return linear, embed
-    if weights is not None and repack_weights(weights) == 0:
-        return linear, embed
-
-    def awq_linear(x, w):
-        if isinstance(w, AWQTensor):
-            return w.matmul(x)
-        return linear(x, w)
-
-    def awq_embed(w, ids):
-        if isinstance(w, AWQTensor):
-            return w.rows(ids).float()
-        return embed(w, ids)
-
-    return awq_linear, awq_embed
-
-
 # ---------------------------------------------------------------------------------------------------- safetensors
 _ST_DTYPES = {"F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4),
               "I32": (torch.int32, 4), "I64": (torch.int64, 8), "U8": (torch.uint8, 1), "I8": (torch.int8, 1)}
@@ -665,22 +636,17 @@ def open_awq(path) -> tuple[AWQInfo, ModelConfig, dict]:
     return info, cfg, weights
 
 
-def load_awq(path, device: str = "cpu", n_ctx: int = 4096, kv_cache: str = "f16", n_threads: int | None = None,
-             backend: str = "fast", quiet: bool = True, context_policy: str = "stop"):
-    """pyllm.load for an AWQ folder: the same LLM object, the same decoder."""
+def read_awq(path, quiet: bool = True):
+    """An AWQ folder as a Checkpoint (pyllm/checkpoint.py): what pyllm.load turns into the same LLM and the same
+    decoder as a GGUF file. Its int4 tensors stay in checkpoint form here; the backend lays them out."""
     import sys
-    import time
 
     from .chat_template import ChatTemplate
-    from .llm import LLM, check_load_args, plan_kv_cache
-    from .models import build_model, model_class
-    from .runtime.kv_cache import make_kv_cache
+    from .checkpoint import Checkpoint
+    from .models import model_class
 
-    t0 = time.perf_counter()
-    check_load_args(device, backend, context_policy)
     info, cfg, weights = open_awq(path)
     model_class(cfg)
-    n_ctx, _, _ = plan_kv_cache(cfg, n_ctx, kv_cache)
     tok = tokenizer_from_hf(info.path, cfg.n_vocab)
     info.metadata["tokenizer.ggml.model"] = "llama" if tok.kind == "spm" else "gpt2"
     md = {"tokenizer.chat_template": info.metadata["tokenizer.chat_template"] or None}
@@ -688,13 +654,7 @@ def load_awq(path, device: str = "cpu", n_ctx: int = 4096, kv_cache: str = "f16"
     if not quiet:
         print(f"AWQ: {info.path} (group size {info.quant['group_size']}, {cfg.arch}, {cfg.n_layer} layers)",
               file=sys.stderr)
-    if n_threads:
-        torch.set_num_threads(n_threads)
-    linear, embed = awq_linear_functions(backend, n_threads, weights)  # fast: repacks the AWQ weights
-    mdl = build_model(cfg, weights, linear, embed, max_pos=n_ctx)
-    kv = make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
-    return LLM(info.path, info, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
-               n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
+    return Checkpoint(info.path, info, cfg, weights, tok, template)
 
 
 def folder_info(path, n_ctx: int | None = None, kv_kind: str = "f16") -> dict:

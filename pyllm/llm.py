@@ -11,7 +11,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -25,15 +24,6 @@ DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 # What greedy decoding speculates with when the caller does not say (speculative="auto"): "none" until the
 # speedup is measured on a quiet machine (docs/BENCHMARKS.md, Speculative decoding).
 DEFAULT_SPECULATIVE = "none"
-
-
-def check_load_args(device: str, backend: str, context_policy: str) -> None:
-    """The checks every loader (GGUF here, AWQ in pyllm/awq.py) makes before touching a file."""
-    if device != "cpu":
-        raise PyllmError(f"device {device!r} is not available in this build (supported: cpu)")
-    if backend not in ("fast", "reference"):
-        raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
-    _check_policy(context_policy)
 
 
 def _check_policy(policy: str) -> str:
@@ -102,9 +92,10 @@ def _available_memory() -> int | None:
     return None
 
 
-def plan_kv_cache(cfg, n_ctx: int, kv_cache: str) -> tuple[int, float, float]:
-    """Checks n_ctx and the cache kind, and refuses a cache that will not fit in available memory, before any
-    allocation. Returns (n_ctx, bytes per token, total bytes)."""
+def plan_kv_cache(cfg, n_ctx: int, kv_cache: str, check_memory: bool = True) -> tuple[int, float, float]:
+    """Checks n_ctx and the cache kind, and refuses a cache that will not fit in available memory (host memory,
+    ``check_memory``: the cache lives there), before any allocation. Returns (n_ctx, bytes per token, total
+    bytes)."""
     from .runtime.kv_cache import KVCache, check_kind
 
     n_ctx = int(n_ctx) if n_ctx else cfg.n_ctx_train
@@ -113,7 +104,7 @@ def plan_kv_cache(cfg, n_ctx: int, kv_cache: str) -> tuple[int, float, float]:
     check_kind(kv_cache, cfg.head_dim)
     per_token = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_cache)
     need = per_token * n_ctx
-    avail = _available_memory()
+    avail = _available_memory() if check_memory else None
     if avail is not None and need > 0.9 * avail:
         raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
                          f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx or a smaller "
@@ -122,19 +113,22 @@ def plan_kv_cache(cfg, n_ctx: int, kv_cache: str) -> tuple[int, float, float]:
 
 
 class LLM:
-    def __init__(self, path: Path, gguf_file, config, weights: dict, tokenizer, template, model, kv, n_ctx: int,
-                 device: str, backend: str, n_threads: int, load_seconds: float, context_policy: str = "stop"):
-        self.path = path
-        self.gguf = gguf_file
-        self.config = config
-        self.weights = weights
-        self.tokenizer = tokenizer
-        self.template = template
+    """Made by ``load`` (from_checkpoint). ``device`` ("cpu", "cuda") and ``backend`` ("fast", "reference",
+    "cuda") name what runs it; ``model.backend`` is the backend object (pyllm/backends)."""
+
+    def __init__(self, checkpoint, model, kv, n_ctx: int, n_threads: int, load_seconds: float,
+                 context_policy: str = "stop"):
+        self.path = checkpoint.path
+        self.gguf = checkpoint.source
+        self.config = checkpoint.config
+        self.weights = checkpoint.weights
+        self.tokenizer = checkpoint.tokenizer
+        self.template = checkpoint.template
         self.model = model
         self.kv = kv
         self.n_ctx = n_ctx
-        self.device = device
-        self.backend = backend
+        self.device = model.backend.device.type
+        self.backend = model.backend.name
         self.n_threads = n_threads
         self.load_seconds = load_seconds
         self.context_policy = _check_policy(context_policy)
@@ -216,7 +210,8 @@ class LLM:
         from .runtime.speculative import check_same_vocab
 
         if draft is not None and not isinstance(draft, LLM):
-            draft = load(draft, n_ctx=self.n_ctx, backend=self.backend, quiet=True)
+            draft = load(draft, n_ctx=self.n_ctx, device=self.device, quiet=True,
+                         backend="reference" if self.backend == "reference" else "fast")
         if draft is not None:
             check_same_vocab(self, draft)
         self.draft = draft
@@ -460,8 +455,10 @@ class LLM:
     def info(self) -> dict:
         from .info import model_info
 
-        return model_info(self.gguf, self.config, self.tokenizer, self.template, n_ctx=self.n_ctx,
-                          kv_kind=self.kv.kind)
+        out = model_info(self.gguf, self.config, self.tokenizer, self.template, n_ctx=self.n_ctx,
+                         kv_kind=self.kv.kind)
+        out["runtime"] = self.model.backend.describe()
+        return out
 
     def close(self) -> None:
         self.gguf.close()
@@ -473,25 +470,13 @@ class LLM:
         self.close()
 
 
-def _check_small_float_tensors(gf, weights: dict, source: str) -> None:
-    """ModelError naming the first small float tensor (norms, biases, rope factors: up to 1M elements each, a
-    fraction of a millisecond to check) that holds NaN or Inf. Why at load: the fast kernels quantize activations
-    to int8, where a NaN from a norm turns into finite garbage that no check on the logits can see."""
-    from .errors import ModelError
-    from .gguf import GGMLType
-
-    for name, info in gf.tensors.items():
-        if info.ggml_type in (GGMLType.F32, GGMLType.F16, GGMLType.BF16) and info.n_elements <= 1 << 20:
-            t = weights[name].dequantize()
-            if not bool(torch.isfinite(t).all()):
-                bad = int((~torch.isfinite(t)).sum())
-                raise ModelError(f"{source}: tensor {name!r} holds {bad} NaN or Inf value(s) of {t.numel()}")
-
-
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
          context_policy: str = "stop", verbose: bool = False, draft=None) -> LLM:
-    """Load a GGUF file (path) or a registry model (name, fetched on first use).
+    """Load a GGUF file (path), an AWQ checkpoint folder, or a registry model (name, fetched on first use).
+
+    device: "cpu" (default), "cuda" (or "cuda:N"; PyllmError naming why when this machine cannot run it), or
+    "auto" (CUDA when torch sees a GPU and the CUDA kernels build, else the CPU); ``llm.device`` says which ran.
 
     kv_cache: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot, or "KEY/VALUE" such as "f16/q4_rot" (see
     runtime/kv_cache.py). context_policy: what chat()
@@ -500,47 +485,29 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
 
     draft: a smaller model (path, registry name or LLM) with the same vocabulary, for speculative="draft".
 
-    backend: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights dequantized by the torch
-    reference code (cached per weight on first use: for tests and accuracy baselines, not for speed).
+    backend: the CPU kernels: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights
+    dequantized by the torch reference code (cached per weight on first use: for tests and accuracy baselines, not
+    for speed; CPU only).
     """
-    from .linear import linear_functions
-    from .chat_template import ChatTemplate
-    from .gguf import open_gguf
-    from .models import build_model, model_class
-    from .models.config import ModelConfig
-    from .quant import qtensor_from_gguf
-    from .runtime.kv_cache import make_kv_cache
-    from .tokenizer import Tokenizer
+    from . import backends
+    from .checkpoint import read_gguf
 
     t0 = time.perf_counter()
-    check_load_args(device, backend, context_policy)
+    backends.check_device(device)
+    backends.check_backend(backend)
+    _check_policy(context_policy)
+    runner = backends.select(device, backend, n_threads)
     path = registry.resolve(model, quiet=quiet)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq.py)
-        from .awq import load_awq; return load_awq(path, device, n_ctx, kv_cache, n_threads, backend, quiet, context_policy)  # noqa: E702
-    if path.is_dir():
+        from .awq import read_awq
+
+        ckpt = read_awq(path, quiet=quiet)
+    elif path.is_dir():
         raise PyllmError(f"{path}: is a directory, not a model file")
-    gf = open_gguf(path)
-    try:
-        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
-        model_class(cfg)  # an unsupported architecture fails before any other work
-        n_ctx, per_token, need = plan_kv_cache(cfg, n_ctx, kv_cache)
-        if verbose:
-            print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
-                  f"n_ctx={n_ctx}", file=sys.stderr)
-        weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}
-        _check_small_float_tensors(gf, weights, path.name)
-        tok = Tokenizer.from_gguf(gf.metadata)
-        template = ChatTemplate.from_metadata(gf.metadata, tok)
-        if n_threads:
-            torch.set_num_threads(n_threads)
-        linear, embed = linear_functions(backend, n_threads)
-        mdl = build_model(cfg, weights, linear, embed, max_pos=n_ctx)
-        kv = make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
-    except BaseException:
-        gf.close()
-        raise
-    llm = LLM(path, gf, cfg, weights, tok, template, mdl, kv, n_ctx, device, backend,
-              n_threads or torch.get_num_threads(), time.perf_counter() - t0, context_policy=context_policy)
+    else:
+        ckpt = read_gguf(path)
+    llm = from_checkpoint(ckpt, runner, n_ctx=n_ctx, kv_cache=kv_cache, n_threads=n_threads, quiet=quiet,
+                          context_policy=context_policy, verbose=verbose, t0=t0)
     if draft is not None:  # a draft model for speculative decoding (same vocabulary, checked)
         try:
             llm.set_draft(draft)
@@ -548,3 +515,29 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
             llm.close()
             raise
     return llm
+
+
+def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_threads: int | None = None,
+                    quiet: bool = True, context_policy: str = "stop", verbose: bool = False,
+                    t0: float | None = None) -> LLM:
+    """The LLM for a file reader's Checkpoint (pyllm/checkpoint.py), run by ``backend`` (pyllm.backends.select):
+    plans the KV cache, prepares the weights (CUDA: uploads them), builds the model and its cache. Closes the
+    checkpoint if anything fails."""
+    from .models import build_model
+
+    t0 = time.perf_counter() if t0 is None else t0
+    try:
+        cfg = ckpt.config
+        n_ctx, per_token, need = plan_kv_cache(cfg, n_ctx, kv_cache, check_memory=backend.device.type == "cpu")
+        if verbose:
+            print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
+                  f"n_ctx={n_ctx}", file=sys.stderr)
+        if n_threads:
+            torch.set_num_threads(n_threads)
+        mdl = build_model(cfg, ckpt.weights, backend, max_pos=n_ctx, progress=not quiet)
+        kv = backend.make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
+    except BaseException:
+        ckpt.close()
+        raise
+    return LLM(ckpt, mdl, kv, n_ctx, n_threads or torch.get_num_threads(), time.perf_counter() - t0,
+               context_policy=context_policy)

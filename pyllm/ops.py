@@ -8,7 +8,8 @@ M <= 8 (decode) runs the fused dequantize-in-GEMV (W read once, quantized); up t
 chunks (int8 dot products beat dequantizing W); larger M (prefill) dequantizes W a tile at a time and
 multiplies with torch's fp32 GEMM.  The choice is made in C++ (bindings.cpp mul_mat).  Types
 the extension lacks, and every call when the extension cannot be built, take the reference path:
-``QTensor.dequantize()`` + a float32 matmul.
+``QTensor.dequantize()`` + a float32 matmul.  Which functions a model calls is its backend's business
+(pyllm/backends): nothing here is a process-wide switch.
 
 Decode calls qmatmul ~200 times per token, so the fast path is one attribute lookup and one extension call
 (~2 us with `out`, ~4 us allocating): the binding validates every tensor (raising ValueError/TypeError with the
@@ -52,7 +53,6 @@ class _LazyExtension:
 
 
 _C = _LazyExtension()
-_fast = True      # set_backend("fast" | "reference")
 _threads = None   # set_num_threads() before the extension was loaded
 
 
@@ -67,12 +67,10 @@ def _reference_matmul(x: torch.Tensor, w, out):
 def qmatmul(x: torch.Tensor, w, out: torch.Tensor | None = None, precise_x: bool = False) -> torch.Tensor:
     """x f32 [..., K] @ W.T -> f32 [..., N].  ``out``: optional f32 [..., N] to fill (and return).  ``precise_x``:
     16-bit activations where the weight type has such a GEMV (see qmatmul_output)."""
-    if _fast:
-        try:
-            return _C.mul_mat(x, w.data, w.qtype, out, precise_x)
-        except NotImplementedError:  # a GGML type the kernels lack, or no extension
-            pass
-    return _reference_matmul(x, w, out)
+    try:
+        return _C.mul_mat(x, w.data, w.qtype, out, precise_x)
+    except NotImplementedError:  # a GGML type the kernels lack, or no extension
+        return _reference_matmul(x, w, out)
 
 
 def qmatmul_output(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -84,36 +82,20 @@ def qmatmul_output(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch
 
 def dequantize(w) -> torch.Tensor:
     """W as f32 with W's shape ([N, K], or [K] for a vector); bit-identical to gguf.quants.dequantize."""
-    if _fast:
-        try:
-            data = w.data if w.data.dim() == 2 else w.data.reshape(-1, w.data.shape[-1])
-            return _C.dequantize(data, w.qtype).reshape(w.shape)
-        except NotImplementedError:
-            pass
-    return w.dequantize(torch.float32)
+    try:
+        data = w.data if w.data.dim() == 2 else w.data.reshape(-1, w.data.shape[-1])
+        return _C.dequantize(data, w.qtype).reshape(w.shape)
+    except NotImplementedError:
+        return w.dequantize(torch.float32)
 
 
 def embedding(w, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (int64/int32, any shape, e.g. [T]) of W [N, K] as f32 [*ids.shape, K]; only those rows are
     dequantized."""
-    if _fast:
-        try:
-            return _C.dequantize(w.data, w.qtype, ids.reshape(-1)).reshape(*ids.shape, w.shape[-1])
-        except NotImplementedError:
-            pass
-    return w.rows(ids).float()
-
-
-def set_backend(name: str) -> None:
-    """"fast": the extension's kernels; "reference": QTensor.dequantize() + float32 matmul (tests)."""
-    global _fast
-    if name not in ("fast", "reference"):
-        raise PyllmError(f"backend must be 'fast' or 'reference', got {name!r}")
-    _fast = name == "fast"
-
-
-def get_backend() -> str:
-    return "fast" if _fast else "reference"
+    try:
+        return _C.dequantize(w.data, w.qtype, ids.reshape(-1)).reshape(*ids.shape, w.shape[-1])
+    except NotImplementedError:
+        return w.rows(ids).float()
 
 
 def set_num_threads(n: int) -> None:

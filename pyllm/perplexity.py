@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 from .errors import PyllmError
-from .runtime.kv_cache import KVCache, make_kv_cache
+from .runtime.kv_cache import KVCache
 
 
 @dataclass
@@ -139,7 +139,8 @@ def evaluate(llm, text: str, n_ctx: int = 512, kinds: list[str] | tuple[str, ...
         n = min(n, n_chunks)
     order = ([kl_base] if kl_base else []) + [k for k in kinds if k != kl_base]
     cfg = llm.config
-    caches = {k: make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim) for k in order}
+    # on the model's device: the backend places its caches
+    caches = {k: llm.model.backend.make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim) for k in order}
     stats = {k: Stats(k) for k in order}
     first = n_ctx // 2
     model = llm.model

@@ -139,21 +139,22 @@ def test_repack_takes_exact_scales_only(C):
     assert awq.repack(awq.AWQTensor(qw, qz, s, 96)) is None  # no row layout for G = 96
 
 
-def test_linear_functions_fall_back_per_tensor(C):
-    """A weight the row layout cannot take stays an AWQTensor and the wrapper multiplies it (same numbers)."""
-    from pyllm import ops
+def test_cpu_backend_falls_back_per_tensor(C):
+    """A weight the row layout cannot take stays an AWQTensor and the CPU backend multiplies it (same numbers)."""
+    from pyllm import backends, ops
 
     q, z, s, qw, qz = random_awq(96, 16, 96, seed=3)
     w = make(C, 128, 16, 32)
     weights = {"a": awq.AWQTensor(qw, qz, s, 96), "b": awq.AWQTensor(w.qweight, w.qzeros, w.s, 32)}
-    lin, emb = awq.awq_linear_functions("fast", weights=weights)
+    b = backends.get("fast")
+    weights = b.prepare_weights(weights)
     assert isinstance(weights["a"], awq.AWQTensor) and isinstance(weights["b"], awq.AWQRows)
-    assert lin is not ops.qmatmul
+    assert b.linear is not ops.qmatmul
     x = torch.randn(1, 96)
-    torch.testing.assert_close(lin(x, weights["a"]), x @ weights["a"].dequantize().T, rtol=1e-5, atol=1e-5)
-    weights = {"b": awq.AWQTensor(w.qweight, w.qzeros, w.s, 32)}
-    lin, emb = awq.awq_linear_functions("fast", weights=weights)
-    assert lin is ops.qmatmul and emb is ops.embedding  # all repacked: the GGUF ops (and the C++ decode step)
+    torch.testing.assert_close(b.linear(x, weights["a"]), x @ weights["a"].dequantize().T, rtol=1e-5, atol=1e-5)
+    b = backends.get("fast")
+    b.prepare_weights({"b": awq.AWQTensor(w.qweight, w.qzeros, w.s, 32)})
+    assert b.linear is ops.qmatmul and b.embed is ops.embedding  # all repacked: the GGUF ops (and the C++ step)
 
 
 # ---- bad calls raise Python exceptions naming the values ------------------------------------------------
@@ -235,7 +236,7 @@ def test_fast_backend_matches_reference(fixtures, g):  # noqa: F811 (the importe
         assert ((lp - lr).abs().max() / scale).item() < 3e-2, default
 
     ld = _decode_logits(fast, ids)
-    assert fast.model._decode_ctx[2] is not None  # the C++ decode step ran
+    assert fast.model.fused_step(fast.kv) is not None  # the C++ decode step ran
     assert ((ld - lr).abs().max() / scale).item() < 5e-2
     pr, pf = torch.log_softmax(lr, -1), torch.log_softmax(ld, -1)
     kl = (pr.exp() * (pr - pf)).sum(-1).mean().item()
@@ -272,7 +273,7 @@ def test_without_extension_awq_tensors_stay(C, monkeypatch):
 # ---- speed tooling: synthetic AWQ models and `pyllm bench DIR` ---------------------------------------------------
 def test_synthetic_awq_model(C):
     from pyllm.errors import PyllmError
-    from pyllm.linear import linear_functions
+    from pyllm import backends
     from pyllm.models import build_model
     from pyllm.models.synthetic import synthetic_model
     from pyllm.runtime.kv_cache import make_kv_cache
@@ -282,13 +283,12 @@ def test_synthetic_awq_model(C):
     cfg, w = synthetic_model("smollm2-135m:awq_g64")
     assert isinstance(w["blk.0.ffn_down.weight"], awq.AWQRows) and w["blk.0.ffn_down.weight"].shape == (576, 1536)
     assert w["token_embd.weight"].qtype.name == "F16"
-    lin, emb = linear_functions("fast")
-    mdl = build_model(cfg, w, lin, emb, max_pos=8)
+    mdl = build_model(cfg, w, backends.get("fast"), max_pos=8)
     kv = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 8, cfg.head_dim)
     with torch.inference_mode():
         a = mdl.forward(torch.tensor([1, 2, 3]), 0, kv)
         b = mdl.forward(torch.tensor([4]), 3, kv)
-    assert mdl._decode_ctx[2] is not None and torch.isfinite(a).all() and torch.isfinite(b).all()
+    assert mdl.fused_step(kv) is not None and torch.isfinite(a).all() and torch.isfinite(b).all()
 
 
 @needs_writer

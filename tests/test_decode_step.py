@@ -52,7 +52,7 @@ def _compare(model, prompt, n=16, dtype=torch.float16, n_ctx=128, tol=2e-4):
     kv.k.copy_(k0)
     kv.v.copy_(v0)
     toks_c, lg_c = _greedy(model, kv, first, len(prompt), n, cpp=True)
-    assert model._decode_ctx is not None and model._decode_ctx[2] is not None, "C++ decode step was not used"
+    assert model.fused_step(kv) is not None, "C++ decode step was not used"
     scale = lg_py.abs().max()
     atol = tol * float(scale)
     # Greedy tokens must agree up to (and logits at) the first step whose top-2 margin on the torch path is within
@@ -85,11 +85,7 @@ def test_smollm2_cpp_decode_matches_python(smollm2, dtype):
 def test_smollm2_sliding_window(smollm2, monkeypatch):
     model = smollm2.model
     monkeypatch.setattr(model.cfg, "sliding_window", 5)
-    model._decode_ctx = None
-    try:
-        _compare(model, smollm2.tokenize("One, two, three, four, five, six,"), tol=0.05)
-    finally:
-        model._decode_ctx = None
+    _compare(model, smollm2.tokenize("One, two, three, four, five, six,"), tol=0.05)
 
 
 def test_decode_from_position_zero(smollm2):
@@ -125,11 +121,7 @@ def test_tiny_qwen2_with_bias(tiny_qwen2, monkeypatch, window, dtype):
     model = tiny_qwen2.model
     assert model.cfg.qkv_bias and model.cfg.rope_style == "neox"
     monkeypatch.setattr(model.cfg, "sliding_window", window)
-    model._decode_ctx = None
-    try:
-        _compare(model, [5, 17, 42, 99, 7, 3, 250], n=16, dtype=dtype, n_ctx=64, tol=tiny_qwen2.tol)
-    finally:
-        model._decode_ctx = None
+    _compare(model, [5, 17, 42, 99, 7, 3, 250], n=16, dtype=dtype, n_ctx=64, tol=tiny_qwen2.tol)
 
 
 def test_kv_cache_kinds_and_the_cpp_path(tiny_qwen2):
@@ -141,15 +133,14 @@ def test_kv_cache_kinds_and_the_cpp_path(tiny_qwen2):
     kv = make_kv_cache("bf16", c.n_layer, c.n_kv_head, 32, c.head_dim)
     model.forward(torch.tensor([1, 2, 3]), 0, kv)
     model.forward(torch.tensor([4]), 3, kv)
-    assert model._decode_ctx[0] is kv and model._decode_ctx[2] is None
+    assert model.fused_step(kv) is None
     kv = make_kv_cache("q8_0", c.n_layer, c.n_kv_head, 32, c.head_dim)
     model.forward(torch.tensor([1]), 0, kv)  # one position: no key mean yet, so the torch path runs
     assert not kv.means_ready()
     model.forward(torch.tensor([2]), 1, kv)  # the torch path estimates the means here
     assert kv.means_ready()
     model.forward(torch.tensor([3]), 2, kv)
-    assert model._decode_ctx[0] is kv and model._decode_ctx[2] is not None
-    model._decode_ctx = None
+    assert model.fused_step(kv) is not None
 
 
 # ---- the binding's argument checks ---------------------------------------------------------------------------
@@ -280,22 +271,42 @@ def test_kv_store_is_bit_identical_to_python(kind):
     assert torch.equal(ops._C.kv_store(x, KV_IDS[kind]), part.data[0, 0])
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_rot", "f16/q8_rot", "q4_rot/f16"])
-def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
-    """C++ decode over a quantized cache (centered keys, rotations) against the torch path over the same kind.
-    Both quantize their own K/V, so codes at rounding boundaries differ: the bound is looser than f16's."""
+# Every cache kind as keys and as values (the fused step and the torch path must follow one storage transform:
+# centering, key scales, sink row, rotation; kv_cache.PartLayout).
+EVERY_KIND = ["f16", "q8_0", "q4_0", "q8_rot", "q4_rot", "q8_0/q4_rot", "q4_rot/q8_0", "q4_0/q8_rot",
+              "q8_rot/q4_0", "f16/q4_rot", "bf16/q8_0"]
+
+
+def _cpp_vs_torch_over_cache(model, ids, kind, n_steps):
+    """(torch, fused) pairs of (greedy tokens, logits [n, V], cache contents in the model basis) for ``kind``."""
     from pyllm.runtime.kv_cache import make_kv_cache
 
-    model, cfg = smollm2.model, smollm2.model.cfg
-    ids = torch.tensor(smollm2.tokenize("The capital of France is"))
+    cfg = model.cfg
     out = []
     for cpp in (False, True):
         kv = make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, 64, cfg.head_dim)
         first = int(model.forward(ids, 0, kv)[-1].argmax())
-        out.append(_greedy(model, kv, first, len(ids), 8, cpp=cpp))
+        toks, lg = _greedy(model, kv, first, len(ids), n_steps, cpp=cpp)
         if cpp:
-            assert model._decode_ctx is not None and model._decode_ctx[2] is not None, "C++ step was not used"
-    (toks_py, lg_py), (toks_c, lg_c) = out
+            fused = model.fused_step(kv) is not None
+            assert fused == ("bf16" not in kind), f"{kind}: the C++ step {'was not' if not fused else 'was'} used"
+        upto = len(ids) + n_steps
+        views = [torch.stack(kv.view(i, upto)) for i in range(cfg.n_layer)]
+        out.append((toks, lg, torch.stack(views)))
+    return out
+
+
+@pytest.mark.parametrize("kind", EVERY_KIND)
+def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
+    """C++ decode over every cache kind (centered keys, key scales, sink rows, rotations; K and V apart) against
+    the torch path over the same kind. Both quantize their own K/V, so codes at rounding boundaries differ: the
+    bound is looser than f16's. The caches' contents, read back through kv_cache.py's inverse transform, agree
+    within two rounding steps of their kind (each path rounds its own rows: a 4-bit step is 1/8 of a block's
+    absmax, so 0.4 of the head's max with the key scales; 8-bit: 0.06), where a step storing rows in another basis
+    (no centering, no rotation) is off by about the rows' whole size."""
+    model = smollm2.model
+    ids = torch.tensor(smollm2.tokenize("The capital of France is"))
+    (toks_py, lg_py, kv_py), (toks_c, lg_c, kv_c) = _cpp_vs_torch_over_cache(model, ids, kind, 8)
     tol = 0.06 if "q4" not in kind else 0.2
     atol = tol * float(lg_py.abs().max())
     # The two paths round different K/V codes, so greedy may part at a near-tie (SmolLM2 q4_rot: top-2 gap 0.14
@@ -305,6 +316,11 @@ def test_smollm2_cpp_decode_quantized_cache(smollm2, kind):
         gap = float(lg_py[n, toks_py[n]] - lg_py[n, toks_c[n]])
         assert gap <= atol, f"greedy parted at step {n} where the torch path's margin is {gap:.3f} > {atol:.3f}"
     torch.testing.assert_close(lg_c[:n + 1], lg_py[:n + 1], rtol=0, atol=atol)
+    upto = len(ids) + n  # rows written before the paths could part
+    scale = kv_py[..., :upto, :].abs().amax(dim=(-2, -1), keepdim=True)  # per layer, K/V and head
+    err = ((kv_c[..., :upto, :] - kv_py[..., :upto, :]).abs() / scale).max().item()
+    kv_tol = 0.4 if "q4" in kind else 0.06
+    assert err < kv_tol, f"{kind}: cache contents differ by {err:.3f} of their per-head max"
 
 
 def test_cpp_step_writes_the_exact_sink_row_from_position_zero(smollm2):
@@ -324,7 +340,7 @@ def test_cpp_step_writes_the_exact_sink_row_from_position_zero(smollm2):
         finally:
             model.use_cpp_decode = True
         if cpp:
-            assert model._decode_ctx is not None and model._decode_ctx[2] is not None, "C++ step was not used"
+            assert model.fused_step(kv) is not None, "C++ step was not used"
         out.append((lg, kv.v_part.sink.clone()))
     (lg_py, sink_py), (lg_c, sink_c) = out
     # the two paths' GEMVs round differently, and deeper layers' position-0 rows inherit it (as the cache rows do

@@ -41,7 +41,7 @@ def _compare_forced(model, prompt, n=16, dtype=torch.float16, n_ctx=128, tol=TOL
     for i, tok in enumerate([first] + toks_py[:-1]):
         lg_c.append(model.forward(torch.tensor([tok]), len(prompt) + i, kv)[0])
     lg_c = torch.stack(lg_c)
-    assert model._decode_ctx is not None and model._decode_ctx[2] is not None, "C++ decode step was not used"
+    assert model.fused_step(kv) is not None, "C++ decode step was not used"
     scale = float(lg_py.abs().max())
     torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=tol * scale)
     top_c = lg_c.argmax(-1)
@@ -64,20 +64,12 @@ def test_gemma3_cpp_decode_matches_python(gemma3, dtype):
     model = gemma3.model
     assert type(model) is Gemma3Model and model.linear is ops.qmatmul
     assert any(model.is_global) and not all(model.is_global)
-    model._decode_ctx = None
-    try:
-        _compare_forced(model, gemma3.tokenize("The capital of France is"), dtype=dtype)
-    finally:
-        model._decode_ctx = None
+    _compare_forced(model, gemma3.tokenize("The capital of France is"), dtype=dtype)
 
 
 def test_gemma3_free_running_greedy_identical(gemma3):
     model = gemma3.model
-    model._decode_ctx = None
-    try:
-        _compare(model, gemma3.tokenize("The capital of France is"), tol=TOL)
-    finally:
-        model._decode_ctx = None
+    _compare(model, gemma3.tokenize("The capital of France is"), tol=TOL)
 
 
 def test_gemma3_sliding_window(gemma3, monkeypatch):
@@ -85,60 +77,76 @@ def test_gemma3_sliding_window(gemma3, monkeypatch):
     while the global ones still see the whole prompt."""
     model = gemma3.model
     monkeypatch.setattr(model, "window", 5)
-    model._decode_ctx = None
-    try:
-        _compare_forced(model, gemma3.tokenize("One, two, three, four, five, six, seven,"))
-    finally:
-        model._decode_ctx = None
+    _compare_forced(model, gemma3.tokenize("One, two, three, four, five, six, seven,"))
 
 
 def test_gemma3_final_softcap(gemma3, monkeypatch):
     """gemma3 files normally have no final soft-capping; a made-up cap exercises the step's tanh."""
     model = gemma3.model
     monkeypatch.setattr(model, "final_softcap", 30.0)
-    model._decode_ctx = None
-    try:
-        _compare_forced(model, gemma3.tokenize("Hello"), n=4)
-    finally:
-        model._decode_ctx = None
+    _compare_forced(model, gemma3.tokenize("Hello"), n=4)
 
 
 def test_gemma3_decode_from_position_zero(gemma3):
     model = gemma3.model
-    model._decode_ctx = None
     kv = _kv(model, 32, torch.float16)
     a = model.forward(torch.tensor([2]), 0, kv)
-    assert model._decode_ctx[2] is not None
+    assert model.fused_step(kv) is not None
     model.use_cpp_decode = False
     try:
         b = model.forward(torch.tensor([2]), 0, kv)
     finally:
         model.use_cpp_decode = True
-        model._decode_ctx = None
     torch.testing.assert_close(a, b, rtol=0, atol=TOL * float(b.abs().max()))
     assert int(a.argmax()) == int(b.argmax())
 
 
-def test_gemma3_quantized_kv_cache_cpp_matches_python(gemma3):
-    """A q8_0 cache (centered keys) takes the C++ step too, sliding-window layers included; reference: the torch
-    path over the same kind. Each path quantizes its own K/V, so the bound is q8_0-loose (6% of the max logit)."""
+def _snapshot(kv):
+    return [t.clone() for p in kv.parts for t in p.buffers], list(kv.mu_set)
+
+
+def _restore(kv, snap):
+    for t, saved in zip([t for p in kv.parts for t in p.buffers], snap[0]):
+        t.copy_(saved)
+    kv.mu_set[:] = snap[1]
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q8_rot", "q4_rot", "q8_0/q4_rot", "q4_rot/q8_0", "q4_0/q8_rot",
+                                  "q8_rot/q4_0", "bf16"])
+def test_gemma3_quantized_kv_cache_cpp_matches_python(gemma3, kind):
+    """Every cache kind (K and V apart) takes the C++ step too, sliding-window layers included (bf16: the torch
+    path). Reference: the torch path's step from the same cache state (teacher-forced: every step starts from the
+    torch path's cache, so both attend over the same stored rows and differ only in the new row's rounding and the
+    GEMVs' int8 activations); bound TOL as the f16 comparison's, 4-bit parts 1.5 TOL (the new row's own 4-bit
+    rounding)."""
     from pyllm.runtime.kv_cache import make_kv_cache
 
     model = gemma3.model
     c = model.cfg
-    out = []
-    for cpp in (False, True):
-        kv = make_kv_cache("q8_0", c.n_layer, c.n_kv_head, 32, c.head_dim)
-        model.use_cpp_decode = cpp
-        try:
-            model.forward(torch.tensor([2, 3, 4]), 0, kv)
-            out.append(torch.stack([model.forward(torch.tensor([5 + i]), 3 + i, kv)[0] for i in range(6)]))
-        finally:
+    saved_window = model.window
+    model.window = 6  # keys leave the local layers' window within the 3 + 6 positions below
+    lg_py, lg_c = [], []
+    try:
+        kv = make_kv_cache(kind, c.n_layer, c.n_kv_head, 32, c.head_dim)
+        model.use_cpp_decode = False
+        model.forward(torch.tensor([2, 3, 4]), 0, kv)
+        for i in range(6):
+            tok, pos = torch.tensor([5 + i]), 3 + i
+            before = _snapshot(kv)
+            model.use_cpp_decode = False
+            lg_py.append(model.forward(tok, pos, kv)[0])
+            after = _snapshot(kv)
+            _restore(kv, before)
             model.use_cpp_decode = True
-        if cpp:
-            assert model._decode_ctx[0] is kv and model._decode_ctx[2] is not None
-    torch.testing.assert_close(out[1], out[0], rtol=0, atol=0.06 * float(out[0].abs().max()))
-    model._decode_ctx = None
+            lg_c.append(model.forward(tok, pos, kv)[0])
+            assert (model.fused_step(kv) is not None) == (kind != "bf16")
+            _restore(kv, after)
+    finally:
+        model.window = saved_window
+        model.use_cpp_decode = True
+    lg_py, lg_c = torch.stack(lg_py), torch.stack(lg_c)
+    tol = TOL * (1.5 if "q4" in kind else 1.0)
+    torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=tol * float(lg_py.abs().max()))
 
 
 def test_gemma3_binding_rejects_bad_arguments(gemma3, monkeypatch):
@@ -151,13 +159,13 @@ def test_gemma3_binding_rejects_bad_arguments(gemma3, monkeypatch):
         seen["args"], seen["kw"] = args, kw
         return C.DecodeContext(*args, **kw)
 
-    from pyllm.models import llama
+    from pyllm.backends import cpu
 
     class Shim:
         DecodeContext = staticmethod(capture)
 
-    monkeypatch.setattr(llama.ops, "_C", Shim)
-    assert model._make_decode_ctx(kv) is not None
+    monkeypatch.setattr(cpu.ops, "_C", Shim)
+    assert model.backend.fused_decode(model, kv) is not None
     monkeypatch.undo()
     args, good = seen["args"], seen["kw"]
     n = model.cfg.n_layer

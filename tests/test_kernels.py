@@ -352,28 +352,26 @@ def qtensor(name, N, K):
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16"])
 def test_ops_fast_matches_reference(C, name):
+    from pyllm import backends
+
     N, K = SHAPES[family(name)][0]
     w = qtensor(name, N, K)
     rng = rng_for("ops", name)
-    try:
-        for M in (1, 8, 20, 40):
-            x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
-            ops.set_backend("reference")
-            ref = ops.qmatmul(x, w)
-            ops.set_backend("fast")
-            y = ops.qmatmul(x, w)
-            gemm = M >= C.gemm_min_rows()
-            tol = TOL_F32 if name in FLOAT_TYPES or gemm else TOL_Q8
-            if gemm and C.prefill_kernel() != "f32":
-                tol = 2e-2  # bf16 prefill GEMM (test_prefill_gemm.py's TOL_BF16)
-            assert rel_err(y, ref, x, make_weight(name, N, K)) < tol, why(name, M)
-        x3 = torch.from_numpy(rng.standard_normal((2, 3, K), dtype=np.float32))
-        assert ops.qmatmul(x3, w).shape == (2, 3, N)
-        assert torch.equal(ops.dequantize(w), w.dequantize())
-        ids = torch.tensor([[0, 5], [N - 1, 0]])
-        assert torch.equal(ops.embedding(w, ids), w.rows(ids))
-    finally:
-        ops.set_backend("fast")
+    reference = backends.get("reference")
+    for M in (1, 8, 20, 40):
+        x = torch.from_numpy(rng.standard_normal((M, K), dtype=np.float32))
+        ref = reference.linear(x, w)
+        y = ops.qmatmul(x, w)
+        gemm = M >= C.gemm_min_rows()
+        tol = TOL_F32 if name in FLOAT_TYPES or gemm else TOL_Q8
+        if gemm and C.prefill_kernel() != "f32":
+            tol = 2e-2  # bf16 prefill GEMM (test_prefill_gemm.py's TOL_BF16)
+        assert rel_err(y, ref, x, make_weight(name, N, K)) < tol, why(name, M)
+    x3 = torch.from_numpy(rng.standard_normal((2, 3, K), dtype=np.float32))
+    assert ops.qmatmul(x3, w).shape == (2, 3, N)
+    assert torch.equal(ops.dequantize(w), w.dequantize())
+    ids = torch.tensor([[0, 5], [N - 1, 0]])
+    assert torch.equal(ops.embedding(w, ids), w.rows(ids))
 
 
 def test_mul_mat_picks_the_path_and_keeps_leading_dims(C):

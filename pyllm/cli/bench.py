@@ -100,19 +100,17 @@ class Subject:
 
 
 def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
-    from ..linear import linear_functions
+    from .. import backends
     from ..models import build_model
     from ..runtime.generator import Generator
-    from ..runtime.kv_cache import make_kv_cache
 
     n_ctx = a.n_depth + max(a.n_prompt, a.n_gen) + 16
     if synthetic:
         from ..models.synthetic import synthetic_model
 
         cfg, weights = synthetic_model(synthetic)
-        linear, embed = linear_functions(a.backend)
-        mdl = build_model(cfg, weights, linear, embed, max_pos=n_ctx)
-        kv = make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
+        mdl = build_model(cfg, weights, backends.select(a.device, a.backend, a.threads), max_pos=n_ctx)
+        kv = mdl.backend.make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
         size = sum(w.nbytes for w in weights.values())
         return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size)
     import pyllm

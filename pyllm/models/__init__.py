@@ -26,5 +26,9 @@ def model_class(cfg: ModelConfig):
     return cls
 
 
-def build_model(cfg: ModelConfig, weights: dict, linear, embed, max_pos: int):
-    return model_class(cfg)(cfg, weights, linear, embed, max_pos)
+def build_model(cfg: ModelConfig, weights: dict, backend, max_pos: int, progress: bool = False):
+    """The decoder for ``cfg`` over ``weights`` (GGUF names -> QTensors), run by ``backend`` (pyllm/backends),
+    which prepares the weights once here (CUDA: uploads them)."""
+    cls = model_class(cfg)
+    weights = backend.prepare_weights(cls.arrange_weights(cfg, weights), progress=progress)
+    return cls(cfg, weights, backend, max_pos)

@@ -15,33 +15,24 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from ..errors import ModelError
 from .config import ModelConfig
-from .llama import Linear, LlamaModel, apply_rope, attention, make_decode_ctx, rms_norm, rope_tables
+from .decoder import Decoder
+from .llama import apply_rope, attention, rms_norm, rope_tables
 
 
-class Gemma3Model:
-    # Decode (t == 1) runs as one C++ call (csrc/cpu/decode_step.cpp) under the same rules as LlamaModel: fast
-    # kernels, a plain f16/f32 KVCache and the extension present; False forces the torch path (tests compare).
-    use_cpp_decode = True
-    _decode_ctx = None  # (kv, its k tensor, DecodeContext or None), built lazily like LlamaModel's
-    _cpp_decode = LlamaModel._cpp_decode
-    decode_context = LlamaModel.decode_context
+class Gemma3Model(Decoder):
+    """One-token forwards take the backend's fused step where it has one, as LlamaModel's do."""
 
     LAYER_TENSORS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
                      "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm")
 
-    def __init__(self, cfg: ModelConfig, weights: dict, linear: Linear, embed: Callable, max_pos: int):
+    def __init__(self, cfg: ModelConfig, weights: dict, backend, max_pos: int):
         self.cfg = cfg
-        self.w = weights
-        self.linear = linear
-        self.embed = embed
         need = ["token_embd.weight", "output_norm.weight"]
         for i in range(cfg.n_layer):
             need += [f"blk.{i}.{n}.weight" for n in self.LAYER_TENSORS]
@@ -50,11 +41,10 @@ class Gemma3Model:
             raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         cfg.check_shapes(weights)
+        super().__init__(backend, weights)
         ex = cfg.extra
         self.output = weights.get("output.weight", weights["token_embd.weight"])
-        # The fast backend's output projection keeps 16-bit activations (ops.qmatmul_output), as decode_step does.
-        self.output_linear = ops.qmatmul_output if linear is ops.qmatmul else linear
-        self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}
+        self.vec = self.small_vectors(weights)
         pattern = int(ex.get("swa_pattern", 6))
         # llama.cpp and transformers agree: layer i is global when (i + 1) % pattern == 0.
         self.is_global = [pattern <= 0 or (i + 1) % pattern == 0 for i in range(cfg.n_layer)]
@@ -65,6 +55,8 @@ class Gemma3Model:
         if scale_g != 1.0:
             self.rope_global = self._scaled(cfg, n_tab, cfg.rope_base, scale_g)
         self.rope_local = rope_tables(cfg, n_tab, base=float(ex.get("rope_local_base", 10000.0)))
+        self.rope_global = tuple(t.to(self.device) for t in self.rope_global)
+        self.rope_local = tuple(t.to(self.device) for t in self.rope_local)
         self.scale = float(ex.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5
         # HF multiplies by the embed scale cast to the activation dtype; in float32 that is this float32 value.
         self.embed_scale = torch.tensor(math.sqrt(cfg.n_embd), dtype=torch.float32)
@@ -83,7 +75,7 @@ class Gemma3Model:
         cfg, w, vec, lin, eps = self.cfg, self.w, self.vec, self.linear, self.cfg.rms_eps
         t = tokens.shape[0]
         if t == 1 and self.use_cpp_decode:
-            logits = self._cpp_decode(tokens, start_pos, kv)
+            logits = self._fused_forward(tokens, start_pos, kv)
             if logits is not None:
                 return logits
         x = self.embed(w["token_embd.weight"], tokens) * self.embed_scale
@@ -106,10 +98,8 @@ class Gemma3Model:
             if start_pos == 0:
                 # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
                 a = attn(q, k.transpose(0, 1), v.transpose(0, 1))
-            elif hasattr(kv, "attend"):
-                a = kv.attend(i, q, start_pos, attn)  # quantized/rotated caches attend in their own storage
             else:
-                a = attn(q, *kv.view(i, start_pos + t))
+                a = kv.attend(i, q, start_pos, attn)  # quantized/rotated caches attend in their own storage
             a = lin(a, w[p + "attn_output.weight"])
             x = x + rms_norm(a, vec[p + "post_attention_norm.weight"], eps)
             h = rms_norm(x, vec[p + "ffn_norm.weight"], eps)
@@ -123,13 +113,12 @@ class Gemma3Model:
         logits = self.output_linear(x, self.output)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return self.to_cpu(logits)
 
-    def _make_decode_ctx(self, kv):
+    def decode_options(self) -> dict:
         # Local layers: rope table 1 (rope_local_base) and the sliding window; global layers: table 0, full attention.
-        return make_decode_ctx(
-            self, kv, bias=False, qk_norm=True, cos=self.rope_global[0], sin=self.rope_global[1], window=0,
-            post_norms=True, embd_scale=float(self.embed_scale), act="gelu_tanh", final_softcap=self.final_softcap,
-            cos2=self.rope_local[0].contiguous(), sin2=self.rope_local[1].contiguous(),
-            layer_rope=[0 if g else 1 for g in self.is_global],
-            layer_window=[0 if g else int(self.window or 0) for g in self.is_global])
+        return dict(bias=False, qk_norm=True, cos=self.rope_global[0], sin=self.rope_global[1], window=0,
+                    post_norms=True, embd_scale=float(self.embed_scale), act="gelu_tanh",
+                    final_softcap=self.final_softcap, cos2=self.rope_local[0].contiguous(),
+                    sin2=self.rope_local[1].contiguous(), layer_rope=[0 if g else 1 for g in self.is_global],
+                    layer_window=[0 if g else int(self.window or 0) for g in self.is_global])

@@ -1,7 +1,8 @@
 """One decoder for the llama family (llama/SmolLM2, mistral, qwen2, qwen3), driven by ModelConfig flags.
 
-Activations are float32 on the CPU. Weights stay quantized (QTensor) and go through ``linear`` on every use, so
-the kernels decide how they are read: the fused dequantize-in-GEMV for decode, dequantize + matmul for prefill.
+Activations are float32 on the backend's device. Weights stay quantized (QTensor) and go through the backend's
+``linear`` on every use, so the kernels decide how they are read: the fused dequantize-in-GEMV for decode,
+dequantize + matmul for prefill (pyllm/backends).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import ops
 from ..errors import ModelError
 from .config import ModelConfig
+from .decoder import Decoder
 
 Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, K] f32, QTensor [N, K]) -> [T, N] f32
 
@@ -65,8 +66,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
     qh = q.transpose(0, 1)  # [H, T, hd]
     mask = None
     if t > 1 or window:
-        qpos = torch.arange(start_pos, start_pos + t)[:, None]
-        kpos = torch.arange(s)[None, :]
+        qpos = torch.arange(start_pos, start_pos + t, device=q.device)[:, None]
+        kpos = torch.arange(s, device=q.device)[None, :]
         mask = kpos <= qpos
         if window:
             mask &= kpos > qpos - window
@@ -77,20 +78,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
     return out.transpose(0, 1).reshape(t, h * v.shape[-1])
 
 
-class LlamaModel:
-    """The llama-family decoder. ``weights`` maps GGUF tensor names to QTensors (still quantized)."""
+class LlamaModel(Decoder):
+    """The llama-family decoder. ``weights`` maps GGUF tensor names to QTensors (still quantized); ``backend``
+    (pyllm/backends) runs them. One-token forwards take the backend's fused step where it has one (the CPU's C++
+    decode step reads every cache kind but bf16 directly, csrc/cpu/attention.cpp)."""
 
-    # Decode (one token) runs as one extension call (csrc/cpu/decode_step.cpp) when the fast kernels and a CPU
-    # KVCache are in use (any kind: the step attends over quantized rows directly, csrc/cpu/attention.cpp); False
-    # forces the torch path below (tests compare the two).
-    use_cpp_decode = True
-    _decode_ctx = None  # (kv, its key storage, DecodeContext or None when that kv/model cannot use the C++ step)
-
-    def __init__(self, cfg: ModelConfig, weights: dict, linear: Linear, embed: Callable, max_pos: int):
+    def __init__(self, cfg: ModelConfig, weights: dict, backend, max_pos: int):
         self.cfg = cfg
-        self.w = weights
-        self.linear = linear
-        self.embed = embed  # (QTensor, ids [T]) -> [T, D] f32: dequantizes only the rows looked up
         need = ["token_embd.weight", "output_norm.weight"]
         for i in range(cfg.n_layer):
             need += [f"blk.{i}.{n}.weight" for n in
@@ -101,21 +95,25 @@ class LlamaModel:
             raise ModelError(f"{cfg.arch} model is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
         cfg.check_shapes(weights)
+        super().__init__(backend, weights)
+        weights = self.w
         self.output = weights.get("output.weight", weights["token_embd.weight"])
-        # The fast backend's output projection keeps 16-bit activations (ops.qmatmul_output), as decode_step does.
-        self.output_linear = ops.qmatmul_output if linear is ops.qmatmul else linear
-        # Norm weights and biases are tiny: keep them as float32 tensors.
-        self.vec = {n: t.dequantize().reshape(-1) for n, t in weights.items() if len(t.shape) == 1}
+        self.vec = self.small_vectors(weights)
         ff = weights.get("rope_freqs.weight")
-        self.cos, self.sin = rope_tables(cfg, max_pos, freq_factors=None if ff is None else self.vec["rope_freqs.weight"])
+        cos, sin = rope_tables(cfg, max_pos, freq_factors=None if ff is None else self.vec["rope_freqs.weight"].cpu())
+        self.cos, self.sin = cos.to(self.device), sin.to(self.device)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def decode_options(self) -> dict:
+        cfg = self.cfg
+        return dict(bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, cos=self.cos, sin=self.sin, window=cfg.sliding_window)
 
     def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32."""
         cfg, w, vec, lin = self.cfg, self.w, self.vec, self.linear
         t = tokens.shape[0]
         if t == 1 and self.use_cpp_decode:
-            logits = self._cpp_decode(tokens, start_pos, kv)
+            logits = self._fused_forward(tokens, start_pos, kv)
             if logits is not None:
                 return logits
         x = self.embed(w["token_embd.weight"], tokens)  # [T, D]
@@ -154,87 +152,4 @@ class LlamaModel:
         if not all_logits:
             x = x[-1:]
         x = rms_norm(x, vec["output_norm.weight"], cfg.rms_eps)
-        return self.output_linear(x, self.output)
-
-    def _cpp_decode(self, tokens: torch.Tensor, start_pos: int, kv) -> torch.Tensor | None:
-        """Logits [1, n_vocab] of one token via the extension's decode_step, or None where it does not apply."""
-        ctx = self.decode_context(kv)
-        if ctx is None:
-            return None
-        kv._check(start_pos, 1)
-        logits = torch.empty(1, ctx.n_vocab)
-        ops._C.decode_step(ctx, int(tokens[0]), start_pos, logits)
-        return logits
-
-    def decode_context(self, kv):
-        """The extension's DecodeContext for ``kv`` (built once per cache), or None where the C++ step does not
-        apply now (see make_decode_ctx; and the first steps of a centered cache estimate its means in torch)."""
-        c = self._decode_ctx
-        part = getattr(getattr(kv, "k_part", None), "data", None)
-        if c is None or c[0] is not kv or c[1] is not part:
-            c = self._decode_ctx = (kv, part, self._make_decode_ctx(kv))
-        return c[2] if c[2] is not None and kv.means_ready() else None
-
-    def _make_decode_ctx(self, kv):
-        cfg = self.cfg
-        return make_decode_ctx(self, kv, bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, cos=self.cos, sin=self.sin,
-                               window=cfg.sliding_window)
-
-
-def make_decode_ctx(model, kv, *, bias: bool, qk_norm: bool, cos, sin, window: int, **extra):
-    """The extension's DecodeContext for ``model`` (LlamaModel or Gemma3Model) and ``kv``, or None where the C++
-    step does not apply: not the fast qmatmul/embedding ops, not a CPU KVCache of kinds the step stores (bf16
-    is not), no extension, or a weight type / layout it does not take.  ``extra``: the context's Gemma options
-    (post norms, act, ...)."""
-    from ..runtime.kv_cache import KVCache
-
-    if (model.linear is not ops.qmatmul or model.embed is not ops.embedding or ops.get_backend() != "fast"
-            or not isinstance(kv, KVCache) or kv.k_part.data.device.type != "cpu"):
-        return None
-    try:
-        kvx = kv_cache_args(kv)
-    except KeyError:  # a kind the C++ step does not store (bf16)
-        return None
-    cfg, w, vec = model.cfg, model.w, model.vec
-    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    mats = [w[f"blk.{i}.{n}.weight"] for i in range(cfg.n_layer) for n in names]
-
-    def vecs(name, on=True):
-        return [vec[f"blk.{i}.{name}"].float().contiguous() for i in range(cfg.n_layer)] if on else []
-
-    try:
-        if extra.get("post_norms"):
-            extra.update(post_attn_norm=vecs("post_attention_norm.weight"), post_ffw_norm=vecs("post_ffw_norm.weight"))
-        extra.pop("post_norms", None)
-        return ops._C.DecodeContext(
-            [m.data for m in mats], [int(m.qtype) for m in mats], vecs("attn_norm.weight"),
-            vecs("ffn_norm.weight"), vecs("attn_q.bias", bias), vecs("attn_k.bias", bias),
-            vecs("attn_v.bias", bias), vecs("attn_q_norm.weight", qk_norm),
-            vecs("attn_k_norm.weight", qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
-            model.output.data, int(model.output.qtype), vec["output_norm.weight"].float().contiguous(),
-            cos.contiguous(), sin.contiguous(), kvx["k_cache"], kvx["v_cache"], cfg.n_embd, cfg.n_ff, cfg.n_head,
-            cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, model.scale,
-            window, k_type=kvx["k_type"], v_type=kvx["v_type"], k_mu=kvx["k_mu"], v_mu=kvx["v_mu"],
-            k_rot=kvx["k_rot"], v_rot=kvx["v_rot"], k_scale=kvx["k_scale"], k_sink=kvx["k_sink"],
-            v_sink=kvx["v_sink"], **extra)
-    except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
-        # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
-        return None
-
-
-KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3, "q4_rot": 3, "q8_rot": 2}  # csrc/kernels.h KVType
-
-
-def kv_cache_args(kv) -> dict:
-    """The DecodeContext arguments describing ``kv``'s storage: per part its tensor, KVType id, mean and key scale
-    (the live tensors, updated in place when the cache re-estimates them), rotation R and exact sink row (written
-    by the step at position 0). KeyError for kinds it cannot store."""
-    out = {}
-    for name, p in (("k", kv.k_part), ("v", kv.v_part)):
-        out[f"{name}_type"] = KV_TYPE_IDS[p.kind]
-        out[f"{name}_cache"] = p.data
-        out[f"{name}_mu"] = p.mu if getattr(p, "centered", False) else None
-        out[f"{name}_rot"] = p.rot.contiguous() if p.rot is not None else None
-        out[f"{name}_sink"] = getattr(p, "sink", None)
-    out["k_scale"] = kv.k_part.scale if getattr(kv.k_part, "scaled", False) else None
-    return out
+        return self.to_cpu(self.output_linear(x, self.output))

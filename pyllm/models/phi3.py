@@ -39,5 +39,7 @@ def split_fused(cfg: ModelConfig, weights: dict) -> dict:
 
 
 class Phi3Model(LlamaModel):
-    def __init__(self, cfg: ModelConfig, weights: dict, linear, embed, max_pos: int):
-        super().__init__(cfg, split_fused(cfg, weights), linear, embed, max_pos)
+    arrange_weights = staticmethod(split_fused)  # before the backend prepares them: slicing file rows is free
+
+    def __init__(self, cfg: ModelConfig, weights: dict, backend, max_pos: int):
+        super().__init__(cfg, split_fused(cfg, weights), backend, max_pos)

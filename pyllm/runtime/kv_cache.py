@@ -70,7 +70,7 @@ an attention-sink outlier) and then fixed until the cache is rewritten from posi
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -181,6 +181,25 @@ def hadamard_rotation(n: int, signs_seed: int | None = 0) -> torch.Tensor:
     return (h / n ** 0.5).float()
 
 
+class PartLayout(NamedTuple):
+    """How one part (keys or values) of a cache is stored, for a fused decode step that reads and writes it.
+
+    A stored row is ``to_storage(x) = ((x - mu) / scale) @ R^T`` of the model-basis row x, encoded as ``block``;
+    each of mu, scale, R is absent (None) where the part does not use it. Attention over stored rows takes
+    ``(q * scale) @ R^T`` as the query, reads ``sink`` instead of position 0's encoded row, and maps its output o
+    back by ``o @ R + mu``. Every tensor is the live one (the cache re-estimates mu and scale in place when it is
+    rewritten from position 0), so a step built once stays valid; a step writing position 0 writes ``sink`` too.
+    """
+
+    kind: str                    # "f32", "f16", "bf16", "q8_0", "q4_0", "q8_rot", "q4_rot"
+    block: str                   # row encoding: "f32", "f16", "bf16", "q8_0", "q4_0" (llama.cpp blocks)
+    data: torch.Tensor           # [n_layer, Hkv, max_seq, hd] of the float dtype, or uint8 [..., nb * block bytes]
+    mu: torch.Tensor | None      # float32 [n_layer, Hkv, 1, hd]
+    scale: torch.Tensor | None   # float32 [n_layer, Hkv, 1, hd] (keys)
+    rot: torch.Tensor | None     # float32 [hd, hd]: R
+    sink: torch.Tensor | None    # float32 [n_layer, Hkv, 1, hd]: position 0, exact, in the storage basis
+
+
 class _FloatPart:
     """Keys or values of every layer as a plain tensor (n_layer, n_kv_head, max_seq, head_dim) in ``dtype``."""
 
@@ -194,6 +213,9 @@ class _FloatPart:
 
     def write(self, layer: int, pos: int, x: torch.Tensor) -> None:  # x: [Hkv, T, hd]
         self.data[layer, :, pos:pos + x.shape[1]] = x.to(self.dtype)
+
+    def layout(self) -> PartLayout:
+        return PartLayout(self.kind, self.kind, self.data, None, None, None, None)
 
     def stored(self, layer: int, upto: int, sink: bool = True) -> torch.Tensor:
         return self.data[layer, :, :upto]
@@ -226,8 +248,14 @@ class _BlockPart:
         self.buffers = ([self.data, self.sink] + ([self.mu] if self.centered else [])
                         + ([self.scale] if self.scaled else []))
 
+    def layout(self) -> PartLayout:
+        return PartLayout(self.kind, "q8_0" if self.q8 else "q4_0", self.data, self.mu if self.centered else None,
+                          self.scale if self.scaled else None, self.rot, self.sink)
+
     def to_storage(self, layer: int, x: torch.Tensor) -> torch.Tensor:
-        """Model basis -> storage basis: ((x - mu) / s) [R^T]. x: [Hkv, T, hd] f32."""
+        """Model basis -> storage basis: ((x - mu) / s) [R^T]. x: [Hkv, T, hd] f32. The one definition of the
+        transform: attend() and view() invert it, and the fused steps (csrc/cpu/decode_step.cpp) follow it from
+        PartLayout (tests/test_decode_step.py ties them for every kind)."""
         if self.centered:
             x = x - self.mu[layer]
         if self.scaled:
@@ -321,7 +349,12 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for p in self.parts for t in p.buffers)
 
-    def _check(self, pos: int, t: int) -> None:
+    def storage_layout(self) -> tuple[PartLayout, PartLayout]:
+        """(keys, values) as stored: what a fused decode step needs to read and extend this cache."""
+        return self.k_part.layout(), self.v_part.layout()
+
+    def check_room(self, pos: int, t: int) -> None:
+        """PyllmError unless positions pos..pos+t-1 fit in the cache."""
         if pos < 0 or pos + t > self.max_seq:
             raise PyllmError(f"KV cache holds {self.max_seq} positions; cannot write {t} at position {pos}")
 
@@ -333,7 +366,7 @@ class KVCache:
         """Store k, v: (T, n_kv_head, head_dim) at positions pos..pos+T-1 of ``layer``. q: the same positions'
         queries (T, n_head, head_dim), used only to estimate the balanced key scales (block kinds)."""
         t = k.shape[0]
-        self._check(pos, t)
+        self.check_room(pos, t)
         k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, T, hd]
         if self.centered:
             kp = self.k_part

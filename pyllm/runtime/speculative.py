@@ -161,22 +161,18 @@ class DraftProposer:
 def forward_rows(gen, toks: list[int], all_logits: bool = True) -> torch.Tensor:
     """Runs ``toks`` (1..MAX_ROWS) at the generator's next positions and appends them to its tokens.
 
-    Uses the model's multi-row C++ decode step (ops._C.decode_steps: the weights read once for all rows, each row
-    otherwise the one-token step) where it applies, else the model's forward. Returns logits [len(toks) or 1,
-    n_vocab] f32.
+    Uses the fused step's multi-row pass where the model's backend has one (CPU: ops._C.decode_steps, the weights
+    read once for all rows, each row otherwise the one-token step), else the model's forward. Returns logits
+    [len(toks) or 1, n_vocab] f32.
     """
-    from .. import ops
-
     model, kv = gen.model, gen.kv
-    ctx = model.decode_context(kv) if hasattr(model, "decode_context") and getattr(model, "use_cpp_decode", False) \
-        else None
-    if ctx is None or len(toks) > MAX_ROWS:
+    step = model.fused_step(kv) if getattr(model, "use_cpp_decode", False) else None
+    if step is None or not hasattr(step, "rows") or len(toks) > MAX_ROWS:
         return gen._forward(toks, all_logits=all_logits)
     pos = len(gen.tokens)
     gen.check_room(len(toks))
-    kv._check(pos, len(toks))
-    out = torch.empty(len(toks) if all_logits else 1, ctx.n_vocab)
-    ops._C.decode_steps(ctx, torch.tensor(toks, dtype=torch.int64), pos, out, all_logits)
+    kv.check_room(pos, len(toks))
+    out = step.rows(torch.tensor(toks, dtype=torch.int64), pos, all_logits)
     gen.tokens.extend(toks)
     return out
 

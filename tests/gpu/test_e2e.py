@@ -56,13 +56,13 @@ def rel(a, b):
                          ids=["q4_k_m", "q4_0"])
 def test_cuda_decoder_matches_cpu_reference(main, down, out):
     from pyllm import cuda_backend
-    from pyllm.linear import reference_functions
+    from pyllm import backends
     from pyllm.models.llama import LlamaModel
     from pyllm.runtime.kv_cache import make_kv_cache
 
     cfg, w = tiny_model(main, down, out)
     max_seq, n_prompt, n_gen = 64, 20, 10
-    cpu = LlamaModel(cfg, w, *reference_functions(), max_pos=max_seq)
+    cpu = LlamaModel(cfg, w, backends.get("reference"), max_pos=max_seq)
     kv = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, max_seq, cfg.head_dim)
     prompt = torch.randint(0, VOCAB, (n_prompt,), generator=torch.Generator().manual_seed(3))
 

@@ -1,0 +1,90 @@
+"""Backends: where and how a model's kernels run (see base.py for the protocol).
+
+    get("fast")       the CPU extension's kernels (backends/cpu.py)
+    get("reference")  float32 torch over weights dequantized by the reference code (backends/reference.py)
+    get("cuda")       imports pyllm.backends.cuda on first use and calls its ``create(device=...)``
+
+``select(device, backend)`` is what ``pyllm.load`` calls: device "cpu" | "cuda" | "cuda:N" | "auto" (CUDA when
+torch sees a GPU and the CUDA backend can be created, else the CPU), backend "fast" | "reference" (the CPU kernel
+choice; "reference" always runs on the CPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import PyllmError
+from .base import Backend, BackendUnavailable, DecodeStep
+
+__all__ = ["Backend", "BackendUnavailable", "DecodeStep", "get", "select", "DEVICES", "CPU_BACKENDS"]
+
+DEVICES = ("auto", "cpu", "cuda")
+CPU_BACKENDS = ("fast", "reference")
+
+
+def get(name: str, **options) -> Backend:
+    """A new backend ``name`` ("fast", "reference", "cuda"). BackendUnavailable says why one cannot run here."""
+    if name == "fast":
+        from .cpu import CpuBackend
+
+        return CpuBackend(**options)
+    if name == "reference":
+        from .reference import ReferenceBackend
+
+        return ReferenceBackend(**options)
+    if name == "cuda":
+        try:
+            mod = importlib.import_module(f"{__name__}.cuda")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.cuda":
+                raise BackendUnavailable(f"the CUDA backend cannot be imported: {e}") from None
+            raise BackendUnavailable("the CUDA backend is not part of this build (pyllm/backends/cuda.py is "
+                                     "missing)") from None
+        try:
+            return mod.create(**options)
+        except PyllmError:
+            raise
+        except Exception as e:  # a torch or driver error while probing the GPU: say it in one line
+            raise BackendUnavailable(f"the CUDA backend cannot start: {type(e).__name__}: {e}") from None
+    raise PyllmError(f"unknown backend {name!r}; choose one of: fast, reference, cuda")
+
+
+def check_device(device: str) -> str:
+    """``device`` if it names one pyllm knows ("auto", "cpu", "cuda", "cuda:N"), else PyllmError."""
+    base, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+    if base not in DEVICES or (index and (base != "cuda" or not index.isdigit())):
+        raise PyllmError(f"device must be one of {', '.join(DEVICES)} (or cuda:N), got {device!r}")
+    return device
+
+
+def check_backend(backend: str) -> str:
+    if backend not in CPU_BACKENDS:
+        raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
+    return backend
+
+
+def select(device: str = "cpu", backend: str = "fast", n_threads: int | None = None) -> Backend:
+    """The backend ``pyllm.load(device=, backend=)`` runs on; see the module docstring. A device that cannot run
+    raises BackendUnavailable naming why ("auto" never raises: it falls back to the CPU)."""
+    check_device(device)
+    check_backend(backend)
+    if device.startswith("cuda"):
+        if backend == "reference":
+            raise PyllmError("backend 'reference' runs on the CPU (float32 torch); use device='cpu' with it, or "
+                             "backend='fast' on CUDA")
+        import torch
+
+        if not torch.cuda.is_available():
+            why = ("this torch has no CUDA support" if torch.version.cuda is None
+                   else "torch sees no GPU (torch.cuda.is_available() is False)")
+            raise BackendUnavailable(f"device {device!r} is not available: {why}")
+        return get("cuda", device=device)
+    if device == "auto" and backend == "fast":
+        import torch
+
+        if torch.cuda.is_available():
+            try:
+                return get("cuda", device="cuda")
+            except BackendUnavailable:
+                pass
+    return get(backend, n_threads=n_threads) if backend == "fast" else get(backend)

@@ -1,0 +1,114 @@
+"""The CPU backend: the C++ extension's kernels (fused dequantize-in-GEMV for decode, dequantized tiles + GEMM for
+prefill) and its one-call decode step (csrc/cpu/decode_step.cpp).
+
+Weights stay where the loader mapped them. Types the extension lacks, and every call when the extension cannot
+be built, take the torch reference inside ops.qmatmul / ops.embedding (ops.py says how).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+
+# csrc/kernels.h KVType: how a cache part's rows are encoded (the rotated kinds store q8_0 / q4_0 blocks)
+KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class CpuDecodeStep:
+    """The C++ decode step bound to one model and one cache: ``step(token, pos)`` -> logits [1, n_vocab] f32;
+    ``rows(tokens, pos, all_logits)`` runs up to ops.GEMV_MAX_M consecutive tokens in one pass (speculation)."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.n_vocab = ctx.n_vocab
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        logits = torch.empty(1, self.n_vocab)
+        ops._C.decode_step(self.ctx, token, pos, logits)
+        return logits
+
+    def rows(self, tokens: torch.Tensor, pos: int, all_logits: bool = True) -> torch.Tensor:
+        out = torch.empty(tokens.shape[0] if all_logits else 1, self.n_vocab)
+        ops._C.decode_steps(self.ctx, tokens, pos, out, all_logits)
+        return out
+
+
+class CpuBackend:
+    name = "fast"
+    device = torch.device("cpu")
+
+    def __init__(self, n_threads: int | None = None):
+        if n_threads:
+            ops.set_num_threads(n_threads)
+        self.linear = ops.qmatmul
+        self.linear_output = ops.qmatmul_output
+        self.embed = ops.embedding
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
+
+    def prepare_weights(self, weights: dict, progress: bool = False) -> dict:
+        """The same dict; AWQ checkpoints' int4 tensors are repacked in place into the extension's row layout.
+        Any that stay in checkpoint form (no extension, a group size the layout lacks) are multiplied by their own
+        chunked dequantize per call: linear/embed then check each weight's type."""
+        if any(hasattr(w, "qzeros") for w in weights.values()):
+            from ..awq import AWQTensor, repack_weights
+
+            if repack_weights(weights):
+                fast_linear, fast_embed = self.linear, self.embed
+
+                def linear(x, w):
+                    return w.matmul(x) if isinstance(w, AWQTensor) else fast_linear(x, w)
+
+                def embed(w, ids):
+                    return w.rows(ids).float() if isinstance(w, AWQTensor) else fast_embed(w, ids)
+
+                self.linear = self.linear_output = linear
+                self.embed = embed
+        return weights
+
+    def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
+        from ..runtime.kv_cache import KVCache
+
+        return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
+
+    def fused_decode(self, model, kv) -> CpuDecodeStep | None:
+        """The C++ step for ``model`` over ``kv``, or None where it does not apply: a cache part it does not store
+        (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the
+        step does not take."""
+        if self.linear is not ops.qmatmul or not hasattr(kv, "storage_layout"):
+            return None
+        k, v = kv.storage_layout()
+        if k.block not in KV_TYPE_IDS or v.block not in KV_TYPE_IDS or k.data.device.type != "cpu":
+            return None
+        cfg, w, vec = model.cfg, model.w, model.vec
+        opts = dict(model.decode_options())
+        mats = [w[f"blk.{i}.{n}.weight"] for i in range(cfg.n_layer) for n in LAYER_MATRICES]
+
+        def vecs(name, on=True):
+            return [vec[f"blk.{i}.{name}"].float().contiguous() for i in range(cfg.n_layer)] if on else []
+
+        bias, qk_norm = opts.pop("bias"), opts.pop("qk_norm")
+        cos, sin, window = opts.pop("cos"), opts.pop("sin"), opts.pop("window")
+        if opts.pop("post_norms", False):
+            opts.update(post_attn_norm=vecs("post_attention_norm.weight"),
+                        post_ffw_norm=vecs("post_ffw_norm.weight"))
+        try:
+            ctx = ops._C.DecodeContext(
+                [m.data for m in mats], [int(m.qtype) for m in mats], vecs("attn_norm.weight"),
+                vecs("ffn_norm.weight"), vecs("attn_q.bias", bias), vecs("attn_k.bias", bias),
+                vecs("attn_v.bias", bias), vecs("attn_q_norm.weight", qk_norm),
+                vecs("attn_k_norm.weight", qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
+                model.output.data, int(model.output.qtype), vec["output_norm.weight"].float().contiguous(),
+                cos.contiguous(), sin.contiguous(), k.data, v.data, cfg.n_embd, cfg.n_ff, cfg.n_head,
+                cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, model.scale, window,
+                k_type=KV_TYPE_IDS[k.block], v_type=KV_TYPE_IDS[v.block], k_mu=k.mu, v_mu=v.mu,
+                k_rot=None if k.rot is None else k.rot.contiguous(),
+                v_rot=None if v.rot is None else v.rot.contiguous(), k_scale=k.scale, k_sink=k.sink,
+                v_sink=v.sink, **opts)
+        except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
+            # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
+            return None
+        return CpuDecodeStep(ctx)

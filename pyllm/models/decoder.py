@@ -1,0 +1,69 @@
+"""What every decoder shares: its backend, the weights it prepared, and the per-cache fused decode step.
+
+A model is written once against the backend protocol (pyllm/backends/base.py): activations are float32 on
+``backend.device``, every weight goes through ``backend.linear`` / ``backend.embed``, and a one-token forward runs
+the backend's fused step where it has one for the cache (CPU: the C++ decode step; CUDA: a captured graph).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+
+class Decoder:
+    # False forces the torch path for one-token forwards (tests compare the two; embeddings need hidden states).
+    use_cpp_decode = True
+
+    def __init__(self, backend, weights: dict):
+        self.backend = backend
+        self.w = weights
+        self.linear = backend.linear
+        self.embed = backend.embed  # (QTensor, ids [T]) -> [T, D] f32: dequantizes only the rows looked up
+        self.output_linear = backend.linear_output
+        self.device = backend.device
+        # kv -> (its key storage when the step was built, the step or None): one per cache, so the server's slots
+        # each keep theirs; a cache that reallocates its storage gets a new step.
+        self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def arrange_weights(cfg, weights: dict) -> dict:
+        """The file's tensors as this architecture names them (Phi-3 splits its fused ones); by default as is."""
+        return weights
+
+    def small_vectors(self, weights: dict) -> dict[str, torch.Tensor]:
+        """Norm weights, biases, rope factors: tiny, so float32 1-D tensors on the backend's device."""
+        return {n: t.dequantize().reshape(-1).to(self.device) for n, t in weights.items() if len(t.shape) == 1}
+
+    def decode_options(self) -> dict:
+        """The architecture's options for a fused step (see backend_api: bias, qk_norm, cos, sin, window...)."""
+        raise NotImplementedError
+
+    def fused_step(self, kv):
+        """The backend's fused one-token step over ``kv`` (built once per cache), or None where it does not apply
+        now: the backend has none for this model or cache, or a centered cache has not fixed its means yet (its
+        first steps estimate them in torch)."""
+        key = kv.storage_layout()[0].data if hasattr(kv, "storage_layout") else None
+        hit = self._fused.get(kv)
+        if hit is None or hit[0] is not key:
+            hit = (key, self.backend.fused_decode(self, kv))
+            self._fused[kv] = hit
+        return hit[1] if hit[1] is not None and kv.means_ready() else None
+
+    def decode_context(self, kv):
+        """The CPU backend's DecodeContext for ``kv`` (what ops._C's batched steps take), or None."""
+        return getattr(self.fused_step(kv), "ctx", None)
+
+    def _fused_forward(self, tokens: torch.Tensor, start_pos: int, kv) -> torch.Tensor | None:
+        """Logits [1, n_vocab] f32 (CPU) of one token through the fused step, or None where it does not apply."""
+        step = self.fused_step(kv)
+        if step is None:
+            return None
+        kv.check_room(start_pos, 1)
+        return step(int(tokens[0]), start_pos)
+
+    @staticmethod
+    def to_cpu(logits: torch.Tensor) -> torch.Tensor:
+        """The runtime samples on the CPU: logits leave the backend's device here, as float32."""
+        return logits if logits.device.type == "cpu" else logits.float().cpu()
