@@ -1,8 +1,7 @@
 """The CUDA side in Python: weights to VRAM in their quantized form, a CUDA (linear, embed) pair for the model,
 and a llama-family decoder whose one-token step is captured once in a CUDA graph.
 
-Self-contained on purpose (not yet reached from ``pyllm.load(device="cuda")``): the kernels come from
-``pyllm._C`` when that was built with CUDA, else from a standalone build of csrc/cuda (``pyllm_cuda``).
+Not yet reached from ``pyllm.load(device="cuda")``; the kernels come from ``pyllm._C`` built with CUDA.
 
 Paths, as the physics dictates:
 - decode (<= 8 rows): fused dequantize-in-GEMV (csrc/cuda/gemv.cu), weights read once per token, quantized;
@@ -12,11 +11,8 @@ Paths, as the physics dictates:
 
 from __future__ import annotations
 
-import hashlib
 import math
-import os
 import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,15 +23,6 @@ from .gguf import GGMLType
 _FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 GEMV_MAX_M = 8
 _kernels = None
-_STANDALONE_SOURCES = ["cuda/gemv.cu", "cuda/dequant.cu", "cuda/attention.cu", "cuda/bindings_cuda.cpp"]
-
-
-def _csrc() -> Path:
-    here = Path(__file__).resolve().parent
-    for d in (here.parent / "csrc", here / "_csrc"):
-        if (d / "cuda" / "gemv.cu").is_file():
-            return d
-    raise PyllmError(f"pyllm: the CUDA sources are missing (looked for csrc/cuda under {here.parent} and {here})")
 
 
 def kernels():
@@ -45,38 +32,13 @@ def kernels():
         return _kernels
     if not torch.cuda.is_available():
         raise PyllmError("pyllm: CUDA is not available (torch.cuda.is_available() is False)")
-    try:
-        from . import _ext
+    from . import _ext
 
-        mod = _ext.load()
-        if hasattr(mod, "cuda_gemv"):
-            _kernels = mod
-            return mod
-    except Exception:  # no main extension (or a CPU-only one): build the CUDA part on its own
-        pass
-    from torch.utils import cpp_extension
-
-    from . import registry
-
-    src = _csrc()
-    h = hashlib.sha256()
-    for p in sorted(src.rglob("*")):
-        if p.is_file() and p.suffix in (".h", ".cuh", ".cpp", ".cu") and p.parent.name in ("cuda", "common"):
-            h.update(p.read_bytes())
-    h.update(f"{torch.__version__} {sys.version} {os.environ.get('TORCH_CUDA_ARCH_LIST', '')}".encode())
-    build = registry.cache_dir() / "ext" / f"cuda-{h.hexdigest()[:16]}"
-    build.mkdir(parents=True, exist_ok=True)
-    print("pyllm: compiling the CUDA kernels (first use)...", file=sys.stderr, flush=True)
-    _kernels = cpp_extension.load(
-        name="pyllm_cuda",
-        sources=[str(src / s) for s in _STANDALONE_SOURCES],
-        extra_include_paths=[str(src)],
-        extra_cflags=["-O3", "-std=c++17", "-DPYLLM_CUDA_STANDALONE"],
-        # the same flags as pyllm._ext.CUDA_FLAGS: the kernels are written to be exact where it matters under them
-        extra_cuda_cflags=["-O3", "--use_fast_math", "-std=c++17"],
-        build_directory=str(build),
-        verbose=os.environ.get("PYLLM_VERBOSE_BUILD") == "1",
-    )
+    mod = _ext.load()
+    if not hasattr(mod, "cuda_gemv"):
+        raise PyllmError("pyllm: the C++ extension was built without its CUDA kernels (nvcc or a CUDA build of "
+                         "torch was missing when it was compiled)")
+    _kernels = mod
     return _kernels
 
 

@@ -106,7 +106,7 @@ if TORCH_DIR=$(python3 -c "import torch, os; print(os.path.dirname(torch.__file_
     fi
     ${CXX:-g++} -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Icsrc -isystem "$TORCH_DIR/include" \
         -isystem "$TORCH_DIR/include/torch/csrc/api/include" -isystem "$stub" -isystem "$CUDA_INC" -isystem "$PY_INC" \
-        -DPYLLM_CUDA_STANDALONE -DTORCH_EXTENSION_NAME=pyllm_cuda csrc/cuda/bindings_cuda.cpp
+        -DTORCH_EXTENSION_NAME=pyllm_C csrc/cuda/bindings_cuda.cpp
     echo "bindings_cuda.cpp: syntax ok"
 else
     echo "bindings_cuda.cpp: torch not importable, syntax check skipped"

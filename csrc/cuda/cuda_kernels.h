@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "../common/qtype.h"
+#include "kv_rows.cuh"
 
 namespace pyllm {
 
@@ -54,15 +55,28 @@ bool attn_decode_supported_head_dim(int D);
 // Number of key chunks (split-K partitions) for a cache of max_seq positions; sizes the scratch buffers.
 int attn_decode_chunks(int max_seq);
 
-// One new token's attention over an fp16 KV cache (flash-decoding: each CTA scores one chunk of positions for
-// the query heads of one KV head, a second kernel merges the chunks).
-//   q   [H, D] fp32 (RoPE applied); k, v [Hkv, max_seq, D] fp16 (one layer of the cache);
+// Keys or values of one layer: row (head, position) at data + (head * max_seq + position) * row_bytes, of
+// type `type` (csrc/cuda/kv_rows.cuh); sink: [Hkv, D] f32 rows read instead of position 0 (the part's exact
+// copy of it, kv_cache.py), or nullptr.
+struct AttnRows {
+    KVRow type;
+    const uint8_t* data;
+    size_t row_bytes;
+    const float* sink;
+};
+
+// One new token's attention over a KV cache in its storage basis (flash-decoding: each CTA scores one chunk of
+// positions for the query heads of one KV head, a second kernel merges the chunks).
+//   q   [H, D] fp32 (RoPE applied, already mapped into the keys' storage basis);
 //   len: device int32, the number of valid positions (1..max_seq), read on the device so the call can be
 //        captured once in a CUDA graph and replayed for every position;
+//   window > 0: attend to the last `window` of them only (sliding-window layers); softcap > 0: scores become
+//        softcap * tanh(scale q.k / softcap) before the softmax;
 //   part_o [H, chunks, D] fp32 and part_ml [H, chunks, 2] fp32: scratch (chunks = attn_decode_chunks);
-//   out [H, D] fp32.  H % Hkv == 0.
-void attn_decode_cuda(const float* q, const __half* k, const __half* v, const int* len, float* part_o,
-                      float* part_ml, float* out, int H, int Hkv, int D, int max_seq, float scale,
-                      cudaStream_t stream);
+//   out [H, D] fp32 in the values' storage basis.  H % Hkv == 0; D even (64, 128 or 256), a multiple of 32 for
+//   block rows.
+void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, const int* len, int window,
+                      float softcap, float* part_o, float* part_ml, float* out, int H, int Hkv, int D, int max_seq,
+                      float scale, cudaStream_t stream);
 
 }  // namespace pyllm
