@@ -54,7 +54,7 @@ std::pair<int64_t, int64_t> check_weight(const at::Tensor& w, QType t, int64_t K
 at::Tensor gemv(const at::Tensor& w, int64_t qtype, const at::Tensor& x, std::optional<at::Tensor> out) {
     const QType t = to_qtype(qtype);
     TORCH_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
-                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K)");
+                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
     check_tensor(x, "x", at::kFloat, 2);
     check_same_device(w, "w", x, "x");
     const int64_t M = x.size(0), K = x.size(1);

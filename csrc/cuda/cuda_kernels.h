@@ -20,7 +20,8 @@ namespace pyllm {
 // ---- decode GEMV (gemv.cu) --------------------------------------------------------------------------------
 constexpr int CUDA_GEMV_MAX_M = 8;  // above this many activation rows, dequantize + cuBLAS wins (prefill)
 
-// Types the fused GEMV handles: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K.
+// Types the fused GEMV handles: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K, and AWQ int4 rows (QType::AWQ_G*, the
+// layout of csrc/common/blocks.h AwqRow that pyllm/awq.py repacks AutoAWQ tensors into at load).
 bool gemv_cuda_supported(QType t);
 
 // Weight-pointer alignment the GEMV needs for type t (16 for Q4_K/Q5_K, whose 16-byte loads need it).
@@ -35,11 +36,9 @@ void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cu
 void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
                int N, int K, cudaStream_t stream);
 
-// AWQ int4 slot: the AWQ engineer declares gemv_awq_cuda(...) here, over its repacked layout, reusing
-// quantize_act_cuda (see the note at the end of gemv_types.cuh).
-
 // ---- dequantize (dequant.cu) -------------------------------------------------------------------------------
-// Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows).
+// Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows), and
+// AWQ rows ((q - z) * s, exact as the CPU's).
 bool dequant_cuda_supported(QType t);
 
 // out[i, :] = W[ids ? ids[i] : i, :] as fp16 (out_f16) or fp32 (out_f32; exactly one non-null); n_out rows.
