@@ -90,12 +90,24 @@ def csrc_dir() -> Path:
                      "reinstall pyllm")
 
 
-def _cuda_wanted() -> bool:
+def cuda_build_problem() -> str | None:
+    """Why this build leaves the CUDA kernels out (one phrase), or None when it compiles them."""
     import torch
     from torch.utils import cpp_extension
 
-    return bool(CUDA_SOURCES and torch.version.cuda and cpp_extension.CUDA_HOME
-                and (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()))
+    if not CUDA_SOURCES:
+        return "this pyllm has no CUDA sources"
+    if not torch.version.cuda:
+        return f"this torch ({torch.__version__}) is a CPU-only build"
+    if not cpp_extension.CUDA_HOME:
+        return "the CUDA toolkit was not found (set CUDA_HOME)"
+    if not (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()):
+        return f"nvcc is missing (not on PATH nor in {cpp_extension.CUDA_HOME}/bin)"
+    return None
+
+
+def _cuda_wanted() -> bool:
+    return cuda_build_problem() is None
 
 
 def _cpu_id() -> str:
