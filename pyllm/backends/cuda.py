@@ -226,9 +226,11 @@ class CudaBackend:
             done += nbytes
             if show:
                 last = _progress(done, total, last)
-        if show:
-            print(file=sys.stderr)
         self.weight_bytes = total
+        if show:
+            free_after, total_mem = torch.cuda.mem_get_info(self.device)
+            print(f"\npyllm: weights in VRAM: {total / 2**30:.2f} GiB (quantized, as in the file); "
+                  f"{free_after / 2**30:.1f} of {total_mem / 2**30:.1f} GiB free", file=sys.stderr)
         return {name: moved[id(w)] for name, w in weights.items()}
 
     def linear(self, x: torch.Tensor, w) -> torch.Tensor:
@@ -258,6 +260,8 @@ class CudaBackend:
         if isinstance(qt, int) and not getattr(w, "is_float", False) and self.K.cuda_dequant_supported(int(qt)) \
                 and w.shape[1] % 8 == 0:
             return self.K.cuda_dequantize(w.data, int(qt), w.shape[1], ids, False, check_ids)
+        if getattr(w, "is_float", False) and not check_ids:  # QTensor.rows checks the range on the host
+            return w.typed().index_select(0, ids).float()
         return w.rows(ids).float()
 
     def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
