@@ -69,7 +69,6 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
     __syncthreads();
 
     // scores: one warp per position, lanes across the row
-#pragma unroll 2
     for (int p = warp; p < n; p += kWarps) {
         float2 kf[kPerLane];
 #pragma unroll
