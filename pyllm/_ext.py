@@ -124,10 +124,11 @@ def _cpu_id() -> str:
 def _build_key(src: Path, sources: list[str], cuda: bool) -> str:
     import torch
 
-    # The listed sources and the headers they may include (.cuh only for CUDA builds), so edits to CUDA files
-    # do not rebuild a CPU-only extension.
+    # The listed sources and the headers they may include (csrc/cuda's headers only for CUDA builds), so edits
+    # to CUDA files do not rebuild a CPU-only extension.
     files = {src / s for s in sources}
-    files |= {p for p in src.rglob("*.h")} | ({p for p in src.rglob("*.cuh")} if cuda else set())
+    files |= {p for p in src.rglob("*.h") if cuda or "cuda" not in p.relative_to(src).parts}
+    files |= {p for p in src.rglob("*.cuh")} if cuda else set()
     h = hashlib.sha256()
     for p in sorted(files):
         h.update(str(p.relative_to(src)).encode())

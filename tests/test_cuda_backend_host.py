@@ -181,3 +181,20 @@ def test_step_matches_model_torch_path(arch, kind):
         model.use_cpp_decode = True
     assert step.policy.eager_calls == 6
     assert not math.isnan(err)
+
+
+def test_awq_weights_go_up_as_rows():
+    """AWQ tensors are repacked once into the CPU's row layout (which the CUDA GEMV reads) before upload; a group
+    size without a layout stays in AutoAWQ form (multiplied through its own dequantize)."""
+    from pyllm import _ext, awq
+    from test_awq import random_awq
+
+    C = _ext.load()
+    _, _, s, qw, qz = random_awq(256, 64, 64, seed=3)
+    t = awq.AWQTensor(qw, qz, s, 64, name="w")
+    up = cb._to_device(t, torch.device("cpu"), C)
+    assert isinstance(up, cb.CudaAwqRows) and up.qtype == int(C.awq_qtype(64)) and up.shape == (64, 256)
+    assert torch.equal(up.data, awq.repack(t, C).data)
+    _, _, s, qw, qz = random_awq(192, 16, 96, seed=4)
+    odd = cb._to_device(awq.AWQTensor(qw, qz, s, 96, name="odd"), torch.device("cpu"), C)
+    assert isinstance(odd, awq.AWQTensor) and odd.group_size == 96
