@@ -198,3 +198,40 @@ def test_awq_weights_go_up_as_rows():
     _, _, s, qw, qz = random_awq(192, 16, 96, seed=4)
     odd = cb._to_device(awq.AWQTensor(qw, qz, s, 96, name="odd"), torch.device("cpu"), C)
     assert isinstance(odd, awq.AWQTensor) and odd.group_size == 96
+
+
+class FakeCudaBackend(cb.CudaBackend):
+    """The CUDA backend on the CPU: torch stand-ins for the kernels, weights planned and converted as for upload."""
+
+    def __init__(self):
+        super().__init__(TorchKernels(), torch.device("cpu"))
+
+    def describe(self):
+        return {"backend": self.name, "device": "cpu (CUDA backend logic, torch kernels)"}
+
+    def prepare_weights(self, weights, progress=False):
+        moved = {id(weights[n]): cb._to_device(weights[n], self.device, self.K.C) for n, _ in cb.upload_plan(weights)}
+        return {n: moved[id(w)] for n, w in weights.items()}
+
+
+@needs_seam
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_runtime_through_the_cuda_step_matches_cpu(arch, monkeypatch):
+    """pyllm.load -> runtime -> the CUDA backend's step (eager, torch kernels): 32 greedy tokens equal the CPU
+    backend's (Q4_0 weights, q8_0 cache: the fused step runs from the first decoded token on)."""
+    import pyllm
+    from pyllm import backends
+    from tiny_models import gguf_path
+
+    path = str(gguf_path(arch, "q4_0"))
+    cpu = pyllm.load(path, device="cpu", n_ctx=128, kv_cache="q8_0")
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    fake = pyllm.load(path, device="cpu", n_ctx=128, kv_cache="q8_0")
+    assert fake.model.backend.name == "cuda"
+    prompt = [1, 17, 33, 5, 99, 42, 7, 250, 3, 11]
+    want = list(cpu.generate_tokens(prompt, max_tokens=32, temperature=0, speculative="none"))
+    got = list(fake.generate_tokens(prompt, max_tokens=32, temperature=0, speculative="none"))
+    assert got == want
+    step = fake.model.fused_step(fake.kv)
+    assert isinstance(step, cb.CudaDecodeStep) and step.policy.eager_calls >= len(want) - 1
