@@ -116,7 +116,7 @@ def test_attention_definition_matches_kv_cache(kind, window):
     if kp.scale is not None:
         qs = qs * kp.scale.repeat_interleave(2, 0)
     if kp.rot is not None:
-        qs = qs @ kp.rot.T
+        qs = qs @ kp.rot_t
     a = reference_attn_decode(qs, kp, vp, length, scale, window).float()
     if vp.rot is not None:
         a = a @ vp.rot

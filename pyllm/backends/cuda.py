@@ -163,6 +163,11 @@ class AttnPart:
     mu: torch.Tensor | None       # [Hkv, hd] f32 (stored = ((x - mu) / scale) R^T), or None
     scale: torch.Tensor | None    # [Hkv, hd] f32 (keys), or None
     rot: torch.Tensor | None      # [hd, hd] f32 R, or None
+    rot_t: torch.Tensor | None = None  # R^T, contiguous: the operand kv_cache.py multiplies by (same rounding)
+
+    def __post_init__(self):
+        if self.rot is not None and self.rot_t is None:
+            self.rot_t = self.rot.T.contiguous()  # R is a fixed Hadamard matrix: a copy stays valid
 
 
 def attn_part(layout, layer: int) -> AttnPart:
@@ -183,7 +188,7 @@ def to_storage(part: AttnPart, x: torch.Tensor) -> torch.Tensor:
         x = x - part.mu
     if part.scale is not None:
         x = x / part.scale
-    return x if part.rot is None else x @ part.rot.T
+    return x if part.rot is None else x @ part.rot_t
 
 
 def encode_rows(block: str, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -411,7 +416,7 @@ class CudaDecodeStep:
                 if kp.scale is not None:
                     qs = qs * kp.scale.repeat_interleave(self.group, 0)
                 if kp.rot is not None:
-                    qs = qs @ kp.rot.T
+                    qs = qs @ kp.rot_t
                 a = self.K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, self.len, self.scale, kp.block,
                                             vp.block, kp.sink, vp.sink, self.layer_window[i], 0.0)
                 if vp.rot is not None:
