@@ -14,12 +14,15 @@ Nothing here runs at ``import pyllm``: ``load()`` is first called by the first k
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
 import shutil
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 from .errors import PyllmError
@@ -87,12 +90,24 @@ def csrc_dir() -> Path:
                      "reinstall pyllm")
 
 
-def _cuda_wanted() -> bool:
+def cuda_build_problem() -> str | None:
+    """Why this build leaves the CUDA kernels out (one phrase), or None when it compiles them."""
     import torch
     from torch.utils import cpp_extension
 
-    return bool(CUDA_SOURCES and torch.version.cuda and cpp_extension.CUDA_HOME
-                and (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()))
+    if not CUDA_SOURCES:
+        return "this pyllm has no CUDA sources"
+    if not torch.version.cuda:
+        return f"this torch ({torch.__version__}) is a CPU-only build"
+    if not cpp_extension.CUDA_HOME:
+        return "the CUDA toolkit was not found (set CUDA_HOME)"
+    if not (shutil.which("nvcc") or Path(cpp_extension.CUDA_HOME, "bin", "nvcc").exists()):
+        return f"nvcc is missing (not on PATH nor in {cpp_extension.CUDA_HOME}/bin)"
+    return None
+
+
+def _cuda_wanted() -> bool:
+    return cuda_build_problem() is None
 
 
 def _cpu_id() -> str:
@@ -109,10 +124,11 @@ def _cpu_id() -> str:
 def _build_key(src: Path, sources: list[str], cuda: bool) -> str:
     import torch
 
-    # The listed sources and the headers they may include (.cuh only for CUDA builds), so edits to CUDA files
-    # do not rebuild a CPU-only extension.
+    # The listed sources and the headers they may include (csrc/cuda's headers only for CUDA builds), so edits
+    # to CUDA files do not rebuild a CPU-only extension.
     files = {src / s for s in sources}
-    files |= {p for p in src.rglob("*.h")} | ({p for p in src.rglob("*.cuh")} if cuda else set())
+    files |= {p for p in src.rglob("*.h") if cuda or "cuda" not in p.relative_to(src).parts}
+    files |= {p for p in src.rglob("*.cuh")} if cuda else set()
     h = hashlib.sha256()
     for p in sorted(files):
         h.update(str(p.relative_to(src)).encode())
@@ -120,6 +136,43 @@ def _build_key(src: Path, sources: list[str], cuda: bool) -> str:
     h.update(repr((sources, CFLAGS, LDFLAGS, CUDA_FLAGS if cuda else None, torch.__version__, sys.version,
                    _cpu_id())).encode())
     return f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
+
+
+# The build directory's lock.  torch's cpp_extension guards a build with a file named ``lock`` that it creates and
+# deletes itself; a build killed in between (Ctrl-C at the wrong moment, OOM, a closed terminal) leaves the file,
+# and every later load waits for it forever.  pyllm therefore holds its own flock(2) on ``build.flock`` around
+# the whole load: the kernel drops a flock when its holder dies, so a dead builder never blocks anyone, and while
+# we hold it no other pyllm process can be inside torch's build, so a ``lock`` file found then is stale.
+LOCK_NAME = "build.flock"
+LOCK_WAIT_S = 1800.0  # a cold build with CUDA takes minutes; past this, another process is stuck, not building
+
+
+@contextlib.contextmanager
+def build_lock(build: Path, timeout: float = LOCK_WAIT_S):
+    """Holds the build directory's lock (waiting up to ``timeout`` seconds for a live holder) and clears a stale
+    torch ``lock`` file left by a killed build.  Raises PyllmError naming the directory if the wait times out."""
+    build.mkdir(parents=True, exist_ok=True)
+    fd = os.open(build / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline, told = time.monotonic() + timeout, False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise PyllmError(f"pyllm: another process has been building the C++ extension in {build} for "
+                                     f"over {timeout:.0f} s; if none is running, delete {build} and retry") from None
+                if not told:
+                    print(f"pyllm: waiting for another process to finish building the C++ extension in {build}...",
+                          file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(0.2)
+        with contextlib.suppress(FileNotFoundError):
+            (build / "lock").unlink()  # torch's baton: nobody can hold it while we hold the flock
+        yield
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _diagnose(exc: BaseException) -> PyllmError:
@@ -167,19 +220,21 @@ def load():
         sources = CPU_SOURCES + (CUDA_SOURCES if cuda else [])
         build = registry.cache_dir() / "ext" / _build_key(src, sources, cuda)
         build.mkdir(parents=True, exist_ok=True)
-        if not (build / f"{NAME}.so").exists():
-            print("pyllm: compiling the C++ extension (first use, ~1 min)...", file=sys.stderr, flush=True)
-        mod = cpp_extension.load(
-            name=NAME,
-            sources=[str(src / s) for s in sources],
-            extra_include_paths=[str(src)],
-            extra_cflags=CFLAGS + (["-DPYLLM_CUDA"] if cuda else []),
-            extra_cuda_cflags=CUDA_FLAGS,
-            extra_ldflags=LDFLAGS,
-            build_directory=str(build),
-            with_cuda=cuda,
-            verbose=os.environ.get("PYLLM_VERBOSE_BUILD") == "1",
-        )
+        with build_lock(build):
+            if not (build / f"{NAME}.so").exists():
+                what = "with its CUDA kernels (first use, a few minutes)" if cuda else "(first use, ~1 min)"
+                print(f"pyllm: compiling the C++ extension {what}...", file=sys.stderr, flush=True)
+            mod = cpp_extension.load(
+                name=NAME,
+                sources=[str(src / s) for s in sources],
+                extra_include_paths=[str(src)],
+                extra_cflags=CFLAGS + (["-DPYLLM_CUDA"] if cuda else []),
+                extra_cuda_cflags=CUDA_FLAGS,
+                extra_ldflags=LDFLAGS,
+                build_directory=str(build),
+                with_cuda=cuda,
+                verbose=os.environ.get("PYLLM_VERBOSE_BUILD") == "1",
+            )
     except PyllmError as e:
         _error = e
         raise

@@ -2,8 +2,8 @@
 # Compile-only check of the CUDA sources, for CI machines without a GPU:
 #   1. every csrc/cuda/*.cu with nvcc for sm_80, sm_86, sm_89 and sm_90 (warnings are errors), with
 #      -Xptxas -v; fails if any GEMV kernel spills registers;
-#   2. tests/gpu/gemv_host_selftest.cu built with nvcc and RUN on the CPU (the GEMV's per-type slot math
-#      against the shared block decoders);
+#   2. tests/gpu/gemv_host_selftest.cu built with nvcc and RUN on the CPU (the GEMV's per-type slot math,
+#      AWQ rows included, against the shared block decoders);
 #   3. csrc/cuda/bindings_cuda.cpp syntax-checked against torch's headers, when torch is importable.
 # Prints the GEMV register/spill summary.  Env: NVCC (default nvcc), JOBS (parallel nvcc calls, default 2),
 # CUDA_CHECK_OUT (where objects and logs go, default a temp dir).
@@ -62,10 +62,11 @@ summary=$(for a in "${ARCHS[@]}"; do
     awk -v arch="sm_$a" '
         BEGIN { split("F32 F16 Q4_0 Q4_1 - - Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K", tn, " ") }
         /Function properties for/ { name = $NF; getline; st = $5; ld = $9; getline;
-            if (name !~ /gemv_kernel/) next
+            if (name !~ /gemv_(awq_)?kernel/) next
             t = "?"; m = "?"
             if (match(name, /QTypeE[0-9]+E/)) { id = substr(name, RSTART + 6, RLENGTH - 7); t = tn[id + 1] }
             if (match(name, /ELi[0-9]+ELi/)) { m = substr(name, RSTART + 3, RLENGTH - 6) }
+            if (name ~ /gemv_awq_kernel/) { t = "AWQ"; if (match(name, /ILi[0-9]+ELi/)) m = substr(name, RSTART + 3, RLENGTH - 6) }
             printf "%s %-4s M=%s regs=%s spill_st=%s spill_ld=%s\n", arch, t, m, $5, st, ld }
     ' "$OUT/gemv_sm_$a.log"
 done)
@@ -106,7 +107,7 @@ if TORCH_DIR=$(python3 -c "import torch, os; print(os.path.dirname(torch.__file_
     fi
     ${CXX:-g++} -std=c++17 -fsyntax-only -Wall -Wextra -Werror -Icsrc -isystem "$TORCH_DIR/include" \
         -isystem "$TORCH_DIR/include/torch/csrc/api/include" -isystem "$stub" -isystem "$CUDA_INC" -isystem "$PY_INC" \
-        -DPYLLM_CUDA_STANDALONE -DTORCH_EXTENSION_NAME=pyllm_cuda csrc/cuda/bindings_cuda.cpp
+        -DTORCH_EXTENSION_NAME=pyllm_C csrc/cuda/bindings_cuda.cpp
     echo "bindings_cuda.cpp: syntax ok"
 else
     echo "bindings_cuda.cpp: torch not importable, syntax check skipped"

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # One-shot GPU validation for a fresh device machine (H200: torch 2.11 cu130, nvcc 13.0), within 8 minutes:
-#   1. build the CUDA kernels (pyllm._C if it has them, else the standalone pyllm_cuda), sm_90 only;
-#   2. pytest tests/gpu (float64 references, gguf.quants oracle, CPU-reference end to end);
-#   3. GEMV GB/s vs copy bandwidth, synthetic Llama-3-8B pp512/tg128 (+ fp16 torch baseline);
+#   1. build the one extension with its CUDA kernels (pyllm/_ext.py), sm_90 only;
+#   2. pytest tests/gpu (float64 references, gguf.quants oracle, every KV cache kind, AWQ, Gemma 3, and
+#      device="cuda" against device="cpu" end to end: logits KL and 32 greedy tokens), the host-compiled row
+#      reader and the build lock (tests/test_cuda_backend_host.py is CPU-only and runs with the CPU suite);
+#   3. pyllm run and a piped pyllm chat on --device cuda (a tiny converted model);
+#   4. GEMV GB/s vs copy bandwidth, synthetic Llama-3-8B pp512/tg128 and tg after a long prompt with f16 and
+#      q8_0 caches (+ fp16 torch baseline), then `pyllm bench --device cuda` when the CLI has it;
 # and prints a short table last.  Logs and bench.json go to $OUT (the device tool's folder) or /tmp.
 #
 # Missing packages (gguf, maybe prompt_toolkit) travel as wheels in .whl/ (carry ".whl"); prepare them here:
@@ -35,28 +39,45 @@ python3 -c "import gguf" 2>/dev/null || echo "WARNING: gguf is not importable: t
 stamp "build"
 timeout 300 python3 -c "
 import time; t = time.time()
-from pyllm import cuda_backend
-k = cuda_backend.kernels()
-print('kernels from', k.__name__, 'built/loaded in %.0f s' % (time.time() - t))
+from pyllm.backends import cuda
+b = cuda.create('cuda')
+print('CUDA backend', b.describe(), 'kernels built/loaded in %.0f s' % (time.time() - t))
 " 2>&1 | tee "$LOG/build.log"
 build_rc=${PIPESTATUS[0]}
 [ "$build_rc" = 0 ] || { stamp "BUILD FAILED (rc $build_rc)"; exit 1; }
 
 stamp "tests/gpu"
-timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu 2>&1 | tee "$LOG/tests.log"
+timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/test_cuda_host.py \
+    tests/test_ext_build_lock.py 2>&1 | tee "$LOG/tests.log"
 test_rc=${PIPESTATUS[0]}
+
+stamp "pyllm run / chat on cuda"
+timeout 90 python3 - <<'PY' 2>&1 | tee "$LOG/cli.log"
+import subprocess, sys
+sys.path.insert(0, "tests")
+from tiny_models import gguf_path
+p = str(gguf_path("qwen3", "q4_0"))
+for args, stdin in ((["run", p, "Once upon a time", "-n", "16", "--temp", "0", "--device", "cuda"], None),
+                    (["chat", p, "--device", "cuda", "-n", "16"], "hello\n/bye\n")):
+    r = subprocess.run([sys.executable, "-m", "pyllm", *args], input=stdin, capture_output=True, text=True, timeout=60)
+    print("pyllm", args[0], "rc", r.returncode, "|", (r.stdout + r.stderr).strip()[-300:].replace("\n", " / "))
+PY
 
 bench_rc=skipped
 if [ "${GPU_CHECK_SKIP_BENCH:-0}" != 1 ]; then
     stamp "benchmarks"
     timeout 240 python3 tests/gpu/bench_cuda.py --out "$LOG" --ctx "${GPU_CHECK_CTX:-4096}" 2>&1 | tee "$LOG/bench.log"
     bench_rc=${PIPESTATUS[0]}
+    if python3 -m pyllm bench --help 2>/dev/null | grep -q -- --device; then
+        timeout 120 python3 -m pyllm bench --device cuda --json 2>&1 | tail -20 | tee "$LOG/pyllm_bench.log"
+    fi
 fi
 
 stamp "done"
 echo "=== summary ==="
 cat "$LOG/device.txt"
 echo "tests: $(tail -1 "$LOG/tests.log") (rc $test_rc)"
+cat "$LOG/cli.log"
 if [ "$bench_rc" != skipped ]; then
     sed -n '/^=== GEMV/,$p' "$LOG/bench.log"
     echo "bench rc $bench_rc"

@@ -1,4 +1,12 @@
-// Decode attention (one new token) over an fp16 KV cache, flash-decoding style.
+// Decode attention (one new token) over a KV cache of any row type, flash-decoding style.
+//
+// The same attention as the CPU step (csrc/cpu/decode_step.cpp + attention.cpp), in the cache's storage basis:
+// the caller passes the query already mapped into the keys' basis ((q * s) R^T for scaled / rotated keys) and
+// maps the output back (o R + mu_v for rotated / centered values); keys and values are read from their stored
+// rows (f32, f16, bf16, q8_0 or q4_0, K and V typed apart), position 0 from the part's exact float sink row when
+// it keeps one, over positions max(0, len - window) .. len - 1 (window 0: all), with the scaled logits
+// optionally soft-capped (cap * tanh(s / cap)).  The CPU merges the sink row's softmax with the other rows' by
+// their log-sum-exps; here it is one more position of the same softmax -- the same value, computed in one pass.
 //
 // Why split-K: at batch 1 there are only Hkv (8 for Llama-3-8B) KV heads, far too few CTAs to stream a long
 // cache at full bandwidth, so the positions are cut into chunks of kChunk and every (KV head, chunk, group of
@@ -6,11 +14,12 @@
 // sharing a KV head sit in one CTA, so each K/V row is read once per token (GQA).
 //
 // The valid length is read from device memory, so one captured CUDA graph serves every position; the grid
-// is sized by max_seq and CTAs past the length exit at once.
+// is sized by max_seq and CTAs outside the window exit at once.
 #include <cfloat>
 
 #include "common.cuh"
 #include "cuda_kernels.h"
+#include "kv_rows.cuh"
 
 namespace pyllm {
 namespace cuda {
@@ -21,25 +30,32 @@ constexpr int kThreads = 128;  // 4 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxG = 8;       // query heads per CTA (more per KV head: more CTAs along grid.z)
 
+// Row p of head hk, as values d, d + 1: the exact sink row for p == 0 when the part keeps one.
+__device__ __forceinline__ float2 row_pair(const AttnRows& r, int hk, int p, int d, int max_seq, int D) {
+    if (p == 0 && r.sink) return *reinterpret_cast<const float2*>(r.sink + static_cast<size_t>(hk) * D + d);
+    return kv_row_pair(r.type, r.data + (static_cast<size_t>(hk) * max_seq + p) * r.row_bytes, d);
+}
+
+// The positions [lo, len) attended to (device: len is read there).
+__device__ __forceinline__ int window_start(int L, int window) { return window > 0 ? max(0, L - window) : 0; }
+
 // part_o [H, chunks, D]: unnormalized sum_p exp(s_p - m) v_p of one chunk; part_ml [H, chunks, 2]: (m, l).
 template <int D>
-__global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __restrict__ q,
-                                                              const __half* __restrict__ k,
-                                                              const __half* __restrict__ v,
-                                                              const int* __restrict__ len,
+__global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __restrict__ q, AttnRows k, AttnRows v,
+                                                              const int* __restrict__ len, int window, float softcap,
                                                               float* __restrict__ part_o,
                                                               float* __restrict__ part_ml, int H, int Hkv,
                                                               int max_seq, int chunks, float scale) {
-    constexpr int kPairs = D / 2;             // half2 columns of a row
-    constexpr int kPerLane = D / 64;          // half2 per lane when a warp reads one row
+    constexpr int kPairs = D / 2;              // value pairs of a row
+    constexpr int kPerLane = D / 64;           // pairs per lane when a warp reads one row
     constexpr int kGroups = kThreads / kPairs; // position groups in the V pass
     static_assert(kPerLane >= 1 && kThreads % kPairs == 0, "head_dim must be 64, 128 or 256");
 
-    const int L = *len;
+    const int L = *len, lo = window_start(L, window);
     const int hk = blockIdx.x, c = blockIdx.y;
-    const int c0 = c * kChunk;
-    if (c0 >= L) return;  // the merge skips chunks past the length
-    const int n = min(kChunk, L - c0);
+    const int c0 = max(c * kChunk, lo), c1 = min((c + 1) * kChunk, L);
+    if (c0 >= c1) return;  // the merge skips chunks outside [lo, L)
+    const int n = c1 - c0;
     const int G = H / Hkv, g0 = blockIdx.z * kMaxG, Gc = min(kMaxG, G - g0);
     const int h0 = hk * G + g0;  // first query head of this CTA
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -52,14 +68,11 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
     for (int i = threadIdx.x; i < Gc * D; i += kThreads) q_s[i / D][i % D] = q[static_cast<size_t>(h0) * D + i] * scale;
     __syncthreads();
 
-    // scores: one warp per position, lanes across the row (coalesced 4-byte loads of the K row)
-    const __half* kh = k + static_cast<size_t>(hk) * max_seq * D;
-#pragma unroll 2
+    // scores: one warp per position, lanes across the row
     for (int p = warp; p < n; p += kWarps) {
-        const __half2* kr = reinterpret_cast<const __half2*>(kh + static_cast<size_t>(c0 + p) * D);
         float2 kf[kPerLane];
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) kf[j] = __half22float2(kr[lane + 32 * j]);
+        for (int j = 0; j < kPerLane; ++j) kf[j] = row_pair(k, hk, c0 + p, 2 * (lane + 32 * j), max_seq, D);
         for (int g = 0; g < Gc; ++g) {
             float s = 0.f;
 #pragma unroll
@@ -68,6 +81,7 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
                 s += q_s[g][d] * kf[j].x + q_s[g][d + 1] * kf[j].y;
             }
             s = warp_sum(s);
+            if (softcap > 0.f) s = softcap * tanhf(s / softcap);
             if (lane == 0) p_s[g][p] = s;
         }
     }
@@ -94,12 +108,11 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
 
     // weighted V: thread = (column pair, position group); a group of kPairs threads reads one V row
     const int cp = threadIdx.x % kPairs, pg = threadIdx.x / kPairs;
-    const __half* vh = v + static_cast<size_t>(hk) * max_seq * D;
     float2 acc[kMaxG];
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) acc[g] = make_float2(0.f, 0.f);
     for (int p = pg; p < n; p += kGroups) {
-        const float2 vf = __half22float2(reinterpret_cast<const __half2*>(vh + static_cast<size_t>(c0 + p) * D)[cp]);
+        const float2 vf = row_pair(v, hk, c0 + p, 2 * cp, max_seq, D);
 #pragma unroll
         for (int g = 0; g < kMaxG; ++g) {
             if (g < Gc) {
@@ -129,34 +142,37 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
     }
 }
 
-// out[h, d] = sum_c e^(m_c - M) o_c[d] / sum_c e^(m_c - M) l_c over the chunks that hold valid positions.
+// out[h, d] = sum_c e^(m_c - M) o_c[d] / sum_c e^(m_c - M) l_c over the chunks that hold attended positions.
 __global__ void attn_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
-                                  const int* __restrict__ len, float* __restrict__ out, int D, int chunks) {
+                                  const int* __restrict__ len, int window, float* __restrict__ out, int D,
+                                  int chunks) {
     const int h = blockIdx.x;
-    const int nc = min(chunks, (*len + kChunk - 1) / kChunk);
+    const int L = *len;
+    const int cb = window_start(L, window) / kChunk, ce = min(chunks, (L + kChunk - 1) / kChunk);
     const float* ml = part_ml + static_cast<size_t>(h) * chunks * 2;
     float M = -FLT_MAX;
-    for (int c = 0; c < nc; ++c) M = fmaxf(M, ml[2 * c]);
+    for (int c = cb; c < ce; ++c) M = fmaxf(M, ml[2 * c]);
     float den = 0.f;
-    for (int c = 0; c < nc; ++c) den += __expf(ml[2 * c] - M) * ml[2 * c + 1];
+    for (int c = cb; c < ce; ++c) den += __expf(ml[2 * c] - M) * ml[2 * c + 1];
     const float inv = den > 0.f ? 1.f / den : 0.f;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float num = 0.f;
-        for (int c = 0; c < nc; ++c)
+        for (int c = cb; c < ce; ++c)
             num += __expf(ml[2 * c] - M) * part_o[(static_cast<size_t>(h) * chunks + c) * D + d];
         out[static_cast<size_t>(h) * D + d] = num * inv;
     }
 }
 
 template <int D>
-void launch(const float* q, const __half* k, const __half* v, const int* len, float* part_o, float* part_ml,
-            float* out, int H, int Hkv, int max_seq, float scale, cudaStream_t stream) {
+void launch(const float* q, const AttnRows& k, const AttnRows& v, const int* len, int window, float softcap,
+            float* part_o, float* part_ml, float* out, int H, int Hkv, int max_seq, float scale, cudaStream_t stream) {
     const int chunks = attn_decode_chunks(max_seq);
     const int G = H / Hkv;
     const dim3 grid(Hkv, chunks, (G + kMaxG - 1) / kMaxG);
-    attn_chunk_kernel<D><<<grid, kThreads, 0, stream>>>(q, k, v, len, part_o, part_ml, H, Hkv, max_seq, chunks, scale);
+    attn_chunk_kernel<D><<<grid, kThreads, 0, stream>>>(q, k, v, len, window, softcap, part_o, part_ml, H, Hkv,
+                                                        max_seq, chunks, scale);
     check_launch("attn_decode_cuda (chunks)");
-    attn_merge_kernel<<<H, D < 256 ? D : 256, 0, stream>>>(part_o, part_ml, len, out, D, chunks);
+    attn_merge_kernel<<<H, D < 256 ? D : 256, 0, stream>>>(part_o, part_ml, len, window, out, D, chunks);
 }
 
 }  // namespace
@@ -166,13 +182,13 @@ bool attn_decode_supported_head_dim(int D) { return D == 64 || D == 128 || D == 
 
 int attn_decode_chunks(int max_seq) { return (max_seq + cuda::kChunk - 1) / cuda::kChunk; }
 
-void attn_decode_cuda(const float* q, const __half* k, const __half* v, const int* len, float* part_o,
-                      float* part_ml, float* out, int H, int Hkv, int D, int max_seq, float scale,
-                      cudaStream_t stream) {
+void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, const int* len, int window,
+                      float softcap, float* part_o, float* part_ml, float* out, int H, int Hkv, int D, int max_seq,
+                      float scale, cudaStream_t stream) {
     switch (D) {
-        case 64: cuda::launch<64>(q, k, v, len, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
-        case 128: cuda::launch<128>(q, k, v, len, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
-        case 256: cuda::launch<256>(q, k, v, len, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
+        case 64: cuda::launch<64>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
+        case 128: cuda::launch<128>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
+        case 256: cuda::launch<256>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
         default:
             throw std::invalid_argument("attn_decode_cuda: head_dim " + std::to_string(D) +
                                         " is not supported (64, 128, 256)");

@@ -2,13 +2,13 @@
 // alignment), sizes are derived from the tensors, and only raw pointers, ints and the current stream cross
 // into csrc/cuda.  Errors name the argument and the offending value (ValueError / TypeError in Python).
 //
-// register_cuda(m) adds the cuda_* functions to a module: csrc/bindings.cpp calls it under #ifdef PYLLM_CUDA;
-// built with -DPYLLM_CUDA_STANDALONE this file is also a module of its own (pyllm/cuda_backend.py builds
-// it that way when pyllm._C lacks the CUDA functions, so the CUDA side can be tested on its own).
+// register_cuda(m) adds the cuda_* functions to the one extension module: csrc/bindings.cpp calls it under
+// #ifdef PYLLM_CUDA (pyllm/_ext.py defines it when it compiles these files).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 
@@ -54,7 +54,7 @@ std::pair<int64_t, int64_t> check_weight(const at::Tensor& w, QType t, int64_t K
 at::Tensor gemv(const at::Tensor& w, int64_t qtype, const at::Tensor& x, std::optional<at::Tensor> out) {
     const QType t = to_qtype(qtype);
     TORCH_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
-                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K)");
+                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
     check_tensor(x, "x", at::kFloat, 2);
     check_same_device(w, "w", x, "x");
     const int64_t M = x.size(0), K = x.size(1);
@@ -129,35 +129,74 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, std::option
     return out;
 }
 
-// q [H, D] f32; k, v [Hkv, max_seq, D] f16; len int32 [1] on the device (valid positions) -> out [H, D] f32.
+// One part (keys or values) of one layer: t is [Hkv, max_seq, D] f32/f16/bf16, or uint8 [Hkv, max_seq, row_bytes]
+// of `block` ("q8_0" or "q4_0") blocks; sink an optional f32 [Hkv, D] exact row for position 0.
+AttnRows check_rows(const at::Tensor& t, const char* name, const std::string& block, const std::optional<at::Tensor>& sink,
+                    const char* sink_name, const at::Tensor& q, int64_t Hkv, int64_t max_seq, int64_t D) {
+    AttnRows r{};
+    const at::ScalarType dt = t.scalar_type();
+    if (dt == at::kByte) {
+        TORCH_CHECK_VALUE(block == "q8_0" || block == "q4_0", name, " holds uint8 rows, so its block type must be "
+                          "'q8_0' or 'q4_0', got '", block, "'");
+        r.type = block == "q8_0" ? KVRow::Q8_0 : KVRow::Q4_0;
+        TORCH_CHECK_VALUE(D % 32 == 0, name, ": ", block, " rows need head_dim to be a multiple of 32, got ", D);
+    } else {
+        TORCH_CHECK_VALUE(block.empty(), name, " is ", dt, ", not uint8 blocks, but a block type '", block, "' was given");
+        TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, name,
+                         " must be Float, Half, BFloat16 or Byte (q8_0 / q4_0 blocks), got ", dt);
+        r.type = dt == at::kFloat ? KVRow::F32 : dt == at::kHalf ? KVRow::F16 : KVRow::BF16;
+    }
+    check_tensor(t, name, dt, 3);
+    check_same_device(q, "q", t, name);
+    const int64_t row_bytes = static_cast<int64_t>(kv_row_size(r.type, static_cast<int>(D)));
+    const int64_t width = dt == at::kByte ? row_bytes : D;
+    TORCH_CHECK_VALUE(t.size(0) == Hkv && t.size(1) == max_seq && t.size(2) == width, name, " has shape ", t.sizes(),
+                      ", expected [", Hkv, ", ", max_seq, ", ", width, "]");
+    r.data = static_cast<const uint8_t*>(t.data_ptr());
+    r.row_bytes = static_cast<size_t>(row_bytes);
+    if (sink) {
+        check_tensor(*sink, sink_name, at::kFloat, 2);
+        check_same_device(q, "q", *sink, sink_name);
+        TORCH_CHECK_VALUE(sink->size(0) == Hkv && sink->size(1) == D, sink_name, " has shape ", sink->sizes(),
+                          ", expected [", Hkv, ", ", D, "]");
+        r.sink = sink->data_ptr<float>();
+    }
+    return r;
+}
+
+// q [H, D] f32 (storage basis of the keys); k, v one layer's parts (check_rows); len int32 [1] on the device
+// (valid positions) -> out [H, D] f32 (storage basis of the values).
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& len,
-                       double scale) {
+                       double scale, const std::string& k_block, const std::string& v_block,
+                       std::optional<at::Tensor> k_sink, std::optional<at::Tensor> v_sink, int64_t window,
+                       double softcap) {
     check_tensor(q, "q", at::kFloat, 2);
-    check_tensor(k, "k", at::kHalf, 3);
-    check_tensor(v, "v", at::kHalf, 3);
     check_tensor(len, "len", at::kInt, 1);
-    check_same_device(q, "q", k, "k");
-    check_same_device(q, "q", v, "v");
     check_same_device(q, "q", len, "len");
     TORCH_CHECK_VALUE(len.numel() == 1, "len must hold one value, got shape ", len.sizes());
-    TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k has shape ", k.sizes(), " but v has ", v.sizes());
+    TORCH_CHECK_VALUE(k.dim() == 3 && v.dim() == 3, "k and v must have 3 dimensions, got shapes ", k.sizes(), " and ",
+                      v.sizes());
     const int64_t H = q.size(0), D = q.size(1), Hkv = k.size(0), max_seq = k.size(1);
-    TORCH_CHECK_VALUE(k.size(2) == D, "k has head_dim ", k.size(2), " but q has ", D);
     TORCH_CHECK_VALUE(attn_decode_supported_head_dim(static_cast<int>(D)), "cuda_attn_decode: head_dim ", D,
                       " is not supported (64, 128, 256)");
     TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "cuda_attn_decode: ", H, " query heads is not a multiple of ", Hkv,
                       " KV heads");
     TORCH_CHECK_VALUE(max_seq >= 1 && max_seq < (int64_t{1} << 30), "cuda_attn_decode: max_seq=", max_seq);
+    TORCH_CHECK_VALUE(window >= 0 && window < (int64_t{1} << 30), "cuda_attn_decode: window=", window,
+                      " must be 0 (none) or a positive number of positions");
+    TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "cuda_attn_decode: softcap=", softcap,
+                      " must be 0 (none) or positive");
+    const AttnRows kr = check_rows(k, "k", k_block, k_sink, "k_sink", q, Hkv, max_seq, D);
+    const AttnRows vr = check_rows(v, "v", v_block, v_sink, "v_sink", q, Hkv, max_seq, D);
     const c10::cuda::CUDAGuard guard(q.device());
     const int chunks = attn_decode_chunks(static_cast<int>(max_seq));
     at::Tensor part_o = at::empty({H, chunks, D}, q.options());
     at::Tensor part_ml = at::empty({H, chunks, 2}, q.options());
     at::Tensor out = at::empty({H, D}, q.options());
-    attn_decode_cuda(q.data_ptr<float>(), reinterpret_cast<const __half*>(k.data_ptr<at::Half>()),
-                     reinterpret_cast<const __half*>(v.data_ptr<at::Half>()), len.data_ptr<int>(),
-                     part_o.data_ptr<float>(), part_ml.data_ptr<float>(), out.data_ptr<float>(), static_cast<int>(H),
-                     static_cast<int>(Hkv), static_cast<int>(D), static_cast<int>(max_seq), static_cast<float>(scale),
-                     stream_of(q));
+    attn_decode_cuda(q.data_ptr<float>(), kr, vr, len.data_ptr<int>(), static_cast<int>(window),
+                     static_cast<float>(softcap), part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
+                     out.data_ptr<float>(), static_cast<int>(H), static_cast<int>(Hkv), static_cast<int>(D),
+                     static_cast<int>(max_seq), static_cast<float>(scale), stream_of(q));
     return out;
 }
 
@@ -177,12 +216,11 @@ void register_cuda(pybind11::module& m) {
           py::arg("half") = true, py::arg("check_ids") = true,
           "Rows of W (all, or ids int64 [n]) -> [n, K] fp16 (half) or fp32, equal to gguf.quants in fp32.");
     m.def("cuda_attn_decode", &attn_decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("len"),
-          py::arg("scale"),
-          "One token's attention: q [H, D] f32 over k, v [Hkv, max_seq, D] f16, first len[0] positions.");
+          py::arg("scale"), py::arg("k_block") = "", py::arg("v_block") = "", py::arg("k_sink") = py::none(),
+          py::arg("v_sink") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
+          "One token's attention in the cache's storage basis: q [H, D] f32 over one layer's k, v ([Hkv, max_seq, D] "
+          "f32/f16/bf16, or uint8 [Hkv, max_seq, row_bytes] q8_0/q4_0 blocks named by k_block/v_block), positions "
+          "max(0, len[0] - window) .. len[0] - 1, position 0 from the f32 [Hkv, D] sink rows when given.");
 }
 
 }  // namespace pyllm
-
-#ifdef PYLLM_CUDA_STANDALONE
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { pyllm::register_cuda(m); }
-#endif

@@ -64,6 +64,13 @@ PYLLM_HD inline int ld_i32(const uint8_t* p) { return *reinterpret_cast<const in
 PYLLM_HD inline int4 ld_i128(const void* p) { return *reinterpret_cast<const int4*>(p); }  // 16-byte aligned
 PYLLM_HD inline int2 ld_i64(const void* p) { return *reinterpret_cast<const int2*>(p); }   // 8-byte aligned
 
+// Byte-assembled loads for rows with no alignment at all (AWQ rows are 3K/G + K/2 bytes, odd for odd K/G).
+PYLLM_HD inline uint16_t ld_u16_b(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+PYLLM_HD inline int ld_i32_b(const uint8_t* p) {
+    return static_cast<int>(static_cast<uint32_t>(p[0]) | (static_cast<uint32_t>(p[1]) << 8) |
+                            (static_cast<uint32_t>(p[2]) << 16) | (static_cast<uint32_t>(p[3]) << 24));
+}
+
 // Moves bits 0..3 of h to bit 4 of bytes 0..3: the 5th bit of four Q5_0 codes.
 PYLLM_HD inline int spread_bit4(uint32_t h) {
     return static_cast<int>(((h << 4) & 0x10u) | ((h << 11) & 0x1000u) | ((h << 18) & 0x100000u) |

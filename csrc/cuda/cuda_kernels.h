@@ -13,13 +13,15 @@
 #include <cstdint>
 
 #include "../common/qtype.h"
+#include "kv_rows.cuh"
 
 namespace pyllm {
 
 // ---- decode GEMV (gemv.cu) --------------------------------------------------------------------------------
 constexpr int CUDA_GEMV_MAX_M = 8;  // above this many activation rows, dequantize + cuBLAS wins (prefill)
 
-// Types the fused GEMV handles: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K.
+// Types the fused GEMV handles: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K, and AWQ int4 rows (QType::AWQ_G*, the
+// layout of csrc/common/blocks.h AwqRow that pyllm/awq.py repacks AutoAWQ tensors into at load).
 bool gemv_cuda_supported(QType t);
 
 // Weight-pointer alignment the GEMV needs for type t (16 for Q4_K/Q5_K, whose 16-byte loads need it).
@@ -34,11 +36,9 @@ void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cu
 void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
                int N, int K, cudaStream_t stream);
 
-// AWQ int4 slot: the AWQ engineer declares gemv_awq_cuda(...) here, over its repacked layout, reusing
-// quantize_act_cuda (see the note at the end of gemv_types.cuh).
-
 // ---- dequantize (dequant.cu) -------------------------------------------------------------------------------
-// Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows).
+// Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows), and
+// AWQ rows ((q - z) * s, exact as the CPU's).
 bool dequant_cuda_supported(QType t);
 
 // out[i, :] = W[ids ? ids[i] : i, :] as fp16 (out_f16) or fp32 (out_f32; exactly one non-null); n_out rows.
@@ -54,15 +54,28 @@ bool attn_decode_supported_head_dim(int D);
 // Number of key chunks (split-K partitions) for a cache of max_seq positions; sizes the scratch buffers.
 int attn_decode_chunks(int max_seq);
 
-// One new token's attention over an fp16 KV cache (flash-decoding: each CTA scores one chunk of positions for
-// the query heads of one KV head, a second kernel merges the chunks).
-//   q   [H, D] fp32 (RoPE applied); k, v [Hkv, max_seq, D] fp16 (one layer of the cache);
+// Keys or values of one layer: row (head, position) at data + (head * max_seq + position) * row_bytes, of
+// type `type` (csrc/cuda/kv_rows.cuh); sink: [Hkv, D] f32 rows read instead of position 0 (the part's exact
+// copy of it, kv_cache.py), or nullptr.
+struct AttnRows {
+    KVRow type;
+    const uint8_t* data;
+    size_t row_bytes;
+    const float* sink;
+};
+
+// One new token's attention over a KV cache in its storage basis (flash-decoding: each CTA scores one chunk of
+// positions for the query heads of one KV head, a second kernel merges the chunks).
+//   q   [H, D] fp32 (RoPE applied, already mapped into the keys' storage basis);
 //   len: device int32, the number of valid positions (1..max_seq), read on the device so the call can be
 //        captured once in a CUDA graph and replayed for every position;
+//   window > 0: attend to the last `window` of them only (sliding-window layers); softcap > 0: scores become
+//        softcap * tanh(scale q.k / softcap) before the softmax;
 //   part_o [H, chunks, D] fp32 and part_ml [H, chunks, 2] fp32: scratch (chunks = attn_decode_chunks);
-//   out [H, D] fp32.  H % Hkv == 0.
-void attn_decode_cuda(const float* q, const __half* k, const __half* v, const int* len, float* part_o,
-                      float* part_ml, float* out, int H, int Hkv, int D, int max_seq, float scale,
-                      cudaStream_t stream);
+//   out [H, D] fp32 in the values' storage basis.  H % Hkv == 0; D even (64, 128 or 256), a multiple of 32 for
+//   block rows.
+void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, const int* len, int window,
+                      float softcap, float* part_o, float* part_ml, float* out, int H, int Hkv, int D, int max_seq,
+                      float scale, cudaStream_t stream);
 
 }  // namespace pyllm

@@ -149,6 +149,47 @@ __global__ void __launch_bounds__(256) dequant_kernel(const uint8_t* __restrict_
     }
 }
 
+// AWQ rows (blocks.h AwqRow): value = (q - z) * s, one fp32 multiply as dequant_awq_row on the CPU.
+template <class Out>
+__global__ void __launch_bounds__(256) dequant_awq_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
+                                                          const int64_t* __restrict__ ids, int64_t n_out, int K,
+                                                          int G, Out* __restrict__ out) {
+    const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int per_row = K / kPerThread;
+    if (t >= n_out * per_row) return;
+    const int64_t i = t / per_row;
+    const int k0 = static_cast<int>(t % per_row) * kPerThread;
+    const int64_t src = ids ? ids[i] : i;
+    const AwqRow r = awq_row(w + static_cast<size_t>(src) * row_bytes, K, G);
+    const int g = k0 / G;  // G % 8 == 0: the 8 values share a group
+    const float s = h2f(ld_u16_b(r.s + 2 * g));
+    const int z = r.z[g];
+    float v[kPerThread];
+#pragma unroll
+    for (int j = 0; j < kPerThread; ++j) v[j] = __fmul_rn(static_cast<float>(awq_code(r.qs, k0 + j) - z), s);
+    Out* o = out + static_cast<size_t>(i) * K + k0;
+    if constexpr (sizeof(Out) == 2) {
+        __half2 h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __floats2half2_rn(v[2 * j], v[2 * j + 1]);
+        *reinterpret_cast<int4*>(o) = *reinterpret_cast<const int4*>(h);
+    } else {
+        reinterpret_cast<float4*>(o)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        reinterpret_cast<float4*>(o)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+}
+
+void launch_awq(const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_out, int K, int G, __half* of16,
+                float* of32, cudaStream_t stream) {
+    const int64_t threads = n_out * (K / kPerThread);
+    if (threads == 0) return;
+    const unsigned grid = static_cast<unsigned>((threads + 255) / 256);
+    if (of16)
+        dequant_awq_kernel<__half><<<grid, 256, 0, stream>>>(w, row_bytes, ids, n_out, K, G, of16);
+    else
+        dequant_awq_kernel<float><<<grid, 256, 0, stream>>>(w, row_bytes, ids, n_out, K, G, of32);
+}
+
 template <QType T>
 void launch(const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_out, int K, __half* of16,
             float* of32, cudaStream_t stream) {
@@ -169,6 +210,7 @@ bool dequant_cuda_supported(QType t) {
         case QType::F32: case QType::F16: case QType::BF16:
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
         case QType::Q2_K: case QType::Q3_K: case QType::Q4_K: case QType::Q5_K: case QType::Q6_K:
+        case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256:
             return true;
         default:
             return false;
@@ -194,6 +236,10 @@ void dequantize_cuda(QType t, const uint8_t* w, size_t row_bytes, const int64_t*
         PYLLM_DEQ_CASE(Q4_K)
         PYLLM_DEQ_CASE(Q5_K)
         PYLLM_DEQ_CASE(Q6_K)
+        case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256:
+            cuda::launch_awq(w, row_bytes, ids, n_out, K, qtype_traits(static_cast<int>(t))->block_size, out_f16,
+                             out_f32, stream);
+            break;
         default:
             throw std::invalid_argument(std::string("dequantize_cuda: type ") + qtype_name(t) +
                                         " has no CUDA dequantize kernel");

@@ -95,6 +95,79 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const uint8_t* __rest
     }
 }
 
+// The same shape for AWQ rows (GemvAwq): the row, not a block, is what load() indexes.
+template <int M, int R>
+__global__ void __launch_bounds__(kThreads, 1) gemv_awq_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
+                                                            const int8_t* __restrict__ xq,
+                                                            const float2* __restrict__ xds, float* __restrict__ y,
+                                                            int N, int K, int G) {
+    const int row0 = blockIdx.x * R;
+    const int ng = K / G, n_slots = (K / GemvAwq::kElems) * GemvAwq::kSlots, nds = K / kActBlock;
+    const uint8_t* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w + static_cast<size_t>(min(row0 + r, N - 1)) * row_bytes;
+
+    float acc[M][R];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[m][r] = 0.f;
+
+    for (int s = threadIdx.x; s < n_slots; s += kThreads) {
+        const int kb = s / GemvAwq::kSlots, sl = s % GemvAwq::kSlots;
+        const int8_t* xb = xq + static_cast<size_t>(kb) * GemvAwq::kElems;
+        const float2* db = xds + kb;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const GemvAwq::Frag f = GemvAwq::load(wr[r], ng, G, kb, sl);
+#pragma unroll
+            for (int m = 0; m < M; ++m)
+                acc[m][r] += GemvAwq::dot(f, sl, xb + static_cast<size_t>(m) * K, db + static_cast<size_t>(m) * nds);
+        }
+    }
+
+    __shared__ float red[kWarps][M * R];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = warp_sum(acc[m][r]);
+            if (lane == 0) red[warp][m * R + r] = v;
+        }
+    __syncthreads();
+    if (threadIdx.x < M * R) {
+        const int m = threadIdx.x / R, r = threadIdx.x % R;
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < kWarps; ++i) v += red[i][threadIdx.x];
+        if (row0 + r < N) y[static_cast<size_t>(m) * N + row0 + r] = v;
+    }
+}
+
+template <int M>
+void launch_awq_m(const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N, int K,
+                  int G, cudaStream_t stream) {
+    constexpr int R = M == 1 ? 1 : 2;
+    gemv_awq_kernel<M, R><<<(N + R - 1) / R, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K, G);
+}
+
+void launch_awq(int M, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N,
+                int K, int G, cudaStream_t stream) {
+    switch (M) {
+        case 1: launch_awq_m<1>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        case 2: launch_awq_m<2>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        case 3: launch_awq_m<3>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        case 4: launch_awq_m<4>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        case 5: launch_awq_m<5>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        case 6: launch_awq_m<6>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        case 7: launch_awq_m<7>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        case 8: launch_awq_m<8>(w, row_bytes, xq, xds, y, N, K, G, stream); break;
+        default: throw std::invalid_argument("gemv_cuda: M=" + std::to_string(M) + " is outside 1.." +
+                                             std::to_string(CUDA_GEMV_MAX_M));
+    }
+}
+
 template <QType T, int M>
 void launch_m(const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N, int K,
               cudaStream_t stream) {
@@ -126,6 +199,7 @@ bool gemv_cuda_supported(QType t) {
     switch (t) {
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q8_0:
         case QType::Q4_K: case QType::Q5_K: case QType::Q6_K:
+        case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256:
             return true;
         default:
             return false;
@@ -136,6 +210,7 @@ int gemv_cuda_alignment(QType t) {
     switch (t) {
         case QType::Q4_K: case QType::Q5_K: return 16;
         case QType::Q4_1: return 4;
+        case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256: return 1;
         default: return 2;
     }
 }
@@ -159,10 +234,12 @@ void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, co
         case QType::Q4_K: launch_type<QType::Q4_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
         case QType::Q5_K: launch_type<QType::Q5_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
         case QType::Q6_K: launch_type<QType::Q6_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
-        // AWQ int4 is not a GGUF type: it gets its own launcher (cuda_kernels.h), not a case here.
+        case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256:
+            cuda::launch_awq(M, w, row_bytes, xq, xds, y, N, K, qtype_traits(static_cast<int>(t))->block_size, stream);
+            break;
         default:
             throw std::invalid_argument(std::string("gemv_cuda: weight type ") + qtype_name(t) +
-                                        " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K)");
+                                        " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
     }
     cuda::check_launch("gemv_cuda");
 }

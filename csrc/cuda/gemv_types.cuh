@@ -254,10 +254,35 @@ PYLLM_UNROLL
     }
 };
 
-// ---- AWQ int4 (slot for the AWQ engineer): AWQ weights are not GGUF blocks, so they get their own launcher
-// (gemv_awq_cuda in cuda_kernels.h) over a load-time repacked layout, reusing quantize_act and this
-// Frag/dot pattern: a GemvType-like struct whose kElems = group size, whose slot loads 16 bytes of 4-bit
-// codes and whose dot applies (q - z) * s with the zero folded into the ds.y term as Q4_1's min is.
+// ---- AWQ int4 rows (csrc/common/blocks.h AwqRow: s [K/G] fp16 | z [K/G] u8 | qs [K/2]), value = (q - z) * s.
+// Not GGUF blocks: the group's scale and zero sit at the row's head, so load() takes the whole row.  The codes
+// are in the Q4_0 element order, so a slot is 16 values of a 32-value piece as for Q4_0, and the zero folds
+// into the activation sum term as Q4_0's 8 does (each of the 2 slots adds half of z * d * sum(codes)).  Rows
+// start at any byte (3K/G is odd for odd K/G), hence the byte-assembled loads.
+struct GemvAwq {
+    static constexpr int kElems = 32, kSlots = 2;
+    struct Frag { int q[2]; float s, z; };
+    // row: one AWQ row; ng = K / G groups of G values; kb: the 32-value piece; sl: the slot (0, 1)
+    PYLLM_HD static Frag load(const uint8_t* row, int ng, int G, int kb, int sl) {
+        Frag f;
+        const int g = kb * kElems / G;
+        f.s = h2f(ld_u16_b(row + 2 * g));
+        f.z = static_cast<float>(row[2 * ng + g]);
+        const uint8_t* qs = row + 3 * ng + 16 * kb + 8 * sl;
+        f.q[0] = ld_i32_b(qs);
+        f.q[1] = ld_i32_b(qs + 4);
+        return f;
+    }
+    PYLLM_HD static float dot(const Frag& f, int s, const int8_t* xq, const float2* ds) {
+        const int2 lo = ld_i64(xq + 8 * s), hi = ld_i64(xq + 16 + 8 * s);
+        int acc = dp4a(f.q[0] & 0x0F0F0F0F, lo.x, 0);
+        acc = dp4a(f.q[1] & 0x0F0F0F0F, lo.y, acc);
+        acc = dp4a((f.q[0] >> 4) & 0x0F0F0F0F, hi.x, acc);
+        acc = dp4a((f.q[1] >> 4) & 0x0F0F0F0F, hi.y, acc);
+        const float2 a = ds[0];
+        return f.s * (a.x * static_cast<float>(acc) - 0.5f * f.z * a.y);
+    }
+};
 
 }  // namespace cuda
 }  // namespace pyllm

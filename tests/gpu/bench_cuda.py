@@ -1,5 +1,6 @@
 """GPU benchmarks for tools/gpu_check.sh (not a pytest file): GEMV GB/s against the measured copy bandwidth, and
-synthetic Llama-3-8B decode/prefill through pyllm.cuda_backend with a torch fp16 baseline. Prints a table last.
+synthetic Llama-3-8B decode/prefill through the CUDA backend (pyllm/backends/cuda.py: the model's prefill, the
+graph-captured decode step, f16 and q8_0 caches) with a torch fp16 baseline. Prints a table last.
 
 Timing follows /work/.library/device/METHOD.md: warm-up first, CUDA events, the GEMV calls captured in a graph
 (20 calls rotating over weight copies that together exceed the L2, so launch gaps and cache hits stay out),
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pyllm import cuda_backend  # noqa: E402
+from pyllm.backends import cuda as cuda_backend  # noqa: E402
 from pyllm.gguf import BLOCK_INFO, GGMLType  # noqa: E402
 from pyllm.quant import QTensor  # noqa: E402
 
@@ -126,7 +127,10 @@ def to_fp16(K, w: dict) -> dict:
     return out
 
 
-def bench_decode(K, ftype: str, bw: float, ctx: int, fp16_baseline: bool) -> list[dict]:
+def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) -> list[dict]:
+    from pyllm.models.llama import LlamaModel
+
+    K = backend.K
     cfg, w = llama3_8b(ftype)
     rows = []
     variants = [(ftype, w)] + ([("fp16 torch", None)] if fp16_baseline else [])
@@ -136,24 +140,30 @@ def bench_decode(K, ftype: str, bw: float, ctx: int, fp16_baseline: bool) -> lis
             del w
             torch.cuda.empty_cache()
         per_token = sum(t.nbytes for n, t in weights.items() if n != "token_embd.weight")
-        dec = cuda_backend.CudaDecoder(cfg, weights, max_seq=ctx + 160)
-        dec.k.normal_()
-        dec.v.normal_()
-        prompt = torch.randint(0, cfg.n_vocab, (512,), device="cuda")
-        pp_ms = median_ms(lambda: dec.prefill(prompt, 0), reps=3, warmup=1)
-        dec.capture()
-        res = dict(model=f"llama3-8b {label}", pp512=512 / pp_ms * 1e3, GB_per_token=per_token / 1e9)
-        for pos, key in ((1, "tg128"), (ctx, f"tg128@{ctx}")):
-            dec.greedy(1, pos, 4)  # warm
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            dec.greedy(1, pos, 128)  # syncs once at the end (tolist)
-            dt = time.perf_counter() - t0
-            res[key] = 128 / dt
-        res["roofline_pct"] = 100 * res["tg128"] * per_token / (bw * 1e9)
+        model = LlamaModel(cfg, weights, backend, max_pos=ctx + 160)
+        prompt = torch.randint(0, cfg.n_vocab, (512,))
+        res = dict(model=f"llama3-8b {label}", GB_per_token=per_token / 1e9)
+        for kind in ("f16", "q8_0"):
+            kv = backend.make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, ctx + 160, cfg.head_dim)
+            pp_ms = median_ms(lambda: model.forward(prompt, 0, kv), reps=3, warmup=1)
+            if kind == "f16":
+                res["pp512"] = 512 / pp_ms * 1e3
+            step = backend.fused_decode(model, kv)
+            for pos, key in ((512, "tg128"), (ctx, f"tg128@{ctx}")):
+                for i in range(4):  # warm (the first call captures the graph)
+                    step(1, pos + i)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i in range(128):  # each step returns CPU logits: one sync per token, as in generation
+                    step(1, pos + i)
+                res[f"{key} {kind}"] = 128 / (time.perf_counter() - t0)
+            res[f"graph {kind}"] = "replay" if step.policy.captured and not step.policy.failed else \
+                f"eager ({step.policy.failed})"
+            del kv, step
+        res["roofline_pct"] = 100 * res["tg128 f16"] * per_token / (bw * 1e9)
         rows.append(res)
         print(json.dumps(res), flush=True)
-        del dec, weights
+        del model, weights
         torch.cuda.empty_cache()
     return rows
 
@@ -164,7 +174,8 @@ def main() -> int:
     ap.add_argument("--no-decode", action="store_true")
     ap.add_argument("--ctx", type=int, default=4096)
     args = ap.parse_args()
-    K = cuda_backend.kernels()
+    backend = cuda_backend.create("cuda")
+    K = backend.K
     props = torch.cuda.get_device_properties(0)
     bw = copy_bandwidth()
     print(f"device {props.name}, {props.multi_processor_count} SMs; torch {torch.__version__} cuda {torch.version.cuda}; "
@@ -174,7 +185,7 @@ def main() -> int:
     if not args.no_decode:
         for i, ft in enumerate(("q4_k_m", "q4_0")):
             try:
-                dec += bench_decode(K, ft, bw, args.ctx, fp16_baseline=i == 0)
+                dec += bench_decode(backend, ft, bw, args.ctx, fp16_baseline=i == 0)
             except Exception as e:  # report and keep the GEMV table
                 print(f"decode bench {ft} failed: {type(e).__name__}: {e}", flush=True)
     Path(args.out, "bench.json").write_text(json.dumps(dict(copy_GBs=bw, gemv=gemv, decode=dec), indent=1))
@@ -186,9 +197,9 @@ def main() -> int:
     if dec:
         print("=== synthetic Llama-3-8B (tok/s) ===")
         for r in dec:
-            print(f"{r['model']:22s} pp512 {r['pp512']:7.0f}  tg128 {r['tg128']:6.1f}  "
-                  f"tg128@{args.ctx} {r[f'tg128@{args.ctx}']:6.1f}  {r['GB_per_token']:.2f} GB/tok  "
-                  f"{r['roofline_pct']:.0f}% of copy-BW roofline")
+            print(f"{r['model']:22s} pp512 {r['pp512']:7.0f}  tg128 {r['tg128 f16']:6.1f}  "
+                  f"tg128@{args.ctx} f16 {r[f'tg128@{args.ctx} f16']:6.1f} q8_0 {r[f'tg128@{args.ctx} q8_0']:6.1f}  "
+                  f"{r['GB_per_token']:.2f} GB/tok  {r['roofline_pct']:.0f}% of copy-BW roofline")
     return 0
 
 

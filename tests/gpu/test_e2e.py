@@ -1,93 +1,93 @@
-"""End to end: the CUDA decoder (GEMV decode, dequantize + cuBLAS prefill, split-K attention, CUDA graph)
-against the CPU reference decoder (float32 matmul on gguf-exact dequantized weights) on a small random model.
+"""End to end on CUDA: ``pyllm.load(device="cuda")`` against ``device="cpu"`` on the same GGUF.
 
-Tolerance: ||logits - ref|| / ||ref|| <= 0.03.  The GPU rounds activations to int8 per 32 values (decode,
-as the CPU fast path does) and to fp16 (prefill matmul and KV cache); each costs ~0.5% per matmul, and two
-layers of them stay well inside 3%.  Greedy tokens must agree except after a near-tie in the reference
-(top-2 gap < 0.05 x the logits' std), where either pick is right.
+Models: the tiny random checkpoints of tests/tiny_models.py (llama-family with tied embeddings and QK norm,
+sliding-window Mistral, Gemma 3 with local/global layers and final softcap), converted to Q8_0, Q4_0 and Q4_K_M.
+References and tolerances:
+- next-token logits after a prompt and over 32 teacher-forced decode steps, against the CPU backend (fast
+  kernels: int8 activations as the GPU's) and the reference backend (float32 torch): KL(cpu || cuda) <= 1e-3
+  per position (the issue's target; fp16 prefill matmuls and int8 decode activations both stay far inside it);
+- 32 greedy tokens equal to the CPU backend's, except after a near-tie in the CPU logits (top-2 gap below 1% of
+  their spread), where either pick is right;
+- every KV cache kind (K and V apart), through prefill and the captured decode graph.
 """
 
-import numpy as np
 import pytest
 import torch
 
-from pyllm.gguf import GGMLType
-from pyllm.quant import QTensor
-from .cuda_testutil import random_blocks
+import pyllm
+from tiny_models import gguf_path
 
-N_LAYER, D, FF, H, HKV, HD, VOCAB = 2, 256, 512, 4, 2, 64, 512
-
-
-def tiny_model(main: GGMLType, down: GGMLType, out: GGMLType):
-    from pyllm.models.config import ModelConfig
-
-    cfg = ModelConfig(arch="llama", n_layer=N_LAYER, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD,
-                      n_vocab=VOCAB, n_ctx_train=256, rope_base=10000.0, rope_dim=HD, rope_style="norm",
-                      rms_eps=1e-5)
-    rng = np.random.default_rng(7)
-
-    def q(t, n, k, name):
-        return QTensor(t, (n, k), torch.from_numpy(random_blocks(t, n, k, rng)), name)
-
-    def ones(n, name):
-        return QTensor(GGMLType.F32, (n,), (1 + 0.1 * torch.randn(n)).view(torch.uint8), name)
-
-    w = {"token_embd.weight": q(GGMLType.Q8_0, VOCAB, D, "token_embd.weight"),
-         "output.weight": q(out, VOCAB, D, "output.weight"), "output_norm.weight": ones(D, "output_norm.weight")}
-    for i in range(N_LAYER):
-        p = f"blk.{i}."
-        w[p + "attn_norm.weight"] = ones(D, p + "attn_norm.weight")
-        w[p + "ffn_norm.weight"] = ones(D, p + "ffn_norm.weight")
-        for n, rows in (("attn_q", H * HD), ("attn_k", HKV * HD), ("attn_v", HKV * HD)):
-            w[p + n + ".weight"] = q(main, rows, D, p + n + ".weight")
-        w[p + "attn_output.weight"] = q(main, D, H * HD, p + "attn_output.weight")
-        w[p + "ffn_gate.weight"] = q(main, FF, D, p + "ffn_gate.weight")
-        w[p + "ffn_up.weight"] = q(main, FF, D, p + "ffn_up.weight")
-        w[p + "ffn_down.weight"] = q(down, D, FF, p + "ffn_down.weight")
-    return cfg, w
+ARCHS = ["qwen3", "mistral", "gemma3"]
+KINDS = ["f16", "bf16", "q8_0", "q4_0", "q8_rot", "q4_rot", "f16/q4_rot", "q8_0/f16"]
+PROMPT = [1, 17, 33, 5, 99, 42, 7, 250, 3, 11, 64, 8, 120, 9]
 
 
-def rel(a, b):
-    return float((a.double().cpu() - b.double().cpu()).norm() / b.double().cpu().norm())
+def kl(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p = torch.log_softmax(p_logits.double(), -1)
+    q = torch.log_softmax(q_logits.double(), -1)
+    return float((p.exp() * (p - q)).sum(-1).max())
 
 
-@pytest.mark.parametrize("main,down,out", [(GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q6_K),
-                                           (GGMLType.Q4_0, GGMLType.Q4_0, GGMLType.Q6_K)],
-                         ids=["q4_k_m", "q4_0"])
-def test_cuda_decoder_matches_cpu_reference(main, down, out):
-    from pyllm import cuda_backend
-    from pyllm import backends
-    from pyllm.models.llama import LlamaModel
-    from pyllm.runtime.kv_cache import make_kv_cache
+def cache_logits(llm, kind: str, tokens: list[int], n_prompt: int) -> list[torch.Tensor]:
+    m = llm.model
+    kv = m.backend.make_kv_cache(kind, m.cfg.n_layer, m.cfg.n_kv_head, 128, m.cfg.head_dim)
+    out = [m.forward(torch.tensor(tokens[:n_prompt]), 0, kv)[-1]]
+    for pos in range(n_prompt, len(tokens)):
+        out.append(m.forward(torch.tensor([tokens[pos]]), pos, kv)[-1])
+    return out
 
-    cfg, w = tiny_model(main, down, out)
-    max_seq, n_prompt, n_gen = 64, 20, 10
-    cpu = LlamaModel(cfg, w, backends.get("reference"), max_pos=max_seq)
-    kv = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, max_seq, cfg.head_dim)
-    prompt = torch.randint(0, VOCAB, (n_prompt,), generator=torch.Generator().manual_seed(3))
 
-    gpu = cuda_backend.CudaDecoder(cfg, cuda_backend.upload(w, progress=False), max_seq)
-    ref = cpu.forward(prompt, 0, kv)[0]
-    got = gpu.prefill(prompt.cuda(), 0)
-    assert rel(got, ref) <= 0.03, f"prefill logits: relative error {rel(got, ref):.3g}"
-
-    # teacher-forced decode on the reference's greedy tokens: eager, then the captured graph
-    tokens, refs = [], []
-    tok, pos = int(ref.argmax()), n_prompt
-    for _ in range(n_gen):
-        r = cpu.forward(torch.tensor([tok]), pos, kv)[0]
-        e = gpu.decode_eager(tok, pos)
-        assert rel(e, r) <= 0.03, f"decode at {pos}: relative error {rel(e, r):.3g}"
-        refs.append(r)
-        tokens.append(tok)
-        tok, pos = int(r.argmax()), pos + 1
-    for i, t in enumerate(tokens):  # the graph replays the same kernels: same logits as eager
-        g = gpu.step(t, n_prompt + i).clone()
-        assert rel(g, refs[i]) <= 0.03
-    greedy = gpu.greedy(tokens[0], n_prompt, n_gen)
-    want = [int(r.argmax()) for r in refs]
-    for i, (a, b) in enumerate(zip(greedy, want)):
+@pytest.mark.parametrize("ftype", ["q8_0", "q4_0", "q4_k_m"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_and_logits_match_cpu(arch, ftype):
+    path = str(gguf_path(arch, ftype))
+    cpu = pyllm.load(path, device="cpu", n_ctx=128)
+    gpu = pyllm.load(path, device="cuda", n_ctx=128)
+    assert gpu.model.backend.name == "cuda" and gpu.model.backend.device.type == "cuda"
+    want = cpu.generate_tokens(PROMPT, max_tokens=32, temperature=0, speculative="none")
+    got = gpu.generate_tokens(PROMPT, max_tokens=32, temperature=0, speculative="none")
+    want, got = list(want), list(got)
+    tokens = PROMPT + want
+    ref = cache_logits(cpu, "f16", tokens, len(PROMPT))
+    for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
-            top = refs[i].topk(2).values
-            assert float(top[0] - top[1]) < 0.05 * float(refs[i].std()), f"greedy token {i}: {a} != {b}, not a near-tie"
+            top = ref[i].topk(2).values
+            spread = float(ref[i].max() - ref[i].min())
+            assert float(top[0] - top[1]) < 0.01 * spread, f"{arch} {ftype} greedy token {i}: {a} != {b}, not a near-tie"
             break  # after a legitimate divergence the contexts differ
+    cuda = cache_logits(gpu, "f16", tokens, len(PROMPT))
+    for i, (r, c) in enumerate(zip(ref, cuda)):
+        assert c.device.type == "cpu" and c.dtype == torch.float32
+        assert kl(r, c) <= 1e-3, f"{arch} {ftype} position {i}: KL(cpu || cuda) = {kl(r, c):.3g}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_every_cache_kind(arch, kind):
+    path = str(gguf_path(arch, "q8_0"))
+    ref = pyllm.load(path, device="cpu", backend="reference", n_ctx=128)
+    gpu = pyllm.load(path, device="cuda", n_ctx=128)
+    tokens = PROMPT + [12, 200, 64, 3, 77, 150, 21, 9, 30, 31]  # decode past Gemma 3's sliding window
+    r = cache_logits(ref, kind, tokens, len(PROMPT))
+    c = cache_logits(gpu, kind, tokens, len(PROMPT))
+    for i, (a, b) in enumerate(zip(r, c)):
+        assert kl(a, b) <= 1e-3, f"{arch} {kind} position {i}: KL(reference || cuda) = {kl(a, b):.3g}"
+
+
+def test_graph_replays_after_first_step():
+    gpu = pyllm.load(str(gguf_path("qwen3", "q4_0")), device="cuda", n_ctx=128)
+    m = gpu.model
+    kv = m.backend.make_kv_cache("q8_0", m.cfg.n_layer, m.cfg.n_kv_head, 128, m.cfg.head_dim)
+    m.forward(torch.tensor(PROMPT), 0, kv)
+    for pos in range(len(PROMPT), len(PROMPT) + 5):
+        m.forward(torch.tensor([5]), pos, kv)
+    step = m.backend.fused_decode(m, kv) if not hasattr(m, "fused_step") else m.fused_step(kv)
+    assert step is not None and step.policy.failed is None, getattr(step.policy, "failed", None)
+    assert step.policy.captured and step.policy.replays >= 4
+
+
+def test_weights_stay_quantized_in_vram():
+    path = gguf_path("qwen3", "q4_0")
+    gpu = pyllm.load(str(path), device="cuda", n_ctx=128)
+    d = gpu.model.backend.describe()
+    assert d["device"] == "cuda" and d["vram_weights"] <= path.stat().st_size

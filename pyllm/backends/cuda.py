@@ -1,0 +1,491 @@
+"""The CUDA backend: weights in VRAM in their quantized block form, the fused dequantize-in-GEMV kernels for
+decode, dequantize-to-fp16 + cuBLAS (torch.matmul) for prefill, and a one-token step captured in a CUDA graph.
+
+Kernels: csrc/cuda (GEMV for Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K and AWQ int4 rows; dequantize for every GGUF
+block type and AWQ; decode attention over every KV cache kind), compiled into the one extension by pyllm/_ext.py
+when nvcc and a CUDA torch are present.  ``create()`` raises BackendUnavailable naming what is missing.
+
+Paths, as the physics dictates:
+- decode (<= GEMV_MAX_M rows): the fused GEMV reads each weight once per token, still quantized;
+- prefill: a weight dequantized to fp16 (one layer's worth at a time) and cuBLAS on the tensor cores;
+- types without a GEMV kernel (Q2_K, Q3_K, Q5_1) take the dequantize path at decode too;
+- decode attention: csrc/cuda/attention.cu over the cache's stored rows (the CPU step's semantics: storage basis,
+  exact sink row, sliding window); prefill attention: the model's torch path (SDPA) over the cache.
+
+The fused step (``CudaDecodeStep``) is the CPU step's decoder (csrc/cpu/decode_step.cpp) in torch ops on device
+tensors: token and position live in device buffers, so one captured graph serves every position.  Logits come
+back as float32 CPU tensors, so the runtime's sampler chain, stop strings, prefix reuse and Ctrl-C are the CPU's.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import PyllmError
+from ..gguf import GGMLType
+from .base import BackendUnavailable
+
+GEMV_MAX_M = 8  # csrc/cuda/cuda_kernels.h CUDA_GEMV_MAX_M: above it, dequantize + cuBLAS
+HEAD_DIMS = (64, 128, 256)  # head sizes csrc/cuda/attention.cu is instantiated for
+_FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
+_BLOCK_KINDS = ("q8_0", "q4_0")
+_FLOAT_KINDS = ("f32", "f16", "bf16")
+
+
+# ---- availability --------------------------------------------------------------------------------------------
+def unavailable_reason(device: str = "cuda") -> str | None:
+    """Why the CUDA backend cannot run on ``device`` here (one line), or None when it can.  Builds the extension
+    on first call (that is how it learns whether the kernels compile)."""
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) has no CUDA support"
+    if not torch.cuda.is_available():
+        return "torch sees no GPU (torch.cuda.is_available() is False)"
+    dev = torch.device(device)
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        return f"there is no GPU {dev.index} (this machine has {torch.cuda.device_count()})"
+    from .. import _ext
+
+    problem = _ext.cuda_build_problem()
+    if problem:
+        return f"the CUDA kernels are not built: {problem}"
+    try:
+        mod = _ext.load()
+    except PyllmError as e:
+        return f"the CUDA kernels failed to build: {str(e).strip().splitlines()[0]}"
+    if not hasattr(mod, "cuda_gemv"):
+        return "the extension was built without its CUDA kernels (delete its build directory and retry)"
+    return None
+
+
+def create(device: str = "cuda", **_options) -> "CudaBackend":
+    """The CUDA backend on ``device`` ("cuda" or "cuda:N"); BackendUnavailable says why it cannot run."""
+    why = unavailable_reason(device)
+    if why:
+        raise BackendUnavailable(f"device {device!r} is not available: {why}")
+    from .. import _ext
+
+    dev = torch.device(device)
+    return CudaBackend(_ext.load(), torch.device("cuda", dev.index if dev.index is not None else
+                                                torch.cuda.current_device()))
+
+
+# ---- weights -------------------------------------------------------------------------------------------------
+def upload_plan(weights: dict) -> list[tuple[str, int]]:
+    """(name, bytes) of each distinct weight object in ``weights`` order: a tied output weight (the same object
+    under two names) is uploaded once, under its first name."""
+    seen, plan = set(), []
+    for name, w in weights.items():
+        if id(w) in seen:
+            continue
+        seen.add(id(w))
+        plan.append((name, int(w.nbytes)))
+    return plan
+
+
+def check_fits(need: int, free: int, device_name: str) -> None:
+    """PyllmError unless ``need`` bytes of weights leave room (1/16 of the free memory, at least 256 MiB) for the
+    KV cache and activations on a GPU with ``free`` bytes free."""
+    headroom = max(256 << 20, free // 16)
+    if need + headroom > free:
+        raise PyllmError(f"the model's weights need {need / 2**30:.2f} GiB of GPU memory, but {device_name} has "
+                         f"{free / 2**30:.2f} GiB free (and the KV cache needs room too); use a smaller quantization "
+                         f"or --device cpu")
+
+
+def _to_device(w, dev: torch.device, C):
+    """One weight on ``dev`` in its quantized form: QTensor (raw GGUF blocks), AWQ repacked to the CPU's row layout
+    (AWQRows) where it has one, else the AutoAWQ tensors as they are (multiplied through their own dequantize)."""
+    from ..quant import QTensor
+
+    if isinstance(w, QTensor):
+        return QTensor(w.qtype, w.shape, w.data.to(dev).contiguous(), w.name)
+    if hasattr(w, "qzeros"):  # AWQTensor: rows for the GEMV when its group size has a layout
+        from .. import awq
+
+        rows = awq.repack(w, C)
+        if rows is None:
+            return awq.AWQTensor(w.qweight.to(dev), w.qzeros.to(dev), w.scales.to(dev), w.group_size, w.name)
+        w = rows
+    if hasattr(w, "group_size") and hasattr(w, "data"):  # AWQRows
+        return CudaAwqRows(w.data.to(dev).contiguous(), w.qtype, w.shape, w.group_size, w.name)
+    raise PyllmError(f"{getattr(w, 'name', '?')!r}: weights of type {type(w).__name__} cannot go to the GPU")
+
+
+class CudaAwqRows:
+    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.AWQRows' interface, dequantized by the CUDA kernel."""
+
+    is_float = False
+
+    def __init__(self, data: torch.Tensor, qtype: int, shape, group_size: int, name: str = "tensor"):
+        self.data, self.qtype, self.shape, self.group_size, self.name = data, int(qtype), tuple(shape), group_size, name
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .. import _ext
+
+        return _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], None, False).to(dtype)
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .. import _ext
+
+        idx = torch.as_tensor(idx)
+        ids = idx.reshape(-1).to(self.data.device, torch.long)
+        out = _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], ids, False)
+        return out.to(dtype).reshape(*idx.shape, self.shape[1])
+
+
+def _progress(done: int, total: int, last: int) -> int:
+    pct = int(100 * done / max(total, 1))
+    if pct != last:
+        print(f"\rpyllm: uploading weights {done / 2**30:6.2f} / {total / 2**30:.2f} GiB ({pct}%)", end="",
+              file=sys.stderr, flush=True)
+    return pct
+
+
+# ---- the KV cache as the attention kernel reads it -------------------------------------------------------------
+@dataclass
+class AttnPart:
+    """One cache part (keys or values) of one layer, in the arguments cuda_attn_decode takes."""
+    data: torch.Tensor            # [Hkv, max_seq, hd] f32/f16/bf16, or uint8 [Hkv, max_seq, row_bytes]
+    block: str                    # "" for float rows, else "q8_0" / "q4_0"
+    sink: torch.Tensor | None     # [Hkv, hd] f32 exact position-0 row (storage basis), or None
+    mu: torch.Tensor | None       # [Hkv, hd] f32 (stored = ((x - mu) / scale) R^T), or None
+    scale: torch.Tensor | None    # [Hkv, hd] f32 (keys), or None
+    rot: torch.Tensor | None      # [hd, hd] f32 R, or None
+    rot_t: torch.Tensor | None = None  # R^T, contiguous: the operand kv_cache.py multiplies by (same rounding)
+
+    def __post_init__(self):
+        if self.rot is not None and self.rot_t is None:
+            self.rot_t = self.rot.T.contiguous()  # R is a fixed Hadamard matrix: a copy stays valid
+
+
+def attn_part(layout, layer: int) -> AttnPart:
+    """``layer``'s slice of a kv.storage_layout() part (views: the cache's own live tensors)."""
+    if layout.block not in _FLOAT_KINDS + _BLOCK_KINDS:
+        raise PyllmError(f"KV cache rows of type {layout.block!r} have no CUDA attention")
+
+    def row(t):
+        return None if t is None else t[layer, :, 0]
+
+    return AttnPart(layout.data[layer], "" if layout.block in _FLOAT_KINDS else layout.block, row(layout.sink),
+                    row(layout.mu), row(layout.scale), layout.rot)
+
+
+def to_storage(part: AttnPart, x: torch.Tensor) -> torch.Tensor:
+    """x [Hkv, hd] (model basis) -> the part's storage basis ((x - mu) / scale) R^T, as kv_cache.py defines it."""
+    if part.mu is not None:
+        x = x - part.mu
+    if part.scale is not None:
+        x = x / part.scale
+    return x if part.rot is None else x @ part.rot_t
+
+
+def encode_rows(block: str, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Storage-basis rows y [Hkv, hd] -> what the part stores: ``dtype`` rows, or q8_0 / q4_0 blocks (uint8
+    [Hkv, row_bytes]) quantized by kv_cache.py's own functions (no host sync: capturable)."""
+    if not block:
+        return y.to(dtype)
+    from ..runtime import kv_cache
+
+    hkv, hd = y.shape
+    quant = kv_cache.quantize_q8_0 if block == "q8_0" else kv_cache.quantize_q4_0
+    c, d = quant(y.reshape(hkv, hd // kv_cache.QK, kv_cache.QK))
+    return torch.cat((d.unsqueeze(-1).view(torch.uint8), c.view(torch.uint8)), -1).reshape(hkv, -1)
+
+
+# ---- the backend ---------------------------------------------------------------------------------------------
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, kernels, device: torch.device):
+        self.K = kernels
+        self.device = device
+        self.weight_bytes = 0
+
+    def describe(self) -> dict:
+        p = torch.cuda.get_device_properties(self.device)
+        return {"backend": self.name, "device": "cuda", "gpu": p.name, "capability": f"{p.major}.{p.minor}",
+                "vram_total": int(p.total_memory), "vram_weights": self.weight_bytes}
+
+    def prepare_weights(self, weights: dict, progress: bool = False) -> dict:
+        """Every weight uploaded once, quantized as in the file (no fp16 copy): VRAM ~ the file's size."""
+        plan = upload_plan(weights)
+        total = sum(n for _, n in plan)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        check_fits(total, free, torch.cuda.get_device_name(self.device))
+        show = progress and sys.stderr.isatty()
+        done, last, moved = 0, -1, {}
+        for name, nbytes in plan:
+            moved[id(weights[name])] = _to_device(weights[name], self.device, self.K)
+            done += nbytes
+            if show:
+                last = _progress(done, total, last)
+        self.weight_bytes = total
+        if show:
+            free_after, total_mem = torch.cuda.mem_get_info(self.device)
+            print(f"\npyllm: weights in VRAM: {total / 2**30:.2f} GiB (quantized, as in the file); "
+                  f"{free_after / 2**30:.1f} of {total_mem / 2**30:.1f} GiB free", file=sys.stderr)
+        return {name: moved[id(w)] for name, w in weights.items()}
+
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x [T, K] f32 on the GPU @ W^T -> [T, N] f32."""
+        qt = getattr(w, "qtype", None)
+        if qt is None or not isinstance(qt, int):  # AutoAWQ tensors without a row layout
+            return w.matmul(x)
+        if getattr(w, "is_float", False):
+            wt = w.typed()
+            return torch.nn.functional.linear(x.to(wt.dtype), wt).float()
+        qt = int(qt)
+        x = x.contiguous()
+        if x.shape[0] <= GEMV_MAX_M and self.K.cuda_gemv_supported(qt):
+            return self.K.cuda_gemv(w.data, qt, x)
+        if self.K.cuda_dequant_supported(qt) and w.shape[1] % 8 == 0:
+            wd = self.K.cuda_dequantize(w.data, qt, w.shape[1], None, True, True)  # [N, K] fp16, then cuBLAS
+            return (x.to(torch.float16) @ wd.T).float()
+        return x @ w.dequantize(torch.float32).T
+
+    linear_output = linear
+
+    def embed(self, w, ids: torch.Tensor, check_ids: bool = True) -> torch.Tensor:
+        """Rows ids [T] of W -> [T, K] f32, dequantizing only those rows.  check_ids=False inside graph capture
+        (the range check syncs with the host; the runtime has already checked the tokens)."""
+        ids = ids.reshape(-1).to(device=self.device, dtype=torch.long)
+        qt = getattr(w, "qtype", None)
+        if isinstance(qt, int) and not getattr(w, "is_float", False) and self.K.cuda_dequant_supported(int(qt)) \
+                and w.shape[1] % 8 == 0:
+            return self.K.cuda_dequantize(w.data, int(qt), w.shape[1], ids, False, check_ids)
+        if getattr(w, "is_float", False) and not check_ids:  # QTensor.rows checks the range on the host
+            return w.typed().index_select(0, ids).float()
+        return w.rows(ids).float()
+
+    def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
+        from ..runtime.kv_cache import KVCache
+
+        return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
+
+    def fused_decode(self, model, kv) -> "CudaDecodeStep | None":
+        """The graph-captured step for ``model`` over ``kv``, or None where it does not apply (then the model's
+        torch forward runs on the GPU): a head size the attention kernel lacks, a cache without a storage
+        layout, or an architecture whose decode_options this step does not know."""
+        why = fused_decode_problem(model, kv)
+        return None if why else CudaDecodeStep(self, model, kv)
+
+
+KNOWN_OPTIONS = {"bias", "qk_norm", "cos", "sin", "window", "post_norms", "embd_scale", "act", "final_softcap",
+                 "cos2", "sin2", "layer_rope", "layer_window"}
+
+
+def fused_decode_problem(model, kv) -> str | None:
+    """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
+    if not hasattr(kv, "storage_layout") or not hasattr(model, "decode_options"):
+        return "the model or cache predates the backend seam"
+    if kv.head_dim not in HEAD_DIMS:
+        return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
+    unknown = set(model.decode_options()) - KNOWN_OPTIONS
+    if unknown:
+        return f"decode options {sorted(unknown)}"
+    for p in kv.storage_layout():
+        if p.block not in _FLOAT_KINDS + _BLOCK_KINDS:
+            return f"cache rows {p.block!r}"
+    return None
+
+
+def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, style: str, rope_dim: int) -> torch.Tensor:
+    """x [H, hd] rotated at one position: c, s [rope_dim/2] (models/llama.py apply_rope for one row)."""
+    from ..models.llama import apply_rope
+
+    return apply_rope(x[None], c[None], s[None], style, rope_dim)[0]
+
+
+class GraphPolicy:
+    """When the step runs eagerly and when it captures / replays its CUDA graph.
+
+    Position 0 always runs eagerly (it writes the sink rows and attends to the fresh value, as the CPU step
+    does); the first call past it captures the graph (its warm-up runs write that very token's K/V, so they are
+    harmless) and every later call replays it.  PYLLM_CUDA_GRAPH=0 turns graphs off; a failed capture falls back
+    to eager for good and remembers why."""
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = os.environ.get("PYLLM_CUDA_GRAPH", "1") != "0" if enabled is None else enabled
+        self.captured = False
+        self.failed: str | None = None
+        self.replays = 0
+        self.eager_calls = 0
+
+    def action(self, pos: int) -> str:
+        """"eager", "capture" or "replay" for a step at ``pos``."""
+        if pos == 0 or not self.enabled or self.failed:
+            return "eager"
+        return "replay" if self.captured else "capture"
+
+    def record(self, action: str, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.failed = f"{type(error).__name__}: {error}"
+        elif action == "capture":
+            self.captured = True
+        elif action == "replay":
+            self.replays += 1
+        if action == "eager" or error is not None:
+            self.eager_calls += 1
+
+
+class CudaDecodeStep:
+    """One token through the model on the GPU, bound to one KV cache; see the module docstring."""
+
+    def __init__(self, backend: CudaBackend, model, kv):
+        self.b, self.K, self.kv = backend, backend.K, kv
+        cfg = model.cfg
+        self.cfg, self.w, self.vec, self.out_w = cfg, model.w, model.vec, model.output
+        self.n_vocab = cfg.n_vocab
+        opts = dict(model.decode_options())
+        self.bias, self.qk_norm = bool(opts.get("bias")), bool(opts.get("qk_norm"))
+        self.post_norms = bool(opts.get("post_norms"))
+        self.embd_scale = float(opts.get("embd_scale") or 0.0)
+        self.act = opts.get("act", "silu")
+        self.final_softcap = float(opts.get("final_softcap") or 0.0)
+        dev = backend.device
+        tables = [(opts["cos"].to(dev).contiguous(), opts["sin"].to(dev).contiguous())]
+        if opts.get("cos2") is not None:
+            tables.append((opts["cos2"].to(dev).contiguous(), opts["sin2"].to(dev).contiguous()))
+        n = cfg.n_layer
+        self.layer_rope = list(opts.get("layer_rope") or [0] * n)
+        self.layer_window = list(opts.get("layer_window") or [int(opts.get("window") or 0)] * n)
+        self.tables = tables
+        self.scale = float(model.scale)
+        k_lay, v_lay = kv.storage_layout()
+        self.k_dtype = k_lay.data.dtype
+        self.v_dtype = v_lay.data.dtype
+        self.parts = [(attn_part(k_lay, i), attn_part(v_lay, i)) for i in range(n)]
+        self.group = cfg.n_head // cfg.n_kv_head
+        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.len = torch.ones(1, dtype=torch.int32, device=dev)
+        self.policy = GraphPolicy()
+        self.graph = None
+        self.g_logits = None
+
+    # -- the step's math (device tensors only: capturable) --------------------------------------------------
+    def _body(self, first: bool) -> torch.Tensor:
+        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.b.linear
+        H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.len.copy_(self.pos + 1)
+        x = self.b.embed(w["token_embd.weight"], self.tok, check_ids=False)  # [1, D]
+        if self.embd_scale:
+            x = x * self.embd_scale
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            c, s = self.tables[self.layer_rope[i]]
+            c, s = c.index_select(0, self.pos)[0], s.index_select(0, self.pos)[0]
+            h = _rms_norm(x, vec[p + "attn_norm.weight"], eps)
+            q, k, v = lin(h, w[p + "attn_q.weight"]), lin(h, w[p + "attn_k.weight"]), lin(h, w[p + "attn_v.weight"])
+            if self.bias:
+                q, k, v = q + vec[p + "attn_q.bias"], k + vec[p + "attn_k.bias"], v + vec[p + "attn_v.bias"]
+            q, k, v = q.view(H, hd), k.view(Hkv, hd), v.view(Hkv, hd)
+            if self.qk_norm:
+                q = _rms_norm(q, vec[p + "attn_q_norm.weight"], eps)
+                k = _rms_norm(k, vec[p + "attn_k_norm.weight"], eps)
+            q = _rope(q, c, s, cfg.rope_style, cfg.rope_dim)
+            k = _rope(k, c, s, cfg.rope_style, cfg.rope_dim)
+            kp, vp = self.parts[i]
+            ks, vs = to_storage(kp, k), to_storage(vp, v)
+            kp.data.index_copy_(1, self.pos, encode_rows(kp.block, ks, self.k_dtype)[:, None])
+            vp.data.index_copy_(1, self.pos, encode_rows(vp.block, vs, self.v_dtype)[:, None])
+            if first:  # position 0: the exact sink rows, and attention over one key is its value
+                if kp.sink is not None:
+                    kp.sink.copy_(ks)
+                if vp.sink is not None:
+                    vp.sink.copy_(vs)
+                a = v.repeat_interleave(self.group, 0)
+            else:
+                qs = q
+                if kp.scale is not None:
+                    qs = qs * kp.scale.repeat_interleave(self.group, 0)
+                if kp.rot is not None:
+                    qs = qs @ kp.rot_t
+                a = self.K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, self.len, self.scale, kp.block,
+                                            vp.block, kp.sink, vp.sink, self.layer_window[i], 0.0)
+                if vp.rot is not None:
+                    a = a @ vp.rot
+                if vp.mu is not None:
+                    a = a + vp.mu.repeat_interleave(self.group, 0)
+            a = lin(a.reshape(1, H * hd), w[p + "attn_output.weight"])
+            x = x + (_rms_norm(a, vec[p + "post_attention_norm.weight"], eps) if self.post_norms else a)
+            h = _rms_norm(x, vec[p + "ffn_norm.weight"], eps)
+            g, u = lin(h, w[p + "ffn_gate.weight"]), lin(h, w[p + "ffn_up.weight"])
+            act = torch.nn.functional.gelu(g, approximate="tanh") if self.act == "gelu_tanh" else \
+                torch.nn.functional.silu(g)
+            m = lin(act * u, w[p + "ffn_down.weight"])
+            x = x + (_rms_norm(m, vec[p + "post_ffw_norm.weight"], eps) if self.post_norms else m)
+        x = _rms_norm(x, vec["output_norm.weight"], eps)
+        logits = self.b.linear_output(x, self.out_w)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _capture(self) -> None:
+        dev = self.b.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # warm-up: lazy init, allocator pools, cuBLAS handles
+            for _ in range(2):
+                self._body(False)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.g_logits = self._body(False)
+        self.graph = g
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        """Logits [1, n_vocab] float32 on the CPU for ``token`` at ``pos``; its K/V land in the bound cache."""
+        self.tok.fill_(int(token))
+        self.pos.fill_(int(pos))
+        action = self.policy.action(pos)
+        if action == "capture":
+            try:
+                self._capture()
+            except RuntimeError as e:  # capture is an optimization: run eagerly instead, and say why once
+                self.graph = None
+                self.policy.record(action, e)
+                print(f"pyllm: CUDA graph capture failed, decoding without it ({e})", file=sys.stderr)
+                return self._body(False).float().cpu()
+            self.policy.record(action)
+            action = "replay"
+        if action == "replay":
+            self.graph.replay()
+            self.policy.record(action)
+            return self.g_logits.float().cpu()
+        self.policy.record(action)
+        return self._body(pos == 0).float().cpu()
+
+
+def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), the roofline the GEMV is measured
+    against: the best of ``repeats`` copies of ``nbytes``."""
+    dev = torch.device(device)
+    a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3)
+    return 2 * nbytes / best

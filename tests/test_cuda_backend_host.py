@@ -1,0 +1,237 @@
+"""The CUDA backend's host-side logic, on a machine without a GPU.
+
+- availability: create() raises BackendUnavailable naming why (here: no CUDA torch / no GPU), never a traceback;
+- weight planning: tied weights uploaded once, in file order; the VRAM check names need and free memory;
+- graph bookkeeping: position 0 eager, first later call captures, then replays; failures fall back to eager;
+- cache layout: the step's row writer (storage transform + encoding) writes the bytes kv_cache.py writes, for
+  every cache kind, K and V apart (reference: kv_cache.py, the one definition);
+- attention: the float64 definition of csrc/cuda/attention.cu (tests/gpu/cuda_testutil.py), fed the step's query
+  and output transforms, equals kv_cache.py's own attention over the same cache (reference: KVCache.attend);
+- the whole step: CudaDecodeStep's decoder, run on the CPU with torch stand-ins for the CUDA kernels, gives the
+  model's own torch forward's logits on llama-family and Gemma 3 models over every cache kind (reference: the
+  model's torch path; tolerance 1e-4 relative: both are float32, the kernels' int8 activations are not in play).
+What only a GPU run can prove (tests/gpu): the kernels themselves, graph capture, and speed.
+"""
+
+import math
+
+import pytest
+import torch
+
+from pyllm.backends import cuda as cb
+from pyllm.backends.base import BackendUnavailable
+from pyllm.errors import PyllmError
+from pyllm.runtime import kv_cache
+from gpu.cuda_testutil import reference_attn_decode
+
+SEAM = hasattr(kv_cache.KVCache, "storage_layout")
+needs_seam = pytest.mark.skipif(not SEAM, reason="needs the backend seam (KVCache.storage_layout)")
+
+KINDS = ["f16", "bf16", "f32", "q8_0", "q4_0", "q8_rot", "q4_rot", "f16/q4_rot", "q8_0/f16", "q4_rot/q8_0"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_create_without_gpu_names_why():
+    with pytest.raises(BackendUnavailable, match="device 'cuda' is not available: (this torch|torch sees no GPU)"):
+        cb.create("cuda")
+    assert cb.unavailable_reason("cuda")
+
+
+def test_cuda_build_problem_is_one_phrase():
+    from pyllm import _ext
+
+    why = _ext.cuda_build_problem()
+    if torch.version.cuda is None:
+        assert "CPU-only" in why
+    assert why is None or "\n" not in why
+
+
+class _W:
+    def __init__(self, n):
+        self.nbytes = n
+
+
+def test_upload_plan_dedups_tied_weights_in_order():
+    emb, a = _W(100), _W(7)
+    plan = cb.upload_plan({"token_embd.weight": emb, "blk.0.attn_q.weight": a, "output.weight": emb})
+    assert plan == [("token_embd.weight", 100), ("blk.0.attn_q.weight", 7)]
+
+
+def test_check_fits():
+    cb.check_fits(1 << 30, 8 << 30, "GPU")
+    with pytest.raises(PyllmError, match=r"need 7\.75 GiB of GPU memory, but GPU has 8\.00 GiB free"):
+        cb.check_fits(int(7.75 * 2**30), 8 << 30, "GPU")
+
+
+def test_graph_policy():
+    p = cb.GraphPolicy(enabled=True)
+    assert p.action(0) == "eager"
+    assert p.action(5) == "capture"
+    p.record("capture")
+    assert p.action(6) == "replay" and p.action(0) == "eager"
+    p.record("replay")
+    assert p.replays == 1
+    p.record("replay", RuntimeError("operation not permitted when stream is capturing"))
+    assert p.action(7) == "eager" and "not permitted" in p.failed
+    assert cb.GraphPolicy(enabled=False).action(9) == "eager"
+
+
+def _filled_cache(kind, hkv=2, h=4, hd=64, n=11, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = kv_cache.KVCache(2, hkv, 32, hd, kind)
+    for layer in range(2):
+        k = torch.randn(n, hkv, hd, generator=g) + torch.linspace(-3, 3, hd)  # a common component: centering matters
+        v = torch.randn(n, hkv, hd, generator=g)
+        q = torch.randn(n, h, hd, generator=g)
+        kv.update(layer, 0, k[:5], v[:5], q=q[:5])
+        kv.update(layer, 5, k[5:], v[5:], q=q[5:])
+    return kv, g
+
+
+@needs_seam
+@pytest.mark.parametrize("kind", KINDS)
+def test_row_writer_matches_kv_cache(kind):
+    kv, g = _filled_cache(kind)
+    k_lay, v_lay = kv.storage_layout()
+    x_k, x_v = torch.randn(1, 2, 64, generator=g) * 2, torch.randn(1, 2, 64, generator=g)
+    kv.update(1, 11, x_k, x_v)
+    for lay, x in ((k_lay, x_k), (v_lay, x_v)):
+        part = cb.attn_part(lay, 1)
+        row = cb.encode_rows(part.block, cb.to_storage(part, x[0]), lay.data.dtype)
+        assert torch.equal(row, lay.data[1, :, 11]), f"{kind}: the step's row differs from kv_cache.py's"
+
+
+@needs_seam
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_attention_definition_matches_kv_cache(kind, window):
+    from pyllm.models.llama import attention
+
+    kv, g = _filled_cache(kind, seed=1)
+    q = torch.randn(1, 4, 64, generator=g)
+    layer, length, scale = 1, 11, 1 / 8
+    want = kv.attend(layer, q, length - 1, lambda qq, k, v: attention(qq, k, v, length - 1, scale, window))
+    kp, vp = (cb.attn_part(p, layer) for p in kv.storage_layout())
+    qs = q[0]
+    if kp.scale is not None:
+        qs = qs * kp.scale.repeat_interleave(2, 0)
+    if kp.rot is not None:
+        qs = qs @ kp.rot_t
+    a = reference_attn_decode(qs, kp, vp, length, scale, window).float()
+    if vp.rot is not None:
+        a = a @ vp.rot
+    if vp.mu is not None:
+        a = a + vp.mu.repeat_interleave(2, 0)
+    torch.testing.assert_close(a.reshape(1, -1), want, rtol=1e-4, atol=1e-5)
+
+
+class TorchKernels:
+    """The CUDA kernels' contracts in torch on the CPU (the CPU extension dequantizes weights exactly)."""
+
+    def __init__(self):
+        from pyllm import _ext
+
+        self.C = _ext.load()
+
+    def cuda_gemv_supported(self, qt):
+        return True
+
+    cuda_dequant_supported = cuda_gemv_supported
+
+    def cuda_gemv(self, w, qt, x):
+        return x @ self.C.dequantize(w, qt).T
+
+    def cuda_dequantize(self, w, qt, K, ids=None, half=True, check_ids=True):
+        out = self.C.dequantize(w, qt) if ids is None else self.C.dequantize(w, qt, ids)
+        return out.half() if half else out
+
+    def cuda_attn_decode(self, q, k, v, length, scale, k_block, v_block, k_sink, v_sink, window, softcap):
+        kp = cb.AttnPart(k, k_block, k_sink, None, None, None)
+        vp = cb.AttnPart(v, v_block, v_sink, None, None, None)
+        return reference_attn_decode(q, kp, vp, int(length[0]), scale, window, softcap).float()
+
+
+@needs_seam
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot", "f16/q8_rot", "bf16/q4_0"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma3"])
+def test_step_matches_model_torch_path(arch, kind):
+    import pyllm
+    from tiny_models import gguf_path
+
+    llm = pyllm.load(str(gguf_path(arch, "q8_0")), backend="reference", n_ctx=64, kv_cache="f32")
+    model = llm.model
+    backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))
+    prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
+    ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, kind)
+                  for _ in range(2))
+    model.use_cpp_decode = False
+    try:
+        model.forward(prompt, 0, ref_kv)
+        model.forward(prompt, 0, kv)
+        step = cb.CudaDecodeStep(backend, model, kv)
+        step.policy.enabled = False
+        for i, tok in enumerate([12, 200, 64, 3, 77, 150]):  # past the sliding window (8) of mistral / gemma3
+            pos = prompt.numel() + i
+            want = model.forward(torch.tensor([tok]), pos, ref_kv)
+            got = step(tok, pos)
+            assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == want.shape
+            err = ((got - want).norm() / want.norm()).item()
+            assert err <= 5e-4, f"{arch} {kind} pos {pos}: relative error {err:.3g}"
+    finally:
+        model.use_cpp_decode = True
+    assert step.policy.eager_calls == 6
+    assert not math.isnan(err)
+
+
+def test_awq_weights_go_up_as_rows():
+    """AWQ tensors are repacked once into the CPU's row layout (which the CUDA GEMV reads) before upload; a group
+    size without a layout stays in AutoAWQ form (multiplied through its own dequantize)."""
+    from pyllm import _ext, awq
+    from test_awq import random_awq
+
+    C = _ext.load()
+    _, _, s, qw, qz = random_awq(256, 64, 64, seed=3)
+    t = awq.AWQTensor(qw, qz, s, 64, name="w")
+    up = cb._to_device(t, torch.device("cpu"), C)
+    assert isinstance(up, cb.CudaAwqRows) and up.qtype == int(C.awq_qtype(64)) and up.shape == (64, 256)
+    assert torch.equal(up.data, awq.repack(t, C).data)
+    _, _, s, qw, qz = random_awq(192, 16, 96, seed=4)
+    odd = cb._to_device(awq.AWQTensor(qw, qz, s, 96, name="odd"), torch.device("cpu"), C)
+    assert isinstance(odd, awq.AWQTensor) and odd.group_size == 96
+
+
+class FakeCudaBackend(cb.CudaBackend):
+    """The CUDA backend on the CPU: torch stand-ins for the kernels, weights planned and converted as for upload."""
+
+    def __init__(self):
+        super().__init__(TorchKernels(), torch.device("cpu"))
+
+    def describe(self):
+        return {"backend": self.name, "device": "cpu (CUDA backend logic, torch kernels)"}
+
+    def prepare_weights(self, weights, progress=False):
+        moved = {id(weights[n]): cb._to_device(weights[n], self.device, self.K.C) for n, _ in cb.upload_plan(weights)}
+        return {n: moved[id(w)] for n, w in weights.items()}
+
+
+@needs_seam
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_runtime_through_the_cuda_step_matches_cpu(arch, monkeypatch):
+    """pyllm.load -> runtime -> the CUDA backend's step (eager, torch kernels): 32 greedy tokens equal the CPU
+    backend's (Q4_0 weights, q8_0 cache: the fused step runs from the first decoded token on)."""
+    import pyllm
+    from pyllm import backends
+    from tiny_models import gguf_path
+
+    path = str(gguf_path(arch, "q4_0"))
+    cpu = pyllm.load(path, device="cpu", n_ctx=128, kv_cache="q8_0")
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    fake = pyllm.load(path, device="cpu", n_ctx=128, kv_cache="q8_0")
+    assert fake.model.backend.name == "cuda"
+    prompt = [1, 17, 33, 5, 99, 42, 7, 250, 3, 11]
+    want = list(cpu.generate_tokens(prompt, max_tokens=32, temperature=0, speculative="none"))
+    got = list(fake.generate_tokens(prompt, max_tokens=32, temperature=0, speculative="none"))
+    assert got == want
+    step = fake.model.fused_step(fake.kv)
+    assert isinstance(step, cb.CudaDecodeStep) and step.policy.eager_calls >= len(want) - 1
