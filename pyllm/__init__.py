@@ -7,7 +7,7 @@
         print(piece, end="", flush=True)
 """
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # OpenMP wait policy: left at the runtime's default (spin a while, then sleep). A decode step opens ~7 parallel
 # regions per layer, and waking sleeping workers for each costs more than the GEMV: on an idle 2-core machine

@@ -51,7 +51,7 @@ def hf_endpoint() -> str:
 
 
 def _user_agent() -> str:
-    from . import __version__
+    from ._version import __version__
 
     return f"pyllm/{__version__}"
 

@@ -62,6 +62,17 @@ def _fits(kind: str, head_dim: int) -> bool:
     return True
 
 
+def format_runtime(rt: dict) -> str:
+    """Where a model runs, as one phrase: 'cpu (fast, avx2 kernels)', 'cuda (cuda, NVIDIA H200)'. ``rt`` is a
+    backend's description: "device" and "backend", with "isa" (CPU kernels) or "gpu" (the GPU's name)."""
+    parts = [str(rt.get("backend", "?"))]
+    if rt.get("isa"):
+        parts.append(f"{rt['isa']} kernels")
+    if rt.get("gpu"):
+        parts.append(str(rt["gpu"]))
+    return f"{rt.get('device', '?')} ({', '.join(parts)})"
+
+
 def format_info(info: dict) -> str:
     def size(b):
         return f"{b / 2**20:.1f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
@@ -83,6 +94,8 @@ def format_info(info: dict) -> str:
     ]
     if "n_ctx" in info:
         lines.append(f"                 {size(info['kv_bytes_total'])} for n_ctx={info['n_ctx']} ({info['kv_cache']})")
+    if "runtime" in info:
+        lines.append(f"runs on:         {format_runtime(info['runtime'])}")
     lines.append("block types:")
     for name, row in info["tensor_types"].items():
         lines.append(f"  {name:<6} {row['tensors']:>5} tensors  {size(row['bytes']):>12}")

@@ -89,20 +89,7 @@ class _Tee:
             c.update(layer, pos, k, v, q=q)
 
 
-MAX_TEXT_BYTES = 64 << 20  # ~16M tokens: far more than any perplexity run scores
-
-
-def read_text_file(path, limit: int = MAX_TEXT_BYTES) -> str:
-    """The text to score, read with a bound: a device or FIFO (/dev/zero) or a huge file is refused after
-    ``limit`` bytes instead of being read until memory runs out. Bytes that are not UTF-8 become U+FFFD."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as e:
-        raise PyllmError(f"{path}: cannot read: {e.strerror or e}") from None
-    if len(data) > limit:
-        raise PyllmError(f"{path}: more than {limit >> 20} MiB of text; perplexity needs far less (cut the file)")
-    return data.decode("utf-8", errors="replace")
+MAX_TEXT_BYTES = 64 << 20  # the most text `pyllm perplexity -f` reads (~16M tokens: far more than any run scores)
 
 
 def chunk_tokens(llm, text: str, n_ctx: int) -> tuple[list[int], int | None]:

@@ -24,6 +24,7 @@ import torch
 
 from .. import ops
 from ..errors import PyllmError
+from .common import add_backend_arg, add_device_arg, kv_kind_from_args, runtime_info
 
 
 def add_bench_parser(sub) -> None:
@@ -45,11 +46,11 @@ def add_bench_parser(sub) -> None:
                    help="tokens already in the KV cache when each test starts (default 0), e.g. -d 2048")
     s.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default 5)")
     s.add_argument("-t", "--threads", type=int, default=None, help="threads (default: physical cores)")
-    s.add_argument("--device", default="cpu")
+    add_device_arg(s)
     s.add_argument("--kv", default="f16", help="KV cache type (default f16), or KEY/VALUE such as f16/q8_0")
     s.add_argument("--kv-k", "-ctk", default=None, metavar="TYPE", help="key cache type (overrides --kv for keys)")
     s.add_argument("--kv-v", "-ctv", default=None, metavar="TYPE", help="value cache type (overrides --kv)")
-    s.add_argument("--backend", default="fast", choices=["fast", "reference"])
+    add_backend_arg(s)
     s.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     s.add_argument("--probe", action="store_true",
                    help="(re)measure this machine's bandwidth, fp32 matmul and prefill GEMM rates first")
@@ -66,9 +67,10 @@ def add_bench_parser(sub) -> None:
 class Subject:
     """What a bench row measures: a model, its KV cache and a generator, loaded from a file or synthesized."""
 
-    def __init__(self, name, cfg, weights, model, kv, generator, size_bytes):
+    def __init__(self, name, cfg, weights, model, kv, generator, size_bytes, runtime: dict):
         self.name, self.cfg, self.weights, self.model = name, cfg, weights, model
         self.kv, self.gen, self.size_bytes = kv, generator, size_bytes
+        self.runtime = runtime  # where it runs: {"device", "backend", "isa" or "gpu"} (common.runtime_info)
 
     @property
     def n_params(self) -> int:
@@ -108,18 +110,22 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     if synthetic:
         from ..models.synthetic import synthetic_model
 
+        if a.device not in ("cpu", "auto"):
+            raise PyllmError(f"--synthetic models are built for the CPU kernels only; --device {a.device} needs a "
+                             f"model file")
         cfg, weights = synthetic_model(synthetic)
         mdl = build_model(cfg, weights, backends.select(a.device, a.backend, a.threads), max_pos=n_ctx)
         kv = mdl.backend.make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
         size = sum(w.nbytes for w in weights.values())
-        return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size)
+        rt = {"device": "cpu", "backend": a.backend, "isa": ops.get_isa() if a.backend == "fast" else None}
+        return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size, rt)
     import pyllm
 
     llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, backend=a.backend,
                      quiet=False)
     p = llm.path
     size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size  # AWQ folder
-    return Subject(p.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size)
+    return Subject(p.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size, runtime_info(llm))
 
 
 def _random_tokens(s: Subject, n: int, seed: int = 0) -> list[int]:
@@ -166,11 +172,12 @@ def run_tests(s: Subject, a, roof: dict) -> list[dict]:
         mean = statistics.fmean(samples)
         std = statistics.stdev(samples) if len(samples) > 1 else 0.0
         row = dict(model_filename=s.name, model_type=f"{cfg.arch} {s.n_params / 1e6:.0f}M",
-                   model_size=s.size_bytes, model_n_params=s.n_params, backends=a.device, n_threads=a.threads,
+                   model_size=s.size_bytes, model_n_params=s.n_params, backends=s.runtime["device"],
+                   n_threads=a.threads,
                    n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, n_depth=depth,
                    test=f"{test}{n}" + (f" @ d{depth}" if depth else ""),
                    avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.backend,
-                   isa=ops.get_isa() if a.device == "cpu" else None)
+                   isa=s.runtime.get("isa"), gpu=s.runtime.get("gpu"))
         if test == "tg":
             # the cache grows from depth to depth + n positions: on average depth + n/2 positions of K and V are read
             kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * kv_elem * (depth + n / 2)
@@ -209,7 +216,8 @@ def format_md(rows: list[dict], roof: dict) -> str:
             share = f"{r['gflops']:.0f} GFLOP/s" + (f" ({100 * r['flops_share']:.0f}% of peak)"
                                                     if r.get("flops_share") else "")
         out.write(f"| {r['model_filename']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e6:.0f} M "
-                  f"| {r['backends']} ({r['pyllm_backend']}{', ' + r['isa'] if r.get('isa') else ''}, kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
+                  f"| {r['backends']} ({', '.join(filter(None, (r['pyllm_backend'], r.get('isa'), r.get('gpu'))))}, "
+                  f"kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
                   f"| {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {share} |\n")
     return out.getvalue()
 
@@ -221,8 +229,6 @@ def cmd_bench(a) -> int:
         raise PyllmError(f"--repetitions must be >= 1, got {a.repetitions}")
     if a.n_prompt < 0 or a.n_gen < 0 or a.n_depth < 0:
         raise PyllmError("-p, -n and -d must be >= 0")
-    from .main import kv_kind_from_args
-
     a.kv = kv_kind_from_args(a)  # --kv with --kv-k/--kv-v applied: "q8_0", "f16/q4_rot", ...
     a.threads = a.threads or physical_cores()
     torch.set_num_threads(a.threads)
@@ -230,22 +236,24 @@ def cmd_bench(a) -> int:
         from .. import ops
 
         ops.set_num_threads(a.threads)
-    roof = probe(a.threads, force=a.probe) if a.device == "cpu" else {}
     if not a.models and not a.synthetic:
         if a.probe:
-            print(json.dumps(roof, indent=2))
+            print(json.dumps(probe(a.threads, force=True), indent=2))
             return 0
         raise PyllmError("give at least one model (or --synthetic SHAPE:TYPE, or --probe)")
     if a.spec:
         return cmd_bench_spec(a)
     rows = []
+    roof = {}  # the CPU's roofline, probed once the first model runs on the CPU
     subjects = [(m, None) for m in a.models] + [(None, s) for s in a.synthetic]
     for model, synth in subjects:
         s = None  # the previous model's memory goes before the next one loads (two 8B models may not fit)
         gc.collect()
         s = load_subject(model, synth, a)
+        if s.runtime["device"] == "cpu" and not roof:
+            roof = probe(a.threads, force=a.probe)
         with torch.inference_mode():
-            rows += run_tests(s, a, roof)
+            rows += run_tests(s, a, roof if s.runtime["device"] == "cpu" else {})
         if a.output == "md":
             sys.stderr.write(f"pyllm: measured {s.name}\n")
     if a.output == "json":
@@ -291,7 +299,7 @@ def cmd_bench_spec(a) -> int:
     n = a.n_gen or 128
     rows = []
     for model in a.models:
-        llm = pyllm.load(model, n_ctx=2048, kv_cache=a.kv, n_threads=a.threads, backend=a.backend, quiet=False,
+        llm = pyllm.load(model, device=a.device, n_ctx=2048, kv_cache=a.kv, n_threads=a.threads, backend=a.backend, quiet=False,
                          draft=a.draft if a.spec == "draft" else None)
         for p in spec_prompts():
             ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])

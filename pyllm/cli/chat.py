@@ -2,13 +2,13 @@
 
 The conversation logic (``ChatSession``) is separate from the terminal (``run_repl``) so that it can be driven
 by piped input, by tests with a fake model, and by prompt_toolkit alike. This module imports only the standard
-library at the top: ``pyllm --help`` imports it for the epilog and must stay fast.
+library and light pyllm modules (errors, registry, cli/common) at the top: ``pyllm --help`` imports it for the
+epilog and must stay fast.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from ..errors import ContextFullError, PyllmError
+from .common import (Settings, SettingError, canonical_setting, check_numeric_args, load_from_args, read_bounded,
+                     runtime_label)
 
 HELP_EPILOG = """keys (on a terminal):
   Enter sends; Alt-Enter or Esc then Enter inserts a newline; a line starting with \"\"\" opens a block that
@@ -33,111 +35,7 @@ examples:
 """
 
 
-class SettingError(ValueError):
-    """A sampling setting outside its range (from /set, or from a command line flag)."""
-
-
-# ---- settings -----------------------------------------------------------------------------------------------------
-
-def _finite_float(text) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(text)
-    return v
-
-
-def _strict_int(text) -> int:
-    if isinstance(text, float):  # int(1.5) would silently truncate a value the user meant as given
-        raise ValueError(text)
-    return int(text)
-
-
-def _seed(text):
-    if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "random", "off", "-1")):
-        return None
-    if isinstance(text, int) and not isinstance(text, bool) and text == -1:  # --seed -1: random, as in llama.cpp
-        return None
-    return _strict_int(text)
-
-
-# name -> (parser, check, what a valid value is). The ranges match SamplerSettings.validate, so a value that
-# passes here never fails later in the middle of a reply.
-RULES: dict[str, tuple[Callable, Callable, str]] = {
-    "temperature": (_finite_float, lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
-    "top_k": (_strict_int, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
-    "top_p": (_finite_float, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
-    "min_p": (_finite_float, lambda v: 0 <= v < 1, "a number in [0, 1) (0 = off)"),
-    "seed": (_seed, lambda v: v is None or 0 <= v < 2**63, "an integer >= 0, or 'random'"),
-    "max_tokens": (_strict_int, lambda v: v >= 1, "an integer >= 1"),
-    "repeat_penalty": (_finite_float, lambda v: v > 0, "a number > 0 (1 = off)"),
-}
-ALIASES = {"temp": "temperature", "t": "temperature", "k": "top_k", "p": "top_p", "n": "max_tokens",
-           "num_predict": "max_tokens", "max": "max_tokens"}
 RULES_EXAMPLE = {"temp": 0.7, "temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "seed": 42, "max_tokens": 256}
-FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
-         "max_tokens": "-n/--max-tokens", "repeat_penalty": "--repeat-penalty"}
-
-
-def canonical_setting(name: str) -> str:
-    key = name.strip().lower().replace("-", "_")
-    key = ALIASES.get(key, key)
-    if key not in RULES:
-        raise SettingError(f"unknown setting {name!r}; one of: temp, {', '.join(k for k in RULES if k != 'temperature')}")
-    return key
-
-
-def parse_setting(name: str, value) -> tuple[str, object]:
-    """(canonical name, checked value) from a name and a string (or an already typed value)."""
-    key = canonical_setting(name)
-    parse, check, want = RULES[key]
-    label = "temp" if key == "temperature" else key
-    try:
-        v = parse(value.strip() if isinstance(value, str) else value)
-    except (TypeError, ValueError):
-        raise SettingError(f"{label} must be {want}, got {value!r}") from None
-    if not check(v):
-        raise SettingError(f"{label} must be {want}, got {value!r}")
-    return key, v
-
-
-@dataclass
-class Settings:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int | None = None
-    max_tokens: int = 512
-    repeat_penalty: float = 1.0
-
-    @classmethod
-    def from_args(cls, a) -> "Settings":
-        """Checks every flag before the model loads, so a typo fails in a second, naming the flag."""
-        s = cls()
-        for f in fields(cls):
-            attr = {"temperature": "temp"}.get(f.name, f.name)
-            if not hasattr(a, attr):
-                continue
-            try:
-                s.set(f.name, getattr(a, attr))
-            except SettingError as e:
-                raise SettingError(f"argument {FLAGS[f.name]}: {e}") from None
-        return s
-
-    def set(self, name: str, value) -> str:
-        key, v = parse_setting(name, value)
-        setattr(self, key, v)
-        return key
-
-    def sampling(self, seed_offset: int = 0) -> dict:
-        seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
-        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed,
-                    repeat_penalty=self.repeat_penalty)
-
-    def describe(self) -> str:
-        seed = "random" if self.seed is None else self.seed
-        return (f"temp {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}, min_p {self.min_p:g}, "
-                f"seed {seed}, max_tokens {self.max_tokens}, repeat_penalty {self.repeat_penalty:g}")
 
 
 # ---- commands ------------------------------------------------------------------------------------------------------
@@ -448,17 +346,13 @@ class ChatSession:
         self.note(f"({key} = {getattr(self.settings, key)})")
 
     def cmd_show(self, arg: str) -> None:
-        from .. import ops
-
         llm = self.llm
         cfg = llm.config
         used = len(llm.generator.tokens)
         weights = sum(getattr(w, "nbytes", 0) for w in getattr(llm, "weights", {}).values())
         lines = [
             f"model      {llm.path.name} ({cfg.arch}, {cfg.n_layer} layers, vocab {cfg.n_vocab})",
-            f"runtime    {llm.device}, backend {llm.backend}"
-            + (f" ({ops.get_isa()} kernels)" if llm.device == "cpu" and llm.backend == "fast" and ops.get_isa() else "")
-            + f", {llm.n_threads} threads"
+            f"runtime    {runtime_label(llm)}, {llm.n_threads} threads"
             + (f", weights {weights / 2**20:.1f} MiB" if weights else ""),
             f"context    {used} / {llm.n_ctx} tokens used ({len(self.turns)} messages)",
             f"KV cache   {llm.kv.kind}, {llm.kv.nbytes / 2**20:.1f} MiB",
@@ -499,13 +393,9 @@ class ChatSession:
             raise PyllmError("/load needs a file name, e.g. /load chat.json")
         path = Path(arg).expanduser()
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_CONVERSATION_BYTES + 1)  # bounded: /load /dev/zero must not read forever
-        except OSError as e:
-            raise PyllmError(f"cannot read {path}: {e.strerror or e}; the conversation is unchanged") from None
-        if len(raw) > MAX_CONVERSATION_BYTES:
-            raise PyllmError(f"{path} is larger than {MAX_CONVERSATION_BYTES >> 20} MiB, too large for a "
-                             f"conversation; the conversation is unchanged")
+            raw = read_bounded(path, "/load", MAX_CONVERSATION_BYTES)  # /load /dev/zero must not read forever
+        except PyllmError as e:
+            raise PyllmError(f"{e}; the conversation is unchanged") from None
         try:
             data = load_conversation_json(raw)
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
@@ -653,13 +543,11 @@ def _verbose_load(llm, ui: TextIO) -> None:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux
     ui.write(f"loaded {llm.path.name} in {llm.load_seconds:.2f}s: {llm.config.arch}, weights "
              f"{weights / 2**20:.1f} MiB, KV cache {llm.kv.kind} {llm.kv.nbytes / 2**20:.1f} MiB "
-             f"(n_ctx {llm.n_ctx}), backend {llm.backend}, {llm.n_threads} threads, peak RSS {rss:.0f} MiB\n")
+             f"(n_ctx {llm.n_ctx}), on {runtime_label(llm)}, {llm.n_threads} threads, peak RSS {rss:.0f} MiB\n")
     ui.flush()
 
 
 def run_chat(a) -> int:
-    from .main import load_from_args
-
     for stream in (sys.stdout, sys.stderr):
         # a byte-level token can decode to U+FFFD or a surrogate; never let one end the session
         if hasattr(stream, "reconfigure"):
@@ -667,11 +555,8 @@ def run_chat(a) -> int:
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")
     try:
+        check_numeric_args(a)
         settings = Settings.from_args(a)
-        if a.ctx is not None and a.ctx < 0:
-            raise SettingError(f"argument --ctx: must be >= 8 (or 0 for the model's own), got {a.ctx}")
-        if a.threads is not None and a.threads < 1:
-            raise SettingError(f"argument --threads: must be >= 1, got {a.threads}")
     except SettingError as e:
         # a usage error like argparse's own (exit 2), reported before the model is loaded
         print(f"pyllm chat: error: {e}", file=sys.stderr)
@@ -691,6 +576,7 @@ def run_chat(a) -> int:
                        quiet=a.quiet or (not terminal and not a.verbose), terminal=terminal)
     if not terminal:
         return run_piped(chat, a)
-    banner = (f"pyllm chat · {llm.path.name} ({llm.config.arch}, context {llm.n_ctx}, KV {llm.kv.kind}). "
-              f"/help for commands, Alt-Enter for a newline, Ctrl-D or /bye to quit.")
+    banner = (f"pyllm chat · {llm.path.name} ({llm.config.arch}, context {llm.n_ctx}, KV {llm.kv.kind}) on "
+              f"{runtime_label(llm)}. /help for commands, Alt-Enter for a newline, Ctrl-D or /bye "
+              f"to quit.")
     return run_repl(chat, banner)

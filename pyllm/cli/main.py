@@ -13,6 +13,11 @@ import sys
 
 from .. import registry
 from ..errors import PyllmError, TemplateError
+from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
+                     add_spec_args, check_numeric_args, decode_utf8, load_from_args, read_stdin_text, read_text_arg,
+                     runtime_info, sampling_kwargs)
+from .chat import HELP_EPILOG as CHAT_EPILOG
+from .chat import run_chat
 
 EXAMPLES = """examples:
   pyllm chat                              chat with the default model ({default}), fetched on first use
@@ -29,138 +34,6 @@ environment:
                     else ~/.cache/pyllm)
   PYLLM_HF_ENDPOINT the Hugging Face endpoint for hf.co/... (default $HF_ENDPOINT, else https://huggingface.co)
 """
-
-
-def add_model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
-    kw = dict(nargs="?", default=registry.DEFAULT_MODEL) if optional else {}
-    p.add_argument("model", help=f"a .gguf file or a registry name ({', '.join(registry.REGISTRY)})", **kw)
-
-
-def add_runtime_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("runtime")
-    g.add_argument("--ctx", "-c", type=int, default=4096, help="context length in tokens (default 4096)")
-    g.add_argument("--kv", default="f16", metavar="TYPE",
-                   help="KV cache type for keys and values: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot "
-                        "(Hadamard-rotated 4-bit), or KEY/VALUE such as f16/q4_rot")
-    g.add_argument("--kv-k", "-ctk", default=None, metavar="TYPE", help="key cache type (overrides --kv for keys)")
-    g.add_argument("--kv-v", "-ctv", default=None, metavar="TYPE",
-                   help="value cache type (overrides --kv for values)")
-    g.add_argument("--context-policy", default=None, choices=["stop", "shift"],
-                   help="when the context is full: stop with a message, or shift (drop the oldest turns after the "
-                        "system prompt, or the oldest prompt tokens, and re-prefill). Default: shift for chat, "
-                        "stop for run")
-    g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: physical cores)")
-    g.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    g.add_argument("--backend", default="fast", choices=["fast", "reference"],
-                   help="kernels: fast (default) or reference (float32, for checking accuracy)")
-    g.add_argument("--plain-template", action="store_true",
-                   help="format chats with pyllm's plain template instead of the file's own chat template")
-
-
-def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=default_n, help=f"tokens to generate (default {default_n})")
-    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
-    g.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05, help="min-p (default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1.0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="RNG seed (same seed, same text)")
-
-
-def add_spec_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec", default=None, choices=["none", "lookup", "draft"],
-                   help="speculative decoding: lookup (drafts copied from the prompt and the text so far) or draft "
-                        "(a draft model, --draft); the output distribution is unchanged (default: none)")
-    g.add_argument("--spec-k", type=int, default=None, metavar="K",
-                   help="most tokens drafted per step, 1..7 (default 7; fewer while acceptance is low)")
-    g.add_argument("--spec-ngram", type=int, default=None, metavar="N",
-                   help="prompt lookup: longest suffix matched, tried down to 1 (default 4)")
-    g.add_argument("--draft", default=None, metavar="MODEL",
-                   help="draft model for --spec draft (same tokenizer; --spec defaults to draft when given)")
-
-
-def spec_kwargs(a) -> dict:
-    """LLM.spec_options from --spec*: speculative=/spec_k=/spec_ngram= (only those given)."""
-    spec = getattr(a, "spec", None)
-    if spec is None and getattr(a, "draft", None):
-        spec = "draft"
-    out = {} if spec is None else dict(speculative=spec)
-    if getattr(a, "spec_k", None) is not None:
-        out["spec_k"] = a.spec_k
-    if getattr(a, "spec_ngram", None) is not None:
-        out["spec_ngram"] = a.spec_ngram
-    return out
-
-
-def sampling_kwargs(a) -> dict:
-    return dict(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
-                repeat_penalty=a.repeat_penalty)
-
-
-def kv_kind_from_args(a) -> str:
-    """--kv, with --kv-k / --kv-v overriding its key or value half: the cache kind string ("q8_0", "f16/q4_rot")."""
-    from ..runtime.kv_cache import join_kind, split_kind
-
-    k, v = split_kind(a.kv)
-    return join_kind(getattr(a, "kv_k", None) or k, getattr(a, "kv_v", None) or v)
-
-
-def load_from_args(a, context_policy: str = "stop"):
-    import pyllm
-
-    llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
-                     backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False),
-                     context_policy=getattr(a, "context_policy", None) or context_policy,
-                     draft=getattr(a, "draft", None))
-    if getattr(a, "plain_template", False):
-        llm.use_fallback_template()
-    elif getattr(llm.template, "is_fallback", False) and (getattr(a, "command", None) == "chat"
-                                                          or getattr(a, "chat", False)):
-        print(f"pyllm: warning: {llm.path.name} has no chat template (a base model?); chats use a plain "
-              f"fallback format, and replies may just continue the text", file=sys.stderr)
-    llm.spec_options = spec_kwargs(a)  # every generation of this run/chat speculates as --spec* say
-    return llm
-
-
-def read_stdin_text(limit: int = 64 << 20) -> str:
-    """Standard input as text: at most ``limit`` bytes (a bigger prompt could not fit any context anyway), and
-    bytes that are not UTF-8 replaced by U+FFFD with a note (as the tokenizer does with lone surrogates)."""
-    stream = getattr(sys.stdin, "buffer", None)
-    if stream is None:  # a StringIO in tests
-        return sys.stdin.read(limit)
-    data = stream.read(limit + 1)
-    if len(data) > limit:
-        raise PyllmError(f"standard input is larger than {limit >> 20} MiB; give a shorter prompt")
-    return decode_utf8(data, "standard input")
-
-
-def decode_utf8(data: bytes, what: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        print(f"pyllm: note: {what} is not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); invalid "
-              f"bytes were replaced by U+FFFD", file=sys.stderr)
-        return data.decode("utf-8", errors="replace")
-
-
-def read_text_arg(path: str, what: str, limit: int = 1 << 20) -> str:
-    """The text of a FILE argument ('-' = standard input), at most ``limit`` bytes (a schema or grammar is small;
-    /dev/zero must not be read until memory runs out); PyllmError naming the flag and file."""
-    if path == "-":
-        return read_stdin_text(limit)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as e:
-        raise PyllmError(f"{what} {path}: {e.strerror or e}") from None
-    if len(data) > limit:
-        raise PyllmError(f"{what} {path}: larger than {limit >> 20} MiB")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PyllmError(f"{what} {path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
 
 
 def constraint_kwargs(a) -> dict:
@@ -184,7 +57,7 @@ def cmd_run(a) -> int:
         if sys.stdin.isatty():  # no prompt on a terminal: a conversation, as `ollama run MODEL` opens one
             a.command = "chat"
             a.quiet, a.no_color, a.lines = False, False, False
-            return cmd_chat(a)
+            return run_chat(a)
         prompt = read_stdin_text()
     elif a.prompt == "-":
         prompt = read_stdin_text()
@@ -212,7 +85,7 @@ def cmd_run(a) -> int:
     if a.json:
         print(json.dumps({"text": "".join(pieces), "prompt_tokens": st.prompt_tokens,
                           "generated_tokens": st.generated_tokens, "finish_reason": st.finish_reason,
-                          "timings": st.as_dict()}))
+                          "timings": st.as_dict(), "runtime": runtime_info(llm)}))
     else:
         sys.stdout.write("\n")
         if st.finish_reason == "context":
@@ -234,13 +107,19 @@ def cmd_info(a) -> int:
     if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq.py)
         from ..awq import folder_info
         info = folder_info(path, n_ctx=a.ctx, kv_kind=a.kv)
-        print(json.dumps(info, indent=2) if a.json else format_info(info))
-        return 0
-    if path.is_dir():
+    elif path.is_dir():
         raise PyllmError(f"{path}: is a directory, not a model file")
-    with open_gguf(path) as gf:
-        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
-        info = model_info(gf, cfg, n_ctx=a.ctx, kv_kind=a.kv)
+    else:
+        with open_gguf(path) as gf:
+            cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+            info = model_info(gf, cfg, n_ctx=a.ctx, kv_kind=a.kv)
+    if a.device is not None:
+        # the file is described from its header; where it runs takes loading it there
+        import pyllm
+
+        with pyllm.load(str(path), device=a.device, n_ctx=a.ctx, kv_cache=a.kv, n_threads=a.threads,
+                        backend=a.backend, quiet=a.json) as llm:
+            info["runtime"] = runtime_info(llm)
     print(json.dumps(info, indent=2) if a.json else format_info(info))
     return 0
 
@@ -326,12 +205,6 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def cmd_chat(a) -> int:
-    from .chat import run_chat
-
-    return run_chat(a)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pyllm", description="Quantized local LLM inference.",
@@ -350,8 +223,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser = add_parser
 
-    from .chat import HELP_EPILOG as CHAT_EPILOG
-
     s = sub.add_parser("chat", help="interactive chat (streams tokens)", description="Interactive chat.",
                        epilog=CHAT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(s, optional=True)
@@ -362,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_runtime_args(s)
     add_sampling_args(s, 512)
     add_spec_args(s)
-    s.set_defaults(func=cmd_chat)
+    s.set_defaults(func=run_chat)
 
     s = sub.add_parser("run", help="complete a prompt", description="Print a completion as it is generated.")
     add_model_arg(s)
@@ -401,6 +272,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arg(s)
     s.add_argument("--ctx", "-c", type=int, default=4096, help="context length for the KV cache size (default 4096)")
     s.add_argument("--kv", default="f16", help="KV cache type for the size (default f16)")
+    add_device_arg(s, default=None, help="also load the model on this device (cpu, cuda, cuda:N, or auto: the GPU "
+                                         "when one is usable, else the CPU) and report where it runs (default: "
+                                         "describe the file from its header alone)")
+    s.add_argument("--threads", "-t", type=int, default=None, help="CPU threads with --device")
+    add_backend_arg(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
 
@@ -429,18 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Subcommands that live in their own modules register themselves here.
     from .bench import add_bench_parser
+    from .convert import add_convert_parser
+    from .perplexity import add_perplexity_parser
 
     add_bench_parser(sub)
-    import importlib
-
-    for mod, fn in (("perplexity", "add_perplexity_parser"), ("convert", "add_convert_parser")):
-        try:
-            m = importlib.import_module(f"{__package__}.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__package__}.{mod}":
-                raise
-            continue
-        getattr(m, fn)(sub)
+    add_perplexity_parser(sub)
+    add_convert_parser(sub)
     return p
 
 
@@ -460,48 +330,6 @@ def version_text() -> str:
     return "\n".join(lines)
 
 
-# ---- numeric flags: checked for every subcommand before anything is loaded --------------------------------------
-
-# dest -> (flag as the user wrote it, lowest, highest or None); a value of None means "the default".
-NUMERIC_FLAGS = {
-    "ctx": ("--ctx", 0, 1 << 24),
-    "threads": ("--threads", 1, None),
-    "chunks": ("--chunks", 1, None),
-}  # bench checks its own -p/-n/-d/-r (pyllm/cli/bench.py)
-
-
-def max_threads() -> int:
-    """More threads than this only thrashes (and at some count the OpenMP runtime fails with its own text)."""
-    return 4 * (os.cpu_count() or 1)
-
-
-def check_numeric_args(a) -> None:
-    """SettingError naming the flag for any numeric flag out of range (argparse checks only that it parses: it
-    takes -1, 10**9, nan and inf). Sampling flags follow the REPL's /set rules (pyllm/cli/chat.py RULES), so
-    `run`, `chat` and /set accept the same values; --seed -1 means random everywhere."""
-    import math
-
-    from .chat import Settings, SettingError
-
-    for dest, (flag, lo, hi) in NUMERIC_FLAGS.items():
-        v = getattr(a, dest, None)
-        if v is None:
-            continue
-        if dest == "threads":
-            hi = max_threads()
-        if dest == "ctx" and getattr(a, "command", None) == "perplexity":
-            lo = 16  # a chunk scores its second half
-        if (isinstance(v, float) and not math.isfinite(v)) or v < lo or (hi is not None and v > hi):
-            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-            extra = f" ({os.cpu_count()} CPUs here)" if dest == "threads" else ""
-            extra += " (0 = the model's own)" if dest == "ctx" and lo == 0 else ""
-            raise SettingError(f"argument {flag}: must be {rng}{extra}, got {v}")
-    if getattr(a, "command", None) in ("run", "chat") and hasattr(a, "temp"):
-        Settings.from_args(a)  # names the flag; same rules as /set
-        if a.seed is not None and a.seed == -1:
-            a.seed = None  # random, like chat
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a, extra = parser.parse_known_args(argv)
@@ -515,8 +343,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     a.verbose = getattr(a, "verbose", False)
-    from .chat import SettingError
-
     try:
         check_numeric_args(a)
     except (PyllmError, SettingError) as e:

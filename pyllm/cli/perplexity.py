@@ -10,6 +10,7 @@ import json
 import sys
 
 from ..runtime.kv_cache import KV_KINDS
+from .common import add_backend_arg, add_device_arg, add_model_arg, read_text_arg, runtime_info
 
 
 def add_perplexity_parser(sub) -> None:
@@ -17,10 +18,8 @@ def add_perplexity_parser(sub) -> None:
                        description="Perplexity over chunks of -c tokens, scoring the second half of each chunk "
                                    "(llama.cpp's protocol). With --kl-base, also the mean KL divergence of the "
                                    "--kv cache's token distributions against the base cache's.")
-    from .main import add_model_arg
-
     add_model_arg(s)
-    s.add_argument("-f", "--file", required=True, help="text file to score")
+    s.add_argument("-f", "--file", required=True, help="text file to score ('-' = standard input)")
     s.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     s.add_argument("--chunks", type=int, default=None, help="score at most N chunks (default: all)")
     s.add_argument("--kv", default=None, action="append", dest="kv_list", metavar="KIND",
@@ -29,8 +28,8 @@ def add_perplexity_parser(sub) -> None:
     s.add_argument("--kl-base", default=None, metavar="KIND",
                    help="also compute KL divergence against this cache type (e.g. f16)")
     s.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
-    s.add_argument("--device", default="cpu", help="cpu (default)")
-    s.add_argument("--backend", default="fast", choices=["fast", "reference"], help="kernels (default fast)")
+    add_device_arg(s)
+    add_backend_arg(s)
     s.add_argument("--json", action="store_true", help="print one JSON object with the results")
     s.set_defaults(func=cmd_perplexity)
 
@@ -38,10 +37,10 @@ def add_perplexity_parser(sub) -> None:
 def cmd_perplexity(a) -> int:
     import pyllm
 
-    from ..perplexity import evaluate, format_table, read_text_file
+    from .. import perplexity
 
     kinds = list(dict.fromkeys(a.kv_list or ["f16"]))
-    text = read_text_file(a.file)
+    text = read_text_arg(a.file, "-f", limit=perplexity.MAX_TEXT_BYTES, strict=False)
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache="f16", n_threads=a.threads,
                      backend=a.backend, quiet=False)
 
@@ -53,9 +52,10 @@ def cmd_perplexity(a) -> int:
         row = "  ".join(f"{k}: {st.running[-1]:.4f}" for k, st in stats.items())
         print(f"[{i + 1}/{n}] {row}", file=sys.stderr, flush=True)
 
-    stats = evaluate(llm, text, n_ctx=a.ctx, kinds=kinds, kl_base=a.kl_base, n_chunks=a.chunks, on_chunk=on_chunk)
+    stats = perplexity.evaluate(llm, text, n_ctx=a.ctx, kinds=kinds, kl_base=a.kl_base, n_chunks=a.chunks,
+                                on_chunk=on_chunk)
     if a.json:
-        print(json.dumps({"model": llm.path.name, "ctx": a.ctx, "kl_base": a.kl_base,
+        print(json.dumps({"model": llm.path.name, "ctx": a.ctx, "kl_base": a.kl_base, "runtime": runtime_info(llm),
                           "results": [st.as_dict(bool(a.kl_base)) for st in stats.values()]}))
         return 0
     for kind, st in stats.items():
@@ -66,5 +66,5 @@ def cmd_perplexity(a) -> int:
         print(line)
     if len(stats) > 1:
         print()
-        print(format_table(llm.path.name, stats, a.kl_base))
+        print(perplexity.format_table(llm.path.name, stats, a.kl_base))
     return 0

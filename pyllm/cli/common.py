@@ -1,0 +1,354 @@
+"""What every pyllm subcommand shares: its arguments (model, runtime, device, sampling), their checks before any
+model loads, loading a model from them, the sampling rules the REPL's /set also follows, and bounded reading of
+text from files and standard input.
+
+Every other module in pyllm/cli imports this one and no other cli module (main dispatches to the subcommand
+modules; none of them imports main). At the top it imports only the standard library and light pyllm modules
+(errors, registry): `pyllm --help` imports it and must stay fast; torch comes with the first model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from dataclasses import dataclass, fields
+from typing import Callable
+
+from .. import registry
+from ..errors import PyllmError
+
+# ---- sampling settings: the rules of the flags and of the REPL's /set ---------------------------------------------
+
+class SettingError(ValueError):
+    """A sampling setting outside its range (from /set, or from a command line flag)."""
+
+
+def _finite_float(text) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(text)
+    return v
+
+
+def _strict_int(text) -> int:
+    if isinstance(text, float):  # int(1.5) would silently truncate a value the user meant as given
+        raise ValueError(text)
+    return int(text)
+
+
+def _seed(text):
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "random", "off", "-1")):
+        return None
+    if isinstance(text, int) and not isinstance(text, bool) and text == -1:  # --seed -1: random, as in llama.cpp
+        return None
+    return _strict_int(text)
+
+
+# name -> (parser, check, what a valid value is). The ranges match SamplerSettings.validate, so a value that
+# passes here never fails later in the middle of a reply.
+RULES: dict[str, tuple[Callable, Callable, str]] = {
+    "temperature": (_finite_float, lambda v: v >= 0, "a number >= 0 (0 = greedy)"),
+    "top_k": (_strict_int, lambda v: v >= 0, "an integer >= 0 (0 = off)"),
+    "top_p": (_finite_float, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
+    "min_p": (_finite_float, lambda v: 0 <= v < 1, "a number in [0, 1) (0 = off)"),
+    "seed": (_seed, lambda v: v is None or 0 <= v < 2**63, "an integer >= 0, or 'random'"),
+    "max_tokens": (_strict_int, lambda v: v >= 1, "an integer >= 1"),
+    "repeat_penalty": (_finite_float, lambda v: v > 0, "a number > 0 (1 = off)"),
+}
+ALIASES = {"temp": "temperature", "t": "temperature", "k": "top_k", "p": "top_p", "n": "max_tokens",
+           "num_predict": "max_tokens", "max": "max_tokens"}
+FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
+         "max_tokens": "-n/--max-tokens", "repeat_penalty": "--repeat-penalty"}
+
+
+def canonical_setting(name: str) -> str:
+    key = name.strip().lower().replace("-", "_")
+    key = ALIASES.get(key, key)
+    if key not in RULES:
+        raise SettingError(f"unknown setting {name!r}; one of: temp, {', '.join(k for k in RULES if k != 'temperature')}")
+    return key
+
+
+def parse_setting(name: str, value) -> tuple[str, object]:
+    """(canonical name, checked value) from a name and a string (or an already typed value)."""
+    key = canonical_setting(name)
+    parse, check, want = RULES[key]
+    label = "temp" if key == "temperature" else key
+    try:
+        v = parse(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise SettingError(f"{label} must be {want}, got {value!r}") from None
+    if not check(v):
+        raise SettingError(f"{label} must be {want}, got {value!r}")
+    return key, v
+
+
+@dataclass
+class Settings:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int | None = None
+    max_tokens: int = 512
+    repeat_penalty: float = 1.0
+
+    @classmethod
+    def from_args(cls, a) -> "Settings":
+        """Checks every flag before the model loads, so a typo fails in a second, naming the flag."""
+        s = cls()
+        for f in fields(cls):
+            attr = {"temperature": "temp"}.get(f.name, f.name)
+            if not hasattr(a, attr):
+                continue
+            try:
+                s.set(f.name, getattr(a, attr))
+            except SettingError as e:
+                raise SettingError(f"argument {FLAGS[f.name]}: {e}") from None
+        return s
+
+    def set(self, name: str, value) -> str:
+        key, v = parse_setting(name, value)
+        setattr(self, key, v)
+        return key
+
+    def sampling(self, seed_offset: int = 0) -> dict:
+        seed = None if self.seed is None else (self.seed + seed_offset) % 2**63
+        return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed,
+                    repeat_penalty=self.repeat_penalty)
+
+    def describe(self) -> str:
+        seed = "random" if self.seed is None else self.seed
+        return (f"temp {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}, min_p {self.min_p:g}, "
+                f"seed {seed}, max_tokens {self.max_tokens}, repeat_penalty {self.repeat_penalty:g}")
+
+
+# ---- arguments -----------------------------------------------------------------------------------------------------
+
+def add_model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    kw = dict(nargs="?", default=registry.DEFAULT_MODEL) if optional else {}
+    p.add_argument("model", help=f"a .gguf file or a registry name ({', '.join(registry.REGISTRY)})", **kw)
+
+
+def add_runtime_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("runtime")
+    g.add_argument("--ctx", "-c", type=int, default=4096, help="context length in tokens (default 4096)")
+    g.add_argument("--kv", default="f16", metavar="TYPE",
+                   help="KV cache type for keys and values: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot "
+                        "(Hadamard-rotated 4-bit), or KEY/VALUE such as f16/q4_rot")
+    g.add_argument("--kv-k", "-ctk", default=None, metavar="TYPE", help="key cache type (overrides --kv for keys)")
+    g.add_argument("--kv-v", "-ctv", default=None, metavar="TYPE",
+                   help="value cache type (overrides --kv for values)")
+    g.add_argument("--context-policy", default=None, choices=["stop", "shift"],
+                   help="when the context is full: stop with a message, or shift (drop the oldest turns after the "
+                        "system prompt, or the oldest prompt tokens, and re-prefill). Default: shift for chat, "
+                        "stop for run")
+    g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: physical cores)")
+    add_device_arg(g)
+    add_backend_arg(g)
+    g.add_argument("--plain-template", action="store_true",
+                   help="format chats with pyllm's plain template instead of the file's own chat template")
+
+
+DEVICES = ("cpu", "cuda", "auto")
+
+
+def device_choice(text: str) -> str:
+    """--device's value: cpu, cuda, cuda:N (one GPU of several) or auto; anything else is a usage error naming
+    the choices. Which device auto means is pyllm.load's decision, not the command line's."""
+    value = text.strip().lower()
+    if value in DEVICES or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(DEVICES)}, or cuda:N)")
+
+
+def add_device_arg(g, default: str | None = "auto", help: str | None = None) -> None:
+    g.add_argument("--device", type=device_choice, default=default, metavar="{" + ",".join(DEVICES) + "}",
+                   help=help or "where the model runs: cpu, cuda (cuda:N for one GPU of several), or auto (default: "
+                                "the GPU when one is usable and its kernels build, else the CPU)")
+
+
+def add_backend_arg(g) -> None:
+    g.add_argument("--backend", default="fast", choices=["fast", "reference"],
+                   help="CPU kernels: fast (default) or reference (float32 torch, for checking accuracy)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=default_n, help=f"tokens to generate (default {default_n})")
+    g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="min-p (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="RNG seed (same seed, same text)")
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec", default=None, choices=["none", "lookup", "draft"],
+                   help="speculative decoding: lookup (drafts copied from the prompt and the text so far) or draft "
+                        "(a draft model, --draft); the output distribution is unchanged (default: none)")
+    g.add_argument("--spec-k", type=int, default=None, metavar="K",
+                   help="most tokens drafted per step, 1..7 (default 7; fewer while acceptance is low)")
+    g.add_argument("--spec-ngram", type=int, default=None, metavar="N",
+                   help="prompt lookup: longest suffix matched, tried down to 1 (default 4)")
+    g.add_argument("--draft", default=None, metavar="MODEL",
+                   help="draft model for --spec draft (same tokenizer; --spec defaults to draft when given)")
+
+
+def spec_kwargs(a) -> dict:
+    """LLM.spec_options from --spec*: speculative=/spec_k=/spec_ngram= (only those given)."""
+    spec = getattr(a, "spec", None)
+    if spec is None and getattr(a, "draft", None):
+        spec = "draft"
+    out = {} if spec is None else dict(speculative=spec)
+    if getattr(a, "spec_k", None) is not None:
+        out["spec_k"] = a.spec_k
+    if getattr(a, "spec_ngram", None) is not None:
+        out["spec_ngram"] = a.spec_ngram
+    return out
+
+
+def sampling_kwargs(a) -> dict:
+    return dict(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed,
+                repeat_penalty=a.repeat_penalty)
+
+
+def kv_kind_from_args(a) -> str:
+    """--kv, with --kv-k / --kv-v overriding its key or value half: the cache kind string ("q8_0", "f16/q4_rot")."""
+    from ..runtime.kv_cache import join_kind, split_kind
+
+    k, v = split_kind(a.kv)
+    return join_kind(getattr(a, "kv_k", None) or k, getattr(a, "kv_v", None) or v)
+
+
+def load_from_args(a, context_policy: str = "stop"):
+    """pyllm.load with the runtime flags of run, chat and serve (--device passed through as given), the chat
+    template chosen, and speculation set for every generation."""
+    import pyllm
+
+    llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
+                     backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False),
+                     context_policy=getattr(a, "context_policy", None) or context_policy,
+                     draft=getattr(a, "draft", None))
+    if getattr(a, "plain_template", False):
+        llm.use_fallback_template()
+    elif getattr(llm.template, "is_fallback", False) and (getattr(a, "command", None) == "chat"
+                                                          or getattr(a, "chat", False)):
+        print(f"pyllm: warning: {llm.path.name} has no chat template (a base model?); chats use a plain "
+              f"fallback format, and replies may just continue the text", file=sys.stderr)
+    llm.spec_options = spec_kwargs(a)  # every generation of this run/chat speculates as --spec* say
+    return llm
+
+
+def runtime_info(llm) -> dict:
+    """Where a loaded model runs, for banners, /show, --json and bench rows: its backend's own description
+    ({"device", "backend", and "isa" on the CPU or "gpu" on CUDA}) where the model holds a backend that
+    describes itself, else the LLM's device and backend names with the CPU kernel ISA in use."""
+    backend = getattr(getattr(llm, "model", None), "backend", None)
+    if callable(getattr(backend, "describe", None)):
+        return dict(backend.describe())
+    rt = {"device": str(llm.device), "backend": llm.backend}
+    if rt["device"] == "cpu" and llm.backend == "fast":
+        from .. import ops
+
+        rt["isa"] = ops.get_isa()
+    return rt
+
+
+def runtime_label(llm) -> str:
+    """runtime_info as one phrase: 'cpu (fast, avx2 kernels)'."""
+    from ..info import format_runtime
+
+    return format_runtime(runtime_info(llm))
+
+
+def read_stdin_text(limit: int = 64 << 20) -> str:
+    """Standard input as text: at most ``limit`` bytes (a bigger prompt could not fit any context anyway), and
+    bytes that are not UTF-8 replaced by U+FFFD with a note (as the tokenizer does with lone surrogates)."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a StringIO in tests
+        return sys.stdin.read(limit)
+    data = stream.read(limit + 1)
+    if len(data) > limit:
+        raise PyllmError(f"standard input is larger than {limit >> 20} MiB; give a shorter prompt")
+    return decode_utf8(data, "standard input")
+
+
+def decode_utf8(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        print(f"pyllm: note: {what} is not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); invalid "
+              f"bytes were replaced by U+FFFD", file=sys.stderr)
+        return data.decode("utf-8", errors="replace")
+
+
+def read_bounded(path, what: str, limit: int) -> bytes:
+    """The bytes of a file, at most ``limit`` of them: a device or FIFO (/dev/zero) or a huge file is refused
+    after ``limit`` bytes instead of being read until memory runs out. PyllmError naming ``what`` and the file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise PyllmError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+    if len(data) > limit:
+        raise PyllmError(f"{what} {path}: larger than {limit >> 20} MiB")
+    return data
+
+
+def read_text_arg(path: str, what: str, limit: int = 1 << 20, strict: bool = True) -> str:
+    """The text of a FILE argument ('-' = standard input), at most ``limit`` bytes (a schema or grammar is small;
+    a text to score is bigger, never unbounded). Bytes that are not UTF-8 are an error naming the flag and file
+    when ``strict`` (a schema must mean what it says), else U+FFFD with a note (a text to score)."""
+    if path == "-":
+        return read_stdin_text(limit)
+    data = read_bounded(path, what, limit)
+    if not strict:
+        return decode_utf8(data, f"{what} {path}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PyllmError(f"{what} {path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+
+
+# ---- numeric flags: checked for every subcommand before anything is loaded --------------------------------------
+
+# dest -> (flag as the user wrote it, lowest, highest or None); a value of None means "the default".
+NUMERIC_FLAGS = {
+    "ctx": ("--ctx", 0, 1 << 24),
+    "threads": ("--threads", 1, None),
+    "chunks": ("--chunks", 1, None),
+}  # bench checks its own -p/-n/-d/-r (pyllm/cli/bench.py), as input errors (exit 1)
+
+
+def max_threads() -> int:
+    """More threads than this only thrashes (and at some count the OpenMP runtime fails with its own text)."""
+    return 4 * (os.cpu_count() or 1)
+
+
+def check_numeric_args(a) -> None:
+    """SettingError naming the flag for any numeric flag out of range (argparse checks only that it parses: it
+    takes -1, 10**9, nan and inf). Sampling flags follow the REPL's /set rules (RULES above), so `run`, `chat`
+    and /set accept the same values; --seed -1 means random everywhere."""
+    for dest, (flag, lo, hi) in NUMERIC_FLAGS.items():
+        v = getattr(a, dest, None)
+        if v is None:
+            continue
+        if dest == "threads":
+            hi = max_threads()
+        if dest == "ctx" and getattr(a, "command", None) == "perplexity":
+            lo = 16  # a chunk scores its second half
+        if (isinstance(v, float) and not math.isfinite(v)) or v < lo or (hi is not None and v > hi):
+            rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            extra = f" ({os.cpu_count()} CPUs here)" if dest == "threads" else ""
+            extra += " (0 = the model's own)" if dest == "ctx" and lo == 0 else ""
+            raise SettingError(f"argument {flag}: must be {rng}{extra}, got {v}")
+    if getattr(a, "command", None) in ("run", "chat") and hasattr(a, "temp"):
+        Settings.from_args(a)  # names the flag; same rules as /set
+        if a.seed is not None and a.seed == -1:
+            a.seed = None  # random, like chat
+
