@@ -39,7 +39,8 @@ struct Tables {
             if (!s.fn[0]) s = cpu::row_kernel_avx2_kquants(q);
             if (!s.fn[0]) s = cpu::row_kernel_avx2_awq(q);
             k[1][t] = s.fn[0] ? s : k[0][t];
-            const RowKernel v = cpu::row_kernel_avx512(q);
+            // Even the table lookup is compiled for AVX-512 (its file's target pragma): ask only a CPU that has it.
+            const RowKernel v = cpu_isa_available(Isa::Avx512) ? cpu::row_kernel_avx512(q) : RowKernel{};
             k[2][t] = k[3][t] = v.fn[0] ? v : k[1][t];
             const RowKernel g16 = cpu::row_kernel_generic_x16(q), a16 = cpu::row_kernel_avx2_x16(q);
             x16[0][t] = g16.fn[0] ? g16 : k[0][t];
