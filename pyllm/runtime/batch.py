@@ -180,7 +180,7 @@ class PromptCache:
     def _layout(kv) -> str:
         shapes = [[list(b.shape[:2]) + list(b.shape[3:]) if b is p.data else list(b.shape) for b in p.buffers]
                   for p in kv.parts]
-        return json.dumps({"kind": kv.kind, "max_seq": kv.max_seq, "shapes": shapes})
+        return json.dumps({"kind": kv.kind, "shapes": shapes})  # rows per file vary; the context size does not matter
 
     def _read_header(self, p: Path) -> _Entry | None:
         from safetensors import safe_open
@@ -193,7 +193,7 @@ class PromptCache:
             if meta.get("model_sha256") != self.sha:
                 raise ValueError("made for another model")
             if meta.get("layout") != self.layout:
-                raise ValueError("made for another KV cache type or context size")
+                raise ValueError("made for another KV cache type")
             tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
             if not tokens or len(tokens) % PREFILL_CHUNK:
                 raise ValueError("bad token count")
