@@ -120,3 +120,53 @@ def test_reused_prefix_gives_a_fresh_prefill_bits():
             pass
         s.lg = lg
     assert torch.equal(b.lg, c.lg)
+
+
+def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
+    model, cfg = llm.model, llm.config
+
+    def slot_for(text):
+        s = batch.Slot(0, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+        ids = llm.tokenize(text * 12)
+        while batch.prefill_chunk(model, s, ids) is None:
+            pass
+        return s, ids
+
+    template = make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
+    cache = batch.PromptCache(tmp_path, "ab" * 32, template)
+    a, ids_a = slot_for("Rivers run to the sea. ")
+    cache.save(a)
+    size = next(iter(cache.entries.values())).size
+    cache.max_bytes = 2 * size + size // 2  # room for two files
+    for text in ("Stones sit by the road. ", "Lanterns glow at night. "):
+        cache.save(slot_for(text)[0])
+    assert len(cache.entries) == 2 and not any(e.tokens == tuple(ids_a[:len(e.tokens)]) for e in cache.entries.values())
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+    # a reload reads the headers; a hit restores the rows and statistics exactly (means, scales, sink rows)
+    b, ids_b = slot_for("Stones sit by the road. ")
+    again = batch.PromptCache(tmp_path, "ab" * 32, template)
+    e, n = again.best(ids_b)
+    assert n == batch.reusable(len(ids_b), len(ids_b), len(e.tokens)) and n >= batch.PREFILL_CHUNK
+    fresh = batch.Slot(1, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+    assert again.load_into(e, fresh, n)
+    for pb, pf in zip(b.kv.parts, fresh.kv.parts):
+        for xb, xf in zip(pb.buffers, pf.buffers):
+            if xb is pb.data:
+                assert torch.equal(xb[:, :, :n], xf[:, :, :n])
+            else:
+                assert torch.equal(xb, xf)
+    assert fresh.tokens == ids_b[:n] and fresh.kv.means_ready()
+
+    # another model's file, another cache kind, a damaged file: one log line each, then ignored
+    capsys.readouterr()
+    assert batch.PromptCache(tmp_path, "cd" * 32, template).entries == {}
+    other_kind = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
+    assert batch.PromptCache(tmp_path, "ab" * 32, other_kind).entries == {}
+    err = capsys.readouterr().err
+    assert err.count("another model") == 2 and err.count("another KV cache type") == 2
+    victim = e.path
+    victim.write_bytes(victim.read_bytes()[:-100])
+    assert not again.load_into(e, fresh, n) and fresh.tokens == [] and victim not in again.entries
+    assert "ignoring" in capsys.readouterr().err
