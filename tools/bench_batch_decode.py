@@ -30,7 +30,8 @@ def main(argv=None) -> int:
     rows = [int(x) for x in a.rows.split(",")]
     llm = pyllm.load(a.model, n_ctx=a.prompt_tokens + a.steps + 8, n_threads=a.threads or None, quiet=True)
     cfg, model = llm.config, llm.model
-    ids = (llm.tokenize("The river ran past the old stone mill and on to the sea. ") * a.prompt_tokens)[:a.prompt_tokens]
+    text = "The river ran past the old stone mill and on to the sea. "
+    ids = llm.tokenize(text * (a.prompt_tokens // 8 + 1))[:a.prompt_tokens]
     slots = [batch.Slot(i, make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, llm.n_ctx, cfg.head_dim))
              for i in range(max(rows))]
     for s in slots:

@@ -300,7 +300,7 @@ class Request:
     ("error", exception)."""
     ids: list[int]
     max_tokens: int
-    sampler: object  # runtime.sampler.Sampler (the engine's own copy: see SlotRuntime)
+    sampler: object  # a runtime.sampler.Sampler used by the engine thread only (callers on other threads pass a copy)
     cancel: threading.Event = field(default_factory=threading.Event)
     also_cancel: threading.Event | None = None  # a second event that stops it (the HTTP client's)
     out: queue.Queue = field(default_factory=queue.Queue)
