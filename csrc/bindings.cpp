@@ -563,6 +563,61 @@ void decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const T
 }
 
 
+// One token of each of B sequences, each with its own DecodeContext (its KV cache) built over the same weights:
+// tokens/positions int64 [B], 1 <= B <= GEMV_MAX_M; logits_out f32 [B, n_vocab].  Runs on ctxs[0]'s scratch.
+void decode_batch(const std::vector<DecodeContext*>& ctxs, const Tensor& tokens, const Tensor& positions,
+                  const Tensor& logits_out) {
+    const char* fn = "decode_batch";
+    const int64_t B = static_cast<int64_t>(ctxs.size());
+    TORCH_CHECK_VALUE(B >= 1 && B <= pyllm::GEMV_MAX_M, fn, ": ", B, " sequences; it takes 1..", pyllm::GEMV_MAX_M);
+    check_tensor(fn, "tokens", tokens, at::kLong, 1);
+    check_tensor(fn, "positions", positions, at::kLong, 1);
+    TORCH_CHECK_VALUE(tokens.size(0) == B && positions.size(0) == B, fn, ": tokens and positions need ", B,
+                      " entries (one per context), got ", tokens.size(0), " and ", positions.size(0));
+    const pyllm::DecodeModel& m0 = ctxs[0]->model;
+    const pyllm::DecodeConfig& c = m0.cfg;
+    const int64_t* tk = tokens.data_ptr<int64_t>();
+    const int64_t* ps = positions.data_ptr<int64_t>();
+    std::vector<const pyllm::DecodeModel*> seqs(B);
+    int pos[pyllm::GEMV_MAX_M];
+    const int64_t limit = std::min(c.max_seq, c.max_pos);
+    for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK_VALUE(ctxs[b] != nullptr, fn, ": context ", b, " is None");
+        const pyllm::DecodeModel& m = ctxs[b]->model;
+        // Same weights (every matrix), sizes and cache length as context 0: only the caches differ.
+        bool same = m.layers.size() == m0.layers.size() && m.token_embd.data == m0.token_embd.data &&
+                    m.output.data == m0.output.data && m.cfg.n_layer == c.n_layer && m.cfg.n_vocab == c.n_vocab &&
+                    m.cfg.max_seq == c.max_seq && m.cfg.max_pos == c.max_pos && m.cfg.n_kv_head == c.n_kv_head &&
+                    m.cfg.head_dim == c.head_dim;
+        for (size_t i = 0; same && i < m.layers.size(); ++i) {
+            const pyllm::DecodeLayer &L = m.layers[i], &L0 = m0.layers[i];
+            same = L.wq.data == L0.wq.data && L.wk.data == L0.wk.data && L.wv.data == L0.wv.data &&
+                   L.wo.data == L0.wo.data && L.wgate.data == L0.wgate.data && L.wup.data == L0.wup.data &&
+                   L.wdown.data == L0.wdown.data;
+        }
+        TORCH_CHECK_VALUE(same, fn, ": context ", b, " was built over other weights or sizes than context 0");
+        for (int64_t j = 0; j < b; ++j)
+            TORCH_CHECK_VALUE(m.k_cache.data != ctxs[j]->model.k_cache.data &&
+                                  m.v_cache.data != ctxs[j]->model.v_cache.data,
+                              fn, ": contexts ", j, " and ", b, " share a KV cache (one token per sequence)");
+        TORCH_CHECK_INDEX(tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows, fn, ": token ", tk[b], " (row ", b,
+                          ") is out of range for ", ctxs[b]->vocab_rows, " embedding rows");
+        TORCH_CHECK_INDEX(ps[b] >= 0 && ps[b] < limit, fn, ": pos ", ps[b], " (row ", b,
+                          ") is out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ",
+                          c.max_pos);
+        seqs[b] = &m;
+        pos[b] = static_cast<int>(ps[b]);
+    }
+    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, fn, ": logits_out must be float32, got ",
+                     c10::toString(logits_out.scalar_type()));
+    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == B * c.n_vocab,
+                      fn, ": logits_out must be a contiguous CPU tensor of ", B, " x ", c.n_vocab,
+                      " values, got shape ", logits_out.sizes());
+    pybind11::gil_scoped_release nogil;
+    pyllm::decode_batch_cpu(seqs.data(), ctxs[0]->scratch, tk, pos, static_cast<int>(B), logits_out.data_ptr<float>());
+}
+
+
 // The decode step's attention for tests: q [H, hd] f32 over all S rows of k [Hkv, S, row] / v (types as
 // check_kv_rows), scale -> out [H, hd] in the storage basis (no rotation, no means).  scalar: the reference loop.
 Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k_type, int64_t v_type, double scale,
@@ -688,6 +743,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("decode_steps", &decode_steps,
           "1..GEMV_MAX_M tokens at pos.. through all layers in one pass (K/V stored at each) -> logits_out",
           py::arg("ctx"), py::arg("tokens"), py::arg("pos"), py::arg("logits_out"), py::arg("all_logits") = true);
+    m.def("decode_batch", &decode_batch,
+          "one token of each of 1..GEMV_MAX_M sequences (own DecodeContext / KV cache each) in one pass -> logits_out",
+          py::arg("ctxs"), py::arg("tokens"), py::arg("positions"), py::arg("logits_out"));
     m.def("kv_attention", &kv_attention, "decode attention of q [H, hd] over KV rows k/v [Hkv, S, row] (tests)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_type"), py::arg("v_type"), py::arg("scale"),
           py::arg("scalar") = false);

@@ -162,6 +162,13 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
 void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos, float* logits,
                       bool all_logits);
 
+// One token of each of B (1..GEMV_MAX_M) sequences in one pass: seqs[b] supplies row b's KV cache (k_cache,
+// v_cache; every other field is read from seqs[0], whose weights and config all share), tokens[b] goes to
+// position pos[b] of it.  logits: [B, n_vocab].  Caller checked the tokens, positions and that the seqs share
+// weights, config and max_seq, and that no cache appears twice.
+void decode_batch_cpu(const DecodeModel* const* seqs, DecodeScratch& s, const int64_t* tokens, const int* pos, int B,
+                      float* logits);
+
 // ---- CUDA ------------------------------------------------------------------------------------------------
 // The CUDA launchers live in csrc/cuda/cuda_kernels.h (they need cuda_runtime.h for cudaStream_t); their
 // bindings register themselves through pyllm::register_cuda (bindings.cpp, under PYLLM_CUDA).

@@ -1,9 +1,11 @@
 """Load generator for `pyllm serve`: C concurrent streaming chat clients over loopback, for each C in --streams.
 
-Per level it prints aggregate generated tok/s (all streams' tokens / wall time), per-stream decode tok/s (a stream's
-tokens after its first / the time after its first) and time to first token (p50, max). Standard library only.
+Per level it prints aggregate generated tok/s (all streams' tokens / wall time, prefill included), aggregate decode
+tok/s (tokens after each stream's first / from the first stream's first token to the last stream's end), per-stream
+decode tok/s (a stream's tokens after its first / the time after its first), time to first token (p50, max), and
+each aggregate's ratio to the first level's. Standard library only.
 
-    python tools/load_test.py --spawn smollm2-135m --streams 1,2,4,8 --prompt-tokens 200 -n 64
+    python tools/load_test.py --spawn smollm2-135m --serve-args "--parallel 8 --threads 1" --streams 1,2,4,8
     python tools/load_test.py --url http://127.0.0.1:8080 --model smollm2-135m     # a server already running
 """
 
@@ -75,8 +77,10 @@ def level(url: str, model: str, streams: int, n_words: int, max_tokens: int, key
         raise RuntimeError("a stream did not finish")
     ttft = [r["first"] - r["start"] for r in results]
     per = [(r["tokens"] - 1) / (r["end"] - r["first"]) for r in results if r["tokens"] > 1 and r["end"] > r["first"]]
+    span = max(r["end"] for r in results) - min(r["first"] for r in results)
     return dict(streams=streams, prompt_tokens=statistics.mean(r["prompt_tokens"] for r in results),
                 aggregate_tps=sum(r["tokens"] for r in results) / wall,
+                aggregate_tg_tps=sum(max(r["tokens"] - 1, 0) for r in results) / span if span > 0 else 0.0,
                 per_stream_tps=statistics.median(per) if per else 0.0,
                 ttft_p50=statistics.median(ttft), ttft_max=max(ttft), wall=wall)
 
@@ -121,13 +125,19 @@ def main(argv=None) -> int:
         n_words = max(1, int(a.prompt_tokens / 1.3) - 20)  # about 1.3 tokens per word, ~20 for the template
         level(a.url, a.model, 1, n_words, 4, a.api_key, 99)  # warm-up: extension, caches
         if not a.json:
-            print(f"{'streams':>7} {'prompt':>7} {'agg tok/s':>10} {'per-stream':>11} {'TTFT p50':>9} {'TTFT max':>9}")
+            print(f"{'streams':>7} {'prompt':>7} {'agg tok/s':>10} {'ratio':>6} {'agg tg':>8} {'ratio':>6} "
+                  f"{'per-stream':>11} {'TTFT p50':>9} {'TTFT max':>9}")
+        base = None
         for i, c in enumerate(int(x) for x in a.streams.split(",")):
             r = level(a.url, a.model, c, n_words, a.max_tokens, a.api_key, i)
+            base = base or r
+            r["ratio"] = r["aggregate_tps"] / base["aggregate_tps"] if base["aggregate_tps"] else 0.0
+            r["tg_ratio"] = r["aggregate_tg_tps"] / base["aggregate_tg_tps"] if base["aggregate_tg_tps"] else 0.0
             if a.json:
                 print(json.dumps(r))
             else:
-                print(f"{c:>7} {r['prompt_tokens']:>7.0f} {r['aggregate_tps']:>10.1f} {r['per_stream_tps']:>11.1f} "
+                print(f"{c:>7} {r['prompt_tokens']:>7.0f} {r['aggregate_tps']:>10.1f} {r['ratio']:>5.2f}x "
+                      f"{r['aggregate_tg_tps']:>8.1f} {r['tg_ratio']:>5.2f}x {r['per_stream_tps']:>11.1f} "
                       f"{r['ttft_p50']:>8.2f}s {r['ttft_max']:>8.2f}s", flush=True)
     finally:
         if proc:

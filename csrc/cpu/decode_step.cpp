@@ -10,6 +10,11 @@
 // tokens this way): each GEMV reads its weights once for all M rows, and everything else is the one-token code
 // applied row by row, so row m computes what a one-token step at pos + m would, except for the GEMV's summation
 // order, which its row kernels choose per M.
+//
+// decode_batch_cpu runs one token of each of B <= GEMV_MAX_M independent sequences (a server's concurrent
+// requests) the same way: one GEMV pass over the weights for all rows, attention of each row over its own cache.
+// The GEMV row kernels give each row the same bits for every M, so a row's logits equal its sequence's one-token
+// step's (tests/test_decode_batch.py).
 #include <omp.h>
 
 #include <algorithm>
@@ -71,8 +76,12 @@ void DecodeScratch::resize(const DecodeModel& m) {
     sink.assign(static_cast<size_t>(c.n_head) * (c.head_dim + 3), 0.f);
 }
 
-void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos0, float* logits,
-                      bool all_logits) {
+namespace {
+
+// The rows' shared body: row r is tokens[r] at position pos[r] of the cache caches[r] (K/V parts); the weights
+// are read once for all M rows, attention is per row over its own cache.
+void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, const int* pos_of,
+                 const KVPart* const* caches, float* logits, bool all_logits) {
     const DecodeConfig& c = m.cfg;
     const int D = c.n_embd, H = c.n_head, Hkv = c.n_kv_head, hd = c.head_dim, F = c.n_ff;
     const int group = H / Hkv;
@@ -97,9 +106,11 @@ void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tok
         gemv(L.wq, h0b, q0, M, H * hd, D);
         gemv(L.wk, h0b, k0, M, Hkv * hd, D);
         gemv(L.wv, h0b, v0, M, Hkv * hd, D);
-      // Rows in order: row r stores K/V at pos0 + r, then attends over keys up to there (rows < r stored).
+      // Rows in order: row r stores K/V at pos_of[r], then attends over its cache's keys up to there (for
+      // consecutive tokens of one sequence, rows < r are stored by then).
       for (int r = 0; r < M; ++r) {
-        const int pos = pos0 + r;
+        const int pos = pos_of[r];
+        const KVPart* const* kvp = caches + 2 * r;  // [K, V] of this row's cache
         float* q = q0 + static_cast<size_t>(r) * H * hd;
         float* k = k0 + static_cast<size_t>(r) * Hkv * hd;
         float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
@@ -130,7 +141,7 @@ void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tok
         for (int hh = 0; hh < Hkv; ++hh) {
             const size_t row = (lrow + hh) * c.max_seq + pos;
             for (int part = 0; part < 2; ++part) {
-                const KVPart& P = part ? m.v_cache : m.k_cache;
+                const KVPart& P = *kvp[part];
                 const float* x = (part ? v : k) + static_cast<size_t>(hh) * hd;
                 if (P.mu) {
                     const float* mu = P.mu + (lrow + hh) * hd;
@@ -155,8 +166,8 @@ void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tok
         // keys (centered keys need nothing: softmax ignores the per-query shift q . mu_k), then o R + mu_v for
         // rotated / centered values.  At pos 0 the Python path attends to the fresh fp32 K/V (not their rounded
         // cache copies): one key, so the output is v itself.
-        const KVPart& KP = m.k_cache;
-        const KVPart& VP = m.v_cache;
+        const KVPart& KP = *kvp[0];
+        const KVPart& VP = *kvp[1];
         // Tasks: (kv head, half of its query group) -- each converts a stored row once for its heads (GQA), and
         // two halves per KV head keep both cores busy when there are few KV heads.
         const int split = group >= 2 ? 2 : 1;
@@ -272,6 +283,30 @@ void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tok
         const float cap = c.final_softcap;
         for (size_t i = 0; i < static_cast<size_t>(n_out) * c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
     }
+}
+
+}  // namespace
+
+void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos0, float* logits,
+                      bool all_logits) {
+    int pos[GEMV_MAX_M];
+    const KVPart* caches[2 * GEMV_MAX_M];
+    for (int r = 0; r < M; ++r) {
+        pos[r] = pos0 + r;
+        caches[2 * r] = &m.k_cache;
+        caches[2 * r + 1] = &m.v_cache;
+    }
+    decode_rows(m, s, tokens, M, pos, caches, logits, all_logits);
+}
+
+void decode_batch_cpu(const DecodeModel* const* seqs, DecodeScratch& s, const int64_t* tokens, const int* pos, int B,
+                      float* logits) {
+    const KVPart* caches[2 * GEMV_MAX_M];
+    for (int b = 0; b < B; ++b) {
+        caches[2 * b] = &seqs[b]->k_cache;
+        caches[2 * b + 1] = &seqs[b]->v_cache;
+    }
+    decode_rows(*seqs[0], s, tokens, B, pos, caches, logits, true);
 }
 
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {

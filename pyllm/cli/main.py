@@ -184,9 +184,8 @@ def cmd_serve(a) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise PyllmError(f"pyllm serve needs the server extra ({e.name} is missing): pip install \"pyllm[serve]\"")
-    if a.parallel != 1:
-        raise PyllmError("--parallel above 1 (batched decoding of several requests) is not available yet; "
-                         "requests are served one at a time in arrival order")
+    if not 1 <= a.parallel <= 64:
+        raise PyllmError(f"--parallel must be in 1..64 (sequences decoded together), got {a.parallel}")
     if not 0 <= a.port <= 65535:
         raise PyllmError(f"--port must be in 0..65535, got {a.port}")
     import socket
@@ -201,7 +200,7 @@ def cmd_serve(a) -> int:
     llm = load_from_args(a)
     name = a.model if a.model in registry.REGISTRY else llm.path.name
     serve(llm, a.alias or name, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PYLLM_API_KEY"),
-          max_body=a.max_body)
+          max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache)
     return 0
 
 
@@ -263,7 +262,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PYLLM_API_KEY, else none)")
     s.add_argument("--alias", default=None, help="model id clients use (default: the registry name or file name)")
-    s.add_argument("--parallel", "-np", type=int, default=1, help="sequences generated at once (only 1 for now)")
+    s.add_argument("--parallel", "-np", type=int, default=1,
+                   help="requests decoded together in one batched step, each with its own KV slot (default 1: one "
+                        "at a time, with speculative decoding)")
+    s.add_argument("--prompt-cache", default=None, metavar="DIR",
+                   help="keep prompt prefixes' KV in DIR across restarts (at most 1 GiB, least recently used go)")
     s.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes (default 8 MiB)")
     add_runtime_args(s)
     s.set_defaults(func=cmd_serve)

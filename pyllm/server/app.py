@@ -20,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import api
 from ..api import BadRequest
 from ..errors import ContextFullError, PyllmError
-from .scheduler import DONE, Job, Scheduler
+from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -62,6 +63,7 @@ class Metrics:
         self.decode_tps = 0.0
         self.busy_seconds = 0.0
         self.cancelled = 0
+        self.engine = None  # the BatchEngine with --parallel > 1 or a prompt cache
 
     def request(self, route: str, status: int) -> None:
         with self.lock:
@@ -79,10 +81,15 @@ class Metrics:
              [("", self.cached_tokens)]),
             ("pyllm_prompt_cache_hits_total", "counter", "requests that reused a cached prefix",
              [("", self.cache_hits)]),
+            ("pyllm_prompt_cache_disk_hits_total", "counter", "requests whose prefix was read from --prompt-cache",
+             [("", self.engine.disk_hits if self.engine else 0)]),
             ("pyllm_decode_tokens_per_second", "gauge", "decode speed of the last request", [("", self.decode_tps)]),
             ("pyllm_busy_seconds_total", "counter", "seconds the model worker spent on requests",
              [("", round(self.busy_seconds, 3))]),
-            ("pyllm_queue_depth", "gauge", "requests waiting for the model", [("", scheduler.depth)]),
+            ("pyllm_queue_depth", "gauge", "requests waiting for the model",
+             [("", scheduler.depth + (self.engine.waiting if self.engine else 0))]),
+            ("pyllm_slots_busy", "gauge", "KV slots holding a running request",
+             [("", self.engine.active if self.engine else scheduler.busy)]),
             ("pyllm_requests_processing", "gauge", "requests being generated now", [("", scheduler.busy)]),
         ]
         out = []
@@ -92,18 +99,45 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
-def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES) -> Starlette:
-    """The ASGI app serving ``llm`` under the model id ``model_name``."""
+def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30):
+    """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
+    directory ``prompt_cache`` (or None)."""
+    from ..runtime.batch import BatchEngine, PromptCache, file_sha256
+    from ..runtime.kv_cache import make_kv_cache
+
+    cfg = llm.config
+    device = llm.kv.k_part.data.device
+    disk = None
+    if prompt_cache is not None:
+        try:
+            disk = PromptCache(prompt_cache, file_sha256(llm.path),
+                               make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim, device),
+                               max_bytes=prompt_cache_bytes)
+        except OSError as e:
+            raise PyllmError(f"--prompt-cache {prompt_cache}: {e.strerror or e}") from None
+    return BatchEngine(llm.model, llm.kv.kind, llm.n_ctx, parallel, llm.tokenizer.is_eog, device=device,
+                       prompt_cache=disk, nonfinite=llm._nonfinite_error)
+
+
+def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, parallel: int = 1,
+               prompt_cache=None) -> Starlette:
+    """The ASGI app serving ``llm`` under the model id ``model_name``. ``parallel`` > 1 or a ``prompt_cache``
+    directory: requests run in a BatchEngine of that many KV slots (pyllm/runtime/batch.py); else one at a time
+    through the LLM itself (which speculates on greedy requests)."""
     metrics = Metrics()
+    engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if parallel > 1 or prompt_cache else None
 
     last_stats = [llm.stats]
 
     def on_done(job: Job, seconds: float) -> None:
         # Counted from the generator's own statistics, so a cancelled stream's tokens count too; a job that
         # generated nothing (an error, an embedding) leaves the same stats object behind.
-        st = llm.stats
-        fresh = st is not last_stats[0]
-        last_stats[0] = st
+        if job.view is not None:
+            st, fresh = job.view.stats, job.view.generated
+        else:
+            st = llm.stats
+            fresh = st is not last_stats[0]
+            last_stats[0] = st
         with metrics.lock:
             metrics.busy_seconds += seconds
             metrics.cancelled += job.cancel.is_set()
@@ -116,7 +150,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                 if st.decode_tps:
                     metrics.decode_tps = st.decode_tps
 
-    scheduler = Scheduler(on_done)
+    scheduler = Scheduler(on_done, workers=parallel + 1 if engine else 1)
     created = int(time.time())
     names = {model_name, llm.path.name, llm.path.stem}
 
@@ -164,8 +198,14 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         data = await read_json(request)
         stream = bool(data.get("stream"))
         data.pop("cancel", None)  # pyllm's own keyword, not a request parameter
-        fn = getattr(llm, fn_name)
-        job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
+        if engine is None:
+            fn = getattr(llm, fn_name)
+            job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
+        else:
+            cancel = threading.Event()
+            view = EngineLLM(llm, engine, cancel)
+            fn = getattr(api, fn_name)
+            job = scheduler.submit(lambda c: fn(view, **data, cancel=c), cancel=cancel, view=view)
         try:
             first = await next_item(request, job)
         except asyncio.CancelledError:
@@ -209,7 +249,10 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         data = await read_json(request)
         if "input" not in data:
             raise APIError(400, "missing required parameter 'input'", "input")
-        job = scheduler.submit(lambda cancel: llm.create_embedding(**data))
+        if engine is None:
+            job = scheduler.submit(lambda cancel: llm.create_embedding(**data))
+        else:  # on the engine's thread, between its steps: one thread runs the model
+            job = scheduler.submit(lambda cancel: engine.call(lambda: llm.create_embedding(**data)))
         try:
             kind, value = await next_item(request, job)
         except asyncio.CancelledError:
@@ -275,6 +318,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     async def lifespan(app):
         yield
         scheduler.close()
+        if engine is not None:
+            engine.close()
 
     app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_error}, lifespan=lifespan)
@@ -284,14 +329,17 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_body: int = MAX_BODY_BYTES) -> None:
+          max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None) -> None:
     import sys
 
     import uvicorn
 
-    app = create_app(llm, model_name, api_key=api_key, max_body=max_body)
+    app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
+                     prompt_cache=prompt_cache)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    print(f"pyllm serve: {model_name} on http://{host}:{port}/v1 (context {llm.n_ctx}, KV {llm.kv.kind})",
+    slots = f", {parallel} slots" if parallel > 1 else ""
+    cache = f", prompt cache {prompt_cache}" if prompt_cache else ""
+    print(f"pyllm serve: {model_name} on http://{host}:{port}/v1 (context {llm.n_ctx}, KV {llm.kv.kind}{slots}{cache})",
           file=sys.stderr, flush=True)
     server.run()

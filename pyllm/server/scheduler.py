@@ -1,19 +1,28 @@
-"""The one thread that touches the model.
+"""The worker threads between the event loop and the model.
 
-An LLM is not thread-safe (one KV cache, one generation loop), and the event loop must never block on a forward
-pass, so every request becomes a Job that the worker thread runs to completion, in arrival order. A job's
-results travel back to the event loop through an asyncio.Queue; a job whose client went away is cancelled at
-its next item (for a stream: the next token).
+The event loop must never block on a forward pass, so every request becomes a Job that a worker thread runs to
+completion, in arrival order. With one worker (``--parallel 1``) that thread is the only one that touches the
+LLM (one KV cache, one generation loop). With several, each job generates through ``EngineLLM``: the LLM as
+pyllm/api.py sees it, except that its tokens come from the BatchEngine (pyllm/runtime/batch.py), whose one
+thread decodes every running request together. A job's results travel back to the event loop through an
+asyncio.Queue; a job whose client went away is cancelled at its next item (for a stream: the next token), or
+while it waits for a slot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from ..llm import check_int, check_sampling
+from ..runtime.batch import BatchEngine, Request
+from ..runtime.generator import GenerationStats
+from ..runtime.sampler import Sampler, SamplerSettings
 
 DONE = object()  # end of a job's items
 
@@ -25,32 +34,39 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("item", dict) | ("error", exc) | DONE
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
+    view: Any = None  # the EngineLLM the job generates through (its stats), or None: the LLM itself
 
     def put(self, x) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, x)
 
 
 class Scheduler:
-    def __init__(self, on_done: Callable[[Job, float], None] | None = None):
+    def __init__(self, on_done: Callable[[Job, float], None] | None = None, workers: int = 1):
         self._q: queue.Queue[Job | None] = queue.Queue()
         self.on_done = on_done
-        self.busy = 0  # jobs running now (0 or 1)
-        self._thread = threading.Thread(target=self._loop, name="pyllm-worker", daemon=True)
-        self._thread.start()
+        self.busy = 0  # jobs running now (0..workers)
+        self._busy_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, name=f"pyllm-worker-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
 
     @property
     def depth(self) -> int:
         """Jobs waiting for the worker."""
         return self._q.qsize()
 
-    def submit(self, fn: Callable[[threading.Event], Any]) -> Job:
-        job = Job(fn, asyncio.get_running_loop())
+    def submit(self, fn: Callable[[threading.Event], Any], cancel: threading.Event | None = None,
+               view=None) -> Job:
+        job = Job(fn, asyncio.get_running_loop(), cancel=cancel or threading.Event(), view=view)
         self._q.put(job)
         return job
 
     def close(self) -> None:
-        self._q.put(None)
-        self._thread.join(timeout=10)
+        for _ in self._threads:
+            self._q.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
 
     def _loop(self) -> None:
         while True:
@@ -59,12 +75,14 @@ class Scheduler:
                 return
             if job.cancel.is_set():
                 continue
-            self.busy = 1
+            with self._busy_lock:
+                self.busy += 1
             t0 = time.monotonic()
             try:
                 self._run(job)
             finally:
-                self.busy = 0
+                with self._busy_lock:
+                    self.busy -= 1
                 if self.on_done:
                     self.on_done(job, time.monotonic() - t0)
 
@@ -85,3 +103,59 @@ class Scheduler:
         except Exception as e:  # reported to the client as an error object; the worker keeps serving
             job.put(("error", e))
         job.put(DONE)
+
+
+class EngineLLM:
+    """An LLM whose generate_tokens runs in the BatchEngine: what pyllm/api.py needs of an LLM (tokenizer,
+    template, chat_ids, n_ctx, ... delegated), with ``stats`` of this one generation. One per request;
+    ``cancel`` (the job's) also stops the request while it waits for a free slot."""
+
+    def __init__(self, llm, engine: BatchEngine, cancel: threading.Event):
+        self._llm, self._engine, self._cancel = llm, engine, cancel
+        self._req: Request | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._req.stats if self._req is not None else GenerationStats()
+
+    @property
+    def generated(self) -> bool:
+        return self._req is not None
+
+    def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
+                        top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
+                        sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
+                        constraint=None, **sampling):
+        """As LLM.generate_tokens (without speculation: the batch is the speedup here)."""
+        from ..runtime.constraint import make_constraint
+
+        llm = self._llm
+        ids = llm._check_ids(ids)
+        max_tokens = check_int("max_tokens", max_tokens, 0)
+        constraint = make_constraint(lambda: llm.grammar_vocab, json_schema, grammar, constraint)
+        if sampler is None:
+            sampler = Sampler(SamplerSettings(**check_sampling(dict(
+                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling))))
+        if constraint is not None:
+            sampler.constraint = constraint
+        for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
+            sampler.accept(t)
+        # The engine samples with a shallow copy (same RNG, penalty window and grammar state): its
+        # last_logprobs is then its own, and this thread hands each token's to ``sampler`` as it yields it.
+        req = self._req = Request(list(ids), max_tokens, copy.copy(sampler), also_cancel=self._cancel)
+        self._engine.submit(req)
+        try:
+            while True:
+                kind, *value = req.out.get()
+                if kind == "token":
+                    sampler.last_logprobs = value[1]
+                    yield value[0]
+                elif kind == "error":
+                    raise value[0]
+                else:
+                    return
+        finally:
+            req.cancel.set()  # a consumer that stopped early (a stop string) frees the slot at the next step

@@ -1,0 +1,541 @@
+"""Several sequences generated at once over one model: KV slots, a batched decode step, a prompt cache.
+
+Decode is bandwidth-bound: one token of B sequences through the extension's ``decode_batch`` reads every weight
+once for all B rows (csrc/cpu/decode_step.cpp), so B streams cost about what one does. ``BatchEngine`` runs one
+thread that owns the model: it admits requests into free ``Slot``s (each its own KV cache), prefills them in
+chunks interleaved with batched decode steps of the running ones (streams keep flowing while a long prompt is
+read), samples every row with that request's own sampler, and frees the slot when a request ends or is cancelled.
+
+Prompt reuse never changes a result. A prompt is prefilled in chunks that start at multiples of PREFILL_CHUNK,
+and only rows of such whole chunks are ever reused (from the slot itself, copied from another slot, or read from
+the on-disk ``PromptCache``), so the last partial chunk is always recomputed exactly as a fresh prefill would
+compute it: a request's logits are bit-identical whether its prefix came from a cache or not, and whatever else
+runs beside it (the batched step gives each row the one-sequence step's bits).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import ops
+from ..errors import ContextFullError, PyllmError
+from .generator import GenerationStats
+from .kv_cache import make_kv_cache
+
+PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
+MAX_BATCH = 8  # rows of one decode_batch call (the GEMV kernels' GEMV_MAX_M)
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def reusable(common: int, n_ids: int, exact: int) -> int:
+    """Rows of a cache that a prompt of ``n_ids`` tokens may reuse: whole prefill chunks within the ``common``
+    prefix and the cache's ``exact`` rows, leaving at least the last prompt token to evaluate (its logits)."""
+    n = min(common, n_ids - 1, exact)
+    return n - n % PREFILL_CHUNK
+
+
+class Slot:
+    """One sequence's KV cache. ``tokens``: the tokens whose K/V rows it holds, in order; ``exact``: how many
+    leading rows came from whole aligned prefill chunks (what may be reused, see the module docstring)."""
+
+    def __init__(self, index: int, kv):
+        self.index = index
+        self.kv = kv
+        self.tokens: list[int] = []
+        self.exact = 0
+        self.busy = False
+        self.last_used = 0.0
+        self._ctx = None  # (k storage tensor, DecodeContext or None)
+
+    def context(self, model):
+        """The extension's DecodeContext for this slot's cache (built once), or None where the C++ step does not
+        apply (another backend or device, or a centered cache whose means are not estimated yet)."""
+        part = self.kv.k_part.data
+        if self._ctx is None or self._ctx[0] is not part:
+            make = getattr(model, "_make_decode_ctx", None)
+            self._ctx = (part, make(self.kv) if make is not None else None)
+        return self._ctx[1] if self._ctx[1] is not None and self.kv.means_ready() else None
+
+    def copy_prefix(self, src: "Slot", n: int) -> None:
+        """Rows 0..n-1 of ``src`` (and its statistics: means, key scales, sink rows) into this slot."""
+        copy_kv_prefix(src.kv, self.kv, n)
+        self.tokens = src.tokens[:n]
+        self.exact = n
+
+
+def copy_kv_prefix(src, dst, n: int) -> None:
+    for sp, dp in zip(src.parts, dst.parts):
+        for sb, db in zip(sp.buffers, dp.buffers):
+            if sb is sp.data:
+                db[:, :, :n].copy_(sb[:, :, :n])
+            else:
+                db.copy_(sb)
+    dst.mu_set = list(src.mu_set)
+
+
+def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
+    """Logits [B, n_vocab] of tokens[b] appended to slots[b] (K/V stored at len(slots[b].tokens)); the slots'
+    token lists are extended. One decode_batch call per MAX_BATCH rows where every slot has a C++ context; a row
+    without one runs model.forward alone."""
+    out = []
+    with torch.inference_mode():
+        for i in range(0, len(slots), MAX_BATCH):
+            group, toks = slots[i:i + MAX_BATCH], tokens[i:i + MAX_BATCH]
+            ctxs = [s.context(model) for s in group]
+            for s in group:
+                s.kv._check(len(s.tokens), 1)
+            if all(c is not None for c in ctxs):
+                logits = torch.empty(len(group), ctxs[0].n_vocab)
+                ops._C.decode_batch(ctxs, torch.tensor(toks, dtype=torch.int64),
+                                    torch.tensor([len(s.tokens) for s in group], dtype=torch.int64), logits)
+                out.append(logits)
+            else:
+                out += [model.forward(torch.tensor([t], dtype=torch.int64), len(s.tokens), s.kv)[-1:].float()
+                        for s, t in zip(group, toks)]
+            for s, t in zip(group, toks):
+                s.tokens.append(t)
+    return torch.cat(out)
+
+
+def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
+    """Evaluates the next chunk of ``ids`` past the slot's tokens (it must hold a prefix of ids), ending at the
+    next multiple of PREFILL_CHUNK or at the end of ids. Returns the logits [n_vocab] after the last prompt token
+    once it is evaluated, else None."""
+    pos = len(slot.tokens)
+    end = min(len(ids), (pos // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+    chunk = ids[pos:end]
+    slot.kv._check(pos, len(chunk))
+    with torch.inference_mode():
+        logits = model.forward(torch.tensor(chunk, dtype=torch.int64), pos, slot.kv)
+    slot.tokens.extend(chunk)
+    if end % PREFILL_CHUNK == 0 and slot.exact == pos:
+        slot.exact = end
+    return logits[-1].float() if end == len(ids) else None
+
+
+# ------------------------------------------------------------------------------------------------ disk cache
+FORMAT = "pyllm-prompt-cache/1"
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _log(msg: str) -> None:
+    print(f"pyllm serve: prompt cache: {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class _Entry:
+    path: Path
+    tokens: tuple
+    size: int
+    used: float
+
+
+class PromptCache:
+    """KV prefixes on disk across restarts: one safetensors file per prefix (a slot's rows 0..n-1 and its
+    statistics), named by sha256(model sha256, tokens) and labelled with the model's sha256, the cache kind and
+    shape and the tokens. Bounded: past ``max_bytes`` the least recently used files are deleted. A file that is
+    unreadable, truncated, or from another model or cache layout is named in one log line and ignored."""
+
+    def __init__(self, directory, model_sha256: str, kv_template, max_bytes: int = 1 << 30):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.sha = model_sha256
+        self.max_bytes = max_bytes
+        self.layout = self._layout(kv_template)
+        self.entries: dict[Path, _Entry] = {}
+        self.lock = threading.Lock()
+        for p in sorted(self.dir.glob("*.safetensors")):
+            e = self._read_header(p)
+            if e is not None:
+                self.entries[p] = e
+
+    @staticmethod
+    def _layout(kv) -> str:
+        shapes = [[list(b.shape[:2]) + list(b.shape[3:]) if b is p.data else list(b.shape) for b in p.buffers]
+                  for p in kv.parts]
+        return json.dumps({"kind": kv.kind, "shapes": shapes})  # rows per file vary; the context size does not matter
+
+    def _read_header(self, p: Path) -> _Entry | None:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata() or {}
+            if meta.get("format") != FORMAT:
+                raise ValueError("not a pyllm prompt-cache file")
+            if meta.get("model_sha256") != self.sha:
+                raise ValueError("made for another model")
+            if meta.get("layout") != self.layout:
+                raise ValueError("made for another KV cache type")
+            tokens = tuple(int(t) for t in json.loads(meta["tokens"]))
+            if not tokens or len(tokens) % PREFILL_CHUNK:
+                raise ValueError("bad token count")
+            st = p.stat()
+            return _Entry(p, tokens, st.st_size, st.st_mtime)
+        except Exception as e:  # any damage: the file is skipped, the server goes on
+            _log(f"ignoring {p}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return None
+
+    def best(self, ids: list[int]) -> tuple[_Entry | None, int]:
+        """The entry with the most reusable rows for ``ids`` and that count."""
+        with self.lock:
+            best, n = None, 0
+            for e in self.entries.values():
+                k = reusable(common_prefix(e.tokens, ids), len(ids), len(e.tokens))
+                if k > n:
+                    best, n = e, k
+            return best, n
+
+    def load_into(self, e: _Entry, slot: Slot, n: int) -> bool:
+        """Rows 0..n-1 of entry ``e`` into ``slot``; False (logged, entry dropped) when the file is damaged."""
+        from safetensors.torch import load_file
+
+        kv = slot.kv
+        try:
+            t = load_file(str(e.path))
+            for i, part in enumerate(kv.parts):
+                for j, b in enumerate(part.buffers):
+                    src = t[f"p{i}b{j}"]
+                    want = list(b.shape[:2]) + [len(e.tokens)] + list(b.shape[3:]) if b is part.data else list(b.shape)
+                    if list(src.shape) != want or src.dtype != b.dtype:
+                        raise ValueError(f"tensor p{i}b{j} has shape {list(src.shape)} {src.dtype}, expected {want}")
+            for i, part in enumerate(kv.parts):
+                for j, b in enumerate(part.buffers):
+                    src = t[f"p{i}b{j}"]
+                    if b is part.data:
+                        b[:, :, :n].copy_(src[:, :, :n])
+                    else:
+                        b.copy_(src)
+            kv.mu_set = [True] * kv.n_layer if kv.centered else kv.mu_set
+        except Exception as ex:
+            _log(f"ignoring {e.path}: {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}")
+            with self.lock:
+                self.entries.pop(e.path, None)
+            slot.tokens, slot.exact = [], 0
+            return False
+        slot.tokens, slot.exact = list(e.tokens[:n]), n
+        e.used = time.time()
+        try:
+            os.utime(e.path)
+        except OSError:
+            pass
+        return True
+
+    def save(self, slot: Slot) -> None:
+        """Keeps the slot's reusable rows unless a stored entry already covers them."""
+        n = slot.exact - slot.exact % PREFILL_CHUNK
+        if n < PREFILL_CHUNK:
+            return
+        tokens = tuple(slot.tokens[:n])
+        with self.lock:
+            if any(len(e.tokens) >= n and e.tokens[:n] == tokens for e in self.entries.values()):
+                return
+        from safetensors.torch import save_file
+
+        kv = slot.kv
+        t = {f"p{i}b{j}": (b[:, :, :n] if b is part.data else b).contiguous().clone()
+             for i, part in enumerate(kv.parts) for j, b in enumerate(part.buffers)}
+        name = hashlib.sha256((self.sha + json.dumps(tokens)).encode()).hexdigest()[:40] + ".safetensors"
+        path = self.dir / name
+        tmp = path.with_suffix(".tmp")
+        meta = {"format": FORMAT, "model_sha256": self.sha, "layout": self.layout, "tokens": json.dumps(tokens)}
+        try:
+            save_file(t, str(tmp), metadata=meta)
+            os.replace(tmp, path)
+        except OSError as e:
+            _log(f"cannot write {path}: {e}")
+            return
+        with self.lock:
+            # a shorter entry this one extends is now redundant
+            for p, e in list(self.entries.items()):
+                if tokens[:len(e.tokens)] == e.tokens:
+                    self._delete(p)
+            self.entries[path] = _Entry(path, tokens, path.stat().st_size, time.time())
+            total = sum(e.size for e in self.entries.values())
+            for e in sorted(self.entries.values(), key=lambda e: e.used):
+                if total <= self.max_bytes:
+                    break
+                total -= e.size
+                self._delete(e.path)
+
+    def _delete(self, p: Path) -> None:
+        self.entries.pop(p, None)
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+@dataclass
+class Request:
+    """One generation in the engine. Items on ``out``: ("token", id, logprobs or None), then ("end", None) or
+    ("error", exception)."""
+    ids: list[int]
+    max_tokens: int
+    sampler: object  # a runtime.sampler.Sampler used by the engine thread only (callers on other threads pass a copy)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    also_cancel: threading.Event | None = None  # a second event that stops it (the HTTP client's)
+    out: queue.Queue = field(default_factory=queue.Queue)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    slot: Slot | None = None
+    n: int = 0  # tokens generated so far
+    last: int | None = None  # the last generated token, not yet in the cache
+    t0: float = field(default_factory=time.perf_counter)
+    t1: float = 0.0
+
+    def cancelled(self) -> bool:
+        return self.cancel.is_set() or (self.also_cancel is not None and self.also_cancel.is_set())
+
+
+class BatchEngine:
+    """Up to ``n_slots`` generations at once over ``model`` (see the module docstring). is_eog(id) ends one;
+    nonfinite(logits) makes the error for logits with NaN/Inf. ``prompt_cache``: a PromptCache or None."""
+
+    def __init__(self, model, kv_kind: str, n_ctx: int, n_slots: int, is_eog: Callable[[int], bool],
+                 device="cpu", prompt_cache: PromptCache | None = None,
+                 nonfinite: Callable[[torch.Tensor], Exception] | None = None):
+        if n_slots < 1:
+            raise PyllmError(f"the number of parallel sequences must be >= 1, got {n_slots}")
+        cfg = model.cfg
+        self.model, self.n_ctx, self.is_eog = model, n_ctx, is_eog
+        self.slots = [Slot(i, make_kv_cache(kv_kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim, device))
+                      for i in range(n_slots)]
+        self.disk = prompt_cache
+        self.nonfinite = nonfinite or (lambda lg: PyllmError("the model produced non-finite logits"))
+        self.cache_hits = self.cached_tokens = self.disk_hits = 0
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: list[Request] = []
+        self._prefilling: list[Request] = []
+        self._decoding: list[Request] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="pyllm-batch", daemon=True)
+        self._thread.start()
+
+    # ---- called from other threads ----------------------------------------------------------------------------
+    def submit(self, req: Request) -> Request:
+        if len(req.ids) >= self.n_ctx:
+            raise ContextFullError(f"the prompt has {len(req.ids)} tokens but the context holds {self.n_ctx}; "
+                                   f"use a larger n_ctx (--ctx) or a shorter prompt")
+        self._inbox.put(req)
+        return req
+
+    def call(self, fn: Callable[[], object]):
+        """Runs fn() on the engine thread between steps (anything else that uses the model) and returns its
+        result or raises its exception."""
+        box: queue.Queue = queue.Queue()
+        self._inbox.put((fn, box))
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
+
+    @property
+    def active(self) -> int:
+        return len(self._prefilling) + len(self._decoding)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting) + self._inbox.qsize()
+
+    def close(self) -> None:
+        self._stop = True
+        self._inbox.put(None)
+        self._thread.join(timeout=10)
+
+    # ---- the engine thread -------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            try:
+                self._take(block=not (self.active or self._waiting))
+                self._drop_cancelled()
+                self._admit()
+                if self._prefilling:
+                    self._prefill_step(self._prefilling[0])
+                if self._decoding:
+                    self._decode_step()
+            except Exception as e:  # a bug must not kill the engine silently: fail what runs, keep serving
+                for r in self._prefilling + self._decoding:
+                    self._finish(r, error=e)
+
+    def _take(self, block: bool) -> None:
+        while True:
+            try:
+                item = self._inbox.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return
+            block = False
+            if item is None:
+                self._stop = True
+                return
+            if isinstance(item, tuple):
+                fn, box = item
+                try:
+                    box.put((True, fn()))
+                except Exception as e:
+                    box.put((False, e))
+            else:
+                self._waiting.append(item)
+
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self._waiting if r.cancelled()]:
+            self._waiting.remove(r)
+            r.stats.finish_reason = "interrupted"
+            r.out.put(("end", None))
+        for r in [r for r in self._prefilling + self._decoding if r.cancelled()]:
+            self._finish(r)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            free = [s for s in self.slots if not s.busy]
+            if not free:
+                return
+            r = self._waiting.pop(0)
+            ids = r.ids
+            # the free slot with the longest reusable prefix (ties: the least recently used keeps its rows)
+            own = max(free, key=lambda s: (reusable(common_prefix(s.tokens, ids), len(ids), s.exact),
+                                           -s.last_used))
+            keep = reusable(common_prefix(own.tokens, ids), len(ids), own.exact)
+            donor = max((s for s in self.slots if s.busy), default=None,
+                        key=lambda s: reusable(common_prefix(s.tokens, ids), len(ids), s.exact))
+            dk = reusable(common_prefix(donor.tokens, ids), len(ids), donor.exact) if donor else 0
+            slot = own
+            slot.busy = True
+            slot.last_used = time.monotonic()
+            if dk > keep:
+                slot.copy_prefix(donor, dk)
+                keep = dk
+            if self.disk is not None:
+                e, n = self.disk.best(ids)
+                if e is not None and n > keep and self.disk.load_into(e, slot, n):
+                    keep = n
+                    self.disk_hits += 1
+            del slot.tokens[keep:]
+            slot.exact = min(slot.exact, keep)
+            r.slot = slot
+            r.stats = GenerationStats(prompt_tokens=len(ids), prompt_evaluated=len(ids) - keep)
+            r.stats.finish_reason = "interrupted"
+            if keep:
+                self.cache_hits += 1
+                self.cached_tokens += keep
+            self._prefilling.append(r)
+
+    def _prefill_step(self, r: Request) -> None:
+        try:
+            logits = prefill_chunk(self.model, r.slot, r.ids)
+        except Exception as e:
+            self._finish(r, error=e)
+            return
+        if logits is None:
+            return
+        self._prefilling.remove(r)
+        r.stats.prompt_seconds = time.perf_counter() - r.t0
+        if r.max_tokens == 0:
+            r.stats.finish_reason = "length"
+            self._finish(r)
+            return
+        self._decoding.append(r)
+        self._emit(r, logits)
+
+    def _decode_step(self) -> None:
+        feed = []
+        for r in list(self._decoding):
+            forced = self._forced(r)
+            if forced is not None:  # the grammar is complete: its end token follows without a forward pass
+                self._emit(r, None, forced)
+            else:
+                feed.append(r)
+        if not feed:
+            return
+        try:
+            logits = decode_rows(self.model, [r.slot for r in feed], [r.last for r in feed])
+        except Exception as e:
+            for r in feed:
+                self._finish(r, error=e)
+            return
+        for r, lg in zip(feed, logits):
+            self._emit(r, lg)
+
+    @staticmethod
+    def _forced(r: Request):
+        c = getattr(r.sampler, "constraint", None)
+        return c.end_token() if c is not None else None
+
+    def _emit(self, r: Request, logits: torch.Tensor | None, tok: int | None = None) -> None:
+        """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops."""
+        try:
+            if tok is None:
+                if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
+                    raise self.nonfinite(logits)
+                tok = r.sampler.sample(logits)
+                lp = r.sampler.last_logprobs if getattr(r.sampler, "logprobs", None) is not None else None
+            else:
+                lp = None
+        except Exception as e:
+            self._finish(r, error=e)
+            return
+        st = r.stats
+        now = time.perf_counter()
+        if r.n == 0:
+            st.ttft = now - r.t0
+            r.t1 = now
+        st.generated_tokens += 1
+        if self.is_eog(tok):
+            reason = "eog"
+        elif r.n + 1 == r.max_tokens:
+            reason = "length"
+        elif len(r.ids) + r.n + 1 > self.n_ctx:  # tok would be cached at position len(ids) + n
+            reason = "context"
+        else:
+            reason = "interrupted"
+        st.finish_reason = reason
+        st.decode_seconds = now - r.t1
+        r.n += 1
+        r.last = tok
+        r.out.put(("token", tok, lp))
+        if reason != "interrupted":
+            self._finish(r)
+
+    def _finish(self, r: Request, error: Exception | None = None) -> None:
+        for lst in (self._prefilling, self._decoding):
+            if r in lst:
+                lst.remove(r)
+        s = r.slot
+        if s is not None and s.busy:
+            s.busy = False
+            s.last_used = time.monotonic()
+            if error is not None:  # the cache may be half-written: nothing in it is trusted
+                s.tokens, s.exact = [], 0
+            elif self.disk is not None:
+                try:
+                    self.disk.save(s)
+                except Exception as e:
+                    _log(f"not saved: {type(e).__name__}: {e}")
+        r.out.put(("error", error) if error is not None else ("end", None))

@@ -1,0 +1,172 @@
+"""The batched decode step (csrc/cpu/decode_step.cpp decode_batch_cpu) and the engine's slots (runtime/batch.py).
+
+Reference: the one-sequence step ``decode_step`` on each sequence alone. The GEMV row kernels give a row the same
+bits for every row count, and everything else in the step is per row, so row b of a batch must equal its
+sequence's own step bit for bit (tolerance 0), for every fixture and cache kind, with the sequences at different
+positions.
+"""
+
+import pytest
+import torch
+
+import pyllm
+from pyllm import ops
+from pyllm.runtime import batch
+from pyllm.runtime.kv_cache import make_kv_cache
+
+from conftest import pyllm_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _extension():
+    """These tests are about the extension: a build that fails is a failure (PyllmError), never a skip."""
+    pyllm._ext.load()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ", "Once upon a time, in a small village by the sea,",
+           "1, 2, 3, 4,", "Water boils at", "The quick brown fox", "import numpy as np\n", "Dear Sir or Madam,"]
+
+
+def _slots(llm, kind, n, n_ctx=160):
+    cfg, model = llm.config, llm.model
+    slots = []
+    for i in range(n):
+        s = batch.Slot(i, make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim))
+        ids = llm.tokenize(PROMPTS[i % len(PROMPTS)] * (1 + i % 3))  # different lengths: different positions
+        while batch.prefill_chunk(model, s, ids) is None:
+            pass
+        slots.append(s)
+    return slots
+
+
+def _clone(slots):
+    out = []
+    for s in slots:
+        c = batch.Slot(s.index, make_kv_cache(s.kv.kind, s.kv.n_layer, s.kv.n_kv_head, s.kv.max_seq, s.kv.head_dim))
+        c.copy_prefix(s, len(s.tokens))
+        out.append(c)
+    return out
+
+
+@pytest.mark.parametrize("key,kinds", [("smollm2", ["f16", "f32", "q8_0", "q4_rot/f16"]),
+                                       ("qwen2", ["f16", "q4_0"]), ("gemma3", ["f16", "q8_0/q4_0"])])
+def test_batch_rows_equal_single_steps(key, kinds):
+    llm = pyllm_model(key, n_ctx=256, n_threads=1)
+    model = llm.model
+    for kind in kinds:
+        for n in (1, 3, 8):
+            alone = _slots(llm, kind, n)
+            together = _clone(alone)
+            assert all(s.context(model) is not None for s in together), "the C++ step does not apply"
+            toks = [int(llm.tokenize("x")[-1]) + i for i in range(n)]
+            for step in range(3):
+                ref = []
+                for s, t in zip(alone, toks):
+                    lg = torch.empty(model.cfg.n_vocab)
+                    ops._C.decode_step(s.context(model), t, len(s.tokens), lg)
+                    s.tokens.append(t)
+                    ref.append(lg)
+                got = batch.decode_rows(model, together, toks)
+                assert got.shape == (n, model.cfg.n_vocab)
+                for b in range(n):
+                    assert torch.equal(got[b], ref[b]), f"{key} {kind} B={n} step {step} row {b} differs"
+                toks = [int(r.argmax()) for r in ref]
+
+
+def test_batch_binding_checks():
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+    model = llm.model
+    a, b = _slots(llm, "f16", 2)
+    ca, cb = a.context(model), b.context(model)
+    out = torch.empty(2, model.cfg.n_vocab)
+    pos = torch.tensor([len(a.tokens), len(b.tokens)])
+    with pytest.raises(ValueError, match="share a KV cache"):
+        ops._C.decode_batch([ca, ca], torch.tensor([1, 2]), pos, out)
+    with pytest.raises(IndexError, match="out of range"):
+        ops._C.decode_batch([ca, cb], torch.tensor([1, 2]), torch.tensor([0, 10_000]), out)
+    with pytest.raises(IndexError, match="token"):
+        ops._C.decode_batch([ca, cb], torch.tensor([1, 10**9]), pos, out)
+    with pytest.raises(ValueError, match="logits_out"):
+        ops._C.decode_batch([ca, cb], torch.tensor([1, 2]), pos, torch.empty(3))
+    with pytest.raises(ValueError, match="sequences"):
+        ops._C.decode_batch([ca] * 9, torch.tensor([1] * 9), torch.tensor([0] * 9), torch.empty(9, 1))
+    other = pyllm_model("qwen2", n_ctx=256, n_threads=1)
+    s = _slots(other, "f16", 1)[0]
+    with pytest.raises(ValueError, match="other weights"):
+        ops._C.decode_batch([ca, s.context(other.model)], torch.tensor([1, 2]), pos, out)
+
+
+def test_reused_prefix_gives_a_fresh_prefill_bits():
+    """A prompt whose whole chunks come from another slot's cache gets the same first logits as from scratch."""
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
+    model, cfg = llm.model, llm.config
+    ids = llm.tokenize("Once upon a time, in a small village by the sea, there lived an old fisherman. " * 8)
+    assert len(ids) > 2 * batch.PREFILL_CHUNK
+
+    def fresh_slot():
+        return batch.Slot(0, make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+
+    a = fresh_slot()
+    while (ref := batch.prefill_chunk(model, a, ids)) is None:
+        pass
+    other = ids[:batch.PREFILL_CHUNK * 2 + 5] + llm.tokenize(" and a dog")
+    b = fresh_slot()
+    n = batch.reusable(batch.common_prefix(a.tokens, other), len(other), a.exact)
+    assert n == 2 * batch.PREFILL_CHUNK
+    b.copy_prefix(a, n)
+    c = fresh_slot()
+    for s in (b, c):
+        while (lg := batch.prefill_chunk(model, s, other)) is None:
+            pass
+        s.lg = lg
+    assert torch.equal(b.lg, c.lg)
+
+
+def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
+    model, cfg = llm.model, llm.config
+
+    def slot_for(text):
+        s = batch.Slot(0, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+        ids = llm.tokenize(text * 12)
+        while batch.prefill_chunk(model, s, ids) is None:
+            pass
+        return s, ids
+
+    template = make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
+    cache = batch.PromptCache(tmp_path, "ab" * 32, template)
+    a, ids_a = slot_for("Rivers run to the sea. ")
+    cache.save(a)
+    size = next(iter(cache.entries.values())).size
+    cache.max_bytes = 2 * size + size // 2  # room for two files
+    for text in ("Stones sit by the road. ", "Lanterns glow at night. "):
+        cache.save(slot_for(text)[0])
+    assert len(cache.entries) == 2 and not any(e.tokens == tuple(ids_a[:len(e.tokens)]) for e in cache.entries.values())
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+    # a reload reads the headers; a hit restores the rows and statistics exactly (means, scales, sink rows)
+    b, ids_b = slot_for("Stones sit by the road. ")
+    again = batch.PromptCache(tmp_path, "ab" * 32, template)
+    e, n = again.best(ids_b)
+    assert n == batch.reusable(len(ids_b), len(ids_b), len(e.tokens)) and n >= batch.PREFILL_CHUNK
+    fresh = batch.Slot(1, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+    assert again.load_into(e, fresh, n)
+    for pb, pf in zip(b.kv.parts, fresh.kv.parts):
+        for xb, xf in zip(pb.buffers, pf.buffers):
+            if xb is pb.data:
+                assert torch.equal(xb[:, :, :n], xf[:, :, :n])
+            else:
+                assert torch.equal(xb, xf)
+    assert fresh.tokens == ids_b[:n] and fresh.kv.means_ready()
+
+    # another model's file, another cache kind, a damaged file: one log line each, then ignored
+    capsys.readouterr()
+    assert batch.PromptCache(tmp_path, "cd" * 32, template).entries == {}
+    other_kind = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
+    assert batch.PromptCache(tmp_path, "ab" * 32, other_kind).entries == {}
+    err = capsys.readouterr().err
+    assert err.count("another model") == 2 and err.count("another KV cache type") == 2
+    victim = e.path
+    victim.write_bytes(victim.read_bytes()[:-100])
+    assert not again.load_into(e, fresh, n) and fresh.tokens == [] and victim not in again.entries
+    assert "ignoring" in capsys.readouterr().err
