@@ -249,9 +249,9 @@ def load():
     _cuda_built = cuda
     _module = mod
     sys.modules["pyllm._C"] = mod  # `pyllm._C.set_isa(...)` etc. once loaded
-    import pyllm
-
-    pyllm._C = mod
+    # The package is already imported (this module is inside it); reaching it through sys.modules keeps _ext a
+    # leaf of the import graph.
+    sys.modules[__package__]._C = mod
     return mod
 
 

@@ -32,7 +32,6 @@ import torch
 from .. import ops
 from ..errors import ContextFullError, PyllmError
 from .generator import GenerationStats
-from .kv_cache import make_kv_cache
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
 MAX_BATCH = 8  # rows of one decode_batch call (the GEMV kernels' GEMV_MAX_M)
@@ -65,16 +64,11 @@ class Slot:
         self.exact = 0
         self.busy = False
         self.last_used = 0.0
-        self._ctx = None  # (k storage tensor, DecodeContext or None)
 
     def context(self, model):
         """The extension's DecodeContext for this slot's cache (built once), or None where the C++ step does not
         apply (another backend or device, or a centered cache whose means are not estimated yet)."""
-        part = self.kv.k_part.data
-        if self._ctx is None or self._ctx[0] is not part:
-            make = getattr(model, "_make_decode_ctx", None)
-            self._ctx = (part, make(self.kv) if make is not None else None)
-        return self._ctx[1] if self._ctx[1] is not None and self.kv.means_ready() else None
+        return model.decode_context(self.kv)
 
     def copy_prefix(self, src: "Slot", n: int) -> None:
         """Rows 0..n-1 of ``src`` (and its statistics: means, key scales, sink rows) into this slot."""
@@ -320,13 +314,13 @@ class BatchEngine:
     nonfinite(logits) makes the error for logits with NaN/Inf. ``prompt_cache``: a PromptCache or None."""
 
     def __init__(self, model, kv_kind: str, n_ctx: int, n_slots: int, is_eog: Callable[[int], bool],
-                 device="cpu", prompt_cache: PromptCache | None = None,
+                 prompt_cache: PromptCache | None = None,
                  nonfinite: Callable[[torch.Tensor], Exception] | None = None):
         if n_slots < 1:
             raise PyllmError(f"the number of parallel sequences must be >= 1, got {n_slots}")
         cfg = model.cfg
         self.model, self.n_ctx, self.is_eog = model, n_ctx, is_eog
-        self.slots = [Slot(i, make_kv_cache(kv_kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim, device))
+        self.slots = [Slot(i, model.backend.make_kv_cache(kv_kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim))
                       for i in range(n_slots)]
         self.disk = prompt_cache
         self.nonfinite = nonfinite or (lambda lg: PyllmError("the model produced non-finite logits"))

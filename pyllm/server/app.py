@@ -103,19 +103,17 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
     """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
     directory ``prompt_cache`` (or None)."""
     from ..runtime.batch import BatchEngine, PromptCache, file_sha256
-    from ..runtime.kv_cache import make_kv_cache
 
     cfg = llm.config
-    device = llm.kv.k_part.data.device
     disk = None
     if prompt_cache is not None:
         try:
             disk = PromptCache(prompt_cache, file_sha256(llm.path),
-                               make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim, device),
+                               llm.model.backend.make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim),
                                max_bytes=prompt_cache_bytes)
         except OSError as e:
             raise PyllmError(f"--prompt-cache {prompt_cache}: {e.strerror or e}") from None
-    return BatchEngine(llm.model, llm.kv.kind, llm.n_ctx, parallel, llm.tokenizer.is_eog, device=device,
+    return BatchEngine(llm.model, llm.kv.kind, llm.n_ctx, parallel, llm.tokenizer.is_eog,
                        prompt_cache=disk, nonfinite=llm._nonfinite_error)
 
 
