@@ -97,7 +97,7 @@ def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
             group, toks = slots[i:i + MAX_BATCH], tokens[i:i + MAX_BATCH]
             ctxs = [s.context(model) for s in group]
             for s in group:
-                s.kv._check(len(s.tokens), 1)
+                s.kv.check_room(len(s.tokens), 1)
             if all(c is not None for c in ctxs):
                 logits = torch.empty(len(group), ctxs[0].n_vocab)
                 ops._C.decode_batch(ctxs, torch.tensor(toks, dtype=torch.int64),
@@ -118,7 +118,7 @@ def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
     pos = len(slot.tokens)
     end = min(len(ids), (pos // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
     chunk = ids[pos:end]
-    slot.kv._check(pos, len(chunk))
+    slot.kv.check_room(pos, len(chunk))
     with torch.inference_mode():
         logits = model.forward(torch.tensor(chunk, dtype=torch.int64), pos, slot.kv)
     slot.tokens.extend(chunk)
