@@ -44,9 +44,10 @@ def llamacpp_runner(path: str, threads: int, n_ctx: int):
 def pyllm_runner(path: str, threads: int, n_ctx: int):
     import pyllm
     from pyllm.cli.bench import Subject, time_pp, time_tg
+    from pyllm.cli.common import runtime_info
 
-    llm = pyllm.load(path, n_ctx=n_ctx, n_threads=threads)
-    s = Subject(path, llm.config, llm.weights, llm.model, llm.kv, llm.generator, 0)
+    llm = pyllm.load(path, device="cpu", n_ctx=n_ctx, n_threads=threads)
+    s = Subject(path, llm.config, llm.weights, llm.model, llm.kv, llm.generator, 0, runtime_info(llm))
     return (lambda n: time_pp(s, n)), (lambda n: time_tg(s, n))
 
 
