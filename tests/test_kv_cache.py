@@ -315,3 +315,32 @@ def test_context_policy_shift_drops_oldest_turns():
         import pyllm
 
         pyllm.load("/nonexistent.gguf", context_policy="wrap")
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot/f16"])
+def test_prefix_state_moves_rows_and_statistics_between_caches(kind):
+    """Reference: the source cache itself. A prefix moved by state (or copied directly) reads back identical
+    for its first n positions, statistics included; a state of another layout is refused before anything is
+    written."""
+    torch.manual_seed(3)
+    src = KVCache(2, 2, 16, 64, kind)
+    for layer in range(2):
+        src.update(layer, 0, torch.randn(10, 2, 64), torch.randn(10, 2, 64))
+    n = 8
+    moved, copied = KVCache(2, 2, 32, 64, kind), KVCache(2, 2, 16, 64, kind)
+    moved.load_prefix_state(src.prefix_state(n), n)
+    copied.copy_prefix_from(src, n)
+    want = src.prefix_state(n)
+    for other in (moved, copied):
+        got = other.prefix_state(n)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert other.means_ready() and other.state_layout() == src.state_layout()
+        for layer in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(other.view(layer, n), src.view(layer, n)))
+    foreign = KVCache(2, 2, 16, 32, kind).prefix_state(n)  # another head size
+    before = moved.prefix_state(n)
+    with pytest.raises(ValueError, match="tensor p0b0 has shape"):
+        moved.load_prefix_state(foreign, n)
+    with pytest.raises(ValueError, match="at least|>="):
+        KVCache(2, 2, 16, 64, kind).load_prefix_state(src.prefix_state(4), n)
+    assert all(torch.equal(before[k], moved.prefix_state(n)[k]) for k in before)

@@ -72,19 +72,9 @@ class Slot:
 
     def copy_prefix(self, src: "Slot", n: int) -> None:
         """Rows 0..n-1 of ``src`` (and its statistics: means, key scales, sink rows) into this slot."""
-        copy_kv_prefix(src.kv, self.kv, n)
+        self.kv.copy_prefix_from(src.kv, n)
         self.tokens = src.tokens[:n]
         self.exact = n
-
-
-def copy_kv_prefix(src, dst, n: int) -> None:
-    for sp, dp in zip(src.parts, dst.parts):
-        for sb, db in zip(sp.buffers, dp.buffers):
-            if sb is sp.data:
-                db[:, :, :n].copy_(sb[:, :, :n])
-            else:
-                db.copy_(sb)
-    dst.mu_set = list(src.mu_set)
 
 
 def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
@@ -162,19 +152,13 @@ class PromptCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.sha = model_sha256
         self.max_bytes = max_bytes
-        self.layout = self._layout(kv_template)
+        self.layout = kv_template.state_layout()  # rows per file vary; the context size does not matter
         self.entries: dict[Path, _Entry] = {}
         self.lock = threading.Lock()
         for p in sorted(self.dir.glob("*.safetensors")):
             e = self._read_header(p)
             if e is not None:
                 self.entries[p] = e
-
-    @staticmethod
-    def _layout(kv) -> str:
-        shapes = [[list(b.shape[:2]) + list(b.shape[3:]) if b is p.data else list(b.shape) for b in p.buffers]
-                  for p in kv.parts]
-        return json.dumps({"kind": kv.kind, "shapes": shapes})  # rows per file vary; the context size does not matter
 
     def _read_header(self, p: Path) -> _Entry | None:
         from safetensors import safe_open
@@ -213,21 +197,7 @@ class PromptCache:
 
         kv = slot.kv
         try:
-            t = load_file(str(e.path))
-            for i, part in enumerate(kv.parts):
-                for j, b in enumerate(part.buffers):
-                    src = t[f"p{i}b{j}"]
-                    want = list(b.shape[:2]) + [len(e.tokens)] + list(b.shape[3:]) if b is part.data else list(b.shape)
-                    if list(src.shape) != want or src.dtype != b.dtype:
-                        raise ValueError(f"tensor p{i}b{j} has shape {list(src.shape)} {src.dtype}, expected {want}")
-            for i, part in enumerate(kv.parts):
-                for j, b in enumerate(part.buffers):
-                    src = t[f"p{i}b{j}"]
-                    if b is part.data:
-                        b[:, :, :n].copy_(src[:, :, :n])
-                    else:
-                        b.copy_(src)
-            kv.mu_set = [True] * kv.n_layer if kv.centered else kv.mu_set
+            kv.load_prefix_state(load_file(str(e.path)), n)
         except Exception as ex:
             _log(f"ignoring {e.path}: {type(ex).__name__}: {str(ex).splitlines()[0] if str(ex) else ''}")
             with self.lock:
@@ -254,8 +224,7 @@ class PromptCache:
         from safetensors.torch import save_file
 
         kv = slot.kv
-        t = {f"p{i}b{j}": (b[:, :, :n] if b is part.data else b).contiguous().clone()
-             for i, part in enumerate(kv.parts) for j, b in enumerate(part.buffers)}
+        t = kv.prefix_state(n)
         name = hashlib.sha256((self.sha + json.dumps(tokens)).encode()).hexdigest()[:40] + ".safetensors"
         path = self.dir / name
         tmp = path.with_suffix(".tmp")

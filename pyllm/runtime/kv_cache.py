@@ -358,6 +358,58 @@ class KVCache:
         if pos < 0 or pos + t > self.max_seq:
             raise PyllmError(f"KV cache holds {self.max_seq} positions; cannot write {t} at position {pos}")
 
+    # ---- prefix state: what a prompt cache copies between caches of one layout, or keeps on disk ---------------
+    def _buffers(self):
+        """(name, tensor, per_position) of every buffer: the rows ([n_layer, Hkv, max_seq, ...]) and the fixed
+        statistics (means, key scales, sink rows), which belong to the whole cache."""
+        for i, part in enumerate(self.parts):
+            for j, b in enumerate(part.buffers):
+                yield f"p{i}b{j}", b, b is part.data
+
+    def state_layout(self) -> str:
+        """The kind and buffer shapes (the position axis left out): caches with equal layouts exchange state."""
+        import json
+
+        shapes = [list(b.shape[:2]) + list(b.shape[3:]) if rows else list(b.shape) for _, b, rows in self._buffers()]
+        return json.dumps({"kind": self.kind, "shapes": shapes})
+
+    def prefix_state(self, n: int) -> dict[str, torch.Tensor]:
+        """Copies of positions 0..n-1 and of the statistics, by buffer name (for load_prefix_state)."""
+        return {name: (b[:, :, :n] if rows else b).contiguous().clone() for name, b, rows in self._buffers()}
+
+    def load_prefix_state(self, state: dict[str, torch.Tensor], n: int) -> None:
+        """Positions 0..n-1 and the statistics from ``state`` (prefix_state of a cache of the same layout, with at
+        least n rows). Checks every tensor first: ValueError naming the first that does not fit, cache untouched."""
+        bufs = list(self._buffers())
+        for name, b, rows in bufs:
+            src = state.get(name)
+            if src is None:
+                raise ValueError(f"tensor {name} is missing")
+            if rows:
+                fits = (src.dim() == b.dim() and src.shape[:2] == b.shape[:2] and src.shape[3:] == b.shape[3:]
+                        and src.shape[2] >= n)
+                want = f"{list(b.shape[:2]) + ['>=' + str(n)] + list(b.shape[3:])}"
+            else:
+                fits, want = src.shape == b.shape, f"{list(b.shape)}"
+            if not fits or src.dtype != b.dtype:
+                raise ValueError(f"tensor {name} has shape {list(src.shape)} {src.dtype}, expected {want} {b.dtype}")
+        for name, b, rows in bufs:
+            if rows:
+                b[:, :, :n].copy_(state[name][:, :, :n])
+            else:
+                b.copy_(state[name])
+        if self.centered:  # the state came from a cache whose statistics were fixed by its first prompt chunk
+            self.mu_set = [True] * self.n_layer
+
+    def copy_prefix_from(self, src: "KVCache", n: int) -> None:
+        """Positions 0..n-1 and the statistics of ``src`` (same layout) into this cache."""
+        for (_, d, rows), (_, b, _) in zip(self._buffers(), src._buffers()):
+            if rows:
+                d[:, :, :n].copy_(b[:, :, :n])
+            else:
+                d.copy_(b)
+        self.mu_set = list(src.mu_set)
+
     def means_ready(self) -> bool:
         """True once every layer's means are fixed (or the cache has none): the C++ decode step needs it."""
         return not self.centered or all(self.mu_set)
