@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..awq import AWQRows
 from ..errors import PyllmError
 from ..gguf import GGMLType
 from .base import BackendUnavailable
@@ -115,21 +116,8 @@ def _to_device(w, dev: torch.device, C):
     raise PyllmError(f"{getattr(w, 'name', '?')!r}: weights of type {type(w).__name__} cannot go to the GPU")
 
 
-class CudaAwqRows:
-    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.AWQRows' interface, dequantized by the CUDA kernel."""
-
-    is_float = False
-
-    def __init__(self, data: torch.Tensor, qtype: int, shape, group_size: int, name: str = "tensor"):
-        self.data, self.qtype, self.shape, self.group_size, self.name = data, int(qtype), tuple(shape), group_size, name
-
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
+class CudaAwqRows(AWQRows):
+    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.AWQRows dequantized by the CUDA kernel."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from .. import _ext
