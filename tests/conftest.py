@@ -114,3 +114,24 @@ def auto_round_awq():
                 if "quantization_config" in json.loads(p.read_text())]
         out[name] = hits[0]
     return out
+
+
+def cli_in_process(monkeypatch, capsys, default_stdin: bytes = b""):
+    """``run(*argv, stdin=bytes)`` -> SimpleNamespace(returncode, stdout, stderr): pyllm's CLI in this process
+    (faster than a subprocess; argparse's SystemExit becomes the return code)."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from pyllm.cli.main import main
+
+    def run(*args, stdin=default_stdin):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code
+        out, err = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run

@@ -7,15 +7,14 @@ through); and the CPU kernel family reported by pyllm.ops.get_isa() for the runt
 
 from __future__ import annotations
 
-import io
 import json
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 import pyllm
 import pyllm.llm
+from conftest import cli_in_process
 from pyllm.cli.main import main
 from pyllm.errors import PyllmError
 
@@ -32,16 +31,7 @@ COMMANDS = {
 
 @pytest.fixture
 def cli(monkeypatch, capsys):
-    def run(*args, stdin=b"hi"):
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
-        try:
-            code = main(list(args))
-        except SystemExit as e:  # argparse's own usage errors
-            code = e.code
-        out, err = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
+    return cli_in_process(monkeypatch, capsys, b"hi")
 
 
 @pytest.fixture(scope="module")

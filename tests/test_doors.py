@@ -8,17 +8,15 @@ and reads at most a bounded number of bytes (/dev/zero). Valid edge values (--se
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
-from pyllm.cli.main import main
+from conftest import cli_in_process
 from pyllm.errors import PyllmError
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -27,19 +25,7 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.envir
 
 @pytest.fixture
 def cli(monkeypatch, capsys):
-    """The CLI in this process, stdin given as bytes."""
-
-    def run(*args, stdin=b""):
-        raw = io.BytesIO(stdin)
-        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(raw, encoding="utf-8"))
-        try:
-            code = main(list(args))
-        except SystemExit as e:  # argparse's own usage errors
-            code = e.code
-        out, err = capsys.readouterr()
-        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
-
-    return run
+    return cli_in_process(monkeypatch, capsys)
 
 
 def assert_one_line_error(res, code, *needles):

@@ -238,7 +238,7 @@ def test_stream_decoder_holds_back_then_replaces_invalid_bytes():
     assert dec.push(byte_ids[0xA9]) == "é"
     # a lone continuation byte can never complete: replaced at once
     assert dec.push(byte_ids[0xA9]) == "\ufffd"
-    # a lead byte followed by ASCII: the lead byte is invalid once the ASCII arrives
+    # a multi-byte sequence's first byte, then ASCII: that first byte is invalid once the ASCII arrives
     assert dec.push(byte_ids[0xE6]) == ""
     assert dec.push(tok.encode("a", add_bos=False)[0]) == "\ufffda"
     # an incomplete sequence at the end comes out as U+FFFD on flush
