@@ -133,8 +133,10 @@ def _build_key(src: Path, sources: list[str], cuda: bool) -> str:
     for p in sorted(files):
         h.update(str(p.relative_to(src)).encode())
         h.update(p.read_bytes())
-    h.update(repr((sources, CFLAGS, LDFLAGS, CUDA_FLAGS if cuda else None, torch.__version__, sys.version,
-                   _cpu_id())).encode())
+    # The checkout's own path too: torch writes the sources' absolute paths into the build directory's ninja file,
+    # so two checkouts of the same content sharing one directory would each rebuild everything the other built.
+    h.update(repr((str(src.resolve()), sources, CFLAGS, LDFLAGS, CUDA_FLAGS if cuda else None, torch.__version__,
+                   sys.version, _cpu_id())).encode())
     return f"py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__.replace('+', '_')}-{h.hexdigest()[:16]}"
 
 
