@@ -236,3 +236,18 @@ def test_cli_modules_share_only_the_common_module():
                 bad.append(f"{mod} -> {dep} ({', '.join(where)})")
     assert "pyllm.cli.common" in graph
     assert not bad, "cli modules importing each other:\n  " + "\n  ".join(bad)
+
+
+def test_cli_help_does_not_import_torch():
+    # `pyllm --help` and usage errors answer in a fraction of a second: the parser of every subcommand is built
+    # without torch (several seconds of import), which only the commands that run a model load.
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pyllm.cli.main import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -20,9 +20,6 @@ import statistics
 import sys
 import time
 
-import torch
-
-from .. import ops
 from ..errors import PyllmError
 from .common import add_backend_arg, add_device_arg, kv_kind_from_args, runtime_info
 
@@ -117,6 +114,8 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
         mdl = build_model(cfg, weights, backends.select(a.device, a.backend, a.threads), max_pos=n_ctx)
         kv = mdl.backend.make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
         size = sum(w.nbytes for w in weights.values())
+        from .. import ops
+
         rt = {"device": "cpu", "backend": a.backend, "isa": ops.get_isa() if a.backend == "fast" else None}
         return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size, rt)
     import pyllm
@@ -129,6 +128,8 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
 
 
 def _random_tokens(s: Subject, n: int, seed: int = 0) -> list[int]:
+    import torch
+
     return torch.randint(0, s.cfg.n_vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
@@ -223,6 +224,8 @@ def format_md(rows: list[dict], roof: dict) -> str:
 
 
 def cmd_bench(a) -> int:
+    import torch  # here, not at the top: building the CLI's parser (pyllm --help) must not import torch
+
     from ..roofline import physical_cores, probe
 
     if a.repetitions < 1:

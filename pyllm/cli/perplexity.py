@@ -9,7 +9,6 @@ import argparse
 import json
 import sys
 
-from ..runtime.kv_cache import KV_KINDS
 from .common import add_backend_arg, add_device_arg, add_model_arg, read_text_arg, runtime_info
 
 
@@ -23,8 +22,8 @@ def add_perplexity_parser(sub) -> None:
     s.add_argument("-c", "--ctx", type=int, default=512, help="tokens per chunk (default 512)")
     s.add_argument("--chunks", type=int, default=None, help="score at most N chunks (default: all)")
     s.add_argument("--kv", default=None, action="append", dest="kv_list", metavar="KIND",
-                   help=f"KV cache type, repeatable to compare several in one run ({', '.join(KV_KINDS)}, or "
-                        "KEY/VALUE such as f16/q4_rot; default f16)")
+                   help="KV cache type as --kv takes it (f16, q8_0, q4_rot, f16/q4_rot, ...), repeatable to compare "
+                        "several in one run (default f16)")
     s.add_argument("--kl-base", default=None, metavar="KIND",
                    help="also compute KL divergence against this cache type (e.g. f16)")
     s.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
