@@ -14,8 +14,8 @@ import sys
 from .. import registry
 from ..errors import PyllmError, TemplateError
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
-                     add_spec_args, check_numeric_args, decode_utf8, load_from_args, read_stdin_text, read_text_arg,
-                     runtime_info, sampling_kwargs)
+                     add_spec_args, check_numeric_args, decode_utf8, kv_kind_from_args, load_from_args, read_stdin_text,
+                     read_text_arg, runtime_info, sampling_kwargs)
 from .chat import HELP_EPILOG as CHAT_EPILOG
 from .chat import run_chat
 
@@ -195,12 +195,51 @@ def cmd_serve(a) -> int:
             pass
     except OSError as e:
         raise PyllmError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
+    if a.replicas != 1:
+        return serve_replicas_from_args(a)
     from ..server.app import serve
 
     llm = load_from_args(a)
     name = a.model if a.model in registry.REGISTRY else llm.path.name
     serve(llm, a.alias or name, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PYLLM_API_KEY"),
           max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache)
+    return 0
+
+
+def serve_replicas_from_args(a) -> int:
+    """serve --replicas N: the same routes on N Ray Serve replicas, each loading the model in its own process."""
+    import threading
+
+    from ..server.ray_serve import ReplicaSpec, require_ray, serve_replicas
+
+    if not 1 <= a.replicas <= 64:
+        raise PyllmError(f"--replicas must be in 1..64, got {a.replicas}")
+    if a.prompt_cache:
+        raise PyllmError("--prompt-cache cannot be shared by --replicas (each replica would write the same "
+                         "directory); use one or the other")
+    require_ray()
+    path = registry.resolve(a.model or registry.DEFAULT_MODEL)  # fetched once here, not by every replica
+    threads = a.threads or max(1, (os.cpu_count() or 1) // a.replicas)
+    name = a.model if a.model in registry.REGISTRY else path.name
+    spec = ReplicaSpec(path=str(path), model_name=a.alias or name or path.name, device=a.device, n_ctx=a.ctx,
+                       kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
+                       api_key=a.api_key or os.environ.get("PYLLM_API_KEY"), max_body=a.max_body,
+                       parallel=a.parallel, plain_template=a.plain_template)
+    stopped = threading.Event()
+
+    def wait_for_interrupt():
+        import signal
+
+        # SIGTERM (a service manager, a test) stops the replicas as Ctrl-C does, so Ray's processes go with us
+        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+        try:
+            while not stopped.wait(0.5):
+                pass
+        except KeyboardInterrupt:
+            pass
+        print("pyllm serve: stopping the replicas", file=sys.stderr, flush=True)
+
+    serve_replicas(spec, a.replicas, a.host, a.port, wait_for_interrupt)
     return 0
 
 
@@ -267,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "at a time, with speculative decoding)")
     s.add_argument("--prompt-cache", default=None, metavar="DIR",
                    help="keep prompt prefixes' KV in DIR across restarts (at most 1 GiB, least recently used go)")
+    s.add_argument("--replicas", type=int, default=1,
+                   help="serve from N model replicas (processes) behind Ray Serve's proxy; needs the ray extra "
+                        "(default 1: this process, no Ray)")
     s.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes (default 8 MiB)")
     add_runtime_args(s)
     s.set_defaults(func=cmd_serve)

@@ -326,12 +326,22 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     return app
 
 
+def load_kernels(llm) -> None:
+    """Load the kernel extension now (building it if this machine has no cached build), before the port opens:
+    otherwise the first request would wait out a compile that can take minutes."""
+    if llm.backend != "reference":
+        from .. import ops
+
+        ops.get_isa()
+
+
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None) -> None:
     import sys
 
     import uvicorn
 
+    load_kernels(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
                      prompt_cache=prompt_cache)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
