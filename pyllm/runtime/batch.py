@@ -35,6 +35,10 @@ from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
 MAX_BATCH = 8  # rows of one decode_batch call (the GEMV kernels' GEMV_MAX_M)
+# Seconds of prefill the running streams may wait for their next token while new prompts are read: long enough
+# that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
+# short enough that a long prompt does not freeze the other streams.
+PREFILL_STALL = 0.25
 
 
 def common_prefix(a, b) -> int:
@@ -298,6 +302,7 @@ class BatchEngine:
         self._waiting: list[Request] = []
         self._prefilling: list[Request] = []
         self._decoding: list[Request] = []
+        self._last_decode = 0.0  # when the last decode step ended (perf_counter)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="pyllm-batch", daemon=True)
         self._thread.start()
@@ -341,9 +346,10 @@ class BatchEngine:
                 self._drop_cancelled()
                 self._admit()
                 if self._prefilling:
-                    self._prefill_step(self._prefilling[0])
+                    self._prefill()
                 if self._decoding:
                     self._decode_step()
+                    self._last_decode = time.perf_counter()
             except Exception as e:  # a bug must not kill the engine silently: fail what runs, keep serving
                 for r in self._prefilling + self._decoding:
                     self._finish(r, error=e)
@@ -409,6 +415,19 @@ class BatchEngine:
                 self.cache_hits += 1
                 self.cached_tokens += keep
             self._prefilling.append(r)
+
+    def _prefill(self) -> None:
+        """Prefill chunks, first come first served, until every admitted prompt is read or, while other requests
+        are decoding, until they have waited PREFILL_STALL seconds for their next token. A prompt read whole
+        before the next decode step gives the lowest time to first token over all requests (the batch is the
+        same size either way); the bound keeps the running streams flowing."""
+        while self._prefilling:
+            r = self._prefilling[0]
+            if r.cancelled():
+                return  # dropped by the loop
+            self._prefill_step(r)
+            if self._decoding and time.perf_counter() - self._last_decode >= PREFILL_STALL:
+                return
 
     def _prefill_step(self, r: Request) -> None:
         try:
