@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -102,7 +103,7 @@ def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
                         for s, t in zip(group, toks)]
             for s, t in zip(group, toks):
                 s.tokens.append(t)
-    return torch.cat(out)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
@@ -474,7 +475,8 @@ class BatchEngine:
         """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops."""
         try:
             if tok is None:
-                if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
+                a = logits.numpy()  # numpy, not torch: see Sampler.candidates
+                if not math.isfinite(float(a.sum())) and not bool(np.isfinite(a).all()):
                     raise self.nonfinite(logits)
                 tok = r.sampler.sample(logits)
                 lp = r.sampler.last_logprobs if getattr(r.sampler, "logprobs", None) is not None else None
