@@ -445,6 +445,8 @@ class BatchEngine:
             self._finish(r)
             return
         self._decoding.append(r)
+        if len(self._decoding) == 1:  # no stream was waiting before this one's first token, which goes out now
+            self._last_decode = time.perf_counter()
         self._emit(r, logits)
 
     def _decode_step(self) -> None:
