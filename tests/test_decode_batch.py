@@ -166,3 +166,57 @@ def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
     victim.write_bytes(victim.read_bytes()[:-100])
     assert not again.load_into(e, fresh, n) and fresh.tokens == [] and victim not in again.entries
     assert "ignoring" in capsys.readouterr().err
+
+
+def test_engine_reads_waiting_prompts_before_decoding_further(monkeypatch):
+    """Two requests arrive together: both prompts are read whole before the first decode step (a stall bound far
+    above the prefill time), not one chunk per decode step, and neither text changes. Reference: each request
+    alone through the same engine (greedy)."""
+    import threading
+
+    from pyllm.runtime.sampler import Sampler, SamplerSettings
+
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
+    monkeypatch.setattr(batch, "PREFILL_STALL", 1e9)
+    order = []
+
+    class Logged(Sampler):
+        def __init__(self, name):
+            super().__init__(SamplerSettings(temperature=0))
+            self.name = name
+
+        def sample(self, logits):
+            order.append(self.name)
+            return super().sample(logits)
+
+    prompts = {"a": llm.tokenize(PROMPTS[2] * 12), "b": llm.tokenize(PROMPTS[0] * 30)}
+    assert all(len(p) > 2 * batch.PREFILL_CHUNK for p in prompts.values())  # several chunks each
+    engine = batch.BatchEngine(llm.model, "f16", 512, 2, llm.tokenizer.is_eog)
+    try:
+        def run(reqs):
+            out = {}
+            for r in reqs:
+                toks = []
+                while (item := r.out.get(timeout=300))[0] == "token":
+                    toks.append(item[1])
+                assert item[0] == "end", item
+                out[r.sampler.name] = toks
+            return out
+
+        alone = {}
+        for k, ids in prompts.items():
+            alone.update(run([engine.submit(batch.Request(list(ids), 4, Logged(k)))]))
+        order.clear()
+        hold, held = threading.Event(), threading.Event()
+        waiter = threading.Thread(target=engine.call, args=(lambda: (held.set(), hold.wait(60)),))
+        waiter.start()
+        assert held.wait(60)  # the engine thread is inside call(): both requests reach it in one batch
+        reqs = [engine.submit(batch.Request(list(ids), 4, Logged(k))) for k, ids in prompts.items()]
+        hold.set()
+        waiter.join(60)
+        together = run(reqs)
+    finally:
+        engine.close()
+    assert together == alone
+    # a's first token (the end of its prompt), b's (the end of its), then both decode together
+    assert order[:4] == ["a", "b", "a", "b"], order

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -35,6 +36,10 @@ from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
 MAX_BATCH = 8  # rows of one decode_batch call (the GEMV kernels' GEMV_MAX_M)
+# Seconds of prefill the running streams may wait for their next token while new prompts are read: long enough
+# that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
+# short enough that a long prompt does not freeze the other streams.
+PREFILL_STALL = 0.25
 
 
 def common_prefix(a, b) -> int:
@@ -98,7 +103,7 @@ def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
                         for s, t in zip(group, toks)]
             for s, t in zip(group, toks):
                 s.tokens.append(t)
-    return torch.cat(out)
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
@@ -298,6 +303,7 @@ class BatchEngine:
         self._waiting: list[Request] = []
         self._prefilling: list[Request] = []
         self._decoding: list[Request] = []
+        self._last_decode = 0.0  # when the last decode step ended (perf_counter)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="pyllm-batch", daemon=True)
         self._thread.start()
@@ -341,9 +347,10 @@ class BatchEngine:
                 self._drop_cancelled()
                 self._admit()
                 if self._prefilling:
-                    self._prefill_step(self._prefilling[0])
+                    self._prefill()
                 if self._decoding:
                     self._decode_step()
+                    self._last_decode = time.perf_counter()
             except Exception as e:  # a bug must not kill the engine silently: fail what runs, keep serving
                 for r in self._prefilling + self._decoding:
                     self._finish(r, error=e)
@@ -410,6 +417,19 @@ class BatchEngine:
                 self.cached_tokens += keep
             self._prefilling.append(r)
 
+    def _prefill(self) -> None:
+        """Prefill chunks, first come first served, until every admitted prompt is read or, while other requests
+        are decoding, until they have waited PREFILL_STALL seconds for their next token. A prompt read whole
+        before the next decode step gives the lowest time to first token over all requests (the batch is the
+        same size either way); the bound keeps the running streams flowing."""
+        while self._prefilling:
+            r = self._prefilling[0]
+            if r.cancelled():
+                return  # dropped by the loop
+            self._prefill_step(r)
+            if self._decoding and time.perf_counter() - self._last_decode >= PREFILL_STALL:
+                return
+
     def _prefill_step(self, r: Request) -> None:
         try:
             logits = prefill_chunk(self.model, r.slot, r.ids)
@@ -425,6 +445,8 @@ class BatchEngine:
             self._finish(r)
             return
         self._decoding.append(r)
+        if len(self._decoding) == 1:  # no stream was waiting before this one's first token, which goes out now
+            self._last_decode = time.perf_counter()
         self._emit(r, logits)
 
     def _decode_step(self) -> None:
@@ -455,7 +477,8 @@ class BatchEngine:
         """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops."""
         try:
             if tok is None:
-                if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
+                a = logits.numpy()  # numpy, not torch: see Sampler.candidates
+                if not math.isfinite(float(a.sum())) and not bool(np.isfinite(a).all()):
                     raise self.nonfinite(logits)
                 tok = r.sampler.sample(logits)
                 lp = r.sampler.last_logprobs if getattr(r.sampler, "logprobs", None) is not None else None

@@ -179,7 +179,10 @@ class Sampler:
     def candidates(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Runs every step before the draw: surviving ids and their final (temperature-scaled) logits."""
         s = self.s
-        lg = logits.detach().to(torch.float64).cpu().numpy().reshape(-1)
+        # float64 in numpy, not torch: torch spreads a vocabulary-sized cast over its thread pool, whose wake-up
+        # costs more than the cast and, on cores busy with other threads, many milliseconds per token
+        t = logits.detach().cpu()
+        lg = (t.numpy() if t.dtype == torch.float32 else t.to(torch.float64).numpy()).astype(np.float64).reshape(-1)
         ids = np.arange(lg.shape[0], dtype=np.int64)
         ids, lg = apply_logit_bias(ids, lg, s.logit_bias)
         ids, lg = apply_penalties(ids, lg, list(self.recent), s.repeat_penalty, s.frequency_penalty,

@@ -30,6 +30,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
 
 
+def sse_event(obj: dict) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON (what OpenAI's API sends)."""
+    return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -218,17 +223,30 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             return JSONResponse(value)
 
         async def events():
+            # Every item already waiting goes out in one write: a stream that fell behind (the event loop had
+            # other streams to serve) catches up with one send instead of one per token.
             item = first
             try:
                 while item is not DONE:
-                    kind, value = item
-                    if kind == "error":
-                        e = _as_api_error(value)
-                        yield "data: " + json.dumps({"error": {"message": e.message, "type": ERROR_TYPES[e.status],
-                                                               "param": e.param, "code": e.code}}) + "\n\n"
-                        return
-                    yield "data: " + json.dumps(value) + "\n\n"
-                    item = await job.out.get()
+                    out = []
+                    while True:
+                        kind, value = item
+                        if kind == "error":
+                            e = _as_api_error(value)
+                            out.append(sse_event({"error": {"message": e.message, "type": ERROR_TYPES[e.status],
+                                                            "param": e.param, "code": e.code}}))
+                            yield "".join(out)
+                            return
+                        out.append(sse_event(value))
+                        if job.out.empty():
+                            item = None
+                            break
+                        item = job.out.get_nowait()
+                        if item is DONE:
+                            break
+                    yield "".join(out)
+                    if item is None:
+                        item = await job.out.get()
                 yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop at the next token
