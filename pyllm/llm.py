@@ -13,6 +13,7 @@ import threading
 import time
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from . import registry
@@ -259,9 +260,11 @@ class LLM:
 
         def sample(logits):
             # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage. The sum is
-            # non-finite whenever an element is (one pass, no temporary: ~10 us for Qwen's 151,936 logits, where
-            # isfinite().all() took 1-10 ms on a loaded machine); only then is each element checked.
-            if not math.isfinite(float(logits.sum())) and not bool(torch.isfinite(logits).all()):
+            # non-finite whenever an element is (one pass: ~10 us for Qwen's 151,936 logits); only then is each
+            # element checked. In numpy, not torch: torch spreads the sum over its thread pool, whose wake-up on
+            # cores busy with the step or other work cost milliseconds per token.
+            if not math.isfinite(float(logits.detach().cpu().float().numpy().sum(dtype=np.float64))) \
+                    and not bool(torch.isfinite(logits).all()):
                 raise self._nonfinite_error(logits)
             return sampler.sample(logits)
 
