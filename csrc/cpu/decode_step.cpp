@@ -288,7 +288,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
 
       }  // rows
         clk.to(prof.attn_ns);
-        const size_t MD = static_cast<size_t>(M) * D, MF = static_cast<size_t>(M) * F;
+        const size_t MD = static_cast<size_t>(M) * D;
         {
             const GemvPart wo{L.wo.qtype, L.wo.data, L.wo.row_bytes, h0b, D};
             gemv_parts_cpu(&wo, 1, att0, M, H * hd, false, st_wo);
@@ -305,22 +305,12 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             gemv_parts_cpu(gate_up, 2, h0b, M, D, false, st_gate_up);
         }
         clk.skip();
-        float* g = g0;
-        const float* u = u0;
-        if (c.gelu_tanh) {
-            // torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-            const float c0 = 0.7978845608028654f, c1 = 0.044715f;
-            for (size_t i = 0; i < MF; ++i) {
-                const float a = g[i];
-                g[i] = 0.5f * a * (1.0f + std::tanh(c0 * (a + c1 * a * a * a))) * u[i];
-            }
-        } else {
-            for (size_t i = 0; i < MF; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
-        }
+        // Row by row, so that each row's 8-wide part and scalar tail are the same for every M.
+        for (int r = 0; r < M; ++r) glu_cpu(c.gelu_tanh, g0 + static_cast<size_t>(r) * F, u0 + static_cast<size_t>(r) * F, F);
         clk.to(prof.act_ns);
         {
             const GemvPart down{L.wdown.qtype, L.wdown.data, L.wdown.row_bytes, h0b, D};
-            gemv_parts_cpu(&down, 1, g, M, F, false, st_down);
+            gemv_parts_cpu(&down, 1, g0, M, F, false, st_down);
         }
         clk.skip();
         if (L.post_ffw_norm)
