@@ -279,6 +279,32 @@ std::vector<int64_t> supported_types() {
     return r;
 }
 
+// The decode step's profile (kernels.h DecodeProfile) as a dict of counters: ns, bytes and calls.
+py::dict decode_profile_read() {
+    const pyllm::DecodeProfile& p = pyllm::decode_profile_cpu();
+    py::dict d;
+    d["on"] = p.on;
+    d["steps"] = p.steps;
+    d["step_ns"] = p.step_ns;
+    d["embed_ns"] = p.embed_ns;
+    d["norm_ns"] = p.norm_ns;
+    d["attn_ns"] = p.attn_ns;
+    d["act_ns"] = p.act_ns;
+    const std::pair<const char*, const pyllm::GemvStats*> kinds[] = {
+        {"qkv", &p.qkv}, {"wo", &p.wo}, {"gate_up", &p.gate_up}, {"down", &p.down}, {"output", &p.output}};
+    for (const auto& [name, g] : kinds) {
+        py::dict e;
+        e["calls"] = g->calls;
+        e["bytes"] = g->bytes;
+        e["quant_ns"] = g->quant_ns;
+        e["wall_ns"] = g->wall_ns;
+        e["busy_ns"] = g->busy_ns;
+        e["thread_ns"] = g->thread_ns;
+        d[name] = e;
+    }
+    return d;
+}
+
 uint64_t read_sum(const Tensor& buf, int64_t threads) {
     check_tensor("read_sum", "buf", buf, at::kByte, 1);
     return pyllm::read_sum_cpu(buf.data_ptr<uint8_t>(), static_cast<size_t>(buf.numel()), static_cast<int>(threads));
@@ -738,6 +764,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("v_sink") = py::none())
         .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
         .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
+    m.def("decode_profile", [](bool on) { pyllm::decode_profile_cpu() = pyllm::DecodeProfile{on}; },
+          "zero the decode steps' phase timers and switch them on or off", py::arg("on"));
+    m.def("decode_profile_read", &decode_profile_read,
+          "the decode steps' phase timers since decode_profile(True): ns, weight bytes and calls per phase");
     m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",
           py::arg("ctx"), py::arg("token"), py::arg("pos"), py::arg("logits_out"));
     m.def("decode_steps", &decode_steps,

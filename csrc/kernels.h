@@ -46,6 +46,31 @@ int cpu_physical_cores();              // cores (not SMT siblings) this process 
 void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
               bool precise_x = false);
 
+// Where a GEMV's time goes (the decode step's profile, tools/decode_profile.py): added to by gemv_parts_cpu when
+// the caller passes one.  busy_ns sums the threads' time inside row kernels; threads * wall_ns - busy_ns is time
+// a thread spent starting, waiting at the region's end or taking chunks.
+struct GemvStats {
+    uint64_t calls = 0, bytes = 0;  // weight bytes read
+    uint64_t quant_ns = 0;          // preparing the activations (before the region)
+    uint64_t wall_ns = 0;           // the row loop: region start to its last thread's end
+    uint64_t busy_ns = 0;           // sum over threads of their time in row kernels
+    uint64_t thread_ns = 0;         // sum over regions of threads * wall_ns
+};
+
+// One weight matrix of a gemv_parts_cpu call: y [M, N] = x W^T.
+struct GemvPart {
+    QType t{};
+    const uint8_t* w = nullptr;
+    size_t row_bytes = 0;
+    float* y = nullptr;
+    int N = 0;
+};
+// Several GEMVs over the same x [M, K] (q/k/v, gate/up) in one pass: the activations are prepared once per
+// format the parts need, and all parts' rows run in one parallel region split by weight bytes.  Every output
+// row is computed by the same row kernel as gemv_cpu's, so the bits are gemv_cpu's.
+void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x = false,
+                    GemvStats* stats = nullptr);
+
 // ---- Prefill GEMM on bf16 (csrc/cpu/gemm_amx.cpp) ----------------------------------------------------------
 // How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings.cpp).
 // Avx512Bf16: vdpbf16ps.  AmxBf16: AMX tiles (TDPBF16PS).  Both bf16 kernels round W (dequantized exactly) and
@@ -128,6 +153,11 @@ void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType v
                      size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
                      size_t sc_stride, float* o, size_t o_stride, float* lse = nullptr);
 
+// The MLP's gate times up: g[i] = act(g[i]) * u[i], act SiLU or (gelu_tanh) torch's tanh-approximated GELU.
+// AVX2: exp from the softmax's polynomial (within 2 ulp of expf), ~8x the scalar libm loop, which was ~4% of a
+// small model's decode step.
+void glu_cpu(bool gelu_tanh, float* g, const float* u, size_t n);
+
 struct DecodeConfig {
     int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
     int rope_dim = 0, max_pos = 0, max_seq = 0;
@@ -153,6 +183,19 @@ struct DecodeScratch {
     std::vector<float> sink;  // [n_head * (head_dim + 2)]: the sink row's output and the two log-sum-exps per head
     void resize(const DecodeModel& m);
 };
+// Where the decode steps' time goes (tools/decode_profile.py): every decode_*_cpu call adds to it while `on`
+// (off by default: the timers cost ~1% of a small model's step).
+struct DecodeProfile {
+    bool on = false;
+    uint64_t steps = 0, step_ns = 0;  // calls and their whole time
+    uint64_t embed_ns = 0;            // embedding rows
+    uint64_t norm_ns = 0;             // RMSNorms, residual adds, biases
+    uint64_t attn_ns = 0;             // QK-norm, RoPE, KV store, attention
+    uint64_t act_ns = 0;              // SiLU / GELU times up, final softcap
+    GemvStats qkv, wo, gate_up, down, output;
+};
+DecodeProfile& decode_profile_cpu();
+
 // Embeds `token`, runs it at position `pos` through all layers (writing K/V at pos), logits: [n_vocab].
 // Caller checked 0 <= token < vocab rows, 0 <= pos < min(max_seq, max_pos).
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits);

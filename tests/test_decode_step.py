@@ -349,3 +349,40 @@ def test_cpp_step_writes_the_exact_sink_row_from_position_zero(smollm2):
     assert sink_py.abs().max() > 0
     torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=0.2 * float(lg_py.abs().max()))
     assert (lg_c.argmax(-1) == lg_py.argmax(-1)).all()
+
+
+def test_profile_counts_every_weight_byte_and_leaves_the_logits_alone(tiny_qwen2):
+    """decode_profile's timers (tools/decode_profile.py): with them on, a step's logits are the same bits as with
+    them off, and each GEMV kind's counters add up to the model's weight bytes per step (the fused q/k/v and
+    gate/up calls count once per layer).  Counts only: no timing is asserted."""
+    C = pyllm._ext.load()
+    model, cfg = tiny_qwen2.model, tiny_qwen2.model.cfg
+    kv = _kv(model, 32, torch.float32)
+    model.forward(torch.tensor([5, 17, 42]), 0, kv)
+    k0, v0 = kv.k.clone(), kv.v.clone()
+    outs = []
+    for on in (False, True):
+        kv.k.copy_(k0)
+        kv.v.copy_(v0)
+        C.decode_profile(on)
+        try:
+            outs.append(torch.cat([model.forward(torch.tensor([t]), 3 + i, kv) for i, t in enumerate([7, 99, 3])]))
+            p = C.decode_profile_read()
+        finally:
+            C.decode_profile(False)
+    assert model.fused_step(kv) is not None, "C++ decode step was not used"
+    assert torch.equal(outs[0], outs[1])
+    n = 3
+    assert p["on"] and p["steps"] == n and p["step_ns"] > 0
+
+    def nbytes(*names):
+        return sum(model.w[f"blk.{i}.{m}.weight"].data.numel() for i in range(cfg.n_layer) for m in names)
+
+    want = {"qkv": nbytes("attn_q", "attn_k", "attn_v"), "wo": nbytes("attn_output"),
+            "gate_up": nbytes("ffn_gate", "ffn_up"), "down": nbytes("ffn_down"), "output": model.output.data.numel()}
+    for kind, b in want.items():
+        e = p[kind]
+        assert e["calls"] == n * (1 if kind == "output" else cfg.n_layer), kind
+        assert e["bytes"] == n * b, kind
+        assert e["busy_ns"] <= e["thread_ns"], kind
+    assert C.decode_profile_read()["steps"] == 0  # decode_profile(False) zeroed it and it stays off

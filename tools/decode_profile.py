@@ -1,48 +1,42 @@
-"""How much of a decode step is spent outside the weight GEMVs (target: under 10%).
+"""How much of a decode step is spent outside the weight reads (target: under 10%), from timers inside the C++ step.
 
     python tools/decode_profile.py smollm2-135m qwen2.5-coder-0.5b gemma3-270m -t 2 --depth 0,512 -r 5
 
-For each model: the wall time of one decode token through the fast path (the C++ decode step) at a given cache
-depth, and the wall time of the same token's weight GEMVs called one by one through the same kernels
-(pyllm._C.gemv, same thread count, each matrix once with a fresh random x, so the weights stream from memory as
-they do in a step). outside = 1 - gemv / step: attention, norms, RoPE, residuals, activation quantization
-between GEMVs, the embedding row and the Python call. Each figure is the best of -r rounds (noise on a shared
-machine only ever adds time).
+For each model and cache depth, n decode tokens through the fast path (the C++ decode step) with its phase timers
+on (pyllm._C.decode_profile; they cost ~1% of a step), best of -r rounds by step time (noise on a shared machine
+only ever adds time).  Two tables:
+
+- per GEMV kind (qkv and gate_up are one fused call each): ms per token, weight MB per token, GB/s over the row
+  loop's wall time and its share of the read bandwidth (pyllm's cached roofline probe), the time preparing the
+  activations (quant) and the time threads spent outside row kernels inside the region (sync: start, chunk
+  hand-out, waiting at its end; threads * wall - busy, per thread).
+- per phase: step ms, the GEMVs' row kernels, their sync and activation quantization, norms (+ residual adds,
+  biases), attention (QK-norm, RoPE, KV store, attention), activation function, embedding, and "outside": the
+  share of the step in which the threads were not reading weights in row kernels (1 - busy / threads / step).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
-
-import torch
 
 import pyllm
-from pyllm import ops
+from pyllm import ops, roofline
+
+KINDS = ("qkv", "wo", "gate_up", "down", "output")
 
 
-def step_time(llm, depth: int, n: int) -> float:
+def profile(llm, depth: int, n: int) -> dict:
     g = llm.generator
     g.reset()
     if depth:
         g._forward(list(range(1, depth + 1)))
-    t = time.perf_counter()
+    g._forward([1])  # warm: first touch of the scratch and the step's code
+    ops._C.decode_profile(True)
     for _ in range(n):
         g._forward([1])
-    return (time.perf_counter() - t) / n
-
-
-def gemv_time(llm, n: int) -> float:
-    model = llm.model
-    mats = [w for name, w in llm.weights.items() if len(w.shape) == 2 and name != "token_embd.weight"]
-    if "output.weight" not in llm.weights:
-        mats.append(model.output)  # tied embeddings: the output GEMV reads token_embd
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w in mats}
-    t = time.perf_counter()
-    for _ in range(n):
-        for w in mats:
-            ops._C.gemv(xs[w.shape[1]], w.data, int(w.qtype), None, w is model.output)
-    return (time.perf_counter() - t) / n
+    p = ops._C.decode_profile_read()
+    ops._C.decode_profile(False)
+    return p
 
 
 def main() -> None:
@@ -51,20 +45,50 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--depth", default="0", help="cache depths (tokens already cached), comma list")
     ap.add_argument("-n", type=int, default=32, help="decode tokens per round")
-    ap.add_argument("-r", type=int, default=3, help="rounds (best is kept)")
+    ap.add_argument("-r", type=int, default=3, help="rounds (the fastest is kept)")
     a = ap.parse_args()
     depths = [int(d) for d in a.depth.split(",")]
-    print("| model | depth | step ms | GEMVs ms | outside |")
-    print("|---|---:|---:|---:|---:|")
+    kinds_rows, phase_rows = [], []
+    bw = None
     for m in a.models:
         llm = pyllm.load(m, n_ctx=max(depths) + a.n + 8, n_threads=a.threads)
         ops._C.set_num_threads(llm.n_threads)
+        nt = llm.n_threads
+        if bw is None:
+            bw = roofline.probe(nt)["read_gbs"]
         for d in depths:
-            step = min(step_time(llm, d, a.n) for _ in range(a.r))
-            gemv = min(gemv_time(llm, a.n) for _ in range(a.r))
-            print(f"| {llm.path.name} | {d} | {step * 1e3:.2f} | {gemv * 1e3:.2f} | {1 - gemv / step:.1%} |",
-                  flush=True)
+            p = min((profile(llm, d, a.n) for _ in range(a.r)), key=lambda p: p["step_ns"] / max(1, p["steps"]))
+            steps = max(1, p["steps"])
+            if not p["steps"]:
+                raise SystemExit(f"{m}: the C++ decode step did not run (no fast path for this model?)")
+            ms = lambda ns: ns / steps / 1e6  # noqa: E731
+            busy = quant = sync = wall = 0
+            for k in KINDS:
+                e = p[k]
+                busy += e["busy_ns"]
+                quant += e["quant_ns"]
+                sync += e["thread_ns"] - e["busy_ns"]
+                wall += e["wall_ns"]
+                gbs = e["bytes"] / e["wall_ns"] if e["wall_ns"] else 0.0
+                kinds_rows.append(
+                    f"| {llm.path.name} | {d} | {k} | {ms(e['wall_ns'] + e['quant_ns']):.3f} | "
+                    f"{e['bytes'] / steps / 1e6:.1f} | {gbs:.1f} | {gbs / bw:.0%} | {ms(e['quant_ns']):.3f} | "
+                    f"{ms((e['thread_ns'] - e['busy_ns']) / nt):.3f} |")
+            step = p["step_ns"]
+            phase_rows.append(
+                f"| {llm.path.name} | {d} | {ms(step):.2f} | {ms(busy / nt):.2f} | {ms(sync / nt):.2f} | "
+                f"{ms(quant):.2f} | {ms(p['norm_ns']):.2f} | {ms(p['attn_ns']):.2f} | {ms(p['act_ns']):.2f} | "
+                f"{ms(p['embed_ns']):.2f} | {1 - busy / nt / step:.1%} |")
         del llm
+    print(f"read bandwidth ({nt} threads, roofline probe): {bw:.1f} GB/s\n")
+    print("| model | depth | GEMV | ms/token | MB/token | GB/s | of BW | quant ms | sync ms |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(kinds_rows))
+    print()
+    print("| model | depth | step ms | row kernels ms | sync ms | quant ms | norms ms | attention ms | act ms "
+          "| embed ms | outside |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(phase_rows))
 
 
 if __name__ == "__main__":

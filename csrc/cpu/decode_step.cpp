@@ -1,8 +1,10 @@
 // One decode token (M = 1) through every layer of a llama-family or Gemma 3 model in a single call: the per-token work
 // outside the GEMVs (RMSNorm, bias, QK-norm, RoPE, KV store, attention, SiLU, residuals) is a few microseconds
 // of arithmetic, but as ~50 torch ops per layer it cost ~25 ms per token in dispatch.  Semantics follow
-// LlamaModel.forward (pyllm/models/llama.py) and Gemma3Model.forward (gemma3.py) for t == 1; the GEMVs are the same gemv_cpu calls qmatmul makes,
-// so only summation order in the small ops differs.  The KV cache may hold any KVType per part (K and V apart):
+// LlamaModel.forward (pyllm/models/llama.py) and Gemma3Model.forward (gemma3.py) for t == 1; the GEMVs run the
+// same row kernels as the gemv_cpu calls qmatmul makes, so only summation order in the small ops differs.  q/k/v
+// and gate/up each go through one gemv_parts_cpu call: their shared input is quantized once per format and
+// their rows share one parallel region (a region's start and end barrier cost microseconds, ~7 per layer).  The KV cache may hold any KVType per part (K and V apart):
 // attention.cpp stores the new row and attends over the stored rows directly.  No torch here: bindings.cpp
 // checked every size.
 //
@@ -18,6 +20,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -53,12 +56,31 @@ inline void rope(float* x, const float* c, const float* s, int rope_dim, bool ne
     }
 }
 
-// y [M, N] = x [M, K] W^T: the weights are read once for all M rows.
-inline void gemv(const DecodeWeight& w, const float* x, float* y, int M, int N, int K, bool precise_x = false) {
-    gemv_cpu(w.qtype, w.data, w.row_bytes, x, y, M, N, K, precise_x);
-}
+// The profile's running clock: to(slot) charges the time since the last mark to slot.  Off: one branch.
+struct PhaseClock {
+    bool on;
+    uint64_t last = 0;
+    static uint64_t now() {
+        return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                         std::chrono::steady_clock::now().time_since_epoch())
+                                         .count());
+    }
+    explicit PhaseClock(bool on_) : on(on_) { if (on) last = now(); }
+    void to(uint64_t& slot) {
+        if (!on) return;
+        const uint64_t t = now();
+        slot += t - last;
+        last = t;
+    }
+    void skip() { if (on) last = now(); }  // after a GEMV, which charges its own GemvStats
+};
 
 }  // namespace
+
+DecodeProfile& decode_profile_cpu() {
+    static DecodeProfile p;
+    return p;
+}
 
 void DecodeScratch::resize(const DecodeModel& m) {
     const DecodeConfig& c = m.cfg;
@@ -94,18 +116,32 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
     float* const att0 = s.att.data();  // [M, H * hd]
     float* const g0 = s.g.data();   // [M, F]
     float* const u0 = s.u.data();   // [M, F]
+    DecodeProfile& prof = decode_profile_cpu();
+    PhaseClock clk(prof.on);
+    const uint64_t step_t0 = clk.last;
+    GemvStats* const st_qkv = prof.on ? &prof.qkv : nullptr;
+    GemvStats* const st_wo = prof.on ? &prof.wo : nullptr;
+    GemvStats* const st_gate_up = prof.on ? &prof.gate_up : nullptr;
+    GemvStats* const st_down = prof.on ? &prof.down : nullptr;
+    GemvStats* const st_output = prof.on ? &prof.output : nullptr;
 
     dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, tokens, M, D, x0);
     if (c.embd_scale != 0.f)
         for (size_t i = 0; i < static_cast<size_t>(M) * D; ++i) x0[i] *= c.embd_scale;
     const int nt = std::min(cpu_get_num_threads(), H);
+    clk.to(prof.embed_ns);
 
     for (int il = 0; il < c.n_layer; ++il) {
         const DecodeLayer& L = m.layers[il];
         for (int r = 0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, L.attn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
-        gemv(L.wq, h0b, q0, M, H * hd, D);
-        gemv(L.wk, h0b, k0, M, Hkv * hd, D);
-        gemv(L.wv, h0b, v0, M, Hkv * hd, D);
+        clk.to(prof.norm_ns);
+        {
+            const GemvPart qkv[3] = {{L.wq.qtype, L.wq.data, L.wq.row_bytes, q0, H * hd},
+                                     {L.wk.qtype, L.wk.data, L.wk.row_bytes, k0, Hkv * hd},
+                                     {L.wv.qtype, L.wv.data, L.wv.row_bytes, v0, Hkv * hd}};
+            gemv_parts_cpu(qkv, 3, h0b, M, D, false, st_qkv);
+        }
+        clk.skip();
       // Rows in order: row r stores K/V at pos_of[r], then attends over its cache's keys up to there (for
       // consecutive tokens of one sequence, rows < r are stored by then).
       for (int r = 0; r < M; ++r) {
@@ -127,6 +163,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             for (int i = 0; i < Hkv * hd; ++i) k[i] += L.bk[i];
             for (int i = 0; i < Hkv * hd; ++i) v[i] += L.bv[i];
         }
+        clk.to(prof.norm_ns);
         if (L.q_norm) {
             for (int hh = 0; hh < H; ++hh) rms_norm(q + hh * hd, L.q_norm, q + hh * hd, hd, c.eps);
             for (int hh = 0; hh < Hkv; ++hh) rms_norm(k + hh * hd, L.k_norm, k + hh * hd, hd, c.eps);
@@ -250,38 +287,54 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         }
 
       }  // rows
-        const size_t MD = static_cast<size_t>(M) * D, MF = static_cast<size_t>(M) * F;
-        gemv(L.wo, att0, h0b, M, D, H * hd);
+        clk.to(prof.attn_ns);
+        const size_t MD = static_cast<size_t>(M) * D;
+        {
+            const GemvPart wo{L.wo.qtype, L.wo.data, L.wo.row_bytes, h0b, D};
+            gemv_parts_cpu(&wo, 1, att0, M, H * hd, false, st_wo);
+        }
+        clk.skip();
         if (L.post_attn_norm)
             for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_attn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
         for (int r = 0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, L.ffn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
-        gemv(L.wgate, h0b, g0, M, F, D);
-        gemv(L.wup, h0b, u0, M, F, D);
-        float* g = g0;
-        const float* u = u0;
-        if (c.gelu_tanh) {
-            // torch's gelu(approximate="tanh"): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
-            const float c0 = 0.7978845608028654f, c1 = 0.044715f;
-            for (size_t i = 0; i < MF; ++i) {
-                const float a = g[i];
-                g[i] = 0.5f * a * (1.0f + std::tanh(c0 * (a + c1 * a * a * a))) * u[i];
-            }
-        } else {
-            for (size_t i = 0; i < MF; ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+        clk.to(prof.norm_ns);
+        {
+            const GemvPart gate_up[2] = {{L.wgate.qtype, L.wgate.data, L.wgate.row_bytes, g0, F},
+                                         {L.wup.qtype, L.wup.data, L.wup.row_bytes, u0, F}};
+            gemv_parts_cpu(gate_up, 2, h0b, M, D, false, st_gate_up);
         }
-        gemv(L.wdown, g, h0b, M, D, F);
+        clk.skip();
+        // Row by row, so that each row's 8-wide part and scalar tail are the same for every M.
+        for (int r = 0; r < M; ++r) glu_cpu(c.gelu_tanh, g0 + static_cast<size_t>(r) * F, u0 + static_cast<size_t>(r) * F, F);
+        clk.to(prof.act_ns);
+        {
+            const GemvPart down{L.wdown.qtype, L.wdown.data, L.wdown.row_bytes, h0b, D};
+            gemv_parts_cpu(&down, 1, g0, M, F, false, st_down);
+        }
+        clk.skip();
         if (L.post_ffw_norm)
             for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_ffw_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
+        clk.to(prof.norm_ns);
     }
     // Only the last row's logits unless all are asked for: the output GEMV is the largest in small models.
     const int r0 = all_logits ? 0 : M - 1, n_out = M - r0;
     for (int r = r0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, m.output_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
-    gemv(m.output, h0b + static_cast<size_t>(r0) * D, logits, n_out, c.n_vocab, D, /*precise_x=*/true);  // as ops.qmatmul_output
+    clk.to(prof.norm_ns);
+    {
+        const GemvPart out{m.output.qtype, m.output.data, m.output.row_bytes, logits, c.n_vocab};
+        gemv_parts_cpu(&out, 1, h0b + static_cast<size_t>(r0) * D, n_out, D, /*precise_x=*/true, st_output);  // as ops.qmatmul_output
+    }
+    clk.skip();
     if (c.final_softcap != 0.f) {
         const float cap = c.final_softcap;
         for (size_t i = 0; i < static_cast<size_t>(n_out) * c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
+    }
+    clk.to(prof.act_ns);
+    if (prof.on) {
+        prof.steps += 1;
+        prof.step_ns += clk.last - step_t0;
     }
 }
 

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -219,87 +220,199 @@ void q8_K_residual(const float* x, const block_q8_K* q, int K, float* r) {
 
 }  // namespace
 
-void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
-              bool precise_x) {
+namespace {
+
+uint64_t now_ns() {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+}
+
+// x [M, K] prepared in one activation format: [rows, xs] bytes, rows = 2M as (x_0, residual_0, x_1, ...) where
+// residual (Q8_K rows with outliers), else M.
+struct Prepared {
+    const uint8_t* xa;
+    size_t xs;
+};
+
+Prepared prepare(Act act, bool simd, const float* x, int M, int K, bool residual, const uint8_t* needs,
+                 std::vector<uint8_t>& buf) {
+    if (act == Act::F32) return {reinterpret_cast<const uint8_t*>(x), cpu::act_row_bytes(act, K)};
+    thread_local std::vector<float> res_buf;
+    const size_t xs = cpu::act_row_bytes(act, K);
+    const int rows = residual ? 2 * M : M;
+    if (buf.size() < xs * rows) buf.resize(xs * rows);
+    for (int m = 0; m < M; ++m) {
+        uint8_t* dst = buf.data() + xs * (residual ? 2 * m : m);
+        const float* xm = x + static_cast<size_t>(m) * K;
+        if (act == Act::Q8_32) {
+            const cpu::Q8Row r = cpu::q8_row(dst, K);
+            simd ? cpu::quantize_q8_32_avx2(xm, K, r) : cpu::quantize_q8_32_generic(xm, K, r);
+        } else if (act == Act::Q16_32) {
+            const cpu::Q16Row r = cpu::q16_row(dst, K);
+            simd ? cpu::quantize_q16_32_avx2(xm, K, r) : cpu::quantize_q16_32_generic(xm, K, r);
+        } else {
+            auto* b = reinterpret_cast<block_q8_K*>(dst);
+            quantize_q8_K(simd, xm, K, b);
+            if (residual && needs[m]) {
+                if (res_buf.size() < static_cast<size_t>(K)) res_buf.resize(K);
+                q8_K_residual(xm, b, K, res_buf.data());
+                quantize_q8_K(simd, res_buf.data(), K, reinterpret_cast<block_q8_K*>(dst + xs));
+            } else if (residual) {
+                std::memset(dst + xs, 0, xs);  // d = 0, codes and block sums 0: the dot adds exactly 0
+            }
+        }
+    }
+    return {buf.data(), xs};
+}
+
+constexpr int kMaxParts = 4;
+constexpr int kActCount = 4;
+
+}  // namespace
+
+void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x,
+                    GemvStats* stats) {
     const Tables& tab = tables();
     const Isa isa = cpu_get_isa();
-    const RowKernel& k = (precise_x ? tab.x16 : tab.k)[static_cast<int>(isa)][static_cast<int>(t)];
     const bool simd = cpu_isa_simd(isa);
+    const uint64_t t0 = stats ? now_ns() : 0;
+    if (n_parts > kMaxParts) {  // never from the decode step; keeps the fixed-size tables below honest
+        for (int p = 0; p < n_parts; p += kMaxParts)
+            gemv_parts_cpu(parts + p, std::min(kMaxParts, n_parts - p), x, M, K, precise_x, stats);
+        return;
+    }
+    const RowKernel* kern[kMaxParts];
+    bool uses_q8_K = false;
+    for (int p = 0; p < n_parts; ++p) {
+        kern[p] = &(precise_x ? tab.x16 : tab.k)[static_cast<int>(isa)][static_cast<int>(parts[p].t)];
+        uses_q8_K |= kern[p]->act == Act::Q8_K;
+    }
 
-    // Activations prepared once per call, shared read-only by all threads: [M, act_row_bytes], or for Q8_K rows
-    // with outliers [2M, act_row_bytes] as (x_0, residual_0, x_1, residual_1, ...).
-    thread_local std::vector<uint8_t> act_buf;
-    thread_local std::vector<float> res_buf, y_buf;
-    const uint8_t* xa = reinterpret_cast<const uint8_t*>(x);
-    const size_t xs = cpu::act_row_bytes(k.act, K);
     // Which rows carry outliers is decided per row, and a row without them gets an all-zero residual row (its
     // dot is exactly 0), so a row's result never depends on the other rows of the call: verifying k drafted
     // tokens in one call gives each the logits it gets alone (speculative decoding's greedy equality).
     bool residual = false;
     thread_local std::vector<uint8_t> needs;
-    if (k.act == Act::Q8_K) {
+    if (uses_q8_K) {
         needs.assign(M, 0);
         for (int m = 0; m < M; ++m) residual |= (needs[m] = q8_K_needs_residual(x + static_cast<size_t>(m) * K, K));
         if (residual && M > GEMV_MAX_M / 2) {  // 2M rows must fit one row-dot call
             for (int m0 = 0; m0 < M; m0 += GEMV_MAX_M / 2) {
                 const int mc = std::min(GEMV_MAX_M / 2, M - m0);
-                thread_local std::vector<float> part;
-                part.resize(static_cast<size_t>(mc) * N);
-                gemv_cpu(t, w, row_bytes, x + static_cast<size_t>(m0) * K, part.data(), mc, N, K, precise_x);
-                std::copy(part.begin(), part.end(), y + static_cast<size_t>(m0) * N);
+                GemvPart sub[kMaxParts];
+                thread_local std::vector<float> part[kMaxParts];
+                for (int p = 0; p < n_parts; ++p) {
+                    sub[p] = parts[p];
+                    part[p].resize(static_cast<size_t>(mc) * parts[p].N);
+                    sub[p].y = part[p].data();
+                }
+                gemv_parts_cpu(sub, n_parts, x + static_cast<size_t>(m0) * K, mc, K, precise_x, stats);
+                for (int p = 0; p < n_parts; ++p)
+                    std::copy(part[p].begin(), part[p].end(), parts[p].y + static_cast<size_t>(m0) * parts[p].N);
             }
             return;
         }
     }
-    const int rows = residual ? 2 * M : M;
-    if (k.act != Act::F32) {
-        if (act_buf.size() < xs * rows) act_buf.resize(xs * rows);
-        for (int m = 0; m < M; ++m) {
-            uint8_t* dst = act_buf.data() + xs * (residual ? 2 * m : m);
-            const float* xm = x + static_cast<size_t>(m) * K;
-            if (k.act == Act::Q8_32) {
-                const cpu::Q8Row r = cpu::q8_row(dst, K);
-                simd ? cpu::quantize_q8_32_avx2(xm, K, r) : cpu::quantize_q8_32_generic(xm, K, r);
-            } else if (k.act == Act::Q16_32) {
-                const cpu::Q16Row r = cpu::q16_row(dst, K);
-                simd ? cpu::quantize_q16_32_avx2(xm, K, r) : cpu::quantize_q16_32_generic(xm, K, r);
-            } else {
-                auto* b = reinterpret_cast<block_q8_K*>(dst);
-                quantize_q8_K(simd, xm, K, b);
-                if (residual && needs[m]) {
-                    if (res_buf.size() < static_cast<size_t>(K)) res_buf.resize(K);
-                    q8_K_residual(xm, b, K, res_buf.data());
-                    quantize_q8_K(simd, res_buf.data(), K, reinterpret_cast<block_q8_K*>(dst + xs));
-                } else if (residual) {
-                    std::memset(dst + xs, 0, xs);  // d = 0, codes and block sums 0: the dot adds exactly 0
-                }
-            }
-        }
-        xa = act_buf.data();
-    }
 
-    const cpu::RowDot fn = k.fn[rows - 1];
-    float* yo = y;
-    if (residual) {
-        if (y_buf.size() < static_cast<size_t>(rows) * N) y_buf.resize(static_cast<size_t>(rows) * N);
-        yo = y_buf.data();
-    }
-    int nt = std::min(cpu_get_num_threads(), N);
-    if (row_bytes * static_cast<size_t>(N) < kMinParallelBytes) nt = 1;
-    if (nt <= 1) {
-        for (int n = 0; n < N; ++n) fn(K, w + row_bytes * n, xa, xs, yo + n, N);
-    } else {
-        // Dynamic chunks (~8 per thread) so a thread slowed by another process does not hold the others up;
-        // each chunk is still a contiguous run of rows for the hardware prefetcher.
-        const int chunk = std::max(1, N / (nt * 8));
-#pragma omp parallel for num_threads(nt) schedule(dynamic, chunk)
-        for (int n = 0; n < N; ++n) fn(K, w + row_bytes * n, xa, xs, yo + n, N);
-    }
-    if (residual)
-        for (int m = 0; m < M; ++m) {
-            const float* a = yo + static_cast<size_t>(2 * m) * N;
-            for (int n = 0; n < N; ++n) y[static_cast<size_t>(m) * N + n] = a[n] + a[N + n];
+    // Activations prepared once per format, shared read-only by all threads and parts.  Only Q8_K rows take a
+    // residual row.
+    thread_local std::vector<uint8_t> act_buf[kActCount];
+    bool have[kActCount] = {};
+    Prepared prep[kActCount] = {};
+    struct Job {
+        cpu::RowDot fn;
+        const uint8_t* w;
+        size_t row_bytes;
+        const uint8_t* xa;
+        size_t xs;
+        float* y;
+        int N;
+    };
+    Job job[kMaxParts];
+    thread_local std::vector<float> y_buf[kMaxParts];
+    size_t total_bytes = 0;
+    int total_rows = 0;
+    for (int p = 0; p < n_parts; ++p) {
+        const int a = static_cast<int>(kern[p]->act);
+        const bool res = residual && kern[p]->act == Act::Q8_K;
+        if (!have[a]) {
+            prep[a] = prepare(kern[p]->act, simd, x, M, K, res, needs.data(), act_buf[a]);
+            have[a] = true;
         }
+        const GemvPart& P = parts[p];
+        float* yo = P.y;
+        if (res) {
+            if (y_buf[p].size() < static_cast<size_t>(2 * M) * P.N) y_buf[p].resize(static_cast<size_t>(2 * M) * P.N);
+            yo = y_buf[p].data();
+        }
+        job[p] = {kern[p]->fn[(res ? 2 * M : M) - 1], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N};
+        total_bytes += P.row_bytes * static_cast<size_t>(P.N);
+        total_rows += P.N;
+    }
+    const uint64_t t1 = stats ? now_ns() : 0;
+
+    int nt = std::min(cpu_get_num_threads(), total_rows);
+    if (total_bytes < kMinParallelBytes) nt = 1;
+    uint64_t busy = 0;
+    if (nt <= 1) {
+        for (int p = 0; p < n_parts; ++p) {
+            const Job& j = job[p];
+            for (int n = 0; n < j.N; ++n) j.fn(K, j.w + j.row_bytes * n, j.xa, j.xs, j.y + n, j.N);
+        }
+        busy = stats ? now_ns() - t1 : 0;
+    } else {
+        // Chunks of about equal weight bytes (~8 per thread), taken dynamically so a thread slowed by another
+        // process does not hold the others up; each chunk is a contiguous run of one part's rows for the hardware
+        // prefetcher.
+        struct Chunk {
+            int p, n0, n1;
+        };
+        thread_local std::vector<Chunk> chunks;
+        chunks.clear();
+        const size_t chunk_bytes = std::max<size_t>(1, total_bytes / (static_cast<size_t>(nt) * 8));
+        for (int p = 0; p < n_parts; ++p) {
+            const int rows = static_cast<int>(std::max<size_t>(1, chunk_bytes / job[p].row_bytes));
+            for (int n0 = 0; n0 < job[p].N; n0 += rows) chunks.push_back({p, n0, std::min(job[p].N, n0 + rows)});
+        }
+        const int n_chunks = static_cast<int>(chunks.size());
+        const Chunk* const ck = chunks.data();  // chunks is this thread's: the team reads it through a pointer
+        const bool timed = stats != nullptr;
+#pragma omp parallel num_threads(nt) reduction(+ : busy)
+        {
+            const uint64_t b0 = timed ? now_ns() : 0;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int c = 0; c < n_chunks; ++c) {
+                const Chunk ch = ck[c];
+                const Job& j = job[ch.p];
+                for (int n = ch.n0; n < ch.n1; ++n) j.fn(K, j.w + j.row_bytes * n, j.xa, j.xs, j.y + n, j.N);
+            }
+            if (timed) busy += now_ns() - b0;
+        }
+    }
+    const uint64_t t2 = stats ? now_ns() : 0;
+    for (int p = 0; p < n_parts; ++p) {
+        if (!(residual && kern[p]->act == Act::Q8_K)) continue;
+        const int N = parts[p].N;
+        for (int m = 0; m < M; ++m) {
+            const float* a = job[p].y + static_cast<size_t>(2 * m) * N;
+            for (int n = 0; n < N; ++n) parts[p].y[static_cast<size_t>(m) * N + n] = a[n] + a[N + n];
+        }
+    }
+    if (stats) {
+        stats->calls += 1;
+        stats->bytes += total_bytes;
+        stats->quant_ns += t1 - t0 + (now_ns() - t2);
+        stats->wall_ns += t2 - t1;
+        stats->busy_ns += busy;
+        stats->thread_ns += static_cast<uint64_t>(nt) * (t2 - t1);
+    }
+}
+
+void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
+              bool precise_x) {
+    const GemvPart part{t, w, row_bytes, y, N};
+    gemv_parts_cpu(&part, 1, x, M, K, precise_x);
 }
 
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads) {
