@@ -142,7 +142,8 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
         const __m256i q = Legacy<B>::codes(blk[i]);
         const float d = f16(blk[i].d), c = Legacy<B>::c(blk[i], d);
         for (int m = 0; m < M; ++m) {
-            tail[m] += d * a[m].d[i] * static_cast<float>(hsum_i32(block_isum<B>(q, a[m].qs + QK * i)));
+            const __m256 p = _mm256_cvtepi32_ps(block_isum<B>(q, a[m].qs + QK * i));
+            acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), p, acc[0][m]);
             tail[m] += c * a[m].s[i];
         }
     }
