@@ -16,8 +16,8 @@ namespace PYLLM_SIMD_NS {
 // ---- 32-element blocks ----------------------------------------------------------------------------------
 // Per block b and activation row m:  dw_b * dx_b * sum(code * xq)  +  c_b * s_b,   s_b = dx_b * sum(xq),
 // c_b = -offset * dw_b (Q4_0, Q5_0) or the block min (Q4_1, Q5_1).  Blocks go 8 at a time so their 8 fp16
-// scales convert in one vcvtph2ps, the 8 products dw * dx in one multiply, the c * s terms in one FMA and the
-// 8 integer dots (reduced to one vector of block sums) in one conversion and one FMA.
+// scales convert in one vcvtph2ps, the 8 products dw * dx in one multiply and the c * s terms in one FMA;
+// Q4_0..Q5_1 then reduce 4 blocks' integer dots to one vector of block sums, converted and scaled once.
 // The fp16 field at byte `off` of 8 consecutive blocks -> 8 floats.  Packed with scalar shifts/ors: those run
 // on the integer pipes, which the vector-bound dot products leave idle (8 vpinsrw would compete with them).
 template <class B>
@@ -105,12 +105,12 @@ PYLLM_INLINE __m256i isum4(const __m256i* q, const int8_t* xq) {
 // Q4_0, Q4_1, Q5_0, Q5_1.
 template <class B, int M>
 void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    // Blocks go 8 at a time, and within those 4 at a time: their codes are decoded once into registers, then per
-    // row the integer dots reduce to one vector of block sums (isum4), converted in one vcvtdq2ps and scaled in
-    // one FMA by the products dw * dx (one per block, repeated in both 128-bit lanes as isum4's lanes are).  Two accumulators
-    // per row (blocks i..i+3 and the c * s terms; blocks i+4..i+7) and the same code for every M: a row's fp32
-    // order does not depend on M, so verifying k drafted tokens in one call gives each row the bits it gets
-    // alone (speculative decoding's greedy equality).
+    // Blocks go 8 at a time, and within those 4 at a time: their codes are decoded once into registers, then
+    // per row the integer dots reduce to one vector of block sums (isum4), converted in one vcvtdq2ps and
+    // scaled in one FMA by the products dw * dx (one per block, repeated in both 128-bit lanes as isum4's
+    // lanes are).  Two accumulators per row (blocks i..i+3, the c * s terms and the tail; blocks i+4..i+7) and
+    // the same code for every M: a row's fp32 order does not depend on M, so verifying k drafted tokens in one
+    // call gives each row the bits it gets alone (speculative decoding's greedy equality).
     const B* blk = reinterpret_cast<const B*>(w);
     const int nb = K / QK;
     Q8RowC a[M];
@@ -133,7 +133,8 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
             __m256i q[4];
             for (int j = 0; j < 4; ++j) q[j] = Legacy<B>::codes(blk[b0 + j]);
             for (int m = 0; m < M; ++m) {
-                const __m256 dd = _mm256_mul_ps(dw4, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a[m].d + b0)));
+                const __m128* dx = reinterpret_cast<const __m128*>(a[m].d + b0);
+                const __m256 dd = _mm256_mul_ps(dw4, _mm256_broadcast_ps(dx));
                 acc[h][m] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum4<B>(q, a[m].qs + QK * b0)), acc[h][m]);
             }
         }
