@@ -273,6 +273,30 @@ def test_k_quant_gemv_rows_do_not_depend_on_each_other(C, name):
                 assert torch.equal(y[m], alone[0]), f"{name} {isa}: row {m} of {M} differs from the row alone"
 
 
+@pytest.mark.parametrize("name", LEGACY_TYPES + K_TYPES)
+def test_gemv_rows_do_not_depend_on_m(C, name):
+    """Each row of an M-row call (M = 2..8) gives bit for bit what it gives alone, on every ISA path: the row
+    kernels sum a row in one fp32 order whatever M is, which speculative verification (greedy equality) and
+    batched decoding rely on.  K covers whole 8-block groups, a tail of 2 blocks, and a tail alone (legacy);
+    the Q8_0 output projection's int16-activation kernel (precise_x) is checked the same way."""
+    Ks = [576, 160] if name in LEGACY_TYPES else [768, 256]
+    for K in Ks:
+        N = 40
+        wt = make_weight(name, N, K)
+        x = torch.from_numpy(rng_for("xm", name, K).standard_normal((8, K), dtype=np.float32))
+        calls = [lambda xs: C.gemv(xs, wt.raw, int(GT[name]))]
+        if name == "Q8_0":
+            calls.append(lambda xs: C.mul_mat(xs, wt.raw, int(GT[name]), None, True))
+        for isa in C.available_isas():
+            C.set_isa(isa)
+            for f in calls:
+                alone = [f(x[m:m + 1].contiguous())[0] for m in range(8)]
+                for M in (2, 3, 4, 5, 8):
+                    y = f(x[:M].contiguous())
+                    for m in range(M):
+                        assert torch.equal(y[m], alone[m]), f"{name} {isa} K={K}: row {m} of {M} differs from alone"
+
+
 @pytest.mark.parametrize("N,K", [(96, 640), (37, 576), (160, 896)])
 @pytest.mark.parametrize("M", [1, 3, 8, 13])
 def test_gemv_precise_x_keeps_16_bit_activations_for_q8_0(C, N, K, M):

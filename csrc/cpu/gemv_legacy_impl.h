@@ -17,7 +17,7 @@ namespace PYLLM_SIMD_NS {
 // Per block b and activation row m:  dw_b * dx_b * sum(code * xq)  +  c_b * s_b,   s_b = dx_b * sum(xq),
 // c_b = -offset * dw_b (Q4_0, Q5_0) or the block min (Q4_1, Q5_1).  Blocks go 8 at a time so their 8 fp16
 // scales convert in one vcvtph2ps, the 8 products dw * dx in one multiply and the c * s terms in one FMA;
-// per block only the integer dot, its conversion and one FMA remain.
+// Q4_0..Q5_1 then reduce 4 blocks' integer dots to one vector of block sums, converted and scaled once.
 // The fp16 field at byte `off` of 8 consecutive blocks -> 8 floats.  Packed with scalar shifts/ors: those run
 // on the integer pipes, which the vector-bound dot products leave idle (8 vpinsrw would compete with them).
 template <class B>
@@ -38,21 +38,21 @@ template <class B>
 struct Legacy;
 template <>
 struct Legacy<block_q4_0> {
-    static constexpr bool is_signed = false, has_c = true;
+    static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q4_0& b) { return nibbles_32(b.qs); }
     static PYLLM_INLINE float c(const block_q4_0&, float d) { return -8.f * d; }
     static PYLLM_INLINE __m256 c8(const block_q4_0*, __m256 d) { return _mm256_mul_ps(d, _mm256_set1_ps(-8.f)); }
 };
 template <>
 struct Legacy<block_q4_1> {
-    static constexpr bool is_signed = false, has_c = true;
+    static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q4_1& b) { return nibbles_32(b.qs); }
     static PYLLM_INLINE float c(const block_q4_1& b, float) { return f16(b.m); }
     static PYLLM_INLINE __m256 c8(const block_q4_1* b, __m256) { return f16x8(b, offsetof(block_q4_1, m)); }
 };
 template <>
 struct Legacy<block_q5_0> {
-    static constexpr bool is_signed = false, has_c = true;
+    static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q5_0& b) {
         return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
     }
@@ -61,7 +61,7 @@ struct Legacy<block_q5_0> {
 };
 template <>
 struct Legacy<block_q5_1> {
-    static constexpr bool is_signed = false, has_c = true;
+    static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q5_1& b) {
         return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
     }
@@ -71,46 +71,113 @@ struct Legacy<block_q5_1> {
 
 template <>
 struct Legacy<block_q8_0> {
-    static constexpr bool is_signed = true, has_c = false;
+    static constexpr bool is_signed = true;
     static PYLLM_INLINE __m256i codes(const block_q8_0& b) {
         return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qs));
     }
-    static PYLLM_INLINE float c(const block_q8_0&, float) { return 0.f; }
-    static PYLLM_INLINE __m256 c8(const block_q8_0*, __m256) { return _mm256_setzero_ps(); }
 };
 
+// sum(code * xq) of one block: 8 int32 partial sums.
 template <class B>
-PYLLM_INLINE __m256 block_dot(__m256i q, const int8_t* xq) {
+PYLLM_INLINE __m256i block_isum(__m256i q, const int8_t* xq) {
     const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    return _mm256_cvtepi32_ps(Legacy<B>::is_signed ? dot_s8s8(q, x) : dot_u8s8(q, x));
+    return Legacy<B>::is_signed ? dot_s8s8(q, x) : dot_u8s8(q, x);
 }
 
+// The integer dots of 4 consecutive blocks with unsigned codes (<= 31) against xq (their 128 activation codes)
+// -> 8 int32: lane j < 4 is block j's sum over its elements 0..15, lane 4 + j over 16..31.  The maddubs pair
+// sums reduce in int16 (8 products <= 8 * 31 * 127 = 31496 < 32767) and one vpmaddwd widens all 4 blocks:
+// 1 multiply per 4 blocks where widening each block takes 4, and no per-block conversion.  The same
+// instructions in the AVX-512 build (a vpdpbusd per block would still need the int32 hadd tree).
+template <class B>
+PYLLM_INLINE __m256i isum4(const __m256i* q, const int8_t* xq) {
+    static_assert(!Legacy<B>::is_signed, "int16 pair sums would overflow for signed codes");
+    __m256i p[4];
+    for (int j = 0; j < 4; ++j)
+        p[j] = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + QK * j)));
+    // int16 per 128-bit lane; unpack + add where vphaddw is several uops
+    const __m256i ab = _mm256_add_epi16(_mm256_unpacklo_epi32(p[0], p[1]), _mm256_unpackhi_epi32(p[0], p[1]));
+    const __m256i cd = _mm256_add_epi16(_mm256_unpacklo_epi32(p[2], p[3]), _mm256_unpackhi_epi32(p[2], p[3]));
+    const __m256i h = _mm256_add_epi16(_mm256_unpacklo_epi64(ab, cd), _mm256_unpackhi_epi64(ab, cd));
+    return _mm256_madd_epi16(h, _mm256_set1_epi16(1));
+}
+
+// Q4_0, Q4_1, Q5_0, Q5_1.
 template <class B, int M>
 void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    // Two accumulators per row, so consecutive blocks' FMAs do not wait on each other, for every M: a row's
-    // sum then has the same fp32 order whatever M is, so verifying k drafted tokens in one call gives each row
-    // the bits it gets alone (speculative decoding's greedy equality).
-    constexpr int U = 2;
+    // Blocks go 8 at a time, and within those 4 at a time: their codes are decoded once into registers, then
+    // per row the integer dots reduce to one vector of block sums (isum4), converted in one vcvtdq2ps and
+    // scaled in one FMA by the products dw * dx (one per block, repeated in both 128-bit lanes as isum4's
+    // lanes are).  Two accumulators per row (blocks i..i+3, the c * s terms and the tail; blocks i+4..i+7) and
+    // the same code for every M: a row's fp32 order does not depend on M, so verifying k drafted tokens in one
+    // call gives each row the bits it gets alone (speculative decoding's greedy equality).
     const B* blk = reinterpret_cast<const B*>(w);
     const int nb = K / QK;
     Q8RowC a[M];
-    __m256 acc[U][M];
+    __m256 acc[2][M];
     float tail[M];
-    alignas(32) float dd[M][8];  // dw * dx of the current 8 blocks, broadcast from L1 per block
     for (int m = 0; m < M; ++m) {
         a[m] = q8_row(xa + xs * m, K);
+        acc[0][m] = acc[1][m] = _mm256_setzero_ps();
         tail[m] = 0.f;
-        for (int u = 0; u < U; ++u) acc[u][m] = _mm256_setzero_ps();
     }
     int i = 0;
     for (; i + 8 <= nb; i += 8) {
         prefetch_ahead<8 * sizeof(B)>(blk + i);
         const __m256 dw = f16x8(blk + i, offsetof(B, d));
         const __m256 cw = Legacy<B>::c8(blk + i, dw);
-        for (int m = 0; m < M; ++m) {
-            _mm256_store_ps(dd[m], _mm256_mul_ps(dw, _mm256_loadu_ps(a[m].d + i)));
-            if constexpr (Legacy<B>::has_c) acc[0][m] = _mm256_fmadd_ps(cw, _mm256_loadu_ps(a[m].s + i), acc[0][m]);
+        for (int m = 0; m < M; ++m) acc[0][m] = _mm256_fmadd_ps(cw, _mm256_loadu_ps(a[m].s + i), acc[0][m]);
+        for (int h = 0; h < 2; ++h) {  // 4 blocks' codes live at a time: Q5 decoding needs registers too
+            const int b0 = i + 4 * h;
+            const __m256 dw4 = h ? _mm256_permute2f128_ps(dw, dw, 0x11) : _mm256_permute2f128_ps(dw, dw, 0x00);
+            __m256i q[4];
+            for (int j = 0; j < 4; ++j) q[j] = Legacy<B>::codes(blk[b0 + j]);
+            for (int m = 0; m < M; ++m) {
+                const __m128* dx = reinterpret_cast<const __m128*>(a[m].d + b0);
+                const __m256 dd = _mm256_mul_ps(dw4, _mm256_broadcast_ps(dx));
+                acc[h][m] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum4<B>(q, a[m].qs + QK * b0)), acc[h][m]);
+            }
         }
+    }
+    for (; i < nb; ++i) {  // the last K/32 % 8 blocks
+        const __m256i q = Legacy<B>::codes(blk[i]);
+        const float d = f16(blk[i].d), c = Legacy<B>::c(blk[i], d);
+        for (int m = 0; m < M; ++m) {
+            const __m256 p = _mm256_cvtepi32_ps(block_isum<B>(q, a[m].qs + QK * i));
+            acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), p, acc[0][m]);
+            tail[m] += c * a[m].s[i];
+        }
+    }
+    for (int m = 0; m < M; ++m) y[m * ldy] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m];
+}
+
+template <class B>
+PYLLM_INLINE __m256 block_dot(__m256i q, const int8_t* xq) {
+    return _mm256_cvtepi32_ps(block_isum<B>(q, xq));
+}
+
+// Q8_0: signed codes, so no int16 reduction across blocks (a pair sum alone reaches 2 * 127 * 127); per block
+// the int32 dot, its conversion and one FMA.
+template <int M>
+void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    // Two accumulators per row, so consecutive blocks' FMAs do not wait on each other, for every M: a row's
+    // sum then has the same fp32 order whatever M is (see dot_legacy).
+    using B = block_q8_0;
+    constexpr int U = 2;
+    const B* blk = reinterpret_cast<const B*>(w);
+    const int nb = K / QK;
+    Q8RowC a[M];
+    __m256 acc[U][M];
+    alignas(32) float dd[M][8];  // dw * dx of the current 8 blocks, broadcast from L1 per block
+    for (int m = 0; m < M; ++m) {
+        a[m] = q8_row(xa + xs * m, K);
+        for (int u = 0; u < U; ++u) acc[u][m] = _mm256_setzero_ps();
+    }
+    int i = 0;
+    for (; i + 8 <= nb; i += 8) {
+        prefetch_ahead<8 * sizeof(B)>(blk + i);
+        const __m256 dw = f16x8(blk + i, offsetof(B, d));
+        for (int m = 0; m < M; ++m) _mm256_store_ps(dd[m], _mm256_mul_ps(dw, _mm256_loadu_ps(a[m].d + i)));
         for (int j = 0; j < 8; ++j) {
             const __m256i q = Legacy<B>::codes(blk[i + j]);
             for (int m = 0; m < M; ++m) {
@@ -121,16 +188,14 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
     }
     for (; i < nb; ++i) {  // the last K/32 % 8 blocks
         const __m256i q = Legacy<B>::codes(blk[i]);
-        const float d = f16(blk[i].d), c = Legacy<B>::c(blk[i], d);
-        for (int m = 0; m < M; ++m) {
+        const float d = f16(blk[i].d);
+        for (int m = 0; m < M; ++m)
             acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), block_dot<B>(q, a[m].qs + QK * i), acc[0][m]);
-            tail[m] += c * a[m].s[i];
-        }
     }
     for (int m = 0; m < M; ++m) {
         __m256 s = acc[0][m];
         for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
-        y[m * ldy] = hsum(s) + tail[m];
+        y[m * ldy] = hsum(s);
     }
 }
 
@@ -138,7 +203,6 @@ template <int M> void dot_q4_0(int K, const uint8_t* w, const uint8_t* xa, size_
 template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_1, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_1, M>(K, w, xa, xs, y, ldy); }
-template <int M> void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q8_0, M>(K, w, xa, xs, y, ldy); }
 
 // The row kernels of the 32-element types (empty for every other type).
 inline RowKernel row_kernel_legacy_blocks(QType t) {

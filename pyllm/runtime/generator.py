@@ -219,11 +219,18 @@ class Generator:
         t1 = time.perf_counter()
         n = 0
         while True:
-            for tok in queue:
+            for qi, tok in enumerate(queue):
                 st.generated_tokens += 1
                 st.finish_reason = self._reason(n, tok, len(ids), max_tokens, is_eog)
                 st.decode_seconds = time.perf_counter() - t1
-                yield tok
+                try:
+                    yield tok
+                except GeneratorExit:
+                    # A consumer stopping here (a stop string) leaves the cache as plain decoding does: without
+                    # tok and what follows it.  queue[:-1] (the accepted drafts) are cached, its last token not;
+                    # otherwise a chat reusing this prefix would evaluate one row fewer than after plain decoding.
+                    self.truncate(len(self.tokens) - (len(queue) - 1 - qi))
+                    raise
                 if st.finish_reason != "interrupted":
                     st.decode_seconds = time.perf_counter() - t1
                     return
