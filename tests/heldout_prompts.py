@@ -20,12 +20,14 @@ HELD_OUT_TEXT = [
     "{\"name\": \"Alice\", \"age\": 30, \"languages\": [\"Python\", \"Rust\"], \"city\":",
     "In 1969, Neil Armstrong and Buzz Aldrin became the first humans to walk on the Moon. The mission, called",
     "Recipe for pancakes:\n1. Mix 200 g flour with two eggs.\n2. Add 300 ml milk slowly while whisking.\n3.",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n",
+    ("class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+     "        self.items.append(item)\n\n    def pop(self):\n"),
     "The derivative of x^2 sin(x) with respect to x is, by the product rule,",
     ("Photosynthesis is the process by which green plants and some other organisms use sunlight to synthesize "
      "foods from carbon dioxide and water. Photosynthesis in plants generally involves the green pigment "
      "chlorophyll and generates oxygen as a byproduct. The overall equation can be written as"),
-    ("fn main() {\n    let v: Vec<i32> = (1..=10).collect();\n    let evens: Vec<i32> = v.iter().filter(|x| *x % 2 == 0)"
+    ("fn main() {\n    let v: Vec<i32> = (1..=10).collect();\n"
+     "    let evens: Vec<i32> = v.iter().filter(|x| *x % 2 == 0)"
      ".cloned().collect();\n    println!(\"{:?}\", evens);\n    let total: i32 = evens.iter().sum();\n    println!("),
     ("The Industrial Revolution, which began in Britain in the late eighteenth century, transformed economies that "
      "had been based on agriculture and handicrafts into economies based on large-scale industry, mechanized "
@@ -34,7 +36,8 @@ HELD_OUT_TEXT = [
      "spinning jenny, the water frame and the power loom multiplied what one worker could produce. Steam engines, "
      "improved by James Watt, freed factories from rivers. Railways followed, and with them cheap coal, iron and "
      "the movement of people into growing cities, where working conditions were often harsh and"),
-    ("def merge_sort(a):\n    if len(a) <= 1:\n        return a\n    mid = len(a) // 2\n    left = merge_sort(a[:mid])\n"
+    ("def merge_sort(a):\n    if len(a) <= 1:\n        return a\n    mid = len(a) // 2\n"
+     "    left = merge_sort(a[:mid])\n"
      "    right = merge_sort(a[mid:])\n    out = []\n    i = j = 0\n    while i < len(left) and j < len(right):\n"
      "        if left[i] <= right[j]:\n            out.append(left[i])\n            i += 1\n        else:\n"
      "            out.append(right[j])\n            j += 1\n    out.extend(left[i:])\n    out.extend(right[j:])\n"

@@ -133,13 +133,13 @@ def test_greedy_diverges_only_at_near_ties(key):
 
 
 # llama.cpp's mean last-position KL from the same float32 reference over tests/heldout_prompts.py (its default
-# prefill, n_batch 512, f16 KV cache), measured by `python tools/kl_vs_llamacpp.py smollm2 --prompts` with
+# prefill, n_batch 512, f16 KV cache), by the protocol of `python tools/kl_vs_llamacpp.py smollm2 --prompts`, with
 # llama-cpp-python 0.3.36 (default-flag AVX2 build, Zen 3) on 2026-12-01: 7.95e-3 on the prompts of <= 8 tokens,
 # 4.09e-3 on 9..32, 3.31e-3 on 33+.  pyllm then: default prefill 7.00e-3 / 3.52e-3 / 0 (the fp32 GEMM), all through
 # the GEMV (n_batch 8) 7.00e-3 / 3.18e-3 / 3.26e-3, means 3.16e-3 and 4.24e-3 against the bound 4.83e-3.  With
 # activations rounded to fp8 e4m3 before every quantized matmul (a deliberate bug) the default prefill measured
-# 9.8e-2 and this test fails; rounding them to bf16 (finer than the int8 step) measured 2.9e-3, within the spread.  Qwen2.5 and Gemma 3 were not measured by this
-# protocol yet (the teacher-forced test above covers their int8 paths).
+# 9.8e-2 and this test fails; rounding them to bf16 (finer than the int8 step) measured 2.9e-3, within the spread.
+# Qwen2.5 and Gemma 3 were not measured by this protocol yet (the teacher-forced test above covers their int8 paths).
 KL_LAST_LLAMA_CPP = {"smollm2": 4.83e-3}
 
 
