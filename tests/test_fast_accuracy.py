@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import pyllm_model
+from heldout_prompts import HELD_OUT_CHAT, HELD_OUT_TEXT
 from test_model import PROMPTS
 
 # llama.cpp's own mean KL from the same float32 reference on the same N_POSITIONS tokens (its decode path,
@@ -72,6 +73,11 @@ def decode_kl(key) -> tuple[float, float]:
     return kl, agree
 
 
+def heldout_ids(llm) -> list[list[int]]:
+    """Token ids of the held-out prompts: the raw texts, then the chat messages through the model's template."""
+    return [llm.tokenize(t) for t in HELD_OUT_TEXT] + [llm.chat_ids(m) for m in HELD_OUT_CHAT]
+
+
 _kl_cache: dict = {}
 
 
@@ -124,3 +130,44 @@ def test_greedy_diverges_only_at_near_ties(key):
         top2 = lr[diff].topk(2).values
         gap = (top2[0] - top2[1]).item()
         assert gap < 0.5, f"{key} {prompt!r}: greedy diverges at {diff} where the reference's top-2 gap is {gap:.3f}"
+
+
+# llama.cpp's mean last-position KL from the same float32 reference over tests/heldout_prompts.py (its default
+# prefill, n_batch 512, f16 KV cache), by the protocol of `python tools/kl_vs_llamacpp.py smollm2 --prompts`, with
+# llama-cpp-python 0.3.36 (default-flag AVX2 build, Zen 3) on 2026-12-01: 7.95e-3 on the prompts of <= 8 tokens,
+# 4.09e-3 on 9..32, 3.31e-3 on 33+.  pyllm then: default prefill 7.00e-3 / 3.52e-3 / 0 (the fp32 GEMM), all through
+# the GEMV (n_batch 8) 7.00e-3 / 3.18e-3 / 3.26e-3, means 3.16e-3 and 4.24e-3 against the bound 4.83e-3.  With
+# activations rounded to fp8 e4m3 before every quantized matmul (a deliberate bug) the default prefill measured
+# 9.8e-2 and this test fails; rounding them to bf16 (finer than the int8 step) measured 2.9e-3, within the spread.
+# Qwen2.5 and Gemma 3 were not measured by this protocol yet (the teacher-forced test above covers their int8 paths).
+KL_LAST_LLAMA_CPP = {"smollm2": 4.83e-3}
+
+
+def heldout_last_kl(llm, ref, n_batch: int) -> float:
+    """Mean over the held-out prompts of KL(reference || llm) at the last position, prefilled n_batch tokens at a
+    time (n_batch <= GEMV_MAX_M: every chunk through the int8-activation GEMV)."""
+    g = llm.generator
+    saved, g.n_batch = g.n_batch, n_batch
+    try:
+        kls = []
+        for ids in heldout_ids(llm):
+            pr = torch.log_softmax(ref.logits(ids)[-1].double(), -1)
+            pf = torch.log_softmax(llm.logits(ids)[-1].double(), -1)
+            kls.append((pr.exp() * (pr - pf)).sum().item())
+    finally:
+        g.n_batch = saved
+    return sum(kls) / len(kls)
+
+
+@pytest.mark.parametrize("key", sorted(KL_LAST_LLAMA_CPP))
+def test_last_position_kl_on_heldout_prompts_at_most_llama_cpp(key):
+    # The prompts are 2..200 tokens: the default prefill takes the short ones through the int8-activation GEMV and
+    # the long ones through the fp32 GEMM; n_batch 8 puts every prompt through the GEMV, the path a short prompt
+    # (and every decode step) takes.
+    fast = pyllm_model(key, n_ctx=512)
+    ref = pyllm_model(key, backend="reference", n_ctx=512)
+    bound = KL_LAST_LLAMA_CPP[key]
+    for n_batch in (512, 8):
+        kl = heldout_last_kl(fast, ref, n_batch)
+        print(f"{key} n_batch {n_batch}: mean last-position KL {kl:.2e} (llama.cpp {bound:.2e})")
+        assert kl <= bound, f"{key} (n_batch {n_batch}): mean last-position KL {kl:.2e} > llama.cpp's {bound:.2e}"

@@ -2,7 +2,15 @@
 GGUF and the same tokens (the protocol of tests/test_fast_accuracy.py: the first N tokens of the GPL-3 text,
 teacher-forced one at a time through the decode path).
 
-    python tools/kl_vs_llamacpp.py smollm2 qwen2 -n 200 --n 800
+    python tools/kl_vs_llamacpp.py smollm2 qwen2 -n 200 -n 800
+    python tools/kl_vs_llamacpp.py smollm2 qwen2 gemma3 --prompts
+
+--prompts: the last-position KL over tests/heldout_prompts.py (raw text, and chat messages through each model's
+template; 3..200 tokens), which is what a user's first sampled token sees.  The prompt lengths cross the fast
+path's GEMV / chunked GEMV / GEMM thresholds, so the figures are given per length class, for pyllm's paths:
+"prefill" (the default: one forward of the prompt), "gemv" (n_batch 8: every chunk through the int8-activation
+GEMV), "decode" (one token at a time through the decode step), "scalar" (prefill with PYLLM_ISA=scalar) and
+llama.cpp's default prefill (n_batch 512).
 
 KL(ref || x) per position = sum_v p_ref(v) (log p_ref(v) - log p_x(v)), averaged over positions [0, n).
 llama.cpp (llama-cpp-python, installed separately; not a test dependency) evaluates the same ids with
@@ -23,7 +31,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import pyllm  # noqa: E402
 from conftest import fixture_path  # noqa: E402
-from test_fast_accuracy import GPL3, decode_logits  # noqa: E402
+from test_fast_accuracy import GPL3, decode_logits, heldout_ids  # noqa: E402
+
+LENGTH_CLASSES = ((1, 8, "<=8"), (9, 32, "9-32"), (33, 10**9, ">=33"))
+
+
+def kl_last(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    pr = torch.log_softmax(ref_logits.double(), -1)
+    return (pr.exp() * (pr - torch.log_softmax(logits.double(), -1))).sum().item()
+
+
+def prompts_mode(key: str, threads: int, pyllm_only: bool) -> None:
+    path = str(fixture_path(key))
+    fast = pyllm.load(path, n_ctx=512, n_threads=threads)
+    prompts = heldout_ids(fast)
+    ref = pyllm.load(path, backend="reference", n_ctx=512)
+    refs = [ref.logits(ids)[-1] for ids in prompts]
+    del ref
+    paths: dict[str, list[float]] = {}
+
+    def prefill(ids):
+        return fast.logits(ids)[-1]
+
+    paths["prefill"] = [kl_last(r, prefill(ids)) for r, ids in zip(refs, prompts)]
+    g = fast.generator
+    n_batch, g.n_batch = g.n_batch, pyllm.ops.GEMV_MAX_M
+    paths["gemv"] = [kl_last(r, prefill(ids)) for r, ids in zip(refs, prompts)]
+    g.n_batch = n_batch
+    paths["decode"] = [kl_last(r, decode_logits(fast, ids)[-1]) for r, ids in zip(refs, prompts)]
+    isa = pyllm.ops.get_isa()
+    pyllm.ops.set_isa("scalar")
+    paths["scalar"] = [kl_last(r, prefill(ids)) for r, ids in zip(refs, prompts)]
+    pyllm.ops.set_isa(isa)
+    if not pyllm_only:
+        from llama_cpp import Llama
+
+        # logits_all: llama-cpp-python's scores then hold every row (without it, the last row is not filled in)
+        llm = Llama(path, n_ctx=512, n_threads=threads, verbose=False, logits_all=True)
+        out = []
+        for r, ids in zip(refs, prompts):
+            llm.reset()
+            llm.eval(ids)
+            out.append(kl_last(r, torch.tensor(np.array(llm.scores[len(ids) - 1]))))
+        paths["llama.cpp"] = out
+    lens = [len(ids) for ids in prompts]
+    print(f"{key}: {len(prompts)} prompts of {min(lens)}..{max(lens)} tokens, isa {isa}, "
+          f"last-position KL(float32 reference || x), mean [max] per length class", flush=True)
+    for name, kls in paths.items():
+        cells = []
+        for lo, hi, label in LENGTH_CLASSES + ((1, 10**9, "all"),):
+            sel = [k for k, n in zip(kls, lens) if lo <= n <= hi]
+            if sel:
+                cells.append(f"{label} ({len(sel)}): {np.mean(sel):.2e} [{max(sel):.1e}]")
+        print(f"  {name:9s} " + "  ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -33,7 +93,13 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--pyllm-only", action="store_true",
                     help="skip llama.cpp (not installed, or A/B of two pyllm builds: run once per PYTHONPATH)")
+    ap.add_argument("--prompts", action="store_true",
+                    help="last-position KL over the held-out prompts instead of the teacher-forced text")
     args = ap.parse_args()
+    if args.prompts:
+        for key in args.models:
+            prompts_mode(key, args.threads, args.pyllm_only)
+        os._exit(0)
     ns = sorted(args.n or [200])
     text = Path(GPL3).read_text(encoding="utf-8")
 
