@@ -722,8 +722,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             if (pyllm::cpu_prefill_available(k)) r.push_back(pyllm::cpu_prefill_name(k));
         return r;
     }, "prefill GEMM kernels this machine runs");
+    // Without the GIL (ATen needs none, and the tensors are checked before any pointer is used): a prefill's
+    // GEMMs take tens of milliseconds, during which a server's event loop must keep streaming other requests.
     m.def("mul_mat", &mul_mat, "y[..., N] = x[..., K] @ W.T: gemv (8-row chunks up to 32 rows), else gemm", py::arg("x"),
-          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("precise_x") = false);
+          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("precise_x") = false,
+          py::call_guard<py::gil_scoped_release>());
     m.def("dequantize", &dequantize, "W (or rows ids of W) as fp32 [N or len(ids), K]", py::arg("w"),
           py::arg("qtype"), py::arg("ids") = py::none());
     m.def("awq_qtype", &awq_qtype, "internal type id of AWQ rows with group size G (32, 64, 128, 256)",
