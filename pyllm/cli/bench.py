@@ -97,6 +97,13 @@ class Subject:
                 n += w.shape[0] * w.shape[1]
         return n
 
+    def output_params(self) -> int:
+        """Parameters of the output projection (the embedding matrix where the output is tied to it)."""
+        w = self.weights.get("output.weight")
+        if w is None and self.cfg.tied_output:
+            w = self.weights.get("token_embd.weight")
+        return w.shape[0] * w.shape[1] if w is not None and len(w.shape) == 2 else 0
+
 
 def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     from .. import backends
@@ -189,7 +196,9 @@ def run_tests(s: Subject, a, roof: dict) -> list[dict]:
         else:
             # QK^T and PV over depth + n/2 keys on average
             attn = 2 * 2 * cfg.n_layer * cfg.n_head * cfg.head_dim * (depth + n / 2)
-            flops_tok = 2 * s.matmul_params() + attn
+            # a prefill computes logits for its last position only: the output projection once per n tokens
+            out = s.output_params()
+            flops_tok = 2 * (s.matmul_params() - out) + 2 * out / n + attn
             row["gflops"] = flops_tok * mean / 1e9
             row["prefill_kernel"] = roof.get("prefill_kernel") if roof else None
             row["flops_share"] = row["gflops"] / prefill_peak(roof) if roof else None
