@@ -139,8 +139,10 @@ def test_greedy_diverges_only_at_near_ties(key):
 # the GEMV (n_batch 8) 7.00e-3 / 3.18e-3 / 3.26e-3, means 3.16e-3 and 4.24e-3 against the bound 4.83e-3.  With
 # activations rounded to fp8 e4m3 before every quantized matmul (a deliberate bug) the default prefill measured
 # 9.8e-2 and this test fails; rounding them to bf16 (finer than the int8 step) measured 2.9e-3, within the spread.
-# Qwen2.5 and Gemma 3 were not measured by this protocol yet (the teacher-forced test above covers their int8 paths).
-KL_LAST_LLAMA_CPP = {"smollm2": 4.83e-3}
+# Qwen2.5 and Gemma 3 by the same protocol (`tools/kl_vs_llamacpp.py qwen2 gemma3 --prompts`, same build, same
+# day, quiet): llama.cpp 1.24e-3 and 7.04e-3; pyllm's default prefill 2.69e-4 and 1.36e-3, all through the GEMV
+# 3.72e-4 and 1.91e-3.
+KL_LAST_LLAMA_CPP = {"smollm2": 4.83e-3, "qwen2": 1.24e-3, "gemma3": 7.04e-3}
 
 
 def heldout_last_kl(llm, ref, n_batch: int) -> float:
@@ -166,8 +168,11 @@ def test_last_position_kl_on_heldout_prompts_at_most_llama_cpp(key):
     # (and every decode step) takes.
     fast = pyllm_model(key, n_ctx=512)
     ref = pyllm_model(key, backend="reference", n_ctx=512)
-    bound = KL_LAST_LLAMA_CPP[key]
-    for n_batch in (512, 8):
+    # The default prefill (what a user's prompt takes) is held to llama.cpp's figure. The all-GEMV variant gets
+    # the teacher-forced test's 1.25x: rounding activations to 8 bits turns any fp32-order change into another
+    # draw of rounding errors, and two equally accurate builds that differ only in the GEMV rows' summation order
+    # measured SmolLM2 at 4.24e-3 and 4.81e-3.
+    for n_batch, bound in ((512, KL_LAST_LLAMA_CPP[key]), (8, 1.25 * KL_LAST_LLAMA_CPP[key])):
         kl = heldout_last_kl(fast, ref, n_batch)
-        print(f"{key} n_batch {n_batch}: mean last-position KL {kl:.2e} (llama.cpp {bound:.2e})")
-        assert kl <= bound, f"{key} (n_batch {n_batch}): mean last-position KL {kl:.2e} > llama.cpp's {bound:.2e}"
+        print(f"{key} n_batch {n_batch}: mean last-position KL {kl:.2e} (bound {bound:.2e})")
+        assert kl <= bound, f"{key} (n_batch {n_batch}): mean last-position KL {kl:.2e} > its bound {bound:.2e}"
