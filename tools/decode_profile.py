@@ -1,6 +1,7 @@
 """How much of a decode step is spent outside the weight reads (target: under 10%), from timers inside the C++ step.
 
     python tools/decode_profile.py smollm2-135m qwen2.5-coder-0.5b gemma3-270m -t 2 --depth 0,512 -r 5
+    python tools/decode_profile.py qwen2.5-coder-0.5b -t 2 --rows 4    # a 4-row verification pass
 
 For each model and cache depth, n decode tokens through the fast path (the C++ decode step) with its phase timers
 on (pyllm._C.decode_profile; they cost ~1% of a step), best of -r rounds by step time (noise on a shared machine
@@ -25,15 +26,22 @@ from pyllm import ops, roofline
 KINDS = ("qkv", "wo", "gate_up", "down", "output")
 
 
-def profile(llm, depth: int, n: int) -> dict:
+def profile(llm, depth: int, n: int, rows: int = 1) -> dict:
+    from pyllm.runtime import speculative
+
     g = llm.generator
     g.reset()
     if depth:
         g._forward(list(range(1, depth + 1)))
     g._forward([1])  # warm: first touch of the scratch and the step's code
+    base = len(g.tokens)
     ops._C.decode_profile(True)
     for _ in range(n):
-        g._forward([1])
+        if rows == 1:
+            g._forward([1])
+        else:  # a verification pass: M rows at the next positions, all logits, then rolled back
+            speculative.forward_rows(g, [1] * rows)
+            g.truncate(base)
     p = ops._C.decode_profile_read()
     ops._C.decode_profile(False)
     return p
@@ -46,6 +54,8 @@ def main() -> None:
     ap.add_argument("--depth", default="0", help="cache depths (tokens already cached), comma list")
     ap.add_argument("-n", type=int, default=32, help="decode tokens per round")
     ap.add_argument("-r", type=int, default=3, help="rounds (the fastest is kept)")
+    ap.add_argument("--rows", type=int, default=1,
+                    help="rows per step: 1 = decode; 2..8 = a speculative verification pass (times are per pass)")
     a = ap.parse_args()
     depths = [int(d) for d in a.depth.split(",")]
     kinds_rows, phase_rows = [], []
@@ -57,7 +67,7 @@ def main() -> None:
         if bw is None:
             bw = roofline.probe(nt)["read_gbs"]
         for d in depths:
-            p = min((profile(llm, d, a.n) for _ in range(a.r)), key=lambda p: p["step_ns"] / max(1, p["steps"]))
+            p = min((profile(llm, d, a.n, a.rows) for _ in range(a.r)), key=lambda p: p["step_ns"] / max(1, p["steps"]))
             steps = max(1, p["steps"])
             if not p["steps"]:
                 raise SystemExit(f"{m}: the C++ decode step did not run (no fast path for this model?)")
