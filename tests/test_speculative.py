@@ -67,6 +67,22 @@ def test_controller_backs_off_when_lookups_fail_and_drafts_when_they_agree():
     assert sp.SpecController(adaptive=False).choose_k(1, 5) == 5
 
 
+def test_controller_stops_probing_a_draft_that_cannot_pay():
+    # Passes cost t1 * (1 + 0.4 k) for k drafted tokens (this host's measured multi-row slope).  A draft step at
+    # 60% of a target step (a same-size draft) cannot beat plain decoding even at full acceptance: per drafted
+    # token 0.6 + 0.4 = 1 target step.  One at 5% (a draft ~20x smaller) can.
+    c = sp.SpecController(max_k=7)
+    for m in range(1, 9):
+        c.time(m, 0.010 * (1 + 0.4 * (m - 1)))
+    c.draft_cost = 0.006
+    assert not c.can_pay()
+    for _ in range(30):
+        c.observe(0, 5, 5)
+    assert c.choose_k(0, 7) == 0  # even when every drafted token agrees
+    c.draft_cost = 0.0005
+    assert c.can_pay() and c.choose_k(0, 7) > 0
+
+
 # ---- acceptance: greedy and the sampling distribution ----------------------------------------------------------------
 def test_accept_greedy_is_the_argmax_chain():
     s = Sampler(SamplerSettings(temperature=0))

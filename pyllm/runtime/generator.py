@@ -29,6 +29,8 @@ def _find_malloc_trim():
 _malloc_trim = _find_malloc_trim()
 # Prompt tokens from which a prefill's scratch is worth handing back (below it the buffers are small).
 TRIM_AFTER_TOKENS = 64
+PROBE_EVERY = 16  # plain steps before a draft model that stopped paying is tried again; doubles per failed probe
+MAX_PROBE_EVERY = 256
 
 
 def release_free_heap() -> None:
@@ -213,7 +215,12 @@ class Generator:
         draft = spec.mode == "draft"
         prop = sp.DraftProposer(spec.draft) if draft else sp.LookupProposer(spec.ngram)
         ctx = list(ids)  # prompt + generated: what lookup searches
-        since_probe = 0
+        since_probe, probe_every = 0, PROBE_EVERY
+        if draft:
+            tp = time.perf_counter()
+            with torch.inference_mode():
+                prop.prefill(ids)
+            st.prompt_seconds += time.perf_counter() - tp
         queue = [sample(logits)]
         st.ttft = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -243,14 +250,22 @@ class Generator:
             if ready and room > 0:
                 if draft:
                     k = ctrl.choose_k(0, room)
-                    since_probe = 0 if k else since_probe + 1
-                    if k == 0 and since_probe >= 16:  # re-measure the draft's acceptance now and then
-                        k, since_probe = 1, 0
                     if k:
-                        td = time.perf_counter()
+                        since_probe, probe_every = 0, PROBE_EVERY
+                    else:
+                        since_probe += 1
+                        # re-measure the draft's acceptance now and then, less often each time it does not pay,
+                        # and never once its measured cost rules out any gain (a probe pays the draft's catch-up)
+                        if since_probe >= probe_every and ctrl.can_pay():
+                            k, since_probe, probe_every = 1, 0, min(2 * probe_every, MAX_PROBE_EVERY)
+                    if k:
                         with torch.inference_mode():
                             drafts, q = prop.propose(ctx, k, sampler)
-                        ctrl.draft_cost = (time.perf_counter() - td) / max(len(drafts), 1)
+                        # seconds per drafted token: the draft steps, plus the catch-up pass when it covered
+                        # only what one verification emits (a probe's long catch-up is not the steady cost)
+                        if drafts:
+                            steady = prop.catchup_seconds if prop.catchup_rows <= spec.k + 1 else 0.0
+                            ctrl.draft_cost = (prop.step_seconds + steady) / len(drafts)
                         k = len(drafts)
                 else:
                     drafts, mlen = prop.propose(ctx, spec.k)

@@ -23,6 +23,7 @@ rarely agree, therefore falls back to plain steps.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,6 +122,14 @@ class DraftProposer:
     def __init__(self, draft_llm):
         self.llm = draft_llm
         self.gen = draft_llm.generator
+        # of the last propose(): the catch-up pass over the target's tokens the draft had not seen (its rows and
+        # seconds), and the one-token draft steps after it
+        self.catchup_rows, self.catchup_seconds, self.step_seconds = 0, 0.0, 0.0
+
+    def prefill(self, ids: list[int]) -> None:
+        """Brings the draft's cache to the prompt, as the target's prefill does for the target: a first proposal
+        would otherwise pay the whole prompt inside the decode."""
+        self.gen.prefill(ids)
 
     def propose(self, ctx: list[int], k: int, sampler) -> tuple[list[int], list]:
         """Drafts up to k tokens after ``ctx``; returns (tokens, q) with q[i] = (ids, probs) of the draft's
@@ -129,6 +138,7 @@ class DraftProposer:
         keep = min(gen.common_prefix(ctx), len(ctx) - 1)
         gen.truncate(keep)
         logits = None
+        t0 = time.perf_counter()
         # catch up with the target: the missing tokens in passes of at most MAX_ROWS rows (a long gap: prefill)
         rest = ctx[keep:]
         if len(rest) > 4 * MAX_ROWS:
@@ -141,6 +151,8 @@ class DraftProposer:
         out, qs = [], []
         greedy = sampler.s.temperature == 0
         recent = list(sampler.recent)
+        t1 = time.perf_counter()
+        self.catchup_rows, self.catchup_seconds = len(rest), t1 - t0
         for i in range(k):
             if greedy:
                 tok = int(torch.argmax(logits))
@@ -154,6 +166,7 @@ class DraftProposer:
             recent.append(tok)
             if i + 1 < k:
                 logits = forward_rows(gen, [tok], all_logits=False)[-1]
+        self.step_seconds = time.perf_counter() - t1
         return out, qs
 
 
@@ -323,6 +336,14 @@ class SpecController:
         (m0, c0), (m1, c1) = (pts[-2], pts[-1]) if len(pts) > 1 else ((1, t1), (1, t1))
         slope = (c1 - c0) / (m1 - m0) if m1 > m0 else 0.15 * t1
         return c1 + max(slope, 0.0) * (rows - m1)
+
+    def can_pay(self) -> bool:
+        """Whether drafting could beat plain decoding by ``gain`` even if every drafted token were accepted, at the
+        measured pass and draft costs.  A draft model costing a large share of a target step never can (each
+        drafted token costs a draft step plus a verification row): then probing its acceptance is wasted."""
+        base = 1.0 / self.cost(1)
+        return any((k + 1) / (self.cost(k + 1) + self.draft_cost * k) > base * self.gain
+                   for k in range(1, self.max_k + 1))
 
     def choose_k(self, n: int, available: int) -> int:
         """Drafted tokens to verify (0: take a plain step) for a proposal of ``available`` tokens."""
