@@ -18,6 +18,7 @@ from typing import Callable
 
 from .. import registry
 from ..errors import PyllmError
+from ..runtime.sampler_settings import SamplerSettings
 
 # ---- sampling settings: the rules of the flags and of the REPL's /set ---------------------------------------------
 
@@ -87,13 +88,15 @@ def parse_setting(name: str, value) -> tuple[str, object]:
 
 @dataclass
 class Settings:
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    seed: int | None = None
+    """The sampling settings a session can change (/set, flags), with the library's defaults."""
+
+    temperature: float = SamplerSettings.temperature
+    top_k: int = SamplerSettings.top_k
+    top_p: float = SamplerSettings.top_p
+    min_p: float = SamplerSettings.min_p
+    seed: int | None = SamplerSettings.seed
     max_tokens: int = 512
-    repeat_penalty: float = 1.0
+    repeat_penalty: float = SamplerSettings.repeat_penalty
 
     @classmethod
     def from_args(cls, a) -> "Settings":
