@@ -12,6 +12,8 @@ References:
   20,000 seeds (its sampling noise is ~0.01).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -289,3 +291,25 @@ def test_readme_example_and_cli(capsys):
         "pyllm: error: speculative mode 'draft' needs a draft model (--draft MODEL)"
     assert main(["run", "smollm2-135m", "hi", "-n", "2", "--ctx", "128", "--spec", "lookup", "--spec-k", "9"]) == 1
     assert "--spec-k must be an integer in 1..7" in capsys.readouterr().err
+
+
+def test_spec_replay_counts_passes_like_the_generator():
+    # tools/spec_replay.py's model of a run, on token lists whose answer is known: a reply that copies the prompt
+    # verbatim, with free extra rows, is emitted 8 tokens per pass by the oracle (7 drafts + the model's own);
+    # a reply of tokens the prompt never had gets no drafts, so every policy is plain decoding (1.00x).
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "spec_replay.py"
+    spec = importlib.util.spec_from_file_location("spec_replay", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    prompt = list(range(100, 200))
+    copy = prompt[:57]  # 56 tokens after the prefill's first: 7 passes of 8
+    free = {m: 1.0 for m in range(1, 9)}
+    assert tool.replay(prompt, copy, free, "oracle", 4, 7) == pytest.approx(56 / 7)
+    linear = {m: 1 + 0.5 * (m - 1) for m in range(1, 9)}
+    ctrl = tool.replay(prompt, copy, linear, "controller", 4, 7)
+    assert 1.0 < ctrl <= tool.replay(prompt, copy, linear, "oracle", 4, 7) + 1e-9
+    fresh = list(range(1000, 1060))
+    assert tool.replay(prompt, fresh, linear, "controller", 4, 7) == pytest.approx(1.0)
+    assert tool.replay(prompt, fresh, linear, "oracle", 4, 7) == pytest.approx(1.0)
