@@ -102,3 +102,29 @@ def test_temperature_sharpens():
 def test_bad_settings_raise(bad):
     with pytest.raises(PyllmError):
         S.Sampler(**bad)
+
+
+@pytest.mark.parametrize("vocab", [1000, 151936])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_fast_candidates_equal_the_full_chain(vocab, temperature):
+    # Reference: the same settings through the general path (a logit bias of +0 on one id forces it; it changes no
+    # logit).  The fast path (no bias, penalty or grammar) must give the same ids and logits, greedy and top-k.
+    g = torch.Generator().manual_seed(vocab)
+    for trial in range(5):
+        logits = torch.randn(vocab, generator=g) * 3
+        kw = dict(temperature=temperature, top_k=40, top_p=0.9, min_p=0.02)
+        fast = S.Sampler(S.SamplerSettings(**kw)).candidates(logits)
+        full = S.Sampler(S.SamplerSettings(logit_bias={7: 0.0}, **kw)).candidates(logits)
+        assert fast[0].tolist() == full[0].tolist(), trial
+        assert np.array_equal(fast[1], full[1]), trial
+
+
+def test_fast_top_k_with_ties_keeps_exactly_k_and_everything_above():
+    logits = torch.zeros(5000)
+    logits[[10, 20, 30]] = 2.0  # 3 above the tie, 37 of the 4997 zeros fill top_k=40
+    s = S.Sampler(S.SamplerSettings(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0))
+    ids, lg = s.candidates(logits)
+    assert len(ids) == 40 and {10, 20, 30} <= set(ids.tolist()) and len(set(ids.tolist())) == 40
+    assert lg[:3].tolist() == [2.0, 2.0, 2.0] and not lg[3:].any()
+    again = s.candidates(logits * 2)  # the buffers kept between calls do not leak into earlier results
+    assert lg[:3].tolist() == [2.0, 2.0, 2.0] and again[1][:3].tolist() == [4.0, 4.0, 4.0]

@@ -150,11 +150,23 @@ class Sampler:
     def candidates(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """Runs every step before the draw: surviving ids and their final (temperature-scaled) logits."""
         s = self.s
-        # float64 in numpy, not torch: torch spreads a vocabulary-sized cast over its thread pool, whose wake-up
-        # costs more than the cast and, on cores busy with other threads, many milliseconds per token
+        # numpy, not torch: torch spreads a vocabulary-sized op over its thread pool, whose wake-up costs more than
+        # the op and, on cores busy with other threads, many milliseconds per token
         t = logits.detach().cpu()
-        lg = (t.numpy() if t.dtype == torch.float32 else t.to(torch.float64).numpy()).astype(np.float64).reshape(-1)
-        ids = np.arange(lg.shape[0], dtype=np.int64)
+        f = (t.numpy() if t.dtype in (torch.float32, torch.float64) else t.to(torch.float64).numpy()).reshape(-1)
+        if not s.logit_bias and not self._penalizing() and self.constraint is None:
+            # Nothing changes a logit before top-k: greedy is the argmax, top-k a partition, both on the model's
+            # own floats (float64 keeps their order exactly) and without vocabulary-sized temporaries.  A fresh
+            # array of a 150k-262k vocabulary costs ~1-4 ms of page faults per token once torch is loaded (its
+            # allocator settings keep glibc from reusing them), a tenth of a decode step.
+            if s.temperature == 0:
+                j = int(np.argmax(f))
+                return np.array([j], dtype=np.int64), np.array([f[j]], dtype=np.float64)
+            if 0 < s.top_k < len(f):
+                ids = self._top_k_ids(f, s.top_k)
+                return self._after_top_k(*sort_desc(ids, f[ids].astype(np.float64)))
+        lg = f.astype(np.float64)
+        ids = self._vocab_ids(len(lg))
         ids, lg = apply_logit_bias(ids, lg, s.logit_bias)
         ids, lg = apply_penalties(ids, lg, list(self.recent), s.repeat_penalty, s.frequency_penalty,
                                   s.presence_penalty)
@@ -162,12 +174,43 @@ class Sampler:
             ids, lg = apply_constraint(ids, lg, self.constraint.allowed())
         if s.temperature == 0:
             j = int(np.argmax(lg))
-            return ids[j:j + 1], lg[j:j + 1]
-        ids, lg = top_k(ids, lg, s.top_k)
+            return ids[j:j + 1].copy(), lg[j:j + 1]
+        return self._after_top_k(*top_k(ids, lg, s.top_k))
+
+    def _after_top_k(self, ids: np.ndarray, lg: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        s = self.s
         ids, lg = typical_p(ids, lg, s.typical_p)
         ids, lg = top_p(ids, lg, s.top_p)
         ids, lg = min_p(ids, lg, s.min_p)
         return ids, lg / s.temperature
+
+    def _penalizing(self) -> bool:
+        s = self.s
+        return bool(self.recent) and (s.repeat_penalty != 1.0 or s.frequency_penalty != 0.0
+                                      or s.presence_penalty != 0.0)
+
+    def _vocab_ids(self, n: int) -> np.ndarray:
+        """0..n-1, kept between tokens (read-only: every step that selects returns new arrays)."""
+        ids = getattr(self, "_ids", None)
+        if ids is None or len(ids) != n:
+            ids = self._ids = np.arange(n, dtype=np.int64)
+            ids.flags.writeable = False
+        return ids
+
+    def _top_k_ids(self, f: np.ndarray, k: int) -> np.ndarray:
+        """Ids of the k largest of ``f`` (any of the tied ones at the k-th value, lowest ids first), through an
+        in-place partition of a buffer kept between tokens."""
+        n = len(f)
+        buf = getattr(self, "_part", None)
+        if buf is None or buf.shape != f.shape or buf.dtype != f.dtype:
+            buf = self._part = np.empty_like(f)
+            self._mask = np.empty(n, dtype=bool)
+        np.copyto(buf, f)
+        buf.partition(n - k)
+        kth = buf[n - k]
+        above = np.flatnonzero(np.greater(f, kth, out=self._mask))
+        tied = np.flatnonzero(np.equal(f, kth, out=self._mask))
+        return np.concatenate([above, tied[:k - len(above)]])
 
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [n_vocab] float. Returns the chosen id and records it for the penalty window."""
