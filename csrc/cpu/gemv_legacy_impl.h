@@ -54,7 +54,7 @@ template <>
 struct Legacy<block_q5_0> {
     static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q5_0& b) {
-        return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
+        return _mm256_or_si256(nibbles_32(b.qs), high_bits_x16_32(b.qh));
     }
     static PYLLM_INLINE float c(const block_q5_0&, float d) { return -16.f * d; }
     static PYLLM_INLINE __m256 c8(const block_q5_0*, __m256 d) { return _mm256_mul_ps(d, _mm256_set1_ps(-16.f)); }
@@ -63,7 +63,7 @@ template <>
 struct Legacy<block_q5_1> {
     static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q5_1& b) {
-        return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
+        return _mm256_or_si256(nibbles_32(b.qs), high_bits_x16_32(b.qh));
     }
     static PYLLM_INLINE float c(const block_q5_1& b, float) { return f16(b.m); }
     static PYLLM_INLINE __m256 c8(const block_q5_1* b, __m256) { return f16x8(b, offsetof(block_q5_1, m)); }
