@@ -100,7 +100,7 @@ void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
 template <int M>
 void dot_q6_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
     const block_q6_K* blk = reinterpret_cast<const block_q6_K*>(w);
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int i = 0; i < K / QK_K; ++i) {
@@ -121,15 +121,14 @@ void dot_q6_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, s
             const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h));
             const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.ql + 64 * h + 32));
             const __m256i hh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b.qh + 32 * h));
-            // (qh >> 2k) & 3 via srli_epi16: bits leaking in from the neighbour byte land above bit 1
+            // Bits 2k, 2k+1 of qh moved to bits 4, 5 (one 16-bit shift each; what crosses from the neighbour byte
+            // lands outside 0x30) and masked there: 17 ops for the 4 groups where mask-then-shift takes 21.
             __m256i q[4];
-            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
-            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
-            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 4), m30));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(hh, 2), m30));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(hh, m30));
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+                                   _mm256_and_si256(_mm256_srli_epi16(hh, 2), m30));
             for (int k = 0; k < 4; ++k) {
                 const __m256i sck = bcast16(sh, 2 * k, 2 * k + 1);
                 for (int m = 0; m < M; ++m) {
