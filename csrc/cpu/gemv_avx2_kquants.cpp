@@ -94,6 +94,10 @@ void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
     for (int m = 0; m < M; ++m) y[m * ldy] = hsum(acc[m]) - hsum(accm[m]);
 }
 
+// An empty asm that takes v and gives it back in a register: gcc cannot reassociate an integer sum across it.
+// Unhindered, it turns M running sums into trees of products computed ahead and spills them to the stack.
+PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 // Q6_K: per 128-half, four 32-groups built from ql (low 4 bits) and qh (2 high bits), each two 16-groups
 // with their own int8 scale.  Codes are kept unsigned (0..63) for maddubs; the -32 offset is applied once
 // per super-block as 32 * sum_g scale_g * bsum_g.
@@ -135,6 +139,7 @@ void dot_q6_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, s
                     const int8_t* xq = act_row<block_q8_K>(xa, xs, m)[i].qs + 128 * h + 32 * k;
                     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
                     sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(sck, _mm256_maddubs_epi16(q[k], xv)));
+                    keep_in_register(sumi[m]);
                 }
             }
         }
