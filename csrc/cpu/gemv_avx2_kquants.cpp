@@ -13,6 +13,10 @@ namespace cpu {
 namespace {
 using namespace PYLLM_SIMD_NS;
 
+// An empty asm that takes v and gives it back in a register: gcc cannot reassociate an integer sum across it.
+// Unhindered, it turns M running sums into trees of products computed ahead and spills them to the stack.
+PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 // Q4_K/Q5_K 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), the get_scale_min_k4 layout
 // unpacked with 32-bit masks (ggml's utmp trick) instead of 16 byte-wise branches.
 PYLLM_INLINE __m256i k4_scales_mins(const uint8_t* scales) {
@@ -84,6 +88,7 @@ void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
                 const __m256i p0 = _mm256_madd_epi16(sc_l, _mm256_maddubs_epi16(ql, x0));
                 const __m256i p1 = _mm256_madd_epi16(sc_h, _mm256_maddubs_epi16(qh, x1));
                 sumi[m] = _mm256_add_epi32(sumi[m], _mm256_add_epi32(p0, p1));
+                keep_in_register(sumi[m]);
             }
         }
         for (int m = 0; m < M; ++m) {
@@ -93,10 +98,6 @@ void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
     }
     for (int m = 0; m < M; ++m) y[m * ldy] = hsum(acc[m]) - hsum(accm[m]);
 }
-
-// An empty asm that takes v and gives it back in a register: gcc cannot reassociate an integer sum across it.
-// Unhindered, it turns M running sums into trees of products computed ahead and spills them to the stack.
-PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 
 // Q6_K: per 128-half, four 32-groups built from ql (low 4 bits) and qh (2 high bits), each two 16-groups
 // with their own int8 scale.  Codes are kept unsigned (0..63) for maddubs; the -32 offset is applied once
