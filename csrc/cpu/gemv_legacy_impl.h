@@ -31,14 +31,16 @@ PYLLM_INLINE __m256 f16x8(const B* b, size_t off) {
         lo |= static_cast<uint64_t>(a) << (16 * j);
         hi |= static_cast<uint64_t>(c) << (16 * j);
     }
+    // An empty asm taking lo and hi in integer registers: without it gcc's SLP vectorizer turns the packing into
+    // ~14 vector shuffles, ORs and zero-extensions (M = 1, Q4_0/Q5_0/Q8_0 at K = 896..1536: 4-9% of the time).
+    __asm__("" : "+r"(lo), "+r"(hi));
     return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
 }
 
 // The leading 32-bit word of n (<= 8) consecutive blocks -> one vector in block order, zero past block n.
 // Q4_1/Q5_1 keep both fp16 fields (d, m) in that word, so one tree of broadcast loads (load ports only) and
-// vpblendd (any vector pipe) feeds both conversions, where f16x8 once per field compiles to ~14 vector uops
-// each, most on the shuffle pipes that the nibble shifts and isum4's unpacks keep busy (Q4_1 at K = 576..1536,
-// M = 1: 13-17% less time).  The one-field types keep f16x8 for full groups: there it measured no slower.
+// vpblendd (any vector pipe) feeds both conversions: as fast as f16x8 per field, and it also serves a row's
+// last 4 blocks, where f16x8 would read 2 bytes from each of 4 blocks past the row.
 template <class B>
 PYLLM_INLINE __m256i head_words8(const B* b, int n) {
     auto word = [&](int j) {
