@@ -47,23 +47,24 @@ void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
     const B* blk = reinterpret_cast<const B*>(w);
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 acc[M];
-    __m128 accm[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps(), accm[m] = _mm_setzero_ps();
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
     for (int i = 0; i < K / QK_K; ++i) {
         const B& b = blk[i];
         prefetch_ahead<sizeof(B)>(&b);
         const float d = f16(b.d), dmin = f16(b.dmin);
         const __m256i sm = k4_scales_mins(b.scales);
-        const __m128i mins = _mm256_extracti128_si256(sm, 1);
         const __m256i scales = _mm256_permute2x128_si256(sm, sm, 0x00);  // scales in both lanes
+        // mins 0..7 as int16 pairs (m0, m0, m1, m1, ...): one vpmaddwd against the 16 bsums gives each
+        // min_g * (bsum_2g + bsum_2g+1)
+        const __m256i pairs = _mm256_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7,
+                                               8, 9, 8, 9, 10, 11, 10, 11, 12, 13, 12, 13, 14, 15, 14, 15);
+        const __m256i mins2 = _mm256_shuffle_epi8(_mm256_permute4x64_epi64(sm, 0xEE), pairs);
         __m256i sumi[M];
         for (int m = 0; m < M; ++m) {
             const block_q8_K& a = act_row<block_q8_K>(xa, xs, m)[i];
-            // sum_g min_g * (bsum_2g + bsum_2g+1): the dmin term, 8 int16 pair-sums against 8 mins
             const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
-            const __m128i bs32 = _mm_hadd_epi16(_mm256_castsi256_si128(bs), _mm256_extracti128_si256(bs, 1));
-            const __m128i pm = _mm_madd_epi16(mins, bs32);
-            accm[m] = _mm_fmadd_ps(_mm_set1_ps(dmin * a.d), _mm_cvtepi32_ps(pm), accm[m]);
+            const __m256i pm = _mm256_madd_epi16(mins2, bs);
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(-dmin * a.d), _mm256_cvtepi32_ps(pm), acc[m]);
             sumi[m] = _mm256_setzero_si256();
         }
         __m256i hb;
@@ -96,7 +97,7 @@ void dot_q45_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, 
             acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
         }
     }
-    for (int m = 0; m < M; ++m) y[m * ldy] = hsum(acc[m]) - hsum(accm[m]);
+    for (int m = 0; m < M; ++m) y[m * ldy] = hsum(acc[m]);
 }
 
 // Q6_K: per 128-half, four 32-groups built from ql (low 4 bits) and qh (2 high bits), each two 16-groups
