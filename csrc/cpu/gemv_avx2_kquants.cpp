@@ -1,6 +1,7 @@
 // AVX2 row dots for the K-quants (Q4_K, Q5_K, Q6_K) against Q8_K activations.  Same integer sums as the
 // generic kernels (gemv_generic.cpp documents the precision): codes * xq through maddubs (int16 pairs),
-// times the 6/8-bit sub-block scales through madd (int32), one fp32 FMA per super-block and row.
+// times the 6/8-bit sub-block scales through madd (int32), one fp32 FMA per super-block and row (Q4_K/Q5_K: a
+// second for the min term, into the same accumulator).
 // Q2_K and Q3_K run the generic kernels (rare in practice: only the smallest quant mixes use them).
 #include "../common/decode.h"
 #include "avx2_util.h"
