@@ -142,7 +142,8 @@ void dot_q6_k(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, s
                     const int8_t* xq = act_row<block_q8_K>(xa, xs, m)[i].qs + 128 * h + 32 * k;
                     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
                     sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(sck, _mm256_maddubs_epi16(q[k], xv)));
-                    keep_in_register(sumi[m]);
+                    // M = 2 fits without it, and streaming from memory measured 2-5% faster that way
+                    if (M > 2) keep_in_register(sumi[m]);
                 }
             }
         }
