@@ -84,14 +84,17 @@ PYLLM_INLINE __m256i nibbles_32(const uint8_t* qs) {
     return _mm256_and_si256(_mm256_srlv_epi32(t, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
-// 32 bits -> 32 bytes, 0xFF where bit j is set (byte j), for the Q5 fifth bits.
-PYLLM_INLINE __m256i bits_to_bytes_32(const uint8_t* p) {
+// 32 bits -> 32 bytes, 0x10 where bit j is set (byte j), 0 elsewhere: the Q5 fifth bits, ready to OR onto
+// the nibbles.  Byte j holds qh byte j / 8 masked to bit j % 8; vpsignb then turns any nonzero byte into the
+// constant's byte, negated where the mask byte is negative (bit 7, 0x80), so that lane's constant is -0x10.
+// 3 vector ops where or + cmpeq + and take 4.
+PYLLM_INLINE __m256i high_bits_x16_32(const uint8_t* p) {
     uint32_t x32;
     memcpy(&x32, p, 4);
     const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
-    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));  // all bits but bit (j % 8)
-    return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x32)), shuf);
+    const __m256i bit = _mm256_and_si256(bytes, _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ull)));
+    return _mm256_sign_epi8(_mm256_set1_epi64x(static_cast<long long>(0xF010101010101010ull)), bit);
 }
 
 // sum of u8 * s8 over 32 bytes -> 8 int32 partial sums.  maddubs saturates at int16, which never happens

@@ -31,9 +31,41 @@ PYLLM_INLINE __m256 f16x8(const B* b, size_t off) {
         lo |= static_cast<uint64_t>(a) << (16 * j);
         hi |= static_cast<uint64_t>(c) << (16 * j);
     }
+    // An empty asm taking lo and hi in integer registers: without it gcc's SLP vectorizer turns the packing into
+    // ~14 vector shuffles, ORs and zero-extensions (M = 1, Q4_0/Q5_0/Q8_0 at K = 896..1536: 4-9% of the time).
+    __asm__("" : "+r"(lo), "+r"(hi));
     return _mm256_cvtph_ps(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
 }
 
+// The leading 32-bit word of n (<= 8) consecutive blocks -> one vector in block order, zero past block n.
+// Q4_1/Q5_1 keep both fp16 fields (d, m) in that word, so one tree of broadcast loads (load ports only) and
+// vpblendd (any vector pipe) feeds both conversions: as fast as f16x8 per field, and it also serves a row's
+// last 4 blocks, where f16x8 would read 2 bytes from each of 4 blocks past the row.
+template <class B>
+PYLLM_INLINE __m256i head_words8(const B* b, int n) {
+    auto word = [&](int j) {
+        if (j >= n) return _mm256_setzero_si256();
+        uint32_t u;
+        memcpy(&u, b + j, 4);
+        return _mm256_set1_epi32(static_cast<int>(u));
+    };
+    const __m256i w01 = _mm256_blend_epi32(word(0), word(1), 0x02), w23 = _mm256_blend_epi32(word(2), word(3), 0x08);
+    const __m256i w45 = _mm256_blend_epi32(word(4), word(5), 0x20), w67 = _mm256_blend_epi32(word(6), word(7), 0x80);
+    return _mm256_blend_epi32(_mm256_blend_epi32(w01, w23, 0x0C), _mm256_blend_epi32(w45, w67, 0xC0), 0xF0);
+}
+
+// Those 8 words -> their low fp16 halves (the scale d) in the low 128 bits, their high halves (Q4_1/Q5_1's
+// min m) in the high 128 bits.
+PYLLM_INLINE __m256i split_halves(__m256i w) {
+    const __m256i ctl = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                         0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    return _mm256_permute4x64_epi64(_mm256_shuffle_epi8(w, ctl), 0xD8);  // [d0..d7 | m0..m7]
+}
+PYLLM_INLINE __m256 low_f16x8(__m256i h) { return _mm256_cvtph_ps(_mm256_castsi256_si128(h)); }
+PYLLM_INLINE __m256 high_f16x8(__m256i h) { return _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)); }
+
+// Per block type: its 32 codes (unsigned for Q4_0..Q5_1), and scales8: the 8 scales dw and 8 terms c (the
+// offset -8 dw or -16 dw, or the min) of n <= 8 consecutive blocks, 0 past block n.
 template <class B>
 struct Legacy;
 template <>
@@ -41,32 +73,44 @@ struct Legacy<block_q4_0> {
     static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q4_0& b) { return nibbles_32(b.qs); }
     static PYLLM_INLINE float c(const block_q4_0&, float d) { return -8.f * d; }
-    static PYLLM_INLINE __m256 c8(const block_q4_0*, __m256 d) { return _mm256_mul_ps(d, _mm256_set1_ps(-8.f)); }
+    static PYLLM_INLINE void scales8(const block_q4_0* b, int n, __m256& d, __m256& c) {
+        d = n == 8 ? f16x8(b, offsetof(block_q4_0, d)) : low_f16x8(split_halves(head_words8(b, n)));
+        c = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+    }
 };
 template <>
 struct Legacy<block_q4_1> {
     static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q4_1& b) { return nibbles_32(b.qs); }
     static PYLLM_INLINE float c(const block_q4_1& b, float) { return f16(b.m); }
-    static PYLLM_INLINE __m256 c8(const block_q4_1* b, __m256) { return f16x8(b, offsetof(block_q4_1, m)); }
+    static PYLLM_INLINE void scales8(const block_q4_1* b, int n, __m256& d, __m256& c) {
+        const __m256i h = split_halves(head_words8(b, n));
+        d = low_f16x8(h), c = high_f16x8(h);
+    }
 };
 template <>
 struct Legacy<block_q5_0> {
     static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q5_0& b) {
-        return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
+        return _mm256_or_si256(nibbles_32(b.qs), high_bits_x16_32(b.qh));
     }
     static PYLLM_INLINE float c(const block_q5_0&, float d) { return -16.f * d; }
-    static PYLLM_INLINE __m256 c8(const block_q5_0*, __m256 d) { return _mm256_mul_ps(d, _mm256_set1_ps(-16.f)); }
+    static PYLLM_INLINE void scales8(const block_q5_0* b, int n, __m256& d, __m256& c) {
+        d = n == 8 ? f16x8(b, offsetof(block_q5_0, d)) : low_f16x8(split_halves(head_words8(b, n)));
+        c = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+    }
 };
 template <>
 struct Legacy<block_q5_1> {
     static constexpr bool is_signed = false;
     static PYLLM_INLINE __m256i codes(const block_q5_1& b) {
-        return _mm256_or_si256(nibbles_32(b.qs), _mm256_and_si256(bits_to_bytes_32(b.qh), _mm256_set1_epi8(0x10)));
+        return _mm256_or_si256(nibbles_32(b.qs), high_bits_x16_32(b.qh));
     }
     static PYLLM_INLINE float c(const block_q5_1& b, float) { return f16(b.m); }
-    static PYLLM_INLINE __m256 c8(const block_q5_1* b, __m256) { return f16x8(b, offsetof(block_q5_1, m)); }
+    static PYLLM_INLINE void scales8(const block_q5_1* b, int n, __m256& d, __m256& c) {
+        const __m256i h = split_halves(head_words8(b, n));
+        d = low_f16x8(h), c = high_f16x8(h);
+    }
 };
 
 template <>
@@ -102,15 +146,37 @@ PYLLM_INLINE __m256i isum4(const __m256i* q, const int8_t* xq) {
     return _mm256_madd_epi16(h, _mm256_set1_epi16(1));
 }
 
+// N = 8 blocks from block i against M activation rows (N = 4: the second half absent, as for a row's last
+// blocks when K/32 % 8 >= 4): acc[0] gets the c * s terms and blocks i..i+3, acc[1] blocks i+4..i+7.
+template <class B, int M, int N>
+PYLLM_INLINE void group8(const B* blk, int i, const Q8RowC* a, __m256 (*acc)[M]) {
+    __m256 dw, cw;
+    Legacy<B>::scales8(blk + i, N, dw, cw);  // 0 past block N
+    for (int m = 0; m < M; ++m) {
+        const __m256 s = N == 8 ? _mm256_loadu_ps(a[m].s + i) : _mm256_zextps128_ps256(_mm_loadu_ps(a[m].s + i));
+        acc[0][m] = _mm256_fmadd_ps(cw, s, acc[0][m]);
+    }
+    for (int h = 0; h < N / 4; ++h) {  // 4 blocks' codes live at a time: Q5 decoding needs registers too
+        const int b0 = i + 4 * h;
+        const __m256 dw4 = h ? _mm256_permute2f128_ps(dw, dw, 0x11) : _mm256_permute2f128_ps(dw, dw, 0x00);
+        __m256i q[4];
+        for (int j = 0; j < 4; ++j) q[j] = Legacy<B>::codes(blk[b0 + j]);
+        for (int m = 0; m < M; ++m) {
+            const __m256 dd = _mm256_mul_ps(dw4, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a[m].d + b0)));
+            acc[h][m] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum4<B>(q, a[m].qs + QK * b0)), acc[h][m]);
+        }
+    }
+}
+
 // Q4_0, Q4_1, Q5_0, Q5_1.
 template <class B, int M>
 void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
     // Blocks go 8 at a time, and within those 4 at a time: their codes are decoded once into registers, then
     // per row the integer dots reduce to one vector of block sums (isum4), converted in one vcvtdq2ps and
     // scaled in one FMA by the products dw * dx (one per block, repeated in both 128-bit lanes as isum4's
-    // lanes are).  Two accumulators per row (blocks i..i+3, the c * s terms and the tail; blocks i+4..i+7) and
-    // the same code for every M: a row's fp32 order does not depend on M, so verifying k drafted tokens in one
-    // call gives each row the bits it gets alone (speculative decoding's greedy equality).
+    // lanes are).  Of the last K/32 % 8 blocks, 4 go as a half group and the rest one by one.  Two
+    // accumulators per row and the same code for every M: a row's fp32 order does not depend on M, so verifying
+    // k drafted tokens in one call gives each row the bits it gets alone (speculative decoding's greedy equality).
     const B* blk = reinterpret_cast<const B*>(w);
     const int nb = K / QK;
     Q8RowC a[M];
@@ -124,22 +190,13 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
     int i = 0;
     for (; i + 8 <= nb; i += 8) {
         prefetch_ahead<8 * sizeof(B)>(blk + i);
-        const __m256 dw = f16x8(blk + i, offsetof(B, d));
-        const __m256 cw = Legacy<B>::c8(blk + i, dw);
-        for (int m = 0; m < M; ++m) acc[0][m] = _mm256_fmadd_ps(cw, _mm256_loadu_ps(a[m].s + i), acc[0][m]);
-        for (int h = 0; h < 2; ++h) {  // 4 blocks' codes live at a time: Q5 decoding needs registers too
-            const int b0 = i + 4 * h;
-            const __m256 dw4 = h ? _mm256_permute2f128_ps(dw, dw, 0x11) : _mm256_permute2f128_ps(dw, dw, 0x00);
-            __m256i q[4];
-            for (int j = 0; j < 4; ++j) q[j] = Legacy<B>::codes(blk[b0 + j]);
-            for (int m = 0; m < M; ++m) {
-                const __m128* dx = reinterpret_cast<const __m128*>(a[m].d + b0);
-                const __m256 dd = _mm256_mul_ps(dw4, _mm256_broadcast_ps(dx));
-                acc[h][m] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(isum4<B>(q, a[m].qs + QK * b0)), acc[h][m]);
-            }
-        }
+        group8<B, M, 8>(blk, i, a, acc);
     }
-    for (; i < nb; ++i) {  // the last K/32 % 8 blocks
+    if (i + 4 <= nb) {
+        group8<B, M, 4>(blk, i, a, acc);
+        i += 4;
+    }
+    for (; i < nb; ++i) {  // the last K/32 % 4 blocks
         const __m256i q = Legacy<B>::codes(blk[i]);
         const float d = f16(blk[i].d), c = Legacy<B>::c(blk[i], d);
         for (int m = 0; m < M; ++m) {
