@@ -198,7 +198,8 @@ RowKernel row_kernel_avx2_legacy(QType t) {
 }
 
 RowKernel row_kernel_avx2_x16(QType t) {
-    return t == QType::Q8_0 ? RowKernel{Act::Q16_32, PYLLM_ROWDOT_TABLE(avx2::dot_q8_0_x16)} : RowKernel{};
+    return t == QType::Q8_0 ? RowKernel{Act::Q16_32, PYLLM_ROWDOT_TABLE(avx2::dot_q8_0_x16),
+                                                        PYLLM_ROWSDOT_TABLE(avx2::dot_q8_0_x16)} : RowKernel{};
 }
 
 #else  // no AVX2 at compile time: the dispatcher only ever uses the generic kernels
