@@ -5,6 +5,7 @@
     python tools/bench_kernels.py --types Q4_0,Q4_K --threads 1,2 --m 1,8 --repeat 3
     python tools/bench_kernels.py --types Q4_0,AWQ_G128 --cpu-time    # AWQ int4 rows (pyllm/awq.py AWQRows)
     python tools/bench_kernels.py --isa avx2,avx512 --cpu-time        # A/B: kernel paths interleaved per point
+    python tools/bench_kernels.py --types Q8_0 --shapes 49152x576 --m 1,4 --precise-x   # the output projection
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
 compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
@@ -71,12 +72,12 @@ def read_bandwidth(C, threads: int, repeat: int, clock=time.perf_counter) -> flo
 
 
 def bench_gemv(C, ws: list[torch.Tensor], tid: int, M: int, repeat: int, gemm: bool = False,
-               clock=time.perf_counter) -> float:
+               clock=time.perf_counter, precise_x: bool = False) -> float:
     """Best seconds per call, cycling through the copies in ws."""
     K = ws[0].shape[1] * TYPES_BY_ID[tid][1] // TYPES_BY_ID[tid][2]
     x = torch.randn(M, K)
     out = torch.empty(M, ws[0].shape[0])
-    f = C.gemm if gemm else C.gemv
+    f = C.gemm if gemm else (lambda x, w, t, o: C.gemv(x, w, t, o, precise_x))
     for w in ws:
         f(x, w, tid, out)
     calls = max(len(ws), 8)
@@ -106,6 +107,8 @@ def main() -> int:
     ap.add_argument("--cpu-time", action="store_true",
                     help="single-thread rates per CPU-second (time.thread_time) instead of wall time: on a loaded "
                          "machine this still shows the kernel's efficiency against the bus")
+    ap.add_argument("--precise-x", action="store_true",
+                    help="GEMVs with 16-bit activations (gemv's precise_x: the output projection's Q8_0 kernel)")
     a = ap.parse_args()
 
     C = _ext.load()
@@ -123,7 +126,8 @@ def main() -> int:
     for t in threads:
         bw[t] = read_bandwidth(C, t, a.repeat, clock)
     unit = "GB per CPU-second" if a.cpu_time else "GB/s"
-    print(f"# pyllm kernel bench: isa={','.join(isas)}, {'CPU time' if a.cpu_time else 'wall time'}, load average "
+    print(f"# pyllm kernel bench: isa={','.join(isas)}, {'CPU time' if a.cpu_time else 'wall time'}, "
+          f"{'int16 activations (precise_x), ' if a.precise_x else ''}load average "
           f"{os.getloadavg()[0]:.1f} (other processes share these cores: numbers are noisy)")
     print("read bandwidth (1 GiB streaming sum): " + ", ".join(f"{t} thread(s) {bw[t] / 1e9:.1f} {unit}" for t in threads))
     print()
@@ -142,7 +146,8 @@ def main() -> int:
                     for _ in range(a.repeat):  # interleaved, so load changes hit every path alike
                         for i in isas:
                             C.set_isa(i)
-                            best[i] = min(best[i], bench_gemv(C, ws, tid, M, 1, gemm=M > 8, clock=clock))
+                            best[i] = min(best[i], bench_gemv(C, ws, tid, M, 1, gemm=M > 8, clock=clock,
+                                                                  precise_x=a.precise_x))
                     for i in isas:
                         s = best[i]
                         gbs = w0.numel() / s / 1e9

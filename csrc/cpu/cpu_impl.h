@@ -23,10 +23,26 @@ enum class Act : int {
 // w: one row (K / block_size blocks); xa: M prepared activation rows, xa_stride bytes apart.
 using RowDot = void (*)(int K, const uint8_t* w, const uint8_t* xa, size_t xa_stride, float* y, size_t ldy);
 
+// n consecutive weight rows, row_bytes apart, against the same M activation rows: y[m * ldy + r] for r < n.
+// The frame calls it once per chunk where a kernel has it, so the per-call setup (prologue, activation row
+// pointers, accumulator init) is paid once per chunk instead of once per row: on short rows (K = 576 ... 896,
+// the small models' output projections) that setup is a visible share of a row's work.
+using RowsDot = void (*)(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xa_stride,
+                         float* y, size_t ldy);
+
 struct RowKernel {
     Act act = Act::F32;
-    RowDot fn[GEMV_MAX_M] = {};  // fn[M - 1]; all null = not available for this ISA
+    RowDot fn[GEMV_MAX_M] = {};     // fn[M - 1]; all null = not available for this ISA
+    RowsDot rows[GEMV_MAX_M] = {};  // rows[M - 1], or null: the frame loops over fn[M - 1]
 };
+
+// A RowsDot from a row dot: the loop with the row dot inlined into it (flatten), so the compiler can keep the
+// activation row pointers and constants in registers across rows.  Same code per row, so the same bits as fn.
+template <int M, RowDot F>
+__attribute__((flatten)) void rows_of(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs,
+                                      float* y, size_t ldy) {
+    for (int r = 0; r < n; ++r) F(K, w + row_bytes * r, xa, xs, y + r, ldy);
+}
 
 // Kernel tables.  The _generic one covers every CPU type; the SIMD one leaves types it lacks empty (the
 // dispatcher then falls back to _generic for that type).
@@ -138,3 +154,8 @@ inline size_t act_row_bytes(Act a, int K) {
 
 // Fills a RowKernel's fn[] with the 8 instances of a `template <int M>` row dot.
 #define PYLLM_ROWDOT_TABLE(f) {f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>}
+// Fills a RowKernel's rows[] with the chunk loops over them.
+#define PYLLM_ROWSDOT_TABLE(f)                                                                                     \
+    {pyllm::cpu::rows_of<1, f<1>>, pyllm::cpu::rows_of<2, f<2>>, pyllm::cpu::rows_of<3, f<3>>,                   \
+     pyllm::cpu::rows_of<4, f<4>>, pyllm::cpu::rows_of<5, f<5>>, pyllm::cpu::rows_of<6, f<6>>,                   \
+     pyllm::cpu::rows_of<7, f<7>>, pyllm::cpu::rows_of<8, f<8>>}

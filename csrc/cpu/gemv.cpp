@@ -322,12 +322,17 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
     Prepared prep[kActCount] = {};
     struct Job {
         cpu::RowDot fn;
+        cpu::RowsDot rows;
         const uint8_t* w;
         size_t row_bytes;
         const uint8_t* xa;
         size_t xs;
         float* y;
         int N;
+        void run(int K, int n0, int n1) const {  // rows n0..n1-1
+            if (rows) return rows(K, n1 - n0, w + row_bytes * n0, row_bytes, xa, xs, y + n0, N);
+            for (int n = n0; n < n1; ++n) fn(K, w + row_bytes * n, xa, xs, y + n, N);
+        }
     };
     Job job[kMaxParts];
     thread_local std::vector<float> y_buf[kMaxParts];
@@ -346,7 +351,8 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
             if (y_buf[p].size() < static_cast<size_t>(2 * M) * P.N) y_buf[p].resize(static_cast<size_t>(2 * M) * P.N);
             yo = y_buf[p].data();
         }
-        job[p] = {kern[p]->fn[(res ? 2 * M : M) - 1], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N};
+        const int fm = (res ? 2 * M : M) - 1;
+        job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);
         total_rows += P.N;
     }
@@ -356,10 +362,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
     if (total_bytes < kMinParallelBytes) nt = 1;
     uint64_t busy = 0;
     if (nt <= 1) {
-        for (int p = 0; p < n_parts; ++p) {
-            const Job& j = job[p];
-            for (int n = 0; n < j.N; ++n) j.fn(K, j.w + j.row_bytes * n, j.xa, j.xs, j.y + n, j.N);
-        }
+        for (int p = 0; p < n_parts; ++p) job[p].run(K, 0, job[p].N);
         busy = stats ? now_ns() - t1 : 0;
     } else {
         // Chunks of about equal weight bytes (~8 per thread), taken dynamically so a thread slowed by another
@@ -384,8 +387,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
 #pragma omp for schedule(dynamic, 1) nowait
             for (int c = 0; c < n_chunks; ++c) {
                 const Chunk ch = ck[c];
-                const Job& j = job[ch.p];
-                for (int n = ch.n0; n < ch.n1; ++n) j.fn(K, j.w + j.row_bytes * n, j.xa, j.xs, j.y + n, j.N);
+                job[ch.p].run(K, ch.n0, ch.n1);
             }
             if (timed) busy += now_ns() - b0;
         }

@@ -82,60 +82,6 @@ template <int M> void dot_f32(int K, const uint8_t* w, const uint8_t* xa, size_t
 template <int M> void dot_f16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_float<LoadF16, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_bf16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_float<LoadBF16, M>(K, w, xa, xs, y, ldy); }
 
-// ---- Q8_0 against int16 activations (Q16Row) -----------------------------------------------------------
-// Per block: dw * dx * sum(code * xq) with the codes sign-extended to int16 and vpmaddwd; |code * xq| <= 128 *
-// 32767, so the 4 products per int32 lane stay far below 2^31.  Same block loop as dot_legacy.
-PYLLM_INLINE __m256 block_dot_q16(__m256i w0, __m256i w1, const int16_t* xq) {
-    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 16));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
-}
-
-
-template <int M>
-void dot_q8_0_x16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    constexpr int U = 2;  // for every M, as dot_legacy: a row's sum has one order whatever M is
-    const block_q8_0* blk = reinterpret_cast<const block_q8_0*>(w);
-    const int nb = K / QK;
-    Q16RowC a[M];
-    __m256 acc[U][M];
-    alignas(32) float dd[M][8];
-    for (int m = 0; m < M; ++m) {
-        a[m] = q16_row(xa + xs * m, K);
-        for (int u = 0; u < U; ++u) acc[u][m] = _mm256_setzero_ps();
-    }
-    auto codes = [&](int b, __m256i& w0, __m256i& w1) {
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[b].qs)));
-        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[b].qs + 16)));
-    };
-    int i = 0;
-    for (; i + 8 <= nb; i += 8) {
-        prefetch_ahead<8 * sizeof(block_q8_0)>(blk + i);
-        const __m256 dw = f16x8(blk + i, offsetof(block_q8_0, d));
-        for (int m = 0; m < M; ++m) _mm256_store_ps(dd[m], _mm256_mul_ps(dw, _mm256_loadu_ps(a[m].d + i)));
-        for (int j = 0; j < 8; ++j) {
-            __m256i w0, w1;
-            codes(i + j, w0, w1);
-            for (int m = 0; m < M; ++m) {
-                __m256& ac = acc[j % U][m];
-                ac = _mm256_fmadd_ps(_mm256_broadcast_ss(&dd[m][j]), block_dot_q16(w0, w1, a[m].qs + QK * (i + j)), ac);
-            }
-        }
-    }
-    for (; i < nb; ++i) {  // the last K/32 % 8 blocks
-        __m256i w0, w1;
-        codes(i, w0, w1);
-        const float d = f16(blk[i].d);
-        for (int m = 0; m < M; ++m)
-            acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), block_dot_q16(w0, w1, a[m].qs + QK * i), acc[0][m]);
-    }
-    for (int m = 0; m < M; ++m) {
-        __m256 s = acc[0][m];
-        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
-        y[m * ldy] = hsum(s);
-    }
-}
-
 // 32 floats -> 32 int8 codes of x * id, round-half-even; returns the code sum.
 PYLLM_INLINE int quantize_32(const float* x, float id, int8_t* out) {
     const __m256 vid = _mm256_set1_ps(id);
@@ -252,7 +198,8 @@ RowKernel row_kernel_avx2_legacy(QType t) {
 }
 
 RowKernel row_kernel_avx2_x16(QType t) {
-    return t == QType::Q8_0 ? RowKernel{Act::Q16_32, PYLLM_ROWDOT_TABLE(dot_q8_0_x16)} : RowKernel{};
+    return t == QType::Q8_0 ? RowKernel{Act::Q16_32, PYLLM_ROWDOT_TABLE(avx2::dot_q8_0_x16),
+                                                        PYLLM_ROWSDOT_TABLE(avx2::dot_q8_0_x16)} : RowKernel{};
 }
 
 #else  // no AVX2 at compile time: the dispatcher only ever uses the generic kernels

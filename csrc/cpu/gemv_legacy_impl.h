@@ -1,7 +1,8 @@
-// The 32-element block row dots (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against Q8Row activations), written once and
-// compiled twice: by gemv_avx2_legacy.cpp for AVX2 and by gemv_avx512.cpp for AVX-512 VNNI, where
-// avx2_util.h's dot_u8s8 is one vpdpbusd.  Both builds compute the same integer block sums and accumulate them
-// in the same fp32 order, so they agree bit for bit.  Include after avx2_util.h with PYLLM_AVX2 set.
+// The 32-element block row dots (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against Q8Row activations, and Q8_0 against the
+// output projection's Q16Row ones), written once and compiled twice: by gemv_avx2_legacy.cpp for AVX2 and by
+// gemv_avx512.cpp for AVX-512 VNNI, where avx2_util.h's dot_u8s8 is one vpdpbusd.  Both builds compute the same
+// integer block sums and accumulate them in the same fp32 order, so they agree bit for bit.  Include after
+// avx2_util.h with PYLLM_AVX2 set.
 #pragma once
 
 #include <cstddef>
@@ -208,53 +209,101 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
     for (int m = 0; m < M; ++m) y[m * ldy] = hsum(_mm256_add_ps(acc[0][m], acc[1][m])) + tail[m];
 }
 
+// ---- Q8_0 ------------------------------------------------------------------------------------------------
+// Signed codes, so no int16 reduction across blocks as in isum4 (a pair sum alone reaches 2 * 127 * 127).  A
+// block's integer dot gives 8 int32 partial sums; 4 consecutive blocks' are then reduced exactly, in int32, to
+// one vector (lane j: block j's elements 0..15, lane 4 + j: 16..31), converted in one vcvtdq2ps and scaled in
+// one FMA by dw * dx, where one conversion, one broadcast scale and one FMA per block made the fp32 side
+// (and its store-to-load round trip for the broadcast scales) the larger part of the work.  One accumulator
+// per row: its FMAs are 4 blocks apart, enough to hide their latency, and 8 rows still fit the registers.
+// The activations come in two formats: Q8Row (int8, every Q8_0 GEMV) and Q16Row (int16, the output
+// projection's precise_x), which differ only in the block dot.
+struct Q8Act8 {
+    using Row = Q8RowC;
+    static PYLLM_INLINE Row row(const uint8_t* p, int K) { return q8_row(p, K); }
+    static PYLLM_INLINE __m256i dot(const block_q8_0& b, const Row& a, int i) {
+        return block_isum<block_q8_0>(Legacy<block_q8_0>::codes(b), a.qs + QK * i);
+    }
+};
+// int16 activations: the codes sign-extended to int16 and vpmaddwd; |code * xq| <= 128 * 32767, so the 4
+// products per int32 lane stay far below 2^31.
+struct Q8Act16 {
+    using Row = Q16RowC;
+    static PYLLM_INLINE Row row(const uint8_t* p, int K) { return q16_row(p, K); }
+    static PYLLM_INLINE __m256i dot(const block_q8_0& b, const Row& a, int i) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16)));
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs + QK * i));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs + QK * i + 16));
+        return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    }
+};
+
+// The fp16 scales of 4 consecutive blocks -> [d0..d3 | d0..d3] (the lane order of q8_0_isum4).
 template <class B>
-PYLLM_INLINE __m256 block_dot(__m256i q, const int8_t* xq) {
-    return _mm256_cvtepi32_ps(block_isum<B>(q, xq));
+PYLLM_INLINE __m256 f16x4_twice(const B* b) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(b) + offsetof(B, d);
+    uint64_t v = 0;
+    for (int j = 0; j < 4; ++j) {
+        uint16_t h;
+        memcpy(&h, p + j * sizeof(B), 2);
+        v |= static_cast<uint64_t>(h) << (16 * j);
+    }
+    const __m128 d = _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<long long>(v)));
+    return _mm256_set_m128(d, d);
 }
 
-// Q8_0: signed codes, so no int16 reduction across blocks (a pair sum alone reaches 2 * 127 * 127); per block
-// the int32 dot, its conversion and one FMA.
-template <int M>
-void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    // Two accumulators per row, so consecutive blocks' FMAs do not wait on each other, for every M: a row's
-    // sum then has the same fp32 order whatever M is (see dot_legacy).
+// Blocks b0..b3's 8-lane integer dots -> lane j = block j's sum over its elements 0..15, lane 4 + j over 16..31.
+template <class A>
+PYLLM_INLINE __m256i q8_0_isum4(const block_q8_0* blk, const typename A::Row& a, int b0) {
+    const __m256i v0 = A::dot(blk[b0], a, b0), v1 = A::dot(blk[b0 + 1], a, b0 + 1);
+    const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(v0, v1), _mm256_unpackhi_epi32(v0, v1));
+    const __m256i v2 = A::dot(blk[b0 + 2], a, b0 + 2), v3 = A::dot(blk[b0 + 3], a, b0 + 3);
+    const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(v2, v3), _mm256_unpackhi_epi32(v2, v3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23));
+}
+
+template <class A, int M>
+void dot_q8_0_act(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    // Rows outermost within each 4 blocks: the codes are re-read from L1 per row (cheap next to the dot)
+    // instead of held in registers, which M rows' sums would spill.  A row's fp32 order is the same for every
+    // M (speculative decoding's greedy equality, see dot_legacy).
     using B = block_q8_0;
-    constexpr int U = 2;
     const B* blk = reinterpret_cast<const B*>(w);
     const int nb = K / QK;
-    Q8RowC a[M];
-    __m256 acc[U][M];
-    alignas(32) float dd[M][8];  // dw * dx of the current 8 blocks, broadcast from L1 per block
+    typename A::Row a[M];
+    __m256 acc[M];
     for (int m = 0; m < M; ++m) {
-        a[m] = q8_row(xa + xs * m, K);
-        for (int u = 0; u < U; ++u) acc[u][m] = _mm256_setzero_ps();
+        a[m] = A::row(xa + xs * m, K);
+        acc[m] = _mm256_setzero_ps();
     }
+    auto step4 = [&](int b0, __m256 dw4) {
+        for (int m = 0; m < M; ++m) {
+            const __m256 dd = _mm256_mul_ps(dw4, _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a[m].d + b0)));
+            acc[m] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(q8_0_isum4<A>(blk, a[m], b0)), acc[m]);
+        }
+    };
     int i = 0;
     for (; i + 8 <= nb; i += 8) {
         prefetch_ahead<8 * sizeof(B)>(blk + i);
         const __m256 dw = f16x8(blk + i, offsetof(B, d));
-        for (int m = 0; m < M; ++m) _mm256_store_ps(dd[m], _mm256_mul_ps(dw, _mm256_loadu_ps(a[m].d + i)));
-        for (int j = 0; j < 8; ++j) {
-            const __m256i q = Legacy<B>::codes(blk[i + j]);
-            for (int m = 0; m < M; ++m) {
-                __m256& ac = acc[j % U][m];
-                ac = _mm256_fmadd_ps(_mm256_broadcast_ss(&dd[m][j]), block_dot<B>(q, a[m].qs + QK * (i + j)), ac);
-            }
-        }
+        step4(i, _mm256_permute2f128_ps(dw, dw, 0x00));
+        step4(i + 4, _mm256_permute2f128_ps(dw, dw, 0x11));
     }
-    for (; i < nb; ++i) {  // the last K/32 % 8 blocks
-        const __m256i q = Legacy<B>::codes(blk[i]);
+    if (i + 4 <= nb) {
+        step4(i, f16x4_twice(blk + i));
+        i += 4;
+    }
+    for (; i < nb; ++i) {  // the last K/32 % 4 blocks
         const float d = f16(blk[i].d);
         for (int m = 0; m < M; ++m)
-            acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), block_dot<B>(q, a[m].qs + QK * i), acc[0][m]);
+            acc[m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), _mm256_cvtepi32_ps(A::dot(blk[i], a[m], i)), acc[m]);
     }
-    for (int m = 0; m < M; ++m) {
-        __m256 s = acc[0][m];
-        for (int u = 1; u < U; ++u) s = _mm256_add_ps(s, acc[u][m]);
-        y[m * ldy] = hsum(s);
-    }
+    for (int m = 0; m < M; ++m) y[m * ldy] = hsum(acc[m]);
 }
+
+template <int M> void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q8_0_act<Q8Act8, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_q8_0_x16(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_q8_0_act<Q8Act16, M>(K, w, xa, xs, y, ldy); }
 
 template <int M> void dot_q4_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_1, M>(K, w, xa, xs, y, ldy); }
@@ -268,7 +317,7 @@ inline RowKernel row_kernel_legacy_blocks(QType t) {
         case QType::Q4_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q4_1)};
         case QType::Q5_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_0)};
         case QType::Q5_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_1)};
-        case QType::Q8_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q8_0)};
+        case QType::Q8_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q8_0), PYLLM_ROWSDOT_TABLE(dot_q8_0)};
         default: return {};
     }
 }
