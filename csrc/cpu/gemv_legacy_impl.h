@@ -313,10 +313,10 @@ template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_
 // The row kernels of the 32-element types (empty for every other type).
 inline RowKernel row_kernel_legacy_blocks(QType t) {
     switch (t) {
-        case QType::Q4_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q4_0)};
-        case QType::Q4_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q4_1)};
-        case QType::Q5_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_0)};
-        case QType::Q5_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_1)};
+        case QType::Q4_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q4_0), PYLLM_ROWSDOT_TABLE(dot_q4_0)};
+        case QType::Q4_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q4_1), PYLLM_ROWSDOT_TABLE(dot_q4_1)};
+        case QType::Q5_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_0), PYLLM_ROWSDOT_TABLE(dot_q5_0)};
+        case QType::Q5_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_1), PYLLM_ROWSDOT_TABLE(dot_q5_1)};
         case QType::Q8_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q8_0), PYLLM_ROWSDOT_TABLE(dot_q8_0)};
         default: return {};
     }
