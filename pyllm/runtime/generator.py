@@ -220,6 +220,7 @@ class Generator:
             tp = time.perf_counter()
             with torch.inference_mode():
                 prop.prefill(ids)
+            ctrl.draft_cost = prop.step_seconds
             st.prompt_seconds += time.perf_counter() - tp
         queue = [sample(logits)]
         st.ttft = time.perf_counter() - t0
@@ -261,11 +262,13 @@ class Generator:
                     if k:
                         with torch.inference_mode():
                             drafts, q = prop.propose(ctx, k, sampler)
-                        # seconds per drafted token: the draft steps, plus the catch-up pass when it covered
-                        # only what one verification emits (a probe's long catch-up is not the steady cost)
+                        # seconds per drafted token: a one-token draft step (measured where the proposal took
+                        # more than one), plus this proposal's catch-up pass when it covered only what one
+                        # verification emits (a probe's long catch-up is not the steady cost)
                         if drafts:
+                            step = prop.step_seconds / (len(drafts) - 1) if len(drafts) > 1 else ctrl.draft_cost
                             steady = prop.catchup_seconds if prop.catchup_rows <= spec.k + 1 else 0.0
-                            ctrl.draft_cost = (prop.step_seconds + steady) / len(drafts)
+                            ctrl.draft_cost = step + steady / len(drafts)
                         k = len(drafts)
                 else:
                     drafts, mlen = prop.propose(ctx, spec.k)

@@ -128,8 +128,13 @@ class DraftProposer:
 
     def prefill(self, ids: list[int]) -> None:
         """Brings the draft's cache to the prompt, as the target's prefill does for the target: a first proposal
-        would otherwise pay the whole prompt inside the decode."""
-        self.gen.prefill(ids)
+        would otherwise pay the whole prompt inside the decode.  The last prompt token goes through a one-token
+        step, timed (``step_seconds``), so the controller knows the draft's cost before it first drafts."""
+        if len(ids) > 1:
+            self.gen.prefill(ids[:-1])
+        t0 = time.perf_counter()
+        forward_rows(self.gen, ids[-1:], all_logits=False)
+        self.step_seconds = time.perf_counter() - t0
 
     def propose(self, ctx: list[int], k: int, sampler) -> tuple[list[int], list]:
         """Drafts up to k tokens after ``ctx``; returns (tokens, q) with q[i] = (ids, probs) of the draft's
