@@ -141,6 +141,11 @@ class Sampler:
         # None: no log-probabilities; n >= 0: sample() stores (logprob, top n) of each draw in ``last_logprobs``
         self.logprobs: int | None = None
         self.last_logprobs: tuple[float, list[tuple[int, float]]] | None = None
+        # kept between tokens so a vocabulary-sized array is not allocated per token: the id range (read-only)
+        # and top-k's partition buffer and mask
+        self._ids: np.ndarray | None = None
+        self._part: np.ndarray | None = None
+        self._mask: np.ndarray | None = None
 
     def accept(self, token: int) -> None:
         """Records a token of the context (prompt or generated) for the penalty window."""
@@ -191,7 +196,7 @@ class Sampler:
 
     def _vocab_ids(self, n: int) -> np.ndarray:
         """0..n-1, kept between tokens (read-only: every step that selects returns new arrays)."""
-        ids = getattr(self, "_ids", None)
+        ids = self._ids
         if ids is None or len(ids) != n:
             ids = self._ids = np.arange(n, dtype=np.int64)
             ids.flags.writeable = False
@@ -201,7 +206,7 @@ class Sampler:
         """Ids of the k largest of ``f`` (any of the tied ones at the k-th value, lowest ids first), through an
         in-place partition of a buffer kept between tokens."""
         n = len(f)
-        buf = getattr(self, "_part", None)
+        buf = self._part
         if buf is None or buf.shape != f.shape or buf.dtype != f.dtype:
             buf = self._part = np.empty_like(f)
             self._mask = np.empty(n, dtype=bool)

@@ -346,9 +346,7 @@ class SpecController:
         """Whether drafting could beat plain decoding by ``gain`` even if every drafted token were accepted, at the
         measured pass and draft costs.  A draft model costing a large share of a target step never can (each
         drafted token costs a draft step plus a verification row): then probing its acceptance is wasted."""
-        base = 1.0 / self.cost(1)
-        return any((k + 1) / (self.cost(k + 1) + self.draft_cost * k) > base * self.gain
-                   for k in range(1, self.max_k + 1))
+        return self._best_k(1.0, self.max_k) > 0
 
     def choose_k(self, n: int, available: int) -> int:
         """Drafted tokens to verify (0: take a plain step) for a proposal of ``available`` tokens."""
@@ -357,11 +355,15 @@ class SpecController:
             return 0
         if not self.adaptive:
             return kmax
-        a = min(self.rate(n), 0.999)
-        base = 1.0 / self.cost(1)
-        best, best_k = base * self.gain, 0
+        return self._best_k(min(self.rate(n), 0.999), kmax)
+
+    def _best_k(self, a: float, kmax: int) -> int:
+        """The k <= kmax with the most expected tokens per second at acceptance rate a, if it beats plain decoding
+        by ``gain``; else 0."""
+        best, best_k = self.gain / self.cost(1), 0
         for k in range(1, kmax + 1):
-            expect = (1.0 - a ** (k + 1)) / (1.0 - a)  # tokens per pass: accepted prefix (geometric) + 1
+            # tokens per pass: the accepted prefix (geometric in a) + the model's own token
+            expect = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
             speed = expect / (self.cost(k + 1) + self.draft_cost * k)
             if speed > best:
                 best, best_k = speed, k
