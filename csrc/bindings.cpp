@@ -47,6 +47,13 @@ void check_weight(const char* fn, const Tensor& w, const QTypeTraits& tr, int64_
                       ", supported rows are 1..2^31-1");
 }
 
+// The Q*_R8 layouts hold whole groups of 8 rows.
+void check_rows8(const char* fn, const char* name, const Tensor& w, int64_t qtype) {
+    const QType t = static_cast<QType>(qtype);
+    TORCH_CHECK_VALUE(!pyllm::is_rows8(t) || w.size(0) % 8 == 0, fn, ": ", name, " is ", pyllm::qtype_name(t),
+                      " (rows interleaved by 8) but has ", w.size(0), " rows, not a multiple of 8");
+}
+
 Tensor make_out(const char* fn, const std::optional<Tensor>& out, int64_t M, int64_t N) {
     if (!out) return at::empty({M, N}, at::kFloat);
     check_tensor(fn, "out", *out, at::kFloat, 2);
@@ -63,6 +70,7 @@ Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     TORCH_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "gemv: x has ", M, " rows, the fused GEMV takes 1..",
                       pyllm::GEMV_MAX_M, " (use gemm)");
     check_weight("gemv", w, tr, K);
+    check_rows8("gemv", "w", w, qtype);
     const int64_t N = w.size(0);
     Tensor y = make_out("gemv", out, M, N);
     pyllm::gemv_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
@@ -93,9 +101,11 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     const int64_t M = x.size(0), K = x.size(1);
     TORCH_CHECK_VALUE(M >= 1, "gemm: x has no rows");
     check_weight("gemm", w, tr, K);
+    check_rows8("gemm", "w", w, qtype);
     const int64_t N = w.size(0);
     Tensor y = make_out("gemm", out, M, N);
-    const pyllm::PrefillKernel pk = kernel.empty() ? pyllm::cpu_prefill_default() : prefill_kernel_named(kernel);
+    pyllm::PrefillKernel pk = kernel.empty() ? pyllm::cpu_prefill_default() : prefill_kernel_named(kernel);
+    if (pyllm::is_rows8(static_cast<QType>(qtype))) pk = pyllm::PrefillKernel::F32;  // its tiles unpack rows8
     if (pk != pyllm::PrefillKernel::F32) {
         pyllm::gemm_bf16_cpu(pk, static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
                              x.data_ptr<float>(), y.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N),
@@ -187,6 +197,7 @@ Tensor dequantize(const Tensor& w, int64_t qtype, const std::optional<Tensor>& i
                       "multiple of ", tr.name, "'s ", tr.type_size, "-byte block");
     const int64_t K = w.size(1) / tr.type_size * tr.block_size, N = w.size(0);
     check_weight("dequantize", w, tr, K);
+    check_rows8("dequantize", "w", w, qtype);
     if (!ids) {
         Tensor y = at::empty({N, K}, at::kFloat);
         pyllm::dequantize_rows_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
@@ -239,6 +250,29 @@ Tensor awq_repack(const Tensor& qweight, const Tensor& qzeros, const Tensor& sca
     pyllm::awq_repack_cpu(qweight.data_ptr<int32_t>(), qzeros.data_ptr<int32_t>(),
                           reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), static_cast<int>(K),
                           static_cast<int>(8 * N8), static_cast<int>(G), out.data_ptr<uint8_t>());
+    return out;
+}
+
+// GGUF rows -> the same rows interleaved by 8 (common/blocks.h): w u8 [N, row_bytes] of Q4_0/Q4_1/Q5_0/Q5_1 ->
+// u8 [N, row_bytes] of type rows8_qtype(qtype).
+int64_t rows8_qtype(int64_t qtype) {
+    return qtype >= 0 && qtype < pyllm::QTYPE_ID_LIMIT ? pyllm::rows8_qtype_id(static_cast<int>(qtype)) : -1;
+}
+
+Tensor repack_rows8(const Tensor& w, int64_t qtype) {
+    const char* fn = "repack_rows8";
+    const QTypeTraits& tr = check_qtype(fn, qtype);
+    TORCH_CHECK_VALUE(rows8_qtype(qtype) >= 0, fn, ": ", tr.name, " has no rows-by-8 layout (Q4_0, Q4_1, Q5_0 and ",
+                      "Q5_1 do)");
+    check_tensor(fn, "w", w, at::kByte, 2);
+    TORCH_CHECK_VALUE(w.size(1) > 0 && w.size(1) % tr.type_size == 0, fn, ": w has ", w.size(1),
+                      " bytes per row, not a positive multiple of ", tr.name, "'s ", tr.type_size, "-byte block");
+    const int64_t K = w.size(1) / tr.type_size * tr.block_size;
+    check_weight(fn, w, tr, K);
+    TORCH_CHECK_VALUE(w.size(0) % 8 == 0, fn, ": w has ", w.size(0), " rows, not a multiple of 8");
+    Tensor out = at::empty_like(w);
+    pyllm::repack_rows8_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), w.size(0), static_cast<int>(K),
+                            out.data_ptr<uint8_t>());
     return out;
 }
 
@@ -333,6 +367,7 @@ pyllm::DecodeWeight decode_weight(DecodeContext& c, const std::string& name, con
                       " with K=", K, " needs ", need);
     if (N >= 0)
         TORCH_CHECK_VALUE(w.size(0) == N, kDC, ": ", name, " has ", w.size(0), " rows, expected ", N);
+    check_rows8(kDC, name.c_str(), w, qtype);
     c.keep.push_back(w);
     return {w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)), static_cast<QType>(qtype)};
 }
@@ -735,6 +770,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "AutoAWQ gemm qweight int32 [K, N/8], qzeros int32 [K/G, N/8], scales fp16 [K/G, N] -> AWQ rows u8 "
           "[N, 3K/G + K/2] of type awq_qtype(G)",
           py::arg("qweight"), py::arg("qzeros"), py::arg("scales"), py::arg("group_size"));
+    m.def("rows8_qtype", &rows8_qtype, "internal type id of qtype's rows interleaved by 8, or -1 if it has none",
+          py::arg("qtype"));
+    m.def("repack_rows8", &repack_rows8,
+          "Q4_0/Q4_1/Q5_0/Q5_1 rows u8 [N, row_bytes] (N % 8 == 0) -> the same rows interleaved by 8, of type "
+          "rows8_qtype(qtype) (the decode step's layout)",
+          py::arg("w"), py::arg("qtype"));
     m.def("set_isa", &set_isa, "CPU kernels to use: 'scalar', 'avx2', 'avx512' or 'amx' (default: the best available)");
     m.def("get_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_get_isa())); });
     m.def("available_isas", &available_isas);

@@ -38,6 +38,7 @@ CPU_SOURCES = [
     "cpu/gemv_avx2_awq.cpp",
     "cpu/gemv_avx512.cpp",
     "cpu/awq_repack.cpp",
+    "cpu/rows8.cpp",
     "cpu/dequant.cpp",
     "cpu/gemm_amx.cpp",
     "cpu/decode_step.cpp",

@@ -386,3 +386,31 @@ def test_profile_counts_every_weight_byte_and_leaves_the_logits_alone(tiny_qwen2
         assert e["bytes"] == n * b, kind
         assert e["busy_ns"] <= e["thread_ns"], kind
     assert C.decode_profile_read()["steps"] == 0  # decode_profile(False) zeroed it and it stays off
+
+
+def test_cpp_step_reads_legacy_matrices_interleaved_by_8(smollm2, monkeypatch):
+    """The C++ step's copy of the Q4_0..Q5_1 layer matrices has its rows interleaved by 8 (the backend makes it
+    once and names its size in describe()); PYLLM_REPACK=0 keeps the loaded layout.  Reference: the step over the
+    loaded layout, from the same cache.  The two differ only in the GEMVs' fp32 summation order, which (as the
+    module docstring says) can flip int8 activation roundings and so moves logits by ~1e-2 of the max over 30
+    layers (measured 1.0-1.3% on three prompts): tolerance 3%, and the greedy token is the same on a prompt whose
+    top-2 margin (7.9%) is wider than twice that."""
+    from pyllm.backends.cpu import LAYER_MATRICES
+
+    model, backend = smollm2.model, smollm2.model.backend
+    kv = _kv(model, 64, torch.float16)
+    ids = torch.tensor(smollm2.tokenize("def add(a, b):\n    return"), dtype=torch.int64)
+    first = int(model.forward(ids, 0, kv)[-1].argmax())
+    packed = backend.fused_decode(model, kv)
+    mats = [model.w[f"blk.{i}.{n}.weight"] for i in range(model.cfg.n_layer) for n in LAYER_MATRICES]
+    want = sum(m.data.numel() for m in mats if int(m.qtype) in (2, 3, 6, 7) and m.data.shape[0] % 8 == 0)
+    assert want > 0 and backend.describe()["repacked_mb"] == round(want / 2**20, 1)
+    monkeypatch.setenv("PYLLM_REPACK", "0")
+    plain = backend.fused_decode(model, kv)
+    a, b = packed(first, len(ids))[0], plain(first, len(ids))[0]
+    atol = 0.03 * float(b.abs().max())
+    top2 = b.topk(2).values
+    assert float(top2[0] - top2[1]) > 2 * atol, "the test needs a prompt with a clear top token"
+    assert int(a.argmax()) == int(b.argmax())
+    torch.testing.assert_close(a, b, rtol=0, atol=atol)
+    assert not torch.equal(a, b), "the two layouts should differ in summation order: is the copy in use?"

@@ -161,8 +161,10 @@ def test_gemma3_binding_rejects_bad_arguments(gemma3, monkeypatch):
 
     from pyllm.backends import cpu
 
-    class Shim:
+    class Shim:  # the extension, with DecodeContext's arguments recorded
         DecodeContext = staticmethod(capture)
+        rows8_qtype = staticmethod(C.rows8_qtype)
+        repack_rows8 = staticmethod(C.repack_rows8)
 
     monkeypatch.setattr(cpu.ops, "_C", Shim)
     assert model.backend.fused_decode(model, kv) is not None

@@ -194,21 +194,28 @@ def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
     if name not in FLOAT_TYPES:
         xq = quantize_like_kernels(x, 256 if name in K_TYPES else 32)
         checks = [(xq @ wt.W64.T, TOL_EXACT, "int8-x float64"), (ref, TOL_Q8, "float64")]
+    gemv_on_every_isa(C, name, w, int(GT[name]), x, wt, checks)
+
+
+def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks):
+    """C.gemv(x, w) on each ISA path this CPU has, against each (reference, tolerance, name) of checks; scalar and
+    every SIMD path within TOL_ISA; the VNNI dots compute the AVX2 kernels' integer sums in the same fp32 order,
+    so avx512 / amx give the AVX2 bits."""
+    (M, K), N = x.shape, w.shape[0]
     ys = {}
     for isa in C.available_isas():
         C.set_isa(isa)
-        ys[isa] = C.gemv(x, w, int(GT[name]))
+        ys[isa] = C.gemv(x, w, qtype)
         assert ys[isa].shape == (M, N) and ys[isa].dtype == torch.float32
         for r, tol, what in checks:
             err = rel_err(ys[isa], r, x, wt)
-            assert err < tol, f"{name} {isa} gemv vs {what} reference: error {err:.3g} > {tol} " + why(N, K, M)
+            assert err < tol, f"{label} {isa} gemv vs {what} reference: error {err:.3g} > {tol} " + why(N, K, M)
     for isa in ys:
         err = rel_err(ys[isa], ys["scalar"], x, wt)
-        assert err < TOL_ISA, f"{name}: scalar and {isa} differ by {err:.3g} " + why(N, K, M)
+        assert err < TOL_ISA, f"{label}: scalar and {isa} differ by {err:.3g} " + why(N, K, M)
     for isa in ("avx512", "amx"):
-        # the VNNI dots compute the AVX2 kernels' integer sums in the same fp32 order: identical bits
         if isa in ys:
-            assert torch.equal(ys[isa], ys["avx2"]), f"{name}: {isa} and avx2 differ " + why(N, K, M)
+            assert torch.equal(ys[isa], ys["avx2"]), f"{label}: {isa} and avx2 differ " + why(N, K, M)
 
 
 def quantize_q8_K_residual(x: torch.Tensor) -> torch.Tensor:
@@ -350,6 +357,88 @@ def test_dequantize_is_bit_exact(C, name):
         ids = torch.from_numpy(rng_for("ids", name).integers(0, N, 9))
         for dt in (torch.int64, torch.int32):
             assert torch.equal(C.dequantize(w, int(GT[name]), ids.to(dt)), W[ids]), why(name, isa, dt)
+
+
+# ---- Rows interleaved by 8 (Q4_0_R8 ... Q5_1_R8: the decode step's copy of the layer matrices) ---------------
+ROWS8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+ROWS8_SHAPES = [(1536, 576), (2048, 640), (4864, 896), (8, 32), (24, 160)]
+
+
+def rows8(C, name, wt):
+    rid = C.rows8_qtype(int(GT[name]))
+    return C.repack_rows8(wt.raw, int(GT[name])), rid
+
+
+@pytest.mark.parametrize("name", ROWS8_TYPES)
+@pytest.mark.parametrize("N,K", ROWS8_SHAPES)
+def test_rows8_repack_is_lossless(C, name, N, K):
+    """Reference: gguf.quants.dequantize of the GGUF rows.  The repacked rows dequantize to exactly those values
+    (whole tensor and row lookups, every ISA), and take the same bytes."""
+    wt = make_weight(name, N, K)
+    r, rid = rows8(C, name, wt)
+    assert r.shape == wt.raw.shape and r.dtype == torch.uint8 and not torch.equal(r, wt.raw)
+    ids = torch.from_numpy(rng_for("ids8", name, N).integers(0, N, 9))
+    for isa in C.available_isas():
+        C.set_isa(isa)
+        assert torch.equal(C.dequantize(r, rid), wt.W), f"{name}_R8 {isa}: dequantize differs " + why(N, K)
+        assert torch.equal(C.dequantize(r, rid, ids), wt.W[ids]), f"{name}_R8 {isa}: row lookup " + why(N, K)
+
+
+@pytest.mark.parametrize("name", ROWS8_TYPES)
+@pytest.mark.parametrize("N,K", ROWS8_SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 5, 8])
+def test_rows8_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
+    """The same two references and tolerances as test_gemv_matches_oracle_and_isas_agree (int8-x float64:
+    TOL_EXACT; float64: TOL_Q8), on every ISA path; scalar (rows unpacked, then the generic row dot) and SIMD
+    within TOL_ISA; the VNNI build's integer sums are the AVX2 build's: identical bits."""
+    wt = make_weight(name, N, K)
+    r, rid = rows8(C, name, wt)
+    x = torch.from_numpy(rng_for("x8", name, N, K, M).standard_normal((M, K), dtype=np.float32))
+    checks = [(quantize_like_kernels(x, 32) @ wt.W64.T, TOL_EXACT, "int8-x float64"), (wt.ref(x), TOL_Q8, "float64")]
+    gemv_on_every_isa(C, f"{name}_R8", r, rid, x, wt, checks)
+
+
+@pytest.mark.parametrize("name", ROWS8_TYPES)
+def test_rows8_rows_do_not_depend_on_m_or_threads(C, name):
+    """Each activation row of an M-row call gives bit for bit what it gives alone, on every ISA path (speculative
+    verification's greedy equality), and 1 or 2 threads give the same bits (chunks start on whole groups)."""
+    N, K = 48, 576
+    wt = make_weight(name, N, K)
+    r, rid = rows8(C, name, wt)
+    x = torch.from_numpy(rng_for("xm8", name).standard_normal((8, K), dtype=np.float32))
+    old = C.get_num_threads()
+    try:
+        for isa in C.available_isas():
+            C.set_isa(isa)
+            alone = [C.gemv(x[m:m + 1].contiguous(), r, rid)[0] for m in range(8)]
+            for M in (2, 3, 4, 5, 8):
+                y = C.gemv(x[:M].contiguous(), r, rid)
+                for m in range(M):
+                    assert torch.equal(y[m], alone[m]), f"{name}_R8 {isa}: row {m} of {M} differs from alone"
+            big = make_weight(name, 4864, 896)
+            rb, _ = rows8(C, name, big)
+            xb = torch.from_numpy(rng_for("xt8", name).standard_normal((3, 896), dtype=np.float32))
+            C.set_num_threads(1)
+            y1 = C.gemv(xb, rb, rid)
+            C.set_num_threads(2)
+            assert torch.equal(C.gemv(xb, rb, rid), y1), f"{name}_R8 {isa}: 1 and 2 threads differ"
+    finally:
+        C.set_num_threads(old)
+
+
+def test_rows8_errors(C):
+    """Types without the layout, and row counts that do not fill groups of 8, are refused by name."""
+    assert [C.rows8_qtype(int(GT[n])) for n in ROWS8_TYPES] == [60, 61, 62, 63]
+    assert C.rows8_qtype(int(GT["Q8_0"])) == -1 and C.rows8_qtype(99) == -1
+    with pytest.raises(ValueError, match=r"repack_rows8: Q8_0 has no rows-by-8 layout"):
+        C.repack_rows8(make_weight("Q8_0", 8, 32).raw, int(GT["Q8_0"]))
+    w12 = make_weight("Q4_0", 12, 64).raw
+    with pytest.raises(ValueError, match=r"repack_rows8: w has 12 rows, not a multiple of 8"):
+        C.repack_rows8(w12, int(GT["Q4_0"]))
+    with pytest.raises(ValueError, match=r"gemv: w is Q4_0_R8 \(rows interleaved by 8\) but has 12 rows"):
+        C.gemv(torch.zeros(1, 64), w12, 60)
+    with pytest.raises(ValueError, match=r"dequantize: w is Q4_1_R8"):
+        C.dequantize(make_weight("Q4_1", 12, 64).raw, 61)
 
 
 @pytest.mark.parametrize("name", ALL_TYPES)

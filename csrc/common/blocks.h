@@ -45,6 +45,38 @@ struct block_q8_0 {
 };
 static_assert(sizeof(block_q8_0) == 34, "wrong q8_0 block size");
 
+// ---- 32-element blocks of 8 rows interleaved (QType::Q4_0_R8 ... Q5_1_R8; in memory only, see qtype.h)
+// Rows 8g..8g+7 of a [N, K] tensor become K/32 group blocks, block b holding block b of each of the 8 rows:
+// their scales (and mins) side by side, so one vcvtph2ps converts all 8, and their codes arranged so that one
+// 32-byte load, ANDed with 0x0F (or shifted by 4 first), gives in 32-bit lane j row j's elements 4k..4k+3
+// (or 16+4k..16+4k+3): qs[32k + 4j + t] = row j's qs[4k + t].  One broadcast 4-byte activation group then
+// multiplies all 8 rows (vpmaddubsw / vpdpbusd) and each lane accumulates its own row: no horizontal sums.
+// Q5 fifth bits: qh[4j + t] holds, in bit c, row j's fifth bit of element 4c + t (c < 4) or 16 + 4(c-4) + t,
+// so a shift and an AND put the bits of lane group c at 0x10, where the codes take them.  Same bytes per row
+// as the GGUF block (8 * 18, 8 * 20, 8 * 22, 8 * 24).
+struct block_q4_0x8 {
+    uint16_t d[8];
+    uint8_t qs[8 * QK / 2];
+};
+static_assert(sizeof(block_q4_0x8) == 8 * 18, "wrong q4_0x8 block size");
+struct block_q4_1x8 {
+    uint16_t d[8], m[8];
+    uint8_t qs[8 * QK / 2];
+};
+static_assert(sizeof(block_q4_1x8) == 8 * 20, "wrong q4_1x8 block size");
+struct block_q5_0x8 {
+    uint16_t d[8];
+    uint8_t qh[QK];
+    uint8_t qs[8 * QK / 2];
+};
+static_assert(sizeof(block_q5_0x8) == 8 * 22, "wrong q5_0x8 block size");
+struct block_q5_1x8 {
+    uint16_t d[8], m[8];
+    uint8_t qh[QK];
+    uint8_t qs[8 * QK / 2];
+};
+static_assert(sizeof(block_q5_1x8) == 8 * 24, "wrong q5_1x8 block size");
+
 // ---- 256-element K-quant super-blocks
 struct block_q2_K {
     uint8_t scales[QK_K / 16];  // per 16 elements: low nibble scale, high nibble min

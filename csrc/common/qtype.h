@@ -9,6 +9,11 @@
 // blocks.h, the repacker in csrc/cpu/awq_repack.cpp, the Python side in pyllm/awq.py).  In the traits a "block" is one
 // group: G elements in G/2 + 3 bytes (nibbles, an fp16 scale, a u8 zero), so row bytes, shape checks and the
 // gemv / mul_mat / dequantize / decode_step dispatch work for them unchanged.
+//
+// Ids 60..63 are pyllm's too: Q4_0, Q4_1, Q5_0 and Q5_1 rows interleaved by 8 (Q4_0_R8 ... Q5_1_R8), a copy the
+// CPU decode step makes at load so that its GEMVs read 8 rows' blocks as one (layout in blocks.h, repacker in
+// csrc/cpu/rows8.cpp).  Same bytes per row as the GGUF type, but a row is only addressable within its group of
+// 8: the tensor's row count must be a multiple of 8, and kernels take them in whole groups.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +27,7 @@ enum class QType : int {
     IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23,
     I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30,
     AWQ_G32 = 56, AWQ_G64 = 57, AWQ_G128 = 58, AWQ_G256 = 59,  // pyllm-internal (see above)
+    Q4_0_R8 = 60, Q4_1_R8 = 61, Q5_0_R8 = 62, Q5_1_R8 = 63,    // pyllm-internal (see above)
 };
 
 // Every type id (GGML's and pyllm's) is below this: the size of the tables indexed by id.
@@ -35,6 +41,27 @@ inline int awq_qtype_id(int G) {
         case 128: return static_cast<int>(QType::AWQ_G128);
         case 256: return static_cast<int>(QType::AWQ_G256);
         default: return -1;
+    }
+}
+
+// Rows-by-8 layouts: the interleaved id of a GGUF type, and back (-1 / the id itself where there is none).
+inline int rows8_qtype_id(int base) {
+    switch (static_cast<QType>(base)) {
+        case QType::Q4_0: return static_cast<int>(QType::Q4_0_R8);
+        case QType::Q4_1: return static_cast<int>(QType::Q4_1_R8);
+        case QType::Q5_0: return static_cast<int>(QType::Q5_0_R8);
+        case QType::Q5_1: return static_cast<int>(QType::Q5_1_R8);
+        default: return -1;
+    }
+}
+inline bool is_rows8(QType t) { return t >= QType::Q4_0_R8 && t <= QType::Q5_1_R8; }
+inline QType rows8_base(QType t) {
+    switch (t) {
+        case QType::Q4_0_R8: return QType::Q4_0;
+        case QType::Q4_1_R8: return QType::Q4_1;
+        case QType::Q5_0_R8: return QType::Q5_0;
+        case QType::Q5_1_R8: return QType::Q5_1;
+        default: return t;
     }
 }
 
@@ -61,7 +88,9 @@ inline const QTypeTraits* qtype_traits(int id) {
         IQ4_XS_{"IQ4_XS", QK_K, 136, false}, I8_{"I8", 1, 1, false}, I16_{"I16", 1, 2, false},
         I32_{"I32", 1, 4, false}, I64_{"I64", 1, 8, false}, F64_{"F64", 1, 8, false},
         IQ1_M_{"IQ1_M", QK_K, 56, false}, AWQ_G32_{"AWQ_G32", 32, 19, true}, AWQ_G64_{"AWQ_G64", 64, 35, true},
-        AWQ_G128_{"AWQ_G128", 128, 67, true}, AWQ_G256_{"AWQ_G256", 256, 131, true};
+        AWQ_G128_{"AWQ_G128", 128, 67, true}, AWQ_G256_{"AWQ_G256", 256, 131, true},
+        Q4_0_R8_{"Q4_0_R8", QK, 18, true}, Q4_1_R8_{"Q4_1_R8", QK, 20, true}, Q5_0_R8_{"Q5_0_R8", QK, 22, true},
+        Q5_1_R8_{"Q5_1_R8", QK, 24, true};
     switch (static_cast<QType>(id)) {
         case QType::F32: return &F32_;
         case QType::F16: return &F16_;
@@ -96,6 +125,10 @@ inline const QTypeTraits* qtype_traits(int id) {
         case QType::AWQ_G64: return &AWQ_G64_;
         case QType::AWQ_G128: return &AWQ_G128_;
         case QType::AWQ_G256: return &AWQ_G256_;
+        case QType::Q4_0_R8: return &Q4_0_R8_;
+        case QType::Q4_1_R8: return &Q4_1_R8_;
+        case QType::Q5_0_R8: return &Q5_0_R8_;
+        case QType::Q5_1_R8: return &Q5_1_R8_;
     }
     return nullptr;
 }

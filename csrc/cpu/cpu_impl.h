@@ -34,6 +34,10 @@ struct RowKernel {
     Act act = Act::F32;
     RowDot fn[GEMV_MAX_M] = {};     // fn[M - 1]; all null = not available for this ISA
     RowsDot rows[GEMV_MAX_M] = {};  // rows[M - 1], or null: the frame loops over fn[M - 1]
+    // Rows per interleaved group (8 for the Q*_R8 layouts, which have no one-row fn): the frame hands rows[]
+    // only chunks that start and end on a multiple of it.
+    int group = 1;
+    bool available() const { return fn[0] != nullptr || rows[0] != nullptr; }
 };
 
 // A RowsDot from a row dot: the loop with the row dot inlined into it (flatten), so the compiler can keep the
@@ -54,6 +58,7 @@ RowKernel row_kernel_avx2_awq(QType t);      // AWQ rows (AWQ_G32 ... AWQ_G256)
 RowKernel row_kernel_generic_x16(QType t);
 RowKernel row_kernel_avx2_x16(QType t);
 RowKernel row_kernel_avx512(QType t);        // AVX-512 VNNI rows (gemv_avx512.cpp); empty where AVX2 is as fast
+RowKernel row_kernel_generic_rows8(QType t);  // Q*_R8 without SIMD: each row unpacked, then the generic row dot
 bool avx2_compiled();
 bool avx512_compiled();
 // AMX-BF16 tiles usable by this process: CPUID (AMX-TILE, AMX-BF16, AVX512_BF16 for the packing), OS state

@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "../common/decode.h"
 #include "cpu_impl.h"
+#include "../kernels.h"
 
 namespace pyllm {
 namespace {
@@ -65,6 +67,18 @@ void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int6
     // A handful of rows (an embedding lookup at decode) is not worth waking threads for.
     const int nt = n_ids * static_cast<int64_t>(K) >= (1 << 16) ? cpu_get_num_threads() : 1;
     const bool simd = cpu_isa_simd(cpu_get_isa());
+    if (is_rows8(t)) {  // row r is row r % 8 of its group: unpacked to its GGUF blocks first
+        const QType base = rows8_base(t);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+        for (int64_t i = 0; i < n_ids; ++i) {
+            thread_local std::vector<uint8_t> row;
+            row.resize(row_bytes);
+            const int64_t r = ids ? ids[i] : i;
+            unpack_rows8_row(t, w + row_bytes * (r & ~int64_t{7}), K, static_cast<int>(r & 7), row.data());
+            dequant_row_any(base, row.data(), K, out + static_cast<size_t>(K) * i, simd);
+        }
+        return;
+    }
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
     for (int64_t i = 0; i < n_ids; ++i) {
         const int64_t r = ids ? ids[i] : i;

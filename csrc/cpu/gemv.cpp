@@ -36,17 +36,18 @@ struct Tables {
         for (int t = 0; t < kTypeIds; ++t) {
             const QType q = static_cast<QType>(t);
             k[0][t] = cpu::row_kernel_generic(q);
+            if (!k[0][t].available()) k[0][t] = cpu::row_kernel_generic_rows8(q);
             RowKernel s = cpu::row_kernel_avx2_legacy(q);
-            if (!s.fn[0]) s = cpu::row_kernel_avx2_kquants(q);
-            if (!s.fn[0]) s = cpu::row_kernel_avx2_awq(q);
-            k[1][t] = s.fn[0] ? s : k[0][t];
+            if (!s.available()) s = cpu::row_kernel_avx2_kquants(q);
+            if (!s.available()) s = cpu::row_kernel_avx2_awq(q);
+            k[1][t] = s.available() ? s : k[0][t];
             // Even the table lookup is compiled for AVX-512 (its file's target pragma): ask only a CPU that has it.
             const RowKernel v = cpu_isa_available(Isa::Avx512) ? cpu::row_kernel_avx512(q) : RowKernel{};
-            k[2][t] = k[3][t] = v.fn[0] ? v : k[1][t];
+            k[2][t] = k[3][t] = v.available() ? v : k[1][t];
             const RowKernel g16 = cpu::row_kernel_generic_x16(q), a16 = cpu::row_kernel_avx2_x16(q);
-            x16[0][t] = g16.fn[0] ? g16 : k[0][t];
-            x16[1][t] = a16.fn[0] ? a16 : (g16.fn[0] ? g16 : k[1][t]);
-            x16[2][t] = x16[3][t] = a16.fn[0] || g16.fn[0] ? x16[1][t] : k[2][t];
+            x16[0][t] = g16.available() ? g16 : k[0][t];
+            x16[1][t] = a16.available() ? a16 : (g16.available() ? g16 : k[1][t]);
+            x16[2][t] = x16[3][t] = a16.available() || g16.available() ? x16[1][t] : k[2][t];
         }
     }
 };
@@ -113,7 +114,7 @@ constexpr size_t kMinParallelBytes = 64 * 1024;
 
 bool cpu_type_supported(QType t) {
     const int id = static_cast<int>(t);
-    return id >= 0 && id < kTypeIds && tables().k[0][id].fn[0] != nullptr;
+    return id >= 0 && id < kTypeIds && tables().k[0][id].available();
 }
 
 
@@ -375,7 +376,8 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         chunks.clear();
         const size_t chunk_bytes = std::max<size_t>(1, total_bytes / (static_cast<size_t>(nt) * 8));
         for (int p = 0; p < n_parts; ++p) {
-            const int rows = static_cast<int>(std::max<size_t>(1, chunk_bytes / job[p].row_bytes));
+            const int g = kern[p]->group;  // N is a multiple of it (bindings check)
+            const int rows = (static_cast<int>(std::max<size_t>(1, chunk_bytes / job[p].row_bytes)) + g - 1) / g * g;
             for (int n0 = 0; n0 < job[p].N; n0 += rows) chunks.push_back({p, n0, std::min(job[p].N, n0 + rows)});
         }
         const int n_chunks = static_cast<int>(chunks.size());

@@ -310,6 +310,125 @@ template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_
 template <int M> void dot_q5_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_1, M>(K, w, xa, xs, y, ldy); }
 
+// ---- Rows interleaved by 8 (Q4_0_R8 ... Q5_1_R8, blocks.h) ------------------------------------------------
+// Per group block b (block b of 8 rows) and activation row m, lane j of the vectors is row j:
+//   acc  += (dw_b * dx_b) * sum(code * xq)    (the integer dot exact, as in every legacy kernel)
+//   accc += c_b * s_b                         (c = -offset * dw, or the block min; s_b = dx_b * sum(xq))
+// and y = acc + accc, stored 8 rows at once.  The integer dot takes 8 broadcast 4-byte activation groups
+// against 8 code vectors decoded once per block for all M rows: per 8 rows x 32 weights, 4 loads, ~12 ALU ops
+// of decoding and per activation row 8 multiplies, where the row kernels above need ~11 ALU ops per row block
+// (nibble unpack, the int16 reduction tree, horizontal sums).  Same operations per row for every M.
+template <class G>
+struct Rows8;
+template <>
+struct Rows8<block_q4_0x8> {
+    static constexpr bool five = false, has_min = false;
+    static constexpr float offset = -8.f;
+};
+template <>
+struct Rows8<block_q4_1x8> {
+    static constexpr bool five = false, has_min = true;
+    static constexpr float offset = 0.f;
+};
+template <>
+struct Rows8<block_q5_0x8> {
+    static constexpr bool five = true, has_min = false;
+    static constexpr float offset = -16.f;
+};
+template <>
+struct Rows8<block_q5_1x8> {
+    static constexpr bool five = true, has_min = true;
+    static constexpr float offset = 0.f;
+};
+
+// Fifth bits of lane group c (blocks.h: bit c of each qh byte) at 0x10.  16-bit shifts are safe: after the
+// mask, bit 4 of each byte came from that byte (shifts by at most 4).
+template <int c>
+PYLLM_INLINE __m256i fifth_bits(__m256i qh) {
+    const __m256i at4 = c < 4 ? _mm256_slli_epi16(qh, 4 - c) : c > 4 ? _mm256_srli_epi16(qh, c - 4) : qh;
+    return _mm256_and_si256(at4, _mm256_set1_epi8(0x10));
+}
+
+// sum over 32 elements of code * xq for 8 rows at once: lo[k] / hi[k] hold, in lane j, row j's codes of
+// elements 4k..4k+3 / 16+4k..16+4k+3 (unsigned, <= 15 or <= 31), x the block's 32 activation codes.
+template <bool Five>
+PYLLM_INLINE __m256i rows8_isum(const __m256i* lo, const __m256i* hi, const int8_t* x) {
+    auto bc = [&](int off) {
+        int32_t v;
+        memcpy(&v, x + off, 4);
+        return _mm256_set1_epi32(v);
+    };
+#ifdef PYLLM_VNNI
+    __m256i s = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+        s = _mm256_dpbusd_epi32(s, lo[k], bc(4 * k));
+        s = _mm256_dpbusd_epi32(s, hi[k], bc(16 + 4 * k));
+    }
+    return s;
+#else
+    // maddubs pair sums: <= 2 * 15 * 127 = 3810 (4-bit codes), so 8 of them add up in int16 (30480 < 32767);
+    // 5-bit codes (<= 7874 per pair sum) only 4 at a time.  Exact either way, so the same sums as vpdpbusd.
+    __m256i p[4];
+    for (int k = 0; k < 4; ++k)
+        p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], bc(4 * k)), _mm256_maddubs_epi16(hi[k], bc(16 + 4 * k)));
+    const __m256i ones = _mm256_set1_epi16(1);
+    if (!Five)
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                            _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+#endif
+}
+
+// n rows (a multiple of 8, from a group start) against M activation rows: y[m * ldy + r].
+template <class G, int M>
+void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    using T = Rows8<G>;
+    const int nb = K / QK;
+    Q8RowC a[M];
+    for (int m = 0; m < M; ++m) a[m] = q8_row(xa + xs * m, K);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int g = 0; g < n; g += 8) {
+        const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
+        __m256 acc[M], accc[M];
+        for (int m = 0; m < M; ++m) acc[m] = accc[m] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const G& B = gb[b];
+            prefetch_ahead<sizeof(G)>(&B);
+            __m256i lo[4], hi[4];
+            for (int k = 0; k < 4; ++k) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
+                lo[k] = _mm256_and_si256(v, low4);
+                hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            }
+            if constexpr (T::five) {
+                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh));
+                lo[0] = _mm256_or_si256(lo[0], fifth_bits<0>(qh));
+                lo[1] = _mm256_or_si256(lo[1], fifth_bits<1>(qh));
+                lo[2] = _mm256_or_si256(lo[2], fifth_bits<2>(qh));
+                lo[3] = _mm256_or_si256(lo[3], fifth_bits<3>(qh));
+                hi[0] = _mm256_or_si256(hi[0], fifth_bits<4>(qh));
+                hi[1] = _mm256_or_si256(hi[1], fifth_bits<5>(qh));
+                hi[2] = _mm256_or_si256(hi[2], fifth_bits<6>(qh));
+                hi[3] = _mm256_or_si256(hi[3], fifth_bits<7>(qh));
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
+            __m256 cw;
+            if constexpr (T::has_min) cw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.m)));
+            else cw = _mm256_mul_ps(dw, _mm256_set1_ps(T::offset));
+            for (int m = 0; m < M; ++m) {
+                const __m256i is = rows8_isum<T::five>(lo, hi, a[m].qs + QK * b);
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(is), acc[m]);
+                accc[m] = _mm256_fmadd_ps(cw, _mm256_set1_ps(a[m].s[b]), accc[m]);
+            }
+        }
+        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, _mm256_add_ps(acc[m], accc[m]));
+    }
+}
+
+#define PYLLM_ROWS8_TABLE(G)                                                                                      \
+    {rows8_dot<G, 1>, rows8_dot<G, 2>, rows8_dot<G, 3>, rows8_dot<G, 4>,                                        \
+     rows8_dot<G, 5>, rows8_dot<G, 6>, rows8_dot<G, 7>, rows8_dot<G, 8>}
+
 // The row kernels of the 32-element types (empty for every other type).
 inline RowKernel row_kernel_legacy_blocks(QType t) {
     switch (t) {
@@ -318,6 +437,10 @@ inline RowKernel row_kernel_legacy_blocks(QType t) {
         case QType::Q5_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_0), PYLLM_ROWSDOT_TABLE(dot_q5_0)};
         case QType::Q5_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_1), PYLLM_ROWSDOT_TABLE(dot_q5_1)};
         case QType::Q8_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q8_0), PYLLM_ROWSDOT_TABLE(dot_q8_0)};
+        case QType::Q4_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q4_0x8), 8};
+        case QType::Q4_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q4_1x8), 8};
+        case QType::Q5_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q5_0x8), 8};
+        case QType::Q5_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q5_1x8), 8};
         default: return {};
     }
 }

@@ -2,10 +2,15 @@
 prefill) and its one-call decode step (csrc/cpu/decode_step.cpp).
 
 Weights stay where the loader mapped them. Types the extension lacks, and every call when the extension cannot
-be built, take the torch reference inside ops.qmatmul / ops.embedding (ops.py says how).
+be built, take the torch reference inside ops.qmatmul / ops.embedding (ops.py says how). The one exception is the
+decode step's copy of the layer matrices: Q4_0/Q4_1/Q5_0/Q5_1 ones are repacked with their rows interleaved by 8
+(csrc/common/blocks.h), which its GEMVs read at about twice the speed (docs/DESIGN.md, "Rows interleaved by 8").
+That copy costs their size again in RAM; PYLLM_REPACK=0 turns it off.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -45,9 +50,31 @@ class CpuBackend:
         self.linear = ops.qmatmul
         self.linear_output = ops.qmatmul_output
         self.embed = ops.embedding
+        self._rows8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(loaded bytes) -> (repacked, loaded)
 
     def describe(self) -> dict:
-        return {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
+        out = {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
+        if self._rows8:
+            out["repacked_mb"] = round(sum(t.numel() for t, _ in self._rows8.values()) / 2**20, 1)
+        return out
+
+    def decode_matrix(self, w) -> tuple[torch.Tensor, int]:
+        """(bytes, type id) of a layer matrix as the decode step reads it: rows interleaved by 8 where the type
+        has that layout and N % 8 == 0 (made once per matrix, kept for every cache's step), else as loaded."""
+        qtype, data = int(w.qtype), w.data
+        if os.environ.get("PYLLM_REPACK", "1") == "0" or data.dim() != 2 or data.shape[0] % 8 or not data.is_cpu:
+            return data, qtype
+        key = id(data)
+        if key in self._rows8:
+            return self._rows8[key][0], int(ops._C.rows8_qtype(qtype))
+        try:
+            rid = int(ops._C.rows8_qtype(qtype))
+            if rid < 0:
+                return data, qtype
+            self._rows8[key] = (ops._C.repack_rows8(data.contiguous(), qtype), data)
+        except NotImplementedError:  # no extension: the step does not run either
+            return data, qtype
+        return self._rows8[key][0], rid
 
     def prepare_weights(self, weights: dict, progress: bool = False) -> dict:
         """The same dict; AWQ checkpoints' int4 tensors are repacked in place into the extension's row layout.
@@ -67,6 +94,11 @@ class CpuBackend:
 
                 self.linear = self.linear_output = linear
                 self.embed = embed
+        # The decode step's interleaved copies, made at load like the rest of the model's memory.
+        names = tuple(f".{n}.weight" for n in LAYER_MATRICES)
+        for name, w in weights.items():
+            if name.startswith("blk.") and name.endswith(names) and hasattr(w, "qtype") and hasattr(w, "data"):
+                self.decode_matrix(w)
         return weights
 
     def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
@@ -96,8 +128,9 @@ class CpuBackend:
             opts.update(post_attn_norm=vecs("post_attention_norm.weight"),
                         post_ffw_norm=vecs("post_ffw_norm.weight"))
         try:
+            packed = [self.decode_matrix(m) for m in mats]
             ctx = ops._C.DecodeContext(
-                [m.data for m in mats], [int(m.qtype) for m in mats], vecs("attn_norm.weight"),
+                [d for d, _ in packed], [t for _, t in packed], vecs("attn_norm.weight"),
                 vecs("ffn_norm.weight"), vecs("attn_q.bias", bias), vecs("attn_k.bias", bias),
                 vecs("attn_v.bias", bias), vecs("attn_q_norm.weight", qk_norm),
                 vecs("attn_k_norm.weight", qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
