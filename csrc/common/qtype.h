@@ -28,10 +28,11 @@ enum class QType : int {
     I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30,
     AWQ_G32 = 56, AWQ_G64 = 57, AWQ_G128 = 58, AWQ_G256 = 59,  // pyllm-internal (see above)
     Q4_0_R8 = 60, Q4_1_R8 = 61, Q5_0_R8 = 62, Q5_1_R8 = 63,    // pyllm-internal (see above)
+    Q4_K_R8 = 64, Q5_K_R8 = 65, Q6_K_R8 = 66, Q8_0_R8 = 67,    // reserved for the same layout of these types
 };
 
 // Every type id (GGML's and pyllm's) is below this: the size of the tables indexed by id.
-constexpr int QTYPE_ID_LIMIT = 64;
+constexpr int QTYPE_ID_LIMIT = 72;
 
 // The AWQ type id for group size G, or -1 when G has no CPU layout.
 inline int awq_qtype_id(int G) {
