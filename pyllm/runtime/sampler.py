@@ -32,10 +32,15 @@ def apply_logit_bias(ids, logits, bias: dict[int, float]):
     return ids, logits
 
 
+def penalties_change_logits(recent: list[int], repeat: float, frequency: float, presence: float) -> bool:
+    """Whether apply_penalties would change any logit: some penalty is set and the window holds a token."""
+    return bool(recent) and (repeat != 1.0 or frequency != 0.0 or presence != 0.0)
+
+
 def apply_penalties(ids, logits, recent: list[int], repeat: float, frequency: float, presence: float):
     """llama.cpp semantics: repeat divides positive logits and multiplies negative ones; frequency and presence
     subtract count*frequency + presence for tokens that occurred in the window."""
-    if not recent or (repeat == 1.0 and frequency == 0.0 and presence == 0.0):
+    if not penalties_change_logits(recent, repeat, frequency, presence):
         return ids, logits
     logits = logits.copy()
     toks, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
@@ -191,8 +196,7 @@ class Sampler:
 
     def _penalizing(self) -> bool:
         s = self.s
-        return bool(self.recent) and (s.repeat_penalty != 1.0 or s.frequency_penalty != 0.0
-                                      or s.presence_penalty != 0.0)
+        return penalties_change_logits(self.recent, s.repeat_penalty, s.frequency_penalty, s.presence_penalty)
 
     def _vocab_ids(self, n: int) -> np.ndarray:
         """0..n-1, kept between tokens (read-only: every step that selects returns new arrays)."""
