@@ -623,3 +623,15 @@ def test_pyllm_isa_env_forces_the_kernels_and_rejects_what_the_cpu_lacks(C):
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pyllm: error:") and f"PYLLM_ISA={bad}" in lines[0], r.stderr
+
+
+def test_pyllm_repack_env_switches_the_decode_copy(C):
+    """README: `pyllm info MODEL --device cpu --json` names the decode step's interleaved copy (repacked_mb: the
+    default model's Q4_1 layer matrices, 63.3 MiB), and PYLLM_REPACK=0 leaves the loaded layout alone."""
+    import json
+
+    r = _pyllm(["info", "smollm2-135m", "--device", "cpu", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["runtime"]["repacked_mb"] == 63.3
+    r = _pyllm(["info", "smollm2-135m", "--device", "cpu", "--json"], PYLLM_REPACK="0")
+    assert r.returncode == 0 and "repacked_mb" not in json.loads(r.stdout)["runtime"], r.stdout + r.stderr
