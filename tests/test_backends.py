@@ -163,3 +163,26 @@ def test_from_checkpoint_closes_on_failure(smollm2_path, monkeypatch):
     with pytest.raises(PyllmError, match="n_ctx must be at least 8"):
         from_checkpoint(ckpt, backends.get("fast"), n_ctx=4)
     assert closed == [1]
+
+
+def test_cpu_backend_repacks_only_what_fits_in_half_the_free_memory(monkeypatch):
+    """The decode step's interleaved copy of the Q4_0..Q5_1 layer matrices is made at load when those matrices
+    take at most half of MemAvailable, and skipped above (a copy that swaps costs more than it gains); other types
+    and non-layer tensors are never copied.  Reference: the byte counts of the random matrices themselves."""
+    from pyllm.backends import cpu
+    from pyllm.gguf import GGMLType
+    from pyllm.models.synthetic import random_qtensor
+
+    weights = {"blk.0.attn_q.weight": random_qtensor(GGMLType.Q4_0, 64, 256, "q"),
+               "blk.0.ffn_down.weight": random_qtensor(GGMLType.Q5_1, 32, 512, "down"),
+               "blk.0.ffn_up.weight": random_qtensor(GGMLType.Q8_0, 64, 256, "up"),
+               "token_embd.weight": random_qtensor(GGMLType.Q4_0, 64, 256, "emb")}
+    need = sum(weights[n].data.numel() for n in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"))
+    for free, copied in ((2 * need, True), (2 * need - 1, False), (None, True)):
+        monkeypatch.setattr(cpu, "available_memory", lambda free=free: free)
+        b = cpu.CpuBackend()
+        b.prepare_weights(dict(weights))
+        assert b.describe().get("repacked_mb") == (round(need / 2**20, 1) if copied else None), free
+        data, qtype = b.decode_matrix(weights["blk.0.attn_q.weight"])
+        assert (qtype == 60) == copied and (data is weights["blk.0.attn_q.weight"].data) != copied
+    assert b.decode_matrix(weights["blk.0.ffn_up.weight"])[1] == int(GGMLType.Q8_0)

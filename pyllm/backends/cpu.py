@@ -21,6 +21,19 @@ KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def available_memory() -> int | None:
+    """Bytes the OS says can be allocated without swapping (Linux MemAvailable: free plus reclaimable cache), or
+    None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class CpuDecodeStep:
     """The C++ decode step bound to one model and one cache: ``step(token, pos)`` -> logits [1, n_vocab] f32;
     ``rows(tokens, pos, all_logits)`` runs up to ops.GEMV_MAX_M consecutive tokens in one pass (speculation)."""
@@ -51,6 +64,7 @@ class CpuBackend:
         self.linear_output = ops.qmatmul_output
         self.embed = ops.embedding
         self._rows8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(loaded bytes) -> (repacked, loaded)
+        self._repack_fits = True  # prepare_weights: whether the copies fit in memory
 
     def describe(self) -> dict:
         out = {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
@@ -61,20 +75,25 @@ class CpuBackend:
     def decode_matrix(self, w) -> tuple[torch.Tensor, int]:
         """(bytes, type id) of a layer matrix as the decode step reads it: rows interleaved by 8 where the type
         has that layout and N % 8 == 0 (made once per matrix, kept for every cache's step), else as loaded."""
-        qtype, data = int(w.qtype), w.data
-        if os.environ.get("PYLLM_REPACK", "1") == "0" or data.dim() != 2 or data.shape[0] % 8 or not data.is_cpu:
-            return data, qtype
-        key = id(data)
-        if key in self._rows8:
-            return self._rows8[key][0], int(ops._C.rows8_qtype(qtype))
-        try:
-            rid = int(ops._C.rows8_qtype(qtype))
-            if rid < 0:
-                return data, qtype
-            self._rows8[key] = (ops._C.repack_rows8(data.contiguous(), qtype), data)
-        except NotImplementedError:  # no extension: the step does not run either
-            return data, qtype
+        rid = self._rows8_type(w) if self._repack_fits and os.environ.get("PYLLM_REPACK", "1") != "0" else -1
+        if rid < 0:
+            return w.data, int(w.qtype)
+        key = id(w.data)
+        if key not in self._rows8:
+            self._rows8[key] = (ops._C.repack_rows8(w.data.contiguous(), int(w.qtype)), w.data)
         return self._rows8[key][0], rid
+
+    @staticmethod
+    def _rows8_type(w) -> int:
+        """The interleaved type id for w's copy, or -1: no such layout, rows not a multiple of 8, not on the CPU,
+        or no extension (then the step does not run either)."""
+        data = w.data
+        if data.dim() != 2 or data.shape[0] % 8 or not data.is_cpu:
+            return -1
+        try:
+            return int(ops._C.rows8_qtype(int(w.qtype)))
+        except NotImplementedError:
+            return -1
 
     def prepare_weights(self, weights: dict, progress: bool = False) -> dict:
         """The same dict; AWQ checkpoints' int4 tensors are repacked in place into the extension's row layout.
@@ -94,11 +113,17 @@ class CpuBackend:
 
                 self.linear = self.linear_output = linear
                 self.embed = embed
-        # The decode step's interleaved copies, made at load like the rest of the model's memory.
+        # The decode step's interleaved copies, made at load like the rest of the model's memory, and only where
+        # they fit in half the memory the machine has free: a copy that pushed it into swap (or the mapped file
+        # out of the page cache) would cost far more than the kernels gain.
         names = tuple(f".{n}.weight" for n in LAYER_MATRICES)
-        for name, w in weights.items():
-            if name.startswith("blk.") and name.endswith(names) and hasattr(w, "qtype") and hasattr(w, "data"):
-                self.decode_matrix(w)
+        mats = [w for name, w in weights.items()
+                if name.startswith("blk.") and name.endswith(names) and hasattr(w, "qtype") and hasattr(w, "data")]
+        need = sum(w.data.numel() for w in mats if self._rows8_type(w) >= 0)
+        free = available_memory()
+        self._repack_fits = free is None or need <= free // 2
+        for w in mats:
+            self.decode_matrix(w)
         return weights
 
     def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
