@@ -440,12 +440,18 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
 // onto it (vpsignb, as dot_s8s8): exact, since |xq| <= 127 and |code| <= 128 keep a pair sum <= 32512; |code|
 // is shared by all rows, so per row and 32 weights: vpsignb, vpmaddubsw, vpmaddwd, vpaddd (vpsignb and one
 // vpdpbusd under VNNI).
+// An empty asm on a running sum: without it gcc turns the 8 steps' integer adds into a tree after all the
+// products, which for 4 activation rows keeps 32-64 products alive and spills them to the stack.
+PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
 template <int C>
 PYLLM_INLINE void rows8_q8_chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) {
     for (int m = 0; m < C; ++m) is[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
         const __m256i qa = _mm256_sign_epi8(q, q);
+#pragma GCC unroll 4
         for (int m = 0; m < C; ++m) {
             int32_t v;
             memcpy(&v, a[m].qs + QK * b + 4 * k, 4);
@@ -455,6 +461,7 @@ PYLLM_INLINE void rows8_q8_chunk(const block_q8_0x8& B, const Q8RowC* a, int b, 
 #else
             is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), _mm256_set1_epi16(1)));
 #endif
+            keep_in_register(is[m]);
         }
     }
 }
@@ -467,15 +474,19 @@ template <int C>
 PYLLM_INLINE void rows8_q16_chunk(const block_q8_0x8& B, const Q16RowC* a, int b, __m256i* is) {
     __m256i lo[C], hi[C];
     for (int m = 0; m < C; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {
         const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.qs + 32 * k)));
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.qs + 32 * k + 16)));
+#pragma GCC unroll 4
         for (int m = 0; m < C; ++m) {
             int64_t v;
             memcpy(&v, a[m].qs + QK * b + 4 * k, 8);
             const __m256i x = _mm256_set1_epi64x(v);
             lo[m] = _mm256_add_epi32(lo[m], _mm256_madd_epi16(w0, x));
             hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(w1, x));
+            keep_in_register(lo[m]);
+            keep_in_register(hi[m]);
         }
     }
     for (int m = 0; m < C; ++m) {
@@ -504,6 +515,16 @@ struct Rows8Q8<Q16RowC> {
     static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q16RowC* a, int b, __m256i* is) { rows8_q16_chunk<C>(B, a, b, is); }
 };
 
+// Block b of a group against C <= 4 activation rows: acc[m] += (dw * dx_m) * isum_m.
+template <class T, int C, class R>
+PYLLM_INLINE void rows8_q8_rows(const block_q8_0x8& B, const R* a, int b, __m256 dw, __m256* acc) {
+    __m256i is[C];
+    T::template chunk<C>(B, a, b, is);
+#pragma GCC unroll 4
+    for (int m = 0; m < C; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(is[m]), acc[m]);
+}
+
 // n rows (a multiple of 8, from a group start) against M activation rows of type R: y[m * ldy + r].
 template <class R, int M>
 void rows8_q8_0(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
@@ -519,14 +540,11 @@ void rows8_q8_0(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t*
             const block_q8_0x8& B = gb[b];
             prefetch_ahead<sizeof(block_q8_0x8)>(&B);
             const __m256 dw = T::order(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d))));
-            __m256i is[4];
-            for (int m0 = 0; m0 < M; m0 += 4) {
-                constexpr int C0 = M < 4 ? M : 4;
-                if (M - m0 >= C0) T::template chunk<C0>(B, a + m0, b, is);
-                else T::template chunk<(M % 4 ? M % 4 : 4)>(B, a + m0, b, is);
-                for (int m = m0; m < M && m < m0 + 4; ++m)
-                    acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(is[m - m0]),
-                                             acc[m]);
+            if constexpr (M <= 4) {
+                rows8_q8_rows<T, M>(B, a, b, dw, acc);
+            } else {
+                rows8_q8_rows<T, 4>(B, a, b, dw, acc);
+                rows8_q8_rows<T, M - 4>(B, a + 4, b, dw, acc + 4);
             }
         }
         for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, T::order(acc[m]));
