@@ -503,7 +503,9 @@ struct Rows8Q8<Q8RowC> {
     static PYLLM_INLINE Q8RowC row(const uint8_t* p, int K) { return q8_row(p, K); }
     static PYLLM_INLINE __m256 order(__m256 v) { return v; }
     template <int C>
-    static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) { rows8_q8_chunk<C>(B, a, b, is); }
+    static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) {
+        rows8_q8_chunk<C>(B, a, b, is);
+    }
 };
 template <>
 struct Rows8Q8<Q16RowC> {
@@ -512,7 +514,9 @@ struct Rows8Q8<Q16RowC> {
         return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
     }
     template <int C>
-    static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q16RowC* a, int b, __m256i* is) { rows8_q16_chunk<C>(B, a, b, is); }
+    static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q16RowC* a, int b, __m256i* is) {
+        rows8_q16_chunk<C>(B, a, b, is);
+    }
 };
 
 // Block b of a group against C <= 4 activation rows: acc[m] += (dw * dx_m) * isum_m.

@@ -1,6 +1,6 @@
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 rows interleaved by 8 (QType::Q*_R8, layout in common/blocks.h): the repacker the CPU
-// decode step's weights go through at load, its inverse (one row back to its GGUF blocks, for dequantize and
-// for kernels without a SIMD version), and those generic kernels.  Both directions copy bytes only, so a row
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows interleaved by 8 (QType::Q*_R8, layout in common/blocks.h): the repacker
+// the CPU decode step's weights go through at load, its inverse (one row back to its GGUF blocks, for dequantize
+// and for kernels without a SIMD version), and those generic kernels.  Both directions copy bytes only, so a row
 // unpacked is bit for bit the row that was packed.
 #include <omp.h>
 
@@ -165,8 +165,9 @@ RowKernel row_kernel_generic_rows8(QType t) {
 
 RowKernel row_kernel_generic_rows8_x16(QType t) {
     if (t != QType::Q8_0_R8) return {};
-    return {Act::Q16_32, {}, {rows8_generic_x16<1>, rows8_generic_x16<2>, rows8_generic_x16<3>, rows8_generic_x16<4>,
-                              rows8_generic_x16<5>, rows8_generic_x16<6>, rows8_generic_x16<7>, rows8_generic_x16<8>}, 8};
+    return {Act::Q16_32, {},
+            {rows8_generic_x16<1>, rows8_generic_x16<2>, rows8_generic_x16<3>, rows8_generic_x16<4>,
+             rows8_generic_x16<5>, rows8_generic_x16<6>, rows8_generic_x16<7>, rows8_generic_x16<8>}, 8};
 }
 }  // namespace cpu
 
