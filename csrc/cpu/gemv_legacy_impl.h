@@ -433,17 +433,17 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
 // Code vector k of a group block holds in lane j row j's signed codes 4k..4k+3.  Per block b and activation
 // row m the 8 rows' integer dots sum(code * xq) are exact in int32, then acc += (dw_b * dx_b) * isum in fp32:
 // the same operations per row for every M, and the same integer sums in the AVX2 and VNNI builds.  Activation
-// rows go 4 at a time over a block (rows8_q8_chunk), so their int32 sums stay in registers for any M while
+// rows go 4 at a time over a block (rows8_q8_rows), so their int32 sums stay in registers for any M while
 // each code vector is loaded once per 4 rows.
-//
-// int8 activations: signed x signed.  vpmaddubsw takes |code| (unsigned) against xq with the code's sign moved
-// onto it (vpsignb, as dot_s8s8): exact, since |xq| <= 127 and |code| <= 128 keep a pair sum <= 32512; |code|
-// is shared by all rows, so per row and 32 weights: vpsignb, vpmaddubsw, vpmaddwd, vpaddd (vpsignb and one
-// vpdpbusd under VNNI).
+
 // An empty asm on a running sum: without it gcc turns the 8 steps' integer adds into a tree after all the
 // products, which for 4 activation rows keeps 32-64 products alive and spills them to the stack.
 PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 
+// int8 activations: signed x signed.  vpmaddubsw takes |code| (unsigned) against xq with the code's sign moved
+// onto it (vpsignb, as dot_s8s8): exact, since |xq| <= 127 and |code| <= 128 keep a pair sum <= 32512; |code|
+// is shared by all rows, so per row and 32 weights: vpsignb, vpmaddubsw, vpmaddwd, vpaddd (vpsignb and one
+// vpdpbusd under VNNI).
 template <int C>
 PYLLM_INLINE void rows8_q8_chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) {
     for (int m = 0; m < C; ++m) is[m] = _mm256_setzero_si256();
