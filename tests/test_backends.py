@@ -166,18 +166,22 @@ def test_from_checkpoint_closes_on_failure(smollm2_path, monkeypatch):
 
 
 def test_cpu_backend_repacks_only_what_fits_in_half_the_free_memory(monkeypatch):
-    """The decode step's interleaved copy of the Q4_0..Q5_1 layer matrices is made at load when those matrices
-    take at most half of MemAvailable, and skipped above (a copy that swaps costs more than it gains); other types
-    and non-layer tensors are never copied.  Reference: the byte counts of the random matrices themselves."""
+    """The decode step's interleaved copy of the layer matrices and the output projection is made at load when
+    they take at most half of MemAvailable, and skipped above (a copy that swaps costs more than it gains); types
+    without the layout and other tensors (an untied model's token embedding) are never copied.  Reference: the byte
+    counts of the random matrices themselves."""
     from pyllm.backends import cpu
     from pyllm.gguf import GGMLType
     from pyllm.models.synthetic import random_qtensor
 
     weights = {"blk.0.attn_q.weight": random_qtensor(GGMLType.Q4_0, 64, 256, "q"),
                "blk.0.ffn_down.weight": random_qtensor(GGMLType.Q5_1, 32, 512, "down"),
-               "blk.0.ffn_up.weight": random_qtensor(GGMLType.Q8_0, 64, 256, "up"),
+               "blk.0.ffn_up.weight": random_qtensor(GGMLType.Q4_K, 64, 256, "up"),
+               "blk.0.attn_k.weight": random_qtensor(GGMLType.F16, 64, 256, "k"),
+               "output.weight": random_qtensor(GGMLType.Q8_0, 64, 256, "out"),
                "token_embd.weight": random_qtensor(GGMLType.Q4_0, 64, 256, "emb")}
-    need = sum(weights[n].data.numel() for n in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight"))
+    need = sum(weights[n].data.numel() for n in ("blk.0.attn_q.weight", "blk.0.ffn_down.weight",
+                                                  "blk.0.ffn_up.weight", "output.weight"))
     for free, copied in ((2 * need, True), (2 * need - 1, False), (None, True)):
         monkeypatch.setattr(cpu, "available_memory", lambda free=free: free)
         b = cpu.CpuBackend()
@@ -185,4 +189,5 @@ def test_cpu_backend_repacks_only_what_fits_in_half_the_free_memory(monkeypatch)
         assert b.describe().get("repacked_mb") == (round(need / 2**20, 1) if copied else None), free
         data, qtype = b.decode_matrix(weights["blk.0.attn_q.weight"])
         assert (qtype == 60) == copied and (data is weights["blk.0.attn_q.weight"].data) != copied
-    assert b.decode_matrix(weights["blk.0.ffn_up.weight"])[1] == int(GGMLType.Q8_0)
+    assert b.decode_matrix(weights["blk.0.attn_k.weight"])[1] == int(GGMLType.F16)
+    assert id(weights["token_embd.weight"].data) not in b._rows8

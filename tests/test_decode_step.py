@@ -389,8 +389,9 @@ def test_profile_counts_every_weight_byte_and_leaves_the_logits_alone(tiny_qwen2
 
 
 def test_cpp_step_reads_legacy_matrices_interleaved_by_8(smollm2, monkeypatch):
-    """The C++ step's copy of the Q4_0..Q5_1 layer matrices has its rows interleaved by 8 (the backend makes it
-    once and names its size in describe()); PYLLM_REPACK=0 keeps the loaded layout.  Reference: the step over the
+    """The C++ step's copy of the Q4_0..Q5_1 and Q8_0 layer matrices and of the Q8_0 output projection has its rows
+    interleaved by 8 (the backend makes it once and names its size in describe(); the tied embedding keeps the
+    loaded bytes); PYLLM_REPACK=0 keeps the loaded layout.  Reference: the step over the
     loaded layout, from the same cache.  The two differ only in the GEMVs' fp32 summation order, which (as the
     module docstring says) can flip int8 activation roundings and so moves logits by ~1e-2 of the max over 30
     layers (measured 1.0-1.3% on three prompts): tolerance 3%, and the greedy token is the same on a prompt whose
@@ -403,7 +404,9 @@ def test_cpp_step_reads_legacy_matrices_interleaved_by_8(smollm2, monkeypatch):
     first = int(model.forward(ids, 0, kv)[-1].argmax())
     packed = backend.fused_decode(model, kv)
     mats = [model.w[f"blk.{i}.{n}.weight"] for i in range(model.cfg.n_layer) for n in LAYER_MATRICES]
-    want = sum(m.data.numel() for m in mats if int(m.qtype) in (2, 3, 6, 7) and m.data.shape[0] % 8 == 0)
+    mats.append(model.output)  # the tied Q8_0 output projection: the step's copy, not the embedding's
+    want = sum(m.data.numel() for m in mats if int(m.qtype) in (2, 3, 6, 7, 8) and m.data.shape[0] % 8 == 0)
+    assert int(model.output.qtype) == 8 and model.output.data is model.w["token_embd.weight"].data
     assert want > 0 and backend.describe()["repacked_mb"] == round(want / 2**20, 1)
     monkeypatch.setenv("PYLLM_REPACK", "0")
     plain = backend.fused_decode(model, kv)

@@ -360,7 +360,7 @@ def test_dequantize_is_bit_exact(C, name):
 
 
 # ---- Rows interleaved by 8 (Q4_0_R8 ... Q5_1_R8: the decode step's copy of the layer matrices) ---------------
-ROWS8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+ROWS8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 ROWS8_SHAPES = [(1536, 576), (2048, 640), (4864, 896), (8, 32), (24, 160)]
 
 
@@ -426,12 +426,65 @@ def test_rows8_rows_do_not_depend_on_m_or_threads(C, name):
         C.set_num_threads(old)
 
 
+@pytest.mark.parametrize("N,K", ROWS8_SHAPES)
+@pytest.mark.parametrize("M", [1, 3, 8, 13])
+def test_rows8_q8_0_precise_x_keeps_16_bit_activations(C, N, K, M):
+    """Q8_0_R8 under mul_mat(..., precise_x=True) (the decode step's output projection): the references and
+    tolerances of test_gemv_precise_x_keeps_16_bit_activations_for_q8_0 (int16-x float64: TOL_EXACT; float64:
+    TOL_Q16), on every ISA path; scalar and SIMD within TOL_ISA; AVX-512 takes the AVX2 kernel: identical bits."""
+    wt = make_weight("Q8_0", N, K)
+    r, rid = rows8(C, "Q8_0", wt)
+    x = torch.from_numpy(rng_for("x16r8", N, K, M).standard_normal((M, K), dtype=np.float32))
+    xq = quantize_like_kernels(x, 32, levels=32767)
+    ys = {}
+    for isa in C.available_isas():
+        C.set_isa(isa)
+        ys[isa] = C.mul_mat(x, r, rid, None, True)
+        for ref, tol, what in [(xq @ wt.W64.T, TOL_EXACT, "int16-x float64"), (wt.ref(x), TOL_Q16, "float64")]:
+            err = rel_err(ys[isa], ref, x, wt)
+            assert err < tol, f"Q8_0_R8 precise_x {isa} vs {what}: error {err:.3g} > {tol} " + why(N, K, M)
+    for isa in ys:
+        err = rel_err(ys[isa], ys["scalar"], x, wt)
+        assert err < TOL_ISA, f"Q8_0_R8 precise_x: scalar and {isa} differ by {err:.3g} " + why(N, K, M)
+    for isa in ("avx512", "amx"):
+        if isa in ys:
+            assert torch.equal(ys[isa], ys["avx2"]), f"Q8_0_R8 precise_x: {isa} and avx2 differ " + why(N, K, M)
+
+
+def test_rows8_q8_0_precise_x_rows_do_not_depend_on_m_or_threads(C):
+    """As test_rows8_rows_do_not_depend_on_m_or_threads, for the int16-activation kernel (precise_x): each row of
+    an M-row call gives bit for bit what it gives alone (speculative verification of the logits), and 1 or 2
+    threads give the same bits."""
+    N, K = 48, 576
+    wt = make_weight("Q8_0", N, K)
+    r, rid = rows8(C, "Q8_0", wt)
+    x = torch.from_numpy(rng_for("xm16r8").standard_normal((8, K), dtype=np.float32))
+    old = C.get_num_threads()
+    try:
+        for isa in C.available_isas():
+            C.set_isa(isa)
+            alone = [C.mul_mat(x[m:m + 1].contiguous(), r, rid, None, True)[0] for m in range(8)]
+            for M in (2, 3, 4, 5, 7, 8):
+                y = C.mul_mat(x[:M].contiguous(), r, rid, None, True)
+                for m in range(M):
+                    assert torch.equal(y[m], alone[m]), f"Q8_0_R8 precise_x {isa}: row {m} of {M} differs from alone"
+            big = make_weight("Q8_0", 4096, 640)
+            rb, _ = rows8(C, "Q8_0", big)
+            xb = torch.from_numpy(rng_for("xt16r8").standard_normal((3, 640), dtype=np.float32))
+            C.set_num_threads(1)
+            y1 = C.mul_mat(xb, rb, rid, None, True)
+            C.set_num_threads(2)
+            assert torch.equal(C.mul_mat(xb, rb, rid, None, True), y1), f"Q8_0_R8 precise_x {isa}: threads differ"
+    finally:
+        C.set_num_threads(old)
+
+
 def test_rows8_errors(C):
     """Types without the layout, and row counts that do not fill groups of 8, are refused by name."""
-    assert [C.rows8_qtype(int(GT[n])) for n in ROWS8_TYPES] == [60, 61, 62, 63]
-    assert C.rows8_qtype(int(GT["Q8_0"])) == -1 and C.rows8_qtype(99) == -1
-    with pytest.raises(ValueError, match=r"repack_rows8: Q8_0 has no rows-by-8 layout"):
-        C.repack_rows8(make_weight("Q8_0", 8, 32).raw, int(GT["Q8_0"]))
+    assert [C.rows8_qtype(int(GT[n])) for n in ROWS8_TYPES] == [60, 61, 62, 63, 67]
+    assert C.rows8_qtype(int(GT["F16"])) == -1 and C.rows8_qtype(99) == -1
+    with pytest.raises(ValueError, match=r"repack_rows8: F16 has no rows-by-8 layout"):
+        C.repack_rows8(make_weight("F16", 8, 32).raw, int(GT["F16"]))
     w12 = make_weight("Q4_0", 12, 64).raw
     with pytest.raises(ValueError, match=r"repack_rows8: w has 12 rows, not a multiple of 8"):
         C.repack_rows8(w12, int(GT["Q4_0"]))

@@ -76,6 +76,14 @@ struct block_q5_1x8 {
     uint8_t qs[8 * QK / 2];
 };
 static_assert(sizeof(block_q5_1x8) == 8 * 24, "wrong q5_1x8 block size");
+// Q8_0 rows by 8: the same arrangement over 8 code vectors, qs[32k + 4j + t] = row j's qs[4k + t] (k < 8), so one
+// 32-byte load holds in lane j row j's signed codes 4k..4k+3 (the int8 kernel's unit), and its low / high 16
+// bytes sign-extend to rows 0..3 / 4..7 as int16 pairs (the int16-activation kernel's).  8 * 34 bytes.
+struct block_q8_0x8 {
+    uint16_t d[8];
+    int8_t qs[8 * QK];
+};
+static_assert(sizeof(block_q8_0x8) == 8 * 34, "wrong q8_0x8 block size");
 
 // ---- 256-element K-quant super-blocks
 struct block_q2_K {

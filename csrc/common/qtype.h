@@ -14,6 +14,7 @@
 // CPU decode step makes at load so that its GEMVs read 8 rows' blocks as one (layout in blocks.h, repacker in
 // csrc/cpu/rows8.cpp).  Same bytes per row as the GGUF type, but a row is only addressable within its group of
 // 8: the tensor's row count must be a multiple of 8, and kernels take them in whole groups.
+// Id 67 (Q8_0_R8) is Q8_0's: the layer matrices' and the output projection's copy, same rules.
 #pragma once
 
 #include <cstddef>
@@ -52,16 +53,18 @@ inline int rows8_qtype_id(int base) {
         case QType::Q4_1: return static_cast<int>(QType::Q4_1_R8);
         case QType::Q5_0: return static_cast<int>(QType::Q5_0_R8);
         case QType::Q5_1: return static_cast<int>(QType::Q5_1_R8);
+        case QType::Q8_0: return static_cast<int>(QType::Q8_0_R8);
         default: return -1;
     }
 }
-inline bool is_rows8(QType t) { return t >= QType::Q4_0_R8 && t <= QType::Q5_1_R8; }
+inline bool is_rows8(QType t) { return t >= QType::Q4_0_R8 && t <= QType::Q8_0_R8; }
 inline QType rows8_base(QType t) {
     switch (t) {
         case QType::Q4_0_R8: return QType::Q4_0;
         case QType::Q4_1_R8: return QType::Q4_1;
         case QType::Q5_0_R8: return QType::Q5_0;
         case QType::Q5_1_R8: return QType::Q5_1;
+        case QType::Q8_0_R8: return QType::Q8_0;
         default: return t;
     }
 }
@@ -92,6 +95,7 @@ inline const QTypeTraits* qtype_traits(int id) {
         AWQ_G128_{"AWQ_G128", 128, 67, true}, AWQ_G256_{"AWQ_G256", 256, 131, true},
         Q4_0_R8_{"Q4_0_R8", QK, 18, true}, Q4_1_R8_{"Q4_1_R8", QK, 20, true}, Q5_0_R8_{"Q5_0_R8", QK, 22, true},
         Q5_1_R8_{"Q5_1_R8", QK, 24, true};
+    static const QTypeTraits Q8_0_R8_{"Q8_0_R8", QK, 34, true};
     switch (static_cast<QType>(id)) {
         case QType::F32: return &F32_;
         case QType::F16: return &F16_;
@@ -130,6 +134,7 @@ inline const QTypeTraits* qtype_traits(int id) {
         case QType::Q4_1_R8: return &Q4_1_R8_;
         case QType::Q5_0_R8: return &Q5_0_R8_;
         case QType::Q5_1_R8: return &Q5_1_R8_;
+        case QType::Q8_0_R8: return &Q8_0_R8_;
     }
     return nullptr;
 }

@@ -59,6 +59,7 @@ RowKernel row_kernel_generic_x16(QType t);
 RowKernel row_kernel_avx2_x16(QType t);
 RowKernel row_kernel_avx512(QType t);        // AVX-512 VNNI rows (gemv_avx512.cpp); empty where AVX2 is as fast
 RowKernel row_kernel_generic_rows8(QType t);  // Q*_R8 without SIMD: each row unpacked, then the generic row dot
+RowKernel row_kernel_generic_rows8_x16(QType t);  // Q8_0_R8 against 16-bit activations, likewise
 bool avx2_compiled();
 bool avx512_compiled();
 // AMX-BF16 tiles usable by this process: CPUID (AMX-TILE, AMX-BF16, AVX512_BF16 for the packing), OS state

@@ -44,7 +44,9 @@ struct Tables {
             // Even the table lookup is compiled for AVX-512 (its file's target pragma): ask only a CPU that has it.
             const RowKernel v = cpu_isa_available(Isa::Avx512) ? cpu::row_kernel_avx512(q) : RowKernel{};
             k[2][t] = k[3][t] = v.available() ? v : k[1][t];
-            const RowKernel g16 = cpu::row_kernel_generic_x16(q), a16 = cpu::row_kernel_avx2_x16(q);
+            RowKernel g16 = cpu::row_kernel_generic_x16(q);
+            if (!g16.available()) g16 = cpu::row_kernel_generic_rows8_x16(q);
+            const RowKernel a16 = cpu::row_kernel_avx2_x16(q);
             x16[0][t] = g16.available() ? g16 : k[0][t];
             x16[1][t] = a16.available() ? a16 : (g16.available() ? g16 : k[1][t]);
             x16[2][t] = x16[3][t] = a16.available() || g16.available() ? x16[1][t] : k[2][t];

@@ -429,6 +429,136 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
     {rows8_dot<G, 1>, rows8_dot<G, 2>, rows8_dot<G, 3>, rows8_dot<G, 4>,                                        \
      rows8_dot<G, 5>, rows8_dot<G, 6>, rows8_dot<G, 7>, rows8_dot<G, 8>}
 
+// ---- Q8_0 rows interleaved by 8 (Q8_0_R8, blocks.h) -------------------------------------------------------
+// Code vector k of a group block holds in lane j row j's signed codes 4k..4k+3.  Per block b and activation
+// row m the 8 rows' integer dots sum(code * xq) are exact in int32, then acc += (dw_b * dx_b) * isum in fp32:
+// the same operations per row for every M, and the same integer sums in the AVX2 and VNNI builds.  Activation
+// rows go 4 at a time over a block (rows8_q8_rows), so their int32 sums stay in registers for any M while
+// each code vector is loaded once per 4 rows.
+
+// An empty asm on a running sum: without it gcc turns the 8 steps' integer adds into a tree after all the
+// products, which for 4 activation rows keeps 32-64 products alive and spills them to the stack.
+PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
+
+// int8 activations: signed x signed.  vpmaddubsw takes |code| (unsigned) against xq with the code's sign moved
+// onto it (vpsignb, as dot_s8s8): exact, since |xq| <= 127 and |code| <= 128 keep a pair sum <= 32512; |code|
+// is shared by all rows, so per row and 32 weights: vpsignb, vpmaddubsw, vpmaddwd, vpaddd (vpsignb and one
+// vpdpbusd under VNNI).
+template <int C>
+PYLLM_INLINE void rows8_q8_chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) {
+    for (int m = 0; m < C; ++m) is[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
+        const __m256i qa = _mm256_sign_epi8(q, q);
+#pragma GCC unroll 4
+        for (int m = 0; m < C; ++m) {
+            int32_t v;
+            memcpy(&v, a[m].qs + QK * b + 4 * k, 4);
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), q);
+#ifdef PYLLM_VNNI
+            is[m] = _mm256_dpbusd_epi32(is[m], qa, xs);
+#else
+            is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), _mm256_set1_epi16(1)));
+#endif
+            keep_in_register(is[m]);
+        }
+    }
+}
+
+// int16 activations (the output projection's precise_x): each code vector's low / high 16 bytes sign-extended
+// (rows 0..3 / 4..7, 2 rows' 4 codes per 128-bit lane), vpmaddwd against the broadcast 4 int16 activations: two
+// int32 per row, |sum| <= 32 * 128 * 32767 < 2^31.  The block's pair of halves then adds up to one int32 per row
+// in the lane order [0 1 4 5 2 3 6 7], which the scales are permuted to and the result permuted back from.
+template <int C>
+PYLLM_INLINE void rows8_q16_chunk(const block_q8_0x8& B, const Q16RowC* a, int b, __m256i* is) {
+    __m256i lo[C], hi[C];
+    for (int m = 0; m < C; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.qs + 32 * k)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.qs + 32 * k + 16)));
+#pragma GCC unroll 4
+        for (int m = 0; m < C; ++m) {
+            int64_t v;
+            memcpy(&v, a[m].qs + QK * b + 4 * k, 8);
+            const __m256i x = _mm256_set1_epi64x(v);
+            lo[m] = _mm256_add_epi32(lo[m], _mm256_madd_epi16(w0, x));
+            hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(w1, x));
+            keep_in_register(lo[m]);
+            keep_in_register(hi[m]);
+        }
+    }
+    for (int m = 0; m < C; ++m) {
+        const __m256 l = _mm256_castsi256_ps(lo[m]), h = _mm256_castsi256_ps(hi[m]);
+        is[m] = _mm256_add_epi32(_mm256_castps_si256(_mm256_shuffle_ps(l, h, 0x88)),
+                                 _mm256_castps_si256(_mm256_shuffle_ps(l, h, 0xDD)));
+    }
+}
+
+template <class A>
+struct Rows8Q8;
+template <>
+struct Rows8Q8<Q8RowC> {
+    static PYLLM_INLINE Q8RowC row(const uint8_t* p, int K) { return q8_row(p, K); }
+    static PYLLM_INLINE __m256 order(__m256 v) { return v; }
+    template <int C>
+    static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) {
+        rows8_q8_chunk<C>(B, a, b, is);
+    }
+};
+template <>
+struct Rows8Q8<Q16RowC> {
+    static PYLLM_INLINE Q16RowC row(const uint8_t* p, int K) { return q16_row(p, K); }
+    static PYLLM_INLINE __m256 order(__m256 v) {  // [0 1 2 3 4 5 6 7] <-> [0 1 4 5 2 3 6 7] (its own inverse)
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8));
+    }
+    template <int C>
+    static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q16RowC* a, int b, __m256i* is) {
+        rows8_q16_chunk<C>(B, a, b, is);
+    }
+};
+
+// Block b of a group against C <= 4 activation rows: acc[m] += (dw * dx_m) * isum_m.
+template <class T, int C, class R>
+PYLLM_INLINE void rows8_q8_rows(const block_q8_0x8& B, const R* a, int b, __m256 dw, __m256* acc) {
+    __m256i is[C];
+    T::template chunk<C>(B, a, b, is);
+#pragma GCC unroll 4
+    for (int m = 0; m < C; ++m)
+        acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(is[m]), acc[m]);
+}
+
+// n rows (a multiple of 8, from a group start) against M activation rows of type R: y[m * ldy + r].
+template <class R, int M>
+void rows8_q8_0(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
+    using T = Rows8Q8<R>;
+    const int nb = K / QK;
+    R a[M];
+    for (int m = 0; m < M; ++m) a[m] = T::row(xa + xs * m, K);
+    for (int g = 0; g < n; g += 8) {
+        const block_q8_0x8* gb = reinterpret_cast<const block_q8_0x8*>(w + row_bytes * g);
+        __m256 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const block_q8_0x8& B = gb[b];
+            prefetch_ahead<sizeof(block_q8_0x8)>(&B);
+            const __m256 dw = T::order(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d))));
+            if constexpr (M <= 4) {
+                rows8_q8_rows<T, M>(B, a, b, dw, acc);
+            } else {
+                rows8_q8_rows<T, 4>(B, a, b, dw, acc);
+                rows8_q8_rows<T, M - 4>(B, a + 4, b, dw, acc + 4);
+            }
+        }
+        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, T::order(acc[m]));
+    }
+}
+
+#define PYLLM_ROWS8_Q8_TABLE(R)                                                                                   \
+    {rows8_q8_0<R, 1>, rows8_q8_0<R, 2>, rows8_q8_0<R, 3>, rows8_q8_0<R, 4>,                                    \
+     rows8_q8_0<R, 5>, rows8_q8_0<R, 6>, rows8_q8_0<R, 7>, rows8_q8_0<R, 8>}
+
 // The row kernels of the 32-element types (empty for every other type).
 inline RowKernel row_kernel_legacy_blocks(QType t) {
     switch (t) {
@@ -441,6 +571,7 @@ inline RowKernel row_kernel_legacy_blocks(QType t) {
         case QType::Q4_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q4_1x8), 8};
         case QType::Q5_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q5_0x8), 8};
         case QType::Q5_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q5_1x8), 8};
+        case QType::Q8_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_Q8_TABLE(Q8RowC), 8};
         default: return {};
     }
 }

@@ -1,6 +1,6 @@
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 rows interleaved by 8 (QType::Q*_R8, layout in common/blocks.h): the repacker the CPU
-// decode step's weights go through at load, its inverse (one row back to its GGUF blocks, for dequantize and
-// for kernels without a SIMD version), and those generic kernels.  Both directions copy bytes only, so a row
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows interleaved by 8 (QType::Q*_R8, layout in common/blocks.h): the repacker
+// the CPU decode step's weights go through at load, its inverse (one row back to its GGUF blocks, for dequantize
+// and for kernels without a SIMD version), and those generic kernels.  Both directions copy bytes only, so a row
 // unpacked is bit for bit the row that was packed.
 #include <omp.h>
 
@@ -62,6 +62,20 @@ void unpack_block(const G& o, int j, B& s) {
     }
 }
 
+// Q8_0: 8 code vectors of 4 codes per row (the overloads win over the templates above).
+void pack_block(const block_q8_0* rows[8], int b, block_q8_0x8& o) {
+    for (int j = 0; j < 8; ++j) {
+        const block_q8_0& s = rows[j][b];
+        o.d[j] = s.d;
+        for (int k = 0; k < 8; ++k) memcpy(o.qs + 32 * k + 4 * j, s.qs + 4 * k, 4);
+    }
+}
+
+void unpack_block(const block_q8_0x8& o, int j, block_q8_0& s) {
+    s.d = o.d[j];
+    for (int k = 0; k < 8; ++k) memcpy(s.qs + 4 * k, o.qs + 32 * k + 4 * j, 4);
+}
+
 template <class B, class G>
 void repack(const uint8_t* w, int64_t N, int K, uint8_t* out) {
     const int nb = K / QK;
@@ -96,6 +110,19 @@ void rows8_generic(int K, int n, const uint8_t* w, size_t row_bytes, const uint8
     }
 }
 
+// The same for Q8_0_R8 against 16-bit activations (gemv_cpu's precise_x: the output projection).
+template <int M>
+void rows8_generic_x16(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
+                       size_t ldy) {
+    thread_local std::vector<uint8_t> row;
+    row.resize(row_bytes);
+    const cpu::RowDot f = cpu::row_kernel_generic_x16(QType::Q8_0).fn[M - 1];
+    for (int r = 0; r < n; ++r) {
+        unpack_rows8_row(QType::Q8_0_R8, w + row_bytes * (r & ~7), K, r & 7, row.data());
+        f(K, row.data(), xa, xs, y + r, ldy);
+    }
+}
+
 #define PYLLM_ROWS8_GENERIC(T)                                                                                  \
     {rows8_generic<T, 1>, rows8_generic<T, 2>, rows8_generic<T, 3>, rows8_generic<T, 4>,                     \
      rows8_generic<T, 5>, rows8_generic<T, 6>, rows8_generic<T, 7>, rows8_generic<T, 8>}
@@ -108,6 +135,7 @@ void repack_rows8_cpu(QType base, const uint8_t* w, int64_t N, int K, uint8_t* o
         case QType::Q4_1: return repack<block_q4_1, block_q4_1x8>(w, N, K, out);
         case QType::Q5_0: return repack<block_q5_0, block_q5_0x8>(w, N, K, out);
         case QType::Q5_1: return repack<block_q5_1, block_q5_1x8>(w, N, K, out);
+        case QType::Q8_0: return repack<block_q8_0, block_q8_0x8>(w, N, K, out);
         default: return;  // bindings accept only these
     }
 }
@@ -118,6 +146,7 @@ void unpack_rows8_row(QType r8, const uint8_t* group, int K, int j, uint8_t* out
         case QType::Q4_1_R8: return unpack<block_q4_1, block_q4_1x8>(group, K, j, out);
         case QType::Q5_0_R8: return unpack<block_q5_0, block_q5_0x8>(group, K, j, out);
         case QType::Q5_1_R8: return unpack<block_q5_1, block_q5_1x8>(group, K, j, out);
+        case QType::Q8_0_R8: return unpack<block_q8_0, block_q8_0x8>(group, K, j, out);
         default: return;
     }
 }
@@ -129,8 +158,16 @@ RowKernel row_kernel_generic_rows8(QType t) {
         case QType::Q4_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_GENERIC(QType::Q4_1_R8), 8};
         case QType::Q5_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_GENERIC(QType::Q5_0_R8), 8};
         case QType::Q5_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_GENERIC(QType::Q5_1_R8), 8};
+        case QType::Q8_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_GENERIC(QType::Q8_0_R8), 8};
         default: return {};
     }
+}
+
+RowKernel row_kernel_generic_rows8_x16(QType t) {
+    if (t != QType::Q8_0_R8) return {};
+    return {Act::Q16_32, {},
+            {rows8_generic_x16<1>, rows8_generic_x16<2>, rows8_generic_x16<3>, rows8_generic_x16<4>,
+             rows8_generic_x16<5>, rows8_generic_x16<6>, rows8_generic_x16<7>, rows8_generic_x16<8>}, 8};
 }
 }  // namespace cpu
 

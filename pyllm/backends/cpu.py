@@ -3,9 +3,11 @@ prefill) and its one-call decode step (csrc/cpu/decode_step.cpp).
 
 Weights stay where the loader mapped them. Types the extension lacks, and every call when the extension cannot
 be built, take the torch reference inside ops.qmatmul / ops.embedding (ops.py says how). The one exception is the
-decode step's copy of the layer matrices: Q4_0/Q4_1/Q5_0/Q5_1 ones are repacked with their rows interleaved by 8
-(csrc/common/blocks.h), which its GEMVs read at about twice the speed (docs/DESIGN.md, "Rows interleaved by 8").
-That copy costs their size again in RAM; PYLLM_REPACK=0 turns it off.
+decode step's copy of the layer matrices and the output projection: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 ones are repacked
+with their rows interleaved by 8 (csrc/common/blocks.h), which its GEMVs read faster (docs/DESIGN.md, "Rows
+interleaved by 8"). That copy costs their size again in RAM; PYLLM_REPACK=0 turns it off. A tied output
+projection is the token embedding: the copy is the step's output GEMV's only, the embedding lookup (C++ step and
+torch path) keeps reading the loaded tensor.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class CpuBackend:
         return out
 
     def decode_matrix(self, w) -> tuple[torch.Tensor, int]:
-        """(bytes, type id) of a layer matrix as the decode step reads it: rows interleaved by 8 where the type
-        has that layout and N % 8 == 0 (made once per matrix, kept for every cache's step), else as loaded."""
+        """(bytes, type id) of a layer matrix or the output projection as the decode step reads it: rows interleaved
+        by 8 where the type has that layout and N % 8 == 0 (made once per matrix, kept for every cache's step), else
+        as loaded."""
         rid = self._rows8_type(w) if self._repack_fits and os.environ.get("PYLLM_REPACK", "1") != "0" else -1
         if rid < 0:
             return w.data, int(w.qtype)
@@ -119,6 +122,9 @@ class CpuBackend:
         names = tuple(f".{n}.weight" for n in LAYER_MATRICES)
         mats = [w for name, w in weights.items()
                 if name.startswith("blk.") and name.endswith(names) and hasattr(w, "qtype") and hasattr(w, "data")]
+        out = weights.get("output.weight", weights.get("token_embd.weight"))
+        if hasattr(out, "qtype") and hasattr(out, "data"):
+            mats.append(out)
         need = sum(w.data.numel() for w in mats if self._rows8_type(w) >= 0)
         free = available_memory()
         self._repack_fits = free is None or need <= free // 2
@@ -154,12 +160,13 @@ class CpuBackend:
                         post_ffw_norm=vecs("post_ffw_norm.weight"))
         try:
             packed = [self.decode_matrix(m) for m in mats]
+            out_data, out_type = self.decode_matrix(model.output)
             ctx = ops._C.DecodeContext(
                 [d for d, _ in packed], [t for _, t in packed], vecs("attn_norm.weight"),
                 vecs("ffn_norm.weight"), vecs("attn_q.bias", bias), vecs("attn_k.bias", bias),
                 vecs("attn_v.bias", bias), vecs("attn_q_norm.weight", qk_norm),
                 vecs("attn_k_norm.weight", qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
-                model.output.data, int(model.output.qtype), vec["output_norm.weight"].float().contiguous(),
+                out_data, out_type, vec["output_norm.weight"].float().contiguous(),
                 cos.contiguous(), sin.contiguous(), k.data, v.data, cfg.n_embd, cfg.n_ff, cfg.n_head,
                 cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, model.scale, window,
                 k_type=KV_TYPE_IDS[k.block], v_type=KV_TYPE_IDS[v.block], k_mu=k.mu, v_mu=v.mu,
