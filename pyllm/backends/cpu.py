@@ -3,8 +3,9 @@ prefill) and its one-call decode step (csrc/cpu/decode_step.cpp).
 
 Weights stay where the loader mapped them. Types the extension lacks, and every call when the extension cannot
 be built, take the torch reference inside ops.qmatmul / ops.embedding (ops.py says how). The one exception is the
-decode step's copy of the layer matrices: Q4_0/Q4_1/Q5_0/Q5_1 ones are repacked with their rows interleaved by 8
-(csrc/common/blocks.h), which its GEMVs read at about twice the speed (docs/DESIGN.md, "Rows interleaved by 8").
+decode step's copy of the layer matrices: those of every type _C.rows8_qtype maps (Q4_0/Q4_1/Q5_0/Q5_1, the
+K-quants Q4_K/Q5_K/Q6_K) are repacked with their rows interleaved by 8 (csrc/common/blocks.h), which its GEMVs read
+faster (docs/DESIGN.md, "Rows interleaved by 8").
 That copy costs their size again in RAM; PYLLM_REPACK=0 turns it off.
 """
 
