@@ -282,38 +282,44 @@ void rows8_q6_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t*
                     const __m256i sc0 = rows8_pairs_i8(B.scales + 8 * s0), sc1 = rows8_pairs_i8(B.scales + 8 * s0 + 8);
                     const __m256i off = _mm256_sub_epi16(_mm256_setzero_si256(),
                                                          _mm256_slli_epi16(_mm256_blend_epi16(sc0, sc1, 0xAA), 5));
-                    __m256i q[8];
-                    for (int k = 0; k < 8; ++k) {
-                        const __m256i l = _mm256_loadu_si256(
-                            reinterpret_cast<const __m256i*>(B.ql + 32 * (16 * h + k + (i & 1 ? 8 : 0))));
-                        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + k)));
-                        const __m256i lo = i < 2 ? _mm256_and_si256(l, m4)
-                                                 : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-                        // top bits 2i, 2i + 1 moved to bits 4, 5 (what a 16-bit shift brings over from the
-                        // neighbour byte lands outside 0x30)
-                        __m256i hi;
-                        switch (i) {
-                            case 0: hi = _mm256_slli_epi16(hb, 4); break;
-                            case 1: hi = _mm256_slli_epi16(hb, 2); break;
-                            case 2: hi = hb; break;
-                            default: hi = _mm256_srli_epi16(hb, 2); break;
-                        }
-                        q[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
-                    }
                     for (int m = 0; m < M; ++m) {
-                        const block_q8_K& a = act_row<block_q8_K>(xa, xs, m)[b];
-                        const int8_t* x = a.qs + 128 * h + 32 * i;
-                        __m256i p[4];
-                        for (int u = 0; u < 4; ++u)
-                            p[u] = _mm256_add_epi16(_mm256_maddubs_epi16(q[2 * u], bcast4(x + 8 * u)),
-                                                    _mm256_maddubs_epi16(q[2 * u + 1], bcast4(x + 8 * u + 4)));
                         int32_t bs;
-                        memcpy(&bs, a.bsums + s0, 4);
-                        __m256i s = _mm256_add_epi32(_mm256_madd_epi16(p[0], sc0), _mm256_madd_epi16(p[1], sc0));
-                        s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(p[2], sc1), _mm256_madd_epi16(p[3], sc1)));
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(off, _mm256_set1_epi32(bs)));
-                        sumi[m] = _mm256_add_epi32(sumi[m], s);
-                        if (M > 2) keep_in_register(sumi[m]);
+                        memcpy(&bs, act_row<block_q8_K>(xa, xs, m)[b].bsums + s0, 4);
+                        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(off, _mm256_set1_epi32(bs)));
+                    }
+#pragma GCC unroll 2
+                    for (int kk = 0; kk < 2; ++kk) {  // sub-block s0 + kk: 4 code vectors (16 elements x 8 rows)
+                        const __m256i sc = kk ? sc1 : sc0;
+                        __m256i q[4];
+                        for (int k = 0; k < 4; ++k) {
+                            const int c = 4 * kk + k;
+                            const __m256i l = _mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(B.ql + 32 * (16 * h + c + (i & 1 ? 8 : 0))));
+                            const __m256i hb =
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + c)));
+                            const __m256i lo = i < 2 ? _mm256_and_si256(l, m4)
+                                                     : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                            // top bits 2i, 2i + 1 moved to bits 4, 5 (what a 16-bit shift brings over from the
+                            // neighbour byte lands outside 0x30)
+                            __m256i hi;
+                            switch (i) {
+                                case 0: hi = _mm256_slli_epi16(hb, 4); break;
+                                case 1: hi = _mm256_slli_epi16(hb, 2); break;
+                                case 2: hi = hb; break;
+                                default: hi = _mm256_srli_epi16(hb, 2); break;
+                            }
+                            q[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                        }
+                        for (int m = 0; m < M; ++m) {
+                            const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 128 * h + 32 * i + 16 * kk;
+                            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
+                                                                _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+                            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                                                _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
+                            sumi[m] = _mm256_add_epi32(
+                                sumi[m], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
+                            if (M > 2) keep_in_register(sumi[m]);
+                        }
                     }
                 }
             }
@@ -385,6 +391,7 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
                                      _mm256_madd_epi16(mp[3], _mm256_set1_epi32(bw[3]))));
                 sumi[m] = _mm256_setzero_si256();
             }
+#pragma GCC unroll 4  // the fifth bits' shifts become constants
             for (int c8 = 0; c8 < 4; ++c8) {  // elements 64 c8 .. 64 c8 + 63: sub-blocks 2 c8 (low), 2 c8 + 1 (high)
                 const __m256i scs = c8 < 2 ? sc03 : sc47;
                 const __m256i sc_l = rows8_pick16(scs, 2 * (c8 & 1), 2 * (c8 & 1));
