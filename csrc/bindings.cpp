@@ -773,7 +773,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rows8_qtype", &rows8_qtype, "internal type id of qtype's rows interleaved by 8, or -1 if it has none",
           py::arg("qtype"));
     m.def("repack_rows8", &repack_rows8,
-          "Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K rows u8 [N, row_bytes] (N % 8 == 0) -> the same rows interleaved by 8, of type "
+          "Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K rows u8 [N, row_bytes] (N % 8 == 0) -> the same rows interleaved by 8, "
+          "of type "
           "rows8_qtype(qtype) (the decode step's layout)",
           py::arg("w"), py::arg("qtype"));
     m.def("set_isa", &set_isa, "CPU kernels to use: 'scalar', 'avx2', 'avx512' or 'amx' (default: the best available)");

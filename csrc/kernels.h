@@ -96,8 +96,9 @@ void awq_repack_cpu(const int32_t* qweight, const int32_t* qzeros, const uint16_
                     uint8_t* out);
 
 // Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K rows w [N, row_bytes] -> the same type interleaved by 8 (QType::Q*_R8,
-// common/blocks.h) in out (same size).  Caller checked the type, N % 8 == 0 and K % block == 0.  unpack_rows8_row: row j (< 8) of
-// the group at `group` back to its GGUF blocks (row_bytes at out), the exact bytes that were packed.
+// common/blocks.h) in out (same size).  Caller checked the type, N % 8 == 0 and K % block == 0.
+// unpack_rows8_row: row j (< 8) of the group at `group` back to its GGUF blocks (row_bytes at out), the exact
+// bytes that were packed.
 void repack_rows8_cpu(QType base, const uint8_t* w, int64_t N, int K, uint8_t* out);
 void unpack_rows8_row(QType r8, const uint8_t* group, int K, int j, uint8_t* out);
 

@@ -374,7 +374,8 @@ def rows8_cases(with_m=False):
     for name in ROWS8_TYPES + ROWS8_K_TYPES:
         for N, K in ROWS8_K_SHAPES if name in ROWS8_K_TYPES else ROWS8_SHAPES:
             for M in [1, 2, 5, 8] if with_m else [None]:
-                yield pytest.param(name, N, K, *([M] if with_m else []), id=f"{name}-N{N}-K{K}" + (f"-M{M}" if M else ""))
+                yield pytest.param(name, N, K, *([M] if with_m else []),
+                                   id=f"{name}-N{N}-K{K}" + (f"-M{M}" if M else ""))
 
 
 def rows8(C, name, wt):

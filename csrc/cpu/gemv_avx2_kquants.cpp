@@ -342,7 +342,8 @@ void rows8_q6_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t*
 PYLLM_INLINE __m256i rows8_pick16(__m256i bytes, int e0, int e1) {  // lane j: (byte e0, byte e1) of lane j, u16
     const __m256i ctl = _mm256_set1_epi32(static_cast<int>(0x80008000u | static_cast<unsigned>(e0) |
                                                            (static_cast<unsigned>(e1) << 16)));
-    const __m256i lane = _mm256_setr_epi32(0, 0x00040004, 0x00080008, 0x000C000C, 0, 0x00040004, 0x00080008, 0x000C000C);
+    const __m256i lane =
+        _mm256_setr_epi32(0, 0x00040004, 0x00080008, 0x000C000C, 0, 0x00040004, 0x00080008, 0x000C000C);
     return _mm256_shuffle_epi8(bytes, _mm256_add_epi8(ctl, lane));
 }
 
@@ -359,7 +360,8 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
             for (int t = 0; t < 4; ++t) {
                 const uint16_t lo = static_cast<uint16_t>(s[4 * t] + s[4 * t + 1]);
                 const uint16_t hi = static_cast<uint16_t>(s[4 * t + 2] + s[4 * t + 3]);
-                bsw[(static_cast<size_t>(m) * nb + b) * 4 + t] = static_cast<int32_t>(lo | (static_cast<uint32_t>(hi) << 16));
+                bsw[(static_cast<size_t>(m) * nb + b) * 4 + t] =
+                    static_cast<int32_t>(lo | (static_cast<uint32_t>(hi) << 16));
             }
         }
     const __m256i m4 = _mm256_set1_epi8(0x0F), k1 = _mm256_set1_epi8(0x3F), k2 = _mm256_set1_epi8(0x0F),
@@ -429,8 +431,9 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
                     }
                     __m256i s;
                     if constexpr (Five) {
-                        s = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(pl[0], sc_l), _mm256_madd_epi16(pl[1], sc_l)),
-                                             _mm256_add_epi32(_mm256_madd_epi16(ph[0], sc_h), _mm256_madd_epi16(ph[1], sc_h)));
+                        s = _mm256_add_epi32(
+                            _mm256_add_epi32(_mm256_madd_epi16(pl[0], sc_l), _mm256_madd_epi16(pl[1], sc_l)),
+                            _mm256_add_epi32(_mm256_madd_epi16(ph[0], sc_h), _mm256_madd_epi16(ph[1], sc_h)));
                     } else {
                         s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pl[0], pl[1]), sc_l),
                                              _mm256_madd_epi16(_mm256_add_epi16(ph[0], ph[1]), sc_h));

@@ -1,10 +1,11 @@
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 (and Q4_K / Q5_K / Q6_K) rows interleaved by 8 (QType::Q*_R8, layout in common/blocks.h): the repacker the CPU
-// decode step's weights go through at load, its inverse (one row back to its GGUF blocks, for dequantize and
-// for kernels without a SIMD version), and those generic kernels.  Both directions copy bytes only, so a row
-// unpacked is bit for bit the row that was packed.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 (and Q4_K / Q5_K / Q6_K) rows interleaved by 8 (QType::Q*_R8, layout in
+// common/blocks.h): the repacker the CPU decode step's weights go through at load, its inverse (one row back to
+// its GGUF blocks, for dequantize and for kernels without a SIMD version), and those generic kernels.  Both
+// directions copy bytes only, so a row unpacked is bit for bit the row that was packed.
 #include <omp.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_impl.h"
@@ -78,19 +79,12 @@ void side_by_side(T* group, T* row, int j, int n) {  // n values per row: group[
         else row[i] = group[8 * i + j];
     }
 }
-template <bool ToGroup>
-void move_k(block_q4_K& s, block_q4_kx8& o, int j) {
+template <bool ToGroup, class B, class G>  // Q4_K / Q5_K
+void move_k(B& s, G& o, int j) {
     side_by_side<ToGroup>(o.d, &s.d, j, 1);
     side_by_side<ToGroup>(o.dmin, &s.dmin, j, 1);
     runs4<ToGroup>(o.scales, s.scales, j, 3);
-    runs4<ToGroup>(o.qs, s.qs, j, QK_K / 8);
-}
-template <bool ToGroup>
-void move_k(block_q5_K& s, block_q5_kx8& o, int j) {
-    side_by_side<ToGroup>(o.d, &s.d, j, 1);
-    side_by_side<ToGroup>(o.dmin, &s.dmin, j, 1);
-    runs4<ToGroup>(o.scales, s.scales, j, 3);
-    runs4<ToGroup>(o.qh, s.qh, j, QK_K / 32);
+    if constexpr (std::is_same_v<B, block_q5_K>) runs4<ToGroup>(o.qh, s.qh, j, QK_K / 32);
     runs4<ToGroup>(o.qs, s.qs, j, QK_K / 8);
 }
 template <bool ToGroup>
