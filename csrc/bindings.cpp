@@ -253,8 +253,8 @@ Tensor awq_repack(const Tensor& qweight, const Tensor& qzeros, const Tensor& sca
     return out;
 }
 
-// GGUF rows -> the same rows interleaved by 8 (common/blocks.h): w u8 [N, row_bytes] of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 ->
-// u8 [N, row_bytes] of type rows8_qtype(qtype).
+// GGUF rows -> the same rows interleaved by 8 (common/blocks.h): w u8 [N, row_bytes] of Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/
+// Q4_K/Q5_K/Q6_K -> u8 [N, row_bytes] of type rows8_qtype(qtype).
 int64_t rows8_qtype(int64_t qtype) {
     return qtype >= 0 && qtype < pyllm::QTYPE_ID_LIMIT ? pyllm::rows8_qtype_id(static_cast<int>(qtype)) : -1;
 }
@@ -263,7 +263,7 @@ Tensor repack_rows8(const Tensor& w, int64_t qtype) {
     const char* fn = "repack_rows8";
     const QTypeTraits& tr = check_qtype(fn, qtype);
     TORCH_CHECK_VALUE(rows8_qtype(qtype) >= 0, fn, ": ", tr.name, " has no rows-by-8 layout (Q4_0, Q4_1, Q5_0, ",
-                      "Q5_1 and Q8_0 do)");
+                      "Q5_1, Q8_0, Q4_K, Q5_K and Q6_K do)");
     check_tensor(fn, "w", w, at::kByte, 2);
     TORCH_CHECK_VALUE(w.size(1) > 0 && w.size(1) % tr.type_size == 0, fn, ": w has ", w.size(1),
                       " bytes per row, not a positive multiple of ", tr.name, "'s ", tr.type_size, "-byte block");
@@ -773,7 +773,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("rows8_qtype", &rows8_qtype, "internal type id of qtype's rows interleaved by 8, or -1 if it has none",
           py::arg("qtype"));
     m.def("repack_rows8", &repack_rows8,
-          "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 rows u8 [N, row_bytes] (N % 8 == 0) -> the same rows interleaved by 8, of type "
+          "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K rows u8 [N, row_bytes] (N % 8 == 0) -> the same rows interleaved "
+          "by 8, of type "
           "rows8_qtype(qtype) (the decode step's layout)",
           py::arg("w"), py::arg("qtype"));
     m.def("set_isa", &set_isa, "CPU kernels to use: 'scalar', 'avx2', 'avx512' or 'amx' (default: the best available)");

@@ -95,9 +95,10 @@ void dequantize_rows_cpu(QType t, const uint8_t* w, size_t row_bytes, const int6
 void awq_repack_cpu(const int32_t* qweight, const int32_t* qzeros, const uint16_t* scales, int K, int N, int G,
                     uint8_t* out);
 
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows w [N, row_bytes] -> the same type interleaved by 8 (QType::Q*_R8,
-// common/blocks.h) in out (same size).  Caller checked the type, N % 8 == 0 and K % 32 == 0.  unpack_rows8_row:
-// row j (< 8) of the group at `group` back to its GGUF blocks (row_bytes at out), the exact bytes that were packed.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K rows w [N, row_bytes] -> the same type interleaved by 8
+// (QType::Q*_R8, common/blocks.h) in out (same size).  Caller checked the type, N % 8 == 0 and K % block == 0.
+// unpack_rows8_row: row j (< 8) of the group at `group` back to its GGUF blocks (row_bytes at out), the exact
+// bytes that were packed.
 void repack_rows8_cpu(QType base, const uint8_t* w, int64_t N, int K, uint8_t* out);
 void unpack_rows8_row(QType r8, const uint8_t* group, int K, int j, uint8_t* out);
 

@@ -185,3 +185,32 @@ def test_gemma3_binding_rejects_bad_arguments(gemma3, monkeypatch):
     bad("layer_window entries", layer_window=[-1] * n)
     bad("cos2/sin2 have shapes", cos2=good["cos2"][:4].contiguous(), sin2=good["sin2"][:4].contiguous())
     bad("embd_scale", embd_scale=-1.0)
+
+
+def test_gemma3_cpp_step_reads_k_quant_matrices_interleaved_by_8(gemma3, monkeypatch):
+    """Gemma-3-270M's Q4_K attn_output and Q6_K ffn_down (with its Q5_0 matrices) are in the C++ step's rows-by-8
+    copy; PYLLM_REPACK=0 keeps the loaded layout.  Reference: the step over the loaded layout, from the same cache.
+    The two differ only in the GEMVs' fp32 summation order, whose int8 activation rounding flips Gemma amplifies
+    most (see the module docstring; measured: 1.0-2.4% of max |logit| on three prompts, 1.4% on this one, whose
+    top-2 margin is 8.6%): tolerance 3.5%, the same greedy token, and the copy in use (not identical logits)."""
+    from pyllm.backends.cpu import LAYER_MATRICES
+
+    model, backend = gemma3.model, gemma3.model.backend
+    mats = [model.w[f"blk.{i}.{n}.weight"] for i in range(model.cfg.n_layer) for n in LAYER_MATRICES]
+    kq = [m for m in mats if int(m.qtype) in (12, 14)]
+    assert {int(m.qtype) for m in kq} == {12, 14}, "the fixture should hold Q4_K and Q6_K layer matrices"
+    kv = _kv(model, 64, torch.float16)
+    ids = torch.tensor(gemma3.tokenize("The capital of France is"), dtype=torch.int64)
+    first = int(model.forward(ids, 0, kv)[-1].argmax())
+    packed = backend.fused_decode(model, kv)
+    want = sum(m.data.numel() for m in mats if int(m.qtype) in (2, 3, 6, 7, 12, 13, 14) and m.data.shape[0] % 8 == 0)
+    assert backend.describe()["repacked_mb"] == round(want / 2**20, 1)
+    monkeypatch.setenv("PYLLM_REPACK", "0")
+    plain = backend.fused_decode(model, kv)
+    a, b = packed(first, len(ids))[0], plain(first, len(ids))[0]
+    atol = 0.035 * float(b.abs().max())
+    top2 = b.topk(2).values
+    assert float(top2[0] - top2[1]) > 2 * atol, "the test needs a prompt with a clear top token"
+    assert int(a.argmax()) == int(b.argmax())
+    torch.testing.assert_close(a, b, rtol=0, atol=atol)
+    assert not torch.equal(a, b), "the two layouts should differ in summation order: is the copy in use?"

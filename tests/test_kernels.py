@@ -47,6 +47,7 @@ TOL_F32, TOL_EXACT, TOL_Q8, TOL_Q16, TOL_ISA = 1e-5, 1e-5, 5e-2, 1e-3, 1e-5
 FLOAT_TYPES = ["F32", "F16", "BF16"]
 LEGACY_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+ROWS8_K_TYPES = ["Q4_K", "Q5_K", "Q6_K"]  # the K-quants with a rows-by-8 layout (Q4_K_R8 ... Q6_K_R8)
 ALL_TYPES = FLOAT_TYPES + LEGACY_TYPES + K_TYPES
 # Byte offsets of the fp16 scale / min fields inside each block (REFERENCE.md section 5).
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
@@ -238,15 +239,17 @@ def needs_q8_K_residual(x: torch.Tensor) -> torch.Tensor:
     return (xb.abs().amax(-1) ** 2).sum(-1) * 256 > 36 * (xb ** 2).sum((-1, -2))
 
 
-@pytest.mark.parametrize("name", K_TYPES)
+@pytest.mark.parametrize("name,layout", [(n, "gguf") for n in K_TYPES] + [(n, "rows8") for n in ROWS8_K_TYPES])
 @pytest.mark.parametrize("M", [1, 2, 5, 8])
-def test_k_quant_gemv_keeps_the_residual_of_rows_with_outliers(C, name, M):
+def test_k_quant_gemv_keeps_the_residual_of_rows_with_outliers(C, name, layout, M):
     """Reference: float64 x @ W.T.  A row whose 256-blocks hold values ~60x its rms (Gemma 3's MLP outputs) gets a
     second Q8_K row with the rounding residual, so its error is that of the two-level rounding (emulated:
     TOL_EXACT) and ~100x below one Q8_K row's (measured: ~1e-2 single, ~1e-4 with the residual; bound 2e-3,
-    where a single row fails by 5x).  Every ISA path agrees with scalar within TOL_ISA."""
+    where a single row fails by 5x).  Every ISA path agrees with scalar within TOL_ISA.  The same for the rows
+    interleaved by 8 (the decode step's copy), whose kernels see the residual rows as more activation rows."""
     N, K = 96, 1024
     wt = make_weight(name, N, K)
+    raw, qtype = (wt.raw, int(GT[name])) if layout == "gguf" else rows8(C, name, wt)
     x = torch.from_numpy(rng_for("xo", name, M).standard_normal((M, K), dtype=np.float32))
     x[:, 37::256] = 60.0  # one outlier of 60x the rms per block, as in Gemma's activations
     single = quantize_like_kernels(x, 256) @ wt.W64.T
@@ -254,7 +257,7 @@ def test_k_quant_gemv_keeps_the_residual_of_rows_with_outliers(C, name, M):
     ys = {}
     for isa in C.available_isas():
         C.set_isa(isa)
-        ys[isa] = C.gemv(x, wt.raw, int(GT[name]))
+        ys[isa] = C.gemv(x, raw, qtype)
         err = rel_err(ys[isa], quantize_q8_K_residual(x) @ wt.W64.T, x, wt)
         assert err < TOL_EXACT, f"{name} {isa} vs two-level int8-x float64: {err:.3g} " + why(N, K, M)
         err = rel_err(ys[isa], wt.ref(x), x, wt)
@@ -362,6 +365,17 @@ def test_dequantize_is_bit_exact(C, name):
 # ---- Rows interleaved by 8 (Q4_0_R8 ... Q5_1_R8: the decode step's copy of the layer matrices) ---------------
 ROWS8_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 ROWS8_SHAPES = [(1536, 576), (2048, 640), (4864, 896), (8, 32), (24, 160)]
+# The K-quants' layouts (Q4_K_R8 ... Q6_K_R8): Qwen2.5's ffn_down (896, 4864), Gemma 3's attn_output and ffn_down
+# (640, 1024), (640, 2048), one super-block and one group, a few groups.
+ROWS8_K_SHAPES = [(896, 4864), (640, 1024), (640, 2048), (8, 256), (24, 768)]
+
+
+def rows8_cases(with_m=False):
+    for name in ROWS8_TYPES + ROWS8_K_TYPES:
+        for N, K in ROWS8_K_SHAPES if name in ROWS8_K_TYPES else ROWS8_SHAPES:
+            for M in [1, 2, 5, 8] if with_m else [None]:
+                yield pytest.param(name, N, K, *([M] if with_m else []),
+                                   id=f"{name}-N{N}-K{K}" + (f"-M{M}" if M else ""))
 
 
 def rows8(C, name, wt):
@@ -369,8 +383,7 @@ def rows8(C, name, wt):
     return C.repack_rows8(wt.raw, int(GT[name])), rid
 
 
-@pytest.mark.parametrize("name", ROWS8_TYPES)
-@pytest.mark.parametrize("N,K", ROWS8_SHAPES)
+@pytest.mark.parametrize("name,N,K", list(rows8_cases()))
 def test_rows8_repack_is_lossless(C, name, N, K):
     """Reference: gguf.quants.dequantize of the GGUF rows.  The repacked rows dequantize to exactly those values
     (whole tensor and row lookups, every ISA), and take the same bytes."""
@@ -384,9 +397,7 @@ def test_rows8_repack_is_lossless(C, name, N, K):
         assert torch.equal(C.dequantize(r, rid, ids), wt.W[ids]), f"{name}_R8 {isa}: row lookup " + why(N, K)
 
 
-@pytest.mark.parametrize("name", ROWS8_TYPES)
-@pytest.mark.parametrize("N,K", ROWS8_SHAPES)
-@pytest.mark.parametrize("M", [1, 2, 5, 8])
+@pytest.mark.parametrize("name,N,K,M", list(rows8_cases(with_m=True)))
 def test_rows8_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
     """The same two references and tolerances as test_gemv_matches_oracle_and_isas_agree (int8-x float64:
     TOL_EXACT; float64: TOL_Q8), on every ISA path; scalar (rows unpacked, then the generic row dot) and SIMD
@@ -394,15 +405,16 @@ def test_rows8_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
     wt = make_weight(name, N, K)
     r, rid = rows8(C, name, wt)
     x = torch.from_numpy(rng_for("x8", name, N, K, M).standard_normal((M, K), dtype=np.float32))
-    checks = [(quantize_like_kernels(x, 32) @ wt.W64.T, TOL_EXACT, "int8-x float64"), (wt.ref(x), TOL_Q8, "float64")]
+    xq = quantize_like_kernels(x, 256 if name in ROWS8_K_TYPES else 32)
+    checks = [(xq @ wt.W64.T, TOL_EXACT, "int8-x float64"), (wt.ref(x), TOL_Q8, "float64")]
     gemv_on_every_isa(C, f"{name}_R8", r, rid, x, wt, checks)
 
 
-@pytest.mark.parametrize("name", ROWS8_TYPES)
+@pytest.mark.parametrize("name", ROWS8_TYPES + ROWS8_K_TYPES)
 def test_rows8_rows_do_not_depend_on_m_or_threads(C, name):
     """Each activation row of an M-row call gives bit for bit what it gives alone, on every ISA path (speculative
     verification's greedy equality), and 1 or 2 threads give the same bits (chunks start on whole groups)."""
-    N, K = 48, 576
+    N, K = (48, 768) if name in ROWS8_K_TYPES else (48, 576)
     wt = make_weight(name, N, K)
     r, rid = rows8(C, name, wt)
     x = torch.from_numpy(rng_for("xm8", name).standard_normal((8, K), dtype=np.float32))
@@ -415,9 +427,9 @@ def test_rows8_rows_do_not_depend_on_m_or_threads(C, name):
                 y = C.gemv(x[:M].contiguous(), r, rid)
                 for m in range(M):
                     assert torch.equal(y[m], alone[m]), f"{name}_R8 {isa}: row {m} of {M} differs from alone"
-            big = make_weight(name, 4864, 896)
-            rb, _ = rows8(C, name, big)
-            xb = torch.from_numpy(rng_for("xt8", name).standard_normal((3, 896), dtype=np.float32))
+            bn, bk = (896, 4864) if name in ROWS8_K_TYPES else (4864, 896)
+            rb, _ = rows8(C, name, make_weight(name, bn, bk))
+            xb = torch.from_numpy(rng_for("xt8", name).standard_normal((3, bk), dtype=np.float32))
             C.set_num_threads(1)
             y1 = C.gemv(xb, rb, rid)
             C.set_num_threads(2)
@@ -477,6 +489,14 @@ def test_rows8_q8_0_precise_x_rows_do_not_depend_on_m_or_threads(C):
             assert torch.equal(C.mul_mat(xb, rb, rid, None, True), y1), f"Q8_0_R8 precise_x {isa}: threads differ"
     finally:
         C.set_num_threads(old)
+
+
+def test_rows8_k_quant_ids(C):
+    """The K-quants' layouts have the ids qtype.h reserves, and name themselves in errors."""
+    assert [C.rows8_qtype(int(GT[n])) for n in ROWS8_K_TYPES] == [64, 65, 66]
+    assert C.rows8_qtype(int(GT["Q2_K"])) == -1 and C.rows8_qtype(int(GT["Q3_K"])) == -1
+    with pytest.raises(ValueError, match=r"gemv: w is Q6_K_R8 \(rows interleaved by 8\) but has 12 rows"):
+        C.gemv(torch.zeros(1, 256), make_weight("Q6_K", 12, 256).raw, 66)
 
 
 def test_rows8_errors(C):
@@ -680,11 +700,12 @@ def test_pyllm_isa_env_forces_the_kernels_and_rejects_what_the_cpu_lacks(C):
 
 def test_pyllm_repack_env_switches_the_decode_copy(C):
     """README: `pyllm info MODEL --device cpu --json` names the decode step's interleaved copy (repacked_mb: the
-    default model's Q4_1 layer matrices, 63.3 MiB), and PYLLM_REPACK=0 leaves the loaded layout alone."""
+    default model's Q4_1 layer matrices, 63.3 MiB, and its Q8_0 output projection, 28.7 MiB), and PYLLM_REPACK=0
+    leaves the loaded layout alone."""
     import json
 
     r = _pyllm(["info", "smollm2-135m", "--device", "cpu", "--json"])
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["runtime"]["repacked_mb"] == 63.3
+    assert json.loads(r.stdout)["runtime"]["repacked_mb"] == 92.0
     r = _pyllm(["info", "smollm2-135m", "--device", "cpu", "--json"], PYLLM_REPACK="0")
     assert r.returncode == 0 and "repacked_mb" not in json.loads(r.stdout)["runtime"], r.stdout + r.stderr

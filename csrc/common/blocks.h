@@ -124,6 +124,42 @@ struct block_q6_K {
 };
 static_assert(sizeof(block_q6_K) == 210, "wrong q6_K block size");
 
+// ---- K-quant super-blocks of 8 rows interleaved (QType::Q4_K_R8, Q5_K_R8, Q6_K_R8; in memory only, see qtype.h)
+// Rows 8g..8g+7 become K/256 group blocks, block b holding super-block b of each of the 8 rows; j is the row in
+// its group (0..7), t the byte in a 4-byte run (0..3).  As for the 32-element types, a 32-byte load of the codes
+// holds in 32-bit lane j row j's next 4 codes, so one broadcast 4-byte activation group multiplies all 8 rows
+// with vpmaddubsw and lane j accumulates row j.  Same bytes per row as the GGUF super-block:
+//   block_q4_kx8 (8 * 144):  d[j], dmin[j] = row j's d, dmin;  scales[32w + 4j + t] = row j's scales[4w + t]
+//     (w < 3: its 12 bytes as three u32 words, word w of the 8 rows side by side, so ggml's 32-bit unpacking of
+//     the 6-bit scales and mins runs on 8 rows per vector op);  qs[32c + 4j + t] = row j's qs[4c + t] (c < 32:
+//     low nibbles are elements 64(c/8) + 4(c%8) + t of sub-block 2(c/8), high nibbles 32 further, sub-block + 1).
+//   block_q5_kx8 (8 * 176):  d, dmin, scales, qs as Q4_K;  qh[32k + 4j + t] = row j's qh[4k + t] (k < 8: bit 2i
+//     is the fifth bit of the low nibble of qs chunk 8i + k, bit 2i + 1 of its high nibble).
+//   block_q6_kx8 (8 * 210):  d[j] = row j's d;  scales[8s + j] = row j's scales[s] (s < 16);
+//     ql[32c + 4j + t] = row j's ql[4c + t] (c < 32: with h = c/16, L = 4(c%16) + t the low nibble is element
+//     128h + L, the high nibble element 128h + L + 64);  qh[32c + 4j + t] = row j's qh[4c + t] (c < 16: with
+//     h = c/8, l = 4(c%8) + t bits 2i, 2i + 1 are the top bits of element 128h + l + 32i).
+struct block_q4_kx8 {
+    uint16_t d[8], dmin[8];
+    uint8_t scales[8 * 12];
+    uint8_t qs[8 * QK_K / 2];
+};
+static_assert(sizeof(block_q4_kx8) == 8 * 144, "wrong q4_kx8 block size");
+struct block_q5_kx8 {
+    uint16_t d[8], dmin[8];
+    uint8_t scales[8 * 12];
+    uint8_t qh[8 * QK_K / 8];
+    uint8_t qs[8 * QK_K / 2];
+};
+static_assert(sizeof(block_q5_kx8) == 8 * 176, "wrong q5_kx8 block size");
+struct block_q6_kx8 {
+    uint16_t d[8];
+    int8_t scales[8 * QK_K / 16];
+    uint8_t ql[8 * QK_K / 2];
+    uint8_t qh[8 * QK_K / 4];
+};
+static_assert(sizeof(block_q6_kx8) == 8 * 210, "wrong q6_kx8 block size");
+
 // ---- AWQ int4 rows (pyllm's CPU layout, in memory only: repacked at load from AutoAWQ "gemm" tensors)
 // One row per output n (W is [N, K] as everywhere), K values in groups of G = 32, 64, 128 or 256 (QType::AWQ_G*):
 //   s  [K/G]  fp16 group scales (raw bits; the row may start at an odd byte, so load them with memcpy)

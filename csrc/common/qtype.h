@@ -13,8 +13,9 @@
 // Ids 60..63 are pyllm's too: Q4_0, Q4_1, Q5_0 and Q5_1 rows interleaved by 8 (Q4_0_R8 ... Q5_1_R8), a copy the
 // CPU decode step makes at load so that its GEMVs read 8 rows' blocks as one (layout in blocks.h, repacker in
 // csrc/cpu/rows8.cpp).  Same bytes per row as the GGUF type, but a row is only addressable within its group of
-// 8: the tensor's row count must be a multiple of 8, and kernels take them in whole groups.
-// Id 67 (Q8_0_R8) is Q8_0's: the layer matrices' and the output projection's copy, same rules.
+// 8: the tensor's row count must be a multiple of 8, and kernels take them in whole groups.  Ids 64..66 are the
+// same for Q4_K, Q5_K and Q6_K (Q4_K_R8 ... Q6_K_R8), 256-element super-blocks of 8 rows; id 67 (Q8_0_R8) is
+// Q8_0's: the layer matrices' and the output projection's copy, same rules.
 #pragma once
 
 #include <cstddef>
@@ -54,6 +55,9 @@ inline int rows8_qtype_id(int base) {
         case QType::Q5_0: return static_cast<int>(QType::Q5_0_R8);
         case QType::Q5_1: return static_cast<int>(QType::Q5_1_R8);
         case QType::Q8_0: return static_cast<int>(QType::Q8_0_R8);
+        case QType::Q4_K: return static_cast<int>(QType::Q4_K_R8);
+        case QType::Q5_K: return static_cast<int>(QType::Q5_K_R8);
+        case QType::Q6_K: return static_cast<int>(QType::Q6_K_R8);
         default: return -1;
     }
 }
@@ -65,6 +69,9 @@ inline QType rows8_base(QType t) {
         case QType::Q5_0_R8: return QType::Q5_0;
         case QType::Q5_1_R8: return QType::Q5_1;
         case QType::Q8_0_R8: return QType::Q8_0;
+        case QType::Q4_K_R8: return QType::Q4_K;
+        case QType::Q5_K_R8: return QType::Q5_K;
+        case QType::Q6_K_R8: return QType::Q6_K;
         default: return t;
     }
 }
@@ -94,7 +101,8 @@ inline const QTypeTraits* qtype_traits(int id) {
         IQ1_M_{"IQ1_M", QK_K, 56, false}, AWQ_G32_{"AWQ_G32", 32, 19, true}, AWQ_G64_{"AWQ_G64", 64, 35, true},
         AWQ_G128_{"AWQ_G128", 128, 67, true}, AWQ_G256_{"AWQ_G256", 256, 131, true},
         Q4_0_R8_{"Q4_0_R8", QK, 18, true}, Q4_1_R8_{"Q4_1_R8", QK, 20, true}, Q5_0_R8_{"Q5_0_R8", QK, 22, true},
-        Q5_1_R8_{"Q5_1_R8", QK, 24, true};
+        Q5_1_R8_{"Q5_1_R8", QK, 24, true}, Q4_K_R8_{"Q4_K_R8", QK_K, 144, true},
+        Q5_K_R8_{"Q5_K_R8", QK_K, 176, true}, Q6_K_R8_{"Q6_K_R8", QK_K, 210, true};
     static const QTypeTraits Q8_0_R8_{"Q8_0_R8", QK, 34, true};
     switch (static_cast<QType>(id)) {
         case QType::F32: return &F32_;
@@ -135,6 +143,9 @@ inline const QTypeTraits* qtype_traits(int id) {
         case QType::Q5_0_R8: return &Q5_0_R8_;
         case QType::Q5_1_R8: return &Q5_1_R8_;
         case QType::Q8_0_R8: return &Q8_0_R8_;
+        case QType::Q4_K_R8: return &Q4_K_R8_;
+        case QType::Q5_K_R8: return &Q5_K_R8_;
+        case QType::Q6_K_R8: return &Q6_K_R8_;
     }
     return nullptr;
 }

@@ -3,6 +3,8 @@
 // times the 6/8-bit sub-block scales through madd (int32), one fp32 FMA per super-block and row (Q4_K/Q5_K: a
 // second for the min term, into the same accumulator).
 // Q2_K and Q3_K run the generic kernels (rare in practice: only the smallest quant mixes use them).
+#include <vector>
+
 #include "../common/decode.h"
 #include "avx2_util.h"
 #include "cpu_impl.h"
@@ -220,6 +222,242 @@ void dequant_q6_k(const uint8_t* w, int K, float* out) {
     }
 }
 
+
+// ---- Rows interleaved by 8 (Q4_K_R8 ... Q6_K_R8, layout in common/blocks.h).  Lane j of every vector is row j
+// of the group: a code vector holds each row's next 4 codes, one broadcast 4-byte activation group multiplies all
+// 8 (vpmaddubsw), the 6/8-bit sub-block scales go in through vpmaddwd as (scale, scale) int16 pairs, and each
+// lane sums its row's super-block in int32, exactly, then one FMA by d_row * d_x.  A row's fp32 sums are the same
+// sequence for every M (the activation rows never mix), and no horizontal sum is left.
+
+PYLLM_INLINE __m256i bcast4(const int8_t* x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// A group block is 1-2 KB, more than PYLLM_PREFETCH: the prefetch runs ROWS8_K_PREFETCH blocks ahead instead.
+#ifndef ROWS8_K_PREFETCH
+#define ROWS8_K_PREFETCH 2
+#endif
+template <int Bytes>
+PYLLM_INLINE void rows8_prefetch(const void* p) {
+    const char* c = static_cast<const char*>(p) + ROWS8_K_PREFETCH * Bytes;
+    for (int l = 0; l < Bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T0);
+}
+
+// Byte j of the 8 at s, sign-extended, as the int16 pair (v_j, v_j) of lane j: pshufb puts it in each pair's high
+// byte (zeros below), the arithmetic shift brings it down with its sign.
+PYLLM_INLINE __m256i rows8_pairs_i8(const int8_t* s) {
+    int64_t v;
+    memcpy(&v, s, 8);
+    const __m256i ctl = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3,
+                                         -1, 4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7);
+    return _mm256_srai_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x(v), ctl), 8);
+}
+
+// Q6_K_R8.  Per 16-element sub-block s: 4 code vectors (6-bit, unsigned), their maddubs pair sums added two at a
+// time in int16 (<= 2 * 2 * 63 * 127 = 32004) and multiplied by row j's scale through vpmaddwd.  The -32 offset
+// is -32 * sum_s sc_s * bsum_s: sub-blocks s, s + 1 as one vpmaddwd of (-32 sc_s, -32 sc_s+1) (|.| <= 4096)
+// against the activation's (bsum_s, bsum_s+1).
+template <int M>
+void rows8_q6_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
+                size_t ldy) {
+    const int nb = K / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int g = 0; g < n; g += 8) {
+        const block_q6_kx8* gb = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g);
+        __m256 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const block_q6_kx8& B = gb[b];
+            rows8_prefetch<sizeof(block_q6_kx8)>(&B);
+            __m256i sumi[M];
+            for (int m = 0; m < M; ++m) sumi[m] = _mm256_setzero_si256();
+            // unrolled, so that the shifts below are constants and q[] stays in registers
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i) {
+                    const int s0 = 8 * h + 2 * i;  // sub-blocks s0 (k = 0..3) and s0 + 1 (k = 4..7)
+                    const __m256i sc0 = rows8_pairs_i8(B.scales + 8 * s0), sc1 = rows8_pairs_i8(B.scales + 8 * s0 + 8);
+                    const __m256i off = _mm256_sub_epi16(_mm256_setzero_si256(),
+                                                         _mm256_slli_epi16(_mm256_blend_epi16(sc0, sc1, 0xAA), 5));
+                    for (int m = 0; m < M; ++m) {
+                        int32_t bs;
+                        memcpy(&bs, act_row<block_q8_K>(xa, xs, m)[b].bsums + s0, 4);
+                        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(off, _mm256_set1_epi32(bs)));
+                    }
+#pragma GCC unroll 2
+                    for (int kk = 0; kk < 2; ++kk) {  // sub-block s0 + kk: 4 code vectors (16 elements x 8 rows)
+                        const __m256i sc = kk ? sc1 : sc0;
+                        __m256i q[4];
+                        for (int k = 0; k < 4; ++k) {
+                            const int c = 4 * kk + k;
+                            const __m256i l = _mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(B.ql + 32 * (16 * h + c + (i & 1 ? 8 : 0))));
+                            const __m256i hb =
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + c)));
+                            const __m256i lo = i < 2 ? _mm256_and_si256(l, m4)
+                                                     : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                            // top bits 2i, 2i + 1 moved to bits 4, 5 (what a 16-bit shift brings over from the
+                            // neighbour byte lands outside 0x30)
+                            __m256i hi;
+                            switch (i) {
+                                case 0: hi = _mm256_slli_epi16(hb, 4); break;
+                                case 1: hi = _mm256_slli_epi16(hb, 2); break;
+                                case 2: hi = hb; break;
+                                default: hi = _mm256_srli_epi16(hb, 2); break;
+                            }
+                            q[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                        }
+                        for (int m = 0; m < M; ++m) {
+                            const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 128 * h + 32 * i + 16 * kk;
+                            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
+                                                                _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+                            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                                                _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
+                            sumi[m] = _mm256_add_epi32(
+                                sumi[m], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
+                            if (M > 2) keep_in_register(sumi[m]);
+                        }
+                    }
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
+            for (int m = 0; m < M; ++m) {
+                const float dx = act_row<block_q8_K>(xa, xs, m)[b].d;
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+            }
+        }
+        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, acc[m]);
+    }
+}
+
+// Q4_K_R8 / Q5_K_R8.  ggml's 32-bit unpacking of the 6-bit scales and mins on the 8 rows' words at once: lane j
+// of sc03 / sc47 / mn03 / mn47 holds row j's scales 0..3, 4..7, mins 0..3, 4..7 as bytes.  Per 32-element
+// sub-block: 8 code vectors, their maddubs pair sums added in int16 (4-bit codes: <= 8 * 2 * 15 * 127 = 30480;
+// 5-bit: 4 at a time, <= 4 * 2 * 31 * 127 = 31496), then vpmaddwd by (sc, sc).  The min term
+// dmin_j * d_x * sum_s min_s (bsum_2s + bsum_2s+1) comes from 4 vpmaddwd of (min_2t, min_2t+1) against the
+// activation's pair sums, precomputed once per call.
+PYLLM_INLINE __m256i rows8_pick16(__m256i bytes, int e0, int e1) {  // lane j: (byte e0, byte e1) of lane j, u16
+    const __m256i ctl = _mm256_set1_epi32(static_cast<int>(0x80008000u | static_cast<unsigned>(e0) |
+                                                           (static_cast<unsigned>(e1) << 16)));
+    const __m256i lane =
+        _mm256_setr_epi32(0, 0x00040004, 0x00080008, 0x000C000C, 0, 0x00040004, 0x00080008, 0x000C000C);
+    return _mm256_shuffle_epi8(bytes, _mm256_add_epi8(ctl, lane));
+}
+
+template <class G, bool Five, int M>
+void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
+                 size_t ldy) {
+    const int nb = K / QK_K;
+    // bsum pairs: bs[(m * nb + b) * 4 + t] = (bsum_4t + bsum_4t+1) | (bsum_4t+2 + bsum_4t+3) << 16 (|.| <= 4064)
+    thread_local std::vector<int32_t> bsw;
+    bsw.resize(static_cast<size_t>(M) * nb * 4);
+    for (int m = 0; m < M; ++m)
+        for (int b = 0; b < nb; ++b) {
+            const int16_t* s = act_row<block_q8_K>(xa, xs, m)[b].bsums;
+            for (int t = 0; t < 4; ++t) {
+                const uint16_t lo = static_cast<uint16_t>(s[4 * t] + s[4 * t + 1]);
+                const uint16_t hi = static_cast<uint16_t>(s[4 * t + 2] + s[4 * t + 3]);
+                bsw[(static_cast<size_t>(m) * nb + b) * 4 + t] =
+                    static_cast<int32_t>(lo | (static_cast<uint32_t>(hi) << 16));
+            }
+        }
+    const __m256i m4 = _mm256_set1_epi8(0x0F), k1 = _mm256_set1_epi8(0x3F), k2 = _mm256_set1_epi8(0x0F),
+                  k3 = _mm256_set1_epi8(0x03), bit4 = _mm256_set1_epi8(0x10);
+    for (int g = 0; g < n; g += 8) {
+        const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
+        __m256 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const G& B = gb[b];
+            rows8_prefetch<sizeof(G)>(&B);
+            const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales));
+            const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 32));
+            const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 64));
+            const __m256i sc03 = _mm256_and_si256(u0, k1), mn03 = _mm256_and_si256(u1, k1);
+            const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(u2, k2),
+                                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
+            const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
+            const __m256i mp[4] = {rows8_pick16(mn03, 0, 1), rows8_pick16(mn03, 2, 3), rows8_pick16(mn47, 0, 1),
+                                   rows8_pick16(mn47, 2, 3)};
+            __m256i sumi[M], summ[M];
+            for (int m = 0; m < M; ++m) {
+                const int32_t* bw = bsw.data() + (static_cast<size_t>(m) * nb + b) * 4;
+                summ[m] = _mm256_add_epi32(
+                    _mm256_add_epi32(_mm256_madd_epi16(mp[0], _mm256_set1_epi32(bw[0])),
+                                     _mm256_madd_epi16(mp[1], _mm256_set1_epi32(bw[1]))),
+                    _mm256_add_epi32(_mm256_madd_epi16(mp[2], _mm256_set1_epi32(bw[2])),
+                                     _mm256_madd_epi16(mp[3], _mm256_set1_epi32(bw[3]))));
+                sumi[m] = _mm256_setzero_si256();
+            }
+#pragma GCC unroll 4  // the fifth bits' shifts become constants
+            for (int c8 = 0; c8 < 4; ++c8) {  // elements 64 c8 .. 64 c8 + 63: sub-blocks 2 c8 (low), 2 c8 + 1 (high)
+                const __m256i scs = c8 < 2 ? sc03 : sc47;
+                const __m256i sc_l = rows8_pick16(scs, 2 * (c8 & 1), 2 * (c8 & 1));
+                const __m256i sc_h = rows8_pick16(scs, 2 * (c8 & 1) + 1, 2 * (c8 & 1) + 1);
+                __m256i lo[8], hi[8];
+                for (int k = 0; k < 8; ++k) {
+                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * (8 * c8 + k)));
+                    lo[k] = _mm256_and_si256(v, m4);
+                    hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if constexpr (Five) {
+                        // bits 2 c8, 2 c8 + 1 of the fifth-bit bytes moved to bit 4 (16-bit shifts by <= 4 bring
+                        // nothing from the neighbour byte to bit 4)
+                        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * k));
+                        const int sl = 4 - 2 * c8;  // bit 2 c8 -> 4
+                        const __m256i hl = sl >= 0 ? _mm256_slli_epi16(h, sl) : _mm256_srli_epi16(h, -sl);
+                        const __m256i hh = sl - 1 >= 0 ? _mm256_slli_epi16(h, sl - 1) : _mm256_srli_epi16(h, 1 - sl);
+                        lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(hl, bit4));
+                        hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(hh, bit4));
+                    }
+                }
+                for (int m = 0; m < M; ++m) {
+                    const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 64 * c8;
+                    __m256i pl[2], ph[2];
+                    for (int u = 0; u < 2; ++u) {
+                        pl[u] = _mm256_add_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(lo[4 * u], bcast4(x + 16 * u)),
+                                             _mm256_maddubs_epi16(lo[4 * u + 1], bcast4(x + 16 * u + 4))),
+                            _mm256_add_epi16(_mm256_maddubs_epi16(lo[4 * u + 2], bcast4(x + 16 * u + 8)),
+                                             _mm256_maddubs_epi16(lo[4 * u + 3], bcast4(x + 16 * u + 12))));
+                        ph[u] = _mm256_add_epi16(
+                            _mm256_add_epi16(_mm256_maddubs_epi16(hi[4 * u], bcast4(x + 32 + 16 * u)),
+                                             _mm256_maddubs_epi16(hi[4 * u + 1], bcast4(x + 32 + 16 * u + 4))),
+                            _mm256_add_epi16(_mm256_maddubs_epi16(hi[4 * u + 2], bcast4(x + 32 + 16 * u + 8)),
+                                             _mm256_maddubs_epi16(hi[4 * u + 3], bcast4(x + 32 + 16 * u + 12))));
+                    }
+                    __m256i s;
+                    if constexpr (Five) {
+                        s = _mm256_add_epi32(
+                            _mm256_add_epi32(_mm256_madd_epi16(pl[0], sc_l), _mm256_madd_epi16(pl[1], sc_l)),
+                            _mm256_add_epi32(_mm256_madd_epi16(ph[0], sc_h), _mm256_madd_epi16(ph[1], sc_h)));
+                    } else {
+                        s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pl[0], pl[1]), sc_l),
+                                             _mm256_madd_epi16(_mm256_add_epi16(ph[0], ph[1]), sc_h));
+                    }
+                    sumi[m] = _mm256_add_epi32(sumi[m], s);
+                    if (M > 2) keep_in_register(sumi[m]);
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
+            const __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.dmin)));
+            for (int m = 0; m < M; ++m) {
+                const __m256 dx = _mm256_set1_ps(act_row<block_q8_K>(xa, xs, m)[b].d);
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+                acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmw, dx), _mm256_cvtepi32_ps(summ[m]), acc[m]);
+            }
+        }
+        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, acc[m]);
+    }
+}
+
+template <int M> void rows8_q4_k(int K, int n, const uint8_t* w, size_t rb, const uint8_t* xa, size_t xs, float* y, size_t ldy) { rows8_q45_k<block_q4_kx8, false, M>(K, n, w, rb, xa, xs, y, ldy); }
+template <int M> void rows8_q5_k(int K, int n, const uint8_t* w, size_t rb, const uint8_t* xa, size_t xs, float* y, size_t ldy) { rows8_q45_k<block_q5_kx8, true, M>(K, n, w, rb, xa, xs, y, ldy); }
+
+#define PYLLM_ROWS8_K_TABLE(f) {f<1>, f<2>, f<3>, f<4>, f<5>, f<6>, f<7>, f<8>}
 }  // namespace
 
 bool dequant_row_avx2_kquants(QType t, const uint8_t* w, int K, float* out) {
@@ -236,6 +474,9 @@ RowKernel row_kernel_avx2_kquants(QType t) {
         case QType::Q4_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q4_k)};
         case QType::Q5_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q5_k)};
         case QType::Q6_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q6_k)};
+        case QType::Q4_K_R8: return {Act::Q8_K, {}, PYLLM_ROWS8_K_TABLE(rows8_q4_k), 8};
+        case QType::Q5_K_R8: return {Act::Q8_K, {}, PYLLM_ROWS8_K_TABLE(rows8_q5_k), 8};
+        case QType::Q6_K_R8: return {Act::Q8_K, {}, PYLLM_ROWS8_K_TABLE(rows8_q6_k), 8};
         default: return {};
     }
 }

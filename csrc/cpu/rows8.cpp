@@ -1,10 +1,11 @@
-// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows interleaved by 8 (QType::Q*_R8, layout in common/blocks.h): the repacker
-// the CPU decode step's weights go through at load, its inverse (one row back to its GGUF blocks, for dequantize
-// and for kernels without a SIMD version), and those generic kernels.  Both directions copy bytes only, so a row
-// unpacked is bit for bit the row that was packed.
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 (and Q4_K / Q5_K / Q6_K) rows interleaved by 8 (QType::Q*_R8, layout in
+// common/blocks.h): the repacker the CPU decode step's weights go through at load, its inverse (one row back to
+// its GGUF blocks, for dequantize and for kernels without a SIMD version), and those generic kernels.  Both
+// directions copy bytes only, so a row unpacked is bit for bit the row that was packed.
 #include <omp.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_impl.h"
@@ -76,9 +77,52 @@ void unpack_block(const block_q8_0x8& o, int j, block_q8_0& s) {
     for (int k = 0; k < 8; ++k) memcpy(s.qs + 4 * k, o.qs + 32 * k + 4 * j, 4);
 }
 
+// K-quant super-blocks: every field is either one value per row side by side (d, dmin, Q6_K's scales) or bytes
+// moved in 4-byte runs, run c of row j to 32c + 4j.  pack_k (to_group) and its inverse walk the same field list.
+template <bool ToGroup>
+void runs4(uint8_t* group, uint8_t* row, int j, int n_runs) {
+    for (int c = 0; c < n_runs; ++c) {
+        if constexpr (ToGroup) memcpy(group + 32 * c + 4 * j, row + 4 * c, 4);
+        else memcpy(row + 4 * c, group + 32 * c + 4 * j, 4);
+    }
+}
+template <bool ToGroup, class T>
+void side_by_side(T* group, T* row, int j, int n) {  // n values per row: group[8i + j] = row[i]
+    for (int i = 0; i < n; ++i) {
+        if constexpr (ToGroup) group[8 * i + j] = row[i];
+        else row[i] = group[8 * i + j];
+    }
+}
+template <bool ToGroup, class B, class G>  // Q4_K / Q5_K
+void move_k(B& s, G& o, int j) {
+    side_by_side<ToGroup>(o.d, &s.d, j, 1);
+    side_by_side<ToGroup>(o.dmin, &s.dmin, j, 1);
+    runs4<ToGroup>(o.scales, s.scales, j, 3);
+    if constexpr (std::is_same_v<B, block_q5_K>) runs4<ToGroup>(o.qh, s.qh, j, QK_K / 32);
+    runs4<ToGroup>(o.qs, s.qs, j, QK_K / 8);
+}
+template <bool ToGroup>
+void move_k(block_q6_K& s, block_q6_kx8& o, int j) {
+    side_by_side<ToGroup>(o.d, &s.d, j, 1);
+    side_by_side<ToGroup>(o.scales, s.scales, j, QK_K / 16);
+    runs4<ToGroup>(o.ql, s.ql, j, QK_K / 8);
+    runs4<ToGroup>(o.qh, s.qh, j, QK_K / 16);
+}
+
+template <class B, class G>
+void pack_block_k(const B* rows[8], int b, G& o) {
+    for (int j = 0; j < 8; ++j) move_k<true>(const_cast<B&>(rows[j][b]), o, j);  // reads rows[j] only
+}
+
+template <class B, class G>
+void unpack_block_k(const G& o, int j, B& s) {
+    move_k<false>(s, const_cast<G&>(o), j);  // reads o only
+}
+
 template <class B, class G>
 void repack(const uint8_t* w, int64_t N, int K, uint8_t* out) {
-    const int nb = K / QK;
+    constexpr bool kquant = sizeof(B) >= 144;  // the K-quant super-blocks (the 32-element blocks are <= 34)
+    const int nb = K / (kquant ? QK_K : QK);
     const size_t row_bytes = sizeof(B) * static_cast<size_t>(nb);
     const int64_t groups = N / 8;
 #pragma omp parallel for num_threads(cpu_get_num_threads()) schedule(static) if (groups >= 64)
@@ -86,7 +130,10 @@ void repack(const uint8_t* w, int64_t N, int K, uint8_t* out) {
         const B* rows[8];
         for (int j = 0; j < 8; ++j) rows[j] = reinterpret_cast<const B*>(w + row_bytes * (8 * g + j));
         G* o = reinterpret_cast<G*>(out + row_bytes * 8 * g);
-        for (int b = 0; b < nb; ++b) pack_block(rows, b, o[b]);
+        for (int b = 0; b < nb; ++b) {
+            if constexpr (kquant) pack_block_k(rows, b, o[b]);
+            else pack_block(rows, b, o[b]);
+        }
     }
 }
 
@@ -94,7 +141,11 @@ template <class B, class G>
 void unpack(const uint8_t* group, int K, int j, uint8_t* out) {
     const G* o = reinterpret_cast<const G*>(group);
     B* s = reinterpret_cast<B*>(out);
-    for (int b = 0; b < K / QK; ++b) unpack_block(o[b], j, s[b]);
+    if constexpr (sizeof(B) >= 144) {
+        for (int b = 0; b < K / QK_K; ++b) unpack_block_k(o[b], j, s[b]);
+    } else {
+        for (int b = 0; b < K / QK; ++b) unpack_block(o[b], j, s[b]);
+    }
 }
 
 // Without SIMD: each row of the group unpacked into a GGUF row, then the base type's generic row dot.
@@ -136,6 +187,9 @@ void repack_rows8_cpu(QType base, const uint8_t* w, int64_t N, int K, uint8_t* o
         case QType::Q5_0: return repack<block_q5_0, block_q5_0x8>(w, N, K, out);
         case QType::Q5_1: return repack<block_q5_1, block_q5_1x8>(w, N, K, out);
         case QType::Q8_0: return repack<block_q8_0, block_q8_0x8>(w, N, K, out);
+        case QType::Q4_K: return repack<block_q4_K, block_q4_kx8>(w, N, K, out);
+        case QType::Q5_K: return repack<block_q5_K, block_q5_kx8>(w, N, K, out);
+        case QType::Q6_K: return repack<block_q6_K, block_q6_kx8>(w, N, K, out);
         default: return;  // bindings accept only these
     }
 }
@@ -147,6 +201,9 @@ void unpack_rows8_row(QType r8, const uint8_t* group, int K, int j, uint8_t* out
         case QType::Q5_0_R8: return unpack<block_q5_0, block_q5_0x8>(group, K, j, out);
         case QType::Q5_1_R8: return unpack<block_q5_1, block_q5_1x8>(group, K, j, out);
         case QType::Q8_0_R8: return unpack<block_q8_0, block_q8_0x8>(group, K, j, out);
+        case QType::Q4_K_R8: return unpack<block_q4_K, block_q4_kx8>(group, K, j, out);
+        case QType::Q5_K_R8: return unpack<block_q5_K, block_q5_kx8>(group, K, j, out);
+        case QType::Q6_K_R8: return unpack<block_q6_K, block_q6_kx8>(group, K, j, out);
         default: return;
     }
 }
@@ -159,6 +216,9 @@ RowKernel row_kernel_generic_rows8(QType t) {
         case QType::Q5_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_GENERIC(QType::Q5_0_R8), 8};
         case QType::Q5_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_GENERIC(QType::Q5_1_R8), 8};
         case QType::Q8_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_GENERIC(QType::Q8_0_R8), 8};
+        case QType::Q4_K_R8: return {Act::Q8_K, {}, PYLLM_ROWS8_GENERIC(QType::Q4_K_R8), 8};
+        case QType::Q5_K_R8: return {Act::Q8_K, {}, PYLLM_ROWS8_GENERIC(QType::Q5_K_R8), 8};
+        case QType::Q6_K_R8: return {Act::Q8_K, {}, PYLLM_ROWS8_GENERIC(QType::Q6_K_R8), 8};
         default: return {};
     }
 }

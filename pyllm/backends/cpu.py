@@ -3,11 +3,11 @@ prefill) and its one-call decode step (csrc/cpu/decode_step.cpp).
 
 Weights stay where the loader mapped them. Types the extension lacks, and every call when the extension cannot
 be built, take the torch reference inside ops.qmatmul / ops.embedding (ops.py says how). The one exception is the
-decode step's copy of the layer matrices and the output projection: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 ones are repacked
-with their rows interleaved by 8 (csrc/common/blocks.h), which its GEMVs read faster (docs/DESIGN.md, "Rows
-interleaved by 8"). That copy costs their size again in RAM; PYLLM_REPACK=0 turns it off. A tied output
-projection is the token embedding: the copy is the step's output GEMV's only, the embedding lookup (C++ step and
-torch path) keeps reading the loaded tensor.
+decode step's copy of the layer matrices and the output projection: those of every type _C.rows8_qtype maps
+(Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q4_K/Q5_K/Q6_K) are repacked with their rows interleaved by 8
+(csrc/common/blocks.h), which its GEMVs read faster (docs/DESIGN.md, "Rows interleaved by 8"). That copy costs
+their size again in RAM; PYLLM_REPACK=0 turns it off. A tied output projection is the token embedding: the copy is
+the step's output GEMV's only, the embedding lookup (C++ step and torch path) keeps reading the loaded tensor.
 """
 
 from __future__ import annotations
