@@ -188,8 +188,8 @@ def test_gemma3_binding_rejects_bad_arguments(gemma3, monkeypatch):
 
 
 def test_gemma3_cpp_step_reads_k_quant_matrices_interleaved_by_8(gemma3, monkeypatch):
-    """Gemma-3-270M's Q4_K attn_output and Q6_K ffn_down (with its Q5_0 matrices) are in the C++ step's rows-by-8
-    copy; PYLLM_REPACK=0 keeps the loaded layout.  Reference: the step over the loaded layout, from the same cache.
+    """Gemma-3-270M's Q4_K attn_output and Q6_K ffn_down (with its Q5_0 and Q8_0 matrices and the output
+    projection) are in the C++ step's rows-by-8 copy; PYLLM_REPACK=0 keeps the loaded layout.  Reference: the step over the loaded layout, from the same cache.
     The two differ only in the GEMVs' fp32 summation order, whose int8 activation rounding flips Gemma amplifies
     most (see the module docstring; measured: 1.0-2.4% of max |logit| on three prompts, 1.4% on this one, whose
     top-2 margin is 8.6%): tolerance 3.5%, the same greedy token, and the copy in use (not identical logits)."""
@@ -203,7 +203,9 @@ def test_gemma3_cpp_step_reads_k_quant_matrices_interleaved_by_8(gemma3, monkeyp
     ids = torch.tensor(gemma3.tokenize("The capital of France is"), dtype=torch.int64)
     first = int(model.forward(ids, 0, kv)[-1].argmax())
     packed = backend.fused_decode(model, kv)
-    want = sum(m.data.numel() for m in mats if int(m.qtype) in (2, 3, 6, 7, 12, 13, 14) and m.data.shape[0] % 8 == 0)
+    mats.append(model.output)  # the tied Q8_0 output projection: the step's copy, not the embedding's
+    want = sum(m.data.numel() for m in mats
+               if int(m.qtype) in (2, 3, 6, 7, 8, 12, 13, 14) and m.data.shape[0] % 8 == 0)
     assert backend.describe()["repacked_mb"] == round(want / 2**20, 1)
     monkeypatch.setenv("PYLLM_REPACK", "0")
     plain = backend.fused_decode(model, kv)
