@@ -198,15 +198,16 @@ def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
     gemv_on_every_isa(C, name, w, int(GT[name]), x, wt, checks)
 
 
-def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks):
-    """C.gemv(x, w) on each ISA path this CPU has, against each (reference, tolerance, name) of checks; scalar and
-    every SIMD path within TOL_ISA; the VNNI dots compute the AVX2 kernels' integer sums in the same fp32 order,
-    so avx512 / amx give the AVX2 bits."""
+def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks, call=None):
+    """call(x, w, qtype) (default C.gemv) on each ISA path this CPU has, against each (reference, tolerance, name)
+    of checks; scalar and every SIMD path within TOL_ISA; the VNNI dots compute the AVX2 kernels' integer sums in
+    the same fp32 order, so avx512 / amx give the AVX2 bits."""
     (M, K), N = x.shape, w.shape[0]
+    call = call or C.gemv
     ys = {}
     for isa in C.available_isas():
         C.set_isa(isa)
-        ys[isa] = C.gemv(x, w, qtype)
+        ys[isa] = call(x, w, qtype)
         assert ys[isa].shape == (M, N) and ys[isa].dtype == torch.float32
         for r, tol, what in checks:
             err = rel_err(ys[isa], r, x, wt)
@@ -448,19 +449,9 @@ def test_rows8_q8_0_precise_x_keeps_16_bit_activations(C, N, K, M):
     r, rid = rows8(C, "Q8_0", wt)
     x = torch.from_numpy(rng_for("x16r8", N, K, M).standard_normal((M, K), dtype=np.float32))
     xq = quantize_like_kernels(x, 32, levels=32767)
-    ys = {}
-    for isa in C.available_isas():
-        C.set_isa(isa)
-        ys[isa] = C.mul_mat(x, r, rid, None, True)
-        for ref, tol, what in [(xq @ wt.W64.T, TOL_EXACT, "int16-x float64"), (wt.ref(x), TOL_Q16, "float64")]:
-            err = rel_err(ys[isa], ref, x, wt)
-            assert err < tol, f"Q8_0_R8 precise_x {isa} vs {what}: error {err:.3g} > {tol} " + why(N, K, M)
-    for isa in ys:
-        err = rel_err(ys[isa], ys["scalar"], x, wt)
-        assert err < TOL_ISA, f"Q8_0_R8 precise_x: scalar and {isa} differ by {err:.3g} " + why(N, K, M)
-    for isa in ("avx512", "amx"):
-        if isa in ys:
-            assert torch.equal(ys[isa], ys["avx2"]), f"Q8_0_R8 precise_x: {isa} and avx2 differ " + why(N, K, M)
+    checks = [(xq @ wt.W64.T, TOL_EXACT, "int16-x float64"), (wt.ref(x), TOL_Q16, "float64")]
+    gemv_on_every_isa(C, "Q8_0_R8 precise_x", r, rid, x, wt, checks,
+                      call=lambda x, w, q: C.mul_mat(x, w, q, None, True))
 
 
 def test_rows8_q8_0_precise_x_rows_do_not_depend_on_m_or_threads(C):
