@@ -424,7 +424,7 @@ def test_rows8_rows_do_not_depend_on_m_or_threads(C, name):
         for isa in C.available_isas():
             C.set_isa(isa)
             alone = [C.gemv(x[m:m + 1].contiguous(), r, rid)[0] for m in range(8)]
-            for M in (2, 3, 4, 5, 8):
+            for M in range(2, 9):  # the kernels take rows 4 at a time: every remainder
                 y = C.gemv(x[:M].contiguous(), r, rid)
                 for m in range(M):
                     assert torch.equal(y[m], alone[m]), f"{name}_R8 {isa}: row {m} of {M} differs from alone"

@@ -16,10 +16,6 @@ namespace cpu {
 namespace {
 using namespace PYLLM_SIMD_NS;
 
-// An empty asm that takes v and gives it back in a register: gcc cannot reassociate an integer sum across it.
-// Unhindered, it turns M running sums into trees of products computed ahead and spills them to the stack.
-PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
-
 // Q4_K/Q5_K 12 scale bytes -> 8 scales (bytes 0..7) and 8 mins (bytes 8..15), the get_scale_min_k4 layout
 // unpacked with 32-bit masks (ggml's utmp trick) instead of 16 byte-wise branches.
 PYLLM_INLINE __m256i k4_scales_mins(const uint8_t* scales) {
@@ -255,81 +251,103 @@ PYLLM_INLINE __m256i rows8_pairs_i8(const int8_t* s) {
     return _mm256_srai_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x(v), ctl), 8);
 }
 
+// Activation rows go ROWS8_K_CHUNK at a time over a group (its blocks stay in L1 for the next chunk); a row's
+// operations do not depend on its chunk, so neither does its result.  4 rows: few enough live vectors that
+// nothing spills (all M rows at once spill for M >= 3), and each decoded code vector serves 4 rows.
+#ifndef ROWS8_K_CHUNK
+#define ROWS8_K_CHUNK 4
+#endif
+
 // Q6_K_R8.  Per 16-element sub-block s: 4 code vectors (6-bit, unsigned), their maddubs pair sums added two at a
 // time in int16 (<= 2 * 2 * 63 * 127 = 32004) and multiplied by row j's scale through vpmaddwd.  The -32 offset
 // is -32 * sum_s sc_s * bsum_s: sub-blocks s, s + 1 as one vpmaddwd of (-32 sc_s, -32 sc_s+1) (|.| <= 4096)
-// against the activation's (bsum_s, bsum_s+1).
+// against the activation's (bsum_s, bsum_s+1).  Here: M activation rows (xa: the first) against one group of 8
+// weight rows.
+template <int M>
+PYLLM_INLINE void rows8_q6_k_group(const block_q6_kx8* gb, int nb, const uint8_t* xa, size_t xs, float* y,
+                                   size_t ldy) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const block_q6_kx8& B = gb[b];
+        rows8_prefetch<sizeof(block_q6_kx8)>(&B);
+        __m256i sumi[M];
+        for (int m = 0; m < M; ++m) sumi[m] = _mm256_setzero_si256();
+        // unrolled, so that the shifts below are constants and q[] stays in registers
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+                const int s0 = 8 * h + 2 * i;  // sub-blocks s0 (k = 0..3) and s0 + 1 (k = 4..7)
+                const __m256i sc0 = rows8_pairs_i8(B.scales + 8 * s0), sc1 = rows8_pairs_i8(B.scales + 8 * s0 + 8);
+                const __m256i off = _mm256_sub_epi16(_mm256_setzero_si256(),
+                                                     _mm256_slli_epi16(_mm256_blend_epi16(sc0, sc1, 0xAA), 5));
+                for (int m = 0; m < M; ++m) {
+                    int32_t bs;
+                    memcpy(&bs, act_row<block_q8_K>(xa, xs, m)[b].bsums + s0, 4);
+                    sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(off, _mm256_set1_epi32(bs)));
+                }
+#pragma GCC unroll 2
+                for (int kk = 0; kk < 2; ++kk) {  // sub-block s0 + kk: 4 code vectors (16 elements x 8 rows)
+                    const __m256i sc = kk ? sc1 : sc0;
+                    __m256i q[4];
+                    for (int k = 0; k < 4; ++k) {
+                        const int c = 4 * kk + k;
+                        const __m256i l = _mm256_loadu_si256(
+                            reinterpret_cast<const __m256i*>(B.ql + 32 * (16 * h + c + (i & 1 ? 8 : 0))));
+                        const __m256i hb =
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + c)));
+                        const __m256i lo = i < 2 ? _mm256_and_si256(l, m4)
+                                                 : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                        // top bits 2i, 2i + 1 moved to bits 4, 5 (what a 16-bit shift brings over from the
+                        // neighbour byte lands outside 0x30)
+                        __m256i hi;
+                        switch (i) {
+                            case 0: hi = _mm256_slli_epi16(hb, 4); break;
+                            case 1: hi = _mm256_slli_epi16(hb, 2); break;
+                            case 2: hi = hb; break;
+                            default: hi = _mm256_srli_epi16(hb, 2); break;
+                        }
+                        q[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                    }
+                    for (int m = 0; m < M; ++m) {
+                        const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 128 * h + 32 * i + 16 * kk;
+                        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
+                                                            _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+                        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                                            _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
+                        sumi[m] = _mm256_add_epi32(
+                            sumi[m], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
+                        if (M > 2) keep_in_register(sumi[m]);
+                    }
+                }
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
+        for (int m = 0; m < M; ++m) {
+            const float dx = act_row<block_q8_K>(xa, xs, m)[b].d;
+            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+            keep_in_register(acc[m]);
+        }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
+}
+
+// All M rows over a group at once: 6-bit codes cost ~3x the 4-bit ones to decode, so decoding them once per 4
+// rows (ROWS8_K_CHUNK) costs more than the spills it saves (Zen 3: 1.2-1.3x slower at M = 5-8).
+#ifndef ROWS8_Q6_K_CHUNK
+#define ROWS8_Q6_K_CHUNK 8
+#endif
 template <int M>
 void rows8_q6_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
                 size_t ldy) {
     const int nb = K / QK_K;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    constexpr int C = M < ROWS8_Q6_K_CHUNK ? M : ROWS8_Q6_K_CHUNK, full = M / C * C;
     for (int g = 0; g < n; g += 8) {
         const block_q6_kx8* gb = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g);
-        __m256 acc[M];
-        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-            const block_q6_kx8& B = gb[b];
-            rows8_prefetch<sizeof(block_q6_kx8)>(&B);
-            __m256i sumi[M];
-            for (int m = 0; m < M; ++m) sumi[m] = _mm256_setzero_si256();
-            // unrolled, so that the shifts below are constants and q[] stays in registers
-#pragma GCC unroll 2
-            for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; ++i) {
-                    const int s0 = 8 * h + 2 * i;  // sub-blocks s0 (k = 0..3) and s0 + 1 (k = 4..7)
-                    const __m256i sc0 = rows8_pairs_i8(B.scales + 8 * s0), sc1 = rows8_pairs_i8(B.scales + 8 * s0 + 8);
-                    const __m256i off = _mm256_sub_epi16(_mm256_setzero_si256(),
-                                                         _mm256_slli_epi16(_mm256_blend_epi16(sc0, sc1, 0xAA), 5));
-                    for (int m = 0; m < M; ++m) {
-                        int32_t bs;
-                        memcpy(&bs, act_row<block_q8_K>(xa, xs, m)[b].bsums + s0, 4);
-                        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(off, _mm256_set1_epi32(bs)));
-                    }
-#pragma GCC unroll 2
-                    for (int kk = 0; kk < 2; ++kk) {  // sub-block s0 + kk: 4 code vectors (16 elements x 8 rows)
-                        const __m256i sc = kk ? sc1 : sc0;
-                        __m256i q[4];
-                        for (int k = 0; k < 4; ++k) {
-                            const int c = 4 * kk + k;
-                            const __m256i l = _mm256_loadu_si256(
-                                reinterpret_cast<const __m256i*>(B.ql + 32 * (16 * h + c + (i & 1 ? 8 : 0))));
-                            const __m256i hb =
-                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + c)));
-                            const __m256i lo = i < 2 ? _mm256_and_si256(l, m4)
-                                                     : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-                            // top bits 2i, 2i + 1 moved to bits 4, 5 (what a 16-bit shift brings over from the
-                            // neighbour byte lands outside 0x30)
-                            __m256i hi;
-                            switch (i) {
-                                case 0: hi = _mm256_slli_epi16(hb, 4); break;
-                                case 1: hi = _mm256_slli_epi16(hb, 2); break;
-                                case 2: hi = hb; break;
-                                default: hi = _mm256_srli_epi16(hb, 2); break;
-                            }
-                            q[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
-                        }
-                        for (int m = 0; m < M; ++m) {
-                            const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 128 * h + 32 * i + 16 * kk;
-                            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
-                                                                _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
-                            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
-                                                                _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
-                            sumi[m] = _mm256_add_epi32(
-                                sumi[m], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
-                            if (M > 2) keep_in_register(sumi[m]);
-                        }
-                    }
-                }
-            }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
-            for (int m = 0; m < M; ++m) {
-                const float dx = act_row<block_q8_K>(xa, xs, m)[b].d;
-                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
-            }
-        }
-        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, acc[m]);
+        for (int m = 0; m < full; m += C) rows8_q6_k_group<C>(gb, nb, xa + m * xs, xs, y + m * ldy + g, ldy);
+        if constexpr (M % C != 0) rows8_q6_k_group<M % C>(gb, nb, xa + full * xs, xs, y + full * ldy + g, ldy);
     }
 }
 
@@ -347,6 +365,93 @@ PYLLM_INLINE __m256i rows8_pick16(__m256i bytes, int e0, int e1) {  // lane j: (
     return _mm256_shuffle_epi8(bytes, _mm256_add_epi8(ctl, lane));
 }
 
+// R activation rows against one group of 8 weight rows (y[r * ldy + j]).  Each code vector is decoded once, just
+// in time, and feeds the R rows, so only the rows' pair-sum accumulators, running sums and fp32 sums are live
+// (decoding all 16 code vectors of 64 elements first and then looping over the rows spills them).  bw[r]: row r's
+// bsum pairs (rows8_q45_k).
+template <class G, bool Five, int R>
+PYLLM_INLINE void rows8_q45_k_group(const G* gb, int nb, const block_q8_K* const* xr, const int32_t* const* bw,
+                                    float* y, size_t ldy) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), k1 = _mm256_set1_epi8(0x3F), k2 = _mm256_set1_epi8(0x0F),
+                  k3 = _mm256_set1_epi8(0x03), bit4 = _mm256_set1_epi8(0x10);
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const G& B = gb[b];
+        rows8_prefetch<sizeof(G)>(&B);
+        const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales));
+        const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 64));
+        const __m256i sc03 = _mm256_and_si256(u0, k1);
+        const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(u2, k2),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
+        __m256i sumi[R];
+        for (int r = 0; r < R; ++r) sumi[r] = _mm256_setzero_si256();
+#pragma GCC unroll 4  // the fifth bits' shifts become constants
+        for (int c8 = 0; c8 < 4; ++c8) {  // elements 64 c8 .. 64 c8 + 63: sub-blocks 2 c8 (low), 2 c8 + 1 (high)
+            // pair sums of code vectors 0..3 ([0]) and 4..7 ([1]): 4-bit codes add all 8 in [0]
+            constexpr int H = Five ? 2 : 1;
+            __m256i pl[R][H], ph[R][H];
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < H; ++h) pl[r][h] = ph[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; ++k) {
+                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * (8 * c8 + k)));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if constexpr (Five) {
+                    // bits 2 c8, 2 c8 + 1 of the fifth-bit bytes moved to bit 4 (16-bit shifts by <= 4 bring
+                    // nothing from the neighbour byte to bit 4)
+                    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * k));
+                    const int sl = 4 - 2 * c8;  // bit 2 c8 -> 4
+                    const __m256i hl = sl >= 0 ? _mm256_slli_epi16(h, sl) : _mm256_srli_epi16(h, -sl);
+                    const __m256i hh = sl - 1 >= 0 ? _mm256_slli_epi16(h, sl - 1) : _mm256_srli_epi16(h, 1 - sl);
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(hl, bit4));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(hh, bit4));
+                }
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* x = xr[r][b].qs + 64 * c8;
+                    const int h = Five ? k / 4 : 0;
+                    pl[r][h] = _mm256_add_epi16(pl[r][h], _mm256_maddubs_epi16(lo, bcast4(x + 4 * k)));
+                    ph[r][h] = _mm256_add_epi16(ph[r][h], _mm256_maddubs_epi16(hi, bcast4(x + 32 + 4 * k)));
+                    keep_in_register(pl[r][h]);
+                    keep_in_register(ph[r][h]);
+                }
+            }
+            const __m256i scs = c8 < 2 ? sc03 : sc47;
+            const __m256i sc_l = rows8_pick16(scs, 2 * (c8 & 1), 2 * (c8 & 1));
+            const __m256i sc_h = rows8_pick16(scs, 2 * (c8 & 1) + 1, 2 * (c8 & 1) + 1);
+            for (int r = 0; r < R; ++r) {
+                __m256i s = _mm256_add_epi32(_mm256_madd_epi16(pl[r][0], sc_l), _mm256_madd_epi16(ph[r][0], sc_h));
+                if constexpr (Five)
+                    s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_madd_epi16(pl[r][1], sc_l),
+                                                             _mm256_madd_epi16(ph[r][1], sc_h)));
+                sumi[r] = _mm256_add_epi32(sumi[r], s);
+            }
+        }
+        // the mins: ggml's unpacking again, from the scale bytes still in L1
+        const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 32));
+        const __m256i mn03 = _mm256_and_si256(u1, k1);
+        const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
+        const __m256i mp[4] = {rows8_pick16(mn03, 0, 1), rows8_pick16(mn03, 2, 3), rows8_pick16(mn47, 0, 1),
+                               rows8_pick16(mn47, 2, 3)};
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
+        const __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.dmin)));
+        for (int r = 0; r < R; ++r) {
+            const int32_t* w4 = bw[r] + 4 * b;
+            const __m256i summ = _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_madd_epi16(mp[0], _mm256_set1_epi32(w4[0])),
+                                 _mm256_madd_epi16(mp[1], _mm256_set1_epi32(w4[1]))),
+                _mm256_add_epi32(_mm256_madd_epi16(mp[2], _mm256_set1_epi32(w4[2])),
+                                 _mm256_madd_epi16(mp[3], _mm256_set1_epi32(w4[3]))));
+            const __m256 dx = _mm256_set1_ps(xr[r][b].d);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmw, dx), _mm256_cvtepi32_ps(summ), acc[r]);
+            keep_in_register(acc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
+}
+
 template <class G, bool Five, int M>
 void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
                  size_t ldy) {
@@ -354,9 +459,13 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
     // bsum pairs: bs[(m * nb + b) * 4 + t] = (bsum_4t + bsum_4t+1) | (bsum_4t+2 + bsum_4t+3) << 16 (|.| <= 4064)
     thread_local std::vector<int32_t> bsw;
     bsw.resize(static_cast<size_t>(M) * nb * 4);
-    for (int m = 0; m < M; ++m)
+    const block_q8_K* xr[M];
+    const int32_t* bw[M];
+    for (int m = 0; m < M; ++m) {
+        xr[m] = act_row<block_q8_K>(xa, xs, m);
+        bw[m] = bsw.data() + static_cast<size_t>(m) * nb * 4;
         for (int b = 0; b < nb; ++b) {
-            const int16_t* s = act_row<block_q8_K>(xa, xs, m)[b].bsums;
+            const int16_t* s = xr[m][b].bsums;
             for (int t = 0; t < 4; ++t) {
                 const uint16_t lo = static_cast<uint16_t>(s[4 * t] + s[4 * t + 1]);
                 const uint16_t hi = static_cast<uint16_t>(s[4 * t + 2] + s[4 * t + 3]);
@@ -364,93 +473,13 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
                     static_cast<int32_t>(lo | (static_cast<uint32_t>(hi) << 16));
             }
         }
-    const __m256i m4 = _mm256_set1_epi8(0x0F), k1 = _mm256_set1_epi8(0x3F), k2 = _mm256_set1_epi8(0x0F),
-                  k3 = _mm256_set1_epi8(0x03), bit4 = _mm256_set1_epi8(0x10);
+    }
+    constexpr int C = M < ROWS8_K_CHUNK ? M : ROWS8_K_CHUNK, full = M / C * C;  // as rows8_q6_k
     for (int g = 0; g < n; g += 8) {
         const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
-        __m256 acc[M];
-        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-            const G& B = gb[b];
-            rows8_prefetch<sizeof(G)>(&B);
-            const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales));
-            const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 32));
-            const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 64));
-            const __m256i sc03 = _mm256_and_si256(u0, k1), mn03 = _mm256_and_si256(u1, k1);
-            const __m256i sc47 = _mm256_or_si256(_mm256_and_si256(u2, k2),
-                                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
-            const __m256i mn47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
-                                                 _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
-            const __m256i mp[4] = {rows8_pick16(mn03, 0, 1), rows8_pick16(mn03, 2, 3), rows8_pick16(mn47, 0, 1),
-                                   rows8_pick16(mn47, 2, 3)};
-            __m256i sumi[M], summ[M];
-            for (int m = 0; m < M; ++m) {
-                const int32_t* bw = bsw.data() + (static_cast<size_t>(m) * nb + b) * 4;
-                summ[m] = _mm256_add_epi32(
-                    _mm256_add_epi32(_mm256_madd_epi16(mp[0], _mm256_set1_epi32(bw[0])),
-                                     _mm256_madd_epi16(mp[1], _mm256_set1_epi32(bw[1]))),
-                    _mm256_add_epi32(_mm256_madd_epi16(mp[2], _mm256_set1_epi32(bw[2])),
-                                     _mm256_madd_epi16(mp[3], _mm256_set1_epi32(bw[3]))));
-                sumi[m] = _mm256_setzero_si256();
-            }
-#pragma GCC unroll 4  // the fifth bits' shifts become constants
-            for (int c8 = 0; c8 < 4; ++c8) {  // elements 64 c8 .. 64 c8 + 63: sub-blocks 2 c8 (low), 2 c8 + 1 (high)
-                const __m256i scs = c8 < 2 ? sc03 : sc47;
-                const __m256i sc_l = rows8_pick16(scs, 2 * (c8 & 1), 2 * (c8 & 1));
-                const __m256i sc_h = rows8_pick16(scs, 2 * (c8 & 1) + 1, 2 * (c8 & 1) + 1);
-                __m256i lo[8], hi[8];
-                for (int k = 0; k < 8; ++k) {
-                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * (8 * c8 + k)));
-                    lo[k] = _mm256_and_si256(v, m4);
-                    hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    if constexpr (Five) {
-                        // bits 2 c8, 2 c8 + 1 of the fifth-bit bytes moved to bit 4 (16-bit shifts by <= 4 bring
-                        // nothing from the neighbour byte to bit 4)
-                        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * k));
-                        const int sl = 4 - 2 * c8;  // bit 2 c8 -> 4
-                        const __m256i hl = sl >= 0 ? _mm256_slli_epi16(h, sl) : _mm256_srli_epi16(h, -sl);
-                        const __m256i hh = sl - 1 >= 0 ? _mm256_slli_epi16(h, sl - 1) : _mm256_srli_epi16(h, 1 - sl);
-                        lo[k] = _mm256_or_si256(lo[k], _mm256_and_si256(hl, bit4));
-                        hi[k] = _mm256_or_si256(hi[k], _mm256_and_si256(hh, bit4));
-                    }
-                }
-                for (int m = 0; m < M; ++m) {
-                    const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 64 * c8;
-                    __m256i pl[2], ph[2];
-                    for (int u = 0; u < 2; ++u) {
-                        pl[u] = _mm256_add_epi16(
-                            _mm256_add_epi16(_mm256_maddubs_epi16(lo[4 * u], bcast4(x + 16 * u)),
-                                             _mm256_maddubs_epi16(lo[4 * u + 1], bcast4(x + 16 * u + 4))),
-                            _mm256_add_epi16(_mm256_maddubs_epi16(lo[4 * u + 2], bcast4(x + 16 * u + 8)),
-                                             _mm256_maddubs_epi16(lo[4 * u + 3], bcast4(x + 16 * u + 12))));
-                        ph[u] = _mm256_add_epi16(
-                            _mm256_add_epi16(_mm256_maddubs_epi16(hi[4 * u], bcast4(x + 32 + 16 * u)),
-                                             _mm256_maddubs_epi16(hi[4 * u + 1], bcast4(x + 32 + 16 * u + 4))),
-                            _mm256_add_epi16(_mm256_maddubs_epi16(hi[4 * u + 2], bcast4(x + 32 + 16 * u + 8)),
-                                             _mm256_maddubs_epi16(hi[4 * u + 3], bcast4(x + 32 + 16 * u + 12))));
-                    }
-                    __m256i s;
-                    if constexpr (Five) {
-                        s = _mm256_add_epi32(
-                            _mm256_add_epi32(_mm256_madd_epi16(pl[0], sc_l), _mm256_madd_epi16(pl[1], sc_l)),
-                            _mm256_add_epi32(_mm256_madd_epi16(ph[0], sc_h), _mm256_madd_epi16(ph[1], sc_h)));
-                    } else {
-                        s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(pl[0], pl[1]), sc_l),
-                                             _mm256_madd_epi16(_mm256_add_epi16(ph[0], ph[1]), sc_h));
-                    }
-                    sumi[m] = _mm256_add_epi32(sumi[m], s);
-                    if (M > 2) keep_in_register(sumi[m]);
-                }
-            }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
-            const __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.dmin)));
-            for (int m = 0; m < M; ++m) {
-                const __m256 dx = _mm256_set1_ps(act_row<block_q8_K>(xa, xs, m)[b].d);
-                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
-                acc[m] = _mm256_fnmadd_ps(_mm256_mul_ps(dmw, dx), _mm256_cvtepi32_ps(summ[m]), acc[m]);
-            }
-        }
-        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, acc[m]);
+        for (int m = 0; m < full; m += C) rows8_q45_k_group<G, Five, C>(gb, nb, xr + m, bw + m, y + m * ldy + g, ldy);
+        if constexpr (M % C != 0)
+            rows8_q45_k_group<G, Five, M % C>(gb, nb, xr + full, bw + full, y + full * ldy + g, ldy);
     }
 }
 

@@ -315,8 +315,8 @@ template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_
 //   acc  += (dw_b * dx_b) * sum(code * xq)    (the integer dot exact, as in every legacy kernel)
 //   accc += c_b * s_b                         (c = -offset * dw, or the block min; s_b = dx_b * sum(xq))
 // and y = acc + accc, stored 8 rows at once.  The integer dot takes 8 broadcast 4-byte activation groups
-// against 8 code vectors decoded once per block for all M rows: per 8 rows x 32 weights, 4 loads, ~12 ALU ops
-// of decoding and per activation row 8 multiplies, where the row kernels above need ~11 ALU ops per row block
+// against 8 code vectors decoded once per block for up to 4 activation rows: per 8 rows x 32 weights, 4 loads,
+// ~12 ALU ops of decoding and per activation row 8 multiplies, where the row kernels above need ~11 ALU ops per row block
 // (nibble unpack, the int16 reduction tree, horizontal sums).  Same operations per row for every M.
 template <class G>
 struct Rows8;
@@ -349,79 +349,98 @@ PYLLM_INLINE __m256i fifth_bits(__m256i qh) {
     return _mm256_and_si256(at4, _mm256_set1_epi8(0x10));
 }
 
-// sum over 32 elements of code * xq for 8 rows at once: lo[k] / hi[k] hold, in lane j, row j's codes of
-// elements 4k..4k+3 / 16+4k..16+4k+3 (unsigned, <= 15 or <= 31), x the block's 32 activation codes.
-template <bool Five>
-PYLLM_INLINE __m256i rows8_isum(const __m256i* lo, const __m256i* hi, const int8_t* x) {
-    auto bc = [&](int off) {
-        int32_t v;
-        memcpy(&v, x + off, 4);
-        return _mm256_set1_epi32(v);
-    };
+// R <= 4 activation rows against one group of 8 weight rows: y[r * ldy + j], j < 8.  Code vector k of a block
+// holds in lane j row j's codes of elements 4k..4k+3 (lo) and 16+4k..16+4k+3 (hi), unsigned (<= 15, or <= 31
+// with the fifth bit).  Each is decoded once, just in time, and feeds all R rows, so few vectors are live: the
+// row's pair-sum accumulators and its two fp32 sums stay in registers (keep_in_register).  Decoding a whole
+// block's 8 code vectors first and then looping over up to 8 rows spills the fp32 sums and puts a store-reload
+// on every block's dependency chain (measured: 1.2-1.3x slower at M = 4-8).
+// The integer sums are exact, so they equal vpdpbusd's: maddubs pair sums are <= 2 * 15 * 127 = 3810 for 4-bit
+// codes, so all 8 add up in int16 (30480 < 32767); 5-bit codes (<= 7874) 4 at a time, in two accumulators.
+template <class G, int R>
+PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, size_t ldy) {
+    using T = Rows8<G>;
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[R], accc[R];
+    for (int r = 0; r < R; ++r) acc[r] = accc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const G& B = gb[b];
+        prefetch_ahead<sizeof(G)>(&B);
+        __m256i qh;
+        if constexpr (T::five) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh));
+        // 5-bit codes: ps[r][0] sums code vectors 0, 1 and ps[r][1] vectors 2, 3; 4-bit codes: all in ps[r][0]
+        constexpr int H = T::five ? 2 : 1;
+        __m256i ps[R][H];
+        for (int r = 0; r < R; ++r)
+            for (int h = 0; h < H; ++h) ps[r][h] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if constexpr (T::five) {
+                switch (k) {  // fifth_bits needs its lane group as a constant
+                    case 0: lo = _mm256_or_si256(lo, fifth_bits<0>(qh)); hi = _mm256_or_si256(hi, fifth_bits<4>(qh)); break;
+                    case 1: lo = _mm256_or_si256(lo, fifth_bits<1>(qh)); hi = _mm256_or_si256(hi, fifth_bits<5>(qh)); break;
+                    case 2: lo = _mm256_or_si256(lo, fifth_bits<2>(qh)); hi = _mm256_or_si256(hi, fifth_bits<6>(qh)); break;
+                    default: lo = _mm256_or_si256(lo, fifth_bits<3>(qh)); hi = _mm256_or_si256(hi, fifth_bits<7>(qh)); break;
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x = a[r].qs + QK * b;
+                int32_t xl, xh;
+                memcpy(&xl, x + 4 * k, 4);
+                memcpy(&xh, x + 16 + 4 * k, 4);
+                __m256i& p = ps[r][T::five ? k / 2 : 0];
 #ifdef PYLLM_VNNI
-    __m256i s = _mm256_setzero_si256();
-    for (int k = 0; k < 4; ++k) {
-        s = _mm256_dpbusd_epi32(s, lo[k], bc(4 * k));
-        s = _mm256_dpbusd_epi32(s, hi[k], bc(16 + 4 * k));
-    }
-    return s;
+                p = _mm256_dpbusd_epi32(p, lo, _mm256_set1_epi32(xl));
+                p = _mm256_dpbusd_epi32(p, hi, _mm256_set1_epi32(xh));
 #else
-    // maddubs pair sums: <= 2 * 15 * 127 = 3810 (4-bit codes), so 8 of them add up in int16 (30480 < 32767);
-    // 5-bit codes (<= 7874 per pair sum) only 4 at a time.  Exact either way, so the same sums as vpdpbusd.
-    __m256i p[4];
-    for (int k = 0; k < 4; ++k)
-        p[k] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], bc(4 * k)), _mm256_maddubs_epi16(hi[k], bc(16 + 4 * k)));
-    const __m256i ones = _mm256_set1_epi16(1);
-    if (!Five)
-        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
-    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                            _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+                p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
+                                                         _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))));
 #endif
+                keep_in_register(p);
+            }
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
+        __m256 cw;
+        if constexpr (T::has_min) cw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.m)));
+        else cw = _mm256_mul_ps(dw, _mm256_set1_ps(T::offset));
+        for (int r = 0; r < R; ++r) {
+#ifdef PYLLM_VNNI
+            const __m256i is = T::five ? _mm256_add_epi32(ps[r][0], ps[r][H - 1]) : ps[r][0];
+#else
+            const __m256i ones = _mm256_set1_epi16(1);
+            const __m256i is = T::five ? _mm256_add_epi32(_mm256_madd_epi16(ps[r][0], ones),
+                                                          _mm256_madd_epi16(ps[r][H - 1], ones))
+                                       : _mm256_madd_epi16(ps[r][0], ones);
+#endif
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[r].d[b])), _mm256_cvtepi32_ps(is), acc[r]);
+            accc[r] = _mm256_fmadd_ps(cw, _mm256_set1_ps(a[r].s[b]), accc[r]);
+            keep_in_register(acc[r]);
+            keep_in_register(accc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], accc[r]));
 }
 
-// n rows (a multiple of 8, from a group start) against M activation rows: y[m * ldy + r].
+// n rows (a multiple of 8, from a group start) against M activation rows: y[m * ldy + r].  Activation rows go
+// ROWS8_CHUNK at a time over a group (its blocks stay in L1 for the next chunk); each row's fp32 operations are
+// the same whatever chunk it is in, so a row's result does not depend on M.  4 rows per chunk: 16 live vectors
+// at most, and each decoded code vector serves 4 rows (Zen 3, in L1: an extra row costs 0.55 of the first one
+// for Q4_1, 0.4 for Q5_0; 2 rows per chunk: 0.75 and 0.65).
+#ifndef ROWS8_CHUNK
+#define ROWS8_CHUNK 4
+#endif
 template <class G, int M>
 void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
-    using T = Rows8<G>;
     const int nb = K / QK;
     Q8RowC a[M];
     for (int m = 0; m < M; ++m) a[m] = q8_row(xa + xs * m, K);
-    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    constexpr int C = M < ROWS8_CHUNK ? M : ROWS8_CHUNK, full = M / C * C;
     for (int g = 0; g < n; g += 8) {
         const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
-        __m256 acc[M], accc[M];
-        for (int m = 0; m < M; ++m) acc[m] = accc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; ++b) {
-            const G& B = gb[b];
-            prefetch_ahead<sizeof(G)>(&B);
-            __m256i lo[4], hi[4];
-            for (int k = 0; k < 4; ++k) {
-                const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
-                lo[k] = _mm256_and_si256(v, low4);
-                hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            }
-            if constexpr (T::five) {
-                const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh));
-                lo[0] = _mm256_or_si256(lo[0], fifth_bits<0>(qh));
-                lo[1] = _mm256_or_si256(lo[1], fifth_bits<1>(qh));
-                lo[2] = _mm256_or_si256(lo[2], fifth_bits<2>(qh));
-                lo[3] = _mm256_or_si256(lo[3], fifth_bits<3>(qh));
-                hi[0] = _mm256_or_si256(hi[0], fifth_bits<4>(qh));
-                hi[1] = _mm256_or_si256(hi[1], fifth_bits<5>(qh));
-                hi[2] = _mm256_or_si256(hi[2], fifth_bits<6>(qh));
-                hi[3] = _mm256_or_si256(hi[3], fifth_bits<7>(qh));
-            }
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
-            __m256 cw;
-            if constexpr (T::has_min) cw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.m)));
-            else cw = _mm256_mul_ps(dw, _mm256_set1_ps(T::offset));
-            for (int m = 0; m < M; ++m) {
-                const __m256i is = rows8_isum<T::five>(lo, hi, a[m].qs + QK * b);
-                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(is), acc[m]);
-                accc[m] = _mm256_fmadd_ps(cw, _mm256_set1_ps(a[m].s[b]), accc[m]);
-            }
-        }
-        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, _mm256_add_ps(acc[m], accc[m]));
+        for (int m = 0; m < full; m += C) rows8_group<G, C>(gb, nb, a + m, y + m * ldy + g, ldy);
+        if constexpr (M % C != 0) rows8_group<G, M % C>(gb, nb, a + full, y + full * ldy + g, ldy);
     }
 }
 
@@ -435,10 +454,6 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
 // the same operations per row for every M, and the same integer sums in the AVX2 and VNNI builds.  Activation
 // rows go 4 at a time over a block (rows8_q8_rows), so their int32 sums stay in registers for any M while
 // each code vector is loaded once per 4 rows.
-
-// An empty asm on a running sum: without it gcc turns the 8 steps' integer adds into a tree after all the
-// products, which for 4 activation rows keeps 32-64 products alive and spills them to the stack.
-PYLLM_INLINE void keep_in_register(__m256i& v) { __asm__("" : "+x"(v)); }
 
 // int8 activations: signed x signed.  vpmaddubsw takes |code| (unsigned) against xq with the code's sign moved
 // onto it (vpsignb, as dot_s8s8): exact, since |xq| <= 127 and |code| <= 128 keep a pair sum <= 32512; |code|
