@@ -358,3 +358,14 @@ def test_spec_replay_counts_passes_like_the_generator():
     fresh = list(range(1000, 1060))
     assert tool.replay(prompt, fresh, linear, "controller", 4, 7) == pytest.approx(1.0)
     assert tool.replay(prompt, fresh, linear, "oracle", 4, 7) == pytest.approx(1.0)
+    # the ideal copy drafts the true continuation wherever it occurs: 8 tokens per pass on the verbatim copy, none
+    # on tokens never seen
+    assert tool.ideal_copy(prompt, copy, free, 7) == pytest.approx(56 / 7)
+    assert tool.ideal_copy(prompt, fresh, linear, 7) == pytest.approx(1.0)
+    # a reply copying the first of two pieces that start with token 1: after its first token (1, from the prefill)
+    # the ideal drafts 2..8 in one pass; the lookup copies the latest 1 (followed by 20), so the oracle takes a
+    # plain step (2) and then drafts 3..8: two passes
+    prompt2 = [50, 1, 2, 3, 4, 5, 6, 7, 8, 60, 1, 20, 21, 22, 23, 24, 25, 26]
+    reply2 = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert tool.ideal_copy(prompt2, reply2, free, 7) == pytest.approx(7.0)
+    assert tool.replay(prompt2, reply2, free, "oracle", 4, 7) == pytest.approx(3.5)
