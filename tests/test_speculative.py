@@ -27,13 +27,14 @@ from conftest import fixture_path
 
 
 # ---- prompt lookup ---------------------------------------------------------------------------------------------------
-def test_lookup_proposes_what_followed_the_latest_longest_match():
+def test_lookup_proposes_what_followed_the_longest_match():
     p = sp.LookupProposer(ngram=3)
     ctx = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
-    # suffix (1, 2, 3) occurred at 0..2, followed by 4 5 9 ...
+    # suffix (1, 2, 3) occurred at 0..2, followed by 4 5 9 ...; nothing before it to agree on: evidence 3
     assert p.propose(ctx, 3) == ([4, 5, 9], 3)
-    # a shorter suffix only when no longer one matches; the latest occurrence wins: (2, 3) -> 7 (not 4)
-    assert sp.LookupProposer(ngram=3).propose([1, 2, 3, 4, 5, 2, 3, 7, 6, 2, 3], 2) == ([7, 6], 2)
+    # a shorter suffix only when no longer one matches; (2, 3) was followed by 4 and later by 7: the latest is
+    # copied (neither shares the token before), and the evidence is 0, as the next token is a guess
+    assert sp.LookupProposer(ngram=3).propose([1, 2, 3, 4, 5, 2, 3, 7, 6, 2, 3], 2) == ([7, 6], 0)
     # growing the same list incrementally gives what a fresh index gives
     ctx2 = ctx + [4, 5]
     assert p.propose(ctx2, 4) == sp.LookupProposer(ngram=3).propose(ctx2, 4)
@@ -41,6 +42,41 @@ def test_lookup_proposes_what_followed_the_latest_longest_match():
     assert sp.LookupProposer(ngram=2).propose([5, 6, 7], 4) == ([], 0)
     # a list that is not an extension restarts the index
     assert p.propose([8, 9, 8], 2) == ([9, 8], 1)
+
+
+def test_lookup_copies_the_occurrence_sharing_more_context():
+    # (1, 2) occurred after 5 (followed by 3 8) and, later, after 9 (followed by 3 7); the context ends 5 1 2, so
+    # the earlier occurrence is the text being copied: its continuation 3 8 9 is drafted, not the latest's 3 7 5.
+    # Both were followed by 3, so the match is not ambiguous: its evidence is the 3 agreeing tokens (5 1 2).
+    ctx = [5, 1, 2, 3, 8, 9, 1, 2, 3, 7, 5, 1, 2]
+    assert sp.LookupProposer(ngram=2).propose(ctx, 3) == ([3, 8, 9], 3)
+    # a longer ngram finds the same text directly
+    assert sp.LookupProposer(ngram=3).propose(ctx, 3) == ([3, 8, 9], 3)
+    # the evidence counts agreeing tokens before the suffix too, up to MATCH_CAP
+    assert sp.LookupProposer(ngram=4).propose(list(range(20)) + list(range(10)), 2) == ([10, 11], sp.MATCH_CAP)
+    assert sp.LookupProposer(ngram=4).propose(list(range(20)) + [7, 0, 1], 2) == ([2, 3], 2)
+
+
+def test_lookup_cost_per_step_does_not_grow_with_the_context():
+    # Each position is indexed once (ngram keys), and a proposal compares at most 2 * MATCH_CAP tokens: a
+    # 4k-token context copied token by token costs the same dict work per step as a short one.
+    ctx = [i % 97 for i in range(4096)]
+    p = sp.LookupProposer(ngram=4)
+    p.propose(ctx, 7)
+    assert len(p.latest) <= 4 * 97 and len(p.previous) <= len(p.latest)
+    compared = []
+    agree = p._agree_before
+
+    def counting(i, j, most):
+        compared.append(most)
+        return agree(i, j, most)
+
+    p._agree_before = counting
+    for t in range(64):
+        ctx.append(ctx[-97])
+        drafts, evidence = p.propose(ctx, 7)
+        assert drafts == [ctx[len(ctx) - 97 + i] for i in range(7)] and evidence == sp.MATCH_CAP
+    assert len(compared) <= 2 * 64 and all(m <= sp.MATCH_CAP for m in compared)
 
 
 def test_spec_settings_errors():
@@ -67,6 +103,15 @@ def test_controller_backs_off_when_lookups_fail_and_drafts_when_they_agree():
     assert c.choose_k(4, 7) == 7
     assert c.choose_k(4, 3) == 3  # never more than proposed
     assert sp.SpecController(adaptive=False).choose_k(1, 5) == 5
+
+
+def test_controller_trusts_a_longer_match_before_measuring_it():
+    # At passes of 1 + 0.2 (M - 1) steps and nothing observed yet: a match of MATCH_CAP tokens (prior 8/9 per
+    # token) is drafted deeper than one of 2 (2/3), and a proposal with no evidence (0: prior 0.3) not at all.
+    c = sp.SpecController(max_k=7)
+    for m in range(1, 9):
+        c.time(m, 0.010 * (1 + 0.2 * (m - 1)))
+    assert c.choose_k(sp.MATCH_CAP, 7) > c.choose_k(2, 7) > c.choose_k(0, 7) == 0
 
 
 def test_controller_stops_probing_a_draft_that_cannot_pay():
@@ -313,3 +358,14 @@ def test_spec_replay_counts_passes_like_the_generator():
     fresh = list(range(1000, 1060))
     assert tool.replay(prompt, fresh, linear, "controller", 4, 7) == pytest.approx(1.0)
     assert tool.replay(prompt, fresh, linear, "oracle", 4, 7) == pytest.approx(1.0)
+    # the ideal copy drafts the true continuation wherever it occurs: 8 tokens per pass on the verbatim copy, none
+    # on tokens never seen
+    assert tool.ideal_copy(prompt, copy, free, 7) == pytest.approx(56 / 7)
+    assert tool.ideal_copy(prompt, fresh, linear, 7) == pytest.approx(1.0)
+    # a reply copying the first of two pieces that start with token 1: after its first token (1, from the prefill)
+    # the ideal drafts 2..8 in one pass; the lookup copies the latest 1 (followed by 20), so the oracle takes a
+    # plain step (2) and then drafts 3..8: two passes
+    prompt2 = [50, 1, 2, 3, 4, 5, 6, 7, 8, 60, 1, 20, 21, 22, 23, 24, 25, 26]
+    reply2 = [1, 2, 3, 4, 5, 6, 7, 8]
+    assert tool.ideal_copy(prompt2, reply2, free, 7) == pytest.approx(7.0)
+    assert tool.replay(prompt2, reply2, free, "oracle", 4, 7) == pytest.approx(3.5)

@@ -9,8 +9,10 @@ This tool separates them.  It records each shipped prompt's greedy reply (plain 
 speculation must reproduce), then replays speculation over it: the pyllm LookupProposer drafts from the prompt and
 the reply so far, the pyllm SpecController picks k, and the recorded reply says how many drafted tokens are
 accepted.  A pass over M rows costs cost[M] steps of one row; the speedup is tokens over summed costs, against one
-step per token.  "oracle" picks k as the number that will be accepted (the best any controller can do with these
-drafts).
+step per token.  "oracle" picks k as the number that will be accepted (the best a controller can do with these
+drafts, step by step).  "ideal copy" bounds what copying can give at all: at each step the draft is the longest
+prefix (up to k) of the true continuation found anywhere in the prompt and the reply so far, whichever occurrence
+holds it, so the gap between it and "oracle" is the lookup's choice of what to copy.
 
 The cost table is measured on the model (the multi-row forward at M = 1..8, best of several rounds; --measure is
 the default), or given as slopes: cost[M] = 1 + slope * (M - 1), one table per slope.
@@ -89,6 +91,23 @@ def replay(prompt: list[int], reply: list[int], cost: dict[int, float], policy: 
     return (len(reply) - 1) / spent
 
 
+def ideal_copy(prompt: list[int], reply: list[int], cost: dict[int, float], k_max: int) -> float:
+    """The speedup of drafting, at every step, the longest prefix (<= k_max) of the true continuation that occurs
+    anywhere in the context (a scan of the whole context per step: a bound to replay, not a proposer)."""
+    n, spent = 1, 0.0
+    while n < len(reply):
+        ctx, truth = prompt + reply[:n], reply[n:]
+        best = 0
+        for length in range(1, min(k_max, len(truth)) + 1):
+            pat = truth[:length]
+            if not any(ctx[i:i + length] == pat for i in range(len(ctx) - length + 1)):
+                break
+            best = length
+        spent += cost[best + 1]
+        n += best + 1
+    return (len(reply) - 1) / spent
+
+
 def main(argv=None) -> int:
     import pyllm
     from pyllm.runtime.speculative import DEFAULT_K, DEFAULT_NGRAM
@@ -101,8 +120,8 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-k", type=int, default=DEFAULT_K)
     ap.add_argument("--spec-ngram", type=int, default=DEFAULT_NGRAM)
     a = ap.parse_args(argv)
-    print("| model | cost[2..8] (x one row) | prompt | kind | tokens | controller | oracle |")
-    print("|---|---|---|---|---:|---:|---:|")
+    print("| model | cost[2..8] (x one row) | prompt | kind | tokens | controller | oracle | ideal copy |")
+    print("|---|---|---|---|---:|---:|---:|---:|")
     for name in a.models:
         llm = pyllm.load(name, n_ctx=2048, n_threads=a.threads, quiet=True)
         replies = record(llm, a.n)
@@ -112,7 +131,9 @@ def main(argv=None) -> int:
             label = " ".join(f"{cost[m]:.2f}" for m in ROWS if m > 1)
             for r in replies:
                 c, o = (replay(r["prompt"], r["reply"], cost, p, a.spec_ngram, a.spec_k) for p in ("controller", "oracle"))
-                print(f"| {llm.path.name} | {label} | {r['name']} | {r['kind']} | {len(r['reply'])} | {c:.2f}x | {o:.2f}x |")
+                i = ideal_copy(r["prompt"], r["reply"], cost, a.spec_k)
+                print(f"| {llm.path.name} | {label} | {r['name']} | {r['kind']} | {len(r['reply'])} | {c:.2f}x | {o:.2f}x "
+                      f"| {i:.2f}x |")
         del llm
     return 0
 

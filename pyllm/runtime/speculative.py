@@ -5,8 +5,9 @@ GEMV pass per weight for all rows) costs little more than one, so every drafted 
 nearly free. Two proposers:
 
 * ``LookupProposer`` (prompt lookup, "lookup"): the last n tokens (n = ngram..1) are looked up in the prompt and
-  the text so far, and the tokens that followed their latest earlier occurrence are the draft. No second model;
-  it pays off where the output repeats the input (editing code, rewriting or summarising a pasted text).
+  the text so far, and the tokens that followed an earlier occurrence (of the two latest, the one sharing more
+  context before it) are the draft. No second model; it pays off where the output repeats the input (editing
+  code, rewriting or summarising a pasted text).
 * ``DraftProposer`` ("draft"): a smaller model with the same vocabulary drafts token by token.
 
 Verification (``accept``) keeps the output distribution exactly that of plain decoding: greedy (temperature 0)
@@ -15,9 +16,10 @@ speculative-sampling rule (accept a drafted x with probability min(1, p(x)/q(x))
 norm(max(p - q, 0))), with q one-hot for lookup drafts.
 
 ``SpecController`` decides per step whether to speculate and how many tokens: it keeps running estimates of the
-acceptance rate per match length (updated for free from plain steps too, by checking what would have been
-drafted) and of the time of a forward over M rows, and drafts k tokens only when the expected tokens per second
-(1 - a^(k+1)) / (1 - a) / t(k+1) beat plain decoding's 1 / t(1) by a margin. Open-ended text, where lookups
+acceptance rate per match length (the longer a copy has agreed, the likelier it goes on; updated for free from
+plain steps too, by checking what would have been drafted) and of the time of a forward over M rows, and drafts k
+tokens only when the expected tokens per second (1 - a^(k+1)) / (1 - a) / t(k+1) beat plain decoding's 1 / t(1) by
+a margin. Open-ended text, where lookups
 rarely agree, therefore falls back to plain steps.
 """
 
@@ -35,6 +37,7 @@ SPEC_MODES = ("none", "lookup", "draft")
 MAX_ROWS = 8  # rows of one verification forward: the fused GEMV's limit (ops.GEMV_MAX_M)
 DEFAULT_K = 7  # drafted tokens per verification at most (k + 1 = MAX_ROWS rows)
 DEFAULT_NGRAM = 4  # longest suffix looked up; shorter ones are tried down to 1
+MATCH_CAP = 8  # a lookup's matched length (its evidence for the controller) is counted up to this
 
 
 @dataclass
@@ -78,16 +81,26 @@ def parse_speculative(value, k: int | None = None, ngram: int | None = None, dra
 
 # ---- proposers ---------------------------------------------------------------------------------------------------
 class LookupProposer:
-    """Prompt lookup over a growing token list: index of n-gram -> position after its latest occurrence.
+    """Prompt lookup over a growing token list: index of n-gram -> positions after its two latest occurrences.
 
     ``propose(ctx, k)`` looks up the suffix of ``ctx`` (the longest n first) among the earlier positions and returns
-    (the up to k tokens that followed it, n), or ([], 0). Indexing is incremental: each position is added once, so a
-    step costs O(ngram) dict operations however long the context is.
+    (the up to k tokens that followed it, its evidence), or ([], 0).  Of the two latest occurrences it copies the one
+    whose preceding tokens agree with the context's the furthest (the latest on a tie): a suffix of 4 tokens often
+    recurs, and the occurrence sharing more context is the text being copied.  The evidence is that agreement's
+    length, the suffix included, counted up to ``MATCH_CAP``: the controller keeps its acceptance estimates per
+    evidence, as a copy that has matched longer is likelier to go on (measured on recorded greedy replies: about
+    half the drafted tokens accepted after one matched token, 0.85 after four, 0.9+ after eight).  It is 0 when the
+    two occurrences were followed by different tokens: the next token is then a guess (a tenth of such drafts are
+    accepted there, whatever the matched length).
+
+    Indexing is incremental: each position is added once, so a step costs O(ngram) dict operations and at most
+    2 * MATCH_CAP token comparisons however long the context is.
     """
 
     def __init__(self, ngram: int = DEFAULT_NGRAM):
         self.ngram = ngram
-        self.index: dict[tuple, int] = {}
+        self.latest: dict[tuple, int] = {}  # n-gram -> the position after its latest occurrence
+        self.previous: dict[tuple, int] = {}  # n-gram -> the position after the occurrence before that
         self.ctx: list[int] = []
         self.done = 0  # ends e (exclusive) 1..done are indexed
 
@@ -95,22 +108,46 @@ class LookupProposer:
         # The generator only ever appends, or starts over; anything else (a caller's list) restarts the index.
         n = len(self.ctx)
         if len(ctx) < n or ctx[:n] != self.ctx:
-            self.index, self.ctx, self.done = {}, [], 0
+            self.latest, self.previous, self.ctx, self.done = {}, {}, [], 0
         self.ctx = list(ctx) if len(self.ctx) == 0 else self.ctx + ctx[n:]
 
     def propose(self, ctx: list[int], k: int) -> tuple[list[int], int]:
         self._sync(ctx)
         c, L = self.ctx, len(self.ctx)
+        latest, previous = self.latest, self.previous
         # index every end e < L: the current suffix (e = L) must not find itself
         for e in range(self.done + 1, L):
             for n in range(1, min(self.ngram, e) + 1):
-                self.index[tuple(c[e - n:e])] = e
+                key = tuple(c[e - n:e])
+                old = latest.get(key)
+                if old is not None:
+                    previous[key] = old
+                latest[key] = e
         self.done = max(self.done, L - 1)
         for n in range(min(self.ngram, L), 0, -1):
-            e = self.index.get(tuple(c[L - n:L]))
-            if e is not None:
-                return c[e:e + k], n
+            key = tuple(c[L - n:L])
+            e = latest.get(key)
+            if e is None:
+                continue
+            match = n + self._agree_before(e - n, L - n, MATCH_CAP - n)
+            p = previous.get(key)
+            if p is not None:
+                split = c[p] != c[e]
+                if match < MATCH_CAP:
+                    mp = n + self._agree_before(p - n, L - n, MATCH_CAP - n)
+                    if mp > match:
+                        e, match = p, mp
+                if split:
+                    match = 0
+            return c[e:e + k], match
         return [], 0
+
+    def _agree_before(self, i: int, j: int, most: int) -> int:
+        """How many tokens (up to ``most``) before positions i and j of the context are the same."""
+        c, m = self.ctx, 0
+        while m < most and m < i and c[i - 1 - m] == c[j - 1 - m]:
+            m += 1
+        return m
 
 
 class DraftProposer:
@@ -291,8 +328,11 @@ class SpecStats:
 class SpecController:
     """Chooses k for each proposal from running estimates (see the module docstring).
 
-    rate[n]: acceptance per drafted token for a lookup match of length n (draft model: n = 0), a Beta-like
-    running mean with a prior of ``prior`` over ``prior_weight`` observations, decayed so it follows the text.
+    rate[n]: acceptance per drafted token for a lookup of evidence n (LookupProposer: the matched length, 0 for an
+    ambiguous one; draft model: n = 0), a Beta-like running mean over ``prior_weight`` observations of a prior,
+    decayed so it follows the text.  The prior is n / (n + 1) for n >= 1 (a copy that agreed on n tokens goes on
+    about that often in grounded replies, so a long match is drafted deep from its first use) and ``prior`` for
+    n = 0, where nothing is known.
     t[M]: seconds of a forward over M rows, a running mean started from a prior ratio to t[1].
     """
 
@@ -308,7 +348,8 @@ class SpecController:
 
     def rate(self, n: int) -> float:
         a, m = self.hits.get(n, (0.0, 0.0))
-        return (a + self.prior * self.prior_weight) / (m + self.prior_weight)
+        prior = n / (n + 1.0) if n >= 1 else self.prior
+        return (a + prior * self.prior_weight) / (m + self.prior_weight)
 
     def observe(self, n: int, accepted: int, trials: int) -> None:
         """``trials`` drafted tokens were checked in order and the first ``accepted`` agreed."""
