@@ -19,8 +19,7 @@ norm(max(p - q, 0))), with q one-hot for lookup drafts.
 acceptance rate per match length (the longer a copy has agreed, the likelier it goes on; updated for free from
 plain steps too, by checking what would have been drafted) and of the time of a forward over M rows, and drafts k
 tokens only when the expected tokens per second (1 - a^(k+1)) / (1 - a) / t(k+1) beat plain decoding's 1 / t(1) by
-a margin. Open-ended text, where lookups
-rarely agree, therefore falls back to plain steps.
+a margin. Open-ended text, where lookups rarely agree, therefore falls back to plain steps.
 """
 
 from __future__ import annotations
