@@ -2,8 +2,8 @@
 // kernels build and test without torch headers and the CUDA launchers can sit beside them unchanged.
 //
 // Shapes use torch order: a weight is N rows of K values, each row = K / block_size blocks (row_bytes bytes),
-// x is [M, K] fp32 row-major, y is [M, N] fp32 row-major.  Callers (bindings.cpp) have already checked
-// every size; the launchers assume valid input.
+// x is [M, K] fp32 row-major, y is [M, N] fp32 row-major.  Callers (bindings_kernels.cpp, bindings_decode.cpp)
+// have already checked every size; the launchers assume valid input.
 #pragma once
 
 #include <cstddef>
@@ -72,7 +72,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
                     GemvStats* stats = nullptr);
 
 // ---- Prefill GEMM on bf16 (csrc/cpu/gemm_amx.cpp) ----------------------------------------------------------
-// How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings.cpp).
+// How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings_kernels.cpp).
 // Avx512Bf16: vdpbf16ps.  AmxBf16: AMX tiles (TDPBF16PS).  Both bf16 kernels round W (dequantized exactly) and
 // x to bf16 and accumulate in fp32: ~3e-3 relative error of y against float64.
 enum class PrefillKernel : int { F32 = 0, Avx512Bf16 = 1, AmxBf16 = 2 };

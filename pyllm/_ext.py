@@ -31,6 +31,8 @@ from .errors import PyllmError
 # relative to the csrc directory; headers are found through the include path.
 CPU_SOURCES = [
     "bindings.cpp",
+    "bindings_kernels.cpp",
+    "bindings_decode.cpp",
     "cpu/gemv.cpp",
     "cpu/gemv_generic.cpp",
     "cpu/gemv_avx2_legacy.cpp",

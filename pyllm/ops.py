@@ -6,7 +6,7 @@
 
 M <= 8 (decode) runs the fused dequantize-in-GEMV (W read once, quantized); up to 32 rows it runs on 8-row
 chunks (int8 dot products beat dequantizing W); larger M (prefill) dequantizes W a tile at a time and
-multiplies with torch's fp32 GEMM.  The choice is made in C++ (bindings.cpp mul_mat).  Types
+multiplies with torch's fp32 GEMM.  The choice is made in C++ (bindings_kernels.cpp mul_mat).  Types
 the extension lacks, and every call when the extension cannot be built, take the reference path:
 ``QTensor.dequantize()`` + a float32 matmul.  Which functions a model calls is its backend's business
 (pyllm/backends): nothing here is a process-wide switch.

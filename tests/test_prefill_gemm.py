@@ -1,4 +1,4 @@
-"""The prefill GEMM kernels (mul_mat above GEMV_CHUNKED_MAX_M rows; csrc/cpu/gemm_amx.cpp and bindings.cpp's gemm)
+"""The prefill GEMM kernels (mul_mat above GEMV_CHUNKED_MAX_M rows; csrc/cpu/gemm_amx.cpp and bindings_kernels.cpp's gemm)
 against float64 on the same dequantized weights, for every kernel this CPU runs.
 
 Kernels: "f32" (dequantized tiles + torch's fp32 GEMM), "avx512-bf16" (vdpbf16ps) and "amx-bf16" (AMX tiles).  A

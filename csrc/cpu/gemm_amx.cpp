@@ -353,7 +353,7 @@ void gemm_bf16_cpu(PrefillKernel k, QType t, const uint8_t* w, size_t row_bytes,
     gemm_bf16(k == PrefillKernel::AmxBf16, t, w, row_bytes, x, y, M, N, K);
 }
 
-#else  // no AVX-512 BF16 at compile time: only the fp32 path (bindings.cpp) exists
+#else  // no AVX-512 BF16 at compile time: only the fp32 path (bindings_kernels.cpp) exists
 
 namespace cpu {
 bool amx_usable() { return false; }

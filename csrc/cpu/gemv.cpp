@@ -105,7 +105,7 @@ Isa pick_default() {
     return Isa::Scalar;
 }
 
-Isa g_isa = Isa::Scalar;  // set on first use from cpu_best_isa() (PYLLM_ISA: see bindings.cpp)
+Isa g_isa = Isa::Scalar;  // set on first use from cpu_best_isa() (PYLLM_ISA: see bindings_kernels.cpp)
 bool g_isa_set = false;
 int g_threads = 0;  // 0 = not chosen yet: physical cores
 

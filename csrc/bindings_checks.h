@@ -1,0 +1,67 @@
+// The CPU bindings' checks (csrc/bindings_kernels.cpp, csrc/bindings_decode.cpp): every tensor is checked here
+// (dtype, device, rank, shape, contiguity, block divisibility, bytes per row) before a raw pointer goes to a
+// launcher in kernels.h.  Bad calls raise Python exceptions that name the function, the argument and the
+// offending values:
+//   TypeError (wrong dtype), ValueError (device / shape / layout / unknown type id),
+//   NotImplementedError (a real GGML type the kernels do not handle; ops.py falls back to torch on it).
+// Only the binding files include this header: it is the one place that sees torch and the kernels both.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "kernels.h"
+
+namespace pyllm {
+namespace bind {
+
+using at::Tensor;
+
+inline const QTypeTraits& check_qtype(const char* fn, int64_t id) {
+    const QTypeTraits* tr = pyllm::qtype_traits(static_cast<int>(id));
+    TORCH_CHECK_VALUE(tr != nullptr && id >= 0 && id < pyllm::QTYPE_ID_LIMIT, fn, ": unknown GGML type id ", id);
+    TORCH_CHECK_NOT_IMPLEMENTED(tr->cpu, fn, ": ", tr->name, " (GGML type ", id,
+                                ") is not supported by the CPU kernels");
+    return *tr;
+}
+
+inline void check_tensor(const char* fn, const char* name, const Tensor& t, at::ScalarType dtype, int64_t ndim) {
+    TORCH_CHECK_TYPE(t.scalar_type() == dtype, fn, ": ", name, " must be ", c10::toString(dtype), ", got ",
+                     c10::toString(t.scalar_type()));
+    TORCH_CHECK_VALUE(t.device().is_cpu(), fn, ": ", name, " is on ", t.device().str(),
+                      " but the CPU kernels need CPU tensors");
+    TORCH_CHECK_VALUE(t.dim() == ndim, fn, ": ", name, " must be ", ndim, "-D, got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), fn, ": ", name, " must be contiguous (shape ", t.sizes(), ", strides ",
+                      t.strides(), ")");
+}
+
+// A weight tensor (argument `name`, "w" by default): uint8 [N, row_bytes] raw GGUF blocks for rows of K values.
+inline void check_weight(const char* fn, const Tensor& w, const QTypeTraits& tr, int64_t K, const char* name = "w") {
+    check_tensor(fn, name, w, at::kByte, 2);
+    TORCH_CHECK_VALUE(K > 0 && K % tr.block_size == 0, fn, ": ", name, ": K=", K, " is not a multiple of ", tr.name,
+                      "'s block size ", tr.block_size);
+    const int64_t need = K / tr.block_size * tr.type_size;
+    TORCH_CHECK_VALUE(w.size(1) == need, fn, ": ", name, " has ", w.size(1), " bytes per row but ", tr.name,
+                      " with K=", K, " needs ", need);
+    TORCH_CHECK_VALUE(w.size(0) > 0 && w.size(0) <= INT32_MAX && K <= INT32_MAX, fn, ": ", name, " has shape ",
+                      w.sizes(), ", supported rows are 1..2^31-1");
+}
+
+// The Q*_R8 layouts hold whole groups of 8 rows.
+inline void check_rows8(const char* fn, const char* name, const Tensor& w, int64_t qtype) {
+    const QType t = static_cast<QType>(qtype);
+    TORCH_CHECK_VALUE(!pyllm::is_rows8(t) || w.size(0) % 8 == 0, fn, ": ", name, " is ", pyllm::qtype_name(t),
+                      " (rows interleaved by 8) but has ", w.size(0), " rows, not a multiple of 8");
+}
+
+inline Tensor make_out(const char* fn, const std::optional<Tensor>& out, int64_t M, int64_t N) {
+    if (!out) return at::empty({M, N}, at::kFloat);
+    check_tensor(fn, "out", *out, at::kFloat, 2);
+    TORCH_CHECK_VALUE(out->size(0) == M && out->size(1) == N, fn, ": out has shape ", out->sizes(), ", expected [",
+                      M, ", ", N, "]");
+    return *out;
+}
+
+}  // namespace bind
+}  // namespace pyllm

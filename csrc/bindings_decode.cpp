@@ -1,0 +1,463 @@
+// Python bindings of the C++ decode step (csrc/cpu/decode_step.cpp): DecodeContext, decode_step(s),
+// decode_batch, the KV-row helpers and the step's profile.  Tensors are checked by bindings_checks.h, once, when a
+// context is built; the per-token calls check only what they are given.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bindings_checks.h"
+
+namespace pyllm {
+namespace bind {
+namespace {
+
+using pyllm::QType;
+using pyllm::QTypeTraits;
+
+// The decode step's profile (kernels.h DecodeProfile) as a dict of counters: ns, bytes and calls.
+py::dict decode_profile_read() {
+    const pyllm::DecodeProfile& p = pyllm::decode_profile_cpu();
+    py::dict d;
+    d["on"] = p.on;
+    d["steps"] = p.steps;
+    d["step_ns"] = p.step_ns;
+    d["embed_ns"] = p.embed_ns;
+    d["norm_ns"] = p.norm_ns;
+    d["attn_ns"] = p.attn_ns;
+    d["act_ns"] = p.act_ns;
+    const std::pair<const char*, const pyllm::GemvStats*> kinds[] = {
+        {"qkv", &p.qkv}, {"wo", &p.wo}, {"gate_up", &p.gate_up}, {"down", &p.down}, {"output", &p.output}};
+    for (const auto& [name, g] : kinds) {
+        py::dict e;
+        e["calls"] = g->calls;
+        e["bytes"] = g->bytes;
+        e["quant_ns"] = g->quant_ns;
+        e["wall_ns"] = g->wall_ns;
+        e["busy_ns"] = g->busy_ns;
+        e["thread_ns"] = g->thread_ns;
+        d[name] = e;
+    }
+    return d;
+}
+
+// ---- decode_step: one token through all layers of a llama-family model (csrc/cpu/decode_step.cpp) --------
+// DecodeContext holds the raw pointers plus references to every tensor they point into (so the storage lives
+// as long as the context) and the scratch buffers; everything is checked here, once.
+struct DecodeContext {
+    pyllm::DecodeModel model;
+    pyllm::DecodeScratch scratch;
+    std::vector<Tensor> keep;
+    int64_t vocab_rows = 0;
+};
+
+constexpr const char* kDC = "DecodeContext";
+
+pyllm::DecodeWeight decode_weight(DecodeContext& c, const std::string& name, const Tensor& w, int64_t qtype,
+                                  int64_t N, int64_t K) {
+    const QTypeTraits& tr = check_qtype(kDC, qtype);
+    check_weight(kDC, w, tr, K, name.c_str());
+    if (N >= 0)
+        TORCH_CHECK_VALUE(w.size(0) == N, kDC, ": ", name, " has ", w.size(0), " rows, expected ", N);
+    check_rows8(kDC, name.c_str(), w, qtype);
+    c.keep.push_back(w);
+    return {w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)), static_cast<QType>(qtype)};
+}
+
+const float* decode_vec(DecodeContext& c, const std::string& name, const Tensor& t, int64_t n) {
+    check_tensor(kDC, name.c_str(), t, at::kFloat, 1);
+    TORCH_CHECK_VALUE(t.size(0) == n, kDC, ": ", name, " has ", t.size(0), " values, expected ", n);
+    c.keep.push_back(t);
+    return t.data_ptr<float>();
+}
+
+// A KV cache part: kv_type 0 f32, 1 f16, 2 q8_0, 3 q4_0 (pyllm.runtime.kv_cache's storage); t has `lead` dims then
+// head_dim values (float types) or head_dim/32 blocks as bytes (uint8).  Returns the row bytes.
+size_t check_kv_rows(const char* fn, const char* name, const Tensor& t, int64_t kv_type, int64_t head_dim,
+                     int64_t lead) {
+    TORCH_CHECK_VALUE(kv_type >= 0 && kv_type <= 3, fn, ": ", name, " type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 "
+                      "(q4_0), got ", kv_type);
+    const auto kt = static_cast<pyllm::KVType>(kv_type);
+    const bool block = kt == pyllm::KVType::Q8_0 || kt == pyllm::KVType::Q4_0;
+    TORCH_CHECK_VALUE(!block || head_dim % 32 == 0, fn, ": ", name, ": block types need head_dim % 32 == 0, got ",
+                      head_dim);
+    const at::ScalarType want = block ? at::kByte : kt == pyllm::KVType::F16 ? at::kHalf : at::kFloat;
+    check_tensor(fn, name, t, want, lead + 1);
+    const int64_t row = static_cast<int64_t>(pyllm::kv_row_bytes(kt, static_cast<int>(head_dim)));
+    const int64_t last = block ? row : head_dim;
+    TORCH_CHECK_VALUE(t.size(lead) == last, fn, ": ", name, " rows have ", t.size(lead), " entries, expected ", last);
+    return static_cast<size_t>(row);
+}
+
+const float* check_kv_extra(const char* fn, const char* name, const std::optional<Tensor>& t, int64_t numel,
+                            std::vector<Tensor>& keep) {
+    if (!t) return nullptr;
+    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", name, " must be float32, got ",
+                     c10::toString(t->scalar_type()));
+    TORCH_CHECK_VALUE(t->device().is_cpu() && t->is_contiguous() && t->numel() == numel, fn, ": ", name,
+                      " must be a contiguous CPU tensor of ", numel, " values, got shape ", t->sizes());
+    keep.push_back(*t);
+    return t->data_ptr<float>();
+}
+
+// weights: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]); qtypes likewise.
+// q_bias/k_bias/v_bias: empty or one per layer; q_norm/k_norm: empty or one per layer ([head_dim]).
+// Gemma 3: post_attn_norm/post_ffw_norm (empty or one per layer, [n_embd]), embd_scale (0 = none), act
+// ('silu' or 'gelu_tanh'), final_softcap (0 = none), a second rope table cos2/sin2 chosen per layer by
+// layer_rope (0/1; empty = all 0) and per-layer windows layer_window (empty = `window` for every layer).
+std::unique_ptr<DecodeContext> make_decode_context(
+    const std::vector<Tensor>& weights, const std::vector<int64_t>& qtypes, const std::vector<Tensor>& attn_norm,
+    const std::vector<Tensor>& ffn_norm, const std::vector<Tensor>& q_bias, const std::vector<Tensor>& k_bias,
+    const std::vector<Tensor>& v_bias, const std::vector<Tensor>& q_norm, const std::vector<Tensor>& k_norm,
+    const Tensor& token_embd, int64_t token_embd_qtype, const Tensor& output, int64_t output_qtype,
+    const Tensor& output_norm, const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
+    int64_t n_embd, int64_t n_ff, int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t rope_dim,
+    const std::string& rope_style, double eps, double scale, int64_t window,
+    const std::vector<Tensor>& post_attn_norm, const std::vector<Tensor>& post_ffw_norm, double embd_scale,
+    const std::string& act, double final_softcap, const std::optional<Tensor>& cos2,
+    const std::optional<Tensor>& sin2, const std::vector<int64_t>& layer_rope,
+    const std::vector<int64_t>& layer_window, int64_t k_type, int64_t v_type, const std::optional<Tensor>& k_mu,
+    const std::optional<Tensor>& v_mu, const std::optional<Tensor>& k_rot, const std::optional<Tensor>& v_rot,
+    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& k_sink, const std::optional<Tensor>& v_sink) {
+    auto ctx = std::make_unique<DecodeContext>();
+    pyllm::DecodeConfig& c = ctx->model.cfg;
+    const int64_t n_layer = static_cast<int64_t>(attn_norm.size());
+    TORCH_CHECK_VALUE(n_layer >= 1, kDC, ": no layers (attn_norm is empty)");
+    TORCH_CHECK_VALUE(n_embd >= 1 && n_ff >= 1 && n_head >= 1 && n_kv_head >= 1 && head_dim >= 1, kDC,
+                      ": sizes must be >= 1, got n_embd=", n_embd, " n_ff=", n_ff, " n_head=", n_head, " n_kv_head=",
+                      n_kv_head, " head_dim=", head_dim);
+    TORCH_CHECK_VALUE(n_head % n_kv_head == 0, kDC, ": n_head ", n_head, " is not a multiple of n_kv_head ",
+                      n_kv_head);
+    TORCH_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= head_dim, kDC, ": rope_dim ", rope_dim,
+                      " must be even and in [2, head_dim=", head_dim, "]");
+    TORCH_CHECK_VALUE(rope_style == "norm" || rope_style == "neox", kDC, ": rope_style must be 'norm' or 'neox', got '",
+                      rope_style, "'");
+    TORCH_CHECK_VALUE(window >= 0, kDC, ": window must be >= 0, got ", window);
+    TORCH_CHECK_VALUE(eps > 0 && scale > 0, kDC, ": eps and scale must be > 0, got ", eps, ", ", scale);
+    TORCH_CHECK_VALUE(weights.size() == 7 * static_cast<size_t>(n_layer) && qtypes.size() == weights.size(), kDC,
+                      ": expected 7 weights and qtypes per layer (", 7 * n_layer, "), got ", weights.size(), " and ",
+                      qtypes.size());
+    TORCH_CHECK_VALUE(ffn_norm.size() == static_cast<size_t>(n_layer), kDC, ": ffn_norm has ", ffn_norm.size(),
+                      " entries, expected ", n_layer);
+    const bool bias = !q_bias.empty();
+    TORCH_CHECK_VALUE((q_bias.size() == k_bias.size() && k_bias.size() == v_bias.size()) &&
+                          (!bias || q_bias.size() == static_cast<size_t>(n_layer)),
+                      kDC, ": q/k/v_bias must be empty or have one tensor per layer (", n_layer, "), got ",
+                      q_bias.size(), "/", k_bias.size(), "/", v_bias.size());
+    const bool qkn = !q_norm.empty();
+    TORCH_CHECK_VALUE(q_norm.size() == k_norm.size() && (!qkn || q_norm.size() == static_cast<size_t>(n_layer)), kDC,
+                      ": q/k_norm must be empty or have one tensor per layer (", n_layer, "), got ", q_norm.size(),
+                      "/", k_norm.size());
+    const int64_t qd = n_head * head_dim, kvd = n_kv_head * head_dim;
+    // Gemma 3 extras (defaults keep the llama-family step unchanged).
+    TORCH_CHECK_VALUE(post_attn_norm.size() == post_ffw_norm.size() &&
+                          (post_attn_norm.empty() || post_attn_norm.size() == static_cast<size_t>(n_layer)),
+                      kDC, ": post_attn_norm/post_ffw_norm must be empty or have one tensor per layer (", n_layer,
+                      "), got ", post_attn_norm.size(), "/", post_ffw_norm.size());
+    TORCH_CHECK_VALUE(act == "silu" || act == "gelu_tanh", kDC, ": act must be 'silu' or 'gelu_tanh', got '", act,
+                      "'");
+    TORCH_CHECK_VALUE(embd_scale >= 0 && final_softcap >= 0, kDC, ": embd_scale and final_softcap must be >= 0, got ",
+                      embd_scale, ", ", final_softcap);
+    TORCH_CHECK_VALUE(cos2.has_value() == sin2.has_value(), kDC, ": cos2 and sin2 must be given together");
+    TORCH_CHECK_VALUE(layer_rope.empty() || layer_rope.size() == static_cast<size_t>(n_layer), kDC,
+                      ": layer_rope must be empty or have one entry per layer (", n_layer, "), got ",
+                      layer_rope.size());
+    for (int64_t r : layer_rope)
+        TORCH_CHECK_VALUE(r == 0 || (r == 1 && cos2.has_value()), kDC,
+                          ": layer_rope entries must be 0, or 1 when cos2/sin2 are given, got ", r);
+    TORCH_CHECK_VALUE(layer_window.empty() || layer_window.size() == static_cast<size_t>(n_layer), kDC,
+                      ": layer_window must be empty or have one entry per layer (", n_layer, "), got ",
+                      layer_window.size());
+    for (int64_t w : layer_window)
+        TORCH_CHECK_VALUE(w >= 0, kDC, ": layer_window entries must be >= 0, got ", w);
+
+    // KV cache: K and V each (n_layer, n_kv_head, max_seq, row) of its own type (-1: f16/f32 from the dtype).
+    if (k_type < 0) k_type = k_cache.scalar_type() == at::kHalf ? 1 : 0;
+    if (v_type < 0) v_type = v_cache.scalar_type() == at::kHalf ? 1 : 0;
+    const size_t k_row = check_kv_rows(kDC, "k_cache", k_cache, k_type, head_dim, 3);
+    const size_t v_row = check_kv_rows(kDC, "v_cache", v_cache, v_type, head_dim, 3);
+    TORCH_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(2) >= 1, kDC,
+                      ": k_cache has shape ", k_cache.sizes(), ", expected (", n_layer, ", ", n_kv_head,
+                      ", max_seq, row)");
+    TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kDC, ": v_cache has shape ",
+                      v_cache.sizes(), " but k_cache has ", k_cache.sizes());
+    TORCH_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, kDC, ": max_seq too large");
+    check_tensor(kDC, "cos", cos, at::kFloat, 2);
+    check_tensor(kDC, "sin", sin, at::kFloat, 2);
+    TORCH_CHECK_VALUE(cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes() && cos.size(0) >= 1, kDC,
+                      ": cos/sin have shapes ", cos.sizes(), "/", sin.sizes(), ", expected equal [max_pos, ",
+                      rope_dim / 2, "]");
+
+    if (cos2) {
+        check_tensor(kDC, "cos2", *cos2, at::kFloat, 2);
+        check_tensor(kDC, "sin2", *sin2, at::kFloat, 2);
+        TORCH_CHECK_VALUE(cos2->sizes() == cos.sizes() && sin2->sizes() == cos.sizes(), kDC,
+                          ": cos2/sin2 have shapes ", cos2->sizes(), "/", sin2->sizes(), ", expected cos's ",
+                          cos.sizes());
+    }
+
+    c.n_layer = static_cast<int>(n_layer);
+    c.n_embd = static_cast<int>(n_embd);
+    c.n_ff = static_cast<int>(n_ff);
+    c.n_head = static_cast<int>(n_head);
+    c.n_kv_head = static_cast<int>(n_kv_head);
+    c.head_dim = static_cast<int>(head_dim);
+    c.rope_dim = static_cast<int>(rope_dim);
+    c.max_pos = static_cast<int>(std::min<int64_t>(cos.size(0), INT32_MAX));
+    c.max_seq = static_cast<int>(k_cache.size(2));
+    c.gelu_tanh = act == "gelu_tanh";
+    c.embd_scale = static_cast<float>(embd_scale);
+    c.final_softcap = static_cast<float>(final_softcap);
+    c.neox = rope_style == "neox";
+    c.eps = static_cast<float>(eps);
+    c.scale = static_cast<float>(scale);
+
+    DecodeContext& d = *ctx;
+    d.keep.insert(d.keep.end(), {cos, sin, k_cache, v_cache});
+    d.model.cos = cos.data_ptr<float>();
+    d.model.sin = sin.data_ptr<float>();
+    if (cos2) {
+        d.keep.insert(d.keep.end(), {*cos2, *sin2});
+        d.model.cos2 = cos2->data_ptr<float>();
+        d.model.sin2 = sin2->data_ptr<float>();
+    }
+    const int64_t mu_n = n_layer * n_kv_head * head_dim;
+    d.model.k_cache = {static_cast<pyllm::KVType>(k_type), k_cache.data_ptr(), k_row,
+                       check_kv_extra(kDC, "k_mu", k_mu, mu_n, d.keep), check_kv_extra(kDC, "k_rot", k_rot, head_dim * head_dim, d.keep)};
+    d.model.v_cache = {static_cast<pyllm::KVType>(v_type), v_cache.data_ptr(), v_row,
+                       check_kv_extra(kDC, "v_mu", v_mu, mu_n, d.keep), check_kv_extra(kDC, "v_rot", v_rot, head_dim * head_dim, d.keep)};
+    d.model.k_cache.scale = check_kv_extra(kDC, "k_scale", k_scale, mu_n, d.keep);
+    // the sinks are written by the step (position 0); check_kv_extra checked they are contiguous float32 tensors
+    d.model.k_cache.sink = const_cast<float*>(check_kv_extra(kDC, "k_sink", k_sink, mu_n, d.keep));
+    d.model.v_cache.sink = const_cast<float*>(check_kv_extra(kDC, "v_sink", v_sink, mu_n, d.keep));
+    d.model.layers.resize(n_layer);
+    for (int64_t i = 0; i < n_layer; ++i) {
+        pyllm::DecodeLayer& L = d.model.layers[i];
+        const std::string p = "layer " + std::to_string(i) + " ";
+        const Tensor* w = &weights[7 * i];
+        const int64_t* t = &qtypes[7 * i];
+        L.wq = decode_weight(d, p + "attn_q", w[0], t[0], qd, n_embd);
+        L.wk = decode_weight(d, p + "attn_k", w[1], t[1], kvd, n_embd);
+        L.wv = decode_weight(d, p + "attn_v", w[2], t[2], kvd, n_embd);
+        L.wo = decode_weight(d, p + "attn_output", w[3], t[3], n_embd, qd);
+        L.wgate = decode_weight(d, p + "ffn_gate", w[4], t[4], n_ff, n_embd);
+        L.wup = decode_weight(d, p + "ffn_up", w[5], t[5], n_ff, n_embd);
+        L.wdown = decode_weight(d, p + "ffn_down", w[6], t[6], n_embd, n_ff);
+        L.attn_norm = decode_vec(d, p + "attn_norm", attn_norm[i], n_embd);
+        L.ffn_norm = decode_vec(d, p + "ffn_norm", ffn_norm[i], n_embd);
+        if (bias) {
+            L.bq = decode_vec(d, p + "attn_q.bias", q_bias[i], qd);
+            L.bk = decode_vec(d, p + "attn_k.bias", k_bias[i], kvd);
+            L.bv = decode_vec(d, p + "attn_v.bias", v_bias[i], kvd);
+        }
+        if (qkn) {
+            L.q_norm = decode_vec(d, p + "attn_q_norm", q_norm[i], head_dim);
+            L.k_norm = decode_vec(d, p + "attn_k_norm", k_norm[i], head_dim);
+        }
+        if (!post_attn_norm.empty()) {
+            L.post_attn_norm = decode_vec(d, p + "post_attention_norm", post_attn_norm[i], n_embd);
+            L.post_ffw_norm = decode_vec(d, p + "post_ffw_norm", post_ffw_norm[i], n_embd);
+        }
+        L.rope = layer_rope.empty() ? 0 : static_cast<int>(layer_rope[i]);
+        L.window = static_cast<int>(std::min<int64_t>(layer_window.empty() ? window : layer_window[i], INT32_MAX));
+    }
+    d.model.token_embd = decode_weight(d, "token_embd", token_embd, token_embd_qtype, -1, n_embd);
+    d.vocab_rows = token_embd.size(0);
+    d.model.output = decode_weight(d, "output", output, output_qtype, -1, n_embd);
+    TORCH_CHECK_VALUE(output.size(0) <= INT32_MAX, kDC, ": output has too many rows");
+    c.n_vocab = static_cast<int>(output.size(0));
+    d.model.output_norm = decode_vec(d, "output_norm", output_norm, n_embd);
+    d.scratch.resize(d.model);
+    return ctx;
+}
+
+// logits_out: f32 [n_vocab] (or [1, n_vocab]) filled with the logits of `token` at position `pos`.
+void decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
+    const pyllm::DecodeConfig& c = ctx.model.cfg;
+    TORCH_CHECK_INDEX(token >= 0 && token < ctx.vocab_rows, "decode_step: token ", token, " is out of range for ",
+                      ctx.vocab_rows, " embedding rows");
+    const int64_t limit = std::min(c.max_seq, c.max_pos);
+    TORCH_CHECK_INDEX(pos >= 0 && pos < limit, "decode_step: pos ", pos, " is out of range: the KV cache holds ",
+                      c.max_seq, " positions and the rope tables ", c.max_pos);
+    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_step: logits_out must be float32, got ",
+                     c10::toString(logits_out.scalar_type()));
+    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == c.n_vocab,
+                      "decode_step: logits_out must be a contiguous CPU tensor of ", c.n_vocab,
+                      " values, got shape ", logits_out.sizes());
+    pybind11::gil_scoped_release nogil;
+    pyllm::decode_step_cpu(ctx.model, ctx.scratch, token, static_cast<int>(pos), logits_out.data_ptr<float>());
+}
+
+// tokens: int64 [M], 1 <= M <= GEMV_MAX_M, at positions pos..pos+M-1; logits_out: f32 [M, n_vocab] (all_logits)
+// or [n_vocab] / [1, n_vocab] (the last token's).  K/V are stored at every position.
+void decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const Tensor& logits_out, bool all_logits) {
+    const pyllm::DecodeConfig& c = ctx.model.cfg;
+    check_tensor("decode_steps", "tokens", tokens, at::kLong, 1);
+    const int64_t M = tokens.size(0);
+    TORCH_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "decode_steps: ", M, " tokens; it takes 1..",
+                      pyllm::GEMV_MAX_M);
+    const int64_t* tk = tokens.data_ptr<int64_t>();
+    for (int64_t i = 0; i < M; ++i)
+        TORCH_CHECK_INDEX(tk[i] >= 0 && tk[i] < ctx.vocab_rows, "decode_steps: token ", tk[i],
+                          " is out of range for ", ctx.vocab_rows, " embedding rows");
+    const int64_t limit = std::min(c.max_seq, c.max_pos);
+    TORCH_CHECK_INDEX(pos >= 0 && pos + M <= limit, "decode_steps: positions ", pos, "..", pos + M - 1,
+                      " are out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ", c.max_pos);
+    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_steps: logits_out must be float32, got ",
+                     c10::toString(logits_out.scalar_type()));
+    const int64_t rows = all_logits ? M : 1;
+    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() &&
+                          logits_out.numel() == rows * c.n_vocab,
+                      "decode_steps: logits_out must be a contiguous CPU tensor of ", rows, " x ", c.n_vocab,
+                      " values, got shape ", logits_out.sizes());
+    pybind11::gil_scoped_release nogil;
+    pyllm::decode_steps_cpu(ctx.model, ctx.scratch, tk, static_cast<int>(M), static_cast<int>(pos),
+                            logits_out.data_ptr<float>(), all_logits);
+}
+
+
+// One token of each of B sequences, each with its own DecodeContext (its KV cache) built over the same weights:
+// tokens/positions int64 [B], 1 <= B <= GEMV_MAX_M; logits_out f32 [B, n_vocab].  Runs on ctxs[0]'s scratch.
+void decode_batch(const std::vector<DecodeContext*>& ctxs, const Tensor& tokens, const Tensor& positions,
+                  const Tensor& logits_out) {
+    const char* fn = "decode_batch";
+    const int64_t B = static_cast<int64_t>(ctxs.size());
+    TORCH_CHECK_VALUE(B >= 1 && B <= pyllm::GEMV_MAX_M, fn, ": ", B, " sequences; it takes 1..", pyllm::GEMV_MAX_M);
+    check_tensor(fn, "tokens", tokens, at::kLong, 1);
+    check_tensor(fn, "positions", positions, at::kLong, 1);
+    TORCH_CHECK_VALUE(tokens.size(0) == B && positions.size(0) == B, fn, ": tokens and positions need ", B,
+                      " entries (one per context), got ", tokens.size(0), " and ", positions.size(0));
+    const pyllm::DecodeModel& m0 = ctxs[0]->model;
+    const pyllm::DecodeConfig& c = m0.cfg;
+    const int64_t* tk = tokens.data_ptr<int64_t>();
+    const int64_t* ps = positions.data_ptr<int64_t>();
+    std::vector<const pyllm::DecodeModel*> seqs(B);
+    int pos[pyllm::GEMV_MAX_M];
+    const int64_t limit = std::min(c.max_seq, c.max_pos);
+    for (int64_t b = 0; b < B; ++b) {
+        TORCH_CHECK_VALUE(ctxs[b] != nullptr, fn, ": context ", b, " is None");
+        const pyllm::DecodeModel& m = ctxs[b]->model;
+        // Same weights (every matrix), sizes and cache length as context 0: only the caches differ.
+        bool same = m.layers.size() == m0.layers.size() && m.token_embd.data == m0.token_embd.data &&
+                    m.output.data == m0.output.data && m.cfg.n_layer == c.n_layer && m.cfg.n_vocab == c.n_vocab &&
+                    m.cfg.max_seq == c.max_seq && m.cfg.max_pos == c.max_pos && m.cfg.n_kv_head == c.n_kv_head &&
+                    m.cfg.head_dim == c.head_dim;
+        for (size_t i = 0; same && i < m.layers.size(); ++i) {
+            const pyllm::DecodeLayer &L = m.layers[i], &L0 = m0.layers[i];
+            same = L.wq.data == L0.wq.data && L.wk.data == L0.wk.data && L.wv.data == L0.wv.data &&
+                   L.wo.data == L0.wo.data && L.wgate.data == L0.wgate.data && L.wup.data == L0.wup.data &&
+                   L.wdown.data == L0.wdown.data;
+        }
+        TORCH_CHECK_VALUE(same, fn, ": context ", b, " was built over other weights or sizes than context 0");
+        for (int64_t j = 0; j < b; ++j)
+            TORCH_CHECK_VALUE(m.k_cache.data != ctxs[j]->model.k_cache.data &&
+                                  m.v_cache.data != ctxs[j]->model.v_cache.data,
+                              fn, ": contexts ", j, " and ", b, " share a KV cache (one token per sequence)");
+        TORCH_CHECK_INDEX(tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows, fn, ": token ", tk[b], " (row ", b,
+                          ") is out of range for ", ctxs[b]->vocab_rows, " embedding rows");
+        TORCH_CHECK_INDEX(ps[b] >= 0 && ps[b] < limit, fn, ": pos ", ps[b], " (row ", b,
+                          ") is out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ",
+                          c.max_pos);
+        seqs[b] = &m;
+        pos[b] = static_cast<int>(ps[b]);
+    }
+    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, fn, ": logits_out must be float32, got ",
+                     c10::toString(logits_out.scalar_type()));
+    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == B * c.n_vocab,
+                      fn, ": logits_out must be a contiguous CPU tensor of ", B, " x ", c.n_vocab,
+                      " values, got shape ", logits_out.sizes());
+    pybind11::gil_scoped_release nogil;
+    pyllm::decode_batch_cpu(seqs.data(), ctxs[0]->scratch, tk, pos, static_cast<int>(B), logits_out.data_ptr<float>());
+}
+
+
+// The decode step's attention for tests: q [H, hd] f32 over all S rows of k [Hkv, S, row] / v (types as
+// check_kv_rows), scale -> out [H, hd] in the storage basis (no rotation, no means).  scalar: the reference loop.
+Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k_type, int64_t v_type, double scale,
+                    bool scalar) {
+    const char* fn = "kv_attention";
+    check_tensor(fn, "q", q, at::kFloat, 2);
+    const int64_t H = q.size(0), hd = q.size(1);
+    const size_t kr = check_kv_rows(fn, "k", k, k_type, hd, 2), vr = check_kv_rows(fn, "v", v, v_type, hd, 2);
+    TORCH_CHECK_VALUE(v.size(0) == k.size(0) && v.size(1) == k.size(1) && k.size(1) >= 1 && H % k.size(0) == 0, fn,
+                      ": k/v shapes ", k.sizes(), "/", v.sizes(), " do not fit q ", q.sizes());
+    Tensor out = at::empty({H, hd}, q.options());
+    const int64_t group = H / k.size(0), S = k.size(1);
+    std::vector<float> sc(group * S);
+    if (!scalar) {  // the decode step's kernel: one call per KV head for its group of query heads
+        for (int64_t kh = 0; kh < k.size(0); ++kh)
+            pyllm::kv_attend_group(static_cast<pyllm::KVType>(k_type),
+                                   static_cast<const uint8_t*>(k.data_ptr()) + kh * S * kr, kr,
+                                   static_cast<pyllm::KVType>(v_type),
+                                   static_cast<const uint8_t*>(v.data_ptr()) + kh * S * vr, vr,
+                                   q.data_ptr<float>() + kh * group * hd, hd, static_cast<int>(group),
+                                   static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale), sc.data(),
+                                   S, out.data_ptr<float>() + kh * group * hd, hd);
+        return out;
+    }
+    for (int64_t h = 0; h < H; ++h) {
+        const auto* kp = static_cast<const uint8_t*>(k.data_ptr()) + (h / group) * S * kr;
+        const auto* vp = static_cast<const uint8_t*>(v.data_ptr()) + (h / group) * S * vr;
+        pyllm::kv_attend_head_scalar(
+            static_cast<pyllm::KVType>(k_type), kp, kr, static_cast<pyllm::KVType>(v_type), vp, vr,
+            q.data_ptr<float>() + h * hd, static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale),
+            sc.data(), out.data_ptr<float>() + h * hd);
+    }
+    return out;
+}
+
+// x [N, hd] f32 -> N stored rows of kv_type, as the decode step writes them.
+Tensor kv_store(const Tensor& x, int64_t kv_type) {
+    check_tensor("kv_store", "x", x, at::kFloat, 2);
+    const int64_t n = x.size(0), hd = x.size(1);
+    Tensor probe = kv_type == 1 ? at::empty({n, hd}, x.options().dtype(at::kHalf))
+                   : kv_type == 0 ? at::empty({n, hd}, x.options())
+                                  : at::empty({n, hd / 32 * (kv_type == 2 ? 34 : 18)}, x.options().dtype(at::kByte));
+    const size_t row = check_kv_rows("kv_store", "out", probe, kv_type, hd, 1);
+    for (int64_t i = 0; i < n; ++i)
+        pyllm::kv_store_row(static_cast<pyllm::KVType>(kv_type), x.data_ptr<float>() + i * hd, static_cast<int>(hd),
+                            static_cast<uint8_t*>(probe.data_ptr()) + i * row);
+    return probe;
+}
+
+}  // namespace
+
+void register_decode(py::module& m) {
+    py::class_<DecodeContext>(m, "DecodeContext",
+                              "llama-family / Gemma 3 model + KV cache + scratch for decode_step (built once per model/cache)")
+        .def(py::init(&make_decode_context), py::arg("weights"), py::arg("qtypes"), py::arg("attn_norm"),
+             py::arg("ffn_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"),
+             py::arg("k_norm"), py::arg("token_embd"), py::arg("token_embd_qtype"), py::arg("output"),
+             py::arg("output_qtype"), py::arg("output_norm"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
+             py::arg("v_cache"), py::arg("n_embd"), py::arg("n_ff"), py::arg("n_head"), py::arg("n_kv_head"),
+             py::arg("head_dim"), py::arg("rope_dim"), py::arg("rope_style"), py::arg("eps"), py::arg("scale"),
+             py::arg("window"), py::arg("post_attn_norm") = std::vector<Tensor>{},
+             py::arg("post_ffw_norm") = std::vector<Tensor>{}, py::arg("embd_scale") = 0.0,
+             py::arg("act") = "silu", py::arg("final_softcap") = 0.0, py::arg("cos2") = py::none(),
+             py::arg("sin2") = py::none(), py::arg("layer_rope") = std::vector<int64_t>{},
+             py::arg("layer_window") = std::vector<int64_t>{}, py::arg("k_type") = -1, py::arg("v_type") = -1,
+             py::arg("k_mu") = py::none(), py::arg("v_mu") = py::none(), py::arg("k_rot") = py::none(),
+             py::arg("v_rot") = py::none(), py::arg("k_scale") = py::none(), py::arg("k_sink") = py::none(),
+             py::arg("v_sink") = py::none())
+        .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
+        .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
+    m.def("decode_profile", [](bool on) { pyllm::decode_profile_cpu() = pyllm::DecodeProfile{on}; },
+          "zero the decode steps' phase timers and switch them on or off", py::arg("on"));
+    m.def("decode_profile_read", &decode_profile_read,
+          "the decode steps' phase timers since decode_profile(True): ns, weight bytes and calls per phase");
+    m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",
+          py::arg("ctx"), py::arg("token"), py::arg("pos"), py::arg("logits_out"));
+    m.def("decode_steps", &decode_steps,
+          "1..GEMV_MAX_M tokens at pos.. through all layers in one pass (K/V stored at each) -> logits_out",
+          py::arg("ctx"), py::arg("tokens"), py::arg("pos"), py::arg("logits_out"), py::arg("all_logits") = true);
+    m.def("decode_batch", &decode_batch,
+          "one token of each of 1..GEMV_MAX_M sequences (own DecodeContext / KV cache each) in one pass -> logits_out",
+          py::arg("ctxs"), py::arg("tokens"), py::arg("positions"), py::arg("logits_out"));
+    m.def("kv_attention", &kv_attention, "decode attention of q [H, hd] over KV rows k/v [Hkv, S, row] (tests)",
+          py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_type"), py::arg("v_type"), py::arg("scale"),
+          py::arg("scalar") = false);
+    m.def("kv_store", &kv_store, "x [N, hd] f32 -> N KV cache rows of kv_type, as decode_step stores them",
+          py::arg("x"), py::arg("kv_type"));
+}
+
+}  // namespace bind
+}  // namespace pyllm
