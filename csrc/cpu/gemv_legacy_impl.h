@@ -378,12 +378,15 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
             __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             if constexpr (T::five) {
-                switch (k) {  // fifth_bits needs its lane group as a constant
-                    case 0: lo = _mm256_or_si256(lo, fifth_bits<0>(qh)); hi = _mm256_or_si256(hi, fifth_bits<4>(qh)); break;
-                    case 1: lo = _mm256_or_si256(lo, fifth_bits<1>(qh)); hi = _mm256_or_si256(hi, fifth_bits<5>(qh)); break;
-                    case 2: lo = _mm256_or_si256(lo, fifth_bits<2>(qh)); hi = _mm256_or_si256(hi, fifth_bits<6>(qh)); break;
-                    default: lo = _mm256_or_si256(lo, fifth_bits<3>(qh)); hi = _mm256_or_si256(hi, fifth_bits<7>(qh)); break;
+                __m256i fl, fh;  // fifth_bits needs its lane group as a constant
+                switch (k) {
+                    case 0: fl = fifth_bits<0>(qh), fh = fifth_bits<4>(qh); break;
+                    case 1: fl = fifth_bits<1>(qh), fh = fifth_bits<5>(qh); break;
+                    case 2: fl = fifth_bits<2>(qh), fh = fifth_bits<6>(qh); break;
+                    default: fl = fifth_bits<3>(qh), fh = fifth_bits<7>(qh); break;
                 }
+                lo = _mm256_or_si256(lo, fl);
+                hi = _mm256_or_si256(hi, fh);
             }
             for (int r = 0; r < R; ++r) {
                 const int8_t* x = a[r].qs + QK * b;
@@ -425,9 +428,9 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
 
 // n rows (a multiple of 8, from a group start) against M activation rows: y[m * ldy + r].  Activation rows go
 // ROWS8_CHUNK at a time over a group (its blocks stay in L1 for the next chunk); each row's fp32 operations are
-// the same whatever chunk it is in, so a row's result does not depend on M.  4 rows per chunk: 16 live vectors
-// at most, and each decoded code vector serves 4 rows (Zen 3, in L1: an extra row costs 0.55 of the first one
-// for Q4_1, 0.4 for Q5_0; 2 rows per chunk: 0.75 and 0.65).
+// the same whatever chunk it is in, so a row's result does not depend on M.  4 rows per chunk (4-bit codes: 16
+// live vectors at most), each decoded code vector serving 4 rows: Zen 3, in L1, an extra row costs 0.55 of the
+// first one for Q4_1 and 0.4 for Q5_0, against 0.7 and 0.6 with 2 rows per chunk.
 #ifndef ROWS8_CHUNK
 #define ROWS8_CHUNK 4
 #endif
