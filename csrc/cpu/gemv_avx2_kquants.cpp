@@ -251,103 +251,81 @@ PYLLM_INLINE __m256i rows8_pairs_i8(const int8_t* s) {
     return _mm256_srai_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x(v), ctl), 8);
 }
 
-// Activation rows go ROWS8_K_CHUNK at a time over a group (its blocks stay in L1 for the next chunk); a row's
-// operations do not depend on its chunk, so neither does its result.  4 rows: few enough live vectors that
-// nothing spills (all M rows at once spill for M >= 3), and each decoded code vector serves 4 rows.
-#ifndef ROWS8_K_CHUNK
-#define ROWS8_K_CHUNK 4
-#endif
-
 // Q6_K_R8.  Per 16-element sub-block s: 4 code vectors (6-bit, unsigned), their maddubs pair sums added two at a
 // time in int16 (<= 2 * 2 * 63 * 127 = 32004) and multiplied by row j's scale through vpmaddwd.  The -32 offset
 // is -32 * sum_s sc_s * bsum_s: sub-blocks s, s + 1 as one vpmaddwd of (-32 sc_s, -32 sc_s+1) (|.| <= 4096)
-// against the activation's (bsum_s, bsum_s+1).  Here: M activation rows (xa: the first) against one group of 8
-// weight rows.
-template <int M>
-PYLLM_INLINE void rows8_q6_k_group(const block_q6_kx8* gb, int nb, const uint8_t* xa, size_t xs, float* y,
-                                   size_t ldy) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-        const block_q6_kx8& B = gb[b];
-        rows8_prefetch<sizeof(block_q6_kx8)>(&B);
-        __m256i sumi[M];
-        for (int m = 0; m < M; ++m) sumi[m] = _mm256_setzero_si256();
-        // unrolled, so that the shifts below are constants and q[] stays in registers
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) {
-                const int s0 = 8 * h + 2 * i;  // sub-blocks s0 (k = 0..3) and s0 + 1 (k = 4..7)
-                const __m256i sc0 = rows8_pairs_i8(B.scales + 8 * s0), sc1 = rows8_pairs_i8(B.scales + 8 * s0 + 8);
-                const __m256i off = _mm256_sub_epi16(_mm256_setzero_si256(),
-                                                     _mm256_slli_epi16(_mm256_blend_epi16(sc0, sc1, 0xAA), 5));
-                for (int m = 0; m < M; ++m) {
-                    int32_t bs;
-                    memcpy(&bs, act_row<block_q8_K>(xa, xs, m)[b].bsums + s0, 4);
-                    sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(off, _mm256_set1_epi32(bs)));
-                }
-#pragma GCC unroll 2
-                for (int kk = 0; kk < 2; ++kk) {  // sub-block s0 + kk: 4 code vectors (16 elements x 8 rows)
-                    const __m256i sc = kk ? sc1 : sc0;
-                    __m256i q[4];
-                    for (int k = 0; k < 4; ++k) {
-                        const int c = 4 * kk + k;
-                        const __m256i l = _mm256_loadu_si256(
-                            reinterpret_cast<const __m256i*>(B.ql + 32 * (16 * h + c + (i & 1 ? 8 : 0))));
-                        const __m256i hb =
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + c)));
-                        const __m256i lo = i < 2 ? _mm256_and_si256(l, m4)
-                                                 : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-                        // top bits 2i, 2i + 1 moved to bits 4, 5 (what a 16-bit shift brings over from the
-                        // neighbour byte lands outside 0x30)
-                        __m256i hi;
-                        switch (i) {
-                            case 0: hi = _mm256_slli_epi16(hb, 4); break;
-                            case 1: hi = _mm256_slli_epi16(hb, 2); break;
-                            case 2: hi = hb; break;
-                            default: hi = _mm256_srli_epi16(hb, 2); break;
-                        }
-                        q[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
-                    }
-                    for (int m = 0; m < M; ++m) {
-                        const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 128 * h + 32 * i + 16 * kk;
-                        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
-                                                            _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
-                        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
-                                                            _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
-                        sumi[m] = _mm256_add_epi32(
-                            sumi[m], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
-                        if (M > 2) keep_in_register(sumi[m]);
-                    }
-                }
-            }
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
-        for (int m = 0; m < M; ++m) {
-            const float dx = act_row<block_q8_K>(xa, xs, m)[b].d;
-            acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
-            keep_in_register(acc[m]);
-        }
-    }
-    for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy, acc[m]);
-}
-
-// All M rows over a group at once: 6-bit codes cost ~3x the 4-bit ones to decode, so decoding them once per 4
-// rows (ROWS8_K_CHUNK) costs more than the spills it saves (Zen 3: 1.2-1.3x slower at M = 5-8).
-#ifndef ROWS8_Q6_K_CHUNK
-#define ROWS8_Q6_K_CHUNK 8
-#endif
+// against the activation's (bsum_s, bsum_s+1).
 template <int M>
 void rows8_q6_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
                 size_t ldy) {
     const int nb = K / QK_K;
-    constexpr int C = M < ROWS8_Q6_K_CHUNK ? M : ROWS8_Q6_K_CHUNK, full = M / C * C;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     for (int g = 0; g < n; g += 8) {
         const block_q6_kx8* gb = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g);
-        for (int m = 0; m < full; m += C) rows8_q6_k_group<C>(gb, nb, xa + m * xs, xs, y + m * ldy + g, ldy);
-        if constexpr (M % C != 0) rows8_q6_k_group<M % C>(gb, nb, xa + full * xs, xs, y + full * ldy + g, ldy);
+        __m256 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const block_q6_kx8& B = gb[b];
+            rows8_prefetch<sizeof(block_q6_kx8)>(&B);
+            __m256i sumi[M];
+            for (int m = 0; m < M; ++m) sumi[m] = _mm256_setzero_si256();
+            // unrolled, so that the shifts below are constants and q[] stays in registers
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; ++i) {
+                    const int s0 = 8 * h + 2 * i;  // sub-blocks s0 (k = 0..3) and s0 + 1 (k = 4..7)
+                    const __m256i sc0 = rows8_pairs_i8(B.scales + 8 * s0), sc1 = rows8_pairs_i8(B.scales + 8 * s0 + 8);
+                    const __m256i off = _mm256_sub_epi16(_mm256_setzero_si256(),
+                                                         _mm256_slli_epi16(_mm256_blend_epi16(sc0, sc1, 0xAA), 5));
+                    for (int m = 0; m < M; ++m) {
+                        int32_t bs;
+                        memcpy(&bs, act_row<block_q8_K>(xa, xs, m)[b].bsums + s0, 4);
+                        sumi[m] = _mm256_add_epi32(sumi[m], _mm256_madd_epi16(off, _mm256_set1_epi32(bs)));
+                    }
+#pragma GCC unroll 2
+                    for (int kk = 0; kk < 2; ++kk) {  // sub-block s0 + kk: 4 code vectors (16 elements x 8 rows)
+                        const __m256i sc = kk ? sc1 : sc0;
+                        __m256i q[4];
+                        for (int k = 0; k < 4; ++k) {
+                            const int c = 4 * kk + k;
+                            const __m256i l = _mm256_loadu_si256(
+                                reinterpret_cast<const __m256i*>(B.ql + 32 * (16 * h + c + (i & 1 ? 8 : 0))));
+                            const __m256i hb =
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + c)));
+                            const __m256i lo = i < 2 ? _mm256_and_si256(l, m4)
+                                                     : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+                            // top bits 2i, 2i + 1 moved to bits 4, 5 (what a 16-bit shift brings over from the
+                            // neighbour byte lands outside 0x30)
+                            __m256i hi;
+                            switch (i) {
+                                case 0: hi = _mm256_slli_epi16(hb, 4); break;
+                                case 1: hi = _mm256_slli_epi16(hb, 2); break;
+                                case 2: hi = hb; break;
+                                default: hi = _mm256_srli_epi16(hb, 2); break;
+                            }
+                            q[k] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+                        }
+                        for (int m = 0; m < M; ++m) {
+                            const int8_t* x = act_row<block_q8_K>(xa, xs, m)[b].qs + 128 * h + 32 * i + 16 * kk;
+                            const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(q[0], bcast4(x)),
+                                                                _mm256_maddubs_epi16(q[1], bcast4(x + 4)));
+                            const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(q[2], bcast4(x + 8)),
+                                                                _mm256_maddubs_epi16(q[3], bcast4(x + 12)));
+                            sumi[m] = _mm256_add_epi32(
+                                sumi[m], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
+                            if (M > 2) keep_in_register(sumi[m]);
+                        }
+                    }
+                }
+            }
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B.d)));
+            for (int m = 0; m < M; ++m) {
+                const float dx = act_row<block_q8_K>(xa, xs, m)[b].d;
+                acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(sumi[m]), acc[m]);
+            }
+        }
+        for (int m = 0; m < M; ++m) _mm256_storeu_ps(y + m * ldy + g, acc[m]);
     }
 }
 
@@ -364,6 +342,14 @@ PYLLM_INLINE __m256i rows8_pick16(__m256i bytes, int e0, int e1) {  // lane j: (
         _mm256_setr_epi32(0, 0x00040004, 0x00080008, 0x000C000C, 0, 0x00040004, 0x00080008, 0x000C000C);
     return _mm256_shuffle_epi8(bytes, _mm256_add_epi8(ctl, lane));
 }
+
+// Activation rows go ROWS8_K_CHUNK at a time over a group (its blocks stay in L1 for the next chunk); a row's
+// operations do not depend on its chunk, so neither does its result.  4 rows: few enough live vectors that
+// nothing spills (all M rows at once spill for M >= 3), and each decoded code vector serves 4 rows.  (Q6_K keeps
+// all rows in one pass: its 6-bit decoding costs more than the spills; 4 at a time was 1.2-1.3x slower at M = 5-8.)
+#ifndef ROWS8_K_CHUNK
+#define ROWS8_K_CHUNK 4
+#endif
 
 // R activation rows against one group of 8 weight rows (y[r * ldy + j]).  Each code vector is decoded once, just
 // in time, and feeds the R rows, so only the rows' pair-sum accumulators, running sums and fp32 sums are live
@@ -474,7 +460,7 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
             }
         }
     }
-    constexpr int C = M < ROWS8_K_CHUNK ? M : ROWS8_K_CHUNK, full = M / C * C;  // as rows8_q6_k
+    constexpr int C = M < ROWS8_K_CHUNK ? M : ROWS8_K_CHUNK, full = M / C * C;
     for (int g = 0; g < n; g += 8) {
         const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
         for (int m = 0; m < full; m += C) rows8_q45_k_group<G, Five, C>(gb, nb, xr + m, bw + m, y + m * ldy + g, ldy);
