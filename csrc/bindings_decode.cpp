@@ -11,9 +11,6 @@ namespace pyllm {
 namespace bind {
 namespace {
 
-using pyllm::QType;
-using pyllm::QTypeTraits;
-
 // The decode step's profile (kernels.h DecodeProfile) as a dict of counters: ns, bytes and calls.
 py::dict decode_profile_read() {
     const pyllm::DecodeProfile& p = pyllm::decode_profile_cpu();

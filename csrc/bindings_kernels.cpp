@@ -10,9 +10,6 @@ namespace pyllm {
 namespace bind {
 namespace {
 
-using pyllm::QType;
-using pyllm::QTypeTraits;
-
 // y = x @ W.T for 1 <= M <= 8 rows of x: x f32 [M, K], w u8 [N, row_bytes] -> y f32 [M, N]
 Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x) {
     const QTypeTraits& tr = check_qtype("gemv", qtype);
