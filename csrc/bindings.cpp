@@ -1,7 +1,7 @@
 // The extension module: the only files that see torch are this one and the bindings_*.cpp files it registers,
 // and every tensor they receive is checked (bindings_checks.h) before a raw pointer goes to a launcher in
 // kernels.h or cuda/cuda_kernels.h.
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 namespace pyllm {
 namespace bind {
