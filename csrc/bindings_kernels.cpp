@@ -312,6 +312,10 @@ void register_kernels(py::module& m) {
     m.def("get_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_get_isa())); });
     m.def("available_isas", &available_isas);
     m.def("best_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_best_isa())); });
+    m.def("emulate_avx512", &pyllm::cpu_emulate_avx512, py::arg("on"),
+          "tests only: on a CPU without AVX-512, offer 'avx512' as its VNNI kernels compiled as AVX2 code; returns "
+          "whether that is on");
+    m.def("avx512_emulated", &pyllm::cpu_avx512_emulated);
     m.def("set_num_threads", &set_num_threads, "threads for pyllm's CPU kernels (torch's own setting untouched)");
     m.def("get_num_threads", &pyllm::cpu_get_num_threads);
     m.def("physical_cores", &pyllm::cpu_physical_cores);

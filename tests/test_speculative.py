@@ -198,6 +198,7 @@ def test_decode_steps_rows_equal_one_token_steps(kind):
     prompt = llm.tokenize("The quick brown fox jumps over the lazy dog because")
     toks = torch.tensor([11, 523, 9071, 42, 3000, 17, 256, 1024], dtype=torch.int64)
     before = ops.get_isa()
+    ops._C.emulate_avx512(True)  # where the CPU lacks AVX-512, its VNNI kernels as AVX2 code join the paths
     try:
         # every kernel path this CPU has, every row count: each row sums in the same order whatever M is
         for isa in ops._C.available_isas():
@@ -222,6 +223,7 @@ def test_decode_steps_rows_equal_one_token_steps(kind):
                 ops._C.decode_steps(ctx, toks[:M].contiguous(), pos, last, False)
                 assert torch.equal(last[0], seq[-1])
     finally:
+        ops._C.emulate_avx512(False)
         ops.set_isa(before)
     with pytest.raises(ValueError, match="1..8"):
         ops._C.decode_steps(ctx, torch.zeros(9, dtype=torch.int64), 20, torch.empty(9, ctx.n_vocab), True)

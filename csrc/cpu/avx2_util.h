@@ -3,7 +3,9 @@
 // gemv_avx512.cpp includes this header (and gemv_legacy_impl.h) a second time under
 // `#pragma GCC target(... avx512vnni)` with PYLLM_VNNI defined: the helpers then live in namespace avx512 (so
 // the two builds of each inline function never share a symbol) and dot_u8s8 becomes one vpdpbusd.  The pragma
-// does not define __AVX2__ etc. in g++, hence the explicit PYLLM_VNNI test.
+// does not define __AVX2__ etc. in g++, hence the explicit PYLLM_VNNI test.  gemv_vnni_emulated.cpp includes them a
+// third time, as AVX2 code with PYLLM_VNNI_EMULATED also defined (namespace vnni_emulated): the VNNI kernels'
+// code made runnable on an AVX2-only CPU, for tests.
 #pragma once
 
 #if (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)) || defined(PYLLM_VNNI)
@@ -13,7 +15,9 @@
 #include <cstdint>
 #include <cstring>
 
-#ifdef PYLLM_VNNI
+#if defined(PYLLM_VNNI_EMULATED)
+#define PYLLM_SIMD_NS vnni_emulated
+#elif defined(PYLLM_VNNI)
 #define PYLLM_SIMD_NS avx512
 #else
 #define PYLLM_SIMD_NS avx2
@@ -107,9 +111,26 @@ PYLLM_INLINE __m256i high_bits_x16_32(const uint8_t* p) {
 // sum of u8 * s8 over 32 bytes -> 8 int32 partial sums.  maddubs saturates at int16, which never happens
 // for our codes (unsigned <= 63 against |xq| <= 127: 2 * 63 * 127 = 16002 < 32767), so VNNI's vpdpbusd (no
 // intermediate int16) gives the same sums in one instruction instead of two plus a constant.
+#ifdef PYLLM_VNNI
+// acc + per int32 lane the sum of its 4 products u8 * s8, exact in int32: vpdpbusd.  gemv_vnni_emulated.cpp
+// (PYLLM_VNNI_EMULATED) computes the same sums with AVX2 instructions: bytes widened to int16 (u8 zero-, s8
+// sign-extended), even and odd bytes apart, vpmaddwd pairs them within each lane; every product and pair sum is
+// exact in int32, so the result is vpdpbusd's bit for bit.
+PYLLM_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+#ifdef PYLLM_VNNI_EMULATED
+    const __m256i even = _mm256_set1_epi16(0x00FF);
+    const __m256i pe = _mm256_madd_epi16(_mm256_and_si256(u, even), _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8));
+    const __m256i po = _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8));
+    return _mm256_add_epi32(acc, _mm256_add_epi32(pe, po));
+#else
+    return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+}
+#endif
+
 PYLLM_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
 #ifdef PYLLM_VNNI
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+    return dpbusd(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
 #endif

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +30,8 @@ namespace {
 
 constexpr int kTypeIds = QTYPE_ID_LIMIT;
 
+bool cpu_runs_avx512_natively();
+
 struct Tables {
     RowKernel k[ISA_COUNT][kTypeIds];    // [Isa][type id]; each ISA falls back per type to the one below it
     RowKernel x16[ISA_COUNT][kTypeIds];  // precise_x kernels, or the plain ones where a type has none
@@ -42,7 +45,9 @@ struct Tables {
             if (!s.available()) s = cpu::row_kernel_avx2_awq(q);
             k[1][t] = s.available() ? s : k[0][t];
             // Even the table lookup is compiled for AVX-512 (its file's target pragma): ask only a CPU that has it.
-            const RowKernel v = cpu_isa_available(Isa::Avx512) ? cpu::row_kernel_avx512(q) : RowKernel{};
+            // Elsewhere the row holds the same kernels compiled as AVX2 code, reachable only while the tests
+            // emulate AVX-512 (cpu_emulate_avx512).
+            const RowKernel v = cpu_runs_avx512_natively() ? cpu::row_kernel_avx512(q) : cpu::row_kernel_vnni_emulated(q);
             k[2][t] = k[3][t] = v.available() ? v : k[1][t];
             RowKernel g16 = cpu::row_kernel_generic_x16(q);
             if (!g16.available()) g16 = cpu::row_kernel_generic_rows8_x16(q);
@@ -99,11 +104,21 @@ bool cpu_runs_avx512() {
 #endif
 }
 
+// Built with the AVX-512 kernels, and this CPU and its OS run them.
+bool cpu_runs_avx512_natively() {
+    static const bool ok = cpu::avx2_compiled() && cpu::avx512_compiled() && cpu_runs_avx512();
+    return ok;
+}
+
 Isa pick_default() {
-    for (int i = ISA_COUNT - 1; i > 0; --i)
-        if (cpu_isa_available(static_cast<Isa>(i))) return static_cast<Isa>(i);
+    for (int i = ISA_COUNT - 1; i > 0; --i) {
+        const Isa isa = static_cast<Isa>(i);
+        if (cpu_isa_available(isa) && !(isa == Isa::Avx512 && cpu_avx512_emulated())) return isa;
+    }
     return Isa::Scalar;
 }
+
+std::atomic<bool> g_emulate_avx512{false};
 
 Isa g_isa = Isa::Scalar;  // set on first use from cpu_best_isa() (PYLLM_ISA: see bindings_kernels.cpp)
 bool g_isa_set = false;
@@ -124,11 +139,20 @@ bool cpu_isa_available(Isa isa) {
     switch (isa) {
         case Isa::Scalar: return true;
         case Isa::Avx2: return cpu::avx2_compiled() && cpu_runs_avx2();
-        case Isa::Avx512: return cpu::avx2_compiled() && cpu::avx512_compiled() && cpu_runs_avx512();
-        case Isa::Amx: return cpu_isa_available(Isa::Avx512) && cpu::amx_usable();
+        case Isa::Avx512: return cpu_runs_avx512_natively() || cpu_avx512_emulated();
+        case Isa::Amx: return cpu_runs_avx512_natively() && cpu::amx_usable();
     }
     return false;
 }
+bool cpu_emulate_avx512(bool on) {
+    const bool can = !cpu_runs_avx512_natively() && cpu_isa_available(Isa::Avx2) &&
+                     cpu::row_kernel_vnni_emulated(QType::Q4_0).available();
+    g_emulate_avx512 = on && can;
+    if (!g_emulate_avx512 && cpu_get_isa() == Isa::Avx512 && !cpu_runs_avx512_natively()) cpu_set_isa(cpu_best_isa());
+    return g_emulate_avx512;
+}
+bool cpu_avx512_emulated() { return g_emulate_avx512.load(); }
+
 Isa cpu_best_isa() {
     static const Isa best = pick_default();
     return best;

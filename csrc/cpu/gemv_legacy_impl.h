@@ -395,8 +395,8 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
                 memcpy(&xh, x + 16 + 4 * k, 4);
                 __m256i& p = ps[r][T::five ? k / 2 : 0];
 #ifdef PYLLM_VNNI
-                p = _mm256_dpbusd_epi32(p, lo, _mm256_set1_epi32(xl));
-                p = _mm256_dpbusd_epi32(p, hi, _mm256_set1_epi32(xh));
+                p = dpbusd(p, lo, _mm256_set1_epi32(xl));
+                p = dpbusd(p, hi, _mm256_set1_epi32(xh));
 #else
                 p = _mm256_add_epi16(p, _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(xl)),
                                                          _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xh))));
@@ -475,7 +475,7 @@ PYLLM_INLINE void rows8_q8_chunk(const block_q8_0x8& B, const Q8RowC* a, int b, 
             memcpy(&v, a[m].qs + QK * b + 4 * k, 4);
             const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), q);
 #ifdef PYLLM_VNNI
-            is[m] = _mm256_dpbusd_epi32(is[m], qa, xs);
+            is[m] = dpbusd(is[m], qa, xs);
 #else
             is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), _mm256_set1_epi16(1)));
 #endif
