@@ -369,3 +369,22 @@ def test_spec_replay_counts_passes_like_the_generator():
     reply2 = [1, 2, 3, 4, 5, 6, 7, 8]
     assert tool.ideal_copy(prompt2, reply2, free, 7) == pytest.approx(7.0)
     assert tool.replay(prompt2, reply2, free, "oracle", 4, 7) == pytest.approx(3.5)
+
+
+def test_spec_replay_reads_the_held_out_prompts(tmp_path):
+    # the held-out prompts are of the shipped kinds, none of them a shipped prompt; a bad file is one clear error
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("spec_replay", root / "tools" / "spec_replay.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    shipped = tool.load_prompts(None)
+    held = tool.load_prompts(str(root / "tools" / "spec_heldout.json"))
+    assert {p["kind"] for p in held} == {p["kind"] for p in shipped} == {"grounded", "open"}
+    assert not {p["prompt"] for p in held} & {p["prompt"] for p in shipped}
+    assert not {p["name"] for p in held} & {p["name"] for p in shipped}
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="cannot read prompts from .*p.json"):
+        tool.load_prompts(str(bad))

@@ -2,6 +2,7 @@
 
     python tools/spec_replay.py smollm2-135m qwen2.5-coder-0.5b                  # measure the pass costs, replay
     python tools/spec_replay.py qwen2.5-coder-0.5b --slopes 0.38,0.25,0.15       # what cheaper extra rows would give
+    python tools/spec_replay.py smollm2-135m --prompts tools/spec_heldout.json   # prompts not tuned on
 
 Timed speculative runs on a shared 2-core VM drift by more than the effects worth studying, and their outcome mixes
 two questions: how often the lookup drafts agree with the model, and what a verification pass over M rows costs.
@@ -13,6 +14,10 @@ step per token.  "oracle" picks k as the number that will be accepted (the best 
 drafts, step by step).  "ideal copy" bounds what copying can give at all: at each step the draft is the longest
 prefix (up to k) of the true continuation found anywhere in the prompt and the reply so far, whichever occurrence
 holds it, so the gap between it and "oracle" is the lookup's choice of what to copy.
+
+The prompts are the shipped ones (pyllm/data/spec_prompts.json), or --prompts FILE of the same form:
+tools/spec_heldout.json holds prompts of the same kinds written apart from them, to check a change to the
+controller on text it was not tuned on.
 
 The cost table is measured on the model (the multi-row forward at M = 1..8, best of several rounds; --measure is
 the default), or given as slopes: cost[M] = 1 + slope * (M - 1), one table per slope.
@@ -31,11 +36,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ROWS = range(1, 9)
 
 
-def record(llm, n: int) -> list[dict]:
+def load_prompts(path: str | None) -> list[dict]:
+    """The shipped prompts (``pyllm bench --spec``'s), or those of a JSON file of the same form."""
+    import json
+
     from pyllm.cli.bench import spec_prompts
 
+    if path is None:
+        return spec_prompts()
+    try:
+        return json.loads(Path(path).read_text())["prompts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"spec_replay: cannot read prompts from {path}: {e}")
+
+
+def record(llm, n: int, prompts: list[dict] | None = None) -> list[dict]:
     out = []
-    for p in spec_prompts():
+    for p in load_prompts(None) if prompts is None else prompts:
         ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
         reply = list(llm.generate_tokens(ids, max_tokens=n, temperature=0))
         out.append(dict(name=p["name"], kind=p["kind"], prompt=ids, reply=reply))
@@ -119,12 +136,15 @@ def main(argv=None) -> int:
     ap.add_argument("--slopes", default=None, help="comma list: replay cost[M] = 1 + slope (M - 1) instead of measuring")
     ap.add_argument("--spec-k", type=int, default=DEFAULT_K)
     ap.add_argument("--spec-ngram", type=int, default=DEFAULT_NGRAM)
+    ap.add_argument("--prompts", default=None,
+                    help="JSON file of prompts (as pyllm/data/spec_prompts.json; e.g. tools/spec_heldout.json)")
     a = ap.parse_args(argv)
+    prompts = load_prompts(a.prompts)
     print("| model | cost[2..8] (x one row) | prompt | kind | tokens | controller | oracle | ideal copy |")
     print("|---|---|---|---|---:|---:|---:|---:|")
     for name in a.models:
         llm = pyllm.load(name, n_ctx=2048, n_threads=a.threads, quiet=True)
-        replies = record(llm, a.n)
+        replies = record(llm, a.n, prompts)
         tables = ([{m: 1 + float(s) * (m - 1) for m in ROWS} for s in a.slopes.split(",")] if a.slopes
                   else [measure_costs(llm)])
         for cost in tables:
