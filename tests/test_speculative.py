@@ -12,6 +12,7 @@ References:
   20,000 seeds (its sampling noise is ~0.01).
 """
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -340,16 +341,23 @@ def test_readme_example_and_cli(capsys):
     assert "--spec-k must be an integer in 1..7" in capsys.readouterr().err
 
 
+def _spec_replay_tool():
+    import importlib.util
+
+    if "spec_replay" not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "tools" / "spec_replay.py"
+        spec = importlib.util.spec_from_file_location("spec_replay", path)
+        tool = importlib.util.module_from_spec(spec)
+        sys.modules["spec_replay"] = tool  # a dataclass looks its annotations up in its module
+        spec.loader.exec_module(tool)
+    return sys.modules["spec_replay"]
+
+
 def test_spec_replay_counts_passes_like_the_generator():
     # tools/spec_replay.py's model of a run, on token lists whose answer is known: a reply that copies the prompt
     # verbatim, with free extra rows, is emitted 8 tokens per pass by the oracle (7 drafts + the model's own);
     # a reply of tokens the prompt never had gets no drafts, so every policy is plain decoding (1.00x).
-    import importlib.util
-
-    path = Path(__file__).resolve().parent.parent / "tools" / "spec_replay.py"
-    spec = importlib.util.spec_from_file_location("spec_replay", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _spec_replay_tool()
     prompt = list(range(100, 200))
     copy = prompt[:57]  # 56 tokens after the prefill's first: 7 passes of 8
     free = {m: 1.0 for m in range(1, 9)}
@@ -371,3 +379,59 @@ def test_spec_replay_counts_passes_like_the_generator():
     reply2 = [1, 2, 3, 4, 5, 6, 7, 8]
     assert tool.ideal_copy(prompt2, reply2, free, 7) == pytest.approx(7.0)
     assert tool.replay(prompt2, reply2, free, "oracle", 4, 7) == pytest.approx(3.5)
+
+
+def test_spec_replay_breakdown_and_hindsight_table():
+    # Where a policy's passes went, on token lists whose answer is counted by hand.  The reply copies the first of
+    # two pieces starting with token 1; its first token (1) comes from the prefill.
+    tool = _spec_replay_tool()
+    prompt = [50, 1, 2, 3, 4, 5, 6, 7, 8, 60, 1, 20, 21, 22, 23, 24, 25, 26]
+    reply = [1, 2, 3, 4, 5, 6, 7, 8]
+    linear = {m: 1 + 0.5 * (m - 1) for m in range(1, 9)}
+    # a table drafting 7 only on evidence 0: the first lookup (1 -> 20 or 2: evidence 0) copies the latest (20...),
+    # a wholly rejected pass costing cost[8] - cost[1] = 3.5 more than a plain step; every later lookup has
+    # evidence >= 2, so six plain steps follow, each with a draft right for 6, 5, .., 1 tokens
+    r = tool.replay_passes(prompt, reply, linear, {0: 7}, 4, 7)
+    assert (r.passes, r.rejected, r.rejected_cost, r.plain, r.skipped, r.skipped_tokens) == (1, 1, 3.5, 6, 6, 21)
+    # k = 3 on evidence 2 (the lookup of "1 2"): the pass stops 3 tokens short of the 6 its draft had right; the
+    # lookups after it have evidence 6 and 7 (not in the table): plain steps whose drafts were right for 2 and 1
+    r = tool.replay_passes(prompt, reply, linear, {2: 3}, 4, 7)
+    assert (r.passes, r.short, r.short_tokens, r.plain, r.skipped, r.skipped_tokens) == (1, 1, 3, 3, 2, 3)
+    assert r.speedup == pytest.approx(7 / (3 * 1.0 + linear[4]))
+    # drafting past the first wrong token: a verbatim copy of the prompt's first 60 tokens, then tokens of its own;
+    # passes of 8 from the second token leave 3 copied ones for the last pass, whose other 4 drafted rows are wasted
+    copy = list(range(100, 160)) + [999, 998, 997, 996]
+    r = tool.replay_passes(list(range(100, 200)), copy, linear, {e: 7 for e in range(9)}, 4, 7)
+    assert (r.over, r.over_rows, r.over_cost, r.rejected) == (1, 4, linear[8] - linear[4], 0)
+    # the hindsight table of a verbatim copy with free rows drafts 7 wherever the lookup has evidence: the
+    # oracle's 8 tokens per pass; on that two-piece reply it skips the evidence-0 guess and drafts the rest
+    free = {m: 1.0 for m in range(1, 9)}
+    best, table = tool.hindsight_table(list(range(100, 200)), list(range(100, 157)), free, 4, 7)
+    assert best == pytest.approx(8.0)
+    best, table = tool.hindsight_table(prompt, reply, linear, 4, 7)
+    assert table[0] == 0 and best == pytest.approx(7 / (1.0 + linear[6]))
+    assert best >= tool.replay(prompt, reply, linear, "controller", 4, 7)
+
+
+def test_spec_replay_reads_the_held_out_prompts(tmp_path):
+    # the held-out prompts are of the shipped kinds, none of them a shipped prompt; a bad file is one clear error
+    tool = _spec_replay_tool()
+    root = Path(__file__).resolve().parent.parent
+    shipped = tool.load_prompts(None)
+    held = tool.load_prompts(str(root / "tools" / "spec_heldout.json"))
+    assert {p["kind"] for p in held} == {p["kind"] for p in shipped} == {"grounded", "open"}
+    assert not {p["prompt"] for p in held} & {p["prompt"] for p in shipped}
+    assert not {p["name"] for p in held} & {p["name"] for p in shipped}
+    bad = tmp_path / "p.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit, match="cannot read prompts from .*p.json"):
+        tool.load_prompts(str(bad))
+
+
+def test_spec_replay_reads_a_cost_table():
+    tool = _spec_replay_tool()
+    assert tool.parse_costs("1.13,1.28,1.47,1.83,1.97,2.23,2.49") == {1: 1.0, 2: 1.13, 3: 1.28, 4: 1.47, 5: 1.83,
+                                                                       6: 1.97, 7: 2.23, 8: 2.49}
+    for text in ("1.1,1.2", "1.1,1.2,x,1,1,1,1", "0.5,1,1,1,1,1,1"):
+        with pytest.raises(SystemExit, match="--costs needs 7 numbers"):
+            tool.parse_costs(text)

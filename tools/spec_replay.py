@@ -2,6 +2,8 @@
 
     python tools/spec_replay.py smollm2-135m qwen2.5-coder-0.5b                  # measure the pass costs, replay
     python tools/spec_replay.py qwen2.5-coder-0.5b --slopes 0.38,0.25,0.15       # what cheaper extra rows would give
+    python tools/spec_replay.py smollm2-135m --costs 1.13,1.28,1.47,1.83,1.97,2.23,2.49 \
+        --prompts tools/spec_heldout.json --hindsight --breakdown                 # a given table, held-out prompts
 
 Timed speculative runs on a shared 2-core VM drift by more than the effects worth studying, and their outcome mixes
 two questions: how often the lookup drafts agree with the model, and what a verification pass over M rows costs.
@@ -12,10 +14,20 @@ accepted.  A pass over M rows costs cost[M] steps of one row; the speedup is tok
 step per token.  "oracle" picks k as the number that will be accepted (the best a controller can do with these
 drafts, step by step).  "ideal copy" bounds what copying can give at all: at each step the draft is the longest
 prefix (up to k) of the true continuation found anywhere in the prompt and the reply so far, whichever occurrence
-holds it, so the gap between it and "oracle" is the lookup's choice of what to copy.
+holds it, so the gap between it and "oracle" is the lookup's choice of what to copy.  "hindsight k" (--hindsight)
+is the best fixed table evidence -> k for the reply, found knowing it: the gap from the controller to it bounds
+roughly what a better model of acceptance per evidence could give (fitted to the very reply, it flatters), and the
+gap from it to the oracle is what only foreknowledge of each pass gives (the oracle, drafting exactly what each pass
+will accept, is not always the best sequence of passes, so the hindsight table can pass it).  --breakdown counts where the controller's passes
+went against what its drafts allowed: passes whose first draft was wrong, rows past the first wrong draft, k
+stopping inside a run the draft had right, plain steps whose draft was right.
 
-The cost table is measured on the model (the multi-row forward at M = 1..8, best of several rounds; --measure is
-the default), or given as slopes: cost[M] = 1 + slope * (M - 1), one table per slope.
+The prompts are the shipped ones (pyllm/data/spec_prompts.json), or --prompts FILE of the same form:
+tools/spec_heldout.json holds prompts of the same kinds written apart from them, to check a change to the
+controller on text it was not tuned on.
+
+The cost table is measured on the model (the multi-row forward at M = 1..8, best of several rounds; the default),
+given as --costs cost[2..8], and/or as --slopes: cost[M] = 1 + slope * (M - 1), one table per slope.
 """
 
 from __future__ import annotations
@@ -24,18 +36,31 @@ import argparse
 import math
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-ROWS = range(1, 9)
+ROWS = tuple(range(1, 9))
 
 
-def record(llm, n: int) -> list[dict]:
+def load_prompts(path: str | None) -> list[dict]:
+    """The shipped prompts (``pyllm bench --spec``'s), or those of a JSON file of the same form."""
+    import json
+
     from pyllm.cli.bench import spec_prompts
 
+    if path is None:
+        return spec_prompts()
+    try:
+        return json.loads(Path(path).read_text())["prompts"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"spec_replay: cannot read prompts from {path}: {e}")
+
+
+def record(llm, n: int, prompts: list[dict] | None = None) -> list[dict]:
     out = []
-    for p in spec_prompts():
+    for p in load_prompts(None) if prompts is None else prompts:
         ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
         reply = list(llm.generate_tokens(ids, max_tokens=n, temperature=0))
         out.append(dict(name=p["name"], kind=p["kind"], prompt=ids, reply=reply))
@@ -63,32 +88,100 @@ def measure_costs(llm, rounds: int = 5) -> dict[int, float]:
     return {m: best[m] / best[1] for m in ROWS}
 
 
-def replay(prompt: list[int], reply: list[int], cost: dict[int, float], policy: str, ngram: int, k_max: int) -> float:
-    """Tokens per unit of one-row step time, over plain decoding's 1 (the first token comes from the prefill)."""
+@dataclass
+class Replayed:
+    """One replay's outcome: the speedup, and where its passes went against what the drafts would have allowed."""
+
+    speedup: float = 0.0
+    passes: int = 0  # verification passes
+    plain: int = 0  # one-token steps
+    rejected: int = 0  # passes whose first draft was wrong: all k rows wasted
+    rejected_cost: float = 0.0  # what they cost beyond a plain step
+    over: int = 0  # passes drafting past the first wrong token (at least one accepted)
+    over_rows: int = 0  # rows verified past it
+    over_cost: float = 0.0  # what those rows cost (cost[k + 1] - cost[accepted + 1])
+    short: int = 0  # passes whose k stopped inside a run the draft had right
+    short_tokens: int = 0  # drafted tokens past k that would have been accepted
+    skipped: int = 0  # plain steps where the draft's first token was right
+    skipped_tokens: int = 0  # the tokens of those drafts that would have been accepted
+
+
+def replay_passes(prompt: list[int], reply: list[int], cost: dict[int, float], policy, ngram: int,
+                  k_max: int) -> Replayed:
+    """Replays speculation over ``reply``: ``policy`` is "controller" (pyllm's SpecController), "oracle" (k = the
+    number of drafts that will be accepted) or a dict evidence -> k (a fixed table; missing evidence: k = 0)."""
     from pyllm.runtime import speculative as sp
 
     prop, ctrl = sp.LookupProposer(ngram), sp.SpecController(max_k=k_max)
     for m, c in cost.items():
         ctrl.time(m, c)
+    out = Replayed()
     n, spent = 1, 0.0
     while n < len(reply):
         drafts, match = prop.propose(prompt + reply[:n], k_max)
         truth = reply[n:]
+        room = min(len(drafts), len(truth))
         agree = 0
-        while agree < min(len(drafts), len(truth)) and drafts[agree] == truth[agree]:
+        while agree < room and drafts[agree] == truth[agree]:
             agree += 1
-        k = agree if policy == "oracle" else ctrl.choose_k(match, min(len(drafts), len(truth)))
+        if policy == "oracle":
+            k = agree
+        elif policy == "controller":
+            k = ctrl.choose_k(match, room)
+        else:
+            k = min(policy.get(match, 0), room)
         if k == 0:
             spent += cost[1]
             if drafts:
                 ctrl.observe(match, int(drafts[0] == truth[0]), 1)
+            out.plain += 1
+            if agree:
+                out.skipped, out.skipped_tokens = out.skipped + 1, out.skipped_tokens + agree
             n += 1
-        else:
-            a = min(agree, k)
-            spent += cost[k + 1]
-            ctrl.observe(match, a, min(a + 1, k))
-            n += a + 1
-    return (len(reply) - 1) / spent
+            continue
+        a = min(agree, k)
+        spent += cost[k + 1]
+        ctrl.observe(match, a, min(a + 1, k))
+        out.passes += 1
+        if a == 0:
+            out.rejected, out.rejected_cost = out.rejected + 1, out.rejected_cost + cost[k + 1] - cost[1]
+        elif a < k:
+            out.over, out.over_rows = out.over + 1, out.over_rows + k - a
+            out.over_cost += cost[k + 1] - cost[a + 1]
+        elif agree > k:
+            out.short, out.short_tokens = out.short + 1, out.short_tokens + agree - k
+        n += a + 1
+    out.speedup = (len(reply) - 1) / spent if spent else 1.0
+    return out
+
+
+def replay(prompt: list[int], reply: list[int], cost: dict[int, float], policy, ngram: int, k_max: int) -> float:
+    """Tokens per unit of one-row step time, over plain decoding's 1 (the first token comes from the prefill)."""
+    return replay_passes(prompt, reply, cost, policy, ngram, k_max).speedup
+
+
+def hindsight_table(prompt: list[int], reply: list[int], cost: dict[int, float], ngram: int,
+                    k_max: int) -> tuple[float, dict[int, int]]:
+    """The best fixed table evidence -> k found knowing the reply (coordinate ascent from k = 3 everywhere, each
+    evidence value in turn, until no single change gains): roughly what any controller whose only input is the
+    lookup's evidence could reach on this reply, however it modelled acceptance.  Fitted to the very reply it is
+    scored on, so it flatters; the gap from it to "oracle" is what only knowing each pass's outcome gives."""
+    from pyllm.runtime.speculative import MATCH_CAP
+
+    table = {e: min(3, k_max) for e in range(MATCH_CAP + 1)}
+    best = replay(prompt, reply, cost, table, ngram, k_max)
+    improved = True
+    while improved:
+        improved = False
+        for e in table:
+            for k in range(k_max + 1):
+                if k == table[e]:
+                    continue
+                trial = {**table, e: k}
+                s = replay(prompt, reply, cost, trial, ngram, k_max)
+                if s > best + 1e-12:
+                    best, table, improved = s, trial, True
+    return best, table
 
 
 def ideal_copy(prompt: list[int], reply: list[int], cost: dict[int, float], k_max: int) -> float:
@@ -108,6 +201,17 @@ def ideal_copy(prompt: list[int], reply: list[int], cost: dict[int, float], k_ma
     return (len(reply) - 1) / spent
 
 
+def parse_costs(text: str) -> dict[int, float]:
+    """``--costs 1.13,1.28,...``: cost[2..8] in one-row steps (cost[1] = 1)."""
+    try:
+        vals = [float(v) for v in text.split(",")]
+    except ValueError:
+        vals = []
+    if len(vals) != len(ROWS) - 1 or any(not v >= 1.0 for v in vals):
+        raise SystemExit(f"spec_replay: --costs needs {len(ROWS) - 1} numbers >= 1 (cost[2..8]), got {text!r}")
+    return {1: 1.0, **{m: v for m, v in zip(ROWS[1:], vals)}}
+
+
 def main(argv=None) -> int:
     import pyllm
     from pyllm.runtime.speculative import DEFAULT_K, DEFAULT_NGRAM
@@ -117,24 +221,49 @@ def main(argv=None) -> int:
     ap.add_argument("-n", type=int, default=128, help="reply tokens recorded per prompt")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--slopes", default=None, help="comma list: replay cost[M] = 1 + slope (M - 1) instead of measuring")
+    ap.add_argument("--costs", default=None, help="cost[2..8] (comma list, one-row steps) instead of measuring")
     ap.add_argument("--spec-k", type=int, default=DEFAULT_K)
     ap.add_argument("--spec-ngram", type=int, default=DEFAULT_NGRAM)
+    ap.add_argument("--prompts", default=None,
+                    help="JSON file of prompts (as pyllm/data/spec_prompts.json; e.g. tools/spec_heldout.json)")
+    ap.add_argument("--hindsight", action="store_true",
+                    help="add the best fixed evidence -> k table found knowing each reply (slow)")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="then a table of where the controller's passes went against what its drafts allowed")
     a = ap.parse_args(argv)
-    print("| model | cost[2..8] (x one row) | prompt | kind | tokens | controller | oracle | ideal copy |")
-    print("|---|---|---|---|---:|---:|---:|---:|")
+    prompts = load_prompts(a.prompts)
+    fixed = [parse_costs(a.costs)] if a.costs else None
+    cols = ["controller"] + (["hindsight k"] if a.hindsight else []) + ["oracle", "ideal copy"]
+    print("| model | cost[2..8] (x one row) | prompt | kind | tokens | " + " | ".join(cols) + " |")
+    print("|---|---|---|---|---:|" + "---:|" * len(cols))
+    losses = []
     for name in a.models:
         llm = pyllm.load(name, n_ctx=2048, n_threads=a.threads, quiet=True)
-        replies = record(llm, a.n)
-        tables = ([{m: 1 + float(s) * (m - 1) for m in ROWS} for s in a.slopes.split(",")] if a.slopes
-                  else [measure_costs(llm)])
+        replies = record(llm, a.n, prompts)
+        tables = (fixed or []) + ([{m: 1 + float(s) * (m - 1) for m in ROWS} for s in a.slopes.split(",")]
+                                  if a.slopes else [])
+        tables = tables or [measure_costs(llm)]
         for cost in tables:
             label = " ".join(f"{cost[m]:.2f}" for m in ROWS if m > 1)
             for r in replies:
-                c, o = (replay(r["prompt"], r["reply"], cost, p, a.spec_ngram, a.spec_k) for p in ("controller", "oracle"))
-                i = ideal_copy(r["prompt"], r["reply"], cost, a.spec_k)
-                print(f"| {llm.path.name} | {label} | {r['name']} | {r['kind']} | {len(r['reply'])} | {c:.2f}x | {o:.2f}x "
-                      f"| {i:.2f}x |")
+                args = (r["prompt"], r["reply"], cost)
+                c = replay_passes(*args, "controller", a.spec_ngram, a.spec_k)
+                vals = [c.speedup]
+                if a.hindsight:
+                    vals.append(hindsight_table(*args, a.spec_ngram, a.spec_k)[0])
+                vals += [replay(*args, "oracle", a.spec_ngram, a.spec_k), ideal_copy(*args, a.spec_k)]
+                print(f"| {llm.path.name} | {label} | {r['name']} | {r['kind']} | {len(r['reply'])} | "
+                      + " | ".join(f"{v:.2f}x" for v in vals) + " |")
+                losses.append((llm.path.name, label, r["name"], c))
         del llm
+    if a.breakdown:
+        print()
+        print("| model | cost[2..8] | prompt | passes | plain | rejected (cost) | over-drafted: rows (cost) | "
+              "short: passes, tokens | skipped: steps, tokens |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+        for model, label, prompt, c in losses:
+            print(f"| {model} | {label} | {prompt} | {c.passes} | {c.plain} | {c.rejected} ({c.rejected_cost:.1f}) | "
+                  f"{c.over_rows} ({c.over_cost:.1f}) | {c.short}, {c.short_tokens} | {c.skipped}, {c.skipped_tokens} |")
     return 0
 
 

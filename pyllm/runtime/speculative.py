@@ -333,6 +333,13 @@ class SpecController:
     about that often in grounded replies, so a long match is drafted deep from its first use) and ``prior`` for
     n = 0, where nothing is known.
     t[M]: seconds of a forward over M rows, a running mean started from a prior ratio to t[1].
+
+    One rate per evidence value, geometric in depth, is enough: on recorded greedy replies (tools/spec_replay.py,
+    shipped and held-out prompts) richer online models (acceptance per depth, the previous pass's outcome as
+    evidence, the posterior's predictive) gained on one model or prompt set what they lost on another; an
+    evidence -> k table fitted knowing the replies does not carry over to other text; and what separates the
+    controller from an oracle on SmolLM2 is mostly which pass fails, which the evidence does not tell
+    (docs/DESIGN.md, Speculative decoding).
     """
 
     max_k: int = DEFAULT_K
