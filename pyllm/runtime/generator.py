@@ -108,7 +108,9 @@ class Generator:
         pos = len(self.tokens)
         self.check_room(len(toks))
         with torch.inference_mode():
-            logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
+            logits = self.model.fused_logits(toks[0], pos, self.kv) if len(toks) == 1 else None
+            if logits is None:
+                logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
         self.tokens.extend(toks)
         return logits
 
