@@ -34,7 +34,7 @@ const char* cpu_isa_name(Isa isa);     // "scalar", "avx2", "avx512", "amx"
 bool cpu_isa_from_name(const char* name, Isa* isa);  // false for an unknown name
 // Tests on a CPU without AVX-512: make Isa::Avx512 available with its VNNI kernels compiled as AVX2 code
 // (gemv_vnni_emulated.cpp), so their code runs here; never the default.  Returns whether emulation is on (false
-// where the CPU has AVX-512 itself, or lacks AVX2).  Turning it off leaves an emulated avx512 for the default.
+// where the CPU has AVX-512 itself, or lacks AVX2).  Turning it off while avx512 is selected selects the default.
 bool cpu_emulate_avx512(bool on);
 bool cpu_avx512_emulated();
 // The AVX2 code paths (everything but the GEMV row kernels: quantizers, dequant, attention) serve every ISA

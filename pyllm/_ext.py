@@ -228,7 +228,7 @@ def load():
         build.mkdir(parents=True, exist_ok=True)
         with build_lock(build):
             if not (build / f"{NAME}.so").exists():
-                what = "with its CUDA kernels (first use, a few minutes)" if cuda else "(first use, a few minutes)"
+                what = ("with its CUDA kernels " if cuda else "") + "(first use, a few minutes)"
                 print(f"pyllm: compiling the C++ extension {what}...", file=sys.stderr, flush=True)
             mod = cpp_extension.load(
                 name=NAME,

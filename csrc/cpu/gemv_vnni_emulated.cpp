@@ -1,8 +1,9 @@
 // The AVX-512 VNNI row kernels of gemv_avx512.cpp compiled as AVX2 code: the same source (gemv_legacy_impl.h with
 // PYLLM_VNNI), where avx2_util.h's dpbusd computes vpdpbusd's exact sums from AVX2 instructions.  A CPU without
 // AVX-512 can then run every line the VNNI kernels have beyond the AVX2 ones -- their accumulation in int32
-// instead of int16, the Q5 and Q8_0 int32 paths, the rows-by-8 groups -- which the tests turn on with
-// cpu_emulate_avx512 (tests/conftest.py).  Never chosen by default: it is slower than the AVX2 kernels.
+// instead of int16, the Q5 and Q8_0 int32 paths, the rows-by-8 groups -- once a test turns it on with
+// cpu_emulate_avx512 (tests/test_kernels.py's fixture, the multi-row step test).  Never a default: it only stands
+// in for instructions the CPU lacks.
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PYLLM_VNNI 1
 #define PYLLM_VNNI_EMULATED 1
