@@ -55,15 +55,11 @@ class Decoder:
         """The CPU backend's DecodeContext for ``kv`` (what ops._C's batched steps take), or None."""
         return getattr(self.fused_step(kv), "ctx", None)
 
-    def _fused_forward(self, tokens: torch.Tensor, start_pos: int, kv) -> torch.Tensor | None:
-        """Logits [1, n_vocab] f32 (CPU) of one token through the fused step, or None where it does not apply."""
-        return self.fused_logits(int(tokens[0]), start_pos, kv)
-
     def fused_logits(self, token: int, pos: int, kv) -> torch.Tensor | None:
-        """``_fused_forward`` for a token id: what the generator calls for each decoded token (under inference mode),
-        with no token tensor to build.  Right after a step has streamed the weights through the caches, every
-        Python-side torch call runs cold (torch.tensor([t]) took 100-140 us there against 6 us warm: 2% of a
-        SmolLM2 token), so the one-token path makes as few as it can."""
+        """Logits [1, n_vocab] f32 of one token through the fused step, or None where it does not apply (then the
+        torch forward runs).  The generator calls it for each decoded token (under inference mode) with the id as an
+        int: right after a step has streamed the weights through the caches every Python-side torch call runs cold
+        (torch.tensor([t]) took 100-140 us there against 6 us warm: 2% of a SmolLM2 token)."""
         if not self.use_cpp_decode:
             return None
         step = self.fused_step(kv)

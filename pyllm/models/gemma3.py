@@ -74,8 +74,8 @@ class Gemma3Model(Decoder):
     def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
         cfg, w, vec, lin, eps = self.cfg, self.w, self.vec, self.linear, self.cfg.rms_eps
         t = tokens.shape[0]
-        if t == 1 and self.use_cpp_decode:
-            logits = self._fused_forward(tokens, start_pos, kv)
+        if t == 1:  # the fused step where it applies (fused_logits says None where not)
+            logits = self.fused_logits(int(tokens[0]), start_pos, kv)
             if logits is not None:
                 return logits
         x = self.embed(w["token_embd.weight"], tokens) * self.embed_scale

@@ -112,8 +112,8 @@ class LlamaModel(Decoder):
         """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32."""
         cfg, w, vec, lin = self.cfg, self.w, self.vec, self.linear
         t = tokens.shape[0]
-        if t == 1 and self.use_cpp_decode:
-            logits = self._fused_forward(tokens, start_pos, kv)
+        if t == 1:  # the fused step where it applies (fused_logits says None where not)
+            logits = self.fused_logits(int(tokens[0]), start_pos, kv)
             if logits is not None:
                 return logits
         x = self.embed(w["token_embd.weight"], tokens)  # [T, D]
