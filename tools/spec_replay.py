@@ -18,9 +18,9 @@ holds it, so the gap between it and "oracle" is the lookup's choice of what to c
 is the best fixed table evidence -> k for the reply, found knowing it: the gap from the controller to it bounds
 roughly what a better model of acceptance per evidence could give (fitted to the very reply, it flatters), and the
 gap from it to the oracle is what only foreknowledge of each pass gives (the oracle, drafting exactly what each pass
-will accept, is not always the best sequence of passes, so the hindsight table can pass it).  --breakdown counts where the controller's passes
-went against what its drafts allowed: passes whose first draft was wrong, rows past the first wrong draft, k
-stopping inside a run the draft had right, plain steps whose draft was right.
+will accept, is not always the best sequence of passes, so the hindsight table can pass it).  --breakdown counts
+where the controller's passes went against what its drafts allowed: passes whose first draft was wrong, rows past
+the first wrong draft, k stopping inside a run the draft had right, plain steps whose draft was right.
 
 The prompts are the shipped ones (pyllm/data/spec_prompts.json), or --prompts FILE of the same form:
 tools/spec_heldout.json holds prompts of the same kinds written apart from them, to check a change to the
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     cols = ["controller"] + (["hindsight k"] if a.hindsight else []) + ["oracle", "ideal copy"]
     print("| model | cost[2..8] (x one row) | prompt | kind | tokens | " + " | ".join(cols) + " |")
     print("|---|---|---|---|---:|" + "---:|" * len(cols))
-    losses = []
+    breakdowns = []
     for name in a.models:
         llm = pyllm.load(name, n_ctx=2048, n_threads=a.threads, quiet=True)
         replies = record(llm, a.n, prompts)
@@ -254,14 +254,14 @@ def main(argv=None) -> int:
                 vals += [replay(*args, "oracle", a.spec_ngram, a.spec_k), ideal_copy(*args, a.spec_k)]
                 print(f"| {llm.path.name} | {label} | {r['name']} | {r['kind']} | {len(r['reply'])} | "
                       + " | ".join(f"{v:.2f}x" for v in vals) + " |")
-                losses.append((llm.path.name, label, r["name"], c))
+                breakdowns.append((llm.path.name, label, r["name"], c))
         del llm
     if a.breakdown:
         print()
         print("| model | cost[2..8] | prompt | passes | plain | rejected (cost) | over-drafted: rows (cost) | "
               "short: passes, tokens | skipped: steps, tokens |")
         print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-        for model, label, prompt, c in losses:
+        for model, label, prompt, c in breakdowns:
             print(f"| {model} | {label} | {prompt} | {c.passes} | {c.plain} | {c.rejected} ({c.rejected_cost:.1f}) | "
                   f"{c.over_rows} ({c.over_cost:.1f}) | {c.short}, {c.short_tokens} | {c.skipped}, {c.skipped_tokens} |")
     return 0
