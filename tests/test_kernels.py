@@ -275,22 +275,26 @@ def test_k_quant_gemv_keeps_the_residual_of_rows_with_outliers(C, name, layout, 
         assert rel_err(ys[isa], ys["scalar"], x, wt) < TOL_ISA, f"{name}: {isa} vs scalar " + why(N, K, M)
 
 
-@pytest.mark.parametrize("name", K_TYPES)
-def test_k_quant_gemv_rows_do_not_depend_on_each_other(C, name):
+@pytest.mark.parametrize("name,layout", [(n, "gguf") for n in K_TYPES] + [(n, "rows8") for n in ROWS8_K_TYPES])
+def test_k_quant_gemv_rows_do_not_depend_on_each_other(C, name, layout):
     """Rows with and without outliers in one call give bit for bit what each gives alone (the residual row is
-    decided per row), on every ISA path: verifying drafted tokens in one call must not move their logits."""
+    decided per row), on every ISA path: verifying drafted tokens in one call must not move their logits.  Calls
+    of 2 and 3 rows fit one kernel call with their residual rows; those of 6, 7 and 8 rows (9 to 13 activation
+    rows) are split over two."""
     N, K = 64, 512
     wt = make_weight(name, N, K)
-    x = torch.from_numpy(rng_for("xmix", name).standard_normal((6, K), dtype=np.float32))
-    x[::2, 37::256] = 400.0  # rows 0, 2, 4 carry outliers
-    assert needs_q8_K_residual(x).tolist() == [True, False] * 3
+    raw, qtype = (wt.raw, int(GT[name])) if layout == "gguf" else rows8(C, name, wt)
+    x = torch.from_numpy(rng_for("xmix", name).standard_normal((8, K), dtype=np.float32))
+    x[::2, 37::256] = 400.0  # rows 0, 2, 4, 6 carry outliers
+    x[7, 37::256] = 400.0
+    assert needs_q8_K_residual(x).tolist() == [True, False] * 3 + [True, True]
     for isa in C.available_isas():
         C.set_isa(isa)
-        for M in (2, 3, 6):
-            y = C.gemv(x[:M].contiguous(), wt.raw, int(GT[name]))
-            for m in range(M):
-                alone = C.gemv(x[m:m + 1].contiguous(), wt.raw, int(GT[name]))
-                assert torch.equal(y[m], alone[0]), f"{name} {isa}: row {m} of {M} differs from the row alone"
+        alone = [C.gemv(x[m:m + 1].contiguous(), raw, qtype)[0] for m in range(8)]
+        for rows in (slice(0, 2), slice(0, 3), slice(0, 6), slice(1, 8), slice(0, 8)):
+            y = C.gemv(x[rows].contiguous(), raw, qtype)
+            for i, m in enumerate(range(8)[rows]):
+                assert torch.equal(y[i], alone[m]), f"{name} {isa}: row {m} of rows {rows} differs from the row alone"
 
 
 @pytest.mark.parametrize("name", LEGACY_TYPES + K_TYPES)

@@ -255,22 +255,22 @@ uint64_t now_ns() {
             .count());
 }
 
-// x [M, K] prepared in one activation format: [rows, xs] bytes, rows = 2M as (x_0, residual_0, x_1, ...) where
-// residual (Q8_K rows with outliers), else M.
+// x [M, K] prepared in one activation format: [rows, xs] bytes.  With residual (Q8_K rows where some row has
+// outliers) each row m is followed by its residual row where needs[m]: row m of x starts at row first[m].
 struct Prepared {
     const uint8_t* xa;
     size_t xs;
 };
 
 Prepared prepare(Act act, bool simd, const float* x, int M, int K, bool residual, const uint8_t* needs,
-                 std::vector<uint8_t>& buf) {
+                 const int* first, int rows, std::vector<uint8_t>& buf) {
     if (act == Act::F32) return {reinterpret_cast<const uint8_t*>(x), cpu::act_row_bytes(act, K)};
     thread_local std::vector<float> res_buf;
     const size_t xs = cpu::act_row_bytes(act, K);
-    const int rows = residual ? 2 * M : M;
+    if (!residual) rows = M;
     if (buf.size() < xs * rows) buf.resize(xs * rows);
     for (int m = 0; m < M; ++m) {
-        uint8_t* dst = buf.data() + xs * (residual ? 2 * m : m);
+        uint8_t* dst = buf.data() + xs * (residual ? first[m] : m);
         const float* xm = x + static_cast<size_t>(m) * K;
         if (act == Act::Q8_32) {
             const cpu::Q8Row r = cpu::q8_row(dst, K);
@@ -285,8 +285,6 @@ Prepared prepare(Act act, bool simd, const float* x, int M, int K, bool residual
                 if (res_buf.size() < static_cast<size_t>(K)) res_buf.resize(K);
                 q8_K_residual(xm, b, K, res_buf.data());
                 quantize_q8_K(simd, res_buf.data(), K, reinterpret_cast<block_q8_K*>(dst + xs));
-            } else if (residual) {
-                std::memset(dst + xs, 0, xs);  // d = 0, codes and block sums 0: the dot adds exactly 0
             }
         }
     }
@@ -316,17 +314,21 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         uses_q8_K |= kern[p]->act == Act::Q8_K;
     }
 
-    // Which rows carry outliers is decided per row, and a row without them gets an all-zero residual row (its
-    // dot is exactly 0), so a row's result never depends on the other rows of the call: verifying k drafted
-    // tokens in one call gives each the logits it gets alone (speculative decoding's greedy equality).
+    // Which rows carry outliers is decided per row, and only those take a residual row: the row kernels give a
+    // row the same bits whatever the other rows of the call, so a row's result never depends on them (verifying
+    // k drafted tokens in one call gives each the logits it gets alone: speculative decoding's greedy equality).
+    // (An all-zero residual row for the others would add exactly 0, at the cost of a whole row's dot.)
     bool residual = false;
     thread_local std::vector<uint8_t> needs;
+    int first[GEMV_MAX_M + 1] = {};  // with residual: row m's activation row; first[M] = rows in all
     if (uses_q8_K) {
         needs.assign(M, 0);
         for (int m = 0; m < M; ++m) residual |= (needs[m] = q8_K_needs_residual(x + static_cast<size_t>(m) * K, K));
-        if (residual && M > GEMV_MAX_M / 2) {  // 2M rows must fit one row-dot call
-            for (int m0 = 0; m0 < M; m0 += GEMV_MAX_M / 2) {
-                const int mc = std::min(GEMV_MAX_M / 2, M - m0);
+        for (int m = 0; m < M; ++m) first[m + 1] = first[m] + 1 + needs[m];
+        if (residual && first[M] > GEMV_MAX_M) {  // the rows must fit one row-dot call: consecutive runs that do
+            for (int m0 = 0; m0 < M;) {
+                int mc = 0;
+                while (m0 + mc < M && first[m0 + mc + 1] - first[m0] <= GEMV_MAX_M) ++mc;
                 GemvPart sub[kMaxParts];
                 thread_local std::vector<float> part[kMaxParts];
                 for (int p = 0; p < n_parts; ++p) {
@@ -336,7 +338,9 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
                 }
                 gemv_parts_cpu(sub, n_parts, x + static_cast<size_t>(m0) * K, mc, K, precise_x, stats);
                 for (int p = 0; p < n_parts; ++p)
-                    std::copy(part[p].begin(), part[p].end(), parts[p].y + static_cast<size_t>(m0) * parts[p].N);
+                    std::copy(part[p].begin(), part[p].begin() + static_cast<size_t>(mc) * parts[p].N,
+                              parts[p].y + static_cast<size_t>(m0) * parts[p].N);
+                m0 += mc;
             }
             return;
         }
@@ -369,16 +373,16 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         const int a = static_cast<int>(kern[p]->act);
         const bool res = residual && kern[p]->act == Act::Q8_K;
         if (!have[a]) {
-            prep[a] = prepare(kern[p]->act, simd, x, M, K, res, needs.data(), act_buf[a]);
+            prep[a] = prepare(kern[p]->act, simd, x, M, K, res, needs.data(), first, first[M], act_buf[a]);
             have[a] = true;
         }
         const GemvPart& P = parts[p];
         float* yo = P.y;
         if (res) {
-            if (y_buf[p].size() < static_cast<size_t>(2 * M) * P.N) y_buf[p].resize(static_cast<size_t>(2 * M) * P.N);
+            if (y_buf[p].size() < static_cast<size_t>(first[M]) * P.N) y_buf[p].resize(static_cast<size_t>(first[M]) * P.N);
             yo = y_buf[p].data();
         }
-        const int fm = (res ? 2 * M : M) - 1;
+        const int fm = (res ? first[M] : M) - 1;
         job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);
         total_rows += P.N;
@@ -425,8 +429,13 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         if (!(residual && kern[p]->act == Act::Q8_K)) continue;
         const int N = parts[p].N;
         for (int m = 0; m < M; ++m) {
-            const float* a = job[p].y + static_cast<size_t>(2 * m) * N;
-            for (int n = 0; n < N; ++n) parts[p].y[static_cast<size_t>(m) * N + n] = a[n] + a[N + n];
+            const float* a = job[p].y + static_cast<size_t>(first[m]) * N;
+            float* y = parts[p].y + static_cast<size_t>(m) * N;
+            if (needs[m]) {
+                for (int n = 0; n < N; ++n) y[n] = a[n] + a[N + n];
+            } else {
+                std::copy(a, a + N, y);
+            }
         }
     }
     if (stats) {
