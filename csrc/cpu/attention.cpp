@@ -454,25 +454,29 @@ void softmax_avx2(float* sc, size_t sc_stride, int G, int n, float* lse) {
 }
 
 // ---- values: o_g = sum_j p_g[j] v_j -------------------------------------------------------------------------
-// Outputs are accumulated in registers, 32 elements of H <= 2 heads at a time (8 accumulators), over all rows;
-// each row's 32 values are converted in registers once for the H heads.  (Converting rows into scratch and
-// adding each into outputs in memory cost a load and a store of the output per row and head.)
-template <KVType T, int H>
+// Outputs are accumulated in registers over all rows, 8 accumulators at a time: 32 elements of H = 2 heads, or
+// 64 of one head (with 4 accumulators per row the adds' latency, not the FMA ports, set the pace: a lone head
+// cost 1.7x a pair's per head).  Each row's values are converted in registers once for the H heads.  (Converting
+// rows into scratch and adding each into outputs in memory cost a load and a store of the output per row and
+// head.)  Every output element is the same sequence of FMAs over the rows whatever the tiling.
+template <KVType T, int H, int W>
 void values_tile(const uint8_t* v_rows, size_t v_stride, const float* const* p, int n, int t, float* const* o) {
     constexpr bool BLOCK = T == KVType::Q8_0 || T == KVType::Q4_0;
-    __m256 acc[H][4];
+    __m256 acc[H][4 * W];
     for (int h = 0; h < H; ++h)
-        for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_setzero_ps();
+        for (int k = 0; k < 4 * W; ++k) acc[h][k] = _mm256_setzero_ps();
     for (int j = 0; j < n; ++j) {
-        __m256 x[4];
-        const float d = tile32<T>(v_rows + j * v_stride, t, x);
-        for (int h = 0; h < H; ++h) {
-            const __m256 w = _mm256_set1_ps(BLOCK ? p[h][j] * d : p[h][j]);
-            for (int k = 0; k < 4; ++k) acc[h][k] = _mm256_fmadd_ps(w, x[k], acc[h][k]);
-        }
+        __m256 x[W][4];
+        float d[W];
+        for (int w = 0; w < W; ++w) d[w] = tile32<T>(v_rows + j * v_stride, t + w, x[w]);
+        for (int h = 0; h < H; ++h)
+            for (int w = 0; w < W; ++w) {
+                const __m256 pw = _mm256_set1_ps(BLOCK ? p[h][j] * d[w] : p[h][j]);
+                for (int k = 0; k < 4; ++k) acc[h][4 * w + k] = _mm256_fmadd_ps(pw, x[w][k], acc[h][4 * w + k]);
+            }
     }
     for (int h = 0; h < H; ++h)
-        for (int k = 0; k < 4; ++k) _mm256_storeu_ps(o[h] + 32 * t + 8 * k, acc[h][k]);
+        for (int k = 0; k < 4 * W; ++k) _mm256_storeu_ps(o[h] + 32 * t + 8 * k, acc[h][k]);
 }
 
 template <KVType T>
@@ -482,9 +486,12 @@ void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t
         const int H = std::min(2, G - g0);
         const float* p[2] = {sc + g0 * sc_stride, sc + (g0 + H - 1) * sc_stride};
         float* out[2] = {o + g0 * o_stride, o + (g0 + H - 1) * o_stride};
-        for (int t = 0; t < hd / 32; ++t) {
-            if (H == 2) values_tile<T, 2>(v_rows, v_stride, p, n, t, out);
-            else values_tile<T, 1>(v_rows, v_stride, p, n, t, out);
+        int t = 0;
+        if (H == 2) {
+            for (; t < hd / 32; ++t) values_tile<T, 2, 1>(v_rows, v_stride, p, n, t, out);
+        } else {
+            for (; t + 2 <= hd / 32; t += 2) values_tile<T, 1, 2>(v_rows, v_stride, p, n, t, out);
+            if (t < hd / 32) values_tile<T, 1, 1>(v_rows, v_stride, p, n, t, out);
         }
     }
     if constexpr (T == KVType::F32 || T == KVType::F16) {  // float rows: hd is a multiple of 8, maybe not of 32
