@@ -192,11 +192,16 @@ def test_speculative_sampling_keeps_the_distribution(mode):
 
 
 # ---- the multi-row C++ step -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot"])
-def test_decode_steps_rows_equal_one_token_steps(kind):
-    llm = pyllm.load(fixture_path("smollm2"), n_ctx=96, kv_cache=kind)
+@pytest.mark.parametrize("key,kind", [("smollm2", "f16"), ("smollm2", "q8_0"), ("smollm2", "q4_rot"),
+                                      ("gemma3", "f16")])
+def test_decode_steps_rows_equal_one_token_steps(key, kind):
+    """Reference: M one-token steps.  The multi-row pass gives each row the same logits bit for bit, and stores the
+    same cache rows.  The ~40-token prompt gives every M attention work enough for both threads (rows split
+    between them), keys in several blocks, and Gemma 3 its QK-norm and 256-wide heads."""
+    llm = pyllm.load(fixture_path(key), n_ctx=96, kv_cache=kind, n_threads=2)
     m, kv, g = llm.model, llm.kv, llm.generator
-    prompt = llm.tokenize("The quick brown fox jumps over the lazy dog because")
+    prompt = llm.tokenize("The quick brown fox jumps over the lazy dog because it was bored, and then it ran "
+                          "all the way home to tell the other foxes what it had done.")
     toks = torch.tensor([11, 523, 9071, 42, 3000, 17, 256, 1024], dtype=torch.int64)
     before = ops.get_isa()
     ops._C.emulate_avx512(True)  # where the CPU lacks AVX-512, its VNNI kernels as AVX2 code join the paths

@@ -9,9 +9,9 @@
 // checked every size.
 //
 // decode_steps_cpu runs M <= GEMV_MAX_M consecutive tokens in one pass (speculative decoding verifies drafted
-// tokens this way): each GEMV reads its weights once for all M rows, and everything else is the one-token code
-// applied row by row, so row m computes what a one-token step at pos + m would, except for the GEMV's summation
-// order, which its row kernels choose per M.
+// tokens this way): each GEMV reads its weights once for all M rows, the rows' attention shares one parallel
+// region, and everything else is the one-token code applied row by row, so row m computes what a one-token step
+// at pos + m would, bit for bit (the row kernels sum a row in one order whatever M is).
 //
 // decode_batch_cpu runs one token of each of B <= GEMV_MAX_M independent sequences (a server's concurrent
 // requests) the same way: one GEMV pass over the weights for all rows, attention of each row over its own cache.
@@ -99,9 +99,10 @@ void DecodeScratch::resize(const DecodeModel& m) {
     att.assign(R * c.n_head * c.head_dim, 0.f);
     g.assign(R * c.n_ff, 0.f);
     u.assign(R * c.n_ff, 0.f);
-    scores.assign(static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
-    tmp.assign(static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
-    sink.assign(static_cast<size_t>(c.n_head) * (c.head_dim + 3), 0.f);
+    // Attention scratch per query head, in 2 slots: the halves of a multi-row step's rows attend at once.
+    scores.assign(2 * static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
+    tmp.assign(2 * static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
+    sink.assign(2 * static_cast<size_t>(c.n_head) * (c.head_dim + 3), 0.f);
 }
 
 namespace {
@@ -148,22 +149,18 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             gemv_parts_cpu(qkv, 3, h0b, M, D, false, st_qkv);
         }
         clk.skip();
-      // Rows in order: row r stores K/V at pos_of[r], then attends over its cache's keys up to there (for
-      // consecutive tokens of one sequence, rows < r are stored by then).
+        const size_t lrow = static_cast<size_t>(il) * Hkv;  // first row index of this layer, in units of max_seq
+      // First every row's K/V is stored (row r at pos_of[r]), then every row attends over its cache's keys up to
+      // its own position: rows stored after row r lie beyond its keys, or in another sequence's cache.
       for (int r = 0; r < M; ++r) {
         const int pos = pos_of[r];
         const KVPart* const* kvp = caches + 2 * r;  // [K, V] of this row's cache
         float* q = q0 + static_cast<size_t>(r) * H * hd;
         float* k = k0 + static_cast<size_t>(r) * Hkv * hd;
         float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
-        float* att = att0 + static_cast<size_t>(r) * H * hd;
         const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
         const float* cs = (L.rope ? m.cos2 : m.cos) + rope_off;
         const float* sn = (L.rope ? m.sin2 : m.sin) + rope_off;
-        const int j0 = L.window > 0 ? std::max(0, pos - L.window + 1) : 0;
-        const int n_keys = pos + 1 - j0;
-        // A parallel region costs a few microseconds: only worth it once the heads have real work.
-        const bool par = nt > 1 && static_cast<int64_t>(n_keys) * hd * H >= 32768;
         if (L.bq) {
             for (int i = 0; i < H * hd; ++i) q[i] += L.bq[i];
             for (int i = 0; i < Hkv * hd; ++i) k[i] += L.bk[i];
@@ -179,7 +176,6 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
 
         // Store K/V at pos: row (layer, head, pos) of each part, centered ((x - mu)) and rotated (R^T) as the part
         // says -- the same storage basis kv_cache.py writes.
-        const size_t lrow = static_cast<size_t>(il) * Hkv;  // first row index of this layer, in units of max_seq
         float* tmp = s.tmp.data();
         for (int hh = 0; hh < Hkv; ++hh) {
             const size_t row = (lrow + hh) * c.max_seq + pos;
@@ -205,25 +201,34 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             }
         }
 
+        clk.to(prof.attn_ns);
+      }  // rows
+
         // Attention of each query head over keys j0..pos of its kv head, in the storage basis: q R^T for rotated
         // keys (centered keys need nothing: softmax ignores the per-query shift q . mu_k), then o R + mu_v for
         // rotated / centered values.  At pos 0 the Python path attends to the fresh fp32 K/V (not their rounded
         // cache copies): one key, so the output is v itself.
-        const KVPart& KP = *kvp[0];
-        const KVPart& VP = *kvp[1];
-        // Tasks: (kv head, half of its query group) -- each converts a stored row once for its heads (GQA), and
-        // two halves per KV head keep both cores busy when there are few KV heads.
-        const int split = group >= 2 ? 2 : 1;
-        auto task = [&](int t) {
-            const int kh = t / split, h0 = kh * group + group * (t % split) / split,
-                      h1 = kh * group + group * (t % split + 1) / split;
+        // Row r, query heads h0..h1-1 of kv head kh, on scratch slot `slot` (tasks running at once use distinct
+        // (slot, head) regions).
+        auto attend = [&](int r, int kh, int h0, int h1, int slot) {
             if (h1 <= h0) return;
+            const int pos = pos_of[r];
+            const KVPart& KP = *caches[2 * r];
+            const KVPart& VP = *caches[2 * r + 1];
+            const float* q = q0 + static_cast<size_t>(r) * H * hd;
+            const float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
+            float* att = att0 + static_cast<size_t>(r) * H * hd;
+            const int j0 = L.window > 0 ? std::max(0, pos - L.window + 1) : 0;
+            const int n_keys = pos + 1 - j0;
+            float* const tmp_s = s.tmp.data() + static_cast<size_t>(slot) * H * 2 * hd;
+            float* const scores_s = s.scores.data() + static_cast<size_t>(slot) * H * c.max_seq;
+            float* const sink_s = s.sink.data() + static_cast<size_t>(slot) * H * (hd + 3);
             if (pos == 0) {
                 for (int hh = h0; hh < h1; ++hh) std::memcpy(att + static_cast<size_t>(hh) * hd, v + kh * hd, sizeof(float) * hd);
                 return;
             }
             const size_t r0 = (lrow + kh) * c.max_seq + j0;
-            float* tq = s.tmp.data() + static_cast<size_t>(h0) * 2 * hd;  // rotated q / pre-rotation o, per head
+            float* tq = tmp_s + static_cast<size_t>(h0) * 2 * hd;  // rotated q / pre-rotation o, per head
             const float* qg = q + static_cast<size_t>(h0) * hd;
             size_t q_stride = hd;
             if (KP.rot || KP.scale) {  // (q * s) R^T; the head's second half of tmp holds q * s until o lands there
@@ -244,18 +249,18 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             float* og = VP.rot ? tq + hd : att + static_cast<size_t>(h0) * hd;
             const size_t o_stride = VP.rot ? 2 * static_cast<size_t>(hd) : hd;
             const int G = h1 - h0;
-            float* sc = s.scores.data() + static_cast<size_t>(h0) * c.max_seq;
+            float* sc = scores_s + static_cast<size_t>(h0) * c.max_seq;
             // Exact sink rows: softmax over the stored rows 1..pos and over row 0 (its exact float copy where the
             // part keeps one) separately, then merged by their log-sum-exps -- the same softmax over all keys.
             const bool sink = j0 == 0 && (KP.sink || VP.sink);
             const int r_first = sink ? 1 : 0;
-            float* lse = sink ? s.sink.data() + static_cast<size_t>(H) * hd + h0 : nullptr;  // [G] rows 1..pos
+            float* lse = sink ? sink_s + static_cast<size_t>(H) * hd + h0 : nullptr;  // [G] rows 1..pos
             kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + (r0 + r_first) * KP.row_bytes,
                             KP.row_bytes, VP.type, static_cast<const uint8_t*>(VP.data) + (r0 + r_first) * VP.row_bytes,
                             VP.row_bytes, qg, q_stride, G, hd, n_keys - r_first, c.scale, sc, c.max_seq, og, o_stride,
                             lse);
             if (sink) {
-                float* o0 = s.sink.data() + static_cast<size_t>(h0) * hd;  // [G, hd] row 0's output (its v)
+                float* o0 = sink_s + static_cast<size_t>(h0) * hd;  // [G, hd] row 0's output (its v)
                 float* lse0 = lse + H;                                      // [G]
                 float* sc0 = lse0 + H;                                      // [G] scratch
                 const bool ks = KP.sink != nullptr, vs = VP.sink != nullptr;
@@ -284,15 +289,33 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                 }
             }
         };
+        // Tasks.  One row: (kv head, half of its query group) -- each converts a stored row once for its heads
+        // (GQA), and two halves per KV head keep both cores busy when there are few KV heads.  Several rows: (kv
+        // head, half of the rows) with the whole group, each half on its own scratch slot: a task's rows reread
+        // its head's keys and values from L1/L2, and the halves weigh the same.  Either way a query's sums are
+        // those of a one-row step (each query is dotted, normalised and summed on its own), and one parallel
+        // region serves all rows.
+        const int split = M > 1 ? 2 : (group >= 2 ? 2 : 1);
         const int n_tasks = Hkv * split;
-        if (par) {
+        auto task = [&](int t) {
+            const int kh = t / split, part = t % split;
+            if (M == 1) {
+                attend(0, kh, kh * group + group * part / split, kh * group + group * (part + 1) / split, 0);
+            } else {
+                for (int r = M * part / split; r < M * (part + 1) / split; ++r)
+                    attend(r, kh, kh * group, (kh + 1) * group, part);
+            }
+        };
+        // A parallel region costs a few microseconds: only worth it once the heads have real work.
+        int64_t work = 0;
+        for (int r = 0; r < M; ++r)
+            work += static_cast<int64_t>(pos_of[r] + 1 - (L.window > 0 ? std::max(0, pos_of[r] - L.window + 1) : 0));
+        if (nt > 1 && work * hd * H >= 32768) {
 #pragma omp parallel for num_threads(std::min(nt, n_tasks)) schedule(static)
             for (int t = 0; t < n_tasks; ++t) task(t);
         } else {
             for (int t = 0; t < n_tasks; ++t) task(t);
         }
-
-      }  // rows
         clk.to(prof.attn_ns);
         const size_t MD = static_cast<size_t>(M) * D;
         {
