@@ -62,6 +62,9 @@ def record(llm, n: int, prompts: list[dict] | None = None) -> list[dict]:
     out = []
     for p in load_prompts(None) if prompts is None else prompts:
         ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
+        # From an empty cache, as `pyllm bench --spec` runs each prompt: a prompt prefilled after another one's
+        # shared prefix gets other last bits, enough to flip a near-tie and replay a different reply.
+        llm.reset()
         reply = list(llm.generate_tokens(ids, max_tokens=n, temperature=0))
         out.append(dict(name=p["name"], kind=p["kind"], prompt=ids, reply=reply))
     return out
