@@ -384,6 +384,15 @@ def test_spec_replay_counts_passes_like_the_generator():
     reply2 = [1, 2, 3, 4, 5, 6, 7, 8]
     assert tool.ideal_copy(prompt2, reply2, free, 7) == pytest.approx(7.0)
     assert tool.replay(prompt2, reply2, free, "oracle", 4, 7) == pytest.approx(3.5)
+    # verifying both occurrences of 1 at once (the earlier one is followed by 2..8) drafts like the ideal copy; a
+    # reply continuing neither gets nothing from candidates
+    assert tool.oracle_candidates(prompt2, reply2, free, 4, 7, False) == pytest.approx(7.0)
+    assert tool.oracle_candidates(prompt2, reply2, free, 4, 7, True) == pytest.approx(7.0)
+    assert tool.oracle_candidates(prompt, fresh, linear, 4, 7, True) == pytest.approx(1.0)
+    # three occurrences of 1: the lookup's pair (the two latest) misses the first, every occurrence finds it
+    prompt3 = [50, 1, 2, 3, 4, 5, 6, 7, 8, 60, 1, 20, 21, 61, 1, 30, 31]
+    assert tool.oracle_candidates(prompt3, reply2, free, 4, 7, False) == pytest.approx(3.5)
+    assert tool.oracle_candidates(prompt3, reply2, free, 4, 7, True) == pytest.approx(7.0)
 
 
 def test_spec_replay_breakdown_and_hindsight_table():

@@ -4,6 +4,7 @@
     python tools/spec_replay.py qwen2.5-coder-0.5b --slopes 0.38,0.25,0.15       # what cheaper extra rows would give
     python tools/spec_replay.py smollm2-135m --costs 1.13,1.28,1.47,1.83,1.97,2.23,2.49 \
         --prompts tools/spec_heldout.json --hindsight --breakdown                 # a given table, held-out prompts
+    python tools/spec_replay.py smollm2-135m --candidates                         # what a tree of drafts could add
 
 Timed speculative runs on a shared 2-core VM drift by more than the effects worth studying, and their outcome mixes
 two questions: how often the lookup drafts agree with the model, and what a verification pass over M rows costs.
@@ -21,6 +22,8 @@ gap from it to the oracle is what only foreknowledge of each pass gives (the ora
 will accept, is not always the best sequence of passes, so the hindsight table can pass it).  --breakdown counts
 where the controller's passes went against what its drafts allowed: passes whose first draft was wrong, rows past
 the first wrong draft, k stopping inside a run the draft had right, plain steps whose draft was right.
+--candidates bounds what verifying several lookup candidates in one pass (a tree of drafts) could add: the oracle
+over the lookup's two latest occurrences, and over every occurrence of every suffix length.
 
 The prompts are the shipped ones (pyllm/data/spec_prompts.json), or --prompts FILE of the same form:
 tools/spec_heldout.json holds prompts of the same kinds written apart from them, to check a change to the
@@ -204,6 +207,33 @@ def ideal_copy(prompt: list[int], reply: list[int], cost: dict[int, float], k_ma
     return (len(reply) - 1) / spent
 
 
+def oracle_candidates(prompt: list[int], reply: list[int], cost: dict[int, float], ngram: int, k_max: int,
+                      every: bool) -> float:
+    """The oracle over several lookup candidates at once, as a tree of drafts verified in one pass would see them
+    (charged like one candidate: a bound for such a tree).  Candidates: what followed the two latest occurrences of
+    the longest suffix found (``every`` False: the lookup's own pair), or every occurrence of every suffix of up to
+    ``ngram`` tokens (``every`` True).  Each step drafts the candidate agreeing longest with the reply."""
+    n, spent = 1, 0.0
+    while n < len(reply):
+        ctx, truth = prompt + reply[:n], reply[n:]
+        L, best = len(ctx), 0
+        for m in range(min(ngram, L), 0, -1):
+            suffix = ctx[L - m:]
+            ends = [e for e in range(m, L) if ctx[e - m:e] == suffix]
+            if not ends:
+                continue
+            for e in ends if every else ends[-2:]:
+                draft, a = ctx[e:e + k_max], 0
+                while a < min(len(draft), len(truth)) and draft[a] == truth[a]:
+                    a += 1
+                best = max(best, a)
+            if not every:
+                break
+        spent += cost[best + 1]
+        n += best + 1
+    return (len(reply) - 1) / spent
+
+
 def parse_costs(text: str) -> dict[int, float]:
     """``--costs 1.13,1.28,...``: cost[2..8] in one-row steps (cost[1] = 1)."""
     try:
@@ -233,10 +263,13 @@ def main(argv=None) -> int:
                     help="add the best fixed evidence -> k table found knowing each reply (slow)")
     ap.add_argument("--breakdown", action="store_true",
                     help="then a table of where the controller's passes went against what its drafts allowed")
+    ap.add_argument("--candidates", action="store_true",
+                    help="add the oracle over the lookup's two candidates and over every occurrence (a tree's bound)")
     a = ap.parse_args(argv)
     prompts = load_prompts(a.prompts)
     fixed = [parse_costs(a.costs)] if a.costs else None
-    cols = ["controller"] + (["hindsight k"] if a.hindsight else []) + ["oracle", "ideal copy"]
+    cols = (["controller"] + (["hindsight k"] if a.hindsight else []) + ["oracle"]
+            + (["oracle, 2 candidates", "oracle, any occurrence"] if a.candidates else []) + ["ideal copy"])
     print("| model | cost[2..8] (x one row) | prompt | kind | tokens | " + " | ".join(cols) + " |")
     print("|---|---|---|---|---:|" + "---:|" * len(cols))
     breakdowns = []
@@ -254,7 +287,10 @@ def main(argv=None) -> int:
                 vals = [c.speedup]
                 if a.hindsight:
                     vals.append(hindsight_table(*args, a.spec_ngram, a.spec_k)[0])
-                vals += [replay(*args, "oracle", a.spec_ngram, a.spec_k), ideal_copy(*args, a.spec_k)]
+                vals.append(replay(*args, "oracle", a.spec_ngram, a.spec_k))
+                if a.candidates:
+                    vals += [oracle_candidates(*args, a.spec_ngram, a.spec_k, every) for every in (False, True)]
+                vals.append(ideal_copy(*args, a.spec_k))
                 print(f"| {llm.path.name} | {label} | {r['name']} | {r['kind']} | {len(r['reply'])} | "
                       + " | ".join(f"{v:.2f}x" for v in vals) + " |")
                 breakdowns.append((llm.path.name, label, r["name"], c))
