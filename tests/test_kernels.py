@@ -255,7 +255,7 @@ def test_k_quant_gemv_keeps_the_residual_of_rows_with_outliers(C, name, layout, 
     """Reference: float64 x @ W.T.  A row whose 256-blocks hold values ~60x its rms (Gemma 3's MLP outputs) gets a
     second Q8_K row with the rounding residual, so its error is that of the two-level rounding (emulated:
     TOL_EXACT) and ~100x below one Q8_K row's (measured: ~1e-2 single, ~1e-4 with the residual; bound 2e-3,
-    where a single row fails by 5x).  Every ISA path agrees with scalar within TOL_ISA.  The same for the rows
+    which a single row misses by 2x or more).  Every ISA path agrees with scalar within TOL_ISA.  The same for the rows
     interleaved by 8 (the decode step's copy), whose kernels see the residual rows as more activation rows."""
     N, K = 96, 1024
     wt = make_weight(name, N, K)
@@ -263,7 +263,10 @@ def test_k_quant_gemv_keeps_the_residual_of_rows_with_outliers(C, name, layout, 
     x = torch.from_numpy(rng_for("xo", name, M).standard_normal((M, K), dtype=np.float32))
     x[:, 37::256] = 60.0  # one outlier of 60x the rms per block, as in Gemma's activations
     single = quantize_like_kernels(x, 256) @ wt.W64.T
-    assert rel_err(single, wt.ref(x), x, wt) > 5 * 2e-3, "the test input must defeat a single Q8_K row"
+    # a single row must miss the 2e-3 bound clearly (over 1500 seeds at least 0.016 for Q4_K at M = 1; one run met
+    # 0.0096)
+    err_single = rel_err(single, wt.ref(x), x, wt)
+    assert err_single > 2 * 2e-3, f"the test input must defeat a single Q8_K row: {err_single:.3g} " + why(N, K, M)
     ys = {}
     for isa in C.available_isas():
         C.set_isa(isa)
