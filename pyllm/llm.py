@@ -22,9 +22,11 @@ from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
-# What greedy decoding speculates with when the caller does not say (speculative="auto"): "none" until the
-# speedup is measured on a quiet machine (docs/BENCHMARKS.md, Speculative decoding).
-DEFAULT_SPECULATIVE = "none"
+# What greedy decoding speculates with when the caller does not say (speculative="auto"), where the model's fused
+# step verifies rows exactly (CpuDecodeStep.rows_exact: the tokens are then plain decoding's).  Prompt lookup
+# measured 1.03-2.4x plain decoding on every fixture and shipped prompt, open-ended ones included (the controller
+# falls back to plain steps when drafts fail; docs/BENCHMARKS.md, "Speculation, pyllm bench").
+DEFAULT_SPECULATIVE = "lookup"
 
 
 def _check_policy(policy: str) -> str:
@@ -217,14 +219,27 @@ class LLM:
             check_same_vocab(self, draft)
         self.draft = draft
 
-    def _spec_settings(self, speculative, spec_k, spec_ngram, temperature):
+    def _spec_settings(self, speculative, spec_k, spec_ngram, sampler):
         from .runtime.speculative import parse_speculative
 
+        if sampler.logprobs is not None:
+            # the sampler keeps the logprobs of the last token it chose, and a verification pass chooses several
+            # before the first is yielded
+            return None
         o = self.spec_options
         if speculative == "auto":  # spec_options, else greedy decoding speculates as DEFAULT_SPECULATIVE says
-            speculative = o.get("speculative", DEFAULT_SPECULATIVE if temperature == 0 else None)
+            speculative = o.get("speculative")
+            if speculative is None and sampler.s.temperature == 0 and self._rows_exact():
+                speculative = DEFAULT_SPECULATIVE
         return parse_speculative(speculative, k=o.get("spec_k") if spec_k is None else spec_k,
                                  ngram=o.get("spec_ngram") if spec_ngram is None else spec_ngram, draft=self.draft)
+
+    def _rows_exact(self) -> bool:
+        """Whether a verification pass gives each row a one-token step's logits bit for bit (the CPU's C++ step
+        over quantized matrices), so speculating cannot change a greedy reply."""
+        if not getattr(self.model, "use_cpp_decode", False):
+            return False
+        return bool(getattr(self.model.fused_step(self.kv), "rows_exact", False))
 
     def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                         top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
@@ -238,9 +253,11 @@ class LLM:
         sampled; when the output is complete the end-of-generation id is yielded at once (finish_reason "eog").
 
         speculative: "none"/None/False (one token per step), "lookup"/True (prompt lookup), "draft" (the model set
-        by set_draft / load(draft=)), or "auto" (DEFAULT_SPECULATIVE for greedy decoding, else none); spec_k: most
-        tokens drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). A
-        constrained generation does not speculate (the grammar state would have to roll back with the cache).
+        by set_draft / load(draft=)), or "auto" (``spec_options``, else DEFAULT_SPECULATIVE for greedy decoding
+        where verification is exact (the CPU's C++ step over quantized matrices), else none); spec_k: most tokens
+        drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). A constrained
+        generation does not speculate (the grammar state would have to roll back with the cache), nor one whose
+        sampler reports logprobs.
         """
         from .runtime.constraint import make_constraint
 
@@ -253,8 +270,7 @@ class LLM:
             sampler = Sampler(SamplerSettings(**kw))
         if constraint is not None:
             sampler.constraint = constraint
-        spec = None if sampler.constraint is not None else self._spec_settings(
-            speculative, spec_k, spec_ngram, sampler.s.temperature)
+        spec = None if sampler.constraint is not None else self._spec_settings(speculative, spec_k, spec_ngram, sampler)
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
 

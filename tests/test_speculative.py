@@ -276,6 +276,48 @@ def test_greedy_lookup_equals_plain(key, kind, n):
     assert st.verifies > 0 and st.accepted > 0, st  # speculation really ran, and copied something
 
 
+def test_greedy_decoding_speculates_by_default_where_the_check_is_exact():
+    """Reference: plain decoding (speculative="none").  Greedy generation with the default speculative="auto"
+    drafts by lookup on the CPU's C++ step over quantized matrices (rows_exact) and gives the same tokens; it does
+    not where verification is not bit-exact (the float32 reference backend), nor for a sampler that reports
+    logprobs (it keeps only the last chosen token's), nor when sampling."""
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    ids = llm.chat_ids(EDIT)
+    assert llm.model.fused_step(llm.kv).rows_exact
+    llm.reset()
+    plain = list(llm.generate_tokens(ids, max_tokens=48, temperature=0, speculative="none"))
+    assert llm.stats.spec is None
+    llm.reset()
+    auto = list(llm.generate_tokens(ids, max_tokens=48, temperature=0))
+    st = llm.stats.spec
+    assert auto == plain
+    assert st is not None and st.verifies > 0 and st.accepted > 0, st
+    llm.reset()
+    list(llm.generate_tokens(ids, max_tokens=4, temperature=0.7, seed=1))
+    assert llm.stats.spec is None
+    logprobs = Sampler(SamplerSettings(temperature=0))
+    logprobs.logprobs = 2
+    llm.reset()
+    assert list(llm.generate_tokens(ids, max_tokens=48, sampler=logprobs, speculative="lookup")) == plain
+    assert llm.stats.spec is None
+    ref = pyllm.load(fixture_path("smollm2"), n_ctx=512, backend="reference")
+    list(ref.generate_tokens(ids, max_tokens=2, temperature=0))
+    assert ref.stats.spec is None
+
+
+def test_exact_row_types_are_the_kernels_row_order_independent_ones():
+    # pyllm/backends/cpu.py EXACT_ROW_TYPES lists the GGUF types tests/test_kernels.py holds to one summation order
+    # per row whatever M is (legacy and K-quants), and their rows-by-8 copies; no float type
+    from pyllm.backends.cpu import EXACT_ROW_TYPES
+    from pyllm.gguf import GGMLType
+
+    names = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    base = {int(GGMLType[n]) for n in names}
+    rows8 = {int(ops._C.rows8_qtype(t)) for t in base} - {-1}
+    assert EXACT_ROW_TYPES == base | rows8
+    assert not {int(GGMLType.F32), int(GGMLType.F16), int(GGMLType.BF16)} & EXACT_ROW_TYPES
+
+
 @pytest.mark.parametrize("isa", ["scalar", "default"])
 def test_greedy_lookup_equals_plain_k7(isa):
     """Passes of up to 8 rows on SmolLM2 (Q4_1: the legacy block kernels), on the reference kernels and on the

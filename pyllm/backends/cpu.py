@@ -36,13 +36,21 @@ def available_memory() -> int | None:
     return None
 
 
+# Matrix types whose row kernels sum a row in one order whatever the number of rows (the GGUF legacy and K-quant
+# types and their rows-by-8 copies; tests/test_kernels.py test_gemv_rows_do_not_depend_on_m): a multi-row pass over
+# them gives each row a one-token step's logits bit for bit.  Float matrices unroll by M.
+EXACT_ROW_TYPES = frozenset([2, 3, 6, 7, 8, 10, 11, 12, 13, 14] + list(range(60, 68)))
+
+
 class CpuDecodeStep:
     """The C++ decode step bound to one model and one cache: ``step(token, pos)`` -> logits [1, n_vocab] f32;
-    ``rows(tokens, pos, all_logits)`` runs up to ops.GEMV_MAX_M consecutive tokens in one pass (speculation)."""
+    ``rows(tokens, pos, all_logits)`` runs up to ops.GEMV_MAX_M consecutive tokens in one pass (speculation).
+    ``rows_exact``: every matrix is of EXACT_ROW_TYPES, so each row of ``rows`` is bit for bit a one-token step's."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, rows_exact: bool = False):
         self.ctx = ctx
         self.n_vocab = ctx.n_vocab
+        self.rows_exact = rows_exact
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         logits = torch.empty(1, self.n_vocab)
@@ -176,4 +184,4 @@ class CpuBackend:
         except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
             # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
             return None
-        return CpuDecodeStep(ctx)
+        return CpuDecodeStep(ctx, rows_exact=all(t in EXACT_ROW_TYPES for _, t in packed + [(out_data, out_type)]))

@@ -193,7 +193,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--spec", default=None, choices=["none", "lookup", "draft"],
                    help="speculative decoding: lookup (drafts copied from the prompt and the text so far) or draft "
-                        "(a draft model, --draft); the output distribution is unchanged (default: none)")
+                        "(a draft model, --draft); the output distribution is unchanged (default: lookup for "
+                        "greedy decoding on the CPU, where the check is exact; else none)")
     g.add_argument("--spec-k", type=int, default=None, metavar="K",
                    help="most tokens drafted per step, 1..7 (default 7; fewer while acceptance is low)")
     g.add_argument("--spec-ngram", type=int, default=None, metavar="N",
