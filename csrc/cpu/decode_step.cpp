@@ -210,6 +210,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         // cache copies): one key, so the output is v itself.
         // Row r, query heads h0..h1-1 of kv head kh, on scratch slot `slot` (tasks running at once use distinct
         // (slot, head) regions).
+        auto first_key = [&](int pos) { return L.window > 0 ? std::max(0, pos - L.window + 1) : 0; };  // window
         auto attend = [&](int r, int kh, int h0, int h1, int slot) {
             if (h1 <= h0) return;
             const int pos = pos_of[r];
@@ -218,7 +219,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             const float* q = q0 + static_cast<size_t>(r) * H * hd;
             const float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
             float* att = att0 + static_cast<size_t>(r) * H * hd;
-            const int j0 = L.window > 0 ? std::max(0, pos - L.window + 1) : 0;
+            const int j0 = first_key(pos);
             const int n_keys = pos + 1 - j0;
             float* const tmp_s = s.tmp.data() + static_cast<size_t>(slot) * H * 2 * hd;
             float* const scores_s = s.scores.data() + static_cast<size_t>(slot) * H * c.max_seq;
@@ -308,8 +309,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         };
         // A parallel region costs a few microseconds: only worth it once the heads have real work.
         int64_t work = 0;
-        for (int r = 0; r < M; ++r)
-            work += static_cast<int64_t>(pos_of[r] + 1 - (L.window > 0 ? std::max(0, pos_of[r] - L.window + 1) : 0));
+        for (int r = 0; r < M; ++r) work += pos_of[r] + 1 - first_key(pos_of[r]);
         if (nt > 1 && work * hd * H >= 32768) {
 #pragma omp parallel for num_threads(std::min(nt, n_tasks)) schedule(static)
             for (int t = 0; t < n_tasks; ++t) task(t);
