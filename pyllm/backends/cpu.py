@@ -17,6 +17,7 @@ import os
 import torch
 
 from .. import ops
+from ..gguf import GGMLType
 
 # csrc/kernels.h KVType: how a cache part's rows are encoded (the rotated kinds store q8_0 / q4_0 blocks)
 KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
@@ -36,10 +37,13 @@ def available_memory() -> int | None:
     return None
 
 
-# Matrix types whose row kernels sum a row in one order whatever the number of rows (the GGUF legacy and K-quant
-# types and their rows-by-8 copies; tests/test_kernels.py test_gemv_rows_do_not_depend_on_m): a multi-row pass over
-# them gives each row a one-token step's logits bit for bit.  Float matrices unroll by M.
-EXACT_ROW_TYPES = frozenset([2, 3, 6, 7, 8, 10, 11, 12, 13, 14] + list(range(60, 68)))
+# Matrix types whose row kernels sum a row in one order whatever the number of rows (tests/test_kernels.py
+# test_gemv_rows_do_not_depend_on_m): the GGUF legacy and K-quant types, and their rows-by-8 copies (ids 60..67,
+# csrc/common/qtype.h).  A multi-row pass over them gives each row a one-token step's logits bit for bit; float
+# matrices unroll by M.
+EXACT_ROW_TYPES = frozenset(
+    [int(GGMLType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")]
+    + list(range(60, 68)))
 
 
 class CpuDecodeStep:
