@@ -222,17 +222,18 @@ class LLM:
     def _spec_settings(self, speculative, spec_k, spec_ngram, sampler):
         from .runtime.speculative import parse_speculative
 
-        if sampler.logprobs is not None:
-            # the sampler keeps the logprobs of the last token it chose, and a verification pass chooses several
-            # before the first is yielded
-            return None
         o = self.spec_options
         if speculative == "auto":  # spec_options, else greedy decoding speculates as DEFAULT_SPECULATIVE says
             speculative = o.get("speculative")
             if speculative is None and sampler.s.temperature == 0 and self._rows_exact():
                 speculative = DEFAULT_SPECULATIVE
-        return parse_speculative(speculative, k=o.get("spec_k") if spec_k is None else spec_k,
+        spec = parse_speculative(speculative, k=o.get("spec_k") if spec_k is None else spec_k,
                                  ngram=o.get("spec_ngram") if spec_ngram is None else spec_ngram, draft=self.draft)
+        if spec is not None and spec.mode == "draft" and sampler.constraint is not None:
+            # the draft model samples without the grammar: its proposal distributions would need the grammar's
+            # state after each drafted token
+            return None
+        return spec
 
     def _rows_exact(self) -> bool:
         """Whether a verification pass gives each row a one-token step's logits bit for bit (the CPU's C++ step
@@ -255,9 +256,8 @@ class LLM:
         speculative: "none"/None/False (one token per step), "lookup"/True (prompt lookup), "draft" (the model set
         by set_draft / load(draft=)), or "auto" (``spec_options``, else DEFAULT_SPECULATIVE for greedy decoding
         where verification is exact (the CPU's C++ step over quantized matrices), else none); spec_k: most tokens
-        drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). A constrained
-        generation does not speculate (the grammar state would have to roll back with the cache), nor one whose
-        sampler reports logprobs.
+        drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). Under a grammar,
+        lookup drafts the tokens the grammar forces where it forces some; a draft model does not speculate there.
         """
         from .runtime.constraint import make_constraint
 
@@ -270,7 +270,7 @@ class LLM:
             sampler = Sampler(SamplerSettings(**kw))
         if constraint is not None:
             sampler.constraint = constraint
-        spec = None if sampler.constraint is not None else self._spec_settings(speculative, spec_k, spec_ngram, sampler)
+        spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
 

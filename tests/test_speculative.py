@@ -279,8 +279,7 @@ def test_greedy_lookup_equals_plain(key, kind, n):
 def test_greedy_decoding_speculates_by_default_where_the_check_is_exact():
     """Reference: plain decoding (speculative="none").  Greedy generation with the default speculative="auto"
     drafts by lookup on the CPU's C++ step over quantized matrices (rows_exact) and gives the same tokens; it does
-    not where verification is not bit-exact (the float32 reference backend), nor for a sampler that reports
-    logprobs (it keeps only the last chosen token's), nor when sampling."""
+    not where verification is not bit-exact (the float32 reference backend), nor when sampling."""
     llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
     ids = llm.chat_ids(EDIT)
     assert llm.model.fused_step(llm.kv).rows_exact
@@ -295,14 +294,73 @@ def test_greedy_decoding_speculates_by_default_where_the_check_is_exact():
     llm.reset()
     list(llm.generate_tokens(ids, max_tokens=4, temperature=0.7, seed=1))
     assert llm.stats.spec is None
-    logprobs = Sampler(SamplerSettings(temperature=0))
-    logprobs.logprobs = 2
-    llm.reset()
-    assert list(llm.generate_tokens(ids, max_tokens=48, sampler=logprobs, speculative="lookup")) == plain
-    assert llm.stats.spec is None
     ref = pyllm.load(fixture_path("smollm2"), n_ctx=512, backend="reference")
     list(ref.generate_tokens(ids, max_tokens=2, temperature=0))
     assert ref.stats.spec is None
+
+
+def _logprob_run(llm, ids, n, speculative, **kw):
+    """(tokens, each token's (logprob, top 3) as the sampler reported it when the token was yielded, SpecStats)."""
+    s = Sampler(SamplerSettings(temperature=0))
+    s.logprobs = 3
+    llm.reset()
+    toks, lps = [], []
+    for t in llm.generate_tokens(ids, max_tokens=n, sampler=s, speculative=speculative, **kw):
+        toks.append(t)
+        lps.append(s.last_logprobs)
+    return toks, lps, llm.stats.spec
+
+
+EXTRACT = [{"role": "user", "content": "Maria Lopez is a 34-year-old software engineer from Madrid. She knows "
+                                       "Python, Rust and SQL. Extract her details as JSON."}]
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "city": {"type": "string"},
+                                           "age": {"type": "integer"},
+                                           "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+          "required": ["name", "city", "age", "skills"], "additionalProperties": False}
+
+
+def test_logprobs_and_grammars_speculate_with_plain_decodings_tokens_and_logprobs():
+    """Reference: plain decoding (speculative="none") with the same sampler settings.  A sampler that reports
+    logprobs speculates by default and reports, for every token, the logprobs plain decoding reports for it (each
+    from its own verification row); under a JSON schema or a GBNF grammar the drafts are the grammar's forced tokens
+    or lookup drafts it allows, and the tokens are plain decoding's, ending where the grammar completes."""
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    edit = llm.chat_ids(EDIT)
+    a, lpa, _ = _logprob_run(llm, edit, 40, "none")
+    b, lpb, st = _logprob_run(llm, edit, 40, "auto")
+    assert b == a and lpb == lpa
+    assert st is not None and st.accepted > 0, st
+    extract = llm.chat_ids(EXTRACT)
+    for kw in (dict(json_schema=PERSON),
+               dict(grammar='root ::= "Name: " [A-Za-z ]+ "\\nCity: " [A-Za-z ]+ "\\nAge: " [0-9]+ "\\nDone."')):
+        for spec in ("auto", _spec(7)):
+            a, lpa, _ = _logprob_run(llm, extract, 96, "none", **kw)
+            fa = llm.stats.finish_reason
+            b, lpb, st = _logprob_run(llm, extract, 96, spec, **kw)
+            assert (b, llm.stats.finish_reason) == (a, fa), kw
+            # ended by the grammar: the end token comes without a forward pass, so it has no logprobs of its own
+            assert llm.tokenizer.is_eog(b[-1]) and len(b) < 96, kw
+            assert lpb[:-1] == lpa[:-1], kw
+            assert st is not None and st.accepted > 0, (kw, st)
+
+
+def test_sampling_under_a_grammar_speculates_within_it():
+    """Reference: the JSON schema itself.  Sampled replies drafted by lookup (every proposal verified) advance the
+    grammar with each accepted draft, so every reply is valid JSON of the schema."""
+    import json
+
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    ids = llm.chat_ids(EXTRACT)
+    drafted = 0
+    for seed in range(4):
+        llm.reset()
+        toks = list(llm.generate_tokens(ids, max_tokens=120, temperature=0.9, seed=seed, json_schema=PERSON,
+                                        speculative=_spec(4)))
+        drafted += llm.stats.spec.drafted
+        assert llm.tokenizer.is_eog(toks[-1]), seed
+        reply = json.loads(llm.tokenizer.decode(toks[:-1]))
+        assert set(reply) == set(PERSON["required"]) and isinstance(reply["age"], int), reply
+    assert drafted > 0
 
 
 def test_exact_row_types_are_the_kernels_row_order_independent_ones():

@@ -186,6 +186,17 @@ class Constraint:
             raise PyllmError(f"token {int(token)} does not fit the {self.what}: "
                              f"{_first_line(self.m.get_error())}")
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (its only continuation, as the tokenizer splits it; empty when it
+        leaves a choice or is complete): a draft to verify, since the model's own split of that text may differ."""
+        if self.m.is_stopped():
+            return []
+        return list(self.m.compute_ff_tokens())
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar would take in turn (the state is not changed)."""
+        return self.m.validate_tokens(list(tokens)) if tokens else 0
+
     def is_done(self) -> bool:
         """True when the output is complete and nothing but an end-of-generation token may follow."""
         return self.m.is_stopped()

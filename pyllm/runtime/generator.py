@@ -170,7 +170,7 @@ class Generator:
         output is complete and only that end id can follow, so it is yielded next without a decode step (the
         same tokens the masked sampler would give, one forward pass sooner).
         spec: speculative.SpecSettings to speculate (then ``sampler``, the Sampler behind ``sample``, is needed
-        for verification), or None for one token per step; not combined with ``forced_end``.
+        for verification: its grammar, if any, is ``forced_end``'s), or None for one token per step.
         """
         st = self.stats = GenerationStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
@@ -178,7 +178,8 @@ class Generator:
         logits = self.prefill(ids)
         st.prompt_seconds = time.perf_counter() - t0
         if spec is not None and max_tokens > 0:
-            yield from self._generate_speculative(ids, logits, sample, sampler, max_tokens, is_eog, spec, t0)
+            yield from self._generate_speculative(ids, logits, sample, sampler, max_tokens, is_eog, forced_end,
+                                                  spec, t0)
             return
         t1 = time.perf_counter()
         forced = None
@@ -201,9 +202,15 @@ class Generator:
             st.finish_reason = "length"
         st.decode_seconds = time.perf_counter() - t1
 
-    def _generate_speculative(self, ids, logits, sample, sampler, max_tokens, is_eog, spec, t0) -> Iterator[int]:
+    def _generate_speculative(self, ids, logits, sample, sampler, max_tokens, is_eog, forced_end, spec,
+                              t0) -> Iterator[int]:
         """generate() with speculation: after each emitted token, a proposal of k tokens is verified in one
         multi-row forward and the accepted ones (plus the model's own next token) are emitted together.
+
+        Under a grammar (``sampler.constraint``) the tokens it forces are the draft where it forces any, and a
+        lookup draft is cut where the grammar would refuse it; a reply that completes the grammar gets its end
+        token without a forward pass, as in plain decoding. A sampler that reports logprobs gets each emitted
+        token's own (``sampler.last_logprobs`` is set before the token is yielded).
 
         The cache is rolled back to the accepted tokens by truncating ``tokens``: rows past it are stale and get
         overwritten, and the quantized caches' statistics were fixed by the prompt (speculation waits until
@@ -224,12 +231,18 @@ class Generator:
                 prop.prefill(ids)
             ctrl.draft_cost = prop.step_seconds
             st.prompt_seconds += time.perf_counter() - tp
+        constraint = sampler.constraint
+        lps = [] if sampler.logprobs is not None else None  # per queued token: its (logprob, top)
         queue = [sample(logits)]
+        if lps is not None:
+            lps.append(sampler.last_logprobs)
         st.ttft = time.perf_counter() - t0
         t1 = time.perf_counter()
         n = 0
         while True:
             for qi, tok in enumerate(queue):
+                if lps is not None:
+                    sampler.last_logprobs = lps[qi]
                 st.generated_tokens += 1
                 st.finish_reason = self._reason(n, tok, len(ids), max_tokens, is_eog)
                 st.decode_seconds = time.perf_counter() - t1
@@ -246,6 +259,12 @@ class Generator:
                     return
                 n += 1
                 ctx.append(tok)
+            forced = forced_end() if forced_end is not None else None
+            if forced is not None:  # the grammar is complete: its end token, without a forward pass
+                queue = [forced]
+                if lps is not None:
+                    lps = [None]
+                continue
             # tok (the last emitted) is not cached yet; room: drafts that fit after it in the context
             room = min(max_tokens - n - 1, self.n_ctx - len(self.tokens) - 1)
             ready = getattr(self.kv, "means_ready", lambda: True)()
@@ -274,6 +293,8 @@ class Generator:
                         k = len(drafts)
                 else:
                     drafts, mlen = prop.propose(ctx, spec.k)
+                    if constraint is not None:
+                        drafts, mlen = sp.grammar_drafts(constraint, drafts, mlen, spec.k)
                     k = ctrl.choose_k(mlen, min(len(drafts), room))
             ts = time.perf_counter()
             if k == 0:
@@ -284,12 +305,16 @@ class Generator:
                     ctrl.observe(mlen, int(drafts[0] == nxt), 1)
                 sst.plain_steps += 1
                 queue = [nxt]
+                if lps is not None:
+                    lps = [sampler.last_logprobs]
                 continue
             d = drafts[:k]
             with torch.inference_mode():
                 rows = sp.forward_rows(self, [tok] + d)
             ctrl.time(k + 1, time.perf_counter() - ts)
-            queue = sp.accept(sampler, rows, d, q)
+            if lps is not None:
+                lps = []
+            queue = sp.accept(sampler, rows, d, q, logprobs=lps)
             a = len(queue) - 1  # accepted drafts
             self.truncate(len(self.tokens) - (k - a))  # keep tok and the accepted drafts
             ctrl.observe(mlen, a, min(a + 1, k))

@@ -231,6 +231,11 @@ class Sampler:
             cum = np.cumsum(probs)
             u = self.rng.random() * cum[-1]
             tok = int(ids[min(int(np.searchsorted(cum, u, side="right")), len(ids) - 1)])
+        return self.take(tok, logits)
+
+    def take(self, tok: int, logits: torch.Tensor) -> int:
+        """Records ``tok`` as the token chosen after ``logits`` (sample()'s, or a verified draft's): moves the
+        grammar past it, keeps its logprobs when asked for, and adds it to the penalty window."""
         if self.constraint is not None:
             self.constraint.advance(tok)
         if self.logprobs is not None:

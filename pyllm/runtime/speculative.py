@@ -37,6 +37,7 @@ MAX_ROWS = 8  # rows of one verification forward: the fused GEMV's limit (ops.GE
 DEFAULT_K = 7  # drafted tokens per verification at most (k + 1 = MAX_ROWS rows)
 DEFAULT_NGRAM = 4  # longest suffix looked up; shorter ones are tried down to 1
 MATCH_CAP = 8  # a lookup's matched length (its evidence for the controller) is counted up to this
+FORCED = MATCH_CAP + 1  # the evidence of a draft a grammar forces (prior acceptance FORCED / (FORCED + 1))
 
 
 @dataclass
@@ -149,6 +150,16 @@ class LookupProposer:
         return m
 
 
+def grammar_drafts(constraint, drafts: list[int], evidence: int, k: int) -> tuple[list[int], int]:
+    """A lookup proposal (``drafts``, ``evidence``) under a grammar: the tokens the grammar forces, where it
+    forces some (evidence FORCED), else the lookup's drafts up to the first one the grammar refuses (a refused
+    draft cannot be accepted, so verifying it only costs a row)."""
+    forced = constraint.forced_tokens()
+    if forced:
+        return forced[:k], FORCED
+    return drafts[:constraint.valid_prefix(drafts)], evidence
+
+
 class DraftProposer:
     """A draft model proposing k tokens one at a time (greedy, or sampled from its own distribution ``q``).
 
@@ -253,20 +264,31 @@ def _draw(sampler, ids: np.ndarray, probs: np.ndarray) -> int:
     return int(ids[min(int(np.searchsorted(cum, u, side="right")), len(ids) - 1)])
 
 
-def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None) -> list[int]:
+def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None,
+           logprobs: list | None = None) -> list[int]:
     """The tokens to emit after verifying ``drafts``: the accepted prefix, then one token of the model's own.
 
     rows: logits [len(drafts) + 1, n_vocab], row i predicting the token after drafts[:i]. q: per draft the
     proposer's distribution (ids, probs), or None for a deterministic proposal (lookup; or greedy). Every
-    emitted token is recorded in the sampler (penalty window), as sample() does.
+    emitted token is recorded in the sampler as sample() records it (Sampler.take: the grammar moves past it, the
+    penalty window gets it), so row i is judged in the grammar state after the tokens before it; a grammar that is
+    complete ends the list there (the generator then emits its end token, as plain decoding does). ``logprobs``: a
+    list that gets each emitted token's (logprob, top) from its own row, for a sampler that reports them.
     """
     out = []
     greedy = sampler.s.temperature == 0
+    constraint = sampler.constraint
+
+    def emit(tok: int) -> bool:  # whether the pass may go on past tok
+        out.append(tok)
+        if logprobs is not None:
+            logprobs.append(sampler.last_logprobs)
+        return constraint is None or not constraint.is_done()
+
     for i, d in enumerate(drafts + [None]):
         if greedy:
-            tok = sampler.sample(rows[i])  # argmax after bias/penalties: exactly plain decoding's choice
-            out.append(tok)
-            if tok != d:
+            tok = sampler.sample(rows[i])  # argmax after bias/penalties/grammar: exactly plain decoding's choice
+            if not emit(tok) or tok != d:
                 return out
             continue
         ids, p = distribution(sampler, rows[i])
@@ -283,8 +305,9 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
                 qd = float(qi[1][qj[0]]) if len(qj) else 0.0
                 qv = qi
             if qd > 0 and sampler.rng.random() < min(1.0, pd / qd):
-                sampler.accept(d)
-                out.append(d)
+                sampler.take(d, rows[i])
+                if not emit(d):
+                    return out
                 continue
             # rejected: draw from norm(max(p - q, 0)) over the target's candidates
             resid = p.copy()
@@ -295,8 +318,8 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
                 qmap = dict(zip(qv[0].tolist(), qv[1].tolist()))
                 resid = np.maximum(p - np.array([qmap.get(int(t), 0.0) for t in ids]), 0.0)
             tok = _draw(sampler, ids, resid) if resid.sum() > 0 else _draw(sampler, ids, p)
-        sampler.accept(tok)
-        out.append(tok)
+        sampler.take(tok, rows[i])
+        emit(tok)
         return out
     return out
 
