@@ -446,6 +446,26 @@ def test_readme_example_and_cli(capsys):
     assert "--spec-k must be an integer in 1..7" in capsys.readouterr().err
 
 
+def test_bench_spec_runs_every_shipped_prompt_and_reports_plain_decodings_tokens(capsys):
+    """`pyllm bench --spec lookup`: a row per shipped prompt (grounded, open and JSON-schema ones), each reply the
+    same tokens as plain decoding's, and the structured replies valid JSON."""
+    import json
+
+    from pyllm.cli.bench import spec_prompts
+    from pyllm.cli.main import main
+
+    assert main(["bench", "smollm2-135m", "--spec", "lookup", "-n", "12", "-r", "1", "-o", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    prompts = spec_prompts()
+    assert [r["prompt"] for r in rows] == [p["name"] for p in prompts]
+    assert {p["kind"] for p in prompts} == {"grounded", "open", "structured"}
+    assert all(r["same_tokens"] and r["n_gen"] > 1 for r in rows), rows
+    assert all(p["json_schema"]["type"] == "object" for p in prompts if p["kind"] == "structured")
+    # the replay drafts without a grammar, so it leaves the JSON-schema prompts out
+    assert [p["name"] for p in _spec_replay_tool().load_prompts(None)] == \
+        [p["name"] for p in prompts if "json_schema" not in p]
+
+
 def _spec_replay_tool():
     import importlib.util
 

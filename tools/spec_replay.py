@@ -48,17 +48,20 @@ ROWS = tuple(range(1, 9))
 
 
 def load_prompts(path: str | None) -> list[dict]:
-    """The shipped prompts (``pyllm bench --spec``'s), or those of a JSON file of the same form."""
+    """The shipped prompts (``pyllm bench --spec``'s), or those of a JSON file of the same form; not those with a
+    json_schema (the replay drafts as unconstrained lookup does, while their replies draft under the grammar)."""
     import json
 
     from pyllm.cli.bench import spec_prompts
 
     if path is None:
-        return spec_prompts()
-    try:
-        return json.loads(Path(path).read_text())["prompts"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"spec_replay: cannot read prompts from {path}: {e}")
+        prompts = spec_prompts()
+    else:
+        try:
+            prompts = json.loads(Path(path).read_text())["prompts"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SystemExit(f"spec_replay: cannot read prompts from {path}: {e}")
+    return [p for p in prompts if "json_schema" not in p]
 
 
 def record(llm, n: int, prompts: list[dict] | None = None) -> list[dict]:

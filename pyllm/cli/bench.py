@@ -52,8 +52,9 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--probe", action="store_true",
                    help="(re)measure this machine's bandwidth, fp32 matmul and prefill GEMM rates first")
     s.add_argument("--spec", "-spec", default=None, choices=["lookup", "draft"],
-                   help="speculative test instead of pp/tg: greedy chat replies of -n tokens to the shipped grounded "
-                        "and open-ended prompts (pyllm/data/spec_prompts.json), plain and speculative interleaved; "
+                   help="speculative test instead of pp/tg: greedy chat replies of -n tokens to the shipped grounded, "
+                        "open-ended and JSON-schema prompts (pyllm/data/spec_prompts.json), plain and speculative "
+                        "interleaved; "
                         "tok/s of each, speedup, acceptance and tokens per verification pass")
     s.add_argument("--spec-k", type=int, default=None, metavar="K", help="most tokens drafted per step (1..7)")
     s.add_argument("--spec-ngram", type=int, default=None, metavar="N", help="longest suffix prompt lookup matches")
@@ -289,12 +290,13 @@ def spec_prompts() -> list[dict]:
     return json.loads(resources.files("pyllm").joinpath("data/spec_prompts.json").read_text())["prompts"]
 
 
-def time_reply(llm, ids: list[int], n: int, spec: str, a) -> tuple[list[int], float, object]:
-    """Greedy reply of up to n tokens from a fresh cache: (tokens, decode seconds, SpecStats or None). Decode time
-    starts after the first token (prefill is the same for both modes and not what speculation changes)."""
+def time_reply(llm, ids: list[int], n: int, spec: str, a, json_schema=None) -> tuple[list[int], float, object]:
+    """Greedy reply of up to n tokens from a fresh cache, under ``json_schema`` if given: (tokens, decode seconds,
+    SpecStats or None). Decode time starts after the first token (prefill is the same for both modes and not what
+    speculation changes)."""
     llm.reset()
     out = list(llm.generate_tokens(ids, max_tokens=n, temperature=0, speculative=spec, spec_k=a.spec_k,
-                                   spec_ngram=a.spec_ngram))
+                                   spec_ngram=a.spec_ngram, json_schema=json_schema))
     st = llm.stats
     return out, st.decode_seconds, st.spec
 
@@ -303,6 +305,7 @@ def cmd_bench_spec(a) -> int:
     """Plain vs speculative greedy decoding on each shipped prompt, interleaved (plain, spec, plain, spec, ...) so
     that a busy machine slows both alike; tok/s counts the tokens after the first over the decode time."""
     import pyllm
+    from ..runtime.speculative import SpecStats
 
     if not a.models:
         raise PyllmError("--spec needs a model file or registry name (synthetic models have no tokenizer)")
@@ -315,11 +318,13 @@ def cmd_bench_spec(a) -> int:
                          draft=a.draft if a.spec == "draft" else None)
         for p in spec_prompts():
             ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
-            time_reply(llm, ids, 8, "none", a)  # warm-up
+            schema = p.get("json_schema")
+            time_reply(llm, ids, 8, "none", a, schema)  # warm-up
             plain, spec, same, st = [], [], True, None
             for _ in range(a.repetitions):
-                ref, t0, _ = time_reply(llm, ids, n, "none", a)
-                out, t1, st = time_reply(llm, ids, n, a.spec, a)
+                ref, t0, _ = time_reply(llm, ids, n, "none", a, schema)
+                out, t1, st = time_reply(llm, ids, n, a.spec, a, schema)
+                st = st or SpecStats()  # a draft model does not speculate under a grammar
                 same &= out == ref
                 plain.append((len(ref) - 1) / t0 if t0 else 0.0)
                 spec.append((len(out) - 1) / t1 if t1 else 0.0)
