@@ -6,6 +6,7 @@ session and shared by every test that needs it.
 
 import functools
 import os
+from pathlib import Path
 
 import pytest
 
@@ -34,12 +35,72 @@ def gemma3_path():
     return fixture_path("gemma3")
 
 
+def _converted(key: str, what: str, convert, save, load):
+    """transformers' conversion of fixture ``key``'s GGUF (``what``: "model" or "tokenizer"), kept under the user
+    cache: converting a GGUF takes transformers 7-60 s per model and per object (its gguf reader walks every
+    tensor and vocabulary entry in Python), loading the saved conversion 0.2-5 s.  The directory is named by the
+    GGUF's sha256 and the transformers and torch versions, so any change to the file or the converter converts
+    anew; it is written under a temporary name and renamed, so a half-written one is never read.  The oracle stays
+    transformers' own objects: its conversion, saved and loaded back bit for bit (tests/test_model.py's logits and
+    tests/test_tokenizer.py's ids are compared against it either way)."""
+    import shutil
+    import tempfile
+
+    import torch
+    import transformers
+
+    sha = registry.REGISTRY[FIXTURES[key]].sha256
+    d = (registry.cache_dir() / "hf-oracle" / f"{key}-{sha[:16]}-tf{transformers.__version__}-torch{torch.__version__}"
+         / what)
+    if d.is_dir():
+        try:
+            return load(d)
+        except (OSError, ValueError, RuntimeError):  # unreadable: convert again below
+            shutil.rmtree(d, ignore_errors=True)
+    obj = convert()
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{what}-", dir=d.parent))
+    try:
+        save(obj, tmp)
+        tmp.rename(d)
+    except OSError:  # another process won the race, or the disk is full: the conversion in memory still serves
+        shutil.rmtree(tmp, ignore_errors=True)
+    return obj
+
+
 @functools.lru_cache(maxsize=None)
 def hf_tokenizer(key: str):
     """transformers' tokenizer converted from the GGUF (the oracle for tokenization and chat templates)."""
     transformers = pytest.importorskip("transformers")
     path = fixture_path(key)
-    return transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return _converted(key, "tokenizer",
+                      lambda: transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
+                                                                         gguf_file=os.path.basename(path)),
+                      lambda t, d: t.save_pretrained(d),
+                      lambda d: transformers.AutoTokenizer.from_pretrained(d))
+
+
+def _save_model(m, d: Path) -> None:
+    # save_pretrained refuses a model converted from GGUF (its config still names the gguf quantizer): the weights
+    # go to safetensors (save_model keeps one copy of tied tensors) and the config without the quantizer.
+    import json
+
+    from safetensors.torch import save_model
+
+    save_model(m, str(d / "model.safetensors"))
+    cfg = m.config.to_dict()
+    cfg.pop("quantization_config", None)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+def _load_model(d: Path):
+    import torch
+    import transformers
+
+    m, info = transformers.AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, output_loading_info=True)
+    if any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")):  # else: random weights
+        raise ValueError(f"the saved conversion in {d} does not fit the model: {info}")
+    return m
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,9 +110,10 @@ def hf_model(key: str):
     import torch
 
     path = fixture_path(key)
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
+    m = _converted(key, "model",
+                   lambda: transformers.AutoModelForCausalLM.from_pretrained(
+                       os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32),
+                   _save_model, _load_model)
     m.eval()
     return m
 
