@@ -131,6 +131,49 @@ def test_controller_stops_probing_a_draft_that_cannot_pay():
     assert c.can_pay() and c.choose_k(0, 7) > 0
 
 
+def test_controller_forgets_a_stalled_pass():
+    # Reference: the controller's own choice with no pass measured (k > 0 for a long match).  A pass held up by a
+    # stall, slower than its rows as one-row steps, is not kept: before t[1] is known (dropped when it is) or after
+    # it (never recorded); a slow cost that is never measured again expires after max_age timings.
+    c = sp.SpecController(max_k=7)
+    fresh = c.choose_k(sp.MATCH_CAP, 7)
+    assert fresh > 0
+    c.time(4, 1.0)  # the first pass of a reply, stalled; t[1] unknown yet
+    c.time(1, 0.010)
+    assert 4 not in c.t and c.choose_k(sp.MATCH_CAP, 7) > 0
+    c.time(4, 0.050)  # 5 steps' time for 4 rows: a stall, not a cost
+    assert 4 not in c.t
+    c.time(8, 0.060)  # slow but possible (6 steps for 8 rows), so kept: deep drafts stop paying
+    assert c.t[8] == 0.060 and c.choose_k(sp.MATCH_CAP, 7) < 7
+    for _ in range(c.max_age + 1):
+        c.time(1, 0.010)
+    assert 8 not in c.t and c.choose_k(sp.MATCH_CAP, 7) == fresh
+
+
+def test_a_stall_in_the_first_pass_does_not_end_speculation(monkeypatch):
+    """Reference: plain decoding.  The first verification pass of a greedy reply held up for 0.2 s (as a busy
+    machine does now and then) used to turn speculation off for the whole reply; it goes on, with the same tokens."""
+    import time
+
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    ids = llm.chat_ids(EDIT)
+    llm.reset()
+    plain = list(llm.generate_tokens(ids, max_tokens=48, temperature=0, speculative="none"))
+    forward_rows, calls = sp.forward_rows, []
+
+    def stalled_first(gen, toks, all_logits=True):
+        calls.append(len(toks))
+        if len(calls) == 1:
+            time.sleep(0.2)
+        return forward_rows(gen, toks, all_logits)
+
+    monkeypatch.setattr(sp, "forward_rows", stalled_first)
+    llm.reset()
+    assert list(llm.generate_tokens(ids, max_tokens=48, temperature=0)) == plain
+    st = llm.stats.spec
+    assert len(calls) > 1 and st.verifies > 1 and st.accepted > 0, st
+
+
 # ---- acceptance: greedy and the sampling distribution ----------------------------------------------------------------
 def test_accept_greedy_is_the_argmax_chain():
     s = Sampler(SamplerSettings(temperature=0))

@@ -372,8 +372,11 @@ class SpecController:
     prior: float = 0.3
     prior_weight: float = 2.0
     draft_cost: float = 0.0  # seconds per drafted token spent by the proposer (draft model)
+    max_age: int = 64  # timings after which a pass cost not measured again is forgotten
     hits: dict = field(default_factory=dict)  # n -> (accepted, trials), decayed
     t: dict = field(default_factory=dict)  # M -> seconds
+    seen: dict = field(default_factory=dict)  # M -> the count of timings when t[M] was last measured
+    clock: int = 0  # timings so far
 
     def rate(self, n: int) -> float:
         a, m = self.hits.get(n, (0.0, 0.0))
@@ -386,8 +389,24 @@ class SpecController:
         self.hits[n] = (a * self.decay + accepted, m * self.decay + trials)
 
     def time(self, rows: int, seconds: float) -> None:
+        """Records a forward over ``rows`` rows.  A pass slower than ``rows`` one-row steps (which do its work with
+        more weight reads) was held up by something else, a preemption or page faults, and is not recorded; when
+        t[1] is first measured, such earlier passes are dropped.  A cost not measured again within ``max_age``
+        timings is forgotten and read off the others.  Without both, one slow pass made that depth look worse than
+        plain decoding, so it was never drafted, and so never measured again: a 50 ms stall in the first pass of a
+        reply turned speculation off for the rest of it."""
+        self.clock += 1
+        t1 = self.t.get(1)
+        if rows > 1 and t1 is not None and seconds > rows * t1:
+            return
         old = self.t.get(rows)
         self.t[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.seen[rows] = self.clock
+        if rows == 1 and t1 is None:
+            for m in [m for m, v in self.t.items() if v > m * seconds]:
+                del self.t[m]
+        for m in [m for m in self.t if self.clock - self.seen[m] > self.max_age]:
+            del self.t[m]
 
     def cost(self, rows: int) -> float:
         """Seconds of a forward over ``rows`` rows: measured, else read off the measured points (linear between
