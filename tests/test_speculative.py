@@ -1,15 +1,13 @@
 """Speculative decoding (pyllm/runtime/speculative.py, Generator._generate_speculative, ops._C.decode_steps).
 
 References:
-- the multi-row C++ step against M one-token steps: bit-identical logits and cache rows where the GEMV's row
-  kernels sum in the same order for every M (the scalar kernels; AVX2 for M <= 2), for f16, q8_0 and q4_rot caches;
+- the multi-row C++ step against M one-token steps: bit-identical logits and cache rows (every quantized row
+  kernel sums a row in one order whatever M is), on every kernel path the CPU has, for f16, q8_0 and q4_rot caches;
 - greedy speculative output against plain decoding (speculative="none") on the real fixtures: identical tokens,
-  finish reasons and texts, with the verification run where its rows are bit-identical to one-token steps (k = 1,
-  2 rows, on AVX2; k = 7 on the scalar kernels). With k > 1 on AVX2 the 3..8-row GEMVs sum in another order and a
-  near-tie can flip (docs/BENCHMARKS.md, Speculative decoding);
+  finish reasons and texts (and logprobs, and under a JSON schema or a GBNF grammar);
 - sampling: the joint distribution of the first two tokens of a synthetic model, drafted by another synthetic
   distribution (draft model) or by a fixed guess (lookup), against the exact one: total variation < 0.03 over
-  20,000 seeds (its sampling noise is ~0.01).
+  20,000 seeds (its sampling noise is ~0.01); under a grammar, every sampled reply valid for its schema.
 """
 
 import sys
