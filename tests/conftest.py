@@ -63,7 +63,9 @@ def _converted(key: str, what: str, convert, save, load):
     try:
         save(obj, tmp)
         tmp.rename(d)
-    except OSError:  # another process won the race, or the disk is full: the conversion in memory still serves
+    except (OSError, ValueError, RuntimeError):
+        # another process won the race, the disk is full, or this transformers refuses to save the object (as its
+        # save_pretrained refuses GGUF-converted models): the conversion in memory still serves
         shutil.rmtree(tmp, ignore_errors=True)
     return obj
 
