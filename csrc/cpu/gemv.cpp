@@ -5,6 +5,9 @@
 // one pool; we pass num_threads() per region instead of omp_set_num_threads() so that pyllm's setting does
 // not change torch's.
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <sched.h>
 #include <unistd.h>
 
@@ -19,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/decode.h"
 #include "cpu_impl.h"
 
 namespace pyllm {
@@ -209,30 +213,190 @@ int cpu_get_num_threads() {
 namespace {
 
 // Q8_K activations have one scale per 256 values, so one large value rounds the other 255 of its block on a
-// coarse grid.  Gemma 3's MLP and attention outputs carry such values: its Q4_K/Q6_K attn_output and ffn_down
-// GEMVs were most of the decode path's error (Gemma-3-270M, 3 short prompts, last position vs the float32
-// reference: max error 6.4% of the max logit and mean KL 3.8e-3; those two layers in float32: 2.2% / 1.6e-3).
-// Such rows get a second Q8_K row holding the rounding residual x - d q, and the row dot runs with both
-// (the M = 2 kernel: the weights are decoded once), which leaves ~1/254 of the error (2.5% / 1.8e-3 in the same
-// measurement; per-32 scales instead: 2.9% / 2.0e-3).  "Such rows": the blocks' mean squared max is above
-// kOutlier^2 times the mean square, where a Gaussian row gives ~2.9^2; rows without outliers keep one Q8_K row
-// (the second dot costs ~15% CPU time on Q4_K).
+// coarse grid.  Gemma 3's MLP and attention outputs carry such values (3-6 per row above 6x the row's rms), and
+// Qwen2.5's ffn_down inputs carry 11-13 per row spread over 8-9 of its 19 blocks: with one Q8_K row their
+// attn_output and ffn_down GEMVs were most of the decode path's error (Gemma-3-270M, 3 short prompts, last position
+// vs the float32 reference: max error 6.4% of the max logit and mean KL 3.8e-3; those two layers in float32:
+// 2.2% / 1.6e-3).  A row's elements above kOutlier times its rms (a Gaussian row has none in practice) are taken
+// out of the Q8_K row, which then rounds on the grid of the rest, and added back: sum_j x_j W[n][j] in fp32 over
+// the weights decoded one at a time (add_outlier_dots; 8 rows per vector for rows interleaved by 8), for each
+// output of the chunk whose weights were just read.  A second Q8_K row holding the rounding residual x - d q did
+// this before, at the cost of a whole row's dot: Qwen2.5's ffn_down took 8 activation rows for a 4-row
+// verification pass (10.3-14.9 ms, now 6.4-6.7), and half of its passes' rows.  Mean last-position KL on the
+// held-out prompts: Qwen2.5 3.4e-4 either way; Gemma 3 2.6e-3 (residual rows 1.5e-3; llama.cpp 7.0e-3).  A row
+// can hold only K/36 elements above 6x its rms; rows with more than kMaxSparse still take the residual row (the
+// M = 2 kernel: the weights decoded once), which leaves ~1/254 of the rounding error.
 constexpr float kOutlier = 6.0f;
+constexpr int kMaxSparse = 32;
 
-bool q8_K_needs_residual(const float* x, int K) {
-    float amax2 = 0.f, ss[8] = {};
-    for (int i = 0; i < K / QK_K; ++i) {
-        const float* xb = x + QK_K * i;
-        float mx = 0.f;
-        for (int j = 0; j < QK_K; j += 8)
-            for (int l = 0; l < 8; ++l) {
-                mx = std::max(mx, std::fabs(xb[j + l]));
-                ss[l] += xb[j + l] * xb[j + l];
-            }
-        amax2 += mx * mx;
-    }
+struct Outliers {
+    int n = 0;
+    int idx[kMaxSparse];
+    float val[kMaxSparse];
+};
+
+enum class RowKind : uint8_t { Plain, Sparse, Residual };
+
+// Finds x's elements above kOutlier x rms(x): none (Plain), up to kMaxSparse of them (Sparse, listed in o, in
+// index order), or more (Residual).
+RowKind q8_K_outliers(const float* x, int K, Outliers& o) {
+    float ss[8] = {};
+    int i = 0;
+    for (; i + 8 <= K; i += 8)
+        for (int l = 0; l < 8; ++l) ss[l] += x[i + l] * x[i + l];
+    for (; i < K; ++i) ss[i & 7] += x[i] * x[i];
     const float sum = ((ss[0] + ss[1]) + (ss[2] + ss[3])) + ((ss[4] + ss[5]) + (ss[6] + ss[7]));
-    return amax2 * QK_K > kOutlier * kOutlier * sum;
+    const float thr2 = kOutlier * kOutlier * sum / static_cast<float>(K);
+    int count = 0;
+    for (int j = 0; j < K; ++j)
+        if (x[j] * x[j] > thr2) {
+            if (count < kMaxSparse) {
+                o.idx[count] = j;
+                o.val[count] = x[j];
+            }
+            ++count;
+        }
+    o.n = count <= kMaxSparse ? count : 0;
+    return count == 0 ? RowKind::Plain : count <= kMaxSparse ? RowKind::Sparse : RowKind::Residual;
+}
+
+// Byte q of row `lane`'s GGUF block field in a block interleaved by 8 (blocks.h: 4-byte pieces side by side).
+inline uint8_t r8_byte(const uint8_t* field, int lane, int q) { return field[32 * (q >> 2) + 4 * lane + (q & 3)]; }
+
+// W[n][k] of a K-quant matrix (GGUF rows, or rows interleaved by 8), the value dequant_block gives it.
+float kquant_weight(QType t, const uint8_t* w, size_t row_bytes, int n, int k) {
+    const int b = k / QK_K, e = k % QK_K;
+    switch (t) {
+        case QType::Q2_K: {
+            const block_q2_K& B = reinterpret_cast<const block_q2_K*>(w + row_bytes * n)[b];
+            const float dl = fp16_to_fp32(B.d) * static_cast<float>(B.scales[e / 16] & 0xF);
+            const float ml = fp16_to_fp32(B.dmin) * static_cast<float>(B.scales[e / 16] >> 4);
+            return dl * static_cast<float>(q2_k_code(B, e)) - ml;
+        }
+        case QType::Q3_K: {
+            const block_q3_K& B = reinterpret_cast<const block_q3_K*>(w + row_bytes * n)[b];
+            const float dl = fp16_to_fp32(B.d) * static_cast<float>(q3_k_scale(B.scales, e / 16));
+            return dl * static_cast<float>(q3_k_code(B, e));
+        }
+        case QType::Q4_K:
+        case QType::Q5_K: {
+            const bool five = t == QType::Q5_K;
+            const block_q4_K* B4 = reinterpret_cast<const block_q4_K*>(w + row_bytes * n) + b;
+            const block_q5_K* B5 = reinterpret_cast<const block_q5_K*>(w + row_bytes * n) + b;
+            uint8_t sc, m;
+            get_scale_min_k4(e / 32, five ? B5->scales : B4->scales, &sc, &m);
+            const float dl = fp16_to_fp32(five ? B5->d : B4->d) * static_cast<float>(sc);
+            const float ml = fp16_to_fp32(five ? B5->dmin : B4->dmin) * static_cast<float>(m);
+            return dl * static_cast<float>(five ? q5_k_code(*B5, e) : q4_k_code(*B4, e)) - ml;
+        }
+        case QType::Q6_K: {
+            const block_q6_K& B = reinterpret_cast<const block_q6_K*>(w + row_bytes * n)[b];
+            return fp16_to_fp32(B.d) * static_cast<float>(B.scales[e / 16]) * static_cast<float>(q6_k_code(B, e));
+        }
+        case QType::Q4_K_R8:
+        case QType::Q5_K_R8: {  // q4_k_code / q5_k_code / get_scale_min_k4 on the lane's bytes
+            const int j = n % 8;
+            const uint8_t* g = w + row_bytes * (n - j);
+            const bool five = t == QType::Q5_K_R8;
+            const block_q4_kx8* G4 = reinterpret_cast<const block_q4_kx8*>(g) + b;
+            const block_q5_kx8* G5 = reinterpret_cast<const block_q5_kx8*>(g) + b;
+            uint8_t s12[12];
+            for (int q = 0; q < 12; ++q) s12[q] = r8_byte(five ? G5->scales : G4->scales, j, q);
+            uint8_t sc, m;
+            get_scale_min_k4(e / 32, s12, &sc, &m);
+            const int c = e >> 6, l = e & 31;
+            const uint8_t byte = r8_byte(five ? G5->qs : G4->qs, j, 32 * c + l);
+            int code = (e & 32) ? (byte >> 4) : (byte & 0xF);
+            if (five) code |= ((r8_byte(G5->qh, j, l) >> (e >> 5)) & 1) << 4;
+            const float dl = fp16_to_fp32(five ? G5->d[j] : G4->d[j]) * static_cast<float>(sc);
+            const float ml = fp16_to_fp32(five ? G5->dmin[j] : G4->dmin[j]) * static_cast<float>(m);
+            return dl * static_cast<float>(code) - ml;
+        }
+        case QType::Q6_K_R8: {  // q6_k_code on the lane's bytes
+            const int j = n % 8;
+            const block_q6_kx8& G = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * (n - j))[b];
+            const int h = e >> 7, r = e & 127, kk = r >> 5, l = r & 31;
+            const uint8_t ql = r8_byte(G.ql, j, 64 * h + 32 * (kk & 1) + l);
+            const int lo = (kk >> 1) ? (ql >> 4) : (ql & 0xF);
+            const int hi = (r8_byte(G.qh, j, 32 * h + l) >> (2 * kk)) & 3;
+            return fp16_to_fp32(G.d[j]) * static_cast<float>(G.scales[8 * (e / 16) + j]) *
+                   static_cast<float>((lo | (hi << 4)) - 32);
+        }
+        default: return 0.f;  // no other type takes Q8_K activations
+    }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+// Byte q of every lane's GGUF field in a block interleaved by 8 (r8_byte for lanes 0..7), as int32 lanes.
+inline __m256i r8_bytes8(const uint8_t* field, int q) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(field + 32 * (q >> 2)));
+    return _mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(8 * (q & 3))), _mm256_set1_epi32(0xFF));
+}
+inline __m256i srl32(__m256i v, int n) { return _mm256_srl_epi32(v, _mm_cvtsi32_si128(n)); }
+
+// W[g + j][k] for the 8 rows j of the group at g (rows interleaved by 8), kquant_weight's values and arithmetic.
+__m256 kquant_weights8(QType t, const uint8_t* g, int k) {
+    const int b = k / QK_K, e = k % QK_K;
+    if (t == QType::Q6_K_R8) {
+        const block_q6_kx8& G = reinterpret_cast<const block_q6_kx8*>(g)[b];
+        const int h = e >> 7, r = e & 127, kk = r >> 5, l = r & 31;
+        const __m256i ql = r8_bytes8(G.ql, 64 * h + 32 * (kk & 1) + l);
+        const __m256i lo = (kk >> 1) ? srl32(ql, 4) : _mm256_and_si256(ql, _mm256_set1_epi32(0xF));
+        const __m256i hi = _mm256_and_si256(srl32(r8_bytes8(G.qh, 32 * h + l), 2 * kk), _mm256_set1_epi32(3));
+        const __m256i code = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(G.d)));
+        const __m256 sc = _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(G.scales + 8 * (e / 16)))));
+        return _mm256_mul_ps(_mm256_mul_ps(d, sc), _mm256_cvtepi32_ps(code));
+    }
+    const bool five = t == QType::Q5_K_R8;  // Q4_K_R8 / Q5_K_R8 share everything but qh
+    const block_q4_kx8* G4 = reinterpret_cast<const block_q4_kx8*>(g) + b;
+    const block_q5_kx8* G5 = reinterpret_cast<const block_q5_kx8*>(g) + b;
+    const uint8_t* scales = five ? G5->scales : G4->scales;
+    auto byte = [&](int i) { return r8_bytes8(scales, i); };  // get_scale_min_k4 on 8 lanes
+    const int s = e / 32;
+    __m256i sc, m;
+    const __m256i m63 = _mm256_set1_epi32(63), m15 = _mm256_set1_epi32(0xF);
+    if (s < 4) {
+        sc = _mm256_and_si256(byte(s), m63);
+        m = _mm256_and_si256(byte(s + 4), m63);
+    } else {
+        sc = _mm256_or_si256(_mm256_and_si256(byte(s + 4), m15), _mm256_slli_epi32(srl32(byte(s - 4), 6), 4));
+        m = _mm256_or_si256(srl32(byte(s + 4), 4), _mm256_slli_epi32(srl32(byte(s), 6), 4));
+    }
+    const int c = e >> 6, l = e & 31;
+    const __m256i q = r8_bytes8(five ? G5->qs : G4->qs, 32 * c + l);
+    __m256i code = (e & 32) ? srl32(q, 4) : _mm256_and_si256(q, m15);
+    if (five)
+        code = _mm256_or_si256(code, _mm256_slli_epi32(_mm256_and_si256(srl32(r8_bytes8(G5->qh, l), e >> 5),
+                                                                         _mm256_set1_epi32(1)), 4));
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(five ? G5->d : G4->d)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(five ? G5->dmin : G4->dmin)));
+    const __m256 dl = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)), ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m));
+    return _mm256_sub_ps(_mm256_mul_ps(dl, _mm256_cvtepi32_ps(code)), ml);
+}
+#endif
+
+// Adds to y[n], for rows n0..n1-1, the sum over o's outliers of x_j W[n][j]: fp32, one product and one add per
+// outlier in index order, so a row's sum is the same whatever else the call holds (and on every path below).
+void add_outlier_dots(QType t, const uint8_t* w, size_t row_bytes, const Outliers& o, int n0, int n1, float* y) {
+#if defined(__AVX2__) && defined(__F16C__)
+    if (t == QType::Q4_K_R8 || t == QType::Q5_K_R8 || t == QType::Q6_K_R8) {  // n0, n1: group starts
+        for (int g = n0; g < n1; g += 8) {
+            const uint8_t* gp = w + row_bytes * g;
+            __m256 s = _mm256_setzero_ps();
+            for (int i = 0; i < o.n; ++i)
+                s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_set1_ps(o.val[i]), kquant_weights8(t, gp, o.idx[i])));
+            _mm256_storeu_ps(y + g, _mm256_add_ps(_mm256_loadu_ps(y + g), s));
+        }
+        return;
+    }
+#endif
+    for (int n = n0; n < n1; ++n) {
+        float s = 0.f;
+        for (int i = 0; i < o.n; ++i) s += o.val[i] * kquant_weight(t, w, row_bytes, n, o.idx[i]);
+        y[n] += s;
+    }
 }
 
 void quantize_q8_K(bool simd, const float* x, int K, block_q8_K* out) {
@@ -314,16 +478,29 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         uses_q8_K |= kern[p]->act == Act::Q8_K;
     }
 
-    // Which rows carry outliers is decided per row, and only those take a residual row: the row kernels give a
+    // Which rows carry outliers, and which of them take a residual row, is decided per row: the row kernels give a
     // row the same bits whatever the other rows of the call, so a row's result never depends on them (verifying
     // k drafted tokens in one call gives each the logits it gets alone: speculative decoding's greedy equality).
     // (An all-zero residual row for the others would add exactly 0, at the cost of a whole row's dot.)
-    bool residual = false;
+    bool residual = false, sparse = false;
     thread_local std::vector<uint8_t> needs;
+    thread_local std::vector<float> dense;  // x with the sparse rows' outliers zeroed (what Q8_K rows round)
+    Outliers outl[GEMV_MAX_M];
+    const float* xk = x;  // the rows Q8_K activations are made from
     int first[GEMV_MAX_M + 1] = {};  // with residual: row m's activation row; first[M] = rows in all
     if (uses_q8_K) {
         needs.assign(M, 0);
-        for (int m = 0; m < M; ++m) residual |= (needs[m] = q8_K_needs_residual(x + static_cast<size_t>(m) * K, K));
+        for (int m = 0; m < M; ++m) {
+            const RowKind kind = q8_K_outliers(x + static_cast<size_t>(m) * K, K, outl[m]);
+            residual |= (needs[m] = kind == RowKind::Residual);
+            sparse |= kind == RowKind::Sparse;
+        }
+        if (sparse) {
+            dense.assign(x, x + static_cast<size_t>(M) * K);
+            for (int m = 0; m < M; ++m)
+                for (int i = 0; i < outl[m].n; ++i) dense[static_cast<size_t>(m) * K + outl[m].idx[i]] = 0.f;
+            xk = dense.data();
+        }
         for (int m = 0; m < M; ++m) first[m + 1] = first[m] + 1 + needs[m];
         if (residual && first[M] > GEMV_MAX_M) {  // the rows must fit one row-dot call: consecutive runs that do
             for (int m0 = 0; m0 < M;) {
@@ -347,7 +524,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
     }
 
     // Activations prepared once per format, shared read-only by all threads and parts.  Only Q8_K rows take a
-    // residual row.
+    // residual row, or lose their outliers (xk).
     thread_local std::vector<uint8_t> act_buf[kActCount];
     bool have[kActCount] = {};
     Prepared prep[kActCount] = {};
@@ -360,9 +537,18 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         size_t xs;
         float* y;
         int N;
+        QType t;
+        const Outliers* outl;  // per activation row m (row first[m] of y), or null: none
+        const int* first;
+        int M;
         void run(int K, int n0, int n1) const {  // rows n0..n1-1
-            if (rows) return rows(K, n1 - n0, w + row_bytes * n0, row_bytes, xa, xs, y + n0, N);
-            for (int n = n0; n < n1; ++n) fn(K, w + row_bytes * n, xa, xs, y + n, N);
+            if (rows) rows(K, n1 - n0, w + row_bytes * n0, row_bytes, xa, xs, y + n0, N);
+            else
+                for (int n = n0; n < n1; ++n) fn(K, w + row_bytes * n, xa, xs, y + n, N);
+            if (outl)  // the outliers taken out of the Q8_K rows, added back while the chunk's weights are cached
+                for (int m = 0; m < M; ++m)
+                    if (outl[m].n)
+                        add_outlier_dots(t, w, row_bytes, outl[m], n0, n1, y + static_cast<size_t>(first[m]) * N);
         }
     };
     Job job[kMaxParts];
@@ -373,7 +559,8 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         const int a = static_cast<int>(kern[p]->act);
         const bool res = residual && kern[p]->act == Act::Q8_K;
         if (!have[a]) {
-            prep[a] = prepare(kern[p]->act, simd, x, M, K, res, needs.data(), first, first[M], act_buf[a]);
+            prep[a] = prepare(kern[p]->act, simd, kern[p]->act == Act::Q8_K ? xk : x, M, K, res, needs.data(), first,
+                              first[M], act_buf[a]);
             have[a] = true;
         }
         const GemvPart& P = parts[p];
@@ -383,7 +570,9 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
             yo = y_buf[p].data();
         }
         const int fm = (res ? first[M] : M) - 1;
-        job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N};
+        const bool q8k = kern[p]->act == Act::Q8_K;
+        job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
+                  P.t, sparse && q8k ? outl : nullptr, first, M};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);
         total_rows += P.N;
     }
