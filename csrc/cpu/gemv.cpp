@@ -221,8 +221,8 @@ namespace {
 // out of the Q8_K row, which then rounds on the grid of the rest, and added back: sum_j x_j W[n][j] in fp32 over
 // the weights decoded one at a time (add_outlier_dots; 8 rows per vector for rows interleaved by 8), for each
 // output of the chunk whose weights were just read.  A second Q8_K row holding the rounding residual x - d q did
-// this before, at the cost of a whole row's dot: Qwen2.5's ffn_down took 8 activation rows for a 4-row
-// verification pass (10.3-14.9 ms, now 6.4-6.7), and half of its passes' rows.  Mean last-position KL on the
+// this before, at the cost of a whole row's dot: Qwen2.5's ffn_down took 8 activation rows in a 4-row
+// verification pass (10.3-14.9 ms per pass, now 6.4-6.7 ms).  Mean last-position KL on the
 // held-out prompts: Qwen2.5 3.4e-4 either way; Gemma 3 2.6e-3 (residual rows 1.5e-3; llama.cpp 7.0e-3).  A row
 // can hold only K/36 elements above 6x its rms; rows with more than kMaxSparse still take the residual row (the
 // M = 2 kernel: the weights decoded once), which leaves ~1/254 of the rounding error.
@@ -495,12 +495,6 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
             residual |= (needs[m] = kind == RowKind::Residual);
             sparse |= kind == RowKind::Sparse;
         }
-        if (sparse) {
-            dense.assign(x, x + static_cast<size_t>(M) * K);
-            for (int m = 0; m < M; ++m)
-                for (int i = 0; i < outl[m].n; ++i) dense[static_cast<size_t>(m) * K + outl[m].idx[i]] = 0.f;
-            xk = dense.data();
-        }
         for (int m = 0; m < M; ++m) first[m + 1] = first[m] + 1 + needs[m];
         if (residual && first[M] > GEMV_MAX_M) {  // the rows must fit one row-dot call: consecutive runs that do
             for (int m0 = 0; m0 < M;) {
@@ -520,6 +514,12 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
                 m0 += mc;
             }
             return;
+        }
+        if (sparse) {
+            dense.assign(x, x + static_cast<size_t>(M) * K);
+            for (int m = 0; m < M; ++m)
+                for (int i = 0; i < outl[m].n; ++i) dense[static_cast<size_t>(m) * K + outl[m].idx[i]] = 0.f;
+            xk = dense.data();
         }
     }
 
