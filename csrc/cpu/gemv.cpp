@@ -260,10 +260,7 @@ RowKind q8_K_outliers(const float* x, int K, Outliers& o) {
     return count == 0 ? RowKind::Plain : count <= kMaxSparse ? RowKind::Sparse : RowKind::Residual;
 }
 
-// Byte q of row `lane`'s GGUF block field in a block interleaved by 8 (blocks.h: 4-byte pieces side by side).
-inline uint8_t r8_byte(const uint8_t* field, int lane, int q) { return field[32 * (q >> 2) + 4 * lane + (q & 3)]; }
-
-// W[n][k] of a K-quant matrix (GGUF rows, or rows interleaved by 8), the value dequant_block gives it.
+// W[n][k] of a K-quant matrix in GGUF rows, the value dequant_block gives it.
 float kquant_weight(QType t, const uint8_t* w, size_t row_bytes, int n, int k) {
     const int b = k / QK_K, e = k % QK_K;
     switch (t) {
@@ -293,36 +290,7 @@ float kquant_weight(QType t, const uint8_t* w, size_t row_bytes, int n, int k) {
             const block_q6_K& B = reinterpret_cast<const block_q6_K*>(w + row_bytes * n)[b];
             return fp16_to_fp32(B.d) * static_cast<float>(B.scales[e / 16]) * static_cast<float>(q6_k_code(B, e));
         }
-        case QType::Q4_K_R8:
-        case QType::Q5_K_R8: {  // q4_k_code / q5_k_code / get_scale_min_k4 on the lane's bytes
-            const int j = n % 8;
-            const uint8_t* g = w + row_bytes * (n - j);
-            const bool five = t == QType::Q5_K_R8;
-            const block_q4_kx8* G4 = reinterpret_cast<const block_q4_kx8*>(g) + b;
-            const block_q5_kx8* G5 = reinterpret_cast<const block_q5_kx8*>(g) + b;
-            uint8_t s12[12];
-            for (int q = 0; q < 12; ++q) s12[q] = r8_byte(five ? G5->scales : G4->scales, j, q);
-            uint8_t sc, m;
-            get_scale_min_k4(e / 32, s12, &sc, &m);
-            const int c = e >> 6, l = e & 31;
-            const uint8_t byte = r8_byte(five ? G5->qs : G4->qs, j, 32 * c + l);
-            int code = (e & 32) ? (byte >> 4) : (byte & 0xF);
-            if (five) code |= ((r8_byte(G5->qh, j, l) >> (e >> 5)) & 1) << 4;
-            const float dl = fp16_to_fp32(five ? G5->d[j] : G4->d[j]) * static_cast<float>(sc);
-            const float ml = fp16_to_fp32(five ? G5->dmin[j] : G4->dmin[j]) * static_cast<float>(m);
-            return dl * static_cast<float>(code) - ml;
-        }
-        case QType::Q6_K_R8: {  // q6_k_code on the lane's bytes
-            const int j = n % 8;
-            const block_q6_kx8& G = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * (n - j))[b];
-            const int h = e >> 7, r = e & 127, kk = r >> 5, l = r & 31;
-            const uint8_t ql = r8_byte(G.ql, j, 64 * h + 32 * (kk & 1) + l);
-            const int lo = (kk >> 1) ? (ql >> 4) : (ql & 0xF);
-            const int hi = (r8_byte(G.qh, j, 32 * h + l) >> (2 * kk)) & 3;
-            return fp16_to_fp32(G.d[j]) * static_cast<float>(G.scales[8 * (e / 16) + j]) *
-                   static_cast<float>((lo | (hi << 4)) - 32);
-        }
-        default: return 0.f;  // no other type takes Q8_K activations
+        default: return 0.f;  // no other GGUF type takes Q8_K activations
     }
 }
 
@@ -379,7 +347,8 @@ __m256 kquant_weights8(QType t, const uint8_t* g, int k) {
 
 // Adds to y[n], for rows n0..n1-1, the sum over o's outliers of x_j W[n][j]: fp32, one product and one add per
 // outlier in index order, so a row's sum is the same whatever else the call holds (and on every path below).
-void add_outlier_dots(QType t, const uint8_t* w, size_t row_bytes, const Outliers& o, int n0, int n1, float* y) {
+void add_outlier_dots(QType t, const uint8_t* w, size_t row_bytes, int K, const Outliers& o, int n0, int n1,
+                      float* y) {
 #if defined(__AVX2__) && defined(__F16C__)
     if (t == QType::Q4_K_R8 || t == QType::Q5_K_R8 || t == QType::Q6_K_R8) {  // n0, n1: group starts
         for (int g = n0; g < n1; g += 8) {
@@ -392,9 +361,17 @@ void add_outlier_dots(QType t, const uint8_t* w, size_t row_bytes, const Outlier
         return;
     }
 #endif
+    const bool r8 = is_rows8(t);
+    thread_local std::vector<uint8_t> row;  // an interleaved row back in GGUF blocks, as the generic kernels take it
+    if (r8 && row.size() < row_bytes) row.resize(row_bytes);
     for (int n = n0; n < n1; ++n) {
+        const uint8_t* wn = w + row_bytes * n;
+        if (r8) {
+            unpack_rows8_row(t, w + row_bytes * (n - n % 8), K, n % 8, row.data());
+            wn = row.data();
+        }
         float s = 0.f;
-        for (int i = 0; i < o.n; ++i) s += o.val[i] * kquant_weight(t, w, row_bytes, n, o.idx[i]);
+        for (int i = 0; i < o.n; ++i) s += o.val[i] * kquant_weight(r8 ? rows8_base(t) : t, wn, 0, 0, o.idx[i]);
         y[n] += s;
     }
 }
@@ -548,7 +525,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
             if (outl)  // the outliers taken out of the Q8_K rows, added back while the chunk's weights are cached
                 for (int m = 0; m < M; ++m)
                     if (outl[m].n)
-                        add_outlier_dots(t, w, row_bytes, outl[m], n0, n1, y + static_cast<size_t>(first[m]) * N);
+                        add_outlier_dots(t, w, row_bytes, K, outl[m], n0, n1, y + static_cast<size_t>(first[m]) * N);
         }
     };
     Job job[kMaxParts];
