@@ -110,6 +110,14 @@ void unpack_rows8_row(QType r8, const uint8_t* group, int K, int j, uint8_t* out
 // Sums n bytes as uint64 words with `threads` threads (a streaming read for measuring memory bandwidth).
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads);
 
+// ---- A fresh prompt's causal attention (csrc/cpu/attention.cpp) ----------------------------------------------
+// T positions 0..T-1 attending over their own keys in float32, grouped-query: query head h reads KV head
+// h / (H / Hkv); position i sees keys j with max(0, i - window + 1) <= j <= i (window 0: every j <= i).
+// out[i, h*hd + c] = sum_j softmax_j(scale * q[i, h, :] . k[j, g, :]) v[j, g, c].  q: T rows q_row floats apart,
+// each H heads of hd contiguous floats; k, v: T rows k_row / v_row apart, Hkv heads each; out: T rows out_row
+// apart.  Caller checked H % Hkv == 0 and that every row fits.
+void prompt_attention_cpu(const float* q, size_t q_row, const float* k, size_t k_row, const float* v, size_t v_row,
+                          float* out, size_t out_row, int T, int H, int Hkv, int hd, float scale, int window);
 // ---- One decode token for the llama family and Gemma 3 (csrc/cpu/decode_step.cpp) ------------------------------------
 struct DecodeWeight {
     const uint8_t* data = nullptr;  // N rows of row_bytes

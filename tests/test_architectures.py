@@ -34,16 +34,35 @@ def hf_logits(model, ids):
         return model(torch.tensor([ids])).logits[0].double()
 
 
-@pytest.mark.parametrize("arch", tm.ARCHS)
-def test_f16_logits_match_transformers(arch):
-    llm, hf = tm.pyllm_model(arch, "f16"), tm.hf_model(arch)
+def assert_logits_match(llm, hf, label, tol=1e-3):
+    """All-position logits of every prompt within tol of transformers', with the same argmax."""
     for prompt in PROMPTS:
         ids = llm.tokenize(prompt)
         ours, theirs = llm.logits(ids).double(), hf_logits(hf, ids)
         rel = rel_per_position(ours, theirs)
-        print(f"{arch} f16 {len(ids)} tokens: max rel {rel:.2e}")
-        assert rel < 1e-3, f"{arch} {prompt!r}: max|diff|/max|logit| = {rel:.2e}"
+        print(f"{label} {len(ids)} tokens: max rel {rel:.2e}")
+        assert rel < tol, f"{label} {prompt!r}: max|diff|/max|logit| = {rel:.2e}"
         assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_f16_logits_match_transformers(arch):
+    assert_logits_match(tm.pyllm_model(arch, "f16"), tm.hf_model(arch), f"{arch} f16")
+
+
+@pytest.mark.parametrize("arch", tm.ARCHS)
+def test_fast_backend_prefill_matches_transformers(arch, monkeypatch):
+    """The CPU backend's prefill, whose attention is its own kernel (csrc/cpu/attention.cpp; the second prompt runs
+    past Mistral's and Gemma 3's window of 8), against transformers on the f16 file: the same 1e-3 bound."""
+    import pyllm
+    from pyllm.backends.cpu import CpuBackend
+
+    calls = []
+    kernel = CpuBackend.prompt_attention
+    monkeypatch.setattr(CpuBackend, "prompt_attention", staticmethod(lambda *a: calls.append(a[0].shape) or kernel(*a)))
+    llm = pyllm.load(str(tm.gguf_path(arch, "f16")), backend="fast", n_ctx=256, kv_cache="f32")
+    assert_logits_match(llm, tm.hf_model(arch), f"{arch} fast f16")
+    assert calls and all(shape[0] > 1 for shape in calls), "the prefill did not go through the kernel"
 
 
 @pytest.mark.parametrize("arch", tm.ARCHS)

@@ -62,6 +62,10 @@ class Backend(Protocol):
     def embed(self, w, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 [T]) of W [N, K] as float32 [T, K]."""
 
+    # Optional: prompt_attention(q [T, H, hd], k [T, Hkv, hd], v, scale, window) -> [T, H*hd] float32 or None,
+    # the causal attention of a fresh prompt over its own keys (Decoder.prompt_attention); a backend without it,
+    # or returning None, gets the model's torch attention.
+
     def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
         """A KV cache (pyllm.runtime.kv_cache.KVCache interface) of ``kind`` ("f16", "q8_0", "f16/q4_rot", ...)
         on this backend's device."""

@@ -80,6 +80,11 @@ class CpuBackend:
         self._rows8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(loaded bytes) -> (repacked, loaded)
         self._repack_fits = True  # prepare_weights: whether the copies fit in memory
 
+    @staticmethod
+    def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         window: int) -> torch.Tensor | None:
+        return ops.prompt_attention(q, k, v, scale, window)
+
     def describe(self) -> dict:
         out = {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
         if self._rows8:

@@ -27,6 +27,17 @@ class Decoder:
         # each keep theirs; a cache that reallocates its storage gets a new step.
         self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
+                         attention) -> torch.Tensor:
+        """Causal attention of a fresh prompt (positions 0..T-1) over its own float32 keys: q [T, H, hd], k / v
+        [T, Hkv, hd] -> [T, H*hd].  The backend's kernel where it has one (CPU: csrc/cpu/attention.cpp, the causal
+        half only), else ``attention``, the model's torch form (q, k [Hkv, S, hd], v, start_pos, scale, window)."""
+        kernel = getattr(self.backend, "prompt_attention", None)
+        out = kernel(q, k, v, scale, window) if kernel is not None else None
+        if out is None:
+            out = attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale, window)
+        return out
+
     @staticmethod
     def arrange_weights(cfg, weights: dict) -> dict:
         """The file's tensors as this architecture names them (Phi-3 splits its fused ones); by default as is."""

@@ -93,11 +93,11 @@ class Gemma3Model(Decoder):
             q = apply_rope(q, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
             k = apply_rope(k, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
-            attn = functools.partial(attention, start_pos=start_pos, scale=self.scale,
-                                     window=0 if glob else self.window)
+            window = 0 if glob else int(self.window or 0)
+            attn = functools.partial(attention, start_pos=start_pos, scale=self.scale, window=window)
             if start_pos == 0:
                 # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
-                a = attn(q, k.transpose(0, 1), v.transpose(0, 1))
+                a = self.prompt_attention(q, k, v, self.scale, window, attention)
             else:
                 a = kv.attend(i, q, start_pos, attn)  # quantized/rotated caches attend in their own storage
             a = lin(a, w[p + "attn_output.weight"])

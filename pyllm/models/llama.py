@@ -139,7 +139,7 @@ class LlamaModel(Decoder):
             kv.update(i, start_pos, k, v, q=q)
             if start_pos == 0:
                 # A fresh prompt attends to its own keys in float32, not to their rounded cache copies.
-                a = attention(q, k.transpose(0, 1), v.transpose(0, 1), start_pos, self.scale, cfg.sliding_window)
+                a = self.prompt_attention(q, k, v, self.scale, cfg.sliding_window, attention)
             else:
                 # The cache runs attention over its own storage (a rotated cache attends in its rotated basis).
                 a = kv.attend(i, q, start_pos, functools.partial(attention, start_pos=start_pos, scale=self.scale,
