@@ -438,6 +438,55 @@ Tensor prompt_attention(const Tensor& q, const Tensor& k, const Tensor& v, doubl
     return out;
 }
 
+// Prefill's row operations (kernels.h): RMSNorm over the last dimension, RoPE in place on [T, H, hd], and the
+// MLP's act(g) * u in place on g.
+Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
+    const char* fn = "rms_norm";
+    check_tensor(fn, "w", w, at::kFloat, 1);
+    check_tensor(fn, "x", x, at::kFloat, x.dim());
+    TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(0) && w.size(0) >= 1, fn, ": x ", x.sizes(),
+                      " does not end in w's size ", w.sizes());
+    const int64_t n = w.size(0), rows = x.numel() / n;
+    TORCH_CHECK_VALUE(rows <= INT32_MAX && n <= INT32_MAX, fn, ": x ", x.sizes(), " is too large");
+    TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, fn, ": eps must be finite and >= 0, got ", eps);
+    Tensor y = at::empty_like(x);
+    pybind11::gil_scoped_release nogil;
+    pyllm::rms_norm_rows_cpu(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), static_cast<int>(rows),
+                             static_cast<int>(n), static_cast<float>(eps));
+    return y;
+}
+
+Tensor rope_(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t rope_dim, bool neox) {
+    const char* fn = "rope_";
+    check_tensor(fn, "x", x, at::kFloat, 3);
+    check_tensor(fn, "cos", cos, at::kFloat, 2);
+    check_tensor(fn, "sin", sin, at::kFloat, 2);
+    const int64_t T = x.size(0), H = x.size(1), hd = x.size(2);
+    TORCH_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= hd, fn, ": rope_dim ", rope_dim,
+                      " must be even and within the head size ", hd);
+    TORCH_CHECK_VALUE(cos.size(0) == T && cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes(), fn, ": cos ",
+                      cos.sizes(), " and sin ", sin.sizes(), " must both be [", T, ", ", rope_dim / 2, "]");
+    TORCH_CHECK_VALUE(T <= INT32_MAX && H * hd <= INT32_MAX, fn, ": x ", x.sizes(), " is too large");
+    pybind11::gil_scoped_release nogil;
+    pyllm::rope_rows_cpu(x.data_ptr<float>(), static_cast<int>(T), static_cast<int>(H), static_cast<int>(hd),
+                         cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<int>(rope_dim), neox);
+    return x;
+}
+
+Tensor glu_(const Tensor& g, const Tensor& u, bool gelu_tanh) {
+    const char* fn = "glu_";
+    check_tensor(fn, "g", g, at::kFloat, g.dim());
+    check_tensor(fn, "u", u, at::kFloat, g.dim());
+    TORCH_CHECK_VALUE(g.sizes() == u.sizes() && g.dim() >= 1 && g.size(-1) >= 1, fn, ": g ", g.sizes(), " and u ",
+                      u.sizes(), " must have one shape");
+    const int64_t n = g.size(-1), rows = g.numel() / n;
+    TORCH_CHECK_VALUE(rows <= INT32_MAX && n <= INT32_MAX, fn, ": g ", g.sizes(), " is too large");
+    pybind11::gil_scoped_release nogil;
+    pyllm::glu_rows_cpu(gelu_tanh, g.data_ptr<float>(), u.data_ptr<float>(), static_cast<int>(rows),
+                        static_cast<int>(n));
+    return g;
+}
+
 // x [N, hd] f32 -> N stored rows of kv_type, as the decode step writes them.
 Tensor kv_store(const Tensor& x, int64_t kv_type) {
     check_tensor("kv_store", "x", x, at::kFloat, 2);
@@ -492,6 +541,12 @@ void register_decode(py::module& m) {
           "causal attention of T fresh positions over their own keys: q [T, H, hd], k/v [T, Hkv, hd] f32 -> "
           "out [T, H*hd]; window > 0 limits each position to its last `window` keys",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0);
+    m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * w, x f32 [..., n], w [n] (prefill's norms)",
+          py::arg("x"), py::arg("w"), py::arg("eps"));
+    m.def("rope_", &rope_, "x [T, H, hd] f32 rotated in place by cos/sin [T, rope_dim/2] (neox: half-split pairs)",
+          py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("rope_dim"), py::arg("neox"));
+    m.def("glu_", &glu_, "g = act(g) * u in place (act: SiLU, or tanh-approximated GELU when gelu_tanh)",
+          py::arg("g"), py::arg("u"), py::arg("gelu_tanh"));
     m.def("kv_store", &kv_store, "x [N, hd] f32 -> N KV cache rows of kv_type, as decode_step stores them",
           py::arg("x"), py::arg("kv_type"));
 }

@@ -178,6 +178,14 @@ void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType v
 // small model's decode step.
 void glu_cpu(bool gelu_tanh, float* g, const float* u, size_t n);
 
+// Prefill's row operations (csrc/cpu/decode_step.cpp), each row by the decode step's own code, rows split among
+// the kernel threads.  rms_norm_rows: y[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * w over rows of n (y may be x).
+// rope_rows: x [T, H, hd] in place, position t rotated by cos/sin row t ([T, rope_dim / 2] each), pairs (i, i +
+// rope_dim / 2) when neox, else (2i, 2i + 1).  glu_rows: glu_cpu on each of rows rows of n.
+void rms_norm_rows_cpu(const float* x, const float* w, float* y, int rows, int n, float eps);
+void rope_rows_cpu(float* x, int T, int H, int hd, const float* cos, const float* sin, int rope_dim, bool neox);
+void glu_rows_cpu(bool gelu_tanh, float* g, const float* u, int rows, int n);
+
 struct DecodeConfig {
     int n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, n_vocab = 0;
     int rope_dim = 0, max_pos = 0, max_seq = 0;

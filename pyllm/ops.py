@@ -93,6 +93,42 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         return None
 
 
+def _cpu_f32(*ts: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x * rsqrt(mean(x^2, -1) + eps) * w for x f32 [..., D], w [D]; None where the kernel cannot take them."""
+    if not _cpu_f32(x, w):
+        return None
+    try:
+        return _C.rms_norm(x, w, eps)
+    except NotImplementedError:
+        return None
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rope_dim: int, neox: bool) -> torch.Tensor | None:
+    """x [T, H, hd] f32 rotated in place by cos/sin [T, rope_dim/2] and returned; None (x untouched) where the
+    kernel cannot take them."""
+    if x.dim() != 3 or not _cpu_f32(x, cos, sin):
+        return None
+    try:
+        return _C.rope_(x, cos, sin, rope_dim, neox)
+    except NotImplementedError:
+        return None
+
+
+def glu_(g: torch.Tensor, u: torch.Tensor, gelu_tanh: bool) -> torch.Tensor | None:
+    """g = act(g) * u in place and returned (act SiLU, or the tanh-approximated GELU); None (g untouched) where the
+    kernel cannot take them."""
+    if g.shape != u.shape or not _cpu_f32(g, u):
+        return None
+    try:
+        return _C.glu_(g, u, gelu_tanh)
+    except NotImplementedError:
+        return None
+
+
 def dequantize(w) -> torch.Tensor:
     """W as f32 with W's shape ([N, K], or [K] for a vector); bit-identical to gguf.quants.dequantize."""
     try:

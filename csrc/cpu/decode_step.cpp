@@ -395,4 +395,35 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
     decode_steps_cpu(m, s, &token, 1, pos, logits, true);
 }
 
+// ---- Prefill's row operations: the step's own per-row code over T rows, rows split among the kernel threads --
+namespace {
+// Row tasks of at least ~32K floats each, so that small calls stay on one thread.
+int row_threads(int rows, size_t floats_per_row) {
+    const size_t total = floats_per_row * static_cast<size_t>(rows);
+    return static_cast<int>(std::clamp<size_t>(total >> 15, 1, std::min<size_t>(rows, cpu_get_num_threads())));
+}
+}  // namespace
+
+void rms_norm_rows_cpu(const float* x, const float* w, float* y, int rows, int n, float eps) {
+    const int nt = row_threads(rows, n);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int r = 0; r < rows; ++r) rms_norm(x + static_cast<size_t>(r) * n, w, y + static_cast<size_t>(r) * n, n, eps);
+}
+
+void rope_rows_cpu(float* x, int T, int H, int hd, const float* cos, const float* sin, int rope_dim, bool neox) {
+    const int half = rope_dim / 2, nt = row_threads(T, static_cast<size_t>(H) * hd);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int t = 0; t < T; ++t)
+        for (int h = 0; h < H; ++h)
+            rope(x + (static_cast<size_t>(t) * H + h) * hd, cos + static_cast<size_t>(t) * half,
+                 sin + static_cast<size_t>(t) * half, rope_dim, neox);
+}
+
+void glu_rows_cpu(bool gelu_tanh, float* g, const float* u, int rows, int n) {
+    const int nt = row_threads(rows, n);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int r = 0; r < rows; ++r)
+        glu_cpu(gelu_tanh, g + static_cast<size_t>(r) * n, u + static_cast<size_t>(r) * n, static_cast<size_t>(n));
+}
+
 }  // namespace pyllm

@@ -62,9 +62,12 @@ class Backend(Protocol):
     def embed(self, w, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (int64 [T]) of W [N, K] as float32 [T, K]."""
 
-    # Optional: prompt_attention(q [T, H, hd], k [T, Hkv, hd], v, scale, window) -> [T, H*hd] float32 or None,
-    # the causal attention of a fresh prompt over its own keys (Decoder.prompt_attention); a backend without it,
-    # or returning None, gets the model's torch attention.
+    # Optional kernels for a forward's other steps (models/decoder.py), each returning None for input it does not
+    # take; a backend without one, or returning None, gets the model's torch form:
+    #   prompt_attention(q [T, H, hd], k [T, Hkv, hd], v, scale, window) -> [T, H*hd]: a fresh prompt's causal
+    #     attention over its own keys;
+    #   rms_norm(x [..., D], w [D], eps) -> same shape; rope(x [T, H, hd], cos, sin [T, rope_dim/2], style,
+    #     rope_dim) -> x rotated (possibly in place); glu(g, u, gelu_tanh) -> act(g) * u (possibly into g).
 
     def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
         """A KV cache (pyllm.runtime.kv_cache.KVCache interface) of ``kind`` ("f16", "q8_0", "f16/q4_rot", ...)

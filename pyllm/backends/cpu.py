@@ -85,6 +85,19 @@ class CpuBackend:
                          window: int) -> torch.Tensor | None:
         return ops.prompt_attention(q, k, v, scale, window)
 
+    # Prefill's row operations (models/decoder.py Decoder.norm / rope / glu): the decode step's row code.
+    @staticmethod
+    def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
+        return ops.rms_norm(x, w, eps)
+
+    @staticmethod
+    def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str, rope_dim: int) -> torch.Tensor | None:
+        return ops.rope_(x, cos, sin, rope_dim, style == "neox")
+
+    @staticmethod
+    def glu(g: torch.Tensor, u: torch.Tensor, gelu_tanh: bool) -> torch.Tensor | None:
+        return ops.glu_(g, u, gelu_tanh)
+
     def describe(self) -> dict:
         out = {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
         if self._rows8:

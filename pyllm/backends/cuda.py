@@ -294,8 +294,8 @@ def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, style: str, rope_dim: int) -> torch.Tensor:
-    """x [H, hd] rotated at one position: c, s [rope_dim/2] (models/llama.py apply_rope for one row)."""
-    from ..models.llama import apply_rope
+    """x [H, hd] rotated at one position: c, s [rope_dim/2] (models/decoder.py apply_rope for one row)."""
+    from ..models.decoder import apply_rope
 
     return apply_rope(x[None], c[None], s[None], style, rope_dim)[0]
 

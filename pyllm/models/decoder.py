@@ -10,6 +10,28 @@ from __future__ import annotations
 import weakref
 
 import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, D] f32; w: [D]. Computed in float32 like llama.cpp's ggml_rms_norm."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str, rope_dim: int) -> torch.Tensor:
+    """x: [T, H, hd]; cos/sin: [T, rope_dim/2]. Rotates the first rope_dim dims of each head."""
+    c, s = cos[:, None, :], sin[:, None, :]
+    xr = x[..., :rope_dim]
+    if style == "neox":
+        half = rope_dim // 2
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    else:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    if rope_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rope_dim:]), dim=-1)
 
 
 class Decoder:
@@ -26,6 +48,28 @@ class Decoder:
         # kv -> (its key storage when the step was built, the step or None): one per cache, so the server's slots
         # each keep theirs; a cache that reallocates its storage gets a new step.
         self._fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # The per-row operations of a forward: the backend's kernel where it has one (CPU: the decode step's own row
+    # code over T rows, csrc/cpu/decode_step.cpp; its methods return None for input they do not take), else torch.
+    def norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x [..., D] with weights w [D]."""
+        kernel = getattr(self.backend, "rms_norm", None)
+        out = kernel(x, w, eps) if kernel is not None else None
+        return out if out is not None else rms_norm(x, w, eps)
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str, rope_dim: int) -> torch.Tensor:
+        """x [T, H, hd] rotated by cos/sin [T, rope_dim/2] (apply_rope); a kernel may rotate x in place."""
+        kernel = getattr(self.backend, "rope", None)
+        out = kernel(x, cos, sin, style, rope_dim) if kernel is not None else None
+        return out if out is not None else apply_rope(x, cos, sin, style, rope_dim)
+
+    def glu(self, g: torch.Tensor, u: torch.Tensor, gelu_tanh: bool = False) -> torch.Tensor:
+        """act(g) * u, act SiLU or the tanh-approximated GELU; a kernel may write it into g."""
+        kernel = getattr(self.backend, "glu", None)
+        out = kernel(g, u, gelu_tanh) if kernel is not None else None
+        if out is None:
+            out = (F.gelu(g, approximate="tanh") if gelu_tanh else F.silu(g)) * u
+        return out
 
     def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                          attention) -> torch.Tensor:

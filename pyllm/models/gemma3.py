@@ -17,12 +17,11 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ModelError
 from .config import ModelConfig
 from .decoder import Decoder
-from .llama import apply_rope, attention, rms_norm, rope_tables
+from .llama import attention, rope_tables
 
 
 class Gemma3Model(Decoder):
@@ -84,14 +83,14 @@ class Gemma3Model(Decoder):
             p = f"blk.{i}."
             glob = self.is_global[i]
             cos, sin = self.rope_global if glob else self.rope_local
-            h = rms_norm(x, vec[p + "attn_norm.weight"], eps)
+            h = self.norm(x, vec[p + "attn_norm.weight"], eps)
             q = lin(h, w[p + "attn_q.weight"]).view(t, cfg.n_head, cfg.head_dim)
             k = lin(h, w[p + "attn_k.weight"]).view(t, cfg.n_kv_head, cfg.head_dim)
             v = lin(h, w[p + "attn_v.weight"]).view(t, cfg.n_kv_head, cfg.head_dim)
-            q = rms_norm(q, vec[p + "attn_q_norm.weight"], eps)
-            k = rms_norm(k, vec[p + "attn_k_norm.weight"], eps)
-            q = apply_rope(q, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
-            k = apply_rope(k, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
+            q = self.norm(q, vec[p + "attn_q_norm.weight"], eps)
+            k = self.norm(k, vec[p + "attn_k_norm.weight"], eps)
+            q = self.rope(q, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
+            k = self.rope(k, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
             window = 0 if glob else int(self.window or 0)
             attn = functools.partial(attention, start_pos=start_pos, scale=self.scale, window=window)
@@ -101,15 +100,15 @@ class Gemma3Model(Decoder):
             else:
                 a = kv.attend(i, q, start_pos, attn)  # quantized/rotated caches attend in their own storage
             a = lin(a, w[p + "attn_output.weight"])
-            x = x + rms_norm(a, vec[p + "post_attention_norm.weight"], eps)
-            h = rms_norm(x, vec[p + "ffn_norm.weight"], eps)
+            x = x + self.norm(a, vec[p + "post_attention_norm.weight"], eps)
+            h = self.norm(x, vec[p + "ffn_norm.weight"], eps)
             g = lin(h, w[p + "ffn_gate.weight"])
             u = lin(h, w[p + "ffn_up.weight"])
-            m = lin(F.gelu(g, approximate="tanh") * u, w[p + "ffn_down.weight"])
-            x = x + rms_norm(m, vec[p + "post_ffw_norm.weight"], eps)
+            m = lin(self.glu(g, u, gelu_tanh=True), w[p + "ffn_down.weight"])
+            x = x + self.norm(m, vec[p + "post_ffw_norm.weight"], eps)
         if not all_logits:
             x = x[-1:]
-        x = rms_norm(x, vec["output_norm.weight"], eps)
+        x = self.norm(x, vec["output_norm.weight"], eps)
         logits = self.output_linear(x, self.output)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

@@ -21,11 +21,6 @@ from .decoder import Decoder
 Linear = Callable[[torch.Tensor, object], torch.Tensor]  # (x [T, K] f32, QTensor [N, K]) -> [T, N] f32
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [T, D] f32; w: [D]. Computed in float32 like llama.cpp's ggml_rms_norm."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-
 def rope_tables(cfg: ModelConfig, n_pos: int, base: float | None = None,
                 freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [n_pos, rope_dim/2] float32. freq_factors (llama3 rope_freqs) divide the frequencies."""
@@ -36,22 +31,6 @@ def rope_tables(cfg: ModelConfig, n_pos: int, base: float | None = None,
         inv = inv / freq_factors.double()[:half]
     ang = torch.arange(n_pos, dtype=torch.float64)[:, None] * inv[None, :]
     return ang.cos().float(), ang.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str, rope_dim: int) -> torch.Tensor:
-    """x: [T, H, hd]; cos/sin: [T, rope_dim/2]. Rotates the first rope_dim dims of each head."""
-    c, s = cos[:, None, :], sin[:, None, :]
-    xr = x[..., :rope_dim]
-    if style == "neox":
-        half = rope_dim // 2
-        x1, x2 = xr[..., :half], xr[..., half:]
-        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-    else:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-    if rope_dim == x.shape[-1]:
-        return out
-    return torch.cat((out, x[..., rope_dim:]), dim=-1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
@@ -120,7 +99,7 @@ class LlamaModel(Decoder):
         cos, sin = self.cos[start_pos:start_pos + t], self.sin[start_pos:start_pos + t]
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            h = rms_norm(x, vec[p + "attn_norm.weight"], cfg.rms_eps)
+            h = self.norm(x, vec[p + "attn_norm.weight"], cfg.rms_eps)
             q = lin(h, w[p + "attn_q.weight"])
             k = lin(h, w[p + "attn_k.weight"])
             v = lin(h, w[p + "attn_v.weight"])
@@ -132,10 +111,10 @@ class LlamaModel(Decoder):
             k = k.view(t, cfg.n_kv_head, cfg.head_dim)
             v = v.view(t, cfg.n_kv_head, cfg.head_dim)
             if cfg.qk_norm:
-                q = rms_norm(q, vec[p + "attn_q_norm.weight"], cfg.rms_eps)
-                k = rms_norm(k, vec[p + "attn_k_norm.weight"], cfg.rms_eps)
-            q = apply_rope(q, cos, sin, cfg.rope_style, cfg.rope_dim)
-            k = apply_rope(k, cos, sin, cfg.rope_style, cfg.rope_dim)
+                q = self.norm(q, vec[p + "attn_q_norm.weight"], cfg.rms_eps)
+                k = self.norm(k, vec[p + "attn_k_norm.weight"], cfg.rms_eps)
+            q = self.rope(q, cos, sin, cfg.rope_style, cfg.rope_dim)
+            k = self.rope(k, cos, sin, cfg.rope_style, cfg.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
             if start_pos == 0:
                 # A fresh prompt attends to its own keys in float32, not to their rounded cache copies.
@@ -145,11 +124,11 @@ class LlamaModel(Decoder):
                 a = kv.attend(i, q, start_pos, functools.partial(attention, start_pos=start_pos, scale=self.scale,
                                                                  window=cfg.sliding_window))
             x = x + lin(a, w[p + "attn_output.weight"])
-            h = rms_norm(x, vec[p + "ffn_norm.weight"], cfg.rms_eps)
+            h = self.norm(x, vec[p + "ffn_norm.weight"], cfg.rms_eps)
             g = lin(h, w[p + "ffn_gate.weight"])
             u = lin(h, w[p + "ffn_up.weight"])
-            x = x + lin(F.silu(g) * u, w[p + "ffn_down.weight"])
+            x = x + lin(self.glu(g, u), w[p + "ffn_down.weight"])
         if not all_logits:
             x = x[-1:]
-        x = rms_norm(x, vec["output_norm.weight"], cfg.rms_eps)
+        x = self.norm(x, vec["output_norm.weight"], cfg.rms_eps)
         return self.to_cpu(self.output_linear(x, self.output))

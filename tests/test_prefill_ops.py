@@ -1,4 +1,6 @@
-"""The prefill attention kernel (``pyllm._C.prompt_attention``, csrc/cpu/attention.cpp) against float64.
+"""The CPU backend's kernels for a forward's steps besides the matmuls, against float64 written out here.
+
+Attention (``pyllm._C.prompt_attention``, csrc/cpu/attention.cpp).
 
 Reference: the causal (optionally sliding-window) grouped-query softmax attention written out in float64 with
 torch.einsum on the same float32 inputs, fresh random ones each run (seed printed on failure).  Metric: max|out -
@@ -7,6 +9,10 @@ so its error is a few float32 ulps of the largest output: seen <= 1.3e-6 for T <
 float32 SDPA: <= 1.2e-6).  TOL = 1e-5 leaves 8x room, while a wrong mask, a key off by one, a missing scale or a
 softmax over the wrong keys moves outputs by 1e-2 or more.  Every kernel path this machine has runs: 'scalar'
 (plain loops) and the vector one that every SIMD ISA uses.
+
+Row operations (``rms_norm``, ``rope_``, ``glu_``: the decode step's row code, csrc/cpu/decode_step.cpp), against
+their formulas in float64 on the same float32 inputs; metric max|out - ref| / max|ref|, TOL_ROW = 1e-5 (float32
+arithmetic of a few operations per element, and an exp within 2 ulp: seen <= 3e-7).
 """
 
 import os
@@ -20,7 +26,7 @@ from pyllm import _ext
 from pyllm.errors import PyllmError
 
 SEED = int(os.environ.get("PYLLM_TEST_SEED") or time.time_ns() % 2**31)
-TOL = 1e-5
+TOL, TOL_ROW = 1e-5, 1e-5
 
 # (T, H, Hkv, head_dim, window): the fixtures' shapes (SmolLM2 9/3 x 64, Qwen2.5 14/2 x 64, Gemma 3 4/1 x 256
 # with its 512-key window), one query per KV head, head_dim 8 / 72 (the 8-wide tail panel) and 12 (not a
@@ -109,3 +115,61 @@ def test_prompt_attention_rejects_bad_arguments(C, bad, error, words):
     args.update(bad)
     with pytest.raises(error, match="prompt_attention: .*" + words.replace("[", r"\[").replace("]", r"\]")):
         C.prompt_attention(**args)
+
+
+@pytest.mark.parametrize("isa", ["scalar", "simd"])
+@pytest.mark.parametrize("n", [576, 64, 13])
+def test_rms_norm_matches_float64(C, isa, n):
+    C.set_isa(isa if isa == "scalar" else C.best_isa())
+    g = torch.Generator().manual_seed(zlib.crc32(repr((SEED, "rms", n)).encode()))
+    x, w = torch.randn(37, 3, n, generator=g) * 4, torch.randn(n, generator=g)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    err = rel_err(C.rms_norm(x, w, 1e-6), ref)
+    assert err < TOL_ROW, f"rms_norm n={n}: {err:.2e} (PYLLM_TEST_SEED={SEED})"
+
+
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("hd, rope_dim", [(64, 64), (96, 48), (256, 256)])
+def test_rope_matches_float64(C, neox, hd, rope_dim):
+    """Reference: each pair (x_a, x_b) of the first rope_dim dims as the complex number x_a + i x_b times
+    cos + i sin; pairs are (i, i + rope_dim/2) (neox) or (2i, 2i + 1); the other dims pass through."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((SEED, "rope", neox, hd)).encode()))
+    T, H, half = 29, 5, rope_dim // 2
+    x = torch.randn(T, H, hd, generator=g)
+    ang = torch.rand(T, half, generator=g) * 40
+    cos, sin = ang.cos(), ang.sin()
+    idx = torch.arange(half)
+    a, b = (idx, idx + half) if neox else (2 * idx, 2 * idx + 1)
+    ref = x.double().clone()
+    z = torch.complex(ref[..., a], ref[..., b]) * torch.complex(cos.double(), sin.double())[:, None, :]
+    ref[..., a], ref[..., b] = z.real, z.imag
+    out = C.rope_(x, cos, sin, rope_dim, neox)
+    assert out.data_ptr() == x.data_ptr()  # in place
+    err = rel_err(out, ref)
+    assert err < TOL_ROW, f"rope neox={neox} hd={hd}: {err:.2e} (PYLLM_TEST_SEED={SEED})"
+
+
+@pytest.mark.parametrize("isa", ["scalar", "simd"])
+@pytest.mark.parametrize("gelu_tanh", [False, True])
+def test_glu_matches_float64(C, isa, gelu_tanh):
+    C.set_isa(isa if isa == "scalar" else C.best_isa())
+    g = torch.Generator().manual_seed(zlib.crc32(repr((SEED, "glu", gelu_tanh)).encode()))
+    gate, up = torch.randn(21, 1539, generator=g) * 5, torch.randn(21, 1539, generator=g)  # 1539: a scalar tail
+    gd = gate.double()
+    act = (0.5 * gd * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gd + 0.044715 * gd ** 3))) if gelu_tanh
+           else gd * torch.sigmoid(gd))
+    err = rel_err(C.glu_(gate.clone(), up, gelu_tanh), act * up.double())
+    assert err < TOL_ROW, f"glu gelu_tanh={gelu_tanh}: {err:.2e} (PYLLM_TEST_SEED={SEED})"
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda C: C.rms_norm(torch.zeros(4, 8), torch.zeros(7), 1e-6), ValueError, "does not end in w's size"),
+    (lambda C: C.rms_norm(torch.zeros(4, 8, dtype=torch.float16), torch.zeros(8), 1e-6), TypeError, "x must be Float"),
+    (lambda C: C.rope_(torch.zeros(4, 2, 8), torch.zeros(4, 4), torch.zeros(4, 4), 10, True), ValueError, "rope_dim"),
+    (lambda C: C.rope_(torch.zeros(4, 2, 8), torch.zeros(3, 4), torch.zeros(3, 4), 8, True), ValueError, "must both be"),
+    (lambda C: C.glu_(torch.zeros(4, 8), torch.zeros(4, 9), False), ValueError, "one shape"),
+])
+def test_row_ops_reject_bad_arguments(C, call, error, words):
+    with pytest.raises(error, match=words):
+        call(C)
