@@ -117,8 +117,14 @@ def test_gemma3_quantized_kv_cache_cpp_matches_python(gemma3, kind):
     """Every cache kind (K and V apart) takes the C++ step too, sliding-window layers included (bf16: the torch
     path). Reference: the torch path's step from the same cache state (teacher-forced: every step starts from the
     torch path's cache, so both attend over the same stored rows and differ only in the new row's rounding and the
-    GEMVs' int8 activations); bound TOL as the f16 comparison's, 4-bit parts 1.5 TOL (the new row's own 4-bit
-    rounding)."""
+    GEMVs' int8 activations); bound TOL as the f16 comparison's for 8-bit caches.  With 4-bit keys or values the
+    bound is 4 TOL: such a cache moves Gemma 3's logits by 5-34% of the max logit from an f32 cache in either path
+    (torch path 5-24%, C++ step 4-34%, neither consistently closer; 3 prompts, free-running), and the two paths,
+    one rounding the query to int8 for the integer dot, differ at that scale too (teacher-forced: 3-24% over the
+    same prompts; the old 1.5 TOL held on this prompt only, and flipped with the prefill's last bits).  The
+    per-kind attention kernels are held to float64 in tests/test_decode_step.py; this test is about the step
+    taking every kind (rotation, centering, window) the way the torch path does, which a wrong one misses by far
+    more."""
     from pyllm.runtime.kv_cache import make_kv_cache
 
     model = gemma3.model
@@ -145,7 +151,7 @@ def test_gemma3_quantized_kv_cache_cpp_matches_python(gemma3, kind):
         model.window = saved_window
         model.use_cpp_decode = True
     lg_py, lg_c = torch.stack(lg_py), torch.stack(lg_c)
-    tol = TOL * (1.5 if "q4" in kind else 1.0)
+    tol = TOL * (4.0 if "q4" in kind else 1.0)
     torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=tol * float(lg_py.abs().max()))
 
 
