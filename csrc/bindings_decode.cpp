@@ -403,11 +403,11 @@ Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k
     return out;
 }
 
-// A fresh prompt's causal attention: q [T, H, hd], k / v [T, Hkv, hd] f32 (each row's heads contiguous; rows may
-// be further apart, as in a slice of a wider tensor) -> out [T, H * hd].  window > 0: each position sees only its
-// last `window` keys.
-Tensor prompt_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, int64_t window) {
-    const char* fn = "prompt_attention";
+// Causal attention of T new positions over S >= T keys (the last T of them the new positions'): q [T, H, hd],
+// k / v [S, Hkv, hd] f32, any row and head strides with each head's hd floats contiguous (a [Hkv, S, hd] cache
+// view transposed works) -> out [T, H * hd].  window > 0: each position sees only its last `window` keys.
+Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, double scale, int64_t window) {
+    const char* fn = "causal_attention";
     const Tensor* args[] = {&q, &k, &v};
     const char* names[] = {"q", "k", "v"};
     for (int i = 0; i < 3; ++i) {
@@ -417,22 +417,24 @@ Tensor prompt_attention(const Tensor& q, const Tensor& k, const Tensor& v, doubl
         TORCH_CHECK_VALUE(t.device().is_cpu(), fn, ": ", names[i], " is on ", t.device().str(),
                           " but the CPU kernels need CPU tensors");
         TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) >= 1 && t.size(1) >= 1 && t.size(2) >= 1, fn, ": ", names[i],
-                          " must be [T, heads, head_dim] with every size >= 1, got shape ", t.sizes());
-        TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(1) == t.size(2) && t.stride(0) >= t.size(1) * t.size(2), fn,
-                          ": ", names[i], " must hold each position's heads contiguously (shape ", t.sizes(),
-                          ", strides ", t.strides(), ")");
+                          " must be [positions, heads, head_dim] with every size >= 1, got shape ", t.sizes());
+        TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(0) >= 0 && t.stride(1) >= 0, fn, ": ", names[i],
+                          " must hold each head's values contiguously (shape ", t.sizes(), ", strides ", t.strides(),
+                          ")");
     }
-    const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), Hkv = k.size(1);
-    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && k.size(0) == T && k.size(2) == hd && H % Hkv == 0, fn,
-                      ": k ", k.sizes(), " and v ", v.sizes(), " do not fit q ", q.sizes(),
-                      " (need [T, Hkv, head_dim] with Hkv dividing the query heads)");
-    TORCH_CHECK_VALUE(T <= (1 << 24) && H * hd <= (1 << 24), fn, ": shape ", q.sizes(), " is too large");
+    const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), S = k.size(0), Hkv = k.size(1);
+    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && S >= T && k.size(2) == hd && H % Hkv == 0, fn, ": k ", k.sizes(),
+                      " and v ", v.sizes(), " do not fit q ", q.sizes(),
+                      " (need [S >= T, Hkv, head_dim] with Hkv dividing the query heads)");
+    TORCH_CHECK_VALUE(S <= (1 << 24) && H * hd <= (1 << 24), fn, ": shapes ", q.sizes(), " / ", k.sizes(),
+                      " are too large");
     TORCH_CHECK_VALUE(window >= 0 && window <= INT32_MAX, fn, ": window must be >= 0 (0: none), got ", window);
     TORCH_CHECK_VALUE(std::isfinite(scale), fn, ": scale must be finite, got ", scale);
     Tensor out = at::empty({T, H * hd}, q.options());
     pybind11::gil_scoped_release nogil;
-    pyllm::prompt_attention_cpu(q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0), v.data_ptr<float>(),
-                                v.stride(0), out.data_ptr<float>(), H * hd, static_cast<int>(T), static_cast<int>(H),
+    pyllm::causal_attention_cpu(q.data_ptr<float>(), q.stride(0), q.stride(1), k.data_ptr<float>(), k.stride(0),
+                                k.stride(1), v.data_ptr<float>(), v.stride(0), v.stride(1), out.data_ptr<float>(),
+                                H * hd, static_cast<int>(T), static_cast<int>(S), static_cast<int>(H),
                                 static_cast<int>(Hkv), static_cast<int>(hd), static_cast<float>(scale),
                                 static_cast<int>(window));
     return out;
@@ -537,9 +539,9 @@ void register_decode(py::module& m) {
     m.def("kv_attention", &kv_attention, "decode attention of q [H, hd] over KV rows k/v [Hkv, S, row] (tests)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_type"), py::arg("v_type"), py::arg("scale"),
           py::arg("scalar") = false);
-    m.def("prompt_attention", &prompt_attention,
-          "causal attention of T fresh positions over their own keys: q [T, H, hd], k/v [T, Hkv, hd] f32 -> "
-          "out [T, H*hd]; window > 0 limits each position to its last `window` keys",
+    m.def("causal_attention", &causal_attention,
+          "causal attention of T new positions over S >= T keys (the last T theirs): q [T, H, hd], k/v [S, Hkv, hd] "
+          "f32 -> out [T, H*hd]; window > 0 limits each position to its last `window` keys",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("window") = 0);
     m.def("rms_norm", &rms_norm, "x * rsqrt(mean(x^2, -1) + eps) * w, x f32 [..., n], w [n] (prefill's norms)",
           py::arg("x"), py::arg("w"), py::arg("eps"));

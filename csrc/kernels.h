@@ -110,14 +110,15 @@ void unpack_rows8_row(QType r8, const uint8_t* group, int K, int j, uint8_t* out
 // Sums n bytes as uint64 words with `threads` threads (a streaming read for measuring memory bandwidth).
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads);
 
-// ---- A fresh prompt's causal attention (csrc/cpu/attention.cpp) ----------------------------------------------
-// T positions 0..T-1 attending over their own keys in float32, grouped-query: query head h reads KV head
-// h / (H / Hkv); position i sees keys j with max(0, i - window + 1) <= j <= i (window 0: every j <= i).
-// out[i, h*hd + c] = sum_j softmax_j(scale * q[i, h, :] . k[j, g, :]) v[j, g, c].  q: T rows q_row floats apart,
-// each H heads of hd contiguous floats; k, v: T rows k_row / v_row apart, Hkv heads each; out: T rows out_row
-// apart.  Caller checked H % Hkv == 0 and that every row fits.
-void prompt_attention_cpu(const float* q, size_t q_row, const float* k, size_t k_row, const float* v, size_t v_row,
-                          float* out, size_t out_row, int T, int H, int Hkv, int hd, float scale, int window);
+// ---- Causal attention of T new positions (csrc/cpu/attention.cpp) ---------------------------------------------
+// Queries i < T at positions S - T + i over keys 0..S-1, float32, grouped-query: query head h reads KV head
+// h / (H / Hkv); position p sees keys j with max(0, p - window + 1) <= j <= p (window 0: every j <= p).
+// out[i, h*hd + c] = sum_j softmax_j(scale * q_i,h . k_j,g) v_j,g[c].  q_i,h at q + i q_row + h q_head, k_j,g at
+// k + j k_row + g k_head (likewise v), each hd contiguous floats; out: T rows out_row apart, heads contiguous.
+// Caller checked S >= T >= 1, H % Hkv == 0 and that every row fits.
+void causal_attention_cpu(const float* q, size_t q_row, size_t q_head, const float* k, size_t k_row, size_t k_head,
+                          const float* v, size_t v_row, size_t v_head, float* out, size_t out_row, int T, int S, int H,
+                          int Hkv, int hd, float scale, int window);
 // ---- One decode token for the llama family and Gemma 3 (csrc/cpu/decode_step.cpp) ------------------------------------
 struct DecodeWeight {
     const uint8_t* data = nullptr;  // N rows of row_bytes

@@ -80,15 +80,17 @@ def qmatmul_output(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch
     return qmatmul(x, w, out, precise_x=True)
 
 
-def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      window: int = 0) -> torch.Tensor | None:
-    """Causal attention of a fresh prompt over its own keys, float32: q [T, H, hd], k/v [T, Hkv, hd] -> [T, H*hd]
-    (window > 0: each position sees its last ``window`` keys).  None where the kernel cannot take them (no
-    extension, tensors not float32 on the CPU): the caller's torch attention runs then."""
+    """Causal attention of T new positions over S >= T keys, the last T of them theirs, float32: q [T, H, hd], k/v
+    [S, Hkv, hd] (any strides but the last) -> [T, H*hd] (window > 0: each position sees its last ``window`` keys).
+    None where the kernel cannot take them (no extension, tensors not float32 on the CPU): the caller's torch
+    attention runs then."""
     if not all(t.dtype == torch.float32 and t.device.type == "cpu" for t in (q, k, v)):
         return None
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     try:
-        return _C.prompt_attention(q.contiguous(), k.contiguous(), v.contiguous(), scale, window)
+        return _C.causal_attention(q, k, v, scale, window)
     except NotImplementedError:
         return None
 

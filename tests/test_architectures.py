@@ -53,16 +53,23 @@ def test_f16_logits_match_transformers(arch):
 @pytest.mark.parametrize("arch", tm.ARCHS)
 def test_fast_backend_prefill_matches_transformers(arch, monkeypatch):
     """The CPU backend's prefill, whose attention is its own kernel (csrc/cpu/attention.cpp; the second prompt runs
-    past Mistral's and Gemma 3's window of 8), against transformers on the f16 file: the same 1e-3 bound."""
+    past Mistral's and Gemma 3's window of 8), against transformers on the f16 file: the same 1e-3 bound.  Then in
+    chunks of 16 tokens: every chunk after the first attends over the (f32) cache, through the kernel too."""
     import pyllm
     from pyllm.backends.cpu import CpuBackend
 
     calls = []
-    kernel = CpuBackend.prompt_attention
-    monkeypatch.setattr(CpuBackend, "prompt_attention", staticmethod(lambda *a: calls.append(a[0].shape) or kernel(*a)))
+    kernel = CpuBackend.causal_attention
+    monkeypatch.setattr(CpuBackend, "causal_attention",
+                        staticmethod(lambda *a: calls.append((a[0].shape[0], a[1].shape[0])) or kernel(*a)))
     llm = pyllm.load(str(tm.gguf_path(arch, "f16")), backend="fast", n_ctx=256, kv_cache="f32")
-    assert_logits_match(llm, tm.hf_model(arch), f"{arch} fast f16")
-    assert calls and all(shape[0] > 1 for shape in calls), "the prefill did not go through the kernel"
+    hf = tm.hf_model(arch)
+    assert_logits_match(llm, hf, f"{arch} fast f16")
+    assert calls and all(t > 1 and s == t for t, s in calls), "the prefill did not go through the kernel"
+    calls.clear()
+    llm.generator.n_batch = 16
+    assert_logits_match(llm, hf, f"{arch} fast f16, 16-token chunks")
+    assert any(s > t > 1 for t, s in calls), "chunks after the first did not go through the kernel"
 
 
 @pytest.mark.parametrize("arch", tm.ARCHS)

@@ -1,6 +1,6 @@
 """The CPU backend's kernels for a forward's steps besides the matmuls, against float64 written out here.
 
-Attention (``pyllm._C.prompt_attention``, csrc/cpu/attention.cpp).
+Attention (``pyllm._C.causal_attention``, csrc/cpu/attention.cpp): T new positions over S >= T keys.
 
 Reference: the causal (optionally sliding-window) grouped-query softmax attention written out in float64 with
 torch.einsum on the same float32 inputs, fresh random ones each run (seed printed on failure).  Metric: max|out -
@@ -28,11 +28,14 @@ from pyllm.errors import PyllmError
 SEED = int(os.environ.get("PYLLM_TEST_SEED") or time.time_ns() % 2**31)
 TOL, TOL_ROW = 1e-5, 1e-5
 
-# (T, H, Hkv, head_dim, window): the fixtures' shapes (SmolLM2 9/3 x 64, Qwen2.5 14/2 x 64, Gemma 3 4/1 x 256
+# (T, S, H, Hkv, head_dim, window): the fixtures' shapes (SmolLM2 9/3 x 64, Qwen2.5 14/2 x 64, Gemma 3 4/1 x 256
 # with its 512-key window), one query per KV head, head_dim 8 / 72 (the 8-wide tail panel) and 12 (not a
-# multiple of 8: plain loops on every path), T = 1, T below and above a key tile, windows shorter than T.
-SHAPES = [(1, 9, 3, 64, 0), (7, 9, 3, 64, 0), (130, 9, 3, 64, 0), (97, 14, 2, 64, 0), (40, 4, 1, 256, 0),
-          (300, 4, 1, 256, 37), (64, 2, 2, 8, 5), (100, 8, 8, 72, 0), (50, 6, 3, 12, 0), (33, 4, 2, 16, 1)]
+# multiple of 8: plain loops on every path), T = 1, T below and above a key tile, windows shorter than T; S = T
+# (a fresh prompt) and S > T (a later chunk or chat turn over cached keys, one new position included).
+SHAPES = [(1, 1, 9, 3, 64, 0), (7, 7, 9, 3, 64, 0), (130, 130, 9, 3, 64, 0), (97, 97, 14, 2, 64, 0),
+          (40, 40, 4, 1, 256, 0), (300, 300, 4, 1, 256, 37), (64, 64, 2, 2, 8, 5), (100, 100, 8, 8, 72, 0),
+          (50, 50, 6, 3, 12, 0), (33, 33, 4, 2, 16, 1), (1, 77, 9, 3, 64, 0), (5, 40, 14, 2, 64, 0),
+          (33, 100, 4, 1, 256, 20), (70, 90, 6, 2, 72, 0), (9, 300, 9, 3, 64, 50)]
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +49,12 @@ def C():
 
 
 def attention_float64(q, k, v, scale, window):
+    """q [T, H, hd] at positions S - T.. over k / v [S, Hkv, hd]."""
     T, H, hd = q.shape
-    G = H // k.shape[1]
+    S, G = k.shape[0], H // k.shape[1]
     kd, vd = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
     s = torch.einsum("ihc,jhc->hij", q.double(), kd) * scale
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    i, j = torch.arange(S - T, S)[:, None], torch.arange(S)[None, :]
     seen = j <= i
     if window:
         seen &= j > i - window
@@ -60,10 +64,10 @@ def attention_float64(q, k, v, scale, window):
 
 def inputs(*key):
     g = torch.Generator().manual_seed(zlib.crc32(repr((SEED,) + key).encode()))
-    T, H, Hkv, hd, _ = key[-1]
+    T, S, H, Hkv, hd, _ = key[-1]
     # queries 3x the keys' size: sharper softmaxes, where a wrong mask shows most
-    return (torch.randn(T, H, hd, generator=g) * 3, torch.randn(T, Hkv, hd, generator=g),
-            torch.randn(T, Hkv, hd, generator=g))
+    return (torch.randn(T, H, hd, generator=g) * 3, torch.randn(S, Hkv, hd, generator=g),
+            torch.randn(S, Hkv, hd, generator=g))
 
 
 def rel_err(out, ref):
@@ -71,24 +75,25 @@ def rel_err(out, ref):
 
 
 @pytest.mark.parametrize("isa", ["scalar", "simd"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-H{}-Hkv{}-hd{}-w{}".format(*s))
-def test_prompt_attention_matches_float64(C, isa, shape):
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T{}-S{}-H{}-Hkv{}-hd{}-w{}".format(*s))
+def test_causal_attention_matches_float64(C, isa, shape):
     if isa == "simd":
         simd = [a for a in C.available_isas() if a != "scalar"]
         if not simd:
             pytest.skip("this CPU has no SIMD kernel path (only 'scalar' runs here)")
         isa = simd[-1]
     C.set_isa(isa)
-    T, H, Hkv, hd, window = shape
+    T, S, H, Hkv, hd, window = shape
     q, k, v = inputs(isa, shape)
     scale = hd ** -0.5
-    err = rel_err(C.prompt_attention(q, k, v, scale, window), attention_float64(q, k, v, scale, window))
+    err = rel_err(C.causal_attention(q, k, v, scale, window), attention_float64(q, k, v, scale, window))
     assert err < TOL, f"{isa} {shape}: max|out - ref| / max|ref| = {err:.2e} (PYLLM_TEST_SEED={SEED})"
 
 
-def test_prompt_attention_reads_rows_of_wider_tensors(C):
-    """q, k, v as column slices of one fused [T, (H + 2 Hkv) hd] projection (rows further apart than their heads):
-    the same bits as contiguous copies."""
+def test_causal_attention_reads_strided_layouts(C):
+    """q, k, v as column slices of one fused [T, (H + 2 Hkv) hd] projection (rows further apart than their heads),
+    and cached keys / values as a KV cache holds them, [Hkv, S, hd], transposed to [S, Hkv, hd]: the same bits as
+    contiguous copies."""
     T, H, Hkv, hd = 45, 6, 2, 64
     g = torch.Generator().manual_seed(SEED)
     qkv = torch.randn(T, (H + 2 * Hkv) * hd, generator=g)
@@ -96,25 +101,32 @@ def test_prompt_attention_reads_rows_of_wider_tensors(C):
     k = qkv[:, H * hd:(H + Hkv) * hd].view(T, Hkv, hd)
     v = qkv[:, (H + Hkv) * hd:].view(T, Hkv, hd)
     assert not q.is_contiguous()
-    out = C.prompt_attention(q, k, v, 0.125, 0)
-    assert torch.equal(out, C.prompt_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, 0))
+    out = C.causal_attention(q, k, v, 0.125, 0)
+    assert torch.equal(out, C.causal_attention(q.contiguous(), k.contiguous(), v.contiguous(), 0.125, 0))
     assert rel_err(out, attention_float64(q, k, v, 0.125, 0)) < TOL
+    kc, vc = torch.randn(Hkv, 80, hd, generator=g), torch.randn(Hkv, 80, hd, generator=g)
+    q2 = q.contiguous()[:7]
+    out = C.causal_attention(q2, kc.transpose(0, 1), vc.transpose(0, 1), 0.125, 0)
+    assert torch.equal(out, C.causal_attention(q2, kc.transpose(0, 1).contiguous(), vc.transpose(0, 1).contiguous(),
+                                               0.125, 0))
+    assert rel_err(out, attention_float64(q2, kc.transpose(0, 1), vc.transpose(0, 1), 0.125, 0)) < TOL
 
 
 @pytest.mark.parametrize("bad, error, words", [
     (dict(q=torch.zeros(4, 2, 8, dtype=torch.float64)), TypeError, "q must be float32"),
     (dict(k=torch.zeros(4, 3, 8)), ValueError, "do not fit q"),
     (dict(v=torch.zeros(5, 1, 8)), ValueError, "do not fit q"),
-    (dict(q=torch.zeros(4, 2)), ValueError, "q must be [T, heads, head_dim]"),
-    (dict(k=torch.zeros(4, 8, 1).transpose(1, 2)), ValueError, "contiguously"),
+    (dict(k=torch.zeros(3, 1, 8), v=torch.zeros(3, 1, 8)), ValueError, "do not fit q"),
+    (dict(q=torch.zeros(4, 2)), ValueError, "q must be [positions, heads, head_dim]"),
+    (dict(k=torch.zeros(4, 1, 16)[:, :, ::2]), ValueError, "contiguously"),
     (dict(window=-1), ValueError, "window must be >= 0"),
     (dict(scale=float("nan")), ValueError, "scale must be finite"),
 ])
-def test_prompt_attention_rejects_bad_arguments(C, bad, error, words):
+def test_causal_attention_rejects_bad_arguments(C, bad, error, words):
     args = dict(q=torch.zeros(4, 2, 8), k=torch.zeros(4, 1, 8), v=torch.zeros(4, 1, 8), scale=1.0, window=0)
     args.update(bad)
-    with pytest.raises(error, match="prompt_attention: .*" + words.replace("[", r"\[").replace("]", r"\]")):
-        C.prompt_attention(**args)
+    with pytest.raises(error, match="causal_attention: .*" + words.replace("[", r"\[").replace("]", r"\]")):
+        C.causal_attention(**args)
 
 
 @pytest.mark.parametrize("isa", ["scalar", "simd"])

@@ -3,7 +3,7 @@
     python tools/prefill_profile.py smollm2-135m gemma3-270m qwen2.5-coder-0.5b -t 2 -p 512 -r 6
     python tools/prefill_profile.py --attention -t 2          # the attention kernel alone vs torch's SDPA
 
-Per model, one process alternates -r times between the backend's kernels (prompt_attention, rms_norm, rope, glu)
+Per model, one process alternates -r times between the backend's kernels (causal_attention, rms_norm, rope, glu)
 and torch's forms of all four (the backend's methods answering None), on the same -p random tokens from an empty
 cache.  It prints the best and median pp t/s of each, and the time outside ``mul_mat`` (timed around every call),
 which is the part the kernels change and drifts less than the total on a shared machine.  --attention times one
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-KERNELS = ("prompt_attention", "rms_norm", "rope", "glu")
+KERNELS = ("causal_attention", "rms_norm", "rope", "glu")
 
 
 def profile_model(name: str, threads: int, n: int, rounds: int) -> str:
@@ -87,7 +87,7 @@ def profile_attention(threads: int) -> None:
         q, k, v = torch.randn(T, H, hd), torch.randn(T, Hkv, hd), torch.randn(T, Hkv, hd)
         mask = torch.ones(T, T, dtype=torch.bool).tril()
         scale = hd ** -0.5
-        ours = best(lambda: C.prompt_attention(q, k, v, scale, 0))
+        ours = best(lambda: C.causal_attention(q, k, v, scale, 0))
         theirs = best(lambda: F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                                              v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
                                                              enable_gqa=True))

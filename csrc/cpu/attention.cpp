@@ -583,39 +583,41 @@ void glu_avx2(bool gelu_tanh, float* g, const float* u, size_t n8) {
 }
 #endif
 
-// ---- a fresh prompt's causal attention ----------------------------------------------------------------------
-// One task is one KV head and a block of consecutive query positions; its rows are the block's positions times
-// the G query heads of the group, so every key and value row read serves all of them.  Per task:
-//   S = (scale Q) K^T over the keys the block can see, a softmax per row, O = P V,
+// ---- causal attention of new positions over their keys (prefill) ---------------------------------------------
+// T new positions (the last T of S keys: a fresh prompt has S = T, a later chunk or chat turn S > T).  One task
+// is one KV head and a block of consecutive queries; its rows are the block's positions times the G query heads
+// of the group, so every key and value row read serves all of them.  Per task:
+//   scores = (scale Q) K^T over the keys the block can see, a softmax per row, O = P V,
 // both products through one 6 x 16 register tile (12 fp32 accumulators; each vector of K^T or V feeds 6 rows).
 // Keys and values are packed once per KV head into panels 16 floats wide that the tile reads contiguously:
-// keys by 16 positions ([T/16][hd][16], a vector holds 8 keys of one dimension), values by 16 dimensions
-// ([hd/16][T][16]).  (Read in place, K^T rows T floats apart alias in L1 and the tile ran at a fifth of its
-// FMA rate.)  Key tiles
-// above a row tile's last position are never computed, so the work is the causal half (torch's SDPA with a mask
-// computes every score).  Masked scores inside computed tiles become exact zeros before O = P V.
+// keys by 16 positions ([S/16][hd][16], a vector holds 8 keys of one dimension), values by 16 dimensions
+// ([hd/16][S][16]).  (Read in place, K^T rows S floats apart alias in L1 and the tile ran at a fifth of its FMA
+// rate.)  Key tiles above a row tile's last position (or before its window) are never computed, so the work is
+// the causal part (torch's SDPA with a mask computes every score).  Masked scores inside computed tiles become
+// exact zeros before O = P V.
 
-struct PromptAttention {
+struct CausalAttention {
     const float *q, *k, *v;
-    size_t q_row, k_row, v_row;
+    size_t q_row, q_head, k_row, k_head, v_row, v_head;  // floats between positions / heads
     float* out;
     size_t out_row;
-    int T, H, Hkv, hd, window;
+    int T, S, H, Hkv, hd, window;
     float scale;
     int G() const { return H / Hkv; }
-    int first_key(int i) const { return window > 0 ? std::max(0, i - window + 1) : 0; }
+    int pos(int i) const { return S - T + i; }  // query row i's position
+    int first_key(int p) const { return window > 0 ? std::max(0, p - window + 1) : 0; }
 };
 
-// Rows of a block: row r is position i0 + r / G, query head g * G + r % G.
-void prompt_attention_rows_scalar(const PromptAttention& a, int g, int i0, int i1, float* sc) {
+// Rows of a block: row r is query i0 + r / G, query head g * G + r % G.
+void causal_attention_rows_scalar(const CausalAttention& a, int g, int i0, int i1, float* sc) {
     const int G = a.G(), hd = a.hd;
     for (int i = i0; i < i1; ++i)
         for (int hh = 0; hh < G; ++hh) {
-            const int h = g * G + hh, j0 = a.first_key(i), n = i - j0 + 1;
-            const float* q = a.q + i * a.q_row + static_cast<size_t>(h) * hd;
+            const int h = g * G + hh, p = a.pos(i), j0 = a.first_key(p), n = p - j0 + 1;
+            const float* q = a.q + i * a.q_row + h * a.q_head;
             float mx = -INFINITY;
             for (int j = 0; j < n; ++j) {
-                const float* k = a.k + (j0 + j) * a.k_row + static_cast<size_t>(g) * hd;
+                const float* k = a.k + (j0 + j) * a.k_row + g * a.k_head;
                 float s = 0.f;
                 for (int c = 0; c < hd; ++c) s += q[c] * k[c];
                 sc[j] = s * a.scale;
@@ -626,9 +628,9 @@ void prompt_attention_rows_scalar(const PromptAttention& a, int g, int i0, int i
             float* o = a.out + i * a.out_row + static_cast<size_t>(h) * hd;
             std::fill(o, o + hd, 0.f);
             for (int j = 0; j < n; ++j) {
-                const float* v = a.v + (j0 + j) * a.v_row + static_cast<size_t>(g) * hd;
-                const float p = sc[j] / sum;
-                for (int c = 0; c < hd; ++c) o[c] += p * v[c];
+                const float* v = a.v + (j0 + j) * a.v_row + g * a.v_head;
+                const float p_j = sc[j] / sum;
+                for (int c = 0; c < hd; ++c) o[c] += p_j * v[c];
             }
         }
 }
@@ -713,20 +715,20 @@ constexpr int TILE_ROWS = 6, KEY_TILE = 16;
 
 // kp: KV head g's keys, [tp / 16][hd][16] (zero past T); vp: its values, [hd / 16][tp][16] (then [tp][8] if
 // hd % 16 == 8).  Scratch: qs rows x hd floats, sc rows x (i1 - key base, rounded up to KEY_TILE, + 8), inv rows.
-void prompt_attention_rows_avx2(const PromptAttention& a, int i0, int i1, const float* kp, const float* vp, int tp,
+void causal_attention_rows_avx2(const CausalAttention& a, int i0, int i1, const float* kp, const float* vp, int tp,
                                 int g, float* qs, float* sc, float* inv) {
-    const int G = a.G(), hd = a.hd, rows = (i1 - i0) * G;
-    const int kb = a.first_key(i0) & ~(KEY_TILE - 1);  // key of column 0 of sc
+    const int G = a.G(), hd = a.hd, rows = (i1 - i0) * G, p0 = a.pos(i0);  // row r: position p0 + r / G
+    const int kb = a.first_key(p0) & ~(KEY_TILE - 1);  // key of column 0 of sc
     // + 8: softmax_unnormalized stores whole vectors, up to 7 floats past a row's last key
-    const int ld = ((i1 - kb + KEY_TILE - 1) & ~(KEY_TILE - 1)) + 8;
+    const int ld = ((p0 + i1 - i0 - kb + KEY_TILE - 1) & ~(KEY_TILE - 1)) + 8;
     const __m256 vscale = _mm256_set1_ps(a.scale);
     for (int r = 0; r < rows; ++r) {
-        const float* q = a.q + (i0 + r / G) * a.q_row + static_cast<size_t>(g * G + r % G) * hd;
+        const float* q = a.q + (i0 + r / G) * a.q_row + (g * G + r % G) * a.q_head;
         for (int c = 0; c < hd; c += 8) _mm256_storeu_ps(qs + r * hd + c, _mm256_mul_ps(vscale, _mm256_loadu_ps(q + c)));
     }
     for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
         const int nr = std::min(TILE_ROWS, rows - r0);
-        const int lo = (a.first_key(i0 + r0 / G) - kb) & ~(KEY_TILE - 1), hi = i0 + (r0 + nr - 1) / G - kb + 1;
+        const int lo = (a.first_key(p0 + r0 / G) - kb) & ~(KEY_TILE - 1), hi = p0 + (r0 + nr - 1) / G - kb + 1;
         for (int j = lo; j < hi; j += KEY_TILE)
             tile_product_rows<2>(nr, hd, qs + r0 * hd, hd, kp + static_cast<size_t>(kb + j) * hd, 16,
                                  sc + r0 * ld + j, ld);
@@ -735,9 +737,9 @@ void prompt_attention_rows_avx2(const PromptAttention& a, int i0, int i1, const 
     // which goes into qs (the scaled queries are no longer needed), then divided by the row's sum on the way out.
     for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
         const int nr = std::min(TILE_ROWS, rows - r0);
-        const int lo = a.first_key(i0 + r0 / G) - kb, hi = i0 + (r0 + nr - 1) / G - kb + 1;
+        const int lo = a.first_key(p0 + r0 / G) - kb, hi = p0 + (r0 + nr - 1) / G - kb + 1;
         for (int r = r0; r < r0 + nr; ++r) {
-            const int i = i0 + r / G, j0 = a.first_key(i) - kb, j1 = i - kb + 1;
+            const int p = p0 + r / G, j0 = a.first_key(p) - kb, j1 = p - kb + 1;
             float* s = sc + r * ld;
             std::fill(s + lo, s + j0, 0.f);
             inv[r] = 1.0f / softmax_unnormalized(s + j0, j1 - j0);
@@ -881,13 +883,15 @@ void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType v
                               sc + g * sc_stride, o + g * o_stride, lse ? lse + g : nullptr);
 }
 
-void prompt_attention_cpu(const float* q, size_t q_row, const float* k, size_t k_row, const float* v, size_t v_row,
-                          float* out, size_t out_row, int T, int H, int Hkv, int hd, float scale, int window) {
-    const PromptAttention a{q, k, v, q_row, k_row, v_row, out, out_row, T, H, Hkv, hd, window, scale};
+void causal_attention_cpu(const float* q, size_t q_row, size_t q_head, const float* k, size_t k_row, size_t k_head,
+                          const float* v, size_t v_row, size_t v_head, float* out, size_t out_row, int T, int S, int H,
+                          int Hkv, int hd, float scale, int window) {
+    const CausalAttention a{q, k, v, q_row, q_head, k_row, k_head, v_row, v_head, out, out_row, T, S, H, Hkv, hd,
+                            window, scale};
     const int G = H / Hkv, nt = std::max(1, cpu_get_num_threads());
-    const int tp = (T + 15) & ~15;
-    // Positions per task: their score rows (block * G rows of up to tp keys) stay within ~96 KB of L2 beside the
-    // keys and values, and there are at least 4 tasks per thread where the prompt is long enough to split.
+    const int tp = (S + 15) & ~15;
+    // Queries per task: their score rows (block * G rows of up to tp keys) stay within ~96 KB of L2 beside the
+    // keys and values, and there are at least 4 tasks per thread where the queries are many enough to split.
     int block = std::clamp(24576 / (G * tp), 1, 64);
     block = std::min(block, std::max(1, T * Hkv / (4 * nt)));
     const int n_blocks = (T + block - 1) / block, n_tasks = n_blocks * Hkv;
@@ -900,15 +904,15 @@ void prompt_attention_cpu(const float* q, size_t q_row, const float* k, size_t k
         kp.resize(Hkv * head_floats);
         vp.resize(Hkv * head_floats);
         const int n_tiles = tp / 16;
-#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && T * Hkv * hd >= (1 << 15))
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1 && S * Hkv * hd >= (1 << 15))
         for (int gt = 0; gt < Hkv * n_tiles; ++gt) {
             const int g = gt / n_tiles, j0 = gt % n_tiles * 16;
             float* kd = kp.data() + g * head_floats + static_cast<size_t>(j0) * hd;  // [hd][16]
             float* vd = vp.data() + g * head_floats;
             for (int j = j0; j < j0 + 16; ++j) {
-                const float* ks = k + std::min(j, T - 1) * k_row + static_cast<size_t>(g) * hd;
-                const float* vs = v + std::min(j, T - 1) * v_row + static_cast<size_t>(g) * hd;
-                const bool pad = j >= T;  // zero keys and values past the prompt (never weighted: masked)
+                const float* ks = k + std::min(j, S - 1) * k_row + g * k_head;
+                const float* vs = v + std::min(j, S - 1) * v_row + g * v_head;
+                const bool pad = j >= S;  // zero keys and values past the last one (never weighted: masked)
                 for (int c = 0; c < hd; ++c) kd[c * 16 + (j - j0)] = pad ? 0.f : ks[c];
                 int c = 0;
                 for (; c + 16 <= hd; c += 16)
@@ -928,17 +932,17 @@ void prompt_attention_cpu(const float* q, size_t q_row, const float* k, size_t k
             const int i0 = b * block, i1 = std::min(T, i0 + block);
 #if PYLLM_KV_AVX2
             if (simd) {
-                const int rows = (i1 - i0) * G, kb = a.first_key(i0) & ~15;
+                const int rows = (i1 - i0) * G, kb = a.first_key(a.pos(i0)) & ~15;
                 qs.resize(static_cast<size_t>(rows) * hd);
-                sc.resize(static_cast<size_t>(rows) * (((i1 - kb + 15) & ~15) + 8));
+                sc.resize(static_cast<size_t>(rows) * (((a.pos(i1 - 1) + 1 - kb + 15) & ~15) + 8));
                 inv.resize(rows);
-                prompt_attention_rows_avx2(a, i0, i1, kp.data() + g * head_floats, vp.data() + g * head_floats, tp, g,
+                causal_attention_rows_avx2(a, i0, i1, kp.data() + g * head_floats, vp.data() + g * head_floats, tp, g,
                                            qs.data(), sc.data(), inv.data());
                 continue;
             }
 #endif
-            sc.resize(static_cast<size_t>(T));
-            prompt_attention_rows_scalar(a, g, i0, i1, sc.data());
+            sc.resize(static_cast<size_t>(S));
+            causal_attention_rows_scalar(a, g, i0, i1, sc.data());
         }
     }
     (void)simd;

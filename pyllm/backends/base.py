@@ -64,8 +64,8 @@ class Backend(Protocol):
 
     # Optional kernels for a forward's other steps (models/decoder.py), each returning None for input it does not
     # take; a backend without one, or returning None, gets the model's torch form:
-    #   prompt_attention(q [T, H, hd], k [T, Hkv, hd], v, scale, window) -> [T, H*hd]: a fresh prompt's causal
-    #     attention over its own keys;
+    #   causal_attention(q [T, H, hd], k [S, Hkv, hd], v, scale, window) -> [T, H*hd]: T new positions'
+    #     causal attention over S >= T keys, the last T theirs;
     #   rms_norm(x [..., D], w [D], eps) -> same shape; rope(x [T, H, hd], cos, sin [T, rope_dim/2], style,
     #     rope_dim) -> x rotated (possibly in place); glu(g, u, gelu_tanh) -> act(g) * u (possibly into g).
 

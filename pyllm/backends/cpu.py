@@ -81,9 +81,9 @@ class CpuBackend:
         self._repack_fits = True  # prepare_weights: whether the copies fit in memory
 
     @staticmethod
-    def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+    def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          window: int) -> torch.Tensor | None:
-        return ops.prompt_attention(q, k, v, scale, window)
+        return ops.causal_attention(q, k, v, scale, window)
 
     # Prefill's row operations (models/decoder.py Decoder.norm / rope / glu): the decode step's row code.
     @staticmethod

@@ -71,16 +71,20 @@ class Decoder:
             out = (F.gelu(g, approximate="tanh") if gelu_tanh else F.silu(g)) * u
         return out
 
-    def prompt_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                          attention) -> torch.Tensor:
-        """Causal attention of a fresh prompt (positions 0..T-1) over its own float32 keys: q [T, H, hd], k / v
-        [T, Hkv, hd] -> [T, H*hd].  The backend's kernel where it has one (CPU: csrc/cpu/attention.cpp, the causal
-        half only), else ``attention``, the model's torch form (q, k [Hkv, S, hd], v, start_pos, scale, window)."""
-        kernel = getattr(self.backend, "prompt_attention", None)
+        """Causal attention of T new positions over S >= T keys, the last T theirs: q [T, H, hd], k / v [S, Hkv, hd]
+        -> [T, H*hd].  The backend's kernel where it has one (CPU: csrc/cpu/attention.cpp, only the tiles a row
+        can see), else ``attention``, the model's torch form (q, k [Hkv, S, hd], v, start_pos, scale, window)."""
+        kernel = getattr(self.backend, "causal_attention", None)
         out = kernel(q, k, v, scale, window) if kernel is not None else None
         if out is None:
-            out = attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, scale, window)
+            out = attention(q, k.transpose(0, 1), v.transpose(0, 1), k.shape[0] - q.shape[0], scale, window)
         return out
+
+    def cache_attention(self, scale: float, window: int, attention):
+        """causal_attention in the form a KV cache's ``attend`` calls: (q [T, H, hd], k / v [Hkv, S, hd])."""
+        return lambda q, k, v: self.causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale, window, attention)
 
     @staticmethod
     def arrange_weights(cfg, weights: dict) -> dict:

@@ -13,7 +13,6 @@ Differences from LlamaModel (each checked against transformers' Gemma3ForCausalL
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -93,12 +92,11 @@ class Gemma3Model(Decoder):
             k = self.rope(k, cos[sl], sin[sl], cfg.rope_style, cfg.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
             window = 0 if glob else int(self.window or 0)
-            attn = functools.partial(attention, start_pos=start_pos, scale=self.scale, window=window)
             if start_pos == 0:
                 # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
-                a = self.prompt_attention(q, k, v, self.scale, window, attention)
-            else:
-                a = kv.attend(i, q, start_pos, attn)  # quantized/rotated caches attend in their own storage
+                a = self.causal_attention(q, k, v, self.scale, window, attention)
+            else:  # quantized/rotated caches attend in their own storage
+                a = kv.attend(i, q, start_pos, self.cache_attention(self.scale, window, attention))
             a = lin(a, w[p + "attn_output.weight"])
             x = x + self.norm(a, vec[p + "post_attention_norm.weight"], eps)
             h = self.norm(x, vec[p + "ffn_norm.weight"], eps)

@@ -7,7 +7,6 @@ dequantize + matmul for prefill (pyllm/backends).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -118,11 +117,10 @@ class LlamaModel(Decoder):
             kv.update(i, start_pos, k, v, q=q)
             if start_pos == 0:
                 # A fresh prompt attends to its own keys in float32, not to their rounded cache copies.
-                a = self.prompt_attention(q, k, v, self.scale, cfg.sliding_window, attention)
+                a = self.causal_attention(q, k, v, self.scale, cfg.sliding_window, attention)
             else:
                 # The cache runs attention over its own storage (a rotated cache attends in its rotated basis).
-                a = kv.attend(i, q, start_pos, functools.partial(attention, start_pos=start_pos, scale=self.scale,
-                                                                 window=cfg.sliding_window))
+                a = kv.attend(i, q, start_pos, self.cache_attention(self.scale, cfg.sliding_window, attention))
             x = x + lin(a, w[p + "attn_output.weight"])
             h = self.norm(x, vec[p + "ffn_norm.weight"], cfg.rms_eps)
             g = lin(h, w[p + "ffn_gate.weight"])
