@@ -1,11 +1,12 @@
 """Where a prefill's time goes besides the matmuls, and what the CPU backend's prefill kernels save there.
 
     python tools/prefill_profile.py smollm2-135m gemma3-270m qwen2.5-coder-0.5b -t 2 -p 512 -r 6
+    python tools/prefill_profile.py smollm2-135m -p 512 -d 1024     # the same prompt after 1024 cached tokens
     python tools/prefill_profile.py --attention -t 2          # the attention kernel alone vs torch's SDPA
 
 Per model, one process alternates -r times between the backend's kernels (causal_attention, rms_norm, rope, glu)
-and torch's forms of all four (the backend's methods answering None), on the same -p random tokens from an empty
-cache.  It prints the best and median pp t/s of each, and the time outside ``mul_mat`` (timed around every call),
+and torch's forms of all four (the backend's methods answering None), on the same -p random tokens after -d
+cached ones (put in the cache untimed, in chunks of 512).  It prints the best and median pp t/s of each, and the time outside ``mul_mat`` (timed around every call),
 which is the part the kernels change and drifts less than the total on a shared machine.  --attention times one
 attention call per shape (best of 10) on random inputs: the kernel against torch's SDPA with the causal mask.
 """
@@ -21,7 +22,7 @@ import torch
 KERNELS = ("causal_attention", "rms_norm", "rope", "glu")
 
 
-def profile_model(name: str, threads: int, n: int, rounds: int) -> str:
+def profile_model(name: str, threads: int, n: int, rounds: int, depth: int = 0) -> str:
     import pyllm
     from pyllm import ops
     from pyllm.backends.cpu import CpuBackend
@@ -39,7 +40,7 @@ def profile_model(name: str, threads: int, n: int, rounds: int) -> str:
 
     g = llm.generator
     toks = torch.randint(0, min(1000, llm.model.cfg.n_vocab), (n,), generator=torch.Generator().manual_seed(0)).tolist()
-    g.n_batch = n
+    fill = torch.randint(0, min(1000, llm.model.cfg.n_vocab), (depth,), generator=torch.Generator().manual_seed(1)).tolist()
     res = {side: ([], []) for side in ("torch", "kernels")}
     C.mul_mat = timed_mul_mat
     try:
@@ -48,6 +49,10 @@ def profile_model(name: str, threads: int, n: int, rounds: int) -> str:
                 for k in KERNELS:
                     setattr(CpuBackend, k, saved[k] if side == "kernels" else staticmethod(lambda *a: None))
                 g.reset()
+                g.n_batch = 512
+                for i in range(0, depth, 512):
+                    g._forward(fill[i:i + 512])
+                g.n_batch = n
                 in_mm[0] = 0.0
                 t = time.perf_counter()
                 g._forward(toks)
@@ -99,6 +104,7 @@ def main() -> None:
     ap.add_argument("models", nargs="*")
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("-p", type=int, default=512, help="prompt tokens")
+    ap.add_argument("-d", type=int, default=0, help="tokens already cached before the timed prompt")
     ap.add_argument("-r", type=int, default=6, help="rounds (each runs both sides)")
     ap.add_argument("--attention", action="store_true", help="time the attention kernel alone")
     a = ap.parse_args()
@@ -108,7 +114,7 @@ def main() -> None:
         print("| model | outside mul_mat, torch | with the kernels | pp t/s torch (best / median) | with the kernels |")
         print("|---|---:|---:|---:|---:|")
         for m in a.models:
-            print(profile_model(m, a.threads, a.p, a.r), flush=True)
+            print(profile_model(m, a.threads, a.p, a.r, a.d), flush=True)
 
 
 if __name__ == "__main__":
