@@ -46,6 +46,7 @@ CPU_SOURCES = [
     "cpu/gemm_amx.cpp",
     "cpu/decode_step.cpp",
     "cpu/attention.cpp",
+    "cpu/causal_attention.cpp",
 ]
 # CUDA files (.cu, and cuda/bindings_cuda.cpp which defines pyllm::register_cuda) go here; they are compiled
 # only when torch has CUDA (torch.version.cuda) and nvcc exists, with -DPYLLM_CUDA defined for every file so
