@@ -110,7 +110,7 @@ void unpack_rows8_row(QType r8, const uint8_t* group, int K, int j, uint8_t* out
 // Sums n bytes as uint64 words with `threads` threads (a streaming read for measuring memory bandwidth).
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads);
 
-// ---- Causal attention of T new positions (csrc/cpu/attention.cpp) ---------------------------------------------
+// ---- Causal attention of T new positions (csrc/cpu/causal_attention.cpp) ------------------------------------
 // Queries i < T at positions S - T + i over keys 0..S-1, float32, grouped-query: query head h reads KV head
 // h / (H / Hkv); position p sees keys j with max(0, p - window + 1) <= j <= p (window 0: every j <= p).
 // out[i, h*hd + c] = sum_j softmax_j(scale * q_i,h . k_j,g) v_j,g[c].  q_i,h at q + i q_row + h q_head, k_j,g at

@@ -52,9 +52,10 @@ def test_f16_logits_match_transformers(arch):
 
 @pytest.mark.parametrize("arch", tm.ARCHS)
 def test_fast_backend_prefill_matches_transformers(arch, monkeypatch):
-    """The CPU backend's prefill, whose attention is its own kernel (csrc/cpu/attention.cpp; the second prompt runs
-    past Mistral's and Gemma 3's window of 8), against transformers on the f16 file: the same 1e-3 bound.  Then in
-    chunks of 16 tokens: every chunk after the first attends over the (f32) cache, through the kernel too."""
+    """The CPU backend's prefill, whose attention is its own kernel (csrc/cpu/causal_attention.cpp; the second
+    prompt runs past Mistral's and Gemma 3's window of 8), against transformers on the f16 file: the same 1e-3
+    bound.  Then in chunks of 16 tokens: every chunk after the first attends over the (f32) cache, through the
+    kernel too."""
     import pyllm
     from pyllm.backends.cpu import CpuBackend
 

@@ -1,6 +1,6 @@
 """The CPU backend's kernels for a forward's steps besides the matmuls, against float64 written out here.
 
-Attention (``pyllm._C.causal_attention``, csrc/cpu/attention.cpp): T new positions over S >= T keys.
+Attention (``pyllm._C.causal_attention``, csrc/cpu/causal_attention.cpp): T new positions over S >= T keys.
 
 Reference: the causal (optionally sliding-window) grouped-query softmax attention written out in float64 with
 torch.einsum on the same float32 inputs, fresh random ones each run (seed printed on failure).  Metric: max|out -

@@ -74,7 +74,7 @@ class Decoder:
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                          attention) -> torch.Tensor:
         """Causal attention of T new positions over S >= T keys, the last T theirs: q [T, H, hd], k / v [S, Hkv, hd]
-        -> [T, H*hd].  The backend's kernel where it has one (CPU: csrc/cpu/attention.cpp, only the tiles a row
+        -> [T, H*hd].  The backend's kernel where it has one (CPU: csrc/cpu/causal_attention.cpp, only the tiles a row
         can see), else ``attention``, the model's torch form (q, k [Hkv, S, hd], v, start_pos, scale, window)."""
         kernel = getattr(self.backend, "causal_attention", None)
         out = kernel(q, k, v, scale, window) if kernel is not None else None
