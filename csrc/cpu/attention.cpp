@@ -117,7 +117,7 @@ void axpy_row_scalar(KVType t, const uint8_t* row, float p, float* o, int hd) {
 
 #if PYLLM_KV_AVX2
 using kv_avx2::exp256;
-using kv_avx2::hsum8;
+using kv_avx2::hsum;
 // a[0..7] -> (sum a[0], ..., sum a[7])
 KV_INLINE __m256 hsum8x8(const __m256* a) {
     const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -413,7 +413,7 @@ void softmax_avx2(float* sc, size_t sc_stride, int G, int n, float* lse) {
             _mm256_storeu_ps(sg + j, e);
             vs = _mm256_add_ps(vs, e);
         }
-        float sum = hsum8(vs);
+        float sum = hsum(vs);
         for (int j = n8; j < n; ++j) {
             sg[j] = std::exp(sg[j] - mx);
             sum += sg[j];

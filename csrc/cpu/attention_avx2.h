@@ -6,17 +6,15 @@
 #define PYLLM_KV_AVX2 1
 #include <immintrin.h>
 
+#include "avx2_util.h"
+
 #define KV_INLINE inline __attribute__((always_inline))
 
 namespace pyllm {
 namespace kv_avx2 {
 
-KV_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+using cpu::avx2::hsum;  // avx2_util.h: the 8 lanes' sum
+
 // e^x for x <= 0 (softmax arguments): Cephes' expf (range reduction by ln 2 in two parts, degree-5 polynomial),
 // within 2 ulp of expf on [-87, 0]; below -87 the result is e^-87 (~1.6e-38), as good as 0 next to the max's 1.
 KV_INLINE __m256 exp256(__m256 x) {

@@ -16,7 +16,7 @@ namespace {
 
 #if PYLLM_KV_AVX2
 using kv_avx2::exp256;
-using kv_avx2::hsum8;
+using kv_avx2::hsum;
 #endif
 
 // ---- causal attention of new positions over their keys (prefill) ---------------------------------------------
@@ -144,7 +144,7 @@ KV_INLINE float softmax_unnormalized(float* s, int n) {
         _mm256_storeu_ps(s + n8, e);
         vs = _mm256_add_ps(vs, e);
     }
-    return hsum8(vs);
+    return hsum(vs);
 }
 
 constexpr int TILE_ROWS = 6, KEY_TILE = 16;
