@@ -205,11 +205,14 @@ struct DecodeModel {
     const float *cos2 = nullptr, *sin2 = nullptr;  // second table (layers with rope == 1), same shape, or nullptr
     KVPart k_cache, v_cache;  // rows (n_layer, n_kv_head, max_seq) of any KVType each
 };
+// A decode row's stored keys are attended in up to this many parts, merged by their log-sum-exps.
+constexpr int KEY_PARTS_MAX = 4;
 // Per-model scratch, allocated once (resize) so a step allocates nothing.
 struct DecodeScratch {
     // x, h, q, k, v, att, g, u: GEMV_MAX_M rows each (decode_steps_cpu); tmp: [n_head * 2 * head_dim] (rotations)
     std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;
-    std::vector<float> sink;  // [n_head * (head_dim + 2)]: the sink row's output and the two log-sum-exps per head
+    std::vector<float> sink;  // [n_head * (head_dim + 3)] per slot: the sink row's output, log-sum-exps, scratch
+    std::vector<float> part_o, part_lse;  // a long row's key parts: outputs and log-sum-exps (decode_step.cpp)
     void resize(const DecodeModel& m);
 };
 // Where the decode steps' time goes (tools/decode_profile.py): every decode_*_cpu call adds to it while `on`

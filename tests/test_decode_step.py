@@ -124,6 +124,55 @@ def test_tiny_qwen2_with_bias(tiny_qwen2, monkeypatch, window, dtype):
     _compare(model, [5, 17, 42, 99, 7, 3, 250], n=16, dtype=dtype, n_ctx=64, tol=tiny_qwen2.tol)
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen2_long(tmp_path_factory):
+    from pyllm.quant import GGMLType
+    from pyllm.synthetic import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path_factory.mktemp("qwen2-long") / "tiny-qwen2.gguf", arch="qwen2", n_layer=2,
+                            n_embd=128, n_ff=256, n_head=4, n_kv_head=2, n_vocab=320, n_ctx=1280, seed=5,
+                            qtype=GGMLType.F32)
+    return pyllm.load(str(path), n_ctx=1280)
+
+
+@pytest.mark.parametrize("depth,window", [(1100, 0), (700, 0), (1100, 600)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_long_rows_attend_in_key_parts_as_the_torch_path(tiny_qwen2_long, monkeypatch, depth, window, dtype):
+    """Past 512 keys the C++ step attends to a row's keys in 2-4 parts on their own, merged by their log-sum-exps
+    (4 parts at 1100 keys, 2 at 700 and in a 600-key window that no longer starts at key 0).  Reference: the torch
+    path's one softmax over all keys, with float weights: within _compare's 2e-4 of the max logit, as at short
+    depths (a part left out or weighted wrongly moves logits by far more)."""
+    model = tiny_qwen2_long.model
+    monkeypatch.setattr(model.cfg, "sliding_window", window)
+    prompt = torch.randint(0, 320, (depth,), generator=torch.Generator().manual_seed(depth)).tolist()
+    _compare(model, prompt, n=8, dtype=dtype, n_ctx=1280, tol=2e-4)
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_rot"])
+def test_long_rows_over_a_quantized_cache(tiny_qwen2_long, kind):
+    """Key parts with the exact sink row (every block kind keeps position 0 in float32) and, for q4_rot, the
+    rotations: the C++ step against the torch path over the same stored rows, 1100 keys.  They differ only by the
+    query's rounding for integer keys: int16 steps for q8_0 keys (measured 4e-6 of the max logit; bound 1e-4),
+    int8 ones for q4_0 keys (1.3e-3; bound 0.01).  Merging the parts with equal weights moves logits by more."""
+    from pyllm.runtime.kv_cache import make_kv_cache
+
+    model = tiny_qwen2_long.model
+    c = model.cfg
+    prompt = torch.randint(0, 320, (1100,), generator=torch.Generator().manual_seed(11))
+    kv = make_kv_cache(kind, c.n_layer, c.n_kv_head, 1280, c.head_dim)
+    tok = int(model.forward(prompt, 0, kv)[-1].argmax())
+    assert model.fused_step(kv) is not None, "the C++ step must apply to this cache"
+    out = {}
+    for cpp in (False, True):
+        model.use_cpp_decode = cpp
+        try:
+            out[cpp] = model.forward(torch.tensor([tok]), 1100, kv)[0]
+        finally:
+            model.use_cpp_decode = True
+    err = float((out[True] - out[False]).abs().max() / out[False].abs().max())
+    assert err < (1e-4 if kind == "q8_0" else 0.01), err
+
+
 def test_kv_cache_kinds_and_the_cpp_path(tiny_qwen2):
     """bf16 caches take the torch path; quantized ones the C++ step, once their means are estimated."""
     from pyllm.runtime.kv_cache import make_kv_cache

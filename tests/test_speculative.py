@@ -278,6 +278,39 @@ def test_decode_steps_rows_equal_one_token_steps(key, kind):
         ops._C.decode_steps(ctx, torch.zeros(4, dtype=torch.int64), 94, torch.empty(4, ctx.n_vocab), True)
 
 
+@pytest.mark.parametrize("key,kind,depth", [("smollm2", "f16", 1020), ("smollm2", "q4_rot", 508), ("gemma3", "f16", 508)])
+def test_decode_steps_rows_equal_one_token_steps_past_the_key_parts(key, kind, depth):
+    """Reference: M one-token steps, as above, at depths where decode_step.cpp attends to a row's keys in parts
+    (from 512 keys, 4 from 1024) and merges them: the 8 rows straddle a change of part count (1 -> 2 at 508, 3 -> 4
+    at 1020), q4_rot adds the exact sink row and the rotations to the merge, and Gemma 3 its 512-key window (the
+    local layers' first key moves past 0 within the pass) beside its global layers' parts."""
+    llm = pyllm.load(fixture_path(key), n_ctx=depth + 16, kv_cache=kind, n_threads=2)
+    m, kv, g = llm.model, llm.kv, llm.generator
+    g.reset()
+    g.prefill([int(t) for t in torch.randint(100, 4000, (depth,), generator=torch.Generator().manual_seed(7))])
+    toks = torch.tensor([11, 523, 9071, 42, 3000, 17, 256, 1024], dtype=torch.int64)
+    before = ops.get_isa()
+    ops._C.emulate_avx512(True)
+    try:
+        for isa in ops._C.available_isas():
+            ops.set_isa(isa)
+            ctx = m.decode_context(kv)
+            assert ctx is not None, "the C++ step must apply to this cache"
+            seq = torch.empty(8, ctx.n_vocab)
+            for i in range(8):
+                ops._C.decode_step(ctx, int(toks[i]), depth + i, seq[i:i + 1])
+            rows_seq = [p.data[:, :, depth:depth + 8].clone() for p in kv.parts]
+            for M in (2, 8):
+                bat = torch.empty(M, ctx.n_vocab)
+                ops._C.decode_steps(ctx, toks[:M].contiguous(), depth, bat, True)
+                assert torch.equal(seq[:M], bat), (isa, M, (seq[:M] - bat).abs().max())
+            for a, p in zip(rows_seq, kv.parts):
+                assert torch.equal(a, p.data[:, :, depth:depth + 8]), isa
+    finally:
+        ops._C.emulate_avx512(False)
+        ops.set_isa(before)
+
+
 # ---- greedy output equals plain decoding on the fixtures ---------------------------------------------------------------
 CODE = '''def moving_average(values, window):
     out = []

@@ -62,6 +62,21 @@ inline void rope(float* x, const float* c, const float* s, int rope_dim, bool ne
     }
 }
 
+// A row's keys: first key j0 (the window's), row 0 kept apart (an exact sink row) from the n stored keys after it,
+// which are attended in `parts` parts.
+struct RowKeys {
+    int j0, r_first, n, parts;
+    bool sink;
+};
+// Parts of at least KEYS_PER_PART keys, at most KEY_PARTS_MAX: enough for a few kv heads to fill the threads,
+// few enough that merging costs nothing.
+constexpr int KEYS_PER_PART = 256;
+inline int key_parts(int n) { return std::min(KEY_PARTS_MAX, std::max(1, n / KEYS_PER_PART)); }
+// Part p of n keys starts here (whole 8-key blocks, as the kernels take them); part `parts` ends at n.
+inline int part_begin(int n, int parts, int p) {
+    return p >= parts ? n : static_cast<int>((static_cast<int64_t>(n) * p / parts) & ~int64_t{7});
+}
+
 // The profile's running clock: to(slot) charges the time since the last mark to slot.  Off: one branch.
 struct PhaseClock {
     bool on;
@@ -99,10 +114,14 @@ void DecodeScratch::resize(const DecodeModel& m) {
     att.assign(R * c.n_head * c.head_dim, 0.f);
     g.assign(R * c.n_ff, 0.f);
     u.assign(R * c.n_ff, 0.f);
-    // Attention scratch per query head, in 2 slots: the halves of a multi-row step's rows attend at once.
-    scores.assign(2 * static_cast<size_t>(c.n_head) * c.max_seq, 0.f);
-    tmp.assign(2 * static_cast<size_t>(std::max(c.n_head, 1)) * 2 * c.head_dim, 0.f);
-    sink.assign(2 * static_cast<size_t>(c.n_head) * (c.head_dim + 3), 0.f);
+    // Attention scratch per query head, in a slot per half of a multi-row step's rows or per key part of one row:
+    // those attend at once.
+    const size_t slots = std::max(2, KEY_PARTS_MAX);
+    scores.assign(slots * c.n_head * c.max_seq, 0.f);
+    tmp.assign(slots * std::max(c.n_head, 1) * 2 * c.head_dim, 0.f);
+    sink.assign(slots * c.n_head * (c.head_dim + 3), 0.f);
+    part_o.assign(R * KEY_PARTS_MAX * c.n_head * c.head_dim, 0.f);
+    part_lse.assign(R * KEY_PARTS_MAX * c.n_head, 0.f);
 }
 
 namespace {
@@ -208,10 +227,42 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         // keys (centered keys need nothing: softmax ignores the per-query shift q . mu_k), then o R + mu_v for
         // rotated / centered values.  At pos 0 the Python path attends to the fresh fp32 K/V (not their rounded
         // cache copies): one key, so the output is v itself.
-        // Row r, query heads h0..h1-1 of kv head kh, on scratch slot `slot` (tasks running at once use distinct
-        // (slot, head) regions).
+        // A row with many stored keys attends to them in key_parts(n) parts, each normalized on its own with its
+        // log-sum-exp and merged afterwards: then one task reads each key and value row of a kv head, and the
+        // parts spread a few kv heads over the threads.  The parts depend on the row's key count alone, so a row
+        // gets the same bits in a one-token step and in a multi-row pass.
         auto first_key = [&](int pos) { return L.window > 0 ? std::max(0, pos - L.window + 1) : 0; };  // window
-        auto attend = [&](int r, int kh, int h0, int h1, int slot) {
+        auto row_keys = [&](int r) {
+            const int pos = pos_of[r];
+            RowKeys k;
+            k.j0 = first_key(pos);
+            // Exact sink rows: softmax over the stored rows 1..pos and over row 0 (its exact float copy where the
+            // part keeps one) separately, then merged by their log-sum-exps -- the same softmax over all keys.
+            k.sink = pos > 0 && k.j0 == 0 && (caches[2 * r]->sink || caches[2 * r + 1]->sink);
+            k.r_first = k.sink ? 1 : 0;
+            k.n = pos + 1 - k.j0 - k.r_first;
+            k.parts = pos > 0 ? key_parts(k.n) : 1;
+            return k;
+        };
+        float* const part_o = s.part_o.data();      // [GEMV_MAX_M, KEY_PARTS_MAX, H, hd] a part's output
+        float* const part_lse = s.part_lse.data();  // [GEMV_MAX_M, KEY_PARTS_MAX, H] and its log-sum-exp
+        auto part_at = [&](int r, int part, int hh) { return (static_cast<size_t>(r) * KEY_PARTS_MAX + part) * H + hh; };
+        // Output rows of heads h0..h1-1 (storage basis, `o_stride` apart) -> att in the model's basis.
+        auto finish = [&](int r, int kh, int h0, int h1, const float* og, size_t o_stride) {
+            const KVPart& VP = *caches[2 * r + 1];
+            float* att = att0 + static_cast<size_t>(r) * H * hd;
+            for (int hh = h0; hh < h1; ++hh) {
+                float* o = att + static_cast<size_t>(hh) * hd;
+                if (VP.rot) kv_rotate(VP.rot, og + (hh - h0) * o_stride, o, hd, false);
+                if (VP.mu) {
+                    const float* mu = VP.mu + (lrow + kh) * hd;
+                    for (int d = 0; d < hd; ++d) o[d] += mu[d];
+                }
+            }
+        };
+        // Row r, query heads h0..h1-1 of kv head kh, keys of part `part` of the row's parts, on scratch slot `slot`
+        // (tasks running at once use distinct (slot, head) regions).
+        auto attend = [&](int r, int kh, int h0, int h1, int part, int slot) {
             if (h1 <= h0) return;
             const int pos = pos_of[r];
             const KVPart& KP = *caches[2 * r];
@@ -219,16 +270,16 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             const float* q = q0 + static_cast<size_t>(r) * H * hd;
             const float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
             float* att = att0 + static_cast<size_t>(r) * H * hd;
-            const int j0 = first_key(pos);
-            const int n_keys = pos + 1 - j0;
-            float* const tmp_s = s.tmp.data() + static_cast<size_t>(slot) * H * 2 * hd;
-            float* const scores_s = s.scores.data() + static_cast<size_t>(slot) * H * c.max_seq;
-            float* const sink_s = s.sink.data() + static_cast<size_t>(slot) * H * (hd + 3);
             if (pos == 0) {
                 for (int hh = h0; hh < h1; ++hh) std::memcpy(att + static_cast<size_t>(hh) * hd, v + kh * hd, sizeof(float) * hd);
                 return;
             }
-            const size_t r0 = (lrow + kh) * c.max_seq + j0;
+            const RowKeys rk = row_keys(r);
+            const int b0 = part_begin(rk.n, rk.parts, part), b1 = part_begin(rk.n, rk.parts, part + 1);
+            float* const tmp_s = s.tmp.data() + static_cast<size_t>(slot) * H * 2 * hd;
+            float* const scores_s = s.scores.data() + static_cast<size_t>(slot) * H * c.max_seq;
+            float* const sink_s = s.sink.data() + static_cast<size_t>(slot) * H * (hd + 3);
+            const size_t r0 = (lrow + kh) * c.max_seq + rk.j0;
             float* tq = tmp_s + static_cast<size_t>(h0) * 2 * hd;  // rotated q / pre-rotation o, per head
             const float* qg = q + static_cast<size_t>(h0) * hd;
             size_t q_stride = hd;
@@ -247,23 +298,21 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                 qg = tq;
                 q_stride = 2 * static_cast<size_t>(hd);
             }
-            float* og = VP.rot ? tq + hd : att + static_cast<size_t>(h0) * hd;
-            const size_t o_stride = VP.rot ? 2 * static_cast<size_t>(hd) : hd;
+            const bool whole = rk.parts == 1;
+            float* og = !whole ? part_o + part_at(r, part, h0) * hd : VP.rot ? tq + hd : att + static_cast<size_t>(h0) * hd;
+            const size_t o_stride = !whole ? hd : VP.rot ? 2 * static_cast<size_t>(hd) : hd;
             const int G = h1 - h0;
             float* sc = scores_s + static_cast<size_t>(h0) * c.max_seq;
-            // Exact sink rows: softmax over the stored rows 1..pos and over row 0 (its exact float copy where the
-            // part keeps one) separately, then merged by their log-sum-exps -- the same softmax over all keys.
-            const bool sink = j0 == 0 && (KP.sink || VP.sink);
-            const int r_first = sink ? 1 : 0;
-            float* lse = sink ? sink_s + static_cast<size_t>(H) * hd + h0 : nullptr;  // [G] rows 1..pos
-            kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + (r0 + r_first) * KP.row_bytes,
-                            KP.row_bytes, VP.type, static_cast<const uint8_t*>(VP.data) + (r0 + r_first) * VP.row_bytes,
-                            VP.row_bytes, qg, q_stride, G, hd, n_keys - r_first, c.scale, sc, c.max_seq, og, o_stride,
-                            lse);
+            const bool sink = rk.sink && part == 0;
+            float* lse = !whole ? part_lse + part_at(r, part, h0) : sink ? sink_s + static_cast<size_t>(H) * hd + h0 : nullptr;
+            const size_t first = r0 + rk.r_first + b0;
+            kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + first * KP.row_bytes, KP.row_bytes, VP.type,
+                            static_cast<const uint8_t*>(VP.data) + first * VP.row_bytes, VP.row_bytes, qg, q_stride, G,
+                            hd, b1 - b0, c.scale, sc, c.max_seq, og, o_stride, lse);
             if (sink) {
-                float* o0 = sink_s + static_cast<size_t>(h0) * hd;  // [G, hd] row 0's output (its v)
-                float* lse0 = lse + H;                                      // [G]
-                float* sc0 = lse0 + H;                                      // [G] scratch
+                float* o0 = sink_s + static_cast<size_t>(h0) * hd;               // [G, hd] row 0's output (its v)
+                float* lse0 = sink_s + static_cast<size_t>(H) * hd + H + h0;     // [G]
+                float* sc0 = lse0 + H;                                           // [G] scratch
                 const bool ks = KP.sink != nullptr, vs = VP.sink != nullptr;
                 const size_t f32row = sizeof(float) * hd;
                 kv_attend_group(ks ? KVType::F32 : KP.type,
@@ -279,42 +328,73 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                     float* o = og + g * o_stride;
                     const float* a = o0 + static_cast<size_t>(g) * hd;
                     for (int d = 0; d < hd; ++d) o[d] = (w1 * o[d] + w0 * a[d]) * inv;
+                    if (!whole) lse[g] = mx + std::log(w0 + w1);  // the part now covers row 0 too
                 }
             }
-            for (int hh = h0; hh < h1; ++hh) {
-                float* o = att + static_cast<size_t>(hh) * hd;
-                if (VP.rot) kv_rotate(VP.rot, og + (hh - h0) * o_stride, o, hd, false);
-                if (VP.mu) {
-                    const float* mu = VP.mu + (lrow + kh) * hd;
-                    for (int d = 0; d < hd; ++d) o[d] += mu[d];
+            if (whole) finish(r, kh, h0, h1, og, o_stride);
+        };
+        // A row's parts -> one output per query head of kv head kh: weights e^(lse_p - max), in part order.
+        auto merge = [&](int r, int kh) {
+            const RowKeys rk = row_keys(r);
+            if (pos_of[r] == 0 || rk.parts == 1) return;
+            const bool rot = caches[2 * r + 1]->rot != nullptr;
+            float* att = att0 + static_cast<size_t>(r) * H * hd;
+            for (int hh = kh * group; hh < (kh + 1) * group; ++hh) {
+                float w[KEY_PARTS_MAX], mx = -INFINITY, sum = 0.f;
+                for (int p = 0; p < rk.parts; ++p) mx = std::max(mx, part_lse[part_at(r, p, hh)]);
+                for (int p = 0; p < rk.parts; ++p) sum += w[p] = std::exp(part_lse[part_at(r, p, hh)] - mx);
+                const float inv = 1.0f / sum;
+                float* dst = rot ? part_o + part_at(r, 0, hh) * hd : att + static_cast<size_t>(hh) * hd;  // in place
+                const float* o0 = part_o + part_at(r, 0, hh) * hd;
+                for (int d = 0; d < hd; ++d) dst[d] = w[0] * o0[d];
+                for (int p = 1; p < rk.parts; ++p) {
+                    const float* op = part_o + part_at(r, p, hh) * hd;
+                    for (int d = 0; d < hd; ++d) dst[d] += w[p] * op[d];
                 }
+                for (int d = 0; d < hd; ++d) dst[d] *= inv;
+                finish(r, kh, hh, hh + 1, dst, hd);
             }
         };
-        // Tasks.  One row: (kv head, half of its query group) -- each converts a stored row once for its heads
-        // (GQA), and two halves per KV head keep both cores busy when there are few KV heads.  Several rows: (kv
-        // head, half of the rows) with the whole group, each half on its own scratch slot: a task's rows reread
-        // its head's keys and values from L1/L2, and the halves weigh the same.  Either way a query's sums are
-        // those of a one-row step (each query is dotted, normalised and summed on its own), and one parallel
-        // region serves all rows.
-        const int split = M > 1 ? 2 : (group >= 2 ? 2 : 1);
+        // Tasks.  One row: (kv head, key part) with the whole group when the row has several parts, else (kv head,
+        // half of its query group) -- both halves then read the head's rows, but keep two cores busy when kv heads
+        // are few.  Several rows: (kv head, half of the rows) with the whole group and every key part, each half on
+        // its own scratch slot: a task's rows reread its head's keys and values from L1/L2, and the halves weigh
+        // the same (parts as tasks here cost 5-10%: measured at 8 rows).  Either way a query's sums are those of a
+        // one-row step, and one parallel region serves all rows.
+        int max_parts = 1;
+        for (int r = 0; r < M; ++r) max_parts = std::max(max_parts, row_keys(r).parts);
+        const bool part_tasks = M == 1 && max_parts > 1;
+        const int split = M > 1 ? 2 : part_tasks ? max_parts : (group >= 2 ? 2 : 1);
         const int n_tasks = Hkv * split;
         auto task = [&](int t) {
-            const int kh = t / split, part = t % split;
-            if (M == 1) {
-                attend(0, kh, kh * group + group * part / split, kh * group + group * (part + 1) / split, 0);
+            const int kh = t / split, sub = t % split;
+            if (part_tasks) {
+                attend(0, kh, kh * group, (kh + 1) * group, sub, sub);
+            } else if (M == 1) {
+                attend(0, kh, kh * group + group * sub / split, kh * group + group * (sub + 1) / split, 0, 0);
             } else {
-                for (int r = M * part / split; r < M * (part + 1) / split; ++r)
-                    attend(r, kh, kh * group, (kh + 1) * group, part);
+                for (int r = M * sub / split; r < M * (sub + 1) / split; ++r) {
+                    const int parts = row_keys(r).parts;
+                    for (int part = 0; part < parts; ++part) attend(r, kh, kh * group, (kh + 1) * group, part, sub);
+                    merge(r, kh);
+                }
             }
         };
+        const int n_merges = part_tasks ? Hkv : 0;  // row 0's, once all of its parts are in
         // A parallel region costs a few microseconds: only worth it once the heads have real work.
         int64_t work = 0;
         for (int r = 0; r < M; ++r) work += pos_of[r] + 1 - first_key(pos_of[r]);
         if (nt > 1 && work * hd * H >= 32768) {
-#pragma omp parallel for num_threads(std::min(nt, n_tasks)) schedule(static)
-            for (int t = 0; t < n_tasks; ++t) task(t);
+#pragma omp parallel num_threads(std::min(nt, n_tasks))
+            {
+#pragma omp for schedule(static)
+                for (int t = 0; t < n_tasks; ++t) task(t);
+#pragma omp for schedule(static)
+                for (int kh = 0; kh < n_merges; ++kh) merge(0, kh);
+            }
         } else {
             for (int t = 0; t < n_tasks; ++t) task(t);
+            for (int kh = 0; kh < n_merges; ++kh) merge(0, kh);
         }
         clk.to(prof.attn_ns);
         const size_t MD = static_cast<size_t>(M) * D;
