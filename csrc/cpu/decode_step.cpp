@@ -384,7 +384,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         // A parallel region costs a few microseconds: only worth it once the heads have real work.
         int64_t work = 0;
         for (int r = 0; r < M; ++r) work += pos_of[r] + 1 - first_key(pos_of[r]);
-        if (nt > 1 && work * hd * H >= 32768) {
+        if (nt > 1 && work * hd * H >= 32768 && n_merges > 0) {
 #pragma omp parallel num_threads(std::min(nt, n_tasks))
             {
 #pragma omp for schedule(static)
@@ -392,6 +392,9 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
 #pragma omp for schedule(static)
                 for (int kh = 0; kh < n_merges; ++kh) merge(0, kh);
             }
+        } else if (nt > 1 && work * hd * H >= 32768) {  // no merges: one barrier, not two
+#pragma omp parallel for num_threads(std::min(nt, n_tasks)) schedule(static)
+            for (int t = 0; t < n_tasks; ++t) task(t);
         } else {
             for (int t = 0; t < n_tasks; ++t) task(t);
             for (int kh = 0; kh < n_merges; ++kh) merge(0, kh);
