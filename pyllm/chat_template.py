@@ -374,16 +374,23 @@ class ChatTemplate:
         return "".join(out)
 
 
-_MARK = re.compile("\ue000(\\d+)\ue001")
+def _marks(contents: list[str]) -> tuple[str, str] | None:
+    """Two private-use characters that occur in no content, to delimit placeholders with (None if every pair is
+    taken): content holding the delimiters (icon fonts use this range) would otherwise force the fallback."""
+    used = set("".join(contents))
+    for c in range(0xE000, 0xF8FF, 2):
+        if chr(c) not in used and chr(c + 1) not in used:
+            return chr(c), chr(c + 1)
+    return None
 
 
-def _placeholder(i: int, content: str) -> str:
+def _placeholder(i: int, content: str, marks: tuple[str, str]) -> str:
     # keeps the content's own leading/trailing whitespace, so a template that trims the content (Gemma, Llama 3)
     # trims the placeholder the same way
     core = content.strip()
     lead = content[:len(content) - len(content.lstrip())]
     trail = content[len(content.rstrip()):] if core else ""
-    return f"{lead}\ue000{i}\ue001{trail}"
+    return f"{lead}{marks[0]}{i}{marks[1]}{trail}"
 
 
 def content_spans(template: "ChatTemplate", messages: list[dict], text: str,
@@ -400,16 +407,16 @@ def content_spans(template: "ChatTemplate", messages: list[dict], text: str,
     cores = [m["content"].strip() if isinstance(m.get("content"), str) else "" for m in msgs]
     if not any(cores):
         return []
-    if not any("\ue000" in m.get("content") or "\ue001" in m.get("content")
-               for m in msgs if isinstance(m.get("content"), str)):
-        marked = [dict(m, content=_placeholder(i, m["content"])) if cores[i] else m for i, m in enumerate(msgs)]
+    marks = _marks([m["content"] for m in msgs if isinstance(m.get("content"), str)])
+    if marks is not None:
+        marked = [dict(m, content=_placeholder(i, m["content"], marks)) if cores[i] else m for i, m in enumerate(msgs)]
         try:
             rendered = template.render(marked, add_generation_prompt=add_generation_prompt, **kwargs)
         except TemplateError:
             rendered = None
         if rendered is not None:
             spans, out, pos, at = [], [], 0, 0
-            for m in _MARK.finditer(rendered):
+            for m in re.finditer(re.escape(marks[0]) + r"(\d+)" + re.escape(marks[1]), rendered):
                 i = int(m.group(1))
                 if i >= len(cores) or not cores[i]:
                     break

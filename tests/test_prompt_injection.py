@@ -80,3 +80,19 @@ def test_raw_encode_still_parses_specials():
     tok = pyllm_tokenizer("smollm2")
     assert tok.encode("<|im_start|>x", add_bos=False)[0] == tok.token_id("<|im_start|>")
     assert tok.token_id("<|im_start|>") not in tok.encode("<|im_start|>x", add_bos=False, plain=[(0, 13)])
+
+
+@pytest.mark.parametrize("key", ["smollm2", "qwen2", "gemma3"])
+def test_private_use_characters_in_content_keep_the_templates_markers(key):
+    # U+E000.. (icon fonts, or typed on purpose) must not push content_spans onto its every-occurrence fallback:
+    # there a one-letter reply matches inside "<|im_start|>"/"<start_of_turn>" and the turn markers become text.
+    # Reference: the same conversation with that character replaced holds as many marker tokens.
+    llm = chat_llm(key)
+    tok = llm.tokenizer
+    pua = "icon \ue000 \ue001 \ue0a0 \ue000x\ue001 here"
+    c = [{"role": "user", "content": pua}, {"role": "assistant", "content": "t"}, {"role": "user", "content": "s"}]
+    clean = [dict(m, content=m["content"].replace("\ue000", "?").replace("\ue001", "?")) for m in c]
+    ids, want = llm.chat_ids(c), llm.chat_ids(clean)
+    marker = tok.token_id("<start_of_turn>" if key == "gemma3" else "<|im_start|>")
+    assert ids.count(marker) == want.count(marker) > 0
+    assert pua in tok.decode(ids)
