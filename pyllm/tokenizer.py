@@ -118,6 +118,24 @@ def _field(md: dict, key: str, kind, default=None, required=False):
     return bool(value) if kind is bool else value
 
 
+def _check_items(key: str, values: Sequence, ok, what: str) -> None:
+    """TokenizerError naming the first element of array ``key`` that ``ok`` rejects (a file can store any type in
+    any array: numbers or nested arrays where strings belong fail later with no hint of where)."""
+    if all(map(ok, values)):
+        return
+    i, v = next((i, v) for i, v in enumerate(values) if not ok(v))
+    raise TokenizerError(f"GGUF metadata {key}[{i}] = {_short(v)} ({type(v).__name__}) is not {what}")
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary. Build with :meth:`from_gguf`."""
 
@@ -146,6 +164,12 @@ class Tokenizer:
         n = len(tokens)
         if n == 0:
             raise TokenizerError("GGUF metadata tokenizer.ggml.tokens is empty")
+        _check_items("tokenizer.ggml.tokens", tokens, lambda t: type(t) is str, "a string")
+        if _SURROGATE.search("".join(tokens)):
+            # the reader keeps bytes that are not UTF-8 as surrogate escapes; the tokenizers library holds only text
+            i, t = next((i, t) for i, t in enumerate(tokens) if _SURROGATE.search(t))
+            raw = t.encode("utf-8", "surrogateescape")
+            raise TokenizerError(f"GGUF metadata tokenizer.ggml.tokens[{i}] = {_short(raw)} is not valid UTF-8")
         types = _field(md, "tokenizer.ggml.token_type", list)
         if types is None:
             types = [NORMAL] * n
@@ -153,6 +177,8 @@ class Tokenizer:
             raise TokenizerError(
                 f"GGUF metadata tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {n}"
             )
+        else:
+            _check_items("tokenizer.ggml.token_type", types, _is_int, "an integer")
         types = list(types)
 
         if model == "gpt2":
@@ -202,6 +228,9 @@ class Tokenizer:
                         f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries but tokenizer.ggml.tokens "
                         f"has {n}"
                     )
+                if scores is not None:
+                    _check_items("tokenizer.ggml.scores", scores, lambda v: _is_int(v) or type(v) is float,
+                                 "a number")
                 backend = _spm_backend(tokens, types, index, scores)
         except (TypeError, ValueError, UnicodeError, OverflowError) as e:
             # the tokenizers library rejects vocabularies it cannot hold (e.g. a token that is not valid UTF-8)

@@ -325,6 +325,14 @@ def test_tiny_vocab_works():
         ({"tokenizer.ggml.merges": ["ab"]}, r"merges\[0\] = 'ab' is not two tokens"),
         ({"tokenizer.ggml.tokens": "abc"}, "expected an array"),
         ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0]}, "scores has 1 entries"),
+        # an array of arrays, or of numbers, where the token strings belong
+        ({"tokenizer.ggml.tokens": ["a", ["b"], "ab", "<|end|>"]}, r"tokens\[1\] = \['b'\] \(list\) is not a string"),
+        ({"tokenizer.ggml.tokens": ["a", "b", 7, "<|end|>"]}, r"tokens\[2\] = 7 \(int\) is not a string"),
+        # bytes that are not UTF-8 (kept by the reader as surrogate escapes): named, not a tokenizers-library error
+        ({"tokenizer.ggml.tokens": ["a", "b", "ab", "<|\udcff|>"]}, r"tokens\[3\] = b'<\|\\xff\|>' is not valid UTF-8"),
+        ({"tokenizer.ggml.token_type": [1, 1, "1", 3]}, r"token_type\[2\] = '1' \(str\) is not an integer"),
+        ({"tokenizer.ggml.model": "llama", "tokenizer.ggml.scores": [0.0, 0.0, "x", 0.0]},
+         r"scores\[2\] = 'x' \(str\) is not a number"),
     ],
 )
 def test_bad_metadata_names_field_and_value(over, match):
