@@ -61,6 +61,15 @@ def test_hyperparameter_of_wrong_type_or_range_is_refused_naming_it(tmp_path, ke
         pyllm.load(p, n_ctx=32, backend="reference")
 
 
+@pytest.mark.parametrize("key", INT_KEYS)
+def test_hyperparameter_just_past_int32_is_refused_at_load(tmp_path, key):
+    # 2**31 fits a u32 field but not the int32 the kernels take (a sliding window of 2**31 loaded, then every
+    # prompt failed in causal_attention with a ValueError traceback); refused when the file is read
+    p = write_tiny_llama(tmp_path / "m.gguf", metadata={f"llama.{key}": Typed(ValueType.UINT32, 2**31)}, **SMALL)
+    with pytest.raises(ModelError, match=f"llama.{key} = 2147483648"):
+        pyllm.load(p, n_ctx=32, backend="reference")
+
+
 def test_vocabulary_larger_than_the_embedding_is_refused_naming_both(tmp_path):
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={**tiny_vocab(336), "llama.vocab_size": 336}, **SMALL)
     with pytest.raises(ModelError, match=r"'token_embd.weight' has 320 rows but the vocabulary has 336"):

@@ -106,7 +106,8 @@ class ModelConfig:
                 raise ModelError(f"{source}: metadata key {arch}.{key} is missing")
             return v
 
-        def get_int(key, default=None, required=False, lo=1, hi=1 << 31):
+        # hi: the kernels take these as int32 (a sliding window of 2**31 passed here, then failed every prompt)
+        def get_int(key, default=None, required=False, lo=1, hi=(1 << 31) - 1):
             v = get(key, default, required)
             if isinstance(v, list):  # some files store per-layer arrays (e.g. head counts); all equal here
                 if not v or len(set(map(repr, v))) != 1:  # repr: elements may be unhashable (nested arrays)
