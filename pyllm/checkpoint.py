@@ -30,6 +30,7 @@ def read_gguf(path: Path) -> Checkpoint:
     """A GGUF file as a Checkpoint; GGUFError / ModelError / TokenizerError (one line) for anything wrong with it.
     An unsupported architecture fails before the tensors are touched."""
     from .chat_template import ChatTemplate
+    from .errors import ModelError, TokenizerError, in_file
     from .gguf import open_gguf
     from .models import model_class
     from .models.config import ModelConfig
@@ -39,11 +40,17 @@ def read_gguf(path: Path) -> Checkpoint:
     gf = open_gguf(path)
     try:
         cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
-        model_class(cfg)
+        cls = model_class(cfg)
         weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}
+        # before the KV cache is sized from the metadata: a head size the tensors contradict is reported as that,
+        # not as a cache too large for memory
+        cfg.check_shapes(cls.arrange_weights(cfg, weights))
         check_small_float_tensors(gf, weights, path.name)
         tok = Tokenizer.from_gguf(gf.metadata)
         template = ChatTemplate.from_metadata(gf.metadata, tok)
+    except (ModelError, TokenizerError) as e:
+        gf.close()
+        raise in_file(e, path.name) from None
     except BaseException:
         gf.close()
         raise

@@ -31,3 +31,10 @@ class DownloadError(PyllmError):
 
 class ContextFullError(PyllmError):
     """The prompt and the reply would not fit in the model's context window."""
+
+
+def in_file(e: PyllmError, name: str) -> PyllmError:
+    """``e`` with the model file's name in front, as the reader's own errors have it: checks inside the tokenizer
+    or a decoder do not know which file they are reading, and the user must learn which one is wrong."""
+    msg = str(e)
+    return e if msg.startswith(f"{name}: ") else type(e)(f"{name}: {msg}")

@@ -11,13 +11,14 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
 import torch
 
 from . import registry
-from .errors import ContextFullError, PyllmError
+from .errors import ContextFullError, ModelError, PyllmError, in_file
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
@@ -553,7 +554,10 @@ def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_t
                   f"n_ctx={n_ctx}", file=sys.stderr)
         if n_threads:
             torch.set_num_threads(n_threads)
-        mdl = build_model(cfg, ckpt.weights, backend, max_pos=n_ctx, progress=not quiet)
+        try:
+            mdl = build_model(cfg, ckpt.weights, backend, max_pos=n_ctx, progress=not quiet)
+        except ModelError as e:  # the file lacks a tensor the architecture needs
+            raise in_file(e, Path(ckpt.path).name) from None
         kv = backend.make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
     except BaseException:
         ckpt.close()

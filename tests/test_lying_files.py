@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import pyllm
-from pyllm.errors import ModelError, PyllmError
+from pyllm.errors import ModelError, PyllmError, TokenizerError
 from pyllm.synthetic import Typed, tiny_vocab, write_tiny_llama
 from pyllm.gguf import ValueType, open_gguf
 
@@ -67,6 +67,19 @@ def test_hyperparameter_just_past_int32_is_refused_at_load(tmp_path, key):
     # prompt failed in causal_attention with a ValueError traceback); refused when the file is read
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={f"llama.{key}": Typed(ValueType.UINT32, 2**31)}, **SMALL)
     with pytest.raises(ModelError, match=f"llama.{key} = 2147483648"):
+        pyllm.load(p, n_ctx=32, backend="reference")
+
+
+@pytest.mark.parametrize("metadata, error, match", [
+    ({"tokenizer.ggml.bos_token_id": 320}, TokenizerError, r"bos_token_id = 320 is out of range"),
+    ({"llama.feed_forward_length": 96}, ModelError, r"tensor 'blk.0.ffn_gate.weight' has shape \(64, 32\)"),
+    ({"llama.block_count": 2}, ModelError, r"missing tensors: blk.1.attn_norm.weight"),
+    # a head size the tensors contradict is that contradiction, not a KV cache of 2 TiB to shrink with --ctx
+    ({"llama.attention.key_length": 2**30}, ModelError, r"tensor 'blk.0.attn_q.weight' has shape \(32, 32\)"),
+], ids=["tokenizer", "shape", "missing", "head-size"])
+def test_errors_in_the_files_contents_name_the_file(tmp_path, metadata, error, match):
+    p = write_tiny_llama(tmp_path / "liar.gguf", metadata=metadata, **SMALL)
+    with pytest.raises(error, match="^liar.gguf: .*" + match):
         pyllm.load(p, n_ctx=32, backend="reference")
 
 
