@@ -83,6 +83,24 @@ def test_errors_in_the_files_contents_name_the_file(tmp_path, metadata, error, m
         pyllm.load(p, n_ctx=32, backend="reference")
 
 
+def test_unsupported_architecture_is_named_before_its_keys_are_read(tmp_path):
+    # a file of an architecture pyllm lacks carries that architecture's own keys, not all of the llama family's:
+    # the error must say the architecture is unsupported, not that some key is missing
+    md = {"general.architecture": "mamba", "mamba.embedding_length": 32, "mamba.block_count": 1}
+    p = write_tiny_llama(tmp_path / "m.gguf", metadata=md, **SMALL)
+    with pytest.raises(ModelError, match=r"^m.gguf: unsupported architecture 'mamba' \(general.architecture\)"):
+        pyllm.load(p, n_ctx=32, backend="reference")
+    assert subprocess.run([sys.executable, "-m", "pyllm", "info", str(p)], env=ENV, capture_output=True,
+                          text=True).stderr.startswith("pyllm: error: m.gguf: unsupported architecture 'mamba'")
+
+
+def test_heads_that_do_not_divide_the_embedding_are_named(tmp_path):
+    p = write_tiny_llama(tmp_path / "m.gguf", metadata={"llama.attention.head_count": 3}, **SMALL)
+    with pytest.raises(ModelError, match=r"llama.embedding_length 32 is not a multiple of llama.attention.head_count "
+                                         r"3, and llama.attention.key_length is not given"):
+        pyllm.load(p, n_ctx=32, backend="reference")
+
+
 def test_vocabulary_larger_than_the_embedding_is_refused_naming_both(tmp_path):
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={**tiny_vocab(336), "llama.vocab_size": 336}, **SMALL)
     with pytest.raises(ModelError, match=r"'token_embd.weight' has 320 rows but the vocabulary has 336"):

@@ -99,6 +99,13 @@ class ModelConfig:
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
             raise ModelError(f"{source}: metadata has no general.architecture")
+        from . import ARCHITECTURES  # here: that module imports this one
+
+        if arch not in ARCHITECTURES:
+            # before any key is read: another architecture's file lacks the llama family's keys, and "key ...
+            # is missing" would hide the real reason
+            raise ModelError(f"{source}: unsupported architecture {arch!r} (general.architecture); "
+                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
 
         def get(key, default=None, required=False):
             v = md.get(f"{arch}.{key}", default)
@@ -132,7 +139,10 @@ class ModelConfig:
         n_kv_head = get_int("attention.head_count_kv", n_head)
         if n_head % n_kv_head:
             raise ModelError(f"{source}: head_count {n_head} is not a multiple of head_count_kv {n_kv_head}")
-        head_dim = get_int("attention.key_length", n_embd // n_head if n_embd % n_head == 0 else None, required=True)
+        if n_embd % n_head and get("attention.key_length") is None:
+            raise ModelError(f"{source}: {arch}.embedding_length {n_embd} is not a multiple of {arch}.attention."
+                             f"head_count {n_head}, and {arch}.attention.key_length is not given")
+        head_dim = get_int("attention.key_length", n_embd // n_head, required=True)
         tokens = md.get("tokenizer.ggml.tokens")
         n_vocab = len(tokens) if isinstance(tokens, list) else get_int("vocab_size", required=True)
         rope_dim = get_int("rope.dimension_count", head_dim)
