@@ -389,7 +389,14 @@ class LLM:
 
     def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kw) -> str:
         """``template_kw``: extra template variables (``tools=[...]`` for templates that describe tools)."""
-        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **template_kw)
+        from .chat_template import _validate
+        from .errors import TemplateError
+
+        _validate(messages)  # malformed messages are the caller's error, not the file's
+        try:
+            return self.template.render(messages, add_generation_prompt=add_generation_prompt, **template_kw)
+        except TemplateError as e:  # the template came from the model file: say which one
+            raise in_file(e, Path(self.path).name) from None
 
     def chat_ids(self, messages: list[dict], suffix: str = "", **template_kw) -> list[int]:
         """The prompt ids for ``messages``; ``suffix`` is text appended after the generation prompt (the start

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import pyllm
-from pyllm.errors import ModelError, PyllmError, TokenizerError
+from pyllm.errors import ModelError, PyllmError, TemplateError, TokenizerError
 from pyllm.synthetic import Typed, tiny_vocab, write_tiny_llama
 from pyllm.gguf import ValueType, open_gguf
 
@@ -99,6 +99,15 @@ def test_heads_that_do_not_divide_the_embedding_are_named(tmp_path):
     with pytest.raises(ModelError, match=r"llama.embedding_length 32 is not a multiple of llama.attention.head_count "
                                          r"3, and llama.attention.key_length is not given"):
         pyllm.load(p, n_ctx=32, backend="reference")
+
+
+@pytest.mark.parametrize("template", ["{{ raise_exception('no chat here') }}", "{% for %}", "{{ 'x' * 10**9 }}"])
+def test_a_failing_chat_template_names_the_file(tmp_path, template):
+    # the model loads (raw completion works); the first chat says which file's template is at fault
+    p = write_tiny_llama(tmp_path / "m.gguf", metadata={"tokenizer.chat_template": template}, **SMALL)
+    with pyllm.load(p, n_ctx=32, backend="reference") as llm:
+        with pytest.raises(TemplateError, match=r"^m.gguf: chat template"):
+            llm.chat([{"role": "user", "content": "hi"}], max_tokens=2)
 
 
 def test_vocabulary_larger_than_the_embedding_is_refused_naming_both(tmp_path):
