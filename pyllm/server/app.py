@@ -170,9 +170,13 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             data = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"malformed JSON body: {e}") from None
+        except RecursionError:  # Python's parser recurses per level: a few kB of "[[[[" exhaust its stack
+            raise APIError(400, "malformed JSON body: arrays and objects nest too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
         model = data.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, f"model must be a string, got {type(model).__name__}", "model")
         if model is not None and model not in names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                            "model_not_found")
