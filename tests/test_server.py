@@ -244,6 +244,26 @@ def test_bodies_python_cannot_take_are_400s(smol):
         assert status == 400 and body["error"]["param"] == "model" and "string" in body["error"]["message"]
     _ok(smol)
 
+
+def test_lone_surrogates_are_400s_naming_where(smol):
+    """JSON's \\ud800 escape decodes to a lone UTF-16 surrogate, which is not Unicode text and which no UTF-8
+    response can carry: a 400 naming where it is (it was a 500, or a stream cut off mid-way), while an escaped
+    surrogate pair is the one character it encodes."""
+    for path, body, where in (
+            ("/v1/completions", r'{"prompt": "a\udfffb", "echo": true, "max_tokens": 1}', "prompt"),
+            ("/v1/completions", r'{"prompt": "a\udfffb", "echo": true, "stream": true, "max_tokens": 1}', "prompt"),
+            ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi"}, '
+                                     r'{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]}',
+             "messages[1].content[0].text")):
+        status, r = smol.raw(path, body.encode())
+        assert status == 400, (body, r)
+        assert where in r["error"]["message"] and "surrogate" in r["error"]["message"]
+        assert r["error"]["param"] == where.split("[")[0]
+    status, r = smol.raw("/v1/completions", rb'{"prompt": "\ud83d\udc09", "echo": true, "max_tokens": 1}')
+    assert status == 200 and r["choices"][0]["text"].startswith("\N{DRAGON}")
+    _ok(smol)
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60

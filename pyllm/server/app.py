@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import re
 import threading
 import time
 
@@ -28,6 +29,34 @@ from .scheduler import DONE, EngineLLM, Job, Scheduler
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
+
+
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(data: dict) -> tuple[str, str | None, str] | None:
+    """(where, the top-level parameter, the character) of the first lone UTF-16 surrogate in the strings or keys
+    of the body ``data`` (what JSON's "\\ud800" escape decodes to when no low half follows), or None. Iterative:
+    the body may nest deeply."""
+    stack = [(k, k, v) for k, v in reversed(data.items())]
+    while stack:
+        path, param, v = stack.pop()
+        m = SURROGATE.search(param) if path == param else None
+        if m:
+            return "a parameter name", None, m.group()
+        if isinstance(v, str):
+            m = SURROGATE.search(v)
+            if m:
+                return path, param, m.group()
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                m = SURROGATE.search(k)
+                if m:
+                    return f"a key of {path}", param, m.group()
+            stack.extend((f"{path}.{k}", param, x) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", param, x) for i, x in reversed(list(enumerate(v))))
+    return None
 
 
 def sse_event(obj: dict) -> str:
@@ -174,6 +203,14 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             raise APIError(400, "malformed JSON body: arrays and objects nest too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        # Text with a lone surrogate cannot be written back as UTF-8 (a 500, or a stream cut off mid-way): it is
+        # refused here, where it can be named. Only an escape can produce one, so most bodies skip the walk.
+        if re.search(rb"\\u[dD][89a-fA-F]", body):
+            bad = lone_surrogate(data)
+            if bad is not None:
+                where, param, ch = bad
+                raise APIError(400, f"{where} holds a lone UTF-16 surrogate ({ch!a}), which is not Unicode text",
+                               param)
         model = data.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, f"model must be a string, got {type(model).__name__}", "model")
