@@ -48,6 +48,15 @@ def _number(name: str, v, lo: float | None = None, hi: float | None = None, inte
     return v
 
 
+def _flag(name: str, v, param: str | None = None) -> bool:
+    """A documented boolean: true, false or null (false). Anything else would pass on its truthiness ("false")."""
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false, got {v!r}", param or name)
+    return v
+
+
 def _stop_list(stop) -> list[str]:
     if stop is None:
         return []
@@ -280,6 +289,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token.
     ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
     _check_n(n)
+    stream, echo = _flag("stream", stream), _flag("echo", echo)
     if suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -312,7 +322,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
 def _include_usage(stream_options) -> bool:
     if stream_options is not None and not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
-    return bool((stream_options or {}).get("include_usage"))
+    return _flag("stream_options.include_usage", (stream_options or {}).get("include_usage"), "stream_options")
 
 
 def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include_usage: bool) -> Iterator[dict]:
@@ -487,6 +497,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     back as ``message.tool_calls`` with finish_reason "tool_calls". ``max_tokens`` None = until the context is
     full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
     _check_n(n)
+    stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
     if top_logprobs is not None:
         _number("top_logprobs", top_logprobs, 0, 20, integer=True)
     msgs = normalize_messages(messages)

@@ -264,6 +264,23 @@ def test_lone_surrogates_are_400s_naming_where(smol):
     _ok(smol)
 
 
+def test_boolean_parameters_take_only_booleans(smol):
+    """A string "false" is true to Python: where OpenAI documents a boolean, anything else is a 400 naming it (a
+    request with "stream": "false" was streamed). null is the parameter's default."""
+    msgs = _chat("Hi")
+    for path, req, param in (("/v1/chat/completions", {"messages": msgs, "stream": "false"}, "stream"),
+                             ("/v1/chat/completions", {"messages": msgs, "logprobs": "yes"}, "logprobs"),
+                             ("/v1/completions", {"prompt": "Hi", "echo": 1}, "echo"),
+                             ("/v1/completions", {"prompt": "Hi", "stream": True,
+                                                  "stream_options": {"include_usage": "no"}}, "stream_options")):
+        status, r = smol.raw(path, json.dumps({"max_tokens": 2, **req}).encode())
+        assert status == 400 and r["error"]["param"] == param, (req, r)
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2, "stream": None,
+                                                             "logprobs": None}).encode())
+    assert status == 200 and r["object"] == "chat.completion" and r["choices"][0]["logprobs"] is None
+    _ok(smol)
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
