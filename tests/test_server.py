@@ -281,6 +281,27 @@ def test_boolean_parameters_take_only_booleans(smol):
     _ok(smol)
 
 
+def test_missing_inputs_are_400s_and_unknown_parameters_are_ignored(smol):
+    """A request without its messages, prompt or input is a 400 naming it; a parameter the server does not know
+    is ignored, as OpenAI-compatible servers ignore them, whatever its name (one named like a Python argument of
+    pyllm's own functions, such as "self" or "llm", was a 500)."""
+    for path, param in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt"),
+                        ("/v1/embeddings", "input")):
+        status, r = smol.raw(path, b'{"max_tokens": 2}')
+        assert status == 400 and r["error"]["param"] == param and "missing" in r["error"]["message"], r
+    stray = {"self": 1, "llm": 2, "cancel": True, "ignored": 3, "speculative": "draft", "user": "u1"}
+    want = smol.client().chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=3,
+                                                 temperature=0).choices[0].message.content
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi"), "max_tokens": 3,
+                                                             "temperature": 0, **stray}).encode())
+    assert status == 200 and r["choices"][0]["message"]["content"] == want
+    status, r = smol.raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 3, **stray}).encode())
+    assert status == 200 and r["usage"]["completion_tokens"] == 3
+    status, r = smol.raw("/v1/embeddings", json.dumps({"input": "Hi", **stray}).encode())
+    assert status == 200 and len(r["data"]) == 1
+    _ok(smol)
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60

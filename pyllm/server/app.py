@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import json
 import re
 import threading
@@ -57,6 +58,18 @@ def lone_surrogate(data: dict) -> tuple[str, str | None, str] | None:
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", param, x) for i, x in reversed(list(enumerate(v))))
     return None
+
+
+def call_kwargs(fn, data: dict, required: str) -> dict:
+    """The body's parameters that ``fn`` (an OpenAI-shaped function: pyllm/api.py, pyllm/embed.py) takes as
+    keywords; APIError 400 when ``required`` is missing. The others are ignored, as OpenAI-compatible servers ignore
+    parameters they do not know: passed on, one named like ``fn``'s own first argument would be a TypeError.
+    ``cancel`` is the server's own (the job's event), never the client's."""
+    if required not in data:
+        raise APIError(400, f"missing required parameter '{required}'", required)
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"cancel"}
+    return {k: v for k, v in data.items() if k in names}
 
 
 def sse_event(obj: dict) -> str:
@@ -241,7 +254,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     async def generate(request: Request, route: str, fn_name: str) -> Response:
         data = await read_json(request)
         stream = bool(data.get("stream"))
-        data.pop("cancel", None)  # pyllm's own keyword, not a request parameter
+        data = call_kwargs(getattr(api, fn_name), data, "messages" if fn_name == "create_chat_completion" else
+                           "prompt")
         if engine is None:
             fn = getattr(llm, fn_name)
             job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
@@ -303,9 +317,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         return await generate(request, "/v1/completions", "create_completion")
 
     async def embeddings(request: Request) -> Response:
-        data = await read_json(request)
-        if "input" not in data:
-            raise APIError(400, "missing required parameter 'input'", "input")
+        from ..embed import create_embedding
+
+        data = call_kwargs(create_embedding, await read_json(request), "input")
         if engine is None:
             job = scheduler.submit(lambda cancel: llm.create_embedding(**data))
         else:  # on the engine's thread, between its steps: one thread runs the model
