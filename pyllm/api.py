@@ -372,8 +372,15 @@ def normalize_messages(messages) -> list[dict]:
         m["content"] = _text_content(m.get("content"), i)
         if m.get("tool_calls"):
             calls = []
-            for c in m["tool_calls"]:
-                fn = dict((c or {}).get("function") or {})
+            if not isinstance(m["tool_calls"], list):
+                raise BadRequest(f"messages[{i}].tool_calls must be a list of calls", "messages")
+            for j, c in enumerate(m["tool_calls"]):
+                if not (isinstance(c, dict) and isinstance(c.get("function"), dict)
+                        and isinstance(c["function"].get("name"), str) and isinstance(c.get("id", ""), str)):
+                    raise BadRequest(f"messages[{i}].tool_calls[{j}] must be {{\"id\": string, \"type\": "
+                                     f"\"function\", \"function\": {{\"name\": string, \"arguments\": ...}}}}, "
+                                     f"got {c!r:.80}", "messages")
+                fn = dict(c["function"])
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:
@@ -385,6 +392,8 @@ def normalize_messages(messages) -> list[dict]:
             m["tool_calls"] = calls
         elif m["content"] is None:
             m["content"] = ""
+        if not isinstance(m.get("tool_call_id", ""), str):
+            raise BadRequest(f"messages[{i}].tool_call_id must be a string", "messages")
         if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names:
             m["name"] = names[m["tool_call_id"]]
         out.append(m)
@@ -408,7 +417,8 @@ def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
         return [], None
     if tool_choice == "required":
         return tools, ""
-    if isinstance(tool_choice, dict) and (tool_choice.get("function") or {}).get("name") in names:
+    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict) \
+            and tool_choice["function"].get("name") in names:
         return tools, tool_choice["function"]["name"]
     raise BadRequest(f"tool_choice must be \"auto\", \"none\", \"required\" or a function among {names}, got "
                      f"{tool_choice!r}", "tool_choice")

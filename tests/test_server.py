@@ -302,6 +302,34 @@ def test_missing_inputs_are_400s_and_unknown_parameters_are_ignored(smol):
     _ok(smol)
 
 
+def test_malformed_tool_calls_and_tool_choice_are_400s(smol):
+    """Tool-call fields of the wrong shape in the history or in tool_choice are a 400 naming the parameter (they
+    were 500s: a string where an object belongs, a list as a call id)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    bad_history = [{"tool_calls": "x"}, {"tool_calls": ["x"]}, {"tool_calls": [5]},
+                   {"tool_calls": [{**call, "function": "f"}]}, {"tool_calls": [{**call, "id": ["call_1"]}]},
+                   {"tool_calls": [{**call, "function": {"arguments": "{}"}}]}]
+    for extra in bad_history:
+        msgs = _chat("Hi") + [{"role": "assistant", "content": None, **extra}]
+        status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2}).encode())
+        assert status == 400 and r["error"]["param"] == "messages" and "messages[1].tool_calls" in \
+            r["error"]["message"], (extra, r)
+    msgs = _chat("Hi") + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": ["call_1"], "content": "1"}]
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2}).encode())
+    assert status == 400 and "messages[2].tool_call_id" in r["error"]["message"], r
+    for choice in ({"type": "function", "function": "f"}, {"type": "function", "function": ["f"]}, ["f"]):
+        status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi"), "tools": tools,
+                                                                 "tool_choice": choice, "max_tokens": 2}).encode())
+        assert status == 400 and r["error"]["param"] == "tool_choice", (choice, r)
+    msgs[1]["content"], msgs[2]["tool_call_id"] = "", "call_1"  # the well-formed history is served
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "tools": tools,
+                                                             "max_tokens": 2}).encode())
+    assert status == 200, r
+    _ok(smol)
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
