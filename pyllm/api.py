@@ -121,12 +121,16 @@ def _max_tokens(llm, n_prompt: int, max_tokens) -> int:
     return min(max_tokens, room)
 
 
-def structured_output_kwargs(llm, response_format=None, grammar=None, json_schema=None) -> dict:
-    """The constraint keyword arguments for ``llm.generate_tokens`` (``json_schema`` / ``grammar``).
+def structured_output_kwargs(llm, response_format=None, grammar=None, json_schema=None,
+                             param: str | None = None) -> dict:
+    """The constraint keyword argument for ``llm.generate_tokens``: ``{"constraint": ...}``, or {} for none.
 
     response_format {"type": "json_object"} asks for any JSON object; {"type": "json_schema", "json_schema":
-    {"schema": ...}} for that schema; {"type": "text"} for nothing. PyllmError when a constraint is asked of a
-    runtime whose generate_tokens cannot apply one."""
+    {"schema": ...}} for that schema; {"type": "text"} for nothing. The constraint is built here, when the call is
+    made: an invalid or unsatisfiable schema or grammar is a BadRequest naming ``param`` (default: the argument that
+    gave it) before anything streams. PyllmError when a constraint is asked of a runtime whose generate_tokens
+    cannot apply one."""
+    given = "json_schema" if json_schema is not None else "grammar"
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
                                                                                          "json_schema"):
@@ -141,14 +145,18 @@ def structured_output_kwargs(llm, response_format=None, grammar=None, json_schem
                 raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
                                  "response_format")
             json_schema = js.get("schema") or {}
+        if kind != "text":
+            given = "response_format"
     kw = {k: v for k, v in (("json_schema", json_schema), ("grammar", grammar)) if v is not None}
-    if kw:
-        params = inspect.signature(llm.generate_tokens).parameters
-        missing = [k for k in kw if k not in params]
-        if missing:
-            raise PyllmError(f"structured output unavailable: this pyllm cannot constrain generation "
-                             f"({', '.join(missing)} is not supported yet)")
-    return kw
+    if not kw:
+        return {}
+    if "constraint" not in inspect.signature(llm.generate_tokens).parameters:
+        raise PyllmError(f"structured output unavailable: this pyllm cannot constrain generation "
+                         f"({', '.join(kw)} is not supported yet)")
+    try:
+        return {"constraint": llm.make_constraint(**kw)}
+    except PyllmError as e:
+        raise BadRequest(str(e), param or given) from None
 
 
 # ------------------------------------------------------------------------------------------------ token stream
@@ -435,7 +443,9 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
         call = {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
                 "required": ["name", "arguments"]}
         try:
-            return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call)
+            return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call, param="tools")
+        except BadRequest:  # the tool's parameters are not a usable schema
+            raise
         except PyllmError:
             return TOOL_OPEN + '\n{"name": "' + name + '", "arguments":', {}
     # The call is opened up to the name's quote: after a bare "<tool_call>\n" small models tend to end the turn.

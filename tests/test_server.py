@@ -330,6 +330,33 @@ def test_malformed_tool_calls_and_tool_choice_are_400s(smol):
     _ok(smol)
 
 
+def test_invalid_structured_output_is_a_400_before_a_stream_starts(smol):
+    """An invalid or unsatisfiable JSON schema, or a grammar that does not parse, is a 400 naming its parameter,
+    streamed or not: arguments are checked before anything is generated (a chat stream answered 200 and sent the
+    error as an event after its first chunk, with no parameter named)."""
+    def schema(s):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}
+
+    cases = [("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"type": "nonsense"})}, "response_format"),
+             ("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"type": "integer", "minimum": 5,
+                                                                          "maximum": 3})}, "response_format"),
+             ("/v1/chat/completions", {"messages": _chat("Hi"), "grammar": "root ::= (("}, "grammar"),
+             ("/v1/chat/completions", {"messages": _chat("Hi"), "tool_choice": {"type": "function",
+                                                                                "function": {"name": "f"}},
+                                       "tools": [{"type": "function", "function": {
+                                           "name": "f", "parameters": {"type": "zzz"}}}]}, "tools"),
+             ("/v1/completions", {"prompt": "Hi", **schema({"type": "nonsense"})}, "response_format"),
+             ("/v1/completions", {"prompt": "Hi", "grammar": "root ::= (("}, "grammar")]
+    for path, req, param in cases:
+        for stream in (False, True):
+            status, r = smol.raw(path, json.dumps({**req, "max_tokens": 4, "stream": stream}).encode())
+            assert status == 400 and r["error"]["param"] == param, (req, stream, r)
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi"), "max_tokens": 8, "stream": True,
+                                                             **schema({"type": "integer"})}).encode())
+    assert status == 200 and r.rstrip().endswith("data: [DONE]")
+    _ok(smol)
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
