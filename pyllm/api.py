@@ -90,6 +90,7 @@ def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, p
     _number("top_p", top_p, 0, 1)
     _number("top_k", top_k, 0, integer=True)
     _number("min_p", min_p, 0, 1)
+    _number("typical_p", typical_p, 0, 1)
     _number("presence_penalty", presence_penalty, -2, 2)
     _number("frequency_penalty", frequency_penalty, -2, 2)
     _number("repeat_penalty", repeat_penalty, 0)
@@ -104,8 +105,9 @@ def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, p
                                seed=None if seed is None else int(seed) & (2**63 - 1))
     try:
         s = Sampler(settings)
-    except PyllmError as e:
-        raise BadRequest(str(e)) from None
+    except PyllmError as e:  # a bound _number leaves to the sampler (an open end): its message names the setting
+        named = re.match(r"sampler setting (\w+)=", str(e))
+        raise BadRequest(str(e), named and named.group(1)) from None
     s.logprobs = n_logprobs
     return s
 

@@ -357,6 +357,20 @@ def test_invalid_structured_output_is_a_400_before_a_stream_starts(smol):
     _ok(smol)
 
 
+def test_sampler_settings_are_checked_and_named(smol):
+    """Every sampler setting of the wrong type or out of the sampler's range is a 400 naming it (typical_p of the
+    wrong type was a 500; the sampler's own range checks named no parameter)."""
+    for kw in ({"typical_p": "x"}, {"typical_p": [1]}, {"typical_p": 0}, {"typical_p": 1.5}, {"min_p": 1},
+               {"repeat_penalty": 0}, {"top_k": -1}):
+        for path, req in (("/v1/chat/completions", {"messages": _chat("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
+            status, r = smol.raw(path, json.dumps({**req, **kw, "max_tokens": 2}).encode())
+            assert status == 400 and r["error"]["param"] == next(iter(kw)), (kw, r)
+    status, r = smol.raw("/v1/completions", json.dumps({"prompt": "Hi", "typical_p": 0.9, "min_p": 0.0,
+                                                        "max_tokens": 2}).encode())
+    assert status == 200, r
+    _ok(smol)
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
