@@ -169,6 +169,7 @@ class TokenInfo:
     logprob: float | None = None
     top: list[tuple[str, float]] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
+    top_bytes: list[list[int]] = field(default_factory=list)  # each of ``top``'s own bytes (its text may hold U+FFFD)
 
 
 @dataclass
@@ -243,8 +244,10 @@ class Run:
         tok = self.llm.tokenizer
         lp, top = self.sampler.last_logprobs or (None, [])
         b = tok.token_bytes(t)
+        tops = [(tok.token_bytes(i), v) for i, v in top]
         return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
-                         [(tok.token_bytes(i).decode("utf-8", errors="replace"), v) for i, v in top], list(b))
+                         [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops], list(b),
+                         [list(tb) for tb, _ in tops])
 
 
 def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
@@ -500,7 +503,8 @@ def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | N
 
 def _chat_logprobs(infos: list[TokenInfo]) -> dict:
     return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": t.bytes,
-                         "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in t.top]}
+                         "top_logprobs": [{"token": s, "logprob": v, "bytes": b}
+                                          for (s, v), b in zip(t.top, t.top_bytes)]}
                         for t in infos]}
 
 

@@ -371,6 +371,22 @@ def test_sampler_settings_are_checked_and_named(smol):
     _ok(smol)
 
 
+def test_top_logprobs_bytes_are_the_tokens_own(smol):
+    """top_logprobs[].bytes are each token's own bytes, as the chosen token's are (they were the UTF-8 of its text
+    with U+FFFD for a token that is part of a character). Greedy: the first alternative is the chosen token."""
+    r = smol.client().chat.completions.create(model="smollm2", messages=_chat("h\u00e9llo \N{DRAGON} end"),
+                                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    partial = 0
+    for t in content:
+        assert t.top_logprobs[0].bytes == t.bytes and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        try:
+            bytes(t.bytes).decode()
+        except UnicodeDecodeError:
+            partial += 1
+    assert partial  # the reply has tokens that are parts of a character (the dragon's four bytes)
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
