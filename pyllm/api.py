@@ -524,6 +524,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
     _check_n(n)
     stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
+    if max_completion_tokens not in (None, -1):  # checked here to be named as the request spelled it
+        _number("max_completion_tokens", max_completion_tokens, 0, integer=True)
     if top_logprobs is not None:
         _number("top_logprobs", top_logprobs, 0, 20, integer=True)
     msgs = normalize_messages(messages)

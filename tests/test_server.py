@@ -387,6 +387,23 @@ def test_top_logprobs_bytes_are_the_tokens_own(smol):
     assert partial  # the reply has tokens that are parts of a character (the dragon's four bytes)
 
 
+def test_errors_name_the_parameter_the_request_used(smol):
+    """A prompt longer than the context is a fault of "prompt" on /v1/completions (it named "messages"), and a bad
+    max_completion_tokens is named as such (it was named max_tokens, which the request did not send)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().completions.create(model="smollm2", prompt="word " * 700, max_tokens=2, stream=True)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().chat.completions.create(model="smollm2", messages=_chat("word " * 700), max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+    for bad in (-2, 1.5, "8"):
+        with pytest.raises(openai.BadRequestError) as e:
+            smol.client().chat.completions.create(model="smollm2", messages=_chat("Hi"), max_completion_tokens=bad)
+        assert e.value.body["param"] == "max_completion_tokens" and "max_completion_tokens" in e.value.message
+    r = smol.client().chat.completions.create(model="smollm2", messages=_chat("Hi"), max_completion_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60

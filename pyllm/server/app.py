@@ -88,13 +88,14 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                                    "param": param, "code": code}}, status_code=status)
 
 
-def _as_api_error(e: Exception) -> APIError:
+def _as_api_error(e: Exception, prompt_param: str = "messages") -> APIError:
+    """``prompt_param``: the parameter that holds the prompt on this route, named when it does not fit."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, BadRequest):
         return APIError(400, str(e), e.param)
     if isinstance(e, ContextFullError):
-        return APIError(400, str(e), "messages", "context_length_exceeded")
+        return APIError(400, str(e), prompt_param, "context_length_exceeded")
     if isinstance(e, PyllmError):
         return APIError(400, str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
@@ -254,8 +255,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     async def generate(request: Request, route: str, fn_name: str) -> Response:
         data = await read_json(request)
         stream = bool(data.get("stream"))
-        data = call_kwargs(getattr(api, fn_name), data, "messages" if fn_name == "create_chat_completion" else
-                           "prompt")
+        prompt_param = "messages" if fn_name == "create_chat_completion" else "prompt"
+        data = call_kwargs(getattr(api, fn_name), data, prompt_param)
         if engine is None:
             fn = getattr(llm, fn_name)
             job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
@@ -272,7 +273,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             raise APIError(500, "the request produced no result")
         kind, value = first
         if kind == "error":
-            raise _as_api_error(value)
+            raise _as_api_error(value, prompt_param)
         if not stream:
             metrics.request(route, 200)
             return JSONResponse(value)
@@ -287,7 +288,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     while True:
                         kind, value = item
                         if kind == "error":
-                            e = _as_api_error(value)
+                            e = _as_api_error(value, prompt_param)
                             out.append(sse_event({"error": {"message": e.message, "type": ERROR_TYPES[e.status],
                                                             "param": e.param, "code": e.code}}))
                             yield "".join(out)
