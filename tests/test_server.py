@@ -113,6 +113,11 @@ def _ok(server):
 def test_models_and_health(smol):
     ids = [m.id for m in smol.client().models.list().data]
     assert ids == ["smollm2"]
+    m = smol.client().models.retrieve("smollm2")  # GET /v1/models/{model}, as OpenAI's API serves it
+    assert m.id == "smollm2" and m.object == "model" and m.owned_by == "pyllm"
+    with pytest.raises(openai.NotFoundError) as e:
+        smol.client().models.retrieve("gpt-9/x")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert smol.raw("/health", key=None) == (200, {"status": "ok"})
 
 

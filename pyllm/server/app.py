@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one LLM (Starlette routes, served by uvicorn; see docs/DESIGN.md, Server).
 
-Routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings, GET /health, GET /metrics.
+Routes: GET /v1/models, /v1/models/{model}, POST /v1/chat/completions, /v1/completions, /v1/embeddings,
+GET /health, GET /metrics.
 Responses are the dicts of pyllm/api.py; streams are OpenAI's server-sent events ending in ``data: [DONE]``.
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
 """
@@ -335,10 +336,18 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         metrics.request("/v1/embeddings", 200)
         return JSONResponse(value)
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "pyllm",
+                  "meta": {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab}}
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                         "owned_by": "pyllm", "meta": {"n_ctx": llm.n_ctx,
-                                                                                       "n_vocab": llm.n_vocab}}]})
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
+                           "model_not_found")
+        return JSONResponse(model_card)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -348,6 +357,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
