@@ -413,6 +413,20 @@ def normalize_messages(messages) -> list[dict]:
     return out
 
 
+def _calls_as_text(m: dict) -> dict:
+    """``m`` with its tool_calls written into its content in the <tool_call> convention (what TOOL_SYSTEM_FALLBACK
+    asks the model to write), for a template that does not render tool_calls: it would drop the calls, or fail on
+    the null content that comes with them."""
+    if not m.get("tool_calls"):
+        return m
+    calls = "\n".join(f"{TOOL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                     "arguments": c["function"].get("arguments", {})})
+                      + f"\n{TOOL_CLOSE}" for c in m["tool_calls"])
+    out = {k: v for k, v in m.items() if k != "tool_calls"}
+    out["content"] = f"{m['content']}\n{calls}" if m["content"] else calls
+    return out
+
+
 def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
     """(tools, forced function name) after checking; tool_choice "none" (or no tools) gives ([], None)."""
     if not tools:
@@ -529,6 +543,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     if top_logprobs is not None:
         _number("top_logprobs", top_logprobs, 0, 20, integer=True)
     msgs = normalize_messages(messages)
+    if "tool_calls" not in llm.template.source:
+        msgs = [_calls_as_text(m) for m in msgs]
     tools, forced = _check_tools(tools, tool_choice)
     constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
     template_kw, prefix = {}, ""

@@ -409,6 +409,26 @@ def test_errors_name_the_parameter_the_request_used(smol):
     assert r.usage.completion_tokens == 2
 
 
+def test_tool_round_trip_on_a_template_without_tool_calls(smol):
+    """OpenAI's tool flow sends the assistant's call back with null content. SmolLM2's template renders neither
+    tool_calls nor a null content (it was a 400 "chat template failed: TypeError"); the call is written into the
+    turn in the <tool_call> convention the fallback tool prompt teaches, so the model sees what it called.
+    Reference: the same history with that text as the assistant's content."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    c = smol.client()
+    replies = []
+    for turn in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "assistant", "content": written}):
+        msgs = _chat("What is the weather in Paris?") + [turn, {"role": "tool", "tool_call_id": "call_1",
+                                                                "content": "sunny"}]
+        r = c.chat.completions.create(model="smollm2", messages=msgs, tools=tools, max_tokens=6, temperature=0)
+        replies.append((r.usage.prompt_tokens, r.choices[0].message.content))
+    assert replies[0] == replies[1]
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
