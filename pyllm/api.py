@@ -156,7 +156,9 @@ def structured_output_kwargs(llm, response_format=None, grammar=None, json_schem
         raise PyllmError(f"structured output unavailable: this pyllm cannot constrain generation "
                          f"({', '.join(kw)} is not supported yet)")
     try:
-        return {"constraint": llm.make_constraint(**kw)}
+        constraint = llm.make_constraint(**kw)
+        constraint.allowed()  # the first step's mask (kept for it): a grammar that allows no start fails here
+        return {"constraint": constraint}
     except PyllmError as e:
         raise BadRequest(str(e), param or given) from None
 

@@ -345,6 +345,8 @@ def test_invalid_structured_output_is_a_400_before_a_stream_starts(smol):
     cases = [("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"type": "nonsense"})}, "response_format"),
              ("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"type": "integer", "minimum": 5,
                                                                           "maximum": 3})}, "response_format"),
+             ("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"$ref": "#/$defs/n", "$defs": {
+                 "n": {"$ref": "#/$defs/n"}}})}, "response_format"),  # compiles, but allows no first token
              ("/v1/chat/completions", {"messages": _chat("Hi"), "grammar": "root ::= (("}, "grammar"),
              ("/v1/chat/completions", {"messages": _chat("Hi"), "tool_choice": {"type": "function",
                                                                                 "function": {"name": "f"}},
