@@ -239,11 +239,13 @@ def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
 
 
 def test_bodies_python_cannot_take_are_400s(smol):
-    """A body nested deeper than Python's JSON parser recurses, or a model id that is not a string, is the client's
-    error: a 400 naming it, not a 500."""
+    """A body nested deeper than Python's JSON parser recurses, a number longer than Python converts (4300
+    digits), or a model id that is not a string, is the client's error: a 400 naming it, not a 500."""
     deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     status, body = smol.raw("/v1/chat/completions", deep)
     assert status == 400 and "nest too deeply" in body["error"]["message"]
+    status, body = smol.raw("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert status == 400 and "malformed JSON" in body["error"]["message"], body
     for model in (["smollm2"], {"id": "smollm2"}):
         status, body = smol.raw("/v1/completions", json.dumps({"model": model, "prompt": "hi"}).encode())
         assert status == 400 and body["error"]["param"] == "model" and "string" in body["error"]["message"]

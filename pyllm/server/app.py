@@ -212,7 +212,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                 raise APIError(413, f"request body exceeds the limit of {max_body} bytes")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4300 digits
             raise APIError(400, f"malformed JSON body: {e}") from None
         except RecursionError:  # Python's parser recurses per level: a few kB of "[[[[" exhaust its stack
             raise APIError(400, "malformed JSON body: arrays and objects nest too deeply") from None
