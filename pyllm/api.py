@@ -374,6 +374,9 @@ def _text_content(content, i: int):
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
+
+
 def normalize_messages(messages) -> list[dict]:
     """OpenAI messages -> what chat templates read: text content, tool-call arguments as objects (templates write
     them with ``tojson``), a tool result's name where only its call id is given."""
@@ -383,6 +386,8 @@ def normalize_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
+        if m["role"] not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
         m = dict(m)
         m["content"] = _text_content(m.get("content"), i)
         if m.get("tool_calls"):

@@ -433,6 +433,18 @@ def test_tool_round_trip_on_a_template_without_tool_calls(smol):
     assert replies[0] == replies[1]
 
 
+def test_roles_are_openais(smol):
+    """A message role outside OpenAI's (system, developer, user, assistant, tool, function) is a 400 naming the
+    message, as OpenAI's API answers; it was rendered into the prompt as a turn of that name."""
+    for role in ("wizard", "", "USER"):
+        status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi") + [
+            {"role": role, "content": "x"}], "max_tokens": 2}).encode())
+        assert status == 400 and r["error"]["param"] == "messages" and "messages[1].role" in r["error"]["message"]
+    r = smol.client().chat.completions.create(model="smollm2", max_tokens=2, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert r.usage.completion_tokens == 2
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
