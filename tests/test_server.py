@@ -525,6 +525,29 @@ def test_embeddings_rank_paraphrases_first(smol):
     assert status == 400 and body["error"]["param"] == "input"
 
 
+def test_disconnect_stops_a_long_embeddings_request(smol):
+    """One request may ask for thousands of embeddings (minutes of work); a client that goes away stops it at the
+    next text, as it stops a generation at the next token, instead of holding the worker to the end."""
+    before = smol.metrics()
+    body = json.dumps({"model": "smollm2", "input": ["hi"] * 10000}).encode()  # ~2 minutes of embedding here
+    with socket.create_connection(("127.0.0.1", smol.port), timeout=30) as s:
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                  b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 60
+        while smol.metrics()["pyllm_requests_processing"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+    left = time.monotonic()
+    while smol.metrics()["pyllm_requests_processing"] and time.monotonic() < left + 20:
+        time.sleep(0.2)
+    assert smol.metrics()["pyllm_requests_processing"] == 0
+    assert smol.metrics()["pyllm_requests_cancelled_total"] == before["pyllm_requests_cancelled_total"] + 1
+    status, body = smol.raw("/v1/embeddings", json.dumps({"input": "hi", "encoding_format": "xml"}).encode())
+    assert status == 400 and body["error"]["param"] == "encoding_format"  # the parameter at fault, not "input"
+    _ok(smol)
+
+
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]

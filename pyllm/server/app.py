@@ -323,9 +323,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
         data = call_kwargs(create_embedding, await read_json(request), "input")
         if engine is None:
-            job = scheduler.submit(lambda cancel: llm.create_embedding(**data))
+            job = scheduler.submit(lambda cancel: llm.create_embedding(**data, cancel=cancel))
         else:  # on the engine's thread, between its steps: one thread runs the model
-            job = scheduler.submit(lambda cancel: engine.call(lambda: llm.create_embedding(**data)))
+            job = scheduler.submit(lambda cancel: engine.call(lambda: llm.create_embedding(**data, cancel=cancel)))
         try:
             kind, value = await next_item(request, job)
         except asyncio.CancelledError:
