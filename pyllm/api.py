@@ -550,6 +550,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     if top_logprobs is not None:
         _number("top_logprobs", top_logprobs, 0, 20, integer=True)
     msgs = normalize_messages(messages)
+    if "developer" not in llm.template.source:  # OpenAI's newer name for system: a template may drop a role it lacks
+        msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
     if "tool_calls" not in llm.template.source:
         msgs = [_calls_as_text(m) for m in msgs]
     tools, forced = _check_tools(tools, tool_choice)

@@ -600,6 +600,19 @@ def test_tool_choice(qwen):
                                   tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
+def test_developer_messages_are_system_messages_to_templates_without_them(qwen):
+    """OpenAI's developer role is the system role of newer models. Qwen2.5's template knows neither it nor any
+    other role it does not name, and dropped the message (its instructions never reached the model); a template
+    that does not name "developer" now gets it as a system message. Reference: the same request with "system"."""
+    c = qwen.client()
+    got = []
+    for role in ("developer", "system"):
+        r = c.chat.completions.create(model="qwen", temperature=0, max_tokens=8, messages=[
+            {"role": role, "content": "Answer only in French."}, {"role": "user", "content": "Say hello."}])
+        got.append((r.usage.prompt_tokens, r.choices[0].message.content))
+    assert got[0] == got[1]
+
+
 def _readme_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Serve")
