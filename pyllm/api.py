@@ -466,8 +466,13 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
         raise BadRequest("response_format cannot be combined with a forced tool call", "tool_choice")
     if name:
         schema = next(t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name)
+        # "#/$defs/..." references resolve from the document's root, which is now the call object: the
+        # definitions move up there with it
+        defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema, dict) and k in schema}
+        if defs:
+            schema = {k: v for k, v in schema.items() if k not in defs}
         call = {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                "required": ["name", "arguments"]}
+                "required": ["name", "arguments"], **defs}
         try:
             return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call, param="tools")
         except BadRequest:  # the tool's parameters are not a usable schema

@@ -613,6 +613,24 @@ def test_developer_messages_are_system_messages_to_templates_without_them(qwen):
     assert got[0] == got[1]
 
 
+def test_forced_call_with_a_schema_that_has_defs(qwen):
+    """Tool parameters with "$defs" and "#/$defs/..." references (what pydantic and openai.pydantic_function_tool
+    write) are a valid schema; forcing that tool embedded them under the call object, where the references no
+    longer resolved (a 400 "Pointer '/$defs/City' does not exist"). The call's arguments follow the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+              "additionalProperties": False,
+              "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+                                 "required": ["name"], "additionalProperties": False}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    r = qwen.client().chat.completions.create(
+        model="qwen", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=64)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+
 def _readme_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Serve")
