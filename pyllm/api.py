@@ -460,25 +460,36 @@ def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
 
 def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
     """(reply prefix, constraint) forcing a tool call: "required" opens a call object; a named function also
-    writes the name. Where the runtime can constrain output, a named call's arguments follow the tool's JSON schema (the
-    whole call object is constrained); otherwise the model continues freely after the prefilled name."""
+    writes the name. Where the runtime can constrain output, the whole call object is constrained: its name is one
+    of the tools' (the named one), its arguments follow that tool's JSON schema; otherwise the model continues
+    freely after the prefilled name."""
     if constraint:
         raise BadRequest("response_format cannot be combined with a forced tool call", "tool_choice")
-    if name:
-        schema = next(t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name)
-        # "#/$defs/..." references resolve from the document's root, which is now the call object: the
-        # definitions move up there with it
-        defs = {k: schema[k] for k in ("$defs", "definitions") if isinstance(schema, dict) and k in schema}
-        if defs:
-            schema = {k: v for k, v in schema.items() if k not in defs}
-        call = {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                "required": ["name", "arguments"], **defs}
+    calls, defs, clash = [], {}, False
+    for t in tools:
+        if name and t["function"]["name"] != name:
+            continue
+        schema = t["function"].get("parameters") or {}
+        if isinstance(schema, dict):
+            # "#/$defs/..." references resolve from the document's root, which is now the call object: the
+            # definitions move up there with it (two tools that define one name differently cannot share it)
+            hoisted = [k for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)]
+            for k in hoisted:
+                for d, v in schema[k].items():
+                    clash |= defs.setdefault(k, {}).setdefault(d, v) != v
+            schema = {k: v for k, v in schema.items() if k not in hoisted}
+        calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       "arguments": schema}, "required": ["name", "arguments"]})
+    if not clash:
+        call = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs}
         try:
             return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call, param="tools")
-        except BadRequest:  # the tool's parameters are not a usable schema
+        except BadRequest:  # a tool's parameters are not a usable schema
             raise
         except PyllmError:
-            return TOOL_OPEN + '\n{"name": "' + name + '", "arguments":', {}
+            pass
+    if name:
+        return TOOL_OPEN + '\n{"name": "' + name + '", "arguments":', {}
     # The call is opened up to the name's quote: after a bare "<tool_call>\n" small models tend to end the turn.
     return TOOL_OPEN + '\n{"name": "', {}
 

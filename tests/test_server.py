@@ -631,6 +631,20 @@ def test_forced_call_with_a_schema_that_has_defs(qwen):
     jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+def test_required_tool_choice_calls_a_declared_tool(qwen):
+    """tool_choice "required" must produce a call to one of the request's tools, with arguments under its schema,
+    as OpenAI's API guarantees; asked something no tool fits, the model made up a function ("hello") and the
+    server returned that call."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = qwen.client()
+    for msg in ("hello", "What is the weather in Rome?"):
+        r = c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": msg}], tools=WEATHER,
+                                      tool_choice="required", temperature=0, max_tokens=64)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", msg
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER[0]["function"]["parameters"])
+
+
 def _readme_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Serve")
