@@ -48,6 +48,15 @@ def _number(name: str, v, lo: float | None = None, hi: float | None = None, inte
     return v
 
 
+def _flag(name: str, v, param: str | None = None) -> bool:
+    """A documented boolean: true, false or null (false). Anything else would pass on its truthiness ("false")."""
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false, got {v!r}", param or name)
+    return v
+
+
 def _stop_list(stop) -> list[str]:
     if stop is None:
         return []
@@ -81,6 +90,7 @@ def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, p
     _number("top_p", top_p, 0, 1)
     _number("top_k", top_k, 0, integer=True)
     _number("min_p", min_p, 0, 1)
+    _number("typical_p", typical_p, 0, 1)
     _number("presence_penalty", presence_penalty, -2, 2)
     _number("frequency_penalty", frequency_penalty, -2, 2)
     _number("repeat_penalty", repeat_penalty, 0)
@@ -95,8 +105,9 @@ def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, p
                                seed=None if seed is None else int(seed) & (2**63 - 1))
     try:
         s = Sampler(settings)
-    except PyllmError as e:
-        raise BadRequest(str(e)) from None
+    except PyllmError as e:  # a bound _number leaves to the sampler (an open end): its message names the setting
+        named = re.match(r"sampler setting (\w+)=", str(e))
+        raise BadRequest(str(e), named and named.group(1)) from None
     s.logprobs = n_logprobs
     return s
 
@@ -112,12 +123,16 @@ def _max_tokens(llm, n_prompt: int, max_tokens) -> int:
     return min(max_tokens, room)
 
 
-def structured_output_kwargs(llm, response_format=None, grammar=None, json_schema=None) -> dict:
-    """The constraint keyword arguments for ``llm.generate_tokens`` (``json_schema`` / ``grammar``).
+def structured_output_kwargs(llm, response_format=None, grammar=None, json_schema=None,
+                             param: str | None = None) -> dict:
+    """The constraint keyword argument for ``llm.generate_tokens``: ``{"constraint": ...}``, or {} for none.
 
     response_format {"type": "json_object"} asks for any JSON object; {"type": "json_schema", "json_schema":
-    {"schema": ...}} for that schema; {"type": "text"} for nothing. PyllmError when a constraint is asked of a
-    runtime whose generate_tokens cannot apply one."""
+    {"schema": ...}} for that schema; {"type": "text"} for nothing. The constraint is built here, when the call is
+    made: an invalid or unsatisfiable schema or grammar is a BadRequest naming ``param`` (default: the argument that
+    gave it) before anything streams. PyllmError when a constraint is asked of a runtime whose generate_tokens
+    cannot apply one."""
+    given = "json_schema" if json_schema is not None else "grammar"
     if response_format is not None:
         if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
                                                                                          "json_schema"):
@@ -132,14 +147,20 @@ def structured_output_kwargs(llm, response_format=None, grammar=None, json_schem
                 raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
                                  "response_format")
             json_schema = js.get("schema") or {}
+        if kind != "text":
+            given = "response_format"
     kw = {k: v for k, v in (("json_schema", json_schema), ("grammar", grammar)) if v is not None}
-    if kw:
-        params = inspect.signature(llm.generate_tokens).parameters
-        missing = [k for k in kw if k not in params]
-        if missing:
-            raise PyllmError(f"structured output unavailable: this pyllm cannot constrain generation "
-                             f"({', '.join(missing)} is not supported yet)")
-    return kw
+    if not kw:
+        return {}
+    if "constraint" not in inspect.signature(llm.generate_tokens).parameters:
+        raise PyllmError(f"structured output unavailable: this pyllm cannot constrain generation "
+                         f"({', '.join(kw)} is not supported yet)")
+    try:
+        constraint = llm.make_constraint(**kw)
+        constraint.allowed()  # the first step's mask (kept for it): a grammar that allows no start fails here
+        return {"constraint": constraint}
+    except PyllmError as e:
+        raise BadRequest(str(e), param or given) from None
 
 
 # ------------------------------------------------------------------------------------------------ token stream
@@ -150,6 +171,7 @@ class TokenInfo:
     logprob: float | None = None
     top: list[tuple[str, float]] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
+    top_bytes: list[list[int]] = field(default_factory=list)  # each of ``top``'s own bytes (its text may hold U+FFFD)
 
 
 @dataclass
@@ -224,8 +246,10 @@ class Run:
         tok = self.llm.tokenizer
         lp, top = self.sampler.last_logprobs or (None, [])
         b = tok.token_bytes(t)
+        tops = [(tok.token_bytes(i), v) for i, v in top]
         return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
-                         [(tok.token_bytes(i).decode("utf-8", errors="replace"), v) for i, v in top], list(b))
+                         [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops], list(b),
+                         [list(tb) for tb, _ in tops])
 
 
 def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
@@ -280,6 +304,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token.
     ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
     _check_n(n)
+    stream, echo = _flag("stream", stream), _flag("echo", echo)
     if suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -312,7 +337,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
 def _include_usage(stream_options) -> bool:
     if stream_options is not None and not isinstance(stream_options, dict):
         raise BadRequest("stream_options must be an object", "stream_options")
-    return bool((stream_options or {}).get("include_usage"))
+    return _flag("stream_options.include_usage", (stream_options or {}).get("include_usage"), "stream_options")
 
 
 def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include_usage: bool) -> Iterator[dict]:
@@ -349,6 +374,9 @@ def _text_content(content, i: int):
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
+
+
 def normalize_messages(messages) -> list[dict]:
     """OpenAI messages -> what chat templates read: text content, tool-call arguments as objects (templates write
     them with ``tojson``), a tool result's name where only its call id is given."""
@@ -358,12 +386,21 @@ def normalize_messages(messages) -> list[dict]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a role", "messages")
+        if m["role"] not in ROLES:
+            raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
         m = dict(m)
         m["content"] = _text_content(m.get("content"), i)
         if m.get("tool_calls"):
             calls = []
-            for c in m["tool_calls"]:
-                fn = dict((c or {}).get("function") or {})
+            if not isinstance(m["tool_calls"], list):
+                raise BadRequest(f"messages[{i}].tool_calls must be a list of calls", "messages")
+            for j, c in enumerate(m["tool_calls"]):
+                if not (isinstance(c, dict) and isinstance(c.get("function"), dict)
+                        and isinstance(c["function"].get("name"), str) and isinstance(c.get("id", ""), str)):
+                    raise BadRequest(f"messages[{i}].tool_calls[{j}] must be {{\"id\": string, \"type\": "
+                                     f"\"function\", \"function\": {{\"name\": string, \"arguments\": ...}}}}, "
+                                     f"got {c!r:.80}", "messages")
+                fn = dict(c["function"])
                 args = fn.get("arguments")
                 if isinstance(args, str):
                     try:
@@ -375,9 +412,25 @@ def normalize_messages(messages) -> list[dict]:
             m["tool_calls"] = calls
         elif m["content"] is None:
             m["content"] = ""
+        if not isinstance(m.get("tool_call_id", ""), str):
+            raise BadRequest(f"messages[{i}].tool_call_id must be a string", "messages")
         if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names:
             m["name"] = names[m["tool_call_id"]]
         out.append(m)
+    return out
+
+
+def _calls_as_text(m: dict) -> dict:
+    """``m`` with its tool_calls written into its content in the <tool_call> convention (what TOOL_SYSTEM_FALLBACK
+    asks the model to write), for a template that does not render tool_calls: it would drop the calls, or fail on
+    the null content that comes with them."""
+    if not m.get("tool_calls"):
+        return m
+    calls = "\n".join(f"{TOOL_OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                     "arguments": c["function"].get("arguments", {})})
+                      + f"\n{TOOL_CLOSE}" for c in m["tool_calls"])
+    out = {k: v for k, v in m.items() if k != "tool_calls"}
+    out["content"] = f"{m['content']}\n{calls}" if m["content"] else calls
     return out
 
 
@@ -398,7 +451,8 @@ def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
         return [], None
     if tool_choice == "required":
         return tools, ""
-    if isinstance(tool_choice, dict) and (tool_choice.get("function") or {}).get("name") in names:
+    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict) \
+            and tool_choice["function"].get("name") in names:
         return tools, tool_choice["function"]["name"]
     raise BadRequest(f"tool_choice must be \"auto\", \"none\", \"required\" or a function among {names}, got "
                      f"{tool_choice!r}", "tool_choice")
@@ -406,18 +460,36 @@ def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
 
 def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
     """(reply prefix, constraint) forcing a tool call: "required" opens a call object; a named function also
-    writes the name. Where the runtime can constrain output, a named call's arguments follow the tool's JSON schema (the
-    whole call object is constrained); otherwise the model continues freely after the prefilled name."""
+    writes the name. Where the runtime can constrain output, the whole call object is constrained: its name is one
+    of the tools' (the named one), its arguments follow that tool's JSON schema; otherwise the model continues
+    freely after the prefilled name."""
     if constraint:
         raise BadRequest("response_format cannot be combined with a forced tool call", "tool_choice")
-    if name:
-        schema = next(t["function"].get("parameters") or {} for t in tools if t["function"]["name"] == name)
-        call = {"type": "object", "properties": {"name": {"const": name}, "arguments": schema},
-                "required": ["name", "arguments"]}
+    calls, defs, clash = [], {}, False
+    for t in tools:
+        if name and t["function"]["name"] != name:
+            continue
+        schema = t["function"].get("parameters") or {}
+        if isinstance(schema, dict):
+            # "#/$defs/..." references resolve from the document's root, which is now the call object: the
+            # definitions move up there with it (two tools that define one name differently cannot share it)
+            hoisted = [k for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)]
+            for k in hoisted:
+                for d, v in schema[k].items():
+                    clash |= defs.setdefault(k, {}).setdefault(d, v) != v
+            schema = {k: v for k, v in schema.items() if k not in hoisted}
+        calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       "arguments": schema}, "required": ["name", "arguments"]})
+    if not clash:
+        call = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs}
         try:
-            return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call)
+            return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call, param="tools")
+        except BadRequest:  # a tool's parameters are not a usable schema
+            raise
         except PyllmError:
-            return TOOL_OPEN + '\n{"name": "' + name + '", "arguments":', {}
+            pass
+    if name:
+        return TOOL_OPEN + '\n{"name": "' + name + '", "arguments":', {}
     # The call is opened up to the name's quote: after a bare "<tool_call>\n" small models tend to end the turn.
     return TOOL_OPEN + '\n{"name": "', {}
 
@@ -468,7 +540,8 @@ def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | N
 
 def _chat_logprobs(infos: list[TokenInfo]) -> dict:
     return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": t.bytes,
-                         "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())} for s, v in t.top]}
+                         "top_logprobs": [{"token": s, "logprob": v, "bytes": b}
+                                          for (s, v), b in zip(t.top, t.top_bytes)]}
                         for t in infos]}
 
 
@@ -487,9 +560,16 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     back as ``message.tool_calls`` with finish_reason "tool_calls". ``max_tokens`` None = until the context is
     full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
     _check_n(n)
+    stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
+    if max_completion_tokens not in (None, -1):  # checked here to be named as the request spelled it
+        _number("max_completion_tokens", max_completion_tokens, 0, integer=True)
     if top_logprobs is not None:
         _number("top_logprobs", top_logprobs, 0, 20, integer=True)
     msgs = normalize_messages(messages)
+    if "developer" not in llm.template.source:  # OpenAI's newer name for system: a template may drop a role it lacks
+        msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
+    if "tool_calls" not in llm.template.source:
+        msgs = [_calls_as_text(m) for m in msgs]
     tools, forced = _check_tools(tools, tool_choice)
     constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
     template_kw, prefix = {}, ""

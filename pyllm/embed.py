@@ -52,8 +52,9 @@ def embed(llm, texts: str | list[str], normalize: bool = True, pooling: str | No
     return vecs[0] if single else vecs
 
 
-def embed_counted(llm, items: list[str], normalize: bool = True, pooling: str | None = None):
-    """(vectors, total tokens embedded)."""
+def embed_counted(llm, items: list[str], normalize: bool = True, pooling: str | None = None, cancel=None):
+    """(vectors, total tokens embedded). ``cancel``: a threading.Event that stops the work at the next text
+    (PyllmError): one request may hold thousands of texts."""
     if not items or not all(isinstance(t, str) for t in items):
         raise PyllmError("embed: give a string or a non-empty list of strings")
     pooling = pooling or pooling_of(llm)
@@ -63,6 +64,8 @@ def embed_counted(llm, items: list[str], normalize: bool = True, pooling: str | 
     with llm._lock:
         llm._epoch += 1
         for text in items:
+            if cancel is not None and cancel.is_set():
+                raise PyllmError("embed: cancelled")
             ids = llm.tokenize(text) if text else []
             if not ids:
                 raise PyllmError("embed: cannot embed an empty text")
@@ -88,15 +91,20 @@ def _encode(v: list[float], encoding_format: str | None):
     return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
 
 
-def create_embedding(llm, input, model: str | None = None, encoding_format: str | None = None, **ignored) -> dict:
-    """OpenAI ``/v1/embeddings`` response for ``input`` (a string or a list of strings)."""
+def create_embedding(llm, input, model: str | None = None, encoding_format: str | None = None, cancel=None,
+                     **ignored) -> dict:
+    """OpenAI ``/v1/embeddings`` response for ``input`` (a string or a list of strings); ``cancel`` as for
+    embed_counted."""
+    from .api import BadRequest
+
     if encoding_format not in (None, "float", "base64"):
-        raise PyllmError(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}")
+        raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}",
+                         "encoding_format")
     if isinstance(input, str):
         input = [input]
     if not isinstance(input, list) or not input or not all(isinstance(t, str) for t in input):
         raise PyllmError("input must be a string or a non-empty list of strings")
-    vecs, n = embed_counted(llm, input)
+    vecs, n = embed_counted(llm, input, cancel=cancel)
     return {"object": "list", "model": model or llm.path.name,
             "data": [{"object": "embedding", "index": i, "embedding": _encode(v, encoding_format)}
                      for i, v in enumerate(vecs)],

@@ -113,6 +113,11 @@ def _ok(server):
 def test_models_and_health(smol):
     ids = [m.id for m in smol.client().models.list().data]
     assert ids == ["smollm2"]
+    m = smol.client().models.retrieve("smollm2")  # GET /v1/models/{model}, as OpenAI's API serves it
+    assert m.id == "smollm2" and m.object == "model" and m.owned_by == "pyllm"
+    with pytest.raises(openai.NotFoundError) as e:
+        smol.client().models.retrieve("gpt-9/x")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     assert smol.raw("/health", key=None) == (200, {"status": "ok"})
 
 
@@ -233,6 +238,213 @@ def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     assert m["pyllm_queue_depth"] == 0
 
 
+def test_bodies_python_cannot_take_are_400s(smol):
+    """A body nested deeper than Python's JSON parser recurses, a number longer than Python converts (4300
+    digits), or a model id that is not a string, is the client's error: a 400 naming it, not a 500."""
+    deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    status, body = smol.raw("/v1/chat/completions", deep)
+    assert status == 400 and "nest too deeply" in body["error"]["message"]
+    status, body = smol.raw("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}")
+    assert status == 400 and "malformed JSON" in body["error"]["message"], body
+    for model in (["smollm2"], {"id": "smollm2"}):
+        status, body = smol.raw("/v1/completions", json.dumps({"model": model, "prompt": "hi"}).encode())
+        assert status == 400 and body["error"]["param"] == "model" and "string" in body["error"]["message"]
+    _ok(smol)
+
+
+def test_lone_surrogates_are_400s_naming_where(smol):
+    """JSON's \\ud800 escape decodes to a lone UTF-16 surrogate, which is not Unicode text and which no UTF-8
+    response can carry: a 400 naming where it is (it was a 500, or a stream cut off mid-way), while an escaped
+    surrogate pair is the one character it encodes."""
+    for path, body, where in (
+            ("/v1/completions", r'{"prompt": "a\udfffb", "echo": true, "max_tokens": 1}', "prompt"),
+            ("/v1/completions", r'{"prompt": "a\udfffb", "echo": true, "stream": true, "max_tokens": 1}', "prompt"),
+            ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi"}, '
+                                     r'{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]}',
+             "messages[1].content[0].text")):
+        status, r = smol.raw(path, body.encode())
+        assert status == 400, (body, r)
+        assert where in r["error"]["message"] and "surrogate" in r["error"]["message"]
+        assert r["error"]["param"] == where.split("[")[0]
+    status, r = smol.raw("/v1/completions", rb'{"prompt": "\ud83d\udc09", "echo": true, "max_tokens": 1}')
+    assert status == 200 and r["choices"][0]["text"].startswith("\N{DRAGON}")
+    _ok(smol)
+
+
+def test_boolean_parameters_take_only_booleans(smol):
+    """A string "false" is true to Python: where OpenAI documents a boolean, anything else is a 400 naming it (a
+    request with "stream": "false" was streamed). null is the parameter's default."""
+    msgs = _chat("Hi")
+    for path, req, param in (("/v1/chat/completions", {"messages": msgs, "stream": "false"}, "stream"),
+                             ("/v1/chat/completions", {"messages": msgs, "logprobs": "yes"}, "logprobs"),
+                             ("/v1/completions", {"prompt": "Hi", "echo": 1}, "echo"),
+                             ("/v1/completions", {"prompt": "Hi", "stream": True,
+                                                  "stream_options": {"include_usage": "no"}}, "stream_options")):
+        status, r = smol.raw(path, json.dumps({"max_tokens": 2, **req}).encode())
+        assert status == 400 and r["error"]["param"] == param, (req, r)
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2, "stream": None,
+                                                             "logprobs": None}).encode())
+    assert status == 200 and r["object"] == "chat.completion" and r["choices"][0]["logprobs"] is None
+    _ok(smol)
+
+
+def test_missing_inputs_are_400s_and_unknown_parameters_are_ignored(smol):
+    """A request without its messages, prompt or input is a 400 naming it; a parameter the server does not know
+    is ignored, as OpenAI-compatible servers ignore them, whatever its name (one named like a Python argument of
+    pyllm's own functions, such as "self" or "llm", was a 500)."""
+    for path, param in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt"),
+                        ("/v1/embeddings", "input")):
+        status, r = smol.raw(path, b'{"max_tokens": 2}')
+        assert status == 400 and r["error"]["param"] == param and "missing" in r["error"]["message"], r
+    stray = {"self": 1, "llm": 2, "cancel": True, "ignored": 3, "speculative": "draft", "user": "u1"}
+    want = smol.client().chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=3,
+                                                 temperature=0).choices[0].message.content
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi"), "max_tokens": 3,
+                                                             "temperature": 0, **stray}).encode())
+    assert status == 200 and r["choices"][0]["message"]["content"] == want
+    status, r = smol.raw("/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 3, **stray}).encode())
+    assert status == 200 and r["usage"]["completion_tokens"] == 3
+    status, r = smol.raw("/v1/embeddings", json.dumps({"input": "Hi", **stray}).encode())
+    assert status == 200 and len(r["data"]) == 1
+    _ok(smol)
+
+
+def test_malformed_tool_calls_and_tool_choice_are_400s(smol):
+    """Tool-call fields of the wrong shape in the history or in tool_choice are a 400 naming the parameter (they
+    were 500s: a string where an object belongs, a list as a call id)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    bad_history = [{"tool_calls": "x"}, {"tool_calls": ["x"]}, {"tool_calls": [5]},
+                   {"tool_calls": [{**call, "function": "f"}]}, {"tool_calls": [{**call, "id": ["call_1"]}]},
+                   {"tool_calls": [{**call, "function": {"arguments": "{}"}}]}]
+    for extra in bad_history:
+        msgs = _chat("Hi") + [{"role": "assistant", "content": None, **extra}]
+        status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2}).encode())
+        assert status == 400 and r["error"]["param"] == "messages" and "messages[1].tool_calls" in \
+            r["error"]["message"], (extra, r)
+    msgs = _chat("Hi") + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": ["call_1"], "content": "1"}]
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "max_tokens": 2}).encode())
+    assert status == 400 and "messages[2].tool_call_id" in r["error"]["message"], r
+    for choice in ({"type": "function", "function": "f"}, {"type": "function", "function": ["f"]}, ["f"]):
+        status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi"), "tools": tools,
+                                                                 "tool_choice": choice, "max_tokens": 2}).encode())
+        assert status == 400 and r["error"]["param"] == "tool_choice", (choice, r)
+    msgs[1]["content"], msgs[2]["tool_call_id"] = "", "call_1"  # the well-formed history is served
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": msgs, "tools": tools,
+                                                             "max_tokens": 2}).encode())
+    assert status == 200, r
+    _ok(smol)
+
+
+def test_invalid_structured_output_is_a_400_before_a_stream_starts(smol):
+    """An invalid or unsatisfiable JSON schema, or a grammar that does not parse, is a 400 naming its parameter,
+    streamed or not: arguments are checked before anything is generated (a chat stream answered 200 and sent the
+    error as an event after its first chunk, with no parameter named)."""
+    def schema(s):
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}}
+
+    cases = [("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"type": "nonsense"})}, "response_format"),
+             ("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"type": "integer", "minimum": 5,
+                                                                          "maximum": 3})}, "response_format"),
+             ("/v1/chat/completions", {"messages": _chat("Hi"), **schema({"$ref": "#/$defs/n", "$defs": {
+                 "n": {"$ref": "#/$defs/n"}}})}, "response_format"),  # compiles, but allows no first token
+             ("/v1/chat/completions", {"messages": _chat("Hi"), "grammar": "root ::= (("}, "grammar"),
+             ("/v1/chat/completions", {"messages": _chat("Hi"), "tool_choice": {"type": "function",
+                                                                                "function": {"name": "f"}},
+                                       "tools": [{"type": "function", "function": {
+                                           "name": "f", "parameters": {"type": "zzz"}}}]}, "tools"),
+             ("/v1/completions", {"prompt": "Hi", **schema({"type": "nonsense"})}, "response_format"),
+             ("/v1/completions", {"prompt": "Hi", "grammar": "root ::= (("}, "grammar")]
+    for path, req, param in cases:
+        for stream in (False, True):
+            status, r = smol.raw(path, json.dumps({**req, "max_tokens": 4, "stream": stream}).encode())
+            assert status == 400 and r["error"]["param"] == param, (req, stream, r)
+    status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi"), "max_tokens": 8, "stream": True,
+                                                             **schema({"type": "integer"})}).encode())
+    assert status == 200 and r.rstrip().endswith("data: [DONE]")
+    _ok(smol)
+
+
+def test_sampler_settings_are_checked_and_named(smol):
+    """Every sampler setting of the wrong type or out of the sampler's range is a 400 naming it (typical_p of the
+    wrong type was a 500; the sampler's own range checks named no parameter)."""
+    for kw in ({"typical_p": "x"}, {"typical_p": [1]}, {"typical_p": 0}, {"typical_p": 1.5}, {"min_p": 1},
+               {"repeat_penalty": 0}, {"top_k": -1}):
+        for path, req in (("/v1/chat/completions", {"messages": _chat("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
+            status, r = smol.raw(path, json.dumps({**req, **kw, "max_tokens": 2}).encode())
+            assert status == 400 and r["error"]["param"] == next(iter(kw)), (kw, r)
+    status, r = smol.raw("/v1/completions", json.dumps({"prompt": "Hi", "typical_p": 0.9, "min_p": 0.0,
+                                                        "max_tokens": 2}).encode())
+    assert status == 200, r
+    _ok(smol)
+
+
+def test_top_logprobs_bytes_are_the_tokens_own(smol):
+    """top_logprobs[].bytes are each token's own bytes, as the chosen token's are (they were the UTF-8 of its text
+    with U+FFFD for a token that is part of a character). Greedy: the first alternative is the chosen token."""
+    r = smol.client().chat.completions.create(model="smollm2", messages=_chat("h\u00e9llo \N{DRAGON} end"),
+                                              max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    partial = 0
+    for t in content:
+        assert t.top_logprobs[0].bytes == t.bytes and t.top_logprobs[0].logprob == pytest.approx(t.logprob)
+        try:
+            bytes(t.bytes).decode()
+        except UnicodeDecodeError:
+            partial += 1
+    assert partial  # the reply has tokens that are parts of a character (the dragon's four bytes)
+
+
+def test_errors_name_the_parameter_the_request_used(smol):
+    """A prompt longer than the context is a fault of "prompt" on /v1/completions (it named "messages"), and a bad
+    max_completion_tokens is named as such (it was named max_tokens, which the request did not send)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().completions.create(model="smollm2", prompt="word " * 700, max_tokens=2, stream=True)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().chat.completions.create(model="smollm2", messages=_chat("word " * 700), max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+    for bad in (-2, 1.5, "8"):
+        with pytest.raises(openai.BadRequestError) as e:
+            smol.client().chat.completions.create(model="smollm2", messages=_chat("Hi"), max_completion_tokens=bad)
+        assert e.value.body["param"] == "max_completion_tokens" and "max_completion_tokens" in e.value.message
+    r = smol.client().chat.completions.create(model="smollm2", messages=_chat("Hi"), max_completion_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
+def test_tool_round_trip_on_a_template_without_tool_calls(smol):
+    """OpenAI's tool flow sends the assistant's call back with null content. SmolLM2's template renders neither
+    tool_calls nor a null content (it was a 400 "chat template failed: TypeError"); the call is written into the
+    turn in the <tool_call> convention the fallback tool prompt teaches, so the model sees what it called.
+    Reference: the same history with that text as the assistant's content."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}
+    written = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    c = smol.client()
+    replies = []
+    for turn in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "assistant", "content": written}):
+        msgs = _chat("What is the weather in Paris?") + [turn, {"role": "tool", "tool_call_id": "call_1",
+                                                                "content": "sunny"}]
+        r = c.chat.completions.create(model="smollm2", messages=msgs, tools=tools, max_tokens=6, temperature=0)
+        replies.append((r.usage.prompt_tokens, r.choices[0].message.content))
+    assert replies[0] == replies[1]
+
+
+def test_roles_are_openais(smol):
+    """A message role outside OpenAI's (system, developer, user, assistant, tool, function) is a 400 naming the
+    message, as OpenAI's API answers; it was rendered into the prompt as a turn of that name."""
+    for role in ("wizard", "", "USER"):
+        status, r = smol.raw("/v1/chat/completions", json.dumps({"messages": _chat("Hi") + [
+            {"role": role, "content": "x"}], "max_tokens": 2}).encode())
+        assert status == 400 and r["error"]["param"] == "messages" and "messages[1].role" in r["error"]["message"]
+    r = smol.client().chat.completions.create(model="smollm2", max_tokens=2, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    assert r.usage.completion_tokens == 2
+
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
@@ -313,6 +525,29 @@ def test_embeddings_rank_paraphrases_first(smol):
     assert status == 400 and body["error"]["param"] == "input"
 
 
+def test_disconnect_stops_a_long_embeddings_request(smol):
+    """One request may ask for thousands of embeddings (minutes of work); a client that goes away stops it at the
+    next text, as it stops a generation at the next token, instead of holding the worker to the end."""
+    before = smol.metrics()
+    body = json.dumps({"model": "smollm2", "input": ["hi"] * 10000}).encode()  # ~2 minutes of embedding here
+    with socket.create_connection(("127.0.0.1", smol.port), timeout=30) as s:
+        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                  b"\r\n\r\n" + body)
+        deadline = time.monotonic() + 60
+        while smol.metrics()["pyllm_requests_processing"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+    left = time.monotonic()
+    while smol.metrics()["pyllm_requests_processing"] and time.monotonic() < left + 20:
+        time.sleep(0.2)
+    assert smol.metrics()["pyllm_requests_processing"] == 0
+    assert smol.metrics()["pyllm_requests_cancelled_total"] == before["pyllm_requests_cancelled_total"] + 1
+    status, body = smol.raw("/v1/embeddings", json.dumps({"input": "hi", "encoding_format": "xml"}).encode())
+    assert status == 400 and body["error"]["param"] == "encoding_format"  # the parameter at fault, not "input"
+    _ok(smol)
+
+
 WEATHER = [{"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -363,6 +598,51 @@ def test_tool_choice(qwen):
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(model="qwen", messages=hello, tools=WEATHER, max_tokens=4,
                                   tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_developer_messages_are_system_messages_to_templates_without_them(qwen):
+    """OpenAI's developer role is the system role of newer models. Qwen2.5's template knows neither it nor any
+    other role it does not name, and dropped the message (its instructions never reached the model); a template
+    that does not name "developer" now gets it as a system message. Reference: the same request with "system"."""
+    c = qwen.client()
+    got = []
+    for role in ("developer", "system"):
+        r = c.chat.completions.create(model="qwen", temperature=0, max_tokens=8, messages=[
+            {"role": role, "content": "Answer only in French."}, {"role": "user", "content": "Say hello."}])
+        got.append((r.usage.prompt_tokens, r.choices[0].message.content))
+    assert got[0] == got[1]
+
+
+def test_forced_call_with_a_schema_that_has_defs(qwen):
+    """Tool parameters with "$defs" and "#/$defs/..." references (what pydantic and openai.pydantic_function_tool
+    write) are a valid schema; forcing that tool embedded them under the call object, where the references no
+    longer resolved (a 400 "Pointer '/$defs/City' does not exist"). The call's arguments follow the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    params = {"type": "object", "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"],
+              "additionalProperties": False,
+              "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}},
+                                 "required": ["name"], "additionalProperties": False}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}}]
+    r = qwen.client().chat.completions.create(
+        model="qwen", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0, max_tokens=64)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+
+def test_required_tool_choice_calls_a_declared_tool(qwen):
+    """tool_choice "required" must produce a call to one of the request's tools, with arguments under its schema,
+    as OpenAI's API guarantees; asked something no tool fits, the model made up a function ("hello") and the
+    server returned that call."""
+    jsonschema = pytest.importorskip("jsonschema")
+    c = qwen.client()
+    for msg in ("hello", "What is the weather in Rome?"):
+        r = c.chat.completions.create(model="qwen", messages=[{"role": "user", "content": msg}], tools=WEATHER,
+                                      tool_choice="required", temperature=0, max_tokens=64)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", msg
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER[0]["function"]["parameters"])
 
 
 def _readme_section() -> str:

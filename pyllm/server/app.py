@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API over one LLM (Starlette routes, served by uvicorn; see docs/DESIGN.md, Server).
 
-Routes: GET /v1/models, POST /v1/chat/completions, /v1/completions, /v1/embeddings, GET /health, GET /metrics.
+Routes: GET /v1/models, /v1/models/{model}, POST /v1/chat/completions, /v1/completions, /v1/embeddings,
+GET /health, GET /metrics.
 Responses are the dicts of pyllm/api.py; streams are OpenAI's server-sent events ending in ``data: [DONE]``.
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
 """
@@ -10,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import json
+import re
 import threading
 import time
 
@@ -30,6 +33,46 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
 
 
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(data: dict) -> tuple[str, str | None, str] | None:
+    """(where, the top-level parameter, the character) of the first lone UTF-16 surrogate in the strings or keys
+    of the body ``data`` (what JSON's "\\ud800" escape decodes to when no low half follows), or None. Iterative:
+    the body may nest deeply."""
+    stack = [(k, k, v) for k, v in reversed(data.items())]
+    while stack:
+        path, param, v = stack.pop()
+        m = SURROGATE.search(param) if path == param else None
+        if m:
+            return "a parameter name", None, m.group()
+        if isinstance(v, str):
+            m = SURROGATE.search(v)
+            if m:
+                return path, param, m.group()
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                m = SURROGATE.search(k)
+                if m:
+                    return f"a key of {path}", param, m.group()
+            stack.extend((f"{path}.{k}", param, x) for k, x in reversed(v.items()))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", param, x) for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def call_kwargs(fn, data: dict, required: str) -> dict:
+    """The body's parameters that ``fn`` (an OpenAI-shaped function: pyllm/api.py, pyllm/embed.py) takes as
+    keywords; APIError 400 when ``required`` is missing. The others are ignored, as OpenAI-compatible servers ignore
+    parameters they do not know: passed on, one named like ``fn``'s own first argument would be a TypeError.
+    ``cancel`` is the server's own (the job's event), never the client's."""
+    if required not in data:
+        raise APIError(400, f"missing required parameter '{required}'", required)
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"cancel"}
+    return {k: v for k, v in data.items() if k in names}
+
+
 def sse_event(obj: dict) -> str:
     """One server-sent event carrying ``obj`` as compact JSON (what OpenAI's API sends)."""
     return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
@@ -46,13 +89,14 @@ def error_response(status: int, message: str, param: str | None = None, code: st
                                    "param": param, "code": code}}, status_code=status)
 
 
-def _as_api_error(e: Exception) -> APIError:
+def _as_api_error(e: Exception, prompt_param: str = "messages") -> APIError:
+    """``prompt_param``: the parameter that holds the prompt on this route, named when it does not fit."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, BadRequest):
         return APIError(400, str(e), e.param)
     if isinstance(e, ContextFullError):
-        return APIError(400, str(e), "messages", "context_length_exceeded")
+        return APIError(400, str(e), prompt_param, "context_length_exceeded")
     if isinstance(e, PyllmError):
         return APIError(400, str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
@@ -168,11 +212,23 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                 raise APIError(413, f"request body exceeds the limit of {max_body} bytes")
         try:
             data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4300 digits
             raise APIError(400, f"malformed JSON body: {e}") from None
+        except RecursionError:  # Python's parser recurses per level: a few kB of "[[[[" exhaust its stack
+            raise APIError(400, "malformed JSON body: arrays and objects nest too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, "the request body must be a JSON object")
+        # Text with a lone surrogate cannot be written back as UTF-8 (a 500, or a stream cut off mid-way): it is
+        # refused here, where it can be named. Only an escape can produce one, so most bodies skip the walk.
+        if re.search(rb"\\u[dD][89a-fA-F]", body):
+            bad = lone_surrogate(data)
+            if bad is not None:
+                where, param, ch = bad
+                raise APIError(400, f"{where} holds a lone UTF-16 surrogate ({ch!a}), which is not Unicode text",
+                               param)
         model = data.get("model")
+        if model is not None and not isinstance(model, str):
+            raise APIError(400, f"model must be a string, got {type(model).__name__}", "model")
         if model is not None and model not in names:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
                            "model_not_found")
@@ -200,7 +256,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     async def generate(request: Request, route: str, fn_name: str) -> Response:
         data = await read_json(request)
         stream = bool(data.get("stream"))
-        data.pop("cancel", None)  # pyllm's own keyword, not a request parameter
+        prompt_param = "messages" if fn_name == "create_chat_completion" else "prompt"
+        data = call_kwargs(getattr(api, fn_name), data, prompt_param)
         if engine is None:
             fn = getattr(llm, fn_name)
             job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
@@ -217,7 +274,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             raise APIError(500, "the request produced no result")
         kind, value = first
         if kind == "error":
-            raise _as_api_error(value)
+            raise _as_api_error(value, prompt_param)
         if not stream:
             metrics.request(route, 200)
             return JSONResponse(value)
@@ -232,7 +289,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     while True:
                         kind, value = item
                         if kind == "error":
-                            e = _as_api_error(value)
+                            e = _as_api_error(value, prompt_param)
                             out.append(sse_event({"error": {"message": e.message, "type": ERROR_TYPES[e.status],
                                                             "param": e.param, "code": e.code}}))
                             yield "".join(out)
@@ -262,13 +319,13 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         return await generate(request, "/v1/completions", "create_completion")
 
     async def embeddings(request: Request) -> Response:
-        data = await read_json(request)
-        if "input" not in data:
-            raise APIError(400, "missing required parameter 'input'", "input")
+        from ..embed import create_embedding
+
+        data = call_kwargs(create_embedding, await read_json(request), "input")
         if engine is None:
-            job = scheduler.submit(lambda cancel: llm.create_embedding(**data))
+            job = scheduler.submit(lambda cancel: llm.create_embedding(**data, cancel=cancel))
         else:  # on the engine's thread, between its steps: one thread runs the model
-            job = scheduler.submit(lambda cancel: engine.call(lambda: llm.create_embedding(**data)))
+            job = scheduler.submit(lambda cancel: engine.call(lambda: llm.create_embedding(**data, cancel=cancel)))
         try:
             kind, value = await next_item(request, job)
         except asyncio.CancelledError:
@@ -279,10 +336,18 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         metrics.request("/v1/embeddings", 200)
         return JSONResponse(value)
 
+    model_card = {"id": model_name, "object": "model", "created": created, "owned_by": "pyllm",
+                  "meta": {"n_ctx": llm.n_ctx, "n_vocab": llm.n_vocab}}
+
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                                         "owned_by": "pyllm", "meta": {"n_ctx": llm.n_ctx,
-                                                                                       "n_vocab": llm.n_vocab}}]})
+        return JSONResponse({"object": "list", "data": [model_card]})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in names:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
+                           "model_not_found")
+        return JSONResponse(model_card)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -292,6 +357,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     routes = [
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
