@@ -228,3 +228,18 @@ def test_run_without_prompt_on_a_terminal_opens_the_chat(no_template_gguf, tmp_p
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_run_prompt_after_the_flags(no_template_gguf):
+    """Reference: the prompt right after the model. Flags may come before the prompt (as with llama.cpp's and
+    Ollama's CLIs), and after `--` a prompt may start with '-'."""
+    flags = ["-n", "3", "--temp", "0", "--backend", "reference", "--ctx", "64", "--json"]
+    want = pyllm("run", no_template_gguf, "hello there", *flags)
+    assert want.returncode == 0, want.stderr
+    want = json.loads(want.stdout)["text"]
+    for args in ([*flags, "hello there"], [*flags[:4], "hello there", *flags[4:]], [*flags, "--", "hello there"]):
+        res = pyllm("run", no_template_gguf, *args)
+        assert res.returncode == 0, (args, res.stderr)
+        assert json.loads(res.stdout)["text"] == want, args
+    res = pyllm("run", no_template_gguf, *flags, "--", "-n 5")
+    assert res.returncode == 0 and json.loads(res.stdout)["prompt_tokens"] > 1, res.stderr

@@ -243,13 +243,30 @@ def serve_replicas_from_args(a) -> int:
     return 0
 
 
+class _SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser that takes its positionals anywhere among its flags (`run MODEL -n 8 "prompt"`):
+    argparse's own parse_known_args fills an optional positional (the prompt) with nothing when flags follow the
+    model, and then calls the prompt an unrecognized argument."""
+
+    _intermixed = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self._intermixed:  # parse_known_intermixed_args calls back here for each of its two passes
+            return super().parse_known_args(args, namespace)
+        self._intermixed = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = False
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pyllm", description="Quantized local LLM inference.",
         epilog=EXAMPLES.format(default=registry.DEFAULT_MODEL), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="store_true", help="print versions and the extension's build, then exit")
     p.add_argument("--verbose", "-v", action="store_true", help="timings, memory and tracebacks")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_SubcommandParser)
     _add_parser = sub.add_parser
 
     def add_parser(*args, **kw):
