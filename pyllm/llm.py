@@ -520,6 +520,11 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     from .checkpoint import read_gguf
 
     t0 = time.perf_counter()
+    if not isinstance(model, (str, os.PathLike)) or not os.fspath(model):
+        raise PyllmError(f"model must be a path to a model file, a registry name or a URL, got {model!r}")
+    if n_ctx is not None:
+        check_int("n_ctx", n_ctx, 0)  # 0 (or None): the model's own
+    backends.check_threads(n_threads)
     backends.check_device(device)
     backends.check_backend(backend)
     _check_policy(context_policy)

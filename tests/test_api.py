@@ -55,6 +55,20 @@ def test_chat_stream_matches_chat(llm):
     assert r["usage"]["completion_tokens"] == 2 and r["choices"][0]["finish_reason"] == "length"
 
 
+@pytest.mark.parametrize("kw, needle", [
+    (dict(model=None), "model"), (dict(model=123), "model"), (dict(model=""), "model"),
+    (dict(n_ctx="512"), "n_ctx"), (dict(n_ctx=1500.7), "n_ctx"), (dict(n_ctx=True), "n_ctx"),
+    (dict(n_threads=0), "n_threads"), (dict(n_threads="2"), "n_threads"), (dict(n_threads=10**6), "n_threads"),
+])
+def test_load_refuses_bad_arguments_naming_them(kw, needle):
+    """Reference: the documented types (a path or name; integers). A PyllmError naming the argument, not a
+    TypeError from os.fspath or torch, and not a silently truncated or misread value."""
+    import pyllm
+
+    with pytest.raises(PyllmError, match=needle):
+        pyllm.load(**{"model": "smollm2-135m", **kw})
+
+
 def test_token_logprobs_match_a_float64_log_softmax():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1000, generator=g) * 4
