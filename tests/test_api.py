@@ -69,6 +69,14 @@ def test_load_refuses_bad_arguments_naming_them(kw, needle):
         pyllm.load(**{"model": "smollm2-135m", **kw})
 
 
+@pytest.mark.parametrize("kw", [dict(spec_k=0), dict(spec_k=8), dict(spec_ngram=0), dict(spec_k="2")])
+def test_speculation_settings_are_checked_when_not_speculating(llm, kw):
+    """Reference: SpecSettings' ranges. Sampling at temperature 0.8 does not speculate by default; a bad setting
+    is still an error, not silently unused."""
+    with pytest.raises(PyllmError, match="spec"):
+        llm.generate("Hi", max_tokens=2, temperature=0.8, **kw)
+
+
 def test_token_logprobs_match_a_float64_log_softmax():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1000, generator=g) * 4

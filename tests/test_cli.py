@@ -243,3 +243,16 @@ def test_run_prompt_after_the_flags(no_template_gguf):
         assert json.loads(res.stdout)["text"] == want, args
     res = pyllm("run", no_template_gguf, *flags, "--", "-n 5")
     assert res.returncode == 0 and json.loads(res.stdout)["prompt_tokens"] > 1, res.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--spec-k", "0"], "--spec-k"), (["--spec-k", "100", "--temp", "0.8"], "--spec-k"),
+    (["--spec-ngram", "0"], "--spec-ngram"), (["--spec", "none", "--spec-k", "-3"], "--spec-k"),
+])
+def test_speculation_flags_out_of_range_are_usage_errors(no_template_gguf, args, needle):
+    """Reference: the ranges in --help (--spec-k 1..7). Out of range is refused whether or not this run happens
+    to speculate (sampling at temp 0.8 does not), before the model loads."""
+    res = pyllm("run", no_template_gguf, "hi", "-n", "2", "--backend", "reference", "--ctx", "64", *args)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+

@@ -516,8 +516,9 @@ def test_readme_example_and_cli(capsys):
     assert main(["run", "smollm2-135m", "hi", "-n", "2", "--ctx", "128", "--spec", "draft"]) == 1
     assert capsys.readouterr().err.strip() == \
         "pyllm: error: speculative mode 'draft' needs a draft model (--draft MODEL)"
-    assert main(["run", "smollm2-135m", "hi", "-n", "2", "--ctx", "128", "--spec", "lookup", "--spec-k", "9"]) == 1
-    assert "--spec-k must be an integer in 1..7" in capsys.readouterr().err
+    # out of range: a usage error (exit 2) before the model loads, as for every numeric flag
+    assert main(["run", "smollm2-135m", "hi", "-n", "2", "--ctx", "128", "--spec", "lookup", "--spec-k", "9"]) == 2
+    assert "argument --spec-k: must be in [1, 7], got 9" in capsys.readouterr().err
 
 
 def test_bench_spec_runs_every_shipped_prompt_and_reports_plain_decodings_tokens(capsys):

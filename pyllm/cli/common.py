@@ -326,6 +326,8 @@ NUMERIC_FLAGS = {
     "ctx": ("--ctx", 0, 1 << 24),
     "threads": ("--threads", 1, None),
     "chunks": ("--chunks", 1, None),
+    "spec_k": ("--spec-k", 1, 7),  # SpecSettings.validate's ranges, checked even where this run does not speculate
+    "spec_ngram": ("--spec-ngram", 1, 16),
 }  # bench checks its own -p/-n/-d/-r (pyllm/cli/bench.py), as input errors (exit 1)
 
 

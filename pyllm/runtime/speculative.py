@@ -66,9 +66,8 @@ def parse_speculative(value, k: int | None = None, ngram: int | None = None, dra
     """``speculative=`` of the library: None/False/"none" -> None; True/"lookup"/"draft" or a SpecSettings."""
     if isinstance(value, SpecSettings):
         return value.validate() if value.mode != "none" else None
-    if value is None or value is False or value == "none":
-        return None
-    mode = "lookup" if value is True else value
+    off = value is None or value is False or value == "none"
+    mode = "lookup" if value is True or off else value
     if mode not in SPEC_MODES:
         raise PyllmError(f"speculative must be one of {', '.join(SPEC_MODES)} (or True/False), got {value!r}")
     s = SpecSettings(mode=mode, draft=draft)
@@ -76,7 +75,8 @@ def parse_speculative(value, k: int | None = None, ngram: int | None = None, dra
         s.k = k
     if ngram is not None:
         s.ngram = ngram
-    return s.validate()
+    s.validate()  # also when off: a bad spec_k must not pass unnoticed until a call that speculates
+    return None if off else s
 
 
 # ---- proposers ---------------------------------------------------------------------------------------------------
