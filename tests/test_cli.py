@@ -256,3 +256,8 @@ def test_speculation_flags_out_of_range_are_usage_errors(no_template_gguf, args,
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
+
+def test_prompt_and_schema_cannot_both_be_standard_input(no_template_gguf):
+    """Reference: cmd_run's rule for a prompt read from standard input; '-' is the same standard input."""
+    res = pyllm("run", no_template_gguf, "-", "--json-schema", "-", "-n", "2", stdin='{"type": "object"}')
+    assert_clean_error(res, "standard input")

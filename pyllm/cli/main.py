@@ -46,7 +46,7 @@ def constraint_kwargs(a) -> dict:
 
 
 def cmd_run(a) -> int:
-    if a.prompt is None and "-" in (a.json_schema, a.grammar):
+    if a.prompt in (None, "-") and "-" in (a.json_schema, a.grammar):
         raise PyllmError("standard input cannot hold both the prompt and the schema or grammar: give the prompt "
                          "as an argument")
     constrained = constraint_kwargs(a)
