@@ -237,6 +237,20 @@ def test_set_show_reset_system_commands():
     assert chat.handle("/bye") is False
 
 
+@pytest.mark.parametrize("line", ["/bye now", "/reset everything", "/clear please", "/regen 3", "/show model",
+                                  "/help set"])
+def test_commands_without_arguments_refuse_one(line):
+    """Reference: /help's list, where these commands take no argument. Given one, the command is not run (a
+    mistyped line must not quit or wipe the conversation) and the error names the command."""
+    chat, llm, out, ui = make_chat([["hello"]])
+    chat.handle("hi")
+    before = list(chat.turns)
+    assert chat.handle(line) is True
+    assert chat.turns == before and llm.resets == 0 and len(llm.calls) == 1
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: /") and "takes no argument" in err and line.split()[0] in err, err
+
+
 def test_regen_replaces_last_reply_with_a_new_seed():
     chat, llm, out, ui = make_chat([["first"], ["second"]])
     chat.settings.set("seed", "7")

@@ -294,6 +294,11 @@ class ChatSession:
                 self._regens = 0
                 self._guarded(lambda: self.exchange(msg))
             return True
+        if cmd.name != "unknown" and cmd.arg and " " not in COMMANDS[cmd.name][1]:
+            # a command that takes no argument, given one: a mistyped line must not quit or wipe the conversation
+            typed = text.strip().split(None, 1)[0]
+            self.error(f"{typed} takes no argument (got {_shorten(cmd.arg, 40)!r}); nothing was done")
+            return True
         if cmd.name == "bye":
             return False
         handler = getattr(self, f"cmd_{cmd.name}")
