@@ -182,6 +182,15 @@ class LLM:
         return out
 
     def _check_ids(self, ids) -> list[int]:
+        import numbers
+
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise PyllmError(f"the prompt must be text or a list of token ids, got {type(ids).__name__}") from None
+        odd = next((i for i in ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)), None)
+        if odd is not None:  # int() would turn "7" or 1.5 into some other token
+            raise PyllmError(f"the prompt must be text or a list of token ids, got an element {odd!r}")
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.config.n_vocab]
         if bad:
@@ -336,7 +345,7 @@ class LLM:
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenize(prompt)
-        return list(prompt)
+        return self._check_ids(prompt)
 
     def generate(self, prompt: str | list[int], max_tokens: int = 256, stop: list[str] | None = None,
                  stream: bool = False, **sampling) -> str | Iterator[str]:

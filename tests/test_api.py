@@ -77,6 +77,15 @@ def test_speculation_settings_are_checked_when_not_speculating(llm, kw):
         llm.generate("Hi", max_tokens=2, temperature=0.8, **kw)
 
 
+@pytest.mark.parametrize("prompt", [None, 12, ["a", "b"], [1.5, 2], [True]])
+def test_generate_refuses_a_prompt_that_is_neither_text_nor_token_ids(llm, prompt):
+    """Reference: generate's documented prompt, text or token ids. Anything else is a PyllmError naming the
+    prompt, not a TypeError or ValueError from inside the tokenizer's bookkeeping."""
+    with pytest.raises(PyllmError, match="prompt"):
+        llm.generate(prompt, max_tokens=2, temperature=0)
+    assert llm.generate("Hi", max_tokens=2, temperature=0)  # the LLM is still usable
+
+
 def test_token_logprobs_match_a_float64_log_softmax():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1000, generator=g) * 4
