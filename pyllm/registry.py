@@ -89,7 +89,13 @@ CACHE_ENV = "PYLLM_CACHE_DIR"
 def cache_dir() -> Path:
     """``$PYLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pyllm``, else ``~/.cache/pyllm``."""
     if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+        path = Path(os.environ[CACHE_ENV])
+        # a file on the way would otherwise end the first mkdir (or read) with NotADirectoryError's traceback
+        existing = next((p for p in (path, *path.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            raise PyllmError(f"{CACHE_ENV}={os.environ[CACHE_ENV]}: not a directory ({existing} is a file); set "
+                             f"it to a directory for models and the compiled extension")
+        return path
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pyllm"
 

@@ -261,3 +261,16 @@ def test_prompt_and_schema_cannot_both_be_standard_input(no_template_gguf):
     """Reference: cmd_run's rule for a prompt read from standard input; '-' is the same standard input."""
     res = pyllm("run", no_template_gguf, "-", "--json-schema", "-", "-n", "2", stdin='{"type": "object"}')
     assert_clean_error(res, "standard input")
+
+
+@pytest.mark.parametrize("args", [["pull", "smollm2-135m"], ["list"]])
+def test_cache_dir_that_is_a_file_is_a_clean_error(tmp_path, args):
+    """Reference: README's PYLLM_CACHE_DIR, a directory. Set to a file (or a path under one), every command that
+    uses the cache says so in one line naming the variable, without a traceback."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for value in (f, f / "sub"):
+        env = dict(os.environ, PYTHONUNBUFFERED="1", PYLLM_CACHE_DIR=str(value))
+        res = subprocess.run([sys.executable, "-m", "pyllm", *args], capture_output=True, text=True, timeout=120,
+                             env=env)
+        assert_clean_error(res, "PYLLM_CACHE_DIR", "not a directory")
