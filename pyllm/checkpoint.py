@@ -32,14 +32,14 @@ def read_gguf(path: Path) -> Checkpoint:
     from .chat_template import ChatTemplate
     from .errors import ModelError, TokenizerError, in_file
     from .gguf import open_gguf
-    from .models import model_class
+    from .models import ARCHITECTURES, model_class
     from .models.config import ModelConfig
     from .quant import qtensor_from_gguf
     from .tokenizer import Tokenizer
 
     gf = open_gguf(path)
     try:
-        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name, supported=ARCHITECTURES)
         cls = model_class(cfg)
         weights = {name: qtensor_from_gguf(gf, name) for name in gf.tensors}
         # before the KV cache is sized from the metadata: a head size the tensors contradict is reported as that,

@@ -101,6 +101,7 @@ def cmd_run(a) -> int:
 def cmd_info(a) -> int:
     from ..gguf import open_gguf
     from ..info import format_info, model_info
+    from ..models import ARCHITECTURES
     from ..models.config import ModelConfig
 
     path = registry.resolve(a.model, quiet=False)
@@ -111,7 +112,8 @@ def cmd_info(a) -> int:
         raise PyllmError(f"{path}: is a directory, not a model file")
     else:
         with open_gguf(path) as gf:
-            cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+            cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name,
+                                            supported=ARCHITECTURES)
             info = model_info(gf, cfg, n_ctx=a.ctx, kv_kind=a.kv)
     if a.device is not None:
         # the file is described from its header; where it runs takes loading it there

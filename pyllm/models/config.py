@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from ..errors import ModelError
@@ -95,17 +96,17 @@ class ModelConfig:
         return int(2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_elem)
 
     @classmethod
-    def from_metadata(cls, md: dict, tensor_names: set[str], source: str = "model") -> "ModelConfig":
+    def from_metadata(cls, md: dict, tensor_names: set[str], source: str = "model",
+                      supported: Collection[str] | None = None) -> "ModelConfig":
+        """``supported``: the architecture names a decoder exists for (pyllm.models.ARCHITECTURES); any other is
+        refused before a key is read: another architecture's file lacks the llama family's keys, and "key ... is
+        missing" would hide the real reason."""
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
             raise ModelError(f"{source}: metadata has no general.architecture")
-        from . import ARCHITECTURES  # here: that module imports this one
-
-        if arch not in ARCHITECTURES:
-            # before any key is read: another architecture's file lacks the llama family's keys, and "key ...
-            # is missing" would hide the real reason
+        if supported is not None and arch not in supported:
             raise ModelError(f"{source}: unsupported architecture {arch!r} (general.architecture); "
-                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+                             f"supported: {', '.join(sorted(supported))}")
 
         def get(key, default=None, required=False):
             v = md.get(f"{arch}.{key}", default)
