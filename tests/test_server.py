@@ -476,18 +476,23 @@ def test_disconnect_mid_stream_frees_the_worker(smol):
     _ok(smol)
 
 
-def test_disconnect_while_waiting_for_a_whole_response_cancels_it(smol):
-    before = smol.metrics()
-    body = json.dumps({"model": "smollm2", "messages": _chat("Tell a very long story about a dragon."),
-                       "max_tokens": 400, "temperature": 0}).encode()
+def _post_and_leave(smol, path: str, body: bytes) -> None:
+    """POSTs ``body`` on a raw socket, waits until the server is processing it, then closes the connection."""
     with socket.create_connection(("127.0.0.1", smol.port), timeout=30) as s:
-        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
                   b"\r\n\r\n" + body)
         deadline = time.monotonic() + 60
         while smol.metrics()["pyllm_requests_processing"] == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
+
+
+def test_disconnect_while_waiting_for_a_whole_response_cancels_it(smol):
+    before = smol.metrics()
+    body = json.dumps({"model": "smollm2", "messages": _chat("Tell a very long story about a dragon."),
+                       "max_tokens": 400, "temperature": 0}).encode()
+    _post_and_leave(smol, "/v1/chat/completions", body)
     m = _metrics_after_one_cancel(smol, before)
     assert m["pyllm_generated_tokens_total"] - before["pyllm_generated_tokens_total"] < 400
     _ok(smol)
@@ -530,14 +535,7 @@ def test_disconnect_stops_a_long_embeddings_request(smol):
     next text, as it stops a generation at the next token, instead of holding the worker to the end."""
     before = smol.metrics()
     body = json.dumps({"model": "smollm2", "input": ["hi"] * 10000}).encode()  # ~2 minutes of embedding here
-    with socket.create_connection(("127.0.0.1", smol.port), timeout=30) as s:
-        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
-                  b"\r\n\r\n" + body)
-        deadline = time.monotonic() + 60
-        while smol.metrics()["pyllm_requests_processing"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
+    _post_and_leave(smol, "/v1/embeddings", body)
     left = time.monotonic()
     while smol.metrics()["pyllm_requests_processing"] and time.monotonic() < left + 20:
         time.sleep(0.2)
