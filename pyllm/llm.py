@@ -533,7 +533,8 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         raise PyllmError(f"model must be a path to a model file, a registry name or a URL, got {model!r}")
     if n_ctx is not None:
         check_int("n_ctx", n_ctx, 0)  # 0 (or None): the model's own
-    backends.check_threads(n_threads)
+    if n_threads is not None:  # the CLI's --threads range (cli/common.py, max_threads): more only thrashes
+        check_int("n_threads", n_threads, 1, 4 * (os.cpu_count() or 1))
     backends.check_device(device)
     backends.check_backend(backend)
     _check_policy(context_policy)

@@ -57,21 +57,6 @@ def check_device(device: str) -> str:
     return device
 
 
-def check_threads(n_threads: int | None) -> int | None:
-    """``n_threads`` if it is None (the default) or an integer in [1, 4 x the CPUs], else PyllmError. The bound is
-    the CLI's --threads one (cli/common.py, max_threads): more only thrashes, and at some count the OpenMP runtime
-    fails with its own text."""
-    import numbers
-    import os
-
-    hi = 4 * (os.cpu_count() or 1)
-    if n_threads is None:
-        return None
-    if isinstance(n_threads, bool) or not isinstance(n_threads, numbers.Integral) or not 1 <= n_threads <= hi:
-        raise PyllmError(f"n_threads must be None or an integer in [1, {hi}], got {n_threads!r}")
-    return int(n_threads)
-
-
 def check_backend(backend: str) -> str:
     if backend not in CPU_BACKENDS:
         raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
