@@ -28,7 +28,7 @@ def profile_model(name: str, threads: int, n: int, rounds: int, depth: int = 0) 
     from pyllm.backends.cpu import CpuBackend
 
     saved = {k: CpuBackend.__dict__[k] for k in KERNELS}
-    llm = pyllm.load(name, n_threads=threads)
+    llm = pyllm.load(name, n_threads=threads, n_ctx=max(4096, depth + n))
     C, in_mm = ops._C, [0.0]
     raw = C.mul_mat
 
