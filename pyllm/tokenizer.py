@@ -17,6 +17,7 @@ The BPE merging itself runs in the ``tokenizers`` library; only the special-toke
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import re
 from typing import Iterable, Sequence
@@ -240,7 +241,7 @@ class Tokenizer:
                    eog_ids=eog, add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
 
     def _build_special_index(self):
-        # Two tables (all special tokens; user-defined only), each: first char -> candidate lengths, longest first.
+        # Two tables (all special tokens; user-defined only), each indexed for _partition.
         self._special_all: dict[str, int] = {}
         self._special_user: dict[str, int] = {}
         for i, (t, ty) in enumerate(zip(self._tokens, self._types)):
@@ -251,17 +252,8 @@ class Tokenizer:
             elif ty == USER_DEFINED:
                 self._special_all.setdefault(t, i)
                 self._special_user.setdefault(t, i)
-
-        def lengths(table):
-            by_first: dict[str, set[int]] = {}
-            for t in table:
-                by_first.setdefault(t[0], set()).add(len(t))
-            return {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
-
-        self._lengths_all = lengths(self._special_all)
-        self._lengths_user = lengths(self._special_user)
-        self._first_re_all = _first_char_re(self._lengths_all)
-        self._first_re_user = _first_char_re(self._lengths_user)
+        self._index_all = _SpecialIndex(self._special_all)
+        self._index_user = _SpecialIndex(self._special_user)
 
     # ------------------------------------------------------------------ encoding
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True,
@@ -305,47 +297,70 @@ class Tokenizer:
     def _partition(self, text: str, special: bool, plain: Sequence[tuple[int, int]] = ()) -> list:
         """Split ``text`` into raw strings and special token ids the way llama.cpp does.
 
-        llama.cpp takes special tokens longest first and cuts every non-overlapping occurrence of each out of the
-        text still unclaimed; all candidate occurrences are found first so that this costs one pass.
+        llama.cpp takes special tokens longest first and cuts every non-overlapping occurrence of each, left to
+        right, out of the text still unclaimed. All candidate occurrences are found first so that this costs one
+        pass; a token that repeats one character (Gemma's runs of 2-31 spaces, tabs or newlines) is a candidate
+        once per run of that character, not once per position: a run of n spaces would otherwise give ~30 n
+        candidates (hundreds of MB for a long one).
         """
         if not text:
             return []
-        table = self._special_all if special else self._special_user
-        lengths = self._lengths_all if special else self._lengths_user
-        first_re = self._first_re_all if special else self._first_re_user
-        if first_re is None:
+        index = self._index_all if special else self._index_user
+        if index.first_re is None and index.run_re is None:
             return [text]
-        found = []  # (-len, token id, pos)
-        for m in first_re.finditer(text):
-            p = m.start()
-            room = len(text) - p
-            for L in lengths[text[p]]:
-                if L > room:
-                    continue
-                tid = table.get(text[p:p + L])
-                if tid is not None:
-                    found.append((-L, tid, p))
-        if not found:
-            return [text]
-        found.sort()
-        claimed = bytearray(len(text) + 1)
+        table, user = index.table, self._special_user
+        # (-length, token id, start, end): one occurrence at start (end 0), or the run of its character over
+        # [start, end)
+        found = []
+        if index.first_re is not None:
+            by_prefix = index.by_prefix
+            for m in index.first_re.finditer(text):
+                p = m.start()
+                room = len(text) - p
+                for L in by_prefix.get(text[p:p + 2], ()):
+                    if L > room:
+                        continue
+                    tid = table.get(text[p:p + L])
+                    if tid is not None:
+                        found.append((-L, tid, p, 0))
+        guard = None
         if plain:
             guard = bytearray(len(text) + 1)
             for a, b in plain:
                 a, b = max(int(a), 0), min(int(b), len(text))
                 if b > a:
                     guard[a:b] = b"\x01" * (b - a)
-            user = self._special_user
             # inside content only user-defined tokens, and only wholly inside (llama.cpp's parse_special=false)
-            found = [(negl, tid, p) for negl, tid, p in found
+            found = [(negl, tid, p, e) for negl, tid, p, e in found
                      if not any(guard[p:p - negl]) or (text[p:p - negl] in user and all(guard[p:p - negl]))]
+        if index.run_re is not None:
+            for s, e in index.run_spans(text):
+                neg, lengths = index.runs[text[s]]
+                for start, end, inside in _segments(guard, s, e):
+                    for L, tid in lengths[bisect.bisect_left(neg, start - end):]:
+                        if not inside or self._tokens[tid] in user:
+                            found.append((-L, tid, start, end))
+        if not found:
+            return [text]
+        found.sort()
+        claimed = bytearray(len(text) + 1)
         accepted = []
-        for negl, tid, p in found:
-            end = p - negl
-            if claimed[p] or claimed[end - 1] or (end - p > 2 and any(claimed[p:end])):
+        for negl, tid, p, e in found:
+            L = -negl
+            if not e:
+                end = p + L
+                if claimed[p] or claimed[end - 1] or (L > 2 and any(claimed[p:end])):
+                    continue
+                claimed[p:end] = b"\x01" * L
+                accepted.append((p, end, tid))
                 continue
-            claimed[p:end] = b"\x01" * (end - p)
-            accepted.append((p, end, tid))
+            # the token's occurrences in the run, left to right: each next one is the first free stretch of L
+            free = b"\x00" * L
+            q = claimed.find(free, p, e)
+            while q >= 0:
+                claimed[q:q + L] = b"\x01" * L
+                accepted.append((q, q + L, tid))
+                q = claimed.find(free, q + L, e)
         accepted.sort()
         parts: list = []
         pos = 0
@@ -467,10 +482,71 @@ class StreamDecoder:
         return text
 
 
-def _first_char_re(lengths: dict[str, list[int]]):
-    if not lengths:
-        return None
-    return re.compile("[" + "".join(re.escape(c) for c in sorted(lengths)) + "]")
+class _SpecialIndex:
+    """One table of special tokens (text -> id) indexed for _partition: tokens that repeat one character, by that
+    character (its maximal runs are found by ``run_re``), and the others by their first two characters."""
+
+    def __init__(self, table: dict[str, int]):
+        self.table = table
+        runs: dict[str, dict[int, int]] = {}
+        by_prefix: dict[str, set[int]] = {}
+        for t, tid in table.items():
+            if t.count(t[0]) == len(t):
+                runs.setdefault(t[0], {})[len(t)] = tid
+            else:
+                by_prefix.setdefault(t[:2], set()).add(len(t))
+        # (-lengths, [(length, id)]) longest first: a run can be cut by several of them
+        self.runs = {c: ([-k for k in sorted(ks, reverse=True)], sorted(ks.items(), reverse=True))
+                     for c, ks in runs.items()}
+        self.by_prefix = {p: sorted(ls, reverse=True) for p, ls in by_prefix.items()}
+        self.first_re = (re.compile("[" + "".join(re.escape(c) for c in sorted({p[0] for p in by_prefix})) + "]")
+                         if by_prefix else None)
+        # Runs of those characters, at least 2 long where no single one is a token. A run is matched in pieces of
+        # at most _RUN_PIECE characters: a longer repetition of a backreference costs sre memory per character.
+        single = sorted(c for c, ks in runs.items() if 1 in ks)
+        multi = sorted(c for c, ks in runs.items() if 1 not in ks)
+        alts = []
+        if single:
+            alts.append("([" + "".join(map(re.escape, single)) + f"])\\{len(alts) + 1}{{0,{_RUN_PIECE - 1}}}")
+        if multi:
+            alts.append("([" + "".join(map(re.escape, multi)) + f"])\\{len(alts) + 1}{{1,{_RUN_PIECE - 1}}}")
+        self.run_re = re.compile("|".join(alts)) if alts else None
+        self._run_tails: dict[str, re.Pattern] = {}
+
+    def run_spans(self, text: str):
+        """(start, end) of each maximal run in ``text`` of a character that has run tokens (runs of one character
+        shorter than 2 are left out where that character alone is not a token)."""
+        pos = 0
+        while True:
+            m = self.run_re.search(text, pos)
+            if m is None:
+                return
+            s, e = m.span()
+            if e - s == _RUN_PIECE:  # the run may go on past the piece
+                tail = self._run_tails.get(text[s])
+                if tail is None:
+                    tail = self._run_tails[text[s]] = re.compile(re.escape(text[s]) + "*")
+                e = tail.match(text, e).end()
+            yield s, e
+            pos = e
+
+
+_RUN_PIECE = 256
+
+
+def _segments(guard: bytearray | None, start: int, end: int):
+    """(start, end, inside) stretches of [start, end) that lie wholly inside or wholly outside the plain ranges
+    marked in ``guard`` (None: no ranges)."""
+    if guard is None:
+        yield start, end, False
+        return
+    pos = start
+    while pos < end:
+        inside = bool(guard[pos])
+        nxt = guard.find(b"\x00" if inside else b"\x01", pos, end)
+        stop = end if nxt < 0 else nxt
+        yield pos, stop, inside
+        pos = stop
 
 
 def _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id):

@@ -282,6 +282,86 @@ def test_skip_special_and_token_text():
         tok.decode([tok.n_vocab])
 
 
+# ---------------------------------------------------------------------------------------------- special tokens
+def _st_partition_reference(tok: Tokenizer, text: str, special: bool, plain) -> list:
+    """llama.cpp's tokenizer_st_partition written out plainly: special tokens longest first (then by id), each cut
+    out of the text still unclaimed wherever it occurs, left to right; inside ``plain`` ranges only user-defined
+    tokens, and only wholly inside."""
+    table = tok._special_all if special else tok._special_user
+    guard = set()
+    for a, b in plain:
+        guard.update(range(max(a, 0), min(b, len(text))))
+    claimed = [False] * len(text)
+    accepted = []
+    for t, tid in sorted(table.items(), key=lambda kv: (-len(kv[0]), kv[1])):
+        p = text.find(t)
+        while p >= 0:
+            span = range(p, p + len(t))
+            allowed = not guard.intersection(span) or (t in tok._special_user and guard.issuperset(span))
+            if allowed and not any(claimed[i] for i in span):
+                for i in span:
+                    claimed[i] = True
+                accepted.append((p, p + len(t), tid))
+                p = text.find(t, p + len(t))
+            else:
+                p = text.find(t, p + 1)
+    parts, pos = [], 0
+    for p, end, tid in sorted(accepted):
+        parts += ([text[pos:p]] if p > pos else []) + [tid]
+        pos = end
+    return parts + ([text[pos:]] if pos < len(text) else [])
+
+
+def _runs_vocab() -> Tokenizer:
+    """Byte-level vocabulary whose special tokens overlap every way: runs of one character (as Gemma's runs of
+    spaces), tokens inside longer ones, control and user-defined tokens of one length."""
+    base = ["a", "b", " ", "\n", "<", ">", "x"]
+    specials = [(" " * k, 4) for k in range(2, 7)] + [
+        ("\n", 3), ("\n\n", 3), ("\n\n\n", 4), ("<x>", 3), ("<x><x>", 4), ("x>", 4), ("ab", 3), ("aba", 4),
+        ("bab", 3), ("a a", 4), ("  a", 3), ("bbbb", 4), ("b", 4), ("<<", 3)]
+    return Tokenizer.from_gguf({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.tokens": base + [t for t, _ in specials],
+        "tokenizer.ggml.token_type": [1] * len(base) + [ty for _, ty in specials]})
+
+
+def test_special_partition_is_llama_cpps():
+    """Reference: llama.cpp's partition written out token by token (_st_partition_reference), on random texts
+    with random content ranges, special tokens on and off."""
+    import random
+
+    tok = _runs_vocab()
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab <x>\n  b") for _ in range(rng.randint(0, 30)))
+        plain = [sorted((rng.randint(0, len(text)), rng.randint(0, len(text)))) for _ in range(rng.randint(0, 3))]
+        special = rng.random() < 0.7
+        assert tok._partition(text, special, plain) == _st_partition_reference(tok, text, special, plain), \
+            (text, special, plain)
+
+
+def test_long_runs_of_a_special_character_take_bounded_memory():
+    """Gemma's vocabulary has user-defined tokens for runs of 2-31 spaces, tabs and newlines. Every position of a
+    run was a candidate for every run length, so 200,000 spaces took 14 s and 435 MB to cut (bytes the server
+    accepts in one request). Reference: the memory of the text itself; the pieces are llama.cpp's (31 spaces
+    each, then what is left)."""
+    import tracemalloc
+
+    tok = Tokenizer.from_gguf({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.tokens": ["a"] + [" " * k for k in range(2, 32)],
+        "tokenizer.ggml.token_type": [1] + [4] * 30})
+    text = " " * 50_000
+    tracemalloc.start()
+    try:
+        parts = tok._partition(text, True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert parts == [tok.token_id(" " * 31)] * (50_000 // 31) + [tok.token_id(" " * (50_000 % 31))]
+    assert peak < 2**20 + 2 * len(text), peak
+
+
 def test_build_is_fast():
     md = gguf_metadata("qwen2")
     t = time.process_time()
