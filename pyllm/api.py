@@ -310,6 +310,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        llm.check_prompt_fits(prompt)
         ids = llm.tokenize(prompt)
     elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = list(prompt)
@@ -582,7 +583,9 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         if forced is not None:
             prefix, constraint = _forced_call(llm, tools, forced, constraint)
     try:
-        ids = llm.chat_ids(msgs, suffix=prefix, **template_kw)
+        ids = llm.chat_ids(msgs, suffix=prefix, must_fit=True, **template_kw)
+    except ContextFullError:
+        raise
     except PyllmError as e:
         raise BadRequest(str(e), "messages") from None
     n_lp = (top_logprobs or 0) if logprobs else None

@@ -100,6 +100,13 @@ def _gpt2_byte_table() -> dict[int, str]:
 
 _BYTE_TO_CHAR = _gpt2_byte_table()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+_BYTE_ALPHABET = frozenset(_CHAR_TO_BYTE)
+# What Tokenizer.min_tokens counts: every byte; ASCII letters and digits; the bytes of non-ASCII characters
+_FLOOR_CLASSES = (
+    frozenset(range(256)),
+    frozenset(b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"),
+    frozenset(range(128, 256)),
+)
 
 
 def _field(md: dict, key: str, kind, default=None, required=False):
@@ -372,6 +379,67 @@ class Tokenizer:
         if pos < len(text):
             parts.append(text[pos:])
         return parts
+
+    def min_tokens(self, text: str, add_bos: bool | None = None) -> int:
+        """A lower bound on ``len(self.encode(text, add_bos))``, from the text's UTF-8 bytes alone (milliseconds
+        for megabytes, where encoding them takes seconds): what refuses a prompt that cannot fit the context.
+
+        It is exact in the sense that it never exceeds the true count. For a class of bytes, every byte of the
+        text in it ends up in some token (where the vocabulary covers that byte: _floor_table), and no token holds
+        more than the vocabulary's most of them; so the text needs at least (its bytes in the class) / (that most)
+        tokens. Over every byte alone the bound is loose where the vocabulary has long whitespace tokens (Qwen2.5:
+        256 spaces in one token), so ASCII letters and digits (at most 41 in one Qwen2.5 token, 16 in Gemma 3's)
+        and non-ASCII bytes are counted too, and the largest of the three bounds is taken.
+        """
+        if _SURROGATE.search(text):
+            text = _SURROGATE.sub("\ufffd", text)  # as encode() does
+        data = text.encode("utf-8")
+        least = 0
+        for delete, most in self._floor_table():
+            if most:
+                least = max(least, -(-len(data.translate(None, delete)) // most))
+        if self.add_bos if add_bos is None else add_bos:
+            least += (self.bos_id is not None) + (self.add_eos and self.eos_id is not None)
+        return least
+
+    def _floor_table(self) -> list[tuple[bytes, int]]:
+        """For each class of _FLOOR_CLASSES: (the bytes min_tokens does not count, the most counted bytes any one
+        token takes from the text). Computed once per vocabulary (a walk over its tokens)."""
+        table = getattr(self, "_floor", None)
+        if table is not None:
+            return table
+        if self.kind == "bpe":
+            # a byte whose character is missing from the vocabulary is dropped by the BPE model (no unknown token
+            # is set): SmolLM2's vocabulary lacks 0x04, 0x06, 0x13, ...
+            covered = {b for b, c in _BYTE_TO_CHAR.items() if self.token_id(c) is not None}
+        elif all(self.token_id(f"<0x{b:02X}>") is not None for b in range(256)):
+            covered = set(range(256))  # byte fallback: a character without a token becomes its bytes' tokens
+        else:  # without it such a character is dropped: count only ASCII that is a token itself
+            covered = {b for b in range(128) if self.token_id("\u2581" if b == 0x20 else chr(b)) is not None}
+        taken = [x for i, (t, ty) in enumerate(zip(self._tokens, self._types)) for x in self._taken_bytes(t, ty)]
+        table = []
+        for cls in _FLOOR_CLASSES:
+            delete = bytes(b for b in range(256) if b not in covered or b not in cls)
+            table.append((delete, max((len(x.translate(None, delete)) for x in taken), default=0)))
+        self._floor = table
+        return table
+
+    def _taken_bytes(self, t: str, ty: int) -> list[bytes]:
+        """The text bytes one occurrence of token ``t`` can stand for (at least one of them, for each way the
+        encoder can produce it)."""
+        out = []
+        if ty in (CONTROL, UNKNOWN, USER_DEFINED):
+            out.append(t.encode("utf-8"))  # cut out of the text as written (_partition)
+        if self.kind == "bpe":
+            if _BYTE_ALPHABET.issuperset(t):  # made by the BPE model from the text's bytes, one character each
+                out.append(bytes(_CHAR_TO_BYTE[c] for c in t))
+        else:
+            m = _BYTE_TOKEN.fullmatch(t) if ty == BYTE else None
+            if m:
+                out.append(bytes([int(m.group(1), 16)]))
+            else:  # "\u2581" stands for a space, or for itself typed in the text
+                out += [t.replace("\u2581", " ").encode("utf-8"), t.encode("utf-8")]
+        return out
 
     # ------------------------------------------------------------------ decoding
     def _check_id(self, tid) -> int:

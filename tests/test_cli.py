@@ -159,6 +159,13 @@ def test_run_context_policy(smollm2_path):
     assert "dropped its oldest" in res.stderr and res.stdout.strip()
 
 
+def test_run_refuses_a_prompt_that_cannot_fit_before_tokenizing_it(smollm2_path):
+    """Reference: --ctx 64 and the bound's wording ("at least"): 1 MB on standard input is refused from its bytes,
+    not after seconds of tokenizing it."""
+    res = pyllm("run", smollm2_path, "--ctx", "64", "-n", "1", stdin="word " * 200_000)
+    assert_clean_error(res, "at least", "context holds 64")
+
+
 def test_run_kv_types_per_part(smollm2_path):
     res = pyllm("run", smollm2_path, "The capital of France is", "-n", "6", "--temp", "0", "-ctk", "q8_0", "-ctv",
                 "q4_rot")

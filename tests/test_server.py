@@ -238,6 +238,22 @@ def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     assert m["pyllm_queue_depth"] == 0
 
 
+def test_prompts_that_cannot_fit_are_refused_before_they_are_tokenized(smol):
+    """A 4 MB completion prompt held the worker ~15 s while it was tokenized, only to be refused for its length.
+    Reference: OpenAI's context_length_exceeded, naming the parameter; "at least" is the wording of the bound
+    that decides without tokenizing (the count after tokenizing says "has N tokens")."""
+    big = "word " * 12_000  # under the test server's --max-body
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().completions.create(model="smollm2", prompt=big, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    assert "at least" in e.value.body["message"] and "512" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().chat.completions.create(model="smollm2", messages=_chat(big), max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+    assert "at least" in e.value.body["message"]
+    _ok(smol)
+
+
 def test_bodies_python_cannot_take_are_400s(smol):
     """A body nested deeper than Python's JSON parser recurses, a number longer than Python converts (4300
     digits), or a model id that is not a string, is the client's error: a 400 naming it, not a 500."""

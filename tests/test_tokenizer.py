@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 
 import pytest
@@ -360,6 +361,30 @@ def test_long_runs_of_a_special_character_take_bounded_memory():
         tracemalloc.stop()
     assert parts == [tok.token_id(" " * 31)] * (50_000 // 31) + [tok.token_id(" " * (50_000 % 31))]
     assert peak < 2**20 + 2 * len(text), peak
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_min_tokens_is_a_lower_bound(key):
+    """Tokenizer.min_tokens refuses prompts that cannot fit without tokenizing them, so it must never exceed the
+    true count (a prompt that fits would be refused). Reference: encode()'s own count, on the corpus, on texts of
+    the vocabulary's densest tokens (most bytes, letters and digits, non-ASCII bytes), bytes a vocabulary drops
+    (SmolLM2 has no token for 0x04), special tokens, and escaped spaces."""
+    tok = pyllm_tokenizer(key)
+    pieces = [tok.token_bytes(i).decode("utf-8", "replace") for i in range(tok.n_vocab)]
+    alnum = re.compile(r"[0-9A-Za-z]")
+    texts = list(CORPUS)
+    for weight in (lambda p: len(p.encode()), lambda p: len(alnum.findall(p)),
+                   lambda p: sum(b >= 0x80 for b in p.encode())):
+        dense = sorted(range(tok.n_vocab), key=lambda i: -weight(pieces[i]))[:40]
+        texts += ["".join(pieces[i] for i in dense) * 3, " ".join(pieces[i] for i in dense),
+                  pieces[dense[0]] * 50]
+    specials = [tok.token_text(i) for i in range(tok.n_vocab) if tok.is_special(i)][:200]
+    texts += ["\x04" * 500, "a\x04\x06\x13b" * 100, "".join(specials) * 2, "\u2581" * 300,
+              "".join(chr(c) for c in range(1, 0x3000, 7)), "\ud800 lone surrogate"]
+    for text in texts:
+        for add_bos in (False, None):
+            assert tok.min_tokens(text, add_bos) <= len(tok.encode(text, add_bos=add_bos)), (text[:80], add_bos)
+    assert tok.min_tokens("word " * 10_000) >= 900  # a useful bound, not 0: at most 41 letters in one token
 
 
 def test_build_is_fast():

@@ -69,10 +69,13 @@ def cmd_run(a) -> int:
     if constrained:
         # compiled before the prompt is evaluated, so a bad schema or grammar fails fast
         kw["constraint"] = llm.make_constraint(**constrained)
+    whole = llm.context_policy == "stop"  # else fit_prompt drops the prompt's oldest tokens to make it fit
     if a.chat:
         msgs = [{"role": "system", "content": a.system}] if a.system else []
-        ids = llm.chat_ids(msgs + [{"role": "user", "content": prompt}])
+        ids = llm.chat_ids(msgs + [{"role": "user", "content": prompt}], must_fit=whole)
     else:
+        if whole:
+            llm.check_prompt_fits(prompt)
         ids = llm.tokenize(prompt)
     ids = fit_prompt(llm, ids, a.max_tokens)
     pieces = []
