@@ -659,6 +659,21 @@ def test_required_tool_choice_calls_a_declared_tool(qwen):
         jsonschema.validate(json.loads(call.function.arguments), WEATHER[0]["function"]["parameters"])
 
 
+def test_a_chat_over_the_template_output_limit_is_context_length_exceeded(qwen):
+    """Over 1 MB of content reached the chat template's output limit and came back as a 400 blaming the template,
+    with no code. Reference: OpenAI's code for too-long input, context_length_exceeded, as the server gives for a
+    prompt over the context; the message names the limit."""
+    for sizes in ([1_200_000], [600_000, 600_000]):
+        msgs = [{"role": ("user", "assistant")[i % 2], "content": "word " * (n // 5)} for i, n in enumerate(sizes)]
+        with pytest.raises(openai.BadRequestError) as e:
+            qwen.client().chat.completions.create(model="qwen", messages=msgs, max_tokens=2)
+        assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+        assert "1048576 characters" in e.value.body["message"] and "template is runaway" not in e.value.message
+    r = qwen.client().chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=2)
+    assert r.usage.completion_tokens == 2
+
+
 def _readme_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Serve")
