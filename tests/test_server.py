@@ -645,6 +645,34 @@ def test_forced_call_with_a_schema_that_has_defs(qwen):
     jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+def test_forced_call_keeps_each_tools_own_defs(qwen):
+    """Two tools whose parameters define the same "$defs" name differently could not share the root's $defs, and
+    tool_choice "required" fell back to an unconstrained call (arguments of neither schema). Each tool's schema
+    now keeps its own definitions. Reference: jsonschema's validation against the called tool's parameters."""
+    jsonschema = pytest.importorskip("jsonschema")
+
+    def tool(name, place):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+            "additionalProperties": False, "$defs": {"Place": place}}}}
+
+    tools = [tool("get_weather", {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+                                  "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "country": {"type": "string", "pattern": "^[A-Z]{2}$"}}}),
+             tool("get_time", {"type": "object", "additionalProperties": False, "required": ["utc_offset"],
+                               "properties": {"utc_offset": {"type": "integer", "minimum": -12, "maximum": 14}}})]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for msg, choice in (("What time is it in Tokyo?", "required"), ("Weather in Paris?", "required"),
+                        ("Weather in Paris?", {"type": "function", "function": {"name": "get_time"}})):
+        r = qwen.client().chat.completions.create(model="qwen", messages=[{"role": "user", "content": msg}],
+                                                  tools=tools, tool_choice=choice, temperature=0, max_tokens=64)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name in params, (msg, choice)
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+
+
 def test_required_tool_choice_calls_a_declared_tool(qwen):
     """tool_choice "required" must produce a call to one of the request's tools, with arguments under its schema,
     as OpenAI's API guarantees; asked something no tool fits, the model made up a function ("hello") and the
