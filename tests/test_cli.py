@@ -75,6 +75,34 @@ def test_info(smollm2_path, qwen2_path):
     assert info["kv_bytes_per_token_f16"] == 24 * 2 * 64 * 2 * 2
 
 
+@pytest.mark.parametrize("metadata, needles", [
+    ({"tokenizer.ggml.bos_token_id": 99999}, ["vocabulary cannot be used", "bos_token_id = 99999 is out of range"]),
+    ({"tokenizer.ggml.merges": ["ab"]}, ["vocabulary cannot be used", "merges[0] = 'ab' is not two tokens"]),
+    ({"tokenizer.ggml.pre": "klingon"}, ["tokenizer.ggml.pre = 'klingon' is not supported"]),
+    ({"tokenizer.chat_template": "{% for m in messages %}{{ m.content }"}, ["chat template", "syntax error",
+                                                                           "--plain-template"]),
+    ({"tokenizer.chat_template": "{{ ''.__class__ }}"}, ["chat template", "forbids", "--plain-template"]),
+    ({"tokenizer.chat_template": "{{ raise_exception('no chat here') }}"}, ["no chat here"]),
+])
+def test_info_reports_a_broken_vocabulary_or_chat_template(tmp_path, metadata, needles):
+    """`pyllm info` described a file from its header and exited 0 although pyllm.load refuses its vocabulary or
+    chat fails on its template. Reference: the errors load and chat give for the same hostile files (built as
+    tests/test_robustness.py builds them); the description is still printed, and a sound file exits 0."""
+    from pyllm.synthetic import write_tiny_llama
+
+    def tiny(name, md):
+        return str(write_tiny_llama(tmp_path / f"{name}.gguf", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_kv_head=1,
+                                    n_vocab=320, n_ctx=64, metadata=md))
+
+    res = pyllm("info", tiny("broken", metadata))
+    assert_clean_error(res, "broken.gguf", *needles)
+    assert "architecture:" in res.stdout
+    res = pyllm("info", tiny("broken", metadata), "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["problems"]
+    res = pyllm("info", tiny("sound", {}), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["problems"] == [], res.stderr
+
+
 def test_list(smollm2_path):
     res = pyllm("list")
     assert res.returncode == 0
