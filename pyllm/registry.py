@@ -152,8 +152,15 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 # ---- integrity records -------------------------------------------------------------------------------------------
 
 
+def _in_place(path: Path) -> Path:
+    """``path`` with its directories resolved but not the file itself: a model linked into the cache from
+    elsewhere is the link, and its target is no file of the cache."""
+    path = Path(path)
+    return path.parent.resolve() / path.name
+
+
 def _record_path(path: Path) -> Path:
-    rel = Path(path).resolve().relative_to(models_dir().resolve())
+    rel = _in_place(path).relative_to(models_dir().resolve())
     return cache_dir() / "verified" / rel.parent / (rel.name + ".json")
 
 
@@ -538,16 +545,16 @@ def _remove(target: str) -> list[Path]:
             if len(hits) > 1:
                 raise PyllmError(f"{target}: several cached files have that name: {', '.join(map(str, hits))}")
             p = hits[0] if hits else p
-        if not p.exists():
+        if not (p.exists() or p.is_symlink()):
             raise PyllmError(f"{target}: not a registry name, URL, hf.co reference or cached file "
                              f"(see `pyllm list`)")
-        if root not in p.resolve().parents:
+        if root not in _in_place(p).parents:
             raise PyllmError(f"{p}: not in the cache ({root}); pyllm rm deletes only cached models")
-    p = p.resolve() if p.exists() else p
+    p = _in_place(p)
     gone = []
     with _locked(p.parent / f".{p.name}.lock"):
         for q in (p, p.parent / f".{p.name}.partial"):
-            if q.is_file():
+            if q.is_file() or q.is_symlink():
                 q.unlink()
                 gone.append(q)
         try:
