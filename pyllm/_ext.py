@@ -246,7 +246,10 @@ def load():
         _error = e
         raise
     except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError / OSError
-        _error = _diagnose(e)
+        from . import registry
+
+        unwritable = registry.unwritable_cache_error(e, "build the C++ extension") if isinstance(e, OSError) else None
+        _error = PyllmError(f"pyllm: {unwritable}") if unwritable else _diagnose(e)
         raise _error from e
     try:
         _apply_isa_env(mod)

@@ -310,6 +310,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
+        llm.check_prompt_fits(prompt)
         ids = llm.tokenize(prompt)
     elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = list(prompt)
@@ -465,33 +466,56 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
     freely after the prefilled name."""
     if constraint:
         raise BadRequest("response_format cannot be combined with a forced tool call", "tool_choice")
-    calls, defs, clash = [], {}, False
-    for t in tools:
+    calls, defs = [], {}
+    for i, t in enumerate(tools):
         if name and t["function"]["name"] != name:
             continue
         schema = t["function"].get("parameters") or {}
         if isinstance(schema, dict):
-            # "#/$defs/..." references resolve from the document's root, which is now the call object: the
-            # definitions move up there with it (two tools that define one name differently cannot share it)
-            hoisted = [k for k in ("$defs", "definitions") if isinstance(schema.get(k), dict)]
-            for k in hoisted:
-                for d, v in schema[k].items():
-                    clash |= defs.setdefault(k, {}).setdefault(d, v) != v
-            schema = {k: v for k, v in schema.items() if k not in hoisted}
+            # The call object is now the document's root, where the schema's own references ("#/$defs/City",
+            # "#") no longer resolve. Each tool's schema moves whole under the root's $defs, its references
+            # rebased onto where it now sits: two tools that define one name differently keep their own.
+            key = f"tool{i}"
+            defs[key] = _rebase_refs(schema, f"#/$defs/{key}")
+            schema = {"$ref": f"#/$defs/{key}"}
         calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                        "arguments": schema}, "required": ["name", "arguments"]})
-    if not clash:
-        call = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), **defs}
-        try:
-            return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call, param="tools")
-        except BadRequest:  # a tool's parameters are not a usable schema
-            raise
-        except PyllmError:
-            pass
+    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if defs:
+        call = {**call, "$defs": defs}
+    try:
+        return TOOL_OPEN + "\n", structured_output_kwargs(llm, json_schema=call, param="tools")
+    except BadRequest:  # a tool's parameters are not a usable schema
+        raise
+    except PyllmError:
+        pass
     if name:
         return TOOL_OPEN + '\n{"name": "' + name + '", "arguments":', {}
     # The call is opened up to the name's quote: after a bare "<tool_call>\n" small models tend to end the turn.
     return TOOL_OPEN + '\n{"name": "', {}
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference
+_SCHEMA_DATA = frozenset(["const", "enum", "default", "examples"])
+
+
+def _rebase_refs(schema: dict, base: str) -> dict:
+    """A copy of ``schema`` whose local references ("#" and "#/..." JSON pointers) point where they pointed once
+    the schema sits at ``base`` (a "#/..." pointer) of a larger document. Iterative: a schema may nest deeply."""
+    out: dict = {}
+    stack = [(schema, out)]
+    while stack:
+        src, dst = stack.pop()
+        items = src.items() if isinstance(src, dict) else enumerate(src)
+        for k, v in items:
+            if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+                v = base + v[1:]
+            elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in _SCHEMA_DATA):
+                copy = {} if isinstance(v, dict) else [None] * len(v)
+                stack.append((v, copy))
+                v = copy
+            dst[k] = v
+    return out
 
 
 def _call(obj, names) -> dict | None:
@@ -582,7 +606,9 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         if forced is not None:
             prefix, constraint = _forced_call(llm, tools, forced, constraint)
     try:
-        ids = llm.chat_ids(msgs, suffix=prefix, **template_kw)
+        ids = llm.chat_ids(msgs, suffix=prefix, must_fit=True, **template_kw)
+    except ContextFullError:
+        raise
     except PyllmError as e:
         raise BadRequest(str(e), "messages") from None
     n_lp = (top_logprobs or 0) if logprobs else None

@@ -14,7 +14,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from pyllm.errors import TemplateError
+from pyllm.errors import ContextFullError, TemplateError
 
 MAX_OUTPUT_CHARS = 1 << 20  # a prompt larger than this is surely a runaway template
 MAX_SECONDS = 2.0
@@ -66,7 +66,9 @@ _FORMAT_NUMBER = re.compile(r"\d{7,}")
 def _refuse(what: str):
     from jinja2.exceptions import SecurityError
 
-    return SecurityError(f"the template builds {what} larger than the output limit ({MAX_VALUE_CHARS} characters)")
+    e = SecurityError(f"the template builds {what} larger than the output limit ({MAX_VALUE_CHARS} characters)")
+    e.over_size_limit = True  # render() tells a long request from a runaway template
+    return e
 
 
 def _ints(values) -> list[int]:
@@ -338,6 +340,22 @@ class ChatTemplate:
         return t
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text. TemplateError when the template fails; ContextFullError when the output limit is
+        reached because of the request's own text (its messages, or variables such as ``tools``): the same
+        template renders within the limit once that text is taken out, so the request is what is too long."""
+        try:
+            return self._render(messages, add_generation_prompt, kwargs)
+        except _OverSizeLimit as e:
+            try:
+                self._render([_without_text(m) for m in _validate(messages)], add_generation_prompt, {})
+            except TemplateError:
+                raise TemplateError(str(e)) from None  # runaway on its own
+            chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+            raise ContextFullError(f"the chat is too long: its messages hold {chars} characters and its prompt "
+                                   f"exceeds {MAX_OUTPUT_CHARS} characters, the most a chat template may render; "
+                                   f"shorten the messages") from None
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, kwargs: dict) -> str:
         import jinja2
 
         if self.error is not None:
@@ -355,7 +373,7 @@ class ChatTemplate:
                 for chunk in self._template.generate(**ctx):
                     size += len(chunk)
                     if size > MAX_OUTPUT_CHARS:
-                        raise TemplateError(
+                        raise _OverSizeLimit(
                             f"chat template output exceeds {MAX_OUTPUT_CHARS} characters; the template is runaway"
                         )
                     out.append(chunk)
@@ -364,7 +382,8 @@ class ChatTemplate:
         except _Budget:
             raise TemplateError(f"chat template did not finish rendering within {MAX_SECONDS:g} s") from None
         except jinja2.exceptions.SecurityError as e:
-            raise TemplateError(f"chat template tried something the sandbox forbids: {e}") from None
+            kind = _OverSizeLimit if getattr(e, "over_size_limit", False) else TemplateError
+            raise kind(f"chat template tried something the sandbox forbids: {e}") from None
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template raised an error: {e}") from None
         except (RecursionError, MemoryError, OverflowError) as e:
@@ -372,6 +391,16 @@ class ChatTemplate:
         except Exception as e:  # a template bug (TypeError on None + str, ...) is still a bad template
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
         return "".join(out)
+
+
+class _OverSizeLimit(TemplateError):
+    """A render reached the output limit (or built a value over it)."""
+
+
+def _without_text(m: dict) -> dict:
+    """Message ``m`` with one character of content and no tool calls: what a template makes of the request's
+    structure alone."""
+    return {**{k: v for k, v in m.items() if k != "tool_calls"}, "content": "x"}
 
 
 def _marks(contents: list[str]) -> tuple[str, str] | None:
@@ -412,7 +441,7 @@ def content_spans(template: "ChatTemplate", messages: list[dict], text: str,
         marked = [dict(m, content=_placeholder(i, m["content"], marks)) if cores[i] else m for i, m in enumerate(msgs)]
         try:
             rendered = template.render(marked, add_generation_prompt=add_generation_prompt, **kwargs)
-        except TemplateError:
+        except (TemplateError, ContextFullError):  # placeholders can outgrow one-character contents
             rendered = None
         if rendered is not None:
             spans, out, pos, at = [], [], 0, 0

@@ -66,6 +66,9 @@ def embed_counted(llm, items: list[str], normalize: bool = True, pooling: str | 
         for text in items:
             if cancel is not None and cancel.is_set():
                 raise PyllmError("embed: cancelled")
+            least = llm.tokenizer.min_tokens(text)  # refused before a long text is tokenized
+            if least > llm.n_ctx:
+                raise PyllmError(f"embed: a text of at least {least} tokens exceeds the context of {llm.n_ctx}")
             ids = llm.tokenize(text) if text else []
             if not ids:
                 raise PyllmError("embed: cannot embed an empty text")

@@ -1,4 +1,5 @@
-"""What `pyllm info` prints: a model file described from its header alone (no weights read, no tokenizer built)."""
+"""What `pyllm info` prints: a model file described from its header alone (no weights read, no tokenizer built),
+and the problems of its vocabulary and chat template found there."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         "rope": f"{cfg.rope_style}, base {cfg.rope_base:g}",
         "vocab_size": cfg.n_vocab,
         "tokenizer": f"{TOKENIZER_KIND.get(tok_model, tok_model)} ({tok_model}, pre={md.get('tokenizer.ggml.pre', '-')})",
-        "chat_template": "yes" if md.get("tokenizer.chat_template") else "no (plain fallback)",
+        "chat_template": "yes" if _template_source(md) else "no (plain fallback)",
         "kv_bytes_per_token_f16": int(kv_per_token),
         "kv_bytes_per_token_by_kind": {k: KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, k)
                                        for k in KV_KINDS if _fits(k, cfg.head_dim)},
@@ -52,6 +53,42 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         info["kv_bytes_per_token"] = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_kind)
         info["kv_bytes_total"] = int(info["kv_bytes_per_token"] * n_ctx)
     return info
+
+
+def _template_source(md: dict) -> str | None:
+    """The file's chat template as ChatTemplate.from_metadata takes it (anything else gets the fallback)."""
+    source = md.get("tokenizer.chat_template")
+    return source if isinstance(source, str) and source.strip() else None
+
+
+def metadata_problems(md: dict) -> list[str]:
+    """What keeps the vocabulary or the chat template from working, found from the metadata alone (no weights, no
+    tokenizer built): the tokenizer's own checks (pyllm.load would refuse the file), and the file's template
+    compiled and rendered for one user message (chat would fail until --plain-template)."""
+    from .chat_template import ChatTemplate
+    from .errors import TemplateError, TokenizerError
+    from .tokenizer import Tokenizer
+
+    problems = []
+    try:
+        Tokenizer.check_metadata(md)
+    except TokenizerError as e:
+        problems.append(f"the vocabulary cannot be used: {e}")
+    source = _template_source(md)
+    if source is not None:
+        tokens = md.get("tokenizer.ggml.tokens")
+
+        def text(key):
+            i = md.get(key)
+            ok = isinstance(tokens, list) and type(i) is int and 0 <= i < len(tokens) and isinstance(tokens[i], str)
+            return tokens[i] if ok else ""
+
+        try:
+            ChatTemplate(source, text("tokenizer.ggml.bos_token_id"), text("tokenizer.ggml.eos_token_id")).render(
+                [{"role": "user", "content": "Hello"}])
+        except TemplateError as e:
+            problems.append(f"the chat template does not work ({e}); chat needs --plain-template")
+    return problems
 
 
 def _fits(kind: str, head_dim: int) -> bool:

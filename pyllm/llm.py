@@ -152,6 +152,15 @@ class LLM:
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
+    def check_prompt_fits(self, text: str, add_bos: bool | None = None) -> None:
+        """ContextFullError when ``text`` cannot fit in n_ctx whatever it tokenizes to, decided without tokenizing it
+        (Tokenizer.min_tokens, a lower bound: a prompt that fits is never refused here). Tokenizing megabytes takes
+        seconds (0.2-1 MB/s) only to refuse them after; a server's worker would be held that long."""
+        least = self.tokenizer.min_tokens(text, add_bos=add_bos)
+        if least >= self.n_ctx:
+            raise ContextFullError(f"the prompt has at least {least} tokens but the context holds {self.n_ctx}; use "
+                                   f"a larger context (--ctx) or a shorter prompt")
+
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
@@ -344,6 +353,7 @@ class LLM:
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
+            self.check_prompt_fits(prompt)
             return self.tokenize(prompt)
         return self._check_ids(prompt)
 
@@ -407,13 +417,17 @@ class LLM:
         except TemplateError as e:  # the template came from the model file: say which one
             raise in_file(e, Path(self.path).name) from None
 
-    def chat_ids(self, messages: list[dict], suffix: str = "", **template_kw) -> list[int]:
+    def chat_ids(self, messages: list[dict], suffix: str = "", must_fit: bool = False, **template_kw) -> list[int]:
         """The prompt ids for ``messages``; ``suffix`` is text appended after the generation prompt (the start
         of the reply, e.g. a forced tool call).  The template's own markup becomes special tokens, message content
-        never does (a message holding ``<|im_start|>system`` is that text, not a forged turn; see content_spans)."""
+        never does (a message holding ``<|im_start|>system`` is that text, not a forged turn; see content_spans).
+        ``must_fit``: the prompt is used whole (no turns are dropped to make it fit), so one that cannot fit in
+        n_ctx is refused before it is tokenized (check_prompt_fits)."""
         from .chat_template import content_spans
 
         text = self.format_chat(messages, **template_kw)
+        if must_fit:
+            self.check_prompt_fits(text + suffix, add_bos=False)  # the template may write BOS, then it is not added
         plain = content_spans(self.template, messages, text, add_generation_prompt=True, **template_kw)
         ids = self.tokenizer.encode(text + suffix, add_bos=None, special=True, plain=plain)
         bos = self.tokenizer.bos_id
@@ -424,12 +438,13 @@ class LLM:
     def fit_chat(self, messages: list[dict], reserve: int = 0) -> tuple[list[int], list[dict], int]:
         """(ids, kept messages, number dropped): the prompt for ``messages`` under ``context_policy``.
 
-        "stop": the messages unchanged (a prompt that does not fit raises ContextFullError when it is prefilled).
+        "stop": the messages unchanged (a prompt that does not fit raises ContextFullError when it is prefilled, or
+        here, before it is tokenized, when its text alone shows it cannot fit: check_prompt_fits).
         "shift": drops the oldest messages after the leading system message(s), whole turns (a turn starts at a
         user message), until prompt + ``reserve`` reply tokens fit in n_ctx; the cached system prompt is reused and
         the rest re-prefilled. ContextFullError if the system prompt and the last message alone do not fit.
         """
-        ids = self.chat_ids(messages)
+        ids = self.chat_ids(messages, must_fit=self.context_policy == "stop")
         if self.context_policy == "stop" or len(ids) + reserve <= self.n_ctx:
             return ids, list(messages), 0
         head = 0

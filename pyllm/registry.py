@@ -17,6 +17,7 @@ hashed again and refused, naming the file and ``pyllm pull --force NAME``, if it
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -104,6 +105,31 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
+# errno values of a write the cache's owner or file system refuses (not root's problem: root bypasses permissions)
+UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def unwritable_cache_error(e: OSError, what: str) -> PyllmError | None:
+    """The one-line error for ``e``, met while ``what`` wrote into the cache, when the cache cannot be written
+    (permissions, a read-only file system); None for any other OSError."""
+    if e.errno not in UNWRITABLE:
+        return None
+    return PyllmError(f"cannot {what}: {e.filename or cache_dir()}: {e.strerror}; the cache {cache_dir()} must be "
+                      f"writable: fix its permissions or set {CACHE_ENV} to a directory you can write")
+
+
+@contextlib.contextmanager
+def _writing_cache(what: str):
+    """unwritable_cache_error for whatever the block writes into the cache."""
+    try:
+        yield
+    except OSError as e:
+        err = unwritable_cache_error(e, what)
+        if err is None:
+            raise
+        raise err from None
+
+
 def model_path(name: str) -> Path:
     return models_dir() / REGISTRY[name].filename
 
@@ -126,8 +152,15 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 # ---- integrity records -------------------------------------------------------------------------------------------
 
 
+def _in_place(path: Path) -> Path:
+    """``path`` with its directories resolved but not the file itself: a model linked into the cache from
+    elsewhere is the link, and its target is no file of the cache."""
+    path = Path(path)
+    return path.parent.resolve() / path.name
+
+
 def _record_path(path: Path) -> Path:
-    rel = Path(path).resolve().relative_to(models_dir().resolve())
+    rel = _in_place(path).relative_to(models_dir().resolve())
     return cache_dir() / "verified" / rel.parent / (rel.name + ".json")
 
 
@@ -169,7 +202,13 @@ def verify_cached(path: Path, expected: str | None, fix: str, full: bool = False
         return
     got = sha256_file(path)
     if expected is None or got == expected:
-        write_record(path, got, expected_sha256=expected or got)
+        try:
+            write_record(path, got, expected_sha256=expected or got)
+        except OSError as e:
+            # a cache this user may read but not write (shared, or another user's) still serves a file that
+            # checks out; without the record it is hashed again next time
+            if e.errno not in UNWRITABLE:
+                raise
         return
     raise DownloadError(f"cached model file {path} is corrupted (sha256 {got[:16]}... is not the expected "
                         f"{expected[:16]}...); download it again with `pyllm pull --force {fix}`")
@@ -248,6 +287,11 @@ def _looks_like_path(s: str) -> bool:
 def pull(name: str, quiet: bool = False, force: bool = False, sha256: str | None = None) -> Path:
     """Fetch ``name`` (a registry name, an http(s) URL or hf.co/OWNER/REPO[:QUANT]) into the cache if needed and
     return its path. A cached file is checked (see verify_cached); a corrupted one is downloaded again."""
+    with _writing_cache(f"fetch {name}"):
+        return _pull(name, quiet, force, sha256)
+
+
+def _pull(name: str, quiet: bool, force: bool, sha256: str | None) -> Path:
     from . import download
 
     if download.is_remote(name):
@@ -416,9 +460,14 @@ def resolve(model: str | os.PathLike, download: bool = True, quiet: bool = False
     """A path to an existing file, a registry name, or a URL / hf.co reference (pulled on first use).
 
     A cached model is checked against its expected sha256 (cheaply: see the module docstring)."""
+    s = os.fspath(model)
+    with _writing_cache(f"fetch {s}"):
+        return _resolve(s, download, quiet)
+
+
+def _resolve(s: str, download: bool, quiet: bool) -> Path:
     from .download import is_remote
 
-    s = os.fspath(model)
     if s in REGISTRY:
         if is_cached(s):
             verify_cached(model_path(s), REGISTRY[s].sha256, s)
@@ -475,6 +524,11 @@ def list_models() -> list[dict]:
 def remove(target: str) -> list[Path]:
     """Delete a cached model (registry name, URL / hf.co reference, or a file inside the cache) with its record,
     lock and any partial download; returns the files removed. Files outside the cache are never touched."""
+    with _writing_cache(f"remove {target}"):
+        return _remove(target)
+
+
+def _remove(target: str) -> list[Path]:
     from .download import is_remote
 
     root = models_dir().resolve()
@@ -491,16 +545,16 @@ def remove(target: str) -> list[Path]:
             if len(hits) > 1:
                 raise PyllmError(f"{target}: several cached files have that name: {', '.join(map(str, hits))}")
             p = hits[0] if hits else p
-        if not p.exists():
+        if not (p.exists() or p.is_symlink()):
             raise PyllmError(f"{target}: not a registry name, URL, hf.co reference or cached file "
                              f"(see `pyllm list`)")
-        if root not in p.resolve().parents:
+        if root not in _in_place(p).parents:
             raise PyllmError(f"{p}: not in the cache ({root}); pyllm rm deletes only cached models")
-    p = p.resolve() if p.exists() else p
+    p = _in_place(p)
     gone = []
     with _locked(p.parent / f".{p.name}.lock"):
         for q in (p, p.parent / f".{p.name}.partial"):
-            if q.is_file():
+            if q.is_file() or q.is_symlink():
                 q.unlink()
                 gone.append(q)
         try:

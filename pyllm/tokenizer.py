@@ -17,8 +17,10 @@ The BPE merging itself runs in the ``tokenizers`` library; only the special-toke
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import re
+from types import SimpleNamespace
 from typing import Iterable, Sequence
 
 from pyllm.errors import TokenizerError
@@ -99,6 +101,13 @@ def _gpt2_byte_table() -> dict[int, str]:
 
 _BYTE_TO_CHAR = _gpt2_byte_table()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+_BYTE_ALPHABET = frozenset(_CHAR_TO_BYTE)
+# What Tokenizer.min_tokens counts: every byte; ASCII letters and digits; the bytes of non-ASCII characters
+_FLOOR_CLASSES = (
+    frozenset(range(256)),
+    frozenset(b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"),
+    frozenset(range(128, 256)),
+)
 
 
 def _field(md: dict, key: str, kind, default=None, required=False):
@@ -158,89 +167,29 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_gguf(cls, metadata: dict) -> "Tokenizer":
-        md = metadata
-        model = _field(md, "tokenizer.ggml.model", str, required=True)
-        tokens = _field(md, "tokenizer.ggml.tokens", list, required=True)
-        n = len(tokens)
-        if n == 0:
-            raise TokenizerError("GGUF metadata tokenizer.ggml.tokens is empty")
-        _check_items("tokenizer.ggml.tokens", tokens, lambda t: type(t) is str, "a string")
-        if _SURROGATE.search("".join(tokens)):
-            # the reader keeps bytes that are not UTF-8 as surrogate escapes; the tokenizers library holds only text
-            i, t = next((i, t) for i, t in enumerate(tokens) if _SURROGATE.search(t))
-            raw = t.encode("utf-8", "surrogateescape")
-            raise TokenizerError(f"GGUF metadata tokenizer.ggml.tokens[{i}] = {_short(raw)} is not valid UTF-8")
-        types = _field(md, "tokenizer.ggml.token_type", list)
-        if types is None:
-            types = [NORMAL] * n
-        elif len(types) != n:
-            raise TokenizerError(
-                f"GGUF metadata tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {n}"
-            )
-        else:
-            _check_items("tokenizer.ggml.token_type", types, _is_int, "an integer")
-        types = list(types)
-
-        if model == "gpt2":
-            kind, default_bos, default_eos = "bpe", 11, 11
-        elif model == "llama":
-            kind, default_bos, default_eos = "spm", 1, 2
-        else:
-            raise TokenizerError(
-                f"GGUF metadata tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2', 'llama')"
-            )
-
-        def special_id(key, default):
-            value = _field(md, key, int)
-            if value is None:
-                return default if default is not None and 0 <= default < n else None
-            if not 0 <= value < n:
-                raise TokenizerError(f"GGUF metadata {key} = {value} is out of range for a vocabulary of {n} tokens")
-            return value
-
-        bos_id = special_id("tokenizer.ggml.bos_token_id", default_bos)
-        eos_id = special_id("tokenizer.ggml.eos_token_id", default_eos)
-        eot_id = special_id("tokenizer.ggml.eot_token_id", None)
-        eom_id = special_id("tokenizer.ggml.eom_token_id", None)
-        special_id("tokenizer.ggml.unknown_token_id", None)
-        special_id("tokenizer.ggml.padding_token_id", None)
-
-        # llama.cpp adds BOS for a sentencepiece or llama-3 vocabulary unless the file says otherwise
-        pre = _field(md, "tokenizer.ggml.pre", str) or "default"
-        bos_default = kind == "spm" or (kind == "bpe" and _PRE_SPLITS.get(pre, (None, False))[1])
-        add_bos = _field(md, "tokenizer.ggml.add_bos_token", bool, default=bos_default)
-        add_eos = _field(md, "tokenizer.ggml.add_eos_token", bool, default=False)
-        add_space_prefix = kind == "spm" and _field(md, "tokenizer.ggml.add_space_prefix", bool, default=True)
-        if add_bos and bos_id is None:
-            raise TokenizerError("GGUF metadata asks to add a BOS token but tokenizer.ggml.bos_token_id is missing")
-
-        index = {t: i for i, t in enumerate(tokens)}
-        eog, types = _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id)
-
+        v = _read_vocabulary(metadata)
         try:
-            if kind == "bpe":
-                merges = _field(md, "tokenizer.ggml.merges", list, required=True)
-                backend = _bpe_backend(tokens, index, merges, pre)
+            if v.kind == "bpe":
+                backend = _bpe_backend(v.index, v.merges, v.pre)
             else:
-                scores = _field(md, "tokenizer.ggml.scores", list)
-                if scores is not None and len(scores) != n:
-                    raise TokenizerError(
-                        f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries but tokenizer.ggml.tokens "
-                        f"has {n}"
-                    )
-                if scores is not None:
-                    _check_items("tokenizer.ggml.scores", scores, lambda v: _is_int(v) or type(v) is float,
-                                 "a number")
-                backend = _spm_backend(tokens, types, index, scores)
+                backend = _spm_backend(v.tokens, v.types, v.index, v.scores)
         except (TypeError, ValueError, UnicodeError, OverflowError) as e:
             # the tokenizers library rejects vocabularies it cannot hold (e.g. a token that is not valid UTF-8)
             first = str(e).splitlines()[0] if str(e) else ""
             raise TokenizerError(f"GGUF tokenizer vocabulary cannot be built ({type(e).__name__}: {first})") from None
-        return cls(kind=kind, tokens=list(tokens), types=types, backend=backend, bos_id=bos_id, eos_id=eos_id,
-                   eog_ids=eog, add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix)
+        return cls(kind=v.kind, tokens=list(v.tokens), types=v.types, backend=backend, bos_id=v.bos_id,
+                   eos_id=v.eos_id, eog_ids=v.eog, add_bos=v.add_bos, add_eos=v.add_eos,
+                   add_space_prefix=v.add_space_prefix)
+
+    @staticmethod
+    def check_metadata(metadata: dict) -> None:
+        """Every check from_gguf makes of the metadata, without building the tokenizer: TokenizerError naming the
+        first problem. What `pyllm info` runs (0.15-0.3 s for the fixtures' vocabularies, where the build takes
+        0.3-2.5 s)."""
+        _read_vocabulary(metadata)
 
     def _build_special_index(self):
-        # Two tables (all special tokens; user-defined only), each: first char -> candidate lengths, longest first.
+        # Two tables (all special tokens; user-defined only), each indexed for _partition.
         self._special_all: dict[str, int] = {}
         self._special_user: dict[str, int] = {}
         for i, (t, ty) in enumerate(zip(self._tokens, self._types)):
@@ -251,17 +200,8 @@ class Tokenizer:
             elif ty == USER_DEFINED:
                 self._special_all.setdefault(t, i)
                 self._special_user.setdefault(t, i)
-
-        def lengths(table):
-            by_first: dict[str, set[int]] = {}
-            for t in table:
-                by_first.setdefault(t[0], set()).add(len(t))
-            return {c: sorted(ls, reverse=True) for c, ls in by_first.items()}
-
-        self._lengths_all = lengths(self._special_all)
-        self._lengths_user = lengths(self._special_user)
-        self._first_re_all = _first_char_re(self._lengths_all)
-        self._first_re_user = _first_char_re(self._lengths_user)
+        self._index_all = _SpecialIndex(self._special_all)
+        self._index_user = _SpecialIndex(self._special_user)
 
     # ------------------------------------------------------------------ encoding
     def encode(self, text: str, add_bos: bool | None = None, special: bool = True,
@@ -305,47 +245,70 @@ class Tokenizer:
     def _partition(self, text: str, special: bool, plain: Sequence[tuple[int, int]] = ()) -> list:
         """Split ``text`` into raw strings and special token ids the way llama.cpp does.
 
-        llama.cpp takes special tokens longest first and cuts every non-overlapping occurrence of each out of the
-        text still unclaimed; all candidate occurrences are found first so that this costs one pass.
+        llama.cpp takes special tokens longest first and cuts every non-overlapping occurrence of each, left to
+        right, out of the text still unclaimed. All candidate occurrences are found first so that this costs one
+        pass; a token that repeats one character (Gemma's runs of 2-31 spaces, tabs or newlines) is a candidate
+        once per run of that character, not once per position: a run of n spaces would otherwise give ~30 n
+        candidates (hundreds of MB for a long one).
         """
         if not text:
             return []
-        table = self._special_all if special else self._special_user
-        lengths = self._lengths_all if special else self._lengths_user
-        first_re = self._first_re_all if special else self._first_re_user
-        if first_re is None:
+        index = self._index_all if special else self._index_user
+        if index.first_re is None and index.run_re is None:
             return [text]
-        found = []  # (-len, token id, pos)
-        for m in first_re.finditer(text):
-            p = m.start()
-            room = len(text) - p
-            for L in lengths[text[p]]:
-                if L > room:
-                    continue
-                tid = table.get(text[p:p + L])
-                if tid is not None:
-                    found.append((-L, tid, p))
-        if not found:
-            return [text]
-        found.sort()
-        claimed = bytearray(len(text) + 1)
+        table, user = index.table, self._special_user
+        # (-length, token id, start, end): one occurrence at start (end 0), or the run of its character over
+        # [start, end)
+        found = []
+        if index.first_re is not None:
+            by_prefix = index.by_prefix
+            for m in index.first_re.finditer(text):
+                p = m.start()
+                room = len(text) - p
+                for L in by_prefix.get(text[p:p + 2], ()):
+                    if L > room:
+                        continue
+                    tid = table.get(text[p:p + L])
+                    if tid is not None:
+                        found.append((-L, tid, p, 0))
+        guard = None
         if plain:
             guard = bytearray(len(text) + 1)
             for a, b in plain:
                 a, b = max(int(a), 0), min(int(b), len(text))
                 if b > a:
                     guard[a:b] = b"\x01" * (b - a)
-            user = self._special_user
             # inside content only user-defined tokens, and only wholly inside (llama.cpp's parse_special=false)
-            found = [(negl, tid, p) for negl, tid, p in found
+            found = [(negl, tid, p, e) for negl, tid, p, e in found
                      if not any(guard[p:p - negl]) or (text[p:p - negl] in user and all(guard[p:p - negl]))]
+        if index.run_re is not None:
+            for s, e in index.run_spans(text):
+                neg, lengths = index.runs[text[s]]
+                for start, end, inside in _segments(guard, s, e):
+                    for L, tid in lengths[bisect.bisect_left(neg, start - end):]:
+                        if not inside or self._tokens[tid] in user:
+                            found.append((-L, tid, start, end))
+        if not found:
+            return [text]
+        found.sort()
+        claimed = bytearray(len(text) + 1)
         accepted = []
-        for negl, tid, p in found:
-            end = p - negl
-            if claimed[p] or claimed[end - 1] or (end - p > 2 and any(claimed[p:end])):
+        for negl, tid, p, e in found:
+            L = -negl
+            if not e:
+                end = p + L
+                if claimed[p] or claimed[end - 1] or (L > 2 and any(claimed[p:end])):
+                    continue
+                claimed[p:end] = b"\x01" * L
+                accepted.append((p, end, tid))
                 continue
-            claimed[p:end] = b"\x01" * (end - p)
-            accepted.append((p, end, tid))
+            # the token's occurrences in the run, left to right: each next one is the first free stretch of L
+            free = b"\x00" * L
+            q = claimed.find(free, p, e)
+            while q >= 0:
+                claimed[q:q + L] = b"\x01" * L
+                accepted.append((q, q + L, tid))
+                q = claimed.find(free, q + L, e)
         accepted.sort()
         parts: list = []
         pos = 0
@@ -357,6 +320,67 @@ class Tokenizer:
         if pos < len(text):
             parts.append(text[pos:])
         return parts
+
+    def min_tokens(self, text: str, add_bos: bool | None = None) -> int:
+        """A lower bound on ``len(self.encode(text, add_bos))``, from the text's UTF-8 bytes alone (milliseconds
+        for megabytes, where encoding them takes seconds): what refuses a prompt that cannot fit the context.
+
+        It is exact in the sense that it never exceeds the true count. For a class of bytes, every byte of the
+        text in it ends up in some token (where the vocabulary covers that byte: _floor_table), and no token holds
+        more than the vocabulary's most of them; so the text needs at least (its bytes in the class) / (that most)
+        tokens. Over every byte alone the bound is loose where the vocabulary has long whitespace tokens (Qwen2.5:
+        256 spaces in one token), so ASCII letters and digits (at most 41 in one Qwen2.5 token, 16 in Gemma 3's)
+        and non-ASCII bytes are counted too, and the largest of the three bounds is taken.
+        """
+        if _SURROGATE.search(text):
+            text = _SURROGATE.sub("\ufffd", text)  # as encode() does
+        data = text.encode("utf-8")
+        least = 0
+        for delete, most in self._floor_table():
+            if most:
+                least = max(least, -(-len(data.translate(None, delete)) // most))
+        if self.add_bos if add_bos is None else add_bos:
+            least += (self.bos_id is not None) + (self.add_eos and self.eos_id is not None)
+        return least
+
+    def _floor_table(self) -> list[tuple[bytes, int]]:
+        """For each class of _FLOOR_CLASSES: (the bytes min_tokens does not count, the most counted bytes any one
+        token takes from the text). Computed once per vocabulary (a walk over its tokens)."""
+        table = getattr(self, "_floor", None)
+        if table is not None:
+            return table
+        if self.kind == "bpe":
+            # a byte whose character is missing from the vocabulary is dropped by the BPE model (no unknown token
+            # is set): SmolLM2's vocabulary lacks 0x04, 0x06, 0x13, ...
+            covered = {b for b, c in _BYTE_TO_CHAR.items() if self.token_id(c) is not None}
+        elif all(self.token_id(f"<0x{b:02X}>") is not None for b in range(256)):
+            covered = set(range(256))  # byte fallback: a character without a token becomes its bytes' tokens
+        else:  # without it such a character is dropped: count only ASCII that is a token itself
+            covered = {b for b in range(128) if self.token_id("\u2581" if b == 0x20 else chr(b)) is not None}
+        taken = [x for i, (t, ty) in enumerate(zip(self._tokens, self._types)) for x in self._taken_bytes(t, ty)]
+        table = []
+        for cls in _FLOOR_CLASSES:
+            delete = bytes(b for b in range(256) if b not in covered or b not in cls)
+            table.append((delete, max((len(x.translate(None, delete)) for x in taken), default=0)))
+        self._floor = table
+        return table
+
+    def _taken_bytes(self, t: str, ty: int) -> list[bytes]:
+        """The text bytes one occurrence of token ``t`` can stand for (at least one of them, for each way the
+        encoder can produce it)."""
+        out = []
+        if ty in (CONTROL, UNKNOWN, USER_DEFINED):
+            out.append(t.encode("utf-8"))  # cut out of the text as written (_partition)
+        if self.kind == "bpe":
+            if _BYTE_ALPHABET.issuperset(t):  # made by the BPE model from the text's bytes, one character each
+                out.append(bytes(_CHAR_TO_BYTE[c] for c in t))
+        else:
+            m = _BYTE_TOKEN.fullmatch(t) if ty == BYTE else None
+            if m:
+                out.append(bytes([int(m.group(1), 16)]))
+            else:  # "\u2581" stands for a space, or for itself typed in the text
+                out += [t.replace("\u2581", " ").encode("utf-8"), t.encode("utf-8")]
+        return out
 
     # ------------------------------------------------------------------ decoding
     def _check_id(self, tid) -> int:
@@ -467,10 +491,71 @@ class StreamDecoder:
         return text
 
 
-def _first_char_re(lengths: dict[str, list[int]]):
-    if not lengths:
-        return None
-    return re.compile("[" + "".join(re.escape(c) for c in sorted(lengths)) + "]")
+class _SpecialIndex:
+    """One table of special tokens (text -> id) indexed for _partition: tokens that repeat one character, by that
+    character (its maximal runs are found by ``run_re``), and the others by their first two characters."""
+
+    def __init__(self, table: dict[str, int]):
+        self.table = table
+        runs: dict[str, dict[int, int]] = {}
+        by_prefix: dict[str, set[int]] = {}
+        for t, tid in table.items():
+            if t.count(t[0]) == len(t):
+                runs.setdefault(t[0], {})[len(t)] = tid
+            else:
+                by_prefix.setdefault(t[:2], set()).add(len(t))
+        # (-lengths, [(length, id)]) longest first: a run can be cut by several of them
+        self.runs = {c: ([-k for k in sorted(ks, reverse=True)], sorted(ks.items(), reverse=True))
+                     for c, ks in runs.items()}
+        self.by_prefix = {p: sorted(ls, reverse=True) for p, ls in by_prefix.items()}
+        self.first_re = (re.compile("[" + "".join(re.escape(c) for c in sorted({p[0] for p in by_prefix})) + "]")
+                         if by_prefix else None)
+        # Runs of those characters, at least 2 long where no single one is a token. A run is matched in pieces of
+        # at most _RUN_PIECE characters: a longer repetition of a backreference costs sre memory per character.
+        single = sorted(c for c, ks in runs.items() if 1 in ks)
+        multi = sorted(c for c, ks in runs.items() if 1 not in ks)
+        alts = []
+        if single:
+            alts.append("([" + "".join(map(re.escape, single)) + f"])\\{len(alts) + 1}{{0,{_RUN_PIECE - 1}}}")
+        if multi:
+            alts.append("([" + "".join(map(re.escape, multi)) + f"])\\{len(alts) + 1}{{1,{_RUN_PIECE - 1}}}")
+        self.run_re = re.compile("|".join(alts)) if alts else None
+        self._run_tails: dict[str, re.Pattern] = {}
+
+    def run_spans(self, text: str):
+        """(start, end) of each maximal run in ``text`` of a character that has run tokens (runs of one character
+        shorter than 2 are left out where that character alone is not a token)."""
+        pos = 0
+        while True:
+            m = self.run_re.search(text, pos)
+            if m is None:
+                return
+            s, e = m.span()
+            if e - s == _RUN_PIECE:  # the run may go on past the piece
+                tail = self._run_tails.get(text[s])
+                if tail is None:
+                    tail = self._run_tails[text[s]] = re.compile(re.escape(text[s]) + "*")
+                e = tail.match(text, e).end()
+            yield s, e
+            pos = e
+
+
+_RUN_PIECE = 256
+
+
+def _segments(guard: bytearray | None, start: int, end: int):
+    """(start, end, inside) stretches of [start, end) that lie wholly inside or wholly outside the plain ranges
+    marked in ``guard`` (None: no ranges)."""
+    if guard is None:
+        yield start, end, False
+        return
+    pos = start
+    while pos < end:
+        inside = bool(guard[pos])
+        nxt = guard.find(b"\x00" if inside else b"\x01", pos, end)
+        stop = end if nxt < 0 else nxt
+        yield pos, stop, inside
+        pos = stop
 
 
 def _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id):
@@ -511,25 +596,100 @@ def _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id):
     return eog, types
 
 
-def _bpe_backend(tokens: Sequence[str], index: dict, merges: Sequence[str], pre: str):
+def _read_vocabulary(metadata: dict) -> SimpleNamespace:
+    """The vocabulary's metadata, checked (TokenizerError naming the first problem), as Tokenizer.from_gguf needs
+    it: no tokenizer is built here."""
+    md = metadata
+    model = _field(md, "tokenizer.ggml.model", str, required=True)
+    tokens = _field(md, "tokenizer.ggml.tokens", list, required=True)
+    n = len(tokens)
+    if n == 0:
+        raise TokenizerError("GGUF metadata tokenizer.ggml.tokens is empty")
+    _check_items("tokenizer.ggml.tokens", tokens, lambda t: type(t) is str, "a string")
+    if _SURROGATE.search("".join(tokens)):
+        # the reader keeps bytes that are not UTF-8 as surrogate escapes; the tokenizers library holds only text
+        i, t = next((i, t) for i, t in enumerate(tokens) if _SURROGATE.search(t))
+        raw = t.encode("utf-8", "surrogateescape")
+        raise TokenizerError(f"GGUF metadata tokenizer.ggml.tokens[{i}] = {_short(raw)} is not valid UTF-8")
+    types = _field(md, "tokenizer.ggml.token_type", list)
+    if types is None:
+        types = [NORMAL] * n
+    elif len(types) != n:
+        raise TokenizerError(
+            f"GGUF metadata tokenizer.ggml.token_type has {len(types)} entries but tokenizer.ggml.tokens has {n}"
+        )
+    else:
+        _check_items("tokenizer.ggml.token_type", types, _is_int, "an integer")
+    types = list(types)
+
+    if model == "gpt2":
+        kind, default_bos, default_eos = "bpe", 11, 11
+    elif model == "llama":
+        kind, default_bos, default_eos = "spm", 1, 2
+    else:
+        raise TokenizerError(
+            f"GGUF metadata tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2', 'llama')"
+        )
+
+    def special_id(key, default):
+        value = _field(md, key, int)
+        if value is None:
+            return default if default is not None and 0 <= default < n else None
+        if not 0 <= value < n:
+            raise TokenizerError(f"GGUF metadata {key} = {value} is out of range for a vocabulary of {n} tokens")
+        return value
+
+    bos_id = special_id("tokenizer.ggml.bos_token_id", default_bos)
+    eos_id = special_id("tokenizer.ggml.eos_token_id", default_eos)
+    eot_id = special_id("tokenizer.ggml.eot_token_id", None)
+    eom_id = special_id("tokenizer.ggml.eom_token_id", None)
+    special_id("tokenizer.ggml.unknown_token_id", None)
+    special_id("tokenizer.ggml.padding_token_id", None)
+
+    # llama.cpp adds BOS for a sentencepiece or llama-3 vocabulary unless the file says otherwise
+    pre = _field(md, "tokenizer.ggml.pre", str) or "default"
+    bos_default = kind == "spm" or (kind == "bpe" and _PRE_SPLITS.get(pre, (None, False))[1])
+    add_bos = _field(md, "tokenizer.ggml.add_bos_token", bool, default=bos_default)
+    add_eos = _field(md, "tokenizer.ggml.add_eos_token", bool, default=False)
+    add_space_prefix = kind == "spm" and _field(md, "tokenizer.ggml.add_space_prefix", bool, default=True)
+    if add_bos and bos_id is None:
+        raise TokenizerError("GGUF metadata asks to add a BOS token but tokenizer.ggml.bos_token_id is missing")
+
+    index = {t: i for i, t in enumerate(tokens)}
+    eog, types = _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id)
+
+    merges = scores = None
+    if kind == "bpe":
+        if pre not in _PRE_SPLITS:
+            raise TokenizerError(f"GGUF metadata tokenizer.ggml.pre = {pre!r} is not supported (supported: "
+                                 f"{', '.join(sorted(_PRE_SPLITS))})")
+        merges = []
+        for i, m in enumerate(_field(md, "tokenizer.ggml.merges", list, required=True)):
+            if not isinstance(m, str):
+                raise TokenizerError(f"GGUF metadata tokenizer.ggml.merges[{i}] = {m!r} is not a string")
+            cut = m.find(" ", 1)
+            if cut < 0:
+                raise TokenizerError(f"GGUF metadata tokenizer.ggml.merges[{i}] = {m!r} is not two tokens")
+            merges.append((m[:cut], m[cut + 1:]))
+    else:
+        scores = _field(md, "tokenizer.ggml.scores", list)
+        if scores is not None and len(scores) != n:
+            raise TokenizerError(
+                f"GGUF metadata tokenizer.ggml.scores has {len(scores)} entries but tokenizer.ggml.tokens has {n}"
+            )
+        if scores is not None:
+            _check_items("tokenizer.ggml.scores", scores, lambda v: _is_int(v) or type(v) is float, "a number")
+    return SimpleNamespace(kind=kind, tokens=tokens, types=types, bos_id=bos_id, eos_id=eos_id, eog=eog,
+                           add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix, index=index,
+                           pre=pre, merges=merges, scores=scores)
+
+
+def _bpe_backend(index: dict, merges: Sequence[tuple[str, str]], pre: str):
     from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers
 
-    if pre not in _PRE_SPLITS:
-        raise TokenizerError(
-            f"GGUF metadata tokenizer.ggml.pre = {pre!r} is not supported (supported: {', '.join(sorted(_PRE_SPLITS))})"
-        )
     regexes, ignore_merges = _PRE_SPLITS[pre]
-    pairs = []
-    for i, m in enumerate(merges):
-        if not isinstance(m, str):
-            raise TokenizerError(f"GGUF metadata tokenizer.ggml.merges[{i}] = {m!r} is not a string")
-        cut = m.find(" ", 1)
-        if cut < 0:
-            raise TokenizerError(f"GGUF metadata tokenizer.ggml.merges[{i}] = {m!r} is not two tokens")
-        a, b = m[:cut], m[cut + 1:]
-        # a merge whose parts or result are missing could never fire in llama.cpp's output either
-        if a in index and b in index and (a + b) in index:
-            pairs.append((a, b))
+    # a merge whose parts or result are missing could never fire in llama.cpp's output either
+    pairs = [(a, b) for a, b in merges if a in index and b in index and (a + b) in index]
     model = models.BPE(index, pairs, ignore_merges=ignore_merges)
     tk = HFTokenizer(model)
     tk.pre_tokenizer = pre_tokenizers.Sequence(

@@ -13,6 +13,7 @@ import torch
 from conftest import pyllm_model
 from pyllm import PyllmError
 from pyllm.api import BadRequest, normalize_messages, parse_tool_calls
+from pyllm.errors import ContextFullError
 from pyllm.runtime.sampler import token_logprobs
 
 
@@ -84,6 +85,25 @@ def test_generate_refuses_a_prompt_that_is_neither_text_nor_token_ids(llm, promp
     with pytest.raises(PyllmError, match="prompt"):
         llm.generate(prompt, max_tokens=2, temperature=0)
     assert llm.generate("Hi", max_tokens=2, temperature=0)  # the LLM is still usable
+
+
+def test_prompts_that_cannot_fit_are_refused_before_they_are_tokenized(llm, monkeypatch):
+    """A prompt of megabytes was tokenized whole (seconds at 0.2-1 MB/s, holding a server's worker) only to be
+    refused for its length. Reference: the context of 512 tokens, and the tokenizer, which none of these calls
+    may reach."""
+    def encode(*a, **kw):
+        raise AssertionError("the prompt was tokenized")
+
+    big = "word " * 200_000
+    monkeypatch.setattr(llm.tokenizer, "encode", encode)
+    chat = [{"role": "user", "content": big}]
+    for call in (lambda: llm.generate(big, max_tokens=1), lambda: llm.chat(chat, max_tokens=1),
+                 lambda: llm.create_completion(big, max_tokens=1),
+                 lambda: llm.create_chat_completion(chat, max_tokens=1)):
+        with pytest.raises(ContextFullError, match="at least [0-9]+ tokens but the context holds 512"):
+            call()
+    with pytest.raises(PyllmError, match="at least [0-9]+ tokens exceeds the context of 512"):
+        llm.embed(big)
 
 
 def test_token_logprobs_match_a_float64_log_softmax():

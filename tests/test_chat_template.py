@@ -8,8 +8,8 @@ import time
 import pytest
 
 from conftest import hf_tokenizer
-from pyllm.chat_template import CHATML_TEMPLATE, ChatTemplate
-from pyllm.errors import TemplateError
+from pyllm.chat_template import CHATML_TEMPLATE, GEMMA_TEMPLATE, MAX_OUTPUT_CHARS, ChatTemplate
+from pyllm.errors import ContextFullError, TemplateError
 from test_tokenizer import gguf_metadata, pyllm_tokenizer
 
 CONVERSATIONS = [
@@ -146,6 +146,21 @@ def test_hostile_or_broken_templates_raise_quickly(source, match):
     with pytest.raises(TemplateError, match=match):
         ChatTemplate(source, "", "").render([{"role": "user", "content": "hi"}])
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.parametrize("source", [CHATML_TEMPLATE, GEMMA_TEMPLATE])
+@pytest.mark.parametrize("sizes", [[1_200_000], [600_000, 600_000]])
+def test_messages_longer_than_the_output_limit_are_a_context_error(source, sizes):
+    """Content of over a megabyte reached the sandbox's output limit (or its value limit, in Gemma's |trim) and
+    was reported as a runaway template: the request, not the template, is what is too long. Reference: OpenAI's
+    context_length_exceeded for too-long input, which the server gives a ContextFullError; the limit is named."""
+    msgs = [{"role": ("user", "assistant")[i % 2], "content": "word " * (n // 5)} for i, n in enumerate(sizes)]
+    with pytest.raises(ContextFullError, match=f"hold {sum(sizes)} characters .* exceeds {MAX_OUTPUT_CHARS}"):
+        ChatTemplate(source, "<bos>", "<eos>").render(msgs)
+    # a template that is runaway on its own stays the template's error, whatever the content
+    runaway = "{% for i in range(99999) %}{{ messages[0]['content'] * 20 }}{% endfor %}"
+    with pytest.raises(TemplateError, match="exceeds|limit"):
+        ChatTemplate(runaway, "", "").render(msgs)
 
 
 def test_ordinary_formatting_still_works():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -72,6 +73,34 @@ def test_info(smollm2_path, qwen2_path):
     assert 6.0e8 < info["parameters"] < 6.6e8  # 494M + a separate (untied) 136M output head
     # 24 layers x 2 kv heads x 64 dims x 2 (K, V) x 2 bytes
     assert info["kv_bytes_per_token_f16"] == 24 * 2 * 64 * 2 * 2
+
+
+@pytest.mark.parametrize("metadata, needles", [
+    ({"tokenizer.ggml.bos_token_id": 99999}, ["vocabulary cannot be used", "bos_token_id = 99999 is out of range"]),
+    ({"tokenizer.ggml.merges": ["ab"]}, ["vocabulary cannot be used", "merges[0] = 'ab' is not two tokens"]),
+    ({"tokenizer.ggml.pre": "klingon"}, ["tokenizer.ggml.pre = 'klingon' is not supported"]),
+    ({"tokenizer.chat_template": "{% for m in messages %}{{ m.content }"}, ["chat template", "syntax error",
+                                                                           "--plain-template"]),
+    ({"tokenizer.chat_template": "{{ ''.__class__ }}"}, ["chat template", "forbids", "--plain-template"]),
+    ({"tokenizer.chat_template": "{{ raise_exception('no chat here') }}"}, ["no chat here"]),
+])
+def test_info_reports_a_broken_vocabulary_or_chat_template(tmp_path, metadata, needles):
+    """`pyllm info` described a file from its header and exited 0 although pyllm.load refuses its vocabulary or
+    chat fails on its template. Reference: the errors load and chat give for the same hostile files (built as
+    tests/test_robustness.py builds them); the description is still printed, and a sound file exits 0."""
+    from pyllm.synthetic import write_tiny_llama
+
+    def tiny(name, md):
+        return str(write_tiny_llama(tmp_path / f"{name}.gguf", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_kv_head=1,
+                                    n_vocab=320, n_ctx=64, metadata=md))
+
+    res = pyllm("info", tiny("broken", metadata))
+    assert_clean_error(res, "broken.gguf", *needles)
+    assert "architecture:" in res.stdout
+    res = pyllm("info", tiny("broken", metadata), "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["problems"]
+    res = pyllm("info", tiny("sound", {}), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["problems"] == [], res.stderr
 
 
 def test_list(smollm2_path):
@@ -157,6 +186,13 @@ def test_run_context_policy(smollm2_path):
     res = pyllm("run", smollm2_path, prompt, "--ctx", "24", "-n", "4", "--temp", "0", "--context-policy", "shift")
     assert res.returncode == 0, res.stderr
     assert "dropped its oldest" in res.stderr and res.stdout.strip()
+
+
+def test_run_refuses_a_prompt_that_cannot_fit_before_tokenizing_it(smollm2_path):
+    """Reference: --ctx 64 and the bound's wording ("at least"): 1 MB on standard input is refused from its bytes,
+    not after seconds of tokenizing it."""
+    res = pyllm("run", smollm2_path, "--ctx", "64", "-n", "1", stdin="word " * 200_000)
+    assert_clean_error(res, "at least", "context holds 64")
 
 
 def test_run_kv_types_per_part(smollm2_path):
@@ -261,6 +297,94 @@ def test_prompt_and_schema_cannot_both_be_standard_input(no_template_gguf):
     """Reference: cmd_run's rule for a prompt read from standard input; '-' is the same standard input."""
     res = pyllm("run", no_template_gguf, "-", "--json-schema", "-", "-n", "2", stdin='{"type": "object"}')
     assert_clean_error(res, "standard input")
+
+
+def _as_a_user_permissions_bind():
+    """argv prefix that runs a command under file permissions. As root, which bypasses them, that is uid 65534
+    through setpriv keeping only CAP_DAC_READ_SEARCH: it still reads this checkout, the Python install and the
+    test's directories, but writes only where others may. Skips where setpriv cannot do that."""
+    if os.geteuid() != 0:
+        return []
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=+dac_read_search",
+              "--ambient-caps=+dac_read_search"]
+    try:
+        ok = subprocess.run(prefix + [sys.executable, "-c", "import pyllm"], capture_output=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("running as root and setpriv cannot drop to a user that file permissions apply to")
+    return prefix
+
+
+@pytest.mark.parametrize("args", [["pull", "smollm2-135m"], ["run", "smollm2-135m", "hi", "-n", "1"],
+                                  ["chat", "smollm2-135m"], ["serve", "smollm2-135m", "--port", "0"],
+                                  ["info", "smollm2-135m"]])
+def test_cache_dir_without_write_permission_is_a_clean_error(tmp_path, args):
+    """Reference: README's PYLLM_CACHE_DIR, a directory pyllm writes models into. One the user may not write
+    (here a directory of root's, or mode 0555 for a non-root test run) ended pull, run, chat and serve on a
+    registry name in a PermissionError traceback; it is one line naming the directory and the way out."""
+    prefix = _as_a_user_permissions_bind()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o555)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYLLM_CACHE_DIR=str(cache), HOME=str(tmp_path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        res = subprocess.run(prefix + [sys.executable, "-m", "pyllm", *args], capture_output=True, text=True,
+                             timeout=300, env=env, input="hi\n", cwd=root)
+    finally:
+        cache.chmod(0o755)
+    assert_clean_error(res, str(cache), "Permission denied", "PYLLM_CACHE_DIR")
+
+
+def test_extension_build_in_a_cache_without_write_permission_names_it(tmp_path):
+    """The compiled extension is cached there too: the build's PermissionError was reported as a failed compile
+    with the errno as its "last lines". Reference: the directory and the way out, as for models."""
+    prefix = _as_a_user_permissions_bind()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o555)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYLLM_CACHE_DIR=str(cache), HOME=str(tmp_path),
+               PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = "from pyllm import PyllmError, _ext\ntry:\n    _ext.load()\nexcept PyllmError as e:\n    print(e)"
+    try:
+        res = subprocess.run(prefix + [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                             env=env, cwd=root)
+    finally:
+        cache.chmod(0o755)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("pyllm: cannot build the C++ extension: " + str(cache / "ext")), res.stdout
+    assert "PYLLM_CACHE_DIR" in res.stdout and "compiling" not in res.stdout
+
+
+def test_a_read_only_cache_still_serves_a_model_that_checks_out(tmp_path, smollm2_path):
+    """A cache the user may read but not write (shared, or another user's) holding a registry model: info reads
+    it; the record of its sha256 cannot be written, so it is hashed each time instead of refused. Reference: the
+    registry's sha256 of the file."""
+    prefix = _as_a_user_permissions_bind()
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    held = cache / "models" / os.path.basename(smollm2_path)
+    try:
+        os.link(smollm2_path, held)
+    except OSError:  # another file system
+        shutil.copyfile(smollm2_path, held)
+    for d in (cache / "models", cache):
+        d.chmod(0o555)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYLLM_CACHE_DIR=str(cache), HOME=str(tmp_path))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    try:
+        res = subprocess.run(prefix + [sys.executable, "-m", "pyllm", "info", "smollm2-135m"], capture_output=True,
+                             text=True, timeout=300, env=env, cwd=root)
+    finally:
+        for d in (cache, cache / "models"):
+            d.chmod(0o755)
+    assert res.returncode == 0, res.stderr
+    assert "49152" in res.stdout and not (cache / "verified").exists()
 
 
 @pytest.mark.parametrize("args", [["pull", "smollm2-135m"], ["list"]])

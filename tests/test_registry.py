@@ -331,6 +331,23 @@ def test_pull_of_a_corrupted_cached_file_downloads_again(cached_fake, capsys):
     assert calls == [1, 1] and registry.sha256_file(p) == m.sha256
 
 
+def test_a_model_linked_into_the_cache_is_the_link(cached_fake, tmp_path):
+    """A model file linked into the cache from elsewhere (no second copy on disk): using it ended in a ValueError
+    traceback (its record's path was taken from the link's target, outside the cache), and rm deleted the target,
+    a file outside the cache, leaving the link. Reference: rm's rule that files outside the cache are never
+    touched, and the file's sha256 for its record."""
+    m, p, calls = cached_fake
+    mine = tmp_path / "mine.gguf"
+    mine.write_bytes(p.read_bytes())
+    p.unlink()
+    p.symlink_to(mine)
+    assert registry.resolve("fake") == p and registry.read_record(p)["sha256"] == m.sha256
+    assert registry.remove("fake") == [p]
+    assert mine.exists() and not os.path.lexists(p)
+    p.symlink_to(tmp_path / "gone.gguf")  # a link whose target is gone is removed as well
+    assert registry.remove(str(p)) == [p] and not os.path.lexists(p)
+
+
 def test_rm_and_list(cached_fake, server, gguf_bytes, tmp_path):
     m, p, calls = cached_fake
     server.files["/u/tiny.gguf"] = gguf_bytes

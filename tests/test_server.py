@@ -238,6 +238,22 @@ def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     assert m["pyllm_queue_depth"] == 0
 
 
+def test_prompts_that_cannot_fit_are_refused_before_they_are_tokenized(smol):
+    """A 4 MB completion prompt held the worker ~15 s while it was tokenized, only to be refused for its length.
+    Reference: OpenAI's context_length_exceeded, naming the parameter; "at least" is the wording of the bound
+    that decides without tokenizing (the count after tokenizing says "has N tokens")."""
+    big = "word " * 12_000  # under the test server's --max-body
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().completions.create(model="smollm2", prompt=big, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    assert "at least" in e.value.body["message"] and "512" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().chat.completions.create(model="smollm2", messages=_chat(big), max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+    assert "at least" in e.value.body["message"]
+    _ok(smol)
+
+
 def test_bodies_python_cannot_take_are_400s(smol):
     """A body nested deeper than Python's JSON parser recurses, a number longer than Python converts (4300
     digits), or a model id that is not a string, is the client's error: a 400 naming it, not a 500."""
@@ -629,6 +645,34 @@ def test_forced_call_with_a_schema_that_has_defs(qwen):
     jsonschema.validate(json.loads(call.function.arguments), params)
 
 
+def test_forced_call_keeps_each_tools_own_defs(qwen):
+    """Two tools whose parameters define the same "$defs" name differently could not share the root's $defs, and
+    tool_choice "required" fell back to an unconstrained call (arguments of neither schema). Each tool's schema
+    now keeps its own definitions. Reference: jsonschema's validation against the called tool's parameters."""
+    jsonschema = pytest.importorskip("jsonschema")
+
+    def tool(name, place):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+            "additionalProperties": False, "$defs": {"Place": place}}}}
+
+    tools = [tool("get_weather", {"type": "object", "additionalProperties": False, "required": ["city", "country"],
+                                  "properties": {"city": {"type": "string", "maxLength": 20},
+                                                 "country": {"type": "string", "pattern": "^[A-Z]{2}$"}}}),
+             tool("get_time", {"type": "object", "additionalProperties": False, "required": ["utc_offset"],
+                               "properties": {"utc_offset": {"type": "integer", "minimum": -12, "maximum": 14}}})]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    for msg, choice in (("What time is it in Tokyo?", "required"), ("Weather in Paris?", "required"),
+                        ("Weather in Paris?", {"type": "function", "function": {"name": "get_time"}})):
+        r = qwen.client().chat.completions.create(model="qwen", messages=[{"role": "user", "content": msg}],
+                                                  tools=tools, tool_choice=choice, temperature=0, max_tokens=64)
+        call = r.choices[0].message.tool_calls[0]
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name in params, (msg, choice)
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+        if isinstance(choice, dict):
+            assert call.function.name == "get_time"
+
+
 def test_required_tool_choice_calls_a_declared_tool(qwen):
     """tool_choice "required" must produce a call to one of the request's tools, with arguments under its schema,
     as OpenAI's API guarantees; asked something no tool fits, the model made up a function ("hello") and the
@@ -641,6 +685,21 @@ def test_required_tool_choice_calls_a_declared_tool(qwen):
         call = r.choices[0].message.tool_calls[0]
         assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", msg
         jsonschema.validate(json.loads(call.function.arguments), WEATHER[0]["function"]["parameters"])
+
+
+def test_a_chat_over_the_template_output_limit_is_context_length_exceeded(qwen):
+    """Over 1 MB of content reached the chat template's output limit and came back as a 400 blaming the template,
+    with no code. Reference: OpenAI's code for too-long input, context_length_exceeded, as the server gives for a
+    prompt over the context; the message names the limit."""
+    for sizes in ([1_200_000], [600_000, 600_000]):
+        msgs = [{"role": ("user", "assistant")[i % 2], "content": "word " * (n // 5)} for i, n in enumerate(sizes)]
+        with pytest.raises(openai.BadRequestError) as e:
+            qwen.client().chat.completions.create(model="qwen", messages=msgs, max_tokens=2)
+        assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
+        assert "1048576 characters" in e.value.body["message"] and "template is runaway" not in e.value.message
+    r = qwen.client().chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Hi"}],
+                                              max_tokens=2)
+    assert r.usage.completion_tokens == 2
 
 
 def _readme_section() -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 
 import pytest
@@ -280,6 +281,110 @@ def test_skip_special_and_token_text():
     assert tok.token_text(tok.encode(" hello", add_bos=False)[0]) == "\u0120hello"
     with pytest.raises(TokenizerError, match="out of range"):
         tok.decode([tok.n_vocab])
+
+
+# ---------------------------------------------------------------------------------------------- special tokens
+def _st_partition_reference(tok: Tokenizer, text: str, special: bool, plain) -> list:
+    """llama.cpp's tokenizer_st_partition written out plainly: special tokens longest first (then by id), each cut
+    out of the text still unclaimed wherever it occurs, left to right; inside ``plain`` ranges only user-defined
+    tokens, and only wholly inside."""
+    table = tok._special_all if special else tok._special_user
+    guard = set()
+    for a, b in plain:
+        guard.update(range(max(a, 0), min(b, len(text))))
+    claimed = [False] * len(text)
+    accepted = []
+    for t, tid in sorted(table.items(), key=lambda kv: (-len(kv[0]), kv[1])):
+        p = text.find(t)
+        while p >= 0:
+            span = range(p, p + len(t))
+            allowed = not guard.intersection(span) or (t in tok._special_user and guard.issuperset(span))
+            if allowed and not any(claimed[i] for i in span):
+                for i in span:
+                    claimed[i] = True
+                accepted.append((p, p + len(t), tid))
+                p = text.find(t, p + len(t))
+            else:
+                p = text.find(t, p + 1)
+    parts, pos = [], 0
+    for p, end, tid in sorted(accepted):
+        parts += ([text[pos:p]] if p > pos else []) + [tid]
+        pos = end
+    return parts + ([text[pos:]] if pos < len(text) else [])
+
+
+def _runs_vocab() -> Tokenizer:
+    """Byte-level vocabulary whose special tokens overlap every way: runs of one character (as Gemma's runs of
+    spaces), tokens inside longer ones, control and user-defined tokens of one length."""
+    base = ["a", "b", " ", "\n", "<", ">", "x"]
+    specials = [(" " * k, 4) for k in range(2, 7)] + [
+        ("\n", 3), ("\n\n", 3), ("\n\n\n", 4), ("<x>", 3), ("<x><x>", 4), ("x>", 4), ("ab", 3), ("aba", 4),
+        ("bab", 3), ("a a", 4), ("  a", 3), ("bbbb", 4), ("b", 4), ("<<", 3)]
+    return Tokenizer.from_gguf({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.tokens": base + [t for t, _ in specials],
+        "tokenizer.ggml.token_type": [1] * len(base) + [ty for _, ty in specials]})
+
+
+def test_special_partition_is_llama_cpps():
+    """Reference: llama.cpp's partition written out token by token (_st_partition_reference), on random texts
+    with random content ranges, special tokens on and off."""
+    import random
+
+    tok = _runs_vocab()
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab <x>\n  b") for _ in range(rng.randint(0, 30)))
+        plain = [sorted((rng.randint(0, len(text)), rng.randint(0, len(text)))) for _ in range(rng.randint(0, 3))]
+        special = rng.random() < 0.7
+        assert tok._partition(text, special, plain) == _st_partition_reference(tok, text, special, plain), \
+            (text, special, plain)
+
+
+def test_long_runs_of_a_special_character_take_bounded_memory():
+    """Gemma's vocabulary has user-defined tokens for runs of 2-31 spaces, tabs and newlines. Every position of a
+    run was a candidate for every run length, so 200,000 spaces took 14 s and 435 MB to cut (bytes the server
+    accepts in one request). Reference: the memory of the text itself; the pieces are llama.cpp's (31 spaces
+    each, then what is left)."""
+    import tracemalloc
+
+    tok = Tokenizer.from_gguf({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt2", "tokenizer.ggml.merges": [],
+        "tokenizer.ggml.tokens": ["a"] + [" " * k for k in range(2, 32)],
+        "tokenizer.ggml.token_type": [1] + [4] * 30})
+    text = " " * 50_000
+    tracemalloc.start()
+    try:
+        parts = tok._partition(text, True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert parts == [tok.token_id(" " * 31)] * (50_000 // 31) + [tok.token_id(" " * (50_000 % 31))]
+    assert peak < 2**20 + 2 * len(text), peak
+
+
+@pytest.mark.parametrize("key", MODELS)
+def test_min_tokens_is_a_lower_bound(key):
+    """Tokenizer.min_tokens refuses prompts that cannot fit without tokenizing them, so it must never exceed the
+    true count (a prompt that fits would be refused). Reference: encode()'s own count, on the corpus, on texts of
+    the vocabulary's densest tokens (most bytes, letters and digits, non-ASCII bytes), bytes a vocabulary drops
+    (SmolLM2 has no token for 0x04), special tokens, and escaped spaces."""
+    tok = pyllm_tokenizer(key)
+    pieces = [tok.token_bytes(i).decode("utf-8", "replace") for i in range(tok.n_vocab)]
+    alnum = re.compile(r"[0-9A-Za-z]")
+    texts = list(CORPUS)
+    for weight in (lambda p: len(p.encode()), lambda p: len(alnum.findall(p)),
+                   lambda p: sum(b >= 0x80 for b in p.encode())):
+        dense = sorted(range(tok.n_vocab), key=lambda i: -weight(pieces[i]))[:40]
+        texts += ["".join(pieces[i] for i in dense) * 3, " ".join(pieces[i] for i in dense),
+                  pieces[dense[0]] * 50]
+    specials = [tok.token_text(i) for i in range(tok.n_vocab) if tok.is_special(i)][:200]
+    texts += ["\x04" * 500, "a\x04\x06\x13b" * 100, "".join(specials) * 2, "\u2581" * 300,
+              "".join(chr(c) for c in range(1, 0x3000, 7)), "\ud800 lone surrogate"]
+    for text in texts:
+        for add_bos in (False, None):
+            assert tok.min_tokens(text, add_bos) <= len(tok.encode(text, add_bos=add_bos)), (text[:80], add_bos)
+    assert tok.min_tokens("word " * 10_000) >= 900  # a useful bound, not 0: at most 41 letters in one token
 
 
 def test_build_is_fast():

@@ -69,10 +69,13 @@ def cmd_run(a) -> int:
     if constrained:
         # compiled before the prompt is evaluated, so a bad schema or grammar fails fast
         kw["constraint"] = llm.make_constraint(**constrained)
+    whole = llm.context_policy == "stop"  # else fit_prompt drops the prompt's oldest tokens to make it fit
     if a.chat:
         msgs = [{"role": "system", "content": a.system}] if a.system else []
-        ids = llm.chat_ids(msgs + [{"role": "user", "content": prompt}])
+        ids = llm.chat_ids(msgs + [{"role": "user", "content": prompt}], must_fit=whole)
     else:
+        if whole:
+            llm.check_prompt_fits(prompt)
         ids = llm.tokenize(prompt)
     ids = fit_prompt(llm, ids, a.max_tokens)
     pieces = []
@@ -100,11 +103,12 @@ def cmd_run(a) -> int:
 
 def cmd_info(a) -> int:
     from ..gguf import open_gguf
-    from ..info import format_info, model_info
+    from ..info import format_info, metadata_problems, model_info
     from ..models import ARCHITECTURES
     from ..models.config import ModelConfig
 
     path = registry.resolve(a.model, quiet=False)
+    problems = []
     if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq.py)
         from ..awq import folder_info
         info = folder_info(path, n_ctx=a.ctx, kv_kind=a.kv)
@@ -115,6 +119,11 @@ def cmd_info(a) -> int:
             cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name,
                                             supported=ARCHITECTURES)
             info = model_info(gf, cfg, n_ctx=a.ctx, kv_kind=a.kv)
+            problems = metadata_problems(gf.metadata)
+        info["problems"] = problems
+    if problems:  # described, then refused: the file cannot be used as it is
+        print(json.dumps(info, indent=2) if a.json else format_info(info))
+        raise PyllmError(f"{path.name}: " + "; ".join(problems))
     if a.device is not None:
         # the file is described from its header; where it runs takes loading it there
         import pyllm

@@ -67,13 +67,13 @@ def build_replica_app(spec: ReplicaSpec):
     """One replica's ASGI app: the model loaded in this process, served by create_app."""
     import pyllm
 
-    from .app import create_app, load_kernels
+    from .app import create_app, prepare_for_requests
 
     llm = pyllm.load(spec.path, device=spec.device, n_ctx=spec.n_ctx, kv_cache=spec.kv_cache,
                      n_threads=spec.n_threads, backend=spec.backend, quiet=True)
     if spec.plain_template:
         llm.use_fallback_template()
-    load_kernels(llm)  # Ray routes to a replica once this returns: not while it compiles
+    prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles
     app = create_app(llm, spec.model_name, api_key=spec.api_key, max_body=spec.max_body, parallel=spec.parallel)
     return with_replica_header(app, f"{socket.gethostname()}:{os.getpid()}")
 
