@@ -156,6 +156,11 @@ class LLM:
         """ContextFullError when ``text`` cannot fit in n_ctx whatever it tokenizes to, decided without tokenizing it
         (Tokenizer.min_tokens, a lower bound: a prompt that fits is never refused here). Tokenizing megabytes takes
         seconds (0.2-1 MB/s) only to refuse them after; a server's worker would be held that long."""
+        # The bound never exceeds the text's UTF-8 bytes (at most 4 per character) plus BOS and EOS, so a text that
+        # short always passes: it skips the vocabulary walk min_tokens makes on first use (0.3-1.7 s), which every
+        # short prompt of a process would otherwise wait for.
+        if 4 * len(text) + 2 < self.n_ctx:
+            return
         least = self.tokenizer.min_tokens(text, add_bos=add_bos)
         if least >= self.n_ctx:
             raise ContextFullError(f"the prompt has at least {least} tokens but the context holds {self.n_ctx}; use "
