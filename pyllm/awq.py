@@ -213,6 +213,24 @@ def repack_weights(weights: dict) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- safetensors
+def _parse_json(text):
+    """json.loads, with nesting too deep for Python's recursive parser ("[[[[...") reported as the ValueError
+    any other malformed JSON is."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("arrays or objects nest too deeply") from None
+
+
+def _uint_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
 _ST_DTYPES = {"F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4),
               "I32": (torch.int32, 4), "I64": (torch.int64, 8), "U8": (torch.uint8, 1), "I8": (torch.int8, 1)}
 
@@ -235,19 +253,25 @@ class SafetensorsFile:
         if hlen > size - 8 or hlen > 100 << 20:
             raise AWQError(f"{shown}: safetensors header length {hlen} does not fit a {size}-byte file")
         try:
-            header = json.loads(bytes(mm[8:8 + hlen]))
+            header = _parse_json(bytes(mm[8:8 + hlen]))
             if not isinstance(header, dict):
                 raise ValueError("not an object")
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:
             raise AWQError(f"{shown}: safetensors header is not valid JSON ({e})") from None
         self.metadata = header.pop("__metadata__", None) or {}
         base = 8 + hlen
         self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             try:
-                dt, shape, (a, b) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
+                dt, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError):
                 raise AWQError(f"{shown}: tensor {name!r} has a malformed header entry") from None
+            # the values are used as sizes, slice bounds and dict keys: anything but the spec's types (a string
+            # dtype, lists of non-negative integers) is malformed, not a float to truncate or a negative to multiply
+            if not (isinstance(dt, str) and _uint_list(shape) and _uint_list(offsets) and len(offsets) == 2):
+                raise AWQError(f"{shown}: tensor {name!r} has a malformed header entry (dtype {_short(dt)}, shape "
+                               f"{_short(shape)}, data_offsets {_short(offsets)})")
+            shape, (a, b) = tuple(shape), offsets
             if dt not in _ST_DTYPES:
                 raise AWQError(f"{shown}: tensor {name!r} has dtype {dt}, which is not supported")
             n = math.prod(shape) * _ST_DTYPES[dt][1]
@@ -304,8 +328,8 @@ def _read_json(path: Path, required: bool = True) -> dict:
             raise AWQError(f"{path.parent}: {path.name} is missing")
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        data = _parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise AWQError(f"{path}: cannot read JSON ({e})") from None
     if not isinstance(data, dict):
         raise AWQError(f"{path}: is not a JSON object")
@@ -319,7 +343,7 @@ def is_awq_dir(path) -> bool:
     if not (p.is_dir() and cfg.is_file()):
         return False
     try:
-        qc = json.loads(cfg.read_text(encoding="utf-8")).get("quantization_config") or {}
+        qc = _parse_json(cfg.read_text(encoding="utf-8")).get("quantization_config") or {}
     except (OSError, ValueError, AttributeError):
         return False
     return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "awq"

@@ -328,6 +328,55 @@ def test_no_weights_and_truncated_shard(tmp_path):
     _one_line_error(d, "no \\*.safetensors")
 
 
+def _edit_header(d: Path, edit, pad: int = 8):
+    """Rewrites model.safetensors' JSON header with ``edit(header)``; the header is padded to a multiple of
+    ``pad`` bytes (8 as the Rust writer does; another value moves every tensor to an unaligned offset)."""
+    import struct
+
+    p = d / "model.safetensors"
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % pad or (pad if pad % 8 else 0))
+    p.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.qweight"
+
+
+def _set_entry(key, value):
+    def edit(header):
+        header[Q_PROJ][key] = value(header[Q_PROJ][key]) if callable(value) else value
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    _set_entry("shape", lambda s: [-s[0], -s[1]]),  # a product that is positive and the right size
+    _set_entry("shape", [float("inf"), 1]),
+    _set_entry("shape", [64.5, 8]),
+    _set_entry("data_offsets", lambda o: [str(o[0]), str(o[1])]),
+    _set_entry("data_offsets", lambda o: [o[0] + 0.0, o[1] + 0.0]),
+    _set_entry("dtype", ["I32"]),
+], ids=["negative-dims", "infinite-dim", "float-dim", "string-offsets", "float-offsets", "list-dtype"])
+def test_malformed_header_entry_is_one_line(tmp_path, edit):
+    d = _tiny_folder(tmp_path / "h")
+    _edit_header(d, edit)
+    assert "q_proj.qweight" in _one_line_error(d, "malformed header entry")
+
+
+def test_deeply_nested_json_is_one_line(tmp_path):
+    import struct
+
+    d = _tiny_folder(tmp_path / "n")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(deep)) + deep)
+    _one_line_error(d, "safetensors header is not valid JSON .*nest too deeply")
+    (d / "config.json").write_bytes(deep)
+    _one_line_error(d, "config.json: cannot read JSON .*nest too deeply")
+
+
 def test_unsupported_model_type(tmp_path):
     d = _tiny_folder(tmp_path / "u")
     cfg = json.loads((d / "config.json").read_text())
