@@ -288,8 +288,13 @@ class SafetensorsFile:
 
     def get(self, name: str) -> torch.Tensor:
         dt, shape, a, b = self.tensors[name]
-        dtype = _ST_DTYPES[dt][0]
-        return self._u8[a:b].view(dtype).reshape(shape)
+        dtype, size = _ST_DTYPES[dt]
+        raw = self._u8[a:b]
+        if a % size:
+            # the spec does not require alignment (the Rust writer pads its header to 8 bytes, others may not),
+            # and a typed view needs it: such a tensor is copied
+            raw = raw.clone()
+        return raw.view(dtype).reshape(shape)
 
 
 def _open_shards(root: Path) -> dict[str, SafetensorsFile]:

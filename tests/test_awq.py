@@ -377,6 +377,22 @@ def test_deeply_nested_json_is_one_line(tmp_path):
     _one_line_error(d, "config.json: cannot read JSON .*nest too deeply")
 
 
+def test_unpadded_header_loads_like_a_padded_one(tmp_path):
+    """The safetensors spec does not require the header to be padded; tensors then start at unaligned offsets."""
+    d = _tiny_folder(tmp_path / "a")
+    names = ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight")
+    # copies: the weights are views of the file's mapping, which rewriting the file changes under them
+    ref = {n: w.dequantize().clone() for n, w in awq.open_awq(d)[2].items() if n in names}
+    _edit_header(d, lambda h: None, pad=3)
+    from safetensors import safe_open
+
+    got = awq.open_awq(d)[2]
+    with safe_open(str(d / "model.safetensors"), "pt") as f:  # the reference reader takes the file
+        assert torch.equal(f.get_tensor(Q_PROJ), got["blk.0.attn_q.weight"].qweight)
+    for name in names:
+        assert torch.equal(got[name].dequantize(), ref[name]), name
+
+
 def test_unsupported_model_type(tmp_path):
     d = _tiny_folder(tmp_path / "u")
     cfg = json.loads((d / "config.json").read_text())
