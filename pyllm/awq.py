@@ -306,6 +306,9 @@ def _open_shards(root: Path) -> dict[str, SafetensorsFile]:
         wm = _read_json(index).get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise AWQError(f"{index}: has no weight_map")
+        odd = next((v for v in wm.values() if not isinstance(v, str)), None)
+        if odd is not None:
+            raise AWQError(f"{index}: weight_map names a shard {_short(odd)}, which is not a file name")
         for shard in sorted(set(wm.values())):
             p = root / str(shard)
             if not p.is_file():
@@ -376,6 +379,9 @@ def read_quant_config(root: Path, hf: dict) -> dict:
     if isinstance(g, bool) or not isinstance(g, int) or not (g == -1 or g > 0):
         raise AWQError(f"{src}: quantization_config.group_size = {g!r} is not a positive integer (or -1)")
     skip = qc.get("modules_to_not_convert") or []
+    if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise AWQError(f"{src}: quantization_config.modules_to_not_convert = {_short(skip)} is not a list of "
+                       f"module names")
     return {"group_size": g, "modules_to_not_convert": list(skip)}
 
 
@@ -388,11 +394,21 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
                        f"{', '.join(sorted(SUPPORTED_ARCHS))})")
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
 
-    def get_int(key, default=None, lo=1):
+    # The bounds of ModelConfig.from_metadata for the same values in a GGUF file: the kernels take them as int32,
+    # and check_shapes walks every layer (a count of 10**8 would take minutes and all memory to refuse).
+    def get_int(key, default=None, lo=1, hi=(1 << 31) - 1):
         v = text.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise AWQError(f"{source}: {key} = {v!r} is not an integer >= {lo}")
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise AWQError(f"{source}: {key} = {_short(v)} is not an integer in [{lo}, {hi}]")
         return v
+
+    def get_float(key, default, hi=float("inf"), where=None):
+        v = (text if where is None else where).get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= hi:
+            bound = f" and <= {hi:g}" if hi < float("inf") else ""
+            label = key if where is None else f"rope scaling {key}"
+            raise AWQError(f"{source}: {label} = {_short(v)} is not a finite number > 0{bound}")
+        return float(v)
 
     n_embd = get_int("hidden_size")
     n_head = get_int("num_attention_heads")
@@ -404,16 +420,20 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
     rp = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         rp = {}
-    base = text.get("rope_theta", rp.get("rope_theta", 10000.0))
-    if not isinstance(base, (int, float)) or not base > 0:
-        raise AWQError(f"{source}: rope_theta = {base!r} is not a positive number")
+    base = get_float("rope_theta", rp.get("rope_theta", 10000.0))
     rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
     if rope_type not in ("default", "llama3"):
         raise AWQError(f"{source}: rope scaling {rope_type!r} is not supported")
-    sw = text.get("sliding_window") if (arch == "mistral" or text.get("use_sliding_window")) else 0
+    if rope_type == "llama3":
+        lo, hi = get_float("low_freq_factor", 1.0, where=rp), get_float("high_freq_factor", 4.0, where=rp)
+        get_float("factor", 8.0, where=rp), get_float("original_max_position_embeddings", 8192, where=rp)
+        if not hi > lo:  # the factors interpolate between the two
+            raise AWQError(f"{source}: rope scaling high_freq_factor {hi:g} is not above low_freq_factor {lo:g}")
+    sliding = arch == "mistral" or text.get("use_sliding_window")
+    sw = get_int("sliding_window", 0, lo=0) if sliding and text.get("sliding_window") is not None else 0
     cfg = ModelConfig(
         arch=arch,
-        n_layer=get_int("num_hidden_layers"),
+        n_layer=get_int("num_hidden_layers", hi=4096),
         n_embd=n_embd,
         n_ff=get_int("intermediate_size"),
         n_head=n_head,
@@ -424,11 +444,11 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
         rope_base=float(base),
         rope_dim=head_dim,
         rope_style="neox",
-        rms_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rms_eps=get_float("rms_norm_eps", 1e-6, hi=1.0),
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         tied_output="output.weight" not in tensor_names,
-        sliding_window=int(sw or 0),
+        sliding_window=sw,
     )
     if rope_type == "llama3":
         cfg.extra["llama3_rope"] = rp

@@ -393,6 +393,47 @@ def test_unpadded_header_loads_like_a_padded_one(tmp_path):
         assert torch.equal(got[name].dequantize(), ref[name]), name
 
 
+def _edit_config(d: Path, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if k.startswith("qc_"):
+            cfg["quantization_config"][k[3:]] = v
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps = '1e-6' is not a finite number"),
+    (dict(rms_norm_eps=[1]), "rms_norm_eps"),
+    (dict(rope_theta=float("inf")), "rope_theta = inf"),
+    (dict(model_type="mistral", sliding_window="4096"), "sliding_window = '4096' is not an integer"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": "8"}), "rope scaling factor = '8'"),
+    (dict(rope_scaling={"rope_type": "llama3", "low_freq_factor": 2.0, "high_freq_factor": 2.0}),
+     "high_freq_factor 2 is not above low_freq_factor 2"),
+    (dict(qc_modules_to_not_convert=5), "modules_to_not_convert = 5 is not a list"),
+    (dict(num_hidden_layers=100_000), r"num_hidden_layers = 100000 is not an integer in \[1, 4096\]"),
+    (dict(hidden_size=10 ** 12), "hidden_size = 1000000000000 is not an integer in"),
+], ids=["eps-string", "eps-list", "theta-inf", "window-string", "llama3-factor-string", "llama3-equal-factors",
+        "skip-not-list", "huge-layer-count", "huge-hidden-size"])
+def test_bad_config_value_is_one_line(tmp_path, changes, match):
+    d = _tiny_folder(tmp_path / "v")
+    _edit_config(d, **changes)
+    _one_line_error(d, match)
+
+
+def test_mistral_null_sliding_window_is_no_window(tmp_path):
+    d = _tiny_folder(tmp_path / "w")
+    _edit_config(d, model_type="mistral", sliding_window=None)
+    assert awq.open_awq(d)[1].sliding_window == 0
+
+
+def test_index_naming_a_non_file_shard_is_one_line(tmp_path):
+    d = _tiny_folder(tmp_path / "x")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": ["a"]}}))
+    _one_line_error(d, "weight_map names a shard \\['a'\\], which is not a file name")
+
+
 def test_unsupported_model_type(tmp_path):
     d = _tiny_folder(tmp_path / "u")
     cfg = json.loads((d / "config.json").read_text())
