@@ -592,6 +592,9 @@ def tokenizer_from_hf(root: Path, n_vocab_model: int):
     eos_id = tid(tc.get("eos_token"))
     if bos_id is None and isinstance(gc.get("bos_token_id"), int) and tc.get("bos_token", 0) is not None:
         bos_id = gc["bos_token_id"]
+        if not 0 <= bos_id < n:
+            raise TokenizerError(f"{root / 'generation_config.json'}: bos_token_id {bos_id} is not in the "
+                                 f"vocabulary of {n} tokens")
     eog = set()
     ge = gc.get("eos_token_id")
     for e in (ge if isinstance(ge, list) else [ge]):
@@ -635,7 +638,10 @@ def chat_template_source(root: Path) -> str | None:
         src = next((t.get("template") for t in src if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(src, str):
         jinja = root / "chat_template.jinja"
-        src = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+        try:
+            src = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+            raise AWQError(f"{jinja}: cannot read the chat template ({e})") from None
     return src if src and src.strip() else None
 
 

@@ -434,6 +434,34 @@ def test_index_naming_a_non_file_shard_is_one_line(tmp_path):
     _one_line_error(d, "weight_map names a shard \\['a'\\], which is not a file name")
 
 
+def _add_word_tokenizer(d: Path, n: int = 32):
+    """A tokenizer.json of ``n`` whole-word tokens (w0, w1, ...), enough for the hand-packed folder to load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.save(str(d / "tokenizer.json"))
+
+
+def _one_line_load_error(path, match):
+    import pyllm
+
+    with pytest.raises(PyllmError, match=match) as ei:
+        pyllm.load(path)
+    assert "\n" not in str(ei.value) and len(str(ei.value)) < 400, str(ei.value)
+
+
+def test_tokenizer_side_files_that_are_wrong_are_one_line(tmp_path):
+    d = _tiny_folder(tmp_path / "t")
+    _add_word_tokenizer(d)
+    (d / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    _one_line_load_error(d, "chat_template.jinja: cannot read the chat template")
+    (d / "chat_template.jinja").unlink()
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 10 ** 6}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
+    _one_line_load_error(d, "generation_config.json: bos_token_id 1000000 is not in the vocabulary of 32 tokens")
+
+
 def test_unsupported_model_type(tmp_path):
     d = _tiny_folder(tmp_path / "u")
     cfg = json.loads((d / "config.json").read_text())
