@@ -217,6 +217,7 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
                if not isinstance(cfg.get(k), int)]
     if missing:
         raise ConvertError(f"{d}/config.json: missing or non-integer {', '.join(missing)}")
+    _check_output(d, out_path)
     tensors = _load_tensors(d)
 
     # Written next to the target and renamed at the end: an interrupted conversion leaves no half file behind.
@@ -225,10 +226,33 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
         _write(gguf, w := gguf.GGUFWriter(str(tmp), arch), d, cfg, arch, mt, tensors, ftype, log)
         w.close()
         tmp.replace(out_path)
+    except OSError as e:  # a full disk, a folder that is not writable
+        raise ConvertError(f"{out_path}: cannot write the output: {e.strerror or e}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
     return out_path
+
+
+# What convert reads from the checkpoint folder: the output must not replace one of them.
+INPUT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "*.safetensors")
+
+
+def _check_output(d: Path, out: Path) -> None:
+    """ConvertError for an output path that cannot or must not be replaced by the finished file (renamed over it,
+    so a device such as /dev/null would itself be replaced when run as root)."""
+    if out.is_dir():
+        raise ConvertError(f"{out}: is a directory; give the name of the .gguf file to write")
+    if out.exists() and not out.is_file():
+        raise ConvertError(f"{out}: is not a regular file (a device or a pipe); give the name of a .gguf file")
+    if not out.parent.is_dir():
+        raise ConvertError(f"{out}: the folder {out.parent} does not exist")
+    if out.exists():
+        inputs = [p for pattern in INPUT_FILES for p in d.glob(pattern) if p.is_file()]
+        same = next((p for p in inputs if out.samefile(p)), None)
+        if same is not None:
+            raise ConvertError(f"{out}: is the checkpoint's own {same.name}, which the conversion reads; give "
+                               f"another output name")
 
 
 def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:

@@ -153,3 +153,22 @@ def test_convert_without_tokenizer_json_names_the_file(tmp_path, capsys):
     err = _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf")])
     assert "tokenizer.json is missing" in err and "tokenizer type" not in err
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
+
+
+def test_convert_output_that_cannot_or_must_not_be_replaced(tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tm.hf_dir("qwen3"), d)
+    capsys.readouterr()  # what building the checkpoint printed
+    inputs = {p.name: p.read_bytes() for p in d.iterdir()}
+    for name in ("config.json", "model.safetensors"):  # the finished file was renamed over the input it read
+        assert "which the conversion reads" in _convert_err(capsys, ["convert", str(d), str(d / name), "-q"])
+    assert "is a directory" in _convert_err(capsys, ["convert", str(d), str(tmp_path), "-q"])
+    assert "does not exist" in _convert_err(capsys, ["convert", str(d), str(tmp_path / "no" / "m.gguf"), "-q"])
+    fifo = tmp_path / "pipe"  # as /dev/null is: renaming over it would replace the device itself
+    os.mkfifo(fifo)
+    assert "not a regular file" in _convert_err(capsys, ["convert", str(d), str(fifo), "-q"])
+    assert fifo.is_fifo()
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == inputs
+    assert main(["convert", str(d), str(d / "m.gguf"), "-q"]) == 0  # a new file in the checkpoint folder is fine
