@@ -672,7 +672,8 @@ def test_serve_cli_errors_are_one_line():
         busy.listen()
         port = busy.getsockname()[1]
         for args, msg in ((["--port", str(port)], "cannot listen on 127.0.0.1"),
-                          (["--parallel", "0"], "--parallel"), (["--port", "70000"], "--port")):
+                          (["--parallel", "0"], "--parallel"), (["--port", "70000"], "--port"),
+                          (["--max-body", "0"], "--max-body must be at least 1")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
                                env=env, capture_output=True, text=True, timeout=120)
             assert r.returncode == 1 and r.stderr.startswith("pyllm: error: ") and msg in r.stderr, r.stderr

@@ -190,6 +190,8 @@ def cmd_serve(a) -> int:
         raise PyllmError(f"--parallel must be in 1..64 (sequences decoded together), got {a.parallel}")
     if not 0 <= a.port <= 65535:
         raise PyllmError(f"--port must be in 0..65535, got {a.port}")
+    if a.max_body < 1:  # every request would be refused as too large
+        raise PyllmError(f"--max-body must be at least 1 (bytes), got {a.max_body}")
     import socket
 
     try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
