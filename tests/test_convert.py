@@ -236,3 +236,25 @@ def test_convert_bad_input_files_are_one_line(tmp_path, capsys):
     assert "chat_template.jinja: cannot read the chat template" in _convert_err(
         capsys, ["convert", str(d2), out])
     assert not os.path.exists(out)
+
+
+def test_requantize_tool_writes_over_its_own_input(tmp_path):
+    """tools/requantize_gguf.py copies the 1-D tensors from the input's memory mapping: writing the output in place
+    truncated that file under them when both were the same (SIGBUS), and the input was lost."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = tmp_path / "m.gguf"
+    shutil.copy(tm.gguf_path("qwen3", "f16"), src)
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "requantize_gguf.py")
+    r = subprocess.run([sys.executable, tool, str(src), "q8_0", str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    gf = open_gguf(src)
+    assert gf.tensors["blk.0.attn_q.weight"].ggml_type == GGMLType.Q8_0
+    assert gf.tensors["blk.0.attn_norm.weight"].ggml_type == GGMLType.F32
+    gf.close()
+    assert not (tmp_path / "m.gguf.part").exists()
+    r = subprocess.run([sys.executable, tool, str(src), "q8_0", str(tmp_path / "no" / "x.gguf")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("requantize_gguf: error:") and "Traceback" not in r.stderr
