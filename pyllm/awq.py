@@ -213,6 +213,24 @@ def repack_weights(weights: dict) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- safetensors
+def _parse_json(text):
+    """json.loads, with nesting too deep for Python's recursive parser ("[[[[...") reported as the ValueError
+    any other malformed JSON is."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("arrays or objects nest too deeply") from None
+
+
+def _uint_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
 _ST_DTYPES = {"F16": (torch.float16, 2), "BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4),
               "I32": (torch.int32, 4), "I64": (torch.int64, 8), "U8": (torch.uint8, 1), "I8": (torch.int8, 1)}
 
@@ -235,19 +253,25 @@ class SafetensorsFile:
         if hlen > size - 8 or hlen > 100 << 20:
             raise AWQError(f"{shown}: safetensors header length {hlen} does not fit a {size}-byte file")
         try:
-            header = json.loads(bytes(mm[8:8 + hlen]))
+            header = _parse_json(bytes(mm[8:8 + hlen]))
             if not isinstance(header, dict):
                 raise ValueError("not an object")
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:
             raise AWQError(f"{shown}: safetensors header is not valid JSON ({e})") from None
         self.metadata = header.pop("__metadata__", None) or {}
         base = 8 + hlen
         self.tensors: dict[str, tuple[str, tuple[int, ...], int, int]] = {}
         for name, info in header.items():
             try:
-                dt, shape, (a, b) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-            except (KeyError, TypeError, ValueError):
+                dt, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+            except (KeyError, TypeError):
                 raise AWQError(f"{shown}: tensor {name!r} has a malformed header entry") from None
+            # the values are used as sizes, slice bounds and dict keys: anything but the spec's types (a string
+            # dtype, lists of non-negative integers) is malformed, not a float to truncate or a negative to multiply
+            if not (isinstance(dt, str) and _uint_list(shape) and _uint_list(offsets) and len(offsets) == 2):
+                raise AWQError(f"{shown}: tensor {name!r} has a malformed header entry (dtype {_short(dt)}, shape "
+                               f"{_short(shape)}, data_offsets {_short(offsets)})")
+            shape, (a, b) = tuple(shape), offsets
             if dt not in _ST_DTYPES:
                 raise AWQError(f"{shown}: tensor {name!r} has dtype {dt}, which is not supported")
             n = math.prod(shape) * _ST_DTYPES[dt][1]
@@ -264,8 +288,13 @@ class SafetensorsFile:
 
     def get(self, name: str) -> torch.Tensor:
         dt, shape, a, b = self.tensors[name]
-        dtype = _ST_DTYPES[dt][0]
-        return self._u8[a:b].view(dtype).reshape(shape)
+        dtype, size = _ST_DTYPES[dt]
+        raw = self._u8[a:b]
+        if a % size:
+            # the spec does not require alignment (the Rust writer pads its header to 8 bytes, others may not),
+            # and a typed view needs it: such a tensor is copied
+            raw = raw.clone()
+        return raw.view(dtype).reshape(shape)
 
 
 def _open_shards(root: Path) -> dict[str, SafetensorsFile]:
@@ -277,6 +306,9 @@ def _open_shards(root: Path) -> dict[str, SafetensorsFile]:
         wm = _read_json(index).get("weight_map")
         if not isinstance(wm, dict) or not wm:
             raise AWQError(f"{index}: has no weight_map")
+        odd = next((v for v in wm.values() if not isinstance(v, str)), None)
+        if odd is not None:
+            raise AWQError(f"{index}: weight_map names a shard {_short(odd)}, which is not a file name")
         for shard in sorted(set(wm.values())):
             p = root / str(shard)
             if not p.is_file():
@@ -304,8 +336,8 @@ def _read_json(path: Path, required: bool = True) -> dict:
             raise AWQError(f"{path.parent}: {path.name} is missing")
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as e:
+        data = _parse_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
         raise AWQError(f"{path}: cannot read JSON ({e})") from None
     if not isinstance(data, dict):
         raise AWQError(f"{path}: is not a JSON object")
@@ -319,7 +351,7 @@ def is_awq_dir(path) -> bool:
     if not (p.is_dir() and cfg.is_file()):
         return False
     try:
-        qc = json.loads(cfg.read_text(encoding="utf-8")).get("quantization_config") or {}
+        qc = _parse_json(cfg.read_text(encoding="utf-8")).get("quantization_config") or {}
     except (OSError, ValueError, AttributeError):
         return False
     return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "awq"
@@ -347,6 +379,9 @@ def read_quant_config(root: Path, hf: dict) -> dict:
     if isinstance(g, bool) or not isinstance(g, int) or not (g == -1 or g > 0):
         raise AWQError(f"{src}: quantization_config.group_size = {g!r} is not a positive integer (or -1)")
     skip = qc.get("modules_to_not_convert") or []
+    if not (isinstance(skip, list) and all(isinstance(m, str) for m in skip)):
+        raise AWQError(f"{src}: quantization_config.modules_to_not_convert = {_short(skip)} is not a list of "
+                       f"module names")
     return {"group_size": g, "modules_to_not_convert": list(skip)}
 
 
@@ -359,11 +394,21 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
                        f"{', '.join(sorted(SUPPORTED_ARCHS))})")
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
 
-    def get_int(key, default=None, lo=1):
+    # The bounds of ModelConfig.from_metadata for the same values in a GGUF file: the kernels take them as int32,
+    # and check_shapes walks every layer (a count of 10**8 would take minutes and all memory to refuse).
+    def get_int(key, default=None, lo=1, hi=(1 << 31) - 1):
         v = text.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise AWQError(f"{source}: {key} = {v!r} is not an integer >= {lo}")
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise AWQError(f"{source}: {key} = {_short(v)} is not an integer in [{lo}, {hi}]")
         return v
+
+    def get_float(key, default, hi=float("inf"), where=None):
+        v = (text if where is None else where).get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= hi:
+            bound = f" and <= {hi:g}" if hi < float("inf") else ""
+            label = key if where is None else f"rope scaling {key}"
+            raise AWQError(f"{source}: {label} = {_short(v)} is not a finite number > 0{bound}")
+        return float(v)
 
     n_embd = get_int("hidden_size")
     n_head = get_int("num_attention_heads")
@@ -375,16 +420,20 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
     rp = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         rp = {}
-    base = text.get("rope_theta", rp.get("rope_theta", 10000.0))
-    if not isinstance(base, (int, float)) or not base > 0:
-        raise AWQError(f"{source}: rope_theta = {base!r} is not a positive number")
+    base = get_float("rope_theta", rp.get("rope_theta", 10000.0))
     rope_type = rp.get("rope_type", rp.get("type", "default")) or "default"
     if rope_type not in ("default", "llama3"):
         raise AWQError(f"{source}: rope scaling {rope_type!r} is not supported")
-    sw = text.get("sliding_window") if (arch == "mistral" or text.get("use_sliding_window")) else 0
+    if rope_type == "llama3":
+        lo, hi = get_float("low_freq_factor", 1.0, where=rp), get_float("high_freq_factor", 4.0, where=rp)
+        get_float("factor", 8.0, where=rp), get_float("original_max_position_embeddings", 8192, where=rp)
+        if not hi > lo:  # the factors interpolate between the two
+            raise AWQError(f"{source}: rope scaling high_freq_factor {hi:g} is not above low_freq_factor {lo:g}")
+    sliding = arch == "mistral" or text.get("use_sliding_window")
+    sw = get_int("sliding_window", 0, lo=0) if sliding and text.get("sliding_window") is not None else 0
     cfg = ModelConfig(
         arch=arch,
-        n_layer=get_int("num_hidden_layers"),
+        n_layer=get_int("num_hidden_layers", hi=4096),
         n_embd=n_embd,
         n_ff=get_int("intermediate_size"),
         n_head=n_head,
@@ -395,11 +444,11 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
         rope_base=float(base),
         rope_dim=head_dim,
         rope_style="neox",
-        rms_eps=float(text.get("rms_norm_eps", 1e-6)),
+        rms_eps=get_float("rms_norm_eps", 1e-6, hi=1.0),
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         tied_output="output.weight" not in tensor_names,
-        sliding_window=int(sw or 0),
+        sliding_window=sw,
     )
     if rope_type == "llama3":
         cfg.extra["llama3_rope"] = rp
@@ -543,6 +592,9 @@ def tokenizer_from_hf(root: Path, n_vocab_model: int):
     eos_id = tid(tc.get("eos_token"))
     if bos_id is None and isinstance(gc.get("bos_token_id"), int) and tc.get("bos_token", 0) is not None:
         bos_id = gc["bos_token_id"]
+        if not 0 <= bos_id < n:
+            raise TokenizerError(f"{root / 'generation_config.json'}: bos_token_id {bos_id} is not in the "
+                                 f"vocabulary of {n} tokens")
     eog = set()
     ge = gc.get("eos_token_id")
     for e in (ge if isinstance(ge, list) else [ge]):
@@ -586,7 +638,10 @@ def chat_template_source(root: Path) -> str | None:
         src = next((t.get("template") for t in src if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(src, str):
         jinja = root / "chat_template.jinja"
-        src = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+        try:
+            src = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+            raise AWQError(f"{jinja}: cannot read the chat template ({e})") from None
     return src if src and src.strip() else None
 
 

@@ -42,25 +42,76 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as e:
-        raise ConvertError(f"{path}: cannot read JSON ({e})") from e
+        raise ConvertError(f"{path}: cannot read JSON ({e})") from None
+    except RecursionError:  # Python's parser recurses once per level of "[[[[..."
+        raise ConvertError(f"{path}: cannot read JSON (arrays or objects nest too deeply)") from None
+    if not isinstance(data, dict):
+        raise ConvertError(f"{path}: is not a JSON object")
+    return data
 
 
 def _load_tensors(d: Path) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise ConvertError(f"{d}: no *.safetensors files (only safetensors checkpoints are supported)")
     out = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as s:
-            for k in s.keys():
-                out[k] = s.get_tensor(k)
+        try:
+            with safe_open(str(f), framework="pt") as s:
+                for k in s.keys():
+                    out[k] = s.get_tensor(k)
+        except (SafetensorError, OSError) as e:  # a truncated file, a header that is not JSON, a directory
+            raise ConvertError(f"{f}: not a readable safetensors file ({str(e).splitlines()[0] if str(e) else e})") \
+                from None
     return out
+
+
+# config.json values the conversion writes as GGUF integers / floats: checked here, so a string or a negative
+# is named instead of failing inside the writer's struct.pack (or int()/float()) with a traceback.
+INT32_MAX = (1 << 31) - 1
+CONFIG_INTS = {"num_hidden_layers": (1, 4096), "hidden_size": (1, INT32_MAX), "num_attention_heads": (1, INT32_MAX),
+               "intermediate_size": (1, INT32_MAX), "num_key_value_heads": (1, INT32_MAX), "head_dim": (1, INT32_MAX),
+               "vocab_size": (1, INT32_MAX), "max_position_embeddings": (1, INT32_MAX),
+               "sliding_window": (0, INT32_MAX)}  # a window of 0 is none
+CONFIG_FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "rope_local_base_freq")
+ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+               "partial_rotary_factor")
+
+
+def _check_config_values(cfg: dict, source: str) -> None:
+    def check_float(where: str, v) -> None:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConvertError(f"{source}: {where} = {v!r} is not a finite number > 0")
+
+    for key, (lo, hi) in CONFIG_INTS.items():
+        v = cfg.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise ConvertError(f"{source}: {key} = {v!r} is not an integer in [{lo}, {hi}]")
+    for key in CONFIG_FLOATS:
+        if cfg.get(key) is not None:
+            check_float(key, cfg[key])
+    for key in ("rope_scaling", "rope_parameters"):
+        rp = cfg.get(key)
+        if rp is None:
+            continue
+        if not isinstance(rp, dict):
+            raise ConvertError(f"{source}: {key} = {rp!r} is not an object")
+        groups = [rp] + [v for v in rp.values() if isinstance(v, dict)]  # gemma3: one per layer type
+        for group in groups:
+            for name in ROPE_FLOATS:
+                if group.get(name) is not None:
+                    check_float(f"{key}.{name}", group[name])
+            lo, hi = group.get("low_freq_factor", 1.0), group.get("high_freq_factor", 4.0)
+            if group.get("rope_type", group.get("type")) == "llama3" and not hi > lo:  # _llama3_factors divides
+                raise ConvertError(f"{source}: {key}.high_freq_factor {hi!r} is not above low_freq_factor {lo!r}")
+    if not isinstance(cfg.get("_name_or_path", ""), str):
+        raise ConvertError(f"{source}: _name_or_path = {cfg['_name_or_path']!r} is not a string")
 
 
 def _rope(cfg: dict) -> tuple[float, dict]:
@@ -111,6 +162,10 @@ def _pretokenizer_name(tj: dict) -> str:
     raise ConvertError(f"unrecognised pre-tokenizer in tokenizer.json: {text[:200]}")
 
 
+def _is_id(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _token_id(tok, vocab: dict) -> int | None:
     if isinstance(tok, dict):
         tok = tok.get("content")
@@ -126,11 +181,17 @@ def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
     tj = _read_json(d / "tokenizer.json")
     tc = _read_json(d / "tokenizer_config.json")
     model = tj.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
+    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
         raise ConvertError(f"{d}/tokenizer.json: only byte-level BPE tokenizers are supported "
-                           f"(model type {model.get('type')!r})")
-    vocab = dict(model["vocab"])
-    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+                           f"(model type {model.get('type') if isinstance(model, dict) else model!r})")
+    vocab, added_list = model.get("vocab"), tj.get("added_tokens") or []
+    if not (isinstance(vocab, dict) and vocab and all(_is_id(i) for i in vocab.values())):
+        raise ConvertError(f"{d}/tokenizer.json: model.vocab is not a map of token texts to ids")
+    if not (isinstance(added_list, list) and all(isinstance(a, dict) and _is_id(a.get("id"))
+                                                 and isinstance(a.get("content"), str) for a in added_list)):
+        raise ConvertError(f"{d}/tokenizer.json: added_tokens is not a list of {{\"id\", \"content\"}} entries")
+    vocab = dict(vocab)
+    added = {a["id"]: a for a in added_list}
     for i, a in added.items():
         vocab[a["content"]] = i
     if max(vocab.values()) >= n_vocab:
@@ -153,7 +214,10 @@ def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
     bos = bos if bos is not None else cfg.get("bos_token_id")
     eos = eos if eos is not None else cfg.get("eos_token_id")
     if isinstance(eos, list):
-        eos = eos[0]
+        eos = eos[0] if eos else None
+    for key, tid in (("bos_token_id", bos), ("eos_token_id", eos)):
+        if tid is not None and not (_is_id(tid) and tid < n_vocab):
+            raise ConvertError(f"{d}/config.json: {key} = {tid!r} is not a token id of the vocabulary of {n_vocab}")
     if bos is not None:
         w.add_bos_token_id(int(bos))
     if eos is not None:
@@ -164,9 +228,12 @@ def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
     w.add_add_bos_token(bool(tc.get("add_bos_token", False)))
     tmpl = tc.get("chat_template")
     if isinstance(tmpl, list):  # named templates: the default one
-        tmpl = next((t["template"] for t in tmpl if t.get("name") == "default"), None)
+        tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
     if tmpl is None and (d / "chat_template.jinja").exists():
-        tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        try:
+            tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+            raise ConvertError(f"{d / 'chat_template.jinja'}: cannot read the chat template ({e})") from None
     if tmpl:
         w.add_chat_template(tmpl)
 
@@ -207,16 +274,18 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
     cfg = _read_json(d / "config.json")
     if not cfg:
         raise ConvertError(f"{d}: config.json is missing")
-    if "text_config" in cfg and cfg.get("model_type") not in ARCH:
+    if isinstance(cfg.get("text_config"), dict) and cfg.get("model_type") not in ARCH:
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
     mt = cfg.get("model_type")
-    arch = ARCH.get(mt)
+    arch = ARCH.get(mt) if isinstance(mt, str) else None
     if arch is None:
         raise ConvertError(f"{d}/config.json: model_type {mt!r} is not supported (supported: {', '.join(ARCH)})")
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")
                if not isinstance(cfg.get(k), int)]
     if missing:
         raise ConvertError(f"{d}/config.json: missing or non-integer {', '.join(missing)}")
+    _check_config_values(cfg, f"{d}/config.json")
+    _check_output(d, out_path)
     tensors = _load_tensors(d)
 
     # Written next to the target and renamed at the end: an interrupted conversion leaves no half file behind.
@@ -225,10 +294,33 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
         _write(gguf, w := gguf.GGUFWriter(str(tmp), arch), d, cfg, arch, mt, tensors, ftype, log)
         w.close()
         tmp.replace(out_path)
+    except OSError as e:  # a full disk, a folder that is not writable
+        raise ConvertError(f"{out_path}: cannot write the output: {e.strerror or e}") from None
     finally:
         if tmp.exists():
             tmp.unlink()
     return out_path
+
+
+# What convert reads from the checkpoint folder: the output must not replace one of them.
+INPUT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "*.safetensors")
+
+
+def _check_output(d: Path, out: Path) -> None:
+    """ConvertError for an output path that cannot or must not be replaced by the finished file (renamed over it,
+    so a device such as /dev/null would itself be replaced when run as root)."""
+    if out.is_dir():
+        raise ConvertError(f"{out}: is a directory; give the name of the .gguf file to write")
+    if out.exists() and not out.is_file():
+        raise ConvertError(f"{out}: is not a regular file (a device or a pipe); give the name of a .gguf file")
+    if not out.parent.is_dir():
+        raise ConvertError(f"{out}: the folder {out.parent} does not exist")
+    if out.exists():
+        inputs = [p for pattern in INPUT_FILES for p in d.glob(pattern) if p.is_file()]
+        same = next((p for p in inputs if out.samefile(p)), None)
+        if same is not None:
+            raise ConvertError(f"{out}: is the checkpoint's own {same.name}, which the conversion reads; give "
+                               f"another output name")
 
 
 def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
@@ -288,6 +380,8 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ConvertError(f"{d}: tensor {hf_name} has no GGUF name for architecture {arch}")
+        if t.dim() == 0:
+            raise ConvertError(f"{d}: tensor {hf_name} is a scalar; weights have at least one dimension")
         t = t.float()
         if arch in PERMUTE_QK and name.endswith("attn_q.weight"):
             t = _permute(t, n_head)

@@ -328,6 +328,140 @@ def test_no_weights_and_truncated_shard(tmp_path):
     _one_line_error(d, "no \\*.safetensors")
 
 
+def _edit_header(d: Path, edit, pad: int = 8):
+    """Rewrites model.safetensors' JSON header with ``edit(header)``; the header is padded to a multiple of
+    ``pad`` bytes (8 as the Rust writer does; another value moves every tensor to an unaligned offset)."""
+    import struct
+
+    p = d / "model.safetensors"
+    data = p.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % pad or (pad if pad % 8 else 0))
+    p.write_bytes(struct.pack("<Q", len(text)) + text + data[8 + n:])
+
+
+Q_PROJ = "model.layers.0.self_attn.q_proj.qweight"
+
+
+def _set_entry(key, value):
+    def edit(header):
+        header[Q_PROJ][key] = value(header[Q_PROJ][key]) if callable(value) else value
+    return edit
+
+
+@pytest.mark.parametrize("edit", [
+    _set_entry("shape", lambda s: [-s[0], -s[1]]),  # a product that is positive and the right size
+    _set_entry("shape", [float("inf"), 1]),
+    _set_entry("shape", [64.5, 8]),
+    _set_entry("data_offsets", lambda o: [str(o[0]), str(o[1])]),
+    _set_entry("data_offsets", lambda o: [o[0] + 0.0, o[1] + 0.0]),
+    _set_entry("dtype", ["I32"]),
+], ids=["negative-dims", "infinite-dim", "float-dim", "string-offsets", "float-offsets", "list-dtype"])
+def test_malformed_header_entry_is_one_line(tmp_path, edit):
+    d = _tiny_folder(tmp_path / "h")
+    _edit_header(d, edit)
+    assert "q_proj.qweight" in _one_line_error(d, "malformed header entry")
+
+
+def test_deeply_nested_json_is_one_line(tmp_path):
+    import struct
+
+    d = _tiny_folder(tmp_path / "n")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(deep)) + deep)
+    _one_line_error(d, "safetensors header is not valid JSON .*nest too deeply")
+    (d / "config.json").write_bytes(deep)
+    _one_line_error(d, "config.json: cannot read JSON .*nest too deeply")
+
+
+def test_unpadded_header_loads_like_a_padded_one(tmp_path):
+    """The safetensors spec does not require the header to be padded; tensors then start at unaligned offsets."""
+    d = _tiny_folder(tmp_path / "a")
+    names = ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight")
+    # copies: the weights are views of the file's mapping, which rewriting the file changes under them
+    ref = {n: w.dequantize().clone() for n, w in awq.open_awq(d)[2].items() if n in names}
+    _edit_header(d, lambda h: None, pad=3)
+    from safetensors import safe_open
+
+    got = awq.open_awq(d)[2]
+    with safe_open(str(d / "model.safetensors"), "pt") as f:  # the reference reader takes the file
+        assert torch.equal(f.get_tensor(Q_PROJ), got["blk.0.attn_q.weight"].qweight)
+    for name in names:
+        assert torch.equal(got[name].dequantize(), ref[name]), name
+
+
+def _edit_config(d: Path, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if k.startswith("qc_"):
+            cfg["quantization_config"][k[3:]] = v
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps = '1e-6' is not a finite number"),
+    (dict(rms_norm_eps=[1]), "rms_norm_eps"),
+    (dict(rope_theta=float("inf")), "rope_theta = inf"),
+    (dict(model_type="mistral", sliding_window="4096"), "sliding_window = '4096' is not an integer"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": "8"}), "rope scaling factor = '8'"),
+    (dict(rope_scaling={"rope_type": "llama3", "low_freq_factor": 2.0, "high_freq_factor": 2.0}),
+     "high_freq_factor 2 is not above low_freq_factor 2"),
+    (dict(qc_modules_to_not_convert=5), "modules_to_not_convert = 5 is not a list"),
+    (dict(num_hidden_layers=100_000), r"num_hidden_layers = 100000 is not an integer in \[1, 4096\]"),
+    (dict(hidden_size=10 ** 12), "hidden_size = 1000000000000 is not an integer in"),
+], ids=["eps-string", "eps-list", "theta-inf", "window-string", "llama3-factor-string", "llama3-equal-factors",
+        "skip-not-list", "huge-layer-count", "huge-hidden-size"])
+def test_bad_config_value_is_one_line(tmp_path, changes, match):
+    d = _tiny_folder(tmp_path / "v")
+    _edit_config(d, **changes)
+    _one_line_error(d, match)
+
+
+def test_mistral_null_sliding_window_is_no_window(tmp_path):
+    d = _tiny_folder(tmp_path / "w")
+    _edit_config(d, model_type="mistral", sliding_window=None)
+    assert awq.open_awq(d)[1].sliding_window == 0
+
+
+def test_index_naming_a_non_file_shard_is_one_line(tmp_path):
+    d = _tiny_folder(tmp_path / "x")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": ["a"]}}))
+    _one_line_error(d, "weight_map names a shard \\['a'\\], which is not a file name")
+
+
+def _add_word_tokenizer(d: Path, n: int = 32):
+    """A tokenizer.json of ``n`` whole-word tokens (w0, w1, ...), enough for the hand-packed folder to load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tk = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tk.save(str(d / "tokenizer.json"))
+
+
+def _one_line_load_error(path, match):
+    import pyllm
+
+    with pytest.raises(PyllmError, match=match) as ei:
+        pyllm.load(path)
+    assert "\n" not in str(ei.value) and len(str(ei.value)) < 400, str(ei.value)
+
+
+def test_tokenizer_side_files_that_are_wrong_are_one_line(tmp_path):
+    d = _tiny_folder(tmp_path / "t")
+    _add_word_tokenizer(d)
+    (d / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
+    _one_line_load_error(d, "chat_template.jinja: cannot read the chat template")
+    (d / "chat_template.jinja").unlink()
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 10 ** 6}))
+    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))
+    _one_line_load_error(d, "generation_config.json: bos_token_id 1000000 is not in the vocabulary of 32 tokens")
+
+
 def test_unsupported_model_type(tmp_path):
     d = _tiny_folder(tmp_path / "u")
     cfg = json.loads((d / "config.json").read_text())

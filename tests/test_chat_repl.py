@@ -373,7 +373,9 @@ def main_chat(monkeypatch, capsys):
     from pyllm.cli.main import main
 
     def run(*args, stdin="hi"):
-        monkeypatch.setattr(sys, "stdin", io.StringIO(stdin))
+        # bytes: a standard input with a binary buffer under it, as a real pipe has
+        stream = io.TextIOWrapper(io.BytesIO(stdin)) if isinstance(stdin, bytes) else io.StringIO(stdin)
+        monkeypatch.setattr(sys, "stdin", stream)
         try:
             code = main(["chat", *args])
         except SystemExit as e:  # argparse's own usage errors
@@ -409,6 +411,27 @@ def test_cli_bad_flag_value(main_chat, args, needle):
 
 def test_cli_empty_stdin(main_chat):
     assert_error(main_chat("/nonexistent.gguf", stdin="  \n"), 1, "standard input is empty")
+
+
+def test_cli_piped_message_is_bounded(main_chat):
+    # /dev/zero piped in must not be read until memory runs out; refused before the model is touched
+    assert_error(main_chat("/nonexistent.gguf", stdin=b"x" * ((64 << 20) + 1)), 1, "larger than 64 MiB")
+
+
+def test_piped_lines_go_on_after_a_message_that_fails(main_chat, smollm2_path, monkeypatch):
+    from pyllm.cli import chat
+
+    monkeypatch.setattr(chat, "MAX_LINE_BYTES", 4096)  # a line with no end in sight (/dev/zero) is skipped
+    stdin = b"Say hi\n" + b"word " * 300 + b"\n" + b"y" * 10_000 + b"\nSay \xff bye\n"
+    res = main_chat(smollm2_path, "--temp", "0", "-n", "4", "--lines", "--ctx", "128", "--backend", BACKEND,
+                    stdin=stdin)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    errors = [ln for ln in res.stderr.splitlines() if "error" in ln]
+    assert len(errors) == 2, res.stderr
+    assert "line 2 of standard input: the message takes" in errors[0], errors
+    assert "line 3 of standard input is longer than 4096 bytes" in errors[1], errors
+    assert "line 4 of standard input is not valid UTF-8" in res.stderr
+    assert len(res.stdout.strip().splitlines()) == 2, res.stdout  # the first and the last message were answered
 
 
 def test_cli_context_overflow(smollm2_path):

@@ -153,3 +153,108 @@ def test_convert_without_tokenizer_json_names_the_file(tmp_path, capsys):
     err = _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf")])
     assert "tokenizer.json is missing" in err and "tokenizer type" not in err
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.part").exists()
+
+
+def test_convert_output_that_cannot_or_must_not_be_replaced(tmp_path, capsys):
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tm.hf_dir("qwen3"), d)
+    capsys.readouterr()  # what building the checkpoint printed
+    inputs = {p.name: p.read_bytes() for p in d.iterdir()}
+    for name in ("config.json", "model.safetensors"):  # the finished file was renamed over the input it read
+        assert "which the conversion reads" in _convert_err(capsys, ["convert", str(d), str(d / name), "-q"])
+    assert "is a directory" in _convert_err(capsys, ["convert", str(d), str(tmp_path), "-q"])
+    assert "does not exist" in _convert_err(capsys, ["convert", str(d), str(tmp_path / "no" / "m.gguf"), "-q"])
+    fifo = tmp_path / "pipe"  # as /dev/null is: renaming over it would replace the device itself
+    os.mkfifo(fifo)
+    assert "not a regular file" in _convert_err(capsys, ["convert", str(d), str(fifo), "-q"])
+    assert fifo.is_fifo()
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == inputs
+    assert main(["convert", str(d), str(d / "m.gguf"), "-q"]) == 0  # a new file in the checkpoint folder is fine
+
+
+def _hf_copy(tmp_path, capsys, name="ckpt"):
+    import shutil
+
+    d = tmp_path / name
+    shutil.copytree(tm.hf_dir("qwen3"), d)
+    capsys.readouterr()  # what building the checkpoint printed
+    return d
+
+
+def _edit_json(path, **changes):
+    import json
+
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(rms_norm_eps="1e-6"), "rms_norm_eps = '1e-6' is not a finite number"),
+    (dict(rope_theta="1e6"), "rope_theta = '1e6'"),
+    (dict(hidden_size=-8), "hidden_size = -8 is not an integer"),
+    (dict(num_key_value_heads="2"), "num_key_value_heads = '2'"),
+    (dict(max_position_embeddings=2 ** 40), "max_position_embeddings = 1099511627776"),
+    (dict(_name_or_path=5), "_name_or_path = 5 is not a string"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": "8"}), "rope_scaling.factor = '8'"),
+    (dict(rope_scaling={"rope_type": "llama3", "low_freq_factor": 4.0}), "high_freq_factor 4.0 is not above"),
+    (dict(bos_token_id="x"), "bos_token_id = 'x' is not a token id"),
+], ids=["eps-string", "theta-string", "negative-size", "heads-string", "ctx-over-int32", "name-int",
+        "llama3-factor-string", "llama3-equal-factors", "bos-string"])
+def test_convert_bad_config_value_is_one_line(tmp_path, capsys, changes, needle):
+    d = _hf_copy(tmp_path, capsys)
+    (d / "tokenizer_config.json").write_text("{}")  # bos/eos then come from config.json
+    _edit_json(d / "config.json", **changes)
+    assert needle in _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf"), "-q"])
+
+
+def test_convert_bad_input_files_are_one_line(tmp_path, capsys):
+    d = _hf_copy(tmp_path, capsys)
+    out = str(tmp_path / "x.gguf")
+    st = d / "model.safetensors"
+    good = st.read_bytes()
+    st.write_bytes(good[:1000])
+    assert "model.safetensors: not a readable safetensors file" in _convert_err(capsys, ["convert", str(d), out])
+    st.write_bytes(good)
+    (d / "config.json").write_text("[" * 100_000)
+    assert "config.json: cannot read JSON (arrays or objects nest too deeply)" in _convert_err(
+        capsys, ["convert", str(d), out])
+    (d / "config.json").write_text("[1]")
+    assert "config.json: is not a JSON object" in _convert_err(capsys, ["convert", str(d), out])
+    d2 = _hf_copy(tmp_path, capsys, "ckpt2")
+    tj = d2 / "tokenizer.json"
+    spec = tj.read_text()
+    _edit_json(tj, added_tokens=[{"content": "x"}])
+    assert "added_tokens is not a list" in _convert_err(capsys, ["convert", str(d2), out])
+    tj.write_text(spec.replace('"vocab"', '"vocabulary"', 1))
+    assert "model.vocab is not a map" in _convert_err(capsys, ["convert", str(d2), out])
+    tj.write_text(spec)
+    (d2 / "tokenizer_config.json").write_text("{}")
+    (d2 / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
+    assert "chat_template.jinja: cannot read the chat template" in _convert_err(
+        capsys, ["convert", str(d2), out])
+    assert not os.path.exists(out)
+
+
+def test_requantize_tool_writes_over_its_own_input(tmp_path):
+    """tools/requantize_gguf.py copies the 1-D tensors from the input's memory mapping: writing the output in place
+    truncated that file under them when both were the same (SIGBUS), and the input was lost."""
+    import shutil
+    import subprocess
+    import sys
+
+    src = tmp_path / "m.gguf"
+    shutil.copy(tm.gguf_path("qwen3", "f16"), src)
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "requantize_gguf.py")
+    r = subprocess.run([sys.executable, tool, str(src), "q8_0", str(src)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    gf = open_gguf(src)
+    assert gf.tensors["blk.0.attn_q.weight"].ggml_type == GGMLType.Q8_0
+    assert gf.tensors["blk.0.attn_norm.weight"].ggml_type == GGMLType.F32
+    gf.close()
+    assert not (tmp_path / "m.gguf.part").exists()
+    r = subprocess.run([sys.executable, tool, str(src), "q8_0", str(tmp_path / "no" / "x.gguf")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 1 and r.stderr.startswith("requantize_gguf: error:") and "Traceback" not in r.stderr

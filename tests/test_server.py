@@ -731,8 +731,44 @@ def test_serve_cli_errors_are_one_line():
         busy.listen()
         port = busy.getsockname()[1]
         for args, msg in ((["--port", str(port)], "cannot listen on 127.0.0.1"),
-                          (["--parallel", "0"], "--parallel"), (["--port", "70000"], "--port")):
+                          (["--parallel", "0"], "--parallel"), (["--port", "70000"], "--port"),
+                          (["--max-body", "0"], "--max-body must be at least 1")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
                                env=env, capture_output=True, text=True, timeout=120)
             assert r.returncode == 1 and r.stderr.startswith("pyllm: error: ") and msg in r.stderr, r.stderr
             assert len(r.stderr.strip().splitlines()) == 1
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_serve_on_ipv6_and_port_0_names_the_port_it_listens_on():
+    """--host ::1 was refused by the check that the address can be bound (an IPv4 socket), and with --port 0 the
+    banner said port 0 instead of the one the system chose."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "pyllm.cli.main", "serve", fixture_path("smollm2"), "--host", "::1",
+                             "--port", "0", "--threads", "1", "--ctx", "256"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:  # ends when the process does
+            lines.append(line)
+            m = re.search(r"on http://\[::1\]:(\d+)/v1", line)
+            if m:
+                break
+        assert m and int(m.group(1)) > 0, lines
+        with urllib.request.urlopen(f"http://[::1]:{m.group(1)}/health", timeout=60) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)

@@ -12,7 +12,9 @@ field by field as gguf-py's own gguf_new_metadata script does; general.file_type
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -22,6 +24,22 @@ TYPES = {"q4_0": (gguf.GGMLQuantizationType.Q4_0, gguf.LlamaFileType.MOSTLY_Q4_0
 
 
 def requantize(src: str, kind: str, dst: str) -> None:
+    """Writes ``dst`` through ``dst.part``, renamed at the end: the 1-D tensors are copied from ``src``'s memory
+    mapping, so writing ``dst`` in place when it is ``src`` would truncate the mapped file under them (SIGBUS),
+    and an interrupted run would leave half a file."""
+    out = Path(dst)
+    if out.is_dir() or (out.exists() and not out.is_file()):  # renaming over /dev/null would replace the device
+        raise OSError(f"{dst}: is a directory or not a regular file; give the name of a .gguf file")
+    tmp = out.with_name(out.name + ".part")
+    try:
+        _write(src, kind, str(tmp))
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write(src: str, kind: str, dst: str) -> None:
     qtype, ftype = TYPES[kind]
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -56,9 +74,15 @@ def main() -> None:
     ap.add_argument("type", choices=sorted(TYPES))
     ap.add_argument("out")
     a = ap.parse_args()
+    from pyllm.errors import PyllmError
     from pyllm.registry import resolve
 
-    requantize(str(resolve(a.model)), a.type, a.out)
+    try:
+        requantize(str(resolve(a.model)), a.type, a.out)
+    except (PyllmError, OSError) as e:
+        sys.exit(f"requantize_gguf: error: {e}")
+    except ValueError as e:  # gguf-py's reader, for a file that is not GGUF
+        sys.exit(f"requantize_gguf: error: {a.model}: {e}")
     print(a.out, file=sys.stderr)
 
 

@@ -19,7 +19,7 @@ from typing import Callable, TextIO
 
 from ..errors import ContextFullError, PyllmError
 from .common import (Settings, SettingError, canonical_setting, check_numeric_args, load_from_args, read_bounded,
-                     runtime_label)
+                     read_stdin_lines, read_stdin_text, runtime_label)
 
 HELP_EPILOG = """keys (on a terminal):
   Enter sends; Alt-Enter or Esc then Enter inserts a newline; a line starting with \"\"\" opens a block that
@@ -523,18 +523,30 @@ def run_repl(chat: ChatSession, banner: str) -> int:
             return 0
 
 
+MAX_LINE_BYTES = 64 << 20  # as read_stdin_text's limit on a whole message: no context holds more
+
+
 def run_piped(chat: ChatSession, a) -> int:
     if a.lines:
-        said = False
-        for line in sys.stdin:  # lazily, so another program can converse line by line
-            if line.strip():
+        said = failed = False
+        for number, line in read_stdin_lines(MAX_LINE_BYTES):
+            # a message that cannot be answered is reported with its line number and the conversation goes on
+            # with the next line, as in the terminal REPL; the exit status says that one failed
+            if line is None:
+                failed = True
+                chat.error(f"line {number} of standard input is longer than {MAX_LINE_BYTES} bytes; skipped")
+            elif line.strip():
                 said = True
-                chat.exchange(line.strip())
+                try:
+                    chat.exchange(line.strip())
+                except PyllmError as e:
+                    failed = True
+                    chat.error(f"line {number} of standard input: {e}")
                 if chat.interrupted:
                     raise KeyboardInterrupt  # exit 130 like any interrupted command, after the partial reply
-        if not said:
+        if not said and not failed:
             raise PyllmError("nothing to say: standard input is empty")
-        return 0
+        return 1 if failed else 0
     chat.exchange(a._stdin_text)
     if chat.interrupted:
         raise KeyboardInterrupt
@@ -569,7 +581,7 @@ def run_chat(a) -> int:
 
     terminal = sys.stdin.isatty() and sys.stdout.isatty()
     if not terminal and not a.lines:
-        a._stdin_text = sys.stdin.read().strip()  # read first: empty input fails without loading a model
+        a._stdin_text = read_stdin_text().strip()  # read first: empty input fails without loading a model
         if not a._stdin_text:
             raise PyllmError("nothing to say: standard input is empty (pipe a message in, or run in a terminal)")
     llm = load_from_args(a, context_policy="shift")

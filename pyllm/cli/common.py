@@ -282,6 +282,28 @@ def read_stdin_text(limit: int = 64 << 20) -> str:
     return decode_utf8(data, "standard input")
 
 
+def read_stdin_lines(limit: int = 64 << 20):
+    """Standard input line by line, lazily (another program may be conversing through the pipe): (line number,
+    text) pairs. A line of more than ``limit`` bytes (/dev/zero has no newline) is skipped in bounded pieces and
+    comes as (line number, None); bytes that are not UTF-8 become U+FFFD with a note."""
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a StringIO in tests
+        yield from enumerate(sys.stdin, 1)
+        return
+    number = 0
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        number += 1
+        if len(line) > limit and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = stream.readline(1 << 20)
+            yield number, None
+        else:
+            yield number, decode_utf8(line, f"line {number} of standard input")
+
+
 def decode_utf8(data: bytes, what: str) -> str:
     try:
         return data.decode("utf-8")

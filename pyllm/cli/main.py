@@ -199,21 +199,22 @@ def cmd_serve(a) -> int:
         raise PyllmError(f"--parallel must be in 1..64 (sequences decoded together), got {a.parallel}")
     if not 0 <= a.port <= 65535:
         raise PyllmError(f"--port must be in 0..65535, got {a.port}")
-    import socket
+    if a.max_body < 1:  # every request would be refused as too large
+        raise PyllmError(f"--max-body must be at least 1 (bytes), got {a.max_body}")
+    from ..server.app import listen_socket, serve
 
     try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
-        with socket.create_server((a.host, a.port)):
-            pass
+        sock = listen_socket(a.host, a.port)
     except OSError as e:
         raise PyllmError(f"cannot listen on {a.host}:{a.port}: {e.strerror or e}") from None
     if a.replicas != 1:
+        sock.close()  # Ray Serve's proxy binds the address itself
         return serve_replicas_from_args(a)
-    from ..server.app import serve
-
-    llm = load_from_args(a)
-    name = a.model if a.model in registry.REGISTRY else llm.path.name
-    serve(llm, a.alias or name, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PYLLM_API_KEY"),
-          max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache)
+    with sock:  # kept bound while the model loads: the address cannot be taken meanwhile
+        llm = load_from_args(a)
+        name = a.model if a.model in registry.REGISTRY else llm.path.name
+        serve(llm, a.alias or name, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PYLLM_API_KEY"),
+              max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock)
     return 0
 
 

@@ -421,8 +421,18 @@ def prepare_for_requests(llm) -> None:
     llm.tokenizer.min_tokens("")
 
 
+def listen_socket(host: str, port: int):
+    """A listening TCP socket on host:port, in the address family the host resolves to (socket.create_server alone
+    is IPv4: it cannot bind ::1 or ::). OSError (socket.gaierror for a name that does not resolve) if it cannot."""
+    import socket
+
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    return socket.create_server(addr, family=family)
+
+
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None) -> None:
+          max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None) -> None:
+    """``sock``: a socket from listen_socket, already bound (else one is bound here)."""
     import sys
 
     import uvicorn
@@ -430,10 +440,13 @@ def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_k
     prepare_for_requests(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
                      prompt_cache=prompt_cache)
+    sock = sock or listen_socket(host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     slots = f", {parallel} slots" if parallel > 1 else ""
     cache = f", prompt cache {prompt_cache}" if prompt_cache else ""
-    print(f"pyllm serve: {model_name} on http://{host}:{port}/v1 (context {llm.n_ctx}, KV {llm.kv.kind}{slots}{cache})",
-          file=sys.stderr, flush=True)
-    server.run()
+    port = sock.getsockname()[1]  # the port the system chose for --port 0
+    shown = f"[{host}]" if ":" in host else host
+    print(f"pyllm serve: {model_name} on http://{shown}:{port}/v1 (context {llm.n_ctx}, KV {llm.kv.kind}{slots}"
+          f"{cache})", file=sys.stderr, flush=True)
+    server.run(sockets=[sock])
