@@ -58,7 +58,9 @@ void dequant_row_any(QType t, const uint8_t* w, int K, float* out, bool simd) {
 
 namespace cpu {
 void dequantize_row(QType t, const uint8_t* w, int K, float* out) {
-    dequant_row_any(t, w, K, out, cpu_get_isa() == Isa::Avx2);
+    // Every SIMD ISA has the AVX2 decoders (AVX-512 and AMX hosts have AVX2): the AMX / AVX-512 prefill GEMM
+    // decodes its weight strips here, and the scalar decoders are several times slower.
+    dequant_row_any(t, w, K, out, cpu_isa_simd(cpu_get_isa()));
 }
 }  // namespace cpu
 
