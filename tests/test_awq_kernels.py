@@ -1,5 +1,5 @@
 """AWQ int4 on the fast CPU kernels: the load-time repack (AutoAWQ "gemm" -> pyllm's AWQ rows, csrc/common/blocks.h),
-the scalar and AVX2 GEMVs, dequantize, and AWQ models on the fast backend end to end.
+the scalar, AVX2 and AVX-512 VNNI GEMVs, dequantize, and AWQ models on the fast backend end to end.
 
 References (none of them pyllm's kernels):
 - Weights: random codes q, zeros z (0..15) and fp16 scales s drawn here and packed with tests/test_awq.py's packer
@@ -11,8 +11,8 @@ References (none of them pyllm's kernels):
   (emulated in numpy): 1e-5 (only fp32 rounding of the per-block scale products remains, so a wrong nibble, zero
   or scale shows up by orders of magnitude); against the plain float64 product: 5e-2 on that max metric (the
   int8 rounding of x: ~0.55% of an output's rms per value for Gaussian x, see test_kernels.py) and 1.5e-2 on the
-  Frobenius relative error ||y - ref|| / ||ref|| (measured ~6e-3).  Scalar vs AVX2: 1e-5 (same integer sums,
-  other fp32 order).
+  Frobenius relative error ||y - ref|| / ||ref|| (measured ~6e-3).  Scalar vs each SIMD path: 1e-5 (same integer
+  sums, other fp32 order); AVX-512 VNNI (emulated where the CPU lacks it) gives the AVX2 bits.
 - End to end: the auto-round fixtures of test_awq.py; the reference backend (AWQTensor's torch dequantization +
   float32 matmuls, which test_awq.py ties to transformers at 1e-3) against the fast backend.
 """
@@ -25,9 +25,9 @@ import torch
 
 from pyllm import _ext, awq
 from test_awq import HAVE_AUTO_ROUND, dequantize_gemm, fixtures, needs_writer, random_awq  # noqa: F401 (fixture)
-from test_kernels import C, SEED, quantize_like_kernels, rel_err, rng_for, why  # noqa: F401 (fixture)
+from test_kernels import C, SEED, gemv_on_every_isa, quantize_like_kernels, rel_err, rng_for, why  # noqa: F401 (fixture)
 
-TOL_EXACT, TOL_Q8, TOL_FRO, TOL_ISA = 1e-5, 5e-2, 1.5e-2, 1e-5
+TOL_EXACT, TOL_Q8, TOL_FRO = 1e-5, 5e-2, 1.5e-2
 
 # (K, N, G): every group size, K = 576 with G = 64 (SmolLM2), N % 8 == 0 but not a multiple of 64, one row word.
 SHAPES = [(128, 64, 32), (256, 96, 64), (576, 40, 64), (576, 200, 64), (384, 256, 128), (1024, 72, 128),
@@ -78,20 +78,11 @@ def test_gemv_against_float64(C, k, n, g):
         x = torch.from_numpy(rng_for("x", k, n, g, M).standard_normal((M, k), dtype=np.float32))
         ref = w.ref(x)
         exact = quantize_like_kernels(x, 32) @ w.W64.T
-        ys = {}
-        for isa in C.available_isas():
-            C.set_isa(isa)
-            y = ys[isa] = C.gemv(x, w.rows, w.qtype)
-            assert y.shape == (M, n) and y.dtype == torch.float32
-            err = rel_err(y, exact, x, w)
-            assert err < TOL_EXACT, f"{isa} vs int8-x float64: {err:.3g} " + why(k, n, g, M)
-            err = rel_err(y, ref, x, w)
-            assert err < TOL_Q8, f"{isa} vs float64: {err:.3g} " + why(k, n, g, M)
+        ys = gemv_on_every_isa(C, f"AWQ G{g}", w.rows, w.qtype, x, w,
+                               [(exact, TOL_EXACT, "int8-x float64"), (ref, TOL_Q8, "float64")])
+        for isa, y in ys.items():
             fro = ((y.double() - ref).norm() / ref.norm()).item()
             assert fro < TOL_FRO, f"{isa} vs float64, Frobenius: {fro:.3g} " + why(k, n, g, M)
-        if "avx2" in ys:
-            err = rel_err(ys["avx2"], ys["scalar"], x, w)
-            assert err < TOL_ISA, f"scalar and avx2 differ by {err:.3g} " + why(k, n, g, M)
 
 
 @pytest.mark.parametrize("M", [1, 20, 40])

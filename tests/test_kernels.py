@@ -125,6 +125,34 @@ def test_isa_detection_matches_the_kernel_and_names_the_paths(C):
         C.set_isa("sse9")
 
 
+def test_avx512_object_defines_only_its_own_functions(C):
+    """Reference: nm's table of the symbols gemv_avx512.o (the build's AVX-512 translation unit) defines.  It is
+    compiled under an AVX-512 target pragma on every x86 host, so each function it emits is AVX-512 code: one that
+    another file also emits (a std:: template such as std::vector's, as a weak symbol) may be the copy the linker
+    keeps for all callers, and would then run AVX-512 instructions on CPUs without them.  Only its own namespace
+    (pyllm::cpu::avx512) and its two entry points may appear."""
+    import platform
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX-512 translation unit is empty off x86")
+    obj = Path(C.__file__).parent / "gemv_avx512.o"
+    nm = shutil.which("nm")
+    assert obj.is_file() and nm, f"need {obj} and binutils' nm (found {nm})"
+    out = subprocess.run([nm, "--defined-only", str(obj)], capture_output=True, text=True, check=True).stdout
+    # Mangled names: the entry points, and anything naming the namespace (its functions, their statics, and
+    # templates instantiated on them, such as rows_of<M, &avx512::dot_q4_0<M>>, which no other file can emit).
+    entry = {"_ZN5pyllm3cpu15avx512_compiledEv", "_ZN5pyllm3cpu17row_kernel_avx512ENS_5QTypeE"}
+    foreign = []
+    for line in out.splitlines():
+        _, kind, name = line.split(" ", 2)
+        if kind in "TWVu" and "6avx512" not in name and name not in entry:
+            foreign.append(f"{kind} {name}")
+    assert not foreign, "gemv_avx512.o defines functions other files may share:\n" + "\n".join(foreign)
+
+
 class Weight:
     """raw uint8 [N, row_bytes] blocks; W f32 [N, K] from the oracle; W64 its float64 copy and colsq = sum_n W^2
     [K] (cached: the float64 work dominates the test time otherwise)."""
@@ -207,10 +235,10 @@ def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
     gemv_on_every_isa(C, name, w, int(GT[name]), x, wt, checks)
 
 
-def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks, call=None):
+def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks, call=None) -> dict:
     """call(x, w, qtype) (default C.gemv) on each ISA path this CPU has, against each (reference, tolerance, name)
     of checks; scalar and every SIMD path within TOL_ISA; the VNNI dots compute the AVX2 kernels' integer sums in
-    the same fp32 order, so avx512 / amx give the AVX2 bits."""
+    the same fp32 order, so avx512 / amx give the AVX2 bits.  Returns {isa: y}."""
     (M, K), N = x.shape, w.shape[0]
     call = call or C.gemv
     ys = {}
@@ -227,6 +255,7 @@ def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks, call=None):
     for isa in ("avx512", "amx"):
         if isa in ys:
             assert torch.equal(ys[isa], ys["avx2"]), f"{label}: {isa} and avx2 differ " + why(N, K, M)
+    return ys
 
 
 def outlier_mask(x: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,16 @@ PYLLM_INLINE __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 }
 #endif
 
+// acc + vpmaddwd(a, b): the int16 pair products summed into int32 lanes, then added with wrap-around.  Under VNNI
+// one vpdpwssd, which wraps where vpaddd does (vpdpwssds would saturate), so every build has the same bits.
+PYLLM_INLINE __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#if defined(PYLLM_VNNI) && !defined(PYLLM_VNNI_EMULATED)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
 PYLLM_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
 #ifdef PYLLM_VNNI
     return dpbusd(_mm256_setzero_si256(), u, s);

@@ -73,6 +73,11 @@ bool dequant_row_avx2_legacy(QType t, const uint8_t* w, int K, float* out);
 bool dequant_row_avx2_kquants(QType t, const uint8_t* w, int K, float* out);
 bool dequant_row_avx2_awq(QType t, const uint8_t* w, int K, float* out);
 
+// This thread's scratch of at least n int32, valid until its next call.  Defined in gemv.cpp, not in the kernel
+// headers: those are also compiled under AVX-512 target pragmas, and a std::vector instantiated there emits weak
+// std:: functions built for AVX-512 that the linker may keep as every file's copy, AVX2-only CPUs included.
+int32_t* thread_scratch_i32(size_t n);
+
 // One row of K values of any CPU type -> fp32 (dequantize_rows_cpu's per-row step, without its thread team, for
 // callers already inside a parallel region).
 void dequantize_row(QType t, const uint8_t* w, int K, float* out);

@@ -135,6 +135,14 @@ constexpr size_t kMaxChunkBytes = size_t{1} << 20;
 
 }  // namespace
 
+namespace cpu {
+int32_t* thread_scratch_i32(size_t n) {
+    thread_local std::vector<int32_t> buf;
+    if (buf.size() < n) buf.resize(n);
+    return buf.data();
+}
+}  // namespace cpu
+
 bool cpu_type_supported(QType t) {
     const int id = static_cast<int>(t);
     return id >= 0 && id < kTypeIds && tables().k[0][id].available();

@@ -1,7 +1,9 @@
-// AVX-512 VNNI row kernels (Isa::Avx512 and Isa::Amx's GEMV).  The 32-element block dots of gemv_legacy_impl.h
-// compiled for AVX-512 F/BW/VL + VNNI: the same 256-bit block loop with each u8 x s8 block sum one vpdpbusd
-// (AVX2 needs vpmaddubsw + vpmaddwd), so results are bit-identical to AVX2.  Types without an entry here keep
-// their AVX2 kernels (the dispatcher falls back per type).
+// AVX-512 VNNI row kernels (Isa::Avx512 and Isa::Amx's GEMV): the row dots of gemv_legacy_impl.h (32-element
+// blocks), gemv_kquants_impl.h (K-quants) and gemv_awq_impl.h (AWQ rows) compiled for AVX-512 F/BW/VL + VNNI.
+// The same 256-bit block loops, where each u8 x s8 block sum is one vpdpbusd (AVX2: vpmaddubsw + vpmaddwd) and
+// each int16 scale multiply-add one vpdpwssd (AVX2: vpmaddwd + vpaddd), so results are bit-identical to AVX2.
+// Types without an entry here (float weights, Q2_K, Q3_K) keep their AVX2 kernels (the dispatcher falls back per
+// type).
 //
 // The file is compiled with the rest of the extension (-march=native), so the target pragma gives these
 // functions AVX-512 even on a build for an AVX2-only or baseline x86-64 machine; they only run after
@@ -14,6 +16,8 @@
 #include "avx2_util.h"
 #include "cpu_impl.h"
 #ifdef PYLLM_VNNI
+#include "gemv_awq_impl.h"
+#include "gemv_kquants_impl.h"
 #include "gemv_legacy_impl.h"
 #endif
 
@@ -22,8 +26,12 @@ namespace cpu {
 
 #ifdef PYLLM_VNNI
 bool avx512_compiled() { return true; }
-// Q4_0..Q8_0 only: they are where the integer dot is the inner loop's largest cost.  (K-quants and AWQ: AVX2.)
-RowKernel row_kernel_avx512(QType t) { return avx512::row_kernel_legacy_blocks(t); }
+RowKernel row_kernel_avx512(QType t) {
+    RowKernel k = avx512::row_kernel_legacy_blocks(t);
+    if (!k.available()) k = avx512::row_kernel_kquant_blocks(t);
+    if (!k.available()) k = avx512::row_kernel_awq_rows(t);
+    return k;
+}
 #else
 bool avx512_compiled() { return false; }
 RowKernel row_kernel_avx512(QType) { return {}; }
