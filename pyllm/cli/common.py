@@ -350,7 +350,13 @@ NUMERIC_FLAGS = {
     "chunks": ("--chunks", 1, None),
     "spec_k": ("--spec-k", 1, 7),  # SpecSettings.validate's ranges, checked even where this run does not speculate
     "spec_ngram": ("--spec-ngram", 1, 16),
-}  # bench checks its own -p/-n/-d/-r (pyllm/cli/bench.py), as input errors (exit 1)
+    # bench: each count multiplies its run time, and -p/-n/-d size its KV cache. No model's context exceeds 2**20
+    # tokens, and a thousand repetitions already measure to a fraction of a percent; 10**21 ran "forever".
+    "repetitions": ("-r/--repetitions", 1, 1000),
+    "n_prompt": ("-p/--n-prompt", 0, 1 << 20),
+    "n_gen": ("-n/--n-gen", 0, 1 << 20),
+    "n_depth": ("-d/--n-depth", 0, 1 << 20),
+}
 
 
 def max_threads() -> int:
