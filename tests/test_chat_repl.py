@@ -251,6 +251,28 @@ def test_commands_without_arguments_refuse_one(line):
     assert err.startswith("error: /") and "takes no argument" in err and line.split()[0] in err, err
 
 
+LONG = "z" * 10_000  # a paste given where a name belongs
+
+
+@pytest.mark.parametrize("line, needle", [
+    (f"/load {LONG}", "/load zzz"), (f"/load /tmp/{LONG}.json", "/load /tmp/zzz"),
+    (f"/save /nonexistent/{LONG}", "cannot write"),
+    (f"/{LONG} now", "unknown command /zzz"), (f"/set {LONG} 1", "unknown setting 'zzz"),
+    (f"/set temp {LONG}", "temp must be"), (f"/reset {LONG}", "/reset takes no argument"),
+], ids=["load", "load-path", "save", "unknown-command", "set-name", "set-value", "no-argument"])
+def test_errors_quote_a_bounded_prefix_of_what_was_typed(line, needle):
+    """A 10 KB name was echoed whole in the error. Reference: the error is one line quoting at most 80
+    characters of the typed text, cut with '…', and the conversation goes on unchanged."""
+    chat, llm, out, ui = make_chat([["hello"]])
+    chat.handle("hi")
+    before = list(chat.turns)
+    assert chat.handle(line) is True
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: ") and needle in err and "…" in err, err
+    assert max(len(w) for w in err.split()) <= 90 and len(err) < 400, err
+    assert chat.turns == before
+
+
 def test_regen_replaces_last_reply_with_a_new_seed():
     chat, llm, out, ui = make_chat([["first"], ["second"]])
     chat.settings.set("seed", "7")

@@ -233,6 +233,26 @@ def test_bench_counts_are_bounded_before_anything_loads(capsys, args, needle):
     assert "1..1000" in usage and usage.count("0..1048576") == 3
 
 
+@pytest.mark.parametrize("args", [
+    ["pull", "Q" * 10_000], ["pull", "smollm2-135m", "--sha256", "Q" * 10_000], ["pull", "hf.co/" + "Q" * 10_000],
+    ["run", "smollm2-135m", "hi", "--kv", "Q" * 10_000], ["run", "smollm2-135m", "hi", "--grammar", "Q" * 10_000],
+    ["perplexity", "smollm2-135m", "-f", "Q" * 10_000], ["bench", "--synthetic", "Q" * 10_000],
+    ["run", "smollm2-135m", "hi", "--device", "Q" * 10_000], ["run", "smollm2-135m", "hi", "Q" * 10_000],
+], ids=["pull", "sha256", "hf-ref", "kv", "grammar", "perplexity-file", "synthetic", "device", "extra-argument"])
+def test_errors_quote_a_bounded_prefix_of_a_long_argument(capsys, args):
+    """A 10 KB name, path or value was echoed whole in the one-line error. Reference: at most 80 characters of
+    it are quoted, cut with '…' (the helper errors.shorten), and the exit status says what failed."""
+    from pyllm.cli.main import main
+
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc in (1, 2) and "error:" in err and "QQQ" in err and "…" in err, err
+    assert max(len(w) for w in err.split()) <= 90, err
+
+
 def test_bench_synthetic_refuses_a_kv_cache_larger_than_memory(capsys, monkeypatch):
     """-d/-p/-n within their bounds can still ask for a cache larger than memory (-d 1048576 on llama3-8b is
     128 GiB). Reference: pyllm.load's check (plan_kv_cache), which a model file gets; a synthetic model was built
