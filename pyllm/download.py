@@ -172,6 +172,10 @@ def resolve_url(url: str, sha256: str | None = None, timeout: float = 30.0) -> R
     p = urllib.parse.urlsplit(url)
     if p.scheme not in ("http", "https") or not p.hostname:
         raise DownloadError(f"{shorten(url)}: not an http(s) URL")
+    try:
+        p.hostname.encode("idna")  # what the socket layer does: a label over 63 characters raises UnicodeError there
+    except UnicodeError:
+        raise DownloadError(f"{shorten(url)}: {shorten(p.hostname)} is not a valid host name") from None
     name = safe_name(urllib.parse.unquote(p.path.rsplit("/", 1)[-1]) or "model.gguf")
     host = safe_name(p.hostname + (f"_{p.port}" if p.port else ""))
     r = Remote(ref=url, url=url, filename=name, subdir=("url", host))

@@ -253,6 +253,23 @@ def test_errors_quote_a_bounded_prefix_of_a_long_argument(capsys, args):
     assert max(len(w) for w in err.split()) <= 90, err
 
 
+@pytest.mark.parametrize("args", [
+    ["run", "Q" * 10_000, "hi"], ["info", "Q" * 10_000], ["rm", "Q" * 10_000], ["convert", "Q" * 10_000, "o.gguf"],
+    ["run", "smollm2-135m", "hi", "--spec", "draft", "--draft", "Q" * 10_000], ["pull", "https://" + "Q" * 10_000],
+], ids=["run", "info", "rm", "convert", "draft", "url-host"])
+def test_a_name_the_system_refuses_is_a_one_line_error(capsys, args):
+    """A pasted text given as a model, folder or host name raised OSError 'File name too long' (from
+    Path.exists) or UnicodeError (IDNA: a host label over 63 characters) with a traceback. Reference: one line
+    naming a bounded prefix of the name and the reason, exit 1."""
+    from pyllm.cli.main import main
+
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pyllm: error:") and "\n" not in err and "QQQ" in err and "…" in err, err
+    assert "File name too long" in err or "not a valid host name" in err, err
+    assert len(err) < 300, err
+
+
 def test_bench_synthetic_refuses_a_kv_cache_larger_than_memory(capsys, monkeypatch):
     """-d/-p/-n within their bounds can still ask for a cache larger than memory (-d 1048576 on llama3-8b is
     128 GiB). Reference: pyllm.load's check (plan_kv_cache), which a model file gets; a synthetic model was built

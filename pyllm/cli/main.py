@@ -443,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except OSError as e:
+        # a path the system refuses where no check expected it (a pasted text given as a model or folder name is
+        # "File name too long" to Path.exists): still one line naming the path, not a traceback
+        if a.verbose:
+            raise
+        where = f"{shorten(e.filename)}: " if e.filename else ""
+        print(f"pyllm: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
