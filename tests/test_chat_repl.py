@@ -138,6 +138,12 @@ class FakeLLM:
     def chat_ids(self, messages):
         return [1] * sum(4 + len(m["content"].split()) for m in messages) + [2, 2]
 
+    def format_chat(self, messages):
+        return " ".join(m["content"] for m in messages)
+
+    def check_prompt_fits(self, text, add_bos=None):
+        pass  # the real lower bound is tested with a real model
+
     def reset(self):
         self.resets += 1
 
@@ -212,6 +218,36 @@ def test_message_bigger_than_context_is_an_error_and_keeps_conversation():
     assert chat.turns == before
     chat.handle("word " * 100)  # the REPL path reports it instead of raising
     assert "error:" in ui.getvalue() and chat.turns == before
+
+
+@pytest.mark.parametrize("policy", ["shift", "stop"])
+def test_a_paste_that_cannot_fit_is_refused_before_it_is_tokenized(policy, monkeypatch):
+    """The REPL tokenized a pasted message whole (seconds for a megabyte of text) before finding that it cannot
+    fit, where `pyllm run`, the library and the server refuse it from its text alone (check_prompt_fits).
+    Reference: SmolLM2 with a context of 512 tokens; the tokenizer must never see the paste, the error is the
+    library's one line, and the conversation goes on with its earlier turns."""
+    from conftest import pyllm_model
+
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1, context_policy=policy)
+    real = llm.tokenizer.encode
+
+    def encode(text, *a, **kw):
+        assert len(text) < 100_000, "the pasted message was tokenized"
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", encode)
+    out, ui = io.StringIO(), io.StringIO()
+    chat = ChatSession(llm, Settings(max_tokens=4, temperature=0), system="Be brief.", out=out, ui=ui)
+    chat.handle("Say hi.")
+    before = list(chat.turns)
+    assert len(before) == 2
+    assert chat.handle("The quick brown fox jumps over the lazy dog. " * 20_000) is True  # 900 KB
+    err = ui.getvalue().splitlines()[-1]
+    assert re.fullmatch(r"error: the prompt has at least \d+ tokens but the context holds 512; use a larger "
+                        r"context \(--ctx\) or a shorter prompt", err), err
+    assert chat.turns == before
+    chat.handle("Say bye.")
+    assert chat.turns[:2] == before and len(chat.turns) == 4 and chat.turns[2]["content"] == "Say bye."
 
 
 def test_set_show_reset_system_commands():
@@ -641,6 +677,10 @@ class SlowLLM:
     def chat_ids(self, messages):
         self.last = messages[-1]["content"]
         return [1]
+    def format_chat(self, messages):
+        return ""
+    def check_prompt_fits(self, text, add_bos=None):
+        pass
     def reset(self):
         pass
     def generate(self, ids, **kw):

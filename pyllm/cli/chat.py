@@ -203,10 +203,16 @@ class ChatSession:
         number of dropped messages). Nothing is changed when even the newest message alone does not fit."""
         n_ctx = self.llm.n_ctx
         reserve = min(self.settings.max_tokens, n_ctx // 4)  # room for at least part of a reply
+        stop = getattr(self.llm, "context_policy", "shift") == "stop"
+        # What must fit whatever is dropped: the whole conversation ("stop"), or the system prompt and the new
+        # message. When its text alone shows it cannot (a pasted megabyte), it is refused here, as the library and
+        # the server refuse such a prompt (check_prompt_fits), instead of after seconds of tokenizing it.
+        least = self.messages(turns if stop else turns[-1:])
+        self.llm.check_prompt_fits(self.llm.format_chat(least), add_bos=False)  # the template may write BOS
         ids = self.llm.chat_ids(self.messages(turns))
         if len(ids) + reserve <= n_ctx:
             return ids, turns, 0
-        if getattr(self.llm, "context_policy", "shift") == "stop":
+        if stop:
             raise ContextFullError(f"the conversation takes {len(ids)} tokens and the reply needs room for {reserve} "
                                    f"in a context of {n_ctx}: /clear to start over, or restart with a larger --ctx "
                                    f"or --context-policy shift (drops the oldest turns)")
