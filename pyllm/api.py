@@ -378,11 +378,17 @@ def _text_content(content, i: int):
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's message roles
 
 
+def check_message_list(messages) -> None:
+    """BadRequest unless ``messages`` is a non-empty list (or tuple): an empty conversation renders as a bare
+    generation prompt, and the model would reply to nothing."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+
+
 def normalize_messages(messages) -> list[dict]:
     """OpenAI messages -> what chat templates read: text content, tool-call arguments as objects (templates write
     them with ``tojson``), a tool result's name where only its call id is given."""
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
+    check_message_list(messages)
     out, names = [], {}
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):

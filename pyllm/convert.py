@@ -323,6 +323,51 @@ def _check_output(d: Path, out: Path) -> None:
                                f"another output name")
 
 
+LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # HF's per-layer tensor names: model.layers.N.*
+
+
+def _check_tensors(d: Path, arch: str, names, tensors: dict, n_layer: int, n_embd: int, n_ff: int, n_head: int,
+                   n_kv: int, head_dim: int, n_vocab: int | None) -> None:
+    """ConvertError naming the first tensor that contradicts config.json, before anything is written. The shapes
+    expected are the loader's own (ModelConfig.layer_shapes), so a file written here never fails to load on a
+    shape; phi3's fused attn_qkv and gate+up ffn_up are checked as its checkpoints store them (split at load)."""
+    from .models.config import ModelConfig
+
+    layers = {int(m.group(1)): hf for hf in tensors if (m := LAYER.search(hf))}
+    beyond = [i for i in sorted(layers) if i >= n_layer]
+    if beyond:
+        raise ConvertError(f"{d}: tensor {layers[beyond[0]]} is in layer {beyond[0]}, but config.json has "
+                           f"num_hidden_layers = {n_layer}")
+    absent = [i for i in range(n_layer) if i not in layers]
+    if absent:
+        raise ConvertError(f"{d}: config.json has num_hidden_layers = {n_layer}, but the checkpoint has no tensors "
+                           f"for layer {absent[0]}" + (f" (nor {len(absent) - 1} more)" if len(absent) > 1 else ""))
+    if "model.embed_tokens.weight" not in tensors:
+        raise ConvertError(f"{d}: the checkpoint has no model.embed_tokens.weight (the token embedding)")
+    want = ModelConfig(arch=arch, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_kv_head=n_kv,
+                       head_dim=head_dim, n_vocab=n_vocab or 0, n_ctx_train=0).layer_shapes()
+    want["attn_qkv.weight"] = ((n_head + 2 * n_kv) * head_dim, n_embd)
+    if arch == "phi3":
+        want["ffn_up.weight"] = (2 * n_ff, n_embd)
+    want["output_norm.weight"] = (n_embd,)
+    sizes = (f"hidden_size {n_embd}, num_attention_heads {n_head}, num_key_value_heads {n_kv}, head_dim {head_dim}, "
+             f"intermediate_size {n_ff}")
+    for hf, t in tensors.items():
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            continue  # reported (or skipped, as rotary_emb.inv_freq) where the tensors are written
+        got = tuple(t.shape)
+        if name in ("token_embd.weight", "output.weight"):  # files may pad the rows past the vocabulary
+            if len(got) != 2 or got[1] != n_embd or (n_vocab and got[0] < n_vocab):
+                raise ConvertError(f"{d}: tensor {hf} has shape {got}, but config.json (hidden_size {n_embd}"
+                                   + (f", vocab_size {n_vocab}" if n_vocab else "") + f") needs "
+                                   f"({n_vocab or 'n_vocab'}, {n_embd})")
+            continue
+        exp = want.get(name.split(".", 2)[2] if name.startswith("blk.") else name)
+        if exp is not None and got != exp:
+            raise ConvertError(f"{d}: tensor {hf} has shape {got}, but config.json ({sizes}) needs {exp}")
+
+
 def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     n_layer, n_embd = cfg["num_hidden_layers"], cfg["hidden_size"]
     n_head = cfg["num_attention_heads"]
@@ -330,6 +375,9 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     head_dim = cfg.get("head_dim") or n_embd // n_head
     theta, rs = _rope(cfg)
     rope_dim = int(head_dim * cfg.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0)))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
+    _check_tensors(d, arch, names, tensors, n_layer, n_embd, cfg["intermediate_size"], n_head, n_kv, head_dim,
+                   cfg.get("vocab_size"))
     n_vocab = cfg.get("vocab_size") or tensors["model.embed_tokens.weight"].shape[0]
 
     w.add_name(cfg.get("_name_or_path") or d.name)
@@ -369,7 +417,6 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
                                "is not representable in gemma3 GGUF metadata")
     _write_tokenizer(w, d, cfg, n_vocab)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
     tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in tensors
     out: list[tuple[str, torch.Tensor]] = []
     for hf_name, t in tensors.items():

@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DownloadError
+from .errors import DownloadError, shorten
 
 HF_REF = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)"
                     r"(?::([\w.-]+))?/?$")
@@ -171,7 +171,11 @@ def _sidecar_sha(url: str, timeout: float) -> str | None:
 def resolve_url(url: str, sha256: str | None = None, timeout: float = 30.0) -> Remote:
     p = urllib.parse.urlsplit(url)
     if p.scheme not in ("http", "https") or not p.hostname:
-        raise DownloadError(f"{url}: not an http(s) URL")
+        raise DownloadError(f"{shorten(url)}: not an http(s) URL")
+    try:
+        p.hostname.encode("idna")  # what the socket layer does: a label over 63 characters raises UnicodeError there
+    except UnicodeError:
+        raise DownloadError(f"{shorten(url)}: {shorten(p.hostname)} is not a valid host name") from None
     name = safe_name(urllib.parse.unquote(p.path.rsplit("/", 1)[-1]) or "model.gguf")
     host = safe_name(p.hostname + (f"_{p.port}" if p.port else ""))
     r = Remote(ref=url, url=url, filename=name, subdir=("url", host))
@@ -193,7 +197,7 @@ def resolve_hf(ref: str, timeout: float = 30.0) -> Remote:
     """hf.co/OWNER/REPO[:QUANT] -> the repository's GGUF file for QUANT (default Q4_K_M), its size and sha256."""
     m = HF_REF.match(ref)
     if not m:
-        raise DownloadError(f"{ref}: not of the form hf.co/OWNER/REPO[:QUANT]")
+        raise DownloadError(f"{shorten(ref)}: not of the form hf.co/OWNER/REPO[:QUANT]")
     owner, repo, quant = m.group(1), m.group(2), m.group(3)
     ep = hf_endpoint()
     api = f"{ep}/api/models/{owner}/{repo}?blobs=true"

@@ -33,6 +33,13 @@ class ContextFullError(PyllmError):
     """The prompt and the reply would not fit in the model's context window."""
 
 
+def shorten(text, n: int = 80) -> str:
+    """``text`` (a name, path or value the user typed, quoted by a message) on one line and at most ``n``
+    characters, cut with '…': a 10 KB paste given as a file or setting name must not bury the error it is in."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
 def in_file(e: PyllmError, name: str) -> PyllmError:
     """``e`` with the model file's name in front, as the reader's own errors have it: checks inside the tokenizer
     or a decoder do not know which file they are reading, and the user must learn which one is wrong."""

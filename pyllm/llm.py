@@ -412,10 +412,14 @@ class LLM:
         self.template = ChatTemplate.from_metadata({}, self.tokenizer, use_file_template=False)
 
     def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kw) -> str:
-        """``template_kw``: extra template variables (``tools=[...]`` for templates that describe tools)."""
+        """``template_kw``: extra template variables (``tools=[...]`` for templates that describe tools).
+        Every chat entry point (chat, chat_ids, fit_chat, create_chat_completion) formats through here, so an empty
+        or malformed message list is refused the same way in each, before anything is generated."""
+        from .api import check_message_list
         from .chat_template import _validate
         from .errors import TemplateError
 
+        check_message_list(messages)
         _validate(messages)  # malformed messages are the caller's error, not the file's
         try:
             return self.template.render(messages, add_generation_prompt=add_generation_prompt, **template_kw)

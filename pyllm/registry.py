@@ -32,7 +32,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DownloadError, PyllmError
+from .errors import DownloadError, PyllmError, shorten
 
 
 @dataclass(frozen=True)
@@ -287,7 +287,7 @@ def _looks_like_path(s: str) -> bool:
 def pull(name: str, quiet: bool = False, force: bool = False, sha256: str | None = None) -> Path:
     """Fetch ``name`` (a registry name, an http(s) URL or hf.co/OWNER/REPO[:QUANT]) into the cache if needed and
     return its path. A cached file is checked (see verify_cached); a corrupted one is downloaded again."""
-    with _writing_cache(f"fetch {name}"):
+    with _writing_cache(f"fetch {shorten(name)}"):
         return _pull(name, quiet, force, sha256)
 
 
@@ -298,12 +298,12 @@ def _pull(name: str, quiet: bool, force: bool, sha256: str | None) -> Path:
         return pull_remote(name, quiet=quiet, force=force, sha256=sha256)
     if name not in REGISTRY:
         if _looks_like_path(name):
-            raise PyllmError(f"{name}: pull downloads registry models ({', '.join(REGISTRY)}), http(s) URLs and "
-                             f"hf.co/OWNER/REPO[:QUANT]; a local file needs no pull: `pyllm run {name}`")
-        raise PyllmError(f"unknown model name {name!r}; known: {', '.join(REGISTRY)} (or a URL, or "
+            raise PyllmError(f"{shorten(name)}: pull downloads registry models ({', '.join(REGISTRY)}), http(s) "
+                             f"URLs and hf.co/OWNER/REPO[:QUANT]; a local file needs no pull: `pyllm run FILE`")
+        raise PyllmError(f"unknown model name {shorten(name)!r}; known: {', '.join(REGISTRY)} (or a URL, or "
                          f"hf.co/OWNER/REPO[:QUANT])")
     if sha256 and sha256.lower() != REGISTRY[name].sha256:
-        raise PyllmError(f"--sha256 {sha256} differs from the registry's digest for {name}")
+        raise PyllmError(f"--sha256 {shorten(sha256)} differs from the registry's digest for {name}")
     m = REGISTRY[name]
     final = model_path(name)
     with _locked(final.parent / f".{m.filename}.lock"):
@@ -399,7 +399,7 @@ def pull_remote(ref: str, quiet: bool = False, force: bool = False, sha256: str 
     from . import download
 
     if sha256 is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", sha256):
-        raise PyllmError(f"--sha256 {sha256!r}: not a sha256 digest (64 hex digits)")
+        raise PyllmError(f"--sha256 {shorten(sha256)!r}: not a sha256 digest (64 hex digits)")
     cached = find_remote(ref)
     if cached is not None and not force:
         verify_cached(cached, sha256, ref)
@@ -461,7 +461,7 @@ def resolve(model: str | os.PathLike, download: bool = True, quiet: bool = False
 
     A cached model is checked against its expected sha256 (cheaply: see the module docstring)."""
     s = os.fspath(model)
-    with _writing_cache(f"fetch {s}"):
+    with _writing_cache(f"fetch {shorten(s)}"):
         return _resolve(s, download, quiet)
 
 
@@ -481,11 +481,11 @@ def _resolve(s: str, download: bool, quiet: bool) -> Path:
             verify_cached(p, None, s)
             return p
         if not download:
-            raise PyllmError(f"model {s!r} is not in the cache; run `pyllm pull {s}`")
+            raise PyllmError(f"model {shorten(s)!r} is not in the cache; run `pyllm pull` with it")
         return pull_remote(s, quiet=quiet)
     p = Path(s).expanduser()
     if not p.exists():
-        raise PyllmError(f"{s}: no such file, and not a registry name (known: {', '.join(REGISTRY)}), URL or "
+        raise PyllmError(f"{shorten(s)}: no such file, and not a registry name (known: {', '.join(REGISTRY)}), URL or "
                          f"hf.co/OWNER/REPO[:QUANT]")
     return p
 
@@ -524,7 +524,7 @@ def list_models() -> list[dict]:
 def remove(target: str) -> list[Path]:
     """Delete a cached model (registry name, URL / hf.co reference, or a file inside the cache) with its record,
     lock and any partial download; returns the files removed. Files outside the cache are never touched."""
-    with _writing_cache(f"remove {target}"):
+    with _writing_cache(f"remove {shorten(target)}"):
         return _remove(target)
 
 
@@ -537,7 +537,7 @@ def _remove(target: str) -> list[Path]:
     elif is_remote(target):
         p = find_remote(target)
         if p is None:
-            raise PyllmError(f"{target} is not in the cache")
+            raise PyllmError(f"{shorten(target)} is not in the cache")
     else:
         p = Path(target).expanduser()
         if not p.exists():  # a bare file name: look for it in the cache
@@ -546,7 +546,7 @@ def _remove(target: str) -> list[Path]:
                 raise PyllmError(f"{target}: several cached files have that name: {', '.join(map(str, hits))}")
             p = hits[0] if hits else p
         if not (p.exists() or p.is_symlink()):
-            raise PyllmError(f"{target}: not a registry name, URL, hf.co reference or cached file "
+            raise PyllmError(f"{shorten(target)}: not a registry name, URL, hf.co reference or cached file "
                              f"(see `pyllm list`)")
         if root not in _in_place(p).parents:
             raise PyllmError(f"{p}: not in the cache ({root}); pyllm rm deletes only cached models")

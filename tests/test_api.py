@@ -153,6 +153,25 @@ def test_bad_arguments_raise_before_generating(llm):
         llm.create_chat_completion([], max_tokens=1)
 
 
+def test_empty_message_list_is_refused_by_every_chat_entry_point(llm, monkeypatch):
+    """Reference: create_chat_completion([]), which refuses an empty conversation as a BadRequest naming
+    messages. chat() (plain and streaming) and chat_ids() generated a reply to the bare generation prompt instead;
+    each must raise the same error, at the call (not on the first piece of a stream), before any evaluation."""
+    def evaluate(*a, **kw):
+        raise AssertionError("the model was run")
+
+    monkeypatch.setattr(llm.generator, "_forward", evaluate)
+    calls = {"create_chat_completion": lambda: llm.create_chat_completion([], max_tokens=1),
+             "create_chat_completion stream": lambda: llm.create_chat_completion([], max_tokens=1, stream=True),
+             "chat": lambda: llm.chat([], max_tokens=1), "chat stream": lambda: llm.chat([], max_tokens=1, stream=True),
+             "chat tuple": lambda: llm.chat((), max_tokens=1), "chat_ids": lambda: llm.chat_ids([]),
+             "fit_chat": lambda: llm.fit_chat([]), "format_chat": lambda: llm.format_chat([])}
+    for what, call in calls.items():
+        with pytest.raises(BadRequest, match="^messages must be a non-empty list$") as e:
+            call()
+        assert e.value.param == "messages", what
+
+
 def test_response_format_constrains_the_reply(llm):
     """response_format goes through the grammar constraint: the reply parses (json_object) and validates against
     the schema (json_schema, checked with jsonschema); an unknown type is a 400-style BadRequest."""

@@ -138,6 +138,12 @@ class FakeLLM:
     def chat_ids(self, messages):
         return [1] * sum(4 + len(m["content"].split()) for m in messages) + [2, 2]
 
+    def format_chat(self, messages):
+        return " ".join(m["content"] for m in messages)
+
+    def check_prompt_fits(self, text, add_bos=None):
+        pass  # the real lower bound is tested with a real model
+
     def reset(self):
         self.resets += 1
 
@@ -214,6 +220,36 @@ def test_message_bigger_than_context_is_an_error_and_keeps_conversation():
     assert "error:" in ui.getvalue() and chat.turns == before
 
 
+@pytest.mark.parametrize("policy", ["shift", "stop"])
+def test_a_paste_that_cannot_fit_is_refused_before_it_is_tokenized(policy, monkeypatch):
+    """The REPL tokenized a pasted message whole (seconds for a megabyte of text) before finding that it cannot
+    fit, where `pyllm run`, the library and the server refuse it from its text alone (check_prompt_fits).
+    Reference: SmolLM2 with a context of 512 tokens; the tokenizer must never see the paste, the error is the
+    library's one line, and the conversation goes on with its earlier turns."""
+    from conftest import pyllm_model
+
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1, context_policy=policy)
+    real = llm.tokenizer.encode
+
+    def encode(text, *a, **kw):
+        assert len(text) < 100_000, "the pasted message was tokenized"
+        return real(text, *a, **kw)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", encode)
+    out, ui = io.StringIO(), io.StringIO()
+    chat = ChatSession(llm, Settings(max_tokens=4, temperature=0), system="Be brief.", out=out, ui=ui)
+    chat.handle("Say hi.")
+    before = list(chat.turns)
+    assert len(before) == 2
+    assert chat.handle("The quick brown fox jumps over the lazy dog. " * 20_000) is True  # 900 KB
+    err = ui.getvalue().splitlines()[-1]
+    assert re.fullmatch(r"error: the prompt has at least \d+ tokens but the context holds 512; use a larger "
+                        r"context \(--ctx\) or a shorter prompt", err), err
+    assert chat.turns == before
+    chat.handle("Say bye.")
+    assert chat.turns[:2] == before and len(chat.turns) == 4 and chat.turns[2]["content"] == "Say bye."
+
+
 def test_set_show_reset_system_commands():
     chat, llm, out, ui = make_chat([["x"]])
     chat.handle("/set temp 0")
@@ -249,6 +285,28 @@ def test_commands_without_arguments_refuse_one(line):
     assert chat.turns == before and llm.resets == 0 and len(llm.calls) == 1
     err = ui.getvalue().splitlines()[-1]
     assert err.startswith("error: /") and "takes no argument" in err and line.split()[0] in err, err
+
+
+LONG = "z" * 10_000  # a paste given where a name belongs
+
+
+@pytest.mark.parametrize("line, needle", [
+    (f"/load {LONG}", "/load zzz"), (f"/load /tmp/{LONG}.json", "/load /tmp/zzz"),
+    (f"/save /nonexistent/{LONG}", "cannot write"),
+    (f"/{LONG} now", "unknown command /zzz"), (f"/set {LONG} 1", "unknown setting 'zzz"),
+    (f"/set temp {LONG}", "temp must be"), (f"/reset {LONG}", "/reset takes no argument"),
+], ids=["load", "load-path", "save", "unknown-command", "set-name", "set-value", "no-argument"])
+def test_errors_quote_a_bounded_prefix_of_what_was_typed(line, needle):
+    """A 10 KB name was echoed whole in the error. Reference: the error is one line quoting at most 80
+    characters of the typed text, cut with '…', and the conversation goes on unchanged."""
+    chat, llm, out, ui = make_chat([["hello"]])
+    chat.handle("hi")
+    before = list(chat.turns)
+    assert chat.handle(line) is True
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: ") and needle in err and "…" in err, err
+    assert max(len(w) for w in err.split()) <= 90 and len(err) < 400, err
+    assert chat.turns == before
 
 
 def test_regen_replaces_last_reply_with_a_new_seed():
@@ -619,6 +677,10 @@ class SlowLLM:
     def chat_ids(self, messages):
         self.last = messages[-1]["content"]
         return [1]
+    def format_chat(self, messages):
+        return ""
+    def check_prompt_fits(self, text, add_bos=None):
+        pass
     def reset(self):
         pass
     def generate(self, ids, **kw):

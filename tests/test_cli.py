@@ -211,7 +211,76 @@ def test_bench_at_depth(smollm2_path):
     rows = json.loads(res.stdout)
     assert [r["test"] for r in rows] == ["pp8 @ d40", "tg4 @ d40"]
     assert all(r["n_depth"] == 40 and r["avg_ts"] > 0 and r["kv_type"] == "q4_rot" for r in rows)
-    assert_clean_error(pyllm("bench", smollm2_path, "-d", "-1"), "-d")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-r", str(10**21)], "argument -r/--repetitions: must be in [1, 1000], got 1000000000000000000000"),
+    (["-r", "0"], "argument -r/--repetitions: must be in [1, 1000], got 0"),
+    (["-p", str(1 << 21)], "argument -p/--n-prompt: must be in [0, 1048576]"),
+    (["-n", str(10**12)], "argument -n/--n-gen: must be in [0, 1048576]"),
+    (["-d", "-1"], "argument -d/--n-depth: must be in [0, 1048576], got -1"),
+])
+def test_bench_counts_are_bounded_before_anything_loads(capsys, args, needle):
+    """Each bench count multiplies its run time (-r 10**21 ran as asked, i.e. forever) or sizes its KV cache.
+    Reference: the ranges `pyllm bench --help` documents. Out of them is a usage error (exit 2, as for --ctx)
+    naming the flag and the range, before the model (here a file that does not exist) is touched."""
+    from pyllm.cli.main import build_parser, main
+
+    assert main(["bench", "/nonexistent.gguf", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pyllm: error: {needle}") and err.count("\n") == 1 and "nonexistent" not in err, err
+    usage = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert "1..1000" in usage and usage.count("0..1048576") == 3
+
+
+@pytest.mark.parametrize("args", [
+    ["pull", "Q" * 10_000], ["pull", "smollm2-135m", "--sha256", "Q" * 10_000], ["pull", "hf.co/" + "Q" * 10_000],
+    ["run", "smollm2-135m", "hi", "--kv", "Q" * 10_000], ["run", "smollm2-135m", "hi", "--grammar", "Q" * 10_000],
+    ["perplexity", "smollm2-135m", "-f", "Q" * 10_000], ["bench", "--synthetic", "Q" * 10_000],
+    ["run", "smollm2-135m", "hi", "--device", "Q" * 10_000], ["run", "smollm2-135m", "hi", "Q" * 10_000],
+], ids=["pull", "sha256", "hf-ref", "kv", "grammar", "perplexity-file", "synthetic", "device", "extra-argument"])
+def test_errors_quote_a_bounded_prefix_of_a_long_argument(capsys, args):
+    """A 10 KB name, path or value was echoed whole in the one-line error. Reference: at most 80 characters of
+    it are quoted, cut with '…' (the helper errors.shorten), and the exit status says what failed."""
+    from pyllm.cli.main import main
+
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc in (1, 2) and "error:" in err and "QQQ" in err and "…" in err, err
+    assert max(len(w) for w in err.split()) <= 90, err
+
+
+@pytest.mark.parametrize("args", [
+    ["run", "Q" * 10_000, "hi"], ["info", "Q" * 10_000], ["rm", "Q" * 10_000], ["convert", "Q" * 10_000, "o.gguf"],
+    ["run", "smollm2-135m", "hi", "--spec", "draft", "--draft", "Q" * 10_000], ["pull", "https://" + "Q" * 10_000],
+], ids=["run", "info", "rm", "convert", "draft", "url-host"])
+def test_a_name_the_system_refuses_is_a_one_line_error(capsys, args):
+    """A pasted text given as a model, folder or host name raised OSError 'File name too long' (from
+    Path.exists) or UnicodeError (IDNA: a host label over 63 characters) with a traceback. Reference: one line
+    naming a bounded prefix of the name and the reason, exit 1."""
+    from pyllm.cli.main import main
+
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pyllm: error:") and "\n" not in err and "QQQ" in err and "…" in err, err
+    assert "File name too long" in err or "not a valid host name" in err, err
+    assert len(err) < 300, err
+
+
+def test_bench_synthetic_refuses_a_kv_cache_larger_than_memory(capsys, monkeypatch):
+    """-d/-p/-n within their bounds can still ask for a cache larger than memory (-d 1048576 on llama3-8b is
+    128 GiB). Reference: pyllm.load's check (plan_kv_cache), which a model file gets; a synthetic model was built
+    without it. Here memory is made to look small (32 MiB) so a 2048-token cache (45 MiB) does not fit."""
+    from pyllm import llm
+    from pyllm.cli.main import main
+
+    monkeypatch.setattr(llm, "_available_memory", lambda: 32 << 20)
+    assert main(["bench", "--synthetic", "smollm2-135m:q4_0", "-p", "0", "-n", "1", "-d", "2048", "-r", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pyllm: error: a f16 KV cache for n_ctx=2065 needs") and err.count("\n") == 1, err
 
 
 # ---- run's own flags and edges -------------------------------------------------------------------------------

@@ -210,6 +210,39 @@ def test_convert_bad_config_value_is_one_line(tmp_path, capsys, changes, needle)
     assert needle in _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf"), "-q"])
 
 
+@pytest.mark.parametrize("arch,changes,needle", [
+    ("qwen3", dict(hidden_size=128), "tensor model.embed_tokens.weight has shape (384, 256), but config.json "
+                                     "(hidden_size 128, vocab_size 384) needs (384, 128)"),
+    ("qwen3", dict(num_attention_heads=8), "self_attn.o_proj.weight has shape (256, 256), but config.json "
+                                           "(hidden_size 256, num_attention_heads 8,"),
+    ("qwen3", dict(num_key_value_heads=1), "self_attn.k_proj.weight has shape (128, 256), but config.json"),
+    ("qwen3", dict(intermediate_size=256), "mlp.down_proj.weight has shape (256, 512), but config.json"),
+    ("qwen3", dict(head_dim=32), "self_attn.k_norm.weight has shape (64,), but config.json"),
+    ("qwen3", dict(num_hidden_layers=3), "config.json has num_hidden_layers = 3, but the checkpoint has no tensors "
+                                         "for layer 2"),
+    ("qwen3", dict(num_hidden_layers=1), "is in layer 1, but config.json has num_hidden_layers = 1"),
+    ("mistral", dict(num_attention_heads=3), "has shape (256, 256), but config.json (hidden_size 256, "
+                                             "num_attention_heads 3,"),
+    ("phi3", dict(num_key_value_heads=1), "self_attn.qkv_proj.weight has shape (768, 256), but config.json"),
+    ("phi3", dict(intermediate_size=256), "has shape (256, 512), but config.json"),
+], ids=["hidden", "heads", "kv-heads", "ffn", "head-dim", "more-layers", "fewer-layers", "llama-heads",
+        "phi3-fused-qkv", "phi3-ffn"])
+def test_convert_refuses_tensors_that_contradict_the_config(tmp_path, capsys, arch, changes, needle):
+    """config.json values the tensors contradict were written as the GGUF's metadata, and loading the file then
+    failed on the mismatch (or, for a head count that does not divide the rows, the Q/K permutation raised a
+    torch error). Reference: the loader's own shape table (ModelConfig.layer_shapes) and the checkpoint's
+    tensors; the error names the tensor, its shape and the config values, and no file is written."""
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tm.hf_dir(arch), d)
+    capsys.readouterr()
+    _edit_json(d / "config.json", **changes)
+    out = tmp_path / "x.gguf"
+    assert needle in _convert_err(capsys, ["convert", str(d), str(out), "-q"])
+    assert not out.exists() and not (tmp_path / "x.gguf.part").exists()
+
+
 def test_convert_bad_input_files_are_one_line(tmp_path, capsys):
     d = _hf_copy(tmp_path, capsys)
     out = str(tmp_path / "x.gguf")

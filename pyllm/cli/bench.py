@@ -37,11 +37,13 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--synthetic", action="append", default=[], metavar="SHAPE:TYPE",
                    help="a random-weight model built in memory, e.g. llama3-8b:q4_k_m, llama3-1b:q4_0, "
                         "qwen2.5-7b:q4_k_m, llama3-8b:awq (AWQ int4, group size 128) (repeatable)")
-    s.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for pp (0 = skip; default 512)")
-    s.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for tg (0 = skip; default 128)")
+    s.add_argument("-p", "--n-prompt", type=int, default=512,
+                   help="prompt tokens for pp, 0..1048576 (0 = skip; default 512)")
+    s.add_argument("-n", "--n-gen", type=int, default=128,
+                   help="generated tokens for tg, 0..1048576 (0 = skip; default 128)")
     s.add_argument("-d", "--n-depth", type=int, default=0,
-                   help="tokens already in the KV cache when each test starts (default 0), e.g. -d 2048")
-    s.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default 5)")
+                   help="tokens already in the KV cache when each test starts, 0..1048576 (default 0), e.g. -d 2048")
+    s.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test, 1..1000 (default 5)")
     s.add_argument("-t", "--threads", type=int, default=None, help="threads (default: physical cores)")
     add_device_arg(s)
     s.add_argument("--kv", default="f16", help="KV cache type (default f16), or KEY/VALUE such as f16/q8_0")
@@ -119,6 +121,9 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
             raise PyllmError(f"--synthetic models are built for the CPU kernels only; --device {a.device} needs a "
                              f"model file")
         cfg, weights = synthetic_model(synthetic)
+        from ..llm import plan_kv_cache
+
+        plan_kv_cache(cfg, n_ctx, a.kv)  # as pyllm.load does: a cache too large for memory is refused, not built
         mdl = build_model(cfg, weights, backends.select(a.device, a.backend, a.threads), max_pos=n_ctx)
         kv = mdl.backend.make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
         size = sum(w.nbytes for w in weights.values())
@@ -238,10 +243,6 @@ def cmd_bench(a) -> int:
 
     from ..roofline import physical_cores, probe
 
-    if a.repetitions < 1:
-        raise PyllmError(f"--repetitions must be >= 1, got {a.repetitions}")
-    if a.n_prompt < 0 or a.n_gen < 0 or a.n_depth < 0:
-        raise PyllmError("-p, -n and -d must be >= 0")
     a.kv = kv_kind_from_args(a)  # --kv with --kv-k/--kv-v applied: "q8_0", "f16/q4_rot", ...
     a.threads = a.threads or physical_cores()
     torch.set_num_threads(a.threads)

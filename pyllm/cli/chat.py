@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, TextIO
 
-from ..errors import ContextFullError, PyllmError
+from ..errors import ContextFullError, PyllmError, shorten
 from .common import (Settings, SettingError, canonical_setting, check_numeric_args, load_from_args, read_bounded,
                      read_stdin_lines, read_stdin_text, runtime_label)
 
@@ -203,10 +203,16 @@ class ChatSession:
         number of dropped messages). Nothing is changed when even the newest message alone does not fit."""
         n_ctx = self.llm.n_ctx
         reserve = min(self.settings.max_tokens, n_ctx // 4)  # room for at least part of a reply
+        stop = getattr(self.llm, "context_policy", "shift") == "stop"
+        # What must fit whatever is dropped: the whole conversation ("stop"), or the system prompt and the new
+        # message. When its text alone shows it cannot (a pasted megabyte), it is refused here, as the library and
+        # the server refuse such a prompt (check_prompt_fits), instead of after seconds of tokenizing it.
+        least = self.messages(turns if stop else turns[-1:])
+        self.llm.check_prompt_fits(self.llm.format_chat(least), add_bos=False)  # the template may write BOS
         ids = self.llm.chat_ids(self.messages(turns))
         if len(ids) + reserve <= n_ctx:
             return ids, turns, 0
-        if getattr(self.llm, "context_policy", "shift") == "stop":
+        if stop:
             raise ContextFullError(f"the conversation takes {len(ids)} tokens and the reply needs room for {reserve} "
                                    f"in a context of {n_ctx}: /clear to start over, or restart with a larger --ctx "
                                    f"or --context-policy shift (drops the oldest turns)")
@@ -297,7 +303,7 @@ class ChatSession:
         if cmd.name != "unknown" and cmd.arg and " " not in COMMANDS[cmd.name][1]:
             # a command that takes no argument, given one: a mistyped line must not quit or wipe the conversation
             typed = text.strip().split(None, 1)[0]
-            self.error(f"{typed} takes no argument (got {_shorten(cmd.arg, 40)!r}); nothing was done")
+            self.error(f"{typed} takes no argument (got {shorten(cmd.arg, 40)!r}); nothing was done")
             return True
         if cmd.name == "bye":
             return False
@@ -317,7 +323,8 @@ class ChatSession:
             self.error(f"{type(e).__name__}: {first} (the conversation is unchanged)")
 
     def cmd_unknown(self, word: str) -> None:
-        raise PyllmError(f"unknown command /{word}; /help lists the commands (start with // to send a '/' text)")
+        raise PyllmError(f"unknown command /{shorten(word)}; /help lists the commands (start with // to send a "
+                         f"'/' text)")
 
     def cmd_help(self, arg: str) -> None:
         self.say(help_text())
@@ -384,7 +391,7 @@ class ChatSession:
             os.replace(tmp, path)
             tmp = None
         except OSError as e:
-            raise PyllmError(f"cannot write {path}: {e.strerror or e}") from None
+            raise PyllmError(f"cannot write {shorten(path)}: {e.strerror or e}") from None
         finally:
             if tmp is not None:
                 try:
@@ -404,9 +411,10 @@ class ChatSession:
         try:
             data = load_conversation_json(raw)
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-            raise PyllmError(f"{path} is not a JSON conversation ({e}); the conversation is unchanged") from None
+            raise PyllmError(f"{shorten(path)} is not a JSON conversation ({e}); the conversation is unchanged") \
+                from None
         try:
-            system, turns = parse_conversation(data, str(path))
+            system, turns = parse_conversation(data, shorten(path))
         except PyllmError as e:
             raise PyllmError(f"{e}; the conversation is unchanged") from None
         self.turns = turns
@@ -418,7 +426,7 @@ class ChatSession:
                   + (", with its system prompt)" if system is not None else ")"))
         last = next((m for m in reversed(turns) if m["role"] == "assistant"), None)
         if last is not None:
-            self.note("last reply: " + _shorten(last["content"], 200))
+            self.note("last reply: " + shorten(last["content"], 200))
 
     def cmd_regen(self, arg: str) -> None:
         if len(self.turns) < 2 or self.turns[-1]["role"] != "assistant" or self.turns[-2]["role"] != "user":
@@ -427,11 +435,6 @@ class ChatSession:
         if self.settings.temperature == 0:
             self.note("(temp is 0: the reply will be the same; /set temp 0.8 for a different one)")
         self.exchange(self.turns[-2]["content"], base=self.turns[:-2], seed_offset=self._regens)
-
-
-def _shorten(text: str, n: int) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= n else text[:n - 1] + "…"
 
 
 # ---- terminal and pipes --------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 from .. import registry
-from ..errors import PyllmError
+from ..errors import PyllmError, shorten
 from ..runtime.sampler_settings import SamplerSettings
 
 # ---- sampling settings: the rules of the flags and of the REPL's /set ---------------------------------------------
@@ -68,7 +68,8 @@ def canonical_setting(name: str) -> str:
     key = name.strip().lower().replace("-", "_")
     key = ALIASES.get(key, key)
     if key not in RULES:
-        raise SettingError(f"unknown setting {name!r}; one of: temp, {', '.join(k for k in RULES if k != 'temperature')}")
+        raise SettingError(f"unknown setting {shorten(name)!r}; one of: temp, "
+                           f"{', '.join(k for k in RULES if k != 'temperature')}")
     return key
 
 
@@ -80,9 +81,9 @@ def parse_setting(name: str, value) -> tuple[str, object]:
     try:
         v = parse(value.strip() if isinstance(value, str) else value)
     except (TypeError, ValueError):
-        raise SettingError(f"{label} must be {want}, got {value!r}") from None
+        raise SettingError(f"{label} must be {want}, got {shorten(value)!r}") from None
     if not check(v):
-        raise SettingError(f"{label} must be {want}, got {value!r}")
+        raise SettingError(f"{label} must be {want}, got {shorten(value)!r}")
     return key, v
 
 
@@ -164,7 +165,7 @@ def device_choice(text: str) -> str:
     value = text.strip().lower()
     if value in DEVICES or (value.startswith("cuda:") and value[5:].isdigit()):
         return value
-    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(DEVICES)}, or cuda:N)")
+    raise argparse.ArgumentTypeError(f"invalid choice: {shorten(text)!r} (choose from {', '.join(DEVICES)}, or cuda:N)")
 
 
 def add_device_arg(g, default: str | None = "auto", help: str | None = None) -> None:
@@ -320,9 +321,9 @@ def read_bounded(path, what: str, limit: int) -> bytes:
         with open(path, "rb") as f:
             data = f.read(limit + 1)
     except OSError as e:
-        raise PyllmError(f"{what} {path}: cannot read: {e.strerror or e}") from None
+        raise PyllmError(f"{what} {shorten(path)}: cannot read: {e.strerror or e}") from None
     if len(data) > limit:
-        raise PyllmError(f"{what} {path}: larger than {limit >> 20} MiB")
+        raise PyllmError(f"{what} {shorten(path)}: larger than {limit >> 20} MiB")
     return data
 
 
@@ -334,11 +335,12 @@ def read_text_arg(path: str, what: str, limit: int = 1 << 20, strict: bool = Tru
         return read_stdin_text(limit)
     data = read_bounded(path, what, limit)
     if not strict:
-        return decode_utf8(data, f"{what} {path}")
+        return decode_utf8(data, f"{what} {shorten(path)}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PyllmError(f"{what} {path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+        raise PyllmError(f"{what} {shorten(path)}: not UTF-8 text (byte {data[e.start]:#04x} at offset "
+                         f"{e.start})") from None
 
 
 # ---- numeric flags: checked for every subcommand before anything is loaded --------------------------------------
@@ -350,7 +352,13 @@ NUMERIC_FLAGS = {
     "chunks": ("--chunks", 1, None),
     "spec_k": ("--spec-k", 1, 7),  # SpecSettings.validate's ranges, checked even where this run does not speculate
     "spec_ngram": ("--spec-ngram", 1, 16),
-}  # bench checks its own -p/-n/-d/-r (pyllm/cli/bench.py), as input errors (exit 1)
+    # bench: each count multiplies its run time, and -p/-n/-d size its KV cache. No model's context exceeds 2**20
+    # tokens, and a thousand repetitions already measure to a fraction of a percent; 10**21 ran "forever".
+    "repetitions": ("-r/--repetitions", 1, 1000),
+    "n_prompt": ("-p/--n-prompt", 0, 1 << 20),
+    "n_gen": ("-n/--n-gen", 0, 1 << 20),
+    "n_depth": ("-d/--n-depth", 0, 1 << 20),
+}
 
 
 def max_threads() -> int:

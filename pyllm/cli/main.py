@@ -12,7 +12,7 @@ import os
 import sys
 
 from .. import registry
-from ..errors import PyllmError, TemplateError
+from ..errors import PyllmError, TemplateError, shorten
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
                      add_spec_args, check_numeric_args, decode_utf8, kv_kind_from_args, load_from_args, read_stdin_text,
                      read_text_arg, runtime_info, sampling_kwargs)
@@ -409,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     a, extra = parser.parse_known_args(argv)
     if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top-level one
         subs = next((act.choices for act in parser._actions if isinstance(act, argparse._SubParsersAction)), {})
-        (subs.get(a.command) or parser).error(f"unrecognized arguments: {' '.join(extra)}")
+        (subs.get(a.command) or parser).error(f"unrecognized arguments: {shorten(' '.join(extra))}")
     if a.version:
         print(version_text())
         return 0
@@ -443,6 +443,14 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 0
+    except OSError as e:
+        # a path the system refuses where no check expected it (a pasted text given as a model or folder name is
+        # "File name too long" to Path.exists): still one line naming the path, not a traceback
+        if a.verbose:
+            raise
+        where = f"{shorten(e.filename)}: " if e.filename else ""
+        print(f"pyllm: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PyllmError
+from ..errors import PyllmError, shorten
 from ..gguf import BLOCK_INFO, GGMLType
 from ..quant import QTensor
 from ..synthetic import SCALE_OFFSETS
@@ -108,9 +108,9 @@ def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
     shape, _, ftype = spec.partition(":")
     ftype = ftype or "q4_k_m"
     if shape not in SHAPES:
-        raise PyllmError(f"unknown synthetic shape {shape!r}; known: {', '.join(SHAPES)}")
+        raise PyllmError(f"unknown synthetic shape {shorten(shape)!r}; known: {', '.join(SHAPES)}")
     if ftype not in FTYPES and ftype not in AWQ_FTYPES:
-        raise PyllmError(f"unknown synthetic file type {ftype!r}; known: {', '.join([*FTYPES, *AWQ_FTYPES])}")
+        raise PyllmError(f"unknown synthetic file type {shorten(ftype)!r}; known: {', '.join([*FTYPES, *AWQ_FTYPES])}")
     L, D, FF, H, HKV, HD, V, base, arch, tied = SHAPES[shape]
     if ftype in AWQ_FTYPES:
         return _synthetic_awq(SHAPES[shape], AWQ_FTYPES[ftype])

@@ -74,7 +74,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from ..errors import PyllmError
+from ..errors import PyllmError, shorten
 
 KV_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QK = 32  # values per quantization block (llama.cpp's QK8_0 / QK4_0)
@@ -92,7 +92,7 @@ def split_kind(kind: str) -> tuple[str, str]:
     if len(parts) == 1:
         parts = parts * 2
     if len(parts) != 2 or any(p not in KV_KINDS for p in parts):
-        raise PyllmError(f"unknown KV cache type {kind!r}; choose one of: {', '.join(KV_KINDS)} "
+        raise PyllmError(f"unknown KV cache type {shorten(kind)!r}; choose one of: {', '.join(KV_KINDS)} "
                          f"(or KEY/VALUE such as f16/q8_0)")
     return parts[0], parts[1]
 
