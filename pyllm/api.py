@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .errors import ContextFullError, PyllmError
+from .runtime.constraint import SCHEMA_DATA
 from .runtime.sampler import Sampler, SamplerSettings
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -495,10 +496,6 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
     return TOOL_OPEN + '\n{"name": "', {}
 
 
-# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference
-_SCHEMA_DATA = frozenset(["const", "enum", "default", "examples"])
-
-
 def _rebase_refs(schema: dict, base: str) -> dict:
     """A copy of ``schema`` whose local references ("#" and "#/..." JSON pointers) point where they pointed once
     the schema sits at ``base`` (a "#/..." pointer) of a larger document. Iterative: a schema may nest deeply."""
@@ -510,7 +507,7 @@ def _rebase_refs(schema: dict, base: str) -> dict:
         for k, v in items:
             if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
                 v = base + v[1:]
-            elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in _SCHEMA_DATA):
+            elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in SCHEMA_DATA):
                 copy = {} if isinstance(v, dict) else [None] * len(v)
                 stack.append((v, copy))
                 v = copy

@@ -219,6 +219,42 @@ def test_invalid_schema_or_grammar(kw, needle):
         list(llm.generate_tokens(llm.tokenize("x"), max_tokens=2, **kw))
 
 
+def accepts(llm, schema, text) -> bool:
+    """Whether the constraint for ``schema`` takes ``text`` (as the tokenizer splits it) as a complete output."""
+    c = llm.make_constraint(json_schema=schema)
+    for t in llm.tokenize(text, add_bos=False, special=False):
+        if not c.allowed()[t]:
+            return False
+        c.advance(t)
+    return c.is_accepting()
+
+
+def test_min_properties_that_repeated_keys_could_fake_is_refused():
+    """The engine keeps named properties distinct but not the keys additionalProperties / patternProperties admit,
+    and counts minProperties over the keys as written: {"a": 1, "a": 2} would pass, and jsonschema (the reference)
+    rejects what it parses to. Such schemas are refused by name; minProperties the required names already meet
+    stays, and what it lets through validates."""
+    llm = llm_of("smollm2")
+    for schema in ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+                   {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                    "minProperties": 2},
+                   {"type": "array", "items": {"type": "object", "patternProperties": {"^x": {"type": "integer"}},
+                                               "additionalProperties": False, "minProperties": 2}}):
+        with pytest.raises(PyllmError, match=r"minProperties \(2\) above the required properties"):
+            llm.make_constraint(json_schema=schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads('{"a": 1, "a": 2}'), {"minProperties": 2})
+    met = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+           "required": ["a", "b"], "minProperties": 2}
+    assert accepts(llm, met, '{"a": 1, "b": 2}') and not accepts(llm, met, '{"a": 1, "a": 2}')
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "additionalProperties": False, "minProperties": 1}
+    assert accepts(llm, closed, '{"b": 2}') and not accepts(llm, closed, "{}")
+    # a property that is merely named "minProperties" is not the keyword
+    named = {"type": "object", "properties": {"minProperties": {"type": "integer"}}}
+    assert accepts(llm, named, '{"minProperties": 3}')
+
+
 def test_make_constraint_none_without_request():
     assert make_constraint(lambda: pytest.fail("vocabulary built for nothing")) is None
     assert isinstance(make_constraint(lambda: llm_of("smollm2").grammar_vocab, grammar='root ::= "a"'), Constraint)
