@@ -479,8 +479,11 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
             key = f"tool{i}"
             defs[key] = _rebase_refs(schema, f"#/$defs/{key}")
             schema = {"$ref": f"#/$defs/{key}"}
+        # Closed: a call is its name and arguments, and keys past them (small models go on to "type",
+        # "parameters", ...) only spend the token budget until the call is cut off, finish_reason "length".
         calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                       "arguments": schema}, "required": ["name", "arguments"]})
+                                                       "arguments": schema}, "required": ["name", "arguments"],
+                      "additionalProperties": False})
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if defs:
         call = {**call, "$defs": defs}

@@ -219,9 +219,10 @@ def test_invalid_schema_or_grammar(kw, needle):
         list(llm.generate_tokens(llm.tokenize("x"), max_tokens=2, **kw))
 
 
-def accepts(llm, schema, text) -> bool:
-    """Whether the constraint for ``schema`` takes ``text`` (as the tokenizer splits it) as a complete output."""
-    c = llm.make_constraint(json_schema=schema)
+def accepts(llm, schema, text, constraint=None) -> bool:
+    """Whether the constraint for ``schema`` (or ``constraint``) takes ``text`` (as the tokenizer splits it) as a
+    complete output."""
+    c = constraint or llm.make_constraint(json_schema=schema)
     for t in llm.tokenize(text, add_bos=False, special=False):
         if not c.allowed()[t]:
             return False
@@ -253,6 +254,24 @@ def test_min_properties_that_repeated_keys_could_fake_is_refused():
     # a property that is merely named "minProperties" is not the keyword
     named = {"type": "object", "properties": {"minProperties": {"type": "integer"}}}
     assert accepts(llm, named, '{"minProperties": 3}')
+
+
+def test_a_forced_call_is_closed_after_its_arguments():
+    """The forced call object is {"name", "arguments"} and nothing more: SmolLM2 went on writing "type",
+    "function" or "parameters" keys after the arguments until max_tokens cut the call off (finish_reason
+    "length", no tool_calls). Checked on the constraint itself (exact, whatever the model would pick)."""
+    from pyllm.api import _forced_call
+
+    llm = llm_of("smollm2")
+    params = {"type": "object", "properties": {"v": {"const": 42}}, "required": ["v"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}},
+             {"type": "function", "function": {"name": "g"}}]
+    for name in ("", "f"):  # tool_choice "required", and the named function
+        def call(text):
+            return accepts(llm, None, text, _forced_call(llm, tools, name, {})[1]["constraint"])
+        assert call('{"name": "f", "arguments": {"v": 42}}')
+        assert not call('{"name": "f", "arguments": {"v": 42}, "type": "function"}')
+    assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
 
 
 def test_make_constraint_none_without_request():
