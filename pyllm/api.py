@@ -518,12 +518,25 @@ def _rebase_refs(schema: dict, base: str) -> dict:
     return out
 
 
-def _call(obj, names) -> dict | None:
+def _call(obj, names, values: bool = False) -> dict | None:
+    """The OpenAI tool call for the call object ``obj``, or None. OpenAI's ``arguments`` is JSON text: a string a
+    model wrote there is taken as that text when it holds a JSON object (some models encode the arguments, as the
+    API does), else as the value itself. ``values``: the arguments were constrained to the tool's schema, so
+    they are the value whatever it is (a schema may admit a string)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or (names and obj["name"] not in names):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if not (isinstance(args, str) and not values and _json_object_text(args)):
+        args = json.dumps(args)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+            "function": {"name": obj["name"], "arguments": args}}
+
+
+def _json_object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 FENCED = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
@@ -531,17 +544,18 @@ FENCED = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
 CALL_STARTS = (TOOL_OPEN, "{", "```")
 
 
-def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, names: list[str] | None = None,
+                     values: bool = False) -> tuple[str | None, list[dict]]:
     """(content before the first call or None, OpenAI tool_calls) from a reply in the <tool_call> convention. A
     call whose JSON does not parse leaves the whole reply as content. Small models sometimes answer with the bare
     call object instead (optionally in a ```json fence): a whole reply that is {"name": <one of names>,
-    "arguments": ...} is a call too."""
+    "arguments": ...} is a call too. ``values``: as ``_call``'s."""
     start = text.find(TOOL_OPEN)
     if start < 0:
         m = FENCED.fullmatch(text)
         if m:
             try:
-                call = _call(json.loads(m.group(1)), names or [""])
+                call = _call(json.loads(m.group(1)), names or [""], values)
             except json.JSONDecodeError:
                 call = None
             if call:
@@ -554,7 +568,7 @@ def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | N
             obj = json.loads(m.group(1))
         except json.JSONDecodeError:
             return text, []
-        call = _call(obj, None)
+        call = _call(obj, None, values)
         if call is None:
             return text, []
         calls.append(call)
@@ -596,7 +610,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         msgs = [_calls_as_text(m) for m in msgs]
     tools, forced = _check_tools(tools, tool_choice)
     constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
-    template_kw, prefix = {}, ""
+    template_kw, prefix, constrained_call = {}, "", False
     if tools:
         if "tools" in llm.template.source:
             template_kw["tools"] = tools
@@ -605,6 +619,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
             msgs = [{"role": "system", "content": TOOL_SYSTEM_FALLBACK.format(tools=desc)}] + msgs
         if forced is not None:
             prefix, constraint = _forced_call(llm, tools, forced, constraint)
+            constrained_call = bool(constraint)
     try:
         ids = llm.chat_ids(msgs, suffix=prefix, must_fit=True, **template_kw)
     except ContextFullError:
@@ -618,14 +633,15 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
     if stream:
         return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
-                            _include_usage(stream_options))
+                            _include_usage(stream_options), constrained_call)
     infos = []
     for _, inf in run.pieces():
         infos += inf
     message = {"role": "assistant", "content": run.text}
     finish = run.finish_reason
     if tools:
-        content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools])
+        content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools],
+                                          constrained_call)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             finish = "tool_calls"
@@ -634,7 +650,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     return {**head, "object": "chat.completion", "choices": [choice], "usage": run.usage()}
 
 
-def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool):
+def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool,
+                 constrained_call: bool = False):
     head = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta, finish=None, lp=None):
@@ -673,7 +690,7 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
                 sent = upto
     finish = run.finish_reason
     if tools:
-        content, calls = parse_tool_calls(full, tools)
+        content, calls = parse_tool_calls(full, tools, constrained_call)
         if calls:
             for i, c in enumerate(calls):
                 yield chunk({"tool_calls": [{"index": i, **c}]})

@@ -274,6 +274,27 @@ def test_a_forced_call_is_closed_after_its_arguments():
     assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
 
 
+def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
+    """OpenAI's tool_calls[].function.arguments is JSON text (the openai client's users json.loads it). A tool whose
+    parameters admit a string got the string's characters as its arguments ('quo"te', not JSON); now they are
+    the JSON of the value the constraint produced, streamed or not, and it validates against the schema
+    (jsonschema, the reference)."""
+    llm = llm_of("smollm2")
+    params = {"enum": ['quo"te', "日本語", "{}"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    kw = dict(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}, max_tokens=48,
+              temperature=0)
+    msgs = [{"role": "user", "content": "Call f."}]
+    r = llm.create_chat_completion(msgs, **kw)
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    calls = [r["choices"][0]["message"]["tool_calls"]]
+    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
+    calls.append([tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])])
+    for call in calls:
+        assert len(call) == 1 and call[0]["function"]["name"] == "f"
+        jsonschema.validate(json.loads(call[0]["function"]["arguments"]), params)
+
+
 def test_make_constraint_none_without_request():
     assert make_constraint(lambda: pytest.fail("vocabulary built for nothing")) is None
     assert isinstance(make_constraint(lambda: llm_of("smollm2").grammar_vocab, grammar='root ::= "a"'), Constraint)
