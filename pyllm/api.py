@@ -471,7 +471,12 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
     for i, t in enumerate(tools):
         if name and t["function"]["name"] != name:
             continue
-        schema = t["function"].get("parameters") or {}
+        schema = t["function"].get("parameters")
+        if schema is None:
+            schema = {}
+        elif schema is False:  # a valid JSON schema that nothing matches (``or {}`` made it "anything")
+            raise BadRequest(f"tools: the parameters of {t['function']['name']!r} are false, which no arguments "
+                             f"can match", "tools")
         if isinstance(schema, dict):
             # The call object is now the document's root, where the schema's own references ("#/$defs/City",
             # "#") no longer resolve. Each tool's schema moves whole under the root's $defs, its references

@@ -295,6 +295,23 @@ def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
         jsonschema.validate(json.loads(call[0]["function"]["arguments"]), params)
 
 
+def test_forced_call_with_false_parameters_is_a_bad_request():
+    """parameters: false is a JSON schema no arguments match; it was read as "no schema" and the call went out
+    unconstrained (jsonschema rejects whatever arguments came back). A forced call to it is a 400 naming tools;
+    parameters: true still admits any arguments."""
+    from pyllm.api import BadRequest, _forced_call
+
+    llm = llm_of("smollm2")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": False}},
+             {"type": "function", "function": {"name": "g", "parameters": True}}]
+    for name in ("", "f"):
+        with pytest.raises(BadRequest, match="parameters of 'f' are false") as e:
+            _forced_call(llm, tools, name, {})
+        assert e.value.param == "tools"
+    c = _forced_call(llm, tools, "g", {})[1]["constraint"]
+    assert accepts(llm, None, '{"name": "g", "arguments": [1, "x"]}', c)
+
+
 def test_make_constraint_none_without_request():
     assert make_constraint(lambda: pytest.fail("vocabulary built for nothing")) is None
     assert isinstance(make_constraint(lambda: llm_of("smollm2").grammar_vocab, grammar='root ::= "a"'), Constraint)
