@@ -259,7 +259,13 @@ def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint,
     bad = [i for i in ids if not 0 <= i < llm.n_vocab]
     if bad:
         raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{llm.n_vocab - 1})", "prompt")
-    return Run(llm, ids, _max_tokens(llm, len(ids), max_tokens), _stop_list(stop),
+    stop = _stop_list(stop)
+    if stop and constraint:
+        # A stop string met inside the output would end it early with finish_reason "stop", presented as
+        # complete though it no longer matches (stop="\n" left a JSON reply at "{"): the grammar decides the end.
+        raise BadRequest("stop cannot be combined with structured output (response_format, grammar, json_schema "
+                         "or a forced tool call): a stop string would cut the output before it matches", "stop")
+    return Run(llm, ids, _max_tokens(llm, len(ids), max_tokens), stop,
                _sampler(llm, n_logprobs=n_logprobs, **sampling), constraint, cancel)
 
 

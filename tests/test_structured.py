@@ -312,6 +312,29 @@ def test_forced_call_with_false_parameters_is_a_bad_request():
     assert accepts(llm, None, '{"name": "g", "arguments": [1, "x"]}', c)
 
 
+def test_stop_strings_with_structured_output_are_a_bad_request():
+    """stop="\n" cut a constrained reply at "{" and called it finished (finish_reason "stop"): invalid JSON
+    presented as complete (json.loads, the reference, fails on it). Both together are a 400 naming stop, before
+    anything streams; without stop the same request validates."""
+    from pyllm.api import BadRequest
+
+    llm = llm_of("smollm2")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    msgs = [{"role": "user", "content": "Give JSON."}]
+    calls = [lambda **a: llm.create_chat_completion(msgs, response_format=rf, **a),
+             lambda **a: llm.create_chat_completion(msgs, response_format={"type": "json_object"}, **a),
+             lambda **a: llm.create_completion("JSON: ", grammar='root ::= "{" [0-9]+ "}"', **a)]
+    for call in calls:
+        for stream in (False, True):
+            with pytest.raises(BadRequest, match="stop cannot be combined") as e:
+                call(stop=["\n"], max_tokens=24, temperature=0, stream=stream)
+            assert e.value.param == "stop"
+    r = llm.create_chat_completion(msgs, response_format=rf, max_tokens=24, temperature=0, stop=[])
+    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+
+
 def test_make_constraint_none_without_request():
     assert make_constraint(lambda: pytest.fail("vocabulary built for nothing")) is None
     assert isinstance(make_constraint(lambda: llm_of("smollm2").grammar_vocab, grammar='root ::= "a"'), Constraint)
