@@ -203,7 +203,11 @@ class Run:
         llm, tok = self.llm, self.llm.tokenizer
         dec = StreamDecoder(tok)
         hold = max((len(s) for s in self.stop), default=1) - 1
-        pending, infos = "", []
+        # Under a constraint a stop string ends the output only where the text before it is a complete match:
+        # cut anywhere else (stop="\n" inside a JSON reply) it would be invalid output presented as finished.
+        # ``skip``: where in ``pending`` the search for a stop string goes on past those that could not end it.
+        grammar = self.constraint.get("constraint")
+        pending, infos, skip = "", [], 0
         self.finish_reason = "length"
         if self.max_tokens == 0:
             return
@@ -223,13 +227,15 @@ class Run:
                 if self.sampler.logprobs is not None:
                     infos.append(self._info(t))
                 pending += dec.push(t)
-                cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
+                cut = self._stop_at(pending, skip, grammar)
                 if cut >= 0:
                     self.finish_reason = "stop"
                     pending = pending[:cut]
                     break
+                skip = max(skip, len(pending) - hold) if grammar is not None else 0
                 if len(pending) > hold:
                     out, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+                    skip = max(0, skip - len(out))
                     self.text += out
                     yield out, infos
                     infos = []
@@ -242,6 +248,15 @@ class Run:
                 yield pending, infos
         finally:
             gen.close()
+
+    def _stop_at(self, pending: str, skip: int, grammar) -> int:
+        """Where in ``pending`` the output ends at a stop string starting at or after ``skip`` (-1: nowhere). Under
+        a grammar only a stop string after a complete match ends it; the others stay in the text."""
+        while True:
+            cut = min((i for i in (pending.find(s, skip) for s in self.stop) if i >= 0), default=-1)
+            if cut < 0 or grammar is None or grammar.accepts_text(self.text + pending[:cut]):
+                return cut
+            skip = cut + 1
 
     def _info(self, t: int) -> TokenInfo:
         tok = self.llm.tokenizer
@@ -259,13 +274,7 @@ def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint,
     bad = [i for i in ids if not 0 <= i < llm.n_vocab]
     if bad:
         raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{llm.n_vocab - 1})", "prompt")
-    stop = _stop_list(stop)
-    if stop and constraint:
-        # A stop string met inside the output would end it early with finish_reason "stop", presented as
-        # complete though it no longer matches (stop="\n" left a JSON reply at "{"): the grammar decides the end.
-        raise BadRequest("stop cannot be combined with structured output (response_format, grammar, json_schema "
-                         "or a forced tool call): a stop string would cut the output before it matches", "stop")
-    return Run(llm, ids, _max_tokens(llm, len(ids), max_tokens), stop,
+    return Run(llm, ids, _max_tokens(llm, len(ids), max_tokens), _stop_list(stop),
                _sampler(llm, n_logprobs=n_logprobs, **sampling), constraint, cancel)
 
 

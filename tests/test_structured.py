@@ -312,27 +312,38 @@ def test_forced_call_with_false_parameters_is_a_bad_request():
     assert accepts(llm, None, '{"name": "g", "arguments": [1, "x"]}', c)
 
 
-def test_stop_strings_with_structured_output_are_a_bad_request():
-    """stop="\n" cut a constrained reply at "{" and called it finished (finish_reason "stop"): invalid JSON
-    presented as complete (json.loads, the reference, fails on it). Both together are a 400 naming stop, before
-    anything streams; without stop the same request validates."""
-    from pyllm.api import BadRequest
-
+def test_stop_strings_end_structured_output_only_where_it_is_complete():
+    """A stop string inside a constrained reply (stop="\n" or '"' in JSON) cut it at "{" and called it finished:
+    invalid output presented as complete. Under a constraint a stop string ends the output only after a complete
+    match; the references are json.loads + jsonschema and the grammar's own language, spelled out here."""
     llm = llm_of("smollm2")
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-              "additionalProperties": False}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
     msgs = [{"role": "user", "content": "Give JSON."}]
-    calls = [lambda **a: llm.create_chat_completion(msgs, response_format=rf, **a),
-             lambda **a: llm.create_chat_completion(msgs, response_format={"type": "json_object"}, **a),
-             lambda **a: llm.create_completion("JSON: ", grammar='root ::= "{" [0-9]+ "}"', **a)]
-    for call in calls:
-        for stream in (False, True):
-            with pytest.raises(BadRequest, match="stop cannot be combined") as e:
-                call(stop=["\n"], max_tokens=24, temperature=0, stream=stream)
-            assert e.value.param == "stop"
-    r = llm.create_chat_completion(msgs, response_format=rf, max_tokens=24, temperature=0, stop=[])
-    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+    for stream in (False, True):
+        r = llm.create_chat_completion(msgs, response_format=rf, max_tokens=48, temperature=0, stream=stream,
+                                       stop=["\n", '"', ":", "{"])
+        if stream:
+            chunks = list(r)
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            text, finish = r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]
+        jsonschema.validate(json.loads(text), schema)
+        assert finish == "stop"
+    # "ab" and "ab cd" are not in the language: the spaces after them are kept; the first space after a complete
+    # match ends the output there.
+    g = 'root ::= "ab cd" (" " [a-z]+)+'
+    r = llm.create_completion("Letters: ", grammar=g, stop=[" "], max_tokens=32, temperature=0)
+    text = r["choices"][0]["text"]
+    words = text.split(" ")
+    assert len(words) == 3 and words[:2] == ["ab", "cd"] and words[2].isalpha() and words[2].islower(), text
+    # where every prefix of letters is complete, the first space ends it
+    r = llm.create_completion("Three words: ", grammar='root ::= [a-z]+ (" " [a-z]+)*', stop=[" "],
+                              max_tokens=32, temperature=0)
+    text = r["choices"][0]["text"]
+    assert text.isalpha() and text.islower() and r["choices"][0]["finish_reason"] in ("stop", "length"), text
 
 
 def test_make_constraint_none_without_request():

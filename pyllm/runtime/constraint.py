@@ -243,6 +243,13 @@ class Constraint:
         """The end-of-generation id to emit when the output is complete (is_done), else None."""
         return self.vocab.eos_ids[0] if self.m.is_stopped() else None
 
+    def accepts_text(self, text: str) -> bool:
+        """True when ``text``, from the start of the output, is a complete match (this state is not changed)."""
+        m = self.m.deep_copy()
+        m.reset()
+        ids = self.vocab.ll.tokenize_str(text)
+        return m.consume_tokens(ids) and m.is_accepting()
+
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (it may still be extended)."""
         return self.m.is_accepting()
