@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from .errors import ContextFullError, PyllmError
+from .runtime.constraint import SCHEMA_DATA
 from .runtime.sampler import Sampler, SamplerSettings
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
@@ -202,7 +203,11 @@ class Run:
         llm, tok = self.llm, self.llm.tokenizer
         dec = StreamDecoder(tok)
         hold = max((len(s) for s in self.stop), default=1) - 1
-        pending, infos = "", []
+        # Under a constraint a stop string ends the output only where the text before it is a complete match:
+        # cut anywhere else (stop="\n" inside a JSON reply) it would be invalid output presented as finished.
+        # ``skip``: where in ``pending`` the search for a stop string goes on past those that could not end it.
+        grammar = self.constraint.get("constraint")
+        pending, infos, skip = "", [], 0
         self.finish_reason = "length"
         if self.max_tokens == 0:
             return
@@ -222,13 +227,15 @@ class Run:
                 if self.sampler.logprobs is not None:
                     infos.append(self._info(t))
                 pending += dec.push(t)
-                cut = min((i for i in (pending.find(s) for s in self.stop) if i >= 0), default=-1)
+                cut = self._stop_at(pending, skip, grammar)
                 if cut >= 0:
                     self.finish_reason = "stop"
                     pending = pending[:cut]
                     break
+                skip = max(skip, len(pending) - hold) if grammar is not None else 0
                 if len(pending) > hold:
                     out, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
+                    skip = max(0, skip - len(out))
                     self.text += out
                     yield out, infos
                     infos = []
@@ -241,6 +248,15 @@ class Run:
                 yield pending, infos
         finally:
             gen.close()
+
+    def _stop_at(self, pending: str, skip: int, grammar) -> int:
+        """Where in ``pending`` the output ends at a stop string starting at or after ``skip`` (-1: nowhere). Under
+        a grammar only a stop string after a complete match ends it; the others stay in the text."""
+        while True:
+            cut = min((i for i in (pending.find(s, skip) for s in self.stop) if i >= 0), default=-1)
+            if cut < 0 or grammar is None or grammar.accepts_text(self.text + pending[:cut]):
+                return cut
+            skip = cut + 1
 
     def _info(self, t: int) -> TokenInfo:
         tok = self.llm.tokenizer
@@ -476,7 +492,12 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
     for i, t in enumerate(tools):
         if name and t["function"]["name"] != name:
             continue
-        schema = t["function"].get("parameters") or {}
+        schema = t["function"].get("parameters")
+        if schema is None:
+            schema = {}
+        elif schema is False:  # a valid JSON schema that nothing matches (``or {}`` made it "anything")
+            raise BadRequest(f"tools: the parameters of {t['function']['name']!r} are false, which no arguments "
+                             f"can match", "tools")
         if isinstance(schema, dict):
             # The call object is now the document's root, where the schema's own references ("#/$defs/City",
             # "#") no longer resolve. Each tool's schema moves whole under the root's $defs, its references
@@ -484,8 +505,11 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
             key = f"tool{i}"
             defs[key] = _rebase_refs(schema, f"#/$defs/{key}")
             schema = {"$ref": f"#/$defs/{key}"}
+        # Closed: a call is its name and arguments, and keys past them (small models go on to "type",
+        # "parameters", ...) only spend the token budget until the call is cut off, finish_reason "length".
         calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                       "arguments": schema}, "required": ["name", "arguments"]})
+                                                       "arguments": schema}, "required": ["name", "arguments"],
+                      "additionalProperties": False})
     call = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if defs:
         call = {**call, "$defs": defs}
@@ -501,10 +525,6 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
     return TOOL_OPEN + '\n{"name": "', {}
 
 
-# Keywords whose values are data, not schemas: a "$ref" inside them is not a reference
-_SCHEMA_DATA = frozenset(["const", "enum", "default", "examples"])
-
-
 def _rebase_refs(schema: dict, base: str) -> dict:
     """A copy of ``schema`` whose local references ("#" and "#/..." JSON pointers) point where they pointed once
     the schema sits at ``base`` (a "#/..." pointer) of a larger document. Iterative: a schema may nest deeply."""
@@ -516,7 +536,7 @@ def _rebase_refs(schema: dict, base: str) -> dict:
         for k, v in items:
             if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
                 v = base + v[1:]
-            elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in _SCHEMA_DATA):
+            elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in SCHEMA_DATA):
                 copy = {} if isinstance(v, dict) else [None] * len(v)
                 stack.append((v, copy))
                 v = copy
@@ -524,12 +544,25 @@ def _rebase_refs(schema: dict, base: str) -> dict:
     return out
 
 
-def _call(obj, names) -> dict | None:
+def _call(obj, names, values: bool = False) -> dict | None:
+    """The OpenAI tool call for the call object ``obj``, or None. OpenAI's ``arguments`` is JSON text: a string a
+    model wrote there is taken as that text when it holds a JSON object (some models encode the arguments, as the
+    API does), else as the value itself. ``values``: the arguments were constrained to the tool's schema, so
+    they are the value whatever it is (a schema may admit a string)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or (names and obj["name"] not in names):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
+    if not (isinstance(args, str) and not values and _json_object_text(args)):
+        args = json.dumps(args)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
+            "function": {"name": obj["name"], "arguments": args}}
+
+
+def _json_object_text(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except (ValueError, RecursionError):
+        return False
 
 
 FENCED = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
@@ -537,17 +570,18 @@ FENCED = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
 CALL_STARTS = (TOOL_OPEN, "{", "```")
 
 
-def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, names: list[str] | None = None,
+                     values: bool = False) -> tuple[str | None, list[dict]]:
     """(content before the first call or None, OpenAI tool_calls) from a reply in the <tool_call> convention. A
     call whose JSON does not parse leaves the whole reply as content. Small models sometimes answer with the bare
     call object instead (optionally in a ```json fence): a whole reply that is {"name": <one of names>,
-    "arguments": ...} is a call too."""
+    "arguments": ...} is a call too. ``values``: as ``_call``'s."""
     start = text.find(TOOL_OPEN)
     if start < 0:
         m = FENCED.fullmatch(text)
         if m:
             try:
-                call = _call(json.loads(m.group(1)), names or [""])
+                call = _call(json.loads(m.group(1)), names or [""], values)
             except json.JSONDecodeError:
                 call = None
             if call:
@@ -560,7 +594,7 @@ def parse_tool_calls(text: str, names: list[str] | None = None) -> tuple[str | N
             obj = json.loads(m.group(1))
         except json.JSONDecodeError:
             return text, []
-        call = _call(obj, None)
+        call = _call(obj, None, values)
         if call is None:
             return text, []
         calls.append(call)
@@ -602,7 +636,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         msgs = [_calls_as_text(m) for m in msgs]
     tools, forced = _check_tools(tools, tool_choice)
     constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
-    template_kw, prefix = {}, ""
+    template_kw, prefix, constrained_call = {}, "", False
     if tools:
         if "tools" in llm.template.source:
             template_kw["tools"] = tools
@@ -611,6 +645,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
             msgs = [{"role": "system", "content": TOOL_SYSTEM_FALLBACK.format(tools=desc)}] + msgs
         if forced is not None:
             prefix, constraint = _forced_call(llm, tools, forced, constraint)
+            constrained_call = bool(constraint)
     try:
         ids = llm.chat_ids(msgs, suffix=prefix, must_fit=True, **template_kw)
     except ContextFullError:
@@ -624,14 +659,15 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
     if stream:
         return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
-                            _include_usage(stream_options))
+                            _include_usage(stream_options), constrained_call)
     infos = []
     for _, inf in run.pieces():
         infos += inf
     message = {"role": "assistant", "content": run.text}
     finish = run.finish_reason
     if tools:
-        content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools])
+        content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools],
+                                          constrained_call)
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             finish = "tool_calls"
@@ -640,7 +676,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     return {**head, "object": "chat.completion", "choices": [choice], "usage": run.usage()}
 
 
-def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool):
+def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool,
+                 constrained_call: bool = False):
     head = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta, finish=None, lp=None):
@@ -679,7 +716,7 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
                 sent = upto
     finish = run.finish_reason
     if tools:
-        content, calls = parse_tool_calls(full, tools)
+        content, calls = parse_tool_calls(full, tools, constrained_call)
         if calls:
             for i, c in enumerate(calls):
                 yield chunk({"tool_calls": [{"index": i, **c}]})

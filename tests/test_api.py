@@ -207,6 +207,14 @@ def test_parse_tool_calls():
     for text in ('{"name": "get_weather", "arguments": {"city": "Oslo"}}',
                  '```json\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n```'):
         assert parse_tool_calls(text, names)[1][0]["function"]["arguments"] == '{"city": "Oslo"}'
+    # arguments are JSON text: an encoded object passes as written, any other string is a value to encode
+    for args, want in (('"{\\"city\\": \\"Oslo\\"}"', '{"city": "Oslo"}'), ('"Oslo"', '"Oslo"'),
+                       ('"[1]"', '"[1]"')):
+        text = '{"name": "get_weather", "arguments": ' + args + '}'
+        assert parse_tool_calls(text, names)[1][0]["function"]["arguments"] == want, args
+    # constrained to the schema, the arguments are the value itself, even a string that holds an object
+    text = '<tool_call>\n{"name": "get_weather", "arguments": "{}"}'
+    assert parse_tool_calls(text, names, values=True)[1][0]["function"]["arguments"] == '"{}"'
     # not calls: unknown name (bare), broken JSON, plain text
     for text in ('{"name": "rm_rf", "arguments": {}}', '<tool_call>\n{"name": "get_weather", "arg', "Hello"):
         assert parse_tool_calls(text, names) == (text, [])

@@ -219,6 +219,133 @@ def test_invalid_schema_or_grammar(kw, needle):
         list(llm.generate_tokens(llm.tokenize("x"), max_tokens=2, **kw))
 
 
+def accepts(llm, schema, text, constraint=None) -> bool:
+    """Whether the constraint for ``schema`` (or ``constraint``) takes ``text`` (as the tokenizer splits it) as a
+    complete output."""
+    c = constraint or llm.make_constraint(json_schema=schema)
+    for t in llm.tokenize(text, add_bos=False, special=False):
+        if not c.allowed()[t]:
+            return False
+        c.advance(t)
+    return c.is_accepting()
+
+
+def test_min_properties_that_repeated_keys_could_fake_is_refused():
+    """The engine keeps named properties distinct but not the keys additionalProperties / patternProperties admit,
+    and counts minProperties over the keys as written: {"a": 1, "a": 2} would pass, and jsonschema (the reference)
+    rejects what it parses to. Such schemas are refused by name; minProperties the required names already meet
+    stays, and what it lets through validates."""
+    llm = llm_of("smollm2")
+    for schema in ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
+                   {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                    "minProperties": 2},
+                   {"type": "array", "items": {"type": "object", "patternProperties": {"^x": {"type": "integer"}},
+                                               "additionalProperties": False, "minProperties": 2}}):
+        with pytest.raises(PyllmError, match=r"minProperties \(2\) above the required properties"):
+            llm.make_constraint(json_schema=schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(json.loads('{"a": 1, "a": 2}'), {"minProperties": 2})
+    met = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+           "required": ["a", "b"], "minProperties": 2}
+    assert accepts(llm, met, '{"a": 1, "b": 2}') and not accepts(llm, met, '{"a": 1, "a": 2}')
+    closed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+              "additionalProperties": False, "minProperties": 1}
+    assert accepts(llm, closed, '{"b": 2}') and not accepts(llm, closed, "{}")
+    # a property that is merely named "minProperties" is not the keyword
+    named = {"type": "object", "properties": {"minProperties": {"type": "integer"}}}
+    assert accepts(llm, named, '{"minProperties": 3}')
+
+
+def test_a_forced_call_is_closed_after_its_arguments():
+    """The forced call object is {"name", "arguments"} and nothing more: SmolLM2 went on writing "type",
+    "function" or "parameters" keys after the arguments until max_tokens cut the call off (finish_reason
+    "length", no tool_calls). Checked on the constraint itself (exact, whatever the model would pick)."""
+    from pyllm.api import _forced_call
+
+    llm = llm_of("smollm2")
+    params = {"type": "object", "properties": {"v": {"const": 42}}, "required": ["v"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}},
+             {"type": "function", "function": {"name": "g"}}]
+    for name in ("", "f"):  # tool_choice "required", and the named function
+        def call(text):
+            return accepts(llm, None, text, _forced_call(llm, tools, name, {})[1]["constraint"])
+        assert call('{"name": "f", "arguments": {"v": 42}}')
+        assert not call('{"name": "f", "arguments": {"v": 42}, "type": "function"}')
+    assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
+
+
+def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
+    """OpenAI's tool_calls[].function.arguments is JSON text (the openai client's users json.loads it). A tool whose
+    parameters admit a string got the string's characters as its arguments ('quo"te', not JSON); now they are
+    the JSON of the value the constraint produced, streamed or not, and it validates against the schema
+    (jsonschema, the reference)."""
+    llm = llm_of("smollm2")
+    params = {"enum": ['quo"te', "日本語", "{}"]}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    kw = dict(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}, max_tokens=48,
+              temperature=0)
+    msgs = [{"role": "user", "content": "Call f."}]
+    r = llm.create_chat_completion(msgs, **kw)
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    calls = [r["choices"][0]["message"]["tool_calls"]]
+    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
+    calls.append([tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])])
+    for call in calls:
+        assert len(call) == 1 and call[0]["function"]["name"] == "f"
+        jsonschema.validate(json.loads(call[0]["function"]["arguments"]), params)
+
+
+def test_forced_call_with_false_parameters_is_a_bad_request():
+    """parameters: false is a JSON schema no arguments match; it was read as "no schema" and the call went out
+    unconstrained (jsonschema rejects whatever arguments came back). A forced call to it is a 400 naming tools;
+    parameters: true still admits any arguments."""
+    from pyllm.api import BadRequest, _forced_call
+
+    llm = llm_of("smollm2")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": False}},
+             {"type": "function", "function": {"name": "g", "parameters": True}}]
+    for name in ("", "f"):
+        with pytest.raises(BadRequest, match="parameters of 'f' are false") as e:
+            _forced_call(llm, tools, name, {})
+        assert e.value.param == "tools"
+    c = _forced_call(llm, tools, "g", {})[1]["constraint"]
+    assert accepts(llm, None, '{"name": "g", "arguments": [1, "x"]}', c)
+
+
+def test_stop_strings_end_structured_output_only_where_it_is_complete():
+    """A stop string inside a constrained reply (stop="\n" or '"' in JSON) cut it at "{" and called it finished:
+    invalid output presented as complete. Under a constraint a stop string ends the output only after a complete
+    match; the references are json.loads + jsonschema and the grammar's own language, spelled out here."""
+    llm = llm_of("smollm2")
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+              "required": ["a", "b"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    msgs = [{"role": "user", "content": "Give JSON."}]
+    for stream in (False, True):
+        r = llm.create_chat_completion(msgs, response_format=rf, max_tokens=48, temperature=0, stream=stream,
+                                       stop=["\n", '"', ":", "{"])
+        if stream:
+            chunks = list(r)
+            text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+            finish = chunks[-1]["choices"][0]["finish_reason"]
+        else:
+            text, finish = r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]
+        jsonschema.validate(json.loads(text), schema)
+        assert finish == "stop"
+    # "ab" and "ab cd" are not in the language: the spaces after them are kept; the first space after a complete
+    # match ends the output there.
+    g = 'root ::= "ab cd" (" " [a-z]+)+'
+    r = llm.create_completion("Letters: ", grammar=g, stop=[" "], max_tokens=32, temperature=0)
+    text = r["choices"][0]["text"]
+    words = text.split(" ")
+    assert len(words) == 3 and words[:2] == ["ab", "cd"] and words[2].isalpha() and words[2].islower(), text
+    # where every prefix of letters is complete, the first space ends it
+    r = llm.create_completion("Three words: ", grammar='root ::= [a-z]+ (" " [a-z]+)*', stop=[" "],
+                              max_tokens=32, temperature=0)
+    text = r["choices"][0]["text"]
+    assert text.isalpha() and text.islower() and r["choices"][0]["finish_reason"] in ("stop", "length"), text
+
+
 def test_make_constraint_none_without_request():
     assert make_constraint(lambda: pytest.fail("vocabulary built for nothing")) is None
     assert isinstance(make_constraint(lambda: llm_of("smollm2").grammar_vocab, grammar='root ::= "a"'), Constraint)

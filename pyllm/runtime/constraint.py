@@ -87,6 +87,41 @@ class GrammarVocab:
                                   eos_token=eos)
 
 
+# Keywords whose values are data, not schemas; and those whose values map names (not keywords) to subschemas
+SCHEMA_DATA = frozenset(["const", "enum", "default", "examples"])
+SCHEMA_MAPS = frozenset(["properties", "patternProperties", "$defs", "definitions", "dependentSchemas"])
+
+
+def _unsupported(schema: dict) -> str | None:
+    """Why the engine cannot keep its promise for ``schema``, or None. Iterative: a schema may nest deeply.
+
+    llguidance keeps the named properties of an object distinct, but not the keys it admits through
+    additionalProperties or patternProperties, and it counts minProperties over the keys as written: {"a": 1,
+    "a": 2} passes minProperties 2, yet parses to one property. Only objects that need such keys to reach
+    minProperties are refused."""
+    stack = [schema]
+    while stack:
+        s = stack.pop()
+        if not isinstance(s, dict):
+            continue
+        least, required = s.get("minProperties"), s.get("required")
+        named = len({r for r in required if isinstance(r, str)}) if isinstance(required, list) else 0
+        if isinstance(least, (int, float)) and not isinstance(least, bool) and least > named \
+                and (s.get("additionalProperties", True) is not False or s.get("patternProperties")):
+            return (f"minProperties ({least}) above the required properties ({named}) on an object that admits "
+                    f"additionalProperties or patternProperties is not supported: the output could repeat a key")
+        for k, v in s.items():
+            if k in SCHEMA_DATA:
+                continue
+            if k in SCHEMA_MAPS and isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, dict):
+                stack.append(v)
+            elif isinstance(v, list):
+                stack.extend(v)
+    return None
+
+
 def _schema_text(schema: Any) -> str:
     """A JSON schema given as a dict or a JSON string -> canonical JSON text; PyllmError naming the problem."""
     if isinstance(schema, (bytes, str)):
@@ -100,6 +135,9 @@ def _schema_text(schema: Any) -> str:
         schema = {}
     if not isinstance(schema, dict):
         raise PyllmError(f"json_schema must be a JSON object (a dict or its JSON text), got {type(schema).__name__}")
+    why = _unsupported(schema)
+    if why:
+        raise PyllmError(f"invalid json_schema: {why}")
     try:
         return json.dumps(schema)
     except (TypeError, ValueError) as e:
@@ -204,6 +242,13 @@ class Constraint:
     def end_token(self) -> int | None:
         """The end-of-generation id to emit when the output is complete (is_done), else None."""
         return self.vocab.eos_ids[0] if self.m.is_stopped() else None
+
+    def accepts_text(self, text: str) -> bool:
+        """True when ``text``, from the start of the output, is a complete match (this state is not changed)."""
+        m = self.m.deep_copy()
+        m.reset()
+        ids = self.vocab.ll.tokenize_str(text)
+        return m.consume_tokens(ids) and m.is_accepting()
 
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (it may still be extended)."""
