@@ -527,13 +527,21 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
 
 def _rebase_refs(schema: dict, base: str) -> dict:
     """A copy of ``schema`` whose local references ("#" and "#/..." JSON pointers) point where they pointed once
-    the schema sits at ``base`` (a "#/..." pointer) of a larger document. Iterative: a schema may nest deeply."""
+    the schema sits at ``base`` (a "#/..." pointer) of a larger document. Iterative: a schema may nest deeply.
+    The root's ``$id`` goes (an embedded resource the engine would not resolve against), and references spelled
+    through it ("https://x/s.json#/$defs/A") become local ones."""
+    root_id = schema.get("$id")
+    if isinstance(root_id, str):
+        schema = {k: v for k, v in schema.items() if k != "$id"}
+        root_id = root_id.rstrip("#")
     out: dict = {}
     stack = [(schema, out)]
     while stack:
         src, dst = stack.pop()
         items = src.items() if isinstance(src, dict) else enumerate(src)
         for k, v in items:
+            if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and root_id and (v == root_id or v.startswith(root_id + "#")):
+                v = v[len(root_id):] or "#"
             if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
                 v = base + v[1:]
             elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in SCHEMA_DATA):

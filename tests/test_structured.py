@@ -274,6 +274,27 @@ def test_a_forced_call_is_closed_after_its_arguments():
     assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
 
 
+def test_forced_call_schema_with_an_id_resolves_its_references():
+    """A tool schema with a root "$id" (what schema generators often write) was a 400: moved under the call
+    object it became an embedded resource the engine would not resolve "#/$defs/..." against. References plain
+    or spelled through the $id resolve; checked on the constraint against jsonschema's verdicts (the reference)."""
+    from pyllm.api import _forced_call
+
+    llm = llm_of("smollm2")
+    base = "https://example.com/schemas/weather.json"
+    city = {"type": "object", "properties": {"name": {"enum": ["Paris", "Oslo"]}}, "required": ["name"],
+            "additionalProperties": False}
+    for ref in ("#/$defs/City", base + "#/$defs/City"):
+        params = {"$id": base, "type": "object", "properties": {"city": {"$ref": ref}}, "required": ["city"],
+                  "additionalProperties": False, "$defs": {"City": city}}
+        tools = [{"type": "function", "function": {"name": "w", "parameters": params}}]
+        for args, ok in (({"city": {"name": "Oslo"}}, True), ({"city": {"name": "Rome"}}, False),
+                         ({"city": "Oslo"}, False)):
+            assert jsonschema.Draft202012Validator(params).is_valid(args) == ok
+            text = json.dumps({"name": "w", "arguments": args})
+            assert accepts(llm, None, text, _forced_call(llm, tools, "w", {})[1]["constraint"]) == ok, (ref, text)
+
+
 def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
     """OpenAI's tool_calls[].function.arguments is JSON text (the openai client's users json.loads it). A tool whose
     parameters admit a string got the string's characters as its arguments ('quo"te', not JSON); now they are
