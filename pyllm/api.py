@@ -144,10 +144,14 @@ def structured_output_kwargs(llm, response_format=None, grammar=None, json_schem
             json_schema = response_format.get("schema") or {"type": "object"}
         elif kind == "json_schema":
             js = response_format.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+            schema = js.get("schema") if isinstance(js, dict) else None
+            if not isinstance(js, dict) or not isinstance(schema, (dict, bool, type(None))):
                 raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
                                  "response_format")
-            json_schema = js.get("schema") or {}
+            if schema is False:  # a valid JSON schema that nothing matches (``or {}`` would make it "anything")
+                raise BadRequest("response_format.json_schema.schema is false, which no output can match",
+                                 "response_format")
+            json_schema = schema if isinstance(schema, dict) else {}  # true or absent: any JSON value
         if kind != "text":
             given = "response_format"
     kw = {k: v for k, v in (("json_schema", json_schema), ("grammar", grammar)) if v is not None}

@@ -274,6 +274,28 @@ def test_a_forced_call_is_closed_after_its_arguments():
     assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
 
 
+def test_response_format_takes_boolean_schemas():
+    """true and false are JSON schemas (any value; no value). true was a 400 at response_format though the library's
+    json_schema=True took it; false would have read as "no schema" (anything). Now true constrains to any JSON value
+    (json.loads, the reference, parses what it accepts) and false is a 400 naming response_format."""
+    from pyllm.api import BadRequest, structured_output_kwargs
+
+    llm = llm_of("smollm2")
+
+    def rf(schema):
+        return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+    for text, ok in (('"x"', True), ("[1, 2]", True), ('{"a": null}', True), ("abc", False), ("{", False)):
+        c = structured_output_kwargs(llm, rf(True))["constraint"]
+        assert accepts(llm, None, text, c) == ok, text
+        if ok:
+            json.loads(text)
+    for bad in (False, "object", [1]):
+        with pytest.raises(BadRequest) as e:
+            structured_output_kwargs(llm, rf(bad))
+        assert e.value.param == "response_format"
+
+
 def test_forced_call_schema_with_an_id_resolves_its_references():
     """A tool schema with a root "$id" (what schema generators often write) was a 400: moved under the call
     object it became an embedded resource the engine would not resolve "#/$defs/..." against. References plain
