@@ -301,6 +301,18 @@ def test_run_unknown_flag_prints_runs_usage(no_template_gguf):
     assert "usage: pyllm run" in res.stderr and "pyllm run: error: unrecognized arguments: --frobnicate" in res.stderr
 
 
+def test_a_long_bad_choice_is_quoted_short():
+    """argparse quoted a 10 KB value whole in "invalid choice: '...'"; the error keeps 80 characters of it, and
+    still names the argument and the choices."""
+    long = "x" * 10_000
+    for args, name in ((("bench", "-o", long), "-o/--output"), (("chat", "--context-policy", long),
+                                                                "--context-policy"), ((long,), "COMMAND")):
+        res = pyllm(*args)
+        last = res.stderr.strip().splitlines()[-1]
+        assert res.returncode == 2 and "Traceback" not in res.stderr
+        assert f"argument {name}: invalid choice: 'xxx" in last and "(choose from" in last and len(last) < 400, last
+
+
 def test_run_system_implies_chat_and_a_base_model_warns_once(no_template_gguf):
     res = pyllm("run", no_template_gguf, "hi", "--system", "Be brief.", "-n", "2", "--backend", "reference",
                 "--ctx", "64", "--temp", "0")

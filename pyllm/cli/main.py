@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 from .. import registry
@@ -255,7 +256,15 @@ def serve_replicas_from_args(a) -> int:
     return 0
 
 
-class _SubcommandParser(argparse.ArgumentParser):
+class _Parser(argparse.ArgumentParser):
+    """argparse quoting what the user typed in its errors ("invalid choice: '...'") at most 80 characters of it: a
+    pasted 10 KB value must not bury the error it is in."""
+
+    def error(self, message: str):
+        super().error(re.sub(r"'([^']{81,})'", lambda m: repr(shorten(m.group(1))), message))
+
+
+class _SubcommandParser(_Parser):
     """A subcommand's parser that takes its positionals anywhere among its flags (`run MODEL -n 8 "prompt"`):
     argparse's own parse_known_args fills an optional positional (the prompt) with nothing when flags follow the
     model, and then calls the prompt an unrecognized argument."""
@@ -273,7 +282,7 @@ class _SubcommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="pyllm", description="Quantized local LLM inference.",
         epilog=EXAMPLES.format(default=registry.DEFAULT_MODEL), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="store_true", help="print versions and the extension's build, then exit")
