@@ -544,9 +544,10 @@ def _rebase_refs(schema: dict, base: str) -> dict:
         src, dst = stack.pop()
         items = src.items() if isinstance(src, dict) else enumerate(src)
         for k, v in items:
-            if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and root_id and (v == root_id or v.startswith(root_id + "#")):
+            ref = isinstance(src, dict) and k == "$ref" and isinstance(v, str)
+            if ref and root_id and (v == root_id or v.startswith(root_id + "#")):
                 v = v[len(root_id):] or "#"
-            if isinstance(src, dict) and k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            if ref and (v == "#" or v.startswith("#/")):
                 v = base + v[1:]
             elif isinstance(v, (dict, list)) and not (isinstance(src, dict) and k in SCHEMA_DATA):
                 copy = {} if isinstance(v, dict) else [None] * len(v)
