@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from .errors import ContextFullError, PyllmError
 from .runtime.constraint import SCHEMA_DATA
 from .runtime.sampler import Sampler, SamplerSettings
+from .runtime.stop_strings import StopStrings
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 # Qwen2.5 / Hermes convention: the model writes each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.
@@ -206,12 +207,9 @@ class Run:
 
         llm, tok = self.llm, self.llm.tokenizer
         dec = StreamDecoder(tok)
-        hold = max((len(s) for s in self.stop), default=1) - 1
-        # Under a constraint a stop string ends the output only where the text before it is a complete match:
-        # cut anywhere else (stop="\n" inside a JSON reply) it would be invalid output presented as finished.
-        # ``skip``: where in ``pending`` the search for a stop string goes on past those that could not end it.
         grammar = self.constraint.get("constraint")
-        pending, infos, skip = "", [], 0
+        stops = StopStrings(self.stop, grammar.accepts_text if grammar is not None else None)
+        tail, infos = "", []
         self.finish_reason = "length"
         if self.max_tokens == 0:
             return
@@ -230,37 +228,27 @@ class Run:
                     break
                 if self.sampler.logprobs is not None:
                     infos.append(self._info(t))
-                pending += dec.push(t)
-                cut = self._stop_at(pending, skip, grammar)
-                if cut >= 0:
-                    self.finish_reason = "stop"
-                    pending = pending[:cut]
+                out = stops.push(dec.push(t))
+                if stops.stopped:
+                    tail = out
                     break
-                skip = max(skip, len(pending) - hold) if grammar is not None else 0
-                if len(pending) > hold:
-                    out, pending = pending[:len(pending) - hold], pending[len(pending) - hold:]
-                    skip = max(0, skip - len(out))
+                if out:
                     self.text += out
                     yield out, infos
                     infos = []
             else:
-                pending += dec.flush()
-            if llm.stats.finish_reason == "context":
-                self.finish_reason = "length"
-            if pending or infos:
-                self.text += pending
-                yield pending, infos
+                tail = stops.push(dec.flush())
+            if stops.stopped:
+                self.finish_reason = "stop"
+            else:
+                tail += stops.flush()
+                if llm.stats.finish_reason == "context":
+                    self.finish_reason = "length"
+            if tail or infos:
+                self.text += tail
+                yield tail, infos
         finally:
             gen.close()
-
-    def _stop_at(self, pending: str, skip: int, grammar) -> int:
-        """Where in ``pending`` the output ends at a stop string starting at or after ``skip`` (-1: nowhere). Under
-        a grammar only a stop string after a complete match ends it; the others stay in the text."""
-        while True:
-            cut = min((i for i in (pending.find(s, skip) for s in self.stop) if i >= 0), default=-1)
-            if cut < 0 or grammar is None or grammar.accepts_text(self.text + pending[:cut]):
-                return cut
-            skip = cut + 1
 
     def _info(self, t: int) -> TokenInfo:
         tok = self.llm.tokenizer

@@ -373,34 +373,33 @@ class LLM:
         return it if stream else "".join(it)
 
     def _stream_text(self, ids: list[int], max_tokens: int, stop: list[str], sampling: dict) -> Iterator[str]:
+        from .runtime.constraint import make_constraint
+        from .runtime.stop_strings import StopStrings
         from .tokenizer import StreamDecoder
 
         dec = StreamDecoder(self.tokenizer)
-        stop = [s for s in stop if s]
-        hold = max((len(s) for s in stop), default=1) - 1  # a stop string may still be forming in the tail
-        pending = ""
-        gen = self.generate_tokens(ids, max_tokens=max_tokens, **sampling)
+        sampling = dict(sampling)
+        # built here, not in generate_tokens, so that a stop string can ask it whether the output is complete
+        constraint = make_constraint(lambda: self.grammar_vocab, sampling.pop("json_schema", None),
+                                     sampling.pop("grammar", None), sampling.pop("constraint", None))
+        stops = StopStrings(stop, constraint.accepts_text if constraint is not None else None)
+        gen = self.generate_tokens(ids, max_tokens=max_tokens, constraint=constraint, **sampling)
         try:
             for tok in gen:
                 if self.tokenizer.is_eog(tok):
                     break
-                pending += dec.push(tok)
-                if stop:
-                    cut = min((i for i in (pending.find(s) for s in stop) if i >= 0), default=-1)
-                    if cut >= 0:
-                        if cut:
-                            yield pending[:cut]
-                        self.generator.stats.finish_reason = "stop"
-                        return
-                    if len(pending) > hold:
-                        yield pending[:len(pending) - hold]
-                        pending = pending[len(pending) - hold:]
-                elif pending:
-                    yield pending
-                    pending = ""
-            pending += dec.flush()
-            if pending:
-                yield pending
+                out = stops.push(dec.push(tok))
+                if out:
+                    yield out
+                if stops.stopped:
+                    break
+            out = "" if stops.stopped else stops.push(dec.flush())
+            if not stops.stopped:
+                out += stops.flush()
+            if out:
+                yield out
+            if stops.stopped:
+                self.generator.stats.finish_reason = "stop"
         finally:
             gen.close()
 

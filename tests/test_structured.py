@@ -375,6 +375,13 @@ def test_stop_strings_end_structured_output_only_where_it_is_complete():
             text, finish = r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"]
         jsonschema.validate(json.loads(text), schema)
         assert finish == "stop"
+    # LLM.generate / chat share the rule
+    for stream in (False, True):
+        out = llm.chat(msgs, max_tokens=48, temperature=0, stop=["\n", '"', ":", "{"], json_schema=schema,
+                       stream=stream)
+        jsonschema.validate(json.loads(out if isinstance(out, str) else "".join(out)), schema)
+    assert llm.generate("Letters: ", grammar='root ::= [a-z]+ (" " [a-z]+)*', stop=[" "], max_tokens=32,
+                        temperature=0).isalpha()
     # "ab" and "ab cd" are not in the language: the spaces after them are kept; the first space after a complete
     # match ends the output there.
     g = 'root ::= "ab cd" (" " [a-z]+)+'

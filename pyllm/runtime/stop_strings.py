@@ -1,0 +1,60 @@
+"""Stop strings over a generation's decoded text: what is final, and where the output ends.
+
+One implementation for every text-producing path (LLM.generate / chat, and the OpenAI-shaped api.Run behind the
+server): text is held back while a stop string may still be forming in its tail, and the output ends before the
+first stop string found. Under a constraint (``accepts``: does the output, from its start, completely match?) a
+stop string ends the output only after a complete match: cut anywhere else (stop="\\n" inside a JSON reply) it
+would be invalid output presented as finished; the other occurrences stay in the text.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class StopStrings:
+    def __init__(self, stop: list[str], accepts: Callable[[str], bool] | None = None):
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # the tail a stop string may still be forming in
+        self.accepts = accepts
+        self.released = ""  # the text handed out so far
+        self.stopped = False  # a stop string ended the output
+        self._pending = ""
+        self._skip = 0  # where in _pending the search goes on, past occurrences the constraint did not accept
+
+    def push(self, text: str) -> str:
+        """Adds decoded ``text`` and returns what of the output is now final ('' while a stop string may be
+        forming). Once a stop string ends the output, ``stopped`` is set and the text before it is returned."""
+        self._pending += text
+        if not self.stop:
+            return self._release(len(self._pending))
+        cut = self._stop_at()
+        if cut >= 0:
+            self.stopped = True
+            out = self._pending[:cut]
+            self._pending = ""
+            self.released += out
+            return out
+        if self.accepts is not None:  # every occurrence before the tail was judged; look there no more
+            self._skip = max(self._skip, len(self._pending) - self.hold)
+        return self._release(len(self._pending) - self.hold)
+
+    def flush(self) -> str:
+        """The held-back tail, at the end of a generation that no stop string ended."""
+        return self._release(len(self._pending))
+
+    def _release(self, n: int) -> str:
+        if n <= 0:
+            return ""
+        out, self._pending = self._pending[:n], self._pending[n:]
+        self._skip = max(0, self._skip - n)
+        self.released += out
+        return out
+
+    def _stop_at(self) -> int:
+        skip = self._skip
+        while True:
+            cut = min((i for i in (self._pending.find(s, skip) for s in self.stop) if i >= 0), default=-1)
+            if cut < 0 or self.accepts is None or self.accepts(self.released + self._pending[:cut]):
+                return cut
+            skip = cut + 1
