@@ -33,6 +33,20 @@ class ContextFullError(PyllmError):
     """The prompt and the reply would not fit in the model's context window."""
 
 
+class KVCacheMemoryError(PyllmError):
+    """A KV cache that would not fit in available memory. ``what`` says so; ``fix`` names the way out in the terms
+    of the front end that chose the context (``--ctx`` for run/chat/serve; bench sizes it from -d/-p/-n)."""
+
+    FIX = "use a smaller --ctx or a smaller --kv type (q8_0, q4_rot, or -ctk/-ctv per part)"
+
+    def __init__(self, what: str, fix: str = FIX):
+        super().__init__(f"{what}; {fix}")
+        self.what = what
+
+    def with_fix(self, fix: str) -> "KVCacheMemoryError":
+        return KVCacheMemoryError(self.what, fix)
+
+
 def shorten(text, n: int = 80) -> str:
     """``text`` (a name, path or value the user typed, quoted by a message) on one line and at most ``n``
     characters, cut with '…': a 10 KB paste given as a file or setting name must not bury the error it is in."""

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import registry
-from .errors import ContextFullError, ModelError, PyllmError, in_file
+from .errors import ContextFullError, KVCacheMemoryError, ModelError, PyllmError, in_file
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
@@ -110,9 +110,8 @@ def plan_kv_cache(cfg, n_ctx: int, kv_cache: str, check_memory: bool = True) -> 
     need = per_token * n_ctx
     avail = _available_memory() if check_memory else None
     if avail is not None and need > 0.9 * avail:
-        raise PyllmError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
-                         f"{avail / 2**30:.2f} GiB of memory is available; use a smaller --ctx or a smaller "
-                         f"--kv type (q8_0, q4_rot, or -ctk/-ctv per part)")
+        raise KVCacheMemoryError(f"a {kv_cache} KV cache for n_ctx={n_ctx} needs {need / 2**30:.2f} GiB but only "
+                                 f"{avail / 2**30:.2f} GiB of memory is available")
     return n_ctx, per_token, need
 
 

@@ -281,6 +281,7 @@ def test_bench_synthetic_refuses_a_kv_cache_larger_than_memory(capsys, monkeypat
     assert main(["bench", "--synthetic", "smollm2-135m:q4_0", "-p", "0", "-n", "1", "-d", "2048", "-r", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pyllm: error: a f16 KV cache for n_ctx=2065 needs") and err.count("\n") == 1, err
+    assert "smaller -d, -p or -n" in err and "--ctx" not in err, err  # bench has no --ctx to point at
 
 
 # ---- run's own flags and edges -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from ..errors import PyllmError
+from ..errors import KVCacheMemoryError, PyllmError
 from .common import add_backend_arg, add_device_arg, kv_kind_from_args, runtime_info
 
 
@@ -263,7 +263,11 @@ def cmd_bench(a) -> int:
     for model, synth in subjects:
         s = None  # the previous model's memory goes before the next one loads (two 8B models may not fit)
         gc.collect()
-        s = load_subject(model, synth, a)
+        try:
+            s = load_subject(model, synth, a)
+        except KVCacheMemoryError as e:  # bench has no --ctx: its context is what -d/-p/-n ask for
+            raise e.with_fix("use a smaller -d, -p or -n (the cache holds depth + max(p, n) + 16 tokens) or a "
+                             "smaller --kv type (q8_0, q4_rot, or KEY/VALUE such as q8_0/q4_0)") from None
         if s.runtime["device"] == "cpu" and not roof:
             roof = probe(a.threads, force=a.probe)
         with torch.inference_mode():
