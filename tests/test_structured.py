@@ -274,6 +274,32 @@ def test_a_forced_call_is_closed_after_its_arguments():
     assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
 
 
+def test_accepts_text_agrees_with_json_on_every_prefix_in_any_order():
+    """Constraint.accepts_text keeps its own matcher at the last text asked about (so the stop-string checks of a
+    growing output cost the new part only: 1203 checks over a 17 KB reply took 0.03 s, 9.3 s when each started
+    over). Reference: json.loads + jsonschema on the prefix; asked in order, in reverse and at random."""
+    import random
+
+    llm = llm_of("smollm2")
+    cases = [({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
+               "required": ["a"]}, '{"a": [1, 23, -4], "b": "x y"}'),
+             ({"type": "integer"}, "-12345")]
+    for schema, doc in cases:
+
+        def valid(text):
+            try:
+                jsonschema.validate(json.loads(text), schema)
+                return True
+            except (ValueError, jsonschema.ValidationError):
+                return False
+
+        ends = list(range(len(doc) + 1))
+        for order in (ends, ends[::-1], random.Random(0).sample(ends, len(ends)) * 2):
+            c = llm.make_constraint(json_schema=schema)
+            for i in order:
+                assert c.accepts_text(doc[:i]) == valid(doc[:i]), (doc[:i], schema)
+
+
 def test_response_format_takes_boolean_schemas():
     """true and false are JSON schemas (any value; no value). true was a 400 at response_format though the library's
     json_schema=True took it; false would have read as "no schema" (anything). Now true constrains to any JSON value

@@ -157,6 +157,8 @@ class Constraint:
         # (n_words,) one bit per token id, bit i of word i // 32; refilled for each step
         self._bits = np.zeros((vocab.n_vocab + 31) // 32, dtype=np.int32)
         self._allowed: np.ndarray | None = None
+        self._text_m = None  # accepts_text's own matcher, at the start of the output + _text
+        self._text = ""
 
     # ---- constructors -----------------------------------------------------------------------------------------
     @classmethod
@@ -244,11 +246,20 @@ class Constraint:
         return self.vocab.eos_ids[0] if self.m.is_stopped() else None
 
     def accepts_text(self, text: str) -> bool:
-        """True when ``text``, from the start of the output, is a complete match (this state is not changed)."""
-        m = self.m.deep_copy()
-        m.reset()
-        ids = self.vocab.ll.tokenize_str(text)
-        return m.consume_tokens(ids) and m.is_accepting()
+        """True when ``text``, from the start of the output, is a complete match (the generation's state is not
+        changed). Its own matcher stays at the last text asked about, so a caller asking of ever longer texts (each
+        stop string met in a growing output) pays for the new part only, not the whole output each time; the
+        matcher takes text however it is split into tokens."""
+        if self._text_m is None or not text.startswith(self._text):
+            self._text_m = self.m.deep_copy()
+            self._text_m.reset()
+            self._text = ""
+        rest = text[len(self._text):]
+        if rest and not self._text_m.consume_tokens(self.vocab.ll.tokenize_str(rest)):
+            self._text_m = None
+            return False
+        self._text = text
+        return self._text_m.is_accepting()
 
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (it may still be extended)."""
