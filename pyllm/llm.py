@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import registry
-from .errors import ContextFullError, ModelError, PyllmError, in_file
+from .errors import ContextFullError, ModelError, PyllmError, in_file, shorten
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
@@ -47,6 +47,17 @@ def check_int(name: str, value, lo: int = 0, hi: int | None = None) -> int:
         raise PyllmError(f"{name} must be an integer in [{lo}, {hi if hi is not None else 'inf'}), got {value}"
                          if hi is None else f"{name} must be an integer in [{lo}, {hi}], got {value}")
     return value
+
+
+def check_stop(stop) -> list[str]:
+    """``stop`` as a list of strings (None: none), or a PyllmError. A bare string is refused rather than read
+    as a list: iterated, "END" would be the three stop strings "E", "N" and "D"."""
+    if stop is None:
+        return []
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple)) \
+            or not all(isinstance(x, str) for x in stop):
+        raise PyllmError(f"stop must be a list of strings, got {shorten(repr(stop))}")
+    return list(stop)
 
 
 def check_seed(seed) -> int | None:
@@ -367,9 +378,8 @@ class LLM:
         """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces."""
         max_tokens = check_int("max_tokens", max_tokens, 0)  # now, not at the first next() of a stream
         sampling = check_sampling(sampling)
-        if stop is not None and (isinstance(stop, str) or not all(isinstance(x, str) for x in stop)):
-            raise PyllmError(f"stop must be a list of strings, got {stop!r}")
-        it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop or [], sampling)
+        stop = check_stop(stop)
+        it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop, sampling)
         return it if stream else "".join(it)
 
     def _stream_text(self, ids: list[int], max_tokens: int, stop: list[str], sampling: dict) -> Iterator[str]:
@@ -480,8 +490,9 @@ class LLM:
         """
         max_tokens = check_int("max_tokens", max_tokens, 0)
         sampling = check_sampling(sampling)
+        stop = check_stop(stop)
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
-        it = self._stream_text(ids, max_tokens, stop or [], sampling)
+        it = self._stream_text(ids, max_tokens, stop, sampling)
         return it if stream else "".join(it)
 
     # ---- OpenAI-shaped API (pyllm/api.py, pyllm/embed.py) ---------------------------------------------------------
