@@ -486,7 +486,9 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
             continue
         schema = t["function"].get("parameters")
         if schema is None:
-            schema = {}
+            # OpenAI: "omitting parameters defines a function with an empty parameter list". Read as "any JSON
+            # value" it let the model write arguments like [1, 2, 3], which no client can pass to the function.
+            schema = {"type": "object", "properties": {}, "additionalProperties": False}
         elif schema is False:  # a valid JSON schema that nothing matches (``or {}`` made it "anything")
             raise BadRequest(f"tools: the parameters of {t['function']['name']!r} are false, which no arguments "
                              f"can match", "tools")

@@ -338,6 +338,36 @@ def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
         jsonschema.validate(json.loads(call[0]["function"]["arguments"]), params)
 
 
+def test_forced_call_to_a_tool_without_parameters_passes_no_arguments():
+    """OpenAI's reference: "omitting parameters defines a function with an empty parameter list". A forced call to
+    such a tool was constrained as if its arguments could be any JSON value, and SmolLM2 answered
+    "arguments": "[1, 2, 3]", which a client cannot pass to the function. The constraint now admits only {}
+    (checked exactly on the constraint), and the served call's arguments json.loads to {}, streamed or not."""
+    from pyllm.api import _forced_call
+
+    llm = llm_of("smollm2")
+    tools = [{"type": "function", "function": {"name": "g"}},
+             {"type": "function", "function": {"name": "f", "parameters": None}}]
+    for name in ("", "g", "f"):  # tool_choice "required", and each named function
+        def call(args):
+            text = '{"name": "%s", "arguments": %s}' % (name or "g", args)
+            return accepts(llm, None, text, _forced_call(llm, tools, name, {})[1]["constraint"])
+        assert call("{}")
+        for args in ("[1, 2, 3]", '"x"', "null", '{"x": 1}'):
+            assert not call(args), args
+    msgs = [{"role": "user", "content": "Call the function."}]
+    kw = dict(tools=tools[:1], tool_choice={"type": "function", "function": {"name": "g"}}, max_tokens=48,
+              temperature=0)
+    r = llm.create_chat_completion(msgs, **kw)
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    calls = [r["choices"][0]["message"]["tool_calls"]]
+    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
+    calls.append([tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])])
+    for call in calls:
+        assert len(call) == 1 and call[0]["function"]["name"] == "g"
+        assert json.loads(call[0]["function"]["arguments"]) == {}
+
+
 def test_forced_call_with_false_parameters_is_a_bad_request():
     """parameters: false is a JSON schema no arguments match; it was read as "no schema" and the call went out
     unconstrained (jsonschema rejects whatever arguments came back). A forced call to it is a 400 naming tools;
