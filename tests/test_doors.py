@@ -82,6 +82,24 @@ def test_seed_minus_one_is_random_on_run(cli, tiny):
     assert res.returncode == 0, res.stderr
 
 
+def test_seed_random_is_accepted_where_the_error_offers_it(cli, tiny):
+    """A bad --seed is refused with "seed must be an integer >= 0, or 'random'", and /set seed random works, but
+    argparse parsed --seed as a plain int and refused "random" itself. Reference: the REPL's own seed rule
+    (parse_setting): the words it takes are accepted on run and chat, and a non-integer is a one-flag error."""
+    from pyllm.cli.common import parse_setting
+
+    for word in ("random", "Random", "none", "off"):
+        assert parse_setting("seed", word) == ("seed", None)
+        res = cli("run", tiny, "hello", "-n", "2", "--seed", word, "--temp", "0.8")
+        assert res.returncode == 0, res.stderr
+    res = cli("chat", tiny, "-n", "2", "--seed", "random", stdin=b"hello")
+    assert res.returncode == 0, res.stderr
+    for bad in ("abc", "1.5"):
+        res = cli("run", "/nonexistent.gguf", "hello", "--seed", bad)
+        assert res.returncode == 2 and "argument --seed: seed must be an integer >= 0, or 'random'" in res.stderr
+        assert "Traceback" not in res.stderr and "nonexistent" not in res.stderr
+
+
 def test_non_utf8_prompt_on_stdin_and_argv(cli, tiny):
     res = cli("run", tiny, "-n", "2", "--temp", "0", stdin=b"caf\xe9 \xff\xfe ok")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
