@@ -19,6 +19,7 @@ jsonschema = pytest.importorskip("jsonschema")  # in the test extra; CI installs
 
 from conftest import pyllm_model  # noqa: E402
 from pyllm import PyllmError  # noqa: E402
+from pyllm.errors import shorten  # noqa: E402
 from pyllm.runtime.constraint import Constraint, make_constraint  # noqa: E402
 from pyllm.runtime.sampler import Sampler, SamplerSettings  # noqa: E402
 
@@ -448,8 +449,9 @@ def test_cli_run_json_schema_and_grammar(tmp_path, smollm2_path):
     (tmp_path / "bad.gbnf").write_text("root ::= missing\n")
     res = run_cli("run", smollm2_path, "x", "--grammar", str(tmp_path / "bad.gbnf"), "-n", "2")
     assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines() == ["pyllm: error: invalid grammar: Failed to convert the grammar from "
-                                               "GBNF to Lark: Rule 'missing' not found"]
+    assert res.stderr.strip().splitlines() == [f"pyllm: error: --grammar {shorten(str(tmp_path / 'bad.gbnf'))}: "
+                                               "invalid grammar: Failed to convert the grammar from GBNF to Lark: "
+                                               "Rule 'missing' not found"]
 
 
 def readme_section(title):
@@ -474,3 +476,23 @@ def test_readme_structured_output_examples(tmp_path):
     res = subprocess.run(["bash", "-ec", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert isinstance(json.loads(res.stdout)["city"], str)
+
+
+def test_cli_schema_or_grammar_errors_name_the_file(tmp_path, smollm2_path, monkeypatch, capsys):
+    """A --json-schema or --grammar file whose content is bad was reported without naming the file ("json_schema
+    is not valid JSON: ..."); the error now starts with the flag and the file. Reference: the one-line
+    "pyllm: error:" convention of tests/test_doors.py, exit 1, no traceback."""
+    from conftest import cli_in_process
+
+    cli = cli_in_process(monkeypatch, capsys)
+    (tmp_path / "notjson.json").write_text("root: x\n")
+    (tmp_path / "badtype.json").write_text('{"type": "foo"}')
+    (tmp_path / "bad.gbnf").write_text("root ::= missing\n")
+    for flag, name, why in (("--json-schema", "notjson.json", "not valid JSON"),
+                            ("--json-schema", "badtype.json", "Invalid type: foo"),
+                            ("--grammar", "bad.gbnf", "missing")):
+        path = str(tmp_path / name)
+        res = cli("run", smollm2_path, "x", flag, path, "-n", "2")
+        lines = [ln for ln in res.stderr.strip().splitlines() if "error" in ln]
+        assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr
+        assert lines[0].startswith(f"pyllm: error: {flag} {shorten(path)}: ") and why in lines[0], lines[0]

@@ -69,7 +69,11 @@ def cmd_run(a) -> int:
     kw = sampling_kwargs(a)
     if constrained:
         # compiled before the prompt is evaluated, so a bad schema or grammar fails fast
-        kw["constraint"] = llm.make_constraint(**constrained)
+        try:
+            kw["constraint"] = llm.make_constraint(**constrained)
+        except PyllmError as e:  # the file's content is at fault: say which file
+            flag, path = ("--json-schema", a.json_schema) if "json_schema" in constrained else ("--grammar", a.grammar)
+            raise PyllmError(f"{flag} {shorten(path)}: {e}") from None
     whole = llm.context_policy == "stop"  # else fit_prompt drops the prompt's oldest tokens to make it fit
     if a.chat:
         msgs = [{"role": "system", "content": a.system}] if a.system else []
