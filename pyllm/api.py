@@ -202,14 +202,27 @@ class Run:
 
     def pieces(self) -> Iterator[tuple[str, list[TokenInfo]]]:
         """(text, tokens) pieces as they become final: text is held back while a stop string may be forming;
-        ``tokens`` are those whose text the piece completes (for logprobs)."""
+        ``tokens`` are those whose text starts within the text released so far (for logprobs). A token that
+        starts where a stop string ended the output is not part of the output, so its logprob is not reported
+        (as llama.cpp's server drops the stop string's tokens); one the cut falls inside is kept."""
         from .tokenizer import StreamDecoder
 
         llm, tok = self.llm, self.llm.tokenizer
         dec = StreamDecoder(tok)
         grammar = self.constraint.get("constraint")
         stops = StopStrings(self.stop, grammar.accepts_text if grammar is not None else None)
-        tail, infos = "", []
+        tail = ""
+        # Logprobs wait for their token's text: (UTF-8 byte offset where the token starts, info), and the bytes
+        # of the tokens queued so far and of the text released so far.
+        queued: list[tuple[int, TokenInfo]] = []
+        token_end = released = 0
+
+        def ready(end: int) -> list[TokenInfo]:
+            n = next((i for i, (start, _) in enumerate(queued) if start >= end), len(queued))
+            out = [info for _, info in queued[:n]]
+            del queued[:n]
+            return out
+
         self.finish_reason = "length"
         if self.max_tokens == 0:
             return
@@ -227,23 +240,27 @@ class Run:
                     self.finish_reason = "stop"
                     break
                 if self.sampler.logprobs is not None:
-                    infos.append(self._info(t))
+                    info = self._info(t)
+                    queued.append((token_end, info))
+                    token_end += len(info.bytes)
                 out = stops.push(dec.push(t))
                 if stops.stopped:
                     tail = out
                     break
                 if out:
                     self.text += out
-                    yield out, infos
-                    infos = []
+                    released += _utf8_len(out)
+                    yield out, ready(released)
             else:
                 tail = stops.push(dec.flush())
             if stops.stopped:
                 self.finish_reason = "stop"
+                infos = ready(released + _utf8_len(tail))  # the rest start in or after the stop string
             else:
                 tail += stops.flush()
                 if llm.stats.finish_reason == "context":
                     self.finish_reason = "length"
+                infos = [info for _, info in queued]
             if tail or infos:
                 self.text += tail
                 yield tail, infos
@@ -258,6 +275,10 @@ class Run:
         return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
                          [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops], list(b),
                          [list(tb) for tb, _ in tops])
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
 
 
 def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
@@ -361,7 +382,7 @@ def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include
         yield chunk(prefix, None, None)
     for text, infos in run.pieces():
         yield chunk(text, _completion_logprobs(infos, offset) if want_lp else None, None)
-        offset += len(text)
+        offset += sum(len(t.text) for t in infos)  # as the whole response counts it: token by token
     yield chunk("", None, run.finish_reason)
     if include_usage:
         yield {**head, "choices": [], "usage": run.usage()}
