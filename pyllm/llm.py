@@ -77,12 +77,24 @@ _REAL_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty"
 _INT_SETTINGS = ("top_k", "penalty_last_n")
 
 
+# What generate / chat / generate_tokens take besides the sampler's own settings
+_GENERATION_KEYWORDS = ("sampler", "json_schema", "grammar", "constraint", "speculative", "spec_k", "spec_ngram")
+
+
 def check_sampling(settings: dict) -> dict:
     """Type checks of sampling settings before the sampler compares them (a string or NaN would otherwise end in
-    a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate)."""
+    a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate).
+    A keyword that is neither a setting nor a generation option is refused here, when the call is made, naming
+    it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token."""
     import math
     import numbers
+    from dataclasses import fields
 
+    known = [f.name for f in fields(SamplerSettings)]
+    unknown = [k for k in settings if k not in known and k not in _GENERATION_KEYWORDS]
+    if unknown:
+        raise PyllmError(f"unknown argument {shorten(unknown[0])!r}; generation takes max_tokens, stop, stream, "
+                         f"{', '.join(known)}, {', '.join(_GENERATION_KEYWORDS)}")
     out = dict(settings)
     for k, v in settings.items():
         if k in _REAL_SETTINGS:

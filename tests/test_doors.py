@@ -153,6 +153,29 @@ def test_library_arguments(tiny):
     assert llm.tokenize("a\ud800b") == llm.tokenize("a\ufffdb")
 
 
+def test_unknown_generation_keywords_are_named_when_the_call_is_made(tiny):
+    """A misspelled or foreign keyword (max_new_tokens, logprobs) reached SamplerSettings and came out as a
+    TypeError about SamplerSettings.__init__, and with stream=True only at the first next(). Now generate, chat
+    and generate_tokens refuse it with a PyllmError naming it at the call. Reference: the documented contract
+    that every error caused by input is a PyllmError naming the value; the valid keywords still work."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    msgs = [{"role": "user", "content": "hi"}]
+    for bad in ("max_new_tokens", "logprobs", "n_predict"):
+        for call in (lambda: llm.generate("hi", max_tokens=2, stream=True, **{bad: 1}),
+                     lambda: llm.chat(msgs, max_tokens=2, stream=True, **{bad: 1}),
+                     lambda: llm.generate_tokens([1, 2], max_tokens=2, **{bad: 1})):
+            with pytest.raises(PyllmError, match=f"unknown argument '{bad}'"):
+                next(iter(call()))  # a generator raises on its first next(); generate/chat before it
+        with pytest.raises(PyllmError, match=f"unknown argument '{bad}'"):
+            llm.generate("hi", max_tokens=2, stream=True, **{bad: 1})
+    out = llm.generate("hi", max_tokens=2, temperature=0, typical_p=0.9, repeat_penalty=1.1, penalty_last_n=8,
+                       frequency_penalty=0.1, presence_penalty=0.1, logit_bias={3: 1.0}, seed=1,
+                       speculative="none")
+    assert isinstance(out, str)
+
+
 def test_chat_checks_stop_as_generate_does(tiny):
     """llm.chat took stop unchecked: a bare string was iterated into one-character stop strings (stop="END" ended
     the reply at its first "E", "N" or "D"), and a list holding a non-string was a TypeError from inside the
