@@ -100,6 +100,27 @@ def test_seed_random_is_accepted_where_the_error_offers_it(cli, tiny):
         assert "Traceback" not in res.stderr and "nonexistent" not in res.stderr
 
 
+def test_serve_refuses_an_empty_api_key(cli, monkeypatch):
+    """pyllm serve --api-key "" (what --api-key "$KEY" gives when KEY is unset) started a server that answered
+    every client without a key, silently. Now it is a one-line error naming --api-key, before the model loads
+    or the port opens; an empty $PYLLM_API_KEY still counts as unset. Reference: the one-line error convention
+    of this file; the key rule read directly from api_key_from_args."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("uvicorn")
+    for key in ("", "  "):
+        res = cli("serve", "/nonexistent.gguf", "--api-key", key, "--port", "0")
+        assert_one_line_error(res, 1, "--api-key is empty")
+        assert "nonexistent" not in res.stderr
+    from pyllm.cli.main import api_key_from_args
+
+    monkeypatch.setenv("PYLLM_API_KEY", "")
+    assert api_key_from_args(SimpleNamespace(api_key=None)) is None
+    monkeypatch.setenv("PYLLM_API_KEY", "k1")
+    assert api_key_from_args(SimpleNamespace(api_key=None)) == "k1"
+    assert api_key_from_args(SimpleNamespace(api_key="k2")) == "k2"
+
+
 def test_non_utf8_prompt_on_stdin_and_argv(cli, tiny):
     res = cli("run", tiny, "-n", "2", "--temp", "0", stdin=b"caf\xe9 \xff\xfe ok")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
