@@ -712,14 +712,23 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
 
     yield chunk({"role": "assistant", "content": ""})
     # With tools, content is held back while it may be the start of a call; from a call on, the rest is buffered
-    # and sent as tool_calls at the end (or as content, if it does not parse).
+    # and sent as tool_calls at the end (or as content, if it does not parse). The logprobs of held text wait
+    # with it and go out with the next chunk sent, so that the stream reports every token the response does.
     full, sent, held = prefix, 0, bool(prefix)
+    waiting: list[TokenInfo] = []
+
+    def lp_of_waiting():
+        out = _chat_logprobs(waiting) if want_lp and waiting else None
+        waiting.clear()
+        return out
+
     for text, infos in run.pieces():
-        lp = _chat_logprobs(infos) if want_lp else None
         if not tools:
+            lp = _chat_logprobs(infos) if want_lp else None
             if text or lp:
                 yield chunk({"content": text}, lp=lp)
             continue
+        waiting += infos
         full += text
         if not sent and not held:
             start = full.lstrip()
@@ -736,17 +745,17 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
                 upto = len(full) - max((k for k in range(1, len(TOOL_OPEN)) if full.endswith(TOOL_OPEN[:k])),
                                        default=0)
             if upto > sent:
-                yield chunk({"content": full[sent:upto]}, lp=lp)
+                yield chunk({"content": full[sent:upto]}, lp=lp_of_waiting())
                 sent = upto
     finish = run.finish_reason
     if tools:
         content, calls = parse_tool_calls(full, tools, constrained_call)
         if calls:
             for i, c in enumerate(calls):
-                yield chunk({"tool_calls": [{"index": i, **c}]})
+                yield chunk({"tool_calls": [{"index": i, **c}]}, lp=lp_of_waiting())
             finish = "tool_calls"
         elif len(full) > sent:
-            yield chunk({"content": full[sent:]})
-    yield chunk({}, finish)
+            yield chunk({"content": full[sent:]}, lp=lp_of_waiting())
+    yield chunk({}, finish, lp=lp_of_waiting())
     if include_usage:
         yield {**head, "choices": [], "usage": run.usage()}

@@ -171,6 +171,22 @@ def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
         assert got == toks[:3]
 
 
+def test_streamed_logprobs_with_tools_match_the_whole_response(llm):
+    """With tools, streamed text that may be a call is held back, and the logprobs of held pieces were dropped: a
+    forced call streamed no logprobs at all (the response had one per token), nor did a held reply that turned out
+    to be content. Reference: the whole (non-streamed) response to the same greedy request, token for token."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    for extra in (dict(tool_choice="required"), dict(tool_choice="auto", response_format={"type": "json_object"}),
+                  dict(tool_choice="auto")):
+        kw = dict(max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, tools=tools, **extra)
+        whole = llm.create_chat_completion(msgs, **kw)["choices"][0]["logprobs"]["content"]
+        streamed = [t for c in llm.create_chat_completion(msgs, stream=True, **kw) if c["choices"]
+                    and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
+        assert len(whole) > 0 and streamed == whole, extra
+
+
 def test_top_p_zero_is_greedy(llm):
     """top_p=0 keeps only the most likely token at any temperature.  Both calls start from an empty cache: a call
     that reuses the previous one's prompt re-evaluates the last prompt token through the decode step instead of
