@@ -121,6 +121,20 @@ def test_serve_refuses_an_empty_api_key(cli, monkeypatch):
     assert api_key_from_args(SimpleNamespace(api_key="k2")) == "k2"
 
 
+def test_bench_checks_every_synthetic_spec_before_measuring(cli, tiny, monkeypatch):
+    """pyllm bench MODEL --synthetic typo measured MODEL (minutes for a big one) and only then said the synthetic
+    spec was unknown. Every spec is now checked first: the error comes with nothing loaded. Reference: the
+    one-line error convention of this file; a loader that fails the test if it is reached."""
+    from pyllm.cli import bench
+
+    monkeypatch.setattr(bench, "load_subject", lambda *a, **k: pytest.fail("a model was loaded"))
+    for spec, needle in (("nope:q4_0", "unknown synthetic shape 'nope'"),
+                         ("llama3-8b:q9", "unknown synthetic file type 'q9'")):
+        res = cli("bench", tiny, "--synthetic", "smollm2-135m:q4_0", "--synthetic", spec, "-p", "1", "-n", "1",
+                  "-r", "1")
+        assert_one_line_error(res, 1, needle)
+
+
 def test_non_utf8_prompt_on_stdin_and_argv(cli, tiny):
     res = cli("run", tiny, "-n", "2", "--temp", "0", stdin=b"caf\xe9 \xff\xfe ok")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
