@@ -187,6 +187,24 @@ def test_streamed_logprobs_with_tools_match_the_whole_response(llm):
         assert len(whole) > 0 and streamed == whole, extra
 
 
+def test_embedding_dimensions_other_than_the_models_are_refused(llm):
+    """dimensions was ignored: asking for 256 answered with vectors of n_embd (576) floats, which a vector store
+    sized for 256 refuses later, far from the cause. Reference: OpenAI's API, which refuses dimensions for a
+    model that cannot shorten its embeddings; the model's own width (or none) is still served."""
+    n = llm.config.n_embd
+    for dims in (None, n):
+        r = llm.create_embedding("hello", dimensions=dims)
+        assert len(r["data"][0]["embedding"]) == n
+    for bad in (8, n + 1):
+        with pytest.raises(BadRequest, match=f"dimensions={bad}: this model's embeddings have {n}") as e:
+            llm.create_embedding("hello", dimensions=bad)
+        assert e.value.param == "dimensions"
+    for bad in (0, -1, 1.5, "8", True):
+        with pytest.raises(BadRequest) as e:
+            llm.create_embedding("hello", dimensions=bad)
+        assert e.value.param == "dimensions"
+
+
 def test_top_p_zero_is_greedy(llm):
     """top_p=0 keeps only the most likely token at any temperature.  Both calls start from an empty cache: a call
     that reuses the previous one's prompt re-evaluates the last prompt token through the decode step instead of
