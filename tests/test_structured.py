@@ -369,6 +369,36 @@ def test_forced_call_to_a_tool_without_parameters_passes_no_arguments():
         assert json.loads(call[0]["function"]["arguments"]) == {}
 
 
+def test_a_schema_defined_only_as_itself_is_refused_naming_the_reference():
+    """{"$ref": "#"} (or $defs that name each other, or allOf of itself) describes no value: jsonschema, the
+    reference, cannot check any instance against it (RecursionError). The engine failed on it with its internals'
+    "NoExtensionBias Error: None", and as a forced tool's parameters only once generation reached them (a 200
+    stream, then an error). Now it is refused when the constraint is built, naming the reference; recursion through
+    a value (an array of itself, a tree) still works."""
+    from pyllm.api import BadRequest, _forced_call, structured_output_kwargs
+
+    llm = llm_of("smollm2")
+    loops = ({"$ref": "#"}, {"allOf": [{"$ref": "#"}]},
+             {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})
+    for schema in loops:
+        with pytest.raises(RecursionError):
+            jsonschema.Draft202012Validator(schema).is_valid(1)
+        with pytest.raises(PyllmError, match=r'"\$ref": .* leads back to itself'):
+            llm.make_constraint(json_schema=schema)
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        with pytest.raises(BadRequest, match="leads back to itself") as e:
+            structured_output_kwargs(llm, rf)
+        assert e.value.param == "response_format"
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        with pytest.raises(BadRequest, match="leads back to itself") as e:
+            _forced_call(llm, tools, "f", {})
+        assert e.value.param == "tools"
+    tree = {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                            "required": ["c"], "additionalProperties": False}}, "$ref": "#/$defs/n"}
+    assert accepts(llm, tree, '{"c": [{"c": []}]}') and not accepts(llm, tree, '{"c": [1]}')
+    assert accepts(llm, {"type": "array", "items": {"$ref": "#"}}, "[[], [[]]]")
+
+
 def test_forced_call_with_false_parameters_is_a_bad_request():
     """parameters: false is a JSON schema no arguments match; it was read as "no schema" and the call went out
     unconstrained (jsonschema rejects whatever arguments came back). A forced call to it is a 400 naming tools;
