@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from . import registry
-from .errors import ContextFullError, ModelError, PyllmError, in_file, shorten
+from .errors import ContextFullError, ModelError, PyllmError, in_file
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 
@@ -52,6 +52,8 @@ def check_int(name: str, value, lo: int = 0, hi: int | None = None) -> int:
 def check_stop(stop) -> list[str]:
     """``stop`` as a list of strings (None: none), or a PyllmError. A bare string is refused rather than read
     as a list: iterated, "END" would be the three stop strings "E", "N" and "D"."""
+    from .errors import shorten
+
     if stop is None:
         return []
     if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple)) \
@@ -89,6 +91,8 @@ def check_sampling(settings: dict) -> dict:
     import math
     import numbers
     from dataclasses import fields
+
+    from .errors import shorten
 
     known = [f.name for f in fields(SamplerSettings)]
     unknown = [k for k in settings if k not in known and k not in _GENERATION_KEYWORDS]
