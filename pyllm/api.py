@@ -202,14 +202,27 @@ class Run:
 
     def pieces(self) -> Iterator[tuple[str, list[TokenInfo]]]:
         """(text, tokens) pieces as they become final: text is held back while a stop string may be forming;
-        ``tokens`` are those whose text the piece completes (for logprobs)."""
+        ``tokens`` are those whose text starts within the text released so far (for logprobs). A token that
+        starts where a stop string ended the output is not part of the output, so its logprob is not reported
+        (as llama.cpp's server drops the stop string's tokens); one the cut falls inside is kept."""
         from .tokenizer import StreamDecoder
 
         llm, tok = self.llm, self.llm.tokenizer
         dec = StreamDecoder(tok)
         grammar = self.constraint.get("constraint")
         stops = StopStrings(self.stop, grammar.accepts_text if grammar is not None else None)
-        tail, infos = "", []
+        tail = ""
+        # Logprobs wait for their token's text: (UTF-8 byte offset where the token starts, info), and the bytes
+        # of the tokens queued so far and of the text released so far.
+        queued: list[tuple[int, TokenInfo]] = []
+        token_end = released = 0
+
+        def ready(end: int) -> list[TokenInfo]:
+            n = next((i for i, (start, _) in enumerate(queued) if start >= end), len(queued))
+            out = [info for _, info in queued[:n]]
+            del queued[:n]
+            return out
+
         self.finish_reason = "length"
         if self.max_tokens == 0:
             return
@@ -227,23 +240,27 @@ class Run:
                     self.finish_reason = "stop"
                     break
                 if self.sampler.logprobs is not None:
-                    infos.append(self._info(t))
+                    info = self._info(t)
+                    queued.append((token_end, info))
+                    token_end += len(info.bytes)
                 out = stops.push(dec.push(t))
                 if stops.stopped:
                     tail = out
                     break
                 if out:
                     self.text += out
-                    yield out, infos
-                    infos = []
+                    released += _utf8_len(out)
+                    yield out, ready(released)
             else:
                 tail = stops.push(dec.flush())
             if stops.stopped:
                 self.finish_reason = "stop"
+                infos = ready(released + _utf8_len(tail))  # the rest start in or after the stop string
             else:
                 tail += stops.flush()
                 if llm.stats.finish_reason == "context":
                     self.finish_reason = "length"
+                infos = [info for _, info in queued]
             if tail or infos:
                 self.text += tail
                 yield tail, infos
@@ -258,6 +275,10 @@ class Run:
         return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
                          [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops], list(b),
                          [list(tb) for tb, _ in tops])
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", errors="surrogatepass"))
 
 
 def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
@@ -361,7 +382,7 @@ def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include
         yield chunk(prefix, None, None)
     for text, infos in run.pieces():
         yield chunk(text, _completion_logprobs(infos, offset) if want_lp else None, None)
-        offset += len(text)
+        offset += sum(len(t.text) for t in infos)  # as the whole response counts it: token by token
     yield chunk("", None, run.finish_reason)
     if include_usage:
         yield {**head, "choices": [], "usage": run.usage()}
@@ -486,7 +507,9 @@ def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
             continue
         schema = t["function"].get("parameters")
         if schema is None:
-            schema = {}
+            # OpenAI: "omitting parameters defines a function with an empty parameter list". Read as "any JSON
+            # value" it let the model write arguments like [1, 2, 3], which no client can pass to the function.
+            schema = {"type": "object", "properties": {}, "additionalProperties": False}
         elif schema is False:  # a valid JSON schema that nothing matches (``or {}`` made it "anything")
             raise BadRequest(f"tools: the parameters of {t['function']['name']!r} are false, which no arguments "
                              f"can match", "tools")
@@ -689,14 +712,23 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
 
     yield chunk({"role": "assistant", "content": ""})
     # With tools, content is held back while it may be the start of a call; from a call on, the rest is buffered
-    # and sent as tool_calls at the end (or as content, if it does not parse).
+    # and sent as tool_calls at the end (or as content, if it does not parse). The logprobs of held text wait
+    # with it and go out with the next chunk sent, so that the stream reports every token the response does.
     full, sent, held = prefix, 0, bool(prefix)
+    waiting: list[TokenInfo] = []
+
+    def lp_of_waiting():
+        out = _chat_logprobs(waiting) if want_lp and waiting else None
+        waiting.clear()
+        return out
+
     for text, infos in run.pieces():
-        lp = _chat_logprobs(infos) if want_lp else None
         if not tools:
+            lp = _chat_logprobs(infos) if want_lp else None
             if text or lp:
                 yield chunk({"content": text}, lp=lp)
             continue
+        waiting += infos
         full += text
         if not sent and not held:
             start = full.lstrip()
@@ -713,17 +745,17 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
                 upto = len(full) - max((k for k in range(1, len(TOOL_OPEN)) if full.endswith(TOOL_OPEN[:k])),
                                        default=0)
             if upto > sent:
-                yield chunk({"content": full[sent:upto]}, lp=lp)
+                yield chunk({"content": full[sent:upto]}, lp=lp_of_waiting())
                 sent = upto
     finish = run.finish_reason
     if tools:
         content, calls = parse_tool_calls(full, tools, constrained_call)
         if calls:
             for i, c in enumerate(calls):
-                yield chunk({"tool_calls": [{"index": i, **c}]})
+                yield chunk({"tool_calls": [{"index": i, **c}]}, lp=lp_of_waiting())
             finish = "tool_calls"
         elif len(full) > sent:
-            yield chunk({"content": full[sent:]})
-    yield chunk({}, finish)
+            yield chunk({"content": full[sent:]}, lp=lp_of_waiting())
+    yield chunk({}, finish, lp=lp_of_waiting())
     if include_usage:
         yield {**head, "choices": [], "usage": run.usage()}

@@ -94,15 +94,22 @@ def _encode(v: list[float], encoding_format: str | None):
     return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode()
 
 
-def create_embedding(llm, input, model: str | None = None, encoding_format: str | None = None, cancel=None,
-                     **ignored) -> dict:
+def create_embedding(llm, input, model: str | None = None, encoding_format: str | None = None,
+                     dimensions: int | None = None, cancel=None, **ignored) -> dict:
     """OpenAI ``/v1/embeddings`` response for ``input`` (a string or a list of strings); ``cancel`` as for
-    embed_counted."""
-    from .api import BadRequest
+    embed_counted. ``dimensions``: None or the model's own width; a vector of any other length is refused, as
+    OpenAI refuses it for models that cannot shorten theirs (cutting a vector that was not trained to be cut
+    would not keep its meaning), instead of answering with vectors of a length the client did not ask for."""
+    from .api import BadRequest, _number
 
     if encoding_format not in (None, "float", "base64"):
         raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}",
                          "encoding_format")
+    if dimensions is not None:
+        _number("dimensions", dimensions, 1, integer=True)
+        if dimensions != llm.config.n_embd:
+            raise BadRequest(f"dimensions={dimensions}: this model's embeddings have {llm.config.n_embd} dimensions "
+                             f"and cannot be shortened", "dimensions")
     if isinstance(input, str):
         input = [input]
     if not isinstance(input, list) or not input or not all(isinstance(t, str) for t in input):

@@ -49,6 +49,19 @@ def check_int(name: str, value, lo: int = 0, hi: int | None = None) -> int:
     return value
 
 
+def check_stop(stop) -> list[str]:
+    """``stop`` as a list of strings (None: none), or a PyllmError. A bare string is refused rather than read
+    as a list: iterated, "END" would be the three stop strings "E", "N" and "D"."""
+    from .errors import shorten
+
+    if stop is None:
+        return []
+    if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple)) \
+            or not all(isinstance(x, str) for x in stop):
+        raise PyllmError(f"stop must be a list of strings, got {shorten(repr(stop))}")
+    return list(stop)
+
+
 def check_seed(seed) -> int | None:
     """None or -1: a random seed (llama.cpp's convention); otherwise an integer in [0, 2**63)."""
     if seed is None:
@@ -66,12 +79,26 @@ _REAL_SETTINGS = ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty"
 _INT_SETTINGS = ("top_k", "penalty_last_n")
 
 
+# What generate / chat / generate_tokens take besides the sampler's own settings
+_GENERATION_KEYWORDS = ("sampler", "json_schema", "grammar", "constraint", "speculative", "spec_k", "spec_ngram")
+
+
 def check_sampling(settings: dict) -> dict:
     """Type checks of sampling settings before the sampler compares them (a string or NaN would otherwise end in
-    a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate)."""
+    a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate).
+    A keyword that is neither a setting nor a generation option is refused here, when the call is made, naming
+    it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token."""
     import math
     import numbers
+    from dataclasses import fields
 
+    from .errors import shorten
+
+    known = [f.name for f in fields(SamplerSettings)]
+    unknown = [k for k in settings if k not in known and k not in _GENERATION_KEYWORDS]
+    if unknown:
+        raise PyllmError(f"unknown argument {shorten(unknown[0])!r}; generation takes max_tokens, stop, stream, "
+                         f"{', '.join(known)}, {', '.join(_GENERATION_KEYWORDS)}")
     out = dict(settings)
     for k, v in settings.items():
         if k in _REAL_SETTINGS:
@@ -366,9 +393,8 @@ class LLM:
         """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces."""
         max_tokens = check_int("max_tokens", max_tokens, 0)  # now, not at the first next() of a stream
         sampling = check_sampling(sampling)
-        if stop is not None and (isinstance(stop, str) or not all(isinstance(x, str) for x in stop)):
-            raise PyllmError(f"stop must be a list of strings, got {stop!r}")
-        it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop or [], sampling)
+        stop = check_stop(stop)
+        it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop, sampling)
         return it if stream else "".join(it)
 
     def _stream_text(self, ids: list[int], max_tokens: int, stop: list[str], sampling: dict) -> Iterator[str]:
@@ -479,8 +505,9 @@ class LLM:
         """
         max_tokens = check_int("max_tokens", max_tokens, 0)
         sampling = check_sampling(sampling)
+        stop = check_stop(stop)
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
-        it = self._stream_text(ids, max_tokens, stop or [], sampling)
+        it = self._stream_text(ids, max_tokens, stop, sampling)
         return it if stream else "".join(it)
 
     # ---- OpenAI-shaped API (pyllm/api.py, pyllm/embed.py) ---------------------------------------------------------

@@ -130,6 +130,81 @@ def test_logprobs_in_responses(llm):
         assert t["top_logprobs"][0]["logprob"] == pytest.approx(t["logprob"], abs=1e-6)  # greedy: the top token
 
 
+def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
+    """Logprobs were reported for the tokens of the stop string itself: stop=" cat" gave text "" with logprobs for
+    " cat", stop="." gave the reply without its "." but with the "." token. Reference: llama.cpp's server, which
+    drops the stop string's tokens; exact checks: a token that starts at or after the cut is not reported, one the
+    cut falls inside is; streamed and whole responses report the same tokens and text offsets."""
+    prompt = "The dog and the"
+    whole = llm.create_completion(prompt, max_tokens=20, temperature=0, logprobs=1)["choices"][0]
+    tokens, text = whole["logprobs"]["tokens"], whole["text"]
+    assert "".join(tokens) == text
+    starts = [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+    # stops at a token boundary (the whole first token, a later token) and inside a token
+    inside = next(i for i, t in enumerate(tokens) if len(t.strip()) >= 3 and i > 0)
+    for stop in (tokens[0], tokens[inside], tokens[inside][-2:]):
+        cut = text.find(stop)
+        want = [t for t, start in zip(tokens, starts) if start < cut]
+        for echo in (False, True):
+            kw = dict(max_tokens=20, temperature=0, logprobs=1, stop=stop, echo=echo)
+            r = llm.create_completion(prompt, **kw)["choices"][0]
+            lp = r["logprobs"]
+            assert r["finish_reason"] == "stop" and r["text"] == (prompt if echo else "") + text[:cut]
+            assert lp["tokens"] == want, (stop, lp["tokens"])
+            chunks = [c["choices"][0] for c in llm.create_completion(prompt, stream=True, **kw) if c["choices"]]
+            assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == want
+            assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == lp["text_offset"]
+    msgs = [{"role": "user", "content": "Write one sentence about cats."}]
+    full = llm.create_chat_completion(msgs, max_tokens=20, temperature=0, logprobs=True)["choices"][0]
+    toks = [t["token"] for t in full["logprobs"]["content"]]
+    stop = toks[3]
+    cut = full["message"]["content"].find(stop)
+    assert cut == len("".join(toks[:3]))
+    for stream in (False, True):
+        r = llm.create_chat_completion(msgs, max_tokens=20, temperature=0, logprobs=True, stop=stop, stream=stream)
+        if stream:
+            got = [t["token"] for c in r if c["choices"] and c["choices"][0]["logprobs"]
+                   for t in c["choices"][0]["logprobs"]["content"]]
+        else:
+            got = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
+            assert r["choices"][0]["message"]["content"] == "".join(toks[:3])
+        assert got == toks[:3]
+
+
+def test_streamed_logprobs_with_tools_match_the_whole_response(llm):
+    """With tools, streamed text that may be a call is held back, and the logprobs of held pieces were dropped: a
+    forced call streamed no logprobs at all (the response had one per token), nor did a held reply that turned out
+    to be content. Reference: the whole (non-streamed) response to the same greedy request, token for token."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    for extra in (dict(tool_choice="required"), dict(tool_choice="auto", response_format={"type": "json_object"}),
+                  dict(tool_choice="auto")):
+        kw = dict(max_tokens=24, temperature=0, logprobs=True, top_logprobs=2, tools=tools, **extra)
+        whole = llm.create_chat_completion(msgs, **kw)["choices"][0]["logprobs"]["content"]
+        streamed = [t for c in llm.create_chat_completion(msgs, stream=True, **kw) if c["choices"]
+                    and c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["content"]]
+        assert len(whole) > 0 and streamed == whole, extra
+
+
+def test_embedding_dimensions_other_than_the_models_are_refused(llm):
+    """dimensions was ignored: asking for 256 answered with vectors of n_embd (576) floats, which a vector store
+    sized for 256 refuses later, far from the cause. Reference: OpenAI's API, which refuses dimensions for a
+    model that cannot shorten its embeddings; the model's own width (or none) is still served."""
+    n = llm.config.n_embd
+    for dims in (None, n):
+        r = llm.create_embedding("hello", dimensions=dims)
+        assert len(r["data"][0]["embedding"]) == n
+    for bad in (8, n + 1):
+        with pytest.raises(BadRequest, match=f"dimensions={bad}: this model's embeddings have {n}") as e:
+            llm.create_embedding("hello", dimensions=bad)
+        assert e.value.param == "dimensions"
+    for bad in (0, -1, 1.5, "8", True):
+        with pytest.raises(BadRequest) as e:
+            llm.create_embedding("hello", dimensions=bad)
+        assert e.value.param == "dimensions"
+
+
 def test_top_p_zero_is_greedy(llm):
     """top_p=0 keeps only the most likely token at any temperature.  Both calls start from an empty cache: a call
     that reuses the previous one's prompt re-evaluates the last prompt token through the decode step instead of

@@ -82,6 +82,59 @@ def test_seed_minus_one_is_random_on_run(cli, tiny):
     assert res.returncode == 0, res.stderr
 
 
+def test_seed_random_is_accepted_where_the_error_offers_it(cli, tiny):
+    """A bad --seed is refused with "seed must be an integer >= 0, or 'random'", and /set seed random works, but
+    argparse parsed --seed as a plain int and refused "random" itself. Reference: the REPL's own seed rule
+    (parse_setting): the words it takes are accepted on run and chat, and a non-integer is a one-flag error."""
+    from pyllm.cli.common import parse_setting
+
+    for word in ("random", "Random", "none", "off"):
+        assert parse_setting("seed", word) == ("seed", None)
+        res = cli("run", tiny, "hello", "-n", "2", "--seed", word, "--temp", "0.8")
+        assert res.returncode == 0, res.stderr
+    res = cli("chat", tiny, "-n", "2", "--seed", "random", stdin=b"hello")
+    assert res.returncode == 0, res.stderr
+    for bad in ("abc", "1.5"):
+        res = cli("run", "/nonexistent.gguf", "hello", "--seed", bad)
+        assert res.returncode == 2 and "argument --seed: seed must be an integer >= 0, or 'random'" in res.stderr
+        assert "Traceback" not in res.stderr and "nonexistent" not in res.stderr
+
+
+def test_serve_refuses_an_empty_api_key(cli, monkeypatch):
+    """pyllm serve --api-key "" (what --api-key "$KEY" gives when KEY is unset) started a server that answered
+    every client without a key, silently. Now it is a one-line error naming --api-key, before the model loads
+    or the port opens; an empty $PYLLM_API_KEY still counts as unset. Reference: the one-line error convention
+    of this file; the key rule read directly from api_key_from_args."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("uvicorn")
+    for key in ("", "  "):
+        res = cli("serve", "/nonexistent.gguf", "--api-key", key, "--port", "0")
+        assert_one_line_error(res, 1, "--api-key is empty")
+        assert "nonexistent" not in res.stderr
+    from pyllm.cli.main import api_key_from_args
+
+    monkeypatch.setenv("PYLLM_API_KEY", "")
+    assert api_key_from_args(SimpleNamespace(api_key=None)) is None
+    monkeypatch.setenv("PYLLM_API_KEY", "k1")
+    assert api_key_from_args(SimpleNamespace(api_key=None)) == "k1"
+    assert api_key_from_args(SimpleNamespace(api_key="k2")) == "k2"
+
+
+def test_bench_checks_every_synthetic_spec_before_measuring(cli, tiny, monkeypatch):
+    """pyllm bench MODEL --synthetic typo measured MODEL (minutes for a big one) and only then said the synthetic
+    spec was unknown. Every spec is now checked first: the error comes with nothing loaded. Reference: the
+    one-line error convention of this file; a loader that fails the test if it is reached."""
+    from pyllm.cli import bench
+
+    monkeypatch.setattr(bench, "load_subject", lambda *a, **k: pytest.fail("a model was loaded"))
+    for spec, needle in (("nope:q4_0", "unknown synthetic shape 'nope'"),
+                         ("llama3-8b:q9", "unknown synthetic file type 'q9'")):
+        res = cli("bench", tiny, "--synthetic", "smollm2-135m:q4_0", "--synthetic", spec, "-p", "1", "-n", "1",
+                  "-r", "1")
+        assert_one_line_error(res, 1, needle)
+
+
 def test_non_utf8_prompt_on_stdin_and_argv(cli, tiny):
     res = cli("run", tiny, "-n", "2", "--temp", "0", stdin=b"caf\xe9 \xff\xfe ok")
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
@@ -133,3 +186,46 @@ def test_library_arguments(tiny):
     # seed -1 is random; a lone surrogate in the prompt is a replacement character, not a crash
     assert isinstance(llm.generate("hi\udcff", max_tokens=2, seed=-1), str)
     assert llm.tokenize("a\ud800b") == llm.tokenize("a\ufffdb")
+
+
+def test_unknown_generation_keywords_are_named_when_the_call_is_made(tiny):
+    """A misspelled or foreign keyword (max_new_tokens, logprobs) reached SamplerSettings and came out as a
+    TypeError about SamplerSettings.__init__, and with stream=True only at the first next(). Now generate, chat
+    and generate_tokens refuse it with a PyllmError naming it at the call. Reference: the documented contract
+    that every error caused by input is a PyllmError naming the value; the valid keywords still work."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    msgs = [{"role": "user", "content": "hi"}]
+    for bad in ("max_new_tokens", "logprobs", "n_predict"):
+        for call in (lambda: llm.generate("hi", max_tokens=2, stream=True, **{bad: 1}),
+                     lambda: llm.chat(msgs, max_tokens=2, stream=True, **{bad: 1}),
+                     lambda: llm.generate_tokens([1, 2], max_tokens=2, **{bad: 1})):
+            with pytest.raises(PyllmError, match=f"unknown argument '{bad}'"):
+                next(iter(call()))  # a generator raises on its first next(); generate/chat before it
+        with pytest.raises(PyllmError, match=f"unknown argument '{bad}'"):
+            llm.generate("hi", max_tokens=2, stream=True, **{bad: 1})
+    out = llm.generate("hi", max_tokens=2, temperature=0, typical_p=0.9, repeat_penalty=1.1, penalty_last_n=8,
+                       frequency_penalty=0.1, presence_penalty=0.1, logit_bias={3: 1.0}, seed=1,
+                       speculative="none")
+    assert isinstance(out, str)
+
+
+def test_chat_checks_stop_as_generate_does(tiny):
+    """llm.chat took stop unchecked: a bare string was iterated into one-character stop strings (stop="END" ended
+    the reply at its first "E", "N" or "D"), and a list holding a non-string was a TypeError from inside the
+    stop matcher. chat now refuses both with the PyllmError generate gives, before anything is generated,
+    streamed or not; a list or tuple of strings still works. Reference: generate's own check (exact message)."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    msgs = [{"role": "user", "content": "hi"}]
+    for bad in ("END", ["x", 5], 5, b"x", {"x": 1}):
+        for stream in (False, True):
+            with pytest.raises(PyllmError, match="stop must be a list of strings") as e:
+                llm.chat(msgs, max_tokens=2, stop=bad, stream=stream)
+            with pytest.raises(PyllmError) as g:
+                llm.generate("hi", max_tokens=2, stop=bad, stream=stream)
+            assert str(e.value) == str(g.value)
+    for ok in (["x"], ("x",), [], None):
+        assert isinstance(llm.chat(msgs, max_tokens=2, stop=ok, temperature=0), str)

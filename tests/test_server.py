@@ -256,12 +256,14 @@ def test_prompts_that_cannot_fit_are_refused_before_they_are_tokenized(smol):
 
 def test_bodies_python_cannot_take_are_400s(smol):
     """A body nested deeper than Python's JSON parser recurses, a number longer than Python converts (4300
-    digits), or a model id that is not a string, is the client's error: a 400 naming it, not a 500."""
+    digits), or a model id that is not a string, is the client's error: a 400 naming it, not a 500 (nor Python's
+    advice to call sys.set_int_max_str_digits, which an HTTP client cannot follow)."""
     deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     status, body = smol.raw("/v1/chat/completions", deep)
     assert status == 400 and "nest too deeply" in body["error"]["message"]
     status, body = smol.raw("/v1/completions", b'{"prompt": "hi", "max_tokens": ' + b"9" * 5000 + b"}")
     assert status == 400 and "malformed JSON" in body["error"]["message"], body
+    assert "4300 digits" in body["error"]["message"] and "sys." not in body["error"]["message"], body
     for model in (["smollm2"], {"id": "smollm2"}):
         status, body = smol.raw("/v1/completions", json.dumps({"model": model, "prompt": "hi"}).encode())
         assert status == 400 and body["error"]["param"] == "model" and "string" in body["error"]["message"]

@@ -19,6 +19,7 @@ jsonschema = pytest.importorskip("jsonschema")  # in the test extra; CI installs
 
 from conftest import pyllm_model  # noqa: E402
 from pyllm import PyllmError  # noqa: E402
+from pyllm.errors import shorten  # noqa: E402
 from pyllm.runtime.constraint import Constraint, make_constraint  # noqa: E402
 from pyllm.runtime.sampler import Sampler, SamplerSettings  # noqa: E402
 
@@ -364,6 +365,66 @@ def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
         jsonschema.validate(json.loads(call[0]["function"]["arguments"]), params)
 
 
+def test_forced_call_to_a_tool_without_parameters_passes_no_arguments():
+    """OpenAI's reference: "omitting parameters defines a function with an empty parameter list". A forced call to
+    such a tool was constrained as if its arguments could be any JSON value, and SmolLM2 answered
+    "arguments": "[1, 2, 3]", which a client cannot pass to the function. The constraint now admits only {}
+    (checked exactly on the constraint), and the served call's arguments json.loads to {}, streamed or not."""
+    from pyllm.api import _forced_call
+
+    llm = llm_of("smollm2")
+    tools = [{"type": "function", "function": {"name": "g"}},
+             {"type": "function", "function": {"name": "f", "parameters": None}}]
+    for name in ("", "g", "f"):  # tool_choice "required", and each named function
+        def call(args):
+            text = '{"name": "%s", "arguments": %s}' % (name or "g", args)
+            return accepts(llm, None, text, _forced_call(llm, tools, name, {})[1]["constraint"])
+        assert call("{}")
+        for args in ("[1, 2, 3]", '"x"', "null", '{"x": 1}'):
+            assert not call(args), args
+    msgs = [{"role": "user", "content": "Call the function."}]
+    kw = dict(tools=tools[:1], tool_choice={"type": "function", "function": {"name": "g"}}, max_tokens=48,
+              temperature=0)
+    r = llm.create_chat_completion(msgs, **kw)
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    calls = [r["choices"][0]["message"]["tool_calls"]]
+    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
+    calls.append([tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])])
+    for call in calls:
+        assert len(call) == 1 and call[0]["function"]["name"] == "g"
+        assert json.loads(call[0]["function"]["arguments"]) == {}
+
+
+def test_a_schema_defined_only_as_itself_is_refused_naming_the_reference():
+    """{"$ref": "#"} (or $defs that name each other, or allOf of itself) describes no value: jsonschema, the
+    reference, cannot check any instance against it (RecursionError). The engine failed on it with its internals'
+    "NoExtensionBias Error: None", and as a forced tool's parameters only once generation reached them (a 200
+    stream, then an error). Now it is refused when the constraint is built, naming the reference; recursion through
+    a value (an array of itself, a tree) still works."""
+    from pyllm.api import BadRequest, _forced_call, structured_output_kwargs
+
+    llm = llm_of("smollm2")
+    loops = ({"$ref": "#"}, {"allOf": [{"$ref": "#"}]},
+             {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"})
+    for schema in loops:
+        with pytest.raises(RecursionError):
+            jsonschema.Draft202012Validator(schema).is_valid(1)
+        with pytest.raises(PyllmError, match=r'"\$ref": .* leads back to itself'):
+            llm.make_constraint(json_schema=schema)
+        rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        with pytest.raises(BadRequest, match="leads back to itself") as e:
+            structured_output_kwargs(llm, rf)
+        assert e.value.param == "response_format"
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        with pytest.raises(BadRequest, match="leads back to itself") as e:
+            _forced_call(llm, tools, "f", {})
+        assert e.value.param == "tools"
+    tree = {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+                            "required": ["c"], "additionalProperties": False}}, "$ref": "#/$defs/n"}
+    assert accepts(llm, tree, '{"c": [{"c": []}]}') and not accepts(llm, tree, '{"c": [1]}')
+    assert accepts(llm, {"type": "array", "items": {"$ref": "#"}}, "[[], [[]]]")
+
+
 def test_forced_call_with_false_parameters_is_a_bad_request():
     """parameters: false is a JSON schema no arguments match; it was read as "no schema" and the call went out
     unconstrained (jsonschema rejects whatever arguments came back). A forced call to it is a 400 naming tools;
@@ -444,8 +505,9 @@ def test_cli_run_json_schema_and_grammar(tmp_path, smollm2_path):
     (tmp_path / "bad.gbnf").write_text("root ::= missing\n")
     res = run_cli("run", smollm2_path, "x", "--grammar", str(tmp_path / "bad.gbnf"), "-n", "2")
     assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines() == ["pyllm: error: invalid grammar: Failed to convert the grammar from "
-                                               "GBNF to Lark: Rule 'missing' not found"]
+    assert res.stderr.strip().splitlines() == [f"pyllm: error: --grammar {shorten(str(tmp_path / 'bad.gbnf'))}: "
+                                               "invalid grammar: Failed to convert the grammar from GBNF to Lark: "
+                                               "Rule 'missing' not found"]
 
 
 def readme_section(title):
@@ -470,3 +532,23 @@ def test_readme_structured_output_examples(tmp_path):
     res = subprocess.run(["bash", "-ec", script], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert isinstance(json.loads(res.stdout)["city"], str)
+
+
+def test_cli_schema_or_grammar_errors_name_the_file(tmp_path, smollm2_path, monkeypatch, capsys):
+    """A --json-schema or --grammar file whose content is bad was reported without naming the file ("json_schema
+    is not valid JSON: ..."); the error now starts with the flag and the file. Reference: the one-line
+    "pyllm: error:" convention of tests/test_doors.py, exit 1, no traceback."""
+    from conftest import cli_in_process
+
+    cli = cli_in_process(monkeypatch, capsys)
+    (tmp_path / "notjson.json").write_text("root: x\n")
+    (tmp_path / "badtype.json").write_text('{"type": "foo"}')
+    (tmp_path / "bad.gbnf").write_text("root ::= missing\n")
+    for flag, name, why in (("--json-schema", "notjson.json", "not valid JSON"),
+                            ("--json-schema", "badtype.json", "Invalid type: foo"),
+                            ("--grammar", "bad.gbnf", "missing")):
+        path = str(tmp_path / name)
+        res = cli("run", smollm2_path, "x", flag, path, "-n", "2")
+        lines = [ln for ln in res.stderr.strip().splitlines() if "error" in ln]
+        assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr
+        assert lines[0].startswith(f"pyllm: error: {flag} {shorten(path)}: ") and why in lines[0], lines[0]

@@ -255,6 +255,11 @@ def cmd_bench(a) -> int:
             print(json.dumps(probe(a.threads, force=True), indent=2))
             return 0
         raise PyllmError("give at least one model (or --synthetic SHAPE:TYPE, or --probe)")
+    if a.synthetic:
+        from ..models.synthetic import check_synthetic_spec
+
+        for spec in a.synthetic:  # a typo in the last one must not wait for every model before it to be measured
+            check_synthetic_spec(spec)
     if a.spec:
         return cmd_bench_spec(a)
     rows = []

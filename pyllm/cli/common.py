@@ -179,6 +179,17 @@ def add_backend_arg(g) -> None:
                    help="CPU kernels: fast (default) or reference (float32 torch, for checking accuracy)")
 
 
+def seed_arg(text: str) -> int:
+    """--seed as argparse parses it: an integer, or a word /set seed also takes for a random seed ("random",
+    "none", "off"; the bad-seed message offers "random"), which becomes -1, random on every path. The range is
+    checked with the other sampling flags (check_numeric_args)."""
+    try:
+        seed = _seed(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seed must be {RULES['seed'][2]}, got {shorten(text)!r}") from None
+    return -1 if seed is None else seed
+
+
 def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=default_n, help=f"tokens to generate (default {default_n})")
@@ -187,7 +198,8 @@ def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
     g.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")
     g.add_argument("--min-p", type=float, default=0.05, help="min-p (default 0.05)")
     g.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty (default 1.0 = off)")
-    g.add_argument("--seed", type=int, default=None, help="RNG seed (same seed, same text)")
+    g.add_argument("--seed", type=seed_arg, default=None,
+                   help="RNG seed (same seed, same text); -1 or 'random' for a random one (default)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:

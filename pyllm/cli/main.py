@@ -69,7 +69,11 @@ def cmd_run(a) -> int:
     kw = sampling_kwargs(a)
     if constrained:
         # compiled before the prompt is evaluated, so a bad schema or grammar fails fast
-        kw["constraint"] = llm.make_constraint(**constrained)
+        try:
+            kw["constraint"] = llm.make_constraint(**constrained)
+        except PyllmError as e:  # the file's content is at fault: say which file
+            flag, path = ("--json-schema", a.json_schema) if "json_schema" in constrained else ("--grammar", a.grammar)
+            raise PyllmError(f"{flag} {shorten(path)}: {e}") from None
     whole = llm.context_policy == "stop"  # else fit_prompt drops the prompt's oldest tokens to make it fit
     if a.chat:
         msgs = [{"role": "system", "content": a.system}] if a.system else []
@@ -190,6 +194,18 @@ def fit_prompt(llm, ids: list[int], max_tokens: int) -> list[int]:
     return head + ids[len(ids) - keep:]
 
 
+def api_key_from_args(a) -> str | None:
+    """The key the /v1 routes require: --api-key, else $PYLLM_API_KEY (an empty variable counts as unset), else
+    None (no key). An empty --api-key is refused: typed as --api-key "$KEY" with KEY unset, it would serve every
+    client without a key, which is not what the flag asked for."""
+    if a.api_key is not None:
+        if not a.api_key.strip():
+            raise PyllmError("--api-key is empty (an unset variable?): give the key, or leave the flag out to serve "
+                             "without one")
+        return a.api_key
+    return os.environ.get("PYLLM_API_KEY") or None
+
+
 def cmd_serve(a) -> int:
     try:
         import starlette  # noqa: F401
@@ -202,6 +218,7 @@ def cmd_serve(a) -> int:
         raise PyllmError(f"--port must be in 0..65535, got {a.port}")
     if a.max_body < 1:  # every request would be refused as too large
         raise PyllmError(f"--max-body must be at least 1 (bytes), got {a.max_body}")
+    api_key = api_key_from_args(a)
     from ..server.app import listen_socket, serve
 
     try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
@@ -214,7 +231,7 @@ def cmd_serve(a) -> int:
     with sock:  # kept bound while the model loads: the address cannot be taken meanwhile
         llm = load_from_args(a)
         name = a.model if a.model in registry.REGISTRY else llm.path.name
-        serve(llm, a.alias or name, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PYLLM_API_KEY"),
+        serve(llm, a.alias or name, host=a.host, port=a.port, api_key=api_key,
               max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock)
     return 0
 
@@ -236,7 +253,7 @@ def serve_replicas_from_args(a) -> int:
     name = a.model if a.model in registry.REGISTRY else path.name
     spec = ReplicaSpec(path=str(path), model_name=a.alias or name or path.name, device=a.device, n_ctx=a.ctx,
                        kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
-                       api_key=a.api_key or os.environ.get("PYLLM_API_KEY"), max_body=a.max_body,
+                       api_key=api_key_from_args(a), max_body=a.max_body,
                        parallel=a.parallel, plain_template=a.plain_template)
     stopped = threading.Event()
 

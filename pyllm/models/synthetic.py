@@ -102,15 +102,22 @@ def random_awq(n: int, k: int, g: int, name: str = "w", seed: int = 0):
 AWQ_FTYPES = {"awq": 128, "awq_g32": 32, "awq_g64": 64, "awq_g128": 128, "awq_g256": 256}
 
 
-def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
-    """spec 'SHAPE:FTYPE' (e.g. 'llama3-8b:q4_k_m', 'llama3-8b:awq') -> (ModelConfig, weights dict of QTensors /
-    AWQRows)."""
+def check_synthetic_spec(spec: str) -> tuple[str, str]:
+    """(shape, file type) of 'SHAPE[:FTYPE]', or a PyllmError naming the unknown part (cheap: callers check every
+    spec before building or measuring anything)."""
     shape, _, ftype = spec.partition(":")
     ftype = ftype or "q4_k_m"
     if shape not in SHAPES:
         raise PyllmError(f"unknown synthetic shape {shorten(shape)!r}; known: {', '.join(SHAPES)}")
     if ftype not in FTYPES and ftype not in AWQ_FTYPES:
         raise PyllmError(f"unknown synthetic file type {shorten(ftype)!r}; known: {', '.join([*FTYPES, *AWQ_FTYPES])}")
+    return shape, ftype
+
+
+def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
+    """spec 'SHAPE:FTYPE' (e.g. 'llama3-8b:q4_k_m', 'llama3-8b:awq') -> (ModelConfig, weights dict of QTensors /
+    AWQRows)."""
+    shape, ftype = check_synthetic_spec(spec)
     L, D, FF, H, HKV, HD, V, base, arch, tied = SHAPES[shape]
     if ftype in AWQ_FTYPES:
         return _synthetic_awq(SHAPES[shape], AWQ_FTYPES[ftype])

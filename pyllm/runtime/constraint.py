@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import PyllmError
+from ..errors import PyllmError, shorten
 
 
 def _llguidance():
@@ -122,6 +122,70 @@ def _unsupported(schema: dict) -> str | None:
     return None
 
 
+def _resolve_local(root: dict, ref: str):
+    """The subschema a local reference ("#", "#/$defs/A") points to in ``root``, or None (not local, or absent)."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/"):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _self_defined(schema: dict) -> str | None:
+    """A "$ref" that leads back to where it started through nothing but "$ref"s and "allOf" members
+    ({"$ref": "#"}; two $defs that name each other), or None. Such a schema describes no value at all, and the
+    engine fails on it with a message of its internals ("NoExtensionBias"), for a forced tool call only once
+    generation reaches it. Iterative; each subschema is visited once."""
+    def edges(node: dict) -> list[tuple[dict, str]]:
+        out = []
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            target = _resolve_local(schema, ref)
+            if isinstance(target, dict):
+                out.append((target, ref))
+        if isinstance(node.get("allOf"), list):
+            out += [(m, "allOf") for m in node["allOf"] if isinstance(m, dict)]
+        return out
+
+    state: dict[int, int] = {}  # id of a subschema -> 1 on the current chain, 2 finished
+    every = [schema]
+    while every:
+        s = every.pop()
+        if isinstance(s, list):
+            every.extend(s)
+            continue
+        if not isinstance(s, dict):
+            continue
+        every.extend(v for k, v in s.items() if k not in SCHEMA_DATA and isinstance(v, (dict, list)))
+        if id(s) in state:
+            continue
+        state[id(s)] = 1
+        chain = [(s, iter(edges(s)))]
+        while chain:
+            node, it = chain[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[id(node)] = 2
+                chain.pop()
+                continue
+            target, label = nxt
+            if state.get(id(target)) == 1:
+                return label
+            if id(target) not in state:
+                state[id(target)] = 1
+                chain.append((target, iter(edges(target))))
+    return None
+
+
 def _schema_text(schema: Any) -> str:
     """A JSON schema given as a dict or a JSON string -> canonical JSON text; PyllmError naming the problem."""
     if isinstance(schema, (bytes, str)):
@@ -138,6 +202,10 @@ def _schema_text(schema: Any) -> str:
     why = _unsupported(schema)
     if why:
         raise PyllmError(f"invalid json_schema: {why}")
+    ref = _self_defined(schema)
+    if ref:
+        raise PyllmError(f"invalid json_schema: \"$ref\": {shorten(ref)!r} leads back to itself through nothing but "
+                         f"$ref and allOf, so it describes no value")
     try:
         return json.dumps(schema)
     except (TypeError, ValueError) as e:

@@ -213,7 +213,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         try:
             data = json.loads(body)
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4300 digits
-            raise APIError(400, f"malformed JSON body: {e}") from None
+            # the last one's text ends in advice to call a Python function, which no HTTP client can follow
+            why = re.sub(r";? *use sys\.set_int_max_str_digits\(\).*", "", str(e))
+            raise APIError(400, f"malformed JSON body: {why}") from None
         except RecursionError:  # Python's parser recurses per level: a few kB of "[[[[" exhaust its stack
             raise APIError(400, "malformed JSON body: arrays and objects nest too deeply") from None
         if not isinstance(data, dict):
