@@ -48,9 +48,14 @@ def test_stop_strings_match_the_direct_definition_on_random_text():
 
 
 def test_text_is_held_back_only_while_a_stop_string_may_be_forming():
+    """Only the tail that begins a stop string waits (a stream does not lag by the longest stop string's length
+    on text that cannot start one)."""
     st = StopStrings(["END"])
-    assert st.push("abcE") == "ab" and st.push("N") == "c" and st.push("D") == "" and st.stopped
+    assert st.push("abcE") == "abc" and st.push("N") == "" and st.push("D") == "" and st.stopped
     assert st.released == "abc"
     st = StopStrings(["END"])
-    assert st.push("xEN") == "x" and st.push("d") == "E" and st.flush() == "Nd" and not st.stopped
+    assert st.push("xEN") == "x" and st.push("d") == "ENd" and st.flush() == "" and not st.stopped
+    st = StopStrings(["\n\nUser:", "###"])
+    assert st.push("hello") == "hello" and st.push(" #") == " " and st.push("#x") == "##x"
+    assert st.push("ok\n") == "ok" and st.push("\nUs") == "" and st.push("ed") == "\n\nUsed"
     assert StopStrings([]).push("abc") == "abc"

@@ -1,7 +1,7 @@
 """Stop strings over a generation's decoded text: what is final, and where the output ends.
 
 One implementation for every text-producing path (LLM.generate / chat, and the OpenAI-shaped api.Run behind the
-server): text is held back while a stop string may still be forming in its tail, and the output ends before the
+server): text is held back while a stop string may still be forming in its tail (only the tail that begins one), and the output ends before the
 first stop string found. Under a constraint (``accepts``: does the output, from its start, completely match?) a
 stop string ends the output only after a complete match: cut anywhere else (stop="\\n" inside a JSON reply) it
 would be invalid output presented as finished; the other occurrences stay in the text.
@@ -15,7 +15,7 @@ from typing import Callable
 class StopStrings:
     def __init__(self, stop: list[str], accepts: Callable[[str], bool] | None = None):
         self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1  # the tail a stop string may still be forming in
+        self._longest = max((len(s) for s in self.stop), default=1) - 1
         self.accepts = accepts
         self.released = ""  # the text handed out so far
         self.stopped = False  # a stop string ended the output
@@ -35,9 +35,20 @@ class StopStrings:
             self._pending = ""
             self.released += out
             return out
+        hold = self._forming()
         if self.accepts is not None:  # every occurrence before the tail was judged; look there no more
-            self._skip = max(self._skip, len(self._pending) - self.hold)
-        return self._release(len(self._pending) - self.hold)
+            self._skip = max(self._skip, len(self._pending) - hold)
+        return self._release(len(self._pending) - hold)
+
+    def _forming(self) -> int:
+        """The length of the longest tail of the pending text that begins a stop string: only that much is held
+        back (as llama.cpp's server does), so a stream lags only while a stop string may really be forming."""
+        p = self._pending
+        for k in range(min(self._longest, len(p)), 0, -1):
+            tail = p[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return k
+        return 0
 
     def flush(self) -> str:
         """The held-back tail, at the end of a generation that no stop string ended."""
