@@ -344,6 +344,15 @@ def test_forced_call_schema_with_an_id_resolves_its_references():
             assert accepts(llm, None, text, _forced_call(llm, tools, "w", {})[1]["constraint"]) == ok, (ref, text)
 
 
+def served_calls(llm, msgs, **kw) -> list[list[dict]]:
+    """The tool_calls of one forced-call request, answered whole (finish_reason "tool_calls") and streamed."""
+    r = llm.create_chat_completion(msgs, **kw)
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
+    return [r["choices"][0]["message"]["tool_calls"],
+            [tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])]]
+
+
 def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
     """OpenAI's tool_calls[].function.arguments is JSON text (the openai client's users json.loads it). A tool whose
     parameters admit a string got the string's characters as its arguments ('quo"te', not JSON); now they are
@@ -355,12 +364,7 @@ def test_forced_call_arguments_are_json_text_whatever_the_schema_admits():
     kw = dict(tools=tools, tool_choice={"type": "function", "function": {"name": "f"}}, max_tokens=48,
               temperature=0)
     msgs = [{"role": "user", "content": "Call f."}]
-    r = llm.create_chat_completion(msgs, **kw)
-    assert r["choices"][0]["finish_reason"] == "tool_calls"
-    calls = [r["choices"][0]["message"]["tool_calls"]]
-    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
-    calls.append([tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])])
-    for call in calls:
+    for call in served_calls(llm, msgs, **kw):
         assert len(call) == 1 and call[0]["function"]["name"] == "f"
         jsonschema.validate(json.loads(call[0]["function"]["arguments"]), params)
 
@@ -385,12 +389,7 @@ def test_forced_call_to_a_tool_without_parameters_passes_no_arguments():
     msgs = [{"role": "user", "content": "Call the function."}]
     kw = dict(tools=tools[:1], tool_choice={"type": "function", "function": {"name": "g"}}, max_tokens=48,
               temperature=0)
-    r = llm.create_chat_completion(msgs, **kw)
-    assert r["choices"][0]["finish_reason"] == "tool_calls"
-    calls = [r["choices"][0]["message"]["tool_calls"]]
-    chunks = list(llm.create_chat_completion(msgs, stream=True, **kw))
-    calls.append([tc for ch in chunks for tc in ch["choices"][0]["delta"].get("tool_calls", [])])
-    for call in calls:
+    for call in served_calls(llm, msgs, **kw):
         assert len(call) == 1 and call[0]["function"]["name"] == "g"
         assert json.loads(call[0]["function"]["arguments"]) == {}
 
