@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from .errors import ContextFullError, PyllmError
 from .runtime.constraint import SCHEMA_DATA
 from .runtime.sampler import Sampler, SamplerSettings
-from .runtime.stop_strings import StopStrings
+from .runtime.stop_strings import StopStrings, stop_list
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 # Qwen2.5 / Hermes convention: the model writes each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.
@@ -60,13 +60,10 @@ def _flag(name: str, v, param: str | None = None) -> bool:
 
 
 def _stop_list(stop) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        return [stop] if stop else []
-    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-        return [s for s in stop if s]
-    raise BadRequest(f"stop must be a string or a list of strings, got {stop!r}", "stop")
+    try:
+        return stop_list(stop)
+    except PyllmError as e:
+        raise BadRequest(str(e), "stop") from None
 
 
 def _logit_bias(bias, n_vocab: int) -> dict[int, float]:

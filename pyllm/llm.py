@@ -21,6 +21,7 @@ from . import registry
 from .errors import ContextFullError, KVCacheMemoryError, ModelError, PyllmError, in_file
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
+from .runtime.stop_strings import stop_list
 
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 # What greedy decoding speculates with when the caller does not say (speculative="auto"), where the model's fused
@@ -47,19 +48,6 @@ def check_int(name: str, value, lo: int = 0, hi: int | None = None) -> int:
         raise PyllmError(f"{name} must be an integer in [{lo}, {hi if hi is not None else 'inf'}), got {value}"
                          if hi is None else f"{name} must be an integer in [{lo}, {hi}], got {value}")
     return value
-
-
-def check_stop(stop) -> list[str]:
-    """``stop`` as a list of strings (None: none), or a PyllmError. A bare string is refused rather than read
-    as a list: iterated, "END" would be the three stop strings "E", "N" and "D"."""
-    from .errors import shorten
-
-    if stop is None:
-        return []
-    if isinstance(stop, (str, bytes)) or not isinstance(stop, (list, tuple)) \
-            or not all(isinstance(x, str) for x in stop):
-        raise PyllmError(f"stop must be a list of strings, got {shorten(repr(stop))}")
-    return list(stop)
 
 
 def check_seed(seed) -> int | None:
@@ -388,12 +376,12 @@ class LLM:
             return self.tokenize(prompt)
         return self._check_ids(prompt)
 
-    def generate(self, prompt: str | list[int], max_tokens: int = 256, stop: list[str] | None = None,
+    def generate(self, prompt: str | list[int], max_tokens: int = 256, stop: str | list[str] | None = None,
                  stream: bool = False, **sampling) -> str | Iterator[str]:
         """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces."""
         max_tokens = check_int("max_tokens", max_tokens, 0)  # now, not at the first next() of a stream
         sampling = check_sampling(sampling)
-        stop = check_stop(stop)
+        stop = stop_list(stop)
         it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop, sampling)
         return it if stream else "".join(it)
 
@@ -495,7 +483,7 @@ class LLM:
                                    f"message")
         return ids, kept, len(messages) - len(kept)
 
-    def chat(self, messages: list[dict], max_tokens: int = 512, stop: list[str] | None = None, stream: bool = False,
+    def chat(self, messages: list[dict], max_tokens: int = 512, stop: str | list[str] | None = None, stream: bool = False,
              **sampling) -> str | Iterator[str]:
         """Reply to ``messages`` ([{"role": ..., "content": ...}]) formatted with the model's chat template.
 
@@ -505,7 +493,7 @@ class LLM:
         """
         max_tokens = check_int("max_tokens", max_tokens, 0)
         sampling = check_sampling(sampling)
-        stop = check_stop(stop)
+        stop = stop_list(stop)
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
         it = self._stream_text(ids, max_tokens, stop, sampling)
         return it if stream else "".join(it)

@@ -182,7 +182,7 @@ def test_library_arguments(tiny):
     with pytest.raises(PyllmError, match="max_tokens"):
         llm.chat([{"role": "user", "content": "hi"}], max_tokens=float("nan"))
     with pytest.raises(PyllmError, match="stop"):
-        llm.generate("hi", max_tokens=2, stop="x")
+        llm.generate("hi", max_tokens=2, stop=["x", 5])
     # seed -1 is random; a lone surrogate in the prompt is a replacement character, not a crash
     assert isinstance(llm.generate("hi\udcff", max_tokens=2, seed=-1), str)
     assert llm.tokenize("a\ud800b") == llm.tokenize("a\ufffdb")
@@ -214,18 +214,19 @@ def test_unknown_generation_keywords_are_named_when_the_call_is_made(tiny):
 def test_chat_checks_stop_as_generate_does(tiny):
     """llm.chat took stop unchecked: a bare string was iterated into one-character stop strings (stop="END" ended
     the reply at its first "E", "N" or "D"), and a list holding a non-string was a TypeError from inside the
-    stop matcher. chat now refuses both with the PyllmError generate gives, before anything is generated,
-    streamed or not; a list or tuple of strings still works. Reference: generate's own check (exact message)."""
+    stop matcher. One stop_list now serves generate, chat and the OpenAI API: a bare string is one stop string
+    (as OpenAI and llama-cpp-python read it), and anything else but a list or tuple of strings is refused with
+    the same PyllmError, before anything is generated, streamed or not."""
     import pyllm
 
     llm = pyllm.load(tiny, n_ctx=32, backend="reference")
     msgs = [{"role": "user", "content": "hi"}]
-    for bad in ("END", ["x", 5], 5, b"x", {"x": 1}):
+    for bad in (["x", 5], 5, b"x", {"x": 1}):
         for stream in (False, True):
-            with pytest.raises(PyllmError, match="stop must be a list of strings") as e:
+            with pytest.raises(PyllmError, match="stop must be a string or a list of strings") as e:
                 llm.chat(msgs, max_tokens=2, stop=bad, stream=stream)
             with pytest.raises(PyllmError) as g:
                 llm.generate("hi", max_tokens=2, stop=bad, stream=stream)
             assert str(e.value) == str(g.value)
-    for ok in (["x"], ("x",), [], None):
+    for ok in (["x"], ("x",), [], None, "x"):
         assert isinstance(llm.chat(msgs, max_tokens=2, stop=ok, temperature=0), str)

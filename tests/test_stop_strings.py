@@ -59,3 +59,18 @@ def test_text_is_held_back_only_while_a_stop_string_may_be_forming():
     assert st.push("hello") == "hello" and st.push(" #") == " " and st.push("#x") == "##x"
     assert st.push("ok\n") == "ok" and st.push("\nUs") == "" and st.push("ed") == "\n\nUsed"
     assert StopStrings([]).push("abc") == "abc"
+
+
+def test_stop_list_reads_one_string_as_one_stop_string():
+    """OpenAI and llama-cpp-python take stop as a string or a list of strings; iterated, "END" was the stop strings
+    "E", "N" and "D". Empty strings would end every output at once and are dropped; other types are refused."""
+    import pytest
+
+    from pyllm.errors import PyllmError
+    from pyllm.runtime.stop_strings import stop_list
+
+    assert stop_list("END") == ["END"] and stop_list(None) == [] and stop_list("") == []
+    assert stop_list(["a", "", "b"]) == ["a", "b"] and stop_list(("a",)) == ["a"]
+    for bad in (["x", 5], 5, b"x", {"x": 1}):
+        with pytest.raises(PyllmError, match="stop must be a string or a list of strings"):
+            stop_list(bad)

@@ -11,6 +11,21 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..errors import PyllmError, shorten
+
+
+def stop_list(stop) -> list[str]:
+    """``stop`` as the list of its non-empty strings: None, one string (as OpenAI and llama-cpp-python take it;
+    iterated, "END" would be the stop strings "E", "N" and "D"), or a list or tuple of strings. Anything else is a
+    PyllmError naming it, before anything is generated."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    if isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+        return [s for s in stop if s]
+    raise PyllmError(f"stop must be a string or a list of strings, got {shorten(repr(stop))}")
+
 
 class StopStrings:
     def __init__(self, stop: list[str], accepts: Callable[[str], bool] | None = None):
