@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from .errors import ContextFullError, PyllmError
 from .runtime.constraint import SCHEMA_DATA
 from .runtime.sampler import Sampler, SamplerSettings
-from .runtime.stop_strings import StopStrings, stop_list
+from .runtime.stop_strings import OutputText, stop_list
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 # Qwen2.5 / Hermes convention: the model writes each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.
@@ -202,12 +202,9 @@ class Run:
         ``tokens`` are those whose text starts within the text released so far (for logprobs). A token that
         starts where a stop string ended the output is not part of the output, so its logprob is not reported
         (as llama.cpp's server drops the stop string's tokens); one the cut falls inside is kept."""
-        from .tokenizer import StreamDecoder
-
         llm, tok = self.llm, self.llm.tokenizer
-        dec = StreamDecoder(tok)
         grammar = self.constraint.get("constraint")
-        stops = StopStrings(self.stop, grammar.accepts_text if grammar is not None else None)
+        text = OutputText(tok, self.stop, grammar.accepts_text if grammar is not None else None)
         tail = ""
         # Logprobs wait for their token's text: (UTF-8 byte offset where the token starts, info), and the bytes
         # of the tokens queued so far and of the text released so far.
@@ -240,21 +237,19 @@ class Run:
                     info = self._info(t)
                     queued.append((token_end, info))
                     token_end += len(info.bytes)
-                out = stops.push(dec.push(t))
-                if stops.stopped:
+                out = text.push(t)
+                if text.stopped:
                     tail = out
                     break
                 if out:
                     self.text += out
                     released += _utf8_len(out)
                     yield out, ready(released)
-            else:
-                tail = stops.push(dec.flush())
-            if stops.stopped:
+            tail += text.finish()  # also after a stop token: its bytes pending make U+FFFD, not nothing
+            if text.stopped:
                 self.finish_reason = "stop"
                 infos = ready(released + _utf8_len(tail))  # the rest start in or after the stop string
             else:
-                tail += stops.flush()
                 if llm.stats.finish_reason == "context":
                     self.finish_reason = "length"
                 infos = [info for _, info in queued]

@@ -395,7 +395,7 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
 
     # The bounds of ModelConfig.from_metadata for the same values in a GGUF file: the kernels take them as int32,
-    # and check_shapes walks every layer (a count of 10**8 would take minutes and all memory to refuse).
+    # and shape_mismatch walks every layer (a count of 10**8 would take minutes and all memory to refuse).
     def get_int(key, default=None, lo=1, hi=(1 << 31) - 1):
         v = text.get(key, default)
         if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
@@ -527,22 +527,6 @@ def load_weights(root: Path, group_size: int) -> dict:
                     raise AWQError(f"{f.path}: {hf_name} has dtype {dt}, expected a float type")
                 weights[f"{gname}.{suffix}"] = QTensor(_FLOAT_GGML[dt], shape, f.raw(hf_name), hf_name)
     return weights
-
-
-def check_shapes(cfg: ModelConfig, weights: dict, source: str) -> None:
-    """Every weight the decoder reads has the shape the config implies (a one-line error naming the first)."""
-    d, q, kv, ff = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim, cfg.n_ff
-    want = {"token_embd.weight": (cfg.n_vocab, d), "output.weight": (cfg.n_vocab, d), "output_norm.weight": (d,)}
-    for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        want.update({p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_q.weight": (q, d),
-                     p + "attn_k.weight": (kv, d), p + "attn_v.weight": (kv, d), p + "attn_output.weight": (d, q),
-                     p + "ffn_gate.weight": (ff, d), p + "ffn_up.weight": (ff, d), p + "ffn_down.weight": (d, ff),
-                     p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,), p + "attn_v.bias": (kv,)})
-    for name, shape in want.items():
-        w = weights.get(name)
-        if w is not None and tuple(w.shape) != shape:
-            raise AWQError(f"{source}: {name} has shape {tuple(w.shape)} but config.json implies {shape}")
 
 
 # ---------------------------------------------------------------------------------------------------- tokenizer
@@ -685,7 +669,10 @@ def open_awq(path) -> tuple[AWQInfo, ModelConfig, dict]:
     if "llama3_rope" in cfg.extra:
         ff = llama3_rope_factors(cfg, cfg.extra.pop("llama3_rope"))
         weights["rope_freqs.weight"] = QTensor(GGMLType.F32, tuple(ff.shape), ff.view(torch.uint8), "rope_freqs")
-    check_shapes(cfg, weights, str(root))
+    bad = cfg.shape_mismatch(weights)  # the GGUF loader's rule, worded for the folder
+    if bad is not None:
+        name, got, want = bad
+        raise AWQError(f"{root}: {name} has shape {got} but config.json implies {want}")
     template = chat_template_source(root)
     info = AWQInfo(root, hf, quant, weights, template, "bpe")
     return info, cfg, weights

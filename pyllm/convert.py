@@ -357,8 +357,8 @@ def _check_tensors(d: Path, arch: str, names, tensors: dict, n_layer: int, n_emb
         if name is None:
             continue  # reported (or skipped, as rotary_emb.inv_freq) where the tensors are written
         got = tuple(t.shape)
-        if name in ("token_embd.weight", "output.weight"):  # files may pad the rows past the vocabulary
-            if len(got) != 2 or got[1] != n_embd or (n_vocab and got[0] < n_vocab):
+        if name in ("token_embd.weight", "output.weight"):  # a row per token, no more (ModelConfig.shape_mismatch)
+            if len(got) != 2 or got[1] != n_embd or (n_vocab and got[0] != n_vocab):
                 raise ConvertError(f"{d}: tensor {hf} has shape {got}, but config.json (hidden_size {n_embd}"
                                    + (f", vocab_size {n_vocab}" if n_vocab else "") + f") needs "
                                    f"({n_vocab or 'n_vocab'}, {n_embd})")

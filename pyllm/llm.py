@@ -387,31 +387,27 @@ class LLM:
 
     def _stream_text(self, ids: list[int], max_tokens: int, stop: list[str], sampling: dict) -> Iterator[str]:
         from .runtime.constraint import make_constraint
-        from .runtime.stop_strings import StopStrings
-        from .tokenizer import StreamDecoder
+        from .runtime.stop_strings import OutputText
 
-        dec = StreamDecoder(self.tokenizer)
         sampling = dict(sampling)
         # built here, not in generate_tokens, so that a stop string can ask it whether the output is complete
         constraint = make_constraint(lambda: self.grammar_vocab, sampling.pop("json_schema", None),
                                      sampling.pop("grammar", None), sampling.pop("constraint", None))
-        stops = StopStrings(stop, constraint.accepts_text if constraint is not None else None)
+        text = OutputText(self.tokenizer, stop, constraint.accepts_text if constraint is not None else None)
         gen = self.generate_tokens(ids, max_tokens=max_tokens, constraint=constraint, **sampling)
         try:
             for tok in gen:
                 if self.tokenizer.is_eog(tok):
                     break
-                out = stops.push(dec.push(tok))
+                out = text.push(tok)
                 if out:
                     yield out
-                if stops.stopped:
+                if text.stopped:
                     break
-            out = "" if stops.stopped else stops.push(dec.flush())
-            if not stops.stopped:
-                out += stops.flush()
+            out = text.finish()
             if out:
                 yield out
-            if stops.stopped:
+            if text.stopped:
                 self.generator.stats.finish_reason = "stop"
         finally:
             gen.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,21 @@ def test_shape_mismatch_vs_config(tmp_path):
         p = "model.layers.0.self_attn.k_proj."
         t[p + "qweight"], t[p + "qzeros"], t[p + "scales"] = qw, qz, s
     _one_line_error(_tiny_folder(tmp_path / "c", mutate=swap), r"blk.0.attn_k.weight has shape \(64, 64\)")
+
+
+@pytest.mark.parametrize("hf_name, shape, name", [
+    ("model.layers.0.self_attn.q_norm.weight", (16,), "blk.0.attn_q_norm.weight"),
+    ("model.layers.0.self_attn.k_norm.weight", (64,), "blk.0.attn_k_norm.weight"),
+    ("model.embed_tokens.weight", (40, 64), "token_embd.weight"),
+])
+def test_shapes_follow_the_gguf_loaders_rule(tmp_path, hf_name, shape, name):
+    """The AWQ folder had a shape check of its own that left out the q/k norms (qwen3): a norm of the wrong size
+    loaded, to fail in the first forward pass. Reference: ModelConfig's rule, the GGUF loader's, for every tensor
+    (head_dim 32 here; a row per token of the 32 of config.json's vocab_size)."""
+    def put(t):
+        t[hf_name] = torch.ones(shape).half()
+    _one_line_error(_tiny_folder(tmp_path / "n", mutate=put), rf"{re.escape(name)} has shape {re.escape(str(shape))} "
+                                                              r"but config.json implies \(")
 
 
 def test_missing_scales(tmp_path):

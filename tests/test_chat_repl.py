@@ -250,6 +250,80 @@ def test_a_paste_that_cannot_fit_is_refused_before_it_is_tokenized(policy, monke
     assert chat.turns[:2] == before and len(chat.turns) == 4 and chat.turns[2]["content"] == "Say bye."
 
 
+@pytest.mark.parametrize("policy", ["shift", "stop"])
+@pytest.mark.parametrize("how", ["flag", "load", "paste"])
+def test_a_system_prompt_too_long_for_the_context_is_named(policy, how, tmp_path, monkeypatch):
+    """A system prompt that alone leaves no room for a message and a reply was reported as a full conversation
+    ("/clear to start over", which keeps the system prompt) or as a message to shorten. Reference: every prompt
+    starts with the system prompt, so only a larger --ctx or a shorter /system helps; the error says that, and
+    the conversation is kept. "paste": so long that its text alone shows it (check_prompt_fits), untokenized."""
+    chat, llm, out, ui = make_chat([["fine"], ["again"]])
+    llm.context_policy = policy
+    chat.handle("hello")
+    before = list(chat.turns)
+    long = "rule " * (10_000 if how == "paste" else 60)  # 64 + 4 header tokens: no room in a context of 64
+    if how == "paste":
+        def check_prompt_fits(text, add_bos=None):
+            if len(text) > 20_000:
+                raise ContextFullError("the prompt has at least 10000 tokens but the context holds 64")
+
+        monkeypatch.setattr(llm, "check_prompt_fits", check_prompt_fits)
+        monkeypatch.setattr(llm, "chat_ids", lambda m: pytest.fail("a paste that cannot fit was tokenized"))
+    if how == "load":
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({"messages": [{"role": "system", "content": long}, *before]}))
+        chat.handle(f"/load {path}")
+    else:
+        chat.system = long  # as --system gives it
+    chat.handle("next")
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: the system prompt is too long for --ctx 64: it takes "), err
+    assert "larger --ctx" in err and "/system" in err and "/clear" not in err and "shift" not in err, err
+    assert chat.turns == before and len(llm.calls) == 1
+    monkeypatch.undo()
+    chat.handle("/system be brief")  # the way out it names works, and the conversation goes on
+    chat.handle("next")
+    assert chat.turns[:2] == before and chat.turns[-1] == {"role": "assistant", "content": "again"}
+
+
+def test_a_message_too_long_under_policy_stop_does_not_suggest_clear():
+    """--context-policy stop suggested /clear for a message that cannot fit even in a new conversation."""
+    chat, llm, out, ui = make_chat([["fine"]], system="be brief")
+    llm.context_policy = "stop"
+    chat.handle("hello")
+    before = list(chat.turns)
+    chat.handle("word " * 50)  # 4 + 50 tokens after the system prompt's 6, + 8 for the reply > 64
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: the message and the system prompt take 62 tokens") and "/clear" not in err, err
+    assert "larger --ctx" in err and chat.turns == before
+
+
+def test_a_system_command_too_long_for_the_context_keeps_the_old_one():
+    """/system with a text that cannot fit with any message was taken, and every message after it failed."""
+    chat, llm, out, ui = make_chat([["fine"], ["again"]], system="be brief")
+    chat.handle("hello")
+    before = list(chat.turns)
+    chat.handle("/system " + "rule " * 60)
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: the system prompt is too long for --ctx 64") and err.endswith(
+        "; the system prompt is unchanged"), err
+    assert chat.system == "be brief" and chat.turns == before and llm.resets == 0
+    chat.handle("next")
+    assert chat.turns[-1]["content"] == "again"
+
+
+def test_show_cuts_a_long_system_prompt():
+    """/show printed a pasted system prompt whole, pushing the model and settings lines off the screen.
+    Reference: its first 200 characters on one line and its length; /system still shows it all."""
+    chat, llm, out, ui = make_chat([], n_ctx=100_000, system="You are a pirate.\n" + "Arr. " * 2000)
+    chat.handle("/show")
+    line = next(x for x in ui.getvalue().splitlines() if x.startswith("system"))
+    assert line.startswith("system     'You are a pirate. Arr. Arr.") and "…' (10018 characters" in line, line
+    assert len(line) < 300, line
+    chat.handle("/system")
+    assert ui.getvalue().count("Arr.") > 2000
+
+
 def test_set_show_reset_system_commands():
     chat, llm, out, ui = make_chat([["x"]])
     chat.handle("/set temp 0")

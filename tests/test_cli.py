@@ -228,9 +228,54 @@ def test_bench_counts_are_bounded_before_anything_loads(capsys, args, needle):
 
     assert main(["bench", "/nonexistent.gguf", *args]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"pyllm: error: {needle}") and err.count("\n") == 1 and "nonexistent" not in err, err
+    assert err.startswith(f"pyllm bench: error: {needle}") and err.count("\n") == 1 and "nonexistent" not in err, err
     usage = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
     assert "1..1000" in usage and usage.count("0..1048576") == 3
+
+
+@pytest.mark.parametrize("args, flag, value", [
+    (["run", "m.gguf", "hi", "--temp", "abc"], "--temp", "'abc'"),
+    (["run", "m.gguf", "hi", "-n", "x"], "-n/--max-tokens", "'x'"),
+    (["run", "m.gguf", "hi", "--ctx", "1e9"], "--ctx/-c", "'1e9'"),
+    (["run", "m.gguf", "hi", "--threads", "-3"], "--threads", "-3"),
+    (["run", "m.gguf", "hi", "--seed", "abc"], "--seed", "'abc'"),
+    (["run", "m.gguf", "hi", "--temp"], "--temp", "expected one argument"),
+    (["chat", "m.gguf", "--top-p", "much"], "--top-p", "'much'"),
+    (["chat", "m.gguf", "--spec-k", "two"], "--spec-k", "'two'"),
+    (["chat", "m.gguf", "--ctx", "-5"], "--ctx", "-5"),
+    (["serve", "m.gguf", "--port", "http"], "--port", "'http'"),
+    (["serve", "m.gguf", "--port", "70000"], "--port", "70000"),
+    (["serve", "m.gguf", "--parallel", "0"], "--parallel", "got 0"),
+    (["serve", "m.gguf", "--replicas", "0"], "--replicas", "got 0"),
+    (["serve", "m.gguf", "--max-body", "1MB"], "--max-body", "'1MB'"),
+    (["serve", "m.gguf", "--max-body", "0"], "--max-body", "got 0"),
+    (["info", "m.gguf", "--ctx", "4k"], "--ctx/-c", "'4k'"),
+    (["info", "m.gguf", "--device", "tpu"], "--device", "'tpu'"),
+    (["bench", "m.gguf", "-p", "x"], "-p/--n-prompt", "'x'"),
+    (["bench", "m.gguf", "-r", "0"], "-r/--repetitions", "got 0"),
+    (["perplexity", "m.gguf", "-f", "t.txt", "-c", "abc"], "-c/--ctx", "'abc'"),
+    (["perplexity", "m.gguf", "-f", "t.txt", "--chunks", "0"], "--chunks", "got 0"),
+    (["convert", "hf", "o.gguf", "--type", "q3"], "--type", "'q3'"),
+    (["pull", "smollm2-135m", "--sha256"], "--sha256", "expected one argument"),
+    (["run", "m.gguf", "hi", "--temp", "x" * 10_000], "--temp", "'xxx"),
+    (["serve", "m.gguf", "--port", "'" + "x" * 10_000], "--port", "\"'xxx"),
+])
+def test_a_bad_flag_value_is_one_line_naming_the_flag(capsys, args, flag, value):
+    """argparse printed its whole usage block (a dozen lines) above a value that does not parse, while a value out
+    of range was one line, and serve's ranges were an exit-1 error of their own wording. Reference: argparse's own
+    line, "pyllm CMD: error: argument FLAG: ...", alone, for both, exit 2 (a usage error), before anything loads,
+    the value quoted at most 80 characters long."""
+    from pyllm.cli.main import main
+
+    try:
+        rc = main(args)
+    except SystemExit as e:  # argparse's usage errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc == 2 and not out, (rc, out, err)
+    assert err.count("\n") == 1 and "usage:" not in err and "Traceback" not in err, err
+    assert err.startswith(f"pyllm {args[0]}: error: argument {flag}: ") and value in err, err
+    assert len(err) < 200, err
 
 
 @pytest.mark.parametrize("args", [

@@ -213,6 +213,8 @@ def test_convert_bad_config_value_is_one_line(tmp_path, capsys, changes, needle)
 @pytest.mark.parametrize("arch,changes,needle", [
     ("qwen3", dict(hidden_size=128), "tensor model.embed_tokens.weight has shape (384, 256), but config.json "
                                      "(hidden_size 128, vocab_size 384) needs (384, 128)"),
+    ("qwen3", dict(vocab_size=383), "tensor model.embed_tokens.weight has shape (384, 256), but config.json "
+                                    "(hidden_size 256, vocab_size 383) needs (383, 256)"),
     ("qwen3", dict(num_attention_heads=8), "self_attn.o_proj.weight has shape (256, 256), but config.json "
                                            "(hidden_size 256, num_attention_heads 8,"),
     ("qwen3", dict(num_key_value_heads=1), "self_attn.k_proj.weight has shape (128, 256), but config.json"),
@@ -225,8 +227,8 @@ def test_convert_bad_config_value_is_one_line(tmp_path, capsys, changes, needle)
                                              "num_attention_heads 3,"),
     ("phi3", dict(num_key_value_heads=1), "self_attn.qkv_proj.weight has shape (768, 256), but config.json"),
     ("phi3", dict(intermediate_size=256), "has shape (256, 512), but config.json"),
-], ids=["hidden", "heads", "kv-heads", "ffn", "head-dim", "more-layers", "fewer-layers", "llama-heads",
-        "phi3-fused-qkv", "phi3-ffn"])
+], ids=["hidden", "rows-past-vocab", "heads", "kv-heads", "ffn", "head-dim", "more-layers", "fewer-layers",
+        "llama-heads", "phi3-fused-qkv", "phi3-ffn"])
 def test_convert_refuses_tensors_that_contradict_the_config(tmp_path, capsys, arch, changes, needle):
     """config.json values the tensors contradict were written as the GGUF's metadata, and loading the file then
     failed on the mismatch (or, for a head count that does not divide the rows, the Q/K permutation raised a

@@ -31,7 +31,10 @@ def cli(monkeypatch, capsys):
 def assert_one_line_error(res, code, *needles):
     assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
     lines = [ln for ln in res.stderr.strip().splitlines() if "error" in ln]
-    assert "Traceback" not in res.stderr and len(lines) == 1 and lines[0].startswith("pyllm: error:"), res.stderr
+    # a usage error (exit 2) names its subcommand as argparse does: "pyllm run: error: argument --ctx: ..."
+    head = ("pyllm: error:",) if code != 2 else tuple(f"pyllm {c}: error: argument " for c in
+                                                      ("run", "chat", "bench", "info", "perplexity", "serve"))
+    assert "Traceback" not in res.stderr and len(lines) == 1 and lines[0].startswith(head), res.stderr
     for n in needles:
         assert n in lines[0], (n, res.stderr)
 

@@ -119,6 +119,16 @@ def test_vocabulary_larger_than_the_embedding_is_refused_naming_both(tmp_path):
         pyllm.load(p, n_ctx=32, backend="reference")
 
 
+def test_embedding_rows_past_the_vocabulary_are_refused(tmp_path):
+    """An embedding (and output) with more rows than the vocabulary has tokens loaded, and its logits then held
+    ids that are no token: sampling one ended the reply in "token id 308 is out of range". Reference: llama.cpp's
+    loader, which requires exactly n_vocab rows, and pyllm's AWQ loader, which did."""
+    p = write_tiny_llama(tmp_path / "m.gguf", metadata={**tiny_vocab(300), "llama.vocab_size": 320}, **SMALL)
+    with pytest.raises(ModelError, match=r"^m.gguf: llama tensor 'token_embd.weight' has 320 rows but the "
+                                         r"vocabulary has 300 tokens"):
+        pyllm.load(p, n_ctx=32, backend="reference")
+
+
 def poke(path, tensor, data: bytes):
     with open_gguf(path) as gf:
         at = gf.tensors[tensor].offset  # absolute

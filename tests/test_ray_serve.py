@@ -26,8 +26,8 @@ def cli(monkeypatch, capsys):
 
 def test_replicas_out_of_range_is_one_error(cli):
     r = cli("serve", fixture_path("smollm2"), "--replicas", "0", "--port", "0")
-    assert r.returncode == 1
-    assert "--replicas must be in 1..64, got 0" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2
+    assert "argument --replicas: must be in [1, 64], got 0" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_replicas_refuse_a_shared_prompt_cache(cli, tmp_path):

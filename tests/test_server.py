@@ -732,12 +732,14 @@ def test_serve_cli_errors_are_one_line():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        for args, msg in ((["--port", str(port)], "cannot listen on 127.0.0.1"),
-                          (["--parallel", "0"], "--parallel"), (["--port", "70000"], "--port"),
-                          (["--max-body", "0"], "--max-body must be at least 1")):
+        # a value out of range is a usage error (exit 2) as for every subcommand's flags; a port in use is not
+        for args, msg, rc, head in ((["--port", str(port)], "cannot listen on 127.0.0.1", 1, "pyllm: error: "),
+                                    (["--parallel", "0"], "--parallel", 2, "pyllm serve: error: "),
+                                    (["--port", "70000"], "--port", 2, "pyllm serve: error: "),
+                                    (["--max-body", "0"], "--max-body: must be >= 1", 2, "pyllm serve: error: ")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
                                env=env, capture_output=True, text=True, timeout=120)
-            assert r.returncode == 1 and r.stderr.startswith("pyllm: error: ") and msg in r.stderr, r.stderr
+            assert r.returncode == rc and r.stderr.startswith(head) and msg in r.stderr, r.stderr
             assert len(r.stderr.strip().splitlines()) == 1
 
 

@@ -3,6 +3,8 @@ to appear (under ``accepts``, the first that follows a text it accepts); the ref
 
 import random
 
+import pytest
+
 from pyllm.runtime.stop_strings import StopStrings
 
 ALPHABET = "ab()\n"
@@ -74,3 +76,106 @@ def test_stop_list_reads_one_string_as_one_stop_string():
     for bad in (["x", 5], 5, b"x", {"x": 1}):
         with pytest.raises(PyllmError, match="stop must be a string or a list of strings"):
             stop_list(bad)
+
+
+# ---- OutputText: tokens -> text, ending with the bytes a generation left incomplete -------------------------------
+
+def _tokenizer(key):
+    from conftest import fixture_path
+
+    from pyllm.gguf import open_gguf
+    from pyllm.tokenizer import Tokenizer
+
+    with open_gguf(fixture_path(key)) as gf:
+        return Tokenizer.from_gguf(gf.metadata)
+
+
+def _byte_token(tok, byte: int) -> int:
+    """The id of the token that is the one byte ``byte``: a byte-fallback token (<0xE2>, SentencePiece) or the
+    byte-level BPE symbol for it."""
+    from pyllm.tokenizer import _gpt2_byte_table
+
+    tid = tok.token_id(f"<0x{byte:02X}>")
+    if tid is None:
+        tid = tok.token_id(_gpt2_byte_table()[byte])
+    assert tid is not None and tok.token_bytes(tid) == bytes([byte])
+    return tid
+
+
+def _sequences(tok):
+    """Token sequences ending inside a character, or holding bytes that never make one, and their bytes."""
+    hi, lo = tok.encode("hi", add_bos=False), tok.encode(" there", add_bos=False)
+    e2, x82, xac = (_byte_token(tok, b) for b in (0xE2, 0x82, 0xAC))
+    return [hi + [e2], hi + [e2, x82], hi + [e2, x82, xac], [e2] + lo, hi + [e2, x82] + lo + [e2],
+            hi + [x82], hi + [e2, e2], [e2]]
+
+
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_output_text_ends_an_incomplete_character_as_replacement(key):
+    """Generation that ended with the lead bytes of a character pending (a byte-fallback token, then the stop
+    token or max_tokens) lost them: the text ended one character short. Reference: bytes.decode("utf-8",
+    errors="replace") of the tokens' bytes, what llama.cpp and Hugging Face's decode(..., errors="replace")
+    give, whole or streamed, with and without a stop string that never appears."""
+    from pyllm.runtime.stop_strings import OutputText
+
+    tok = _tokenizer(key)
+    for ids in _sequences(tok):
+        want = tok.decode(ids)
+        assert want == b"".join(tok.token_bytes(t) for t in ids).decode("utf-8", errors="replace").removeprefix(
+            " " if tok.kind == "spm" and want[:1] != " " else "")
+        for stop in ([], ["zz"], ["\ufffdq"]):
+            text = OutputText(tok, stop)
+            pieces = [text.push(t) for t in ids]
+            assert "".join(pieces) + text.finish() == want, (key, ids, stop)
+            assert text.finish() == ""  # once: a second call adds nothing
+
+
+@pytest.fixture(scope="module")
+def forced_llm():
+    """SmolLM2 whose generate_tokens yields ``forced_llm.forced`` (truncated to max_tokens) instead of sampling:
+    every text path above it, library and OpenAI API (the server's), sees those tokens."""
+    from conftest import pyllm_model
+
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+
+    def generate_tokens(ids, max_tokens=256, **kw):
+        llm.generator.stats.finish_reason = "eog"
+        yield from llm.forced[:max_tokens]
+
+    llm.generate_tokens = generate_tokens
+    yield llm
+    del llm.generate_tokens
+
+
+@pytest.mark.parametrize("end", ["eog", "max_tokens"])
+def test_every_text_path_ends_an_incomplete_character_as_replacement(forced_llm, end, monkeypatch, capsys):
+    """Reference: tokenizer.decode (errors="replace") of the tokens before the end. The OpenAI API (what the
+    server answers) dropped the pending bytes when the stop token ended the reply; the CLI prints the library's."""
+    import json
+
+    import pyllm
+    from conftest import cli_in_process
+
+    llm, tok = forced_llm, forced_llm.tokenizer
+    body = tok.encode("hi", add_bos=False) + [_byte_token(tok, 0xE2), _byte_token(tok, 0x82)]
+    llm.forced = body + ([tok.eos_id] if end == "eog" else [])
+    n = len(body) if end == "max_tokens" else 20
+    want = tok.decode(body)
+    assert want.endswith("\ufffd")
+    msgs = [{"role": "user", "content": "x"}]
+    assert llm.generate("x", max_tokens=n) == want
+    assert "".join(llm.generate("x", max_tokens=n, stream=True)) == want
+    assert llm.generate("x", max_tokens=n, stop=["zz"]) == want
+    assert llm.chat(msgs, max_tokens=n) == want
+    assert "".join(llm.chat(msgs, max_tokens=n, stream=True)) == want
+    assert llm.create_completion("x", max_tokens=n)["choices"][0]["text"] == want
+    chunks = llm.create_completion("x", max_tokens=n, stream=True)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == want
+    assert llm.create_chat_completion(msgs, max_tokens=n)["choices"][0]["message"]["content"] == want
+    chunks = llm.create_chat_completion(msgs, max_tokens=n, stream=True)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want
+    # the CLI's run prints what the library streams
+    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: llm)
+    cli = cli_in_process(monkeypatch, capsys)
+    res = cli("run", "smollm2-135m", "x", "-n", str(n), "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["text"] == want, res

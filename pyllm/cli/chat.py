@@ -202,17 +202,28 @@ class ChatSession:
         system prompt when the conversation and room for a reply no longer fit. Returns (ids, kept turns,
         number of dropped messages). Nothing is changed when even the newest message alone does not fit."""
         n_ctx = self.llm.n_ctx
-        reserve = min(self.settings.max_tokens, n_ctx // 4)  # room for at least part of a reply
+        reserve = self._reserve()
         stop = getattr(self.llm, "context_policy", "shift") == "stop"
         # What must fit whatever is dropped: the whole conversation ("stop"), or the system prompt and the new
         # message. When its text alone shows it cannot (a pasted megabyte), it is refused here, as the library and
         # the server refuse such a prompt (check_prompt_fits), instead of after seconds of tokenizing it.
         least = self.messages(turns if stop else turns[-1:])
-        self.llm.check_prompt_fits(self.llm.format_chat(least), add_bos=False)  # the template may write BOS
+        try:
+            self.llm.check_prompt_fits(self.llm.format_chat(least), add_bos=False)  # the template may write BOS
+        except ContextFullError:
+            self.check_system_fits(self.system)  # if the system prompt is what cannot fit, say so
+            raise
         ids = self.llm.chat_ids(self.messages(turns))
         if len(ids) + reserve <= n_ctx:
             return ids, turns, 0
+        # /clear and dropping turns keep the system prompt: when it alone leaves no room, neither can help
+        self.check_system_fits(self.system)
         if stop:
+            alone = ids if len(turns) == 1 else self.llm.chat_ids(self.messages(turns[-1:]))
+            if len(alone) + reserve > n_ctx:  # /clear would leave this much: it cannot help
+                what = "the message and the system prompt take" if self.system else "the message takes"
+                raise ContextFullError(f"{what} {len(alone)} tokens and the reply needs room for {reserve} in a "
+                                       f"context of {n_ctx}: shorten it or restart with a larger --ctx")
             raise ContextFullError(f"the conversation takes {len(ids)} tokens and the reply needs room for {reserve} "
                                    f"in a context of {n_ctx}: /clear to start over, or restart with a larger --ctx "
                                    f"or --context-policy shift (drops the oldest turns)")
@@ -229,6 +240,29 @@ class ChatSession:
             raise ContextFullError(f"{what} {len(ids)} tokens but the context holds {n_ctx}; "
                                    f"shorten it or use a larger --ctx")
         return ids, kept, len(turns) - len(kept)
+
+    def _reserve(self) -> int:
+        return min(self.settings.max_tokens, self.llm.n_ctx // 4)  # room for at least part of a reply
+
+    def check_system_fits(self, system: str | None, unchanged: str = "") -> None:
+        """ContextFullError when ``system`` with the shortest message leaves no room for a reply in the context:
+        every prompt starts with it, so no /clear or dropped turn can make a message fit; only a larger --ctx or
+        a shorter system prompt can. ``unchanged`` ends the message (what was kept as it was)."""
+        if not system:
+            return
+        n_ctx, reserve = self.llm.n_ctx, self._reserve()
+        least = [{"role": "system", "content": system}, {"role": "user", "content": ""}]
+        try:
+            self.llm.check_prompt_fits(self.llm.format_chat(least), add_bos=False)
+            n = len(self.llm.chat_ids(least))
+        except ContextFullError:  # its text alone shows it cannot fit: not worth tokenizing
+            n = None
+        if n is not None and n + reserve < n_ctx:
+            return
+        takes = "more tokens than the context holds" if n is None else f"{n} tokens"
+        raise ContextFullError(f"the system prompt is too long for --ctx {n_ctx}: it takes {takes}, leaving no "
+                               f"room for a message and a reply of {reserve}; restart with a larger --ctx, or give "
+                               f"a shorter system prompt (/system TEXT, or /system - for none){unchanged}")
 
     # ---- replies ----
     def exchange(self, user_text: str, base: list[dict] | None = None, seed_offset: int = 0) -> str | None:
@@ -339,7 +373,9 @@ class ChatSession:
         if not arg:
             self.say(f"system prompt: {self.system!r}" if self.system else "no system prompt")
             return
-        self.system = None if arg == "-" else arg
+        new = None if arg == "-" else arg
+        self.check_system_fits(new, unchanged="; the system prompt is unchanged")
+        self.system = new
         self.llm.reset()  # the cached prefix starts with the old system prompt
         self.note("(system prompt cleared)" if self.system is None else "(system prompt set)")
 
@@ -369,9 +405,15 @@ class ChatSession:
             f"context    {used} / {llm.n_ctx} tokens used ({len(self.turns)} messages)",
             f"KV cache   {llm.kv.kind}, {llm.kv.nbytes / 2**20:.1f} MiB",
             f"settings   {self.settings.describe()}",
-            f"system     {self.system!r}" if self.system else "system     (none)",
+            f"system     {self._system_preview()}" if self.system else "system     (none)",
         ]
         self.say("\n".join(lines))
+
+    def _system_preview(self, n: int = 200) -> str:
+        """The system prompt for /show: a long one (a pasted document) would push the rest off the screen, and
+        /system shows it whole."""
+        cut = shorten(self.system, n)
+        return repr(cut) if cut == self.system else f"{cut!r} ({len(self.system)} characters; /system shows it all)"
 
     def cmd_save(self, arg: str) -> None:
         if not arg:

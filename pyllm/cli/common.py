@@ -370,6 +370,11 @@ NUMERIC_FLAGS = {
     "n_prompt": ("-p/--n-prompt", 0, 1 << 20),
     "n_gen": ("-n/--n-gen", 0, 1 << 20),
     "n_depth": ("-d/--n-depth", 0, 1 << 20),
+    # serve
+    "port": ("--port", 0, 65535),
+    "parallel": ("--parallel", 1, 64),  # sequences decoded together, each with a context-sized KV slot
+    "replicas": ("--replicas", 1, 64),
+    "max_body": ("--max-body", 1, None),  # bytes; below 1 every request would be refused as too large
 }
 
 

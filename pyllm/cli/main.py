@@ -212,12 +212,6 @@ def cmd_serve(a) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise PyllmError(f"pyllm serve needs the server extra ({e.name} is missing): pip install \"pyllm[serve]\"")
-    if not 1 <= a.parallel <= 64:
-        raise PyllmError(f"--parallel must be in 1..64 (sequences decoded together), got {a.parallel}")
-    if not 0 <= a.port <= 65535:
-        raise PyllmError(f"--port must be in 0..65535, got {a.port}")
-    if a.max_body < 1:  # every request would be refused as too large
-        raise PyllmError(f"--max-body must be at least 1 (bytes), got {a.max_body}")
     api_key = api_key_from_args(a)
     from ..server.app import listen_socket, serve
 
@@ -242,8 +236,6 @@ def serve_replicas_from_args(a) -> int:
 
     from ..server.ray_serve import ReplicaSpec, require_ray, serve_replicas
 
-    if not 1 <= a.replicas <= 64:
-        raise PyllmError(f"--replicas must be in 1..64, got {a.replicas}")
     if a.prompt_cache:
         raise PyllmError("--prompt-cache cannot be shared by --replicas (each replica would write the same "
                          "directory); use one or the other")
@@ -273,12 +265,21 @@ def serve_replicas_from_args(a) -> int:
     return 0
 
 
+# a value argparse quotes with repr(): in single quotes, or in double quotes when it holds a single quote
+_QUOTED = re.compile(r"""(['"])((?:\\.|(?!\1).){81,})\1""")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse quoting what the user typed in its errors ("invalid choice: '...'") at most 80 characters of it: a
-    pasted 10 KB value must not bury the error it is in."""
+    pasted 10 KB value must not bury the error it is in. An error about one argument's value (a bad type, choice
+    or missing value) is one line naming the argument, as pyllm's range checks are: the usage block would push
+    that line out of sight. Errors about the command line as a whole (a missing argument) keep the usage."""
 
     def error(self, message: str):
-        super().error(re.sub(r"'([^']{81,})'", lambda m: repr(shorten(m.group(1))), message))
+        message = _QUOTED.sub(lambda m: m.group(1) + shorten(m.group(2)) + m.group(1), message)
+        if message.startswith("argument "):
+            self.exit(2, f"{self.prog}: error: {message}\n")
+        super().error(message)
 
 
 class _SubcommandParser(_Parser):
@@ -433,8 +434,8 @@ def version_text() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a, extra = parser.parse_known_args(argv)
+    subs = next((act.choices for act in parser._actions if isinstance(act, argparse._SubParsersAction)), {})
     if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top-level one
-        subs = next((act.choices for act in parser._actions if isinstance(act, argparse._SubParsersAction)), {})
         (subs.get(a.command) or parser).error(f"unrecognized arguments: {shorten(' '.join(extra))}")
     if a.version:
         print(version_text())
@@ -446,8 +447,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_numeric_args(a)
     except (PyllmError, SettingError) as e:
-        # a usage error like argparse's own (exit 2), reported before any model is loaded
-        print(f"pyllm: error: {e}", file=sys.stderr)
+        # a usage error worded as argparse's own for a value that does not parse (exit 2, "pyllm run: error:
+        # argument --ctx: ..."), reported before any model is loaded
+        print(f"{subs[a.command].prog}: error: {e}", file=sys.stderr)
         return 2
     try:
         return a.func(a)

@@ -54,7 +54,7 @@ class ModelConfig:
 
     def layer_shapes(self) -> dict[str, tuple[int, ...]]:
         """The shape (QTensor order: [rows, cols] = [out, in]) each llama-family layer tensor must have, by name
-        suffix. Vocabulary-sized tensors are left out (files pad the embedding rows past the token list)."""
+        suffix. Vocabulary-sized tensors are left out (shape_mismatch gives them n_vocab rows)."""
         d, q, kv, ff = self.n_embd, self.n_head * self.head_dim, self.kv_dim, self.n_ff
         return {"attn_norm.weight": (d,), "ffn_norm.weight": (d,), "attn_q.weight": (q, d),
                 "attn_k.weight": (kv, d), "attn_v.weight": (kv, d), "attn_output.weight": (d, q),
@@ -63,33 +63,41 @@ class ModelConfig:
                 "attn_q_norm.weight": (self.head_dim,), "attn_k_norm.weight": (self.head_dim,),
                 "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
 
+    def shape_mismatch(self, weights: dict) -> tuple[str, tuple, tuple] | None:
+        """(name, shape, the shape the hyperparameters need) of the first tensor of ``weights`` that contradicts
+        them, or None; tensors absent from ``weights`` are not judged. The one rule for every source of weights
+        (GGUF metadata, an AWQ folder's config.json), each naming it in its own terms.
+
+        The vocabulary-sized tensors need exactly n_vocab rows, as llama.cpp's loader requires: with fewer, a token
+        id past the last row would index out of the table; with more, the logits hold ids that are no token, and
+        one sampled ends the reply in an error."""
+        d = self.n_embd
+        expect = {"token_embd.weight": (self.n_vocab, d), "output.weight": (self.n_vocab, d),
+                  "output_norm.weight": (d,), "rope_freqs.weight": (self.rope_dim // 2,)}
+        layer = self.layer_shapes()
+        for i in range(self.n_layer):
+            expect.update((f"blk.{i}.{n}", shape) for n, shape in layer.items())
+        for name, shape in expect.items():
+            t = weights.get(name)
+            if t is not None and tuple(t.shape) != shape:
+                return name, tuple(t.shape), shape
+        return None
+
     def check_shapes(self, weights: dict) -> None:
         """ModelError naming the first tensor whose shape disagrees with the metadata's hyperparameters.
 
         Why: a file is untrusted, and a tensor table that contradicts the header (n_embd, heads, head_dim, n_ff)
         would otherwise load and then fail inside the first forward pass with a torch shape error."""
-        want = self.layer_shapes()
-        expect = [("token_embd.weight", None, self.n_embd), ("output.weight", None, self.n_embd),
-                  ("output_norm.weight", (self.n_embd,), None),
-                  ("rope_freqs.weight", (self.rope_dim // 2,), None)]
-        expect += [(f"blk.{i}.{n}", shape, None) for i in range(self.n_layer) for n, shape in want.items()]
-        for name in ("token_embd.weight", "output.weight"):
-            t = weights.get(name)
-            rows = tuple(t.shape)[0] if t is not None and len(tuple(t.shape)) == 2 else None
-            if rows is not None and rows < self.n_vocab:
-                # a token id past the table's last row would index out of it at generation
-                raise ModelError(f"{self.arch} tensor {name!r} has {rows} rows but the vocabulary has {self.n_vocab} "
-                                 f"tokens: every token needs a row")
-        for name, shape, cols in expect:
-            t = weights.get(name)
-            if t is None:
-                continue
-            got = tuple(t.shape)
-            if (shape is not None and got != shape) or (cols is not None and (len(got) != 2 or got[1] != cols)):
-                exp = shape if shape is not None else f"(n_vocab, {cols})"
-                raise ModelError(f"{self.arch} tensor {name!r} has shape {got}, but the metadata (n_embd "
-                                 f"{self.n_embd}, heads {self.n_head}/{self.n_kv_head}, head_dim {self.head_dim}, "
-                                 f"n_ff {self.n_ff}) needs {exp}")
+        bad = self.shape_mismatch(weights)
+        if bad is None:
+            return
+        name, got, want = bad
+        if name in ("token_embd.weight", "output.weight") and len(got) == 2 and got[1] == self.n_embd:
+            raise ModelError(f"{self.arch} tensor {name!r} has {got[0]} rows but the vocabulary has {self.n_vocab} "
+                             f"tokens: every token needs a row, and a row that is no token must not be sampled")
+        raise ModelError(f"{self.arch} tensor {name!r} has shape {got}, but the metadata (n_embd "
+                         f"{self.n_embd}, heads {self.n_head}/{self.n_kv_head}, head_dim {self.head_dim}, "
+                         f"n_ff {self.n_ff}) needs {want}")
 
     def kv_bytes_per_token(self, bytes_per_elem: float = 2.0) -> int:
         """Bytes the KV cache holds per token: 2 (K and V) x layers x kv heads x head_dim x element size."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import PyllmError, shorten
+from ..tokenizer import StreamDecoder
 
 
 def stop_list(stop) -> list[str]:
@@ -84,3 +85,31 @@ class StopStrings:
             if cut < 0 or self.accepts is None or self.accepts(self.released + self._pending[:cut]):
                 return cut
             skip = cut + 1
+
+
+class OutputText:
+    """A generation's tokens -> its output text, for every text path (LLM.generate / chat, and api.Run behind the
+    server): ``push`` each token that is output (not the end-of-generation one) and get what of the text is final;
+    ``finish`` when the generation ends, however it ends (a stop token, max_tokens, a full context, a cancel),
+    for what was held back. Bytes that do not yet form a character are held back (StreamDecoder), and so is a
+    tail that may begin a stop string (StopStrings). At the end, bytes of a character that never completed come
+    out as U+FFFD, as ``bytes.decode("utf-8", errors="replace")`` (llama.cpp, Hugging Face) gives them: dropped,
+    a reply would silently lose text. One ``finish`` for every path, so that no way out of a loop skips it."""
+
+    def __init__(self, tokenizer, stop: list[str], accepts: Callable[[str], bool] | None = None):
+        self._dec = StreamDecoder(tokenizer)
+        self._stops = StopStrings(stop, accepts)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string ended the output: nothing more comes out."""
+        return self._stops.stopped
+
+    def push(self, tid: int) -> str:
+        return "" if self._stops.stopped else self._stops.push(self._dec.push(tid))
+
+    def finish(self) -> str:
+        if self._stops.stopped:
+            return ""
+        out = self._stops.push(self._dec.flush())
+        return out if self._stops.stopped else out + self._stops.flush()
