@@ -322,7 +322,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
                       stream: bool = False, logprobs: int | None = None, echo: bool = False,
                       repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                       logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
-                      response_format: dict | None = None, grammar: str | None = None,
+                      best_of: int | None = None, response_format: dict | None = None, grammar: str | None = None,
                       json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
                       **ignored):
     """OpenAI text completion of ``prompt`` (a string, or token ids). Returns the response dict, or with
@@ -330,6 +330,13 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token.
     ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
     _check_n(n)
+    if best_of is not None:
+        # OpenAI generates best_of candidates and returns the n most likely; answering one of one as if it were the
+        # best of several would pass off an ordinary sample as a selected one
+        _number("best_of", best_of, 1, integer=True)
+        if best_of != 1:
+            raise BadRequest(f"best_of={best_of}: one candidate is generated per request, so best_of must be 1 "
+                             f"(or left out)", "best_of")
     stream, echo = _flag("stream", stream), _flag("echo", echo)
     if suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
@@ -650,6 +657,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         _number("max_completion_tokens", max_completion_tokens, 0, integer=True)
     if top_logprobs is not None:
         _number("top_logprobs", top_logprobs, 0, 20, integer=True)
+        if not logprobs:  # OpenAI refuses it: read alone it would ask for alternatives and get no logprobs at all
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     msgs = normalize_messages(messages)
     if "developer" not in llm.template.source:  # OpenAI's newer name for system: a template may drop a role it lacks
         msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]

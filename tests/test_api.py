@@ -228,6 +228,27 @@ def test_bad_arguments_raise_before_generating(llm):
         llm.create_chat_completion([], max_tokens=1)
 
 
+def test_options_pyllm_cannot_honour_are_refused_not_ignored(llm):
+    """top_logprobs without logprobs and best_of were dropped silently: the client got no logprobs, or one
+    ordinary sample presented as the best of several. Reference: OpenAI's API, which answers 400 for top_logprobs
+    without logprobs: true; best_of is accepted where it asks for what is generated anyway (1)."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for stream in (False, True):
+        with pytest.raises(BadRequest, match="top_logprobs needs logprobs: true") as e:
+            llm.create_chat_completion(msgs, max_tokens=1, top_logprobs=2, stream=stream)
+        assert e.value.param == "top_logprobs"
+        with pytest.raises(BadRequest, match="top_logprobs needs logprobs: true"):
+            llm.create_chat_completion(msgs, max_tokens=1, top_logprobs=0, logprobs=False, stream=stream)
+        for bad in (2, 5, 0, 1.5, "1", True):
+            with pytest.raises(BadRequest, match="best_of") as e:
+                llm.create_completion("Hi", max_tokens=1, best_of=bad, stream=stream)
+            assert e.value.param == "best_of", bad
+    r = llm.create_chat_completion(msgs, max_tokens=1, top_logprobs=2, logprobs=True, temperature=0)
+    assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    for ok in (None, 1):
+        assert llm.create_completion("Hi", max_tokens=1, best_of=ok, n=1)["usage"]["completion_tokens"] == 1
+
+
 def test_empty_message_list_is_refused_by_every_chat_entry_point(llm, monkeypatch):
     """Reference: create_chat_completion([]), which refuses an empty conversation as a BadRequest naming
     messages. chat() (plain and streaming) and chat_ids() generated a reply to the bare generation prompt instead;

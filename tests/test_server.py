@@ -398,6 +398,20 @@ def test_sampler_settings_are_checked_and_named(smol):
     _ok(smol)
 
 
+def test_top_logprobs_without_logprobs_and_best_of_are_400s(smol):
+    """Both were ignored. Reference: OpenAI's API (400 for top_logprobs without logprobs: true); best_of other than
+    1 would need several candidates, which pyllm does not generate."""
+    c = smol.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="smollm2", prompt="Hi", max_tokens=2, best_of=3, stream=stream)
+        assert e.value.body["param"] == "best_of" and "best_of" in e.value.message
+    assert c.completions.create(model="smollm2", prompt="Hi", max_tokens=2, best_of=1).usage.completion_tokens == 2
+
+
 def test_top_logprobs_bytes_are_the_tokens_own(smol):
     """top_logprobs[].bytes are each token's own bytes, as the chosen token's are (they were the UTF-8 of its text
     with U+FFFD for a token that is part of a character). Greedy: the first alternative is the chosen token."""
