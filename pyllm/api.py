@@ -175,6 +175,9 @@ class TokenInfo:
     top: list[tuple[str, float]] = field(default_factory=list)
     bytes: list[int] = field(default_factory=list)
     top_bytes: list[list[int]] = field(default_factory=list)  # each of ``top``'s own bytes (its text may hold U+FFFD)
+    # Where the token starts in the output text, in characters: the characters the tokens before it decode to.
+    # Counting the tokens' own texts instead drifts where a token holds part of a character (its text is U+FFFD).
+    offset: int = 0
 
 
 @dataclass
@@ -209,14 +212,14 @@ class Run:
         grammar = self.constraint.get("constraint")
         stops = StopStrings(self.stop, grammar.accepts_text if grammar is not None else None)
         tail = ""
-        # Logprobs wait for their token's text: (UTF-8 byte offset where the token starts, info), and the bytes
-        # of the tokens queued so far and of the text released so far.
-        queued: list[tuple[int, TokenInfo]] = []
-        token_end = released = 0
+        # Logprobs wait for their token's text to be released; ``decoded``: the characters decoded so far, where
+        # the next token's text starts (the decoder holds back a character's first bytes until it is complete).
+        queued: list[TokenInfo] = []
+        decoded = 0
 
         def ready(end: int) -> list[TokenInfo]:
-            n = next((i for i, (start, _) in enumerate(queued) if start >= end), len(queued))
-            out = [info for _, info in queued[:n]]
+            n = next((i for i, info in enumerate(queued) if info.offset >= end), len(queued))
+            out = queued[:n]
             del queued[:n]
             return out
 
@@ -237,45 +240,40 @@ class Run:
                     self.finish_reason = "stop"
                     break
                 if self.sampler.logprobs is not None:
-                    info = self._info(t)
-                    queued.append((token_end, info))
-                    token_end += len(info.bytes)
-                out = stops.push(dec.push(t))
+                    queued.append(self._info(t, decoded))
+                piece = dec.push(t)
+                decoded += len(piece)
+                out = stops.push(piece)
                 if stops.stopped:
                     tail = out
                     break
                 if out:
                     self.text += out
-                    released += _utf8_len(out)
-                    yield out, ready(released)
+                    yield out, ready(len(self.text))
             else:
                 tail = stops.push(dec.flush())
             if stops.stopped:
                 self.finish_reason = "stop"
-                infos = ready(released + _utf8_len(tail))  # the rest start in or after the stop string
+                infos = ready(len(self.text) + len(tail))  # the rest start in or after the stop string
             else:
                 tail += stops.flush()
                 if llm.stats.finish_reason == "context":
                     self.finish_reason = "length"
-                infos = [info for _, info in queued]
+                infos = list(queued)
             if tail or infos:
                 self.text += tail
                 yield tail, infos
         finally:
             gen.close()
 
-    def _info(self, t: int) -> TokenInfo:
+    def _info(self, t: int, offset: int) -> TokenInfo:
         tok = self.llm.tokenizer
         lp, top = self.sampler.last_logprobs or (None, [])
         b = tok.token_bytes(t)
         tops = [(tok.token_bytes(i), v) for i, v in top]
         return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
                          [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops], list(b),
-                         [list(tb) for tb, _ in tops])
-
-
-def _utf8_len(text: str) -> int:
-    return len(text.encode("utf-8", errors="surrogatepass"))
+                         [list(tb) for tb, _ in tops], offset)
 
 
 def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
@@ -305,14 +303,14 @@ def _check_n(n):
 
 
 # --------------------------------------------------------------------------------------------------- completion
-def _completion_logprobs(infos: list[TokenInfo], offset: int) -> dict:
+def _completion_logprobs(infos: list[TokenInfo], start: int) -> dict:
+    """OpenAI's legacy logprobs object; ``start``: where the completion's text begins in the response's text."""
     out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
     for t in infos:
         out["tokens"].append(t.text)
-        out["text_offset"].append(offset)
+        out["text_offset"].append(start + t.offset)
         out["token_logprobs"].append(t.logprob)
         out["top_logprobs"].append(dict(t.top))
-        offset += len(t.text)
     return out
 
 
@@ -381,12 +379,10 @@ def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include
             c["usage"] = None
         return c
 
-    offset = len(prefix)
     if prefix:
         yield chunk(prefix, None, None)
     for text, infos in run.pieces():
-        yield chunk(text, _completion_logprobs(infos, offset) if want_lp else None, None)
-        offset += sum(len(t.text) for t in infos)  # as the whole response counts it: token by token
+        yield chunk(text, _completion_logprobs(infos, len(prefix)) if want_lp else None, None)
     yield chunk("", None, run.finish_reason)
     if include_usage:
         yield {**head, "choices": [], "usage": run.usage()}

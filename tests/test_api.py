@@ -171,6 +171,58 @@ def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
         assert got == toks[:3]
 
 
+def _offsets_of(token_bytes: list[bytes], start: int = 0) -> list[int]:
+    """Where each token starts in the text, in characters: the characters that the tokens before it decode to
+    (a character still incomplete counts once it is complete), as llama-cpp-python computes text_offset."""
+    return [start + len(b"".join(token_bytes[:i]).decode("utf-8", errors="ignore")) for i in range(len(token_bytes))]
+
+
+@pytest.mark.parametrize("key", ["smollm2", "qwen2"])
+def test_text_offsets_index_the_text_where_tokens_split_characters(key):
+    """text_offset counted each token's own text, in which a token holding part of a UTF-8 character is U+FFFD:
+    after "\U0001F409" split over three tokens the offsets ran two characters past the text. Reference:
+    llama-cpp-python's text_offset (the characters the tokens before it decode to; a character split over tokens
+    counts once complete), with the token bytes of the same greedy generation (each call starts from an empty
+    cache, so all three generate the same tokens); whole, streamed and echoed responses agree."""
+    llm = pyllm_model(key, n_ctx=512, n_threads=1)
+    prompt = "Say hello in three languages with an emoji:"
+    grammar = 'root ::= " h\u00e9llo \U0001F409 \u4f60\u597d, \u00bfqu\u00e9 tal?" [a-z ]{0,4}'
+    kw = dict(max_tokens=40, temperature=0, grammar=grammar)
+    llm.reset()
+    ids = [i for i in llm.generate_tokens(llm.tokenize(prompt), **kw) if not llm.tokenizer.is_eog(i)]
+    tb = [llm.tokenizer.token_bytes(i) for i in ids]
+    assert not all(map(_whole_characters, tb))  # the test needs tokens that split a character
+    for echo in (False, True):
+        llm.reset()
+        r = llm.create_completion(prompt, echo=echo, logprobs=2, **kw)["choices"][0]
+        start = len(prompt) if echo else 0
+        assert r["text"][start:] == b"".join(tb).decode()
+        assert r["logprobs"]["text_offset"][-len(tb):] == _offsets_of(tb, start)
+        for off, t in zip(r["logprobs"]["text_offset"][-len(tb):], tb):
+            if _whole_characters(t):
+                assert r["text"][off:].encode().startswith(t)
+        llm.reset()
+        chunks = [c["choices"][0] for c in llm.create_completion(prompt, echo=echo, logprobs=2, stream=True, **kw)]
+        assert "".join(c["text"] for c in chunks) == r["text"]
+        assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == \
+            r["logprobs"]["text_offset"]
+    # chat's per-token bytes are the tokens' own, and spell the reply
+    r = llm.create_chat_completion([{"role": "user", "content": prompt}], logprobs=True, **kw)["choices"][0]
+    assert b"".join(bytes(t["bytes"]) for t in r["logprobs"]["content"]).decode() == r["message"]["content"]
+
+
+def _offsets_of(token_bytes: list[bytes], start: int = 0) -> list[int]:
+    return [start + len(b"".join(token_bytes[:i]).decode("utf-8", errors="ignore")) for i in range(len(token_bytes))]
+
+
+def _whole_characters(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
 def test_streamed_logprobs_with_tools_match_the_whole_response(llm):
     """With tools, streamed text that may be a call is held back, and the logprobs of held pieces were dropped: a
     forced call streamed no logprobs at all (the response had one per token), nor did a held reply that turned out
