@@ -172,7 +172,7 @@ class TokenInfo:
     id: int
     text: str
     logprob: float | None = None
-    top: list[tuple[str, float]] = field(default_factory=list)
+    top: list[tuple[str, float]] | None = field(default_factory=list)  # None: not reported (a prompt's first token)
     bytes: list[int] = field(default_factory=list)
     top_bytes: list[list[int]] = field(default_factory=list)  # each of ``top``'s own bytes (its text may hold U+FFFD)
     # Where the token starts in the output text, in characters: the characters the tokens before it decode to.
@@ -240,7 +240,7 @@ class Run:
                     self.finish_reason = "stop"
                     break
                 if self.sampler.logprobs is not None:
-                    queued.append(self._info(t, decoded))
+                    queued.append(_token_info(tok, t, *(self.sampler.last_logprobs or (None, [])), decoded))
                 piece = dec.push(t)
                 decoded += len(piece)
                 out = stops.push(piece)
@@ -266,14 +266,32 @@ class Run:
         finally:
             gen.close()
 
-    def _info(self, t: int, offset: int) -> TokenInfo:
-        tok = self.llm.tokenizer
-        lp, top = self.sampler.last_logprobs or (None, [])
-        b = tok.token_bytes(t)
-        tops = [(tok.token_bytes(i), v) for i, v in top]
-        return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
-                         [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops], list(b),
-                         [list(tb) for tb, _ in tops], offset)
+    def prompt_infos(self, prefix: str) -> list[TokenInfo]:
+        """The prompt's tokens as logprobs entries, for an echoed prompt: each one's log-probability given the
+        tokens before it and the sampler's number of most likely tokens there, with offsets into ``prefix`` (the
+        echoed text). The first token has neither (nothing precedes it: OpenAI and llama-cpp-python report null),
+        and a BOS the tokenizer added, which the echoed text does not show, is left out. Evaluates the prompt."""
+        from .tokenizer import StreamDecoder
+
+        tok, ids = self.llm.tokenizer, self.ids
+        scored = self.llm.prompt_logprobs(ids, self.sampler.logprobs or 0) if len(ids) > 1 else []
+        bos_shown = prefix.startswith(tok.token_bytes(ids[0]).decode("utf-8", "replace"))
+        first = int(ids[0] == tok.bos_id and not bos_shown)
+        dec = StreamDecoder(tok)
+        out, decoded = [], 0
+        for k in range(first, len(ids)):
+            lp, top = scored[k - 1] if k > first else (None, None)
+            out.append(_token_info(tok, ids[k], lp, top, decoded))
+            decoded += len(dec.push(ids[k]))
+        return out
+
+
+def _token_info(tok, t: int, logprob: float | None, top: list[tuple[int, float]] | None, offset: int) -> TokenInfo:
+    b = tok.token_bytes(t)
+    tops = [(tok.token_bytes(i), v) for i, v in top or ()]
+    return TokenInfo(t, b.decode("utf-8", errors="replace"), logprob,
+                     None if top is None else [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops],
+                     list(b), [list(tb) for tb, _ in tops], offset)
 
 
 def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
@@ -310,7 +328,7 @@ def _completion_logprobs(infos: list[TokenInfo], start: int) -> dict:
         out["tokens"].append(t.text)
         out["text_offset"].append(start + t.offset)
         out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append(dict(t.top))
+        out["top_logprobs"].append(None if t.top is None else dict(t.top))
     return out
 
 
@@ -325,7 +343,8 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
                       **ignored):
     """OpenAI text completion of ``prompt`` (a string, or token ids). Returns the response dict, or with
     ``stream=True`` an iterator of ``text_completion`` chunk dicts (the last one carries finish_reason; with
-    ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token.
+    ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token,
+    with ``echo`` the prompt's tokens too (the first one's null), as OpenAI's and llama-cpp-python's do.
     ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
     _check_n(n)
     if best_of is not None:
@@ -356,13 +375,15 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
             "model": _model_name(llm, model)}
     prefix = (prompt if isinstance(prompt, str) else llm.detokenize(ids)) if echo else ""
     if stream:
-        return _completion_chunks(run, head, prefix, logprobs is not None, _include_usage(stream_options))
+        return _completion_chunks(run, head, prefix, echo, logprobs is not None, _include_usage(stream_options))
+    lp = _completion_logprobs(run.prompt_infos(prefix), 0) if echo and logprobs is not None else None
     infos = []
     for _, inf in run.pieces():
         infos += inf
-    choice = {"text": prefix + run.text, "index": 0,
-              "logprobs": _completion_logprobs(infos, len(prefix)) if logprobs is not None else None,
-              "finish_reason": run.finish_reason}
+    if logprobs is not None:
+        completion = _completion_logprobs(infos, len(prefix))
+        lp = completion if lp is None else {k: v + completion[k] for k, v in lp.items()}
+    choice = {"text": prefix + run.text, "index": 0, "logprobs": lp, "finish_reason": run.finish_reason}
     return {**head, "choices": [choice], "usage": run.usage()}
 
 
@@ -372,15 +393,18 @@ def _include_usage(stream_options) -> bool:
     return _flag("stream_options.include_usage", (stream_options or {}).get("include_usage"), "stream_options")
 
 
-def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include_usage: bool) -> Iterator[dict]:
+def _completion_chunks(run: Run, head: dict, prefix: str, echo: bool, want_lp: bool,
+                       include_usage: bool) -> Iterator[dict]:
     def chunk(text, lp, finish):
         c = {**head, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
         return c
 
-    if prefix:
-        yield chunk(prefix, None, None)
+    if echo:
+        lp = _completion_logprobs(run.prompt_infos(prefix), 0) if want_lp else None
+        if prefix or lp:
+            yield chunk(prefix, lp, None)
     for text, infos in run.pieces():
         yield chunk(text, _completion_logprobs(infos, len(prefix)) if want_lp else None, None)
     yield chunk("", None, run.finish_reason)

@@ -150,9 +150,10 @@ def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
             r = llm.create_completion(prompt, **kw)["choices"][0]
             lp = r["logprobs"]
             assert r["finish_reason"] == "stop" and r["text"] == (prompt if echo else "") + text[:cut]
-            assert lp["tokens"] == want, (stop, lp["tokens"])
+            shown = len(llm.tokenize(prompt)) if echo else 0  # echo lists the prompt's tokens first
+            assert lp["tokens"][shown:] == want, (stop, lp["tokens"])
             chunks = [c["choices"][0] for c in llm.create_completion(prompt, stream=True, **kw) if c["choices"]]
-            assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == want
+            assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]][shown:] == want
             assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == lp["text_offset"]
     msgs = [{"role": "user", "content": "Write one sentence about cats."}]
     full = llm.create_chat_completion(msgs, max_tokens=20, temperature=0, logprobs=True)["choices"][0]
@@ -169,6 +170,48 @@ def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
             got = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
             assert r["choices"][0]["message"]["content"] == "".join(toks[:3])
         assert got == toks[:3]
+
+
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_echo_with_logprobs_scores_the_prompt(key):
+    """echo with logprobs returned the completion's logprobs only. Reference: OpenAI's legacy completions and
+    llama-cpp-python: the prompt's tokens come first, the first with null logprob and top_logprobs, every other one
+    with a float64 log-softmax of the model's logits at the position before it (LLM.logits); a BOS the tokenizer
+    added is not listed (the echoed text does not show it); text_offset indexes the echoed text; the completion's
+    entries follow as without echo, and a stream carries the same entries."""
+    llm = pyllm_model(key, n_ctx=512, n_threads=1)
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = llm.tokenize(prompt)
+    shown = ids[1:] if ids[0] == llm.tokenizer.bos_id else ids
+    skipped, n = len(ids) - len(shown), len(shown)
+    ref = torch.log_softmax(llm.logits(ids).double(), dim=-1)
+    shown_bytes = [llm.tokenizer.token_bytes(i) for i in shown]
+    for max_tokens in (0, 4):
+        llm.reset()
+        plain = llm.create_completion(prompt, logprobs=2, max_tokens=max_tokens, temperature=0)["choices"][0]
+        llm.reset()
+        r = llm.create_completion(prompt, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0)["choices"][0]
+        lp = r["logprobs"]
+        assert r["text"] == prompt + plain["text"]
+        assert lp["tokens"][:n] == [b.decode("utf-8", errors="replace") for b in shown_bytes]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for k in range(1, n):
+            p = k + skipped
+            assert lp["token_logprobs"][k] == pytest.approx(float(ref[p - 1, ids[p]]), abs=1e-4)
+            assert len(lp["top_logprobs"][k]) == 2
+            assert max(lp["top_logprobs"][k].values()) == pytest.approx(float(ref[p - 1].max()), abs=1e-4)
+        assert lp["text_offset"][:n] == _offsets_of(shown_bytes)
+        assert all(r["text"][o:].startswith(t) for o, t in zip(lp["text_offset"][:n], lp["tokens"][:n]))
+        want = plain["logprobs"]
+        assert lp["tokens"][n:] == want["tokens"] and len(want["tokens"]) == max_tokens
+        assert lp["text_offset"][n:] == [len(prompt) + o for o in want["text_offset"]]
+        llm.reset()
+        chunks = [c["choices"][0] for c in llm.create_completion(prompt, echo=True, logprobs=2, stream=True,
+                                                                 max_tokens=max_tokens, temperature=0)]
+        assert "".join(c["text"] for c in chunks) == r["text"]
+        got = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]] for k in lp}
+        assert got["tokens"] == lp["tokens"] and got["text_offset"] == lp["text_offset"]
+        assert got["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
 
 
 def _offsets_of(token_bytes: list[bytes], start: int = 0) -> list[int]:
