@@ -257,6 +257,42 @@ def test_min_properties_that_repeated_keys_could_fake_is_refused():
     assert accepts(llm, named, '{"minProperties": 3}')
 
 
+def test_numbers_have_at_most_16_digits_in_a_row_unless_the_schema_needs_more():
+    """Numbers under a schema had no digit cap, and a small model could write digits until max_tokens. Reference:
+    llama.cpp's json-schema-to-grammar, whose integral part is [0] | [1-9] [0-9]{0,15}, fraction [0-9]{1,16} and
+    exponent an integral part: 16 digits in a row at most, in every value a schema admits (json_object's too);
+    digits inside strings are text. Bounds, const and enum values that need more digits stay expressible."""
+    llm = llm_of("smollm2")
+    d16, d17 = "1234567890123456", "12345678901234567"
+    for schema in ({"type": "integer"}, {"type": "number"}, {}, {"type": ["integer", "null"]}):
+        assert accepts(llm, schema, d16) and accepts(llm, schema, "-" + d16)
+        assert not accepts(llm, schema, d17) and not accepts(llm, schema, "-" + d17)
+    for number in ("1." + d16, "1e" + d16, "-0.5E-" + d16, d16 + "." + d16 + "e+" + d16):
+        assert accepts(llm, {"type": "number"}, number) and not accepts(llm, {"type": "number"}, number + "1")
+    anything = {"type": "object"}
+    assert accepts(llm, anything, '{"a": [' + d16 + ', {"b": ' + d16 + '}]}')
+    assert not accepts(llm, anything, '{"a": [1, {"b": ' + d17 + '}]}')
+    assert accepts(llm, anything, '{"' + d17 * 2 + '": "\\"' + d17 * 3 + '"}')  # strings are text
+    for schema, value in (({"type": "integer", "minimum": 10 ** 17}, 10 ** 17 + 5),
+                          ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, -(10 ** 17) - 1),
+                          ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-20}, "0.000000000000000000005"),
+                          ({"const": 10 ** 20}, 10 ** 20),
+                          ({"enum": [1, 0.123456789012345678]}, 0.123456789012345678)):
+        text = value if isinstance(value, str) else json.dumps(value)
+        assert accepts(llm, schema, text), schema
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_model_pushed_to_write_digits_stops_at_the_cap():
+    """Gemma 3 with its "7" token pushed up by logit_bias wrote sevens until max_tokens (finish "length", a number
+    no JSON reader keeps exactly). Reference: llama.cpp's 16-digit integral part; the reply ends there, complete."""
+    llm = llm_of("gemma3")
+    seven = llm.tokenizer.token_id("7")
+    r = llm.create_completion("A very large number: ", json_schema={"type": "integer"}, max_tokens=40,
+                              temperature=0, logit_bias={str(seven): 100})["choices"][0]
+    assert r["text"].strip() == "7" * 16 and r["finish_reason"] == "stop"
+
+
 def test_a_forced_call_is_closed_after_its_arguments():
     """The forced call object is {"name", "arguments"} and nothing more: SmolLM2 went on writing "type",
     "function" or "parameters" keys after the arguments until max_tokens cut the call off (finish_reason

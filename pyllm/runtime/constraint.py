@@ -17,6 +17,9 @@ temperature (``Sampler.candidates``), so every sampling setting draws only from 
 from __future__ import annotations
 
 import json
+import math
+import re
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -35,6 +38,11 @@ def _llguidance():
 
 # JSON whitespace between tokens: nothing, one space, or a newline and an indent of up to 20 (llama.cpp's "space")
 JSON_WS = r"(?: |\n[ \t]{0,20})?"
+# The most digits in a row a number's integral part, fraction or exponent may have under a JSON schema, as llama.cpp's
+# json-schema-to-grammar writes them ([0] | [1-9] [0-9]{0,15}; [0-9]{1,16}): the engine's numbers are unbounded, and
+# a small sampled model can write digits until max_tokens. A schema whose own numbers need more digits raises it.
+NUMBER_DIGITS = 16
+DIGITS = frozenset(b"0123456789")
 
 
 class _Encoder:
@@ -51,6 +59,9 @@ class _Encoder:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._tok.encode(text, add_bos=False, special=False)
+
+
+_DIGIT_RUNS = re.compile(rb"[0-9]+")
 
 
 class GrammarVocab:
@@ -75,6 +86,17 @@ class GrammarVocab:
                 tokens.append(tokenizer.token_bytes(i))
         # the model may have more output rows than the vocabulary has tokens (padding): they stay masked
         tokens += [b""] * (n_vocab - len(tokens))
+        # for the digit cap: the digits each token starts with, and its longest run of digits after those
+        self.tokens = tokens
+        self.lead_digits = np.zeros(n_vocab, dtype=np.int32)
+        self.inner_digits = np.zeros(n_vocab, dtype=np.int32)
+        for i, t in enumerate(tokens):
+            if t[:1] != b"\xff" and not DIGITS.isdisjoint(t):
+                lead = len(t) - len(t.lstrip(b"0123456789"))
+                self.lead_digits[i] = lead
+                self.inner_digits[i] = max(map(len, _DIGIT_RUNS.findall(t, lead)), default=0)
+        self.max_lead_digits = int(self.lead_digits.max(initial=0))
+        self.max_inner_digits = int(self.inner_digits.max(initial=0))
         eos = sorted(tokenizer.eog_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
         if tokenizer.eos_id in tokenizer.eog_ids:  # the primary EOS first: llguidance reports it as eos_token
             eos.remove(tokenizer.eos_id)
@@ -215,10 +237,14 @@ def _schema_text(schema: Any) -> str:
 class Constraint:
     """One generation's grammar state over a GrammarVocab. Not thread-safe: one per generation."""
 
-    def __init__(self, grammar: str, vocab: GrammarVocab, what: str):
+    def __init__(self, grammar: str, vocab: GrammarVocab, what: str, digit_cap: int | None = None):
         llg = _llguidance()
         self.vocab = vocab
         self.what = what
+        # Most digits in a row outside strings (None: no cap), and where the output stands: (inside a string, after
+        # a backslash there, digits in the current run)
+        self.digit_cap = digit_cap
+        self._lex = (False, False, 0)
         self.m = llg.LLMatcher(vocab.ll, grammar, log_level=0)
         if self.m.is_error():
             raise PyllmError(f"invalid {what}: {_first_line(self.m.get_error())}")
@@ -240,7 +266,7 @@ class Constraint:
             grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
             raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
-        return cls(grammar, vocab, "json_schema")
+        return cls(grammar, vocab, "json_schema", _digit_cap(json.loads(text)))
 
     @classmethod
     def json_object(cls, vocab: GrammarVocab) -> "Constraint":
@@ -267,8 +293,19 @@ class Constraint:
             if self.m.is_error():
                 raise PyllmError(f"{self.what} constraint failed: {_first_line(self.m.get_error())}")
             bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab.n_vocab]
-            self._allowed = bits.view(bool)
+            self._allowed = self._cap_digits(bits.view(bool))
         return self._allowed
+
+    def _cap_digits(self, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` less the tokens that would make a run of digits outside a string longer than digit_cap.
+        Only where some token could (most steps, no token has that many digits): then two compares over the
+        vocabulary. Never empties the mask: a schema's own numbers set the cap, so the grammar always has a way on."""
+        cap, v = self.digit_cap, self.vocab
+        in_string, _, run = self._lex
+        if cap is None or in_string or (run + v.max_lead_digits <= cap and v.max_inner_digits <= cap):
+            return allowed
+        capped = allowed & ~((v.lead_digits > cap - run) | (v.inner_digits > cap))
+        return capped if capped.any() else allowed
 
     def mask(self, logits):
         """Sets the logits of disallowed ids to -inf, in place, and returns them. logits: float [n_vocab] (or
@@ -293,6 +330,8 @@ class Constraint:
         if not self.m.consume_token(int(token)):
             raise PyllmError(f"token {int(token)} does not fit the {self.what}: "
                              f"{_first_line(self.m.get_error())}")
+        if self.digit_cap is not None:
+            self._lex = _scan_digits(self._lex, self.vocab.tokens[int(token)])[:3]
 
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next (its only continuation, as the tokenizer splits it; empty when it
@@ -303,7 +342,14 @@ class Constraint:
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens``, from the first, the grammar would take in turn (the state is not changed)."""
-        return self.m.validate_tokens(list(tokens)) if tokens else 0
+        n = self.m.validate_tokens(list(tokens)) if tokens else 0
+        if self.digit_cap is not None:
+            lex = self._lex
+            for i, t in enumerate(tokens[:n]):
+                *lex, peak = _scan_digits(tuple(lex), self.vocab.tokens[int(t)])
+                if peak > self.digit_cap:
+                    return i
+        return n
 
     def is_done(self) -> bool:
         """True when the output is complete and nothing but an end-of-generation token may follow."""
@@ -332,6 +378,49 @@ class Constraint:
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (it may still be extended)."""
         return self.m.is_accepting()
+
+
+def _scan_digits(lex: tuple[bool, bool, int], data: bytes) -> tuple[bool, bool, int, int]:
+    """The (in string, after a backslash, digits in a row) state after JSON text ``data``, and the longest run of
+    digits outside strings it reached. Special tokens (a 0xFF first byte) write no text."""
+    in_string, escaped, run = lex
+    peak = 0
+    if data[:1] == b"\xff":
+        return in_string, escaped, run, peak
+    for c in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == 0x5C:  # backslash
+                escaped = True
+            elif c == 0x22:  # quote
+                in_string = False
+        elif c == 0x22:
+            in_string, run = True, 0
+        elif 0x30 <= c <= 0x39:
+            run += 1
+            peak = max(peak, run)
+        else:
+            run = 0
+    return in_string, escaped, run, peak
+
+
+def _digit_cap(schema: Any) -> int:
+    """NUMBER_DIGITS, or more where the schema's own numbers (bounds, const, enum, ...) need more digits in a row:
+    one past the longest integral part or fraction among them, so that a value just past an exclusive bound is
+    still expressible. Iterative: a schema may nest deeply."""
+    cap = NUMBER_DIGITS
+    stack = [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            whole, _, fraction = format(Decimal(repr(v) if isinstance(v, float) else v), "f").lstrip("-").partition(".")
+            cap = max(cap, len(whole) + 1, len(fraction) + 1)
+    return cap
 
 
 def _first_line(msg: str) -> str:
