@@ -293,6 +293,36 @@ def test_a_model_pushed_to_write_digits_stops_at_the_cap():
     assert r["text"].strip() == "7" * 16 and r["finish_reason"] == "stop"
 
 
+def test_an_object_never_repeats_a_key():
+    """The engine kept named properties distinct but let additionalProperties / patternProperties (and any object
+    of {"type": "object"}) write a key twice: {"a": 1, "a": 2} passed, and a JSON reader keeps only the last value
+    (Python's json, jsonschema's instance). Reference: RFC 8259's "names within an object SHOULD be unique" as
+    the readers apply it; exact checks of the mask, however the tokens split the key and its quote."""
+    llm = llm_of("smollm2")
+    free = {"type": "object"}
+    ints = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "integer"}}
+    pattern = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}
+    for schema, repeated, distinct in ((free, '{"a": 1, "a": 2}', '{"a": 1, "A": 2}'),
+                                       (free, '{"b": {"c": 1}, "b": 2}', '{"b": {"c": 1}, "c": 2}'),
+                                       (ints, '{"a": 1, "b": 2, "b": 3}', '{"a": 1, "b": 2, "bb": 3}'),
+                                       (pattern, '{"x": 1, "xy": 2, "x": 3}', '{"x": 1, "xy": 2, "xz": 3}'),
+                                       ({"type": "array", "items": free}, '[{"k": 1, "k": 1}]', '[{"k": 1, "j": 1}]')):
+        assert not accepts(llm, schema, repeated) and accepts(llm, schema, distinct), repeated
+    for text in ('{"a": {"a": 1}, "b": 2}', '{"ab": 1, "a": 2, "b": "a"}', '{"a": "b", "b": 1}',
+                 '{"a\\"b": 1, "a": 2}', '{"k": [{"k": 1}, {"k": 2}]}'):
+        assert accepts(llm, free, text), text
+    assert accepts(llm, {"type": "array", "items": free}, '[{"a": 1}, {"a": 2}]')
+    # one character per token: the repeated key's closing quote is refused on its own, and the object goes on
+    c = llm.make_constraint(json_schema=free)
+    for ch in '{"ab":1,"ab':
+        t = llm.tokenizer.token_id(ch)
+        assert c.allowed()[t], ch
+        c.advance(t)
+    quote_tokens = [i for i, b in enumerate(c.vocab.tokens) if b.startswith(b'"')]
+    assert not c.allowed()[quote_tokens].any() and c.allowed()[llm.tokenizer.token_id("c")]
+    assert json.loads('{"a": 1, "a": 2}') == {"a": 2}  # what a repeated key costs
+
+
 def test_a_forced_call_is_closed_after_its_arguments():
     """The forced call object is {"name", "arguments"} and nothing more: SmolLM2 went on writing "type",
     "function" or "parameters" keys after the arguments until max_tokens cut the call off (finish_reason
