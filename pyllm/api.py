@@ -172,9 +172,12 @@ class TokenInfo:
     id: int
     text: str
     logprob: float | None = None
-    top: list[tuple[str, float]] = field(default_factory=list)
+    top: list[tuple[str, float]] | None = field(default_factory=list)  # None: not reported (a prompt's first token)
     bytes: list[int] = field(default_factory=list)
     top_bytes: list[list[int]] = field(default_factory=list)  # each of ``top``'s own bytes (its text may hold U+FFFD)
+    # Where the token starts in the output text, in characters: the characters the tokens before it decode to.
+    # Counting the tokens' own texts instead drifts where a token holds part of a character (its text is U+FFFD).
+    offset: int = 0
 
 
 @dataclass
@@ -206,14 +209,13 @@ class Run:
         grammar = self.constraint.get("constraint")
         text = OutputText(tok, self.stop, grammar.accepts_text if grammar is not None else None)
         tail = ""
-        # Logprobs wait for their token's text: (UTF-8 byte offset where the token starts, info), and the bytes
-        # of the tokens queued so far and of the text released so far.
-        queued: list[tuple[int, TokenInfo]] = []
-        token_end = released = 0
+        # Logprobs wait for their token's text to be released; each starts at ``text.decoded``, the characters
+        # decoded before it (the decoder holds back a character's first bytes until it is complete).
+        queued: list[TokenInfo] = []
 
         def ready(end: int) -> list[TokenInfo]:
-            n = next((i for i, (start, _) in enumerate(queued) if start >= end), len(queued))
-            out = [info for _, info in queued[:n]]
+            n = next((i for i, info in enumerate(queued) if info.offset >= end), len(queued))
+            out = queued[:n]
             del queued[:n]
             return out
 
@@ -234,43 +236,54 @@ class Run:
                     self.finish_reason = "stop"
                     break
                 if self.sampler.logprobs is not None:
-                    info = self._info(t)
-                    queued.append((token_end, info))
-                    token_end += len(info.bytes)
+                    queued.append(_token_info(tok, t, *(self.sampler.last_logprobs or (None, [])), text.decoded))
                 out = text.push(t)
                 if text.stopped:
                     tail = out
                     break
                 if out:
                     self.text += out
-                    released += _utf8_len(out)
-                    yield out, ready(released)
+                    yield out, ready(len(self.text))
             tail += text.finish()  # also after a stop token: its bytes pending make U+FFFD, not nothing
             if text.stopped:
                 self.finish_reason = "stop"
-                infos = ready(released + _utf8_len(tail))  # the rest start in or after the stop string
+                infos = ready(len(self.text) + len(tail))  # the rest start in or after the stop string
             else:
                 if llm.stats.finish_reason == "context":
                     self.finish_reason = "length"
-                infos = [info for _, info in queued]
+                infos = list(queued)
             if tail or infos:
                 self.text += tail
                 yield tail, infos
         finally:
             gen.close()
 
-    def _info(self, t: int) -> TokenInfo:
-        tok = self.llm.tokenizer
-        lp, top = self.sampler.last_logprobs or (None, [])
-        b = tok.token_bytes(t)
-        tops = [(tok.token_bytes(i), v) for i, v in top]
-        return TokenInfo(t, b.decode("utf-8", errors="replace"), lp,
-                         [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops], list(b),
-                         [list(tb) for tb, _ in tops])
+    def prompt_infos(self, prefix: str) -> list[TokenInfo]:
+        """The prompt's tokens as logprobs entries, for an echoed prompt: each one's log-probability given the
+        tokens before it and the sampler's number of most likely tokens there, with offsets into ``prefix`` (the
+        echoed text). The first token has neither (nothing precedes it: OpenAI and llama-cpp-python report null),
+        and a BOS the tokenizer added, which the echoed text does not show, is left out. Evaluates the prompt."""
+        from .tokenizer import StreamDecoder
+
+        tok, ids = self.llm.tokenizer, self.ids
+        scored = self.llm.prompt_logprobs(ids, self.sampler.logprobs or 0) if len(ids) > 1 else []
+        bos_shown = prefix.startswith(tok.token_bytes(ids[0]).decode("utf-8", "replace"))
+        first = int(ids[0] == tok.bos_id and not bos_shown)
+        dec = StreamDecoder(tok)
+        out, decoded = [], 0
+        for k in range(first, len(ids)):
+            lp, top = scored[k - 1] if k > first else (None, None)
+            out.append(_token_info(tok, ids[k], lp, top, decoded))
+            decoded += len(dec.push(ids[k]))
+        return out
 
 
-def _utf8_len(text: str) -> int:
-    return len(text.encode("utf-8", errors="surrogatepass"))
+def _token_info(tok, t: int, logprob: float | None, top: list[tuple[int, float]] | None, offset: int) -> TokenInfo:
+    b = tok.token_bytes(t)
+    tops = [(tok.token_bytes(i), v) for i, v in top or ()]
+    return TokenInfo(t, b.decode("utf-8", errors="replace"), logprob,
+                     None if top is None else [(tb.decode("utf-8", errors="replace"), v) for tb, v in tops],
+                     list(b), [list(tb) for tb, _ in tops], offset)
 
 
 def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint, cancel=None) -> Run:
@@ -300,14 +313,14 @@ def _check_n(n):
 
 
 # --------------------------------------------------------------------------------------------------- completion
-def _completion_logprobs(infos: list[TokenInfo], offset: int) -> dict:
+def _completion_logprobs(infos: list[TokenInfo], start: int) -> dict:
+    """OpenAI's legacy logprobs object; ``start``: where the completion's text begins in the response's text."""
     out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
     for t in infos:
         out["tokens"].append(t.text)
-        out["text_offset"].append(offset)
+        out["text_offset"].append(start + t.offset)
         out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append(dict(t.top))
-        offset += len(t.text)
+        out["top_logprobs"].append(None if t.top is None else dict(t.top))
     return out
 
 
@@ -317,14 +330,22 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
                       stream: bool = False, logprobs: int | None = None, echo: bool = False,
                       repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                       logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
-                      response_format: dict | None = None, grammar: str | None = None,
+                      best_of: int | None = None, response_format: dict | None = None, grammar: str | None = None,
                       json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
                       **ignored):
     """OpenAI text completion of ``prompt`` (a string, or token ids). Returns the response dict, or with
     ``stream=True`` an iterator of ``text_completion`` chunk dicts (the last one carries finish_reason; with
-    ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token.
+    ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token,
+    with ``echo`` the prompt's tokens too (the first one's null), as OpenAI's and llama-cpp-python's do.
     ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
     _check_n(n)
+    if best_of is not None:
+        # OpenAI generates best_of candidates and returns the n most likely; answering one of one as if it were the
+        # best of several would pass off an ordinary sample as a selected one
+        _number("best_of", best_of, 1, integer=True)
+        if best_of != 1:
+            raise BadRequest(f"best_of={best_of}: one candidate is generated per request, so best_of must be 1 "
+                             f"(or left out)", "best_of")
     stream, echo = _flag("stream", stream), _flag("echo", echo)
     if suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
@@ -346,13 +367,15 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
             "model": _model_name(llm, model)}
     prefix = (prompt if isinstance(prompt, str) else llm.detokenize(ids)) if echo else ""
     if stream:
-        return _completion_chunks(run, head, prefix, logprobs is not None, _include_usage(stream_options))
+        return _completion_chunks(run, head, prefix, echo, logprobs is not None, _include_usage(stream_options))
+    lp = _completion_logprobs(run.prompt_infos(prefix), 0) if echo and logprobs is not None else None
     infos = []
     for _, inf in run.pieces():
         infos += inf
-    choice = {"text": prefix + run.text, "index": 0,
-              "logprobs": _completion_logprobs(infos, len(prefix)) if logprobs is not None else None,
-              "finish_reason": run.finish_reason}
+    if logprobs is not None:
+        completion = _completion_logprobs(infos, len(prefix))
+        lp = completion if lp is None else {k: v + completion[k] for k, v in lp.items()}
+    choice = {"text": prefix + run.text, "index": 0, "logprobs": lp, "finish_reason": run.finish_reason}
     return {**head, "choices": [choice], "usage": run.usage()}
 
 
@@ -362,19 +385,20 @@ def _include_usage(stream_options) -> bool:
     return _flag("stream_options.include_usage", (stream_options or {}).get("include_usage"), "stream_options")
 
 
-def _completion_chunks(run: Run, head: dict, prefix: str, want_lp: bool, include_usage: bool) -> Iterator[dict]:
+def _completion_chunks(run: Run, head: dict, prefix: str, echo: bool, want_lp: bool,
+                       include_usage: bool) -> Iterator[dict]:
     def chunk(text, lp, finish):
         c = {**head, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
         return c
 
-    offset = len(prefix)
-    if prefix:
-        yield chunk(prefix, None, None)
+    if echo:
+        lp = _completion_logprobs(run.prompt_infos(prefix), 0) if want_lp else None
+        if prefix or lp:
+            yield chunk(prefix, lp, None)
     for text, infos in run.pieces():
-        yield chunk(text, _completion_logprobs(infos, offset) if want_lp else None, None)
-        offset += sum(len(t.text) for t in infos)  # as the whole response counts it: token by token
+        yield chunk(text, _completion_logprobs(infos, len(prefix)) if want_lp else None, None)
     yield chunk("", None, run.finish_reason)
     if include_usage:
         yield {**head, "choices": [], "usage": run.usage()}
@@ -645,6 +669,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         _number("max_completion_tokens", max_completion_tokens, 0, integer=True)
     if top_logprobs is not None:
         _number("top_logprobs", top_logprobs, 0, 20, integer=True)
+        if not logprobs:  # OpenAI refuses it: read alone it would ask for alternatives and get no logprobs at all
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     msgs = normalize_messages(messages)
     if "developer" not in llm.template.source:  # OpenAI's newer name for system: a template may drop a role it lacks
         msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]

@@ -209,6 +209,27 @@ class LLM:
             raise self._nonfinite_error(out)
         return out
 
+    def prompt_logprobs(self, ids: list[int], n_top: int = 0) -> list[tuple[float, list[tuple[int, float]]]]:
+        """For each token of ``ids`` after the first: its log-probability given the tokens before it, and the
+        ``n_top`` most likely tokens at its position as (id, logprob) (what OpenAI's ``echo`` with ``logprobs``
+        reports). One fresh evaluation from position 0 that keeps every position's logits, reduced a chunk at a
+        time; it leaves the cache holding ``ids``, so a generation from them next evaluates only the last again."""
+        from .runtime.sampler import rows_logprobs
+
+        ids = self._check_ids(ids)
+        out: list[tuple[float, list[tuple[int, float]]]] = []
+        with self._lock:
+            self._epoch += 1
+            self._check_file()
+            at = 0
+            for logits in self.generator.evaluate_chunks(ids):
+                if not bool(torch.isfinite(logits).all()):
+                    raise self._nonfinite_error(logits)
+                n = min(len(logits), len(ids) - 1 - at)  # the last position predicts no prompt token
+                out += rows_logprobs(logits[:n], ids[at + 1:at + 1 + n], n_top)
+                at += len(logits)
+        return out
+
     def _check_ids(self, ids) -> list[int]:
         import numbers
 

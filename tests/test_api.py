@@ -150,9 +150,10 @@ def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
             r = llm.create_completion(prompt, **kw)["choices"][0]
             lp = r["logprobs"]
             assert r["finish_reason"] == "stop" and r["text"] == (prompt if echo else "") + text[:cut]
-            assert lp["tokens"] == want, (stop, lp["tokens"])
+            shown = len(llm.tokenize(prompt)) if echo else 0  # echo lists the prompt's tokens first
+            assert lp["tokens"][shown:] == want, (stop, lp["tokens"])
             chunks = [c["choices"][0] for c in llm.create_completion(prompt, stream=True, **kw) if c["choices"]]
-            assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]] == want
+            assert [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]][shown:] == want
             assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == lp["text_offset"]
     msgs = [{"role": "user", "content": "Write one sentence about cats."}]
     full = llm.create_chat_completion(msgs, max_tokens=20, temperature=0, logprobs=True)["choices"][0]
@@ -169,6 +170,100 @@ def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
             got = [t["token"] for t in r["choices"][0]["logprobs"]["content"]]
             assert r["choices"][0]["message"]["content"] == "".join(toks[:3])
         assert got == toks[:3]
+
+
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_echo_with_logprobs_scores_the_prompt(key):
+    """echo with logprobs returned the completion's logprobs only. Reference: OpenAI's legacy completions and
+    llama-cpp-python: the prompt's tokens come first, the first with null logprob and top_logprobs, every other one
+    with a float64 log-softmax of the model's logits at the position before it (LLM.logits); a BOS the tokenizer
+    added is not listed (the echoed text does not show it); text_offset indexes the echoed text; the completion's
+    entries follow as without echo, and a stream carries the same entries."""
+    llm = pyllm_model(key, n_ctx=512, n_threads=1)
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = llm.tokenize(prompt)
+    shown = ids[1:] if ids[0] == llm.tokenizer.bos_id else ids
+    skipped, n = len(ids) - len(shown), len(shown)
+    ref = torch.log_softmax(llm.logits(ids).double(), dim=-1)
+    shown_bytes = [llm.tokenizer.token_bytes(i) for i in shown]
+    for max_tokens in (0, 4):
+        llm.reset()
+        plain = llm.create_completion(prompt, logprobs=2, max_tokens=max_tokens, temperature=0)["choices"][0]
+        llm.reset()
+        r = llm.create_completion(prompt, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0)["choices"][0]
+        lp = r["logprobs"]
+        assert r["text"] == prompt + plain["text"]
+        assert lp["tokens"][:n] == [b.decode("utf-8", errors="replace") for b in shown_bytes]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        for k in range(1, n):
+            p = k + skipped
+            assert lp["token_logprobs"][k] == pytest.approx(float(ref[p - 1, ids[p]]), abs=1e-4)
+            assert len(lp["top_logprobs"][k]) == 2
+            assert max(lp["top_logprobs"][k].values()) == pytest.approx(float(ref[p - 1].max()), abs=1e-4)
+        assert lp["text_offset"][:n] == _offsets_of(shown_bytes)
+        assert all(r["text"][o:].startswith(t) for o, t in zip(lp["text_offset"][:n], lp["tokens"][:n]))
+        want = plain["logprobs"]
+        assert lp["tokens"][n:] == want["tokens"] and len(want["tokens"]) == max_tokens
+        assert lp["text_offset"][n:] == [len(prompt) + o for o in want["text_offset"]]
+        llm.reset()
+        chunks = [c["choices"][0] for c in llm.create_completion(prompt, echo=True, logprobs=2, stream=True,
+                                                                 max_tokens=max_tokens, temperature=0)]
+        assert "".join(c["text"] for c in chunks) == r["text"]
+        got = {k: [x for c in chunks if c["logprobs"] for x in c["logprobs"][k]] for k in lp}
+        assert got["tokens"] == lp["tokens"] and got["text_offset"] == lp["text_offset"]
+        assert got["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:], abs=1e-4)
+
+
+def _offsets_of(token_bytes: list[bytes], start: int = 0) -> list[int]:
+    """Where each token starts in the text, in characters: the characters that the tokens before it decode to
+    (a character still incomplete counts once it is complete), as llama-cpp-python computes text_offset."""
+    return [start + len(b"".join(token_bytes[:i]).decode("utf-8", errors="ignore")) for i in range(len(token_bytes))]
+
+
+@pytest.mark.parametrize("key", ["smollm2", "qwen2"])
+def test_text_offsets_index_the_text_where_tokens_split_characters(key):
+    """text_offset counted each token's own text, in which a token holding part of a UTF-8 character is U+FFFD:
+    after "\U0001F409" split over three tokens the offsets ran two characters past the text. Reference:
+    llama-cpp-python's text_offset (the characters the tokens before it decode to; a character split over tokens
+    counts once complete), with the token bytes of the same greedy generation (each call starts from an empty
+    cache, so all three generate the same tokens); whole, streamed and echoed responses agree."""
+    llm = pyllm_model(key, n_ctx=512, n_threads=1)
+    prompt = "Say hello in three languages with an emoji:"
+    grammar = 'root ::= " h\u00e9llo \U0001F409 \u4f60\u597d, \u00bfqu\u00e9 tal?" [a-z ]{0,4}'
+    kw = dict(max_tokens=40, temperature=0, grammar=grammar)
+    llm.reset()
+    ids = [i for i in llm.generate_tokens(llm.tokenize(prompt), **kw) if not llm.tokenizer.is_eog(i)]
+    tb = [llm.tokenizer.token_bytes(i) for i in ids]
+    assert not all(map(_whole_characters, tb))  # the test needs tokens that split a character
+    for echo in (False, True):
+        llm.reset()
+        r = llm.create_completion(prompt, echo=echo, logprobs=2, **kw)["choices"][0]
+        start = len(prompt) if echo else 0
+        assert r["text"][start:] == b"".join(tb).decode()
+        assert r["logprobs"]["text_offset"][-len(tb):] == _offsets_of(tb, start)
+        for off, t in zip(r["logprobs"]["text_offset"][-len(tb):], tb):
+            if _whole_characters(t):
+                assert r["text"][off:].encode().startswith(t)
+        llm.reset()
+        chunks = [c["choices"][0] for c in llm.create_completion(prompt, echo=echo, logprobs=2, stream=True, **kw)]
+        assert "".join(c["text"] for c in chunks) == r["text"]
+        assert [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]] == \
+            r["logprobs"]["text_offset"]
+    # chat's per-token bytes are the tokens' own, and spell the reply
+    r = llm.create_chat_completion([{"role": "user", "content": prompt}], logprobs=True, **kw)["choices"][0]
+    assert b"".join(bytes(t["bytes"]) for t in r["logprobs"]["content"]).decode() == r["message"]["content"]
+
+
+def _offsets_of(token_bytes: list[bytes], start: int = 0) -> list[int]:
+    return [start + len(b"".join(token_bytes[:i]).decode("utf-8", errors="ignore")) for i in range(len(token_bytes))]
+
+
+def _whole_characters(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def test_streamed_logprobs_with_tools_match_the_whole_response(llm):
@@ -226,6 +321,27 @@ def test_bad_arguments_raise_before_generating(llm):
         assert e.value.param == param, kw
     with pytest.raises(BadRequest):
         llm.create_chat_completion([], max_tokens=1)
+
+
+def test_options_pyllm_cannot_honour_are_refused_not_ignored(llm):
+    """top_logprobs without logprobs and best_of were dropped silently: the client got no logprobs, or one
+    ordinary sample presented as the best of several. Reference: OpenAI's API, which answers 400 for top_logprobs
+    without logprobs: true; best_of is accepted where it asks for what is generated anyway (1)."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    for stream in (False, True):
+        with pytest.raises(BadRequest, match="top_logprobs needs logprobs: true") as e:
+            llm.create_chat_completion(msgs, max_tokens=1, top_logprobs=2, stream=stream)
+        assert e.value.param == "top_logprobs"
+        with pytest.raises(BadRequest, match="top_logprobs needs logprobs: true"):
+            llm.create_chat_completion(msgs, max_tokens=1, top_logprobs=0, logprobs=False, stream=stream)
+        for bad in (2, 5, 0, 1.5, "1", True):
+            with pytest.raises(BadRequest, match="best_of") as e:
+                llm.create_completion("Hi", max_tokens=1, best_of=bad, stream=stream)
+            assert e.value.param == "best_of", bad
+    r = llm.create_chat_completion(msgs, max_tokens=1, top_logprobs=2, logprobs=True, temperature=0)
+    assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+    for ok in (None, 1):
+        assert llm.create_completion("Hi", max_tokens=1, best_of=ok, n=1)["usage"]["completion_tokens"] == 1
 
 
 def test_empty_message_list_is_refused_by_every_chat_entry_point(llm, monkeypatch):

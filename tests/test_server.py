@@ -398,6 +398,43 @@ def test_sampler_settings_are_checked_and_named(smol):
     _ok(smol)
 
 
+def check_echoed_prompt_logprobs(server, llm):
+    """A served echo with logprobs scores the prompt as the library's LLM.logits does (OpenAI's legacy shape: the
+    first token's logprob and top_logprobs null), with max_tokens 0 (scoring only) and with a completion."""
+    import torch
+
+    prompt = "The capital of France is Paris."
+    ids = llm.tokenize(prompt)
+    ref = torch.log_softmax(llm.logits(ids).double(), dim=-1)
+    for n in (0, 3):
+        r = server.client().completions.create(model="smollm2", prompt=prompt, echo=True, logprobs=1, max_tokens=n,
+                                               temperature=0)
+        lp = r.choices[0].logprobs
+        assert r.choices[0].text.startswith(prompt) and len(lp.tokens) == len(ids) + n
+        assert "".join(lp.tokens[:len(ids)]) == prompt and lp.text_offset[len(ids):len(ids) + 1] == [len(prompt)][:n]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:len(ids)] == pytest.approx(
+            [float(ref[p - 1, ids[p]]) for p in range(1, len(ids))], abs=1e-3)
+
+
+def test_echo_with_logprobs_scores_the_prompt(smol, smol_llm):
+    check_echoed_prompt_logprobs(smol, smol_llm)
+
+
+def test_top_logprobs_without_logprobs_and_best_of_are_400s(smol):
+    """Both were ignored. Reference: OpenAI's API (400 for top_logprobs without logprobs: true); best_of other than
+    1 would need several candidates, which pyllm does not generate."""
+    c = smol.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2, top_logprobs=2)
+    assert e.value.body["param"] == "top_logprobs"
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model="smollm2", prompt="Hi", max_tokens=2, best_of=3, stream=stream)
+        assert e.value.body["param"] == "best_of" and "best_of" in e.value.message
+    assert c.completions.create(model="smollm2", prompt="Hi", max_tokens=2, best_of=1).usage.completion_tokens == 2
+
+
 def test_top_logprobs_bytes_are_the_tokens_own(smol):
     """top_logprobs[].bytes are each token's own bytes, as the chosen token's are (they were the UTF-8 of its text
     with U+FFFD for a token that is part of a character). Greedy: the first alternative is the chosen token."""

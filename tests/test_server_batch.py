@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from conftest import fixture_path
-from test_server import KEY, Server, _chat
+from conftest import fixture_path, pyllm_model
+from test_server import KEY, Server, _chat, check_echoed_prompt_logprobs
 
 LONG = ("You are a careful assistant. Answer in one short paragraph, plainly, without lists. "
         "The user asks about rivers, stones, lanterns, orchards, copper, meadows and harbors. ") * 3
@@ -131,3 +131,8 @@ def test_prompt_cache_survives_a_restart_and_ignores_bad_files(tmp_path):
         lines = [ln for ln in log.splitlines() if name in ln]
         assert len(lines) == 1 and lines[0].startswith("pyllm serve: prompt cache: ignoring"), log
     assert "Traceback" not in log
+
+
+def test_echo_with_logprobs_scores_the_prompt_on_the_engine_thread(par):
+    """The prompt is scored on the engine's thread, between its steps (the model has one thread)."""
+    check_echoed_prompt_logprobs(par, pyllm_model("smollm2", n_ctx=512, n_threads=1))

@@ -257,6 +257,72 @@ def test_min_properties_that_repeated_keys_could_fake_is_refused():
     assert accepts(llm, named, '{"minProperties": 3}')
 
 
+def test_numbers_have_at_most_16_digits_in_a_row_unless_the_schema_needs_more():
+    """Numbers under a schema had no digit cap, and a small model could write digits until max_tokens. Reference:
+    llama.cpp's json-schema-to-grammar, whose integral part is [0] | [1-9] [0-9]{0,15}, fraction [0-9]{1,16} and
+    exponent an integral part: 16 digits in a row at most, in every value a schema admits (json_object's too);
+    digits inside strings are text. Bounds, const and enum values that need more digits stay expressible."""
+    llm = llm_of("smollm2")
+    d16, d17 = "1234567890123456", "12345678901234567"
+    for schema in ({"type": "integer"}, {"type": "number"}, {}, {"type": ["integer", "null"]}):
+        assert accepts(llm, schema, d16) and accepts(llm, schema, "-" + d16)
+        assert not accepts(llm, schema, d17) and not accepts(llm, schema, "-" + d17)
+    for number in ("1." + d16, "1e" + d16, "-0.5E-" + d16, d16 + "." + d16 + "e+" + d16):
+        assert accepts(llm, {"type": "number"}, number) and not accepts(llm, {"type": "number"}, number + "1")
+    anything = {"type": "object"}
+    assert accepts(llm, anything, '{"a": [' + d16 + ', {"b": ' + d16 + '}]}')
+    assert not accepts(llm, anything, '{"a": [1, {"b": ' + d17 + '}]}')
+    assert accepts(llm, anything, '{"' + d17 * 2 + '": "\\"' + d17 * 3 + '"}')  # strings are text
+    for schema, value in (({"type": "integer", "minimum": 10 ** 17}, 10 ** 17 + 5),
+                          ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, -(10 ** 17) - 1),
+                          ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-20}, "0.000000000000000000005"),
+                          ({"const": 10 ** 20}, 10 ** 20),
+                          ({"enum": [1, 0.123456789012345678]}, 0.123456789012345678)):
+        text = value if isinstance(value, str) else json.dumps(value)
+        assert accepts(llm, schema, text), schema
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_model_pushed_to_write_digits_stops_at_the_cap():
+    """Gemma 3 with its "7" token pushed up by logit_bias wrote sevens until max_tokens (finish "length", a number
+    no JSON reader keeps exactly). Reference: llama.cpp's 16-digit integral part; the reply ends there, complete."""
+    llm = llm_of("gemma3")
+    seven = llm.tokenizer.token_id("7")
+    r = llm.create_completion("A very large number: ", json_schema={"type": "integer"}, max_tokens=40,
+                              temperature=0, logit_bias={str(seven): 100})["choices"][0]
+    assert r["text"].strip() == "7" * 16 and r["finish_reason"] == "stop"
+
+
+def test_an_object_never_repeats_a_key():
+    """The engine kept named properties distinct but let additionalProperties / patternProperties (and any object
+    of {"type": "object"}) write a key twice: {"a": 1, "a": 2} passed, and a JSON reader keeps only the last value
+    (Python's json, jsonschema's instance). Reference: RFC 8259's "names within an object SHOULD be unique" as
+    the readers apply it; exact checks of the mask, however the tokens split the key and its quote."""
+    llm = llm_of("smollm2")
+    free = {"type": "object"}
+    ints = {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "integer"}}
+    pattern = {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False}
+    for schema, repeated, distinct in ((free, '{"a": 1, "a": 2}', '{"a": 1, "A": 2}'),
+                                       (free, '{"b": {"c": 1}, "b": 2}', '{"b": {"c": 1}, "c": 2}'),
+                                       (ints, '{"a": 1, "b": 2, "b": 3}', '{"a": 1, "b": 2, "bb": 3}'),
+                                       (pattern, '{"x": 1, "xy": 2, "x": 3}', '{"x": 1, "xy": 2, "xz": 3}'),
+                                       ({"type": "array", "items": free}, '[{"k": 1, "k": 1}]', '[{"k": 1, "j": 1}]')):
+        assert not accepts(llm, schema, repeated) and accepts(llm, schema, distinct), repeated
+    for text in ('{"a": {"a": 1}, "b": 2}', '{"ab": 1, "a": 2, "b": "a"}', '{"a": "b", "b": 1}',
+                 '{"a\\"b": 1, "a": 2}', '{"k": [{"k": 1}, {"k": 2}]}'):
+        assert accepts(llm, free, text), text
+    assert accepts(llm, {"type": "array", "items": free}, '[{"a": 1}, {"a": 2}]')
+    # one character per token: the repeated key's closing quote is refused on its own, and the object goes on
+    c = llm.make_constraint(json_schema=free)
+    for ch in '{"ab":1,"ab':
+        t = llm.tokenizer.token_id(ch)
+        assert c.allowed()[t], ch
+        c.advance(t)
+    quote_tokens = [i for i, b in enumerate(c.vocab.tokens) if b.startswith(b'"')]
+    assert not c.allowed()[quote_tokens].any() and c.allowed()[llm.tokenizer.token_id("c")]
+    assert json.loads('{"a": 1, "a": 2}') == {"a": 2}  # what a repeated key costs
+
+
 def test_a_forced_call_is_closed_after_its_arguments():
     """The forced call object is {"name", "arguments"} and nothing more: SmolLM2 went on writing "type",
     "function" or "parameters" keys after the arguments until max_tokens cut the call off (finish_reason

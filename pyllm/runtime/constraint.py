@@ -16,7 +16,11 @@ temperature (``Sampler.candidates``), so every sampling setting draws only from 
 
 from __future__ import annotations
 
+import copy
 import json
+import math
+import re
+from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -35,6 +39,11 @@ def _llguidance():
 
 # JSON whitespace between tokens: nothing, one space, or a newline and an indent of up to 20 (llama.cpp's "space")
 JSON_WS = r"(?: |\n[ \t]{0,20})?"
+# The most digits in a row a number's integral part, fraction or exponent may have under a JSON schema, as llama.cpp's
+# json-schema-to-grammar writes them ([0] | [1-9] [0-9]{0,15}; [0-9]{1,16}): the engine's numbers are unbounded, and
+# a small sampled model can write digits until max_tokens. A schema whose own numbers need more digits raises it.
+NUMBER_DIGITS = 16
+DIGITS = frozenset(b"0123456789")
 
 
 class _Encoder:
@@ -51,6 +60,9 @@ class _Encoder:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
         return self._tok.encode(text, add_bos=False, special=False)
+
+
+_DIGIT_RUNS = re.compile(rb"[0-9]+")
 
 
 class GrammarVocab:
@@ -75,6 +87,24 @@ class GrammarVocab:
                 tokens.append(tokenizer.token_bytes(i))
         # the model may have more output rows than the vocabulary has tokens (padding): they stay masked
         tokens += [b""] * (n_vocab - len(tokens))
+        # for _JsonScan's rules: the digits each token starts with, its longest run of digits after those, and
+        # the tokens by their bytes up to their first quote (those that would close a key being written)
+        self.tokens = tokens
+        self.quote_prefixes: dict[bytes, list[int]] = {}
+        self.lead_digits = np.zeros(n_vocab, dtype=np.int32)
+        self.inner_digits = np.zeros(n_vocab, dtype=np.int32)
+        for i, t in enumerate(tokens):
+            if t[:1] == b"\xff":
+                continue
+            q = t.find(b'"')
+            if q >= 0:
+                self.quote_prefixes.setdefault(t[:q + 1], []).append(i)
+            if not DIGITS.isdisjoint(t):
+                lead = len(t) - len(t.lstrip(b"0123456789"))
+                self.lead_digits[i] = lead
+                self.inner_digits[i] = max(map(len, _DIGIT_RUNS.findall(t, lead)), default=0)
+        self.max_lead_digits = int(self.lead_digits.max(initial=0))
+        self.max_inner_digits = int(self.inner_digits.max(initial=0))
         eos = sorted(tokenizer.eog_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
         if tokenizer.eos_id in tokenizer.eog_ids:  # the primary EOS first: llguidance reports it as eos_token
             eos.remove(tokenizer.eos_id)
@@ -215,10 +245,14 @@ def _schema_text(schema: Any) -> str:
 class Constraint:
     """One generation's grammar state over a GrammarVocab. Not thread-safe: one per generation."""
 
-    def __init__(self, grammar: str, vocab: GrammarVocab, what: str):
+    def __init__(self, grammar: str, vocab: GrammarVocab, what: str, digit_cap: int | None = None):
         llg = _llguidance()
         self.vocab = vocab
         self.what = what
+        # JSON schemas only: most digits in a row outside strings, and where the output stands for that rule and
+        # for keys repeated in one object (None: a grammar, neither rule)
+        self.digit_cap = digit_cap
+        self._scan = _JsonScan(digit_cap) if digit_cap is not None else None
         self.m = llg.LLMatcher(vocab.ll, grammar, log_level=0)
         if self.m.is_error():
             raise PyllmError(f"invalid {what}: {_first_line(self.m.get_error())}")
@@ -240,7 +274,7 @@ class Constraint:
             grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
             raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
-        return cls(grammar, vocab, "json_schema")
+        return cls(grammar, vocab, "json_schema", _digit_cap(json.loads(text)))
 
     @classmethod
     def json_object(cls, vocab: GrammarVocab) -> "Constraint":
@@ -267,8 +301,29 @@ class Constraint:
             if self.m.is_error():
                 raise PyllmError(f"{self.what} constraint failed: {_first_line(self.m.get_error())}")
             bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab.n_vocab]
-            self._allowed = bits.view(bool)
+            self._allowed = self._json_rules(bits.view(bool))
         return self._allowed
+
+    def _json_rules(self, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` less the tokens that would break _JsonScan's rules: those that would make a run of digits
+        outside a string longer than digit_cap (looked at only where some token could: a long run already
+        written, or a vocabulary with long digit tokens), and those that would close the key being written as one
+        its object already has (the tokens that start with the rest of that key and its quote). Never empties the
+        mask: a schema's own numbers set the cap, and an object can always take another key or close."""
+        scan, v = self._scan, self.vocab
+        if scan is None:
+            return allowed
+        out = allowed
+        if not scan.in_string and (scan.run + v.max_lead_digits > scan.cap or v.max_inner_digits > scan.cap):
+            out = out & ~((v.lead_digits > scan.cap - scan.run) | (v.inner_digits > scan.cap))
+        if scan.key is not None and scan.objects[-1] and not scan.escaped:
+            repeats = [v.quote_prefixes.get(k[len(scan.key):] + b'"', ()) for k in scan.objects[-1]
+                       if k.startswith(scan.key) and not any(c in k[len(scan.key):] for c in b'"\\')]
+            repeats = [i for ids in repeats for i in ids]
+            if repeats:
+                out = out.copy() if out is allowed else out
+                out[repeats] = False
+        return out if out is allowed or out.any() else allowed
 
     def mask(self, logits):
         """Sets the logits of disallowed ids to -inf, in place, and returns them. logits: float [n_vocab] (or
@@ -293,6 +348,8 @@ class Constraint:
         if not self.m.consume_token(int(token)):
             raise PyllmError(f"token {int(token)} does not fit the {self.what}: "
                              f"{_first_line(self.m.get_error())}")
+        if self._scan is not None:
+            self._scan.feed(self.vocab.tokens[int(token)])
 
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next (its only continuation, as the tokenizer splits it; empty when it
@@ -303,7 +360,13 @@ class Constraint:
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of ``tokens``, from the first, the grammar would take in turn (the state is not changed)."""
-        return self.m.validate_tokens(list(tokens)) if tokens else 0
+        n = self.m.validate_tokens(list(tokens)) if tokens else 0
+        if self._scan is not None:
+            scan = self._scan.copy()
+            for i, t in enumerate(tokens[:n]):
+                if not scan.feed(self.vocab.tokens[int(t)]):
+                    return i
+        return n
 
     def is_done(self) -> bool:
         """True when the output is complete and nothing but an end-of-generation token may follow."""
@@ -332,6 +395,88 @@ class Constraint:
     def is_accepting(self) -> bool:
         """True when the output so far is a complete match (it may still be extended)."""
         return self.m.is_accepting()
+
+
+class _JsonScan:
+    """Where a JSON output stands, byte by byte, for the two rules of a JSON schema constraint the engine does not
+    keep: at most ``cap`` digits in a row outside strings, and no key twice in one object (the engine keeps the
+    named properties distinct, but not the keys additionalProperties or patternProperties admit: JSON readers keep
+    the last of repeated keys, so the output would lose a value). Keys are compared as written."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.in_string = self.escaped = self.want_key = False
+        self.run = 0  # digits in a row, outside strings
+        self.objects: list[set[bytes] | None] = []  # per open container: an object's keys so far, None for an array
+        self.key: bytes | None = None  # the key being written (inside its string), else None
+
+    def copy(self) -> "_JsonScan":
+        c = copy.copy(self)
+        c.objects = [None if keys is None else set(keys) for keys in self.objects]
+        return c
+
+    def feed(self, data: bytes) -> bool:
+        """Moves past ``data``; False if it broke a rule (a run of digits past the cap, a repeated key). Special
+        tokens (a 0xFF first byte) write no text."""
+        if data[:1] == b"\xff":
+            return True
+        ok = True
+        for c in data:
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == 0x5C:  # backslash
+                    self.escaped = True
+                elif c == 0x22:  # the closing quote
+                    self.in_string = False
+                    if self.key is not None:
+                        keys = self.objects[-1]
+                        ok = ok and self.key not in keys
+                        keys.add(self.key)
+                        self.key = None
+                    continue
+                if self.key is not None:
+                    self.key += bytes((c,))
+                continue
+            if 0x30 <= c <= 0x39:
+                self.run += 1
+                ok = ok and self.run <= self.cap
+                continue
+            self.run = 0
+            if c == 0x22:
+                self.in_string = True
+                in_object = bool(self.objects) and self.objects[-1] is not None
+                self.key = b"" if in_object and self.want_key else None
+            elif c in b"{[":
+                self.objects.append(set() if c == 0x7B else None)
+                self.want_key = c == 0x7B
+            elif c in b"}]":
+                if self.objects:
+                    self.objects.pop()
+                self.want_key = False
+            elif c == 0x2C:  # a comma: in an object, a key comes next
+                self.want_key = bool(self.objects) and self.objects[-1] is not None
+            elif c == 0x3A:  # a colon: its value comes next
+                self.want_key = False
+        return ok
+
+
+def _digit_cap(schema: Any) -> int:
+    """NUMBER_DIGITS, or more where the schema's own numbers (bounds, const, enum, ...) need more digits in a row:
+    one past the longest integral part or fraction among them, so that a value just past an exclusive bound is
+    still expressible. Iterative: a schema may nest deeply."""
+    cap = NUMBER_DIGITS
+    stack = [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            whole, _, fraction = format(Decimal(repr(v) if isinstance(v, float) else v), "f").lstrip("-").partition(".")
+            cap = max(cap, len(whole) + 1, len(fraction) + 1)
+    return cap
 
 
 def _first_line(msg: str) -> str:

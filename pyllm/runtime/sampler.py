@@ -125,12 +125,17 @@ def token_logprobs(logits: torch.Tensor, chosen: int, n_top: int) -> tuple[float
     logits (before bias, penalties and truncation: what OpenAI's ``logprobs`` report).
 
     logits: [n_vocab] float."""
-    lp = torch.log_softmax(logits.detach().reshape(-1).to(torch.float32), dim=-1)
-    top = []
-    if n_top > 0:
-        v, i = torch.topk(lp, min(n_top, lp.shape[0]))
-        top = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist())]
-    return float(lp[int(chosen)]), top
+    return rows_logprobs(logits.reshape(1, -1), [chosen], n_top)[0]
+
+
+def rows_logprobs(logits: torch.Tensor, chosen: list[int], n_top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """token_logprobs for each row of logits [n, n_vocab] and its token ``chosen[row]``, in one pass."""
+    lp = torch.log_softmax(logits.detach().to(torch.float32), dim=-1)
+    picked = lp.gather(1, torch.tensor(chosen, dtype=torch.int64).view(-1, 1)).view(-1).tolist()
+    if n_top <= 0:
+        return [(p, []) for p in picked]
+    v, i = torch.topk(lp, min(n_top, lp.shape[-1]), dim=-1)
+    return [(p, list(zip(ids, vals))) for p, ids, vals in zip(picked, i.tolist(), v.tolist())]
 
 
 class Sampler:

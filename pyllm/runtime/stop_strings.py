@@ -99,6 +99,7 @@ class OutputText:
     def __init__(self, tokenizer, stop: list[str], accepts: Callable[[str], bool] | None = None):
         self._dec = StreamDecoder(tokenizer)
         self._stops = StopStrings(stop, accepts)
+        self.decoded = 0  # characters decoded so far, stop strings included: where the next token's text starts
 
     @property
     def stopped(self) -> bool:
@@ -106,7 +107,11 @@ class OutputText:
         return self._stops.stopped
 
     def push(self, tid: int) -> str:
-        return "" if self._stops.stopped else self._stops.push(self._dec.push(tid))
+        if self._stops.stopped:
+            return ""
+        piece = self._dec.push(tid)
+        self.decoded += len(piece)
+        return self._stops.push(piece)
 
     def finish(self) -> str:
         if self._stops.stopped:

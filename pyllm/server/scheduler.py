@@ -125,6 +125,10 @@ class EngineLLM:
     def generated(self) -> bool:
         return self._req is not None
 
+    def prompt_logprobs(self, ids: list[int], n_top: int = 0):
+        """As LLM.prompt_logprobs, on the engine's thread between its steps: one thread runs the model."""
+        return self._engine.call(lambda: self._llm.prompt_logprobs(ids, n_top))
+
     def generate_tokens(self, ids: list[int], max_tokens: int = 256, temperature: float = 0.8, top_k: int = 40,
                         top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
