@@ -15,7 +15,7 @@ import time
 import pytest
 
 from pyllm.chat_template import ChatTemplate
-from pyllm.errors import TemplateError
+from pyllm.errors import PyllmError, TemplateError
 
 MSGS = [{"role": "user", "content": "hi"}]
 NEST = 300
@@ -57,6 +57,23 @@ BOMBS = {
     "deep filter chain": "{{ 'a'" + "|trim" * 3000 + " }}",
     "percent width": "{{ '%0200000000d' % 1 }}",
     "lipsum": "{{ lipsum(100000) }}",
+    # one long string referenced many times: a few elements, whose text C builds all at once (a gigabyte here)
+    "aliased list printed": "{% set s = 'a' * 1000000 %}{{ [s] * 1000 }}",
+    "aliased list |string": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000)|string|length }}",
+    "aliased list |tojson": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000)|tojson|length }}",
+    "aliased list |lower": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000)|lower|length }}",
+    "aliased list ~": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000) ~ 'x' }}",
+    "aliased str.join": "{% set s = 'a' * 1000000 %}{{ ''.join([s] * 1000) }}",
+    "aliased % tuple": "{% set s = 'a' * 1000000 %}{{ ('%s' * 1000) % ((s,) * 1000) }}",
+    "aliased mapping key in %": "{{ ('%(a)s' * 1000) % {'a': 'a' * 1000000} }}",
+    "aliased field in str.format": "{{ ('{0}' * 1000).format('a' * 1000000) }}",
+    "aliased dict printed": "{% set s = 'a' * 1000000 %}{{ dict(a=s, b=s, c=s, d=s, e=s, f=s, g=s, h=s) }}",
+    "aliased raise_exception message": "{% set s = 'a' * 1000000 %}{{ raise_exception([s] * 1000) }}",
+    "translate table": "{{ ('a' * 1000000).translate(''.maketrans({'a': 'b' * 1000})) }}",
+    # each value bounded, thousands of them built by one C call
+    "map center list": "{{ (['a'] * 100000)|map('center', 100000)|list|length }}",
+    # quadratic in C: each addition copies every element added before it
+    "sum of lists": "{{ ([[1]] * 60000)|sum(start=[])|length }}",
 }
 
 
@@ -79,13 +96,35 @@ def test_template_bomb_corpus_bounded_memory():
     assert grown < 256, f"peak RSS grew by {grown:.0f} MiB"
 
 
+def test_a_render_stopped_past_its_deadline_prints_no_traceback(monkeypatch):
+    # the deadline passed inside one C call, then the output cap stopped the render: closing the abandoned
+    # generator resumed it under the expired deadline's tracer, and Python printed the _Budget it raised there
+    import sys
+
+    from pyllm import chat_template
+
+    class SlowText:
+        def __str__(self):
+            time.sleep(0.3)
+            return "a" * (chat_template.MAX_OUTPUT_CHARS + 1)
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.1)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(PyllmError):
+        ChatTemplate("{{ slow }}").render(MSGS, slow=SlowText())
+    assert not unraisable, unraisable[0].exc_value
+
+
 def test_bounds_leave_real_templates_alone():
     # what real templates do: loops, concatenation, tojson with a small indent, |trim, string methods
     src = ("{% for m in messages %}{{ '<|' ~ m['role'] ~ '|>' + m['content']|trim + ('\n' * 2) }}"
            "{{ {'a': [1, 2]}|tojson(indent=2) }}{{ '%5d'|format(42) }}{{ 'x'.center(9) }}{{ 2 ** 64 }}"
-           "{% endfor %}")
+           "{% endfor %}{{ '%s=%s' % ('k', 'v') }}{{ '{0}-{0}'.format('z') }}{{ [1, 'b'] }}{{ '+'.join(['p', 'q']) }}"
+           "{{ '%(a)s%(a)s' % {'a': 'm'} }}{{ messages|tojson }}")
     out = ChatTemplate(src).render([{"role": "user", "content": "  hi  "}])
     assert out.startswith("<|user|>hi\n\n{\n  \"a\": [") and "   42" in out and "18446744073709551616" in out
+    assert out.endswith("k=vz-z[1, 'b']p+qmm" + '[{"role": "user", "content": "  hi  "}]')
 
 
 class _Tok:
