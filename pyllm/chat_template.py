@@ -521,7 +521,9 @@ class ChatTemplate:
         reached because of the request's own text (its messages, or variables such as ``tools``): the same
         template renders within the limit once that text is taken out, so the request is what is too long."""
         try:
-            return self._render(messages, add_generation_prompt, kwargs)
+            text = self._render(messages, add_generation_prompt, kwargs)
+            _check_user_text_rendered(messages, text)
+            return text
         except _OverSizeLimit as e:
             try:
                 self._render([_without_text(m) for m in _validate(messages)], add_generation_prompt, {})
@@ -573,6 +575,17 @@ class ChatTemplate:
             # and past the deadline the tracer would raise inside the close, which Python prints as a traceback
             chunks.close()
         return "".join(out)
+
+
+def _check_user_text_rendered(messages: list[dict], text: str) -> None:
+    """TemplateError when the prompt lacks the last user message's text: a template that drops it (renders a
+    fixed text, or only the markup) would have the model answer something the user never asked, with no error.
+    Only the user's turn is looked for: templates may rewrite earlier assistant turns (reasoning is cut out)."""
+    last = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    core = last["content"].strip() if last is not None and isinstance(last.get("content"), str) else ""
+    if core and core not in text:
+        raise TemplateError("chat template does not render the user's message: the prompt it makes lacks the "
+                            "last user message's text")
 
 
 class _OverSizeLimit(TemplateError):
