@@ -5,6 +5,7 @@ own shape, checked with a Python regex of the same language); exact checks for t
 allowed ones untouched) and for the vocabulary bridge (the tokenizer's own bytes for every id).
 """
 
+import functools
 import json
 import re
 import subprocess
@@ -213,6 +214,9 @@ def test_generate_tokens_stops_when_complete():
     (dict(grammar='root ::= "a'), "invalid grammar"),
     (dict(grammar="   "), "non-empty"),
     (dict(json_schema={"type": "object"}, grammar='root ::= "a"'), "at most one"),
+    # nesting that exhausts Python's recursive JSON parser and encoder: was a RecursionError traceback
+    (dict(json_schema='{"items":' * 5000 + "{}" + "}" * 5000), "nests too deeply to parse"),
+    (dict(json_schema=functools.reduce(lambda inner, _: {"items": inner}, range(5000), {})), "nests too deeply"),
 ])
 def test_invalid_schema_or_grammar(kw, needle):
     llm = llm_of("smollm2")

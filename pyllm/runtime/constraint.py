@@ -193,6 +193,8 @@ def _schema_text(schema: Any) -> str:
             schema = json.loads(schema)
         except ValueError as e:
             raise PyllmError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:  # Python's parser recurses once per level: a few kB of '{"items":' exhaust it
+            raise PyllmError("json_schema nests too deeply to parse") from None
     if isinstance(schema, bool):  # JSON Schema allows true (anything) and false (nothing)
         if not schema:
             raise PyllmError("json_schema is false: no output can match it")
@@ -210,6 +212,8 @@ def _schema_text(schema: Any) -> str:
         return json.dumps(schema)
     except (TypeError, ValueError) as e:
         raise PyllmError(f"json_schema cannot be written as JSON: {e}") from None
+    except RecursionError:  # a dict nested a thousand levels deep: the encoder recurses per level too
+        raise PyllmError("json_schema nests too deeply to write as JSON") from None
 
 
 class Constraint:
