@@ -17,6 +17,8 @@ temperature (``Sampler.candidates``), so every sampling setting draws only from 
 from __future__ import annotations
 
 import json
+import re
+import threading
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,45 @@ def _llguidance():
 
 # JSON whitespace between tokens: nothing, one space, or a newline and an indent of up to 20 (llama.cpp's "space")
 JSON_WS = r"(?: |\n[ \t]{0,20})?"
+
+
+# The engine compiles grammars recursively, one native stack frame per level of rules that name rules: a chain of
+# 3,000 rules (or a schema of 5,000 definitions each naming the next) overflowed the caller's 8 MiB stack and
+# killed the process with SIGSEGV (in the server: every client's requests). Compiling on a thread of its own with
+# this much stack room (reserved, touched only as deep as the grammar goes) leaves depth to the engine's own size
+# limits, which stop such schemas near 20,000 definitions.
+COMPILE_STACK_BYTES = 256 << 20
+# GBNF is translated to the engine's syntax by Python code whose time grows with the square of the depth of rules
+# naming rules (2,000 rules in a chain: 3 s; 20,000: minutes); real grammars have tens of rules.
+MAX_GRAMMAR_RULES = 1000
+MAX_GRAMMAR_CHARS = 1 << 20
+_RULE = re.compile(r"^[ \t]*[A-Za-z_][\w.-]*[ \t]*(?:::=|:)", re.M)  # a GBNF or Lark rule's head
+
+
+def _on_compile_stack(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run on a thread with COMPILE_STACK_BYTES of stack; its result or its exception."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller's thread as is
+            out["error"] = e
+
+    with _STACK_SIZE_LOCK:  # the size applies to threads created while it is set
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            t = threading.Thread(target=run, name="pyllm-grammar-compile", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+_STACK_SIZE_LOCK = threading.Lock()
 
 
 class _Encoder:
@@ -223,7 +264,7 @@ class Constraint:
         llg = _llguidance()
         self.vocab = vocab
         self.what = what
-        self.m = llg.LLMatcher(vocab.ll, grammar, log_level=0)
+        self.m = _on_compile_stack(llg.LLMatcher, vocab.ll, grammar, log_level=0)
         if self.m.is_error():
             raise PyllmError(f"invalid {what}: {_first_line(self.m.get_error())}")
         # (n_words,) one bit per token id, bit i of word i // 32; refilled for each step
@@ -241,7 +282,8 @@ class Constraint:
         text = _schema_text(schema)
         llg = _llguidance()
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WS})
+            grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, text,
+                                        defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
             raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
         return cls(grammar, vocab, "json_schema")
@@ -256,9 +298,14 @@ class Constraint:
         """A llama.cpp GBNF grammar (``root ::= ...``); llguidance's Lark syntax is accepted too."""
         if not isinstance(text, str) or not text.strip():
             raise PyllmError("grammar must be non-empty GBNF text")
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise PyllmError(f"grammar is {len(text)} characters long; at most {MAX_GRAMMAR_CHARS} are supported")
+        rules = len(_RULE.findall(text))
+        if rules > MAX_GRAMMAR_RULES:
+            raise PyllmError(f"grammar has {rules} rules; at most {MAX_GRAMMAR_RULES} are supported")
         llg = _llguidance()
         try:
-            grammar = llg.grammar_from("gbnf", text)
+            grammar = _on_compile_stack(llg.grammar_from, "gbnf", text)
         except ValueError as e:
             raise PyllmError(f"invalid grammar: {_first_line(str(e))}") from None
         return cls(grammar, vocab, "grammar")
