@@ -172,6 +172,11 @@ def _text_size(x, limit: int = MAX_VALUE_CHARS) -> int:
 _DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 
 
+def _is_iterator(x) -> bool:
+    """A lazy sequence (|map, |select, dict views are not): its length is unknown until it is consumed."""
+    return not isinstance(x, (str, list, tuple, dict, set, frozenset, _DICT_VIEWS)) and hasattr(x, "__next__")
+
+
 def _check_text(values, what: str) -> None:
     """Refuses before the values are turned into text when that text would pass the limit."""
     total = 0
@@ -303,6 +308,9 @@ def _bounded_filter(name: str, fn):
     def wrapped(*a, **kw):
         lead = 1 if pass_arg is not None else 0  # context / eval context / environment comes first
         value, args = (a[lead], a[lead + 1:]) if len(a) > lead else (None, ())
+        if name in ("join", "sum") and _is_iterator(value):
+            value = list(value)  # C would consume it item by item, past every estimate: measured as a list
+            a = (*a[:lead], value, *args)
         for v in _ints(list(args) + list(kw.values())):
             if v > MAX_VALUE_CHARS:
                 raise _refuse(f"a value with |{name}({v})")
@@ -374,6 +382,8 @@ def _environment():
             owner = getattr(fn, "__self__", None)
             name = getattr(fn, "__name__", "")
             if isinstance(owner, str):
+                if name == "join" and args and _is_iterator(args[0]):
+                    args = (list(args[0]), *args[1:])  # ''.join(generator): measured as a list, below
                 if name in ("format", "format_map"):
                     _check_format_widths(owner, list(args) + list(kwargs.values()))  # '{:>200000000}'.format(1)
                     mapping = args[0] if name == "format_map" and args and isinstance(args[0], dict) else kwargs

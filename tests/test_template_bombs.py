@@ -70,6 +70,10 @@ BOMBS = {
     "aliased dict printed": "{% set s = 'a' * 1000000 %}{{ dict(a=s, b=s, c=s, d=s, e=s, f=s, g=s, h=s) }}",
     "aliased raise_exception message": "{% set s = 'a' * 1000000 %}{{ raise_exception([s] * 1000) }}",
     "translate table": "{{ ('a' * 1000000).translate(''.maketrans({'a': 'b' * 1000})) }}",
+    # the same through a lazy sequence, which C consumes item by item past any estimate of a list
+    "aliased |map |join": "{% set d = {'k': 'a' * 1000000} %}{{ ([d] * 1000)|map(attribute='k')|join }}",
+    "aliased |map str.join": "{% set d = {'k': 'a' * 1000000} %}{{ ''.join(([d] * 1000)|map(attribute='k')) }}",
+    "|map |sum of lists": "{% set d = {'k': ['a'] * 100000} %}{{ ([d] * 1000)|map(attribute='k')|sum(start=[]) }}",
     # each value bounded, thousands of them built by one C call
     "map center list": "{{ (['a'] * 100000)|map('center', 100000)|list|length }}",
     # quadratic in C: each addition copies every element added before it
@@ -94,6 +98,27 @@ def test_template_bomb_corpus_bounded_memory():
             pass
     grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024  # KiB on Linux -> MiB
     assert grown < 256, f"peak RSS grew by {grown:.0f} MiB"
+
+
+def test_lazy_sequence_bombs_stay_bounded_in_a_fresh_process():
+    # the corpus test above reads the process's peak, which earlier tests may already have raised: these bombs
+    # end in a TemplateError either way, so only a fresh process shows the gigabyte they used to build first
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = [n for n in BOMBS if "|map" in n]
+    code = ("import resource, sys\nfrom pyllm.chat_template import ChatTemplate\n"
+            "from pyllm.errors import TemplateError\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "for src in sys.argv[1:]:\n"
+            "    try:\n        ChatTemplate(src).render([{'role': 'user', 'content': 'hi'}])\n"
+            "    except TemplateError:\n        pass\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n")
+    r = subprocess.run([sys.executable, "-c", code, *(BOMBS[n] for n in names)], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    assert len(names) == 3 and int(r.stdout) < 256, f"peak RSS grew by {r.stdout.strip()} MiB"
 
 
 def test_a_render_stopped_past_its_deadline_prints_no_traceback(monkeypatch):
@@ -121,10 +146,11 @@ def test_bounds_leave_real_templates_alone():
     src = ("{% for m in messages %}{{ '<|' ~ m['role'] ~ '|>' + m['content']|trim + ('\n' * 2) }}"
            "{{ {'a': [1, 2]}|tojson(indent=2) }}{{ '%5d'|format(42) }}{{ 'x'.center(9) }}{{ 2 ** 64 }}"
            "{% endfor %}{{ '%s=%s' % ('k', 'v') }}{{ '{0}-{0}'.format('z') }}{{ [1, 'b'] }}{{ '+'.join(['p', 'q']) }}"
-           "{{ '%(a)s%(a)s' % {'a': 'm'} }}{{ messages|tojson }}")
+           "{{ '%(a)s%(a)s' % {'a': 'm'} }}{{ messages|tojson }}{{ ['a', 'b']|map('upper')|join('-') }}"
+           "{{ [[1], [2]]|map('list')|sum(start=[]) }}")
     out = ChatTemplate(src).render([{"role": "user", "content": "  hi  "}])
     assert out.startswith("<|user|>hi\n\n{\n  \"a\": [") and "   42" in out and "18446744073709551616" in out
-    assert out.endswith("k=vz-z[1, 'b']p+qmm" + '[{"role": "user", "content": "  hi  "}]')
+    assert out.endswith("k=vz-z[1, 'b']p+qmm" + '[{"role": "user", "content": "  hi  "}]A-B[1, 2]')
 
 
 class _Tok:
