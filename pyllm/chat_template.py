@@ -16,7 +16,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from pyllm.errors import ContextFullError, TemplateError
+from pyllm.errors import ContextFullError, TemplateError, shorten
 
 MAX_OUTPUT_CHARS = 1 << 20  # a prompt larger than this is surely a runaway template
 MAX_SECONDS = 2.0
@@ -405,6 +405,11 @@ def _environment():
                     longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
                     if len(owner) * longest > MAX_VALUE_CHARS:
                         raise _refuse("a string (translate)")
+            else:
+                # list.index(x) and friends quote x in their error, built in C at the raise: a container
+                # holding one long string a thousand times would be written out in full
+                _check_text([v for v in (*args, *kwargs.values()) if not isinstance(v, str)],
+                            f"the arguments of a call ({name or 'call'})")
             return _check_result(super().call(__context, __obj, *args, **kwargs), f"a value ({name or 'call'})")
 
     def raise_exception(message):
@@ -573,13 +578,13 @@ class ChatTemplate:
             raise TemplateError(f"chat template did not finish rendering within {MAX_SECONDS:g} s") from None
         except jinja2.exceptions.SecurityError as e:
             kind = _OverSizeLimit if getattr(e, "over_size_limit", False) else TemplateError
-            raise kind(f"chat template tried something the sandbox forbids: {e}") from None
+            raise kind(f"chat template tried something the sandbox forbids: {shorten(e, 300)}") from None
         except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template raised an error: {e}") from None
+            raise TemplateError(f"chat template raised an error: {shorten(e, 300)}") from None
         except (RecursionError, MemoryError, OverflowError) as e:
-            raise TemplateError(f"chat template exhausted a resource: {type(e).__name__}: {e}") from None
-        except Exception as e:  # a template bug (TypeError on None + str, ...) is still a bad template
-            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+            raise TemplateError(f"chat template exhausted a resource: {type(e).__name__}: {shorten(e, 300)}") from None
+        except Exception as e:  # a template bug (TypeError on None + str, ...); its message may quote a long value
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {shorten(e, 300)}") from None
         finally:
             # closed here, with the deadline's tracer gone: resuming the generator to close it is a traced call,
             # and past the deadline the tracer would raise inside the close, which Python prints as a traceback

@@ -68,6 +68,7 @@ BOMBS = {
     "aliased mapping key in %": "{{ ('%(a)s' * 1000) % {'a': 'a' * 1000000} }}",
     "aliased field in str.format": "{{ ('{0}' * 1000).format('a' * 1000000) }}",
     "aliased dict printed": "{% set s = 'a' * 1000000 %}{{ dict(a=s, b=s, c=s, d=s, e=s, f=s, g=s, h=s) }}",
+    "aliased argument quoted by an error": "{% set s = 'a' * 1000000 %}{{ [1].index([s] * 1000) }}",
     "aliased raise_exception message": "{% set s = 'a' * 1000000 %}{{ raise_exception([s] * 1000) }}",
     "translate table": "{{ ('a' * 1000000).translate(''.maketrans({'a': 'b' * 1000})) }}",
     # the same through a lazy sequence, which C consumes item by item past any estimate of a list
@@ -100,14 +101,14 @@ def test_template_bomb_corpus_bounded_memory():
     assert grown < 256, f"peak RSS grew by {grown:.0f} MiB"
 
 
-def test_lazy_sequence_bombs_stay_bounded_in_a_fresh_process():
+def test_c_level_bombs_stay_bounded_in_a_fresh_process():
     # the corpus test above reads the process's peak, which earlier tests may already have raised: these bombs
-    # end in a TemplateError either way, so only a fresh process shows the gigabyte they used to build first
+    # end in a TemplateError either way, so only a fresh process shows the gigabytes they used to build first
     import subprocess
     import sys
     from pathlib import Path
 
-    names = [n for n in BOMBS if "|map" in n]
+    names = [n for n in BOMBS if "|map" in n or "quoted by" in n]
     code = ("import resource, sys\nfrom pyllm.chat_template import ChatTemplate\n"
             "from pyllm.errors import TemplateError\n"
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
@@ -118,7 +119,14 @@ def test_lazy_sequence_bombs_stay_bounded_in_a_fresh_process():
     r = subprocess.run([sys.executable, "-c", code, *(BOMBS[n] for n in names)], capture_output=True, text=True,
                        timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert r.returncode == 0, r.stderr
-    assert len(names) == 3 and int(r.stdout) < 256, f"peak RSS grew by {r.stdout.strip()} MiB"
+    assert len(names) == 4 and int(r.stdout) < 256, f"peak RSS grew by {r.stdout.strip()} MiB"
+
+
+def test_an_error_quoting_a_long_value_is_one_short_line():
+    # list.index quotes the value it did not find: the message was the whole million-character string
+    with pytest.raises(TemplateError) as e:
+        ChatTemplate("{% set s = 'a' * 1000000 %}{{ [1].index(s) }}").render(MSGS)
+    assert str(e.value).startswith("chat template failed: ValueError: 'aaa") and len(str(e.value)) < 400
 
 
 def test_a_render_stopped_past_its_deadline_prints_no_traceback(monkeypatch):
