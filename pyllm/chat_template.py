@@ -405,7 +405,7 @@ def _environment():
                     longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
                     if len(owner) * longest > MAX_VALUE_CHARS:
                         raise _refuse("a string (translate)")
-            else:
+            elif not isinstance(__obj, jinja2.runtime.Macro):  # a macro takes values as they are
                 # list.index(x) and friends quote x in their error, built in C at the raise: a container
                 # holding one long string a thousand times would be written out in full
                 _check_text([v for v in (*args, *kwargs.values()) if not isinstance(v, str)],
