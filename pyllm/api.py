@@ -459,15 +459,17 @@ def normalize_messages(messages) -> list[dict]:
                         fn["arguments"] = json.loads(args)
                     except json.JSONDecodeError:
                         pass
-                names[c.get("id")] = fn.get("name")
+                if isinstance(c.get("id"), str):  # a call without an id names no tool result
+                    names[c["id"]] = fn.get("name")
                 calls.append({**c, "function": fn})
             m["tool_calls"] = calls
         elif m["content"] is None:
             m["content"] = ""
         if not isinstance(m.get("tool_call_id", ""), str):
             raise BadRequest(f"messages[{i}].tool_call_id must be a string", "messages")
-        if m["role"] == "tool" and "name" not in m and m.get("tool_call_id") in names:
-            m["name"] = names[m["tool_call_id"]]
+        call_id = m.get("tool_call_id")
+        if m["role"] == "tool" and "name" not in m and call_id in names:
+            m["name"] = names[call_id]
         out.append(m)
     return out
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import re
+import string
 import sys
+import threading
 import time
 from datetime import datetime
 from typing import Any
 
-from pyllm.errors import ContextFullError, TemplateError
+from pyllm.errors import ContextFullError, TemplateError, shorten
 
 MAX_OUTPUT_CHARS = 1 << 20  # a prompt larger than this is surely a runaway template
 MAX_SECONDS = 2.0
@@ -59,6 +61,9 @@ class _Budget(Exception):
 MAX_VALUE_CHARS = MAX_OUTPUT_CHARS
 MAX_INT_BITS = 1 << 16  # ~20,000 decimal digits: far above any counter a chat template keeps
 MAX_JSON_INDENT = 64
+# All the text one render may build, intermediate values included: far above what a real template makes of a
+# prompt at the output limit (each message passes through a few filters and concatenations)
+MAX_WORK_CHARS = 32 * MAX_OUTPUT_CHARS
 
 _FORMAT_NUMBER = re.compile(r"\d{7,}")
 
@@ -88,13 +93,137 @@ def _check_format_widths(fmt: str, args=()) -> None:
         raise _refuse("a formatted string")
 
 
+def _format_size(fmt: str, args: tuple, kwargs: dict) -> int:
+    """About the length of ``fmt.format(*args, **kwargs)`` before widths: each replacement field prints the
+    argument it names, and a format string may name one argument many times ('{0}' * 1000)."""
+    total, auto = len(fmt), 0
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(fmt) if f is not None]
+    except ValueError:  # str.format raises the same error itself
+        return total
+    for field in fields:
+        key = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if key == "":
+            key, auto = auto, auto + 1
+        elif key.isdigit():
+            key = int(key)
+        v = (args[key] if key < len(args) else None) if isinstance(key, int) else kwargs.get(key)
+        total += _text_size(v)
+        if total > MAX_VALUE_CHARS:
+            break
+    return total
+
+
+def _percent_size(fmt: str, right) -> int:
+    """About the length of ``fmt % right`` before widths: a tuple's items print once each; a mapping's items
+    print once per ``%(name)`` that names them; any other value prints once per conversion."""
+    plain = fmt.replace("%%", "").count("%")
+    if isinstance(right, tuple):
+        return len(fmt) + _text_size(right)
+    if isinstance(right, dict):
+        names = re.findall(r"%\(([^)]*)\)", fmt)
+        total = len(fmt) + (plain - len(names)) * _text_size(right)
+        for name in names:
+            total += _text_size(right.get(name))
+            if total > MAX_VALUE_CHARS:
+                break
+        return total
+    return len(fmt) + _text_size(right)  # one conversion: more is Python's TypeError
+
+
 def _size(x) -> int:
     return len(x) if isinstance(x, (str, list, tuple, dict)) else 0
+
+
+def _text_size(x, limit: int = MAX_VALUE_CHARS) -> int:
+    """About len(str(x)) (repr escapes aside), counted only up to just past ``limit``.
+
+    Why not len(): str() of a container runs in C, all at once, and a list holding one long string a thousand
+    times has a thousand elements but prints a thousand copies. Each element visited adds at least one, so the
+    walk ends after about ``limit`` steps, cycles included."""
+    if isinstance(x, str):
+        return len(x)
+    from jinja2.utils import Namespace
+
+    total, stack = 0, [x]
+    while stack and total <= limit:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v) + 2
+        elif isinstance(v, (list, tuple, set, frozenset, _DICT_VIEWS)):
+            total += 2 + 2 * len(v)
+            if total <= limit:
+                stack.extend(v)
+        elif isinstance(v, dict):
+            total += 2 + 4 * len(v)
+            if total <= limit:
+                stack.extend(v.keys())
+                stack.extend(v.values())
+        elif isinstance(v, int):
+            total += v.bit_length() // 3 + 2
+        elif isinstance(v, Namespace):  # prints its attributes
+            total += 12
+            stack.append(object.__getattribute__(v, "_Namespace__attrs"))
+        else:  # floats, None, Undefined, loop and macro objects: short reprs
+            total += 32
+    return total
+
+
+_DICT_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+
+
+def _is_iterator(x) -> bool:
+    """A lazy sequence (|map, |select, dict views are not): its length is unknown until it is consumed."""
+    return not isinstance(x, (str, list, tuple, dict, set, frozenset, _DICT_VIEWS)) and hasattr(x, "__next__")
+
+
+def _check_text(values, what: str) -> None:
+    """Refuses before the values are turned into text when that text would pass the limit."""
+    total = 0
+    for v in values:
+        total += _text_size(v)
+        if total > MAX_VALUE_CHARS:
+            raise _refuse(what)
+
+
+class _Work:
+    """The characters of text and elements one render has built so far, over all its intermediate values.
+
+    Why: each value is bounded on its own, but a filter that runs per item (``|map('center', 99999)|list``)
+    builds thousands of them in one C call, as fast as memory allows, before the deadline is looked at."""
+
+    local = threading.local()
+
+    def __init__(self):
+        self.used = 0
+
+    def __enter__(self):
+        self.outer = getattr(_Work.local, "current", None)
+        _Work.local.current = self
+        return self
+
+    def __exit__(self, *exc):
+        _Work.local.current = self.outer
+        return False
+
+
+def _spend(n: int, what: str) -> None:
+    work = getattr(_Work.local, "current", None)  # None: jinja folding constants at compile time
+    if work is not None:
+        work.used += n
+        if work.used > MAX_WORK_CHARS:
+            from jinja2.exceptions import SecurityError
+
+            e = SecurityError(f"the template builds more than {MAX_WORK_CHARS} characters of values in all "
+                              f"(the last one {what})")
+            e.over_size_limit = True
+            raise e
 
 
 def _check_result(x, what: str):
     if _size(x) > MAX_VALUE_CHARS:
         raise _refuse(what)
+    _spend(_size(x), what)
     return x
 
 
@@ -126,7 +255,7 @@ def _filter_estimate(name: str, value, args: tuple, kwargs: dict) -> int:
     if name == "join":
         d = arg(0, "d", "")
         items = len(value) if hasattr(value, "__len__") else 0
-        return items * _size(d) + sum(_size(v) for v in value) if isinstance(value, (list, tuple)) else items * _size(d)
+        return items * _size(d) + (_text_size(value) if isinstance(value, (list, tuple)) else 0)
     if name == "wordwrap":
         width = arg(0, "width", 79)
         wrap = arg(2, "wrapstring", "\n")
@@ -138,6 +267,16 @@ def _filter_estimate(name: str, value, args: tuple, kwargs: dict) -> int:
             return n + _replace_growth(value, old, new)
     if name == "format" and isinstance(value, str):
         _check_format_widths(value, list(args) + list(kwargs.values()))
+    if name == "sum" and isinstance(value, (list, tuple)) and any(isinstance(v, (str, list, tuple)) for v in value):
+        # sequences are added one by one in C, each copy as long as all before it: the copies are what counts
+        built = copied = 0
+        for v in value:
+            built += _size(v)
+            copied += built
+            if copied > MAX_WORK_CHARS:
+                raise _refuse(f"a sum of {len(value)} sequences copying {MAX_WORK_CHARS} elements or more, "
+                              f"which is")
+        return built
     if name == "tojson":
         indent = arg(0, "indent")
         if isinstance(indent, str) and len(indent) > MAX_JSON_INDENT or (
@@ -146,6 +285,14 @@ def _filter_estimate(name: str, value, args: tuple, kwargs: dict) -> int:
 
             raise SecurityError(f"the template asks for a JSON indent larger than {MAX_JSON_INDENT}")
     return 0
+
+
+# Filters that select, count, order or compare values without turning them into text; every other filter
+# (|string, |tojson, |join, |format, |lower, |trim, ...) is checked for the text its inputs would become.
+_FILTERS_KEEPING_VALUES = frozenset([
+    "abs", "attr", "batch", "bool", "count", "d", "default", "dictsort", "first", "float", "groupby", "int", "items",
+    "last", "length", "list", "map", "max", "min", "random", "reject", "rejectattr", "reverse", "round", "select",
+    "selectattr", "slice", "sort", "sum", "unique"])
 
 
 def _bounded_filter(name: str, fn):
@@ -161,9 +308,14 @@ def _bounded_filter(name: str, fn):
     def wrapped(*a, **kw):
         lead = 1 if pass_arg is not None else 0  # context / eval context / environment comes first
         value, args = (a[lead], a[lead + 1:]) if len(a) > lead else (None, ())
+        if name in ("join", "sum") and _is_iterator(value):
+            value = list(value)  # C would consume it item by item, past every estimate: measured as a list
+            a = (*a[:lead], value, *args)
         for v in _ints(list(args) + list(kw.values())):
             if v > MAX_VALUE_CHARS:
                 raise _refuse(f"a value with |{name}({v})")
+        if name not in _FILTERS_KEEPING_VALUES:
+            _check_text([value, *args, *kw.values()], f"a string with |{name}")
         if _filter_estimate(name, value, args, kw) > MAX_VALUE_CHARS:
             raise _refuse(f"a string with |{name}")
         return _check_result(fn(*a, **kw), f"a value with |{name}")
@@ -197,10 +349,8 @@ def _environment():
 
         @staticmethod
         def bounded_concat(values):
-            parts = [str(v) for v in values]
-            if sum(map(len, parts)) > MAX_VALUE_CHARS:
-                raise _refuse("a string (~)")
-            return "".join(parts)
+            _check_text(values, "a string (~)")  # before str(): a container's text is built in one C call
+            return _check_result("".join([str(v) for v in values]), "a string (~)")
 
         def call_binop(self, context, operator, left, right):
             if operator == "*":
@@ -219,6 +369,8 @@ def _environment():
             if operator == "%" and isinstance(left, str):
                 # '%0200000000d' % 1 and '%*d' % (10**6, 1) allocate before any output check
                 _check_format_widths(left, right if isinstance(right, tuple) else (right,))
+                if _percent_size(left, right) > MAX_VALUE_CHARS:  # ('%(a)s' * 1000) % {'a': long_text}
+                    raise _refuse("a formatted string (%)")
             return _check_result(super().call_binop(context, operator, left, right), f"a value ({operator})")
 
         def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
@@ -230,8 +382,13 @@ def _environment():
             owner = getattr(fn, "__self__", None)
             name = getattr(fn, "__name__", "")
             if isinstance(owner, str):
+                if name == "join" and args and _is_iterator(args[0]):
+                    args = (list(args[0]), *args[1:])  # ''.join(generator): measured as a list, below
                 if name in ("format", "format_map"):
                     _check_format_widths(owner, list(args) + list(kwargs.values()))  # '{:>200000000}'.format(1)
+                    mapping = args[0] if name == "format_map" and args and isinstance(args[0], dict) else kwargs
+                    if _format_size(owner, args if name == "format" else (), mapping) > MAX_VALUE_CHARS:
+                        raise _refuse("a formatted string")  # ('{0}' * 1000).format(long_text)
                 elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
                     if len(owner) + _replace_growth(owner, args[0], args[1]) > MAX_VALUE_CHARS:
                         raise _refuse("a string (replace)")
@@ -240,12 +397,26 @@ def _environment():
                     if owner.count("\t") * (size[0] if size else 8) > MAX_VALUE_CHARS:
                         raise _refuse("a string (expandtabs)")
                 elif name == "join" and args and hasattr(args[0], "__len__"):
-                    if len(owner) * len(args[0]) > MAX_VALUE_CHARS:
+                    items = args[0] if isinstance(args[0], (list, tuple)) else ()
+                    if len(owner) * len(args[0]) + _text_size(items) > MAX_VALUE_CHARS:
                         raise _refuse("a string (join)")
+                elif name == "translate" and args and isinstance(args[0], dict):
+                    # one character may map to a long string: ''.maketrans({'a': 'b' * 1000})
+                    longest = max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
+                    if len(owner) * longest > MAX_VALUE_CHARS:
+                        raise _refuse("a string (translate)")
+            elif not isinstance(__obj, jinja2.runtime.Macro):  # a macro takes values as they are
+                # list.index(x) and friends quote x in their error, built in C at the raise: a container
+                # holding one long string a thousand times would be written out in full
+                _check_text([v for v in (*args, *kwargs.values()) if not isinstance(v, str)],
+                            f"the arguments of a call ({name or 'call'})")
             return _check_result(super().call(__context, __obj, *args, **kwargs), f"a value ({name or 'call'})")
 
     def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
+        # the message becomes text in the error: a long or aliased one would be built in full, then shown
+        text = message if isinstance(message, str) else repr(message) if _text_size(message, 1000) <= 1000 else \
+            f"<a {type(message).__name__} too long to show>"
+        raise jinja2.exceptions.TemplateError(text[:1000] + ("..." if len(text) > 1000 else ""))
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # transformers' filter: jinja's own tojson escapes HTML characters, which chat prompts must not
@@ -254,7 +425,28 @@ def _environment():
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    def finalize(value):
+        # what {{ ... }} prints: str() of a container builds all its text at once
+        if not isinstance(value, str):
+            _check_text([value], "a printed value")
+        _spend(len(value) if isinstance(value, str) else 0, "a printed value")
+        return value
+
+    class Undefined(jinja2.Undefined):
+        """jinja's message for a missing key quotes the key: a long or aliased one would be built in full."""
+
+        __slots__ = ()
+
+        @property
+        def _undefined_message(self) -> str:
+            name = self._undefined_name
+            if self._undefined_hint is None and _text_size(name, 200) > 200:
+                return f"{jinja2.utils.object_type_repr(self._undefined_obj)} has no such element (a " \
+                       f"{type(name).__name__} key too long to show)"
+            return super()._undefined_message
+
+    env = Env(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], finalize=finalize,
+              undefined=Undefined)
     # lipsum(n) runs in jinja's own code, out of reach of the render deadline; no chat template needs it
     env.globals.pop("lipsum", None)
     env.filters["tojson"] = tojson
@@ -344,7 +536,9 @@ class ChatTemplate:
         reached because of the request's own text (its messages, or variables such as ``tools``): the same
         template renders within the limit once that text is taken out, so the request is what is too long."""
         try:
-            return self._render(messages, add_generation_prompt, kwargs)
+            text = self._render(messages, add_generation_prompt, kwargs)
+            _check_user_text_rendered(messages, text)
+            return text
         except _OverSizeLimit as e:
             try:
                 self._render([_without_text(m) for m in _validate(messages)], add_generation_prompt, {})
@@ -368,9 +562,10 @@ class ChatTemplate:
         deadline = time.monotonic() + MAX_SECONDS
         out: list[str] = []
         size = 0
+        chunks = self._template.generate(**ctx)
         try:
-            with _deadline(deadline):
-                for chunk in self._template.generate(**ctx):
+            with _Work(), _deadline(deadline):
+                for chunk in chunks:
                     size += len(chunk)
                     if size > MAX_OUTPUT_CHARS:
                         raise _OverSizeLimit(
@@ -383,14 +578,29 @@ class ChatTemplate:
             raise TemplateError(f"chat template did not finish rendering within {MAX_SECONDS:g} s") from None
         except jinja2.exceptions.SecurityError as e:
             kind = _OverSizeLimit if getattr(e, "over_size_limit", False) else TemplateError
-            raise kind(f"chat template tried something the sandbox forbids: {e}") from None
+            raise kind(f"chat template tried something the sandbox forbids: {shorten(e, 300)}") from None
         except jinja2.TemplateError as e:
-            raise TemplateError(f"chat template raised an error: {e}") from None
+            raise TemplateError(f"chat template raised an error: {shorten(e, 300)}") from None
         except (RecursionError, MemoryError, OverflowError) as e:
-            raise TemplateError(f"chat template exhausted a resource: {type(e).__name__}: {e}") from None
-        except Exception as e:  # a template bug (TypeError on None + str, ...) is still a bad template
-            raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from None
+            raise TemplateError(f"chat template exhausted a resource: {type(e).__name__}: {shorten(e, 300)}") from None
+        except Exception as e:  # a template bug (TypeError on None + str, ...); its message may quote a long value
+            raise TemplateError(f"chat template failed: {type(e).__name__}: {shorten(e, 300)}") from None
+        finally:
+            # closed here, with the deadline's tracer gone: resuming the generator to close it is a traced call,
+            # and past the deadline the tracer would raise inside the close, which Python prints as a traceback
+            chunks.close()
         return "".join(out)
+
+
+def _check_user_text_rendered(messages: list[dict], text: str) -> None:
+    """TemplateError when the prompt lacks the last user message's text: a template that drops it (renders a
+    fixed text, or only the markup) would have the model answer something the user never asked, with no error.
+    Only the user's turn is looked for: templates may rewrite earlier assistant turns (reasoning is cut out)."""
+    last = next((m for m in reversed(messages) if m.get("role") == "user"), None)
+    core = last["content"].strip() if last is not None and isinstance(last.get("content"), str) else ""
+    if core and core not in text:
+        raise TemplateError("chat template does not render the user's message: the prompt it makes lacks the "
+                            "last user message's text")
 
 
 class _OverSizeLimit(TemplateError):

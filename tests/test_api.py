@@ -424,6 +424,17 @@ def test_normalize_messages_for_templates():
         normalize_messages([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
 
 
+def test_tool_calls_and_results_without_ids_are_served():
+    # ids are optional on both sides: a call without one and a result without one matched as the same (missing)
+    # id, and reading the result's id was a KeyError, a 500 from the server
+    msgs = normalize_messages([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                                               "arguments": "{}"}}]},
+        {"role": "tool", "content": "r"}])
+    assert msgs[2] == {"role": "tool", "content": "r"}
+
+
 @pytest.mark.parametrize("key", ["smollm2", "qwen2"])
 def test_embeddings_rank_paraphrases_above_unrelated(key):
     llm = pyllm_model(key, n_ctx=512, n_threads=1)

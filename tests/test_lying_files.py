@@ -129,6 +129,19 @@ def test_embedding_rows_past_the_vocabulary_are_refused(tmp_path):
         pyllm.load(p, n_ctx=32, backend="reference")
 
 
+@pytest.mark.parametrize("tensor", ["blk.1.attn_k.bias", "blk.0.attn_q.bias"])
+def test_optional_layer_tensors_missing_from_some_layers_are_named(tmp_path, tensor):
+    # biases are read from layer 0's presence: one missing in a later layer was a KeyError traceback in the first
+    # forward pass, and one missing from layer 0 only made the others silently ignored
+    p = write_tiny_llama(tmp_path / "m.gguf", **{**SMALL, "n_layer": 2}, qkv_bias=True)
+    raw = p.read_bytes()
+    assert raw.count(tensor.encode()) == 1
+    p.write_bytes(raw.replace(tensor.encode(), tensor[:-4].encode() + b"xxxx"))  # same length: now unused
+    with pytest.raises(ModelError, match=rf"^m.gguf: tensor {tensor} is missing, but blk.\d has attn_q.bias, "
+                                         r"attn_k.bias, attn_v.bias"):
+        pyllm.load(p, n_ctx=32)
+
+
 def poke(path, tensor, data: bytes):
     with open_gguf(path) as gf:
         at = gf.tensors[tensor].offset  # absolute

@@ -215,6 +215,10 @@ HOSTILE = {
     "output_flood": "{% for i in range(99999) %}{{ 'y' * 999 }}{% endfor %}",
     "raise_exception": "{{ raise_exception('hostile template says no') }}",
     "syntax_error": "{% for m in messages %}{{ m.content }",
+    # templates that drop the user's words: the model would answer a question nobody asked
+    "fixed_text": "<|im_start|>user\nWrite a poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    "markup_only": "{% for m in messages %}<|im_start|>{{ m.role }}\n<|im_end|>\n{% endfor %}<|im_start|>assistant\n",
+    "last_message_dropped": "{% for m in messages[:-1] %}{{ m.content }}{% endfor %}<|im_start|>assistant\\n",
 }
 
 

@@ -5,10 +5,12 @@ own shape, checked with a Python regex of the same language); exact checks for t
 allowed ones untouched) and for the vocabulary bridge (the tokenizer's own bytes for every id).
 """
 
+import functools
 import json
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -213,6 +215,9 @@ def test_generate_tokens_stops_when_complete():
     (dict(grammar='root ::= "a'), "invalid grammar"),
     (dict(grammar="   "), "non-empty"),
     (dict(json_schema={"type": "object"}, grammar='root ::= "a"'), "at most one"),
+    # nesting that exhausts Python's recursive JSON parser and encoder: was a RecursionError traceback
+    (dict(json_schema='{"items":' * 5000 + "{}" + "}" * 5000), "nests too deeply to parse"),
+    (dict(json_schema=functools.reduce(lambda inner, _: {"items": inner}, range(5000), {})), "nests too deeply"),
 ])
 def test_invalid_schema_or_grammar(kw, needle):
     llm = llm_of("smollm2")
@@ -551,6 +556,43 @@ def test_stop_strings_end_structured_output_only_where_it_is_complete():
 def test_make_constraint_none_without_request():
     assert make_constraint(lambda: pytest.fail("vocabulary built for nothing")) is None
     assert isinstance(make_constraint(lambda: llm_of("smollm2").grammar_vocab, grammar='root ::= "a"'), Constraint)
+
+
+def test_grammars_and_schemas_deep_in_rules_are_errors_not_crashes(smollm2_path):
+    # rules naming rules 3,000 deep (a GBNF or Lark chain, a schema whose definitions each name the next) made the
+    # engine's recursive compiler overflow the caller's stack: the process died of SIGSEGV, the server with it;
+    # GBNF chains also took time growing with the square of their depth. In a subprocess: the crash is the failure.
+    code = textwrap.dedent(f"""
+        import json
+        from pyllm.errors import PyllmError
+        from pyllm.gguf import open_gguf
+        from pyllm.runtime.constraint import Constraint, GrammarVocab
+        from pyllm.tokenizer import Tokenizer
+
+        with open_gguf({smollm2_path!r}) as gf:
+            vocab = GrammarVocab(Tokenizer.from_gguf(gf.metadata))
+        n = 3000
+        defs = {{f"a{{i}}": {{"type": "array", "items": {{"$ref": f"#/$defs/a{{i + 1}}"}}}} for i in range(5000)}}
+        defs["a5000"] = {{"type": "integer"}}
+        cases = [("gbnf", "root ::= r0\\n" + "".join(f"r{{i}} ::= r{{i + 1}} | \\"x\\"\\n" for i in range(n))
+                  + f"r{{n}} ::= \\"y\\"\\n"),
+                 ("lark", "start: r0\\n" + "".join(f"r{{i}}: r{{i + 1}} | \\"x\\"\\n" for i in range(n))
+                  + f"r{{n}}: \\"y\\"\\n"),
+                 ("schema", {{"$defs": defs, "$ref": "#/$defs/a0"}})]
+        for kind, spec in cases:
+            try:
+                c = Constraint.from_json_schema(spec, vocab) if kind == "schema" else Constraint.from_gbnf(spec, vocab)
+                c.allowed()
+                print(kind, "ok")
+            except PyllmError as e:
+                print(kind, "error:", e)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).parents[1])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines() == ["gbnf error: grammar has 3002 rules; at most 1000 are supported",
+                                     "lark error: grammar has 3002 rules; at most 1000 are supported",
+                                     "schema ok"], r.stdout
 
 
 # ---- CLI and README -----------------------------------------------------------------------------------------

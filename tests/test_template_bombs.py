@@ -15,7 +15,7 @@ import time
 import pytest
 
 from pyllm.chat_template import ChatTemplate
-from pyllm.errors import TemplateError
+from pyllm.errors import PyllmError, TemplateError
 
 MSGS = [{"role": "user", "content": "hi"}]
 NEST = 300
@@ -57,6 +57,28 @@ BOMBS = {
     "deep filter chain": "{{ 'a'" + "|trim" * 3000 + " }}",
     "percent width": "{{ '%0200000000d' % 1 }}",
     "lipsum": "{{ lipsum(100000) }}",
+    # one long string referenced many times: a few elements, whose text C builds all at once (a gigabyte here)
+    "aliased list printed": "{% set s = 'a' * 1000000 %}{{ [s] * 1000 }}",
+    "aliased list |string": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000)|string|length }}",
+    "aliased list |tojson": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000)|tojson|length }}",
+    "aliased list |lower": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000)|lower|length }}",
+    "aliased list ~": "{% set s = 'a' * 1000000 %}{{ ([s] * 1000) ~ 'x' }}",
+    "aliased str.join": "{% set s = 'a' * 1000000 %}{{ ''.join([s] * 1000) }}",
+    "aliased % tuple": "{% set s = 'a' * 1000000 %}{{ ('%s' * 1000) % ((s,) * 1000) }}",
+    "aliased mapping key in %": "{{ ('%(a)s' * 1000) % {'a': 'a' * 1000000} }}",
+    "aliased field in str.format": "{{ ('{0}' * 1000).format('a' * 1000000) }}",
+    "aliased dict printed": "{% set s = 'a' * 1000000 %}{{ dict(a=s, b=s, c=s, d=s, e=s, f=s, g=s, h=s) }}",
+    "aliased argument quoted by an error": "{% set s = 'a' * 1000000 %}{{ [1].index([s] * 1000) }}",
+    "aliased raise_exception message": "{% set s = 'a' * 1000000 %}{{ raise_exception([s] * 1000) }}",
+    "translate table": "{{ ('a' * 1000000).translate(''.maketrans({'a': 'b' * 1000})) }}",
+    # the same through a lazy sequence, which C consumes item by item past any estimate of a list
+    "aliased |map |join": "{% set d = {'k': 'a' * 1000000} %}{{ ([d] * 1000)|map(attribute='k')|join }}",
+    "aliased |map str.join": "{% set d = {'k': 'a' * 1000000} %}{{ ''.join(([d] * 1000)|map(attribute='k')) }}",
+    "|map |sum of lists": "{% set d = {'k': ['a'] * 100000} %}{{ ([d] * 1000)|map(attribute='k')|sum(start=[]) }}",
+    # each value bounded, thousands of them built by one C call
+    "map center list": "{{ (['a'] * 100000)|map('center', 100000)|list|length }}",
+    # quadratic in C: each addition copies every element added before it
+    "sum of lists": "{{ ([[1]] * 60000)|sum(start=[])|length }}",
 }
 
 
@@ -79,13 +101,64 @@ def test_template_bomb_corpus_bounded_memory():
     assert grown < 256, f"peak RSS grew by {grown:.0f} MiB"
 
 
+def test_c_level_bombs_stay_bounded_in_a_fresh_process():
+    # the corpus test above reads the process's peak, which earlier tests may already have raised: these bombs
+    # end in a TemplateError either way, so only a fresh process shows the gigabytes they used to build first
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = [n for n in BOMBS if "|map" in n or "quoted by" in n]
+    code = ("import resource, sys\nfrom pyllm.chat_template import ChatTemplate\n"
+            "from pyllm.errors import TemplateError\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "for src in sys.argv[1:]:\n"
+            "    try:\n        ChatTemplate(src).render([{'role': 'user', 'content': 'hi'}])\n"
+            "    except TemplateError:\n        pass\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)\n")
+    r = subprocess.run([sys.executable, "-c", code, *(BOMBS[n] for n in names)], capture_output=True, text=True,
+                       timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    assert len(names) == 4 and int(r.stdout) < 256, f"peak RSS grew by {r.stdout.strip()} MiB"
+
+
+def test_an_error_quoting_a_long_value_is_one_short_line():
+    # list.index quotes the value it did not find: the message was the whole million-character string
+    with pytest.raises(TemplateError) as e:
+        ChatTemplate("{% set s = 'a' * 1000000 %}{{ [1].index(s) }}").render(MSGS)
+    assert str(e.value).startswith("chat template failed: ValueError: 'aaa") and len(str(e.value)) < 400
+
+
+def test_a_render_stopped_past_its_deadline_prints_no_traceback(monkeypatch):
+    # the deadline passed inside one C call, then the output cap stopped the render: closing the abandoned
+    # generator resumed it under the expired deadline's tracer, and Python printed the _Budget it raised there
+    import sys
+
+    from pyllm import chat_template
+
+    class SlowText:
+        def __str__(self):
+            time.sleep(0.3)
+            return "a" * (chat_template.MAX_OUTPUT_CHARS + 1)
+
+    monkeypatch.setattr(chat_template, "MAX_SECONDS", 0.1)
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    with pytest.raises(PyllmError):
+        ChatTemplate("{{ slow }}").render(MSGS, slow=SlowText())
+    assert not unraisable, unraisable[0].exc_value
+
+
 def test_bounds_leave_real_templates_alone():
     # what real templates do: loops, concatenation, tojson with a small indent, |trim, string methods
     src = ("{% for m in messages %}{{ '<|' ~ m['role'] ~ '|>' + m['content']|trim + ('\n' * 2) }}"
            "{{ {'a': [1, 2]}|tojson(indent=2) }}{{ '%5d'|format(42) }}{{ 'x'.center(9) }}{{ 2 ** 64 }}"
-           "{% endfor %}")
+           "{% endfor %}{{ '%s=%s' % ('k', 'v') }}{{ '{0}-{0}'.format('z') }}{{ [1, 'b'] }}{{ '+'.join(['p', 'q']) }}"
+           "{{ '%(a)s%(a)s' % {'a': 'm'} }}{{ messages|tojson }}{{ ['a', 'b']|map('upper')|join('-') }}"
+           "{{ [[1], [2]]|map('list')|sum(start=[]) }}")
     out = ChatTemplate(src).render([{"role": "user", "content": "  hi  "}])
     assert out.startswith("<|user|>hi\n\n{\n  \"a\": [") and "   42" in out and "18446744073709551616" in out
+    assert out.endswith("k=vz-z[1, 'b']p+qmm" + '[{"role": "user", "content": "  hi  "}]A-B[1, 2]')
 
 
 class _Tok:

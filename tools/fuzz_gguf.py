@@ -552,7 +552,8 @@ def _lie(rng: random.Random, vt: int, v):
         (ARRAY, (4, [rng.randint(0, 9) for _ in range(rng.randint(2, 40))])), (ARRAY, (ARRAY, [(4, [1]), (4, [2])])),
     ]
     if vt in _VFMT and vt not in (6, 12, 7) and isinstance(v, int):  # an integer near the original
-        choices += [(vt, max(0, v + d)) for d in (-v, -1, 1, v, 3 * v)]
+        # kept inside the field's range (a first lie of 2**63 in a u64 cannot be doubled)
+        choices += [(vt, max(0, v + d)) for d in (-v, -1, 1, v, 3 * v) if v + d < 2 ** (8 * _VSIZE[vt] - 1)]
         choices += [(vt, v * 2**k) for k in (8, 16) if v * 2**k < 2 ** (8 * _VSIZE[vt] - 1)]
     return rng.choice(choices)
 

@@ -103,6 +103,25 @@ class ModelConfig:
         """Bytes the KV cache holds per token: 2 (K and V) x layers x kv heads x head_dim x element size."""
         return int(2 * self.n_layer * self.n_kv_head * self.head_dim * bytes_per_elem)
 
+    # Per-layer tensors a file may have or not (q/k/v biases, q/k norms): the flags are read from layer 0, and the
+    # decoders then use every tensor of the group in every layer.
+    OPTIONAL_LAYER_TENSORS = {"qkv_bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+                              "qk_norm": ("attn_q_norm.weight", "attn_k_norm.weight")}
+
+    @staticmethod
+    def _check_optional_layer_tensors(cfg: "ModelConfig", tensor_names: Collection[str], source: str) -> None:
+        """ModelError naming the first missing tensor of a group that some layer has: a layer without it would
+        fail inside the forward pass (KeyError), and one that has it while layer 0 does not would be ignored."""
+        for names in ModelConfig.OPTIONAL_LAYER_TENSORS.values():
+            layers = [i for i in range(cfg.n_layer) if any(f"blk.{i}.{n}" in tensor_names for n in names)]
+            if not layers:
+                continue
+            for i in range(cfg.n_layer):
+                for n in names:
+                    if f"blk.{i}.{n}" not in tensor_names:
+                        raise ModelError(f"{source}: tensor blk.{i}.{n} is missing, but blk.{layers[0]} has "
+                                         f"{', '.join(names)}: a model has them in every layer or in none")
+
     @classmethod
     def from_metadata(cls, md: dict, tensor_names: set[str], source: str = "model",
                       supported: Collection[str] | None = None) -> "ModelConfig":
@@ -183,6 +202,7 @@ class ModelConfig:
             tied_output="output.weight" not in tensor_names,
             sliding_window=get_int("attention.sliding_window", 0, lo=0),
         )
+        cls._check_optional_layer_tensors(cfg, tensor_names, source)
         scaling = get("rope.scaling.type")
         factor = get_float("rope.scaling.factor", 1.0)
         if not isinstance(scaling, (str, type(None))) or scaling not in (None, "none", "linear", "llama3"):  # llama3 scaling travels as the rope_freqs tensor

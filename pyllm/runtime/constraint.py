@@ -20,6 +20,7 @@ import copy
 import json
 import math
 import re
+import threading
 from decimal import Decimal
 from typing import Any
 
@@ -44,6 +45,45 @@ JSON_WS = r"(?: |\n[ \t]{0,20})?"
 # a small sampled model can write digits until max_tokens. A schema whose own numbers need more digits raises it.
 NUMBER_DIGITS = 16
 DIGITS = frozenset(b"0123456789")
+
+
+# The engine compiles grammars recursively, one native stack frame per level of rules that name rules: a chain of
+# 3,000 rules (or a schema of 5,000 definitions each naming the next) overflowed the caller's 8 MiB stack and
+# killed the process with SIGSEGV (in the server: every client's requests). Compiling on a thread of its own with
+# this much stack room (reserved, touched only as deep as the grammar goes) leaves depth to the engine's own size
+# limits, which stop such schemas near 20,000 definitions.
+COMPILE_STACK_BYTES = 256 << 20
+# GBNF is translated to the engine's syntax by Python code whose time grows with the square of the depth of rules
+# naming rules (2,000 rules in a chain: 3 s; 20,000: minutes); real grammars have tens of rules.
+MAX_GRAMMAR_RULES = 1000
+MAX_GRAMMAR_CHARS = 1 << 20
+_RULE = re.compile(r"^[ \t]*[A-Za-z_][\w.-]*[ \t]*(?:::=|:)", re.M)  # a GBNF or Lark rule's head
+
+
+def _on_compile_stack(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run on a thread with COMPILE_STACK_BYTES of stack; its result or its exception."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # handed to the caller's thread as is
+            out["error"] = e
+
+    with _STACK_SIZE_LOCK:  # the size applies to threads created while it is set
+        old = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            t = threading.Thread(target=run, name="pyllm-grammar-compile", daemon=True)
+            t.start()
+        finally:
+            threading.stack_size(old)
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+_STACK_SIZE_LOCK = threading.Lock()
 
 
 class _Encoder:
@@ -223,6 +263,8 @@ def _schema_text(schema: Any) -> str:
             schema = json.loads(schema)
         except ValueError as e:
             raise PyllmError(f"json_schema is not valid JSON: {e}") from None
+        except RecursionError:  # Python's parser recurses once per level: a few kB of '{"items":' exhaust it
+            raise PyllmError("json_schema nests too deeply to parse") from None
     if isinstance(schema, bool):  # JSON Schema allows true (anything) and false (nothing)
         if not schema:
             raise PyllmError("json_schema is false: no output can match it")
@@ -240,6 +282,8 @@ def _schema_text(schema: Any) -> str:
         return json.dumps(schema)
     except (TypeError, ValueError) as e:
         raise PyllmError(f"json_schema cannot be written as JSON: {e}") from None
+    except RecursionError:  # a dict nested a thousand levels deep: the encoder recurses per level too
+        raise PyllmError("json_schema nests too deeply to write as JSON") from None
 
 
 class Constraint:
@@ -253,7 +297,7 @@ class Constraint:
         # for keys repeated in one object (None: a grammar, neither rule)
         self.digit_cap = digit_cap
         self._scan = _JsonScan(digit_cap) if digit_cap is not None else None
-        self.m = llg.LLMatcher(vocab.ll, grammar, log_level=0)
+        self.m = _on_compile_stack(llg.LLMatcher, vocab.ll, grammar, log_level=0)
         if self.m.is_error():
             raise PyllmError(f"invalid {what}: {_first_line(self.m.get_error())}")
         # (n_words,) one bit per token id, bit i of word i // 32; refilled for each step
@@ -271,7 +315,8 @@ class Constraint:
         text = _schema_text(schema)
         llg = _llguidance()
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WS})
+            grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, text,
+                                        defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
             raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
         return cls(grammar, vocab, "json_schema", _digit_cap(json.loads(text)))
@@ -286,9 +331,14 @@ class Constraint:
         """A llama.cpp GBNF grammar (``root ::= ...``); llguidance's Lark syntax is accepted too."""
         if not isinstance(text, str) or not text.strip():
             raise PyllmError("grammar must be non-empty GBNF text")
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise PyllmError(f"grammar is {len(text)} characters long; at most {MAX_GRAMMAR_CHARS} are supported")
+        rules = len(_RULE.findall(text))
+        if rules > MAX_GRAMMAR_RULES:
+            raise PyllmError(f"grammar has {rules} rules; at most {MAX_GRAMMAR_RULES} are supported")
         llg = _llguidance()
         try:
-            grammar = llg.grammar_from("gbnf", text)
+            grammar = _on_compile_stack(llg.grammar_from, "gbnf", text)
         except ValueError as e:
             raise PyllmError(f"invalid grammar: {_first_line(str(e))}") from None
         return cls(grammar, vocab, "grammar")
