@@ -598,7 +598,15 @@ def _check_user_text_rendered(messages: list[dict], text: str) -> None:
     Only the user's turn is looked for: templates may rewrite earlier assistant turns (reasoning is cut out)."""
     last = next((m for m in reversed(messages) if m.get("role") == "user"), None)
     core = last["content"].strip() if last is not None and isinstance(last.get("content"), str) else ""
-    if core and core not in text:
+    if not core or core in text:
+        return
+    import markupsafe
+    from jinja2.utils import htmlsafe_json_dumps
+
+    # or as a template's tojson (Hugging Face's or jinja's) or escape filter writes it
+    forms = (json.dumps(core)[1:-1], json.dumps(core, ensure_ascii=False)[1:-1],
+             str(htmlsafe_json_dumps(core))[1:-1], str(markupsafe.escape(core)))
+    if not any(f in text for f in forms):
         raise TemplateError("chat template does not render the user's message: the prompt it makes lacks the "
                             "last user message's text")
 

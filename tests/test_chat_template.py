@@ -175,3 +175,20 @@ def test_template_errors_do_not_leave_a_tracer_installed():
     with pytest.raises(TemplateError):
         ChatTemplate("{{ raise_exception('boom') }}", "", "").render([])
     assert sys.gettrace() is before
+
+
+@pytest.mark.parametrize("source", [
+    "{% for m in messages %}{{ m.content | tojson }}{% endfor %}",
+    "{% for m in messages %}{{ m.content | escape }}{% endfor %}",
+    "{% for m in messages %}<|{{ m.role }}|>{{ m.content | trim }}{% endfor %}",
+])
+def test_a_template_that_escapes_the_users_words_still_renders_them(source):
+    # the check that a template rendered the user's message looks for its text as written and in the forms a
+    # template's tojson / escape filters give it (quotes, newlines, <, &, non-ASCII); a template that drops the
+    # message is refused (test_robustness.py HOSTILE)
+    words = '  Say "hi" & <b>bold</b>\nin 日本語, it\'s fine  '
+    out = ChatTemplate(source, "", "").render([{"role": "user", "content": words}])
+    assert "hi" in out
+    with pytest.raises(TemplateError, match="does not render the user's message"):
+        ChatTemplate("{% for m in messages %}{{ m.role }}{% endfor %}", "", "").render(
+            [{"role": "user", "content": words}])
