@@ -286,6 +286,30 @@ def test_a_system_prompt_too_long_for_the_context_is_named(policy, how, tmp_path
     assert chat.turns[:2] == before and chat.turns[-1] == {"role": "assistant", "content": "again"}
 
 
+def test_piped_ways_out_name_flags_not_commands():
+    """Piped, no slash command can be typed: a system prompt too long for the context suggested /system, and
+    a conversation (--lines) that outgrew it under --context-policy stop suggested /clear."""
+    chat, llm, out, ui = make_chat([["fine"]], system="rule " * 60, piped=True)
+    with pytest.raises(ContextFullError) as e:
+        chat.exchange("hello")
+    err = str(e.value)
+    assert err.startswith("the system prompt is too long for --ctx 64") and "/" not in err, err
+    assert err.endswith("give a shorter system prompt (--system TEXT, or none)"), err
+    chat, llm, out, ui = make_chat([["fine"]] * 3, piped=True)
+    llm.context_policy = "stop"
+    chat.exchange("word " * 20)
+    chat.exchange("word " * 20)
+    with pytest.raises(ContextFullError) as e:
+        chat.exchange("word " * 20)
+    assert "/clear" not in str(e.value) and "--context-policy shift" in str(e.value), str(e.value)
+
+
+def test_cli_piped_system_prompt_too_long_names_the_flag(main_chat, smollm2_path):
+    res = main_chat(smollm2_path, "--ctx", "64", "--backend", BACKEND, "--system", "rule " * 100, stdin="hi")
+    assert_error(res, 1, "system prompt is too long for --ctx 64", "(--system TEXT, or none)")
+    assert "/system" not in res.stderr
+
+
 def test_a_message_too_long_under_policy_stop_does_not_suggest_clear():
     """--context-policy stop suggested /clear for a message that cannot fit even in a new conversation."""
     chat, llm, out, ui = make_chat([["fine"]], system="be brief")
