@@ -213,9 +213,27 @@ class ChatSession:
         least = self.messages(turns if stop else turns[-1:])
         try:
             self.llm.check_prompt_fits(self.llm.format_chat(least), add_bos=False)  # the template may write BOS
-        except ContextFullError:
+        except ContextFullError as e:
             self.check_system_fits(self.system)  # if the system prompt is what cannot fit, say so
-            raise
+            # the library's "the prompt has at least N tokens" does not say which part is too long, nor that the
+            # conversation survives it
+            kept = "; the conversation is unchanged" if self.turns else ""
+            alone = e
+            if stop and len(turns) > 1:
+                try:
+                    self.llm.check_prompt_fits(self.llm.format_chat(self.messages(turns[-1:])), add_bos=False)
+                except ContextFullError as e2:
+                    alone = e2
+                else:  # the message alone would fit: it is the conversation before it that takes the room
+                    clear = "" if self.piped else "/clear to start over, or "
+                    raise ContextFullError(f"the conversation with this message is too long for --ctx {n_ctx}: "
+                                           f"{clear}restart with a larger --ctx or --context-policy shift (drops "
+                                           f"the oldest turns){kept}") from None
+            least = getattr(alone, "least_tokens", None)
+            what = "with the system prompt " if self.system else ""
+            has = f" it has at least {least} tokens {what}and the context holds {n_ctx};" if least else ""
+            raise ContextFullError(f"the message is too long for --ctx {n_ctx}:{has} shorten it or restart with a "
+                                   f"larger --ctx{kept}") from None
         ids = self.llm.chat_ids(self.messages(turns))
         if len(ids) + reserve <= n_ctx:
             return ids, turns, 0
