@@ -177,8 +177,10 @@ class LLM:
             return
         least = self.tokenizer.min_tokens(text, add_bos=add_bos)
         if least >= self.n_ctx:
-            raise ContextFullError(f"the prompt has at least {least} tokens but the context holds {self.n_ctx}; use "
-                                   f"a larger context (--ctx) or a shorter prompt")
+            e = ContextFullError(f"the prompt has at least {least} tokens but the context holds {self.n_ctx}; use "
+                                 f"a larger context (--ctx) or a shorter prompt")
+            e.least_tokens = least  # for front ends that word their own message
+            raise e
 
     def detokenize(self, ids: Iterable[int]) -> str:
         return self.tokenizer.decode(list(ids))

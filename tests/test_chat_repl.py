@@ -224,8 +224,9 @@ def test_message_bigger_than_context_is_an_error_and_keeps_conversation():
 def test_a_paste_that_cannot_fit_is_refused_before_it_is_tokenized(policy, monkeypatch):
     """The REPL tokenized a pasted message whole (seconds for a megabyte of text) before finding that it cannot
     fit, where `pyllm run`, the library and the server refuse it from its text alone (check_prompt_fits).
-    Reference: SmolLM2 with a context of 512 tokens; the tokenizer must never see the paste, the error is the
-    library's one line, and the conversation goes on with its earlier turns."""
+    Reference: SmolLM2 with a context of 512 tokens; the tokenizer must never see the paste, the error is one
+    line naming the message (not the library's "the prompt has at least N tokens"), and the conversation goes
+    on with its earlier turns."""
     from conftest import pyllm_model
 
     llm = pyllm_model("smollm2", n_ctx=512, n_threads=1, context_policy=policy)
@@ -243,8 +244,9 @@ def test_a_paste_that_cannot_fit_is_refused_before_it_is_tokenized(policy, monke
     assert len(before) == 2
     assert chat.handle("The quick brown fox jumps over the lazy dog. " * 20_000) is True  # 900 KB
     err = ui.getvalue().splitlines()[-1]
-    assert re.fullmatch(r"error: the prompt has at least \d+ tokens but the context holds 512; use a larger "
-                        r"context \(--ctx\) or a shorter prompt", err), err
+    assert re.fullmatch(r"error: the message is too long for --ctx 512: it has at least \d+ tokens with the "
+                        r"system prompt and the context holds 512; shorten it or restart with a larger --ctx; "
+                        r"the conversation is unchanged", err), err
     assert chat.turns == before
     chat.handle("Say bye.")
     assert chat.turns[:2] == before and len(chat.turns) == 4 and chat.turns[2]["content"] == "Say bye."
@@ -284,6 +286,70 @@ def test_a_system_prompt_too_long_for_the_context_is_named(policy, how, tmp_path
     chat.handle("/system be brief")  # the way out it names works, and the conversation goes on
     chat.handle("next")
     assert chat.turns[:2] == before and chat.turns[-1] == {"role": "assistant", "content": "again"}
+
+
+def test_piped_ways_out_name_flags_not_commands():
+    """Piped, no slash command can be typed: a system prompt too long for the context suggested /system, and
+    a conversation (--lines) that outgrew it under --context-policy stop suggested /clear."""
+    chat, llm, out, ui = make_chat([["fine"]], system="rule " * 60, piped=True)
+    with pytest.raises(ContextFullError) as e:
+        chat.exchange("hello")
+    err = str(e.value)
+    assert err.startswith("the system prompt is too long for --ctx 64") and "/" not in err, err
+    assert err.endswith("give a shorter system prompt (--system TEXT, or none)"), err
+    chat, llm, out, ui = make_chat([["fine"]] * 3, piped=True)
+    llm.context_policy = "stop"
+    chat.exchange("word " * 20)
+    chat.exchange("word " * 20)
+    with pytest.raises(ContextFullError) as e:
+        chat.exchange("word " * 20)
+    assert "/clear" not in str(e.value) and "--context-policy shift" in str(e.value), str(e.value)
+
+
+def test_cli_piped_system_prompt_too_long_names_the_flag(main_chat, smollm2_path):
+    res = main_chat(smollm2_path, "--ctx", "64", "--backend", BACKEND, "--system", "rule " * 100, stdin="hi")
+    assert_error(res, 1, "system prompt is too long for --ctx 64", "(--system TEXT, or none)")
+    assert "/system" not in res.stderr
+
+
+@pytest.mark.parametrize("policy", ["stop", "shift"])
+def test_a_pasted_message_too_long_to_tokenize_says_so(monkeypatch, policy):
+    """A paste refused before tokenizing (its text alone shows it cannot fit) got the library's "the prompt has
+    at least N tokens", which names neither the message nor the conversation that survives it."""
+    chat, llm, out, ui = make_chat([["fine"], ["again"]])
+    llm.context_policy = policy
+    chat.handle("hello")
+    before = list(chat.turns)
+
+    def check_prompt_fits(text, add_bos=None):
+        if len(text) > 20_000:
+            raise ContextFullError("the prompt has at least 10000 tokens but the context holds 64")
+
+    monkeypatch.setattr(llm, "check_prompt_fits", check_prompt_fits)
+    monkeypatch.setattr(llm, "chat_ids", lambda m: pytest.fail("a paste that cannot fit was tokenized"))
+    chat.handle("rule " * 10_000)
+    err = ui.getvalue().splitlines()[-1]
+    assert err == ("error: the message is too long for --ctx 64: shorten it or restart with a larger --ctx; "
+                   "the conversation is unchanged"), err
+    assert chat.turns == before
+
+
+def test_a_conversation_too_long_to_tokenize_under_policy_stop_says_so(monkeypatch):
+    chat, llm, out, ui = make_chat([["again"]])
+    llm.context_policy = "stop"
+    chat.turns = [{"role": "user", "content": "rule " * 10_000}, {"role": "assistant", "content": "fine"}]
+    before = list(chat.turns)
+
+    def check_prompt_fits(text, add_bos=None):
+        if len(text) > 20_000:
+            raise ContextFullError("the prompt has at least 10000 tokens but the context holds 64")
+
+    monkeypatch.setattr(llm, "check_prompt_fits", check_prompt_fits)
+    chat.handle("next")
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: the conversation with this message is too long for --ctx 64: /clear to start "
+                          "over, or restart with a larger --ctx or --context-policy shift"), err
+    assert err.endswith("; the conversation is unchanged") and chat.turns == before
 
 
 def test_a_message_too_long_under_policy_stop_does_not_suggest_clear():

@@ -214,6 +214,19 @@ def test_generate_tokens_stops_when_complete():
     (dict(grammar="root ::= foo"), "Rule 'foo' not found"),
     (dict(grammar='root ::= "a'), "invalid grammar"),
     (dict(grammar="   "), "non-empty"),
+    # grammars no text can complete: were the engine's "NoExtensionBias Error: None" at the first step, or
+    # "Too many items" (or max_tokens of output) once generation reached the rule
+    (dict(grammar="root ::= root"), "invalid grammar: rule 'root' can never finish: every alternative refers back "
+                                    "to itself, so the grammar matches no text"),
+    (dict(grammar="root ::= a\na ::= root"), "rule 'root' can never finish: every alternative refers back to "
+                                             "itself through 'a', so the grammar matches no text"),
+    (dict(grammar='root ::= "x" root'), "rule 'root' can never finish"),
+    (dict(grammar='root ::= "a" b | "c"\nb ::= b "x"'), "rule 'b' can never finish: every alternative refers "
+                                                        "back to itself, and rule 'root' can reach it"),
+    (dict(grammar="start: start"), "invalid grammar: it matches no text"),
+    (dict(grammar="root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(998)) + "r998 ::= r0\n"),
+     "rule 'r0' can never finish: every alternative refers back to itself through 'r1' -> 'r2' -> 995 more -> "
+     "'r998', so the grammar matches no text"),
     (dict(json_schema={"type": "object"}, grammar='root ::= "a"'), "at most one"),
     # nesting that exhausts Python's recursive JSON parser and encoder: was a RecursionError traceback
     (dict(json_schema='{"items":' * 5000 + "{}" + "}" * 5000), "nests too deeply to parse"),
@@ -223,6 +236,12 @@ def test_invalid_schema_or_grammar(kw, needle):
     llm = llm_of("smollm2")
     with pytest.raises(PyllmError, match=re.escape(needle)):
         list(llm.generate_tokens(llm.tokenize("x"), max_tokens=2, **kw))
+
+
+def test_grammars_whose_rules_can_finish_are_accepted():
+    llm = llm_of("smollm2")
+    for g in ('root ::= "x" | root', 'root ::= ("x" root)?', 'root ::= a "!"\na ::= "a" a | "b"\nunused ::= unused'):
+        assert llm.make_constraint(grammar=g).allowed().any(), g
 
 
 def accepts(llm, schema, text, constraint=None) -> bool:
@@ -609,12 +628,17 @@ def test_cli_run_json_schema_and_grammar(tmp_path, smollm2_path):
     out = json.loads(res.stdout)
     assert out["finish_reason"] == "eog"
     jsonschema.validate(json.loads(out["text"]), PERSON)
-    (tmp_path / "bad.gbnf").write_text("root ::= missing\n")
-    res = run_cli("run", smollm2_path, "x", "--grammar", str(tmp_path / "bad.gbnf"), "-n", "2")
-    assert res.returncode == 1 and "Traceback" not in res.stderr
-    assert res.stderr.strip().splitlines() == [f"pyllm: error: --grammar {shorten(str(tmp_path / 'bad.gbnf'))}: "
-                                               "invalid grammar: Failed to convert the grammar from GBNF to Lark: "
-                                               "Rule 'missing' not found"]
+    for name, text, why in [
+        ("bad.gbnf", "root ::= missing\n", "Failed to convert the grammar from GBNF to Lark: Rule 'missing' not found"),
+        # was "grammar constraint failed: NoExtensionBias Error: None" at the first step, naming no file
+        ("loop.gbnf", "root ::= a\na ::= root\n", "rule 'root' can never finish: every alternative refers back "
+                                                   "to itself through 'a', so the grammar matches no text"),
+    ]:
+        (tmp_path / name).write_text(text)
+        res = run_cli("run", smollm2_path, "x", "--grammar", str(tmp_path / name), "-n", "2")
+        assert res.returncode == 1 and "Traceback" not in res.stderr
+        assert res.stderr.strip().splitlines() == [f"pyllm: error: --grammar {shorten(str(tmp_path / name))}: "
+                                                   f"invalid grammar: {why}"]
 
 
 def readme_section(title):

@@ -166,13 +166,16 @@ class ChatSession:
     """
 
     def __init__(self, llm, settings: Settings, system: str | None = None, out: TextIO = sys.stdout,
-                 ui: TextIO = sys.stderr, color: bool = False, quiet: bool = False, terminal: bool = False):
+                 ui: TextIO = sys.stderr, color: bool = False, quiet: bool = False, terminal: bool = False,
+                 piped: bool = False):
         self.llm = llm
         self.settings = settings
         self.system = system or None
         self.turns: list[dict] = []
         self.out, self.ui = out, ui
         self.color, self.quiet, self.terminal = color, quiet, terminal
+        # messages come from piped standard input, not typed: ways out name flags, not slash commands
+        self.piped = piped
         self.interrupted = False  # whether the last reply was stopped by Ctrl-C
         self._regens = 0  # consecutive /regen of the same message: a fixed seed would replay the same reply
 
@@ -210,9 +213,27 @@ class ChatSession:
         least = self.messages(turns if stop else turns[-1:])
         try:
             self.llm.check_prompt_fits(self.llm.format_chat(least), add_bos=False)  # the template may write BOS
-        except ContextFullError:
+        except ContextFullError as e:
             self.check_system_fits(self.system)  # if the system prompt is what cannot fit, say so
-            raise
+            # the library's "the prompt has at least N tokens" does not say which part is too long, nor that the
+            # conversation survives it
+            kept = "; the conversation is unchanged" if self.turns else ""
+            alone = e
+            if stop and len(turns) > 1:
+                try:
+                    self.llm.check_prompt_fits(self.llm.format_chat(self.messages(turns[-1:])), add_bos=False)
+                except ContextFullError as e2:
+                    alone = e2
+                else:  # the message alone would fit: it is the conversation before it that takes the room
+                    clear = "" if self.piped else "/clear to start over, or "
+                    raise ContextFullError(f"the conversation with this message is too long for --ctx {n_ctx}: "
+                                           f"{clear}restart with a larger --ctx or --context-policy shift (drops "
+                                           f"the oldest turns){kept}") from None
+            least = getattr(alone, "least_tokens", None)
+            what = "with the system prompt " if self.system else ""
+            has = f" it has at least {least} tokens {what}and the context holds {n_ctx};" if least else ""
+            raise ContextFullError(f"the message is too long for --ctx {n_ctx}:{has} shorten it or restart with a "
+                                   f"larger --ctx{kept}") from None
         ids = self.llm.chat_ids(self.messages(turns))
         if len(ids) + reserve <= n_ctx:
             return ids, turns, 0
@@ -224,8 +245,9 @@ class ChatSession:
                 what = "the message and the system prompt take" if self.system else "the message takes"
                 raise ContextFullError(f"{what} {len(alone)} tokens and the reply needs room for {reserve} in a "
                                        f"context of {n_ctx}: shorten it or restart with a larger --ctx")
+            clear = "" if self.piped else "/clear to start over, or "
             raise ContextFullError(f"the conversation takes {len(ids)} tokens and the reply needs room for {reserve} "
-                                   f"in a context of {n_ctx}: /clear to start over, or restart with a larger --ctx "
+                                   f"in a context of {n_ctx}: {clear}restart with a larger --ctx "
                                    f"or --context-policy shift (drops the oldest turns)")
         # Dropping re-prefills the whole conversation, so trim to 3/4 of the context rather than to just fit:
         # otherwise every following message would drop one turn and pay that prefill again.
@@ -260,9 +282,10 @@ class ChatSession:
         if n is not None and n + reserve < n_ctx:
             return
         takes = "more tokens than the context holds" if n is None else f"{n} tokens"
+        how = "--system TEXT, or none" if self.piped else "/system TEXT, or /system - for none"
         raise ContextFullError(f"the system prompt is too long for --ctx {n_ctx}: it takes {takes}, leaving no "
                                f"room for a message and a reply of {reserve}; restart with a larger --ctx, or give "
-                               f"a shorter system prompt (/system TEXT, or /system - for none){unchanged}")
+                               f"a shorter system prompt ({how}){unchanged}")
 
     # ---- replies ----
     def exchange(self, user_text: str, base: list[dict] | None = None, seed_offset: int = 0) -> str | None:
@@ -635,7 +658,7 @@ def run_chat(a) -> int:
         _verbose_load(llm, sys.stderr)
     color = terminal and use_color(a, sys.stdout)
     chat = ChatSession(llm, settings, system=a.system, out=sys.stdout, ui=ui, color=color,
-                       quiet=a.quiet or (not terminal and not a.verbose), terminal=terminal)
+                       quiet=a.quiet or (not terminal and not a.verbose), terminal=terminal, piped=not terminal)
     if not terminal:
         return run_piped(chat, a)
     banner = (f"pyllm chat · {llm.path.name} ({llm.config.arch}, context {llm.n_ctx}, KV {llm.kv.kind}) on "

@@ -341,7 +341,16 @@ class Constraint:
             grammar = _on_compile_stack(llg.grammar_from, "gbnf", text)
         except ValueError as e:
             raise PyllmError(f"invalid grammar: {_first_line(str(e))}") from None
-        return cls(grammar, vocab, "grammar")
+        why = _on_compile_stack(_unfinishable_rule, text)
+        if why:
+            raise PyllmError(f"invalid grammar: {why}")
+        c = cls(grammar, vocab, "grammar")
+        # Lark text (not looked at above) whose start can never finish: the engine says so only as its internal
+        # "NoExtensionBias" once asked for a mask, so ask now and name the problem
+        if _no_way_to_finish(c):
+            raise PyllmError("invalid grammar: it matches no text: its start rule can never finish (every way "
+                             "through it refers back to a rule that is still open)")
+        return c
 
     # ---- per step ---------------------------------------------------------------------------------------------
     def allowed(self) -> np.ndarray:
@@ -349,7 +358,11 @@ class Constraint:
         if self._allowed is None:
             self.m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
             if self.m.is_error():
-                raise PyllmError(f"{self.what} constraint failed: {_first_line(self.m.get_error())}")
+                err = self.m.get_error()
+                if "NoExtensionBias" in err:
+                    raise PyllmError(f"{self.what} constraint failed: the output so far can never be completed: "
+                                     f"every way on needs a rule that can never finish")
+                raise PyllmError(f"{self.what} constraint failed: {_first_line(err)}")
             bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab.n_vocab]
             self._allowed = self._json_rules(bits.view(bool))
         return self._allowed
@@ -527,6 +540,137 @@ def _digit_cap(schema: Any) -> int:
             whole, _, fraction = format(Decimal(repr(v) if isinstance(v, float) else v), "f").lstrip("-").partition(".")
             cap = max(cap, len(whole) + 1, len(fraction) + 1)
     return cap
+
+
+def _no_way_to_finish(c: "Constraint") -> bool:
+    """Whether the engine finds no way through ``c``'s grammar from its start (its first mask fails so)."""
+    try:
+        c.allowed()
+    except PyllmError:
+        return "NoExtensionBias" in (c.m.get_error() or "")
+    return False
+
+
+def _unfinishable_rule(text: str) -> str | None:
+    """Why a GBNF grammar (already accepted by the engine) has a rule, reachable from root, that no text can
+    complete (root ::= root; a ::= "x" a), or None. The engine accepts such grammars and then fails
+    mid-generation with its internals ("NoExtensionBias", "Too many items") or writes until max_tokens.
+
+    Standard productivity analysis: every node of the rules' syntax trees is a graph node (a sequence or a
+    repetition needing at least one pass: all children; an alternative or a rule reference: any child; literals,
+    character classes, optional repetitions: none), finished by propagation from the leaves, linear in the size
+    of the grammar. Lark text is left to the engine (None)."""
+    try:  # the engine's own GBNF parser, so that both read the text alike
+        from llguidance.gbnf_to_lark import (AlternativeNode, GrammarParser, RepetitionNode, RuleRefNode,
+                                             SequenceNode, is_lark_syntax)
+    except ImportError:  # another engine version, laid out otherwise: the engine's own errors stand
+        return None
+
+    if is_lark_syntax(text):
+        return None
+    try:
+        rules = GrammarParser().parse(text)
+    except Exception:  # the engine accepted it; a parse that differs is not this check's to judge
+        return None
+    if "root" not in rules:
+        return None
+    names = list(rules)
+    kind: list[str] = []  # "all", "any" or "leaf"
+    kids: list[list[int]] = []
+    ref_of: dict[int, str] = {}  # graph node of a rule reference -> the rule's name
+    rule_node = {}
+    order: list = []  # (ast node, graph node) still to expand
+
+    def add(node) -> int:
+        n = len(kind)
+        if isinstance(node, SequenceNode):
+            kind.append("all")
+        elif isinstance(node, RepetitionNode):
+            kind.append("all" if node.min_times > 0 else "leaf")
+        elif isinstance(node, (AlternativeNode, RuleRefNode)):
+            kind.append("any")
+        else:  # a literal, a character class, "."
+            kind.append("leaf")
+        kids.append([])
+        order.append((node, n))
+        return n
+
+    for name in names:
+        rule_node[name] = add(rules[name].alternatives)
+    while order:
+        node, n = order.pop()
+        if isinstance(node, RuleRefNode):
+            if node.name not in rule_node:
+                return None
+            ref_of[n] = node.name
+            kids[n].append(rule_node[node.name])
+        elif isinstance(node, (SequenceNode, AlternativeNode)) or \
+                (isinstance(node, RepetitionNode) and node.min_times > 0):
+            kids[n].extend(add(c) for c in node.children())
+    parents: list[list[int]] = [[] for _ in kind]
+    for n, ks in enumerate(kids):
+        for k in ks:
+            parents[k].append(n)
+    pending = [len(ks) if k == "all" else (1 if k == "any" else 0) for k, ks in zip(kind, kids)]
+    done = [p == 0 for p in pending]
+    todo = [n for n, d in enumerate(done) if d]
+    while todo:
+        n = todo.pop()
+        for p in parents[n]:
+            if not done[p]:
+                pending[p] -= 1
+                if pending[p] == 0:
+                    done[p] = True
+                    todo.append(p)
+
+    def refs(name: str, open_only: bool) -> list[str]:
+        """The rules ``name``'s body names (only those it cannot finish without, if ``open_only``)."""
+        out, stack = [], [rule_node[name]]
+        seen = set()
+        while stack:
+            n = stack.pop()
+            if n in seen or (open_only and done[n]):
+                continue
+            seen.add(n)
+            if n in ref_of:
+                out.append(ref_of[n])
+            else:
+                stack.extend(kids[n])
+        return out
+
+    reachable, stack = {"root"}, ["root"]
+    while stack:
+        for r in refs(stack.pop(), False):
+            if r not in reachable:
+                reachable.add(r)
+                stack.append(r)
+    stuck = [r for r in names if r in reachable and not done[rule_node[r]]]
+    if not stuck:
+        return None
+    needs = {r: list(dict.fromkeys(refs(r, True))) for r in stuck}
+    for r in stuck:  # the first (in the grammar's order) that leads back to itself; one always does
+        back: dict[str, str] = {}
+        queue = [r]
+        while queue and r not in back:
+            cur = queue.pop(0)
+            for nxt in needs[cur]:
+                if nxt not in back:
+                    back[nxt] = cur
+                    queue.append(nxt)
+        if r not in back:
+            continue
+        path, cur = [], back[r]
+        while cur != r:
+            path.append(cur)
+            cur = back[cur]
+        hops = [repr(shorten(p, 40)) for p in reversed(path)]
+        if len(hops) > 4:  # a loop through a thousand rules must not make a thousand-rule message
+            hops = hops[:2] + [f"{len(hops) - 3} more"] + hops[-1:]
+        via = (" through " + " -> ".join(hops)) if hops else ""
+        end = (", so the grammar matches no text" if not done[rule_node["root"]]
+               else ", and rule 'root' can reach it")
+        return f"rule {shorten(r, 40)!r} can never finish: every alternative refers back to itself{via}{end}"
+    return None
 
 
 def _first_line(msg: str) -> str:
