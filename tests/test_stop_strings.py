@@ -112,7 +112,7 @@ def _sequences(tok):
 
 @pytest.mark.parametrize("key", ["smollm2", "gemma3"])
 def test_output_text_ends_an_incomplete_character_as_replacement(key):
-    """Generation that ended with the lead bytes of a character pending (a byte-fallback token, then the stop
+    """Generation that ended with a character's first bytes pending (a byte-fallback token, then the stop
     token or max_tokens) lost them: the text ended one character short. Reference: bytes.decode("utf-8",
     errors="replace") of the tokens' bytes, what llama.cpp and Hugging Face's decode(..., errors="replace")
     give, whole or streamed, with and without a stop string that never appears."""
