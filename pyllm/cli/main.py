@@ -247,19 +247,9 @@ def serve_replicas_from_args(a) -> int:
                        kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
                        api_key=api_key_from_args(a), max_body=a.max_body,
                        parallel=a.parallel, plain_template=a.plain_template)
-    stopped = threading.Event()
 
-    def wait_for_interrupt():
-        import signal
-
-        # SIGTERM (a service manager, a test) stops the replicas as Ctrl-C does, so Ray's processes go with us
-        signal.signal(signal.SIGTERM, lambda *_: stopped.set())
-        try:
-            while not stopped.wait(0.5):
-                pass
-        except KeyboardInterrupt:
-            pass
-        print("pyllm serve: stopping the replicas", file=sys.stderr, flush=True)
+    def wait_for_interrupt():  # serve_replicas turns Ctrl-C and SIGTERM into KeyboardInterrupt
+        threading.Event().wait()
 
     serve_replicas(spec, a.replicas, a.host, a.port, wait_for_interrupt)
     return 0

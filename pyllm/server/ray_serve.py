@@ -95,14 +95,25 @@ def application(spec: ReplicaSpec, replicas: int):
 
 def serve_replicas(spec: ReplicaSpec, replicas: int, host: str, port: int, stop) -> None:
     """Start a local Ray instance, deploy ``replicas`` replicas on ``host:port``, and block until ``stop()`` (an
-    Event's wait, or anything that returns when the server should end) returns; then shut Ray down."""
+    Event's wait, or anything that returns when the server should end) returns; then shut Ray down.
+
+    Ctrl-C or SIGTERM at any point, while the replicas are still starting too, ends it the same way: Ray is shut
+    down and this returns normally."""
     import logging
+    import signal
     import sys
+    import threading
 
     ray, serve = require_ray()
     cpus = max(os.cpu_count() or 1, replicas * spec.n_threads)
     ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
              configure_logging=False, object_store_memory=128 * 2**20)
+    # Installed after ray.init, whose core worker replaces the SIGTERM handler with one that aborts the process
+    # (exit -6, Ray left running). The proxy answers as soon as one replica runs, so a SIGTERM can come while
+    # serve.run still waits for the others: raising here stops that wait as Ctrl-C does.
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    if on_main_thread:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
         try:
@@ -115,7 +126,13 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, host: str, port: int, stop)
               f"{spec.n_threads} threads each, context {spec.n_ctx}, KV {spec.kv_cache})", file=sys.stderr,
               flush=True)
         stop()
+    except KeyboardInterrupt:
+        pass
     finally:
+        if on_main_thread:  # a second signal must not cut the shutdown short and leave Ray's processes behind
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("pyllm serve: stopping the replicas", file=sys.stderr, flush=True)
         try:
             serve.shutdown()
         finally:
