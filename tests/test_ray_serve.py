@@ -8,6 +8,7 @@ test extra installs; the argument checks run without Ray.
 
 import concurrent.futures
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -85,15 +86,20 @@ def test_two_ray_replicas_both_answer_with_the_librarys_text():
     assert s.proc.returncode == 0, s.proc.stdout.read()
 
 
-def test_sigterm_while_the_replicas_start_stops_ray_cleanly():
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_replicas_start_stops_ray_cleanly(sig):
     """The proxy answers /health as soon as one replica runs, while serve.run still waits for the others: a SIGTERM
-    then (a service manager, a test's teardown) must shut Ray down and exit 0, not hit Ray's own handler, which
-    aborts (exit -6) and leaves Ray's processes running."""
+    then (a service manager, a test's teardown) or a Ctrl-C must shut Ray down and exit 0, not hit the handler
+    Ray's core worker installs, which aborts (exit -6) and leaves Ray's processes running."""
     pytest.importorskip("ray.serve", reason="the ray extra is not installed: pip install -e '.[ray]'")
     from test_server import Server
 
     s = Server(fixture_path("smollm2"), "--replicas", "3", "--ctx", "256")  # returns at the first healthy answer
-    s.close()
+    s.proc.send_signal(getattr(signal, sig))
+    try:
+        s.proc.wait(timeout=60)
+    finally:
+        s.close()
     out = s.proc.stdout.read()
     assert s.proc.returncode == 0, out
     assert "stopping the replicas" in out and "Traceback" not in out

@@ -114,6 +114,7 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, host: str, port: int, stop)
     on_main_thread = threading.current_thread() is threading.main_thread()
     if on_main_thread:
         signal.signal(signal.SIGTERM, signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         serve.start(http_options={"host": host, "port": port}, logging_config={"log_level": "WARNING"})
         try:
