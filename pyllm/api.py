@@ -300,11 +300,21 @@ def _model_name(llm, model) -> str:
     return model if isinstance(model, str) and model else llm.path.name
 
 
+# The sampler settings' defaults (create_completion's and create_chat_completion's, llama-cpp-python's).
+SAMPLING_DEFAULTS = dict(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
+                         presence_penalty=0.0, frequency_penalty=0.0)
+
+
 def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
               logit_bias, seed) -> dict:
-    return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
-                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed)
+    """The sampler keyword arguments, null ones at their defaults: OpenAI's API documents its settings (temperature,
+    top_p, the penalties) as "number or null", and clients send null for one they leave unset (it was a 400 "must
+    be a number"); llama-server's extras (top_k, min_p, ...) take null the same way."""
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
+                 repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                 frequency_penalty=frequency_penalty)
+    out = {k: SAMPLING_DEFAULTS[k] if v is None else v for k, v in given.items()}
+    return {**out, "logit_bias": logit_bias, "seed": seed}
 
 
 def _check_n(n):

@@ -198,6 +198,22 @@ def test_sampling_parameters(smol, smol_llm):
     assert status == 200 and r["usage"]["completion_tokens"] >= 1
 
 
+
+def test_null_sampler_settings_are_their_defaults(smol):
+    """OpenAI's API documents temperature, top_p and the penalties as "number or null", and the official client
+    sends null for a setting passed as None (as wrappers do for one left unset); null was a 400 "temperature must be
+    a number". Reference: the same seeded request without them (after a warm-up: the seed replays the draws over
+    the same cache state, see test_sampling_parameters)."""
+    c = smol.client()
+    kw = dict(model="smollm2", messages=_chat("Write a word."), max_tokens=6, seed=11)
+    nulls = dict(temperature=None, top_p=None, presence_penalty=None, frequency_penalty=None)
+    c.chat.completions.create(**kw)
+    want = c.chat.completions.create(**kw).choices[0].message.content
+    assert c.chat.completions.create(**kw, **nulls).choices[0].message.content == want
+    r = c.completions.create(model="smollm2", prompt="Hi", max_tokens=2, **nulls, extra_body={"top_k": None,
+                                                                                                 "min_p": None})
+    assert r.usage.completion_tokens == 2
+
 def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     c = smol.client()
     # 400: malformed JSON
