@@ -41,12 +41,16 @@ class BadRequest(PyllmError):
 
 
 # ---------------------------------------------------------------------------------------------- argument checks
-def _number(name: str, v, lo: float | None = None, hi: float | None = None, integer: bool = False):
+def _number(name: str, v, lo: float | None = None, hi: float | None = None, integer: bool = False,
+            param: str | None = None):
+    """``v`` if it is a finite number in [lo, hi]; else BadRequest naming ``param`` (default: ``name``), the
+    request's parameter that holds it."""
+    param = param or name
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", param)
     if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-        raise BadRequest(f"{name} must be {rng}, got {v!r}", name)
+        raise BadRequest(f"{name} must be {rng}, got {v!r}", param)
     return v
 
 
@@ -79,7 +83,7 @@ def _logit_bias(bias, n_vocab: int) -> dict[int, float]:
             raise BadRequest(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
         if not 0 <= tok < n_vocab:
             raise BadRequest(f"logit_bias token id {tok} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
-        out[tok] = float(_number("logit_bias value", v, -100, 100))
+        out[tok] = float(_number(f"logit_bias[{k!r}]", v, -100, 100, param="logit_bias"))
     return out
 
 

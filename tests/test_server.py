@@ -402,9 +402,10 @@ def test_invalid_structured_output_is_a_400_before_a_stream_starts(smol):
 
 def test_sampler_settings_are_checked_and_named(smol):
     """Every sampler setting of the wrong type or out of the sampler's range is a 400 naming it (typical_p of the
-    wrong type was a 500; the sampler's own range checks named no parameter)."""
+    wrong type was a 500; the sampler's own range checks named no parameter; a logit_bias value out of OpenAI's
+    [-100, 100] named the parameter "logit_bias value", which no request has)."""
     for kw in ({"typical_p": "x"}, {"typical_p": [1]}, {"typical_p": 0}, {"typical_p": 1.5}, {"min_p": 1},
-               {"repeat_penalty": 0}, {"top_k": -1}):
+               {"repeat_penalty": 0}, {"top_k": -1}, {"logit_bias": {"5": 101}}, {"logit_bias": {"5": "x"}}):
         for path, req in (("/v1/chat/completions", {"messages": _chat("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
             status, r = smol.raw(path, json.dumps({**req, **kw, "max_tokens": 2}).encode())
             assert status == 400 and r["error"]["param"] == next(iter(kw)), (kw, r)
