@@ -673,11 +673,12 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
                            repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                            logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
                            response_format: dict | None = None, grammar: str | None = None,
-                           json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
-                           **ignored):
+                           json_schema: dict | None = None, stream_options: dict | None = None,
+                           parallel_tool_calls: bool | None = None, cancel=None, **ignored):
     """OpenAI chat completion of ``messages`` through the model's chat template. ``tools`` / ``tool_choice`` as
     OpenAI (auto, none, required, {"type": "function", "function": {"name": ...}}): calls the model writes come
-    back as ``message.tool_calls`` with finish_reason "tool_calls". ``max_tokens`` None = until the context is
+    back as ``message.tool_calls`` with finish_reason "tool_calls" (only the first with ``parallel_tool_calls``
+    false, as OpenAI promises at most one). ``max_tokens`` None = until the context is
     full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
     _check_n(n)
     stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
@@ -693,6 +694,9 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     if "tool_calls" not in llm.template.source:
         msgs = [_calls_as_text(m) for m in msgs]
     tools, forced = _check_tools(tools, tool_choice)
+    # null is the default, true; false promises the client at most one call, which it may act on without a loop
+    max_calls = 1 if parallel_tool_calls is not None and not _flag("parallel_tool_calls", parallel_tool_calls) \
+        else None
     constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
     template_kw, prefix, constrained_call = {}, "", False
     if tools:
@@ -717,7 +721,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
     if stream:
         return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
-                            _include_usage(stream_options), constrained_call)
+                            _include_usage(stream_options), constrained_call, max_calls)
     infos = []
     for _, inf in run.pieces():
         infos += inf
@@ -726,6 +730,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     if tools:
         content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools],
                                           constrained_call)
+        calls = calls[:max_calls]
         if calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             finish = "tool_calls"
@@ -735,7 +740,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
 
 
 def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool,
-                 constrained_call: bool = False):
+                 constrained_call: bool = False, max_calls: int | None = None):
     head = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta, finish=None, lp=None):
@@ -785,7 +790,7 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
     if tools:
         content, calls = parse_tool_calls(full, tools, constrained_call)
         if calls:
-            for i, c in enumerate(calls):
+            for i, c in enumerate(calls[:max_calls]):
                 yield chunk({"tool_calls": [{"index": i, **c}]}, lp=lp_of_waiting())
             finish = "tool_calls"
         elif len(full) > sent:

@@ -505,6 +505,29 @@ def test_tool_round_trip_on_a_template_without_tool_calls(smol):
     assert replies[0] == replies[1]
 
 
+
+def test_parallel_tool_calls_false_returns_at_most_one_call(smol):
+    """parallel_tool_calls: false promises at most one call (a client may run the first and answer it alone); it
+    was ignored, and a reply with two calls returned both. A grammar makes the reply two calls whatever the model;
+    a value that is not a boolean is a 400 naming it."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    calls = "\n".join('<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+                      for city in ("Paris", "Rome"))
+    kw = dict(model="smollm2", messages=_chat("Weather in Paris and Rome?"), tools=tools, max_tokens=80,
+              extra_body={"grammar": "root ::= " + json.dumps(calls)})
+    c = smol.client()
+    for parallel, want in ((None, ["Paris", "Rome"]), (True, ["Paris", "Rome"]), (False, ["Paris"])):
+        more = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = c.chat.completions.create(**kw, **more)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls] == want
+        deltas = [t for ch in c.chat.completions.create(**kw, **more, stream=True) if ch.choices
+                  for t in ch.choices[0].delta.tool_calls or []]
+        assert [json.loads(t.function.arguments)["city"] for t in deltas] == want, parallel
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**kw, parallel_tool_calls="false")
+    assert e.value.body["param"] == "parallel_tool_calls"
+
 def test_roles_are_openais(smol):
     """A message role outside OpenAI's (system, developer, user, assistant, tool, function) is a 400 naming the
     message, as OpenAI's API answers; it was rendered into the prompt as a turn of that name."""
