@@ -420,14 +420,16 @@ def _completion_chunks(run: Run, head: dict, prefix: str, echo: bool, want_lp: b
 
 # --------------------------------------------------------------------------------------------------------- chat
 def _text_content(content, i: int):
-    """OpenAI content: a string, None, or a list of parts of which pyllm reads the text ones."""
+    """OpenAI content: a string, None, or a list of parts of which pyllm reads the text ones, and an assistant's
+    refusal parts (what the model said, sent back in a conversation's history)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for p in content:
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in ("text", "refusal") and isinstance(p.get(kind), str):
+                parts.append(p[kind])
             else:
                 raise BadRequest(f"messages[{i}].content: only text parts are supported, got {p!r:.80}", "messages")
         return "".join(parts)

@@ -540,6 +540,23 @@ def test_roles_are_openais(smol):
     assert r.usage.completion_tokens == 2
 
 
+
+def test_content_parts_an_assistant_sends_back_are_read_and_images_are_named(smol):
+    """OpenAI's assistant messages may hold refusal parts ({"type": "refusal", "refusal": text}), which a client
+    sends back with the rest of the conversation; they were a 400 "only text parts are supported". Reference: the
+    same history with the refusal's text as a string. An image part stays a 400 that names the message and the
+    part's type, since the model reads no images."""
+    def ask(content):
+        return smol.client().chat.completions.create(model="smollm2", max_tokens=1, temperature=0, messages=[
+            *_chat("Hi"), {"role": "assistant", "content": content}, *_chat("Why?")]).usage.prompt_tokens
+
+    assert ask([{"type": "refusal", "refusal": "I can't help with that."}]) == ask("I can't help with that.")
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().chat.completions.create(model="smollm2", max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
+    assert e.value.body["param"] == "messages" and "messages[0].content" in e.value.message
+    assert "image_url" in e.value.message
+
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
     deadline = time.monotonic() + 60
