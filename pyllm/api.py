@@ -326,6 +326,15 @@ def _check_n(n):
         raise BadRequest(f"n={n!r}: only one choice per request is supported", "n")
 
 
+def _check_text_output(modalities, audio) -> None:
+    """BadRequest for a request of audio output (OpenAI's ``modalities: ["text", "audio"]`` with ``audio``
+    settings): answered with text alone, the client would find no ``message.audio`` where it asked for one."""
+    if audio is not None:
+        raise BadRequest("audio output is not supported: the model generates text only", "audio")
+    if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+        raise BadRequest(f"modalities={modalities!r}: the model generates text only ([\"text\"])", "modalities")
+
+
 # --------------------------------------------------------------------------------------------------- completion
 def _completion_logprobs(infos: list[TokenInfo], start: int) -> dict:
     """OpenAI's legacy logprobs object; ``start``: where the completion's text begins in the response's text."""
@@ -676,13 +685,15 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
                            logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
                            response_format: dict | None = None, grammar: str | None = None,
                            json_schema: dict | None = None, stream_options: dict | None = None,
-                           parallel_tool_calls: bool | None = None, cancel=None, **ignored):
+                           parallel_tool_calls: bool | None = None, modalities: list[str] | None = None,
+                           audio: dict | None = None, cancel=None, **ignored):
     """OpenAI chat completion of ``messages`` through the model's chat template. ``tools`` / ``tool_choice`` as
     OpenAI (auto, none, required, {"type": "function", "function": {"name": ...}}): calls the model writes come
     back as ``message.tool_calls`` with finish_reason "tool_calls" (only the first with ``parallel_tool_calls``
     false, as OpenAI promises at most one). ``max_tokens`` None = until the context is
     full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
     _check_n(n)
+    _check_text_output(modalities, audio)
     stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
     if max_completion_tokens not in (None, -1):  # checked here to be named as the request spelled it
         _number("max_completion_tokens", max_completion_tokens, 0, integer=True)
