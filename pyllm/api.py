@@ -467,6 +467,16 @@ def normalize_messages(messages) -> list[dict]:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
         m = dict(m)
         m["content"] = _text_content(m.get("content"), i)
+        # OpenAI's deprecated function calling: the role "function" is the tool role (what templates render), an
+        # assistant's function_call its one tool call
+        if m["role"] == "function":
+            m["role"] = "tool"
+        fc = m.pop("function_call", None)
+        if fc is not None and not m.get("tool_calls"):
+            if not (isinstance(fc, dict) and isinstance(fc.get("name"), str)):
+                raise BadRequest(f"messages[{i}].function_call must be {{\"name\": string, \"arguments\": ...}}, "
+                                 f"got {fc!r:.80}", "messages")
+            m["tool_calls"] = [{"type": "function", "function": fc}]
         if m.get("tool_calls"):
             calls = []
             if not isinstance(m["tool_calls"], list):
@@ -535,6 +545,28 @@ def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
         return tools, tool_choice["function"]["name"]
     raise BadRequest(f"tool_choice must be \"auto\", \"none\", \"required\" or a function among {names}, got "
                      f"{tool_choice!r}", "tool_choice")
+
+
+def _legacy_functions(functions, function_call, tools, tool_choice) -> tuple[list | None, Any, bool]:
+    """(tools, tool_choice, legacy) of a request that may use OpenAI's deprecated ``functions`` (a list of
+    function definitions) and ``function_call`` ("none", "auto" or {"name": ...}); ``legacy``: it did, and a call
+    is answered in their shape. Ignored, they left the model unaware of the functions it was offered."""
+    if functions is None:
+        if function_call is not None:
+            raise BadRequest("function_call needs functions", "function_call")
+        return tools, tool_choice, False
+    if tools:
+        raise BadRequest("functions is the deprecated form of tools: send one or the other", "functions")
+    if not isinstance(functions, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                                  for f in functions):
+        raise BadRequest("functions must be a list of {\"name\": ..., \"parameters\": ...}", "functions")
+    names = [f["name"] for f in functions]
+    if isinstance(function_call, dict) and function_call.get("name") in names:
+        function_call = {"type": "function", "function": {"name": function_call["name"]}}
+    elif function_call not in (None, "none", "auto"):
+        raise BadRequest(f"function_call must be \"none\", \"auto\" or {{\"name\": one of {names}}}, got "
+                         f"{function_call!r:.80}", "function_call")
+    return [{"type": "function", "function": f} for f in functions], function_call, True
 
 
 def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
@@ -686,12 +718,15 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
                            response_format: dict | None = None, grammar: str | None = None,
                            json_schema: dict | None = None, stream_options: dict | None = None,
                            parallel_tool_calls: bool | None = None, modalities: list[str] | None = None,
-                           audio: dict | None = None, cancel=None, **ignored):
+                           audio: dict | None = None, functions: list[dict] | None = None, function_call=None,
+                           cancel=None, **ignored):
     """OpenAI chat completion of ``messages`` through the model's chat template. ``tools`` / ``tool_choice`` as
     OpenAI (auto, none, required, {"type": "function", "function": {"name": ...}}): calls the model writes come
     back as ``message.tool_calls`` with finish_reason "tool_calls" (only the first with ``parallel_tool_calls``
-    false, as OpenAI promises at most one). ``max_tokens`` None = until the context is
-    full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
+    false, as OpenAI promises at most one); OpenAI's deprecated ``functions`` / ``function_call`` are tools under
+    their old names, and a call comes back as ``message.function_call``, finish_reason "function_call".
+    ``max_tokens`` None = until the context is full. Returns the response dict, or with ``stream=True`` an iterator
+    of ``chat.completion.chunk`` dicts."""
     _check_n(n)
     _check_text_output(modalities, audio)
     stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
@@ -706,10 +741,11 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
     if "tool_calls" not in llm.template.source:
         msgs = [_calls_as_text(m) for m in msgs]
+    tools, tool_choice, legacy = _legacy_functions(functions, function_call, tools, tool_choice)
     tools, forced = _check_tools(tools, tool_choice)
     # null is the default, true; false promises the client at most one call, which it may act on without a loop
-    max_calls = 1 if parallel_tool_calls is not None and not _flag("parallel_tool_calls", parallel_tool_calls) \
-        else None
+    max_calls = 1 if legacy or (parallel_tool_calls is not None and not _flag("parallel_tool_calls",
+                                                                               parallel_tool_calls)) else None
     constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
     template_kw, prefix, constrained_call = {}, "", False
     if tools:
@@ -734,7 +770,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
     if stream:
         return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
-                            _include_usage(stream_options), constrained_call, max_calls)
+                            _include_usage(stream_options), constrained_call, max_calls, legacy)
     infos = []
     for _, inf in run.pieces():
         infos += inf
@@ -744,7 +780,10 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools],
                                           constrained_call)
         calls = calls[:max_calls]
-        if calls:
+        if calls and legacy:
+            message = {"role": "assistant", "content": content, "function_call": calls[0]["function"]}
+            finish = "function_call"
+        elif calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             finish = "tool_calls"
     choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(infos) if logprobs else None,
@@ -753,7 +792,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
 
 
 def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool,
-                 constrained_call: bool = False, max_calls: int | None = None):
+                 constrained_call: bool = False, max_calls: int | None = None, legacy: bool = False):
     head = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta, finish=None, lp=None):
@@ -802,7 +841,10 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
     finish = run.finish_reason
     if tools:
         content, calls = parse_tool_calls(full, tools, constrained_call)
-        if calls:
+        if calls and legacy:
+            yield chunk({"function_call": calls[0]["function"]}, lp=lp_of_waiting())
+            finish = "function_call"
+        elif calls:
             for i, c in enumerate(calls[:max_calls]):
                 yield chunk({"tool_calls": [{"index": i, **c}]}, lp=lp_of_waiting())
             finish = "tool_calls"

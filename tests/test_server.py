@@ -719,6 +719,41 @@ def test_tool_choice(qwen):
                                   tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
+
+def test_deprecated_functions_are_tools_under_their_old_names(qwen):
+    """OpenAI's deprecated functions / function_call (still served by OpenAI, and by llama-cpp-python) were
+    ignored: the model never saw the functions. They are tools under their old names, and a call comes back in
+    their shape (message.function_call, finish_reason "function_call"); in a history, an assistant's
+    function_call and a "function" message are the tool call and its result. Reference: the same conversation
+    in the tools form renders the same prompt."""
+    c = qwen.client()
+    functions = [t["function"] for t in WEATHER]
+    kw = dict(model="qwen", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+              functions=functions, function_call={"name": "get_weather"}, temperature=0, max_tokens=48)
+    r = c.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "function_call" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.function_call.name == "get_weather"
+    assert json.loads(r.choices[0].message.function_call.arguments) == {"city": "Paris"}
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    calls = [ch.choices[0].delta.function_call for ch in chunks if ch.choices and ch.choices[0].delta.function_call]
+    assert [(f.name, f.arguments) for f in calls] == [("get_weather", r.choices[0].message.function_call.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    args = r.choices[0].message.function_call.arguments
+    old = [{"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": args}},
+           {"role": "function", "name": "get_weather", "content": "sunny"}]
+    new = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    a = c.chat.completions.create(**{**kw, "messages": kw["messages"] + old, "function_call": "none", "max_tokens": 1})
+    b = c.chat.completions.create(model="qwen", messages=kw["messages"] + new, tools=WEATHER, tool_choice="none",
+                                  temperature=0, max_tokens=1)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    for bad, param in ((dict(function_call="auto"), "function_call"), (dict(functions=functions, tools=WEATHER),
+                                                                         "functions")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="qwen", messages=kw["messages"], max_tokens=1, **bad)
+        assert e.value.body["param"] == param
+
 def test_developer_messages_are_system_messages_to_templates_without_them(qwen):
     """OpenAI's developer role is the system role of newer models. Qwen2.5's template knows neither it nor any
     other role it does not name, and dropped the message (its instructions never reached the model); a template
