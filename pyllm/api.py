@@ -372,8 +372,8 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     stream, echo = _flag("stream", stream), _flag("echo", echo)
     if suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI's batch of prompts, holding one (a string, or token ids)
     if isinstance(prompt, str):
         llm.check_prompt_fits(prompt)
         ids = llm.tokenize(prompt)

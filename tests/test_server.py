@@ -172,6 +172,20 @@ def test_completion_matches_library_with_stop_and_logprobs(smol, smol_llm):
     assert streamed == want
 
 
+
+def test_a_batch_of_one_token_prompt_is_that_prompt(smol, smol_llm):
+    """OpenAI's prompt may be a batch: a list of strings or of token-id lists. A batch of one string was served as
+    that string, a batch of one token-id list was a 400; both are the one prompt they hold. A batch of several
+    stays a 400 naming the prompt (one prompt per request)."""
+    c = smol.client()
+    ids = smol_llm.tokenize("The capital of France is")
+    want = c.completions.create(model="smollm2", prompt=ids, max_tokens=3, temperature=0)
+    got = c.completions.create(model="smollm2", prompt=[ids], max_tokens=3, temperature=0)
+    assert got.choices[0].text == want.choices[0].text and got.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="smollm2", prompt=[ids, ids], max_tokens=1)
+    assert e.value.body["param"] == "prompt"
+
 def test_sampling_parameters(smol, smol_llm):
     c = smol.client()
     msgs = _chat("Write a word.")
