@@ -719,7 +719,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
                            json_schema: dict | None = None, stream_options: dict | None = None,
                            parallel_tool_calls: bool | None = None, modalities: list[str] | None = None,
                            audio: dict | None = None, functions: list[dict] | None = None, function_call=None,
-                           cancel=None, **ignored):
+                           web_search_options: dict | None = None, cancel=None, **ignored):
     """OpenAI chat completion of ``messages`` through the model's chat template. ``tools`` / ``tool_choice`` as
     OpenAI (auto, none, required, {"type": "function", "function": {"name": ...}}): calls the model writes come
     back as ``message.tool_calls`` with finish_reason "tool_calls" (only the first with ``parallel_tool_calls``
@@ -729,6 +729,9 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     of ``chat.completion.chunk`` dicts."""
     _check_n(n)
     _check_text_output(modalities, audio)
+    if web_search_options is not None:  # answered from the model's weights alone, as if it had searched
+        raise BadRequest("web search is not supported: the model answers from its weights alone",
+                         "web_search_options")
     stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
     if max_completion_tokens not in (None, -1):  # checked here to be named as the request spelled it
         _number("max_completion_tokens", max_completion_tokens, 0, integer=True)

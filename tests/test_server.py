@@ -455,11 +455,12 @@ def test_echo_with_logprobs_scores_the_prompt(smol, smol_llm):
 def test_top_logprobs_without_logprobs_and_best_of_are_400s(smol):
     """Both were ignored. Reference: OpenAI's API (400 for top_logprobs without logprobs: true); best_of other than
     1 would need several candidates, which pyllm does not generate. Audio output (modalities with "audio", audio
-    settings) was ignored too, and the reply had no message.audio where the client asked for one; OpenAI's API
-    answers 400 for a model without audio. ["text"] alone is the default and is served."""
+    settings) was ignored too, and the reply had no message.audio where the client asked for one, as was
+    web_search_options (a reply as if searched, without any search); OpenAI's API answers 400 for a model without
+    either. ["text"] alone is the default and is served."""
     c = smol.client()
     for kw, param in ((dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), "audio"),
-                      (dict(modalities=["audio"]), "modalities")):
+                      (dict(modalities=["audio"]), "modalities"), (dict(web_search_options={}), "web_search_options")):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2, **kw)
         assert e.value.body["param"] == param
