@@ -41,12 +41,16 @@ class BadRequest(PyllmError):
 
 
 # ---------------------------------------------------------------------------------------------- argument checks
-def _number(name: str, v, lo: float | None = None, hi: float | None = None, integer: bool = False):
+def _number(name: str, v, lo: float | None = None, hi: float | None = None, integer: bool = False,
+            param: str | None = None):
+    """``v`` if it is a finite number in [lo, hi]; else BadRequest naming ``param`` (default: ``name``), the
+    request's parameter that holds it."""
+    param = param or name
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", name)
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", param)
     if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-        raise BadRequest(f"{name} must be {rng}, got {v!r}", name)
+        raise BadRequest(f"{name} must be {rng}, got {v!r}", param)
     return v
 
 
@@ -79,7 +83,7 @@ def _logit_bias(bias, n_vocab: int) -> dict[int, float]:
             raise BadRequest(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
         if not 0 <= tok < n_vocab:
             raise BadRequest(f"logit_bias token id {tok} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
-        out[tok] = float(_number("logit_bias value", v, -100, 100))
+        out[tok] = float(_number(f"logit_bias[{k!r}]", v, -100, 100, param="logit_bias"))
     return out
 
 
@@ -300,16 +304,35 @@ def _model_name(llm, model) -> str:
     return model if isinstance(model, str) and model else llm.path.name
 
 
+# The sampler settings' defaults (create_completion's and create_chat_completion's, llama-cpp-python's).
+SAMPLING_DEFAULTS = dict(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05, typical_p=1.0, repeat_penalty=1.0,
+                         presence_penalty=0.0, frequency_penalty=0.0)
+
+
 def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
               logit_bias, seed) -> dict:
-    return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
-                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed)
+    """The sampler keyword arguments, null ones at their defaults: OpenAI's API documents its settings (temperature,
+    top_p, the penalties) as "number or null", and clients send null for one they leave unset (it was a 400 "must
+    be a number"); llama-server's extras (top_k, min_p, ...) take null the same way."""
+    given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
+                 repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                 frequency_penalty=frequency_penalty)
+    out = {k: SAMPLING_DEFAULTS[k] if v is None else v for k, v in given.items()}
+    return {**out, "logit_bias": logit_bias, "seed": seed}
 
 
 def _check_n(n):
     if n not in (None, 1):
         raise BadRequest(f"n={n!r}: only one choice per request is supported", "n")
+
+
+def _check_text_output(modalities, audio) -> None:
+    """BadRequest for a request of audio output (OpenAI's ``modalities: ["text", "audio"]`` with ``audio``
+    settings): answered with text alone, the client would find no ``message.audio`` where it asked for one."""
+    if audio is not None:
+        raise BadRequest("audio output is not supported: the model generates text only", "audio")
+    if modalities is not None and (not isinstance(modalities, list) or any(m != "text" for m in modalities)):
+        raise BadRequest(f"modalities={modalities!r}: the model generates text only ([\"text\"])", "modalities")
 
 
 # --------------------------------------------------------------------------------------------------- completion
@@ -349,8 +372,8 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     stream, echo = _flag("stream", stream), _flag("echo", echo)
     if suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # OpenAI's batch of prompts, holding one (a string, or token ids)
     if isinstance(prompt, str):
         llm.check_prompt_fits(prompt)
         ids = llm.tokenize(prompt)
@@ -406,14 +429,16 @@ def _completion_chunks(run: Run, head: dict, prefix: str, echo: bool, want_lp: b
 
 # --------------------------------------------------------------------------------------------------------- chat
 def _text_content(content, i: int):
-    """OpenAI content: a string, None, or a list of parts of which pyllm reads the text ones."""
+    """OpenAI content: a string, None, or a list of parts of which pyllm reads the text ones, and an assistant's
+    refusal parts (what the model said, sent back in a conversation's history)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for p in content:
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
+            kind = p.get("type") if isinstance(p, dict) else None
+            if kind in ("text", "refusal") and isinstance(p.get(kind), str):
+                parts.append(p[kind])
             else:
                 raise BadRequest(f"messages[{i}].content: only text parts are supported, got {p!r:.80}", "messages")
         return "".join(parts)
@@ -442,6 +467,16 @@ def normalize_messages(messages) -> list[dict]:
             raise BadRequest(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m['role']!r}", "messages")
         m = dict(m)
         m["content"] = _text_content(m.get("content"), i)
+        # OpenAI's deprecated function calling: the role "function" is the tool role (what templates render), an
+        # assistant's function_call its one tool call
+        if m["role"] == "function":
+            m["role"] = "tool"
+        fc = m.pop("function_call", None)
+        if fc is not None and not m.get("tool_calls"):
+            if not (isinstance(fc, dict) and isinstance(fc.get("name"), str)):
+                raise BadRequest(f"messages[{i}].function_call must be {{\"name\": string, \"arguments\": ...}}, "
+                                 f"got {fc!r:.80}", "messages")
+            m["tool_calls"] = [{"type": "function", "function": fc}]
         if m.get("tool_calls"):
             calls = []
             if not isinstance(m["tool_calls"], list):
@@ -510,6 +545,28 @@ def _check_tools(tools, tool_choice) -> tuple[list[dict], str | None]:
         return tools, tool_choice["function"]["name"]
     raise BadRequest(f"tool_choice must be \"auto\", \"none\", \"required\" or a function among {names}, got "
                      f"{tool_choice!r}", "tool_choice")
+
+
+def _legacy_functions(functions, function_call, tools, tool_choice) -> tuple[list | None, Any, bool]:
+    """(tools, tool_choice, legacy) of a request that may use OpenAI's deprecated ``functions`` (a list of
+    function definitions) and ``function_call`` ("none", "auto" or {"name": ...}); ``legacy``: it did, and a call
+    is answered in their shape. Ignored, they left the model unaware of the functions it was offered."""
+    if functions is None:
+        if function_call is not None:
+            raise BadRequest("function_call needs functions", "function_call")
+        return tools, tool_choice, False
+    if tools:
+        raise BadRequest("functions is the deprecated form of tools: send one or the other", "functions")
+    if not isinstance(functions, list) or not all(isinstance(f, dict) and isinstance(f.get("name"), str)
+                                                  for f in functions):
+        raise BadRequest("functions must be a list of {\"name\": ..., \"parameters\": ...}", "functions")
+    names = [f["name"] for f in functions]
+    if isinstance(function_call, dict) and function_call.get("name") in names:
+        function_call = {"type": "function", "function": {"name": function_call["name"]}}
+    elif function_call not in (None, "none", "auto"):
+        raise BadRequest(f"function_call must be \"none\", \"auto\" or {{\"name\": one of {names}}}, got "
+                         f"{function_call!r:.80}", "function_call")
+    return [{"type": "function", "function": f} for f in functions], function_call, True
 
 
 def _forced_call(llm, tools, name: str, constraint: dict) -> tuple[str, dict]:
@@ -659,13 +716,22 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
                            repeat_penalty: float = 1.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                            logit_bias: dict | None = None, model: str | None = None, n: int | None = None,
                            response_format: dict | None = None, grammar: str | None = None,
-                           json_schema: dict | None = None, stream_options: dict | None = None, cancel=None,
-                           **ignored):
+                           json_schema: dict | None = None, stream_options: dict | None = None,
+                           parallel_tool_calls: bool | None = None, modalities: list[str] | None = None,
+                           audio: dict | None = None, functions: list[dict] | None = None, function_call=None,
+                           web_search_options: dict | None = None, cancel=None, **ignored):
     """OpenAI chat completion of ``messages`` through the model's chat template. ``tools`` / ``tool_choice`` as
     OpenAI (auto, none, required, {"type": "function", "function": {"name": ...}}): calls the model writes come
-    back as ``message.tool_calls`` with finish_reason "tool_calls". ``max_tokens`` None = until the context is
-    full. Returns the response dict, or with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts."""
+    back as ``message.tool_calls`` with finish_reason "tool_calls" (only the first with ``parallel_tool_calls``
+    false, as OpenAI promises at most one); OpenAI's deprecated ``functions`` / ``function_call`` are tools under
+    their old names, and a call comes back as ``message.function_call``, finish_reason "function_call".
+    ``max_tokens`` None = until the context is full. Returns the response dict, or with ``stream=True`` an iterator
+    of ``chat.completion.chunk`` dicts."""
     _check_n(n)
+    _check_text_output(modalities, audio)
+    if web_search_options is not None:  # answered from the model's weights alone, as if it had searched
+        raise BadRequest("web search is not supported: the model answers from its weights alone",
+                         "web_search_options")
     stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
     if max_completion_tokens not in (None, -1):  # checked here to be named as the request spelled it
         _number("max_completion_tokens", max_completion_tokens, 0, integer=True)
@@ -678,7 +744,11 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
         msgs = [{**m, "role": "system"} if m["role"] == "developer" else m for m in msgs]
     if "tool_calls" not in llm.template.source:
         msgs = [_calls_as_text(m) for m in msgs]
+    tools, tool_choice, legacy = _legacy_functions(functions, function_call, tools, tool_choice)
     tools, forced = _check_tools(tools, tool_choice)
+    # null is the default, true; false promises the client at most one call, which it may act on without a loop
+    max_calls = 1 if legacy or (parallel_tool_calls is not None and not _flag("parallel_tool_calls",
+                                                                               parallel_tool_calls)) else None
     constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
     template_kw, prefix, constrained_call = {}, "", False
     if tools:
@@ -703,7 +773,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
     if stream:
         return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
-                            _include_usage(stream_options), constrained_call)
+                            _include_usage(stream_options), constrained_call, max_calls, legacy)
     infos = []
     for _, inf in run.pieces():
         infos += inf
@@ -712,7 +782,11 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     if tools:
         content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools],
                                           constrained_call)
-        if calls:
+        calls = calls[:max_calls]
+        if calls and legacy:
+            message = {"role": "assistant", "content": content, "function_call": calls[0]["function"]}
+            finish = "function_call"
+        elif calls:
             message = {"role": "assistant", "content": content, "tool_calls": calls}
             finish = "tool_calls"
     choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(infos) if logprobs else None,
@@ -721,7 +795,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
 
 
 def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool,
-                 constrained_call: bool = False):
+                 constrained_call: bool = False, max_calls: int | None = None, legacy: bool = False):
     head = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta, finish=None, lp=None):
@@ -770,8 +844,11 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
     finish = run.finish_reason
     if tools:
         content, calls = parse_tool_calls(full, tools, constrained_call)
-        if calls:
-            for i, c in enumerate(calls):
+        if calls and legacy:
+            yield chunk({"function_call": calls[0]["function"]}, lp=lp_of_waiting())
+            finish = "function_call"
+        elif calls:
+            for i, c in enumerate(calls[:max_calls]):
                 yield chunk({"tool_calls": [{"index": i, **c}]}, lp=lp_of_waiting())
             finish = "tool_calls"
         elif len(full) > sent:

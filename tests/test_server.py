@@ -172,6 +172,20 @@ def test_completion_matches_library_with_stop_and_logprobs(smol, smol_llm):
     assert streamed == want
 
 
+
+def test_a_batch_of_one_token_prompt_is_that_prompt(smol, smol_llm):
+    """OpenAI's prompt may be a batch: a list of strings or of token-id lists. A batch of one string was served as
+    that string, a batch of one token-id list was a 400; both are the one prompt they hold. A batch of several
+    stays a 400 naming the prompt (one prompt per request)."""
+    c = smol.client()
+    ids = smol_llm.tokenize("The capital of France is")
+    want = c.completions.create(model="smollm2", prompt=ids, max_tokens=3, temperature=0)
+    got = c.completions.create(model="smollm2", prompt=[ids], max_tokens=3, temperature=0)
+    assert got.choices[0].text == want.choices[0].text and got.usage.prompt_tokens == len(ids)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="smollm2", prompt=[ids, ids], max_tokens=1)
+    assert e.value.body["param"] == "prompt"
+
 def test_sampling_parameters(smol, smol_llm):
     c = smol.client()
     msgs = _chat("Write a word.")
@@ -197,6 +211,22 @@ def test_sampling_parameters(smol, smol_llm):
                                                              "frequency_penalty": 0.5, "seed": 1}).encode())
     assert status == 200 and r["usage"]["completion_tokens"] >= 1
 
+
+
+def test_null_sampler_settings_are_their_defaults(smol):
+    """OpenAI's API documents temperature, top_p and the penalties as "number or null", and the official client
+    sends null for a setting passed as None (as wrappers do for one left unset); null was a 400 "temperature must be
+    a number". Reference: the same seeded request without them (after a warm-up: the seed replays the draws over
+    the same cache state, see test_sampling_parameters)."""
+    c = smol.client()
+    kw = dict(model="smollm2", messages=_chat("Write a word."), max_tokens=6, seed=11)
+    nulls = dict(temperature=None, top_p=None, presence_penalty=None, frequency_penalty=None)
+    c.chat.completions.create(**kw)
+    want = c.chat.completions.create(**kw).choices[0].message.content
+    assert c.chat.completions.create(**kw, **nulls).choices[0].message.content == want
+    r = c.completions.create(model="smollm2", prompt="Hi", max_tokens=2, **nulls, extra_body={"top_k": None,
+                                                                                                 "min_p": None})
+    assert r.usage.completion_tokens == 2
 
 def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     c = smol.client()
@@ -386,9 +416,10 @@ def test_invalid_structured_output_is_a_400_before_a_stream_starts(smol):
 
 def test_sampler_settings_are_checked_and_named(smol):
     """Every sampler setting of the wrong type or out of the sampler's range is a 400 naming it (typical_p of the
-    wrong type was a 500; the sampler's own range checks named no parameter)."""
+    wrong type was a 500; the sampler's own range checks named no parameter; a logit_bias value out of OpenAI's
+    [-100, 100] named the parameter "logit_bias value", which no request has)."""
     for kw in ({"typical_p": "x"}, {"typical_p": [1]}, {"typical_p": 0}, {"typical_p": 1.5}, {"min_p": 1},
-               {"repeat_penalty": 0}, {"top_k": -1}):
+               {"repeat_penalty": 0}, {"top_k": -1}, {"logit_bias": {"5": 101}}, {"logit_bias": {"5": "x"}}):
         for path, req in (("/v1/chat/completions", {"messages": _chat("Hi")}), ("/v1/completions", {"prompt": "Hi"})):
             status, r = smol.raw(path, json.dumps({**req, **kw, "max_tokens": 2}).encode())
             assert status == 400 and r["error"]["param"] == next(iter(kw)), (kw, r)
@@ -423,8 +454,18 @@ def test_echo_with_logprobs_scores_the_prompt(smol, smol_llm):
 
 def test_top_logprobs_without_logprobs_and_best_of_are_400s(smol):
     """Both were ignored. Reference: OpenAI's API (400 for top_logprobs without logprobs: true); best_of other than
-    1 would need several candidates, which pyllm does not generate."""
+    1 would need several candidates, which pyllm does not generate. Audio output (modalities with "audio", audio
+    settings) was ignored too, and the reply had no message.audio where the client asked for one, as was
+    web_search_options (a reply as if searched, without any search); OpenAI's API answers 400 for a model without
+    either. ["text"] alone is the default and is served."""
     c = smol.client()
+    for kw, param in ((dict(modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"}), "audio"),
+                      (dict(modalities=["audio"]), "modalities"), (dict(web_search_options={}), "web_search_options")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2, **kw)
+        assert e.value.body["param"] == param
+    assert c.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2,
+                                     modalities=["text"]).usage.completion_tokens == 2
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2, top_logprobs=2)
     assert e.value.body["param"] == "top_logprobs"
@@ -488,6 +529,29 @@ def test_tool_round_trip_on_a_template_without_tool_calls(smol):
     assert replies[0] == replies[1]
 
 
+
+def test_parallel_tool_calls_false_returns_at_most_one_call(smol):
+    """parallel_tool_calls: false promises at most one call (a client may run the first and answer it alone); it
+    was ignored, and a reply with two calls returned both. A grammar makes the reply two calls whatever the model;
+    a value that is not a boolean is a 400 naming it."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    calls = "\n".join('<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+                      for city in ("Paris", "Rome"))
+    kw = dict(model="smollm2", messages=_chat("Weather in Paris and Rome?"), tools=tools, max_tokens=80,
+              extra_body={"grammar": "root ::= " + json.dumps(calls)})
+    c = smol.client()
+    for parallel, want in ((None, ["Paris", "Rome"]), (True, ["Paris", "Rome"]), (False, ["Paris"])):
+        more = {} if parallel is None else {"parallel_tool_calls": parallel}
+        r = c.chat.completions.create(**kw, **more)
+        assert r.choices[0].finish_reason == "tool_calls"
+        assert [json.loads(t.function.arguments)["city"] for t in r.choices[0].message.tool_calls] == want
+        deltas = [t for ch in c.chat.completions.create(**kw, **more, stream=True) if ch.choices
+                  for t in ch.choices[0].delta.tool_calls or []]
+        assert [json.loads(t.function.arguments)["city"] for t in deltas] == want, parallel
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(**kw, parallel_tool_calls="false")
+    assert e.value.body["param"] == "parallel_tool_calls"
+
 def test_roles_are_openais(smol):
     """A message role outside OpenAI's (system, developer, user, assistant, tool, function) is a 400 naming the
     message, as OpenAI's API answers; it was rendered into the prompt as a turn of that name."""
@@ -499,6 +563,23 @@ def test_roles_are_openais(smol):
         {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert r.usage.completion_tokens == 2
 
+
+
+def test_content_parts_an_assistant_sends_back_are_read_and_images_are_named(smol):
+    """OpenAI's assistant messages may hold refusal parts ({"type": "refusal", "refusal": text}), which a client
+    sends back with the rest of the conversation; they were a 400 "only text parts are supported". Reference: the
+    same history with the refusal's text as a string. An image part stays a 400 that names the message and the
+    part's type, since the model reads no images."""
+    def ask(content):
+        return smol.client().chat.completions.create(model="smollm2", max_tokens=1, temperature=0, messages=[
+            *_chat("Hi"), {"role": "assistant", "content": content}, *_chat("Why?")]).usage.prompt_tokens
+
+    assert ask([{"type": "refusal", "refusal": "I can't help with that."}]) == ask("I can't help with that.")
+    with pytest.raises(openai.BadRequestError) as e:
+        smol.client().chat.completions.create(model="smollm2", max_tokens=1, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
+    assert e.value.body["param"] == "messages" and "messages[0].content" in e.value.message
+    assert "image_url" in e.value.message
 
 def _metrics_after_one_cancel(server, before: dict) -> dict:
     """The metrics once the worker has counted one more cancelled request (bounded wait: 60 s)."""
@@ -652,6 +733,41 @@ def test_tool_choice(qwen):
         c.chat.completions.create(model="qwen", messages=hello, tools=WEATHER, max_tokens=4,
                                   tool_choice={"type": "function", "function": {"name": "nope"}})
 
+
+
+def test_deprecated_functions_are_tools_under_their_old_names(qwen):
+    """OpenAI's deprecated functions / function_call (still served by OpenAI, and by llama-cpp-python) were
+    ignored: the model never saw the functions. They are tools under their old names, and a call comes back in
+    their shape (message.function_call, finish_reason "function_call"); in a history, an assistant's
+    function_call and a "function" message are the tool call and its result. Reference: the same conversation
+    in the tools form renders the same prompt."""
+    c = qwen.client()
+    functions = [t["function"] for t in WEATHER]
+    kw = dict(model="qwen", messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+              functions=functions, function_call={"name": "get_weather"}, temperature=0, max_tokens=48)
+    r = c.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "function_call" and not r.choices[0].message.tool_calls
+    assert r.choices[0].message.function_call.name == "get_weather"
+    assert json.loads(r.choices[0].message.function_call.arguments) == {"city": "Paris"}
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    calls = [ch.choices[0].delta.function_call for ch in chunks if ch.choices and ch.choices[0].delta.function_call]
+    assert [(f.name, f.arguments) for f in calls] == [("get_weather", r.choices[0].message.function_call.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "function_call"
+    args = r.choices[0].message.function_call.arguments
+    old = [{"role": "assistant", "content": None, "function_call": {"name": "get_weather", "arguments": args}},
+           {"role": "function", "name": "get_weather", "content": "sunny"}]
+    new = [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    a = c.chat.completions.create(**{**kw, "messages": kw["messages"] + old, "function_call": "none", "max_tokens": 1})
+    b = c.chat.completions.create(model="qwen", messages=kw["messages"] + new, tools=WEATHER, tool_choice="none",
+                                  temperature=0, max_tokens=1)
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    for bad, param in ((dict(function_call="auto"), "function_call"), (dict(functions=functions, tools=WEATHER),
+                                                                         "functions")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="qwen", messages=kw["messages"], max_tokens=1, **bad)
+        assert e.value.body["param"] == param
 
 def test_developer_messages_are_system_messages_to_templates_without_them(qwen):
     """OpenAI's developer role is the system role of newer models. Qwen2.5's template knows neither it nor any
