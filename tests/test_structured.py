@@ -307,6 +307,39 @@ def test_numbers_have_at_most_16_digits_in_a_row_unless_the_schema_needs_more():
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_integers_the_engine_would_round_are_refused_or_bounded_exactly():
+    """The engine reads numbers as 64-bit floats and integer bounds as 64-bit integers: {"const": 2^53 + 1} wrote
+    9007199254740992, a minimum of 2^53 + 1 admitted 2^53, a maximum of 2^64 was cut to 2^63 - 1 unsaid, and a
+    minimum of 2^63 failed naming 9223372036854775807. Reference: exact integer arithmetic (Python ints) and
+    jsonschema; tolerance: none. A const or enum integer it would rewrite is refused naming its JSON pointer; a
+    bound moves inwards to the nearest value it keeps (the range only narrows); a bound no such value meets is
+    refused by name."""
+    llm = llm_of("smollm2")
+    for schema, where, value in (({"const": 2 ** 53 + 1}, "/const", 2 ** 53 + 1),
+                                 ({"type": "object", "properties": {"a/b": {"enum": [1, [2 ** 63]]}}},
+                                  "/properties/a~1b/enum/1/0", 2 ** 63),
+                                 ({"type": "integer", "minimum": 2 ** 63}, "/minimum", 2 ** 63),
+                                 ({"anyOf": [{"type": "integer", "exclusiveMaximum": -(2 ** 63) + 1024}]},
+                                  "/anyOf/0/exclusiveMaximum", -(2 ** 63) + 1024)):
+        with pytest.raises(PyllmError, match=f"^invalid json_schema: {re.escape(where)} is {value}, "):
+            llm.make_constraint(json_schema=schema)
+    edge = 2 ** 63 - 1024  # the largest double below 2^63
+    for schema, inside, outside in (({"type": "integer", "minimum": 2 ** 53 + 1}, [2 ** 53 + 2], [2 ** 53]),
+                                    ({"type": "integer", "maximum": 2 ** 64}, [edge, 5], [edge + 1]),
+                                    ({"type": "integer", "minimum": -(2 ** 63)}, [-edge, 0], []),
+                                    ({"type": "integer", "minimum": edge}, [edge], [edge - 1]),
+                                    ({"type": "integer", "exclusiveMinimum": edge - 1}, [edge], [edge - 1])):
+        for v in inside:
+            assert accepts(llm, schema, str(v)), (schema, v)
+            jsonschema.validate(v, schema)
+        for v in outside:
+            assert not accepts(llm, schema, str(v)), (schema, v)
+    assert accepts(llm, {"const": 10 ** 20}, str(10 ** 20))  # a double the engine writes exactly stays
+    given = {"type": "integer", "maximum": 2 ** 64}
+    llm.make_constraint(json_schema=given)
+    assert given == {"type": "integer", "maximum": 2 ** 64}  # the caller's schema is not edited
+
+
 def test_a_model_pushed_to_write_digits_stops_at_the_cap():
     """Gemma 3 with its "7" token pushed up by logit_bias wrote sevens until max_tokens (finish "length", a number
     no JSON reader keeps exactly). Reference: llama.cpp's 16-digit integral part; the reply ends there, complete."""

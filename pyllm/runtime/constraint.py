@@ -279,11 +279,106 @@ def _schema_text(schema: Any) -> str:
         raise PyllmError(f"invalid json_schema: \"$ref\": {shorten(ref)!r} leads back to itself through nothing but "
                          f"$ref and allOf, so it describes no value")
     try:
-        return json.dumps(schema)
+        text = json.dumps(schema)
     except (TypeError, ValueError) as e:
         raise PyllmError(f"json_schema cannot be written as JSON: {e}") from None
     except RecursionError:  # a dict nested a thousand levels deep: the encoder recurses per level too
         raise PyllmError("json_schema nests too deeply to write as JSON") from None
+    # a fresh copy to edit (the caller's schema stays as given); parsing what was just written cannot fail
+    exact = _exact_integers(json.loads(text))
+    return text if exact is None else json.dumps(exact)
+
+
+# The engine reads a schema's numbers as 64-bit floats and integer bounds as 64-bit integers: an integer past 2^53
+# may come out rounded, and a bound at or past +-2^63 fails to compile or is cut to 2^63 - 1. Within +-BOUND_EDGE
+# (the largest double below 2^63) every double is an integer bound it keeps exactly.
+BOUND_EDGE = 2 ** 63 - 1024
+OPEN_RANGE_LIMIT = 10 ** 18
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+
+
+def _pointer(path: str, key) -> str:
+    return f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+def _as_written(v: int) -> str:
+    """The text the engine writes for the integer ``v`` of a const or enum: the shortest digits of the nearest
+    double, as an integer (2^53 + 1 -> 9007199254740992, 2^63 + 1 -> 9223372036854776000)."""
+    try:
+        return str(int(Decimal(repr(float(v)))))
+    except OverflowError:
+        return "infinity"
+
+
+def _inwards(v: int, lower: bool) -> int:
+    """The integer bound ``v`` moved inwards (up for a lower bound) to the nearest double within +-BOUND_EDGE."""
+    f = float(min(max(v, -BOUND_EDGE), BOUND_EDGE))
+    if lower and f < v:
+        f = math.nextafter(f, math.inf)
+    elif not lower and f > v:
+        f = math.nextafter(f, -math.inf)
+    return int(f)
+
+
+def _exact_integers(schema: Any) -> Any:
+    """``schema`` with its integer bounds moved to the nearest value the engine keeps exactly, inwards (a
+    minimum of 2^53 + 1 becomes 2^53 + 2, a maximum of 2^64 becomes BOUND_EDGE: the range can only narrow, never
+    admit a value the schema refuses), or None if none needs to move; edited in place. PyllmError naming the value
+    and where it is for an integer in a const or enum the engine would write as another number, and for a bound
+    that leaves no integer it can write (a minimum above BOUND_EDGE). Iterative: a schema may nest deeply."""
+    changed = False
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        s, path = stack.pop()
+        if isinstance(s, list):
+            stack.extend((v, _pointer(path, i)) for i, v in enumerate(s))
+            continue
+        if not isinstance(s, dict):
+            continue
+        for k, v in list(s.items()):  # a far end may be added
+            if k in ("const", "enum"):
+                data = [(v, _pointer(path, k))]
+                while data:
+                    d, at = data.pop()
+                    if isinstance(d, dict):
+                        data.extend((x, _pointer(at, i)) for i, x in d.items())
+                    elif isinstance(d, list):
+                        data.extend((x, _pointer(at, i)) for i, x in enumerate(d))
+                    elif isinstance(d, int) and not isinstance(d, bool) and _as_written(d) != str(d):
+                        raise PyllmError(f"invalid json_schema: {at or '/'} is {shorten(d)}, which the engine would "
+                                         f"write as {shorten(_as_written(d))} (it keeps numbers as 64-bit floats, "
+                                         f"exact for integers up to 2^53); give it as a string")
+            elif k in _LOWER_BOUNDS + _UPPER_BOUNDS and isinstance(v, int) and not isinstance(v, bool):
+                lower = k in _LOWER_BOUNDS
+                edge = BOUND_EDGE - k.startswith("exclusive")
+                if (v > edge) if lower else (v < -edge):
+                    raise PyllmError(f"invalid json_schema: {_pointer(path, k)} is {shorten(v)}, beyond the "
+                                     f"integers the engine can bound (-{BOUND_EDGE}..{BOUND_EDGE})")
+                exact = _inwards(v, lower)
+                if exact != v and k.startswith("exclusive"):
+                    # rounded inwards, the bound could pass the one integer left (exclusiveMinimum 2^63 - 1025
+                    # moved to 2^63 - 1024 excludes it): as an inclusive bound, the next integer on rounds instead
+                    del s[k]
+                    k = _LOWER_BOUNDS[0] if lower else _UPPER_BOUNDS[0]
+                    exact = _inwards(v + 1 if lower else v - 1, lower)
+                    old = s.get(k)
+                    if isinstance(old, (int, float)) and not isinstance(old, bool):
+                        exact = max(old, exact) if lower else min(old, exact)
+                if exact != v:
+                    s[k] = exact
+                    changed = True
+                # the engine cannot write an open-ended range from 10^18 up (or down from -10^18): it fails to
+                # compile one, so the far end is given as the edge, which no integer it writes passes anyway
+                if abs(v) >= OPEN_RANGE_LIMIT and (v > 0) == lower \
+                        and not any(b in s for b in (_UPPER_BOUNDS if lower else _LOWER_BOUNDS)):
+                    s["maximum" if lower else "minimum"] = BOUND_EDGE if lower else -BOUND_EDGE
+                    changed = True
+            elif k in SCHEMA_MAPS and isinstance(v, dict):
+                stack.extend((x, _pointer(_pointer(path, k), name)) for name, x in v.items())
+            elif k not in SCHEMA_DATA and isinstance(v, (dict, list)):
+                stack.append((v, _pointer(path, k)))
+    return schema if changed else None
 
 
 class Constraint:
