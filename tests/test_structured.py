@@ -380,6 +380,27 @@ def test_an_object_never_repeats_a_key():
     assert json.loads('{"a": 1, "a": 2}') == {"a": 2}  # what a repeated key costs
 
 
+def test_a_key_spelled_with_escapes_is_the_same_key():
+    """Keys were compared as written, so {"\\n": 1, "\\u000a": 2} passed the distinct-key rule, and a JSON reader
+    keeps one key "\\n" (Python's json, jsonschema's instance). The engine admits \\u escapes for control
+    characters only, in either case of hex digit, so those are the spellings a model can repeat. Reference:
+    json.loads of each text; exact: a text is refused iff it parses to fewer keys than it writes, for the mask
+    (accepts, as the tokenizer splits the text) and for a draft (valid_prefix)."""
+    llm = llm_of("smollm2")
+    free = {"type": "object"}
+    for text in ('{"\\n": 1, "\\u000a": 2}', '{"\\u000A": 1, "\\n": 2}', '{"a\\t": 1, "a\\u0009": 2}',
+                 '{"x": {"\\u001fy": 1, "\\u001Fy": 2}}', '{"\\b": 1, "\\u0008": 2}'):
+        assert len(json.loads(text)) < text.count(":"), text  # the reference: a key is lost
+        assert not accepts(llm, free, text), text
+        c = llm.make_constraint(json_schema=free)
+        ids = llm.tokenize(text, add_bos=False, special=False)
+        assert c.valid_prefix(ids) < len(ids), text
+    for text in ('{"\\u000a": 1, "\\u000b": 2}', '{"\\n": 1, "n": 2}', '{"a\\\\": 1, "a": 2}',
+                 '{"\\"": 1, "\\\\": 2}'):
+        assert len(json.loads(text)) == 2, text
+        assert accepts(llm, free, text), text
+
+
 def test_a_forced_call_is_closed_after_its_arguments():
     """The forced call object is {"name", "arguments"} and nothing more: SmolLM2 went on writing "type",
     "function" or "parameters" keys after the arguments until max_tokens cut the call off (finish_reason

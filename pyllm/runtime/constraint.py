@@ -474,9 +474,13 @@ class Constraint:
         out = allowed
         if not scan.in_string and (scan.run + v.max_lead_digits > scan.cap or v.max_inner_digits > scan.cap):
             out = out & ~((v.lead_digits > scan.cap - scan.run) | (v.inner_digits > scan.cap))
-        if scan.key is not None and scan.objects[-1] and not scan.escaped:
-            repeats = [v.quote_prefixes.get(k[len(scan.key):] + b'"', ()) for k in scan.objects[-1]
-                       if k.startswith(scan.key) and not any(c in k[len(scan.key):] for c in b'"\\')]
+        done, pending = _key_text(scan.key) if scan.key is not None and scan.objects[-1] else (b"", b"-")
+        if not pending:
+            # the rest of a key already there, written plainly and closed (a quote, a backslash or a control
+            # character cannot be written plainly; a rest spelled with escapes is caught by feed for drafts only)
+            repeats = [v.quote_prefixes.get(k[len(done):] + b'"', ()) for k in scan.objects[-1]
+                       if k.startswith(done) and not any(c in k[len(done):] for c in b'"\\') and
+                       min(k[len(done):], default=0x20) >= 0x20]
             repeats = [i for ids in repeats for i in ids]
             if repeats:
                 out = out.copy() if out is allowed else out
@@ -555,11 +559,39 @@ class Constraint:
         return self.m.is_accepting()
 
 
+_SHORT_ESCAPES = {ord(k): v.encode() for k, v in zip('"\\/bfnrt', '"\\/\b\f\n\r\t')}
+
+
+def _key_text(raw: bytes) -> tuple[bytes, bytes]:
+    """A JSON string's content as written -> (its text as UTF-8 bytes, escapes replaced: "\\u0061" and "a" are one
+    key to a JSON reader; the unfinished escape it ends with, b"" if none). A surrogate pair is one character; a
+    lone surrogate keeps its own bytes (surrogatepass), as no plain spelling can match it."""
+    out, i = bytearray(), 0
+    while i < len(raw):
+        c = raw[i]
+        if c != 0x5C:
+            out.append(c)
+            i += 1
+        elif i + 1 < len(raw) and raw[i + 1] != 0x75:  # a short escape
+            out += _SHORT_ESCAPES.get(raw[i + 1], raw[i:i + 2])
+            i += 2
+        elif i + 6 <= len(raw):
+            u, i = int(raw[i + 2:i + 6], 16), i + 6
+            if 0xD800 <= u < 0xDC00 and raw[i:i + 2] == b"\\u" and len(raw) >= i + 6:
+                low = int(raw[i + 2:i + 6], 16)
+                if 0xDC00 <= low < 0xE000:
+                    u, i = 0x10000 + ((u - 0xD800) << 10) + (low - 0xDC00), i + 6
+            out += chr(u).encode("utf-8", "surrogatepass")
+        else:
+            return bytes(out), raw[i:]
+    return bytes(out), b""
+
+
 class _JsonScan:
     """Where a JSON output stands, byte by byte, for the two rules of a JSON schema constraint the engine does not
     keep: at most ``cap`` digits in a row outside strings, and no key twice in one object (the engine keeps the
     named properties distinct, but not the keys additionalProperties or patternProperties admit: JSON readers keep
-    the last of repeated keys, so the output would lose a value). Keys are compared as written."""
+    the last of repeated keys, so the output would lose a value). Keys are compared as text, escapes decoded."""
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -588,9 +620,9 @@ class _JsonScan:
                 elif c == 0x22:  # the closing quote
                     self.in_string = False
                     if self.key is not None:
-                        keys = self.objects[-1]
-                        ok = ok and self.key not in keys
-                        keys.add(self.key)
+                        keys, text = self.objects[-1], _key_text(self.key)[0]
+                        ok = ok and text not in keys
+                        keys.add(text)
                         self.key = None
                     continue
                 if self.key is not None:
