@@ -421,6 +421,23 @@ def test_echo_with_logprobs_scores_the_prompt(smol, smol_llm):
     check_echoed_prompt_logprobs(smol, smol_llm)
 
 
+def test_echo_with_logprobs_reports_no_cache_reuse_of_its_own_scoring(smol):
+    """The prompt-scoring pass evaluates the whole prompt from position 0 and leaves it in the cache, and the
+    generation then reused it: cached_tokens read prompt_tokens - 1 and pyllm_prompt_cache_tokens_total grew by
+    that, though the request computed every token itself. Reference: OpenAI's cached_tokens, the prompt tokens
+    reused from earlier requests; exact counts."""
+    prompt, kw = "A long prompt about caching, to be echoed with its scores.", dict(max_tokens=2, temperature=0)
+    c = smol.client()
+    c.completions.create(model="smollm2", prompt=prompt, **kw)  # the cache now holds the prompt
+    before = smol.metrics()["pyllm_prompt_cache_tokens_total"]
+    r = c.completions.create(model="smollm2", prompt=prompt, echo=True, logprobs=1, **kw)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert smol.metrics()["pyllm_prompt_cache_tokens_total"] == before
+    r = c.completions.create(model="smollm2", prompt=prompt, **kw)  # an earlier request's rows: reuse
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r.usage.prompt_tokens - 1 and smol.metrics()["pyllm_prompt_cache_tokens_total"] == before + cached
+
+
 def test_top_logprobs_without_logprobs_and_best_of_are_400s(smol):
     """Both were ignored. Reference: OpenAI's API (400 for top_logprobs without logprobs: true); best_of other than
     1 would need several candidates, which pyllm does not generate."""
