@@ -306,6 +306,22 @@ def test_boolean_parameters_take_only_booleans(smol):
     _ok(smol)
 
 
+def test_several_choices_with_an_echoed_prompt_are_refused_before_any_work(smol):
+    """OpenAI's legacy completions give each of n choices its own text, so with echo each would repeat the prompt
+    (and with logprobs its scores). pyllm generates one choice per request (as llama.cpp's server, which answers
+    "Only one completion choice is allowed"), so n > 1 is a 400 naming n whatever echo, logprobs and stream say,
+    before the prompt is scored or anything generated (the token counters do not move)."""
+    before = smol.metrics()
+    for extra in ({}, {"logprobs": 1}, {"logprobs": 1, "stream": True}, {"stream": True}, {"max_tokens": 0}):
+        req = {"prompt": "Hello there", "echo": True, "n": 2, "max_tokens": 2, **extra}
+        status, r = smol.raw("/v1/completions", json.dumps(req).encode())
+        assert status == 400 and r["error"]["param"] == "n" and r["error"]["message"].startswith("n=2: "), (req, r)
+    after = smol.metrics()
+    for name in ("pyllm_prompt_tokens_total", "pyllm_generated_tokens_total"):
+        assert after[name] == before[name], name
+    _ok(smol)
+
+
 def test_missing_inputs_are_400s_and_unknown_parameters_are_ignored(smol):
     """A request without its messages, prompt or input is a 400 naming it; a parameter the server does not know
     is ignored, as OpenAI-compatible servers ignore them, whatever its name (one named like a Python argument of
