@@ -5,6 +5,7 @@ own shape, checked with a Python regex of the same language); exact checks for t
 allowed ones untouched) and for the vocabulary bridge (the tokenizer's own bytes for every id).
 """
 
+import copy
 import functools
 import json
 import re
@@ -399,6 +400,33 @@ def test_a_key_spelled_with_escapes_is_the_same_key():
                  '{"\\"": 1, "\\\\": 2}'):
         assert len(json.loads(text)) == 2, text
         assert accepts(llm, free, text), text
+
+
+def test_a_token_that_finishes_an_escape_and_closes_a_repeated_key_is_masked():
+    """A token such as 'a"' after '"\\u000' would finish the escape as "\\n" and close the key: the mask must drop
+    it where the object already has "\\n", as it drops a plain repeat's closing quote. The fixture vocabularies
+    have no hex digit + quote token, so one is added to a copy of the vocabulary's index (an id of the plain "a"
+    stands for it). Reference: json.loads('"\\u000a"') == "\\n"; exact: the closings listed are every spelling
+    of the finished escape (either case of hex digit) and nothing else."""
+    from pyllm.runtime.constraint import _closings
+
+    assert json.loads('"\\u000a"') == "\n" == json.loads('"\\n"')
+    assert sorted(_closings(b"\\u000", b"\n")) == [b'A"', b'a"']
+    assert sorted(_closings(b"\\u00", b"\nx")) == [b'0Ax"', b'0ax"']
+    assert sorted(_closings(b"\\", b"\n")) == [b'n"', b'u000A"', b'u000a"']
+    assert _closings(b"", b"ab") == [b'ab"'] and _closings(b"", b"a\n") == [] and _closings(b"\\u001", b"\n") == []
+    llm = llm_of("smollm2")
+    c = llm.make_constraint(json_schema={"type": "object"})
+    for ch in '{"\\n":1,"\\u000':
+        t = llm.tokenizer.token_id(ch)
+        assert c.allowed()[t], ch
+        c.advance(t)
+    stand_in, other = llm.tokenizer.token_id("a"), llm.tokenizer.token_id("b")
+    c.vocab = copy.copy(c.vocab)
+    c.vocab.quote_prefixes = {**c.vocab.quote_prefixes, b'a"': [stand_in], b'b"': [other]}
+    allowed = np.ones(c.vocab.n_vocab, dtype=bool)
+    rules = c._json_rules(allowed)
+    assert not rules[stand_in] and rules[other]  # "\\u000b" is another key
 
 
 def test_a_forced_call_is_closed_after_its_arguments():

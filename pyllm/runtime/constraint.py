@@ -17,6 +17,7 @@ temperature (``Sampler.candidates``), so every sampling setting draws only from 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import re
@@ -474,13 +475,10 @@ class Constraint:
         out = allowed
         if not scan.in_string and (scan.run + v.max_lead_digits > scan.cap or v.max_inner_digits > scan.cap):
             out = out & ~((v.lead_digits > scan.cap - scan.run) | (v.inner_digits > scan.cap))
-        done, pending = _key_text(scan.key) if scan.key is not None and scan.objects[-1] else (b"", b"-")
-        if not pending:
-            # the rest of a key already there, written plainly and closed (a quote, a backslash or a control
-            # character cannot be written plainly; a rest spelled with escapes is caught by feed for drafts only)
-            repeats = [v.quote_prefixes.get(k[len(done):] + b'"', ()) for k in scan.objects[-1]
-                       if k.startswith(done) and not any(c in k[len(done):] for c in b'"\\') and
-                       min(k[len(done):], default=0x20) >= 0x20]
+        if scan.key is not None and scan.objects[-1]:
+            done, pending = _key_text(scan.key)
+            repeats = [v.quote_prefixes.get(p, ()) for k in scan.objects[-1] if k.startswith(done)
+                       for p in _closings(pending, k[len(done):])]
             repeats = [i for ids in repeats for i in ids]
             if repeats:
                 out = out.copy() if out is allowed else out
@@ -585,6 +583,34 @@ def _key_text(raw: bytes) -> tuple[bytes, bytes]:
         else:
             return bytes(out), raw[i:]
     return bytes(out), b""
+
+
+_ESCAPE_LETTERS = {v: bytes((k,)) for k, v in _SHORT_ESCAPES.items()}
+
+
+def _closings(pending: bytes, rest: bytes) -> list[bytes]:
+    """The token texts up to a closing quote that finish a key whose text so far ends in the unfinished escape
+    ``pending`` (b"" if none) with the text ``rest``: the escape finished as rest's first character, in any case
+    of hex digit, then the rest of it written plainly. A rest that needs more escapes is left out: its spellings
+    span several tokens, and the mask meets them one step at a time."""
+    if not pending:
+        plain = rest and not any(c in rest for c in b'"\\') and min(rest) >= 0x20
+        return [rest + b'"'] if plain or rest == b"" else []
+    text = rest.decode("utf-8", "surrogatepass")
+    if not text:
+        return []
+    tail = text[1:].encode("utf-8", "surrogatepass")
+    if any(c in tail for c in b'"\\') or min(tail, default=0x20) < 0x20:
+        return []
+    hex4 = f"{ord(text[0]):04x}" if ord(text[0]) < 0x10000 else None
+    typed = pending[1:].decode().lower()  # "", "u", "u0", ...
+    out = []
+    if typed == "" and text[0].encode() in _ESCAPE_LETTERS:
+        out.append(_ESCAPE_LETTERS[text[0].encode()] + tail + b'"')
+    if hex4 is not None and ("u" + hex4).startswith(typed):
+        u, left = "u"[len(typed):], hex4[max(len(typed) - 1, 0):]
+        out += [(u + "".join(v)).encode() + tail + b'"' for v in itertools.product(*({c, c.upper()} for c in left))]
+    return out
 
 
 class _JsonScan:
