@@ -235,7 +235,7 @@ class Run:
                 self.completion_tokens += 1
                 if self.completion_tokens == 1:
                     st = llm.stats
-                    self.cached_tokens = st.prompt_tokens - st.prompt_evaluated
+                    self.cached_tokens = st.prompt_cached
                 if tok.is_eog(t):
                     self.finish_reason = "stop"
                     break

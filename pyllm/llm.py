@@ -230,6 +230,7 @@ class LLM:
                 n = min(len(logits), len(ids) - 1 - at)  # the last position predicts no prompt token
                 out += rows_logprobs(logits[:n], ids[at + 1:at + 1 + n], n_top)
                 at += len(logits)
+            self.generator.scored = len(ids)
         return out
 
     def _check_ids(self, ids) -> list[int]:

@@ -172,6 +172,21 @@ def test_logprobs_end_where_a_stop_string_ends_the_output(llm):
         assert got == toks[:3]
 
 
+def test_echo_with_logprobs_reports_no_cache_reuse_of_its_own_scoring(llm):
+    """The scoring pass of echo with logprobs evaluates the prompt from position 0; its generation then reused
+    those rows and usage said cached_tokens = prompt_tokens - 1. Reference: OpenAI's cached_tokens, the prompt
+    tokens reused from earlier requests; exact counts, streamed usage too."""
+    prompt, kw = "The capital of France is", dict(max_tokens=2, temperature=0)
+    llm.create_completion(prompt, **kw)
+    r = llm.create_completion(prompt, echo=True, logprobs=1, **kw)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    last = list(llm.create_completion(prompt, echo=True, logprobs=1, stream=True,
+                                      stream_options={"include_usage": True}, **kw))[-1]
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    r = llm.create_completion(prompt, **kw)  # rows an earlier call left: reuse
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= r["usage"]["prompt_tokens"] - 1
+
+
 @pytest.mark.parametrize("key", ["smollm2", "gemma3"])
 def test_echo_with_logprobs_scores_the_prompt(key):
     """echo with logprobs returned the completion's logprobs only. Reference: OpenAI's legacy completions and

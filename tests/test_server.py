@@ -336,6 +336,22 @@ def test_boolean_parameters_take_only_booleans(smol):
     _ok(smol)
 
 
+def test_several_choices_with_an_echoed_prompt_are_refused_before_any_work(smol):
+    """OpenAI's legacy completions give each of n choices its own text, so with echo each would repeat the prompt
+    (and with logprobs its scores). pyllm generates one choice per request (as llama.cpp's server, which answers
+    "Only one completion choice is allowed"), so n > 1 is a 400 naming n whatever echo, logprobs and stream say,
+    before the prompt is scored or anything generated (the token counters do not move)."""
+    before = smol.metrics()
+    for extra in ({}, {"logprobs": 1}, {"logprobs": 1, "stream": True}, {"stream": True}, {"max_tokens": 0}):
+        req = {"prompt": "Hello there", "echo": True, "n": 2, "max_tokens": 2, **extra}
+        status, r = smol.raw("/v1/completions", json.dumps(req).encode())
+        assert status == 400 and r["error"]["param"] == "n" and r["error"]["message"].startswith("n=2: "), (req, r)
+    after = smol.metrics()
+    for name in ("pyllm_prompt_tokens_total", "pyllm_generated_tokens_total"):
+        assert after[name] == before[name], name
+    _ok(smol)
+
+
 def test_missing_inputs_are_400s_and_unknown_parameters_are_ignored(smol):
     """A request without its messages, prompt or input is a 400 naming it; a parameter the server does not know
     is ignored, as OpenAI-compatible servers ignore them, whatever its name (one named like a Python argument of
@@ -450,6 +466,23 @@ def check_echoed_prompt_logprobs(server, llm):
 
 def test_echo_with_logprobs_scores_the_prompt(smol, smol_llm):
     check_echoed_prompt_logprobs(smol, smol_llm)
+
+
+def test_echo_with_logprobs_reports_no_cache_reuse_of_its_own_scoring(smol):
+    """The prompt-scoring pass evaluates the whole prompt from position 0 and leaves it in the cache, and the
+    generation then reused it: cached_tokens read prompt_tokens - 1 and pyllm_prompt_cache_tokens_total grew by
+    that, though the request computed every token itself. Reference: OpenAI's cached_tokens, the prompt tokens
+    reused from earlier requests; exact counts."""
+    prompt, kw = "A long prompt about caching, to be echoed with its scores.", dict(max_tokens=2, temperature=0)
+    c = smol.client()
+    c.completions.create(model="smollm2", prompt=prompt, **kw)  # the cache now holds the prompt
+    before = smol.metrics()["pyllm_prompt_cache_tokens_total"]
+    r = c.completions.create(model="smollm2", prompt=prompt, echo=True, logprobs=1, **kw)
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert smol.metrics()["pyllm_prompt_cache_tokens_total"] == before
+    r = c.completions.create(model="smollm2", prompt=prompt, **kw)  # an earlier request's rows: reuse
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= r.usage.prompt_tokens - 1 and smol.metrics()["pyllm_prompt_cache_tokens_total"] == before + cached
 
 
 def test_top_logprobs_without_logprobs_and_best_of_are_400s(smol):

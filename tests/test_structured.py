@@ -5,6 +5,7 @@ own shape, checked with a Python regex of the same language); exact checks for t
 allowed ones untouched) and for the vocabulary bridge (the tokenizer's own bytes for every id).
 """
 
+import copy
 import functools
 import json
 import re
@@ -307,6 +308,39 @@ def test_numbers_have_at_most_16_digits_in_a_row_unless_the_schema_needs_more():
         jsonschema.validate(json.loads(text), schema)
 
 
+def test_integers_the_engine_would_round_are_refused_or_bounded_exactly():
+    """The engine reads numbers as 64-bit floats and integer bounds as 64-bit integers: {"const": 2^53 + 1} wrote
+    9007199254740992, a minimum of 2^53 + 1 admitted 2^53, a maximum of 2^64 was cut to 2^63 - 1 unsaid, and a
+    minimum of 2^63 failed naming 9223372036854775807. Reference: exact integer arithmetic (Python ints) and
+    jsonschema; tolerance: none. A const or enum integer it would rewrite is refused naming its JSON pointer; a
+    bound moves inwards to the nearest value it keeps (the range only narrows); a bound no such value meets is
+    refused by name."""
+    llm = llm_of("smollm2")
+    for schema, where, value in (({"const": 2 ** 53 + 1}, "/const", 2 ** 53 + 1),
+                                 ({"type": "object", "properties": {"a/b": {"enum": [1, [2 ** 63]]}}},
+                                  "/properties/a~1b/enum/1/0", 2 ** 63),
+                                 ({"type": "integer", "minimum": 2 ** 63}, "/minimum", 2 ** 63),
+                                 ({"anyOf": [{"type": "integer", "exclusiveMaximum": -(2 ** 63) + 1024}]},
+                                  "/anyOf/0/exclusiveMaximum", -(2 ** 63) + 1024)):
+        with pytest.raises(PyllmError, match=f"^invalid json_schema: {re.escape(where)} is {value}, "):
+            llm.make_constraint(json_schema=schema)
+    edge = 2 ** 63 - 1024  # the largest double below 2^63
+    for schema, inside, outside in (({"type": "integer", "minimum": 2 ** 53 + 1}, [2 ** 53 + 2], [2 ** 53]),
+                                    ({"type": "integer", "maximum": 2 ** 64}, [edge, 5], [edge + 1]),
+                                    ({"type": "integer", "minimum": -(2 ** 63)}, [-edge, 0], []),
+                                    ({"type": "integer", "minimum": edge}, [edge], [edge - 1]),
+                                    ({"type": "integer", "exclusiveMinimum": edge - 1}, [edge], [edge - 1])):
+        for v in inside:
+            assert accepts(llm, schema, str(v)), (schema, v)
+            jsonschema.validate(v, schema)
+        for v in outside:
+            assert not accepts(llm, schema, str(v)), (schema, v)
+    assert accepts(llm, {"const": 10 ** 20}, str(10 ** 20))  # a double the engine writes exactly stays
+    given = {"type": "integer", "maximum": 2 ** 64}
+    llm.make_constraint(json_schema=given)
+    assert given == {"type": "integer", "maximum": 2 ** 64}  # the caller's schema is not edited
+
+
 def test_a_model_pushed_to_write_digits_stops_at_the_cap():
     """Gemma 3 with its "7" token pushed up by logit_bias wrote sevens until max_tokens (finish "length", a number
     no JSON reader keeps exactly). Reference: llama.cpp's 16-digit integral part; the reply ends there, complete."""
@@ -345,6 +379,54 @@ def test_an_object_never_repeats_a_key():
     quote_tokens = [i for i, b in enumerate(c.vocab.tokens) if b.startswith(b'"')]
     assert not c.allowed()[quote_tokens].any() and c.allowed()[llm.tokenizer.token_id("c")]
     assert json.loads('{"a": 1, "a": 2}') == {"a": 2}  # what a repeated key costs
+
+
+def test_a_key_spelled_with_escapes_is_the_same_key():
+    """Keys were compared as written, so {"\\n": 1, "\\u000a": 2} passed the distinct-key rule, and a JSON reader
+    keeps one key "\\n" (Python's json, jsonschema's instance). The engine admits \\u escapes for control
+    characters only, in either case of hex digit, so those are the spellings a model can repeat. Reference:
+    json.loads of each text; exact: a text is refused iff it parses to fewer keys than it writes, for the mask
+    (accepts, as the tokenizer splits the text) and for a draft (valid_prefix)."""
+    llm = llm_of("smollm2")
+    free = {"type": "object"}
+    for text in ('{"\\n": 1, "\\u000a": 2}', '{"\\u000A": 1, "\\n": 2}', '{"a\\t": 1, "a\\u0009": 2}',
+                 '{"x": {"\\u001fy": 1, "\\u001Fy": 2}}', '{"\\b": 1, "\\u0008": 2}'):
+        assert len(json.loads(text)) < text.count(":"), text  # the reference: a key is lost
+        assert not accepts(llm, free, text), text
+        c = llm.make_constraint(json_schema=free)
+        ids = llm.tokenize(text, add_bos=False, special=False)
+        assert c.valid_prefix(ids) < len(ids), text
+    for text in ('{"\\u000a": 1, "\\u000b": 2}', '{"\\n": 1, "n": 2}', '{"a\\\\": 1, "a": 2}',
+                 '{"\\"": 1, "\\\\": 2}'):
+        assert len(json.loads(text)) == 2, text
+        assert accepts(llm, free, text), text
+
+
+def test_a_token_that_finishes_an_escape_and_closes_a_repeated_key_is_masked():
+    """A token such as 'a"' after '"\\u000' would finish the escape as "\\n" and close the key: the mask must drop
+    it where the object already has "\\n", as it drops a plain repeat's closing quote. The fixture vocabularies
+    have no hex digit + quote token, so one is added to a copy of the vocabulary's index (an id of the plain "a"
+    stands for it). Reference: json.loads('"\\u000a"') == "\\n"; exact: the closings listed are every spelling
+    of the finished escape (either case of hex digit) and nothing else."""
+    from pyllm.runtime.constraint import _closings
+
+    assert json.loads('"\\u000a"') == "\n" == json.loads('"\\n"')
+    assert sorted(_closings(b"\\u000", b"\n")) == [b'A"', b'a"']
+    assert sorted(_closings(b"\\u00", b"\nx")) == [b'0Ax"', b'0ax"']
+    assert sorted(_closings(b"\\", b"\n")) == [b'n"', b'u000A"', b'u000a"']
+    assert _closings(b"", b"ab") == [b'ab"'] and _closings(b"", b"a\n") == [] and _closings(b"\\u001", b"\n") == []
+    llm = llm_of("smollm2")
+    c = llm.make_constraint(json_schema={"type": "object"})
+    for ch in '{"\\n":1,"\\u000':
+        t = llm.tokenizer.token_id(ch)
+        assert c.allowed()[t], ch
+        c.advance(t)
+    stand_in, other = llm.tokenizer.token_id("a"), llm.tokenizer.token_id("b")
+    c.vocab = copy.copy(c.vocab)
+    c.vocab.quote_prefixes = {**c.vocab.quote_prefixes, b'a"': [stand_in], b'b"': [other]}
+    allowed = np.ones(c.vocab.n_vocab, dtype=bool)
+    rules = c._json_rules(allowed)
+    assert not rules[stand_in] and rules[other]  # "\\u000b" is another key
 
 
 def test_a_forced_call_is_closed_after_its_arguments():

@@ -17,6 +17,7 @@ temperature (``Sampler.candidates``), so every sampling setting draws only from 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 import re
@@ -279,11 +280,106 @@ def _schema_text(schema: Any) -> str:
         raise PyllmError(f"invalid json_schema: \"$ref\": {shorten(ref)!r} leads back to itself through nothing but "
                          f"$ref and allOf, so it describes no value")
     try:
-        return json.dumps(schema)
+        text = json.dumps(schema)
     except (TypeError, ValueError) as e:
         raise PyllmError(f"json_schema cannot be written as JSON: {e}") from None
     except RecursionError:  # a dict nested a thousand levels deep: the encoder recurses per level too
         raise PyllmError("json_schema nests too deeply to write as JSON") from None
+    # a fresh copy to edit (the caller's schema stays as given); parsing what was just written cannot fail
+    exact = _exact_integers(json.loads(text))
+    return text if exact is None else json.dumps(exact)
+
+
+# The engine reads a schema's numbers as 64-bit floats and integer bounds as 64-bit integers: an integer past 2^53
+# may come out rounded, and a bound at or past +-2^63 fails to compile or is cut to 2^63 - 1. Within +-BOUND_EDGE
+# (the largest double below 2^63) every double is an integer bound it keeps exactly.
+BOUND_EDGE = 2 ** 63 - 1024
+OPEN_RANGE_LIMIT = 10 ** 18
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+
+
+def _pointer(path: str, key) -> str:
+    return f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"
+
+
+def _as_written(v: int) -> str:
+    """The text the engine writes for the integer ``v`` of a const or enum: the shortest digits of the nearest
+    double, as an integer (2^53 + 1 -> 9007199254740992, 2^63 + 1 -> 9223372036854776000)."""
+    try:
+        return str(int(Decimal(repr(float(v)))))
+    except OverflowError:
+        return "infinity"
+
+
+def _inwards(v: int, lower: bool) -> int:
+    """The integer bound ``v`` moved inwards (up for a lower bound) to the nearest double within +-BOUND_EDGE."""
+    f = float(min(max(v, -BOUND_EDGE), BOUND_EDGE))
+    if lower and f < v:
+        f = math.nextafter(f, math.inf)
+    elif not lower and f > v:
+        f = math.nextafter(f, -math.inf)
+    return int(f)
+
+
+def _exact_integers(schema: Any) -> Any:
+    """``schema`` with its integer bounds moved to the nearest value the engine keeps exactly, inwards (a
+    minimum of 2^53 + 1 becomes 2^53 + 2, a maximum of 2^64 becomes BOUND_EDGE: the range can only narrow, never
+    admit a value the schema refuses), or None if none needs to move; edited in place. PyllmError naming the value
+    and where it is for an integer in a const or enum the engine would write as another number, and for a bound
+    that leaves no integer it can write (a minimum above BOUND_EDGE). Iterative: a schema may nest deeply."""
+    changed = False
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        s, path = stack.pop()
+        if isinstance(s, list):
+            stack.extend((v, _pointer(path, i)) for i, v in enumerate(s))
+            continue
+        if not isinstance(s, dict):
+            continue
+        for k, v in list(s.items()):  # a far end may be added
+            if k in ("const", "enum"):
+                data = [(v, _pointer(path, k))]
+                while data:
+                    d, at = data.pop()
+                    if isinstance(d, dict):
+                        data.extend((x, _pointer(at, i)) for i, x in d.items())
+                    elif isinstance(d, list):
+                        data.extend((x, _pointer(at, i)) for i, x in enumerate(d))
+                    elif isinstance(d, int) and not isinstance(d, bool) and _as_written(d) != str(d):
+                        raise PyllmError(f"invalid json_schema: {at or '/'} is {shorten(d)}, which the engine would "
+                                         f"write as {shorten(_as_written(d))} (it keeps numbers as 64-bit floats, "
+                                         f"exact for integers up to 2^53); give it as a string")
+            elif k in _LOWER_BOUNDS + _UPPER_BOUNDS and isinstance(v, int) and not isinstance(v, bool):
+                lower = k in _LOWER_BOUNDS
+                edge = BOUND_EDGE - k.startswith("exclusive")
+                if (v > edge) if lower else (v < -edge):
+                    raise PyllmError(f"invalid json_schema: {_pointer(path, k)} is {shorten(v)}, beyond the "
+                                     f"integers the engine can bound (-{BOUND_EDGE}..{BOUND_EDGE})")
+                exact = _inwards(v, lower)
+                if exact != v and k.startswith("exclusive"):
+                    # rounded inwards, the bound could pass the one integer left (exclusiveMinimum 2^63 - 1025
+                    # moved to 2^63 - 1024 excludes it): as an inclusive bound, the next integer on rounds instead
+                    del s[k]
+                    k = _LOWER_BOUNDS[0] if lower else _UPPER_BOUNDS[0]
+                    exact = _inwards(v + 1 if lower else v - 1, lower)
+                    old = s.get(k)
+                    if isinstance(old, (int, float)) and not isinstance(old, bool):
+                        exact = max(old, exact) if lower else min(old, exact)
+                if exact != v:
+                    s[k] = exact
+                    changed = True
+                # the engine cannot write an open-ended range from 10^18 up (or down from -10^18): it fails to
+                # compile one, so the far end is given as the edge, which no integer it writes passes anyway
+                if abs(v) >= OPEN_RANGE_LIMIT and (v > 0) == lower \
+                        and not any(b in s for b in (_UPPER_BOUNDS if lower else _LOWER_BOUNDS)):
+                    s["maximum" if lower else "minimum"] = BOUND_EDGE if lower else -BOUND_EDGE
+                    changed = True
+            elif k in SCHEMA_MAPS and isinstance(v, dict):
+                stack.extend((x, _pointer(_pointer(path, k), name)) for name, x in v.items())
+            elif k not in SCHEMA_DATA and isinstance(v, (dict, list)):
+                stack.append((v, _pointer(path, k)))
+    return schema if changed else None
 
 
 class Constraint:
@@ -379,9 +475,10 @@ class Constraint:
         out = allowed
         if not scan.in_string and (scan.run + v.max_lead_digits > scan.cap or v.max_inner_digits > scan.cap):
             out = out & ~((v.lead_digits > scan.cap - scan.run) | (v.inner_digits > scan.cap))
-        if scan.key is not None and scan.objects[-1] and not scan.escaped:
-            repeats = [v.quote_prefixes.get(k[len(scan.key):] + b'"', ()) for k in scan.objects[-1]
-                       if k.startswith(scan.key) and not any(c in k[len(scan.key):] for c in b'"\\')]
+        if scan.key is not None and scan.objects[-1]:
+            done, pending = _key_text(scan.key)
+            repeats = [v.quote_prefixes.get(p, ()) for k in scan.objects[-1] if k.startswith(done)
+                       for p in _closings(pending, k[len(done):])]
             repeats = [i for ids in repeats for i in ids]
             if repeats:
                 out = out.copy() if out is allowed else out
@@ -460,11 +557,67 @@ class Constraint:
         return self.m.is_accepting()
 
 
+_SHORT_ESCAPES = {ord(k): v.encode() for k, v in zip('"\\/bfnrt', '"\\/\b\f\n\r\t')}
+
+
+def _key_text(raw: bytes) -> tuple[bytes, bytes]:
+    """A JSON string's content as written -> (its text as UTF-8 bytes, escapes replaced: "\\u0061" and "a" are one
+    key to a JSON reader; the unfinished escape it ends with, b"" if none). A surrogate pair is one character; a
+    lone surrogate keeps its own bytes (surrogatepass), as no plain spelling can match it."""
+    out, i = bytearray(), 0
+    while i < len(raw):
+        c = raw[i]
+        if c != 0x5C:
+            out.append(c)
+            i += 1
+        elif i + 1 < len(raw) and raw[i + 1] != 0x75:  # a short escape
+            out += _SHORT_ESCAPES.get(raw[i + 1], raw[i:i + 2])
+            i += 2
+        elif i + 6 <= len(raw):
+            u, i = int(raw[i + 2:i + 6], 16), i + 6
+            if 0xD800 <= u < 0xDC00 and raw[i:i + 2] == b"\\u" and len(raw) >= i + 6:
+                low = int(raw[i + 2:i + 6], 16)
+                if 0xDC00 <= low < 0xE000:
+                    u, i = 0x10000 + ((u - 0xD800) << 10) + (low - 0xDC00), i + 6
+            out += chr(u).encode("utf-8", "surrogatepass")
+        else:
+            return bytes(out), raw[i:]
+    return bytes(out), b""
+
+
+_ESCAPE_LETTERS = {v: bytes((k,)) for k, v in _SHORT_ESCAPES.items()}
+
+
+def _closings(pending: bytes, rest: bytes) -> list[bytes]:
+    """The token texts up to a closing quote that finish a key whose text so far ends in the unfinished escape
+    ``pending`` (b"" if none) with the text ``rest``: the escape finished as rest's first character, in any case
+    of hex digit, then the rest of it written plainly. A rest that needs more escapes is left out: its spellings
+    span several tokens, and the mask meets them one step at a time."""
+    if not pending:
+        plain = rest and not any(c in rest for c in b'"\\') and min(rest) >= 0x20
+        return [rest + b'"'] if plain or rest == b"" else []
+    text = rest.decode("utf-8", "surrogatepass")
+    if not text:
+        return []
+    tail = text[1:].encode("utf-8", "surrogatepass")
+    if any(c in tail for c in b'"\\') or min(tail, default=0x20) < 0x20:
+        return []
+    hex4 = f"{ord(text[0]):04x}" if ord(text[0]) < 0x10000 else None
+    typed = pending[1:].decode().lower()  # "", "u", "u0", ...
+    out = []
+    if typed == "" and text[0].encode() in _ESCAPE_LETTERS:
+        out.append(_ESCAPE_LETTERS[text[0].encode()] + tail + b'"')
+    if hex4 is not None and ("u" + hex4).startswith(typed):
+        u, left = "u"[len(typed):], hex4[max(len(typed) - 1, 0):]
+        out += [(u + "".join(v)).encode() + tail + b'"' for v in itertools.product(*({c, c.upper()} for c in left))]
+    return out
+
+
 class _JsonScan:
     """Where a JSON output stands, byte by byte, for the two rules of a JSON schema constraint the engine does not
     keep: at most ``cap`` digits in a row outside strings, and no key twice in one object (the engine keeps the
     named properties distinct, but not the keys additionalProperties or patternProperties admit: JSON readers keep
-    the last of repeated keys, so the output would lose a value). Keys are compared as written."""
+    the last of repeated keys, so the output would lose a value). Keys are compared as text, escapes decoded."""
 
     def __init__(self, cap: int):
         self.cap = cap
@@ -493,9 +646,9 @@ class _JsonScan:
                 elif c == 0x22:  # the closing quote
                     self.in_string = False
                     if self.key is not None:
-                        keys = self.objects[-1]
-                        ok = ok and self.key not in keys
-                        keys.add(self.key)
+                        keys, text = self.objects[-1], _key_text(self.key)[0]
+                        ok = ok and text not in keys
+                        keys.add(text)
                         self.key = None
                     continue
                 if self.key is not None:

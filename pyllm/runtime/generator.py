@@ -50,12 +50,20 @@ def release_free_heap() -> None:
 class GenerationStats:
     prompt_tokens: int = 0  # tokens in the prompt
     prompt_evaluated: int = 0  # tokens actually prefilled (the rest came from the cache)
+    # of the rest, those a prompt-scoring pass (LLM.prompt_logprobs: echo with logprobs) had just written for this
+    # same prompt: the request computed them itself, so they are no reuse of an earlier request's work
+    prompt_scored: int = 0
     prompt_seconds: float = 0.0
     generated_tokens: int = 0
     decode_seconds: float = 0.0
     finish_reason: str = ""  # "eog", "length", "context", "stop", "interrupted"
     ttft: float = 0.0  # seconds from the call to the first generated token
     spec: object = None  # speculative.SpecStats when speculation ran, else None
+
+    @property
+    def prompt_cached(self) -> int:
+        """Prompt tokens reused from the cache an earlier request left (usage's cached_tokens)."""
+        return self.prompt_tokens - self.prompt_evaluated - self.prompt_scored
 
     @property
     def prompt_tps(self) -> float:
@@ -87,14 +95,17 @@ class Generator:
     # back instead of re-evaluating its last token through the one-token step, whose logits differ from the
     # prefill's in the last bits -- enough to flip a near-tie, so a repeated greedy call would not repeat itself.
     _prompt_logits: tuple[int, torch.Tensor] | None = None
+    scored: int = 0  # leading cached tokens a prompt-scoring pass wrote and no generation has used yet
 
     def reset(self) -> None:
         self.tokens = []
         self._prompt_logits = None
+        self.scored = 0
 
     def truncate(self, n: int) -> None:
         """Forget cached tokens from position n on (their cache slots are simply overwritten later)."""
         del self.tokens[n:]
+        self.scored = min(self.scored, n)
         if self._prompt_logits is not None and self._prompt_logits[0] > n:
             self._prompt_logits = None
 
@@ -133,9 +144,11 @@ class Generator:
         if common == len(ids) and self._prompt_logits is not None and self._prompt_logits[0] == len(ids):
             self.truncate(common)
             self.stats.prompt_evaluated = 0
+            self.stats.prompt_scored, self.scored = min(common, self.scored), 0
             return self._prompt_logits[1].clone()  # samplers may edit logits in place
         keep = min(common, len(ids) - 1)  # re-evaluate at least one token to get logits
         self.truncate(keep)
+        self.stats.prompt_scored, self.scored = min(keep, self.scored), 0
         logits = None
         for i in range(keep, len(ids), self.n_batch):
             logits = self._forward(ids[i:i + self.n_batch])

@@ -191,7 +191,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             if fresh:
                 metrics.prompt_tokens += st.prompt_tokens
                 metrics.generated_tokens += st.generated_tokens
-                cached = st.prompt_tokens - st.prompt_evaluated
+                cached = st.prompt_cached
                 metrics.cached_tokens += cached
                 metrics.cache_hits += cached > 0
                 if st.decode_tps:
