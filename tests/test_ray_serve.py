@@ -82,7 +82,7 @@ def test_two_ray_replicas_both_answer_with_the_librarys_text():
         assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     finally:
         s.close()
-    assert s.proc.returncode == 0, s.proc.stdout.read()
+    assert s.proc.returncode == 0, s.output()
 
 
 def test_sigterm_while_the_replicas_start_stops_ray_cleanly():
@@ -94,6 +94,6 @@ def test_sigterm_while_the_replicas_start_stops_ray_cleanly():
 
     s = Server(fixture_path("smollm2"), "--replicas", "3", "--ctx", "256")  # returns at the first healthy answer
     s.close()
-    out = s.proc.stdout.read()
+    out = s.output()
     assert s.proc.returncode == 0, out
     assert "stopping the replicas" in out and "Traceback" not in out

@@ -12,6 +12,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -34,25 +35,59 @@ def _free_port() -> int:
 
 
 class Server:
+    """``pyllm serve`` in a subprocess, ready once its banner names the port and /health answers there.
+
+    A single server is started with --port 0 and the port read from its banner: a port picked here and bound by
+    the server seconds later (a cold start on a busy machine) can be taken meanwhile by any other process, and
+    /health could then answer from that process. Ray Serve's proxy cannot take port 0, so --replicas gets a
+    free port picked here. Its output is read as it comes (``output()``), so a chatty server can never block on
+    a full pipe."""
+
     def __init__(self, model: str, *args: str):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        ray = "--replicas" in args
+        port = _free_port() if ray else 0
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pyllm.cli.main", "serve", model, "--port", str(self.port), "--threads", "1",
+            [sys.executable, "-m", "pyllm.cli.main", "serve", model, "--port", str(port), "--threads", "1",
              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._lines: list[str] = []
+        self._banner = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + 600  # a first run may compile the extension
+        if not ray:
+            while not self._banner.wait(0.5):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self._fail("did not name its port")
+            port = int(re.search(r" on http://127\.0\.0\.1:(\d+)/v1 ", "".join(self._lines)).group(1))
+        self.port = port
+        self.base = f"http://127.0.0.1:{self.port}"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pyllm serve exited {self.proc.returncode}: {self.proc.stdout.read()}")
+                self._fail("exited")
             try:
                 with urllib.request.urlopen(self.base + "/health", timeout=2) as r:
                     if r.status == 200:
                         return
             except OSError:
                 time.sleep(0.5)
+        self._fail("did not become healthy")
+
+    def _read(self):
+        for line in self.proc.stdout:  # ends when the process (and whatever inherited its stdout) does
+            self._lines.append(line)
+            if line.startswith("pyllm serve: ") and " on http://" in line:
+                self._banner.set()
+
+    def _fail(self, what: str):
         self.close()
-        raise RuntimeError("pyllm serve did not become healthy within 600 s")
+        raise RuntimeError(f"pyllm serve {what} (exit {self.proc.returncode}): {self.output()}")
+
+    def output(self) -> str:
+        """Everything the server printed; once it has exited, all of it."""
+        if self.proc.poll() is not None:
+            self._reader.join(timeout=10)
+        return "".join(self._lines)
 
     def client(self, key=KEY, **kw):
         return openai.OpenAI(base_url=self.base + "/v1", api_key=key, timeout=300, max_retries=0, **kw)
