@@ -85,13 +85,15 @@ def test_two_ray_replicas_both_answer_with_the_librarys_text():
     assert s.proc.returncode == 0, s.output()
 
 
-def test_sigterm_while_the_replicas_start_stops_ray_cleanly():
+def test_sigterm_while_the_replicas_start_stops_ray_cleanly(monkeypatch):
     """The proxy answers /health as soon as one replica runs, while serve.run still waits for the others: a SIGTERM
     then (a service manager, a test's teardown) must shut Ray down and exit 0, not hit Ray's own handler, which
-    aborts (exit -6) and leaves Ray's processes running."""
+    aborts (exit -6) and leaves Ray's processes running.  The server starts a Ray instance of its own even with
+    RAY_ADDRESS naming another (here one that does not exist): ray.init connected there and refused num_cpus."""
     pytest.importorskip("ray.serve", reason="the ray extra is not installed: pip install -e '.[ray]'")
     from test_server import Server
 
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the server's environment is a copy of this one
     s = Server(fixture_path("smollm2"), "--replicas", "3", "--ctx", "256")  # returns at the first healthy answer
     s.close()
     out = s.output()
