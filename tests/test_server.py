@@ -54,6 +54,14 @@ class Server:
         self._banner = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        try:
+            self._wait_ready(port, ray)
+        except BaseException:  # Ctrl-C or a failed check while it starts: no caller will close it, so stop it here
+            if self.proc.poll() is None:
+                self.close()
+            raise
+
+    def _wait_ready(self, port: int, ray: bool):
         deadline = time.monotonic() + 600  # a first run may compile the extension
         if not ray:
             while not self._banner.wait(0.5):
