@@ -46,6 +46,9 @@ class Server:
     def __init__(self, model: str, *args: str):
         ray = "--replicas" in args
         port = _free_port() if ray else 0
+        # SIGTERM to exit: a single server takes a second; Ray's shutdown, replicas still loading on a busy 2-core
+        # machine, took over 20 s
+        self.grace = 120 if ray else 20
         env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pyllm.cli.main", "serve", model, "--port", str(port), "--threads", "1",
@@ -123,7 +126,7 @@ class Server:
     def close(self):
         self.proc.terminate()
         try:
-            self.proc.wait(timeout=20)
+            self.proc.wait(timeout=self.grace)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=20)
