@@ -25,7 +25,7 @@ import torch
 
 from pyllm import _ext, awq
 from test_awq import HAVE_AUTO_ROUND, dequantize_gemm, fixtures, needs_writer, random_awq  # noqa: F401 (fixture)
-from test_kernels import C, SEED, gemv_on_every_isa, quantize_like_kernels, rel_err, rng_for, why  # noqa: F401 (fixture)
+from test_kernels import C, C_all_isas, SEED, gemv_on_every_isa, quantize_like_kernels, rel_err, rng_for, why  # noqa: F401 (fixture)
 
 TOL_EXACT, TOL_Q8, TOL_FRO = 1e-5, 5e-2, 1.5e-2
 

@@ -465,4 +465,7 @@ def test_cpp_step_reads_legacy_matrices_interleaved_by_8(smollm2, monkeypatch):
     assert float(top2[0] - top2[1]) > 2 * atol, "the test needs a prompt with a clear top token"
     assert int(a.argmax()) == int(b.argmax())
     torch.testing.assert_close(a, b, rtol=0, atol=atol)
-    assert not torch.equal(a, b), "the two layouts should differ in summation order: is the copy in use?"
+    if ops._C.get_isa() == "scalar":  # PYLLM_ISA=scalar: one summation order per row whatever the layout
+        assert torch.equal(a, b), "the scalar kernels read the interleaved copy in another order than the loaded rows"
+    else:
+        assert not torch.equal(a, b), "the two layouts should differ in summation order: is the copy in use?"

@@ -74,17 +74,27 @@ def why(*what):
 
 
 @pytest.fixture(scope="module")
-def C():
+def C_all_isas():
     """The extension with every kernel path on offer: where the CPU lacks AVX-512, its VNNI kernels compiled as
     AVX2 code stand in as 'avx512' (emulate_avx512), so every test below runs their code on any x86 host."""
     try:
         mod = _ext.load()
     except PyllmError as e:
         pytest.fail(f"extension unavailable: {e}")
+    mod.default_isa = mod.get_isa()  # the best one, or the one PYLLM_ISA forces for this run
     mod.emulate_avx512(True)
     yield mod
     mod.emulate_avx512(False)
-    mod.set_isa(mod.best_isa())
+    mod.set_isa(mod.default_isa)
+
+
+@pytest.fixture
+def C(C_all_isas):
+    """C_all_isas, set back to this run's kernels after each test: the ISA is process-wide, and the last one a
+    test's loop chose (scalar, emulated AVX-512) would otherwise run every later test of the module that loads a
+    model, so what those check would depend on which tests ran before them."""
+    yield C_all_isas
+    C_all_isas.set_isa(C_all_isas.default_isa)
 
 
 ISAS = ["scalar", "avx2", "avx512", "amx"]

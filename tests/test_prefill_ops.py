@@ -44,8 +44,9 @@ def C():
         mod = _ext.load()
     except PyllmError as e:
         pytest.fail(f"extension unavailable: {e}")
+    isa = mod.get_isa()  # the best one, or the one PYLLM_ISA forces for this run: later modules run on it
     yield mod
-    mod.set_isa(mod.best_isa())
+    mod.set_isa(isa)
 
 
 def attention_float64(q, k, v, scale, window):

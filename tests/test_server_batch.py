@@ -126,7 +126,7 @@ def test_prompt_cache_survives_a_restart_and_ignores_bad_files(tmp_path):
         assert cached == fresh  # reused rows are the ones a fresh prefill computes
     finally:
         s.close()
-    log = s.proc.stdout.read()
+    log = s.output()
     for name in ("broken.safetensors", "foreign.safetensors"):
         lines = [ln for ln in log.splitlines() if name in ln]
         assert len(lines) == 1 and lines[0].startswith("pyllm serve: prompt cache: ignoring"), log

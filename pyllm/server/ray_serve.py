@@ -106,7 +106,15 @@ def serve_replicas(spec: ReplicaSpec, replicas: int, host: str, port: int, stop)
 
     ray, serve = require_ray()
     cpus = max(os.cpu_count() or 1, replicas * spec.n_threads)
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
+    # Serve's controller kills an HTTP proxy that has not started within 5 s, and serve.start then raises
+    # ActorDiedError; on a loaded machine (2 busy cores) starting the proxy's process takes longer. 60 s is what
+    # serve.start itself waits for it. The controller reads the setting in its own process, which inherits this
+    # environment from the Ray instance started below; a value the user set is kept.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+    # address="local": a Ray instance of its own, as documented, even where RAY_ADDRESS is set or `ray start`
+    # left a cluster address in Ray's shared temp dir; ray.init would otherwise connect there, refuse num_cpus
+    # with a traceback, and serve.shutdown would then stop that cluster's Serve applications.
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False,
              configure_logging=False, object_store_memory=128 * 2**20)
     # Installed after ray.init, whose core worker replaces the SIGTERM handler with one that aborts the process
     # (exit -6, Ray left running). The proxy answers as soon as one replica runs, so a SIGTERM can come while
