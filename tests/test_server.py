@@ -155,6 +155,21 @@ def test_stream_ends_with_done_and_no_usage_unless_asked(smol):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_system_fingerprint_names_the_model_and_runtime(smol, smol_llm, qwen):
+    client = smol.client()
+    fps = [client.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2,
+                                          temperature=0).system_fingerprint,
+           client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, temperature=0).system_fingerprint]
+    fps += [c.system_fingerprint for c in client.chat.completions.create(
+        model="smollm2", messages=_chat("Hi"), max_tokens=2, stream=True, stream_options={"include_usage": True})]
+    fps += [c.system_fingerprint for c in client.completions.create(model="smollm2", prompt="Hi", max_tokens=2,
+                                                                    stream=True)]
+    # one value for every response and chunk, the library's for the same file and settings
+    assert set(fps) == {smol_llm.system_fingerprint} and re.fullmatch(r"fp_[0-9a-f]{12}", fps[0])
+    other = qwen.client().chat.completions.create(model="qwen", messages=_chat("Hi"), max_tokens=1, temperature=0)
+    assert other.system_fingerprint.startswith("fp_") and other.system_fingerprint != fps[0]
+
+
 def test_completion_matches_library_with_stop_and_logprobs(smol, smol_llm):
     prompt = "The capital of France is"
     want = smol_llm.generate(prompt, max_tokens=12, temperature=0, stop=["\n"])
