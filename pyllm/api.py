@@ -387,7 +387,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
                                                          presence_penalty, frequency_penalty, logit_bias, seed),
                    logprobs, structured_output_kwargs(llm, response_format, grammar, json_schema), cancel)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": _model_name(llm, model)}
+            "model": _model_name(llm, model), "system_fingerprint": llm.system_fingerprint}
     prefix = (prompt if isinstance(prompt, str) else llm.detokenize(ids)) if echo else ""
     if stream:
         return _completion_chunks(run, head, prefix, echo, logprobs is not None, _include_usage(stream_options))
@@ -770,7 +770,8 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     run = _new_run(llm, ids, max_completion_tokens if max_completion_tokens is not None else max_tokens, stop,
                    _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty,
                              frequency_penalty, logit_bias, seed), n_lp, constraint, cancel)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model)}
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model),
+            "system_fingerprint": llm.system_fingerprint}
     if stream:
         return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
                             _include_usage(stream_options), constrained_call, max_calls, legacy)

@@ -193,6 +193,37 @@ class LLM:
     def n_vocab(self) -> int:
         return self.config.n_vocab
 
+    @property
+    def system_fingerprint(self) -> str:
+        """OpenAI's ``system_fingerprint``: "fp_" + 12 hex digits naming what, besides the request, decides the
+        output: pyllm's version, the model file (name and size: hashing a multi-GB file would delay the first
+        reply by seconds), the KV cache kind, context size, device, backend and kernel family, and the chat
+        template. Equal across requests of one loaded model; a client that sees it change knows a seeded or greedy
+        reply may change."""
+        import hashlib
+
+        from ._version import __version__
+
+        cached = self.__dict__.get("_fingerprint")
+        if cached is not None and cached[0] is self.template:  # once per template: no stat per request
+            return cached[1]
+        template = getattr(self.template, "source", "") or ""
+        key = (__version__, self.path.name, self.path.stat().st_size, self.kv.kind, self.n_ctx, self.device,
+               self.backend, self._kernels(), hashlib.sha256(template.encode()).hexdigest())
+        fp = "fp_" + hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+        self._fingerprint = (self.template, fp)
+        return fp
+
+    def _kernels(self) -> str:
+        """The kernels in use: the CPU's kernel family, or the GPU's name."""
+        if self.device == "cuda":
+            return torch.cuda.get_device_name(self.model.backend.device)
+        if self.backend == "reference":
+            return "torch"
+        from . import ops
+
+        return ops.get_isa() or "none"
+
     def reset(self) -> None:
         """Forget the cached conversation (the next call prefills from scratch)."""
         with self._lock:

@@ -82,6 +82,13 @@ def test_two_ray_replicas_both_answer_with_the_librarys_text():
         chunks = list(stream)
         assert chunks[0].choices[0].delta.role == "assistant"
         assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+        # the replicas build the same app: a local page's preflight passes Ray's proxy and is answered, another's not
+        from test_server import _cors
+
+        status, h = _cors(s, "/v1/chat/completions", "http://localhost:3000")
+        assert status == 200 and h["access-control-allow-origin"] == "http://localhost:3000", h
+        assert _cors(s, "/v1/chat/completions", "https://evil.example")[1] == {}
     finally:
         s.close()
     assert s.proc.returncode == 0, s.output()

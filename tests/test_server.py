@@ -206,6 +206,21 @@ def test_stream_ends_with_done_and_no_usage_unless_asked(smol):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_system_fingerprint_names_the_model_and_runtime(smol, smol_llm, qwen):
+    client = smol.client()
+    fps = [client.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=2,
+                                          temperature=0).system_fingerprint,
+           client.completions.create(model="smollm2", prompt="Hi", max_tokens=2, temperature=0).system_fingerprint]
+    fps += [c.system_fingerprint for c in client.chat.completions.create(
+        model="smollm2", messages=_chat("Hi"), max_tokens=2, stream=True, stream_options={"include_usage": True})]
+    fps += [c.system_fingerprint for c in client.completions.create(model="smollm2", prompt="Hi", max_tokens=2,
+                                                                    stream=True)]
+    # one value for every response and chunk, the library's for the same file and settings
+    assert set(fps) == {smol_llm.system_fingerprint} and re.fullmatch(r"fp_[0-9a-f]{12}", fps[0])
+    other = qwen.client().chat.completions.create(model="qwen", messages=_chat("Hi"), max_tokens=1, temperature=0)
+    assert other.system_fingerprint.startswith("fp_") and other.system_fingerprint != fps[0]
+
+
 def test_completion_matches_library_with_stop_and_logprobs(smol, smol_llm):
     prompt = "The capital of France is"
     want = smol_llm.generate(prompt, max_tokens=12, temperature=0, stop=["\n"])
@@ -774,7 +789,8 @@ WEATHER = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def qwen():
-    s = Server(fixture_path("qwen2"), "--alias", "qwen", "--ctx", "1024")
+    s = Server(fixture_path("qwen2"), "--alias", "qwen", "--ctx", "1024", "--cors-origin", "https://ui.example/",
+               "--cors-origin", "https://*.tools.example")
     yield s
     s.close()
 
@@ -942,6 +958,88 @@ def test_a_chat_over_the_template_output_limit_is_context_length_exceeded(qwen):
     assert r.usage.completion_tokens == 2
 
 
+def _cors(server, path: str, origin: str, method: str = "OPTIONS", body: bytes | None = None, key: str | None = None):
+    """(status, the response's Access-Control-* headers) of a browser's request from ``origin``: with OPTIONS, the
+    preflight of a POST carrying Authorization and Content-Type."""
+    req = urllib.request.Request(server.base + path, data=body, method=method, headers={"Origin": origin})
+    if method == "OPTIONS":
+        req.add_header("Access-Control-Request-Method", "POST")
+        req.add_header("Access-Control-Request-Headers", "authorization, content-type, x-stainless-os")
+    else:
+        req.add_header("Content-Type", "application/json")
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            status, headers = r.status, r.headers
+    except urllib.error.HTTPError as e:
+        status, headers = e.code, e.headers
+    return status, {k.lower(): v for k, v in headers.items() if k.lower().startswith("access-control-")}
+
+
+def test_cors_lets_local_pages_in_and_no_others(smol):
+    body = json.dumps({"model": "smollm2", "prompt": "Hi", "max_tokens": 1, "temperature": 0}).encode()
+    for origin in ("http://localhost:3000", "https://127.0.0.1", "http://[::1]:5173", "http://0.0.0.0:8000",
+                   "tauri://localhost", "app://obsidian.md"):
+        for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
+            # the preflight is answered before the API-key check: browsers send it without the key
+            status, h = _cors(smol, path, origin)
+            assert status == 200 and h["access-control-allow-origin"] == origin, (origin, path, h)
+            allowed = {x.strip().lower() for x in h["access-control-allow-headers"].split(",")}
+            assert {"authorization", "content-type", "x-stainless-os"} <= allowed
+            assert "POST" in h["access-control-allow-methods"]
+        status, h = _cors(smol, "/v1/completions", origin, "POST", body, key=KEY)
+        assert status == 200 and h["access-control-allow-origin"] == origin
+    # a page can read the refusal of a wrong key, and no page from elsewhere learns anything
+    status, h = _cors(smol, "/v1/completions", "http://localhost:3000", "POST", body, key="wrong")
+    assert status == 401 and h["access-control-allow-origin"] == "http://localhost:3000"
+    for origin in ("https://evil.example", "http://localhost.evil.example", "http://127.0.0.1.evil.example:80",
+                   "https://ui.example", "null"):
+        status, h = _cors(smol, "/v1/chat/completions", origin)
+        assert status == 400 and h == {}, (origin, h)
+        status, h = _cors(smol, "/v1/completions", origin, "POST", body, key=KEY)
+        assert status == 200 and h == {}, (origin, h)
+
+
+def test_cors_origin_flag_adds_origins(qwen):
+    for origin in ("https://ui.example", "https://a.tools.example", "http://localhost:3000"):
+        status, h = _cors(qwen, "/v1/chat/completions", origin)
+        assert status == 200 and h["access-control-allow-origin"] == origin, (origin, h)
+    for origin in ("https://evil.example", "http://ui.example", "https://ui.example.evil"):
+        status, h = _cors(qwen, "/v1/chat/completions", origin)
+        assert status == 400 and h == {}, (origin, h)
+
+
+def test_cors_origin_star_lets_every_page_in():
+    import asyncio
+
+    from pyllm.server.app import with_cors
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    def ask(method: str, headers: dict) -> tuple[int, dict]:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": method, "path": "/v1/chat/completions", "query_string": b"",
+                 "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()]}
+        asyncio.run(with_cors(app, ["*"])(scope, receive, send))
+        return sent[0]["status"], {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+
+    status, h = ask("OPTIONS", {"Origin": "https://any.example", "Access-Control-Request-Method": "POST",
+                                "Access-Control-Request-Headers": "authorization"})
+    assert status == 200 and h["access-control-allow-origin"] == "*"
+    status, h = ask("POST", {"Origin": "https://any.example"})
+    assert status == 200 and h["access-control-allow-origin"] == "*"
+
+
 def _readme_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Serve")
@@ -974,7 +1072,9 @@ def test_serve_cli_errors_are_one_line():
         for args, msg, rc, head in ((["--port", str(port)], "cannot listen on 127.0.0.1", 1, "pyllm: error: "),
                                     (["--parallel", "0"], "--parallel", 2, "pyllm serve: error: "),
                                     (["--port", "70000"], "--port", 2, "pyllm serve: error: "),
-                                    (["--max-body", "0"], "--max-body: must be >= 1", 2, "pyllm serve: error: ")):
+                                    (["--max-body", "0"], "--max-body: must be >= 1", 2, "pyllm serve: error: "),
+                                    (["--cors-origin", "https://ui.example/chat"], "is not an origin", 1,
+                                     "pyllm: error: ")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
                                env=env, capture_output=True, text=True, timeout=120)
             assert r.returncode == rc and r.stderr.startswith(head) and msg in r.stderr, r.stderr

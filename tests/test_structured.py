@@ -341,6 +341,42 @@ def test_integers_the_engine_would_round_are_refused_or_bounded_exactly():
     assert given == {"type": "integer", "maximum": 2 ** 64}  # the caller's schema is not edited
 
 
+def test_number_bounds_the_engine_cannot_write_are_refused_naming_where():
+    """The engine failed on a number (not integer) bound of magnitude 2^63 or more, and on a one-sided range from
+    10^18 up (or -10^18 down), naming only the range: "Failed to generate regex for float range: min=None,
+    max=Some(1e19)". Reference: JSON pointers (RFC 6901) into the schema as given; jsonschema for the values the
+    bounds just inside those limits admit. Such a bound is one line naming where it is and its value; bounds
+    inside the limits still work, exactly."""
+    llm = llm_of("smollm2")
+    beyond = "beyond the numbers the engine can bound"
+    for schema, where, value, why in (
+            ({"type": "number", "maximum": 1e19}, "/maximum", "1e+19", beyond),
+            ({"type": "object", "properties": {"x/y": {"type": "number", "minimum": 0, "exclusiveMaximum": 1e300}}},
+             "/properties/x~1y/exclusiveMaximum", "1e+300", beyond),
+            ({"anyOf": [{"type": "string"}, {"type": ["number", "null"], "minimum": -1e19}]},
+             "/anyOf/1/minimum", "-1e+19", beyond),
+            ({"type": "number", "minimum": 1e18}, "/minimum", "1e+18", "but the range has no maximum"),
+            ({"type": "number", "exclusiveMaximum": -5e18}, "/exclusiveMaximum", "-5e+18",
+             "but the range has no minimum"),
+            ({"type": "number", "maximum": 9.223372036854775e18}, "/maximum",
+             "9.223372036854775e+18 (read by the engine as 9.223372036854776e+18)", beyond)):
+        with pytest.raises(PyllmError) as e:
+            llm.make_constraint(json_schema=schema)
+        msg = str(e.value)
+        assert msg.startswith(f"invalid json_schema: {where} is {value}, {why}") and "\n" not in msg, msg
+    for schema, inside, outside in (({"type": "number", "maximum": 9.2e18}, ["9199999999999999999.5", "-3"],
+                                     ["9200000000000000000.5"]),
+                                    ({"type": "number", "minimum": 9.9e17}, ["990000000000000000", "1234567890123456789"],
+                                     ["-1"]),
+                                    ({"type": "number", "minimum": 1e18, "maximum": 2e18},
+                                     ["1500000000000000000.25"], ["999999999999999999"])):
+        for v in inside:
+            assert accepts(llm, schema, v), (schema, v)
+            jsonschema.validate(json.loads(v), schema)
+        for v in outside:
+            assert not accepts(llm, schema, v), (schema, v)
+
+
 def test_a_model_pushed_to_write_digits_stops_at_the_cap():
     """Gemma 3 with its "7" token pushed up by logit_bias wrote sevens until max_tokens (finish "length", a number
     no JSON reader keeps exactly). Reference: llama.cpp's 16-digit integral part; the reply ends there, complete."""

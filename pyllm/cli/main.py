@@ -206,6 +206,19 @@ def api_key_from_args(a) -> str | None:
     return os.environ.get("PYLLM_API_KEY") or None
 
 
+def cors_origins_from_args(a) -> tuple[str, ...]:
+    """--cors-origin values: ``*``, or scheme://host[:port] (``*`` a wildcard within it), a trailing slash dropped.
+    One with a path is refused: a browser's Origin header never has one, so it would let no page in, silently."""
+    out = []
+    for origin in a.cors_origin or ():
+        o = origin.strip().rstrip("/")
+        if o != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+", o):
+            raise PyllmError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] as the page's "
+                             f"address bar shows it (no path), or '*' for every origin")
+        out.append(o)
+    return tuple(out)
+
+
 def cmd_serve(a) -> int:
     try:
         import starlette  # noqa: F401
@@ -213,6 +226,7 @@ def cmd_serve(a) -> int:
     except ImportError as e:
         raise PyllmError(f"pyllm serve needs the server extra ({e.name} is missing): pip install \"pyllm[serve]\"")
     api_key = api_key_from_args(a)
+    cors_origins = cors_origins_from_args(a)
     from ..server.app import listen_socket, serve
 
     try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
@@ -226,7 +240,8 @@ def cmd_serve(a) -> int:
         llm = load_from_args(a)
         name = a.model if a.model in registry.REGISTRY else llm.path.name
         serve(llm, a.alias or name, host=a.host, port=a.port, api_key=api_key,
-              max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock)
+              max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock,
+              cors_origins=cors_origins)
     return 0
 
 
@@ -246,7 +261,7 @@ def serve_replicas_from_args(a) -> int:
     spec = ReplicaSpec(path=str(path), model_name=a.alias or name or path.name, device=a.device, n_ctx=a.ctx,
                        kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
                        api_key=api_key_from_args(a), max_body=a.max_body,
-                       parallel=a.parallel, plain_template=a.plain_template)
+                       parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a))
 
     def wait_for_interrupt():  # serve_replicas turns Ctrl-C and SIGTERM into KeyboardInterrupt
         threading.Event().wait()
@@ -346,6 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PYLLM_API_KEY, else none)")
+    s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="also let browser pages from ORIGIN (scheme://host[:port], '*' a wildcard; '*' alone: any "
+                        "site) call the server; repeatable (default: only local pages: localhost, 127.0.0.1, "
+                        "[::1], 0.0.0.0 at any port, and app://, file://, tauri://, vscode-webview:// pages)")
     s.add_argument("--alias", default=None, help="model id clients use (default: the registry name or file name)")
     s.add_argument("--parallel", "-np", type=int, default=1,
                    help="requests decoded together in one batched step, each with its own KV slot (default 1: one "

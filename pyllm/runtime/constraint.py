@@ -382,6 +382,57 @@ def _exact_integers(schema: Any) -> Any:
     return schema if changed else None
 
 
+# The engine writes a bounded number (not integer) as plain decimals, splitting its range at 0 and, for a range
+# open on one side, at the next power of ten past the bound, and parses each piece's integral ends as a 64-bit
+# integer: a bound of magnitude 2^63 or more (past BOUND_EDGE, as doubles go) fails, and so does a minimum of 10^18
+# or more with no maximum (or a maximum of -10^18 or less with no minimum), whose next power of ten is 10^19. It
+# says so naming only the range ("Failed to generate regex for float range: min=None, max=Some(1e19)"), and it
+# reads a bound's digits with rounding of its own (9.223372036854775e18, BOUND_EDGE, is its 2^63). No bound
+# can be dropped or moved instead: the digits a number may have grow with the schema's own numbers (_digit_cap),
+# so values past the bound stay writable and a changed bound would admit or refuse some.
+_FLOAT_RANGE = re.compile(r"Failed to generate regex for float range: min=(?:None|Some\(([^)]*)\)), "
+                          r"max=(?:None|Some\(([^)]*)\))")
+
+
+def _number_bound_refusal(message: str, schema: Any) -> str | None:
+    """One line naming the JSON pointer and value of the number bound the engine's ``message`` refuses without
+    saying where, or None if ``message`` is not that refusal."""
+    m = _FLOAT_RANGE.search(message)
+    if m is None:
+        return None
+    lo, hi = (float(g) if g is not None else None for g in m.groups())
+    if lo is not None and (abs(lo) > BOUND_EDGE or (hi is None and lo >= OPEN_RANGE_LIMIT)):
+        value, keys, lower = lo, _LOWER_BOUNDS, True
+    elif hi is not None:
+        value, keys, lower = hi, _UPPER_BOUNDS, False
+    else:
+        return None
+    if abs(value) > BOUND_EDGE:
+        why = f"beyond the numbers the engine can bound (-{BOUND_EDGE}..{BOUND_EDGE})"
+    else:
+        why = (f"but the range has no {'maximum' if lower else 'minimum'}: the engine bounds a number range open "
+               f"{'above' if lower else 'below'} only from {'below 10^18' if lower else 'above -10^18'}")
+    # the bound on that side nearest the engine's value, first in document order: the engine reads a bound's
+    # decimal digits with rounding of its own (9.999999999999999e17 is its 1e18), so equality could miss it
+    where, best = None, math.inf
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        s, path = stack.pop()
+        if isinstance(s, list):
+            stack.extend((v, _pointer(path, i)) for i, v in reversed(list(enumerate(s))))
+        elif isinstance(s, dict):
+            for k, v in s.items():
+                if k in keys and isinstance(v, (int, float)) and not isinstance(v, bool) \
+                        and abs(float(v) - value) < best:
+                    where, best, given = _pointer(path, k), abs(float(v) - value), v
+            stack.extend((v, _pointer(path, k)) for k, v in reversed(list(s.items()))
+                         if k not in SCHEMA_DATA and isinstance(v, (dict, list)))
+    if where is None or best > abs(value) * 1e-9:
+        return f"invalid json_schema: a number {'minimum' if lower else 'maximum'} is {value!r}, {why}"
+    read = "" if float(given) == value else f" (read by the engine as {value!r})"
+    return f"invalid json_schema: {where} is {shorten(given)}{read}, {why}"
+
+
 class Constraint:
     """One generation's grammar state over a GrammarVocab. Not thread-safe: one per generation."""
 
@@ -415,7 +466,14 @@ class Constraint:
                                         defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
             raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
-        return cls(grammar, vocab, "json_schema", _digit_cap(json.loads(text)))
+        parsed = json.loads(text)
+        try:
+            return cls(grammar, vocab, "json_schema", _digit_cap(parsed))
+        except PyllmError as e:
+            refusal = _number_bound_refusal(str(e), parsed)
+            if refusal is None:
+                raise
+        raise PyllmError(refusal)
 
     @classmethod
     def json_object(cls, vocab: GrammarVocab) -> "Constraint":

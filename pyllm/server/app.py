@@ -19,6 +19,7 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -148,6 +149,44 @@ class Metrics:
         return "\n".join(out) + "\n"
 
 
+# The pages a browser may call this server from without --cors-origin: Ollama's default (OLLAMA_ORIGINS), which web
+# UIs and desktop shells for local models are written against: pages served from this machine (localhost,
+# 127.0.0.1, [::1], 0.0.0.0 at any port) and the schemes of desktop apps and editor webviews. Not every origin, as
+# llama-server allows: a page on any site the user visits could then read the local model's answers (and spend
+# its time), since a server on 127.0.0.1 is reachable from every tab.
+LOCAL_ORIGINS = (r"https?://(localhost|127\.0\.0\.1|\[::1\]|0\.0\.0\.0)(:\d+)?",
+                 r"(app|file|tauri|vscode-webview|vscode-file)://.*")
+
+
+def origin_pattern(origin: str) -> str:
+    """The regular expression of one --cors-origin value: the origin as written, ``*`` matching any run of
+    characters within it (``https://*.example.com``, ``chrome-extension://*``), as in OLLAMA_ORIGINS."""
+    return ".*".join(re.escape(part) for part in origin.rstrip("/").split("*"))
+
+
+class LocalCORS(CORSMiddleware):
+    """Starlette's CORS middleware, except that a preflight from an origin it refuses gets no CORS headers at
+    all (Starlette's names the methods and headers it would allow): the refusal tells such a page nothing."""
+
+    def preflight_response(self, request_headers):
+        response = super().preflight_response(request_headers)
+        if not self.is_allowed_origin(request_headers["origin"]):
+            for name in [k for k in response.headers if k.lower().startswith("access-control-")]:
+                del response.headers[name]
+        return response
+
+
+def with_cors(app, origins=()):
+    """``app`` behind CORS: browsers' pages from LOCAL_ORIGINS or ``origins`` (each an origin, ``*`` a wildcard;
+    ``*`` alone: every origin) may call it with any request headers (Authorization, Content-Type, the openai JS
+    client's own). Outermost, so a preflight never meets the API-key check and error responses (a 401 too) carry
+    the headers a page needs to read them. No credentials (cookies): the API key travels in a header."""
+    origins = list(origins)
+    return LocalCORS(app, allow_origins=["*"] if "*" in origins else [],
+                     allow_origin_regex="|".join(f"(?:{p})" for p in (*LOCAL_ORIGINS, *map(origin_pattern, origins))),
+                     allow_methods=["GET", "POST"], allow_headers=["*"], allow_private_network=True)
+
+
 def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30):
     """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
     directory ``prompt_cache`` (or None)."""
@@ -167,10 +206,11 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, parallel: int = 1,
-               prompt_cache=None) -> Starlette:
+               prompt_cache=None, cors_origins=()) -> Starlette:
     """The ASGI app serving ``llm`` under the model id ``model_name``. ``parallel`` > 1 or a ``prompt_cache``
     directory: requests run in a BatchEngine of that many KV slots (pyllm/runtime/batch.py); else one at a time
-    through the LLM itself (which speculates on greedy requests)."""
+    through the LLM itself (which speculates on greedy requests). ``cors_origins``: origins whose pages may call
+    it besides the local ones (with_cors)."""
     metrics = Metrics()
     engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if parallel > 1 or prompt_cache else None
 
@@ -408,6 +448,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                                                        Exception: on_error}, lifespan=lifespan)
     app.add_middleware(Auth)
+    app.add_middleware(with_cors, origins=cors_origins)  # added last: the outermost
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
 
@@ -433,7 +474,7 @@ def listen_socket(host: str, port: int):
 
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None) -> None:
+          max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None, cors_origins=()) -> None:
     """``sock``: a socket from listen_socket, already bound (else one is bound here)."""
     import sys
 
@@ -441,7 +482,7 @@ def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_k
 
     prepare_for_requests(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
-                     prompt_cache=prompt_cache)
+                     prompt_cache=prompt_cache, cors_origins=cors_origins)
     sock = sock or listen_socket(host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     server = uvicorn.Server(config)

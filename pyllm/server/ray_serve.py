@@ -32,6 +32,7 @@ class ReplicaSpec:
     max_body: int = 8 * 2**20
     parallel: int = 1
     plain_template: bool = False
+    cors_origins: tuple[str, ...] = ()
 
 
 def require_ray():
@@ -74,7 +75,8 @@ def build_replica_app(spec: ReplicaSpec):
     if spec.plain_template:
         llm.use_fallback_template()
     prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles
-    app = create_app(llm, spec.model_name, api_key=spec.api_key, max_body=spec.max_body, parallel=spec.parallel)
+    app = create_app(llm, spec.model_name, api_key=spec.api_key, max_body=spec.max_body, parallel=spec.parallel,
+                     cors_origins=tuple(spec.cors_origins))
     return with_replica_header(app, f"{socket.gethostname()}:{os.getpid()}")
 
 
