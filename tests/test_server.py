@@ -929,3 +929,29 @@ def test_serve_on_ipv6_and_port_0_names_the_port_it_listens_on():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=20)
+
+
+def test_an_endless_request_head_is_refused_and_the_server_keeps_serving(smol):
+    """A request head over MAX_HEAD_BYTES is answered 400 and the connection closed: the HTTP parser uvicorn picks
+    by default (httptools) kept every header byte, so one client could take the server's memory."""
+    import socket
+
+    from pyllm.server.app import MAX_HEAD_BYTES
+
+    s = socket.create_connection(("127.0.0.1", smol.port), timeout=60)
+    try:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        reply = b""
+        try:
+            for _ in range(4 * MAX_HEAD_BYTES // 8192):
+                s.sendall(b"a" * 8192)
+        except OSError:  # closed by the server before the whole header was sent
+            pass
+        while chunk := s.recv(4096):
+            reply += chunk
+    except OSError:
+        pass
+    finally:
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    _ok(smol)

@@ -29,6 +29,7 @@ from ..errors import ContextFullError, PyllmError
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
+MAX_HEAD_BYTES = 64 * 2**10  # request line and headers; a larger head is a 400 and the connection is closed
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
 
@@ -443,7 +444,11 @@ def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_k
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
                      prompt_cache=prompt_cache)
     sock = sock or listen_socket(host, port)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    # h11, not httptools (uvicorn's pick when it is installed): httptools keeps a request's header lines however
+    # long they grow, so one client sending an endless header took the server's memory (256 MiB of header, +376
+    # MiB RSS); h11 refuses a request head over MAX_HEAD_BYTES with 400 and closes the connection
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, http="h11",
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     server = uvicorn.Server(config)
     slots = f", {parallel} slots" if parallel > 1 else ""
     cache = f", prompt cache {prompt_cache}" if prompt_cache else ""
