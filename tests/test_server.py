@@ -955,3 +955,28 @@ def test_an_endless_request_head_is_refused_and_the_server_keeps_serving(smol):
         s.close()
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     _ok(smol)
+
+
+def test_sigterm_ends_the_server_while_a_client_never_finishes_its_body():
+    """A client that announces a body and never sends it kept `pyllm serve` from exiting on SIGTERM: uvicorn waited
+    for the request without end. Requests in flight now get SHUTDOWN_GRACE_S seconds."""
+    import socket
+
+    from pyllm.server.app import SHUTDOWN_GRACE_S
+
+    s = Server(fixture_path("smollm2"), "--ctx", "256")
+    c = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+    try:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+        t = time.monotonic()
+        s.proc.terminate()
+        s.proc.wait(timeout=SHUTDOWN_GRACE_S + 30)
+        assert time.monotonic() - t < SHUTDOWN_GRACE_S + 20
+        assert "Traceback" not in s.proc.stdout.read()
+    finally:
+        c.close()
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
