@@ -270,10 +270,13 @@ def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsy
     with open(bad / "huge.safetensors", "wb") as f:
         f.write(struct.pack("<Q", len(h)) + h)
         f.truncate(8 + len(h) + off)  # sparse: gigabytes announced, nothing on disk
+    # more tokens than any context holds, over the real tensors: refused from the text, before it is parsed
+    save_file(state, str(bad / "tokens.safetensors"), metadata=dict(meta, tokens="[" + "1," * (1 << 24) + "1]"))
     capsys.readouterr()
     cache = batch.PromptCache(bad, "ab" * 32, kv(1))  # the FIFO made this hang forever
     err = capsys.readouterr().err
     assert "fifo.safetensors: ValueError: not a regular file" in err and "huge.safetensors: ValueError: tensor" in err
+    assert "tokens.safetensors: ValueError: bad token count 16777217" in err
     assert {p.name for p in cache.entries} == {"flipped.safetensors", "nan.safetensors"}
     for name, why in (("flipped", "do not match its digest"), ("nan", "holds NaN/Inf")):
         e = cache.entries[bad / f"{name}.safetensors"]
