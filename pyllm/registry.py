@@ -89,16 +89,21 @@ CACHE_ENV = "PYLLM_CACHE_DIR"
 
 def cache_dir() -> Path:
     """``$PYLLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/pyllm``, else ``~/.cache/pyllm``."""
-    if os.environ.get(CACHE_ENV):
-        path = Path(os.environ[CACHE_ENV])
-        # a file on the way would otherwise end the first mkdir (or read) with NotADirectoryError's traceback
-        existing = next((p for p in (path, *path.parents) if p.exists()), None)
-        if existing is not None and not existing.is_dir():
-            raise PyllmError(f"{CACHE_ENV}={os.environ[CACHE_ENV]}: not a directory ({existing} is a file); set "
-                             f"it to a directory for models and the compiled extension")
-        return path
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "pyllm"
+    var = CACHE_ENV if os.environ.get(CACHE_ENV) else "XDG_CACHE_HOME"
+    value = os.environ.get(var, "")
+    if var == CACHE_ENV:
+        path = Path(value)
+    elif os.path.isabs(value):
+        path = Path(value) / "pyllm"
+    else:  # unset, empty or relative: the XDG spec says a relative value is to be ignored
+        return Path(os.path.expanduser("~")) / ".cache" / "pyllm"
+    # a file on the way would otherwise end the first mkdir (or read) with NotADirectoryError's traceback, or, for
+    # the extension's build, a fall-back to the slow kernels explained by an errno that names no variable
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise PyllmError(f"{var}={value}: not a directory ({existing} is a file); set it to a directory for models "
+                         f"and the compiled extension")
+    return path
 
 
 def models_dir() -> Path:

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -525,3 +526,21 @@ def test_cache_dir_that_is_a_file_is_a_clean_error(tmp_path, args):
         res = subprocess.run([sys.executable, "-m", "pyllm", *args], capture_output=True, text=True, timeout=120,
                              env=env)
         assert_clean_error(res, "PYLLM_CACHE_DIR", "not a directory")
+
+
+def test_xdg_cache_home_is_checked_like_pyllm_cache_dir(tmp_path, monkeypatch):
+    """XDG_CACHE_HOME set to a file is one error naming it (it was an errno naming a path the user never typed, and
+    the extension fell back to the slow kernels); a relative value is ignored, as the XDG spec says."""
+    from pyllm import registry
+    from pyllm.errors import PyllmError
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    monkeypatch.delenv("PYLLM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(f))
+    with pytest.raises(PyllmError, match=r"^XDG_CACHE_HOME=.*afile: not a directory"):
+        registry.cache_dir()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")
+    assert registry.cache_dir() == Path(os.path.expanduser("~")) / ".cache" / "pyllm"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert registry.cache_dir() == tmp_path / "pyllm"

@@ -220,3 +220,79 @@ def test_engine_reads_waiting_prompts_before_decoding_further(monkeypatch):
     assert together == alone
     # a's first token (the end of its prompt), b's (the end of its), then both decode together
     assert order[:4] == ["a", "b", "a", "b"], order
+
+
+def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsys):
+    """Damage never reaches a request: a FIFO (whose open blocked the whole server), a header announcing gigabytes
+    of rows over a sparse file, a flipped bit in the rows, NaN statistics under a matching digest, a full disk."""
+    import json
+    import os
+    import resource
+    import signal
+    import struct
+
+    from safetensors.torch import load_file, save_file
+
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
+    cfg = llm.config
+
+    def kv(n):
+        return make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, n, cfg.head_dim)
+
+    s = batch.Slot(0, kv(512))
+    ids = llm.tokenize("Rivers run to the sea. " * 12)
+    while batch.prefill_chunk(llm.model, s, ids) is None:
+        pass
+    good = tmp_path / "good"
+    batch.PromptCache(good, "ab" * 32, kv(1)).save(s)
+    (src,) = good.glob("*.safetensors")
+    raw = src.read_bytes()
+    meta = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"]
+    state = load_file(str(src))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    os.mkfifo(bad / "fifo.safetensors")
+    flipped = bytearray(raw)
+    flipped[-5000] ^= 0x10
+    (bad / "flipped.safetensors").write_bytes(bytes(flipped))
+    nan = {k: v.clone().fill_(float("nan")) if v.is_floating_point() else v for k, v in state.items()}
+    save_file(nan, str(bad / "nan.safetensors"), metadata=dict(meta, sha256=batch.tensors_sha256(nan)))
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    off = 0
+    for name in sorted(k for k in header if k != "__metadata__"):  # every tensor 20,000 times longer, in place
+        e = header[name]
+        n = (e["data_offsets"][1] - e["data_offsets"][0]) * 20000
+        e["shape"][2 if len(e["shape"]) == 4 else 0] *= 20000
+        e["data_offsets"] = [off, off + n]
+        off += n
+    h = json.dumps(header).encode()
+    with open(bad / "huge.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h)
+        f.truncate(8 + len(h) + off)  # sparse: gigabytes announced, nothing on disk
+    # more tokens than any context holds, over the real tensors: refused from the text, before it is parsed
+    save_file(state, str(bad / "tokens.safetensors"), metadata=dict(meta, tokens="[" + "1," * (1 << 24) + "1]"))
+    capsys.readouterr()
+    cache = batch.PromptCache(bad, "ab" * 32, kv(1))  # the FIFO made this hang forever
+    err = capsys.readouterr().err
+    assert "fifo.safetensors: ValueError: not a regular file" in err and "huge.safetensors: ValueError: tensor" in err
+    assert "tokens.safetensors: ValueError: bad token count 16777217" in err
+    assert {p.name for p in cache.entries} == {"flipped.safetensors", "nan.safetensors"}
+    for name, why in (("flipped", "do not match its digest"), ("nan", "holds NaN/Inf")):
+        e = cache.entries[bad / f"{name}.safetensors"]
+        slot = batch.Slot(1, kv(512))
+        assert not cache.load_into(e, slot, 64) and slot.tokens == []
+        assert why in capsys.readouterr().err
+
+    # a full disk while saving: one log line, nothing left behind, the cache goes on
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    full = batch.PromptCache(tmp_path / "full", "ab" * 32, kv(1))
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
+        full.save(s)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert "cannot write" in capsys.readouterr().err and full.entries == {}
+    assert list((tmp_path / "full").iterdir()) == []

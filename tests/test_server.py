@@ -1114,3 +1114,54 @@ def test_serve_on_ipv6_and_port_0_names_the_port_it_listens_on():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=20)
+
+
+def test_an_endless_request_head_is_refused_and_the_server_keeps_serving(smol):
+    """A request head over MAX_HEAD_BYTES is answered 400 and the connection closed: the HTTP parser uvicorn picks
+    by default (httptools) kept every header byte, so one client could take the server's memory."""
+    import socket
+
+    from pyllm.server.app import MAX_HEAD_BYTES
+
+    s = socket.create_connection(("127.0.0.1", smol.port), timeout=60)
+    try:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        reply = b""
+        try:
+            for _ in range(4 * MAX_HEAD_BYTES // 8192):
+                s.sendall(b"a" * 8192)
+        except OSError:  # closed by the server before the whole header was sent
+            pass
+        while chunk := s.recv(4096):
+            reply += chunk
+    except OSError:
+        pass
+    finally:
+        s.close()
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    _ok(smol)
+
+
+def test_sigterm_ends_the_server_while_a_client_never_finishes_its_body():
+    """A client that announces a body and never sends it kept `pyllm serve` from exiting on SIGTERM: uvicorn waited
+    for the request without end. Requests in flight now get SHUTDOWN_GRACE_S seconds."""
+    import socket
+
+    from pyllm.server.app import SHUTDOWN_GRACE_S
+
+    s = Server(fixture_path("smollm2"), "--ctx", "256")
+    c = socket.create_connection(("127.0.0.1", s.port), timeout=60)
+    try:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{")
+        time.sleep(0.5)
+        t = time.monotonic()
+        s.proc.terminate()
+        s.proc.wait(timeout=SHUTDOWN_GRACE_S + 30)
+        assert time.monotonic() - t < SHUTDOWN_GRACE_S + 20
+        assert "Traceback" not in s.proc.stdout.read()
+    finally:
+        c.close()
+        if s.proc.poll() is None:
+            s.proc.kill()
+            s.proc.wait()
