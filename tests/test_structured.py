@@ -299,7 +299,8 @@ def test_numbers_have_at_most_16_digits_in_a_row_unless_the_schema_needs_more():
     assert not accepts(llm, anything, '{"a": [1, {"b": ' + d17 + '}]}')
     assert accepts(llm, anything, '{"' + d17 * 2 + '": "\\"' + d17 * 3 + '"}')  # strings are text
     for schema, value in (({"type": "integer", "minimum": 10 ** 17}, 10 ** 17 + 5),
-                          ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, -(10 ** 17) - 1),
+                          # the nearest double below the bound: the engine cannot exclude -10^17 but keep -10^17 - 1
+                          ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, -(10 ** 17) - 16),
                           ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-20}, "0.000000000000000000005"),
                           ({"const": 10 ** 20}, 10 ** 20),
                           ({"enum": [1, 0.123456789012345678]}, 0.123456789012345678)):
@@ -329,7 +330,13 @@ def test_integers_the_engine_would_round_are_refused_or_bounded_exactly():
                                     ({"type": "integer", "maximum": 2 ** 64}, [edge, 5], [edge + 1]),
                                     ({"type": "integer", "minimum": -(2 ** 63)}, [-edge, 0], []),
                                     ({"type": "integer", "minimum": edge}, [edge], [edge - 1]),
-                                    ({"type": "integer", "exclusiveMinimum": edge - 1}, [edge], [edge - 1])):
+                                    ({"type": "integer", "exclusiveMinimum": edge - 1}, [edge], [edge - 1]),
+                                    # stepped past in floats, these admitted the bound itself
+                                    ({"type": "integer", "exclusiveMinimum": 2 ** 53}, [2 ** 53 + 2], [2 ** 53]),
+                                    ({"type": "integer", "exclusiveMinimum": 9.2e18, "maximum": edge},
+                                     [9200000000000001024], [9200000000000000000]),
+                                    ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, [-(10 ** 17) - 16],
+                                     [-(10 ** 17)])):
         for v in inside:
             assert accepts(llm, schema, str(v)), (schema, v)
             jsonschema.validate(v, schema)

@@ -370,9 +370,11 @@ def _exact_integers(schema: Any) -> Any:
                     raise PyllmError(f"invalid json_schema: {_pointer(path, k)} is {shorten(given)}, beyond the "
                                      f"integers the engine can bound (-{BOUND_EDGE}..{BOUND_EDGE})")
                 exact = _inwards(v, lower)
-                if exact != v and k.startswith("exclusive"):
+                if (exact != v or abs(v) >= 2 ** 53) and k.startswith("exclusive"):
                     # rounded inwards, the bound could pass the one integer left (exclusiveMinimum 2^63 - 1025
-                    # moved to 2^63 - 1024 excludes it): as an inclusive bound, the next integer on rounds instead
+                    # moved to 2^63 - 1024 excludes it): as an inclusive bound, the next integer on rounds instead.
+                    # Kept, from 2^53 up it is stepped past in floats by the engine, where 2^53 + 1 is 2^53: an
+                    # exclusiveMinimum of 2^53 (or 9.2e18) admitted the bound itself
                     del s[k]
                     k = _LOWER_BOUNDS[0] if lower else _UPPER_BOUNDS[0]
                     exact = _inwards(v + 1 if lower else v - 1, lower)
