@@ -411,6 +411,21 @@ _FLOAT_RANGE = re.compile(r"Failed to generate regex for (float|integer) range: 
                           r"max=(?:None|Some\(([^)]*)\))")
 
 
+def _bounds(schema: Any):
+    """(its schema, JSON pointer, key, value) of each numeric bound in ``schema``, in document order."""
+    stack: list[tuple[Any, str]] = [(schema, "")]
+    while stack:
+        s, path = stack.pop()
+        if isinstance(s, list):
+            stack.extend((v, _pointer(path, i)) for i, v in reversed(list(enumerate(s))))
+        elif isinstance(s, dict):
+            for k, v in list(s.items()):
+                if k in _LOWER_BOUNDS + _UPPER_BOUNDS and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    yield s, _pointer(path, k), k, v
+            stack.extend((v, _pointer(path, k)) for k, v in reversed(list(s.items()))
+                         if k not in SCHEMA_DATA and isinstance(v, (dict, list)))
+
+
 def _number_bound_refusal(message: str, schema: Any) -> str | None:
     """One line naming the JSON pointer and value of the number bound the engine's ``message`` refuses without
     saying where, or None if ``message`` is not that refusal."""
@@ -435,19 +450,11 @@ def _number_bound_refusal(message: str, schema: Any) -> str | None:
     # the bound on that side nearest the engine's value, first in document order: the engine reads a bound's
     # decimal digits with rounding of its own (9.999999999999999e17 is its 1e18), so equality could miss it
     where, best = None, math.inf
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        s, path = stack.pop()
-        if isinstance(s, list):
-            stack.extend((v, _pointer(path, i)) for i, v in reversed(list(enumerate(s))))
-        elif isinstance(s, dict):
-            for k, v in s.items():
-                if k in keys and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    f = min(max(float(v), -2.0 ** 63), 2.0 ** 63) if saturates else float(v)
-                    if abs(f - value) < best:
-                        where, best, given = _pointer(path, k), abs(f - value), v
-            stack.extend((v, _pointer(path, k)) for k, v in reversed(list(s.items()))
-                         if k not in SCHEMA_DATA and isinstance(v, (dict, list)))
+    for _, at, k, v in _bounds(schema):
+        if k in keys:
+            f = min(max(float(v), -2.0 ** 63), 2.0 ** 63) if saturates else float(v)
+            if abs(f - value) < best:
+                where, best, given = at, abs(f - value), v
     if where is None or best > abs(value) * 1e-9:
         return f"invalid json_schema: a number {'minimum' if lower else 'maximum'} is {value!r}, {why}"
     read = "" if float(given) == value or saturates else f" (read by the engine as {value!r})"
@@ -473,18 +480,8 @@ def _deep_bound_refusal(message: str, schema: Any, compiles) -> str | None:
     bounds that have decimal places; None otherwise. ``schema`` is edited."""
     if _TOO_NESTED not in message:
         return None
-    found: list[tuple[int, str, float, dict, str]] = []  # (places, pointer, value, its schema, key)
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        s, path = stack.pop()
-        if isinstance(s, list):
-            stack.extend((v, _pointer(path, i)) for i, v in reversed(list(enumerate(s))))
-        elif isinstance(s, dict):
-            if not _integer_only(s):
-                found.extend((_places(v), _pointer(path, k), v, s, k) for k, v in s.items()
-                             if k in _LOWER_BOUNDS + _UPPER_BOUNDS and isinstance(v, float) and _places(v))
-            stack.extend((v, _pointer(path, k)) for k, v in reversed(list(s.items()))
-                         if k not in SCHEMA_DATA and isinstance(v, (dict, list)))
+    found = [(_places(v), at, v, s, k) for s, at, k, v in _bounds(schema)  # (places, pointer, value, its schema, key)
+             if isinstance(v, float) and _places(v) and not _integer_only(s)]
     if not found:
         return None
     places, where, value = max(found, key=lambda f: f[0])[:3]  # max keeps the first in document order
