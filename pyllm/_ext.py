@@ -71,6 +71,13 @@ class IsaError(PyllmError):
     """PYLLM_ISA names kernels this build or CPU cannot run."""
 
 
+class CacheError(PyllmError):
+    """The extension cannot be built or kept where the cache is (PYLLM_CACHE_DIR, XDG_CACHE_HOME or ~/.cache): not
+    a directory, not creatable, not writable. An error, not a fall-back to the reference kernels: the user set, or
+    can set, the variable, and would otherwise decode ten times slower with only a line of stderr to say why.
+    Worded for the CLI's "pyllm: error: " (no "pyllm: " of its own)."""
+
+
 def _apply_isa_env(mod) -> None:
     """PYLLM_ISA=scalar|avx2|avx512|amx forces a CPU kernel family (testing, benchmarking); unset: the best one."""
     name = os.environ.get("PYLLM_ISA", "").strip().lower()
@@ -225,8 +232,17 @@ def load():
         src = csrc_dir()
         cuda = _cuda_wanted()
         sources = CPU_SOURCES + (CUDA_SOURCES if cuda else [])
-        build = registry.cache_dir() / "ext" / _build_key(src, sources, cuda)
-        build.mkdir(parents=True, exist_ok=True)
+        try:
+            build = registry.cache_dir() / "ext" / _build_key(src, sources, cuda)
+        except PyllmError as e:  # a file where the cache should be, named by its variable
+            raise CacheError(str(e)) from None
+        try:
+            build.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # under a path that cannot hold it (/proc/x), full, or not writable
+            raise registry.unwritable_cache_error(e, "build the C++ extension", CacheError) or CacheError(
+                f"cannot build the C++ extension: {e.filename or build}: {e.strerror}; the cache "
+                f"{registry.cache_dir()} must be a directory it can be written to: set {registry.CACHE_ENV} to "
+                f"one") from None
         with build_lock(build):
             if not (build / f"{NAME}.so").exists():
                 what = ("with its CUDA kernels " if cuda else "") + "(first use, a few minutes)"
@@ -248,8 +264,9 @@ def load():
     except Exception as e:  # compiler errors arrive as RuntimeError / CalledProcessError / OSError
         from . import registry
 
-        unwritable = registry.unwritable_cache_error(e, "build the C++ extension") if isinstance(e, OSError) else None
-        _error = PyllmError(f"pyllm: {unwritable}") if unwritable else _diagnose(e)
+        unwritable = (registry.unwritable_cache_error(e, "build the C++ extension", CacheError)
+                      if isinstance(e, OSError) else None)
+        _error = unwritable or _diagnose(e)
         raise _error from e
     try:
         _apply_isa_env(mod)

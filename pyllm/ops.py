@@ -39,8 +39,8 @@ class _LazyExtension:
         if self.failed is None:
             try:
                 mod = _ext.load()
-            except _ext.IsaError:  # PYLLM_ISA asked for kernels this machine lacks: an error, not a fallback
-                raise
+            except (_ext.IsaError, _ext.CacheError):  # PYLLM_ISA asked for kernels this machine lacks, or the
+                raise                                   # cache is unusable: errors the user can fix, not a fallback
             except PyllmError as e:
                 print(f"{e}\npyllm: falling back to the (slow) torch reference kernels", file=sys.stderr)
                 self.failed = e

@@ -114,12 +114,12 @@ def models_dir() -> Path:
 UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def unwritable_cache_error(e: OSError, what: str) -> PyllmError | None:
-    """The one-line error for ``e``, met while ``what`` wrote into the cache, when the cache cannot be written
-    (permissions, a read-only file system); None for any other OSError."""
+def unwritable_cache_error(e: OSError, what: str, kind: type[PyllmError] = PyllmError) -> PyllmError | None:
+    """The one-line error (a ``kind``) for ``e``, met while ``what`` wrote into the cache, when the cache cannot be
+    written (permissions, a read-only file system); None for any other OSError."""
     if e.errno not in UNWRITABLE:
         return None
-    return PyllmError(f"cannot {what}: {e.filename or cache_dir()}: {e.strerror}; the cache {cache_dir()} must be "
+    return kind(f"cannot {what}: {e.filename or cache_dir()}: {e.strerror}; the cache {cache_dir()} must be "
                       f"writable: fix its permissions or set {CACHE_ENV} to a directory you can write")
 
 

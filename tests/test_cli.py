@@ -484,8 +484,24 @@ def test_extension_build_in_a_cache_without_write_permission_names_it(tmp_path):
     finally:
         cache.chmod(0o755)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.startswith("pyllm: cannot build the C++ extension: " + str(cache / "ext")), res.stdout
+    assert res.stdout.startswith("cannot build the C++ extension: " + str(cache / "ext")), res.stdout
     assert "PYLLM_CACHE_DIR" in res.stdout and "compiling" not in res.stdout
+
+
+@pytest.mark.parametrize("cache,needles", [("/dev/null", ["PYLLM_CACHE_DIR=/dev/null", "not a directory"]),
+                                           ("/proc/no-such-dir/cache", ["/proc/no-such-dir", "PYLLM_CACHE_DIR"])])
+def test_a_cache_the_extension_cannot_be_built_in_is_an_error_not_slow_kernels(smollm2_path, cache, needles):
+    """The extension is built into the cache: one that is not a directory or cannot be created printed its error
+    and then ran a model file on the reference kernels, ten times slower, exiting 0. Reference: the rest of the
+    CLI for a bad PYLLM_CACHE_DIR (one line naming it, exit 1), which the fall-back hid from the user."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYLLM_CACHE_DIR=cache)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("PYLLM_NO_EXT", None)
+    res = subprocess.run([sys.executable, "-m", "pyllm", "run", smollm2_path, "hi", "-n", "2"], capture_output=True,
+                         text=True, timeout=300, env=env, cwd=root)
+    assert_clean_error(res, *needles)
+    assert res.stdout == "" and "slow" not in res.stderr
 
 
 def test_a_read_only_cache_still_serves_a_model_that_checks_out(tmp_path, smollm2_path):

@@ -299,7 +299,8 @@ def test_numbers_have_at_most_16_digits_in_a_row_unless_the_schema_needs_more():
     assert not accepts(llm, anything, '{"a": [1, {"b": ' + d17 + '}]}')
     assert accepts(llm, anything, '{"' + d17 * 2 + '": "\\"' + d17 * 3 + '"}')  # strings are text
     for schema, value in (({"type": "integer", "minimum": 10 ** 17}, 10 ** 17 + 5),
-                          ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, -(10 ** 17) - 1),
+                          # the nearest double below the bound: the engine cannot exclude -10^17 but keep -10^17 - 1
+                          ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, -(10 ** 17) - 16),
                           ({"type": "number", "exclusiveMinimum": 0, "maximum": 1e-20}, "0.000000000000000000005"),
                           ({"const": 10 ** 20}, 10 ** 20),
                           ({"enum": [1, 0.123456789012345678]}, 0.123456789012345678)):
@@ -329,7 +330,13 @@ def test_integers_the_engine_would_round_are_refused_or_bounded_exactly():
                                     ({"type": "integer", "maximum": 2 ** 64}, [edge, 5], [edge + 1]),
                                     ({"type": "integer", "minimum": -(2 ** 63)}, [-edge, 0], []),
                                     ({"type": "integer", "minimum": edge}, [edge], [edge - 1]),
-                                    ({"type": "integer", "exclusiveMinimum": edge - 1}, [edge], [edge - 1])):
+                                    ({"type": "integer", "exclusiveMinimum": edge - 1}, [edge], [edge - 1]),
+                                    # stepped past in floats, these admitted the bound itself
+                                    ({"type": "integer", "exclusiveMinimum": 2 ** 53}, [2 ** 53 + 2], [2 ** 53]),
+                                    ({"type": "integer", "exclusiveMinimum": 9.2e18, "maximum": edge},
+                                     [9200000000000001024], [9200000000000000000]),
+                                    ({"type": "integer", "exclusiveMaximum": -(10 ** 17)}, [-(10 ** 17) - 16],
+                                     [-(10 ** 17)])):
         for v in inside:
             assert accepts(llm, schema, str(v)), (schema, v)
             jsonschema.validate(v, schema)
@@ -375,6 +382,47 @@ def test_number_bounds_the_engine_cannot_write_are_refused_naming_where():
             jsonschema.validate(json.loads(v), schema)
         for v in outside:
             assert not accepts(llm, schema, v), (schema, v)
+
+
+EDGE = 2 ** 63 - 1024  # the largest double below 2^63
+
+
+@pytest.mark.parametrize("schema,expected", [
+    # a number schema follows the number rules whatever its bound's spelling: an integer is not moved inwards
+    ({"type": "number", "maximum": 10 ** 19}, "/maximum is 10000000000000000000, beyond the numbers"),
+    ({"type": "number", "maximum": 1e19}, "/maximum is 1e+19, beyond the numbers"),
+    ({"type": ["integer", "number"], "minimum": 10 ** 18}, "/minimum is 1000000000000000000, but the range has no max"),
+    ({"type": ["integer", "number"], "minimum": -1e19}, "/minimum is -1e+19, beyond the numbers"),
+    # an integer schema follows the integer rules whatever its bound's spelling: 1e19 is moved inwards as 10^19 is
+    ({"type": "integer", "maximum": 10 ** 19}, ([EDGE, 5], [EDGE + 1])),
+    ({"type": "integer", "maximum": 1e19}, ([EDGE, 5], [EDGE + 1])),
+    ({"type": ["integer", "null"], "minimum": -1e19}, ([-EDGE], [-EDGE - 1])),
+    ({"type": "integer", "minimum": 1e19}, "/minimum is 1e+19, beyond the integers"),
+    # too many decimal places for the engine's range pattern: named, not its regex parser's nesting limit
+    ({"minimum": 1e-300}, "/minimum is 1e-300, 300 decimal places"),
+    ({"properties": {"a": {"type": "number", "minimum": 1e-20}, "b~": {"exclusiveMinimum": 1.5e-120}}},
+     "/properties/b~0/exclusiveMinimum is 1.5e-120, 121 decimal places"),
+    ({"type": "string", "pattern": "(" * 300 + "a" + ")" * 300}, "regex parse error: error: exceed the maximum"),
+])
+def test_bounds_follow_the_schema_type_not_their_json_spelling(schema, expected):
+    """The engine bounds an integer schema as 64-bit integers and a number schema (type "number", a list with it,
+    or none) as doubles, whatever a bound's JSON spelling: 10^19 in a number schema was moved inwards to 2^63 - 1024
+    as an integer bound, refusing valid numbers, while 1e19 was refused; 1e19 in an integer schema was cut by the
+    engine to 2^63 - 1 unsaid, and -1e19 failed naming -2^63. A bound of 1e-300 failed with the engine's regex
+    nesting limit, naming neither it nor where. Reference: jsonschema, exact integers; JSON pointers (RFC 6901)."""
+    llm = llm_of("smollm2")
+    if isinstance(expected, str):
+        with pytest.raises(PyllmError) as e:
+            llm.make_constraint(json_schema=schema)
+        msg = str(e.value)
+        assert msg.startswith("invalid json_schema: " + expected) and "\n" not in msg, msg
+        return
+    inside, outside = expected
+    for v in inside:
+        assert accepts(llm, schema, str(v)), v
+        jsonschema.validate(v, schema)
+    for v in outside:
+        assert not accepts(llm, schema, str(v)), v
 
 
 def test_a_model_pushed_to_write_digits_stops_at_the_cap():
