@@ -1040,6 +1040,40 @@ def test_cors_origin_star_lets_every_page_in():
     assert status == 200 and h["access-control-allow-origin"] == "*"
 
 
+def test_a_500_from_an_exception_no_handler_caught_carries_cors_headers(smol_llm):
+    """Starlette answers an exception that escapes every handler with a 500 from its ServerErrorMiddleware, which
+    sat outside the CORS middleware: a page could not read that one error."""
+    import asyncio
+
+    from pyllm.server.app import create_app
+
+    app = create_app(smol_llm, "smollm2")
+
+    async def broken(request):
+        raise RuntimeError("a bug")
+
+    app.add_route("/v1/broken", broken)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "http_version": "1.1", "scheme": "http", "method": "GET", "path": "/v1/broken",
+             "raw_path": b"/v1/broken", "root_path": "", "query_string": b"", "server": ("127.0.0.1", 8080),
+             "client": ("127.0.0.1", 50000), "headers": [(b"host", b"x"), (b"origin", b"http://localhost:3000")]}
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):  # re-raised after the response, for the server to log
+            asyncio.run(app(scope, receive, send))
+    finally:
+        app.state.scheduler.close()
+    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    assert sent[0]["status"] == 500 and headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert json.loads(sent[1]["body"])["error"]["type"] == "server_error"
+
+
 def _readme_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Serve")

@@ -190,6 +190,18 @@ def with_cors(app, origins=()):
                      allow_methods=["GET", "POST"], allow_headers=["*"], allow_private_network=True)
 
 
+class API(Starlette):
+    """Starlette with CORS (with_cors) outside its ServerErrorMiddleware, which add_middleware cannot reach: the 500
+    of an exception no handler caught carries CORS headers too, so a page can read it like every other error."""
+
+    def __init__(self, *args, cors_origins=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cors_origins = cors_origins
+
+    def build_middleware_stack(self):
+        return with_cors(super().build_middleware_stack(), self.cors_origins)
+
+
 def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30):
     """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
     directory ``prompt_cache`` (or None)."""
@@ -448,10 +460,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         if engine is not None:
             engine.close()
 
-    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_error}, lifespan=lifespan)
+    app = API(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                                                 Exception: on_error}, lifespan=lifespan, cors_origins=cors_origins)
     app.add_middleware(Auth)
-    app.add_middleware(with_cors, origins=cors_origins)  # added last: the outermost
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
 
