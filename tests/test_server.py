@@ -1040,6 +1040,40 @@ def test_cors_origin_star_lets_every_page_in():
     assert status == 200 and h["access-control-allow-origin"] == "*"
 
 
+def test_a_500_from_an_exception_no_handler_caught_carries_cors_headers(smol_llm):
+    """Starlette answers an exception that escapes every handler with a 500 from its ServerErrorMiddleware, which
+    sat outside the CORS middleware: a page could not read that one error."""
+    import asyncio
+
+    from pyllm.server.app import create_app
+
+    app = create_app(smol_llm, "smollm2")
+
+    async def broken(request):
+        raise RuntimeError("a bug")
+
+    app.add_route("/v1/broken", broken)
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {"type": "http", "http_version": "1.1", "scheme": "http", "method": "GET", "path": "/v1/broken",
+             "raw_path": b"/v1/broken", "root_path": "", "query_string": b"", "server": ("127.0.0.1", 8080),
+             "client": ("127.0.0.1", 50000), "headers": [(b"host", b"x"), (b"origin", b"http://localhost:3000")]}
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):  # re-raised after the response, for the server to log
+            asyncio.run(app(scope, receive, send))
+    finally:
+        app.state.scheduler.close()
+    headers = {k.decode(): v.decode() for k, v in sent[0]["headers"]}
+    assert sent[0]["status"] == 500 and headers["access-control-allow-origin"] == "http://localhost:3000"
+    assert json.loads(sent[1]["body"])["error"]["type"] == "server_error"
+
+
 def _readme_section() -> str:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Serve")
@@ -1073,6 +1107,8 @@ def test_serve_cli_errors_are_one_line():
                                     (["--parallel", "0"], "--parallel", 2, "pyllm serve: error: "),
                                     (["--port", "70000"], "--port", 2, "pyllm serve: error: "),
                                     (["--max-body", "0"], "--max-body: must be >= 1", 2, "pyllm serve: error: "),
+                                    (["--client-timeout", "0"], "--client-timeout: must be in [1, ", 2,
+                                     "pyllm serve: error: "),
                                     (["--cors-origin", "https://ui.example/chat"], "is not an origin", 1,
                                      "pyllm: error: ")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
@@ -1165,3 +1201,110 @@ def test_sigterm_ends_the_server_while_a_client_never_finishes_its_body():
         if s.proc.poll() is None:
             s.proc.kill()
             s.proc.wait()
+
+
+CLIENT_TIMEOUT = 1  # the brisk server's --client-timeout, seconds
+SLACK = 3  # what a loaded 2-core machine adds to a deadline before the server acts on it, seconds
+
+
+@pytest.fixture(scope="module")
+def brisk():
+    s = Server(fixture_path("smollm2"), "--alias", "smollm2", "--ctx", "256", "--client-timeout", str(CLIENT_TIMEOUT))
+    yield s
+    s.close()
+
+
+def _read_to_close(c: socket.socket, since: float) -> tuple[bytes, float]:
+    """(all the server sent, seconds from ``since`` until it closed the connection)."""
+    reply = b""
+    try:
+        while chunk := c.recv(65536):
+            reply += chunk
+    except OSError:  # reset instead of closed: the time still counts
+        pass
+    return reply, time.monotonic() - since
+
+
+def test_stalled_request_heads_are_closed_at_the_client_timeout_and_others_are_served(brisk):
+    """A connection that never finishes a request head (no byte at all, half a head, or half of the next head after
+    a response) is closed --client-timeout seconds after the server began waiting for the head, with a 408 when part
+    of one came: they were held open without end. Requests on other connections are answered meanwhile."""
+    heads = [b"", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /he"]
+    conns = []
+    try:
+        for i in range(60):
+            c = socket.create_connection(("127.0.0.1", brisk.port), timeout=CLIENT_TIMEOUT + SLACK + 10)
+            conns.append((c, time.monotonic(), heads[i % 3]))
+            c.sendall(heads[i % 3])
+        for _ in range(3):
+            t = time.monotonic()
+            assert brisk.raw("/health") == (200, {"status": "ok"})
+            assert time.monotonic() - t < CLIENT_TIMEOUT  # answered while all 60 are held
+        for c, since, head in conns:
+            reply, took = _read_to_close(c, since)
+            assert CLIENT_TIMEOUT - 0.1 < took < CLIENT_TIMEOUT + SLACK, (head, took)
+            if not head:
+                assert reply == b""  # a connection that never asked gets no answer, as with an idle keep-alive one
+            elif head.count(b"GET") == 1:
+                assert reply.startswith(b"HTTP/1.1 408 ") and b"--client-timeout" in reply, reply
+            else:
+                assert reply.startswith(b"HTTP/1.1 200 ") and b"}HTTP/1.1 408 " in reply, reply
+    finally:
+        for c, _, _ in conns:
+            c.close()
+    assert brisk.raw("/health")[0] == 200
+
+
+def _post_in_pieces(server, body: bytes, pieces: list[tuple[float, int]]) -> tuple[bytes, float]:
+    """(the reply, seconds until the server closed or answered in full) of a POST /v1/completions announcing
+    ``body`` whole, then sending it as (pause in seconds, bytes) ``pieces``, stopping at the first refusal."""
+    c = socket.create_connection(("127.0.0.1", server.port), timeout=CLIENT_TIMEOUT + SLACK + 60)
+    with c:
+        t = time.monotonic()
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                  b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), len(body)))
+        at = 0
+        try:
+            for pause, n in pieces:
+                time.sleep(pause)
+                c.sendall(body[at:at + n])
+                at += n
+        except OSError:  # the server answered and closed first
+            pass
+        return _read_to_close(c, t)
+
+
+def test_a_stalled_or_trickling_body_is_a_408_before_model_work_and_a_steady_one_is_not(brisk):
+    """A body that stops, or trickles in a byte at a time, is a 408 --client-timeout seconds in (plus what it sent at
+    500 bytes/s) and no generation starts: the request held its connection and a task forever. A body arriving in
+    pieces for longer than the deadline, none of them late, and a streamed response of 240 tokens (over a second
+    on a 2-core machine), go through."""
+    body = json.dumps({"model": "smollm2", "prompt": "Hi", "max_tokens": 1, "temperature": 0}).encode()
+    body += b" " * (1400 - len(body))
+    before = brisk.metrics()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        stalled = pool.submit(_post_in_pieces, brisk, body, [(0, 1)])
+        trickled = pool.submit(_post_in_pieces, brisk, body, [(0.2, 1)] * len(body))
+        steady = pool.submit(_post_in_pieces, brisk, body, [(0.3, 200)] * 7)
+        stream = brisk.client().completions.create(model="smollm2", prompt="Once upon a time", max_tokens=240,
+                                                   temperature=0, stream=True, stream_options={"include_usage": True})
+        chunks = list(stream)
+        assert chunks[-1].usage.completion_tokens == 240
+        for f in (stalled, trickled):
+            reply, took = f.result()
+            assert reply.startswith(b"HTTP/1.1 408 ") and b"--client-timeout" in reply, reply
+            assert CLIENT_TIMEOUT - 0.1 < took < CLIENT_TIMEOUT + SLACK, took
+        reply, took = steady.result()
+    assert reply.startswith(b"HTTP/1.1 200 "), reply
+    assert took > 1.8 > CLIENT_TIMEOUT, took
+    # only the steady request's prompt and the stream's reached the model (its counters follow a response by a
+    # moment, so they are awaited)
+    read = json.loads(reply.split(b"\r\n\r\n", 1)[1])["usage"]["prompt_tokens"] + chunks[-1].usage.prompt_tokens
+    _, text = brisk.raw("/metrics")
+    assert 'pyllm_requests_total{route="/v1/completions",status="408"} 2' in text
+    for _ in range(50):
+        grown = brisk.metrics()["pyllm_prompt_tokens_total"] - before["pyllm_prompt_tokens_total"]
+        if grown >= read:
+            break
+        time.sleep(0.1)
+    assert grown == read

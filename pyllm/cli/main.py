@@ -241,7 +241,7 @@ def cmd_serve(a) -> int:
         name = a.model if a.model in registry.REGISTRY else llm.path.name
         serve(llm, a.alias or name, host=a.host, port=a.port, api_key=api_key,
               max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock,
-              cors_origins=cors_origins)
+              cors_origins=cors_origins, client_timeout=a.client_timeout)
     return 0
 
 
@@ -260,7 +260,7 @@ def serve_replicas_from_args(a) -> int:
     name = a.model if a.model in registry.REGISTRY else path.name
     spec = ReplicaSpec(path=str(path), model_name=a.alias or name or path.name, device=a.device, n_ctx=a.ctx,
                        kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
-                       api_key=api_key_from_args(a), max_body=a.max_body,
+                       api_key=api_key_from_args(a), max_body=a.max_body, client_timeout=a.client_timeout,
                        parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a))
 
     def wait_for_interrupt():  # serve_replicas turns Ctrl-C and SIGTERM into KeyboardInterrupt
@@ -375,6 +375,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve from N model replicas (processes) behind Ray Serve's proxy; needs the ray extra "
                         "(default 1: this process, no Ray)")
     s.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes (default 8 MiB)")
+    s.add_argument("--client-timeout", type=int, default=30, metavar="S",
+                   help="seconds a client may take to send a request head, or pause within a body, before a 408 "
+                        "and a closed connection (a body must also average 500 bytes/s past its first S); "
+                        "responses are never cut (default 30)")
     add_runtime_args(s)
     s.set_defaults(func=cmd_serve)
 

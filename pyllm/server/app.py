@@ -33,8 +33,16 @@ from .scheduler import DONE, EngineLLM, Job, Scheduler
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
 SHUTDOWN_GRACE_S = 10  # on SIGTERM, requests in flight get this long to finish before their connections close
 MAX_HEAD_BYTES = 64 * 2**10  # request line and headers; a larger head is a 400 and the connection is closed
+# --client-timeout: a request head must arrive whole within this many seconds of the server waiting for it, and a
+# body may pause this long at most (nginx's client_header_timeout and client_body_timeout, there 60 s each)
+CLIENT_TIMEOUT_S = 30
+# Past its first --client-timeout seconds a body must also average this many bytes per second (Apache's
+# mod_reqtimeout MinRate): a pause limit alone lets one byte every few seconds hold a request for as long as
+# --max-body allows, and a limit on the whole body would cut off a large one on a slow link
+MIN_BODY_RATE = 500
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               500: "server_error"}
 
 
 SURROGATE = re.compile("[\ud800-\udfff]")
@@ -89,8 +97,10 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    # after a 408 the rest of the body may still come, or never: the connection cannot carry another request
+    headers = {"Connection": "close"} if status == 408 else None
     return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                                   "param": param, "code": code}}, status_code=status)
+                                   "param": param, "code": code}}, status_code=status, headers=headers)
 
 
 def _as_api_error(e: Exception, prompt_param: str = "messages") -> APIError:
@@ -190,6 +200,51 @@ def with_cors(app, origins=()):
                      allow_methods=["GET", "POST"], allow_headers=["*"], allow_private_network=True)
 
 
+class API(Starlette):
+    """Starlette with CORS (with_cors) outside its ServerErrorMiddleware, which add_middleware cannot reach: the 500
+    of an exception no handler caught carries CORS headers too, so a page can read it like every other error."""
+
+    def __init__(self, *args, cors_origins=(), **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cors_origins = cors_origins
+
+    def build_middleware_stack(self):
+        return with_cors(super().build_middleware_stack(), self.cors_origins)
+
+
+class BodyDeadline:
+    """ASGI middleware: a request whose body pauses ``timeout`` seconds, or averages under MIN_BODY_RATE bytes a
+    second past its first ``timeout`` seconds, is APIError 408 from ``receive``, raised where the route reads its
+    body, before any model work. Once the body is whole ``receive`` has no deadline: a streamed response waits on
+    it for the client's disconnect."""
+
+    def __init__(self, app, timeout: float):
+        self.app, self.timeout = app, timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = last = time.monotonic()
+        got, whole = 0, False
+
+        async def timed_receive():
+            nonlocal last, got, whole
+            if whole:
+                return await receive()
+            wait = min(last + self.timeout, start + self.timeout + got / MIN_BODY_RATE) - time.monotonic()
+            try:
+                message = await asyncio.wait_for(receive(), max(wait, 0))
+            except asyncio.TimeoutError:
+                raise APIError(408, f"the request body did not arrive in time (--client-timeout {self.timeout:g} "
+                                    f"s, at least {MIN_BODY_RATE} bytes/s after that)") from None
+            last = time.monotonic()
+            got += len(message.get("body", b""))
+            whole = not message.get("more_body", False)
+            return message
+
+        await self.app(scope, timed_receive, send)
+
+
 def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30):
     """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
     directory ``prompt_cache`` (or None)."""
@@ -209,11 +264,11 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, parallel: int = 1,
-               prompt_cache=None, cors_origins=()) -> Starlette:
+               prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S) -> Starlette:
     """The ASGI app serving ``llm`` under the model id ``model_name``. ``parallel`` > 1 or a ``prompt_cache``
     directory: requests run in a BatchEngine of that many KV slots (pyllm/runtime/batch.py); else one at a time
     through the LLM itself (which speculates on greedy requests). ``cors_origins``: origins whose pages may call
-    it besides the local ones (with_cors)."""
+    it besides the local ones (with_cors). ``client_timeout``: the body's deadline (BodyDeadline)."""
     metrics = Metrics()
     engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if parallel > 1 or prompt_cache else None
 
@@ -448,10 +503,10 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         if engine is not None:
             engine.close()
 
-    app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
-                                                       Exception: on_error}, lifespan=lifespan)
+    app = API(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                                                 Exception: on_error}, lifespan=lifespan, cors_origins=cors_origins)
     app.add_middleware(Auth)
-    app.add_middleware(with_cors, origins=cors_origins)  # added last: the outermost
+    app.add_middleware(BodyDeadline, timeout=client_timeout)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
 
@@ -486,21 +541,77 @@ def _cut_off_at_shutdown(record) -> bool:
     return True
 
 
+def head_deadline_protocol(timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request head: the connection is closed when a head is not
+    whole ``timeout`` seconds after the server began waiting for it (the connection opened, or the last response
+    ended), with a 408 if part of one came. uvicorn's own timer (timeout_keep_alive) starts only after a response
+    and stops at the first byte of the next request, so a client sending its head byte by byte, or never a byte,
+    held the connection without end. Never armed while a request runs: a long streamed response is not cut."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        timer = waiting_after = None
+
+        def arm(self) -> None:
+            self.disarm()
+            self.waiting_after = self.cycle  # the next head starts a cycle other than this one
+            self.timer = self.loop.call_later(timeout, self.expire)
+
+        def disarm(self) -> None:
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
+
+        def expire(self) -> None:
+            self.timer = None
+            if self.transport.is_closing():
+                return
+            if self.conn.trailing_data[0]:  # bytes of a head h11 holds unparsed: a client is waiting for a reply
+                msg = f"request head not received within {timeout:g} s (--client-timeout)".encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(msg), msg))
+            self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.arm()
+
+        def connection_lost(self, exc) -> None:
+            self.disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.timer is not None and self.cycle is not self.waiting_after:
+                self.disarm()  # a head arrived
+
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():
+                self.arm()  # before the parent's, which may take a pipelined head at once
+            super().on_response_complete()
+
+    return HeadDeadline
+
+
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None, cors_origins=()) -> None:
-    """``sock``: a socket from listen_socket, already bound (else one is bound here)."""
+          max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None, cors_origins=(),
+          client_timeout: float = CLIENT_TIMEOUT_S) -> None:
+    """``sock``: a socket from listen_socket, already bound (else one is bound here). ``client_timeout``: the
+    deadline of a request's head (head_deadline_protocol) and body (BodyDeadline)."""
     import sys
 
     import uvicorn
 
     prepare_for_requests(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
-                     prompt_cache=prompt_cache, cors_origins=cors_origins)
+                     prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout)
     sock = sock or listen_socket(host, port)
     # h11, not httptools (uvicorn's pick when it is installed): httptools keeps a request's header lines however
     # long they grow, so one client sending an endless header took the server's memory (256 MiB of header, +376
-    # MiB RSS); h11 refuses a request head over MAX_HEAD_BYTES with 400 and closes the connection
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, http="h11",
+    # MiB RSS); h11 refuses a request head over MAX_HEAD_BYTES with 400 and closes the connection. No websockets:
+    # no route takes one, and an upgraded connection would leave the head deadline running under another protocol
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            http=head_deadline_protocol(client_timeout), ws="none",
                             h11_max_incomplete_event_size=MAX_HEAD_BYTES,
                             # SIGTERM / Ctrl-C waited without end for a client that never finished sending its body
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)

@@ -30,6 +30,7 @@ class ReplicaSpec:
     backend: str = "fast"
     api_key: str | None = None
     max_body: int = 8 * 2**20
+    client_timeout: float = 30  # the body's deadline; the head's is the Ray proxy's own
     parallel: int = 1
     plain_template: bool = False
     cors_origins: tuple[str, ...] = ()
@@ -76,7 +77,7 @@ def build_replica_app(spec: ReplicaSpec):
         llm.use_fallback_template()
     prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles
     app = create_app(llm, spec.model_name, api_key=spec.api_key, max_body=spec.max_body, parallel=spec.parallel,
-                     cors_origins=tuple(spec.cors_origins))
+                     cors_origins=tuple(spec.cors_origins), client_timeout=spec.client_timeout)
     return with_replica_header(app, f"{socket.gethostname()}:{os.getpid()}")
 
 
