@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from ..errors import PyllmError, shorten
-from .schema_numbers import SCHEMA_DATA, SCHEMA_MAPS, deep_bound_refusal, exact_integers, number_bound_refusal
+from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal
+from .schema_walk import SCHEMA_DATA, SCHEMA_MAPS, resolve_local
 
 
 def _llguidance():
@@ -191,24 +192,6 @@ def _unsupported(schema: dict) -> str | None:
     return None
 
 
-def _resolve_local(root: dict, ref: str):
-    """The subschema a local reference ("#", "#/$defs/A") points to in ``root``, or None (not local, or absent)."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node: Any = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _self_defined(schema: dict) -> str | None:
     """A "$ref" that leads back to where it started through nothing but "$ref"s and "allOf" members
     ({"$ref": "#"}; two $defs that name each other), or None. Such a schema describes no value at all, and the
@@ -218,7 +201,7 @@ def _self_defined(schema: dict) -> str | None:
         out = []
         ref = node.get("$ref")
         if isinstance(ref, str):
-            target = _resolve_local(schema, ref)
+            target = resolve_local(schema, ref)
             if isinstance(target, dict):
                 out.append((target, ref))
         if isinstance(node.get("allOf"), list):
