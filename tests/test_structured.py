@@ -493,6 +493,11 @@ F62 = 2 ** 62
                                        "n": {"type": "number", "$ref": "#/$defs/B"}},
       "$defs": {"B": {"maximum": F62 - 1}}},
      (['{"i": 4611686018427387392, "n": 4611686018427387400}'], ['{"n": 4611686018427387999}', f'{{"i": {F62}}}'])),
+    # from 10^18 too, where the range is closed by a schema merged with this one; open, it is named as given
+    ({"type": "number", "minimum": 2 ** 60 + 12343, "allOf": [{"maximum": F62}]},
+     ([1152921504606859500], [1152921504606859318])),
+    ({"type": "number", "minimum": 10 ** 18 + 1}, "/minimum is 1000000000000000001 (read by the engine as "
+                                                   "1.0000000000000001e+18), but the range has no maximum"),
     # inside 2^53 the engine reads a bound exactly, and a number bound it reads inwards stays
     ({"type": "number", "minimum": B53 - 1}, ([B53 - 1], [B53 - 2])),
     ({"type": "number", "minimum": F62 + 1, "maximum": F62 + 10 ** 6}, ([4611686018427388000], [F62 + 1 - 2])),

@@ -238,8 +238,9 @@ def _self_defined(schema: dict) -> str | None:
     return None
 
 
-def _schema_text(schema: Any) -> str:
-    """A JSON schema given as a dict or a JSON string -> canonical JSON text; PyllmError naming the problem."""
+def _schema_text(schema: Any) -> tuple[str, str]:
+    """A JSON schema given as a dict or a JSON string -> (canonical JSON text for the engine, bounds moved where
+    it would not keep them; the same before that); PyllmError naming the problem."""
     if isinstance(schema, (bytes, str)):
         try:
             schema = json.loads(schema)
@@ -268,7 +269,7 @@ def _schema_text(schema: Any) -> str:
         raise PyllmError("json_schema nests too deeply to write as JSON") from None
     # a fresh copy to edit (the caller's schema stays as given); parsing what was just written cannot fail
     exact = exact_integers(json.loads(text))
-    return text if exact is None else json.dumps(exact)
+    return (text if exact is None else json.dumps(exact)), text
 
 
 class Constraint:
@@ -297,7 +298,7 @@ class Constraint:
         """Output is one JSON value valid under ``schema`` (a dict or JSON text). Whitespace between tokens is
         allowed but bounded, as llama.cpp's json-schema-to-grammar bounds it (one space, or a newline and up to 20
         indent characters): unbounded whitespace lets a small sampled model pad forever and never finish."""
-        text = _schema_text(schema)
+        text, given = _schema_text(schema)
         llg = _llguidance()
         try:
             grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, text,
@@ -308,7 +309,8 @@ class Constraint:
         try:
             return cls(grammar, vocab, "json_schema", _digit_cap(parsed))
         except PyllmError as e:
-            refusal = number_bound_refusal(str(e), parsed) or deep_bound_refusal(
+            # named as given: a bound moved inwards by exact_integers can still be one the engine cannot write
+            refusal = number_bound_refusal(str(e), json.loads(given)) or deep_bound_refusal(
                 str(e), json.loads(text), lambda s: cls._compiles(s, vocab))
             if refusal is None:
                 raise

@@ -150,12 +150,12 @@ def _number_bound(s: dict, k: str, v: int, both: bool) -> bool:
     double's step, and a compilable schema is not refused. The integer side of a type list reads the double
     itself and steps past an exclusive bound in floats, so there the bound must keep both readings. A moved
     exclusive bound becomes the inclusive one it was moved to (past the bound, that value is admitted too).
-    Bounds the engine cannot write (past BOUND_EDGE as it reads them, or an open range from 10^18) are left for
-    number_bound_refusal to name: moved, they would still fail."""
+    Bounds the engine cannot write (past BOUND_EDGE as it reads them) are left for number_bound_refusal to name;
+    one that ends an open range from 10^18 moves too (the range may be closed by a schema merged with this one),
+    and if the engine fails on it, number_bound_refusal names it as given."""
     lower = k in _LOWER_BOUNDS
     exclusive = both and k.startswith("exclusive")
-    if not 2 ** 53 <= abs(v) <= BOUND_EDGE or abs(int(_as_written(v))) > BOUND_EDGE \
-            or (abs(v) >= OPEN_RANGE_LIMIT and (v > 0) == lower):
+    if not 2 ** 53 <= abs(v) <= BOUND_EDGE or abs(int(_as_written(v))) > BOUND_EDGE:
         return False
     d = float(v)
     for _ in range(4):  # a double or two on is always enough: each reading is within half a step of it
