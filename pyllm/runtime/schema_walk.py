@@ -121,9 +121,9 @@ class _Types:
 def typed_subschemas(root: Any) -> Iterator[tuple[dict, str, frozenset]]:
     """(subschema, its JSON pointer, the types its keywords apply to) for every subschema of ``root`` in document
     order, a "$ref" target also where it is referenced. A subschema is given again for each other set of types it
-    is merged with (a definition referenced from an integer schema and from a number schema), at the pointer where
-    it is written; a subschema reached through a reference has the reference's pointer. Iterative over positions;
-    the types are looked for at most MAX_TYPE_DEPTH merges deep."""
+    is merged with (a definition referenced from an integer schema and from a number schema), always at the
+    pointer where it is written (for a target, the reference's own pointer). Iterative over positions; the types
+    are looked for at most MAX_TYPE_DEPTH merges deep."""
     types = _Types(root)
     seen: set[tuple[int, frozenset]] = set()
     stack: list[tuple[Any, str, frozenset]] = [(root, "", ANY_TYPE)]
