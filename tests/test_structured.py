@@ -410,6 +410,12 @@ def test_bounds_follow_the_schema_type_not_their_json_spelling(schema, expected)
     as an integer bound, refusing valid numbers, while 1e19 was refused; 1e19 in an integer schema was cut by the
     engine to 2^63 - 1 unsaid, and -1e19 failed naming -2^63. A bound of 1e-300 failed with the engine's regex
     nesting limit, naming neither it nor where. Reference: jsonschema, exact integers; JSON pointers (RFC 6901)."""
+    check_bounds(schema, expected)
+
+
+def check_bounds(schema, expected):
+    """``expected``: the start of the one-line refusal after "invalid json_schema: ", or (values the constraint
+    takes, each valid under jsonschema; values it refuses), a value an int or its JSON text."""
     llm = llm_of("smollm2")
     if isinstance(expected, str):
         with pytest.raises(PyllmError) as e:
@@ -417,12 +423,92 @@ def test_bounds_follow_the_schema_type_not_their_json_spelling(schema, expected)
         msg = str(e.value)
         assert msg.startswith("invalid json_schema: " + expected) and "\n" not in msg, msg
         return
+    given = copy.deepcopy(schema)
     inside, outside = expected
     for v in inside:
-        assert accepts(llm, schema, str(v)), v
-        jsonschema.validate(v, schema)
+        text = v if isinstance(v, str) else str(v)
+        assert accepts(llm, schema, text), v
+        jsonschema.validate(json.loads(text), schema)
     for v in outside:
-        assert not accepts(llm, schema, str(v)), v
+        assert not accepts(llm, schema, v if isinstance(v, str) else str(v)), v
+    assert schema == given  # the caller's schema is not edited
+
+
+B53 = 2 ** 53
+
+
+@pytest.mark.parametrize("schema,expected", [
+    # the type from allOf, a $ref (to $defs or definitions), a type list, or the branches of anyOf / oneOf
+    ({"allOf": [{"type": "integer"}], "minimum": B53 + 1}, ([B53 + 2], [B53])),
+    ({"type": "integer", "allOf": [{"minimum": B53 + 1}]}, ([B53 + 2], [B53])),
+    ({"$ref": "#/$defs/I", "minimum": B53 + 1, "$defs": {"I": {"type": "integer"}}}, ([B53 + 2], [B53])),
+    ({"$ref": "#/definitions/I", "exclusiveMinimum": B53, "definitions": {"I": {"type": "integer"}}},
+     ([B53 + 2], [B53])),
+    ({"type": "integer", "$ref": "#/$defs/Big", "$defs": {"Big": {"minimum": B53 + 1}}}, ([B53 + 2], [B53])),
+    ({"minimum": B53 + 1, "anyOf": [{"type": "integer"}, {"type": "null"}]}, ([B53 + 2, "null"], [B53])),
+    ({"minimum": B53 + 1, "oneOf": [{"type": "integer"}, {"type": "string"}]}, ([B53 + 2, '"a"'], [B53])),
+    ({"type": "integer", "anyOf": [{"minimum": B53 + 1}, {"maximum": -5}]}, ([B53 + 2, -5], [B53])),
+    ({"type": "number", "allOf": [{"type": "integer"}], "minimum": B53 + 1}, ([B53 + 2], [B53])),
+    ({"type": ["integer", "number"], "exclusiveMinimum": B53}, ([B53 + 2], [B53])),
+    # ... wherever the schema sits
+    ({"type": "array", "items": {"allOf": [{"type": "integer"}], "minimum": B53 + 1}},
+     ([f"[{B53 + 2}]"], [f"[{B53}]"])),
+    ({"type": "object", "additionalProperties": {"$ref": "#/$defs/I", "exclusiveMinimum": B53},
+      "$defs": {"I": {"type": "integer"}}}, ([f'{{"a": {B53 + 2}}}'], [f'{{"a": {B53}}}'])),
+    ({"type": "array", "prefixItems": [{"anyOf": [{"type": "integer"}]}], "items": False, "minItems": 1,
+      "allOf": [{"prefixItems": [{"minimum": B53 + 1}]}]}, ([f"[{B53 + 2}]"], [f"[{B53}]"])),
+    # the integer rules' other cases: the far end of an open range, the edge, and the refusal past it
+    ({"allOf": [{"type": "integer"}], "minimum": 10 ** 18}, ([10 ** 18, EDGE], ["999999999999999999"])),
+    ({"$ref": "#/$defs/I", "maximum": 2 ** 64, "$defs": {"I": {"type": "integer"}}}, ([EDGE], [EDGE + 1])),
+    ({"properties": {"a": {"allOf": [{"type": "integer"}], "minimum": 2 ** 63}}},
+     "/properties/a/minimum is 9223372036854775808, beyond the integers"),
+    # an exclusive bound made inclusive is met with the inclusive one the schema has, whichever comes first
+    ({"type": "integer", "exclusiveMinimum": B53 + 10, "minimum": B53 + 1}, ([B53 + 12], [B53 + 2, B53 + 10])),
+    # the decimal places refusal names a number bound, not an integer one with more places
+    ({"properties": {"a": {"allOf": [{"type": "integer"}], "minimum": 1e-300},
+                     "b": {"type": "number", "minimum": 1e-200}}}, "/properties/b/minimum is 1e-200, 200 decimal"),
+])
+def test_bounds_follow_the_effective_type_wherever_the_schema_sits(schema, expected):
+    """pyllm's number rules read only the "type" beside a bound, but the engine bounds a schema by its type
+    merged from allOf, a local $ref, the anyOf / oneOf branches and a type list: each of these schemas admitted
+    2^53 (or failed naming the range, or kept 2^64 past the edge) as if the integer rules did not exist, and
+    {"exclusiveMinimum": 2^53 + 10, "minimum": 2^53 + 1} admitted 2^53 + 2. Reference: jsonschema and exact
+    integers; JSON pointers (RFC 6901)."""
+    check_bounds(schema, expected)
+
+
+F62 = 2 ** 62
+
+
+@pytest.mark.parametrize("schema,expected", [
+    ({"type": "number", "minimum": B53 + 1}, ([B53 + 2], [B53, f"{B53}.5"])),
+    ({"minimum": 10 ** 16 + 1}, ([10 ** 16 + 2], [10 ** 16, f"{10 ** 16}.5"])),
+    ({"type": "number", "maximum": F62 - 1}, ([4611686018427387400, "-1.5"], ["4611686018427387999", F62])),
+    ({"type": "number", "maximum": float(F62)}, ([4611686018427387400], ["4611686018427388000"])),
+    ({"type": "number", "exclusiveMinimum": B53 + 1}, ([B53 + 2], [B53 + 1])),
+    ({"type": "number", "exclusiveMaximum": -(B53 + 1)}, ([-(B53 + 2)], [-(B53 + 1)])),
+    ({"type": ["integer", "number"], "minimum": B53 + 1}, ([B53 + 2], [B53, f"{B53}.5"])),
+    # a definition bounded both ways: the bound keeps the number reading and the integer one
+    ({"type": "object", "properties": {"i": {"type": "integer", "$ref": "#/$defs/B"},
+                                       "n": {"type": "number", "$ref": "#/$defs/B"}},
+      "$defs": {"B": {"maximum": F62 - 1}}},
+     (['{"i": 4611686018427387392, "n": 4611686018427387400}'], ['{"n": 4611686018427387999}', f'{{"i": {F62}}}'])),
+    # from 10^18 too, where the range is closed by a schema merged with this one; open, it is named as given
+    ({"type": "number", "minimum": 2 ** 60 + 12343, "allOf": [{"maximum": F62}]},
+     ([1152921504606859500], [1152921504606859318])),
+    ({"type": "number", "minimum": 10 ** 18 + 1}, "/minimum is 1000000000000000001 (read by the engine as "
+                                                   "1.0000000000000001e+18), but the range has no maximum"),
+    # inside 2^53 the engine reads a bound exactly, and a number bound it reads inwards stays
+    ({"type": "number", "minimum": B53 - 1}, ([B53 - 1], [B53 - 2])),
+    ({"type": "number", "minimum": F62 + 1, "maximum": F62 + 10 ** 6}, ([4611686018427388000], [F62 + 1 - 2])),
+])
+def test_number_bounds_past_2_53_are_kept_exactly(schema, expected):
+    """The engine writes a number range from the shortest digits of the bound's nearest double, so from 2^53 in
+    magnitude a bound it could write was read as a value outside it: a minimum of 2^53 + 1 admitted 2^53 and
+    2^53 + 0.5, a maximum of 2^62 - 1 admitted 4611686018427388000, an exclusive bound admitted itself. Such a
+    bound moves inwards to the nearest value the engine reads as keeping it, as an integer bound does (the range
+    only narrows, by less than one step of the double). Reference: jsonschema, exact integer comparison."""
+    check_bounds(schema, expected)
 
 
 def test_a_model_pushed_to_write_digits_stops_at_the_cap():

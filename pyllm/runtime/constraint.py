@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 from ..errors import PyllmError, shorten
-from .schema_numbers import SCHEMA_DATA, SCHEMA_MAPS, deep_bound_refusal, exact_integers, number_bound_refusal
+from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal
+from .schema_walk import SCHEMA_DATA, SCHEMA_MAPS, resolve_local
 
 
 def _llguidance():
@@ -191,24 +192,6 @@ def _unsupported(schema: dict) -> str | None:
     return None
 
 
-def _resolve_local(root: dict, ref: str):
-    """The subschema a local reference ("#", "#/$defs/A") points to in ``root``, or None (not local, or absent)."""
-    if ref == "#":
-        return root
-    if not ref.startswith("#/"):
-        return None
-    node: Any = root
-    for part in ref[2:].split("/"):
-        part = part.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
-
-
 def _self_defined(schema: dict) -> str | None:
     """A "$ref" that leads back to where it started through nothing but "$ref"s and "allOf" members
     ({"$ref": "#"}; two $defs that name each other), or None. Such a schema describes no value at all, and the
@@ -218,7 +201,7 @@ def _self_defined(schema: dict) -> str | None:
         out = []
         ref = node.get("$ref")
         if isinstance(ref, str):
-            target = _resolve_local(schema, ref)
+            target = resolve_local(schema, ref)
             if isinstance(target, dict):
                 out.append((target, ref))
         if isinstance(node.get("allOf"), list):
@@ -255,8 +238,9 @@ def _self_defined(schema: dict) -> str | None:
     return None
 
 
-def _schema_text(schema: Any) -> str:
-    """A JSON schema given as a dict or a JSON string -> canonical JSON text; PyllmError naming the problem."""
+def _schema_text(schema: Any) -> tuple[str, str]:
+    """A JSON schema given as a dict or a JSON string -> (canonical JSON text for the engine, bounds moved where
+    it would not keep them; the same before that); PyllmError naming the problem."""
     if isinstance(schema, (bytes, str)):
         try:
             schema = json.loads(schema)
@@ -285,7 +269,7 @@ def _schema_text(schema: Any) -> str:
         raise PyllmError("json_schema nests too deeply to write as JSON") from None
     # a fresh copy to edit (the caller's schema stays as given); parsing what was just written cannot fail
     exact = exact_integers(json.loads(text))
-    return text if exact is None else json.dumps(exact)
+    return (text if exact is None else json.dumps(exact)), text
 
 
 class Constraint:
@@ -314,7 +298,7 @@ class Constraint:
         """Output is one JSON value valid under ``schema`` (a dict or JSON text). Whitespace between tokens is
         allowed but bounded, as llama.cpp's json-schema-to-grammar bounds it (one space, or a newline and up to 20
         indent characters): unbounded whitespace lets a small sampled model pad forever and never finish."""
-        text = _schema_text(schema)
+        text, given = _schema_text(schema)
         llg = _llguidance()
         try:
             grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, text,
@@ -325,7 +309,8 @@ class Constraint:
         try:
             return cls(grammar, vocab, "json_schema", _digit_cap(parsed))
         except PyllmError as e:
-            refusal = number_bound_refusal(str(e), parsed) or deep_bound_refusal(
+            # named as given: a bound moved inwards by exact_integers can still be one the engine cannot write
+            refusal = number_bound_refusal(str(e), json.loads(given)) or deep_bound_refusal(
                 str(e), json.loads(text), lambda s: cls._compiles(s, vocab))
             if refusal is None:
                 raise

@@ -1,6 +1,7 @@
 """JSON-schema numbers the constraint engine (llguidance) would change or cannot compile, caught before it sees
-the schema: integer consts and enums it would round, integer bounds moved inwards to values it keeps exactly, and
-number bounds it cannot write refused naming their JSON pointer (pyllm/runtime/constraint.py compiles the rest)."""
+the schema: integer consts and enums it would round, integer bounds and number bounds past 2^53 moved inwards to
+values it keeps exactly, and number bounds it cannot write refused naming their JSON pointer
+(pyllm/runtime/constraint.py compiles the rest). A bound follows its schema's effective type (schema_walk.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,7 @@ from decimal import Decimal
 from typing import Any
 
 from ..errors import PyllmError, shorten
-
-# Keywords whose values are data, not schemas; and those whose values map names (not keywords) to subschemas
-SCHEMA_DATA = frozenset(["const", "enum", "default", "examples"])
-SCHEMA_MAPS = frozenset(["properties", "patternProperties", "$defs", "definitions", "dependentSchemas"])
+from .schema_walk import SCHEMA_DATA, numeric, pointer, typed_subschemas
 
 # The engine reads a schema's numbers as 64-bit floats and integer bounds as 64-bit integers: an integer past 2^53
 # may come out rounded, and a bound at or past +-2^63 fails to compile or is cut to 2^63 - 1. Within +-BOUND_EDGE
@@ -22,10 +20,6 @@ BOUND_EDGE = 2 ** 63 - 1024
 OPEN_RANGE_LIMIT = 10 ** 18
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
-
-
-def _pointer(path: str, key) -> str:
-    return f"{path}/{str(key).replace('~', '~0').replace('/', '~1')}"
 
 
 def _as_written(v: int) -> str:
@@ -47,81 +41,137 @@ def _inwards(v: int, lower: bool) -> int:
     return int(f)
 
 
-def _integer_only(s: dict) -> bool:
-    """Whether ``s`` admits integers but not other numbers: the engine bounds it as integers (64-bit), and
-    bounds a schema whose type is "number", lists "number" or is not given as numbers (64-bit floats), whatever
-    the JSON spelling of the bound (1e19 or 10000000000000000000)."""
-    t = s.get("type")
-    types = [t] if isinstance(t, str) else t if isinstance(t, list) else []
-    return "integer" in types and "number" not in types
+def bound_kinds(schema: Any) -> dict[int, tuple[dict, str, set]]:
+    """id of each subschema -> (it, its JSON pointer, how the engine bounds it: {"integer"}, {"number"}, both, or
+    none), over every place it is merged into; in document order. The type is the schema's effective one
+    (schema_walk): {"allOf": [{"type": "integer"}], "minimum": 2^53 + 1} is bounded as integers, and a definition
+    referenced from an integer schema and from a number schema both ways."""
+    kinds: dict[int, tuple[dict, str, set]] = {}
+    for s, path, types in typed_subschemas(schema):
+        kinds.setdefault(id(s), (s, path, set()))[2].update(numeric(types))
+    return kinds
+
+
+def _refuse_rounded_data(s: dict, path: str) -> None:
+    """PyllmError naming the first integer in ``s``'s const or enum the engine would write as another number."""
+    for k in ("const", "enum"):
+        if k not in s:
+            continue
+        data = [(s[k], pointer(path, k))]
+        while data:
+            d, at = data.pop()
+            if isinstance(d, dict):
+                data.extend((x, pointer(at, i)) for i, x in reversed(list(d.items())))
+            elif isinstance(d, list):
+                data.extend((x, pointer(at, i)) for i, x in reversed(list(enumerate(d))))
+            elif isinstance(d, int) and not isinstance(d, bool) and _as_written(d) != str(d):
+                raise PyllmError(f"invalid json_schema: {at or '/'} is {shorten(d)}, which the engine would "
+                                 f"write as {shorten(_as_written(d))} (it keeps numbers as 64-bit floats, "
+                                 f"exact for integers up to 2^53); give it as a string")
 
 
 def exact_integers(schema: Any) -> Any:
     """``schema`` with its integer bounds moved to the nearest value the engine keeps exactly, inwards (a
     minimum of 2^53 + 1 becomes 2^53 + 2, a maximum of 2^64 becomes BOUND_EDGE: the range can only narrow, never
-    admit a value the schema refuses), or None if none needs to move; edited in place. PyllmError naming the value
-    and where it is for an integer in a const or enum the engine would write as another number, and for a bound
-    that leaves no integer it can write (a minimum above BOUND_EDGE). Iterative: a schema may nest deeply."""
+    admit a value the schema refuses), and the number bounds it would read as a value outside them likewise
+    (_number_bound), or None if none needs to move; edited in place. A bound's type is its schema's effective one
+    (bound_kinds), wherever the schema sits. PyllmError naming the value and where it is for an integer in a
+    const or enum the engine would write as another number, and for an integer bound that leaves no integer it
+    can write (a minimum above BOUND_EDGE). Iterative: a schema may nest deeply."""
+    kinds = bound_kinds(schema)
+    for s, path, _ in kinds.values():
+        _refuse_rounded_data(s, path)
     changed = False
-    stack: list[tuple[Any, str]] = [(schema, "")]
-    while stack:
-        s, path = stack.pop()
-        if isinstance(s, list):
-            stack.extend((v, _pointer(path, i)) for i, v in enumerate(s))
-            continue
-        if not isinstance(s, dict):
-            continue
-        for k, v in list(s.items()):  # a far end may be added
-            if k in ("const", "enum"):
-                data = [(v, _pointer(path, k))]
-                while data:
-                    d, at = data.pop()
-                    if isinstance(d, dict):
-                        data.extend((x, _pointer(at, i)) for i, x in d.items())
-                    elif isinstance(d, list):
-                        data.extend((x, _pointer(at, i)) for i, x in enumerate(d))
-                    elif isinstance(d, int) and not isinstance(d, bool) and _as_written(d) != str(d):
-                        raise PyllmError(f"invalid json_schema: {at or '/'} is {shorten(d)}, which the engine would "
-                                         f"write as {shorten(_as_written(d))} (it keeps numbers as 64-bit floats, "
-                                         f"exact for integers up to 2^53); give it as a string")
-            elif k in _LOWER_BOUNDS + _UPPER_BOUNDS and isinstance(v, (int, float)) and not isinstance(v, bool) \
-                    and _integer_only(s) and (isinstance(v, int) or v.is_integer()):
-                # a bound spelled as a float (1e19) is the integer it equals: the engine saturates it to 2^63 - 1,
-                # or fails on it, as it does the integer spelling, so it is moved or refused the same way
-                given, v = v, int(v)
-                lower = k in _LOWER_BOUNDS
-                edge = BOUND_EDGE - k.startswith("exclusive")
-                if (v > edge) if lower else (v < -edge):
-                    raise PyllmError(f"invalid json_schema: {_pointer(path, k)} is {shorten(given)}, beyond the "
-                                     f"integers the engine can bound (-{BOUND_EDGE}..{BOUND_EDGE})")
-                exact = _inwards(v, lower)
-                if (exact != v or abs(v) >= 2 ** 53) and k.startswith("exclusive"):
-                    # rounded inwards, the bound could pass the one integer left (exclusiveMinimum 2^63 - 1025
-                    # moved to 2^63 - 1024 excludes it): as an inclusive bound, the next integer on rounds instead.
-                    # Kept, from 2^53 up it is stepped past in floats by the engine, where 2^53 + 1 is 2^53: an
-                    # exclusiveMinimum of 2^53 (or 9.2e18) admitted the bound itself
-                    del s[k]
-                    k = _LOWER_BOUNDS[0] if lower else _UPPER_BOUNDS[0]
-                    exact = _inwards(v + 1 if lower else v - 1, lower)
-                    old = s.get(k)
-                    if isinstance(old, (int, float)) and not isinstance(old, bool):
-                        exact = max(old, exact) if lower else min(old, exact)
-                # written as the integer even where it keeps its value: the engine steps past a float exclusive
-                # bound in floats, and 9.2e18 + 1 is 9.2e18, so an exclusiveMinimum of 9.2e18 admitted 9.2e18
-                if exact != v or isinstance(given, float):
-                    s[k] = exact
-                    changed = True
-                # the engine cannot write an open-ended range from 10^18 up (or down from -10^18): it fails to
-                # compile one, so the far end is given as the edge, which no integer it writes passes anyway
-                if abs(v) >= OPEN_RANGE_LIMIT and (v > 0) == lower \
-                        and not any(b in s for b in (_UPPER_BOUNDS if lower else _LOWER_BOUNDS)):
-                    s["maximum" if lower else "minimum"] = BOUND_EDGE if lower else -BOUND_EDGE
-                    changed = True
-            elif k in SCHEMA_MAPS and isinstance(v, dict):
-                stack.extend((x, _pointer(_pointer(path, k), name)) for name, x in v.items())
-            elif k not in SCHEMA_DATA and isinstance(v, (dict, list)):
-                stack.append((v, _pointer(path, k)))
+    for s, path, how in kinds.values():
+        # the inclusive bounds first: an exclusive one made inclusive is then met with their final value
+        for k in _LOWER_BOUNDS[:1] + _UPPER_BOUNDS[:1] + _LOWER_BOUNDS[1:] + _UPPER_BOUNDS[1:]:
+            v = s.get(k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not (isinstance(v, int) or v.is_integer()):
+                continue
+            if how == {"integer"}:
+                changed |= _integer_bound(s, path, k, v)
+            elif "number" in how:
+                changed |= _number_bound(s, k, int(v), "integer" in how)
     return schema if changed else None
+
+
+def _integer_bound(s: dict, path: str, k: str, given: int | float) -> bool:
+    """Moves (or refuses) the bound ``s[k]`` of a schema bounded as integers only; whether ``s`` changed."""
+    # a bound spelled as a float (1e19) is the integer it equals: the engine saturates it to 2^63 - 1, or fails
+    # on it, as it does the integer spelling, so it is moved or refused the same way
+    v, changed = int(given), False
+    lower = k in _LOWER_BOUNDS
+    edge = BOUND_EDGE - k.startswith("exclusive")
+    if (v > edge) if lower else (v < -edge):
+        raise PyllmError(f"invalid json_schema: {pointer(path, k)} is {shorten(given)}, beyond the "
+                         f"integers the engine can bound (-{BOUND_EDGE}..{BOUND_EDGE})")
+    exact = _inwards(v, lower)
+    if (exact != v or abs(v) >= 2 ** 53) and k.startswith("exclusive"):
+        # rounded inwards, the bound could pass the one integer left (exclusiveMinimum 2^63 - 1025 moved to
+        # 2^63 - 1024 excludes it): as an inclusive bound, the next integer on rounds instead. Kept, from 2^53 up
+        # it is stepped past in floats by the engine, where 2^53 + 1 is 2^53: an exclusiveMinimum of 2^53 (or
+        # 9.2e18) admitted the bound itself
+        k, exact = _inclusive(s, k, _inwards(v + 1 if lower else v - 1, lower))
+        changed = True
+    # written as the integer even where it keeps its value: the engine steps past a float exclusive bound in
+    # floats, and 9.2e18 + 1 is 9.2e18, so an exclusiveMinimum of 9.2e18 admitted 9.2e18
+    if exact != s.get(k) or isinstance(s.get(k), float):
+        s[k] = exact
+        changed = True
+    # the engine cannot write an open-ended range from 10^18 up (or down from -10^18): it fails to compile one,
+    # so the far end is given as the edge, which no integer it writes passes anyway
+    if abs(v) >= OPEN_RANGE_LIMIT and (v > 0) == lower \
+            and not any(b in s for b in (_UPPER_BOUNDS if lower else _LOWER_BOUNDS)):
+        s["maximum" if lower else "minimum"] = BOUND_EDGE if lower else -BOUND_EDGE
+        changed = True
+    return changed
+
+
+def _inclusive(s: dict, k: str, bound: int) -> tuple[str, int]:
+    """The exclusive bound ``s[k]`` dropped for the inclusive ``bound``: (the inclusive key, the bound met with
+    the inclusive one ``s`` already has)."""
+    lower = k in _LOWER_BOUNDS
+    del s[k]
+    k = _LOWER_BOUNDS[0] if lower else _UPPER_BOUNDS[0]
+    old = s.get(k)
+    if isinstance(old, (int, float)) and not isinstance(old, bool):
+        bound = max(old, bound) if lower else min(old, bound)
+    return k, bound
+
+
+def _number_bound(s: dict, k: str, v: int, both: bool) -> bool:
+    """Moves the integral bound ``s[k]`` (equal to ``v``) of a schema bounded as numbers (``both``: and as
+    integers, a type list with both) inwards to where the engine reads it as keeping ``v``; whether it moved.
+
+    The engine writes a number range as decimals from the shortest digits of the bound's nearest double
+    (_as_written): from 2^53 in magnitude that can be a value outside the bound (a minimum of 2^53 + 1 is read as
+    2^53 and admitted 2^53; a maximum of 2^62 - 1 admitted 4611686018427388000). The bound moves to the nearest
+    such reading inwards, as the integer path moves an integer bound: the range only narrows, by less than the
+    double's step, and a compilable schema is not refused. The integer side of a type list reads the double
+    itself and steps past an exclusive bound in floats, so there the bound must keep both readings. A moved
+    exclusive bound becomes the inclusive one it was moved to (past the bound, that value is admitted too).
+    Bounds the engine cannot write (past BOUND_EDGE as it reads them) are left for number_bound_refusal to name;
+    one that ends an open range from 10^18 moves too (the range may be closed by a schema merged with this one),
+    and if the engine fails on it, number_bound_refusal names it as given."""
+    lower = k in _LOWER_BOUNDS
+    exclusive = both and k.startswith("exclusive")
+    if not 2 ** 53 <= abs(v) <= BOUND_EDGE or abs(int(_as_written(v))) > BOUND_EDGE:
+        return False
+    d = float(v)
+    for _ in range(4):  # a double or two on is always enough: each reading is within half a step of it
+        readings = [int(_as_written(d))] + ([int(d)] if both else [])
+        if all((r > v if exclusive else r >= v) if lower else (r < v if exclusive else r <= v) for r in readings):
+            break
+        d = math.nextafter(d, math.inf if lower else -math.inf)
+    else:
+        return False
+    if d == float(v) and not exclusive:  # read inwards already
+        return False
+    written = int(_as_written(d))
+    if k.startswith("exclusive"):  # moved past the bound, the value it now reads is admitted too
+        k, written = _inclusive(s, k, written)
+    s[k] = written
+    return True
 
 
 # The engine writes a bounded number (not integer) as plain decimals, splitting its range at 0 and, for a range
@@ -142,12 +192,12 @@ def _bounds(schema: Any):
     while stack:
         s, path = stack.pop()
         if isinstance(s, list):
-            stack.extend((v, _pointer(path, i)) for i, v in reversed(list(enumerate(s))))
+            stack.extend((v, pointer(path, i)) for i, v in reversed(list(enumerate(s))))
         elif isinstance(s, dict):
             for k, v in list(s.items()):
                 if k in _LOWER_BOUNDS + _UPPER_BOUNDS and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    yield s, _pointer(path, k), k, v
-            stack.extend((v, _pointer(path, k)) for k, v in reversed(list(s.items()))
+                    yield s, pointer(path, k), k, v
+            stack.extend((v, pointer(path, k)) for k, v in reversed(list(s.items()))
                          if k not in SCHEMA_DATA and isinstance(v, (dict, list)))
 
 
@@ -205,8 +255,10 @@ def deep_bound_refusal(message: str, schema: Any, compiles) -> str | None:
     bounds that have decimal places; None otherwise. ``schema`` is edited."""
     if _TOO_NESTED not in message:
         return None
+    # an integer bound is no range pattern: only bounds that some place bounds as numbers count
+    numbers = {i for i, (_, _, how) in bound_kinds(schema).items() if how != {"integer"}}
     found = [(_places(v), at, v, s, k) for s, at, k, v in _bounds(schema)  # (places, pointer, value, its schema, key)
-             if isinstance(v, float) and _places(v) and not _integer_only(s)]
+             if isinstance(v, float) and _places(v) and id(s) in numbers]
     if not found:
         return None
     places, where, value = max(found, key=lambda f: f[0])[:3]  # max keeps the first in document order
