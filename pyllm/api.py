@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from .errors import ContextFullError, PyllmError
+from .errors import BadRequest, ContextFullError, PyllmError
 from .runtime.constraint import SCHEMA_DATA
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import OutputText, stop_list
@@ -30,14 +30,6 @@ TOOL_SYSTEM_FALLBACK = (
     "below:\n<tools>\n{tools}\n</tools>\nFor each function call, return a JSON object with the function name and "
     "arguments within <tool_call></tool_call> tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
     "<args-json-object>}}\n</tool_call>")
-
-
-class BadRequest(PyllmError):
-    """An argument of an OpenAI-style request is invalid (the server answers 400 naming ``param``)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 # ---------------------------------------------------------------------------------------------- argument checks
