@@ -8,7 +8,6 @@ argument raises at once instead of failing inside the stream.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import re
@@ -21,6 +20,7 @@ from .errors import BadRequest, ContextFullError, PyllmError
 from .runtime.constraint import SCHEMA_DATA
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import OutputText, stop_list
+from .structured_output import structured_output_kwargs
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 # Qwen2.5 / Hermes convention: the model writes each call as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>.
@@ -116,50 +116,6 @@ def _max_tokens(llm, n_prompt: int, max_tokens) -> int:
         return room
     _number("max_tokens", max_tokens, 0, integer=True)
     return min(max_tokens, room)
-
-
-def structured_output_kwargs(llm, response_format=None, grammar=None, json_schema=None,
-                             param: str | None = None) -> dict:
-    """The constraint keyword argument for ``llm.generate_tokens``: ``{"constraint": ...}``, or {} for none.
-
-    response_format {"type": "json_object"} asks for any JSON object; {"type": "json_schema", "json_schema":
-    {"schema": ...}} for that schema; {"type": "text"} for nothing. The constraint is built here, when the call is
-    made: an invalid or unsatisfiable schema or grammar is a BadRequest naming ``param`` (default: the argument that
-    gave it) before anything streams. PyllmError when a constraint is asked of a runtime whose generate_tokens
-    cannot apply one."""
-    given = "json_schema" if json_schema is not None else "grammar"
-    if response_format is not None:
-        if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
-                                                                                         "json_schema"):
-            raise BadRequest("response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
-                             "response_format")
-        kind = response_format["type"]
-        if kind == "json_object":
-            json_schema = response_format.get("schema") or {"type": "object"}
-        elif kind == "json_schema":
-            js = response_format.get("json_schema")
-            schema = js.get("schema") if isinstance(js, dict) else None
-            if not isinstance(js, dict) or not isinstance(schema, (dict, bool, type(None))):
-                raise BadRequest("response_format.json_schema must be an object with a \"schema\" object",
-                                 "response_format")
-            if schema is False:  # a valid JSON schema that nothing matches (``or {}`` would make it "anything")
-                raise BadRequest("response_format.json_schema.schema is false, which no output can match",
-                                 "response_format")
-            json_schema = schema if isinstance(schema, dict) else {}  # true or absent: any JSON value
-        if kind != "text":
-            given = "response_format"
-    kw = {k: v for k, v in (("json_schema", json_schema), ("grammar", grammar)) if v is not None}
-    if not kw:
-        return {}
-    if "constraint" not in inspect.signature(llm.generate_tokens).parameters:
-        raise PyllmError(f"structured output unavailable: this pyllm cannot constrain generation "
-                         f"({', '.join(kw)} is not supported yet)")
-    try:
-        constraint = llm.make_constraint(**kw)
-        constraint.allowed()  # the first step's mask (kept for it): a grammar that allows no start fails here
-        return {"constraint": constraint}
-    except PyllmError as e:
-        raise BadRequest(str(e), param or given) from None
 
 
 # ------------------------------------------------------------------------------------------------ token stream

@@ -561,7 +561,7 @@ def test_response_format_takes_boolean_schemas():
     """true and false are JSON schemas (any value; no value). true was a 400 at response_format though the library's
     json_schema=True took it; false would have read as "no schema" (anything). Now true constrains to any JSON value
     (json.loads, the reference, parses what it accepts) and false is a 400 naming response_format."""
-    from pyllm.api import structured_output_kwargs
+    from pyllm.structured_output import structured_output_kwargs
     from pyllm.errors import BadRequest
 
     llm = llm_of("smollm2")
@@ -657,8 +657,9 @@ def test_a_schema_defined_only_as_itself_is_refused_naming_the_reference():
     "NoExtensionBias Error: None", and as a forced tool's parameters only once generation reached them (a 200
     stream, then an error). Now it is refused when the constraint is built, naming the reference; recursion through
     a value (an array of itself, a tree) still works."""
-    from pyllm.api import _forced_call, structured_output_kwargs
+    from pyllm.api import _forced_call
     from pyllm.errors import BadRequest
+    from pyllm.structured_output import structured_output_kwargs
 
     llm = llm_of("smollm2")
     loops = ({"$ref": "#"}, {"allOf": [{"$ref": "#"}]},
