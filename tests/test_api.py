@@ -12,7 +12,7 @@ import torch
 
 from conftest import pyllm_model
 from pyllm import PyllmError
-from pyllm.api import normalize_messages, parse_tool_calls
+from pyllm.chat_messages import normalize_messages, parse_tool_calls
 from pyllm.errors import BadRequest, ContextFullError
 from pyllm.runtime.sampler import token_logprobs
 
