@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import PyllmError
+from .errors import BadRequest, PyllmError
 
 POOLING = {1: "mean", 2: "cls", 3: "last"}
 
@@ -100,7 +100,7 @@ def create_embedding(llm, input, model: str | None = None, encoding_format: str 
     embed_counted. ``dimensions``: None or the model's own width; a vector of any other length is refused, as
     OpenAI refuses it for models that cannot shorten theirs (cutting a vector that was not trained to be cut
     would not keep its meaning), instead of answering with vectors of a length the client did not ask for."""
-    from .api import BadRequest, _number
+    from .api import _number
 
     if encoding_format not in (None, "float", "base64"):
         raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}",

@@ -33,6 +33,14 @@ class ContextFullError(PyllmError):
     """The prompt and the reply would not fit in the model's context window."""
 
 
+class BadRequest(PyllmError):
+    """An argument of an OpenAI-style request is invalid (the server answers 400 naming ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class KVCacheMemoryError(PyllmError):
     """A KV cache that would not fit in available memory. ``what`` says so; ``fix`` names the way out in the terms
     of the front end that chose the context (``--ctx`` for run/chat/serve; bench sizes it from -d/-p/-n)."""

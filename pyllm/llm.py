@@ -478,7 +478,7 @@ class LLM:
         """``template_kw``: extra template variables (``tools=[...]`` for templates that describe tools).
         Every chat entry point (chat, chat_ids, fit_chat, create_chat_completion) formats through here, so an empty
         or malformed message list is refused the same way in each, before anything is generated."""
-        from .api import check_message_list
+        from .chat_messages import check_message_list
         from .chat_template import _validate
         from .errors import TemplateError
 

@@ -12,8 +12,8 @@ import torch
 
 from conftest import pyllm_model
 from pyllm import PyllmError
-from pyllm.api import BadRequest, normalize_messages, parse_tool_calls
-from pyllm.errors import ContextFullError
+from pyllm.chat_messages import normalize_messages, parse_tool_calls
+from pyllm.errors import BadRequest, ContextFullError
 from pyllm.runtime.sampler import token_logprobs
 
 

@@ -603,7 +603,7 @@ def test_a_forced_call_is_closed_after_its_arguments():
     """The forced call object is {"name", "arguments"} and nothing more: SmolLM2 went on writing "type",
     "function" or "parameters" keys after the arguments until max_tokens cut the call off (finish_reason
     "length", no tool_calls). Checked on the constraint itself (exact, whatever the model would pick)."""
-    from pyllm.api import _forced_call
+    from pyllm.chat_messages import forced_call
 
     llm = llm_of("smollm2")
     params = {"type": "object", "properties": {"v": {"const": 42}}, "required": ["v"]}
@@ -611,7 +611,7 @@ def test_a_forced_call_is_closed_after_its_arguments():
              {"type": "function", "function": {"name": "g"}}]
     for name in ("", "f"):  # tool_choice "required", and the named function
         def call(text):
-            return accepts(llm, None, text, _forced_call(llm, tools, name, {})[1]["constraint"])
+            return accepts(llm, None, text, forced_call(llm, tools, name, {})[1]["constraint"])
         assert call('{"name": "f", "arguments": {"v": 42}}')
         assert not call('{"name": "f", "arguments": {"v": 42}, "type": "function"}')
     assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
@@ -647,7 +647,8 @@ def test_response_format_takes_boolean_schemas():
     """true and false are JSON schemas (any value; no value). true was a 400 at response_format though the library's
     json_schema=True took it; false would have read as "no schema" (anything). Now true constrains to any JSON value
     (json.loads, the reference, parses what it accepts) and false is a 400 naming response_format."""
-    from pyllm.api import BadRequest, structured_output_kwargs
+    from pyllm.structured_output import structured_output_kwargs
+    from pyllm.errors import BadRequest
 
     llm = llm_of("smollm2")
 
@@ -669,7 +670,7 @@ def test_forced_call_schema_with_an_id_resolves_its_references():
     """A tool schema with a root "$id" (what schema generators often write) was a 400: moved under the call
     object it became an embedded resource the engine would not resolve "#/$defs/..." against. References plain
     or spelled through the $id resolve; checked on the constraint against jsonschema's verdicts (the reference)."""
-    from pyllm.api import _forced_call
+    from pyllm.chat_messages import forced_call
 
     llm = llm_of("smollm2")
     base = "https://example.com/schemas/weather.json"
@@ -683,7 +684,7 @@ def test_forced_call_schema_with_an_id_resolves_its_references():
                          ({"city": "Oslo"}, False)):
             assert jsonschema.Draft202012Validator(params).is_valid(args) == ok
             text = json.dumps({"name": "w", "arguments": args})
-            assert accepts(llm, None, text, _forced_call(llm, tools, "w", {})[1]["constraint"]) == ok, (ref, text)
+            assert accepts(llm, None, text, forced_call(llm, tools, "w", {})[1]["constraint"]) == ok, (ref, text)
 
 
 def served_calls(llm, msgs, **kw) -> list[list[dict]]:
@@ -716,7 +717,7 @@ def test_forced_call_to_a_tool_without_parameters_passes_no_arguments():
     such a tool was constrained as if its arguments could be any JSON value, and SmolLM2 answered
     "arguments": "[1, 2, 3]", which a client cannot pass to the function. The constraint now admits only {}
     (checked exactly on the constraint), and the served call's arguments json.loads to {}, streamed or not."""
-    from pyllm.api import _forced_call
+    from pyllm.chat_messages import forced_call
 
     llm = llm_of("smollm2")
     tools = [{"type": "function", "function": {"name": "g"}},
@@ -724,7 +725,7 @@ def test_forced_call_to_a_tool_without_parameters_passes_no_arguments():
     for name in ("", "g", "f"):  # tool_choice "required", and each named function
         def call(args):
             text = '{"name": "%s", "arguments": %s}' % (name or "g", args)
-            return accepts(llm, None, text, _forced_call(llm, tools, name, {})[1]["constraint"])
+            return accepts(llm, None, text, forced_call(llm, tools, name, {})[1]["constraint"])
         assert call("{}")
         for args in ("[1, 2, 3]", '"x"', "null", '{"x": 1}'):
             assert not call(args), args
@@ -742,7 +743,9 @@ def test_a_schema_defined_only_as_itself_is_refused_naming_the_reference():
     "NoExtensionBias Error: None", and as a forced tool's parameters only once generation reached them (a 200
     stream, then an error). Now it is refused when the constraint is built, naming the reference; recursion through
     a value (an array of itself, a tree) still works."""
-    from pyllm.api import BadRequest, _forced_call, structured_output_kwargs
+    from pyllm.chat_messages import forced_call
+    from pyllm.errors import BadRequest
+    from pyllm.structured_output import structured_output_kwargs
 
     llm = llm_of("smollm2")
     loops = ({"$ref": "#"}, {"allOf": [{"$ref": "#"}]},
@@ -758,7 +761,7 @@ def test_a_schema_defined_only_as_itself_is_refused_naming_the_reference():
         assert e.value.param == "response_format"
         tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
         with pytest.raises(BadRequest, match="leads back to itself") as e:
-            _forced_call(llm, tools, "f", {})
+            forced_call(llm, tools, "f", {})
         assert e.value.param == "tools"
     tree = {"$defs": {"n": {"type": "object", "properties": {"c": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
                             "required": ["c"], "additionalProperties": False}}, "$ref": "#/$defs/n"}
@@ -770,16 +773,17 @@ def test_forced_call_with_false_parameters_is_a_bad_request():
     """parameters: false is a JSON schema no arguments match; it was read as "no schema" and the call went out
     unconstrained (jsonschema rejects whatever arguments came back). A forced call to it is a 400 naming tools;
     parameters: true still admits any arguments."""
-    from pyllm.api import BadRequest, _forced_call
+    from pyllm.chat_messages import forced_call
+    from pyllm.errors import BadRequest
 
     llm = llm_of("smollm2")
     tools = [{"type": "function", "function": {"name": "f", "parameters": False}},
              {"type": "function", "function": {"name": "g", "parameters": True}}]
     for name in ("", "f"):
         with pytest.raises(BadRequest, match="parameters of 'f' are false") as e:
-            _forced_call(llm, tools, name, {})
+            forced_call(llm, tools, name, {})
         assert e.value.param == "tools"
-    c = _forced_call(llm, tools, "g", {})[1]["constraint"]
+    c = forced_call(llm, tools, "g", {})[1]["constraint"]
     assert accepts(llm, None, '{"name": "g", "arguments": [1, "x"]}', c)
 
 

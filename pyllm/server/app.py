@@ -26,8 +26,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .. import api
-from ..api import BadRequest
-from ..errors import ContextFullError, PyllmError
+from ..errors import BadRequest, ContextFullError, PyllmError
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
