@@ -11,7 +11,7 @@ import uuid
 from typing import Any
 
 from .errors import BadRequest, PyllmError
-from .runtime.schema_numbers import SCHEMA_DATA
+from .runtime.schema_walk import SCHEMA_DATA
 from .structured_output import structured_output_kwargs
 
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
