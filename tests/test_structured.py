@@ -939,3 +939,26 @@ def test_cli_schema_or_grammar_errors_name_the_file(tmp_path, smollm2_path, monk
         lines = [ln for ln in res.stderr.strip().splitlines() if "error" in ln]
         assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr
         assert lines[0].startswith(f"pyllm: error: {flag} {shorten(path)}: ") and why in lines[0], lines[0]
+
+
+def test_a_oneof_the_engine_cannot_keep_exclusive_is_refused_with_what_to_do_instead():
+    """JSON Schema's oneOf admits a value only if exactly one branch matches. The engine keeps that only where it
+    can show the branches exclusive; otherwise its message names an option without saying where it goes. The
+    refusal is one line naming the three ways out, and each way works: anyOf, a "const" per branch, and
+    x-guidance's coerce_one_of (then 5, which both branches match, is generated as anyOf would)."""
+    llm = llm_of("smollm2")
+    overlapping = {"oneOf": [{"type": "integer", "minimum": 0}, {"type": "integer", "maximum": 10}]}
+    with pytest.raises(PyllmError) as e:
+        llm.make_constraint(json_schema=overlapping)
+    msg = str(e.value)
+    assert msg.startswith("invalid json_schema: a oneOf whose branches could both match") and "\n" not in msg, msg
+    assert "anyOf" in msg and '"const"' in msg and '"x-guidance": {"coerce_one_of": true}' in msg, msg
+    assert accepts(llm, {"anyOf": overlapping["oneOf"]}, "5")
+    assert accepts(llm, {"x-guidance": {"coerce_one_of": True}, **overlapping}, "5")
+    tagged = {"oneOf": [{"type": "object", "properties": {"kind": {"const": k}, k: {"type": t}}, "required": ["kind", k]}
+                        for k, t in (("a", "string"), ("b", "integer"))]}
+    assert accepts(llm, tagged, '{"kind": "b", "b": 7}')
+    assert not accepts(llm, tagged, '{"kind": "a", "a": 7}')
+    # a grammar's own refusals pass through as the engine words them
+    with pytest.raises(PyllmError, match="^invalid grammar"):
+        llm.make_constraint(grammar="root ::= undefined_rule")

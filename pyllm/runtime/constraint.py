@@ -285,7 +285,7 @@ class Constraint:
         self._scan = _JsonScan(digit_cap) if digit_cap is not None else None
         self.m = _on_compile_stack(llg.LLMatcher, vocab.ll, grammar, log_level=0)
         if self.m.is_error():
-            raise PyllmError(f"invalid {what}: {_first_line(self.m.get_error())}")
+            raise PyllmError(f"invalid {what}: {_engine_refusal(self.m.get_error())}")
         # (n_words,) one bit per token id, bit i of word i // 32; refilled for each step
         self._bits = np.zeros((vocab.n_vocab + 31) // 32, dtype=np.int32)
         self._allowed: np.ndarray | None = None
@@ -734,6 +734,21 @@ def _unfinishable_rule(text: str) -> str | None:
                else ", and rule 'root' can reach it")
         return f"rule {shorten(r, 40)!r} can never finish: every alternative refers back to itself{via}{end}"
     return None
+
+
+# The engine refuses a oneOf whose branches it cannot show exclusive (it would have to stop the output matching two
+# of them), and its message names an option without saying where it goes: in the schema, as llguidance reads it.
+_ONE_OF_REFUSAL = "oneOf constraints are not supported"
+_ONE_OF_HELP = ('a oneOf whose branches could both match one value is not supported (the engine cannot keep the '
+                'output to exactly one): use anyOf, make the branches exclusive (for objects, a property with a '
+                'different "const" in each), or add "x-guidance": {"coerce_one_of": true} at the top of the schema '
+                'to generate it as anyOf')
+
+
+def _engine_refusal(msg: str) -> str:
+    """The engine's refusal of a grammar or schema, on one line, in terms a caller can act on."""
+    line = _first_line(msg)
+    return _ONE_OF_HELP if line.startswith(_ONE_OF_REFUSAL) else line
 
 
 def _first_line(msg: str) -> str:
