@@ -941,7 +941,7 @@ def test_cli_schema_or_grammar_errors_name_the_file(tmp_path, smollm2_path, monk
         assert lines[0].startswith(f"pyllm: error: {flag} {shorten(path)}: ") and why in lines[0], lines[0]
 
 
-def test_a_oneof_the_engine_cannot_keep_exclusive_is_refused_with_what_to_do_instead():
+def test_oneof_the_engine_cannot_keep_exclusive_and_engine_options():
     """JSON Schema's oneOf admits a value only if exactly one branch matches. The engine keeps that only where it
     can show the branches exclusive; otherwise its message names an option without saying where it goes. The
     refusal is one line naming the three ways out, and each way works: anyOf, a "const" per branch, and
@@ -959,6 +959,15 @@ def test_a_oneof_the_engine_cannot_keep_exclusive_is_refused_with_what_to_do_ins
                         for k, t in (("a", "string"), ("b", "integer"))]}
     assert accepts(llm, tagged, '{"kind": "b", "b": 7}')
     assert not accepts(llm, tagged, '{"kind": "a", "a": 7}')
+    # the engine's other options set separators and whitespace: its output would be other text than JSON with
+    # bounded whitespace (key_separator "::" wrote {"a"::1 ;"b"::[1]}), so they are refused, naming the option
+    for options, named in (({"key_separator": "::"}, "'key_separator'"), ({"whitespace_pattern": "[ ]*"},
+                           "'whitespace_pattern'"), ({"whitespace_flexible": True}, "'whitespace_flexible'"),
+                           (5, "must be an object")):
+        with pytest.raises(PyllmError) as e:
+            llm.make_constraint(json_schema={"type": "integer", "x-guidance": options})
+        assert str(e.value).startswith('invalid json_schema: "x-guidance"') and named in str(e.value), str(e.value)
+    assert accepts(llm, {"type": "integer", "x-guidance": {"lenient": True}}, "5")
     # a grammar's own refusals pass through as the engine words them
     with pytest.raises(PyllmError, match="^invalid grammar"):
         llm.make_constraint(grammar="root ::= undefined_rule")

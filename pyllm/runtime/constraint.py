@@ -192,6 +192,27 @@ def _unsupported(schema: dict) -> str | None:
     return None
 
 
+# llguidance reads options from the schema's top-level "x-guidance" object. These two relax the schema's meaning
+# at the caller's explicit request (coerce_one_of: a oneOf generated as anyOf; lenient: keywords the engine lacks
+# are ignored); its others set separators and whitespace, which would make the output other JSON text than pyllm
+# promises (standard separators, bounded whitespace), so they are refused.
+ENGINE_OPTIONS = ("coerce_one_of", "lenient")
+
+
+def _engine_options_refusal(schema: dict) -> str | None:
+    """Why the schema's "x-guidance" engine options cannot be taken, or None."""
+    options = schema.get("x-guidance")
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        return f'"x-guidance" must be an object of engine options, got {type(options).__name__}'
+    other = sorted(str(k) for k in options if k not in ENGINE_OPTIONS)
+    if other:
+        return (f'"x-guidance" option {shorten(other[0])!r} is not supported (only {" and ".join(ENGINE_OPTIONS)}: '
+                f'the others change the JSON text itself)')
+    return None
+
+
 def _self_defined(schema: dict) -> str | None:
     """A "$ref" that leads back to where it started through nothing but "$ref"s and "allOf" members
     ({"$ref": "#"}; two $defs that name each other), or None. Such a schema describes no value at all, and the
@@ -254,7 +275,7 @@ def _schema_text(schema: Any) -> tuple[str, str]:
         schema = {}
     if not isinstance(schema, dict):
         raise PyllmError(f"json_schema must be a JSON object (a dict or its JSON text), got {type(schema).__name__}")
-    why = _unsupported(schema)
+    why = _engine_options_refusal(schema) or _unsupported(schema)
     if why:
         raise PyllmError(f"invalid json_schema: {why}")
     ref = _self_defined(schema)
