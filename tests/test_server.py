@@ -496,6 +496,55 @@ def test_invalid_structured_output_is_a_400_before_a_stream_starts(smol):
     _ok(smol)
 
 
+def test_openai_parse_with_pydantic_models(smol):
+    """The official client's chat.completions.parse, the usual way its users ask for structured output, sends
+    pydantic's JSON schema (strict: $defs, $ref, anyOf with null, a discriminated union's oneOf with a const per
+    branch, enums, bounds, a pattern, a date format) and parses the reply into the model. Each reply here must
+    parse and validate (pydantic is the reference); an overlapping oneOf is a 400 naming response_format."""
+    import datetime
+    import enum
+    from typing import Literal, Optional, Union
+
+    from pydantic import BaseModel, Field
+
+    class Color(str, enum.Enum):
+        red = "red"
+        green = "green"
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+        lives: int
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+        good: bool
+
+    class Pet(BaseModel):
+        pet: Union[Cat, Dog] = Field(discriminator="kind")
+        color: Color
+        nickname: Optional[str]
+
+    class Bounded(BaseModel):
+        n: int = Field(ge=1, le=10)
+        ratio: float = Field(gt=0, lt=1)
+        tag: str = Field(pattern=r"^[a-z]{3}$")
+        when: datetime.date
+
+    client = smol.client()
+    for model in (Pet, Bounded):
+        r = client.chat.completions.parse(model="smollm2", messages=_chat(f"Give an example {model.__name__} as JSON."),
+                                          response_format=model, temperature=0, max_tokens=64)
+        assert r.choices[0].finish_reason == "stop", r
+        assert isinstance(r.choices[0].message.parsed, model), r
+
+    overlapping = {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer", "minimum": 0},
+                                                                   {"type": "integer", "maximum": 10}]}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=_chat("Hi"), max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": overlapping}})
+    assert e.value.body["param"] == "response_format" and "coerce_one_of" in e.value.body["message"], e.value.body
+
+
 def test_sampler_settings_are_checked_and_named(smol):
     """Every sampler setting of the wrong type or out of the sampler's range is a 400 naming it (typical_p of the
     wrong type was a 500; the sampler's own range checks named no parameter; a logit_bias value out of OpenAI's
