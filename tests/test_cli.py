@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import cli_in_process
+
 gguf = pytest.importorskip("gguf")
 
 
@@ -85,22 +87,24 @@ def test_info(smollm2_path, qwen2_path):
     ({"tokenizer.chat_template": "{{ ''.__class__ }}"}, ["chat template", "forbids", "--plain-template"]),
     ({"tokenizer.chat_template": "{{ raise_exception('no chat here') }}"}, ["no chat here"]),
 ])
-def test_info_reports_a_broken_vocabulary_or_chat_template(tmp_path, metadata, needles):
+def test_info_reports_a_broken_vocabulary_or_chat_template(tmp_path, monkeypatch, capsys, metadata, needles):
     """`pyllm info` described a file from its header and exited 0 although pyllm.load refuses its vocabulary or
     chat fails on its template. Reference: the errors load and chat give for the same hostile files (built as
-    tests/test_robustness.py builds them); the description is still printed, and a sound file exits 0."""
+    tests/test_robustness.py builds them); the description is still printed, and a sound file exits 0. In this
+    process (test_info runs the command as a user does)."""
     from pyllm.synthetic import write_tiny_llama
 
     def tiny(name, md):
         return str(write_tiny_llama(tmp_path / f"{name}.gguf", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_kv_head=1,
                                     n_vocab=320, n_ctx=64, metadata=md))
 
-    res = pyllm("info", tiny("broken", metadata))
+    run = cli_in_process(monkeypatch, capsys)
+    res = run("info", tiny("broken", metadata))
     assert_clean_error(res, "broken.gguf", *needles)
     assert "architecture:" in res.stdout
-    res = pyllm("info", tiny("broken", metadata), "--json")
+    res = run("info", tiny("broken", metadata), "--json")
     assert res.returncode == 1 and json.loads(res.stdout)["problems"]
-    res = pyllm("info", tiny("sound", {}), "--json")
+    res = run("info", tiny("sound", {}), "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["problems"] == [], res.stderr
 
 
@@ -178,13 +182,14 @@ def test_version():
     assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout
 
 
-def test_run_context_policy(smollm2_path):
+def test_run_context_policy(smollm2_path, monkeypatch, capsys):
     # a prompt longer than --ctx: "stop" (run's default) is a one-line error naming the fix; "shift" drops the
     # prompt's oldest tokens, says so, and generates
+    run = cli_in_process(monkeypatch, capsys)
     prompt = "one two three four five six seven eight nine ten " * 4
-    assert_clean_error(pyllm("run", smollm2_path, prompt, "--ctx", "24", "-n", "4", "--temp", "0"),
+    assert_clean_error(run("run", smollm2_path, prompt, "--ctx", "24", "-n", "4", "--temp", "0"),
                        "context", "--context-policy shift")
-    res = pyllm("run", smollm2_path, prompt, "--ctx", "24", "-n", "4", "--temp", "0", "--context-policy", "shift")
+    res = run("run", smollm2_path, prompt, "--ctx", "24", "-n", "4", "--temp", "0", "--context-policy", "shift")
     assert res.returncode == 0, res.stderr
     assert "dropped its oldest" in res.stderr and res.stdout.strip()
 
@@ -394,18 +399,19 @@ def test_run_without_prompt_on_a_terminal_opens_the_chat(no_template_gguf, tmp_p
     assert child.exitstatus == 0
 
 
-def test_run_prompt_after_the_flags(no_template_gguf):
+def test_run_prompt_after_the_flags(no_template_gguf, monkeypatch, capsys):
     """Reference: the prompt right after the model. Flags may come before the prompt (as with llama.cpp's and
     Ollama's CLIs), and after `--` a prompt may start with '-'."""
+    run = cli_in_process(monkeypatch, capsys)
     flags = ["-n", "3", "--temp", "0", "--backend", "reference", "--ctx", "64", "--json"]
-    want = pyllm("run", no_template_gguf, "hello there", *flags)
+    want = run("run", no_template_gguf, "hello there", *flags)
     assert want.returncode == 0, want.stderr
     want = json.loads(want.stdout)["text"]
     for args in ([*flags, "hello there"], [*flags[:4], "hello there", *flags[4:]], [*flags, "--", "hello there"]):
-        res = pyllm("run", no_template_gguf, *args)
+        res = run("run", no_template_gguf, *args)
         assert res.returncode == 0, (args, res.stderr)
         assert json.loads(res.stdout)["text"] == want, args
-    res = pyllm("run", no_template_gguf, *flags, "--", "-n 5")
+    res = run("run", no_template_gguf, *flags, "--", "-n 5")
     assert res.returncode == 0 and json.loads(res.stdout)["prompt_tokens"] > 1, res.stderr
 
 
@@ -413,10 +419,11 @@ def test_run_prompt_after_the_flags(no_template_gguf):
     (["--spec-k", "0"], "--spec-k"), (["--spec-k", "100", "--temp", "0.8"], "--spec-k"),
     (["--spec-ngram", "0"], "--spec-ngram"), (["--spec", "none", "--spec-k", "-3"], "--spec-k"),
 ])
-def test_speculation_flags_out_of_range_are_usage_errors(no_template_gguf, args, needle):
+def test_speculation_flags_out_of_range_are_usage_errors(no_template_gguf, monkeypatch, capsys, args, needle):
     """Reference: the ranges in --help (--spec-k 1..7). Out of range is refused whether or not this run happens
     to speculate (sampling at temp 0.8 does not), before the model loads."""
-    res = pyllm("run", no_template_gguf, "hi", "-n", "2", "--backend", "reference", "--ctx", "64", *args)
+    res = cli_in_process(monkeypatch, capsys)("run", no_template_gguf, "hi", "-n", "2", "--backend", "reference",
+                                              "--ctx", "64", *args)
     assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
     assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
 
