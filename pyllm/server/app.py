@@ -27,8 +27,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .. import api
-from . import responses
 from ..errors import BadRequest, ContextFullError, PyllmError
+from . import responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole

@@ -48,6 +48,8 @@ def _refuse_unsupported(data: dict) -> None:
     if data.get("truncation") not in (None, "disabled"):
         raise BadRequest("truncation \"auto\" is not supported: a conversation that does not fit is refused "
                          "(\"disabled\")", "truncation")
+    if data.get("metadata") is not None and not isinstance(data["metadata"], dict):
+        raise BadRequest("metadata must be an object of string keys and values", "metadata")
     include = data.get("include") or []
     if data.get("top_logprobs") or (isinstance(include, list) and "message.output_text.logprobs" in include):
         raise BadRequest("logprobs are not supported on /v1/responses (use /v1/chat/completions)", "top_logprobs")
