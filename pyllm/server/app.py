@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API over one LLM (Starlette routes, served by uvicorn; see docs/DESIGN.md, Server).
 
-Routes: GET /v1/models, /v1/models/{model}, POST /v1/chat/completions, /v1/completions, /v1/embeddings,
-GET /health, GET /metrics.
-Responses are the dicts of pyllm/api.py; streams are OpenAI's server-sent events ending in ``data: [DONE]``.
+Routes: GET /v1/models, /v1/models/{model}, POST /v1/chat/completions, /v1/completions, /v1/responses,
+/v1/embeddings, GET /health, GET /metrics.
+Responses are the dicts of pyllm/api.py (/v1/responses: translated by responses.py); streams are OpenAI's
+server-sent events ending in ``data: [DONE]`` (/v1/responses: named events, ending in response.completed).
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
 """
 
@@ -27,6 +28,7 @@ from starlette.routing import Route
 
 from .. import api
 from ..errors import BadRequest, ContextFullError, PyllmError
+from . import responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
@@ -84,9 +86,11 @@ def call_kwargs(fn, data: dict, required: str) -> dict:
     return {k: v for k, v in data.items() if k in names}
 
 
-def sse_event(obj: dict) -> str:
-    """One server-sent event carrying ``obj`` as compact JSON (what OpenAI's API sends)."""
-    return "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
+def sse_event(obj: dict, name: str | None = None) -> str:
+    """One server-sent event carrying ``obj`` as compact JSON (what OpenAI's API sends), with ``event: name``
+    before it when given (the Responses API names each event by its type)."""
+    head = f"event: {name}\n" if name else ""
+    return head + "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
 
 
 class APIError(Exception):
@@ -352,19 +356,28 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     job.cancel.set()
                     raise asyncio.CancelledError from None
 
-    async def generate(request: Request, route: str, fn_name: str) -> Response:
+    async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
+        """``translate``: for a route in another API's shape, data -> (fn's keyword arguments, shape), where
+        shape(make) runs make() (the call) on the worker and returns its result in the route's shape."""
         data = await read_json(request)
         stream = bool(data.get("stream"))
-        prompt_param = "messages" if fn_name == "create_chat_completion" else "prompt"
-        data = call_kwargs(getattr(api, fn_name), data, prompt_param)
+        prompt_param = ("input" if translate else "messages") if fn_name == "create_chat_completion" else "prompt"
+        named = translate is not None  # the Responses API's named events, without data: [DONE]
+        if translate is None:
+            data, shape = call_kwargs(getattr(api, fn_name), data, prompt_param), lambda make: make()
+        else:
+            try:
+                data, shape = translate(data)
+            except PyllmError as e:
+                raise _as_api_error(e, prompt_param) from None
         if engine is None:
             fn = getattr(llm, fn_name)
-            job = scheduler.submit(lambda cancel: fn(**data, cancel=cancel))
+            job = scheduler.submit(lambda cancel: shape(lambda: fn(**data, cancel=cancel)))
         else:
             cancel = threading.Event()
             view = EngineLLM(llm, engine, cancel)
             fn = getattr(api, fn_name)
-            job = scheduler.submit(lambda c: fn(view, **data, cancel=c), cancel=cancel, view=view)
+            job = scheduler.submit(lambda c: shape(lambda: fn(view, **data, cancel=c)), cancel=cancel, view=view)
         try:
             first = await next_item(request, job)
         except asyncio.CancelledError:
@@ -381,7 +394,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         async def events():
             # Every item already waiting goes out in one write: a stream that fell behind (the event loop had
             # other streams to serve) catches up with one send instead of one per token.
-            item = first
+            item, seq = first, 0
             try:
                 while item is not DONE:
                     out = []
@@ -389,11 +402,15 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                         kind, value = item
                         if kind == "error":
                             e = _as_api_error(value, prompt_param)
-                            out.append(sse_event({"error": {"message": e.message, "type": ERROR_TYPES[e.status],
-                                                            "param": e.param, "code": e.code}}))
+                            error = {"message": e.message, "type": ERROR_TYPES[e.status], "param": e.param,
+                                     "code": e.code}
+                            # the Responses API's error event: the error's fields at the top, its type "error"
+                            out.append(sse_event({**error, "type": "error", "sequence_number": seq + 1}, "error")
+                                       if named else sse_event({"error": error}))
                             yield "".join(out)
                             return
-                        out.append(sse_event(value))
+                        out.append(sse_event(value, value["type"]) if named else sse_event(value))
+                        seq = value.get("sequence_number", seq)
                         if job.out.empty():
                             item = None
                             break
@@ -403,7 +420,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     yield "".join(out)
                     if item is None:
                         item = await job.out.get()
-                yield "data: [DONE]\n\n"
+                if not named:
+                    yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop at the next token
 
@@ -416,6 +434,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     async def completions(request: Request) -> Response:
         return await generate(request, "/v1/completions", "create_completion")
+
+    async def create_response(request: Request) -> Response:
+        return await generate(request, "/v1/responses", "create_chat_completion", responses.translate)
 
     async def embeddings(request: Request) -> Response:
         from ..embed import create_embedding
@@ -459,6 +480,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         Route("/v1/models/{model:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
