@@ -123,3 +123,42 @@ def test_what_needs_storage_or_hosted_tools_is_a_400(smol):
     _, text = smol.raw("/metrics")
     assert 'pyllm_requests_total{route="/v1/responses",status="400"} 5' in text
     assert 'pyllm_requests_total{route="/v1/responses",status="200"}' in text
+
+
+def test_stream_events_for_text_then_several_calls():
+    """The chat stream's chunks for a reply with text and then two tool calls (parallel calls: the model is not
+    asked, the chunks are written here) as Responses events. Reference: the openai package's event types, each
+    event parsed by them, and its stream accumulator's order: the message item closes once, before the first
+    call, and each call is its own item (the second call re-closed the message and raised TypeError)."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from pyllm.server.responses import _events
+
+    base = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "smollm2"}
+
+    def chunks():
+        yield {**base, "choices": [{"index": 0, "delta": {"content": "Calling."}, "finish_reason": None}]}
+        for i in (1, 2):
+            call = {"index": i - 1, "id": f"call_{i}", "type": "function",
+                    "function": {"name": "f", "arguments": json.dumps({"i": i})}}
+            yield {**base, "choices": [{"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}]}
+        yield {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+               "usage": {"prompt_tokens": 3, "completion_tokens": 9, "total_tokens": 12,
+                         "prompt_tokens_details": {"cached_tokens": 0}}}
+
+    head = {"id": "resp_x", "object": "response", "created_at": 0, "status": "in_progress", "model": "smollm2",
+            "output": [], "parallel_tool_calls": True, "tool_choice": "auto", "tools": []}
+    events = list(_events(chunks(), head))
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for e in events:
+        adapter.validate_python(e)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [d["type"] for d in done] == ["message", "function_call", "function_call"]
+    assert done[0]["content"][0]["text"] == "Calling."
+    assert [(d["call_id"], json.loads(d["arguments"])) for d in done[1:]] == [("call_1", {"i": 1}), ("call_2", {"i": 2})]
+    final = events[-1]
+    assert final["type"] == "response.completed" and [o["type"] for o in final["response"]["output"]] == \
+        ["message", "function_call", "function_call"]
+    assert final["response"]["usage"]["total_tokens"] == 12

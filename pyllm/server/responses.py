@@ -285,7 +285,7 @@ def _events(chunks: Iterator[dict], head: dict) -> Iterator[dict]:
                     yield ev("response.output_text.delta", item_id=msg["id"], output_index=len(output),
                              content_index=0, delta=delta["content"], logprobs=[])
                 for call in delta.get("tool_calls") or ():
-                    if msg is not None:
+                    if msg:  # the text before the calls ends its message item (False: already ended)
                         yield from close_message("completed")
                         msg = False  # closed: no second message item
                     item = _call_item(call)
