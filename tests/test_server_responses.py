@@ -10,8 +10,7 @@ import json
 import openai
 import pytest
 
-from test_server import _chat
-from test_server import smol  # noqa: F401  (the module-scoped server fixture: one server for this module)
+from server_harness import _chat
 
 
 def _chat_text(server, messages, n):
