@@ -277,13 +277,16 @@ def _check_text_output(modalities, audio) -> None:
 
 # --------------------------------------------------------------------------------------------------- completion
 def _completion_logprobs(infos: list[TokenInfo], start: int) -> dict:
-    """OpenAI's legacy logprobs object; ``start``: where the completion's text begins in the response's text."""
+    """OpenAI's legacy logprobs object; ``start``: where the completion's text begins in the response's text.
+    Each top_logprobs entry holds the chosen token too, as OpenAI documents ("up to logprobs+1 elements") and
+    llama-cpp-python and vLLM serve it: a sampled token outside the N most likely would otherwise be missing from
+    it, and logprobs=0 would give empty entries."""
     out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
     for t in infos:
         out["tokens"].append(t.text)
         out["text_offset"].append(start + t.offset)
         out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append(None if t.top is None else dict(t.top))
+        out["top_logprobs"].append(None if t.top is None else {**dict(t.top), t.text: t.logprob})
     return out
 
 

@@ -93,3 +93,22 @@ def test_embeddings_rank_paraphrases_first(smol):
     assert cos(v[0], v[1]) > cos(v[0], v[2]) + 0.1 and cos(v[0], v[1]) > cos(v[1], v[2]) + 0.1
     status, body = smol.raw("/v1/embeddings", json.dumps({"model": "smollm2", "input": []}).encode())
     assert status == 400 and body["error"]["param"] == "input"
+
+
+def test_legacy_top_logprobs_hold_the_chosen_token(smol):
+    """OpenAI's legacy completions return "the logprob of the sampled token" in each top_logprobs entry too ("up to
+    logprobs+1 elements"), as llama-cpp-python and vLLM do; a token sampled outside the N most likely was missing
+    from its entry, and logprobs=0 gave empty entries. Reference: the response's own token_logprobs (the same
+    value, exactly), streamed or not, for generated and echoed tokens."""
+    c = smol.client()
+    kw = dict(model="smollm2", prompt="Once upon a time", max_tokens=8, temperature=1.5, seed=5)
+    for n, extra in ((0, {}), (1, {}), (1, {"echo": True})):
+        r = c.completions.create(logprobs=n, **kw, **extra)
+        streamed = [ch.choices[0].logprobs for ch in c.completions.create(logprobs=n, stream=True, **kw, **extra)
+                    if ch.choices and ch.choices[0].logprobs]
+        for lp in [r.choices[0].logprobs, *streamed]:
+            for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+                if top is None:  # an echoed prompt's first token: nothing precedes it
+                    assert v is None and extra
+                    continue
+                assert top[tok] == v and 1 <= len(top) <= n + 1, (n, extra, tok, v, top)
