@@ -403,7 +403,7 @@ class LLM:
         if check is not None:
             check()
 
-    def _nonfinite_error(self, logits) -> PyllmError:
+    def _nonfinite_error(self, logits) -> ModelError:
         bad = int((~torch.isfinite(logits)).sum())
         where = ""
         culprit = self._find_nonfinite_weight()
@@ -411,7 +411,7 @@ class LLM:
             where = f"; tensor {culprit!r} holds NaN or Inf values"
         elif not all(map(math.isfinite, (self.config.rms_eps, self.config.rope_base))):
             where = "; a hyper-parameter (rms epsilon or rope base) is not finite"
-        return PyllmError(f"{self.path.name}: the model produced non-finite logits ({bad} of {logits.numel()} "
+        return ModelError(f"{self.path.name}: the model produced non-finite logits ({bad} of {logits.numel()} "
                           f"are NaN or Inf){where}: the file's weights or hyper-parameters are broken")
 
     def _find_nonfinite_weight(self) -> str | None:

@@ -5,6 +5,7 @@ raw HTTP for what the client will not send). Every wait is bounded. The module-s
 conftest.py.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -180,3 +181,43 @@ def _cors(server, path: str, origin: str, method: str = "OPTIONS", body: bytes |
     except urllib.error.HTTPError as e:
         status, headers = e.code, e.headers
     return status, {k.lower(): v for k, v in headers.items() if k.lower().startswith("access-control-")}
+
+
+@contextlib.contextmanager
+def served_in_thread(app):
+    """``app`` (create_app's, over an LLM a test has patched: what a server subprocess would not let it reach)
+    served by uvicorn in a thread of this process on a free port of 127.0.0.1; yields the base URL. On exit the
+    server shuts down, which runs the app's lifespan end (its worker threads stop)."""
+    import uvicorn
+
+    from pyllm.server.app import listen_socket
+
+    sock = listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, ws="none"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the in-process server did not start within 60 s")
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def failing_after(llm, n_tokens: int, error: Exception):
+    """A stand-in for ``llm.generate_tokens`` that yields the real first ``n_tokens`` tokens, then raises ``error``:
+    a generation that fails mid-way, as one over broken weights does at the step that first makes NaN."""
+    real = llm.generate_tokens
+
+    def generate_tokens(*args, **kwargs):
+        for i, t in enumerate(real(*args, **kwargs)):
+            if i == n_tokens:
+                raise error
+            yield t
+
+    return generate_tokens

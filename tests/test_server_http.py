@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from conftest import fixture_path
-from server_harness import KEY, MAX_BODY, ROOT, Server, _chat, _cors, _ok
+from server_harness import KEY, MAX_BODY, ROOT, Server, _chat, _cors, _ok, failing_after, served_in_thread
 
 
 def test_models_and_health(smol):
@@ -143,6 +143,38 @@ def test_missing_inputs_are_400s_and_unknown_parameters_are_ignored(smol):
     status, r = smol.raw("/v1/embeddings", json.dumps({"input": "Hi", **stray}).encode())
     assert status == 200 and len(r["data"]) == 1
     _ok(smol)
+
+
+def test_a_model_fault_is_a_server_error_whole_or_mid_stream(smol_llm, monkeypatch):
+    """Non-finite logits (broken weights) were a 400 invalid_request_error, a BadRequestError in the openai client:
+    the client was told to fix a request that any request would fail the same way. The served model is at fault:
+    500 server_error (InternalServerError), and mid-stream OpenAI's error chunk of that type, which the client
+    raises as APIError; the worker keeps serving. Reference: OpenAI's error shape and the openai client's
+    exception classes. The generation fails after 2 tokens with the error the LLM makes for NaN logits."""
+    import torch
+
+    from pyllm.server.app import create_app
+
+    fault = smol_llm._nonfinite_error(torch.full((smol_llm.n_vocab,), float("nan")))
+    monkeypatch.setattr(smol_llm, "generate_tokens", failing_after(smol_llm, 2, fault))
+    with served_in_thread(create_app(smol_llm, "smollm2")) as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        kw = dict(model="smollm2", max_tokens=8, temperature=0)
+        for call in (lambda: c.chat.completions.create(messages=_chat("Hi"), **kw),
+                     lambda: c.completions.create(prompt="Hi", **kw)):
+            with pytest.raises(openai.InternalServerError) as e:
+                call()
+            assert e.value.body == {"message": str(fault), "type": "server_error", "param": None, "code": None}
+        for call in (lambda: c.chat.completions.create(messages=_chat("Hi"), stream=True, **kw),
+                     lambda: c.completions.create(prompt="Hi", stream=True, **kw)):
+            got = []
+            with pytest.raises(openai.APIError) as e:
+                got.extend(call())
+            assert e.value.body == {"message": str(fault), "type": "server_error", "param": None, "code": None}
+            assert len(got) >= 2  # the tokens before the fault were streamed
+        monkeypatch.undo()
+        r = c.chat.completions.create(messages=_chat("Hi"), **kw)
+        assert r.usage.completion_tokens == 8
 
 
 def _metrics_after_one_cancel(server, before: dict, within: float = 60) -> dict:

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .. import api
-from ..errors import BadRequest, ContextFullError, PyllmError
+from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError
 from . import responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
@@ -114,6 +114,10 @@ def _as_api_error(e: Exception, prompt_param: str = "messages") -> APIError:
         return APIError(400, str(e), e.param)
     if isinstance(e, ContextFullError):
         return APIError(400, str(e), prompt_param, "context_length_exceeded")
+    if isinstance(e, (ModelError, GGUFError)):
+        # the served model is at fault (non-finite logits from broken weights, a file changed on disk), not the
+        # request: a 400 told the client to fix a request that would fail the same way whatever it sent
+        return APIError(500, str(e))
     if isinstance(e, PyllmError):
         return APIError(400, str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
