@@ -408,8 +408,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                             e = _as_api_error(value, prompt_param)
                             error = {"message": e.message, "type": ERROR_TYPES[e.status], "param": e.param,
                                      "code": e.code}
-                            # the Responses API's error event: the error's fields at the top, its type "error"
-                            out.append(sse_event({**error, "type": "error", "sequence_number": seq + 1}, "error")
+                            # the Responses API's error event: the error's fields at the top, its type "error";
+                            # the error's own type (server_error, ...) would be lost under it, so it is the code
+                            # when the error has none
+                            out.append(sse_event({**error, "type": "error", "code": e.code or error["type"],
+                                                  "sequence_number": seq + 1}, "error")
                                        if named else sse_event({"error": error}))
                             yield "".join(out)
                             return
