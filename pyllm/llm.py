@@ -76,8 +76,8 @@ def check_sampling(settings: dict) -> dict:
     a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate).
     A keyword that is neither a setting nor a generation option is refused here, when the call is made, naming
     it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token."""
-    import math
     import numbers
+    import sys
     from dataclasses import fields
 
     from .errors import shorten
@@ -90,8 +90,10 @@ def check_sampling(settings: dict) -> dict:
     out = dict(settings)
     for k, v in settings.items():
         if k in _REAL_SETTINGS:
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise PyllmError(f"{k} must be a finite number, got {v!r}")
+            # false for NaN, infinities and integers past a double's range (math.isfinite raises OverflowError
+            # for those)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not abs(v) <= sys.float_info.max:
+                raise PyllmError(f"{k} must be a finite number, got {shorten(repr(v))}")
             out[k] = float(v)
         elif k in _INT_SETTINGS:
             out[k] = check_int(k, v, 0)

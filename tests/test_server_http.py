@@ -105,6 +105,28 @@ def test_bodies_python_cannot_take_are_400s(smol):
     _ok(smol)
 
 
+def test_integers_past_a_doubles_range_are_400s_naming_the_parameter(smol):
+    """JSON numbers have no size limit and Python reads 10**400 as an int, which every numeric parameter's range
+    check turned into a float: an OverflowError, a 500 "internal error". Reference: OpenAI's error shape, a 400
+    naming the parameter as for any other out-of-range value, on every route that takes numbers."""
+    big = "1" + "0" * 400
+    cases = [("/v1/chat/completions", '"messages": [{"role": "user", "content": "Hi"}], "logprobs": true',
+              ("temperature", "top_p", "top_k", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
+               "frequency_penalty", "seed", "max_tokens", "max_completion_tokens", "top_logprobs")),
+             ("/v1/completions", '"prompt": "Hi"', ("max_tokens", "logprobs", "best_of", "seed", "temperature")),
+             ("/v1/responses", '"input": "Hi"', ("max_output_tokens", "temperature", "top_p", "seed")),
+             ("/v1/embeddings", '"input": "Hi"', ("dimensions",))]
+    for path, head, params in cases:
+        for param in params:
+            for v in (big, "-" + big):
+                status, r = smol.raw(path, f'{{{head}, "{param}": {v}}}'.encode())
+                assert status == 400 and r["error"]["param"] == param, (path, param, v[:3], r)
+    status, r = smol.raw("/v1/chat/completions", f'{{"messages": [{{"role": "user", "content": "Hi"}}], '
+                                                  f'"logit_bias": {{"5": {big}}}}}'.encode())
+    assert status == 400 and r["error"]["param"] == "logit_bias", r
+    _ok(smol)
+
+
 def test_lone_surrogates_are_400s_naming_where(smol):
     """JSON's \\ud800 escape decodes to a lone UTF-16 surrogate, which is not Unicode text and which no UTF-8
     response can carry: a 400 naming where it is (it was a 500, or a stream cut off mid-way), while an escaped
