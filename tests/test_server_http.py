@@ -127,6 +127,28 @@ def test_integers_past_a_doubles_range_are_400s_naming_the_parameter(smol):
     _ok(smol)
 
 
+def test_nan_infinity_and_numbers_past_a_double_are_malformed_json(smol):
+    """NaN, Infinity and -Infinity are not JSON, and 1e400 is no double; Python's parser read them all as floats.
+    /v1/responses echoes metadata, user and tools, so they came back as a 500 (a response cannot carry them), or
+    streamed, as "NaN" inside an event, which a client's JSON parser refuses. Reference: RFC 8259 (numbers are
+    finite) and OpenAI's API, which refuses such a body as unparseable: a 400 naming the value, before any work."""
+    hi = '"input": "Hi", "max_output_tokens": 2'
+    for path, body in (("/v1/responses", f'{{{hi}, "metadata": {{"a": NaN}}}}'),
+                       ("/v1/responses", f'{{{hi}, "metadata": {{"a": NaN}}, "stream": true}}'),
+                       ("/v1/responses", f'{{{hi}, "user": Infinity}}'),
+                       ("/v1/responses", f'{{{hi}, "metadata": {{"a": 1e400}}}}'),
+                       ("/v1/responses", f'{{{hi}, "tools": [{{"type": "function", "name": "f", "parameters": '
+                                         f'{{"type": "object", "properties": {{"a": {{"default": -Infinity}}}}}}}}]}}'),
+                       ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, '
+                                                '"temperature": NaN}')):
+        status, r = smol.raw(path, body.encode())
+        assert status == 400 and r["error"]["message"].startswith("malformed JSON body: "), (body, r)
+        assert re.search(r"NaN|Infinity|1e400", r["error"]["message"]), r
+    status, r = smol.raw("/v1/responses", f'{{{hi}, "metadata": {{"a": 1e300, "b": 1e-400}}}}'.encode())
+    assert status == 200 and r["metadata"] == {"a": 1e300, "b": 0.0}
+    _ok(smol)
+
+
 def test_lone_surrogates_are_400s_naming_where(smol):
     """JSON's \\ud800 escape decodes to a lone UTF-16 surrogate, which is not Unicode text and which no UTF-8
     response can carry: a 400 naming where it is (it was a 500, or a stream cut off mid-way), while an escaped

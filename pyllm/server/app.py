@@ -15,6 +15,7 @@ import hmac
 import inspect
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .. import api
-from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError
+from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
 from . import responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
@@ -72,6 +73,26 @@ def lone_surrogate(data: dict) -> tuple[str, str | None, str] | None:
         elif isinstance(v, list):
             stack.extend((f"{path}[{i}]", param, x) for i, x in reversed(list(enumerate(v))))
     return None
+
+
+def _no_nonfinite_constant(name: str):
+    raise ValueError(f"{name} is not JSON (JSON numbers are finite)")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {shorten(text, 40)} is past a double's range")
+    return v
+
+
+def parse_json_body(body: bytes):
+    """The request body ``body`` as JSON, ValueError for what JSON does not allow. Python's json module alone reads
+    NaN, Infinity and -Infinity (which are not JSON) and a number past a double's range (1e400) as a non-finite
+    float: a value that no response can carry back (JSONResponse refuses it: a 500 where /v1/responses echoes
+    metadata or tools; an event writes it as NaN, which JSON parsers of clients refuse), and that OpenAI's API
+    refuses as unparseable."""
+    return json.loads(body, parse_constant=_no_nonfinite_constant, parse_float=_finite_float)
 
 
 def call_kwargs(fn, data: dict, required: str) -> dict:
@@ -316,7 +337,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             if len(body) > max_body:
                 raise APIError(413, f"request body exceeds the limit of {max_body} bytes")
         try:
-            data = json.loads(body)
+            data = parse_json_body(body)
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4300 digits
             # the last one's text ends in advice to call a Python function, which no HTTP client can follow
             why = re.sub(r";? *use sys\.set_int_max_str_digits\(\).*", "", str(e))
