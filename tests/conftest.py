@@ -228,7 +228,6 @@ def smol_llm():
 def qwen():
     from server_harness import Server
 
-    s = Server(fixture_path("qwen2"), "--alias", "qwen", "--ctx", "1024", "--cors-origin", "https://ui.example/",
-               "--cors-origin", "https://*.tools.example")
+    s = Server(fixture_path("qwen2"), "--alias", "qwen", "--ctx", "1024")
     yield s
     s.close()

@@ -314,12 +314,12 @@ def test_cors_lets_local_pages_in_and_no_others(smol):
         assert status == 200 and h == {}, (origin, h)
 
 
-def test_cors_origin_flag_adds_origins(qwen):
+def test_cors_origin_flag_adds_origins(brisk):
     for origin in ("https://ui.example", "https://a.tools.example", "http://localhost:3000"):
-        status, h = _cors(qwen, "/v1/chat/completions", origin)
+        status, h = _cors(brisk, "/v1/chat/completions", origin)
         assert status == 200 and h["access-control-allow-origin"] == origin, (origin, h)
     for origin in ("https://evil.example", "http://ui.example", "https://ui.example.evil"):
-        status, h = _cors(qwen, "/v1/chat/completions", origin)
+        status, h = _cors(brisk, "/v1/chat/completions", origin)
         assert status == 400 and h == {}, (origin, h)
 
 
@@ -522,7 +522,9 @@ SLACK = 3  # what a loaded 2-core machine adds to a deadline before the server a
 
 @pytest.fixture(scope="module")
 def brisk():
-    s = Server(fixture_path("smollm2"), "--alias", "smollm2", "--ctx", "256", "--client-timeout", str(CLIENT_TIMEOUT))
+    # also the server of the --cors-origin test: one server start fewer in this module
+    s = Server(fixture_path("smollm2"), "--alias", "smollm2", "--ctx", "256", "--client-timeout", str(CLIENT_TIMEOUT),
+               "--cors-origin", "https://ui.example/", "--cors-origin", "https://*.tools.example")
     yield s
     s.close()
 
