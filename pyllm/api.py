@@ -32,7 +32,12 @@ def _number(name: str, v, lo: float | None = None, hi: float | None = None, inte
     param = param or name
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
         raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", param)
-    if not math.isfinite(v) or (lo is not None and v < lo) or (hi is not None and v > hi):
+    try:
+        finite = math.isfinite(v)
+    except OverflowError:  # an integer past a double's range: JSON's numbers have no size limit, nor Python's ints
+        raise BadRequest(f"{name} must be a number within a double's range, got an integer of {len(str(abs(v)))} "
+                         f"digits", param) from None
+    if not finite or (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
         raise BadRequest(f"{name} must be {rng}, got {v!r}", param)
     return v
@@ -277,13 +282,16 @@ def _check_text_output(modalities, audio) -> None:
 
 # --------------------------------------------------------------------------------------------------- completion
 def _completion_logprobs(infos: list[TokenInfo], start: int) -> dict:
-    """OpenAI's legacy logprobs object; ``start``: where the completion's text begins in the response's text."""
+    """OpenAI's legacy logprobs object; ``start``: where the completion's text begins in the response's text.
+    Each top_logprobs entry holds the chosen token too, as OpenAI documents ("up to logprobs+1 elements") and
+    llama-cpp-python and vLLM serve it: a sampled token outside the N most likely would otherwise be missing from
+    it, and logprobs=0 would give empty entries."""
     out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
     for t in infos:
         out["tokens"].append(t.text)
         out["text_offset"].append(start + t.offset)
         out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append(None if t.top is None else dict(t.top))
+        out["top_logprobs"].append(None if t.top is None else {**dict(t.top), t.text: t.logprob})
     return out
 
 

@@ -76,8 +76,8 @@ def check_sampling(settings: dict) -> dict:
     a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate).
     A keyword that is neither a setting nor a generation option is refused here, when the call is made, naming
     it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token."""
-    import math
     import numbers
+    import sys
     from dataclasses import fields
 
     from .errors import shorten
@@ -90,8 +90,10 @@ def check_sampling(settings: dict) -> dict:
     out = dict(settings)
     for k, v in settings.items():
         if k in _REAL_SETTINGS:
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
-                raise PyllmError(f"{k} must be a finite number, got {v!r}")
+            # false for NaN, infinities and integers past a double's range (math.isfinite raises OverflowError
+            # for those)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not abs(v) <= sys.float_info.max:
+                raise PyllmError(f"{k} must be a finite number, got {shorten(repr(v))}")
             out[k] = float(v)
         elif k in _INT_SETTINGS:
             out[k] = check_int(k, v, 0)
@@ -403,7 +405,7 @@ class LLM:
         if check is not None:
             check()
 
-    def _nonfinite_error(self, logits) -> PyllmError:
+    def _nonfinite_error(self, logits) -> ModelError:
         bad = int((~torch.isfinite(logits)).sum())
         where = ""
         culprit = self._find_nonfinite_weight()
@@ -411,7 +413,7 @@ class LLM:
             where = f"; tensor {culprit!r} holds NaN or Inf values"
         elif not all(map(math.isfinite, (self.config.rms_eps, self.config.rope_base))):
             where = "; a hyper-parameter (rms epsilon or rope base) is not finite"
-        return PyllmError(f"{self.path.name}: the model produced non-finite logits ({bad} of {logits.numel()} "
+        return ModelError(f"{self.path.name}: the model produced non-finite logits ({bad} of {logits.numel()} "
                           f"are NaN or Inf){where}: the file's weights or hyper-parameters are broken")
 
     def _find_nonfinite_weight(self) -> str | None:

@@ -199,3 +199,35 @@ def cli_in_process(monkeypatch, capsys, default_stdin: bytes = b""):
         return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
     return run
+
+
+# ------------------------------------------------------------- `pyllm serve` in a subprocess (tests/server_harness.py)
+# Module-scoped: each server test module gets its own server, so a module's requests meet an empty prompt cache and
+# no other module's traffic in /metrics.
+@pytest.fixture(scope="module")
+def smol():
+    from server_harness import KEY, MAX_BODY, Server
+
+    s = Server(fixture_path("smollm2"), "--alias", "smollm2", "--ctx", "512", "--api-key", KEY,
+               "--max-body", str(MAX_BODY))
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def smol_llm():
+    # The session's shared LLM, with whatever conversation an earlier module (test_api) left in its cache: a chat
+    # reusing that cached prefix differs from a fresh prefill by up to ~0.5 in the logits (docs/DESIGN.md,
+    # Server) and so in its greedy text, while this module's server starts empty.
+    llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
+    llm.reset()
+    return llm
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    from server_harness import Server
+
+    s = Server(fixture_path("qwen2"), "--alias", "qwen", "--ctx", "1024")
+    yield s
+    s.close()

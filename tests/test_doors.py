@@ -179,7 +179,7 @@ def test_library_arguments(tiny):
     with pytest.raises(PyllmError, match="seed"):
         llm.generate("hi", max_tokens=2, seed=-5)
     for name, bad in (("temperature", float("nan")), ("temperature", "hot"), ("top_p", None), ("top_k", 1.5),
-                      ("min_p", float("inf")), ("repeat_penalty", "x")):
+                      ("min_p", float("inf")), ("repeat_penalty", "x"), ("temperature", 10**400)):
         with pytest.raises(PyllmError, match=name):
             llm.generate("hi", max_tokens=2, **{name: bad})
     with pytest.raises(PyllmError, match="max_tokens"):

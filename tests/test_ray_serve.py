@@ -47,7 +47,7 @@ def test_replicas_without_ray_name_the_extra(cli, monkeypatch):
 
 def test_two_ray_replicas_both_answer_with_the_librarys_text():
     pytest.importorskip("ray.serve", reason="the ray extra is not installed: pip install -e '.[ray]'")
-    from test_server import Server
+    from server_harness import Server
 
     # The README's command, run on the fixture's file with a small context.
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
@@ -84,7 +84,7 @@ def test_two_ray_replicas_both_answer_with_the_librarys_text():
         assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
         # the replicas build the same app: a local page's preflight passes Ray's proxy and is answered, another's not
-        from test_server import _cors
+        from server_harness import _cors
 
         status, h = _cors(s, "/v1/chat/completions", "http://localhost:3000")
         assert status == 200 and h["access-control-allow-origin"] == "http://localhost:3000", h
@@ -102,7 +102,7 @@ def test_sigterm_while_the_replicas_start_stops_ray_cleanly(monkeypatch):
     instance of its own even with RAY_ADDRESS naming another (here one that does not exist): ray.init connected
     there and refused num_cpus."""
     pytest.importorskip("ray.serve", reason="the ray extra is not installed: pip install -e '.[ray]'")
-    from test_server import Server
+    from server_harness import Server
 
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # the server's environment is a copy of this one
     s = Server(fixture_path("smollm2"), "--replicas", "3", "--ctx", "256")  # returns at the first healthy answer

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import fixture_path, pyllm_model
-from test_server import KEY, Server, _chat, check_echoed_prompt_logprobs
+from server_harness import KEY, Server, _chat, check_echoed_prompt_logprobs
 
 LONG = ("You are a careful assistant. Answer in one short paragraph, plainly, without lists. "
         "The user asks about rivers, stones, lanterns, orchards, copper, meadows and harbors. ") * 3

@@ -10,8 +10,7 @@ import json
 import openai
 import pytest
 
-from test_server import _chat
-from test_server import smol  # noqa: F401  (the module-scoped server fixture: one server for this module)
+from server_harness import _chat, failing_after, served_in_thread
 
 
 def _chat_text(server, messages, n):
@@ -162,3 +161,29 @@ def test_stream_events_for_text_then_several_calls():
     assert final["type"] == "response.completed" and [o["type"] for o in final["response"]["output"]] == \
         ["message", "function_call", "function_call"]
     assert final["response"]["usage"]["total_tokens"] == 12
+
+
+def test_a_generation_that_fails_mid_stream_ends_in_openais_error_event(smol_llm, monkeypatch):
+    """A generation that fails after its first tokens ends the stream with the Responses API's error event, which
+    the openai client yields as ResponseErrorEvent: the error's message, its kind as the code (server_error: the
+    model, not the request, is at fault; the code was null) and the next sequence number, after the usual events
+    for the text so far. Reference: the openai package's event types, validated field by field."""
+    import torch
+    from openai.types.responses import ResponseErrorEvent, ResponseTextDeltaEvent
+
+    from pyllm.server.app import create_app
+
+    fault = smol_llm._nonfinite_error(torch.full((smol_llm.n_vocab,), float("nan")))
+    monkeypatch.setattr(smol_llm, "generate_tokens", failing_after(smol_llm, 3, fault))
+    with served_in_thread(create_app(smol_llm, "smollm2")) as base:
+        c = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        events = list(c.responses.create(model="smollm2", input="Tell a story.", max_output_tokens=16,
+                                         temperature=0, stream=True))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert all(isinstance(e, ResponseTextDeltaEvent) for e in events[4:-1]) and len(events) > 5
+    err = events[-1]
+    assert isinstance(err, ResponseErrorEvent)
+    assert ResponseErrorEvent.model_validate(err.model_dump(), strict=True) == err
+    assert (err.message, err.code, err.param) == (str(fault), "server_error", None)
+    assert [e.sequence_number for e in events] == list(range(len(events)))

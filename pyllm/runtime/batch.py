@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .. import ops
-from ..errors import ContextFullError, PyllmError
+from ..errors import ContextFullError, ModelError, PyllmError
 from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
@@ -354,7 +354,7 @@ class BatchEngine:
         self.slots = [Slot(i, model.backend.make_kv_cache(kv_kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim))
                       for i in range(n_slots)]
         self.disk = prompt_cache
-        self.nonfinite = nonfinite or (lambda lg: PyllmError("the model produced non-finite logits"))
+        self.nonfinite = nonfinite or (lambda lg: ModelError("the model produced non-finite logits"))
         self.cache_hits = self.cached_tokens = self.disk_hits = 0
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: list[Request] = []

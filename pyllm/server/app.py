@@ -15,6 +15,7 @@ import hmac
 import inspect
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -27,7 +28,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .. import api
-from ..errors import BadRequest, ContextFullError, PyllmError
+from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
 from . import responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
@@ -74,6 +75,26 @@ def lone_surrogate(data: dict) -> tuple[str, str | None, str] | None:
     return None
 
 
+def _no_nonfinite_constant(name: str):
+    raise ValueError(f"{name} is not JSON (JSON numbers are finite)")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {shorten(text, 40)} is past a double's range")
+    return v
+
+
+def parse_json_body(body: bytes):
+    """The request body ``body`` as JSON, ValueError for what JSON does not allow. Python's json module alone reads
+    NaN, Infinity and -Infinity (which are not JSON) and a number past a double's range (1e400) as a non-finite
+    float: a value that no response can carry back (JSONResponse refuses it: a 500 where /v1/responses echoes
+    metadata or tools; an event writes it as NaN, which JSON parsers of clients refuse), and that OpenAI's API
+    refuses as unparseable."""
+    return json.loads(body, parse_constant=_no_nonfinite_constant, parse_float=_finite_float)
+
+
 def call_kwargs(fn, data: dict, required: str) -> dict:
     """The body's parameters that ``fn`` (an OpenAI-shaped function: pyllm/api.py, pyllm/embed.py) takes as
     keywords; APIError 400 when ``required`` is missing. The others are ignored, as OpenAI-compatible servers ignore
@@ -114,6 +135,10 @@ def _as_api_error(e: Exception, prompt_param: str = "messages") -> APIError:
         return APIError(400, str(e), e.param)
     if isinstance(e, ContextFullError):
         return APIError(400, str(e), prompt_param, "context_length_exceeded")
+    if isinstance(e, (ModelError, GGUFError)):
+        # the served model is at fault (non-finite logits from broken weights, a file changed on disk), not the
+        # request: a 400 told the client to fix a request that would fail the same way whatever it sent
+        return APIError(500, str(e))
     if isinstance(e, PyllmError):
         return APIError(400, str(e))
     return APIError(500, f"internal error: {type(e).__name__}: {e}")
@@ -312,7 +337,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             if len(body) > max_body:
                 raise APIError(413, f"request body exceeds the limit of {max_body} bytes")
         try:
-            data = json.loads(body)
+            data = parse_json_body(body)
         except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4300 digits
             # the last one's text ends in advice to call a Python function, which no HTTP client can follow
             why = re.sub(r";? *use sys\.set_int_max_str_digits\(\).*", "", str(e))
@@ -404,8 +429,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                             e = _as_api_error(value, prompt_param)
                             error = {"message": e.message, "type": ERROR_TYPES[e.status], "param": e.param,
                                      "code": e.code}
-                            # the Responses API's error event: the error's fields at the top, its type "error"
-                            out.append(sse_event({**error, "type": "error", "sequence_number": seq + 1}, "error")
+                            # the Responses API's error event: the error's fields at the top, its type "error";
+                            # the error's own type (server_error, ...) would be lost under it, so it is the code
+                            # when the error has none
+                            out.append(sse_event({**error, "type": "error", "code": e.code or error["type"],
+                                                  "sequence_number": seq + 1}, "error")
                                        if named else sse_event({"error": error}))
                             yield "".join(out)
                             return
