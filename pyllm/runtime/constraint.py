@@ -19,17 +19,15 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 import re
 import threading
-from decimal import Decimal
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import PyllmError, shorten
-from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal
+from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal, number_digit_cap
 from .schema_walk import SCHEMA_DATA, SCHEMA_MAPS, resolve_local
 
 
@@ -43,10 +41,6 @@ def _llguidance():
 
 # JSON whitespace between tokens: nothing, one space, or a newline and an indent of up to 20 (llama.cpp's "space")
 JSON_WS = r"(?: |\n[ \t]{0,20})?"
-# The most digits in a row a number's integral part, fraction or exponent may have under a JSON schema, as llama.cpp's
-# json-schema-to-grammar writes them ([0] | [1-9] [0-9]{0,15}; [0-9]{1,16}): the engine's numbers are unbounded, and
-# a small sampled model can write digits until max_tokens. A schema whose own numbers need more digits raises it.
-NUMBER_DIGITS = 16
 DIGITS = frozenset(b"0123456789")
 
 
@@ -328,7 +322,7 @@ class Constraint:
             raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
         parsed = json.loads(text)
         try:
-            return cls(grammar, vocab, "json_schema", _digit_cap(parsed))
+            return cls(grammar, vocab, "json_schema", number_digit_cap(parsed))
         except PyllmError as e:
             # named as given: a bound moved inwards by exact_integers can still be one the engine cannot write
             refusal = number_bound_refusal(str(e), json.loads(given)) or deep_bound_refusal(
@@ -343,7 +337,7 @@ class Constraint:
         try:
             grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, json.dumps(schema),
                                         defaults={"whitespace_pattern": JSON_WS})
-            cls(grammar, vocab, "json_schema", _digit_cap(schema))
+            cls(grammar, vocab, "json_schema", number_digit_cap(schema))
         except (ValueError, TypeError, PyllmError):
             return False
         return True
@@ -606,24 +600,6 @@ class _JsonScan:
             elif c == 0x3A:  # a colon: its value comes next
                 self.want_key = False
         return ok
-
-
-def _digit_cap(schema: Any) -> int:
-    """NUMBER_DIGITS, or more where the schema's own numbers (bounds, const, enum, ...) need more digits in a row:
-    one past the longest integral part or fraction among them, so that a value just past an exclusive bound is
-    still expressible. Iterative: a schema may nest deeply."""
-    cap = NUMBER_DIGITS
-    stack = [schema]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            whole, _, fraction = format(Decimal(repr(v) if isinstance(v, float) else v), "f").lstrip("-").partition(".")
-            cap = max(cap, len(whole) + 1, len(fraction) + 1)
-    return cap
 
 
 def _no_way_to_finish(c: "Constraint") -> bool:

@@ -18,6 +18,10 @@ from .schema_walk import SCHEMA_DATA, numeric, pointer, typed_subschemas
 # (the largest double below 2^63) every double is an integer bound it keeps exactly.
 BOUND_EDGE = 2 ** 63 - 1024
 OPEN_RANGE_LIMIT = 10 ** 18
+# The most digits in a row a number's integral part, fraction or exponent may have under a JSON schema, as llama.cpp's
+# json-schema-to-grammar writes them ([0] | [1-9] [0-9]{0,15}; [0-9]{1,16}): the engine's numbers are unbounded, and
+# a small sampled model can write digits until max_tokens. A schema whose own numbers need more digits raises it.
+NUMBER_DIGITS = 16
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 
@@ -174,13 +178,31 @@ def _number_bound(s: dict, k: str, v: int, both: bool) -> bool:
     return True
 
 
+def number_digit_cap(schema: Any) -> int:
+    """NUMBER_DIGITS, or more where the schema's own numbers (bounds, const, enum, ...) need more digits in a row:
+    one past the longest integral part or fraction among them, so that a value just past an exclusive bound is
+    still expressible. Iterative: a schema may nest deeply."""
+    cap = NUMBER_DIGITS
+    stack = [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            whole, _, fraction = format(Decimal(repr(v) if isinstance(v, float) else v), "f").lstrip("-").partition(".")
+            cap = max(cap, len(whole) + 1, len(fraction) + 1)
+    return cap
+
+
 # The engine writes a bounded number (not integer) as plain decimals, splitting its range at 0 and, for a range
 # open on one side, at the next power of ten past the bound, and parses each piece's integral ends as a 64-bit
 # integer: a bound of magnitude 2^63 or more (past BOUND_EDGE, as doubles go) fails, and so does a minimum of 10^18
 # or more with no maximum (or a maximum of -10^18 or less with no minimum), whose next power of ten is 10^19. It
 # says so naming only the range ("Failed to generate regex for float range: min=None, max=Some(1e19)"), and it
 # reads a bound's digits with rounding of its own (9.223372036854775e18, BOUND_EDGE, is its 2^63). No bound
-# can be dropped or moved instead: the digits a number may have grow with the schema's own numbers (_digit_cap),
+# can be dropped or moved instead: the digits a number may have grow with the schema's own numbers (number_digit_cap),
 # so values past the bound stay writable and a changed bound would admit or refuse some.
 _FLOAT_RANGE = re.compile(r"Failed to generate regex for (float|integer) range: min=(?:None|Some\(([^)]*)\)), "
                           r"max=(?:None|Some\(([^)]*)\))")
