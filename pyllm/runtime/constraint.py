@@ -28,7 +28,8 @@ import torch
 
 from ..errors import PyllmError, shorten
 from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal, number_digit_cap
-from .schema_walk import SCHEMA_DATA, SCHEMA_MAPS, resolve_local
+from .schema_objects import count_refusal, repeated_key_refusal
+from .schema_walk import SCHEMA_DATA, resolve_local
 
 
 def _llguidance():
@@ -156,36 +157,6 @@ class GrammarVocab:
 
 
 
-def _unsupported(schema: dict) -> str | None:
-    """Why the engine cannot keep its promise for ``schema``, or None. Iterative: a schema may nest deeply.
-
-    llguidance keeps the named properties of an object distinct, but not the keys it admits through
-    additionalProperties or patternProperties, and it counts minProperties over the keys as written: {"a": 1,
-    "a": 2} passes minProperties 2, yet parses to one property. Only objects that need such keys to reach
-    minProperties are refused."""
-    stack = [schema]
-    while stack:
-        s = stack.pop()
-        if not isinstance(s, dict):
-            continue
-        least, required = s.get("minProperties"), s.get("required")
-        named = len({r for r in required if isinstance(r, str)}) if isinstance(required, list) else 0
-        if isinstance(least, (int, float)) and not isinstance(least, bool) and least > named \
-                and (s.get("additionalProperties", True) is not False or s.get("patternProperties")):
-            return (f"minProperties ({least}) above the required properties ({named}) on an object that admits "
-                    f"additionalProperties or patternProperties is not supported: the output could repeat a key")
-        for k, v in s.items():
-            if k in SCHEMA_DATA:
-                continue
-            if k in SCHEMA_MAPS and isinstance(v, dict):
-                stack.extend(v.values())
-            elif isinstance(v, dict):
-                stack.append(v)
-            elif isinstance(v, list):
-                stack.extend(v)
-    return None
-
-
 # llguidance reads options from the schema's top-level "x-guidance" object. These two relax the schema's meaning
 # at the caller's explicit request (coerce_one_of: a oneOf generated as anyOf; lenient: keywords the engine lacks
 # are ignored); its others set separators and whitespace, which would make the output other JSON text than pyllm
@@ -269,7 +240,7 @@ def _schema_text(schema: Any) -> tuple[str, str]:
         schema = {}
     if not isinstance(schema, dict):
         raise PyllmError(f"json_schema must be a JSON object (a dict or its JSON text), got {type(schema).__name__}")
-    why = _engine_options_refusal(schema) or _unsupported(schema)
+    why = _engine_options_refusal(schema) or repeated_key_refusal(schema)
     if why:
         raise PyllmError(f"invalid json_schema: {why}")
     ref = _self_defined(schema)
@@ -319,7 +290,8 @@ class Constraint:
             grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, text,
                                         defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
-            raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
+            named = count_refusal(str(e), json.loads(given))
+            raise PyllmError(f"invalid json_schema: {named or _first_line(str(e))}") from None
         parsed = json.loads(text)
         try:
             return cls(grammar, vocab, "json_schema", number_digit_cap(parsed))
@@ -327,6 +299,8 @@ class Constraint:
             # named as given: a bound moved inwards by exact_integers can still be one the engine cannot write
             refusal = number_bound_refusal(str(e), json.loads(given)) or deep_bound_refusal(
                 str(e), json.loads(text), lambda s: cls._compiles(s, vocab))
+            named = count_refusal(str(e), json.loads(given))
+            refusal = refusal or (f"invalid json_schema: {named}" if named else None)
             if refusal is None:
                 raise
         raise PyllmError(refusal)

@@ -1,0 +1,106 @@
+"""JSON schemas whose meaning depends on how their parts merge: property counts met by "required" written
+elsewhere (allOf, $ref, anyOf).
+
+Reference: the ``jsonschema`` package (Draft 2020-12) on the output as Python's json reads it; JSON pointers
+(RFC 6901) into the schema as given for refusals. Sampled outputs: smollm2, temperature 1, fixed seeds.
+"""
+
+import json
+
+import pytest
+
+jsonschema = pytest.importorskip("jsonschema")  # in the test extra; CI installs it
+
+from conftest import pyllm_model  # noqa: E402
+from pyllm import PyllmError  # noqa: E402
+
+
+def smollm2():
+    return pyllm_model("smollm2", n_ctx=512)
+
+
+def accepts(llm, schema, text) -> bool:
+    """Whether the constraint for ``schema`` takes ``text`` (as the tokenizer splits it) as a complete output."""
+    c = llm.make_constraint(json_schema=schema)
+    for t in llm.tokenize(text, add_bos=False, special=False):
+        if not c.allowed()[t]:
+            return False
+        c.advance(t)
+    return c.is_accepting()
+
+
+def sampled_outputs_validate(llm, schema, prompt, seeds=(1, 2, 3), max_tokens=48):
+    """Every finished sample under ``schema`` validates with jsonschema; returns how many finished."""
+    finished = 0
+    for seed in seeds:
+        out = llm.generate(prompt, json_schema=schema, max_tokens=max_tokens, temperature=1, seed=seed)
+        if llm.stats.finish_reason == "eog":
+            jsonschema.Draft202012Validator(schema).validate(json.loads(out))
+            finished += 1
+    return finished
+
+
+AB = {"a": {"type": "integer", "maximum": 9}, "b": {"type": "integer", "maximum": 9}}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": AB, "allOf": [{"required": ["a", "b"]}], "minProperties": 2},
+    {"type": "object", "allOf": [{"properties": AB, "required": ["a", "b"]}], "minProperties": 2},
+    {"type": "object", "properties": AB, "$ref": "#/$defs/R", "$defs": {"R": {"required": ["a", "b"]}},
+     "minProperties": 2},
+    {"type": "object", "properties": AB, "required": ["a"], "allOf": [{"minProperties": 1}]},
+    # each branch is merged with the schema: either way two names are required
+    {"type": "object", "properties": AB, "minProperties": 2,
+     "anyOf": [{"required": ["a", "b"]}, {"required": ["b", "a"]}]},
+    # a branch that is no object leaves the object's count to the others
+    {"minProperties": 2, "anyOf": [{"type": "string", "maxLength": 3}, {"type": "object", "properties": AB,
+                                                                        "required": ["a", "b"]}]},
+], ids=["allOf-required", "allOf-properties", "ref-required", "allOf-minProperties", "anyOf-required",
+        "anyOf-other-type"])
+def test_min_properties_counts_required_names_from_every_merged_member(schema):
+    """minProperties was checked against the "required" beside it only, so these schemas, whose required names
+    (in an allOf member, a $ref target, every anyOf branch) meet it, were refused as if keys could repeat.
+    Reference: jsonschema on sampled outputs."""
+    llm = smollm2()
+    llm.make_constraint(json_schema=schema)
+    assert sampled_outputs_validate(llm, schema, "A JSON object with a and b: ") >= 1
+
+
+@pytest.mark.parametrize("schema,message", [
+    # keys that additionalProperties admits are not kept distinct: still refused, now naming where
+    ({"type": "object", "properties": AB, "allOf": [{"required": ["a"]}, {"minProperties": 2}]},
+     "/allOf/1/minProperties is 2, above the 1 properties that object requires, on an object that admits "
+     "additionalProperties"),
+    ({"type": "object", "$ref": "#/$defs/M", "$defs": {"M": {"minProperties": 1, "additionalProperties": True}}},
+     "/$defs/M/minProperties is 1, above the 0 properties that object requires"),
+    # no object meets these: named, where the engine said only "Unsatisfiable schema" or "min/maxProperties only
+    # supported when all keys listed in "properties" are required"
+    ({"type": "object", "allOf": [{"minProperties": 3}], "maxProperties": 1},
+     "/allOf/0/minProperties is 3, above /maxProperties (1): no object has both"),
+    ({"type": "object", "properties": AB, "allOf": [{"required": ["a", "b"]}], "maxProperties": 1},
+     "/maxProperties is 1, but the object requires 2 properties ('a', 'b')"),
+    ({"type": "object", "properties": AB, "additionalProperties": False, "minProperties": 3},
+     "/minProperties is 3, but additionalProperties false leaves the object only 2 names it may have"),
+    # additionalProperties false in a member admits none of the names beside it (as jsonschema reads it)
+    ({"type": "object", "properties": AB, "allOf": [{"additionalProperties": False}], "minProperties": 1},
+     "/minProperties is 1, but additionalProperties false leaves the object only 0 names"),
+    # a count the engine cannot generate (it needs every listed name required): named, with its rule
+    ({"type": "object", "properties": {"x": {"type": "object", "properties": AB, "maxProperties": 1}}},
+     "/properties/x/maxProperties is 1: the engine bounds the number of properties only where every name"),
+])
+def test_property_counts_that_cannot_be_kept_are_refused_naming_where(schema, message):
+    """Reference: JSON pointers (RFC 6901) into the schema as given; one line."""
+    llm = smollm2()
+    with pytest.raises(PyllmError) as e:
+        llm.make_constraint(json_schema=schema)
+    msg = str(e.value)
+    assert msg.startswith("invalid json_schema: " + message) and "\n" not in msg, msg
+
+
+def test_an_unsatisfiable_count_in_an_optional_place_is_not_refused():
+    """An object no value meets, under a property that may be left out, leaves the schema satisfiable: the
+    engine drops the property, and pyllm refused it as a repeated-key risk."""
+    llm = smollm2()
+    schema = {"type": "object", "properties": {"x": {"type": "object", "minProperties": 3, "maxProperties": 1},
+                                               "y": {"type": "boolean"}}, "additionalProperties": False}
+    assert accepts(llm, schema, '{"y": true}') and not accepts(llm, schema, '{"x": {}}')
