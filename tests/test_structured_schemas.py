@@ -1,11 +1,14 @@
-"""JSON schemas whose meaning depends on how their parts merge: property counts met by "required" written
-elsewhere (allOf, $ref, anyOf).
+"""JSON schemas whose meaning depends on how their parts merge or how their numbers read: property counts met by
+"required" written elsewhere (allOf, $ref, anyOf), and exclusive number bounds a decimal meets only once a JSON
+reader makes it a double.
 
 Reference: the ``jsonschema`` package (Draft 2020-12) on the output as Python's json reads it; JSON pointers
 (RFC 6901) into the schema as given for refusals. Sampled outputs: smollm2, temperature 1, fixed seeds.
 """
 
 import json
+import re
+from decimal import Decimal
 
 import pytest
 
@@ -13,6 +16,8 @@ jsonschema = pytest.importorskip("jsonschema")  # in the test extra; CI installs
 
 from conftest import pyllm_model  # noqa: E402
 from pyllm import PyllmError  # noqa: E402
+
+B53 = 2 ** 53
 
 
 def smollm2():
@@ -104,3 +109,64 @@ def test_an_unsatisfiable_count_in_an_optional_place_is_not_refused():
     schema = {"type": "object", "properties": {"x": {"type": "object", "minProperties": 3, "maxProperties": 1},
                                                "y": {"type": "boolean"}}, "additionalProperties": False}
     assert accepts(llm, schema, '{"y": true}') and not accepts(llm, schema, '{"x": {}}')
+
+
+@pytest.mark.parametrize("schema,inside,outside", [
+    # past 2^53 every double is an integer: a fraction next to the bound reads as the bound
+    ({"type": "number", "exclusiveMaximum": -3e17}, ["-300000000000000192", "-310000000000000000.25"],
+     ["-300000000000000000.5", "-300000000000000001"]),
+    ({"type": "number", "exclusiveMinimum": B53, "maximum": 2.0 ** 60}, [str(B53 + 2)], [f"{B53}.5"]),
+    ({"type": "number", "minimum": 9e17, "exclusiveMaximum": 1e18}, ["999999999999999700"],
+     ["999999999999999999.5"]),
+    ({"type": "number", "exclusiveMinimum": -1e300, "maximum": 0}, None, None),  # refused: past what it bounds
+    # below 2^53 too, where the schema's own digits allow a fraction within one step of the bound
+    ({"type": "number", "exclusiveMinimum": 1, "maximum": 2}, ["1.0000000000000003", "2"],
+     ["1.0000000000000001"]),
+    ({"type": "number", "exclusiveMinimum": 0.5, "exclusiveMaximum": 0.50000000000000011}, None, None),
+    ({"type": ["integer", "number"], "exclusiveMaximum": -1, "minimum": -2}, ["-1.0000000000000003", "-2"],
+     ["-1.0000000000000001", "-1"]),
+    # an exclusive 0 stays: no number this schema allows has the 324 places that would read as 0
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 1}, ["0.0000000000000001"], ["0"]),
+])
+def test_exclusive_number_bounds_hold_once_the_output_is_read_as_a_double(schema, inside, outside):
+    """The engine compares the decimal it writes with the bound exactly, but Python's json reads a number with a
+    fraction as a double: under an exclusiveMaximum of -3e17 it wrote -300000000000000000.5, which reads as
+    -3e17, the bound. Reference: jsonschema on json.loads of each text. The range narrows by a double step or two
+    at most (-300000000000000192 is the second double below -3e17; the first, -300000000000000128, is written
+    -3.0000000000000013e17, which the engine would read as a value below it)."""
+    llm = smollm2()
+    if inside is None:
+        with pytest.raises(PyllmError, match=r"^invalid json_schema: "):
+            llm.make_constraint(json_schema=schema)
+        return
+    validator = jsonschema.Draft202012Validator(schema)
+    for text in inside:
+        assert accepts(llm, schema, text), (schema, text)
+        validator.validate(json.loads(text))
+    for text in outside:
+        assert not accepts(llm, schema, text), (schema, text)
+    sampled_outputs_validate(llm, schema, "A number: ", max_tokens=32)
+
+
+@pytest.mark.parametrize("bound", [B53, 3e17, 2.0 ** 60, 9.2e18, 1e300])
+@pytest.mark.parametrize("key", ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_every_sampled_number_next_to_a_far_bound_validates(bound, key, sign):
+    """Bounds from 2^53 to 1e300 on either side, inclusive and exclusive: each sample, read by Python's json,
+    validates with jsonschema, or the schema is refused up front naming the keyword's pointer. The far side is
+    closed one double step away, so the model writes next to the bound."""
+    llm = smollm2()
+    value = sign * bound
+    lower = key.endswith("inimum")
+    far = value * (1 + 2 ** -40) if (value > 0) == lower else value * (1 - 2 ** -40)
+    schema = {"type": "number", key: value, "maximum" if lower else "minimum": far}
+    try:
+        llm.make_constraint(json_schema=schema)
+    except PyllmError as e:
+        assert re.match(r"^invalid json_schema: /(minimum|maximum|exclusiveMinimum|exclusiveMaximum) is ",
+                        str(e)), str(e)
+        return
+    if key.startswith("exclusive"):  # half a unit inside the bound, which reads as the bound
+        text = format(Decimal(int(value)) + (Decimal("0.5") if lower else Decimal("-0.5")), "f")
+        assert float(text) == value and not accepts(llm, schema, text), text
+    sampled_outputs_validate(llm, schema, "A very large number: ", seeds=(1, 2), max_tokens=32)

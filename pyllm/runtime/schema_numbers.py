@@ -85,7 +85,7 @@ def exact_integers(schema: Any) -> Any:
     kinds = bound_kinds(schema)
     for s, path, _ in kinds.values():
         _refuse_rounded_data(s, path)
-    changed = False
+    changed = _parse_safe_exclusive_bounds(schema, kinds)
     for s, path, how in kinds.values():
         # the inclusive bounds first: an exclusive one made inclusive is then met with their final value
         for k in _LOWER_BOUNDS[:1] + _UPPER_BOUNDS[:1] + _LOWER_BOUNDS[1:] + _UPPER_BOUNDS[1:]:
@@ -97,6 +97,51 @@ def exact_integers(schema: Any) -> Any:
             elif "number" in how:
                 changed |= _number_bound(s, k, int(v), "integer" in how)
     return schema if changed else None
+
+
+def _parse_safe_exclusive_bounds(schema: Any, kinds: dict[int, tuple[dict, str, set]]) -> bool:
+    """Makes each exclusive bound of a schema bounded as numbers that a written decimal could meet only once read
+    as a double the inclusive bound at the next double inwards; whether any moved.
+
+    The engine compares the decimal text it writes with the bound exactly, but a JSON reader makes a double of a
+    number with a fraction: under an exclusiveMaximum of -3e17, -300000000000000000.5 is below the bound, and
+    Python's json reads it as -3e17, the bound itself (under an exclusiveMinimum of 0.1 with 18 places allowed,
+    0.100000000000000001 reads as 0.1). An inclusive bound has no such text: reading is monotonic, so a decimal
+    at or inside the bound's double reads as a double at or inside it. So an exclusive bound becomes the
+    inclusive bound at the next double inwards: every double the schema admits is still admitted, and the only
+    decimals left out are those that read as the bound or as that next double (written shorter). Integer text
+    reads exactly, but the engine's range cannot tell it from a fraction, so integers within one step of the
+    double of a bound past 2^53 are left out too (as integer bounds there move, the range only narrows). Only a
+    bound that text within the digit cap (number_digit_cap) can come within one step of is moved: an
+    exclusiveMinimum of 0 stays, since 5e-324 needs more places than any number may have. The cap grows with the
+    schema's numbers, a moved bound's among them, so the bounds are looked at again until none moves."""
+    changed = True
+    moved_any = False
+    while changed:
+        changed = False
+        step = 10.0 ** -number_digit_cap(schema)  # the smallest fraction a number may have
+        for s, _, how in kinds.values():
+            if "number" not in how:
+                continue
+            for k in ("exclusiveMinimum", "exclusiveMaximum"):
+                v = s.get(k)
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    continue
+                try:
+                    f = float(v)
+                except OverflowError:  # past any double: number_bound_refusal names it
+                    continue
+                if not math.isfinite(f) or math.ulp(f) < step:
+                    continue
+                lower = k == "exclusiveMinimum"
+                # the nearest double to v is inside it when v (an integer past 2^53) is not a double itself
+                inside = f if (f > v if lower else f < v) else math.nextafter(f, math.inf if lower else -math.inf)
+                key, bound = _inclusive(s, k, inside)
+                # a bound past 2^53 is an integer: written as one, _number_bound then moves it to where the
+                # engine reads it inwards
+                s[key] = int(bound) if isinstance(bound, float) and abs(bound) >= 2 ** 53 else bound
+                changed = moved_any = True
+    return moved_any
 
 
 def _integer_bound(s: dict, path: str, k: str, given: int | float) -> bool:
@@ -251,10 +296,13 @@ def number_bound_refusal(message: str, schema: Any) -> str | None:
         if k in keys:
             f = min(max(float(v), -2.0 ** 63), 2.0 ** 63) if saturates else float(v)
             if abs(f - value) < best:
-                where, best, given = at, abs(f - value), v
+                where, best, given, key = at, abs(f - value), v, k
     if where is None or best > abs(value) * 1e-9:
         return f"invalid json_schema: a number {'minimum' if lower else 'maximum'} is {value!r}, {why}"
-    read = "" if float(given) == value or saturates else f" (read by the engine as {value!r})"
+    # an exclusive bound the engine got one double inwards was moved there (_parse_safe_exclusive_bounds), not
+    # misread
+    moved = key.startswith("exclusive") and (value > float(given) if lower else value < float(given))
+    read = "" if float(given) == value or saturates or moved else f" (read by the engine as {value!r})"
     return f"invalid json_schema: {where} is {shorten(given)}{read}, {why}"
 
 
