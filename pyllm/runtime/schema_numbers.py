@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
 
 from ..errors import PyllmError, shorten
@@ -85,7 +85,7 @@ def exact_integers(schema: Any) -> Any:
     kinds = bound_kinds(schema)
     for s, path, _ in kinds.values():
         _refuse_rounded_data(s, path)
-    changed = _parse_safe_exclusive_bounds(schema, kinds)
+    changed = _parse_safe_number_bounds(schema, kinds)
     for s, path, how in kinds.values():
         # the inclusive bounds first: an exclusive one made inclusive is then met with their final value
         for k in _LOWER_BOUNDS[:1] + _UPPER_BOUNDS[:1] + _LOWER_BOUNDS[1:] + _UPPER_BOUNDS[1:]:
@@ -99,9 +99,10 @@ def exact_integers(schema: Any) -> Any:
     return schema if changed else None
 
 
-def _parse_safe_exclusive_bounds(schema: Any, kinds: dict[int, tuple[dict, str, set]]) -> bool:
+def _parse_safe_number_bounds(schema: Any, kinds: dict[int, tuple[dict, str, set]]) -> bool:
     """Makes each exclusive bound of a schema bounded as numbers that a written decimal could meet only once read
-    as a double the inclusive bound at the next double inwards; whether any moved.
+    as a double the inclusive bound at the next double inwards, and writes each float bound so that the engine
+    reads it exactly (_read_as_given); whether any changed.
 
     The engine compares the decimal text it writes with the bound exactly, but a JSON reader makes a double of a
     number with a fraction: under an exclusiveMaximum of -3e17, -300000000000000000.5 is below the bound, and
@@ -141,7 +142,46 @@ def _parse_safe_exclusive_bounds(schema: Any, kinds: dict[int, tuple[dict, str, 
                 # engine reads it inwards
                 s[key] = int(bound) if isinstance(bound, float) and abs(bound) >= 2 ** 53 else bound
                 changed = moved_any = True
+        for s, _, how in kinds.values():
+            if "number" in how:
+                for k in _LOWER_BOUNDS + _UPPER_BOUNDS:
+                    changed |= _read_as_given(s, k)
+        moved_any |= changed
     return moved_any
+
+
+# The engine reads a bound's JSON digits as one integer made a double, then scaled by a power of ten: exact where
+# that integer is a double (below 2^53 always), but two roundings where it is not (0.9999999999999999 was read as
+# 1, and a maximum of it admitted 1). A float bound whose digits are no double is written as the integer it is, or
+# else moved inwards to the nearest decimal of 16 (or 15, below 2^53) significant digits: the range narrows by less
+# than a part in 10^15, and every value it admits reads, as Python's json reads it, as a double inside the bound.
+
+
+def _exact_digits(d: Decimal) -> bool:
+    """Whether the digits of ``d``, as one integer, are a double (the engine's first rounding keeps them)."""
+    digits = int("".join(map(str, d.as_tuple().digits)))
+    return int(float(digits)) == digits
+
+
+def _read_as_given(s: dict, k: str) -> bool:
+    """Writes the float bound ``s[k]`` so that the engine reads it exactly, moving it inwards where it must;
+    whether it changed. From 2^53 a bound is written as an integer already (_number_bound)."""
+    v = s.get(k)
+    if not isinstance(v, float) or not math.isfinite(v) or abs(v) >= 2 ** 53:
+        return False
+    written = Decimal(repr(v))  # the digits json.dumps gives it
+    if _exact_digits(written):
+        return False
+    if v.is_integer():
+        s[k] = int(v)
+        return True
+    rounding = ROUND_CEILING if k in _LOWER_BOUNDS else ROUND_FLOOR
+    for places in (16, 15):
+        moved = written.quantize(Decimal(1).scaleb(written.adjusted() - places + 1), rounding=rounding)
+        if _exact_digits(moved.normalize()):
+            break
+    s[k] = float(moved)
+    return True
 
 
 def _integer_bound(s: dict, path: str, k: str, given: int | float) -> bool:
@@ -299,7 +339,7 @@ def number_bound_refusal(message: str, schema: Any) -> str | None:
                 where, best, given, key = at, abs(f - value), v, k
     if where is None or best > abs(value) * 1e-9:
         return f"invalid json_schema: a number {'minimum' if lower else 'maximum'} is {value!r}, {why}"
-    # an exclusive bound the engine got one double inwards was moved there (_parse_safe_exclusive_bounds), not
+    # an exclusive bound the engine got one double inwards was moved there (_parse_safe_number_bounds), not
     # misread
     moved = key.startswith("exclusive") and (value > float(given) if lower else value < float(given))
     read = "" if float(given) == value or saturates or moved else f" (read by the engine as {value!r})"
