@@ -173,10 +173,11 @@ def test_every_sampled_number_next_to_a_far_bound_validates(bound, key, sign):
 
 
 @pytest.mark.parametrize("schema,inside,outside", [
-    ({"type": "number", "minimum": 0, "maximum": 0.9999999999999999}, ["0.999999999999999", "0"], ["1", "1.0"]),
-    ({"type": "number", "minimum": -0.9999999999999999, "maximum": 0}, ["-0.999999999999999"], ["-1"]),
+    ({"type": "number", "minimum": 0, "maximum": 0.9999999999999999}, ["0.9999999999999998", "0"],
+     ["1", "1.0", "0.9999999999999999"]),
+    ({"type": "number", "minimum": -0.9999999999999999, "maximum": 0}, ["-0.9999999999999998"], ["-1"]),
     # an exclusive bound moved one double inwards lands on such digits: 1 was admitted under exclusiveMaximum 1
-    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, ["0.999999999999999", "0.5"],
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}, ["0.9999999999999998", "0.5"],
      ["1", "1.00000000000000000"]),
     # digits that are a double themselves are read exactly and stay
     ({"type": "number", "minimum": 0, "maximum": 0.30000000000000004}, ["0.30000000000000004"],
@@ -185,7 +186,7 @@ def test_every_sampled_number_next_to_a_far_bound_validates(bound, key, sign):
 def test_bounds_whose_digits_the_engine_would_round_are_read_exactly(schema, inside, outside):
     """The engine reads a bound's digits as one integer made a double, then scales it: 9999999999999999 is no
     double, so a maximum of 0.9999999999999999 was read as 1 and admitted 1. Reference: jsonschema on json.loads
-    of each text; the bound moves inwards to 15 significant digits (0.999999999999999)."""
+    of each text; the bound moves inwards to the nearest double whose digits are one (0.9999999999999998)."""
     llm = smollm2()
     validator = jsonschema.Draft202012Validator(schema)
     for text in inside:

@@ -153,13 +153,15 @@ def _parse_safe_number_bounds(schema: Any, kinds: dict[int, tuple[dict, str, set
 # The engine reads a bound's JSON digits as one integer made a double, then scaled by a power of ten: exact where
 # that integer is a double (below 2^53 always), but two roundings where it is not (0.9999999999999999 was read as
 # 1, and a maximum of it admitted 1). A float bound whose digits are no double is written as the integer it is, or
-# else moved inwards to the nearest decimal of 16 (or 15, below 2^53) significant digits: the range narrows by less
-# than a part in 10^15, and every value it admits reads, as Python's json reads it, as a double inside the bound.
+# else moved inwards to the nearest double whose shortest digits are one (0.9999999999999998): the range narrows
+# by a double or so, and every value it admits reads, as Python's json reads it, as a double inside the bound.
+_READ_EXACT_STEPS = 64
 
 
-def _exact_digits(d: Decimal) -> bool:
-    """Whether the digits of ``d``, as one integer, are a double (the engine's first rounding keeps them)."""
-    digits = int("".join(map(str, d.as_tuple().digits)))
+def _exact_digits(v: float) -> bool:
+    """Whether the digits JSON writes for ``v``, taken as one integer, are a double (the engine's first rounding
+    keeps them)."""
+    digits = int("".join(map(str, Decimal(repr(v)).as_tuple().digits)))
     return int(float(digits)) == digits
 
 
@@ -167,20 +169,22 @@ def _read_as_given(s: dict, k: str) -> bool:
     """Writes the float bound ``s[k]`` so that the engine reads it exactly, moving it inwards where it must;
     whether it changed. From 2^53 a bound is written as an integer already (_number_bound)."""
     v = s.get(k)
-    if not isinstance(v, float) or not math.isfinite(v) or abs(v) >= 2 ** 53:
-        return False
-    written = Decimal(repr(v))  # the digits json.dumps gives it
-    if _exact_digits(written):
+    if not isinstance(v, float) or not math.isfinite(v) or abs(v) >= 2 ** 53 or _exact_digits(v):
         return False
     if v.is_integer():
         s[k] = int(v)
         return True
-    rounding = ROUND_CEILING if k in _LOWER_BOUNDS else ROUND_FLOOR
-    for places in (16, 15):
-        moved = written.quantize(Decimal(1).scaleb(written.adjusted() - places + 1), rounding=rounding)
-        if _exact_digits(moved.normalize()):
+    inwards = math.inf if k in _LOWER_BOUNDS else -math.inf
+    moved = v
+    for _ in range(_READ_EXACT_STEPS):  # about one double in two or three has such digits
+        moved = math.nextafter(moved, inwards)
+        if _exact_digits(moved):
             break
-    s[k] = float(moved)
+    else:  # 15 significant digits are always exact
+        written = Decimal(repr(v))
+        moved = float(written.quantize(Decimal(1).scaleb(written.adjusted() - 14),
+                                       rounding=ROUND_CEILING if inwards > 0 else ROUND_FLOOR))
+    s[k] = int(moved) if moved.is_integer() else moved
     return True
 
 
