@@ -1,6 +1,7 @@
-"""JSON schemas whose meaning depends on how their parts merge or how their numbers read: property counts met by
-"required" written elsewhere (allOf, $ref, anyOf), and exclusive number bounds a decimal meets only once a JSON
-reader makes it a double.
+"""JSON schemas whose meaning depends on how their parts merge or how their values read: property counts met by
+"required" written elsewhere (allOf, $ref, anyOf), number bounds a decimal meets only once a JSON reader makes it
+a double (or that the engine reads as another double), and date / time formats a reader checks against the
+calendar.
 
 Reference: the ``jsonschema`` package (Draft 2020-12) on the output as Python's json reads it; JSON pointers
 (RFC 6901) into the schema as given for refusals. Sampled outputs: smollm2, temperature 1, fixed seeds.
@@ -195,3 +196,26 @@ def test_bounds_whose_digits_the_engine_would_round_are_read_exactly(schema, ins
     for text in outside:
         assert not accepts(llm, schema, text), (schema, text)
     sampled_outputs_validate(llm, schema, "A number between 0 and 1: ", max_tokens=32)
+
+
+@pytest.mark.parametrize("fmt,inside,outside", [
+    ("date", ["2024-02-29", "2000-02-29", "0001-01-01", "2023-12-31"], ["2023-02-29", "1900-02-29", "0000-01-01"]),
+    ("time", ["23:59:59Z", "00:00:00.5+05:30"], ["23:59:60Z"]),
+    ("date-time", ["2024-02-29T12:00:00Z", "2023-01-01t00:00:00z"], ["2023-02-29T12:00:00Z", "2023-06-30T23:59:60Z"]),
+])
+def test_date_and_time_formats_admit_only_real_dates_and_times(fmt, inside, outside):
+    """The engine's date, time and date-time patterns took every month's days up to 29 in any year (2023-02-29),
+    year 0000 and the leap second 60. Reference: jsonschema's format checker (Python's date.fromisoformat and
+    rfc3339-validator), the output read with Python's json."""
+    llm = smollm2()
+    schema = {"type": "string", "format": fmt}
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for text in inside:
+        assert checker.conforms(text, fmt) and accepts(llm, schema, json.dumps(text)), text
+    for text in outside:
+        assert not checker.conforms(text, fmt) and not accepts(llm, schema, json.dumps(text)), text
+    validator = jsonschema.Draft202012Validator(schema, format_checker=checker)
+    for seed in (1, 2):
+        out = llm.generate(f"A {fmt}: ", json_schema=schema, max_tokens=24, temperature=1, seed=seed)
+        if llm.stats.finish_reason == "eog":
+            validator.validate(json.loads(out))

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import PyllmError, shorten
+from .schema_formats import exact_formats
 from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal, number_digit_cap
 from .schema_objects import count_refusal, repeated_key_refusal
 from .schema_walk import SCHEMA_DATA, resolve_local
@@ -254,8 +255,10 @@ def _schema_text(schema: Any) -> tuple[str, str]:
     except RecursionError:  # a dict nested a thousand levels deep: the encoder recurses per level too
         raise PyllmError("json_schema nests too deeply to write as JSON") from None
     # a fresh copy to edit (the caller's schema stays as given); parsing what was just written cannot fail
-    exact = exact_integers(json.loads(text))
-    return (text if exact is None else json.dumps(exact)), text
+    edited = json.loads(text)
+    moved = exact_integers(edited) is not None
+    guarded = exact_formats(edited)
+    return (json.dumps(edited) if moved or guarded else text), text
 
 
 class Constraint:
