@@ -262,12 +262,15 @@ def test_min_properties_that_repeated_keys_could_fake_is_refused():
     rejects what it parses to. Such schemas are refused by name; minProperties the required names already meet
     stays, and what it lets through validates."""
     llm = llm_of("smollm2")
-    for schema in ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2},
-                   {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                    "minProperties": 2},
-                   {"type": "array", "items": {"type": "object", "patternProperties": {"^x": {"type": "integer"}},
-                                               "additionalProperties": False, "minProperties": 2}}):
-        with pytest.raises(PyllmError, match=r"minProperties \(2\) above the required properties"):
+    for schema, where, required in (
+            ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "/minProperties", 0),
+            ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2},
+             "/minProperties", 1),
+            ({"type": "array", "items": {"type": "object", "patternProperties": {"^x": {"type": "integer"}},
+                                         "additionalProperties": False, "minProperties": 2}},
+             "/items/minProperties", 0)):
+        with pytest.raises(PyllmError, match=f"^invalid json_schema: {where} is 2, above the {required} properties "
+                                             f"that object requires, on an object that admits additionalProperties"):
             llm.make_constraint(json_schema=schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(json.loads('{"a": 1, "a": 2}'), {"minProperties": 2})

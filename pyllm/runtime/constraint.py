@@ -19,18 +19,18 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import math
 import re
 import threading
-from decimal import Decimal
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import PyllmError, shorten
-from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal
-from .schema_walk import SCHEMA_DATA, SCHEMA_MAPS, resolve_local
+from .schema_formats import exact_formats
+from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal, number_digit_cap
+from .schema_objects import count_refusal, repeated_key_refusal
+from .schema_walk import SCHEMA_DATA, resolve_local
 
 
 def _llguidance():
@@ -43,10 +43,6 @@ def _llguidance():
 
 # JSON whitespace between tokens: nothing, one space, or a newline and an indent of up to 20 (llama.cpp's "space")
 JSON_WS = r"(?: |\n[ \t]{0,20})?"
-# The most digits in a row a number's integral part, fraction or exponent may have under a JSON schema, as llama.cpp's
-# json-schema-to-grammar writes them ([0] | [1-9] [0-9]{0,15}; [0-9]{1,16}): the engine's numbers are unbounded, and
-# a small sampled model can write digits until max_tokens. A schema whose own numbers need more digits raises it.
-NUMBER_DIGITS = 16
 DIGITS = frozenset(b"0123456789")
 
 
@@ -162,36 +158,6 @@ class GrammarVocab:
 
 
 
-def _unsupported(schema: dict) -> str | None:
-    """Why the engine cannot keep its promise for ``schema``, or None. Iterative: a schema may nest deeply.
-
-    llguidance keeps the named properties of an object distinct, but not the keys it admits through
-    additionalProperties or patternProperties, and it counts minProperties over the keys as written: {"a": 1,
-    "a": 2} passes minProperties 2, yet parses to one property. Only objects that need such keys to reach
-    minProperties are refused."""
-    stack = [schema]
-    while stack:
-        s = stack.pop()
-        if not isinstance(s, dict):
-            continue
-        least, required = s.get("minProperties"), s.get("required")
-        named = len({r for r in required if isinstance(r, str)}) if isinstance(required, list) else 0
-        if isinstance(least, (int, float)) and not isinstance(least, bool) and least > named \
-                and (s.get("additionalProperties", True) is not False or s.get("patternProperties")):
-            return (f"minProperties ({least}) above the required properties ({named}) on an object that admits "
-                    f"additionalProperties or patternProperties is not supported: the output could repeat a key")
-        for k, v in s.items():
-            if k in SCHEMA_DATA:
-                continue
-            if k in SCHEMA_MAPS and isinstance(v, dict):
-                stack.extend(v.values())
-            elif isinstance(v, dict):
-                stack.append(v)
-            elif isinstance(v, list):
-                stack.extend(v)
-    return None
-
-
 # llguidance reads options from the schema's top-level "x-guidance" object. These two relax the schema's meaning
 # at the caller's explicit request (coerce_one_of: a oneOf generated as anyOf; lenient: keywords the engine lacks
 # are ignored); its others set separators and whitespace, which would make the output other JSON text than pyllm
@@ -275,7 +241,7 @@ def _schema_text(schema: Any) -> tuple[str, str]:
         schema = {}
     if not isinstance(schema, dict):
         raise PyllmError(f"json_schema must be a JSON object (a dict or its JSON text), got {type(schema).__name__}")
-    why = _engine_options_refusal(schema) or _unsupported(schema)
+    why = _engine_options_refusal(schema) or repeated_key_refusal(schema)
     if why:
         raise PyllmError(f"invalid json_schema: {why}")
     ref = _self_defined(schema)
@@ -289,8 +255,10 @@ def _schema_text(schema: Any) -> tuple[str, str]:
     except RecursionError:  # a dict nested a thousand levels deep: the encoder recurses per level too
         raise PyllmError("json_schema nests too deeply to write as JSON") from None
     # a fresh copy to edit (the caller's schema stays as given); parsing what was just written cannot fail
-    exact = exact_integers(json.loads(text))
-    return (text if exact is None else json.dumps(exact)), text
+    edited = json.loads(text)
+    moved = exact_integers(edited) is not None
+    guarded = exact_formats(edited)
+    return (json.dumps(edited) if moved or guarded else text), text
 
 
 class Constraint:
@@ -325,14 +293,17 @@ class Constraint:
             grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, text,
                                         defaults={"whitespace_pattern": JSON_WS})
         except (ValueError, TypeError) as e:
-            raise PyllmError(f"invalid json_schema: {_first_line(str(e))}") from None
+            named = count_refusal(str(e), json.loads(given))
+            raise PyllmError(f"invalid json_schema: {named or _first_line(str(e))}") from None
         parsed = json.loads(text)
         try:
-            return cls(grammar, vocab, "json_schema", _digit_cap(parsed))
+            return cls(grammar, vocab, "json_schema", number_digit_cap(parsed))
         except PyllmError as e:
             # named as given: a bound moved inwards by exact_integers can still be one the engine cannot write
             refusal = number_bound_refusal(str(e), json.loads(given)) or deep_bound_refusal(
                 str(e), json.loads(text), lambda s: cls._compiles(s, vocab))
+            named = count_refusal(str(e), json.loads(given))
+            refusal = refusal or (f"invalid json_schema: {named}" if named else None)
             if refusal is None:
                 raise
         raise PyllmError(refusal)
@@ -343,7 +314,7 @@ class Constraint:
         try:
             grammar = _on_compile_stack(llg.LLMatcher.grammar_from_json_schema, json.dumps(schema),
                                         defaults={"whitespace_pattern": JSON_WS})
-            cls(grammar, vocab, "json_schema", _digit_cap(schema))
+            cls(grammar, vocab, "json_schema", number_digit_cap(schema))
         except (ValueError, TypeError, PyllmError):
             return False
         return True
@@ -606,24 +577,6 @@ class _JsonScan:
             elif c == 0x3A:  # a colon: its value comes next
                 self.want_key = False
         return ok
-
-
-def _digit_cap(schema: Any) -> int:
-    """NUMBER_DIGITS, or more where the schema's own numbers (bounds, const, enum, ...) need more digits in a row:
-    one past the longest integral part or fraction among them, so that a value just past an exclusive bound is
-    still expressible. Iterative: a schema may nest deeply."""
-    cap = NUMBER_DIGITS
-    stack = [schema]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, dict):
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            whole, _, fraction = format(Decimal(repr(v) if isinstance(v, float) else v), "f").lstrip("-").partition(".")
-            cap = max(cap, len(whole) + 1, len(fraction) + 1)
-    return cap
 
 
 def _no_way_to_finish(c: "Constraint") -> bool:

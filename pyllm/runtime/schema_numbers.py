@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import re
-from decimal import Decimal
+from decimal import ROUND_CEILING, ROUND_FLOOR, Decimal
 from typing import Any
 
 from ..errors import PyllmError, shorten
@@ -18,6 +18,10 @@ from .schema_walk import SCHEMA_DATA, numeric, pointer, typed_subschemas
 # (the largest double below 2^63) every double is an integer bound it keeps exactly.
 BOUND_EDGE = 2 ** 63 - 1024
 OPEN_RANGE_LIMIT = 10 ** 18
+# The most digits in a row a number's integral part, fraction or exponent may have under a JSON schema, as llama.cpp's
+# json-schema-to-grammar writes them ([0] | [1-9] [0-9]{0,15}; [0-9]{1,16}): the engine's numbers are unbounded, and
+# a small sampled model can write digits until max_tokens. A schema whose own numbers need more digits raises it.
+NUMBER_DIGITS = 16
 _LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
 _UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
 
@@ -81,7 +85,7 @@ def exact_integers(schema: Any) -> Any:
     kinds = bound_kinds(schema)
     for s, path, _ in kinds.values():
         _refuse_rounded_data(s, path)
-    changed = False
+    changed = _parse_safe_number_bounds(schema, kinds)
     for s, path, how in kinds.values():
         # the inclusive bounds first: an exclusive one made inclusive is then met with their final value
         for k in _LOWER_BOUNDS[:1] + _UPPER_BOUNDS[:1] + _LOWER_BOUNDS[1:] + _UPPER_BOUNDS[1:]:
@@ -93,6 +97,95 @@ def exact_integers(schema: Any) -> Any:
             elif "number" in how:
                 changed |= _number_bound(s, k, int(v), "integer" in how)
     return schema if changed else None
+
+
+def _parse_safe_number_bounds(schema: Any, kinds: dict[int, tuple[dict, str, set]]) -> bool:
+    """Makes each exclusive bound of a schema bounded as numbers that a written decimal could meet only once read
+    as a double the inclusive bound at the next double inwards, and writes each float bound so that the engine
+    reads it exactly (_read_as_given); whether any changed.
+
+    The engine compares the decimal text it writes with the bound exactly, but a JSON reader makes a double of a
+    number with a fraction: under an exclusiveMaximum of -3e17, -300000000000000000.5 is below the bound, and
+    Python's json reads it as -3e17, the bound itself (under an exclusiveMinimum of 0.1 with 18 places allowed,
+    0.100000000000000001 reads as 0.1). An inclusive bound has no such text: reading is monotonic, so a decimal
+    at or inside the bound's double reads as a double at or inside it. So an exclusive bound becomes the
+    inclusive bound at the next double inwards: every double the schema admits is still admitted, and the only
+    decimals left out are those that read as the bound or as that next double (written shorter). Integer text
+    reads exactly, but the engine's range cannot tell it from a fraction, so integers within one step of the
+    double of a bound past 2^53 are left out too (as integer bounds there move, the range only narrows). Only a
+    bound that text within the digit cap (number_digit_cap) can come within one step of is moved: an
+    exclusiveMinimum of 0 stays, since 5e-324 needs more places than any number may have. The cap grows with the
+    schema's numbers, a moved bound's among them, so the bounds are looked at again until none moves."""
+    changed = True
+    moved_any = False
+    while changed:
+        changed = False
+        step = 10.0 ** -number_digit_cap(schema)  # the smallest fraction a number may have
+        for s, _, how in kinds.values():
+            if "number" not in how:
+                continue
+            for k in ("exclusiveMinimum", "exclusiveMaximum"):
+                v = s.get(k)
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    continue
+                try:
+                    f = float(v)
+                except OverflowError:  # past any double: number_bound_refusal names it
+                    continue
+                if not math.isfinite(f) or math.ulp(f) < step:
+                    continue
+                lower = k == "exclusiveMinimum"
+                # the nearest double to v is inside it when v (an integer past 2^53) is not a double itself
+                inside = f if (f > v if lower else f < v) else math.nextafter(f, math.inf if lower else -math.inf)
+                key, bound = _inclusive(s, k, inside)
+                # a bound past 2^53 is an integer: written as one, _number_bound then moves it to where the
+                # engine reads it inwards
+                s[key] = int(bound) if isinstance(bound, float) and abs(bound) >= 2 ** 53 else bound
+                changed = moved_any = True
+        for s, _, how in kinds.values():
+            if "number" in how:
+                for k in _LOWER_BOUNDS + _UPPER_BOUNDS:
+                    changed |= _read_as_given(s, k)
+        moved_any |= changed
+    return moved_any
+
+
+# The engine reads a bound's JSON digits as one integer made a double, then scaled by a power of ten: exact where
+# that integer is a double (below 2^53 always), but two roundings where it is not (0.9999999999999999 was read as
+# 1, and a maximum of it admitted 1). A float bound whose digits are no double is written as the integer it is, or
+# else moved inwards to the nearest double whose shortest digits are one (0.9999999999999998): the range narrows
+# by a double or so, and every value it admits reads, as Python's json reads it, as a double inside the bound.
+_READ_EXACT_STEPS = 64
+
+
+def _exact_digits(v: float) -> bool:
+    """Whether the digits JSON writes for ``v``, taken as one integer, are a double (the engine's first rounding
+    keeps them)."""
+    digits = int("".join(map(str, Decimal(repr(v)).as_tuple().digits)))
+    return int(float(digits)) == digits
+
+
+def _read_as_given(s: dict, k: str) -> bool:
+    """Writes the float bound ``s[k]`` so that the engine reads it exactly, moving it inwards where it must;
+    whether it changed. From 2^53 a bound is written as an integer already (_number_bound)."""
+    v = s.get(k)
+    if not isinstance(v, float) or not math.isfinite(v) or abs(v) >= 2 ** 53 or _exact_digits(v):
+        return False
+    if v.is_integer():
+        s[k] = int(v)
+        return True
+    inwards = math.inf if k in _LOWER_BOUNDS else -math.inf
+    moved = v
+    for _ in range(_READ_EXACT_STEPS):  # about one double in two or three has such digits
+        moved = math.nextafter(moved, inwards)
+        if _exact_digits(moved):
+            break
+    else:  # 15 significant digits are always exact
+        written = Decimal(repr(v))
+        moved = float(written.quantize(Decimal(1).scaleb(written.adjusted() - 14),
+                                       rounding=ROUND_CEILING if inwards > 0 else ROUND_FLOOR))
+    s[k] = int(moved) if moved.is_integer() else moved
+    return True
 
 
 def _integer_bound(s: dict, path: str, k: str, given: int | float) -> bool:
@@ -174,13 +267,31 @@ def _number_bound(s: dict, k: str, v: int, both: bool) -> bool:
     return True
 
 
+def number_digit_cap(schema: Any) -> int:
+    """NUMBER_DIGITS, or more where the schema's own numbers (bounds, const, enum, ...) need more digits in a row:
+    one past the longest integral part or fraction among them, so that a value just past an exclusive bound is
+    still expressible. Iterative: a schema may nest deeply."""
+    cap = NUMBER_DIGITS
+    stack = [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            whole, _, fraction = format(Decimal(repr(v) if isinstance(v, float) else v), "f").lstrip("-").partition(".")
+            cap = max(cap, len(whole) + 1, len(fraction) + 1)
+    return cap
+
+
 # The engine writes a bounded number (not integer) as plain decimals, splitting its range at 0 and, for a range
 # open on one side, at the next power of ten past the bound, and parses each piece's integral ends as a 64-bit
 # integer: a bound of magnitude 2^63 or more (past BOUND_EDGE, as doubles go) fails, and so does a minimum of 10^18
 # or more with no maximum (or a maximum of -10^18 or less with no minimum), whose next power of ten is 10^19. It
 # says so naming only the range ("Failed to generate regex for float range: min=None, max=Some(1e19)"), and it
 # reads a bound's digits with rounding of its own (9.223372036854775e18, BOUND_EDGE, is its 2^63). No bound
-# can be dropped or moved instead: the digits a number may have grow with the schema's own numbers (_digit_cap),
+# can be dropped or moved instead: the digits a number may have grow with the schema's own numbers (number_digit_cap),
 # so values past the bound stay writable and a changed bound would admit or refuse some.
 _FLOAT_RANGE = re.compile(r"Failed to generate regex for (float|integer) range: min=(?:None|Some\(([^)]*)\)), "
                           r"max=(?:None|Some\(([^)]*)\))")
@@ -229,10 +340,13 @@ def number_bound_refusal(message: str, schema: Any) -> str | None:
         if k in keys:
             f = min(max(float(v), -2.0 ** 63), 2.0 ** 63) if saturates else float(v)
             if abs(f - value) < best:
-                where, best, given = at, abs(f - value), v
+                where, best, given, key = at, abs(f - value), v, k
     if where is None or best > abs(value) * 1e-9:
         return f"invalid json_schema: a number {'minimum' if lower else 'maximum'} is {value!r}, {why}"
-    read = "" if float(given) == value or saturates else f" (read by the engine as {value!r})"
+    # an exclusive bound the engine got one double inwards was moved there (_parse_safe_number_bounds), not
+    # misread
+    moved = key.startswith("exclusive") and (value > float(given) if lower else value < float(given))
+    read = "" if float(given) == value or saturates or moved else f" (read by the engine as {value!r})"
     return f"invalid json_schema: {where} is {shorten(given)}{read}, {why}"
 
 

@@ -66,14 +66,31 @@ def numeric(types: frozenset) -> frozenset:
     return types & {"integer", "number"}
 
 
-class _Types:
-    """The types each subschema of one root admits, its own met with those it is merged with; memoised."""
+class Merged:
+    """What each subschema of one root amounts to once merged as the engine merges it: its own value (``own``)
+    met with those of its allOf members and its local "$ref" target, then with the join of its anyOf / oneOf
+    branches (each branch is merged with the schema that holds it). Subclasses give ``own``, ``meet``, ``join``
+    and ``anything`` (what a schema with no keywords amounts to); memoised per subschema."""
+
+    anything: Any = None
 
     def __init__(self, root: Any):
         self.root = root
-        self.memo: dict[int, frozenset] = {}
+        self.memo: dict[int, Any] = {}
         self.targets: dict[str, Any] = {}
-        self.named: dict[str, frozenset] = {}  # one set per type name: meet's identity test finds them equal
+
+    def own(self, s: dict) -> Any:
+        raise NotImplementedError
+
+    def meet(self, a: Any, b: Any) -> Any:
+        raise NotImplementedError
+
+    def join(self, branches: list) -> Any:
+        raise NotImplementedError
+
+    def nothing(self) -> Any:
+        """What the schema false amounts to."""
+        return self.anything
 
     def target(self, ref: Any):
         """The dict a local reference points to, or None; each reference resolved once."""
@@ -84,38 +101,87 @@ class _Types:
             self.targets[ref] = found if isinstance(found, dict) else None
         return self.targets[ref]
 
-    def of(self, s: Any, depth: int = 0, chain: frozenset = frozenset()) -> frozenset:
-        """The types ``s`` admits. Each subschema is computed once (a schema of many references stays linear);
-        one reached past the depth bound or around a cycle counts as any type, and what is computed through it
-        keeps that: a wider set of types only keeps the engine's number rules on a bound as well."""
+    def of(self, s: Any, depth: int = 0, chain: frozenset = frozenset()) -> Any:
+        """What ``s`` amounts to. Each subschema is computed once (a schema of many references stays linear);
+        one reached past the depth bound or around a cycle amounts to ``anything``, and what is computed through
+        it keeps that."""
         if s is False:
-            return frozenset()
+            return self.nothing()
         if not isinstance(s, dict):
-            return ANY_TYPE
+            return self.anything
         known = self.memo.get(id(s))
         if known is not None:
             return known
-        t = s.get("type")
-        if isinstance(t, str):
-            out = self.named.setdefault(t, frozenset([t]))
-        else:
-            out = ANY_TYPE if not isinstance(t, list) else frozenset(n for n in t if isinstance(n, str))
+        out = self.own(s)
         if _MERGING.isdisjoint(s):
             self.memo[id(s)] = out
             return out
         if depth > MAX_TYPE_DEPTH or id(s) in chain:
-            return ANY_TYPE
+            return self.anything
         chain |= {id(s)}
         members = s.get("allOf")
         target = self.target(s.get("$ref"))
         for m in (members if isinstance(members, list) else []) + ([target] if target is not None else []):
-            out = meet(out, self.of(m, depth + 1, chain))
+            out = self.meet(out, self.of(m, depth + 1, chain))
         for key in ("anyOf", "oneOf"):
             branches = s.get(key)
             if isinstance(branches, list) and branches:
-                out = meet(out, frozenset().union(*(self.of(b, depth + 1, chain) for b in branches)))
+                out = self.meet(out, self.join([self.of(b, depth + 1, chain) for b in branches]))
         self.memo[id(s)] = out
         return out
+
+
+class _Types(Merged):
+    """The types each subschema of one root admits, its own met with those it is merged with."""
+
+    anything = ANY_TYPE
+
+    def __init__(self, root: Any):
+        super().__init__(root)
+        self.named: dict[str, frozenset] = {}  # one set per type name: meet's identity test finds them equal
+
+    def own(self, s: dict) -> frozenset:
+        t = s.get("type")
+        if isinstance(t, str):
+            return self.named.setdefault(t, frozenset([t]))
+        return ANY_TYPE if not isinstance(t, list) else frozenset(n for n in t if isinstance(n, str))
+
+    def nothing(self) -> frozenset:
+        return frozenset()
+
+    def meet(self, a: frozenset, b: frozenset) -> frozenset:
+        return meet(a, b)
+
+    def join(self, branches: list) -> frozenset:
+        # a wider set of types only keeps the engine's number rules on a bound as well
+        return frozenset().union(*branches)
+
+
+def generated_subschemas(root: Any) -> Iterator[tuple[dict, str]]:
+    """(subschema, its JSON pointer) for the root and every subschema the engine generates a value from on its
+    own, in document order: property, item, additionalProperties ... values, not the allOf / anyOf / oneOf members
+    and "$ref" targets it merges into the schema that holds them (Merged.of gives what those amount to), nor
+    $defs entries, which it generates only where they are referenced. Iterative."""
+    stack: list[tuple[Any, str, bool]] = [(root, "", True)]
+    while stack:
+        s, path, generated = stack.pop()
+        if isinstance(s, list):
+            stack.extend((v, pointer(path, i), generated) for i, v in reversed(list(enumerate(s))))
+            continue
+        if not isinstance(s, dict):
+            continue
+        if generated:
+            yield s, path
+        children: list[tuple[Any, str, bool]] = []
+        for k, v in s.items():
+            if k in SCHEMA_DATA or k == "$ref":
+                continue
+            if k in SCHEMA_MAPS and isinstance(v, dict):
+                children += [(x, pointer(pointer(path, k), name), k not in ("$defs", "definitions"))
+                             for name, x in v.items()]
+            elif isinstance(v, (dict, list)):
+                children.append((v, pointer(path, k), k not in _MERGED))
+        stack.extend(reversed(children))
 
 
 def typed_subschemas(root: Any) -> Iterator[tuple[dict, str, frozenset]]:
