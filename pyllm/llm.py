@@ -1,7 +1,7 @@
 """LLM: the public object. Loads a model file and offers tokenize / logits / generate / chat.
 
-One LLM owns one model, one KV cache and one generation loop; calls are serialized by a lock, so two threads
-sharing it take turns instead of corrupting the cache.
+One LLM owns one model, one KV cache and one generation loop; calls are serialized by a lock (CallLock), so two
+threads sharing it take turns instead of corrupting the cache.
 """
 
 from __future__ import annotations
@@ -130,6 +130,50 @@ def plan_kv_cache(cfg, n_ctx: int, kv_cache: str, check_memory: bool = True) -> 
     return n_ctx, per_token, need
 
 
+class CallLock:
+    """The lock an LLM's calls hold: one call at a time across threads; the thread that holds it may take it again.
+
+    A stream holds it between its tokens, and may be resumed by another thread than the one that started it: a web
+    framework drives a sync iterator from a thread pool, a different worker for each ``next()`` (Starlette's
+    StreamingResponse does). threading.RLock refuses to be released by another thread, so such a stream ended in
+    "RuntimeError: cannot release un-acquired lock" and left the LLM locked for every other thread. Here any thread
+    may release it, and the thread that resumes a stream takes over as its holder (``adopt``): another thread's
+    call then waits for the stream, and a call from the resuming thread itself supersedes it (LLM._epoch)."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None  # the thread id that holds it, while _depth > 0
+        self._depth = 0
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            while self._depth and self._owner != me:
+                self._cond.wait()
+            self._owner = me
+            self._depth += 1
+
+    def release(self) -> None:
+        with self._cond:
+            if not self._depth:
+                raise RuntimeError("CallLock released more often than acquired")
+            self._depth -= 1
+            if not self._depth:
+                self._owner = None
+                self._cond.notify_all()
+
+    def adopt(self) -> None:
+        """The calling thread, resuming a stream that holds the lock, becomes its holder."""
+        with self._cond:
+            if self._depth:
+                self._owner = threading.get_ident()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class LLM:
     """Made by ``load`` (from_checkpoint). ``device`` ("cpu", "cuda") and ``backend`` ("fast", "reference",
     "cuda") name what runs it; ``model.backend`` is the backend object (pyllm/backends)."""
@@ -156,9 +200,9 @@ class LLM:
         # What generate_tokens' speculative="auto" / spec_k / spec_ngram default to (the CLI's --spec* flags):
         # {"speculative": "lookup", "spec_k": 5, ...}; empty: DEFAULT_SPECULATIVE for greedy decoding.
         self.spec_options: dict = {}
-        self._lock = threading.RLock()
+        self._lock = CallLock()
         self._grammar_vocab = None  # built on the first structured-output call (grammar_vocab)
-        # Bumped by every call that changes the cache. The RLock lets one thread in twice, so a stream left
+        # Bumped by every call that changes the cache. The lock lets one thread in twice, so a stream left
         # suspended while the same thread starts another call must notice, not continue from a foreign cache.
         self._epoch = 0
 
@@ -392,6 +436,7 @@ class LLM:
                     except StopIteration:
                         return
                     yield tok
+                    self._lock.adopt()  # this next() may come from another thread than the last one
                     if self._epoch != mine:
                         raise PyllmError("this generation was superseded: another call on the same LLM (in this "
                                          "thread, while the stream was unfinished) replaced its cache; start it again")
