@@ -89,7 +89,9 @@ def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, p
                                min_p=float(min_p), typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
                                frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
                                logit_bias=_logit_bias(logit_bias, llm.n_vocab),
-                               seed=None if seed is None else int(seed) & (2**63 - 1))
+                               # -1: a random seed, as in llama.cpp, llama-cpp-python and pyllm's other entry
+                               # points; other negative seeds (OpenAI takes any int64) are folded into range
+                               seed=None if seed is None or seed == -1 else int(seed) & (2**63 - 1))
     try:
         s = Sampler(settings)
     except PyllmError as e:  # a bound _number leaves to the sampler (an open end): its message names the setting

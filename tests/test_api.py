@@ -326,6 +326,21 @@ def test_top_p_zero_is_greedy(llm):
     assert llm.create_completion(prompt, max_tokens=6, temperature=1.5, top_p=0, seed=3)["choices"][0]["text"] == want
 
 
+def test_seed_minus_one_is_random(llm):
+    """seed=-1 draws a random seed, as README says for every entry point and as llama-cpp-python does; it was
+    folded into the fixed seed 2**63-1, so every "random" completion was the same text. Reference: at temperature
+    2 over the whole vocabulary, three 8-token samples from random seeds are never all equal (the chance is far
+    below 1e-12), while one seed given twice replays its text."""
+    kw = dict(max_tokens=8, temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)
+    texts = {llm.create_completion("Once upon a time", seed=-1, **kw)["choices"][0]["text"] for _ in range(3)}
+    assert len(texts) > 1, texts
+    msgs = [{"role": "user", "content": "Say a word."}]
+    replies = {llm.create_chat_completion(msgs, seed=-1, **kw)["choices"][0]["message"]["content"] for _ in range(3)}
+    assert len(replies) > 1, replies
+    seeded = [llm.create_completion("Once upon a time", seed=5, **kw)["choices"][0]["text"] for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
 def test_bad_arguments_raise_before_generating(llm):
     msgs = [{"role": "user", "content": "Hi"}]
     for kw, param in [({"top_p": 2}, "top_p"), ({"n": 2}, "n"), ({"stop": 3}, "stop"),
