@@ -602,6 +602,10 @@ class LLM:
 
         return create_completion(self, prompt, **kw)
 
+    def __call__(self, prompt, **kw):
+        """``create_completion``, as llama-cpp-python's ``Llama.__call__``: ``llm("Q: ... A:", max_tokens=32)``."""
+        return self.create_completion(prompt, **kw)
+
     def create_chat_completion(self, messages: list[dict], **kw):
         """OpenAI ``/v1/chat/completions`` as llama-cpp-python's ``Llama.create_chat_completion``."""
         from .api import create_chat_completion

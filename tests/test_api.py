@@ -374,6 +374,13 @@ def test_options_pyllm_cannot_honour_are_refused_not_ignored(llm):
         assert llm.create_completion("Hi", max_tokens=1, best_of=ok, n=1)["usage"]["completion_tokens"] == 1
 
 
+def test_llm_is_callable_as_create_completion(llm):
+    """llama-cpp-python's Llama.__call__ is create_completion: llm("Q: ... A:", max_tokens=...) was a TypeError."""
+    kw = dict(max_tokens=6, temperature=0)
+    assert llm("The capital of France is", **kw)["choices"][0]["text"] == \
+        llm.create_completion("The capital of France is", **kw)["choices"][0]["text"]
+
+
 def test_empty_message_list_is_refused_by_every_chat_entry_point(llm, monkeypatch):
     """Reference: create_chat_completion([]), which refuses an empty conversation as a BadRequest naming
     messages. chat() (plain and streaming) and chat_ids() generated a reply to the bare generation prompt instead;
