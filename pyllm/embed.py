@@ -48,6 +48,8 @@ def _hidden_states(llm, ids: list[int]) -> torch.Tensor:
 def embed(llm, texts: str | list[str], normalize: bool = True, pooling: str | None = None):
     """One vector (list of floats, length n_embd) per text; a single string gives a single vector."""
     single = isinstance(texts, str)
+    if not single and not isinstance(texts, (list, tuple)):  # list(5) would be a TypeError, list(b"hi") [104, 105]
+        raise PyllmError(f"embed: give a string or a non-empty list of strings, got {type(texts).__name__}")
     vecs, _ = embed_counted(llm, [texts] if single else list(texts), normalize, pooling)
     return vecs[0] if single else vecs
 

@@ -381,6 +381,15 @@ def test_llm_is_callable_as_create_completion(llm):
         llm.create_completion("The capital of France is", **kw)["choices"][0]["text"]
 
 
+def test_embed_refuses_what_is_not_text(llm):
+    """embed(5) was a TypeError from list(5), and embed(b"hi") embedded the texts of the byte values; each is a
+    PyllmError naming what embed takes (reference: create_embedding, which refuses them so)."""
+    for bad in (5, b"hi", None, {"a": 1}):
+        with pytest.raises(PyllmError, match="embed: give a string or a non-empty list of strings"):
+            llm.embed(bad)
+    assert len(llm.embed(("a", "b"))) == 2
+
+
 def test_empty_message_list_is_refused_by_every_chat_entry_point(llm, monkeypatch):
     """Reference: create_chat_completion([]), which refuses an empty conversation as a BadRequest naming
     messages. chat() (plain and streaming) and chat_ids() generated a reply to the bare generation prompt instead;
