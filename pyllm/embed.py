@@ -102,8 +102,9 @@ def create_embedding(llm, input, model: str | None = None, encoding_format: str 
     embed_counted. ``dimensions``: None or the model's own width; a vector of any other length is refused, as
     OpenAI refuses it for models that cannot shorten theirs (cutting a vector that was not trained to be cut
     would not keep its meaning), instead of answering with vectors of a length the client did not ask for."""
-    from .api import _number
+    from .api import _number, refuse_unknown
 
+    refuse_unknown(create_embedding, ignored)
     if encoding_format not in (None, "float", "base64"):
         raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}",
                          "encoding_format")

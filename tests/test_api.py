@@ -374,6 +374,27 @@ def test_options_pyllm_cannot_honour_are_refused_not_ignored(llm):
         assert llm.create_completion("Hi", max_tokens=1, best_of=ok, n=1)["usage"]["completion_tokens"] == 1
 
 
+def test_unknown_keywords_are_refused_not_ignored(llm):
+    """A typo (temprature=0) or a llama-cpp-python setting pyllm lacks (mirostat_mode=2) was dropped silently and
+    the reply sampled as if it had not been given. Reference: llama-cpp-python's Llama, whose create_* refuse an
+    unknown keyword (a TypeError there; pyllm's BadRequest names it and the nearest known one), at the call,
+    before anything is generated; OpenAI's parameters that change nothing (user, metadata, ...) are still taken."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    calls = [(lambda **kw: llm.create_completion("Hi", max_tokens=1, **kw), "create_completion"),
+             (lambda **kw: llm.create_chat_completion(msgs, max_tokens=1, **kw), "create_chat_completion"),
+             (lambda **kw: llm.create_embedding("Hi", **kw), "create_embedding")]
+    for call, name in calls:
+        for stream in ((False, True) if name != "create_embedding" else (None,)):
+            extra = {} if stream is None else {"stream": stream}
+            hint = "it takes input, model" if name == "create_embedding" else "did you mean 'temperature'"
+            with pytest.raises(BadRequest, match=f"{name}\\(\\) got an unknown argument 'temprature'; {hint}") as e:
+                call(temprature=0, **extra)
+            assert e.value.param == "temprature"
+            with pytest.raises(BadRequest, match="unknown argument 'mirostat_mode'"):
+                call(mirostat_mode=2, **extra)
+        assert call(user="someone", metadata={"k": "v"}, store=False) is not None
+
+
 def test_llm_is_callable_as_create_completion(llm):
     """llama-cpp-python's Llama.__call__ is create_completion: llm("Q: ... A:", max_tokens=...) was a TypeError."""
     kw = dict(max_tokens=6, temperature=0)
