@@ -177,6 +177,16 @@ def test_bad_flag_value_is_usage_error(smollm2_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("argv", [["info", ""], ["rm", ""], ["info", "  "], ["run", "", "hi"], ["bench", ""]])
+def test_an_empty_model_name_is_named(argv, monkeypatch, capsys):
+    """An empty MODEL is Path(""), the current directory, to a path check: `pyllm info ""` said ".: is a directory,
+    not a model file" and `pyllm rm ""` ".: not in the cache". Reference: `pyllm run "" hi`, which names the empty
+    argument; every command now does."""
+    res = cli_in_process(monkeypatch, capsys)(*argv)
+    assert_clean_error(res, "model must be a path to a model file, a registry name or a URL, got '")
+    assert ".:" not in res.stderr
+
+
 def test_version():
     res = pyllm("--version")
     assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout
