@@ -187,6 +187,22 @@ def test_an_empty_model_name_is_named(argv, monkeypatch, capsys):
     assert ".:" not in res.stderr
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["run", "smollm2-135m", "hi", "--kv", "q5"], "--kv"), (["run", "smollm2-135m", "hi", "-ctk", "q5"], "--kv-k/-ctk"),
+    (["bench", "smollm2-135m", "-ctv", "q5"], "--kv-v/-ctv"), (["info", "smollm2-135m", "--kv", "q5"], "--kv"),
+    (["perplexity", "smollm2-135m", "-f", "/dev/null", "--kv", "f16", "--kv", "q5"], "--kv"),
+    (["perplexity", "smollm2-135m", "-f", "/dev/null", "--kl-base", "q5"], "--kl-base")])
+def test_an_unknown_kv_type_names_its_flag(argv, flag, monkeypatch, capsys):
+    """Reference: the cache's own message ("unknown KV cache type 'q5'; choose one of ..."), now after the flag
+    that gave it, since one command line may give several (--kv, -ctk, -ctv, --kl-base); refused before the model
+    loads (pyllm.load fails the test) or the text is read."""
+    import pyllm
+
+    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    res = cli_in_process(monkeypatch, capsys)(*argv)
+    assert_clean_error(res, f"pyllm: error: {flag}: unknown KV cache type 'q5'; choose one of")
+
+
 def test_version():
     res = pyllm("--version")
     assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout
