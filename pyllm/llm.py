@@ -384,7 +384,8 @@ class LLM:
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
                         constraint=None, speculative="auto", spec_k: int | None = None,
                         spec_ngram: int | None = None, **sampling) -> Iterator[int]:
-        """Iterator of generated ids (an end-of-generation id is yielded, then it stops).
+        """Iterator of generated ids (an end-of-generation id is yielded, then it stops). The arguments are checked
+        here, when the call is made (PyllmError), not at the iterator's first ``next()``.
 
         Structured output (at most one): ``json_schema`` (dict or JSON text), ``grammar`` (llama.cpp GBNF text) or
         a prebuilt ``constraint`` (LLM.make_constraint; one per generation). Only tokens the grammar allows are
@@ -410,6 +411,11 @@ class LLM:
         spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
+        return self._token_stream(ids, max_tokens, sampler, spec)
+
+    def _token_stream(self, ids: list[int], max_tokens: int, sampler: Sampler, spec) -> Iterator[int]:
+        """generate_tokens' iterator, over checked arguments: holds the LLM's lock from its first ``next()`` to its
+        end or ``close()``."""
 
         def sample(logits):
             # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage. The sum is

@@ -233,3 +233,20 @@ def test_chat_checks_stop_as_generate_does(tiny):
             assert str(e.value) == str(g.value)
     for ok in (["x"], ("x",), [], None, "x"):
         assert isinstance(llm.chat(msgs, max_tokens=2, stop=ok, temperature=0), str)
+
+
+def test_generate_tokens_checks_its_arguments_when_called(tiny):
+    """generate_tokens was a generator function, so a bad argument raised only at the iterator's first next(),
+    far from the call that gave it. Reference: generate(stream=True), which raises at the call; generate_tokens
+    now does too, and its iterator still holds the LLM only from its first next() (a call in between runs)."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    for kw in ({"max_tokens": -5}, {"temperature": "hot"}, {"max_new_tokens": 3}, {"speculative": "bogus"}):
+        with pytest.raises(PyllmError):
+            llm.generate_tokens([1, 2], **{"max_tokens": 2, **kw})
+    with pytest.raises(PyllmError, match="outside the vocabulary"):
+        llm.generate_tokens([1, 10**6], max_tokens=2)
+    it = llm.generate_tokens([1, 2], max_tokens=3, temperature=0)
+    want = llm.generate([1, 2], max_tokens=3, temperature=0)  # not superseding: the iterator has not started
+    assert llm.detokenize(list(it)) == want
