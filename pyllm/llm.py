@@ -384,8 +384,9 @@ class LLM:
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
                         constraint=None, speculative="auto", spec_k: int | None = None,
                         spec_ngram: int | None = None, **sampling) -> Iterator[int]:
-        """Iterator of generated ids (an end-of-generation id is yielded, then it stops). The arguments are checked
-        here, when the call is made (PyllmError), not at the iterator's first ``next()``.
+        """Iterator of generated ids (an end-of-generation id is yielded, then it stops). max_tokens None or -1:
+        until the context is full. The arguments are checked here, when the call is made (PyllmError), not at the
+        iterator's first ``next()``.
 
         Structured output (at most one): ``json_schema`` (dict or JSON text), ``grammar`` (llama.cpp GBNF text) or
         a prebuilt ``constraint`` (LLM.make_constraint; one per generation). Only tokens the grammar allows are
@@ -400,7 +401,7 @@ class LLM:
         from .runtime.constraint import make_constraint
 
         ids = self._check_ids(ids)
-        max_tokens = check_int("max_tokens", max_tokens, 0)
+        max_tokens = self.check_max_tokens(max_tokens)
         constraint = make_constraint(lambda: self.grammar_vocab, json_schema, grammar, constraint)
         if sampler is None:
             kw = check_sampling(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
@@ -476,6 +477,18 @@ class LLM:
                 continue
         return None
 
+    def check_max_tokens(self, max_tokens) -> int:
+        """``max_tokens`` as an int >= 0; None or -1: until the context is full (n_ctx, an upper bound the context
+        reaches first), as llama-cpp-python and this library's create_completion take it."""
+        if max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+                                  and max_tokens == -1):
+            return self.n_ctx
+        try:
+            return check_int("max_tokens", max_tokens, 0)
+        except PyllmError:
+            raise PyllmError(f"max_tokens must be an integer >= 0, or None/-1 for until the context is full, got "
+                             f"{max_tokens!r}") from None
+
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             self.check_prompt_fits(prompt)
@@ -484,8 +497,9 @@ class LLM:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 256, stop: str | list[str] | None = None,
                  stream: bool = False, **sampling) -> str | Iterator[str]:
-        """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces."""
-        max_tokens = check_int("max_tokens", max_tokens, 0)  # now, not at the first next() of a stream
+        """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces. max_tokens
+        None or -1: until the context is full."""
+        max_tokens = self.check_max_tokens(max_tokens)  # now, not at the first next() of a stream
         sampling = check_sampling(sampling)
         stop = stop_list(stop)
         it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop, sampling)
@@ -593,7 +607,7 @@ class LLM:
         room is kept for min(max_tokens, n_ctx // 4) reply tokens). A reply that still fills the context stops
         with finish_reason "context".
         """
-        max_tokens = check_int("max_tokens", max_tokens, 0)
+        max_tokens = self.check_max_tokens(max_tokens)
         sampling = check_sampling(sampling)
         stop = stop_list(stop)
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))

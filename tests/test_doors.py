@@ -173,7 +173,7 @@ def test_library_arguments(tiny):
     import pyllm
 
     llm = pyllm.load(tiny, n_ctx=32, backend="reference")
-    for bad in (float("nan"), "x", -1, 2.5, True):
+    for bad in (float("nan"), "x", -2, 2.5, True):  # -1 (and None): until the context is full
         with pytest.raises(PyllmError, match="max_tokens"):
             llm.generate("hi", max_tokens=bad)
     with pytest.raises(PyllmError, match="seed"):
@@ -233,6 +233,28 @@ def test_chat_checks_stop_as_generate_does(tiny):
             assert str(e.value) == str(g.value)
     for ok in (["x"], ("x",), [], None, "x"):
         assert isinstance(llm.chat(msgs, max_tokens=2, stop=ok, temperature=0), str)
+
+
+def test_max_tokens_none_or_minus_one_runs_until_the_context_is_full(tiny):
+    """llama-cpp-python and this library's create_completion take max_tokens None or -1 as "until the context is
+    full"; generate, chat and generate_tokens refused both ("must be an integer"). Reference: n_ctx=32 with the
+    end-of-generation ids biased away, so the reply can only stop at the context: prompt + reply fill all 32."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    no_end = {t: -100.0 for t in llm.tokenizer.eog_ids}
+    msgs = [{"role": "user", "content": "hi"}]
+    for max_tokens in (None, -1):
+        llm.generate("hi", max_tokens=max_tokens, temperature=0, logit_bias=no_end)
+        assert llm.stats.finish_reason == "context"
+        assert llm.stats.prompt_tokens + llm.stats.generated_tokens == 32 + 1  # the last token is not cached
+        llm.chat(msgs, max_tokens=max_tokens, temperature=0, logit_bias=no_end)
+        assert llm.stats.finish_reason == "context"
+        out = list(llm.generate_tokens([1, 2], max_tokens=max_tokens, temperature=0, logit_bias=no_end))
+        assert len(out) == 32 - 2 + 1
+    for bad in (-2, 1.5, "8", True):
+        with pytest.raises(PyllmError, match="max_tokens must be an integer >= 0, or None/-1"):
+            llm.generate("hi", max_tokens=bad)
 
 
 def test_generate_tokens_checks_its_arguments_when_called(tiny):
