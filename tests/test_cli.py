@@ -203,6 +203,23 @@ def test_an_unknown_kv_type_names_its_flag(argv, flag, monkeypatch, capsys):
     assert_clean_error(res, f"pyllm: error: {flag}: unknown KV cache type 'q5'; choose one of")
 
 
+@pytest.mark.parametrize("argv, stdin, where", [
+    (["run", "smollm2-135m", "--chat"], b"", "standard input is empty"),
+    (["run", "smollm2-135m", "-", "--system", "Be brief."], b"", "standard input is empty"),
+    (["run", "smollm2-135m", "-n", "4"], b"", "standard input is empty"),
+    (["run", "smollm2-135m", "", "--chat"], b"ignored", "the prompt argument is empty")])
+def test_run_refuses_an_empty_prompt_before_loading(argv, stdin, where, monkeypatch, capsys):
+    """`failing_command | pyllm run MODEL --chat` answered an empty message (the chat template's markup is a
+    prompt) and exited 0; a raw empty prompt was refused only after the model loaded, as "empty prompt: give at
+    least one token" without saying where it came from. Reference: `pyllm chat`, which refuses empty piped input
+    before loading; run now does the same, naming the source."""
+    import pyllm
+
+    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    res = cli_in_process(monkeypatch, capsys)(*argv, stdin=stdin)
+    assert_clean_error(res, f"nothing to complete: {where}")
+
+
 def test_version():
     res = pyllm("--version")
     assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout

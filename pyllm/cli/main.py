@@ -64,6 +64,11 @@ def cmd_run(a) -> int:
         prompt = read_stdin_text()
     elif any("\udc80" <= c <= "\udcff" for c in prompt):  # argv bytes that were not UTF-8 (surrogateescape)
         prompt = decode_utf8(os.fsencode(prompt), "the prompt")
+    if not prompt:
+        # With --chat an empty message still makes a prompt (the template's markup), so a pipeline whose first
+        # command failed got a reply to nothing, and exit 0
+        where = "standard input is empty" if a.prompt in (None, "-") else "the prompt argument is empty"
+        raise PyllmError(f"nothing to complete: {where}")
     a.chat = a.chat or a.system is not None  # a system prompt only means something inside the chat template
     llm = load_from_args(a)
     kw = sampling_kwargs(a)
