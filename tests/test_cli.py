@@ -220,6 +220,23 @@ def test_run_refuses_an_empty_prompt_before_loading(argv, stdin, where, monkeypa
     assert_clean_error(res, f"nothing to complete: {where}")
 
 
+@pytest.mark.parametrize("argv, spec", [
+    (["run", "smollm2-135m", "hi", "--spec", "none", "--draft", "smollm2-135m"], "none"),
+    (["chat", "smollm2-135m", "--spec", "lookup", "--draft", "smollm2-135m"], "lookup"),
+    (["bench", "smollm2-135m", "--draft", "smollm2-135m"], "not given")])
+def test_a_draft_model_that_would_go_unused_is_refused(argv, spec, monkeypatch, capsys):
+    """--draft with --spec none or lookup (or, in bench, without --spec draft) loaded a second model and never used
+    it. Reference: argparse's own conflicting-flag errors, a usage error (exit 2) naming --draft, before any model
+    loads; --draft alone in run and chat still means --spec draft."""
+    import pyllm
+
+    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    res = cli_in_process(monkeypatch, capsys)(*argv)
+    assert res.returncode == 2, res.stderr
+    assert f"argument --draft: only --spec draft uses a draft model, and --spec is {spec}" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
 def test_version():
     res = pyllm("--version")
     assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout

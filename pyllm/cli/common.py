@@ -414,6 +414,11 @@ def check_numeric_args(a) -> None:
             extra = f" ({os.cpu_count()} CPUs here)" if dest == "threads" else ""
             extra += " (0 = the model's own)" if dest == "ctx" and lo == 0 else ""
             raise SettingError(f"argument {flag}: must be {rng}{extra}, got {v}")
+    draft, spec = getattr(a, "draft", None), getattr(a, "spec", None)
+    # run and chat speculate with --draft when --spec is not given; bench compares plain and --spec decoding only
+    if draft and (spec not in (None, "draft") or (spec is None and getattr(a, "command", None) == "bench")):
+        raise SettingError(f"argument --draft: only --spec draft uses a draft model, and --spec is "
+                           f"{spec or 'not given'}; drop one of them")
     if getattr(a, "command", None) in ("run", "chat") and hasattr(a, "temp"):
         Settings.from_args(a)  # names the flag; same rules as /set
         if a.seed is not None and a.seed == -1:
