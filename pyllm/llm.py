@@ -207,7 +207,17 @@ class LLM:
         self._epoch = 0
 
     # ---- text <-> ids -------------------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+    def tokenize(self, text: str | bytes, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of ``text``; UTF-8 ``bytes`` too, as llama-cpp-python's ``Llama.tokenize(b"...")`` takes it
+        (``detokenize`` gives text back, a str)."""
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PyllmError(f"tokenize: the bytes are not UTF-8 (byte {text[e.start]:#04x} at offset "
+                                 f"{e.start})") from None
+        elif not isinstance(text, str):
+            raise PyllmError(f"tokenize: text must be a str (or UTF-8 bytes), got {type(text).__name__}")
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
     def check_prompt_fits(self, text: str, add_bos: bool | None = None) -> None:

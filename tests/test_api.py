@@ -402,6 +402,20 @@ def test_llm_is_callable_as_create_completion(llm):
         llm.create_completion("The capital of France is", **kw)["choices"][0]["text"]
 
 
+def test_tokenize_takes_utf8_bytes_as_llama_cpp_python_does(llm):
+    """llama-cpp-python's Llama.tokenize takes bytes (llm.tokenize(b"Hello")); pyllm's said "encode() needs a str,
+    got bytes", naming a function the caller never called. Reference: the same text as a str; bytes that are not
+    UTF-8 and other types are PyllmErrors naming tokenize."""
+    text = "The café is open."
+    assert llm.tokenize(text.encode()) == llm.tokenize(text)
+    assert llm.tokenize(bytearray(text.encode()), add_bos=False) == llm.tokenize(text, add_bos=False)
+    with pytest.raises(PyllmError, match="tokenize: the bytes are not UTF-8 \\(byte 0xff at offset 1\\)"):
+        llm.tokenize(b"a\xffb")
+    for bad in (None, 5, ["a"]):
+        with pytest.raises(PyllmError, match="tokenize: text must be a str"):
+            llm.tokenize(bad)
+
+
 def test_embed_refuses_what_is_not_text(llm):
     """embed(5) was a TypeError from list(5), and embed(b"hi") embedded the texts of the byte values; each is a
     PyllmError naming what embed takes (reference: create_embedding, which refuses them so)."""
