@@ -71,11 +71,12 @@ _INT_SETTINGS = ("top_k", "penalty_last_n")
 _GENERATION_KEYWORDS = ("sampler", "json_schema", "grammar", "constraint", "speculative", "spec_k", "spec_ngram")
 
 
-def check_sampling(settings: dict) -> dict:
+def check_sampling(settings: dict, n_vocab: int | None = None) -> dict:
     """Type checks of sampling settings before the sampler compares them (a string or NaN would otherwise end in
     a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate).
     A keyword that is neither a setting nor a generation option is refused here, when the call is made, naming
-    it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token."""
+    it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token.
+    ``logit_bias`` as create_completion takes it ({token id: bias in [-100, 100]}, ids below ``n_vocab``)."""
     import math
     import numbers
     from dataclasses import fields
@@ -97,6 +98,12 @@ def check_sampling(settings: dict) -> dict:
             out[k] = check_int(k, v, 0)
         elif k == "seed":
             out[k] = check_seed(v)
+        elif k == "logit_bias":
+            # a str key or a list was a TypeError or AttributeError from inside the sampler, and an id past the
+            # vocabulary or a NaN bias was taken silently
+            from .api import _logit_bias
+
+            out[k] = _logit_bias(v, n_vocab if n_vocab is not None else 2**63)
     return out
 
 
@@ -415,7 +422,7 @@ class LLM:
         constraint = make_constraint(lambda: self.grammar_vocab, json_schema, grammar, constraint)
         if sampler is None:
             kw = check_sampling(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                     **sampling))
+                                     **sampling), self.n_vocab)
             sampler = Sampler(SamplerSettings(**kw))
         if constraint is not None:
             sampler.constraint = constraint
@@ -510,7 +517,7 @@ class LLM:
         """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces. max_tokens
         None or -1: until the context is full."""
         max_tokens = self.check_max_tokens(max_tokens)  # now, not at the first next() of a stream
-        sampling = check_sampling(sampling)
+        sampling = check_sampling(sampling, self.n_vocab)
         stop = stop_list(stop)
         it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop, sampling)
         return it if stream else "".join(it)
@@ -618,7 +625,7 @@ class LLM:
         with finish_reason "context".
         """
         max_tokens = self.check_max_tokens(max_tokens)
-        sampling = check_sampling(sampling)
+        sampling = check_sampling(sampling, self.n_vocab)
         stop = stop_list(stop)
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
         it = self._stream_text(ids, max_tokens, stop, sampling)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_in_process
-from pyllm.errors import PyllmError
+from pyllm.errors import BadRequest, PyllmError
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -272,3 +272,25 @@ def test_generate_tokens_checks_its_arguments_when_called(tiny):
     it = llm.generate_tokens([1, 2], max_tokens=3, temperature=0)
     want = llm.generate([1, 2], max_tokens=3, temperature=0)  # not superseding: the iterator has not started
     assert llm.detokenize(list(it)) == want
+
+
+def test_logit_bias_is_checked_as_create_completion_checks_it(tiny):
+    """generate's logit_bias went to the sampler unchecked: {"a": 1} was a TypeError and a list an AttributeError
+    (neither a PyllmError), an id past the vocabulary or a NaN bias was taken silently. Reference:
+    create_completion's checks (BadRequest naming logit_bias: token ids in the vocabulary, biases in [-100, 100]),
+    at the call; a valid bias still changes the greedy choice."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    for bad, needle in (({"a": 1}, "key 'a' is not a token id"), ([1, 2], "must be an object"),
+                        ({10**6: 1}, "outside the vocabulary"), ({1: float("nan")}, "must be in \\[-100, 100\\]"),
+                        ({1: 1000}, "must be in \\[-100, 100\\]")):
+        for call in (lambda: llm.generate("hi", max_tokens=2, stream=True, logit_bias=bad),
+                     lambda: llm.chat([{"role": "user", "content": "hi"}], max_tokens=2, logit_bias=bad),
+                     lambda: llm.generate_tokens([1, 2], max_tokens=2, logit_bias=bad)):
+            with pytest.raises(BadRequest, match=needle) as e:
+                call()
+            assert e.value.param == "logit_bias"
+    first = list(llm.generate_tokens([1, 2], max_tokens=1, temperature=0))[0]
+    other = (first + 1) % llm.n_vocab
+    assert list(llm.generate_tokens([1, 2], max_tokens=1, temperature=0, logit_bias={other: 100.0})) == [other]
