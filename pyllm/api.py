@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 from .chat_messages import (CALL_STARTS, TOOL_OPEN, TOOL_SYSTEM_FALLBACK, calls_as_text, check_tools, forced_call,
                             legacy_functions, normalize_messages, parse_tool_calls)
-from .errors import BadRequest, ContextFullError, PyllmError
+from .errors import BadRequest, ContextFullError, PyllmError, shorten
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import OutputText, stop_list
 from .structured_output import structured_output_kwargs
@@ -94,7 +94,9 @@ def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, p
                                min_p=float(min_p), typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
                                frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
                                logit_bias=_logit_bias(logit_bias, llm.n_vocab),
-                               seed=None if seed is None else int(seed) & (2**63 - 1))
+                               # -1: a random seed, as in llama.cpp, llama-cpp-python and pyllm's other entry
+                               # points; other negative seeds (OpenAI takes any int64) are folded into range
+                               seed=None if seed is None or seed == -1 else int(seed) & (2**63 - 1))
     try:
         s = Sampler(settings)
     except PyllmError as e:  # a bound _number leaves to the sampler (an open end): its message names the setting
@@ -266,6 +268,28 @@ def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, prese
     return {**out, "logit_bias": logit_bias, "seed": seed}
 
 
+# OpenAI parameters that do not change what is generated: taken and ignored, as the server ignores them
+NO_EFFECT_PARAMS = ("user", "metadata", "store", "service_tier", "prediction", "safety_identifier",
+                    "prompt_cache_key")
+
+
+def refuse_unknown(fn, given: dict) -> None:
+    """BadRequest naming the first keyword in ``given`` (what ``fn``'s ``**ignored`` caught) that ``fn`` does not
+    take, with the nearest name it does. A library call's typo (``temprature=0``) or a llama-cpp-python setting
+    pyllm lacks (``mirostat_mode=2``, ``logits_processor=``) was dropped silently: the reply came out sampled as
+    if it had not been given. The server never gets here: it passes on only the parameters ``fn`` names."""
+    import difflib
+    import inspect
+
+    unknown = [k for k in given if k not in NO_EFFECT_PARAMS]
+    if not unknown:
+        return
+    names = [p for p in inspect.signature(fn).parameters if p not in ("llm", "ignored", "cancel")]
+    near = difflib.get_close_matches(unknown[0], names, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else f"; it takes {', '.join(names)}"
+    raise BadRequest(f"{fn.__name__}() got an unknown argument {shorten(repr(unknown[0]), 60)}{hint}", unknown[0])
+
+
 def _check_n(n):
     if n not in (None, 1):
         raise BadRequest(f"n={n!r}: only one choice per request is supported", "n")
@@ -309,6 +333,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token,
     with ``echo`` the prompt's tokens too (the first one's null), as OpenAI's and llama-cpp-python's do.
     ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
+    refuse_unknown(create_completion, ignored)
     _check_n(n)
     if best_of is not None:
         # OpenAI generates best_of candidates and returns the n most likely; answering one of one as if it were the
@@ -402,6 +427,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     their old names, and a call comes back as ``message.function_call``, finish_reason "function_call".
     ``max_tokens`` None = until the context is full. Returns the response dict, or with ``stream=True`` an iterator
     of ``chat.completion.chunk`` dicts."""
+    refuse_unknown(create_chat_completion, ignored)
     _check_n(n)
     _check_text_output(modalities, audio)
     if web_search_options is not None:  # answered from the model's weights alone, as if it had searched

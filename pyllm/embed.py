@@ -48,6 +48,8 @@ def _hidden_states(llm, ids: list[int]) -> torch.Tensor:
 def embed(llm, texts: str | list[str], normalize: bool = True, pooling: str | None = None):
     """One vector (list of floats, length n_embd) per text; a single string gives a single vector."""
     single = isinstance(texts, str)
+    if not single and not isinstance(texts, (list, tuple)):  # list(5) would be a TypeError, list(b"hi") [104, 105]
+        raise PyllmError(f"embed: give a string or a non-empty list of strings, got {type(texts).__name__}")
     vecs, _ = embed_counted(llm, [texts] if single else list(texts), normalize, pooling)
     return vecs[0] if single else vecs
 
@@ -100,8 +102,9 @@ def create_embedding(llm, input, model: str | None = None, encoding_format: str 
     embed_counted. ``dimensions``: None or the model's own width; a vector of any other length is refused, as
     OpenAI refuses it for models that cannot shorten theirs (cutting a vector that was not trained to be cut
     would not keep its meaning), instead of answering with vectors of a length the client did not ask for."""
-    from .api import _number
+    from .api import _number, refuse_unknown
 
+    refuse_unknown(create_embedding, ignored)
     if encoding_format not in (None, "float", "base64"):
         raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}",
                          "encoding_format")

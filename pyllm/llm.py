@@ -1,7 +1,7 @@
 """LLM: the public object. Loads a model file and offers tokenize / logits / generate / chat.
 
-One LLM owns one model, one KV cache and one generation loop; calls are serialized by a lock, so two threads
-sharing it take turns instead of corrupting the cache.
+One LLM owns one model, one KV cache and one generation loop; calls are serialized by a lock (CallLock), so two
+threads sharing it take turns instead of corrupting the cache.
 """
 
 from __future__ import annotations
@@ -71,11 +71,12 @@ _INT_SETTINGS = ("top_k", "penalty_last_n")
 _GENERATION_KEYWORDS = ("sampler", "json_schema", "grammar", "constraint", "speculative", "spec_k", "spec_ngram")
 
 
-def check_sampling(settings: dict) -> dict:
+def check_sampling(settings: dict, n_vocab: int | None = None) -> dict:
     """Type checks of sampling settings before the sampler compares them (a string or NaN would otherwise end in
     a foreign TypeError, or pass every range check); ranges are the sampler's own (SamplerSettings.validate).
     A keyword that is neither a setting nor a generation option is refused here, when the call is made, naming
-    it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token."""
+    it: it would otherwise be a TypeError from inside SamplerSettings, and only at a stream's first token.
+    ``logit_bias`` as create_completion takes it ({token id: bias in [-100, 100]}, ids below ``n_vocab``)."""
     import numbers
     import sys
     from dataclasses import fields
@@ -99,6 +100,12 @@ def check_sampling(settings: dict) -> dict:
             out[k] = check_int(k, v, 0)
         elif k == "seed":
             out[k] = check_seed(v)
+        elif k == "logit_bias":
+            # a str key or a list was a TypeError or AttributeError from inside the sampler, and an id past the
+            # vocabulary or a NaN bias was taken silently
+            from .api import _logit_bias
+
+            out[k] = _logit_bias(v, n_vocab if n_vocab is not None else 2**63)
     return out
 
 
@@ -132,6 +139,50 @@ def plan_kv_cache(cfg, n_ctx: int, kv_cache: str, check_memory: bool = True) -> 
     return n_ctx, per_token, need
 
 
+class CallLock:
+    """The lock an LLM's calls hold: one call at a time across threads; the thread that holds it may take it again.
+
+    A stream holds it between its tokens, and may be resumed by another thread than the one that started it: a web
+    framework drives a sync iterator from a thread pool, a different worker for each ``next()`` (Starlette's
+    StreamingResponse does). threading.RLock refuses to be released by another thread, so such a stream ended in
+    "RuntimeError: cannot release un-acquired lock" and left the LLM locked for every other thread. Here any thread
+    may release it, and the thread that resumes a stream takes over as its holder (``adopt``): another thread's
+    call then waits for the stream, and a call from the resuming thread itself supersedes it (LLM._epoch)."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None  # the thread id that holds it, while _depth > 0
+        self._depth = 0
+
+    def acquire(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            while self._depth and self._owner != me:
+                self._cond.wait()
+            self._owner = me
+            self._depth += 1
+
+    def release(self) -> None:
+        with self._cond:
+            if not self._depth:
+                raise RuntimeError("CallLock released more often than acquired")
+            self._depth -= 1
+            if not self._depth:
+                self._owner = None
+                self._cond.notify_all()
+
+    def adopt(self) -> None:
+        """The calling thread, resuming a stream that holds the lock, becomes its holder."""
+        with self._cond:
+            if self._depth:
+                self._owner = threading.get_ident()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
 class LLM:
     """Made by ``load`` (from_checkpoint). ``device`` ("cpu", "cuda") and ``backend`` ("fast", "reference",
     "cuda") name what runs it; ``model.backend`` is the backend object (pyllm/backends)."""
@@ -158,14 +209,24 @@ class LLM:
         # What generate_tokens' speculative="auto" / spec_k / spec_ngram default to (the CLI's --spec* flags):
         # {"speculative": "lookup", "spec_k": 5, ...}; empty: DEFAULT_SPECULATIVE for greedy decoding.
         self.spec_options: dict = {}
-        self._lock = threading.RLock()
+        self._lock = CallLock()
         self._grammar_vocab = None  # built on the first structured-output call (grammar_vocab)
-        # Bumped by every call that changes the cache. The RLock lets one thread in twice, so a stream left
+        # Bumped by every call that changes the cache. The lock lets one thread in twice, so a stream left
         # suspended while the same thread starts another call must notice, not continue from a foreign cache.
         self._epoch = 0
 
     # ---- text <-> ids -------------------------------------------------------------------------------------------
-    def tokenize(self, text: str, add_bos: bool | None = None, special: bool = True) -> list[int]:
+    def tokenize(self, text: str | bytes, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of ``text``; UTF-8 ``bytes`` too, as llama-cpp-python's ``Llama.tokenize(b"...")`` takes it
+        (``detokenize`` gives text back, a str)."""
+        if isinstance(text, (bytes, bytearray)):
+            try:
+                text = bytes(text).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise PyllmError(f"tokenize: the bytes are not UTF-8 (byte {text[e.start]:#04x} at offset "
+                                 f"{e.start})") from None
+        elif not isinstance(text, str):
+            raise PyllmError(f"tokenize: text must be a str (or UTF-8 bytes), got {type(text).__name__}")
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
     def check_prompt_fits(self, text: str, add_bos: bool | None = None) -> None:
@@ -342,7 +403,9 @@ class LLM:
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
                         constraint=None, speculative="auto", spec_k: int | None = None,
                         spec_ngram: int | None = None, **sampling) -> Iterator[int]:
-        """Iterator of generated ids (an end-of-generation id is yielded, then it stops).
+        """Iterator of generated ids (an end-of-generation id is yielded, then it stops). max_tokens None or -1:
+        until the context is full. The arguments are checked here, when the call is made (PyllmError), not at the
+        iterator's first ``next()``.
 
         Structured output (at most one): ``json_schema`` (dict or JSON text), ``grammar`` (llama.cpp GBNF text) or
         a prebuilt ``constraint`` (LLM.make_constraint; one per generation). Only tokens the grammar allows are
@@ -357,17 +420,22 @@ class LLM:
         from .runtime.constraint import make_constraint
 
         ids = self._check_ids(ids)
-        max_tokens = check_int("max_tokens", max_tokens, 0)
+        max_tokens = self.check_max_tokens(max_tokens)
         constraint = make_constraint(lambda: self.grammar_vocab, json_schema, grammar, constraint)
         if sampler is None:
             kw = check_sampling(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                     **sampling))
+                                     **sampling), self.n_vocab)
             sampler = Sampler(SamplerSettings(**kw))
         if constraint is not None:
             sampler.constraint = constraint
         spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
+        return self._token_stream(ids, max_tokens, sampler, spec)
+
+    def _token_stream(self, ids: list[int], max_tokens: int, sampler: Sampler, spec) -> Iterator[int]:
+        """generate_tokens' iterator, over checked arguments: holds the LLM's lock from its first ``next()`` to its
+        end or ``close()``."""
 
         def sample(logits):
             # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage. The sum is
@@ -394,6 +462,7 @@ class LLM:
                     except StopIteration:
                         return
                     yield tok
+                    self._lock.adopt()  # this next() may come from another thread than the last one
                     if self._epoch != mine:
                         raise PyllmError("this generation was superseded: another call on the same LLM (in this "
                                          "thread, while the stream was unfinished) replaced its cache; start it again")
@@ -427,6 +496,18 @@ class LLM:
                 continue
         return None
 
+    def check_max_tokens(self, max_tokens) -> int:
+        """``max_tokens`` as an int >= 0; None or -1: until the context is full (n_ctx, an upper bound the context
+        reaches first), as llama-cpp-python and this library's create_completion take it."""
+        if max_tokens is None or (isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+                                  and max_tokens == -1):
+            return self.n_ctx
+        try:
+            return check_int("max_tokens", max_tokens, 0)
+        except PyllmError:
+            raise PyllmError(f"max_tokens must be an integer >= 0, or None/-1 for until the context is full, got "
+                             f"{max_tokens!r}") from None
+
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
             self.check_prompt_fits(prompt)
@@ -435,9 +516,10 @@ class LLM:
 
     def generate(self, prompt: str | list[int], max_tokens: int = 256, stop: str | list[str] | None = None,
                  stream: bool = False, **sampling) -> str | Iterator[str]:
-        """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces."""
-        max_tokens = check_int("max_tokens", max_tokens, 0)  # now, not at the first next() of a stream
-        sampling = check_sampling(sampling)
+        """Completion of ``prompt`` (text, or token ids). stream=True gives an iterator of text pieces. max_tokens
+        None or -1: until the context is full."""
+        max_tokens = self.check_max_tokens(max_tokens)  # now, not at the first next() of a stream
+        sampling = check_sampling(sampling, self.n_vocab)
         stop = stop_list(stop)
         it = self._stream_text(self._prompt_ids(prompt), max_tokens, stop, sampling)
         return it if stream else "".join(it)
@@ -544,8 +626,8 @@ class LLM:
         room is kept for min(max_tokens, n_ctx // 4) reply tokens). A reply that still fills the context stops
         with finish_reason "context".
         """
-        max_tokens = check_int("max_tokens", max_tokens, 0)
-        sampling = check_sampling(sampling)
+        max_tokens = self.check_max_tokens(max_tokens)
+        sampling = check_sampling(sampling, self.n_vocab)
         stop = stop_list(stop)
         ids, _, self.chat_dropped = self.fit_chat(messages, reserve=min(max_tokens, self.n_ctx // 4))
         it = self._stream_text(ids, max_tokens, stop, sampling)
@@ -558,6 +640,10 @@ class LLM:
         from .api import create_completion
 
         return create_completion(self, prompt, **kw)
+
+    def __call__(self, prompt, **kw):
+        """``create_completion``, as llama-cpp-python's ``Llama.__call__``: ``llm("Q: ... A:", max_tokens=32)``."""
+        return self.create_completion(prompt, **kw)
 
     def create_chat_completion(self, messages: list[dict], **kw):
         """OpenAI ``/v1/chat/completions`` as llama-cpp-python's ``Llama.create_chat_completion``."""

@@ -466,8 +466,16 @@ def resolve(model: str | os.PathLike, download: bool = True, quiet: bool = False
 
     A cached model is checked against its expected sha256 (cheaply: see the module docstring)."""
     s = os.fspath(model)
+    check_name(s)
     with _writing_cache(f"fetch {shorten(s)}"):
         return _resolve(s, download, quiet)
+
+
+def check_name(s: str) -> None:
+    """PyllmError for an empty model name: as a path it is Path(""), the current directory, and was reported as
+    ".: is a directory" (pyllm info "") or ".: not in the cache" (pyllm rm "")."""
+    if not s.strip():
+        raise PyllmError(f"model must be a path to a model file, a registry name or a URL, got {s!r}")
 
 
 def _resolve(s: str, download: bool, quiet: bool) -> Path:
@@ -529,6 +537,7 @@ def list_models() -> list[dict]:
 def remove(target: str) -> list[Path]:
     """Delete a cached model (registry name, URL / hf.co reference, or a file inside the cache) with its record,
     lock and any partial download; returns the files removed. Files outside the cache are never touched."""
+    check_name(target)
     with _writing_cache(f"remove {shorten(target)}"):
         return _remove(target)
 

@@ -328,6 +328,21 @@ def test_top_p_zero_is_greedy(llm):
     assert llm.create_completion(prompt, max_tokens=6, temperature=1.5, top_p=0, seed=3)["choices"][0]["text"] == want
 
 
+def test_seed_minus_one_is_random(llm):
+    """seed=-1 draws a random seed, as README says for every entry point and as llama-cpp-python does; it was
+    folded into the fixed seed 2**63-1, so every "random" completion was the same text. Reference: at temperature
+    2 over the whole vocabulary, three 8-token samples from random seeds are never all equal (the chance is far
+    below 1e-12), while one seed given twice replays its text."""
+    kw = dict(max_tokens=8, temperature=2.0, top_k=0, top_p=1.0, min_p=0.0)
+    texts = {llm.create_completion("Once upon a time", seed=-1, **kw)["choices"][0]["text"] for _ in range(3)}
+    assert len(texts) > 1, texts
+    msgs = [{"role": "user", "content": "Say a word."}]
+    replies = {llm.create_chat_completion(msgs, seed=-1, **kw)["choices"][0]["message"]["content"] for _ in range(3)}
+    assert len(replies) > 1, replies
+    seeded = [llm.create_completion("Once upon a time", seed=5, **kw)["choices"][0]["text"] for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
 def test_bad_arguments_raise_before_generating(llm):
     msgs = [{"role": "user", "content": "Hi"}]
     for kw, param in [({"top_p": 2}, "top_p"), ({"n": 2}, "n"), ({"stop": 3}, "stop"),
@@ -359,6 +374,57 @@ def test_options_pyllm_cannot_honour_are_refused_not_ignored(llm):
     assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
     for ok in (None, 1):
         assert llm.create_completion("Hi", max_tokens=1, best_of=ok, n=1)["usage"]["completion_tokens"] == 1
+
+
+def test_unknown_keywords_are_refused_not_ignored(llm):
+    """A typo (temprature=0) or a llama-cpp-python setting pyllm lacks (mirostat_mode=2) was dropped silently and
+    the reply sampled as if it had not been given. Reference: llama-cpp-python's Llama, whose create_* refuse an
+    unknown keyword (a TypeError there; pyllm's BadRequest names it and the nearest known one), at the call,
+    before anything is generated; OpenAI's parameters that change nothing (user, metadata, ...) are still taken."""
+    msgs = [{"role": "user", "content": "Hi"}]
+    calls = [(lambda **kw: llm.create_completion("Hi", max_tokens=1, **kw), "create_completion"),
+             (lambda **kw: llm.create_chat_completion(msgs, max_tokens=1, **kw), "create_chat_completion"),
+             (lambda **kw: llm.create_embedding("Hi", **kw), "create_embedding")]
+    for call, name in calls:
+        for stream in ((False, True) if name != "create_embedding" else (None,)):
+            extra = {} if stream is None else {"stream": stream}
+            hint = "it takes input, model" if name == "create_embedding" else "did you mean 'temperature'"
+            with pytest.raises(BadRequest, match=f"{name}\\(\\) got an unknown argument 'temprature'; {hint}") as e:
+                call(temprature=0, **extra)
+            assert e.value.param == "temprature"
+            with pytest.raises(BadRequest, match="unknown argument 'mirostat_mode'"):
+                call(mirostat_mode=2, **extra)
+        assert call(user="someone", metadata={"k": "v"}, store=False) is not None
+
+
+def test_llm_is_callable_as_create_completion(llm):
+    """llama-cpp-python's Llama.__call__ is create_completion: llm("Q: ... A:", max_tokens=...) was a TypeError."""
+    kw = dict(max_tokens=6, temperature=0)
+    assert llm("The capital of France is", **kw)["choices"][0]["text"] == \
+        llm.create_completion("The capital of France is", **kw)["choices"][0]["text"]
+
+
+def test_tokenize_takes_utf8_bytes_as_llama_cpp_python_does(llm):
+    """llama-cpp-python's Llama.tokenize takes bytes (llm.tokenize(b"Hello")); pyllm's said "encode() needs a str,
+    got bytes", naming a function the caller never called. Reference: the same text as a str; bytes that are not
+    UTF-8 and other types are PyllmErrors naming tokenize."""
+    text = "The café is open."
+    assert llm.tokenize(text.encode()) == llm.tokenize(text)
+    assert llm.tokenize(bytearray(text.encode()), add_bos=False) == llm.tokenize(text, add_bos=False)
+    with pytest.raises(PyllmError, match="tokenize: the bytes are not UTF-8 \\(byte 0xff at offset 1\\)"):
+        llm.tokenize(b"a\xffb")
+    for bad in (None, 5, ["a"]):
+        with pytest.raises(PyllmError, match="tokenize: text must be a str"):
+            llm.tokenize(bad)
+
+
+def test_embed_refuses_what_is_not_text(llm):
+    """embed(5) was a TypeError from list(5), and embed(b"hi") embedded the texts of the byte values; each is a
+    PyllmError naming what embed takes (reference: create_embedding, which refuses them so)."""
+    for bad in (5, b"hi", None, {"a": 1}):
+        with pytest.raises(PyllmError, match="embed: give a string or a non-empty list of strings"):
+            llm.embed(bad)
+    assert len(llm.embed(("a", "b"))) == 2
 
 
 def test_empty_message_list_is_refused_by_every_chat_entry_point(llm, monkeypatch):

@@ -449,6 +449,28 @@ def test_errors_quote_a_bounded_prefix_of_what_was_typed(line, needle):
     assert chat.turns == before
 
 
+@pytest.mark.parametrize("line, needle", [
+    ("/save /tmp/a\x00b.json", "/save /tmp/a\\0b.json: a file name cannot hold a NUL byte"),
+    ("/load /tmp/a\x00b.json", "/load /tmp/a\\0b.json: a file name cannot hold a NUL byte"),
+    ("/save ~no-such-user-pyllm/chat.json", "/save ~no-such-user-pyllm/chat.json: no home directory for "
+                                            "~no-such-user-pyllm"),
+    ("/load ~no-such-user-pyllm/chat.json", "/load ~no-such-user-pyllm/chat.json: no home directory for "),
+])
+def test_save_and_load_name_a_path_that_cannot_be_a_file(line, needle):
+    """A pasted NUL byte or ~USER of an unknown user reached the catch-all as "ValueError: embedded null byte" or
+    "RuntimeError: Could not determine home directory.", naming neither the command nor the path. Reference: the
+    other /save and /load errors, which name both; the conversation goes on unchanged."""
+    chat, llm, out, ui = make_chat([["hello"], ["again"]])
+    chat.handle("hi")
+    before = list(chat.turns)
+    assert chat.handle(line) is True
+    err = ui.getvalue().splitlines()[-1]
+    assert err.startswith("error: ") and needle in err and "Error" not in err, err
+    assert chat.turns == before
+    chat.handle("next")
+    assert len(chat.turns) == 4
+
+
 def test_regen_replaces_last_reply_with_a_new_seed():
     chat, llm, out, ui = make_chat([["first"], ["second"]])
     chat.settings.set("seed", "7")

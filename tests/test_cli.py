@@ -177,6 +177,66 @@ def test_bad_flag_value_is_usage_error(smollm2_path):
     assert res.returncode == 2 and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("argv", [["info", ""], ["rm", ""], ["info", "  "], ["run", "", "hi"], ["bench", ""]])
+def test_an_empty_model_name_is_named(argv, monkeypatch, capsys):
+    """An empty MODEL is Path(""), the current directory, to a path check: `pyllm info ""` said ".: is a directory,
+    not a model file" and `pyllm rm ""` ".: not in the cache". Reference: `pyllm run "" hi`, which names the empty
+    argument; every command now does."""
+    res = cli_in_process(monkeypatch, capsys)(*argv)
+    assert_clean_error(res, "model must be a path to a model file, a registry name or a URL, got '")
+    assert ".:" not in res.stderr
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["run", "smollm2-135m", "hi", "--kv", "q5"], "--kv"), (["run", "smollm2-135m", "hi", "-ctk", "q5"], "--kv-k/-ctk"),
+    (["bench", "smollm2-135m", "-ctv", "q5"], "--kv-v/-ctv"), (["info", "smollm2-135m", "--kv", "q5"], "--kv"),
+    (["perplexity", "smollm2-135m", "-f", "/dev/null", "--kv", "f16", "--kv", "q5"], "--kv"),
+    (["perplexity", "smollm2-135m", "-f", "/dev/null", "--kl-base", "q5"], "--kl-base")])
+def test_an_unknown_kv_type_names_its_flag(argv, flag, monkeypatch, capsys):
+    """Reference: the cache's own message ("unknown KV cache type 'q5'; choose one of ..."), now after the flag
+    that gave it, since one command line may give several (--kv, -ctk, -ctv, --kl-base); refused before the model
+    loads (pyllm.load fails the test) or the text is read."""
+    import pyllm
+
+    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    res = cli_in_process(monkeypatch, capsys)(*argv)
+    assert_clean_error(res, f"pyllm: error: {flag}: unknown KV cache type 'q5'; choose one of")
+
+
+@pytest.mark.parametrize("argv, stdin, where", [
+    (["run", "smollm2-135m", "--chat"], b"", "standard input is empty"),
+    (["run", "smollm2-135m", "-", "--system", "Be brief."], b"", "standard input is empty"),
+    (["run", "smollm2-135m", "-n", "4"], b"", "standard input is empty"),
+    (["run", "smollm2-135m", "", "--chat"], b"ignored", "the prompt argument is empty")])
+def test_run_refuses_an_empty_prompt_before_loading(argv, stdin, where, monkeypatch, capsys):
+    """`failing_command | pyllm run MODEL --chat` answered an empty message (the chat template's markup is a
+    prompt) and exited 0; a raw empty prompt was refused only after the model loaded, as "empty prompt: give at
+    least one token" without saying where it came from. Reference: `pyllm chat`, which refuses empty piped input
+    before loading; run now does the same, naming the source."""
+    import pyllm
+
+    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    res = cli_in_process(monkeypatch, capsys)(*argv, stdin=stdin)
+    assert_clean_error(res, f"nothing to complete: {where}")
+
+
+@pytest.mark.parametrize("argv, spec", [
+    (["run", "smollm2-135m", "hi", "--spec", "none", "--draft", "smollm2-135m"], "none"),
+    (["chat", "smollm2-135m", "--spec", "lookup", "--draft", "smollm2-135m"], "lookup"),
+    (["bench", "smollm2-135m", "--draft", "smollm2-135m"], "not given")])
+def test_a_draft_model_that_would_go_unused_is_refused(argv, spec, monkeypatch, capsys):
+    """--draft with --spec none or lookup (or, in bench, without --spec draft) loaded a second model and never used
+    it. Reference: argparse's own conflicting-flag errors, a usage error (exit 2) naming --draft, before any model
+    loads; --draft alone in run and chat still means --spec draft."""
+    import pyllm
+
+    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    res = cli_in_process(monkeypatch, capsys)(*argv)
+    assert res.returncode == 2, res.stderr
+    assert f"argument --draft: only --spec draft uses a draft model, and --spec is {spec}" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
 def test_version():
     res = pyllm("--version")
     assert res.returncode == 0 and "pyllm" in res.stdout and "torch" in res.stdout

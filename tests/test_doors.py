@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import cli_in_process
-from pyllm.errors import PyllmError
+from pyllm.errors import BadRequest, PyllmError
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))
@@ -173,7 +173,7 @@ def test_library_arguments(tiny):
     import pyllm
 
     llm = pyllm.load(tiny, n_ctx=32, backend="reference")
-    for bad in (float("nan"), "x", -1, 2.5, True):
+    for bad in (float("nan"), "x", -2, 2.5, True):  # -1 (and None): until the context is full
         with pytest.raises(PyllmError, match="max_tokens"):
             llm.generate("hi", max_tokens=bad)
     with pytest.raises(PyllmError, match="seed"):
@@ -233,3 +233,64 @@ def test_chat_checks_stop_as_generate_does(tiny):
             assert str(e.value) == str(g.value)
     for ok in (["x"], ("x",), [], None, "x"):
         assert isinstance(llm.chat(msgs, max_tokens=2, stop=ok, temperature=0), str)
+
+
+def test_max_tokens_none_or_minus_one_runs_until_the_context_is_full(tiny):
+    """llama-cpp-python and this library's create_completion take max_tokens None or -1 as "until the context is
+    full"; generate, chat and generate_tokens refused both ("must be an integer"). Reference: n_ctx=32 with the
+    end-of-generation ids biased away, so the reply can only stop at the context: prompt + reply fill all 32."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    no_end = {t: -100.0 for t in llm.tokenizer.eog_ids}
+    msgs = [{"role": "user", "content": "hi"}]
+    for max_tokens in (None, -1):
+        llm.generate("hi", max_tokens=max_tokens, temperature=0, logit_bias=no_end)
+        assert llm.stats.finish_reason == "context"
+        assert llm.stats.prompt_tokens + llm.stats.generated_tokens == 32 + 1  # the last token is not cached
+        llm.chat(msgs, max_tokens=max_tokens, temperature=0, logit_bias=no_end)
+        assert llm.stats.finish_reason == "context"
+        out = list(llm.generate_tokens([1, 2], max_tokens=max_tokens, temperature=0, logit_bias=no_end))
+        assert len(out) == 32 - 2 + 1
+    for bad in (-2, 1.5, "8", True):
+        with pytest.raises(PyllmError, match="max_tokens must be an integer >= 0, or None/-1"):
+            llm.generate("hi", max_tokens=bad)
+
+
+def test_generate_tokens_checks_its_arguments_when_called(tiny):
+    """generate_tokens was a generator function, so a bad argument raised only at the iterator's first next(),
+    far from the call that gave it. Reference: generate(stream=True), which raises at the call; generate_tokens
+    now does too, and its iterator still holds the LLM only from its first next() (a call in between runs)."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    for kw in ({"max_tokens": -5}, {"temperature": "hot"}, {"max_new_tokens": 3}, {"speculative": "bogus"}):
+        with pytest.raises(PyllmError):
+            llm.generate_tokens([1, 2], **{"max_tokens": 2, **kw})
+    with pytest.raises(PyllmError, match="outside the vocabulary"):
+        llm.generate_tokens([1, 10**6], max_tokens=2)
+    it = llm.generate_tokens([1, 2], max_tokens=3, temperature=0)
+    want = llm.generate([1, 2], max_tokens=3, temperature=0)  # not superseding: the iterator has not started
+    assert llm.detokenize(list(it)) == want
+
+
+def test_logit_bias_is_checked_as_create_completion_checks_it(tiny):
+    """generate's logit_bias went to the sampler unchecked: {"a": 1} was a TypeError and a list an AttributeError
+    (neither a PyllmError), an id past the vocabulary or a NaN bias was taken silently. Reference:
+    create_completion's checks (BadRequest naming logit_bias: token ids in the vocabulary, biases in [-100, 100]),
+    at the call; a valid bias still changes the greedy choice."""
+    import pyllm
+
+    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    for bad, needle in (({"a": 1}, "key 'a' is not a token id"), ([1, 2], "must be an object"),
+                        ({10**6: 1}, "outside the vocabulary"), ({1: float("nan")}, "must be in \\[-100, 100\\]"),
+                        ({1: 1000}, "must be in \\[-100, 100\\]")):
+        for call in (lambda: llm.generate("hi", max_tokens=2, stream=True, logit_bias=bad),
+                     lambda: llm.chat([{"role": "user", "content": "hi"}], max_tokens=2, logit_bias=bad),
+                     lambda: llm.generate_tokens([1, 2], max_tokens=2, logit_bias=bad)):
+            with pytest.raises(BadRequest, match=needle) as e:
+                call()
+            assert e.value.param == "logit_bias"
+    first = list(llm.generate_tokens([1, 2], max_tokens=1, temperature=0))[0]
+    other = (first + 1) % llm.n_vocab
+    assert list(llm.generate_tokens([1, 2], max_tokens=1, temperature=0, logit_bias={other: 100.0})) == [other]

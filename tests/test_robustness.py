@@ -188,6 +188,58 @@ def test_interleaved_streams_in_one_thread_never_corrupt(llm, baseline):
     assert out == expect_a
 
 
+def _in_daemon_thread(fn, timeout: float):
+    """fn()'s result from a fresh daemon thread, or AssertionError after ``timeout`` s (a thread blocked on a lock
+    that is never released must fail the test, not hang it, nor pytest's exit)."""
+    box = {}
+
+    def run():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"still blocked after {timeout} s"
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+def test_a_stream_resumed_by_other_threads_frees_the_llm(llm, baseline):
+    """A stream started on one thread and resumed on others (a web framework drives a sync iterator from a thread
+    pool, a worker per next()): its tokens are the uninterrupted ones, and once it ends another thread can use the
+    LLM. With threading.RLock its end raised RuntimeError and left the LLM locked for every other thread."""
+    ids, expect = baseline
+    it = llm.generate_tokens(ids, max_tokens=N, temperature=0)
+    out = [_in_daemon_thread(lambda: next(it), timeout=60)]
+    out += _in_daemon_thread(lambda: list(it), timeout=60)
+    assert out == expect
+    again = _in_daemon_thread(lambda: list(llm.generate_tokens(ids, max_tokens=N, temperature=0)), timeout=60)
+    assert again == expect
+
+
+def test_a_call_from_the_thread_resuming_a_stream_supersedes_it(llm, baseline):
+    """The thread that resumes a stream holds the LLM: a call it makes while the stream is suspended runs (and the
+    stream then stops with a clear error), as in the thread that started it; it waited forever before."""
+    ids, expect = baseline
+    it = llm.generate_tokens(ids, max_tokens=N, temperature=0)
+    _in_daemon_thread(lambda: next(it), timeout=60)
+
+    def resume_then_call():
+        next(it)
+        got = list(llm.generate_tokens(ids, max_tokens=N, temperature=0))
+        with pytest.raises(PyllmError, match="superseded"):
+            next(it)
+        return got
+
+    assert _in_daemon_thread(resume_then_call, timeout=60) == expect
+    again = _in_daemon_thread(lambda: list(llm.generate_tokens(ids, max_tokens=N, temperature=0)), timeout=60)
+    assert again == expect
+
+
 def test_huge_context_refused_before_allocation(smollm2_path):
     import pyllm
 

@@ -155,6 +155,20 @@ _CONTROL = {c: "\ufffd" for c in [*range(0x00, 0x09), 0x0B, 0x0C, *range(0x0E, 0
 _CONTROL[0x0D] = None
 
 
+def _typed_path(arg: str, command: str) -> Path:
+    """The file a /save or /load line names, ~ expanded. A NUL byte (pasted binary) and ~USER of a user with no
+    home directory are PyllmErrors naming the command and the path: they were a ValueError or RuntimeError that
+    named neither ("embedded null byte", "Could not determine home directory.")."""
+    if "\x00" in arg:
+        shown = shorten(arg.replace("\x00", "\\0"))
+        raise PyllmError(f"{command} {shown}: a file name cannot hold a NUL byte; the conversation is unchanged")
+    try:
+        return Path(arg).expanduser()
+    except RuntimeError:  # ~name of an unknown user
+        raise PyllmError(f"{command} {shorten(arg)}: no home directory for {shorten(arg.split('/')[0])}; the "
+                         f"conversation is unchanged") from None
+
+
 # ---- the conversation ----------------------------------------------------------------------------------------------
 
 class ChatSession:
@@ -441,7 +455,7 @@ class ChatSession:
     def cmd_save(self, arg: str) -> None:
         if not arg:
             raise PyllmError("/save needs a file name, e.g. /save chat.json")
-        path = Path(arg).expanduser()
+        path = _typed_path(arg, "/save")
         data = {"format": "pyllm-chat", "version": 1, "model": self.llm.path.name,
                 "settings": {f.name: getattr(self.settings, f.name) for f in fields(Settings)},
                 "messages": self.messages()}
@@ -468,7 +482,7 @@ class ChatSession:
     def cmd_load(self, arg: str) -> None:
         if not arg:
             raise PyllmError("/load needs a file name, e.g. /load chat.json")
-        path = Path(arg).expanduser()
+        path = _typed_path(arg, "/load")
         try:
             raw = read_bounded(path, "/load", MAX_CONVERSATION_BYTES)  # /load /dev/zero must not read forever
         except PyllmError as e:

@@ -234,12 +234,25 @@ def sampling_kwargs(a) -> dict:
                 repeat_penalty=a.repeat_penalty)
 
 
+def kv_flag(flag: str, kind: str) -> str:
+    """``kind``, a KV cache type given by ``flag``, or PyllmError naming the flag (the cache's own error names only
+    the type, and a command line may give several: --kv, -ctk, -ctv, --kl-base)."""
+    from ..runtime.kv_cache import split_kind
+
+    try:
+        split_kind(kind)
+    except PyllmError as e:
+        raise PyllmError(f"{flag}: {e}") from None
+    return kind
+
+
 def kv_kind_from_args(a) -> str:
     """--kv, with --kv-k / --kv-v overriding its key or value half: the cache kind string ("q8_0", "f16/q4_rot")."""
     from ..runtime.kv_cache import join_kind, split_kind
 
-    k, v = split_kind(a.kv)
-    return join_kind(getattr(a, "kv_k", None) or k, getattr(a, "kv_v", None) or v)
+    k, v = split_kind(kv_flag("--kv", a.kv))
+    key, value = getattr(a, "kv_k", None), getattr(a, "kv_v", None)
+    return join_kind(kv_flag("--kv-k/-ctk", key) if key else k, kv_flag("--kv-v/-ctv", value) if value else v)
 
 
 def load_from_args(a, context_policy: str = "stop"):
@@ -401,6 +414,11 @@ def check_numeric_args(a) -> None:
             extra = f" ({os.cpu_count()} CPUs here)" if dest == "threads" else ""
             extra += " (0 = the model's own)" if dest == "ctx" and lo == 0 else ""
             raise SettingError(f"argument {flag}: must be {rng}{extra}, got {v}")
+    draft, spec = getattr(a, "draft", None), getattr(a, "spec", None)
+    # run and chat speculate with --draft when --spec is not given; bench compares plain and --spec decoding only
+    if draft and (spec not in (None, "draft") or (spec is None and getattr(a, "command", None) == "bench")):
+        raise SettingError(f"argument --draft: only --spec draft uses a draft model, and --spec is "
+                           f"{spec or 'not given'}; drop one of them")
     if getattr(a, "command", None) in ("run", "chat") and hasattr(a, "temp"):
         Settings.from_args(a)  # names the flag; same rules as /set
         if a.seed is not None and a.seed == -1:

@@ -15,8 +15,8 @@ import sys
 from .. import registry
 from ..errors import PyllmError, TemplateError, shorten
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
-                     add_spec_args, check_numeric_args, decode_utf8, kv_kind_from_args, load_from_args, read_stdin_text,
-                     read_text_arg, runtime_info, sampling_kwargs)
+                     add_spec_args, check_numeric_args, decode_utf8, kv_flag, kv_kind_from_args, load_from_args,
+                     read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
 from .chat import HELP_EPILOG as CHAT_EPILOG
 from .chat import run_chat
 
@@ -64,6 +64,11 @@ def cmd_run(a) -> int:
         prompt = read_stdin_text()
     elif any("\udc80" <= c <= "\udcff" for c in prompt):  # argv bytes that were not UTF-8 (surrogateescape)
         prompt = decode_utf8(os.fsencode(prompt), "the prompt")
+    if not prompt:
+        # With --chat an empty message still makes a prompt (the template's markup), so a pipeline whose first
+        # command failed got a reply to nothing, and exit 0
+        where = "standard input is empty" if a.prompt in (None, "-") else "the prompt argument is empty"
+        raise PyllmError(f"nothing to complete: {where}")
     a.chat = a.chat or a.system is not None  # a system prompt only means something inside the chat template
     llm = load_from_args(a)
     kw = sampling_kwargs(a)
@@ -112,6 +117,7 @@ def cmd_info(a) -> int:
     from ..models import ARCHITECTURES
     from ..models.config import ModelConfig
 
+    kv_flag("--kv", a.kv)
     path = registry.resolve(a.model, quiet=False)
     problems = []
     if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq.py)

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from .common import add_backend_arg, add_device_arg, add_model_arg, read_text_arg, runtime_info
+from .common import add_backend_arg, add_device_arg, add_model_arg, kv_flag, read_text_arg, runtime_info
 
 
 def add_perplexity_parser(sub) -> None:
@@ -38,7 +38,9 @@ def cmd_perplexity(a) -> int:
 
     from .. import perplexity
 
-    kinds = list(dict.fromkeys(a.kv_list or ["f16"]))
+    kinds = [kv_flag("--kv", k) for k in dict.fromkeys(a.kv_list or ["f16"])]
+    if a.kl_base is not None:
+        kv_flag("--kl-base", a.kl_base)
     text = read_text_arg(a.file, "-f", limit=perplexity.MAX_TEXT_BYTES, strict=False)
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache="f16", n_threads=a.threads,
                      backend=a.backend, quiet=False)
