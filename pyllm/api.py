@@ -9,7 +9,6 @@ argument raises at once instead of failing inside the stream.
 from __future__ import annotations
 
 import json
-import math
 import re
 import time
 import uuid
@@ -18,29 +17,14 @@ from typing import Any, Iterator
 
 from .chat_messages import (CALL_STARTS, TOOL_OPEN, TOOL_SYSTEM_FALLBACK, calls_as_text, check_tools, forced_call,
                             legacy_functions, normalize_messages, parse_tool_calls)
-from .errors import BadRequest, ContextFullError, PyllmError, shorten
+from .errors import BadRequest, ContextFullError, PyllmError
+from .request_checks import check_logit_bias, check_number, refuse_unknown
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import OutputText, stop_list
 from .structured_output import structured_output_kwargs
 
 
 # ---------------------------------------------------------------------------------------------- argument checks
-def _number(name: str, v, lo: float | None = None, hi: float | None = None, integer: bool = False,
-            param: str | None = None):
-    """``v`` if it is a finite number in [lo, hi]; else BadRequest naming ``param`` (default: ``name``), the
-    request's parameter that holds it."""
-    param = param or name
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", param)
-    try:
-        finite = math.isfinite(v)
-    except OverflowError:  # an integer past a double's range: JSON's numbers have no size limit, nor Python's ints
-        raise BadRequest(f"{name} must be a number within a double's range, got an integer of {len(str(abs(v)))} "
-                         f"digits", param) from None
-    if not finite or (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-        raise BadRequest(f"{name} must be {rng}, got {v!r}", param)
-    return v
 
 
 def _flag(name: str, v, param: str | None = None) -> bool:
@@ -59,47 +43,32 @@ def _stop_list(stop) -> list[str]:
         raise BadRequest(str(e), "stop") from None
 
 
-def _logit_bias(bias, n_vocab: int) -> dict[int, float]:
-    if not bias:
-        return {}
-    if not isinstance(bias, dict):
-        raise BadRequest("logit_bias must be an object mapping token ids to a bias", "logit_bias")
-    out = {}
-    for k, v in bias.items():
-        try:
-            tok = int(k)
-        except (TypeError, ValueError):
-            raise BadRequest(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
-        if not 0 <= tok < n_vocab:
-            raise BadRequest(f"logit_bias token id {tok} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
-        out[tok] = float(_number(f"logit_bias[{k!r}]", v, -100, 100, param="logit_bias"))
-    return out
 
 
 def _sampler(llm, temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty, frequency_penalty,
              logit_bias, seed, n_logprobs: int | None) -> Sampler:
-    _number("temperature", temperature, 0)
-    _number("top_p", top_p, 0, 1)
-    _number("top_k", top_k, 0, integer=True)
-    _number("min_p", min_p, 0, 1)
-    _number("typical_p", typical_p, 0, 1)
-    _number("presence_penalty", presence_penalty, -2, 2)
-    _number("frequency_penalty", frequency_penalty, -2, 2)
-    _number("repeat_penalty", repeat_penalty, 0)
+    check_number("temperature", temperature, 0)
+    check_number("top_p", top_p, 0, 1)
+    check_number("top_k", top_k, 0, integer=True)
+    check_number("min_p", min_p, 0, 1)
+    check_number("typical_p", typical_p, 0, 1)
+    check_number("presence_penalty", presence_penalty, -2, 2)
+    check_number("frequency_penalty", frequency_penalty, -2, 2)
+    check_number("repeat_penalty", repeat_penalty, 0)
     if seed is not None:
-        _number("seed", seed, integer=True)
+        check_number("seed", seed, integer=True)
     if top_p == 0:  # nothing but the most likely token survives: greedy (the sampler's top_p range is (0, 1])
         temperature, top_p = 0, 1.0
     settings = SamplerSettings(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p),
                                min_p=float(min_p), typical_p=float(typical_p), repeat_penalty=float(repeat_penalty),
                                frequency_penalty=float(frequency_penalty), presence_penalty=float(presence_penalty),
-                               logit_bias=_logit_bias(logit_bias, llm.n_vocab),
+                               logit_bias=check_logit_bias(logit_bias, llm.n_vocab),
                                # -1: a random seed, as in llama.cpp, llama-cpp-python and pyllm's other entry
                                # points; other negative seeds (OpenAI takes any int64) are folded into range
                                seed=None if seed is None or seed == -1 else int(seed) & (2**63 - 1))
     try:
         s = Sampler(settings)
-    except PyllmError as e:  # a bound _number leaves to the sampler (an open end): its message names the setting
+    except PyllmError as e:  # a bound check_number leaves to the sampler (an open end): its message names the setting
         named = re.match(r"sampler setting (\w+)=", str(e))
         raise BadRequest(str(e), named and named.group(1)) from None
     s.logprobs = n_logprobs
@@ -113,7 +82,7 @@ def _max_tokens(llm, n_prompt: int, max_tokens) -> int:
     room = llm.n_ctx - n_prompt
     if max_tokens is None or max_tokens == -1:  # llama-cpp-python: None / -1 = until the context is full
         return room
-    _number("max_tokens", max_tokens, 0, integer=True)
+    check_number("max_tokens", max_tokens, 0, integer=True)
     return min(max_tokens, room)
 
 
@@ -268,26 +237,6 @@ def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, prese
     return {**out, "logit_bias": logit_bias, "seed": seed}
 
 
-# OpenAI parameters that do not change what is generated: taken and ignored, as the server ignores them
-NO_EFFECT_PARAMS = ("user", "metadata", "store", "service_tier", "prediction", "safety_identifier",
-                    "prompt_cache_key")
-
-
-def refuse_unknown(fn, given: dict) -> None:
-    """BadRequest naming the first keyword in ``given`` (what ``fn``'s ``**ignored`` caught) that ``fn`` does not
-    take, with the nearest name it does. A library call's typo (``temprature=0``) or a llama-cpp-python setting
-    pyllm lacks (``mirostat_mode=2``, ``logits_processor=``) was dropped silently: the reply came out sampled as
-    if it had not been given. The server never gets here: it passes on only the parameters ``fn`` names."""
-    import difflib
-    import inspect
-
-    unknown = [k for k in given if k not in NO_EFFECT_PARAMS]
-    if not unknown:
-        return
-    names = [p for p in inspect.signature(fn).parameters if p not in ("llm", "ignored", "cancel")]
-    near = difflib.get_close_matches(unknown[0], names, n=1)
-    hint = f"; did you mean {near[0]!r}?" if near else f"; it takes {', '.join(names)}"
-    raise BadRequest(f"{fn.__name__}() got an unknown argument {shorten(repr(unknown[0]), 60)}{hint}", unknown[0])
 
 
 def _check_n(n):
@@ -338,7 +287,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     if best_of is not None:
         # OpenAI generates best_of candidates and returns the n most likely; answering one of one as if it were the
         # best of several would pass off an ordinary sample as a selected one
-        _number("best_of", best_of, 1, integer=True)
+        check_number("best_of", best_of, 1, integer=True)
         if best_of != 1:
             raise BadRequest(f"best_of={best_of}: one candidate is generated per request, so best_of must be 1 "
                              f"(or left out)", "best_of")
@@ -355,7 +304,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     else:
         raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
     if logprobs is not None:
-        _number("logprobs", logprobs, 0, 20, integer=True)
+        check_number("logprobs", logprobs, 0, 20, integer=True)
     run = _new_run(llm, ids, max_tokens, stop, _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty,
                                                          presence_penalty, frequency_penalty, logit_bias, seed),
                    logprobs, structured_output_kwargs(llm, response_format, grammar, json_schema), cancel)
@@ -435,9 +384,9 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
                          "web_search_options")
     stream, logprobs = _flag("stream", stream), _flag("logprobs", logprobs)
     if max_completion_tokens not in (None, -1):  # checked here to be named as the request spelled it
-        _number("max_completion_tokens", max_completion_tokens, 0, integer=True)
+        check_number("max_completion_tokens", max_completion_tokens, 0, integer=True)
     if top_logprobs is not None:
-        _number("top_logprobs", top_logprobs, 0, 20, integer=True)
+        check_number("top_logprobs", top_logprobs, 0, 20, integer=True)
         if not logprobs:  # OpenAI refuses it: read alone it would ask for alternatives and get no logprobs at all
             raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     msgs = normalize_messages(messages)

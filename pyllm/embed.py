@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .errors import BadRequest, PyllmError
+from .request_checks import check_number, refuse_unknown
 
 POOLING = {1: "mean", 2: "cls", 3: "last"}
 
@@ -102,14 +103,12 @@ def create_embedding(llm, input, model: str | None = None, encoding_format: str 
     embed_counted. ``dimensions``: None or the model's own width; a vector of any other length is refused, as
     OpenAI refuses it for models that cannot shorten theirs (cutting a vector that was not trained to be cut
     would not keep its meaning), instead of answering with vectors of a length the client did not ask for."""
-    from .api import _number, refuse_unknown
-
     refuse_unknown(create_embedding, ignored)
     if encoding_format not in (None, "float", "base64"):
         raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}",
                          "encoding_format")
     if dimensions is not None:
-        _number("dimensions", dimensions, 1, integer=True)
+        check_number("dimensions", dimensions, 1, integer=True)
         if dimensions != llm.config.n_embd:
             raise BadRequest(f"dimensions={dimensions}: this model's embeddings have {llm.config.n_embd} dimensions "
                              f"and cannot be shortened", "dimensions")

@@ -103,9 +103,9 @@ def check_sampling(settings: dict, n_vocab: int | None = None) -> dict:
         elif k == "logit_bias":
             # a str key or a list was a TypeError or AttributeError from inside the sampler, and an id past the
             # vocabulary or a NaN bias was taken silently
-            from .api import _logit_bias
+            from .request_checks import check_logit_bias
 
-            out[k] = _logit_bias(v, n_vocab if n_vocab is not None else 2**63)
+            out[k] = check_logit_bias(v, n_vocab if n_vocab is not None else 2**63)
     return out
 
 
