@@ -196,9 +196,8 @@ def test_an_unknown_kv_type_names_its_flag(argv, flag, monkeypatch, capsys):
     """Reference: the cache's own message ("unknown KV cache type 'q5'; choose one of ..."), now after the flag
     that gave it, since one command line may give several (--kv, -ctk, -ctv, --kl-base); refused before the model
     loads (pyllm.load fails the test) or the text is read."""
-    import pyllm
 
-    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("pyllm.llm.load", lambda *a, **kw: pytest.fail("the model was loaded"))
     res = cli_in_process(monkeypatch, capsys)(*argv)
     assert_clean_error(res, f"pyllm: error: {flag}: unknown KV cache type 'q5'; choose one of")
 
@@ -213,9 +212,8 @@ def test_run_refuses_an_empty_prompt_before_loading(argv, stdin, where, monkeypa
     prompt) and exited 0; a raw empty prompt was refused only after the model loaded, as "empty prompt: give at
     least one token" without saying where it came from. Reference: `pyllm chat`, which refuses empty piped input
     before loading; run now does the same, naming the source."""
-    import pyllm
 
-    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("pyllm.llm.load", lambda *a, **kw: pytest.fail("the model was loaded"))
     res = cli_in_process(monkeypatch, capsys)(*argv, stdin=stdin)
     assert_clean_error(res, f"nothing to complete: {where}")
 
@@ -228,9 +226,8 @@ def test_a_draft_model_that_would_go_unused_is_refused(argv, spec, monkeypatch, 
     """--draft with --spec none or lookup (or, in bench, without --spec draft) loaded a second model and never used
     it. Reference: argparse's own conflicting-flag errors, a usage error (exit 2) naming --draft, before any model
     loads; --draft alone in run and chat still means --spec draft."""
-    import pyllm
 
-    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    monkeypatch.setattr("pyllm.llm.load", lambda *a, **kw: pytest.fail("the model was loaded"))
     res = cli_in_process(monkeypatch, capsys)(*argv)
     assert res.returncode == 2, res.stderr
     assert f"argument --draft: only --spec draft uses a draft model, and --spec is {spec}" in res.stderr

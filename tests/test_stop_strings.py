@@ -175,7 +175,7 @@ def test_every_text_path_ends_an_incomplete_character_as_replacement(forced_llm,
     chunks = llm.create_chat_completion(msgs, max_tokens=n, stream=True)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want
     # the CLI's run prints what the library streams
-    monkeypatch.setattr(pyllm, "load", lambda *a, **kw: llm)
+    monkeypatch.setattr("pyllm.llm.load", lambda *a, **kw: llm)
     cli = cli_in_process(monkeypatch, capsys)
     res = cli("run", "smollm2-135m", "x", "-n", str(n), "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["text"] == want, res
