@@ -54,6 +54,7 @@ def test_messages_are_not_commands(text):
     ("seed", "random", "seed", None),
     ("max_tokens", "16", "max_tokens", 16),
     ("n", "7", "max_tokens", 7),
+    ("num_predict", "-1", "max_tokens", -1),  # llama.cpp / Ollama: until the context is full
 ])
 def test_settings_valid(name, value, key, want):
     s = Settings()
@@ -74,6 +75,7 @@ def test_settings_valid(name, value, key, want):
     ("seed", "-5", "seed must be an integer >= 0"),
     ("seed", "abc", "seed must be"),
     ("max_tokens", "0", "max_tokens must be an integer >= 1"),
+    ("max_tokens", "-2", "max_tokens must be an integer >= 1, or -1 (until the context is full)"),
     ("colour", "red", "unknown setting 'colour'"),
 ])
 def test_settings_invalid(name, value, needle):

@@ -61,7 +61,8 @@ BAD_FLAGS = [
     (["run", "M", "hi", "--top-k", "-1"], "--top-k"),
     (["run", "M", "hi", "--min-p", "1"], "--min-p"),
     (["run", "M", "hi", "--repeat-penalty", "0"], "--repeat-penalty"),
-    (["run", "M", "hi", "-n", "-1"], "--max-tokens"),
+    (["run", "M", "hi", "-n", "-2"], "--max-tokens"),
+    (["chat", "M", "-n", "0"], "--max-tokens"),
     (["run", "M", "hi", "--ctx", "-1"], "--ctx"),
     (["run", "M", "hi", "--ctx", "1000000000"], "--ctx"),
     (["chat", "M", "--top-p", "nan"], "--top-p"),
@@ -83,6 +84,18 @@ def test_numeric_flags_are_checked_before_loading(cli, args, flag):
 def test_seed_minus_one_is_random_on_run(cli, tiny):
     res = cli("run", tiny, "hello", "-n", "3", "--seed", "-1", "--temp", "0.8")
     assert res.returncode == 0, res.stderr
+
+
+def test_max_tokens_minus_one_runs_until_the_context_is_full(cli, tiny):
+    """-n -1 is llama.cpp's "until the context is full" (and the library's max_tokens=-1); run and chat refused it
+    as below 1. Reference: the tiny model at temperature 0 writes no end-of-generation id within 64 tokens, so the
+    reply stops only when prompt and reply fill the context (the last token is not cached: n_ctx + 1)."""
+    res = cli("run", tiny, "hello", "-n", "-1", "--ctx", "64", "--temp", "0", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["finish_reason"] == "context" and out["prompt_tokens"] + out["generated_tokens"] == 64 + 1, out
+    res = cli("chat", tiny, "-n", "-1", "--ctx", "64", "--temp", "0", stdin=b"hi\n/set max_tokens -1\nhello\n")
+    assert res.returncode == 0 and "error" not in res.stderr, res.stderr
 
 
 def test_seed_random_is_accepted_where_the_error_offers_it(cli, tiny):

@@ -278,7 +278,9 @@ class ChatSession:
         return ids, kept, len(turns) - len(kept)
 
     def _reserve(self) -> int:
-        return min(self.settings.max_tokens, self.llm.n_ctx // 4)  # room for at least part of a reply
+        # room for at least part of a reply; max_tokens -1 (until the context is full) as the largest
+        n, quarter = self.settings.max_tokens, self.llm.n_ctx // 4
+        return quarter if n < 0 else min(n, quarter)
 
     def check_system_fits(self, system: str | None, unchanged: str = "") -> None:
         """ContextFullError when ``system`` with the shortest message leaves no room for a reply in the context:

@@ -55,7 +55,7 @@ RULES: dict[str, tuple[Callable, Callable, str]] = {
     "top_p": (_finite_float, lambda v: 0 < v <= 1, "a number in (0, 1] (1 = off)"),
     "min_p": (_finite_float, lambda v: 0 <= v < 1, "a number in [0, 1) (0 = off)"),
     "seed": (_seed, lambda v: v is None or 0 <= v < 2**63, "an integer >= 0, or 'random'"),
-    "max_tokens": (_strict_int, lambda v: v >= 1, "an integer >= 1"),
+    "max_tokens": (_strict_int, lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (until the context is full)"),
     "repeat_penalty": (_finite_float, lambda v: v > 0, "a number > 0 (1 = off)"),
 }
 ALIASES = {"temp": "temperature", "t": "temperature", "k": "top_k", "p": "top_p", "n": "max_tokens",
@@ -192,7 +192,7 @@ def seed_arg(text: str) -> int:
 
 def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=default_n, help=f"tokens to generate (default {default_n})")
+    g.add_argument("-n", "--max-tokens", type=int, default=default_n, help=f"tokens to generate (default {default_n}; -1: until the context is full)")
     g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
     g.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")

@@ -182,7 +182,8 @@ def cmd_rm(a) -> int:
 
 def fit_prompt(llm, ids: list[int], max_tokens: int) -> list[int]:
     """The prompt under llm.context_policy: "stop" raises ContextFullError when it leaves no room to generate;
-    "shift" drops its oldest tokens (after a leading BOS) so that min(max_tokens, n_ctx // 4) tokens fit after it."""
+    "shift" drops its oldest tokens (after a leading BOS) so that min(max_tokens, n_ctx // 4) tokens fit after it
+    (max_tokens -1: n_ctx // 4)."""
     from ..errors import ContextFullError
 
     n_ctx = llm.n_ctx
@@ -191,7 +192,7 @@ def fit_prompt(llm, ids: list[int], max_tokens: int) -> list[int]:
     if llm.context_policy == "stop":
         raise ContextFullError(f"the prompt takes {len(ids)} tokens but the context holds {n_ctx}: use a larger "
                                f"--ctx, a shorter prompt, or --context-policy shift to drop its oldest tokens")
-    reserve = max(1, min(max_tokens, n_ctx // 4))
+    reserve = max(1, min(n_ctx if max_tokens < 0 else max_tokens, n_ctx // 4))  # -1: until the context is full
     head = ids[:1] if ids and ids[0] == llm.tokenizer.bos_id else []
     keep = n_ctx - reserve - len(head)
     dropped = len(ids) - len(head) - keep
