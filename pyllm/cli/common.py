@@ -192,7 +192,8 @@ def seed_arg(text: str) -> int:
 
 def add_sampling_args(p: argparse.ArgumentParser, default_n: int) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("-n", "--max-tokens", type=int, default=default_n, help=f"tokens to generate (default {default_n}; -1: until the context is full)")
+    g.add_argument("-n", "--max-tokens", type=int, default=default_n,
+                   help=f"tokens to generate (default {default_n}; -1: until the context is full)")
     g.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=40, help="top-k, 0 = off (default 40)")
     g.add_argument("--top-p", type=float, default=0.95, help="top-p (default 0.95)")
