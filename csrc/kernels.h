@@ -82,7 +82,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
 // x to bf16 and accumulate in fp32: ~3e-3 relative error of y against float64.
 enum class PrefillKernel : int { F32 = 0, Avx512Bf16 = 1, AmxBf16 = 2 };
 bool cpu_prefill_available(PrefillKernel k);  // compiled in, the CPU has it and the OS enables its state
-PrefillKernel cpu_prefill_default();          // AMX if available, else f32; PYLLM_ISA=avx512 picks Avx512Bf16
+PrefillKernel cpu_prefill_default();          // AMX, else AVX-512 BF16, else f32; PYLLM_ISA narrows it
 void cpu_set_prefill_kernel(PrefillKernel k);  // caller checked availability
 int cpu_prefill_min_rows();                    // mul_mat's rows from which the prefill GEMM beats 8-row GEMVs
 const char* cpu_prefill_name(PrefillKernel k);  // "f32", "avx512-bf16", "amx-bf16"

@@ -126,12 +126,13 @@ def test_threads_out_and_scales(C, kernel):
 
 
 def test_mul_mat_uses_the_prefill_kernel(C):
-    """From gemm_min_rows() rows mul_mat runs prefill_kernel() (AMX from 9 rows, others above the 32 rows of 8-row
-    GEMV chunks); precise_x (the output projection) keeps the fp32 GEMM above 32 rows and GEMV chunks below."""
+    """From gemm_min_rows() rows mul_mat runs prefill_kernel() (AMX from 9 rows, AVX-512 bf16 from 20, fp32 above
+    the 32 rows of 8-row GEMV chunks); precise_x (the output projection) keeps the fp32 GEMM above 32 rows and GEMV
+    chunks below."""
     wt = make_weight("Q4_0", 100, 160)
     q = int(GT["Q4_0"])
     first = C.gemm_min_rows()
-    assert first == (9 if C.prefill_kernel() == "amx-bf16" else C.GEMV_CHUNKED_MAX_M + 1)
+    assert first == {"amx-bf16": 9, "avx512-bf16": 20}.get(C.prefill_kernel(), C.GEMV_CHUNKED_MAX_M + 1)
     assert C.gemm_min_rows(True) == C.GEMV_CHUNKED_MAX_M + 1
     for rows in (first, 80):
         x = torch.from_numpy(rng_for("pf-mm", rows).standard_normal((rows, 160), dtype=np.float32))

@@ -388,10 +388,11 @@ PrefillKernel cpu_prefill_default() {
     // prefill GEMM follows it: avx2 and scalar mean the fp32 path.
     const char* e = getenv("PYLLM_ISA");
     const std::string isa = e ? e : "";
-    // avx512-bf16 only when asked for: end to end (pp512, 1 thread, CPU time) it lost to the fp32 GEMM on every
-    // fixture (SmolLM2 285 vs 322 t/s, Qwen2.5 118 vs 155, Llama-3-1B shape 48 vs 70) though it wins at M <= 64.
+    // Unforced: AMX tiles, else vdpbf16ps, else fp32.  On AMD Zen 4 (no AMX) the bf16 kernel runs 196-213
+    // GFLOP/s per core at M = 512 against the fp32 GEMM's 85-96 and doubled pp512 on every fixture.  (On a loaded
+    // Sapphire Rapids VM it had measured below fp32 end to end, but that host takes AMX.)
     const bool amx = isa.empty() || isa == "amx";
-    const bool avx512 = isa == "avx512";
+    const bool avx512 = isa.empty() || isa == "amx" || isa == "avx512";
     PrefillKernel pick = PrefillKernel::F32;
     if (amx && cpu_prefill_available(PrefillKernel::AmxBf16)) pick = PrefillKernel::AmxBf16;
     else if (avx512 && cpu_prefill_available(PrefillKernel::Avx512Bf16)) pick = PrefillKernel::Avx512Bf16;
@@ -403,9 +404,14 @@ void cpu_set_prefill_kernel(PrefillKernel k) { g_prefill.store(static_cast<int>(
 
 int cpu_prefill_min_rows() {
     // AMX beats the 8-row GEMV chunks from 9 rows on (measured: equal at 9 rows on 4096 x 2048 Q4_0, 2-4x
-    // faster at 16-32 rows), since it decodes W once where the chunks decode it once per 8 rows; AVX-512 bf16
-    // only draws level with them at 32 rows.
-    return cpu_prefill_default() == PrefillKernel::AmxBf16 ? GEMV_MAX_M + 1 : 33;
+    // faster at 16-32 rows), since it decodes W once where the chunks decode it once per 8 rows.  AVX-512 bf16
+    // costs about the same for any M up to 32 (tokens are padded to 32); on Zen 4 the chunks are 1.2-1.5x faster at
+    // 17 rows (8 + 8 + 1), level at 20 and 0.6-0.9x at 24 (tools/bench_prefill_gemm.py, 1 thread).
+    switch (cpu_prefill_default()) {
+        case PrefillKernel::AmxBf16: return GEMV_MAX_M + 1;
+        case PrefillKernel::Avx512Bf16: return 20;
+        default: return 33;
+    }
 }
 
 }  // namespace pyllm
