@@ -6,11 +6,18 @@ session and shared by every test that needs it.
 
 import functools
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 from pyllm import registry
+
+# A shell starts a background job (`pytest -q &` in a script) with SIGINT ignored, and Python then installs no
+# KeyboardInterrupt handler; the Ctrl-C tests (in this process, and in the REPLs they spawn, which inherit the
+# disposition) would fail for the way pytest was launched.  Ctrl-C is what they test, so give it back.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 FIXTURES = {"smollm2": "smollm2-135m", "qwen2": "qwen2.5-coder-0.5b", "gemma3": "gemma3-270m"}
 
