@@ -163,8 +163,8 @@ def test_set_prefill_kernel(C):
 
 
 def test_pyllm_isa_forces_the_path(C):
-    """PYLLM_ISA=avx2 (or scalar) selects the fp32 GEMM; avx512 the AVX-512 bf16 kernel where the CPU has it.  A fresh process each, as the
-    choice is made once per process."""
+    """PYLLM_ISA=avx2 (or scalar) selects the fp32 GEMM; avx512 the AVX-512 bf16 kernel where the CPU has it; unset,
+    the fastest the CPU has.  A fresh process each, as the choice is made once per process."""
     root = Path(__file__).resolve().parent.parent
     code = "from pyllm import _ext; print(_ext.load().prefill_kernel())"
     got = {}
@@ -179,6 +179,13 @@ def test_pyllm_isa_forces_the_path(C):
     assert got["avx2"] == "f32" and got["scalar"] == "f32"
     if "avx512" in got:
         assert got["avx512"] == ("avx512-bf16" if "avx512-bf16" in C.prefill_kernels() else "f32")
+    # unforced: the fastest kernel the CPU has (AMX tiles, else AVX-512 BF16, else fp32)
+    env = {k: v for k, v in os.environ.items() if k != "PYLLM_ISA"}
+    r = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(root)), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    best = next(k for k in ("amx-bf16", "avx512-bf16", "f32") if k in C.prefill_kernels())
+    assert r.stdout.strip().splitlines()[-1] == best
 
 
 def test_errors(C):

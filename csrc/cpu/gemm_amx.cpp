@@ -389,7 +389,7 @@ PrefillKernel cpu_prefill_default() {
     const char* e = getenv("PYLLM_ISA");
     const std::string isa = e ? e : "";
     // Unforced: AMX tiles, else vdpbf16ps, else fp32.  On AMD Zen 4 (no AMX) the bf16 kernel runs 196-213
-    // GFLOP/s per core at M = 512 against the fp32 GEMM's 85-96 and doubled pp512 on every fixture.  (On a loaded
+    // GFLOP/s per core at M = 512 against the fp32 GEMM's 85-96, and pp512 rose 1.9-2.3x on the fixtures.  (On a loaded
     // Sapphire Rapids VM it had measured below fp32 end to end, but that host takes AMX.)
     const bool amx = isa.empty() || isa == "amx";
     const bool avx512 = isa.empty() || isa == "amx" || isa == "avx512";
