@@ -389,8 +389,8 @@ PrefillKernel cpu_prefill_default() {
     const char* e = getenv("PYLLM_ISA");
     const std::string isa = e ? e : "";
     // Unforced: AMX tiles, else vdpbf16ps, else fp32.  On AMD Zen 4 (no AMX) the bf16 kernel runs 196-213
-    // GFLOP/s per core at M = 512 against the fp32 GEMM's 85-96, and pp512 rose 1.9-2.3x on the fixtures.  (On a loaded
-    // Sapphire Rapids VM it had measured below fp32 end to end, but that host takes AMX.)
+    // GFLOP/s per core at M = 512 against the fp32 GEMM's 85-96, and pp512 rose 1.9-2.3x on the fixtures.
+    // (On a loaded Sapphire Rapids VM it had measured below fp32 end to end, but that host takes AMX.)
     const bool amx = isa.empty() || isa == "amx";
     const bool avx512 = isa.empty() || isa == "amx" || isa == "avx512";
     PrefillKernel pick = PrefillKernel::F32;
@@ -405,8 +405,8 @@ void cpu_set_prefill_kernel(PrefillKernel k) { g_prefill.store(static_cast<int>(
 int cpu_prefill_min_rows() {
     // AMX beats the 8-row GEMV chunks from 9 rows on (measured: equal at 9 rows on 4096 x 2048 Q4_0, 2-4x
     // faster at 16-32 rows), since it decodes W once where the chunks decode it once per 8 rows.  AVX-512 bf16
-    // costs about the same for any M up to 32 (tokens are padded to 32); on Zen 4 the chunks are 1.2-1.5x faster at
-    // 17 rows (8 + 8 + 1), level at 20 and 0.6-0.9x at 24 (tools/bench_prefill_gemm.py, 1 thread).
+    // costs about the same for any M up to 32 (tokens are padded to 32); on Zen 4 the chunks are 1.2-1.5x faster
+    // at 17 rows (8 + 8 + 1), level at 20 and 0.6-0.9x at 24 (tools/bench_prefill_gemm.py, 1 thread).
     switch (cpu_prefill_default()) {
         case PrefillKernel::AmxBf16: return GEMV_MAX_M + 1;
         case PrefillKernel::Avx512Bf16: return 20;
