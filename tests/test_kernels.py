@@ -514,7 +514,7 @@ def test_rows8_rows_do_not_depend_on_m_or_threads(C, name):
 def test_rows8_q8_0_precise_x_keeps_16_bit_activations(C, N, K, M):
     """Q8_0_R8 under mul_mat(..., precise_x=True) (the decode step's output projection): the references and
     tolerances of test_gemv_precise_x_keeps_16_bit_activations_for_q8_0 (int16-x float64: TOL_EXACT; float64:
-    TOL_Q16), on every ISA path; scalar and SIMD within TOL_ISA; AVX-512 takes the AVX2 kernel: identical bits."""
+    TOL_Q16), on every ISA path; scalar and SIMD within TOL_ISA; AVX-512's vpdpwssd sums are AVX2's: identical bits."""
     wt = make_weight("Q8_0", N, K)
     r, rid = rows8(C, "Q8_0", wt)
     x = torch.from_numpy(rng_for("x16r8", N, K, M).standard_normal((M, K), dtype=np.float32))

@@ -51,14 +51,16 @@ struct Tables {
             // Even the table lookup is compiled for AVX-512 (its file's target pragma): ask only a CPU that has it.
             // Elsewhere the row holds the same kernels compiled as AVX2 code, reachable only while the tests
             // emulate AVX-512 (cpu_emulate_avx512).
-            const RowKernel v = cpu_runs_avx512_natively() ? cpu::row_kernel_avx512(q) : cpu::row_kernel_vnni_emulated(q);
+            const bool native = cpu_runs_avx512_natively();
+            const RowKernel v = native ? cpu::row_kernel_avx512(q) : cpu::row_kernel_vnni_emulated(q);
             k[2][t] = k[3][t] = v.available() ? v : k[1][t];
             RowKernel g16 = cpu::row_kernel_generic_x16(q);
             if (!g16.available()) g16 = cpu::row_kernel_generic_rows8_x16(q);
             const RowKernel a16 = cpu::row_kernel_avx2_x16(q);
             x16[0][t] = g16.available() ? g16 : k[0][t];
             x16[1][t] = a16.available() ? a16 : (g16.available() ? g16 : k[1][t]);
-            x16[2][t] = x16[3][t] = a16.available() || g16.available() ? x16[1][t] : k[2][t];
+            const RowKernel v16 = native ? cpu::row_kernel_avx512_x16(q) : cpu::row_kernel_vnni_emulated_x16(q);
+            x16[2][t] = x16[3][t] = v16.available() ? v16 : (a16.available() || g16.available() ? x16[1][t] : k[2][t]);
         }
     }
 };

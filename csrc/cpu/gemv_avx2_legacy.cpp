@@ -197,11 +197,7 @@ RowKernel row_kernel_avx2_legacy(QType t) {
     }
 }
 
-RowKernel row_kernel_avx2_x16(QType t) {
-    if (t == QType::Q8_0_R8) return {Act::Q16_32, {}, PYLLM_ROWS8_Q8_TABLE(Q16RowC), 8};
-    return t == QType::Q8_0 ? RowKernel{Act::Q16_32, PYLLM_ROWDOT_TABLE(avx2::dot_q8_0_x16),
-                                                        PYLLM_ROWSDOT_TABLE(avx2::dot_q8_0_x16)} : RowKernel{};
-}
+RowKernel row_kernel_avx2_x16(QType t) { return avx2::row_kernel_legacy_x16(t); }
 
 #else  // no AVX2 at compile time: the dispatcher only ever uses the generic kernels
 

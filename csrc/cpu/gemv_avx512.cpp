@@ -32,9 +32,11 @@ RowKernel row_kernel_avx512(QType t) {
     if (!k.available()) k = avx512::row_kernel_awq_rows(t);
     return k;
 }
+RowKernel row_kernel_avx512_x16(QType t) { return avx512::row_kernel_legacy_x16(t); }
 #else
 bool avx512_compiled() { return false; }
 RowKernel row_kernel_avx512(QType) { return {}; }
+RowKernel row_kernel_avx512_x16(QType) { return {}; }
 #endif
 
 }  // namespace cpu

@@ -235,7 +235,7 @@ struct Q8Act16 {
         const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b.qs + 16)));
         const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs + QK * i));
         const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs + QK * i + 16));
-        return _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+        return madd_add(_mm256_madd_epi16(w0, x0), w1, x1);
     }
 };
 
@@ -501,8 +501,8 @@ PYLLM_INLINE void rows8_q16_chunk(const block_q8_0x8& B, const Q16RowC* a, int b
             int64_t v;
             memcpy(&v, a[m].qs + QK * b + 4 * k, 8);
             const __m256i x = _mm256_set1_epi64x(v);
-            lo[m] = _mm256_add_epi32(lo[m], _mm256_madd_epi16(w0, x));
-            hi[m] = _mm256_add_epi32(hi[m], _mm256_madd_epi16(w1, x));
+            lo[m] = madd_add(lo[m], w0, x);
+            hi[m] = madd_add(hi[m], w1, x);
             keep_in_register(lo[m]);
             keep_in_register(hi[m]);
         }
@@ -590,6 +590,15 @@ inline RowKernel row_kernel_legacy_blocks(QType t) {
         case QType::Q5_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q5_0x8), 8};
         case QType::Q5_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q5_1x8), 8};
         case QType::Q8_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_Q8_TABLE(Q8RowC), 8};
+        default: return {};
+    }
+}
+
+// The precise_x kernels (16-bit activations; the output projection): Q8_0 and its rows interleaved by 8.
+inline RowKernel row_kernel_legacy_x16(QType t) {
+    switch (t) {
+        case QType::Q8_0: return {Act::Q16_32, PYLLM_ROWDOT_TABLE(dot_q8_0_x16), PYLLM_ROWSDOT_TABLE(dot_q8_0_x16)};
+        case QType::Q8_0_R8: return {Act::Q16_32, {}, PYLLM_ROWS8_Q8_TABLE(Q16RowC), 8};
         default: return {};
     }
 }

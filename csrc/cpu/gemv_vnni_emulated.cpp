@@ -28,8 +28,10 @@ RowKernel row_kernel_vnni_emulated(QType t) {
     if (!k.available()) k = vnni_emulated::row_kernel_awq_rows(t);
     return k;
 }
+RowKernel row_kernel_vnni_emulated_x16(QType t) { return vnni_emulated::row_kernel_legacy_x16(t); }
 #else
 RowKernel row_kernel_vnni_emulated(QType) { return {}; }
+RowKernel row_kernel_vnni_emulated_x16(QType) { return {}; }
 #endif
 
 }  // namespace cpu
