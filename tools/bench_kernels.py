@@ -6,6 +6,7 @@
     python tools/bench_kernels.py --types Q4_0,AWQ_G128 --cpu-time    # AWQ int4 rows (pyllm/awq.py AWQRows)
     python tools/bench_kernels.py --isa avx2,avx512 --cpu-time        # A/B: kernel paths interleaved per point
     python tools/bench_kernels.py --types Q8_0 --shapes 49152x576 --m 1,4 --precise-x   # the output projection
+    python tools/bench_kernels.py --rows8 --isa avx2,avx512 --m 1,4,8 --cpu-time   # the decode step's layout
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
 compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
@@ -72,9 +73,9 @@ def read_bandwidth(C, threads: int, repeat: int, clock=time.perf_counter) -> flo
 
 
 def bench_gemv(C, ws: list[torch.Tensor], tid: int, M: int, repeat: int, gemm: bool = False,
-               clock=time.perf_counter, precise_x: bool = False) -> float:
-    """Best seconds per call, cycling through the copies in ws."""
-    K = ws[0].shape[1] * TYPES_BY_ID[tid][1] // TYPES_BY_ID[tid][2]
+               clock=time.perf_counter, precise_x: bool = False, K: int | None = None) -> float:
+    """Best seconds per call, cycling through the copies in ws (K: the row length, where tid is not in TYPES)."""
+    K = K or ws[0].shape[1] * TYPES_BY_ID[tid][1] // TYPES_BY_ID[tid][2]
     x = torch.randn(M, K)
     out = torch.empty(M, ws[0].shape[0])
     f = C.gemm if gemm else (lambda x, w, t, o: C.gemv(x, w, t, o, precise_x))
@@ -109,6 +110,9 @@ def main() -> int:
                          "machine this still shows the kernel's efficiency against the bus")
     ap.add_argument("--precise-x", action="store_true",
                     help="GEMVs with 16-bit activations (gemv's precise_x: the output projection's Q8_0 kernel)")
+    ap.add_argument("--rows8", action="store_true",
+                    help="weights with their rows interleaved by 8 (_C.repack_rows8), the copy the decode step and "
+                         "a speculative verification pass read")
     a = ap.parse_args()
 
     C = _ext.load()
@@ -127,7 +131,8 @@ def main() -> int:
         bw[t] = read_bandwidth(C, t, a.repeat, clock)
     unit = "GB per CPU-second" if a.cpu_time else "GB/s"
     print(f"# pyllm kernel bench: isa={','.join(isas)}, {'CPU time' if a.cpu_time else 'wall time'}, "
-          f"{'int16 activations (precise_x), ' if a.precise_x else ''}load average "
+          f"{'int16 activations (precise_x), ' if a.precise_x else ''}"
+          f"{'rows interleaved by 8, ' if a.rows8 else ''}load average "
           f"{os.getloadavg()[0]:.1f} (other processes share these cores: numbers are noisy)")
     print("read bandwidth (1 GiB streaming sum): " + ", ".join(f"{t} thread(s) {bw[t] / 1e9:.1f} {unit}" for t in threads))
     print()
@@ -139,6 +144,13 @@ def main() -> int:
             w0 = random_weight(name, N, K, rng)
             copies = max(1, math.ceil(OUT_OF_CACHE_BYTES / w0.numel()))
             ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+            wid = tid
+            if a.rows8:
+                try:
+                    ws = [C.repack_rows8(w, tid) for w in ws]
+                    wid = int(C.rows8_qtype(tid))
+                except (ValueError, NotImplementedError) as e:
+                    sys.exit(f"bench_kernels: --rows8: {e}")
             for M in ms:
                 for t in threads:
                     C.set_num_threads(t)
@@ -146,8 +158,8 @@ def main() -> int:
                     for _ in range(a.repeat):  # interleaved, so load changes hit every path alike
                         for i in isas:
                             C.set_isa(i)
-                            best[i] = min(best[i], bench_gemv(C, ws, tid, M, 1, gemm=M > 8, clock=clock,
-                                                                  precise_x=a.precise_x))
+                            best[i] = min(best[i], bench_gemv(C, ws, wid, M, 1, gemm=M > 8, clock=clock,
+                                                                  precise_x=a.precise_x, K=K))
                     for i in isas:
                         s = best[i]
                         gbs = w0.numel() / s / 1e9
