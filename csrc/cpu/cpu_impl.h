@@ -98,25 +98,30 @@ inline int awq_group_size(QType t) {
 // One activation row for the 32-element types, structure-of-arrays so 8 consecutive block scales load as one
 // vector.  For block b: d[b] = max|x| / 127 (fp32: these never leave the cache, so no fp16 rounding),
 // qs[32b..32b+31] = round(x / d), s[b] = d * sum(qs of b), which applies the Q4_0/Q5_0 offsets and the
-// Q4_1/Q5_1 mins once per block.  Bytes: qs [K] | d [nbp] | s [nbp], nbp = K/32 rounded up to 8.
-template <class I, class F>
+// Q4_1/Q5_1 mins once per block, and sum[b] = sum(qs of b) exactly (the VNNI Q8_0 rows kernel offsets its
+// signed codes by 128 and takes 128 * sum back).  Bytes: qs [K] | d [nbp] | s [nbp] | sum [nbp], nbp = K/32
+// rounded up to 8.
+template <class I, class F, class S>
 struct Q8RowT {
     I* qs;
     F* d;
     F* s;
+    S* sum;
 };
-using Q8Row = Q8RowT<int8_t, float>;
-using Q8RowC = Q8RowT<const int8_t, const float>;
+using Q8Row = Q8RowT<int8_t, float, int32_t>;
+using Q8RowC = Q8RowT<const int8_t, const float, const int32_t>;
 
 inline int q8_row_nbp(int K) { return (K / QK + 7) / 8 * 8; }
-inline size_t q8_row_bytes(int K) { return static_cast<size_t>(K) + 8 * static_cast<size_t>(q8_row_nbp(K)); }
+inline size_t q8_row_bytes(int K) { return static_cast<size_t>(K) + 12 * static_cast<size_t>(q8_row_nbp(K)); }
 inline Q8Row q8_row(uint8_t* p, int K) {
     float* d = reinterpret_cast<float*>(p + K);
-    return {reinterpret_cast<int8_t*>(p), d, d + q8_row_nbp(K)};
+    const int nbp = q8_row_nbp(K);
+    return {reinterpret_cast<int8_t*>(p), d, d + nbp, reinterpret_cast<int32_t*>(d + 2 * nbp)};
 }
 inline Q8RowC q8_row(const uint8_t* p, int K) {
     const float* d = reinterpret_cast<const float*>(p + K);
-    return {reinterpret_cast<const int8_t*>(p), d, d + q8_row_nbp(K)};
+    const int nbp = q8_row_nbp(K);
+    return {reinterpret_cast<const int8_t*>(p), d, d + nbp, reinterpret_cast<const int32_t*>(d + 2 * nbp)};
 }
 
 // One activation row at 16 bits, for the Q8_0 output projection (gemv_cpu's precise_x): int16 codes per 32

@@ -151,6 +151,7 @@ void quantize_q8_32_avx2(const float* x, int K, Q8Row out) {
         const int sum = quantize_32(x + QK * i, id, out.qs + QK * i);
         out.d[i] = d;
         out.s[i] = d * static_cast<float>(sum);
+        out.sum[i] = sum;
     }
 }
 

@@ -305,6 +305,7 @@ void quantize_q8_32_generic(const float* x, int K, Q8Row out) {
         }
         out.d[i] = d;
         out.s[i] = d * static_cast<float>(sum);
+        out.sum[i] = sum;
     }
 }
 

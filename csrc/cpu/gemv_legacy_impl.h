@@ -460,23 +460,33 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
 
 // int8 activations: signed x signed.  vpmaddubsw takes |code| (unsigned) against xq with the code's sign moved
 // onto it (vpsignb, as dot_s8s8): exact, since |xq| <= 127 and |code| <= 128 keep a pair sum <= 32512; |code|
-// is shared by all rows, so per row and 32 weights: vpsignb, vpmaddubsw, vpmaddwd, vpaddd (vpsignb and one
-// vpdpbusd under VNNI).
+// is shared by all rows, so per row and 32 weights: vpsignb, vpmaddubsw, vpmaddwd, vpaddd.  vpdpbusd has no
+// int16 step to overflow, so under VNNI the codes go in offset to unsigned, code + 128 (one vpxor shared by all
+// rows), and the row's sum starts at -128 * sum(xq) (Q8Row's sum[b]): one vpdpbusd per row and 32 weights, and
+// the same exact int32 sum.
 template <int C>
 PYLLM_INLINE void rows8_q8_chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) {
+#ifdef PYLLM_VNNI
+    for (int m = 0; m < C; ++m) is[m] = _mm256_set1_epi32(-128 * a[m].sum[b]);
+#else
     for (int m = 0; m < C; ++m) is[m] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 8
     for (int k = 0; k < 8; ++k) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
+#ifdef PYLLM_VNNI
+        const __m256i qu = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+#else
         const __m256i qa = _mm256_sign_epi8(q, q);
+#endif
 #pragma GCC unroll 4
         for (int m = 0; m < C; ++m) {
             int32_t v;
             memcpy(&v, a[m].qs + QK * b + 4 * k, 4);
-            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), q);
 #ifdef PYLLM_VNNI
-            is[m] = dpbusd(is[m], qa, xs);
+            is[m] = dpbusd(is[m], qu, _mm256_set1_epi32(v));
 #else
+            const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(v), q);
             is[m] = _mm256_add_epi32(is[m], _mm256_madd_epi16(_mm256_maddubs_epi16(qa, xs), _mm256_set1_epi16(1)));
 #endif
             keep_in_register(is[m]);
