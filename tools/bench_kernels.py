@@ -114,6 +114,8 @@ def main() -> int:
                     help="weights with their rows interleaved by 8 (_C.repack_rows8), the copy the decode step and "
                          "a speculative verification pass read")
     a = ap.parse_args()
+    if a.rows8 and any(int(m) > 8 for m in a.m.split(",")):
+        ap.error("--rows8: the interleaved layout has GEMV kernels only, for up to 8 rows (--m)")
 
     C = _ext.load()
     isas = a.isa.split(",") if a.isa else [C.get_isa()]

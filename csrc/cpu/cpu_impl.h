@@ -59,8 +59,8 @@ RowKernel row_kernel_generic_x16(QType t);
 RowKernel row_kernel_avx2_x16(QType t);
 RowKernel row_kernel_avx512(QType t);        // AVX-512 VNNI rows (gemv_avx512.cpp); empty where AVX2 is as fast
 RowKernel row_kernel_vnni_emulated(QType t);  // the same kernels as AVX2 code, for tests (gemv_vnni_emulated.cpp)
-RowKernel row_kernel_avx512_x16(QType t);          // precise_x Q8_0 rows, each pair sum one vpdpwssd
-RowKernel row_kernel_vnni_emulated_x16(QType t);  // the same as AVX2 code, for tests
+RowKernel row_kernel_avx512_x16(QType t);     // precise_x Q8_0 rows, each int16 pair sum one vpdpwssd
+RowKernel row_kernel_vnni_emulated_x16(QType t);  // the same kernels as AVX2 code, for tests
 RowKernel row_kernel_generic_rows8(QType t);  // Q*_R8 without SIMD: each row unpacked, then the generic row dot
 RowKernel row_kernel_generic_rows8_x16(QType t);  // Q8_0_R8 against 16-bit activations, likewise
 bool avx2_compiled();
