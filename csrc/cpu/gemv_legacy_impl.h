@@ -349,12 +349,12 @@ PYLLM_INLINE __m256i fifth_bits(__m256i qh) {
     return _mm256_and_si256(at4, _mm256_set1_epi8(0x10));
 }
 
-// R <= 4 activation rows against one group of 8 weight rows: y[r * ldy + j], j < 8.  Code vector k of a block
-// holds in lane j row j's codes of elements 4k..4k+3 (lo) and 16+4k..16+4k+3 (hi), unsigned (<= 15, or <= 31
-// with the fifth bit).  Each is decoded once, just in time, and feeds all R rows, so few vectors are live: the
-// row's pair-sum accumulators and its two fp32 sums stay in registers (keep_in_register).  Decoding a whole
-// block's 8 code vectors first and then looping over up to 8 rows spills the fp32 sums and puts a store-reload
-// on every block's dependency chain (measured: 1.2-1.3x slower at M = 4-8).
+// R <= rows8_chunk activation rows against one group of 8 weight rows: y[r * ldy + j], j < 8.  Code vector k
+// of a block holds in lane j row j's codes of elements 4k..4k+3 (lo) and 16+4k..16+4k+3 (hi), unsigned (<= 15,
+// or <= 31 with the fifth bit).  Each is decoded once, just in time, and feeds all R rows, so few vectors are
+// live: the row's pair-sum accumulators and its two fp32 sums stay in registers (keep_in_register).  Decoding a
+// whole block's 8 code vectors first and then looping over up to 8 rows spills the fp32 sums and puts a
+// store-reload on every block's dependency chain (measured on AVX2: 1.2-1.3x slower at M = 4-8).
 // The integer sums are exact, so they equal vpdpbusd's: maddubs pair sums are <= 2 * 15 * 127 = 3810 for 4-bit
 // codes, so all 8 add up in int16 (30480 < 32767); 5-bit codes (<= 7874) 4 at a time, in two accumulators.
 template <class G, int R>
@@ -427,19 +427,24 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
 }
 
 // n rows (a multiple of 8, from a group start) against M activation rows: y[m * ldy + r].  Activation rows go
-// ROWS8_CHUNK at a time over a group (its blocks stay in L1 for the next chunk); each row's fp32 operations are
-// the same whatever chunk it is in, so a row's result does not depend on M.  4 rows per chunk (4-bit codes: 16
-// live vectors at most), each decoded code vector serving 4 rows: Zen 3, in L1, an extra row costs 0.55 of the
-// first one for Q4_1 and 0.4 for Q5_0, against 0.7 and 0.6 with 2 rows per chunk.
-#ifndef ROWS8_CHUNK
-#define ROWS8_CHUNK 4
+// rows8_chunk at a time over a group (its blocks stay in L1 for the next chunk); each row's fp32 operations are
+// the same whatever chunk it is in, so a row's result does not depend on M.  AVX2 has 16 vector registers: 4 rows
+// per chunk (4-bit codes: 16 live vectors at most), each decoded code vector serving 4 rows: Zen 3, in L1, an
+// extra row costs 0.55 of the first one for Q4_1 and 0.4 for Q5_0, against 0.7 and 0.6 with 2 rows per chunk.
+// AVX-512 has 32 (ymm16-31 under VL): all 8 rows in one chunk fit (5-bit codes spill a few, and still gain), so
+// each code vector is decoded once per group block, not twice: Zen 4, in L2, M = 6 and 8 take 0.85-0.9 of the
+// 4-row chunks' time for Q4_0..Q5_1 (the VNNI build emulated for tests chunks the same way, spills and all).
+#ifdef PYLLM_VNNI
+constexpr int rows8_chunk = 8;
+#else
+constexpr int rows8_chunk = 4;
 #endif
 template <class G, int M>
 void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
     const int nb = K / QK;
     Q8RowC a[M];
     for (int m = 0; m < M; ++m) a[m] = q8_row(xa + xs * m, K);
-    constexpr int C = M < ROWS8_CHUNK ? M : ROWS8_CHUNK, full = M / C * C;
+    constexpr int C = M < rows8_chunk ? M : rows8_chunk, full = M / C * C;
     for (int g = 0; g < n; g += 8) {
         const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
         for (int m = 0; m < full; m += C) rows8_group<G, C>(gb, nb, a + m, y + m * ldy + g, ldy);
