@@ -276,9 +276,16 @@ def _q8_blocks(q, levels=127):
     return (codes.double() * d.double()).flatten(-2)
 
 
-@pytest.mark.parametrize("kind", list(KV_IDS))
+# (query heads per KV head, head dim): the kernel takes heads 3 at a time with 32 vector registers (2 at a time for
+# values, 1 for scores with 16), then the rest; float rows may have a head dim that is not a multiple of 32.
+ATTN_SHAPES = [(3, 64), (1, 64), (2, 64), (4, 64), (7, 64), (5, 40)]
+ATTN_CASES = [(kind, group, hd) for kind in KV_IDS for group, hd in ATTN_SHAPES
+              if hd % 32 == 0 or kind in ("f32", "f16")]  # block rows hold whole 32-value blocks
+
+
+@pytest.mark.parametrize("kind,group,hd", ATTN_CASES)
 @pytest.mark.parametrize("isa", ["simd", "scalar"])
-def test_kv_attention_matches_float64_on_dequantized_rows(kind, isa):
+def test_kv_attention_matches_float64_on_dequantized_rows(kind, group, hd, isa):
     """Reference: float64 softmax attention over the rows kv_cache.py dequantizes (same stored bytes), with the
     query the kernel dots: the AVX2 kernel takes q8_0 / q4_0 keys with an integer dot (int16 query blocks against
     q8_0 keys; llama.cpp's vec_dot_q4_0_q8_0 against q4_0), each query head rounded to blocks first, so for those
@@ -290,7 +297,7 @@ def test_kv_attention_matches_float64_on_dequantized_rows(kind, isa):
     from pyllm.runtime.kv_cache import make_kv_cache
 
     g = torch.Generator().manual_seed(3)
-    hkv, group, hd, s = 2, 3, 64, 77
+    hkv, s = 2, 77
     c = make_kv_cache(kind, 1, hkv, s, hd)
     k, v = torch.randn(s, hkv, hd, generator=g), torch.randn(s, hkv, hd, generator=g)
     k[:, :, 9] *= 20  # an outlier channel
@@ -305,7 +312,7 @@ def test_kv_attention_matches_float64_on_dequantized_rows(kind, isa):
     got = ops._C.kv_attention(q, c.k_part.data[0], c.v_part.data[0], KV_IDS[kind], KV_IDS[kind], hd ** -0.5,
                               isa == "scalar")
     err = ((got.double() - want).abs().max() / want.abs().max()).item()
-    assert err < 2e-5, f"{kind} {isa}: {err:.2e}"
+    assert err < 2e-5, f"{kind} {isa} group {group} hd {hd}: {err:.2e}"
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
