@@ -224,9 +224,11 @@ void scores_float(const uint8_t* k_rows, size_t k_stride, const float* q, size_t
         int g = 0;
         if constexpr (SCORE_HEADS == 3) {
             for (; g + 3 <= G; g += 3)
-                scores_rows8<F16, 3>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride, nr);
+                scores_rows8<F16, 3>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride,
+                                       nr);
             if (G - g == 2) {
-                scores_rows8<F16, 2>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride, nr);
+                scores_rows8<F16, 2>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride,
+                                       nr);
                 g += 2;
             }
         }
