@@ -432,8 +432,9 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
 // per chunk (4-bit codes: 16 live vectors at most), each decoded code vector serving 4 rows: Zen 3, in L1, an
 // extra row costs 0.55 of the first one for Q4_1 and 0.4 for Q5_0, against 0.7 and 0.6 with 2 rows per chunk.
 // AVX-512 has 32 (ymm16-31 under VL): all 8 rows in one chunk fit (5-bit codes spill a few, and still gain), so
-// each code vector is decoded once per group block, not twice: Zen 4, in L2, M = 6 and 8 take 0.85-0.9 of the
-// 4-row chunks' time for Q4_0..Q5_1 (the VNNI build emulated for tests chunks the same way, spills and all).
+// each code vector is decoded once per group block, not twice: Zen 4, M = 6 and 8 take 0.8-0.93 of the 4-row
+// chunks' time for Q4_0..Q5_1 in L2, 0.71-0.89 for Q4_1 from DRAM (the VNNI build emulated for tests chunks the
+// same way, spills and all).
 #ifdef PYLLM_VNNI
 constexpr int rows8_chunk = 8;
 #else
