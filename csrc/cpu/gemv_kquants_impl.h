@@ -348,12 +348,17 @@ PYLLM_INLINE __m256i rows8_pick16(__m256i bytes, int e0, int e1) {  // lane j: (
     return _mm256_shuffle_epi8(bytes, _mm256_add_epi8(ctl, lane));
 }
 
-// Activation rows go ROWS8_K_CHUNK at a time over a group (its blocks stay in L1 for the next chunk); a row's
-// operations do not depend on its chunk, so neither does its result.  4 rows: few enough live vectors that
-// nothing spills (all M rows at once spill for M >= 3), and each decoded code vector serves 4 rows.  (Q6_K keeps
-// all rows in one pass: its 6-bit decoding costs more than the spills; 4 at a time was 1.2-1.3x slower at M = 5-8.)
-#ifndef ROWS8_K_CHUNK
-#define ROWS8_K_CHUNK 4
+// Activation rows go rows8_k_chunk at a time over a group (its blocks stay in L1 for the next chunk); a row's
+// operations do not depend on its chunk, so neither does its result.  AVX2 (16 vector registers): 4 rows, few
+// enough live vectors that nothing spills (all M rows at once spill for M >= 3), and each decoded code vector
+// serves 4 rows.  AVX-512 (32): all 8 at once, which spills a few vectors and still pays, as each code vector is
+// decoded once per group block (Zen 4, 1 thread, from DRAM: Q4_K 896 x 4864 M = 8 0.84x the 4-row chunks' time,
+// M = 6 0.93x; Q5_K 0.90x and 0.92x).  (Q6_K keeps all rows in one pass: its 6-bit decoding costs more than the
+// spills; 4 at a time was 1.2-1.3x slower at M = 5-8.)
+#ifdef PYLLM_VNNI
+constexpr int rows8_k_chunk = 8;
+#else
+constexpr int rows8_k_chunk = 4;
 #endif
 
 // R activation rows against one group of 8 weight rows (y[r * ldy + j]).  Each code vector is decoded once, just
@@ -460,7 +465,7 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
             }
         }
     }
-    constexpr int C = M < ROWS8_K_CHUNK ? M : ROWS8_K_CHUNK, full = M / C * C;
+    constexpr int C = M < rows8_k_chunk ? M : rows8_k_chunk, full = M / C * C;
     for (int g = 0; g < n; g += 8) {
         const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
         for (int m = 0; m < full; m += C) rows8_q45_k_group<G, Five, C>(gb, nb, xr + m, bw + m, y + m * ldy + g, ldy);
