@@ -94,17 +94,36 @@ def bench_gemv(C, ws: list[torch.Tensor], tid: int, M: int, repeat: int, gemm: b
 TYPES_BY_ID = {v[0]: v for v in TYPES.values()}
 
 
+def positive_ints(text: str, sep: str = ",") -> list[int]:
+    """argparse type: "1,4,8" -> [1, 4, 8]; anything else is a usage error, not a traceback."""
+    try:
+        vals = [int(v) for v in text.split(sep)]
+    except ValueError:
+        vals = []
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by {sep!r}, got {text!r}")
+    return vals
+
+
+def shape_list(text: str) -> list[tuple[int, int]]:
+    """argparse type: "4096x4096,1536x576" -> [(4096, 4096), (1536, 576)]."""
+    shapes = [tuple(positive_ints(s, "x")) for s in text.split(",")]
+    if any(len(s) != 2 for s in shapes):
+        raise argparse.ArgumentTypeError(f"expected NxK,... got {text!r}")
+    return shapes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q8_0,Q4_K,Q5_K,Q6_K,F16")
-    ap.add_argument("--threads", default=None, help="comma list (default: 1 and the physical core count)")
-    ap.add_argument("--m", default="1", help="activation rows, comma list (<= 8: fused GEMV)")
+    ap.add_argument("--threads", type=positive_ints, default=None, help="comma list (default: 1 and the physical core count)")
+    ap.add_argument("--m", type=positive_ints, default=[1], help="activation rows, comma list (<= 8: fused GEMV)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--isa", default=None,
                     help="scalar | avx2 | avx512 | amx, or a comma list to compare: the paths alternate round by "
                          "round at every point and a ratio column gives each one's speed over the first "
                          "(default: the extension's choice)")
-    ap.add_argument("--shapes", default=None, help="NxK,... (default: 14336x4096,4096x14336,4096x4096)")
+    ap.add_argument("--shapes", type=shape_list, default=None, help="NxK,... (default: 14336x4096,4096x14336,4096x4096)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="single-thread rates per CPU-second (time.thread_time) instead of wall time: on a loaded "
                          "machine this still shows the kernel's efficiency against the bus")
@@ -114,15 +133,15 @@ def main() -> int:
                     help="weights with their rows interleaved by 8 (_C.repack_rows8), the copy the decode step and "
                          "a speculative verification pass read")
     a = ap.parse_args()
-    if a.rows8 and any(int(m) > 8 for m in a.m.split(",")):
+    if a.rows8 and max(a.m) > 8:
         ap.error("--rows8: the interleaved layout has GEMV kernels only, for up to 8 rows (--m)")
 
     C = _ext.load()
     isas = a.isa.split(",") if a.isa else [C.get_isa()]
     C.set_isa(isas[0])
-    threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted({1, C.physical_cores()})
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes else SHAPES
-    ms = [int(m) for m in a.m.split(",")]
+    threads = a.threads or sorted({1, C.physical_cores()})
+    shapes = a.shapes or SHAPES
+    ms = a.m
     rng = np.random.default_rng(0)
 
     clock = time.perf_counter
