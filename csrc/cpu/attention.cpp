@@ -501,7 +501,7 @@ template <KVType T>
 void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t sc_stride, int G, int hd, int n,
                  float* o, size_t o_stride) {
     for (int g0 = 0; g0 < G;) {
-        const int H = std::min(G - g0 >= 3 ? VALUE_HEADS : 2, G - g0);
+        const int H = std::min(VALUE_HEADS, G - g0);
         const float* p[3] = {sc + g0 * sc_stride, sc + (g0 + std::min(1, H - 1)) * sc_stride,
                              sc + (g0 + H - 1) * sc_stride};
         float* out[3] = {o + g0 * o_stride, o + (g0 + std::min(1, H - 1)) * o_stride, o + (g0 + H - 1) * o_stride};
