@@ -56,8 +56,22 @@ def test_lookup_copies_the_occurrence_sharing_more_context():
     assert sp.LookupProposer(ngram=4).propose(list(range(20)) + [7, 0, 1], 2) == ([2, 3], 2)
 
 
+def test_lookup_split_continuations_are_a_guess_only_when_the_contexts_agree_equally():
+    # (1, 2) was followed by 3 after "5 6" and by 4 after "7 8"; the context ends "5 6 1 2": the earlier occurrence
+    # agrees 4 tokens back, the latest only 2, so its 3 is copied with evidence 4, not dropped to a guess (0)
+    ctx = [5, 6, 1, 2, 3, 9, 7, 8, 1, 2, 4, 9, 5, 6, 1, 2]
+    assert sp.LookupProposer(ngram=2).propose(ctx, 2) == ([3, 9], 4)
+    # the same contexts one token shorter before each occurrence: both agree 2 back, so it is a guess (the latest)
+    assert sp.LookupProposer(ngram=2).propose([6, 1, 2, 3, 9, 8, 1, 2, 4, 9, 5, 1, 2], 2) == ([4, 9], 0)
+    # past MATCH_CAP the agreement still chooses (up to SELECT_CAP): the earlier occurrence shares 12 tokens of
+    # context, the latest 10, and the evidence stays capped at MATCH_CAP
+    run = list(range(100, 112))
+    ctx = run + [1, 2, 3] + [0, 0] + run[2:] + [1, 2, 4] + [0] + run + [1, 2]
+    assert sp.LookupProposer(ngram=2).propose(ctx, 1) == ([3], sp.MATCH_CAP)
+
+
 def test_lookup_cost_per_step_does_not_grow_with_the_context():
-    # Each position is indexed once (ngram keys), and a proposal compares at most 2 * MATCH_CAP tokens: a
+    # Each position is indexed once (ngram keys), and a proposal compares at most 2 * SELECT_CAP tokens: a
     # 4k-token context copied token by token costs the same dict work per step as a short one.
     ctx = [i % 97 for i in range(4096)]
     p = sp.LookupProposer(ngram=4)
@@ -75,7 +89,7 @@ def test_lookup_cost_per_step_does_not_grow_with_the_context():
         ctx.append(ctx[-97])
         drafts, evidence = p.propose(ctx, 7)
         assert drafts == [ctx[len(ctx) - 97 + i] for i in range(7)] and evidence == sp.MATCH_CAP
-    assert len(compared) <= 2 * 64 and all(m <= sp.MATCH_CAP for m in compared)
+    assert len(compared) <= 2 * 64 and all(m <= sp.SELECT_CAP for m in compared)
 
 
 def test_spec_settings_errors():

@@ -37,6 +37,7 @@ MAX_ROWS = 8  # rows of one verification forward: the fused GEMV's limit (ops.GE
 DEFAULT_K = 7  # drafted tokens per verification at most (k + 1 = MAX_ROWS rows)
 DEFAULT_NGRAM = 4  # longest suffix looked up; shorter ones are tried down to 1
 MATCH_CAP = 8  # a lookup's matched length (its evidence for the controller) is counted up to this
+SELECT_CAP = 32  # agreement counted up to this when choosing between a suffix's two latest occurrences
 FORCED = MATCH_CAP + 1  # the evidence of a draft a grammar forces (prior acceptance FORCED / (FORCED + 1))
 
 
@@ -85,16 +86,18 @@ class LookupProposer:
 
     ``propose(ctx, k)`` looks up the suffix of ``ctx`` (the longest n first) among the earlier positions and returns
     (the up to k tokens that followed it, its evidence), or ([], 0).  Of the two latest occurrences it copies the one
-    whose preceding tokens agree with the context's the furthest (the latest on a tie): a suffix of 4 tokens often
-    recurs, and the occurrence sharing more context is the text being copied.  The evidence is that agreement's
-    length, the suffix included, counted up to ``MATCH_CAP``: the controller keeps its acceptance estimates per
-    evidence, as a copy that has matched longer is likelier to go on (measured on recorded greedy replies: about
-    half the drafted tokens accepted after one matched token, 0.85 after four, 0.9+ after eight).  It is 0 when the
-    two occurrences were followed by different tokens: the next token is then a guess (a tenth of such drafts are
-    accepted there, whatever the matched length).
+    whose preceding tokens agree with the context's the furthest (counted up to ``SELECT_CAP``; the latest on a
+    tie): a suffix of 4 tokens often recurs, and the occurrence sharing more context is the text being copied.  The
+    evidence is that agreement's length, the suffix included, counted up to ``MATCH_CAP``: the controller keeps its
+    acceptance estimates per evidence, as a copy that has matched longer is likelier to go on (measured on recorded
+    greedy replies: about half the drafted tokens accepted after one matched token, 0.85 after four, 0.9+ after
+    eight).  It is 0 when the two occurrences agree equally far and were followed by different tokens: the next
+    token is then a guess (about a tenth of such drafts are accepted).  Where one agrees further, its next token is
+    what the model says: 26 of 29 such drafts on the recorded greedy replies of SmolLM2 and Qwen2.5 to the shipped
+    and held-out prompts, 22 of 23 where it agreed 3 or more tokens further (ties: 34 of 283).
 
     Indexing is incremental: each position is added once, so a step costs O(ngram) dict operations and at most
-    2 * MATCH_CAP token comparisons however long the context is.
+    2 * SELECT_CAP token comparisons however long the context is.
     """
 
     def __init__(self, ngram: int = DEFAULT_NGRAM):
@@ -129,17 +132,15 @@ class LookupProposer:
             e = latest.get(key)
             if e is None:
                 continue
-            match = n + self._agree_before(e - n, L - n, MATCH_CAP - n)
+            match = n + self._agree_before(e - n, L - n, SELECT_CAP - n)
             p = previous.get(key)
             if p is not None:
-                split = c[p] != c[e]
-                if match < MATCH_CAP:
-                    mp = n + self._agree_before(p - n, L - n, MATCH_CAP - n)
-                    if mp > match:
-                        e, match = p, mp
-                if split:
-                    match = 0
-            return c[e:e + k], match
+                mp = n + self._agree_before(p - n, L - n, SELECT_CAP - n)
+                if mp == match and c[p] != c[e]:  # nothing tells which of the two is being copied
+                    return c[e:e + k], 0
+                if mp > match:
+                    e, match = p, mp
+            return c[e:e + k], min(match, MATCH_CAP)
         return [], 0
 
     def _agree_before(self, i: int, j: int, most: int) -> int:
