@@ -437,7 +437,7 @@ class LLM:
         """generate_tokens' iterator, over checked arguments: holds the LLM's lock from its first ``next()`` to its
         end or ``close()``."""
 
-        def sample(logits):
+        def check(logits):
             # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage. The sum is
             # non-finite whenever an element is (one pass: ~10 us for Qwen's 151,936 logits); only then is each
             # element checked. In numpy, not torch: torch spreads the sum over its thread pool, whose wake-up on
@@ -445,6 +445,9 @@ class LLM:
             if not math.isfinite(float(logits.detach().cpu().float().numpy().sum(dtype=np.float64))) \
                     and not bool(torch.isfinite(logits).all()):
                 raise self._nonfinite_error(logits)
+
+        def sample(logits):
+            check(logits)
             return sampler.sample(logits)
 
         with self._lock:
@@ -453,7 +456,7 @@ class LLM:
             self._check_file()
             inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog,
                                             forced_end=sampler.constraint.end_token if sampler.constraint else None,
-                                            spec=spec, sampler=sampler)
+                                            spec=spec, sampler=sampler, check=check)
             try:
                 while True:
                     self._check_file()  # the next forward pass reads the mapped weights

@@ -480,6 +480,40 @@ def test_greedy_lookup_equals_plain_k7(isa):
     assert st.accepted > 0 and st.drafted > 2 * st.verifies, st  # passes of 3..8 rows ran and agreed
 
 
+@pytest.mark.parametrize("where", ["used", "unused"])
+def test_non_finite_verification_rows_end_generation_only_where_plain_decoding_would(monkeypatch, where):
+    """Reference: plain decoding's tokens.  A verification row that is used (the accepted drafts' rows and the row
+    giving the model's own token) is checked like a plain step's logits: NaN there ends the generation with the
+    non-finite error, where accept would otherwise emit whatever the argmax of NaN is.  A row after the first
+    rejected draft is one plain decoding never computes: NaN there changes nothing."""
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    ids = llm.chat_ids(EDIT)
+    llm.reset()
+    plain = list(llm.generate_tokens(ids, max_tokens=32, temperature=0, speculative="none"))
+    real, poked = sp.forward_rows, []
+
+    def forward_rows(gen, toks, all_logits=True):
+        at = len(gen.tokens) - len(ids)  # toks[0] is plain[at]; toks[1:] are the drafts
+        rows = real(gen, toks, all_logits)
+        used = 1 + next((j for j, d in enumerate(toks[1:]) if at + 1 + j >= len(plain) or d != plain[at + 1 + j]),
+                        len(toks) - 1)  # rows 0 .. accepted drafts
+        row = used - 1 if where == "used" else used
+        if row < len(toks) and (where == "unused" or used > 1) and not poked:
+            rows = rows.clone()
+            rows[row, 7] = float("nan")
+            poked.append(row)
+        return rows
+
+    monkeypatch.setattr(sp, "forward_rows", forward_rows)
+    llm.reset()
+    if where == "used":
+        with pytest.raises(PyllmError, match="non-finite logits"):
+            list(llm.generate_tokens(ids, max_tokens=32, temperature=0, speculative=_spec(7)))
+    else:
+        assert list(llm.generate_tokens(ids, max_tokens=32, temperature=0, speculative=_spec(7))) == plain
+    assert poked, "no pass had a row to poke"
+
+
 def test_greedy_lookup_near_the_context_limit():
     llm = pyllm.load(fixture_path("smollm2"), n_ctx=256)
     ids = llm.chat_ids(EDIT)

@@ -182,7 +182,7 @@ class Generator:
 
     def generate(self, ids: list[int], sample: Callable[[torch.Tensor], int], max_tokens: int,
                  is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None, spec=None,
-                 sampler=None) -> Iterator[int]:
+                 sampler=None, check: Callable[[torch.Tensor], None] | None = None) -> Iterator[int]:
         """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context.
 
         ``forced_end`` (a grammar constraint's ``end_token``): asked after each token; an id means the structured
@@ -190,6 +190,9 @@ class Generator:
         same tokens the masked sampler would give, one forward pass sooner).
         spec: speculative.SpecSettings to speculate (then ``sampler``, the Sampler behind ``sample``, is needed
         for verification: its grammar, if any, is ``forced_end``'s), or None for one token per step.
+        check: raises on logits that must not be sampled (``sample`` runs it on its own); a verification pass runs
+        it on each row of logits it uses, and only those: a row after a rejected draft is one plain decoding never
+        computes, so it cannot end the generation.
         """
         st = self.stats = GenerationStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
@@ -198,7 +201,7 @@ class Generator:
         st.prompt_seconds = time.perf_counter() - t0
         if spec is not None and max_tokens > 0:
             yield from self._generate_speculative(ids, logits, sample, sampler, max_tokens, is_eog, forced_end,
-                                                  spec, t0)
+                                                  spec, t0, check)
             return
         t1 = time.perf_counter()
         forced = None
@@ -222,7 +225,7 @@ class Generator:
         st.decode_seconds = time.perf_counter() - t1
 
     def _generate_speculative(self, ids, logits, sample, sampler, max_tokens, is_eog, forced_end, spec,
-                              t0) -> Iterator[int]:
+                              t0, check=None) -> Iterator[int]:
         """generate() with speculation: after each emitted token, a proposal of k tokens is verified in one
         multi-row forward and the accepted ones (plus the model's own next token) are emitted together.
 
@@ -333,7 +336,7 @@ class Generator:
             ctrl.time(k + 1, time.perf_counter() - ts)
             if lps is not None:
                 lps = []
-            queue = sp.accept(sampler, rows, d, q, logprobs=lps)
+            queue = sp.accept(sampler, rows, d, q, logprobs=lps, check=check)
             a = len(queue) - 1  # accepted drafts
             self.truncate(len(self.tokens) - (k - a))  # keep tok and the accepted drafts
             ctrl.observe(mlen, a, min(a + 1, k))

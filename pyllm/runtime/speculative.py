@@ -266,7 +266,7 @@ def _draw(sampler, ids: np.ndarray, probs: np.ndarray) -> int:
 
 
 def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None,
-           logprobs: list | None = None) -> list[int]:
+           logprobs: list | None = None, check=None) -> list[int]:
     """The tokens to emit after verifying ``drafts``: the accepted prefix, then one token of the model's own.
 
     rows: logits [len(drafts) + 1, n_vocab], row i predicting the token after drafts[:i]. q: per draft the
@@ -275,6 +275,8 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
     penalty window gets it), so row i is judged in the grammar state after the tokens before it; a grammar that is
     complete ends the list there (the generator then emits its end token, as plain decoding does). ``logprobs``: a
     list that gets each emitted token's (logprob, top) from its own row, for a sampler that reports them.
+    ``check``: run on each row before it is used (the generation's non-finite check), never on the rows after the
+    first rejected draft, which plain decoding would not have computed.
     """
     out = []
     greedy = sampler.s.temperature == 0
@@ -287,6 +289,8 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
         return constraint is None or not constraint.is_done()
 
     for i, d in enumerate(drafts + [None]):
+        if check is not None:
+            check(rows[i])
         if greedy:
             tok = sampler.sample(rows[i])  # argmax after bias/penalties/grammar: exactly plain decoding's choice
             if not emit(tok) or tok != d:
