@@ -327,6 +327,19 @@ def test_kv_store_is_bit_identical_to_python(kind):
     assert torch.equal(ops._C.kv_store(x, KV_IDS[kind]), part.data[0, 0])
 
 
+@pytest.mark.parametrize("hd", [64, 44])
+def test_kv_store_f16_is_torchs_rounding(hd):
+    """f16 rows (8 at a time, then a scalar tail): torch's float -> half conversion, bit for bit (reference), on
+    values that round half to even, overflow to inf, land on subnormals or underflow to zero, and random ones."""
+    x = torch.randn(40, hd, generator=torch.Generator().manual_seed(6)) * 3
+    one_ulp = 2.0 ** -10  # spacing of halves in [1, 2): 1 + ulp / 2 ties to 1, 1 + 3 ulp / 2 to 1 + 2 ulp
+    special = torch.tensor([1 + one_ulp / 2, 1 + 3 * one_ulp / 2, -(1 + one_ulp / 2), 65504.0, 65520.0, 1e6, -1e6,
+                            6e-8, 3e-8, 1e-9, 2.0 ** -20, -(2.0 ** -24) * 1.5, 0.0, -0.0, float("inf"), 5.5e-5])
+    x[:, :len(special)] = special
+    want = x.to(torch.float16)
+    assert torch.equal(ops._C.kv_store(x, KV_IDS["f16"]).view(torch.int16), want.view(torch.int16))
+
+
 # Every cache kind as keys and as values (the fused step and the torch path must follow one storage transform:
 # centering, key scales, sink row, rotation; kv_cache.PartLayout).
 EVERY_KIND = ["f16", "q8_0", "q4_0", "q8_rot", "q4_rot", "q8_0/q4_rot", "q4_rot/q8_0", "q4_0/q8_rot",

@@ -641,7 +641,15 @@ void kv_store_row(KVType t, const float* x, int hd, void* row) {
         case KVType::F32: std::memcpy(row, x, sizeof(float) * hd); return;
         case KVType::F16: {
             uint16_t* r = static_cast<uint16_t*>(row);
-            for (int i = 0; i < hd; ++i) r[i] = to_f16(x[i]);
+            int i = 0;
+#if defined(__F16C__)
+            // 8 at a time: the same rounding as to_f16's, without its ~14 cycles per value in the serial part of
+            // the step
+            for (; i + 8 <= hd; i += 8)
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(r + i),
+                                 _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+            for (; i < hd; ++i) r[i] = to_f16(x[i]);
             return;
         }
         case KVType::Q8_0: {
