@@ -162,15 +162,20 @@ def test_controller_forgets_a_stalled_pass():
     assert 8 not in c.t and c.choose_k(sp.MATCH_CAP, 7) == fresh
 
 
+def _smollm2_edit_plain(n):
+    """SmolLM2 (512-token context), the EDIT prompt's ids, and its greedy reply of n tokens by plain decoding."""
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    ids = llm.chat_ids(EDIT)
+    llm.reset()
+    return llm, ids, list(llm.generate_tokens(ids, max_tokens=n, temperature=0, speculative="none"))
+
+
 def test_a_stall_in_the_first_pass_does_not_end_speculation(monkeypatch):
     """Reference: plain decoding.  The first verification pass of a greedy reply held up for 0.2 s (as a busy
     machine does now and then) used to turn speculation off for the whole reply; it goes on, with the same tokens."""
     import time
 
-    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
-    ids = llm.chat_ids(EDIT)
-    llm.reset()
-    plain = list(llm.generate_tokens(ids, max_tokens=48, temperature=0, speculative="none"))
+    llm, ids, plain = _smollm2_edit_plain(48)
     forward_rows, calls = sp.forward_rows, []
 
     def stalled_first(gen, toks, all_logits=True):
@@ -486,10 +491,7 @@ def test_non_finite_verification_rows_end_generation_only_where_plain_decoding_w
     giving the model's own token) is checked like a plain step's logits: NaN there ends the generation with the
     non-finite error, where accept would otherwise emit whatever the argmax of NaN is.  A row after the first
     rejected draft is one plain decoding never computes: NaN there changes nothing."""
-    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
-    ids = llm.chat_ids(EDIT)
-    llm.reset()
-    plain = list(llm.generate_tokens(ids, max_tokens=32, temperature=0, speculative="none"))
+    llm, ids, plain = _smollm2_edit_plain(32)
     real, poked = sp.forward_rows, []
 
     def forward_rows(gen, toks, all_logits=True):
