@@ -268,8 +268,9 @@ std::unique_ptr<DecodeContext> make_decode_context(
     return ctx;
 }
 
-// logits_out: f32 [n_vocab] (or [1, n_vocab]) filled with the logits of `token` at position `pos`.
-void decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
+// logits_out: f32 [n_vocab] (or [1, n_vocab]) filled with the logits of `token` at position `pos`.  Returns their
+// argmax (the first of ties), or -1 where a logit is NaN or infinite.
+int64_t decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
     const pyllm::DecodeConfig& c = ctx.model.cfg;
     TORCH_CHECK_INDEX(token >= 0 && token < ctx.vocab_rows, "decode_step: token ", token, " is out of range for ",
                       ctx.vocab_rows, " embedding rows");
@@ -282,12 +283,16 @@ void decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& l
                       "decode_step: logits_out must be a contiguous CPU tensor of ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
     pybind11::gil_scoped_release nogil;
-    pyllm::decode_step_cpu(ctx.model, ctx.scratch, token, static_cast<int>(pos), logits_out.data_ptr<float>());
+    pyllm::RowArgmax top;
+    pyllm::decode_step_cpu(ctx.model, ctx.scratch, token, static_cast<int>(pos), logits_out.data_ptr<float>(), &top);
+    return top.index;
 }
 
 // tokens: int64 [M], 1 <= M <= GEMV_MAX_M, at positions pos..pos+M-1; logits_out: f32 [M, n_vocab] (all_logits)
-// or [n_vocab] / [1, n_vocab] (the last token's).  K/V are stored at every position.
-void decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const Tensor& logits_out, bool all_logits) {
+// or [n_vocab] / [1, n_vocab] (the last token's).  K/V are stored at every position.  Returns each row of logits'
+// argmax, as decode_step's.
+std::vector<int64_t> decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const Tensor& logits_out,
+                                  bool all_logits) {
     const pyllm::DecodeConfig& c = ctx.model.cfg;
     check_tensor("decode_steps", "tokens", tokens, at::kLong, 1);
     const int64_t M = tokens.size(0);
@@ -307,16 +312,22 @@ void decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const T
                           logits_out.numel() == rows * c.n_vocab,
                       "decode_steps: logits_out must be a contiguous CPU tensor of ", rows, " x ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
-    pybind11::gil_scoped_release nogil;
-    pyllm::decode_steps_cpu(ctx.model, ctx.scratch, tk, static_cast<int>(M), static_cast<int>(pos),
-                            logits_out.data_ptr<float>(), all_logits);
+    pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
+    {
+        pybind11::gil_scoped_release nogil;
+        pyllm::decode_steps_cpu(ctx.model, ctx.scratch, tk, static_cast<int>(M), static_cast<int>(pos),
+                                logits_out.data_ptr<float>(), all_logits, top);
+    }
+    std::vector<int64_t> out(rows);
+    for (int64_t r = 0; r < rows; ++r) out[r] = top[r].index;
+    return out;
 }
 
 
 // One token of each of B sequences, each with its own DecodeContext (its KV cache) built over the same weights:
 // tokens/positions int64 [B], 1 <= B <= GEMV_MAX_M; logits_out f32 [B, n_vocab].  Runs on ctxs[0]'s scratch.
-void decode_batch(const std::vector<DecodeContext*>& ctxs, const Tensor& tokens, const Tensor& positions,
-                  const Tensor& logits_out) {
+std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const Tensor& tokens,
+                                  const Tensor& positions, const Tensor& logits_out) {
     const char* fn = "decode_batch";
     const int64_t B = static_cast<int64_t>(ctxs.size());
     TORCH_CHECK_VALUE(B >= 1 && B <= pyllm::GEMV_MAX_M, fn, ": ", B, " sequences; it takes 1..", pyllm::GEMV_MAX_M);
@@ -363,8 +374,15 @@ void decode_batch(const std::vector<DecodeContext*>& ctxs, const Tensor& tokens,
     TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == B * c.n_vocab,
                       fn, ": logits_out must be a contiguous CPU tensor of ", B, " x ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
-    pybind11::gil_scoped_release nogil;
-    pyllm::decode_batch_cpu(seqs.data(), ctxs[0]->scratch, tk, pos, static_cast<int>(B), logits_out.data_ptr<float>());
+    pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
+    {
+        pybind11::gil_scoped_release nogil;
+        pyllm::decode_batch_cpu(seqs.data(), ctxs[0]->scratch, tk, pos, static_cast<int>(B),
+                                logits_out.data_ptr<float>(), top);
+    }
+    std::vector<int64_t> out(B);
+    for (int64_t b = 0; b < B; ++b) out[b] = top[b].index;
+    return out;
 }
 
 
@@ -528,13 +546,16 @@ void register_decode(py::module& m) {
           "zero the decode steps' phase timers and switch them on or off", py::arg("on"));
     m.def("decode_profile_read", &decode_profile_read,
           "the decode steps' phase timers since decode_profile(True): ns, weight bytes and calls per phase");
-    m.def("decode_step", &decode_step, "one token at pos through all layers (K/V stored at pos) -> logits_out",
+    m.def("decode_step", &decode_step,
+          "one token at pos through all layers (K/V stored at pos) -> logits_out; returns its argmax (-1: not finite)",
           py::arg("ctx"), py::arg("token"), py::arg("pos"), py::arg("logits_out"));
     m.def("decode_steps", &decode_steps,
-          "1..GEMV_MAX_M tokens at pos.. through all layers in one pass (K/V stored at each) -> logits_out",
+          "1..GEMV_MAX_M tokens at pos.. through all layers in one pass (K/V stored at each) -> logits_out; returns "
+          "each row's argmax (-1: not finite)",
           py::arg("ctx"), py::arg("tokens"), py::arg("pos"), py::arg("logits_out"), py::arg("all_logits") = true);
     m.def("decode_batch", &decode_batch,
-          "one token of each of 1..GEMV_MAX_M sequences (own DecodeContext / KV cache each) in one pass -> logits_out",
+          "one token of each of 1..GEMV_MAX_M sequences (own DecodeContext / KV cache each) in one pass -> logits_out; "
+          "returns each row's argmax (-1: not finite)",
           py::arg("ctxs"), py::arg("tokens"), py::arg("positions"), py::arg("logits_out"));
     m.def("kv_attention", &kv_attention, "decode attention of q [H, hd] over KV rows k/v [Hkv, S, row] (tests)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_type"), py::arg("v_type"), py::arg("scale"),

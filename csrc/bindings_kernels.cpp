@@ -27,6 +27,36 @@ Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     return y;
 }
 
+// gemv's y and each of its rows' argmax as the decode step finds it for the logits (RowArgmax: the first index
+// of the largest value, -1 where a value is NaN or infinite), chunk by chunk as the threads write y.
+std::pair<Tensor, std::vector<int64_t>> gemv_argmax(const Tensor& x, const Tensor& w, int64_t qtype, bool precise_x) {
+    const QTypeTraits& tr = check_qtype("gemv_argmax", qtype);
+    check_tensor("gemv_argmax", "x", x, at::kFloat, 2);
+    const int64_t M = x.size(0), K = x.size(1);
+    TORCH_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "gemv_argmax: x has ", M, " rows, it takes 1..",
+                      pyllm::GEMV_MAX_M);
+    check_weight("gemv_argmax", w, tr, K);
+    check_rows8("gemv_argmax", "w", w, qtype);
+    const int64_t N = w.size(0);
+    Tensor y = make_out("gemv_argmax", std::nullopt, M, N);
+    const pyllm::GemvPart part{static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
+                               y.data_ptr<float>(), static_cast<int>(N)};
+    pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
+    pyllm::gemv_parts_cpu(&part, 1, x.data_ptr<float>(), static_cast<int>(M), static_cast<int>(K), precise_x,
+                          nullptr, top);
+    std::vector<int64_t> idx(M);
+    for (int64_t m = 0; m < M; ++m) idx[m] = top[m].index;
+    return {y, idx};
+}
+
+// The RowArgmax of a f32 vector y [n], n >= 1 (the scan each chunk of logits gets).
+int64_t row_argmax(const Tensor& y) {
+    check_tensor("row_argmax", "y", y, at::kFloat, 1);
+    TORCH_CHECK_VALUE(y.size(0) >= 1 && y.size(0) <= INT32_MAX, "row_argmax: y needs 1..2^31-1 values, got ",
+                      y.size(0));
+    return pyllm::row_argmax_cpu(y.data_ptr<float>(), static_cast<int>(y.size(0))).index;
+}
+
 pyllm::PrefillKernel prefill_kernel_named(const std::string& name) {
     for (auto k : {pyllm::PrefillKernel::F32, pyllm::PrefillKernel::Avx512Bf16, pyllm::PrefillKernel::AmxBf16})
         if (name == pyllm::cpu_prefill_name(k)) {
@@ -272,6 +302,10 @@ void register_kernels(py::module& m) {
     m.def("gemv", &gemv, "y[M,N] = x[M,K] @ W.T, M <= 8, W as raw GGUF blocks u8 [N, row_bytes]; precise_x: "
           "16-bit activations where the type has such a kernel (Q8_0)", py::arg("x"), py::arg("w"), py::arg("qtype"),
           py::arg("out") = py::none(), py::arg("precise_x") = false);
+    m.def("gemv_argmax", &gemv_argmax, "(gemv's y, each row's argmax as the decode step's logits get it: -1 where "
+          "a value is not finite)", py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("precise_x") = false);
+    m.def("row_argmax", &row_argmax, "first index of y's largest value, -1 where a value is not finite",
+          py::arg("y"));
     m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M; kernel 'f32' (dequantized tiles + torch GEMM), "
           "'avx512-bf16', 'amx-bf16' or '' (the default, prefill_kernel())", py::arg("x"),
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("kernel") = "f32");

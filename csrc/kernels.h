@@ -62,6 +62,17 @@ struct GemvStats {
     uint64_t thread_ns = 0;         // sum over regions of threads * wall_ns
 };
 
+// What greedy sampling and the non-finite check need from a row of logits: read again by the Python sampler after
+// the step, a row of 49k-262k logits cost ~2-4% of a small model's token, mostly misses on what the other thread
+// wrote.  index: the first index of the row's largest value (np.argmax's choice), -1 where the row holds a NaN or
+// an infinity (the caller then looks at the row itself).
+struct RowArgmax {
+    int64_t index = -1;
+    float value = 0.f;
+};
+// The RowArgmax of y[0..n-1], n >= 1.
+RowArgmax row_argmax_cpu(const float* y, int n);
+
 // One weight matrix of a gemv_parts_cpu call: y [M, N] = x W^T.
 struct GemvPart {
     QType t{};
@@ -73,8 +84,10 @@ struct GemvPart {
 // Several GEMVs over the same x [M, K] (q/k/v, gate/up) in one pass: the activations are prepared once per
 // format the parts need, and all parts' rows run in one parallel region split by weight bytes.  Every output
 // row is computed by the same row kernel as gemv_cpu's, so the bits are gemv_cpu's.
+// argmax (n_parts == 1 only): per row m of x, the RowArgmax of y's row m, found chunk by chunk while each
+// thread's outputs are still in its cache.
 void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x = false,
-                    GemvStats* stats = nullptr);
+                    GemvStats* stats = nullptr, RowArgmax* argmax = nullptr);
 
 // ---- Prefill GEMM on bf16 (csrc/cpu/gemm_amx.cpp) ----------------------------------------------------------
 // How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings_kernels.cpp).
@@ -230,19 +243,21 @@ DecodeProfile& decode_profile_cpu();
 
 // Embeds `token`, runs it at position `pos` through all layers (writing K/V at pos), logits: [n_vocab].
 // Caller checked 0 <= token < vocab rows, 0 <= pos < min(max_seq, max_pos).
-void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits);
+// argmax (optional): the logits' RowArgmax, one per row of logits.
+void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits,
+                     RowArgmax* argmax = nullptr);
 // M (1..GEMV_MAX_M) consecutive tokens at positions pos..pos+M-1 in one pass (each GEMV reads its weights once
 // for all rows; K/V stored at every position).  logits: [M, n_vocab] when all_logits, else [n_vocab] (last row).
 // Caller checked the tokens and pos + M <= min(max_seq, max_pos).
 void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos, float* logits,
-                      bool all_logits);
+                      bool all_logits, RowArgmax* argmax = nullptr);
 
 // One token of each of B (1..GEMV_MAX_M) sequences in one pass: seqs[b] supplies row b's KV cache (k_cache,
 // v_cache; every other field is read from seqs[0], whose weights and config all share), tokens[b] goes to
 // position pos[b] of it.  logits: [B, n_vocab].  Caller checked the tokens, positions and that the seqs share
 // weights, config and max_seq, and that no cache appears twice.
 void decode_batch_cpu(const DecodeModel* const* seqs, DecodeScratch& s, const int64_t* tokens, const int* pos, int B,
-                      float* logits);
+                      float* logits, RowArgmax* argmax = nullptr);
 
 // ---- CUDA ------------------------------------------------------------------------------------------------
 // The CUDA launchers live in csrc/cuda/cuda_kernels.h (they need cuda_runtime.h for cudaStream_t); their

@@ -6,6 +6,7 @@ sequence's own step bit for bit (tolerance 0), for every fixture and cache kind,
 positions.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -66,10 +67,12 @@ def test_batch_rows_equal_single_steps(key, kinds):
                     ops._C.decode_step(s.context(model), t, len(s.tokens), lg)
                     s.tokens.append(t)
                     ref.append(lg)
-                got = batch.decode_rows(model, together, toks)
+                got, tops = batch.decode_rows_with_argmax(model, together, toks)
                 assert got.shape == (n, model.cfg.n_vocab)
                 for b in range(n):
                     assert torch.equal(got[b], ref[b]), f"{key} {kind} B={n} step {step} row {b} differs"
+                # each row's argmax as the step reports it: numpy's on the row (finite here)
+                assert tops == [int(np.argmax(r.numpy())) for r in ref], f"{key} {kind} B={n} step {step}"
                 toks = [int(r.argmax()) for r in ref]
 
 

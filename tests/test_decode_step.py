@@ -7,6 +7,7 @@ the block max) and the difference grows to ~1e-2 over 30 layers (measured: K ide
 of SmolLM2, then a flip); there the greedy tokens must still be identical.
 """
 
+import numpy as np
 import pytest
 import torch
 
@@ -86,6 +87,55 @@ def test_smollm2_sliding_window(smollm2, monkeypatch):
     model = smollm2.model
     monkeypatch.setattr(model.cfg, "sliding_window", 5)
     _compare(model, smollm2.tokenize("One, two, three, four, five, six,"), tol=0.05)
+
+
+def assert_step_argmax_is_numpys(model, prompt, n=6):
+    """Reference: np.argmax of the step's own logits (finite here).  The fused step hands greedy decoding each row's
+    argmax instead of the row being read again: one-token steps along a greedy chain, then a 5-row pass with all
+    rows' logits and with the last row's only."""
+    kv = _kv(model, 96, torch.float16)
+    ids = torch.tensor(prompt, dtype=torch.int64)
+    with torch.inference_mode():
+        tok, pos = int(model.forward(ids, 0, kv)[-1].argmax()), len(prompt)
+        step = model.fused_step(kv)
+        assert step is not None, "C++ decode step was not used"
+        for i in range(n):
+            logits, top = step.with_argmax(tok, pos + i)
+            assert logits.shape == (model.cfg.n_vocab,)
+            assert top == int(np.argmax(logits.numpy())), i
+            tok = top
+        toks = torch.tensor([tok, 5, 6, 7, 8], dtype=torch.int64)
+        for all_logits in (True, False):
+            rows, tops = step.rows_with_argmax(toks, pos + n, all_logits)
+            assert tops == [int(np.argmax(r)) for r in rows.numpy()], all_logits
+
+
+def test_step_argmax_is_numpys_on_its_logits(smollm2, tiny_qwen2):
+    assert_step_argmax_is_numpys(smollm2.model, smollm2.tokenize("The capital of France is"))
+    assert_step_argmax_is_numpys(tiny_qwen2.model, [1, 5, 9, 2, 7])
+
+
+@pytest.mark.parametrize("bits,what", [(0x7E00, "nan"), (0x7C00, "inf")])
+def test_step_argmax_is_minus_one_for_a_non_finite_logit(smollm2_path, monkeypatch, bits, what):
+    """One block scale of the Q8_0 output projection set to NaN / +inf: one logit (row 30000, in a later chunk of
+    the threads' split) is not finite, and the step reports argmax -1 (the caller then checks the row itself), not
+    the index of the largest finite logit.  A model of its own: the backend keeps what it repacks."""
+    from pyllm.quant import QTensor
+
+    model = pyllm.load(smollm2_path, n_ctx=32).model
+    out = model.output
+    data = out.data.clone()
+    data[30000, 0:2] = torch.tensor([bits & 0xFF, bits >> 8], dtype=torch.uint8)
+    monkeypatch.setattr(model, "output", QTensor(out.qtype, out.shape, data))
+    kv = _kv(model, 32, torch.float16)
+    with torch.inference_mode():
+        model.forward(torch.tensor([1, 2, 3]), 0, kv)
+        step = model.fused_step(kv)
+        logits, top = step.with_argmax(4, 3)
+        rows, tops = step.rows_with_argmax(torch.tensor([5, 6]), 4, True)
+    assert not bool(torch.isfinite(logits[30000])), what
+    assert top == -1 and tops == [-1, -1]
+    assert bool(torch.isfinite(torch.cat([logits[:30000], logits[30001:]])).all())
 
 
 def test_decode_from_position_zero(smollm2):

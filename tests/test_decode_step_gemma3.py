@@ -87,6 +87,16 @@ def test_gemma3_final_softcap(gemma3, monkeypatch):
     _compare_forced(model, gemma3.tokenize("Hello"), n=4)
 
 
+def test_gemma3_step_argmax_is_numpys_with_and_without_a_final_softcap(gemma3, monkeypatch):
+    """Gemma 3's output projection (262k rows) through the chunked argmax; with a made-up final cap the argmax is
+    taken after the tanh, which can tie logits the GEMV kept apart."""
+    from test_decode_step import assert_step_argmax_is_numpys
+
+    assert_step_argmax_is_numpys(gemma3.model, gemma3.tokenize("Hello"))
+    monkeypatch.setattr(gemma3.model, "final_softcap", 30.0)
+    assert_step_argmax_is_numpys(gemma3.model, gemma3.tokenize("Hello"))
+
+
 def test_gemma3_decode_from_position_zero(gemma3):
     model = gemma3.model
     kv = _kv(model, 32, torch.float16)

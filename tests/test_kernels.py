@@ -379,6 +379,70 @@ def test_gemv_rows_do_not_depend_on_m(C, name):
                         assert torch.equal(y[m], alone[m]), f"{name} {isa} K={K}: row {m} of {M} differs from alone"
 
 
+def numpy_argmax_or_not_finite(y: np.ndarray) -> int:
+    """The reference for the C++ RowArgmax: np.argmax (the first of tied maxima) of a finite row, else -1."""
+    return int(np.argmax(y)) if np.isfinite(y).all() else -1
+
+
+def test_row_argmax_is_the_first_largest_and_flags_non_finite_rows(C):
+    """Reference: numpy_argmax_or_not_finite.  Lengths around the vector widths, ties (the first wins, +0.0 and
+    -0.0 are equal), NaN and both infinities anywhere in the row, including the first and last value."""
+    rng = rng_for("row_argmax")
+    for n in (1, 2, 7, 8, 15, 16, 17, 31, 33, 64, 100, 4099):
+        y = rng.standard_normal(n).astype(np.float32)
+        rows = [y, np.zeros(n, np.float32), np.full(n, -3.5, np.float32)]
+        if n > 1:
+            t = y.copy()
+            i, j = sorted(rng.choice(n, 2, replace=False))
+            t[i] = t[j] = t.max() + 1  # a tie of two maxima
+            rows.append(t)
+            z = np.full(n, -1.0, np.float32)
+            z[i], z[j] = -0.0, 0.0  # equal to np.argmax: the first
+            rows.append(z)
+        for bad in (np.nan, np.inf, -np.inf):
+            for at in {0, n // 2, n - 1}:
+                b = y.copy()
+                b[at] = bad
+                rows.append(b)
+        for r in rows:
+            assert C.row_argmax(torch.from_numpy(r)) == numpy_argmax_or_not_finite(r), why(n, r[:8])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_argmax_over_chunks_is_numpys_on_its_output(C, threads):
+    """Reference: numpy_argmax_or_not_finite of the same call's y, which equals gemv's bit for bit.  N = 4096
+    rows of Q8_0 (1.1 MB: the threads take many chunks): random rows; then two equal largest rows in different
+    chunks (the first must win); then a block scale of +inf in one row (every x row sees a non-finite value)."""
+    N, K = 4096, 256
+    wt = make_weight("Q8_0", N, K)
+    x = torch.from_numpy(rng_for("xa", threads).standard_normal((3, K), dtype=np.float32))
+    raw_tie = wt.raw.clone()  # rows 7 and 3000 the largest for x row 0: scales 1.0, weights +-127 along x's signs
+    q = torch.where(x[0] >= 0, 127, -127).to(torch.int8).reshape(K // 32, 32)
+    raw_tie[7].view(K // 32, 34)[:, 2:] = q.view(torch.uint8)
+    raw_tie[7].view(K // 32, 34)[:, :2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # f16 1.0
+    raw_tie[3000] = raw_tie[7]
+    raw_inf = wt.raw.clone()
+    raw_inf[2000].view(K // 32, 34)[3, :2] = torch.tensor([0x00, 0x7C], dtype=torch.uint8)  # f16 +inf scale
+    old = C.get_num_threads()
+    try:
+        C.set_num_threads(threads)
+        for isa in C.available_isas():
+            C.set_isa(isa)
+            for raw in (wt.raw, raw_tie, raw_inf):
+                for precise in (False, True):
+                    for M in (1, 3):
+                        xs = x[:M].contiguous()
+                        y, top = C.gemv_argmax(xs, raw, int(GT["Q8_0"]), precise)
+                        same = C.gemv(xs, raw, int(GT["Q8_0"]), None, precise)  # bits (NaN included)
+                        assert torch.equal(y.view(torch.int32), same.view(torch.int32)), why(isa, M)
+                        want = [numpy_argmax_or_not_finite(r) for r in y.numpy()]
+                        assert top == want, why(isa, threads, precise, M, top, want)
+            assert C.gemv_argmax(x[:1].contiguous(), raw_tie, int(GT["Q8_0"]), False)[1] == [7], why(isa)
+            assert C.gemv_argmax(x, raw_inf, int(GT["Q8_0"]), False)[1] == [-1, -1, -1], why(isa)
+    finally:
+        C.set_num_threads(old)
+
+
 @pytest.mark.parametrize("N,K", [(96, 640), (37, 576), (160, 896)])
 @pytest.mark.parametrize("M", [1, 3, 8, 13])
 def test_gemv_precise_x_keeps_16_bit_activations_for_q8_0(C, N, K, M):

@@ -128,3 +128,32 @@ def test_fast_top_k_with_ties_keeps_exactly_k_and_everything_above():
     assert lg[:3].tolist() == [2.0, 2.0, 2.0] and not lg[3:].any()
     again = s.candidates(logits * 2)  # the buffers kept between calls do not leak into earlier results
     assert lg[:3].tolist() == [2.0, 2.0, 2.0] and again[1][:3].tolist() == [4.0, 4.0, 4.0]
+
+
+def test_a_known_argmax_is_taken_only_where_greedy_sampling_would_take_the_argmax():
+    """Reference: sample() on the same logits.  sample_known_argmax takes the caller's argmax (the fused step's)
+    only for greedy decoding with nothing that changes a logit; everywhere else (a logit bias, a penalty with a
+    token in its window, temperature > 0, an unknown argmax: None or -1, a subclass overriding sample) it is
+    sample().  A deliberately wrong hint (index 3, not the argmax 5) shows which path ran."""
+    logits = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 2.0, 0.0])
+    greedy = S.Sampler(S.SamplerSettings(temperature=0))
+    assert greedy.sample_known_argmax(logits, 3) == 3  # trusted: the step's argmax is the logits' own
+    assert list(greedy.recent) == [3]  # recorded as sample() records its choice
+    for hint in (None, -1):
+        assert S.Sampler(S.SamplerSettings(temperature=0)).sample_known_argmax(logits, hint) == 5
+    cases = [dict(temperature=0, logit_bias={0: 5.0}), dict(temperature=0, repeat_penalty=1.5),
+             dict(temperature=0.8, seed=1)]
+    for kw in cases:
+        a, b = S.Sampler(S.SamplerSettings(**kw)), S.Sampler(S.SamplerSettings(**kw))
+        if "repeat_penalty" in kw:
+            a.accept(5)
+            b.accept(5)
+        assert a.sample_known_argmax(logits, 3) == b.sample(logits), kw
+
+    class Logged(S.Sampler):
+        def sample(self, logits):
+            self.called = True
+            return super().sample(logits)
+
+    s = Logged(S.SamplerSettings(temperature=0))
+    assert s.sample_known_argmax(logits, 3) == 5 and s.called

@@ -490,21 +490,24 @@ def test_non_finite_verification_rows_end_generation_only_where_plain_decoding_w
     """Reference: plain decoding's tokens.  A verification row that is used (the accepted drafts' rows and the row
     giving the model's own token) is checked like a plain step's logits: NaN there ends the generation with the
     non-finite error, where accept would otherwise emit whatever the argmax of NaN is.  A row after the first
-    rejected draft is one plain decoding never computes: NaN there changes nothing."""
+    rejected draft is one plain decoding never computes: NaN there changes nothing.  The pass reports the poked
+    row's argmax as the C++ pass reports a row with a NaN (-1)."""
     llm, ids, plain = _smollm2_edit_plain(32)
     real, poked = sp.forward_rows, []
 
     def forward_rows(gen, toks, all_logits=True):
         at = len(gen.tokens) - len(ids)  # toks[0] is plain[at]; toks[1:] are the drafts
-        rows = real(gen, toks, all_logits)
+        rows, tops = real(gen, toks, all_logits)
+        assert tops is not None and len(tops) == len(toks)
         used = 1 + next((j for j, d in enumerate(toks[1:]) if at + 1 + j >= len(plain) or d != plain[at + 1 + j]),
                         len(toks) - 1)  # rows 0 .. accepted drafts
         row = used - 1 if where == "used" else used
         if row < len(toks) and (where == "unused" or used > 1) and not poked:
-            rows = rows.clone()
+            rows, tops = rows.clone(), list(tops)
             rows[row, 7] = float("nan")
+            tops[row] = -1
             poked.append(row)
-        return rows
+        return rows, tops
 
     monkeypatch.setattr(sp, "forward_rows", forward_rows)
     llm.reset()
@@ -514,6 +517,32 @@ def test_non_finite_verification_rows_end_generation_only_where_plain_decoding_w
     else:
         assert list(llm.generate_tokens(ids, max_tokens=32, temperature=0, speculative=_spec(7))) == plain
     assert poked, "no pass had a row to poke"
+
+
+def test_a_non_finite_step_ends_plain_greedy_decoding(monkeypatch):
+    """Reference: the non-finite error of a plain step's logits.  A step whose row holds a NaN reports argmax -1
+    (tests/test_decode_step.py), and greedy decoding, which otherwise takes the step's argmax without reading the
+    row, then reads it and raises; a finite row's argmax is the token (the reply is plain decoding's up to there)."""
+    from pyllm.backends import cpu
+
+    llm, ids, plain = _smollm2_edit_plain(12)
+    real, steps = cpu.CpuDecodeStep.with_argmax, []
+
+    def with_argmax(self, token, pos):
+        logits, top = real(self, token, pos)
+        steps.append(top)
+        if len(steps) == 5:
+            logits[11] = float("nan")
+            top = -1
+        return logits, top
+
+    monkeypatch.setattr(cpu.CpuDecodeStep, "with_argmax", with_argmax)
+    llm.reset()
+    got = []
+    with pytest.raises(PyllmError, match="non-finite logits"):
+        for t in llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="none"):
+            got.append(t)
+    assert got == plain[:5] and steps[:4] == plain[1:5]
 
 
 def test_greedy_lookup_near_the_context_limit():

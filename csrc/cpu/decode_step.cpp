@@ -129,7 +129,7 @@ namespace {
 // The rows' shared body: row r is tokens[r] at position pos[r] of the cache caches[r] (K/V parts); the weights
 // are read once for all M rows, attention is per row over its own cache.
 void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, const int* pos_of,
-                 const KVPart* const* caches, float* logits, bool all_logits) {
+                 const KVPart* const* caches, float* logits, bool all_logits, RowArgmax* argmax) {
     const DecodeConfig& c = m.cfg;
     const int D = c.n_embd, H = c.n_head, Hkv = c.n_kv_head, hd = c.head_dim, F = c.n_ff;
     const int group = H / Hkv;
@@ -436,12 +436,17 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
     clk.to(prof.norm_ns);
     {
         const GemvPart out{m.output.qtype, m.output.data, m.output.row_bytes, logits, c.n_vocab};
-        gemv_parts_cpu(&out, 1, h0b + static_cast<size_t>(r0) * D, n_out, D, /*precise_x=*/true, st_output);  // as ops.qmatmul_output
+        // as ops.qmatmul_output; the softcap can tie logits the GEMV kept apart, so then the argmax waits for it
+        gemv_parts_cpu(&out, 1, h0b + static_cast<size_t>(r0) * D, n_out, D, /*precise_x=*/true, st_output,
+                       c.final_softcap == 0.f ? argmax : nullptr);
     }
     clk.skip();
     if (c.final_softcap != 0.f) {
         const float cap = c.final_softcap;
         for (size_t i = 0; i < static_cast<size_t>(n_out) * c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
+        if (argmax)
+            for (int r = 0; r < n_out; ++r)
+                argmax[r] = row_argmax_cpu(logits + static_cast<size_t>(r) * c.n_vocab, c.n_vocab);
     }
     clk.to(prof.act_ns);
     if (prof.on) {
@@ -453,7 +458,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
 }  // namespace
 
 void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos0, float* logits,
-                      bool all_logits) {
+                      bool all_logits, RowArgmax* argmax) {
     int pos[GEMV_MAX_M];
     const KVPart* caches[2 * GEMV_MAX_M];
     for (int r = 0; r < M; ++r) {
@@ -461,21 +466,22 @@ void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tok
         caches[2 * r] = &m.k_cache;
         caches[2 * r + 1] = &m.v_cache;
     }
-    decode_rows(m, s, tokens, M, pos, caches, logits, all_logits);
+    decode_rows(m, s, tokens, M, pos, caches, logits, all_logits, argmax);
 }
 
 void decode_batch_cpu(const DecodeModel* const* seqs, DecodeScratch& s, const int64_t* tokens, const int* pos, int B,
-                      float* logits) {
+                      float* logits, RowArgmax* argmax) {
     const KVPart* caches[2 * GEMV_MAX_M];
     for (int b = 0; b < B; ++b) {
         caches[2 * b] = &seqs[b]->k_cache;
         caches[2 * b + 1] = &seqs[b]->v_cache;
     }
-    decode_rows(*seqs[0], s, tokens, B, pos, caches, logits, true);
+    decode_rows(*seqs[0], s, tokens, B, pos, caches, logits, true, argmax);
 }
 
-void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits) {
-    decode_steps_cpu(m, s, &token, 1, pos, logits, true);
+void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits,
+                     RowArgmax* argmax) {
+    decode_steps_cpu(m, s, &token, 1, pos, logits, true, argmax);
 }
 
 // ---- Prefill's row operations: the step's own per-row code over T rows, rows split among the kernel threads --

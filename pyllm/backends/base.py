@@ -36,7 +36,10 @@ class DecodeStep(Protocol):
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         """Runs ``token`` at position ``pos`` (writing its K/V into the bound cache) and returns float32 CPU
-        logits [1, n_vocab]. The caller has checked that pos + 1 <= the cache's max_seq."""
+        logits [1, n_vocab]. The caller has checked that pos + 1 <= the cache's max_seq.
+
+        A step may also offer ``with_argmax(token, pos)`` -> (logits [n_vocab], their argmax, -1 where one is NaN
+        or infinite): what greedy sampling needs, without reading the logits again (Decoder.fused_logits)."""
 
 
 @runtime_checkable

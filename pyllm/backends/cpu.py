@@ -49,7 +49,9 @@ EXACT_ROW_TYPES = frozenset(
 class CpuDecodeStep:
     """The C++ decode step bound to one model and one cache: ``step(token, pos)`` -> logits [1, n_vocab] f32;
     ``rows(tokens, pos, all_logits)`` runs up to ops.GEMV_MAX_M consecutive tokens in one pass (speculation).
-    ``rows_exact``: every matrix is of EXACT_ROW_TYPES, so each row of ``rows`` is bit for bit a one-token step's."""
+    ``rows_exact``: every matrix is of EXACT_ROW_TYPES, so each row of ``rows`` is bit for bit a one-token step's.
+    ``with_argmax`` (logits [n_vocab]) and ``rows_with_argmax`` also return each row's argmax (-1 where a logit is
+    NaN or infinite), found by the output GEMV while its outputs are in cache."""
 
     def __init__(self, ctx, rows_exact: bool = False):
         self.ctx = ctx
@@ -57,14 +59,19 @@ class CpuDecodeStep:
         self.rows_exact = rows_exact
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
-        logits = torch.empty(1, self.n_vocab)
-        ops._C.decode_step(self.ctx, token, pos, logits)
-        return logits
+        return self.with_argmax(token, pos)[0].view(1, -1)
+
+    def with_argmax(self, token: int, pos: int) -> tuple[torch.Tensor, int]:
+        logits = torch.empty(self.n_vocab)
+        return logits, ops._C.decode_step(self.ctx, token, pos, logits)
 
     def rows(self, tokens: torch.Tensor, pos: int, all_logits: bool = True) -> torch.Tensor:
+        return self.rows_with_argmax(tokens, pos, all_logits)[0]
+
+    def rows_with_argmax(self, tokens: torch.Tensor, pos: int, all_logits: bool = True
+                         ) -> tuple[torch.Tensor, list[int]]:
         out = torch.empty(tokens.shape[0] if all_logits else 1, self.n_vocab)
-        ops._C.decode_steps(self.ctx, tokens, pos, out, all_logits)
-        return out
+        return out, ops._C.decode_steps(self.ctx, tokens, pos, out, all_logits)
 
 
 class CpuBackend:

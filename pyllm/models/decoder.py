@@ -114,18 +114,20 @@ class Decoder:
         """The CPU backend's DecodeContext for ``kv`` (what ops._C's batched steps take), or None."""
         return getattr(self.fused_step(kv), "ctx", None)
 
-    def fused_logits(self, token: int, pos: int, kv) -> torch.Tensor | None:
-        """Logits [1, n_vocab] f32 of one token through the fused step, or None where it does not apply (then the
-        torch forward runs).  The generator calls it for each decoded token (under inference mode) with the id as an
-        int: right after a step has streamed the weights through the caches every Python-side torch call runs cold
-        (torch.tensor([t]) took 100-140 us there against 6 us warm: 2% of a SmolLM2 token)."""
+    def fused_logits(self, token: int, pos: int, kv) -> tuple[torch.Tensor, int | None] | None:
+        """(logits [n_vocab] f32, their argmax) of one token through the fused step, or None where it does not
+        apply (then the torch forward runs).  The argmax is -1 where a logit is NaN or infinite, None where the
+        step does not report it.  The generator calls it for each decoded token with the id as an int, outside
+        inference mode: right after a step has streamed the weights through the caches every Python-side torch call
+        runs cold (torch.tensor([t]) took 100-140 us there against 6 us warm: 2% of a SmolLM2 token)."""
         if not self.use_cpp_decode:
             return None
         step = self.fused_step(kv)
         if step is None:
             return None
         kv.check_room(pos, 1)
-        return step(token, pos)
+        with_argmax = getattr(step, "with_argmax", None)
+        return with_argmax(token, pos) if with_argmax is not None else (step(token, pos)[-1], None)
 
     @staticmethod
     def to_cpu(logits: torch.Tensor) -> torch.Tensor:

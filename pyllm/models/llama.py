@@ -91,9 +91,9 @@ class LlamaModel(Decoder):
         cfg, w, vec, lin = self.cfg, self.w, self.vec, self.linear
         t = tokens.shape[0]
         if t == 1:  # the fused step where it applies (fused_logits says None where not)
-            logits = self.fused_logits(int(tokens[0]), start_pos, kv)
-            if logits is not None:
-                return logits
+            fused = self.fused_logits(int(tokens[0]), start_pos, kv)
+            if fused is not None:
+                return fused[0].view(1, -1)
         x = self.embed(w["token_embd.weight"], tokens)  # [T, D]
         cos, sin = self.cos[start_pos:start_pos + t], self.sin[start_pos:start_pos + t]
         for i in range(cfg.n_layer):

@@ -88,7 +88,13 @@ def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
     """Logits [B, n_vocab] of tokens[b] appended to slots[b] (K/V stored at len(slots[b].tokens)); the slots'
     token lists are extended. One decode_batch call per MAX_BATCH rows where every slot has a C++ context; a row
     without one runs model.forward alone."""
-    out = []
+    return decode_rows_with_argmax(model, slots, tokens)[0]
+
+
+def decode_rows_with_argmax(model, slots: list[Slot], tokens: list[int]) -> tuple[torch.Tensor, list[int | None]]:
+    """decode_rows' logits and each row's argmax where decode_batch found it (-1: a logit is NaN or infinite),
+    else None (what Sampler.sample and the non-finite check take)."""
+    out, tops = [], []
     with torch.inference_mode():
         for i in range(0, len(slots), MAX_BATCH):
             group, toks = slots[i:i + MAX_BATCH], tokens[i:i + MAX_BATCH]
@@ -97,15 +103,16 @@ def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
                 s.kv.check_room(len(s.tokens), 1)
             if all(c is not None for c in ctxs):
                 logits = torch.empty(len(group), ctxs[0].n_vocab)
-                ops._C.decode_batch(ctxs, torch.tensor(toks, dtype=torch.int64),
-                                    torch.tensor([len(s.tokens) for s in group], dtype=torch.int64), logits)
+                tops += ops._C.decode_batch(ctxs, torch.tensor(toks, dtype=torch.int64),
+                                            torch.tensor([len(s.tokens) for s in group], dtype=torch.int64), logits)
                 out.append(logits)
             else:
                 out += [model.forward(torch.tensor([t], dtype=torch.int64), len(s.tokens), s.kv)[-1:].float()
                         for s, t in zip(group, toks)]
+                tops += [None] * len(group)
             for s, t in zip(group, toks):
                 s.tokens.append(t)
-    return out[0] if len(out) == 1 else torch.cat(out)
+    return (out[0] if len(out) == 1 else torch.cat(out)), tops
 
 
 def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
@@ -517,27 +524,29 @@ class BatchEngine:
         if not feed:
             return
         try:
-            logits = decode_rows(self.model, [r.slot for r in feed], [r.last for r in feed])
+            logits, tops = decode_rows_with_argmax(self.model, [r.slot for r in feed], [r.last for r in feed])
         except Exception as e:
             for r in feed:
                 self._finish(r, error=e)
             return
-        for r, lg in zip(feed, logits):
-            self._emit(r, lg)
+        for r, lg, top in zip(feed, logits, tops):
+            self._emit(r, lg, top=top)
 
     @staticmethod
     def _forced(r: Request):
         c = getattr(r.sampler, "constraint", None)
         return c.end_token() if c is not None else None
 
-    def _emit(self, r: Request, logits: torch.Tensor | None, tok: int | None = None) -> None:
-        """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops."""
+    def _emit(self, r: Request, logits: torch.Tensor | None, tok: int | None = None, top: int | None = None) -> None:
+        """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops.  top: the
+        logits' argmax from the fused step (>= 0: every logit is finite), else None."""
         try:
             if tok is None:
-                a = logits.numpy()  # numpy, not torch: see Sampler.candidates
-                if not math.isfinite(float(a.sum())) and not bool(np.isfinite(a).all()):
-                    raise self.nonfinite(logits)
-                tok = r.sampler.sample(logits)
+                if top is None or top < 0:
+                    a = logits.numpy()  # numpy, not torch: see Sampler.candidates
+                    if not math.isfinite(float(a.sum())) and not bool(np.isfinite(a).all()):
+                        raise self.nonfinite(logits)
+                tok = r.sampler.sample_known_argmax(logits, top)
                 lp = r.sampler.last_logprobs if getattr(r.sampler, "logprobs", None) is not None else None
             else:
                 lp = None

@@ -116,14 +116,30 @@ class Generator:
             raise ContextFullError(f"context full: {pos} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
 
     def _forward(self, toks: list[int], all_logits: bool = False) -> torch.Tensor:
+        if len(toks) == 1:
+            return self._decode(toks[0])[0].view(1, -1)
         pos = len(self.tokens)
         self.check_room(len(toks))
         with torch.inference_mode():
-            logits = self.model.fused_logits(toks[0], pos, self.kv) if len(toks) == 1 else None
-            if logits is None:
-                logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
+            logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
         self.tokens.extend(toks)
         return logits
+
+    def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
+        """One token: the logits [n_vocab] after it and, from the fused step, their argmax (-1: a logit is NaN or
+        infinite), else None: what ``sample`` and ``check`` take so as not to read the row again.  The fused step
+        needs no inference mode (it fills a tensor it allocates) and its row no slicing: right after a step each
+        torch call costs 10-50 us, cold."""
+        pos = len(self.tokens)
+        self.check_room(1)
+        fused = self.model.fused_logits(tok, pos, self.kv)
+        if fused is None:
+            with torch.inference_mode():
+                logits, top = self.model.forward(torch.tensor([tok], dtype=torch.int64), pos, self.kv)[-1], None
+        else:
+            logits, top = fused
+        self.tokens.append(tok)
+        return logits, top
 
     def common_prefix(self, ids: list[int]) -> int:
         n = 0
@@ -180,9 +196,9 @@ class Generator:
             return "context"
         return "interrupted"
 
-    def generate(self, ids: list[int], sample: Callable[[torch.Tensor], int], max_tokens: int,
+    def generate(self, ids: list[int], sample: Callable[[torch.Tensor, int | None], int], max_tokens: int,
                  is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None, spec=None,
-                 sampler=None, check: Callable[[torch.Tensor], None] | None = None) -> Iterator[int]:
+                 sampler=None, check: Callable[[torch.Tensor, int | None], None] | None = None) -> Iterator[int]:
         """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context.
 
         ``forced_end`` (a grammar constraint's ``end_token``): asked after each token; an id means the structured
@@ -192,7 +208,8 @@ class Generator:
         for verification: its grammar, if any, is ``forced_end``'s), or None for one token per step.
         check: raises on logits that must not be sampled (``sample`` runs it on its own); a verification pass runs
         it on each row of logits it uses, and only those: a row after a rejected draft is one plain decoding never
-        computes, so it cannot end the generation.
+        computes, so it cannot end the generation.  Both take the row and its argmax where the fused step found it
+        (-1: a logit is NaN or infinite), else None.
         """
         st = self.stats = GenerationStats(prompt_tokens=len(ids))
         t0 = time.perf_counter()
@@ -204,9 +221,9 @@ class Generator:
                                                   spec, t0, check)
             return
         t1 = time.perf_counter()
-        forced = None
+        forced, top = None, None
         for n in range(max_tokens):
-            tok = sample(logits) if forced is None else forced
+            tok = sample(logits, top) if forced is None else forced
             st.generated_tokens += 1
             if n == 0:
                 st.ttft = time.perf_counter() - t0
@@ -219,7 +236,7 @@ class Generator:
                 break
             forced = forced_end() if forced_end is not None else None
             if forced is None:
-                logits = self._forward([tok])[-1]
+                logits, top = self._decode(tok)
         else:
             st.finish_reason = "length"
         st.decode_seconds = time.perf_counter() - t1
@@ -255,7 +272,7 @@ class Generator:
             st.prompt_seconds += time.perf_counter() - tp
         constraint = sampler.constraint
         lps = [] if sampler.logprobs is not None else None  # per queued token: its (logprob, top)
-        queue = [sample(logits)]
+        queue = [sample(logits, None)]
         if lps is not None:
             lps.append(sampler.last_logprobs)
         st.ttft = time.perf_counter() - t0
@@ -320,9 +337,9 @@ class Generator:
                     k = ctrl.choose_k(mlen, min(len(drafts), room))
             ts = time.perf_counter()
             if k == 0:
-                logits = self._forward([tok])[-1]
+                logits, top = self._decode(tok)
                 ctrl.time(1, time.perf_counter() - ts)
-                nxt = sample(logits)
+                nxt = sample(logits, top)
                 if drafts:  # free evidence: would the first drafted token have been accepted?
                     ctrl.observe(mlen, int(drafts[0] == nxt), 1)
                 sst.plain_steps += 1
@@ -332,11 +349,11 @@ class Generator:
                 continue
             d = drafts[:k]
             with torch.inference_mode():
-                rows = sp.forward_rows(self, [tok] + d)
+                rows, tops = sp.forward_rows(self, [tok] + d)
             ctrl.time(k + 1, time.perf_counter() - ts)
             if lps is not None:
                 lps = []
-            queue = sp.accept(sampler, rows, d, q, logprobs=lps, check=check)
+            queue = sp.accept(sampler, rows, d, q, logprobs=lps, check=check, argmax=tops)
             a = len(queue) - 1  # accepted drafts
             self.truncate(len(self.tokens) - (k - a))  # keep tok and the accepted drafts
             ctrl.observe(mlen, a, min(a + 1, k))

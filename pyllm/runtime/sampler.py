@@ -226,6 +226,17 @@ class Sampler:
         tied = np.flatnonzero(np.equal(f, kth, out=self._mask))
         return np.concatenate([above, tied[:k - len(above)]])
 
+    def sample_known_argmax(self, logits: torch.Tensor, argmax: int | None) -> int:
+        """sample(logits) for logits whose argmax the caller knows (the fused step's; None or -1: unknown).  Greedy
+        decoding with nothing that changes a logit takes it without a numpy or torch call: right after a step has
+        streamed the weights through the caches each of those costs 10-60 us, cold.  A subclass that overrides
+        sample() gets every call."""
+        s = self.s
+        if argmax is not None and argmax >= 0 and type(self).sample is Sampler.sample and s.temperature == 0 \
+                and not s.logit_bias and self.constraint is None and not self._penalizing():
+            return self.take(argmax, logits)
+        return self.sample(logits)
+
     def sample(self, logits: torch.Tensor) -> int:
         """logits: [n_vocab] float. Returns the chosen id and records it for the penalty window."""
         ids, lg = self.candidates(logits)

@@ -198,7 +198,7 @@ class DraftProposer:
             logits = gen.prefill(ctx)
         else:
             for i in range(0, len(rest), MAX_ROWS):
-                logits = forward_rows(gen, rest[i:i + MAX_ROWS], all_logits=False)[-1]
+                logits = forward_rows(gen, rest[i:i + MAX_ROWS], all_logits=False)[0][-1]
         room = gen.n_ctx - len(gen.tokens) - 1
         k = min(k, room)
         out, qs = [], []
@@ -218,27 +218,28 @@ class DraftProposer:
             out.append(tok)
             recent.append(tok)
             if i + 1 < k:
-                logits = forward_rows(gen, [tok], all_logits=False)[-1]
+                logits = forward_rows(gen, [tok], all_logits=False)[0][-1]
         self.step_seconds = time.perf_counter() - t1
         return out, qs
 
 
 # ---- the model's multi-row forward -------------------------------------------------------------------------------
-def forward_rows(gen, toks: list[int], all_logits: bool = True) -> torch.Tensor:
+def forward_rows(gen, toks: list[int], all_logits: bool = True) -> tuple[torch.Tensor, list[int] | None]:
     """Runs ``toks`` (1..MAX_ROWS) at the generator's next positions and appends them to its tokens.
 
     Uses the fused step's multi-row pass where the model's backend has one (CPU: ops._C.decode_steps, the weights
     read once for all rows, each row otherwise the one-token step), else the model's forward. Returns logits
-    [len(toks) or 1, n_vocab] f32.
+    [len(toks) or 1, n_vocab] f32 and, from the fused pass, each row's argmax (-1: a logit is NaN or infinite),
+    else None.
     """
     model, kv = gen.model, gen.kv
     step = model.fused_step(kv) if getattr(model, "use_cpp_decode", False) else None
-    if step is None or not hasattr(step, "rows") or len(toks) > MAX_ROWS:
-        return gen._forward(toks, all_logits=all_logits)
+    if step is None or not hasattr(step, "rows_with_argmax") or len(toks) > MAX_ROWS:
+        return gen._forward(toks, all_logits=all_logits), None
     pos = len(gen.tokens)
     gen.check_room(len(toks))
     kv.check_room(pos, len(toks))
-    out = step.rows(torch.tensor(toks, dtype=torch.int64), pos, all_logits)
+    out = step.rows_with_argmax(torch.tensor(toks, dtype=torch.int64), pos, all_logits)
     gen.tokens.extend(toks)
     return out
 
@@ -266,7 +267,7 @@ def _draw(sampler, ids: np.ndarray, probs: np.ndarray) -> int:
 
 
 def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None,
-           logprobs: list | None = None, check=None) -> list[int]:
+           logprobs: list | None = None, check=None, argmax: list[int] | None = None) -> list[int]:
     """The tokens to emit after verifying ``drafts``: the accepted prefix, then one token of the model's own.
 
     rows: logits [len(drafts) + 1, n_vocab], row i predicting the token after drafts[:i]. q: per draft the
@@ -276,7 +277,8 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
     complete ends the list there (the generator then emits its end token, as plain decoding does). ``logprobs``: a
     list that gets each emitted token's (logprob, top) from its own row, for a sampler that reports them.
     ``check``: run on each row before it is used (the generation's non-finite check), never on the rows after the
-    first rejected draft, which plain decoding would not have computed.
+    first rejected draft, which plain decoding would not have computed.  ``argmax``: each row's argmax from the
+    fused pass (-1: a logit is NaN or infinite), or None; handed to ``check`` and the greedy sampler.
     """
     out = []
     greedy = sampler.s.temperature == 0
@@ -289,10 +291,12 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
         return constraint is None or not constraint.is_done()
 
     for i, d in enumerate(drafts + [None]):
+        top = argmax[i] if argmax is not None else None
         if check is not None:
-            check(rows[i])
+            check(rows[i], top)
         if greedy:
-            tok = sampler.sample(rows[i])  # argmax after bias/penalties/grammar: exactly plain decoding's choice
+            # the argmax after bias/penalties/grammar: exactly plain decoding's choice
+            tok = sampler.sample_known_argmax(rows[i], top)
             if not emit(tok) or tok != d:
                 return out
             continue
