@@ -93,7 +93,7 @@ def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
 
 def decode_rows_with_argmax(model, slots: list[Slot], tokens: list[int]) -> tuple[torch.Tensor, list[int | None]]:
     """decode_rows' logits and each row's argmax where decode_batch found it (-1: a logit is NaN or infinite),
-    else None (what Sampler.sample and the non-finite check take)."""
+    else None (what Sampler.sample_known_argmax and the non-finite check take)."""
     out, tops = [], []
     with torch.inference_mode():
         for i in range(0, len(slots), MAX_BATCH):
