@@ -10,8 +10,11 @@ namespace pyllm {
 namespace bind {
 namespace {
 
-// y = x @ W.T for 1 <= M <= 8 rows of x: x f32 [M, K], w u8 [N, row_bytes] -> y f32 [M, N]
-Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x) {
+// y = x @ W.T for 1 <= M <= 8 rows of x: x f32 [M, K], w u8 [N, row_bytes] -> y f32 [M, N].  argmax: where
+// given, each row of y's RowArgmax, found as the decode step finds the logits' (chunk by chunk as the threads
+// write y).
+Tensor gemv_rows(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x,
+                 pyllm::RowArgmax* argmax) {
     const QTypeTraits& tr = check_qtype("gemv", qtype);
     check_tensor("gemv", "x", x, at::kFloat, 2);
     const int64_t M = x.size(0), K = x.size(1);
@@ -23,29 +26,20 @@ Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     Tensor y = make_out("gemv", out, M, N);
     pyllm::gemv_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
                     x.data_ptr<float>(), y.data_ptr<float>(), static_cast<int>(M), static_cast<int>(N),
-                    static_cast<int>(K), precise_x);
+                    static_cast<int>(K), precise_x, argmax);
     return y;
 }
 
-// gemv's y and each of its rows' argmax as the decode step finds it for the logits (RowArgmax: the first index
-// of the largest value, -1 where a value is NaN or infinite), chunk by chunk as the threads write y.
+Tensor gemv(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out, bool precise_x) {
+    return gemv_rows(x, w, qtype, out, precise_x, nullptr);
+}
+
+// (gemv's y, each row's argmax: the first index of its largest value, -1 where a value is NaN or infinite).
 std::pair<Tensor, std::vector<int64_t>> gemv_argmax(const Tensor& x, const Tensor& w, int64_t qtype, bool precise_x) {
-    const QTypeTraits& tr = check_qtype("gemv_argmax", qtype);
-    check_tensor("gemv_argmax", "x", x, at::kFloat, 2);
-    const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "gemv_argmax: x has ", M, " rows, it takes 1..",
-                      pyllm::GEMV_MAX_M);
-    check_weight("gemv_argmax", w, tr, K);
-    check_rows8("gemv_argmax", "w", w, qtype);
-    const int64_t N = w.size(0);
-    Tensor y = make_out("gemv_argmax", std::nullopt, M, N);
-    const pyllm::GemvPart part{static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
-                               y.data_ptr<float>(), static_cast<int>(N)};
     pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
-    pyllm::gemv_parts_cpu(&part, 1, x.data_ptr<float>(), static_cast<int>(M), static_cast<int>(K), precise_x,
-                          nullptr, top);
-    std::vector<int64_t> idx(M);
-    for (int64_t m = 0; m < M; ++m) idx[m] = top[m].index;
+    Tensor y = gemv_rows(x, w, qtype, std::nullopt, precise_x, top);
+    std::vector<int64_t> idx(y.size(0));
+    for (size_t m = 0; m < idx.size(); ++m) idx[m] = top[m].index;
     return {y, idx};
 }
 

@@ -44,12 +44,23 @@ void cpu_set_num_threads(int n);       // n >= 1
 int cpu_get_num_threads();
 int cpu_physical_cores();              // cores (not SMT siblings) this process may run on
 
+// What greedy sampling and the non-finite check need from a row of logits: read again by the Python sampler after
+// the step, a row of 49k-262k logits cost ~2-4% of a small model's token, mostly misses on what the other thread
+// wrote.  index: the first index of the row's largest value (np.argmax's choice), -1 where the row holds a NaN or
+// an infinity (the caller then looks at the row itself).
+struct RowArgmax {
+    int64_t index = -1;
+    float value = 0.f;
+};
+// The RowArgmax of y[0..n-1], n >= 1.
+RowArgmax row_argmax_cpu(const float* y, int n);
+
 // y[m, n] = sum_k x[m, k] * W[n, k] for 1 <= M <= GEMV_MAX_M, W read once in its quantized form.
 // w: N * row_bytes bytes; x: [M, K]; y: [M, N].
 // precise_x: keep the activations at 16 bits where the type has such a kernel (Q8_0; others ignore it).  For
-// the output projection, whose error goes straight into the logits.
+// the output projection, whose error goes straight into the logits.  argmax: as gemv_parts_cpu's.
 void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
-              bool precise_x = false);
+              bool precise_x = false, RowArgmax* argmax = nullptr);
 
 // Where a GEMV's time goes (the decode step's profile, tools/decode_profile.py): added to by gemv_parts_cpu when
 // the caller passes one.  busy_ns sums the threads' time inside row kernels; threads * wall_ns - busy_ns is time
@@ -61,17 +72,6 @@ struct GemvStats {
     uint64_t busy_ns = 0;           // sum over threads of their time in row kernels
     uint64_t thread_ns = 0;         // sum over regions of threads * wall_ns
 };
-
-// What greedy sampling and the non-finite check need from a row of logits: read again by the Python sampler after
-// the step, a row of 49k-262k logits cost ~2-4% of a small model's token, mostly misses on what the other thread
-// wrote.  index: the first index of the row's largest value (np.argmax's choice), -1 where the row holds a NaN or
-// an infinity (the caller then looks at the row itself).
-struct RowArgmax {
-    int64_t index = -1;
-    float value = 0.f;
-};
-// The RowArgmax of y[0..n-1], n >= 1.
-RowArgmax row_argmax_cpu(const float* y, int n);
 
 // One weight matrix of a gemv_parts_cpu call: y [M, N] = x W^T.
 struct GemvPart {

@@ -443,6 +443,31 @@ def test_gemv_argmax_over_chunks_is_numpys_on_its_output(C, threads):
         C.set_num_threads(old)
 
 
+def test_gemv_argmax_with_residual_rows_is_numpys_on_its_output(C):
+    """Reference: numpy_argmax_or_not_finite of the same call's y (gemv's bits).  Q4_K rows against activation
+    rows with many outliers take a second (residual) Q8_K row added after the threads' region, so their argmax is
+    found after it; 8 such rows do not fit one kernel call and are split over two (row_kinds as in
+    test_k_quant_gemv_rows_do_not_depend_on_each_other)."""
+    N, K = 2048, 2048  # 2.4 MB: the threads take many chunks
+    wt = make_weight("Q4_K", N, K)
+    x = torch.from_numpy(rng_for("xarg", "Q4_K").standard_normal((8, K), dtype=np.float32))
+    x[::2, 37::48] = 400.0
+    x[7, 37::256] = 400.0
+    assert row_kinds(x) == ["residual", "plain"] * 3 + ["residual", "sparse"]
+    old = C.get_num_threads()
+    try:
+        C.set_num_threads(2)
+        for isa in C.available_isas():
+            C.set_isa(isa)
+            for rows in (slice(0, 3), slice(1, 2), slice(0, 8)):
+                xs = x[rows].contiguous()
+                y, top = C.gemv_argmax(xs, wt.raw, int(GT["Q4_K"]), False)
+                assert torch.equal(y, C.gemv(xs, wt.raw, int(GT["Q4_K"]))), why(isa, rows)
+                assert top == [numpy_argmax_or_not_finite(r) for r in y.numpy()], why(isa, rows, top)
+    finally:
+        C.set_num_threads(old)
+
+
 @pytest.mark.parametrize("N,K", [(96, 640), (37, 576), (160, 896)])
 @pytest.mark.parametrize("M", [1, 3, 8, 13])
 def test_gemv_precise_x_keeps_16_bit_activations_for_q8_0(C, N, K, M):

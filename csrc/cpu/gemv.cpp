@@ -700,9 +700,9 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
 }
 
 void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M, int N, int K,
-              bool precise_x) {
+              bool precise_x, RowArgmax* argmax) {
     const GemvPart part{t, w, row_bytes, y, N};
-    gemv_parts_cpu(&part, 1, x, M, K, precise_x);
+    gemv_parts_cpu(&part, 1, x, M, K, precise_x, nullptr, argmax);
 }
 
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads) {

@@ -194,11 +194,12 @@ class DraftProposer:
         t0 = time.perf_counter()
         # catch up with the target: the missing tokens in passes of at most MAX_ROWS rows (a long gap: prefill)
         rest = ctx[keep:]
+        top = None  # the last row's argmax where the fused pass found it
         if len(rest) > 4 * MAX_ROWS:
             logits = gen.prefill(ctx)
         else:
             for i in range(0, len(rest), MAX_ROWS):
-                logits = forward_rows(gen, rest[i:i + MAX_ROWS], all_logits=False)[0][-1]
+                logits, top = _last_row(forward_rows(gen, rest[i:i + MAX_ROWS], all_logits=False))
         room = gen.n_ctx - len(gen.tokens) - 1
         k = min(k, room)
         out, qs = [], []
@@ -208,7 +209,7 @@ class DraftProposer:
         self.catchup_rows, self.catchup_seconds = len(rest), t1 - t0
         for i in range(k):
             if greedy:
-                tok = int(torch.argmax(logits))
+                tok = top if top is not None and top >= 0 else int(torch.argmax(logits))
                 qs.append(None)
             else:
                 ids, probs = distribution(sampler, logits, recent)
@@ -218,9 +219,14 @@ class DraftProposer:
             out.append(tok)
             recent.append(tok)
             if i + 1 < k:
-                logits = forward_rows(gen, [tok], all_logits=False)[0][-1]
+                logits, top = _last_row(forward_rows(gen, [tok], all_logits=False))
         self.step_seconds = time.perf_counter() - t1
         return out, qs
+
+
+def _last_row(rows_and_argmax) -> tuple[torch.Tensor, int | None]:
+    rows, tops = rows_and_argmax
+    return rows[-1], (tops[-1] if tops else None)
 
 
 # ---- the model's multi-row forward -------------------------------------------------------------------------------
@@ -291,16 +297,16 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
         return constraint is None or not constraint.is_done()
 
     for i, d in enumerate(drafts + [None]):
-        top = argmax[i] if argmax is not None else None
+        row, top = rows[i], (argmax[i] if argmax is not None else None)
         if check is not None:
-            check(rows[i], top)
+            check(row, top)
         if greedy:
             # the argmax after bias/penalties/grammar: exactly plain decoding's choice
-            tok = sampler.sample_known_argmax(rows[i], top)
+            tok = sampler.sample_known_argmax(row, top)
             if not emit(tok) or tok != d:
                 return out
             continue
-        ids, p = distribution(sampler, rows[i])
+        ids, p = distribution(sampler, row)
         if d is None:  # every draft accepted: the extra token comes from the last row
             tok = _draw(sampler, ids, p)
         else:
@@ -314,7 +320,7 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
                 qd = float(qi[1][qj[0]]) if len(qj) else 0.0
                 qv = qi
             if qd > 0 and sampler.rng.random() < min(1.0, pd / qd):
-                sampler.take(d, rows[i])
+                sampler.take(d, row)
                 if not emit(d):
                     return out
                 continue
@@ -327,7 +333,7 @@ def accept(sampler, rows: torch.Tensor, drafts: list[int], q: list | None = None
                 qmap = dict(zip(qv[0].tolist(), qv[1].tolist()))
                 resid = np.maximum(p - np.array([qmap.get(int(t), 0.0) for t in ids]), 0.0)
             tok = _draw(sampler, ids, resid) if resid.sum() > 0 else _draw(sampler, ids, p)
-        sampler.take(tok, rows[i])
+        sampler.take(tok, row)
         emit(tok)
         return out
     return out
