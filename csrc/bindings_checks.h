@@ -17,6 +17,7 @@
 
 #include <optional>
 
+#include "bindings_format.h"
 #include "kernels.h"
 
 namespace pyllm {
@@ -26,45 +27,45 @@ using at::Tensor;
 
 inline const QTypeTraits& check_qtype(const char* fn, int64_t id) {
     const QTypeTraits* tr = pyllm::qtype_traits(static_cast<int>(id));
-    TORCH_CHECK_VALUE(tr != nullptr && id >= 0 && id < pyllm::QTYPE_ID_LIMIT, fn, ": unknown GGML type id ", id);
-    TORCH_CHECK_NOT_IMPLEMENTED(tr->cpu, fn, ": ", tr->name, " (GGML type ", id,
+    PYLLM_CHECK_VALUE(tr != nullptr && id >= 0 && id < pyllm::QTYPE_ID_LIMIT, fn, ": unknown GGML type id ", id);
+    PYLLM_CHECK_NOT_IMPLEMENTED(tr->cpu, fn, ": ", tr->name, " (GGML type ", id,
                                 ") is not supported by the CPU kernels");
     return *tr;
 }
 
 inline void check_tensor(const char* fn, const char* name, const Tensor& t, at::ScalarType dtype, int64_t ndim) {
-    TORCH_CHECK_TYPE(t.scalar_type() == dtype, fn, ": ", name, " must be ", c10::toString(dtype), ", got ",
+    PYLLM_CHECK_TYPE(t.scalar_type() == dtype, fn, ": ", name, " must be ", c10::toString(dtype), ", got ",
                      c10::toString(t.scalar_type()));
-    TORCH_CHECK_VALUE(t.device().is_cpu(), fn, ": ", name, " is on ", t.device().str(),
+    PYLLM_CHECK_VALUE(t.device().is_cpu(), fn, ": ", name, " is on ", t.device().str(),
                       " but the CPU kernels need CPU tensors");
-    TORCH_CHECK_VALUE(t.dim() == ndim, fn, ": ", name, " must be ", ndim, "-D, got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.is_contiguous(), fn, ": ", name, " must be contiguous (shape ", t.sizes(), ", strides ",
+    PYLLM_CHECK_VALUE(t.dim() == ndim, fn, ": ", name, " must be ", ndim, "-D, got shape ", t.sizes());
+    PYLLM_CHECK_VALUE(t.is_contiguous(), fn, ": ", name, " must be contiguous (shape ", t.sizes(), ", strides ",
                       t.strides(), ")");
 }
 
 // A weight tensor (argument `name`, "w" by default): uint8 [N, row_bytes] raw GGUF blocks for rows of K values.
 inline void check_weight(const char* fn, const Tensor& w, const QTypeTraits& tr, int64_t K, const char* name = "w") {
     check_tensor(fn, name, w, at::kByte, 2);
-    TORCH_CHECK_VALUE(K > 0 && K % tr.block_size == 0, fn, ": ", name, ": K=", K, " is not a multiple of ", tr.name,
+    PYLLM_CHECK_VALUE(K > 0 && K % tr.block_size == 0, fn, ": ", name, ": K=", K, " is not a multiple of ", tr.name,
                       "'s block size ", tr.block_size);
     const int64_t need = K / tr.block_size * tr.type_size;
-    TORCH_CHECK_VALUE(w.size(1) == need, fn, ": ", name, " has ", w.size(1), " bytes per row but ", tr.name,
+    PYLLM_CHECK_VALUE(w.size(1) == need, fn, ": ", name, " has ", w.size(1), " bytes per row but ", tr.name,
                       " with K=", K, " needs ", need);
-    TORCH_CHECK_VALUE(w.size(0) > 0 && w.size(0) <= INT32_MAX && K <= INT32_MAX, fn, ": ", name, " has shape ",
+    PYLLM_CHECK_VALUE(w.size(0) > 0 && w.size(0) <= INT32_MAX && K <= INT32_MAX, fn, ": ", name, " has shape ",
                       w.sizes(), ", supported rows are 1..2^31-1");
 }
 
 // The Q*_R8 layouts hold whole groups of 8 rows.
 inline void check_rows8(const char* fn, const char* name, const Tensor& w, int64_t qtype) {
     const QType t = static_cast<QType>(qtype);
-    TORCH_CHECK_VALUE(!pyllm::is_rows8(t) || w.size(0) % 8 == 0, fn, ": ", name, " is ", pyllm::qtype_name(t),
+    PYLLM_CHECK_VALUE(!pyllm::is_rows8(t) || w.size(0) % 8 == 0, fn, ": ", name, " is ", pyllm::qtype_name(t),
                       " (rows interleaved by 8) but has ", w.size(0), " rows, not a multiple of 8");
 }
 
 inline Tensor make_out(const char* fn, const std::optional<Tensor>& out, int64_t M, int64_t N) {
     if (!out) return at::empty({M, N}, at::kFloat);
     check_tensor(fn, "out", *out, at::kFloat, 2);
-    TORCH_CHECK_VALUE(out->size(0) == M && out->size(1) == N, fn, ": out has shape ", out->sizes(), ", expected [",
+    PYLLM_CHECK_VALUE(out->size(0) == M && out->size(1) == N, fn, ": out has shape ", out->sizes(), ", expected [",
                       M, ", ", N, "]");
     return *out;
 }

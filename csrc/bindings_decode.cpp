@@ -55,7 +55,7 @@ pyllm::DecodeWeight decode_weight(DecodeContext& c, const std::string& name, con
     const QTypeTraits& tr = check_qtype(kDC, qtype);
     check_weight(kDC, w, tr, K, name.c_str());
     if (N >= 0)
-        TORCH_CHECK_VALUE(w.size(0) == N, kDC, ": ", name, " has ", w.size(0), " rows, expected ", N);
+        PYLLM_CHECK_VALUE(w.size(0) == N, kDC, ": ", name, " has ", w.size(0), " rows, expected ", N);
     check_rows8(kDC, name.c_str(), w, qtype);
     c.keep.push_back(w);
     return {w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)), static_cast<QType>(qtype)};
@@ -63,7 +63,7 @@ pyllm::DecodeWeight decode_weight(DecodeContext& c, const std::string& name, con
 
 const float* decode_vec(DecodeContext& c, const std::string& name, const Tensor& t, int64_t n) {
     check_tensor(kDC, name.c_str(), t, at::kFloat, 1);
-    TORCH_CHECK_VALUE(t.size(0) == n, kDC, ": ", name, " has ", t.size(0), " values, expected ", n);
+    PYLLM_CHECK_VALUE(t.size(0) == n, kDC, ": ", name, " has ", t.size(0), " values, expected ", n);
     c.keep.push_back(t);
     return t.data_ptr<float>();
 }
@@ -72,26 +72,26 @@ const float* decode_vec(DecodeContext& c, const std::string& name, const Tensor&
 // head_dim values (float types) or head_dim/32 blocks as bytes (uint8).  Returns the row bytes.
 size_t check_kv_rows(const char* fn, const char* name, const Tensor& t, int64_t kv_type, int64_t head_dim,
                      int64_t lead) {
-    TORCH_CHECK_VALUE(kv_type >= 0 && kv_type <= 3, fn, ": ", name, " type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 "
+    PYLLM_CHECK_VALUE(kv_type >= 0 && kv_type <= 3, fn, ": ", name, " type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 "
                       "(q4_0), got ", kv_type);
     const auto kt = static_cast<pyllm::KVType>(kv_type);
     const bool block = kt == pyllm::KVType::Q8_0 || kt == pyllm::KVType::Q4_0;
-    TORCH_CHECK_VALUE(!block || head_dim % 32 == 0, fn, ": ", name, ": block types need head_dim % 32 == 0, got ",
+    PYLLM_CHECK_VALUE(!block || head_dim % 32 == 0, fn, ": ", name, ": block types need head_dim % 32 == 0, got ",
                       head_dim);
     const at::ScalarType want = block ? at::kByte : kt == pyllm::KVType::F16 ? at::kHalf : at::kFloat;
     check_tensor(fn, name, t, want, lead + 1);
     const int64_t row = static_cast<int64_t>(pyllm::kv_row_bytes(kt, static_cast<int>(head_dim)));
     const int64_t last = block ? row : head_dim;
-    TORCH_CHECK_VALUE(t.size(lead) == last, fn, ": ", name, " rows have ", t.size(lead), " entries, expected ", last);
+    PYLLM_CHECK_VALUE(t.size(lead) == last, fn, ": ", name, " rows have ", t.size(lead), " entries, expected ", last);
     return static_cast<size_t>(row);
 }
 
 const float* check_kv_extra(const char* fn, const char* name, const std::optional<Tensor>& t, int64_t numel,
                             std::vector<Tensor>& keep) {
     if (!t) return nullptr;
-    TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", name, " must be float32, got ",
+    PYLLM_CHECK_TYPE(t->scalar_type() == at::kFloat, fn, ": ", name, " must be float32, got ",
                      c10::toString(t->scalar_type()));
-    TORCH_CHECK_VALUE(t->device().is_cpu() && t->is_contiguous() && t->numel() == numel, fn, ": ", name,
+    PYLLM_CHECK_VALUE(t->device().is_cpu() && t->is_contiguous() && t->numel() == numel, fn, ": ", name,
                       " must be a contiguous CPU tensor of ", numel, " values, got shape ", t->sizes());
     keep.push_back(*t);
     return t->data_ptr<float>();
@@ -119,76 +119,76 @@ std::unique_ptr<DecodeContext> make_decode_context(
     auto ctx = std::make_unique<DecodeContext>();
     pyllm::DecodeConfig& c = ctx->model.cfg;
     const int64_t n_layer = static_cast<int64_t>(attn_norm.size());
-    TORCH_CHECK_VALUE(n_layer >= 1, kDC, ": no layers (attn_norm is empty)");
-    TORCH_CHECK_VALUE(n_embd >= 1 && n_ff >= 1 && n_head >= 1 && n_kv_head >= 1 && head_dim >= 1, kDC,
+    PYLLM_CHECK_VALUE(n_layer >= 1, kDC, ": no layers (attn_norm is empty)");
+    PYLLM_CHECK_VALUE(n_embd >= 1 && n_ff >= 1 && n_head >= 1 && n_kv_head >= 1 && head_dim >= 1, kDC,
                       ": sizes must be >= 1, got n_embd=", n_embd, " n_ff=", n_ff, " n_head=", n_head, " n_kv_head=",
                       n_kv_head, " head_dim=", head_dim);
-    TORCH_CHECK_VALUE(n_head % n_kv_head == 0, kDC, ": n_head ", n_head, " is not a multiple of n_kv_head ",
+    PYLLM_CHECK_VALUE(n_head % n_kv_head == 0, kDC, ": n_head ", n_head, " is not a multiple of n_kv_head ",
                       n_kv_head);
-    TORCH_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= head_dim, kDC, ": rope_dim ", rope_dim,
+    PYLLM_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= head_dim, kDC, ": rope_dim ", rope_dim,
                       " must be even and in [2, head_dim=", head_dim, "]");
-    TORCH_CHECK_VALUE(rope_style == "norm" || rope_style == "neox", kDC, ": rope_style must be 'norm' or 'neox', got '",
+    PYLLM_CHECK_VALUE(rope_style == "norm" || rope_style == "neox", kDC, ": rope_style must be 'norm' or 'neox', got '",
                       rope_style, "'");
-    TORCH_CHECK_VALUE(window >= 0, kDC, ": window must be >= 0, got ", window);
-    TORCH_CHECK_VALUE(eps > 0 && scale > 0, kDC, ": eps and scale must be > 0, got ", eps, ", ", scale);
-    TORCH_CHECK_VALUE(weights.size() == 7 * static_cast<size_t>(n_layer) && qtypes.size() == weights.size(), kDC,
+    PYLLM_CHECK_VALUE(window >= 0, kDC, ": window must be >= 0, got ", window);
+    PYLLM_CHECK_VALUE(eps > 0 && scale > 0, kDC, ": eps and scale must be > 0, got ", eps, ", ", scale);
+    PYLLM_CHECK_VALUE(weights.size() == 7 * static_cast<size_t>(n_layer) && qtypes.size() == weights.size(), kDC,
                       ": expected 7 weights and qtypes per layer (", 7 * n_layer, "), got ", weights.size(), " and ",
                       qtypes.size());
-    TORCH_CHECK_VALUE(ffn_norm.size() == static_cast<size_t>(n_layer), kDC, ": ffn_norm has ", ffn_norm.size(),
+    PYLLM_CHECK_VALUE(ffn_norm.size() == static_cast<size_t>(n_layer), kDC, ": ffn_norm has ", ffn_norm.size(),
                       " entries, expected ", n_layer);
     const bool bias = !q_bias.empty();
-    TORCH_CHECK_VALUE((q_bias.size() == k_bias.size() && k_bias.size() == v_bias.size()) &&
+    PYLLM_CHECK_VALUE((q_bias.size() == k_bias.size() && k_bias.size() == v_bias.size()) &&
                           (!bias || q_bias.size() == static_cast<size_t>(n_layer)),
                       kDC, ": q/k/v_bias must be empty or have one tensor per layer (", n_layer, "), got ",
                       q_bias.size(), "/", k_bias.size(), "/", v_bias.size());
     const bool qkn = !q_norm.empty();
-    TORCH_CHECK_VALUE(q_norm.size() == k_norm.size() && (!qkn || q_norm.size() == static_cast<size_t>(n_layer)), kDC,
+    PYLLM_CHECK_VALUE(q_norm.size() == k_norm.size() && (!qkn || q_norm.size() == static_cast<size_t>(n_layer)), kDC,
                       ": q/k_norm must be empty or have one tensor per layer (", n_layer, "), got ", q_norm.size(),
                       "/", k_norm.size());
     const int64_t qd = n_head * head_dim, kvd = n_kv_head * head_dim;
     // Gemma 3 extras (defaults keep the llama-family step unchanged).
-    TORCH_CHECK_VALUE(post_attn_norm.size() == post_ffw_norm.size() &&
+    PYLLM_CHECK_VALUE(post_attn_norm.size() == post_ffw_norm.size() &&
                           (post_attn_norm.empty() || post_attn_norm.size() == static_cast<size_t>(n_layer)),
                       kDC, ": post_attn_norm/post_ffw_norm must be empty or have one tensor per layer (", n_layer,
                       "), got ", post_attn_norm.size(), "/", post_ffw_norm.size());
-    TORCH_CHECK_VALUE(act == "silu" || act == "gelu_tanh", kDC, ": act must be 'silu' or 'gelu_tanh', got '", act,
+    PYLLM_CHECK_VALUE(act == "silu" || act == "gelu_tanh", kDC, ": act must be 'silu' or 'gelu_tanh', got '", act,
                       "'");
-    TORCH_CHECK_VALUE(embd_scale >= 0 && final_softcap >= 0, kDC, ": embd_scale and final_softcap must be >= 0, got ",
+    PYLLM_CHECK_VALUE(embd_scale >= 0 && final_softcap >= 0, kDC, ": embd_scale and final_softcap must be >= 0, got ",
                       embd_scale, ", ", final_softcap);
-    TORCH_CHECK_VALUE(cos2.has_value() == sin2.has_value(), kDC, ": cos2 and sin2 must be given together");
-    TORCH_CHECK_VALUE(layer_rope.empty() || layer_rope.size() == static_cast<size_t>(n_layer), kDC,
+    PYLLM_CHECK_VALUE(cos2.has_value() == sin2.has_value(), kDC, ": cos2 and sin2 must be given together");
+    PYLLM_CHECK_VALUE(layer_rope.empty() || layer_rope.size() == static_cast<size_t>(n_layer), kDC,
                       ": layer_rope must be empty or have one entry per layer (", n_layer, "), got ",
                       layer_rope.size());
     for (int64_t r : layer_rope)
-        TORCH_CHECK_VALUE(r == 0 || (r == 1 && cos2.has_value()), kDC,
+        PYLLM_CHECK_VALUE(r == 0 || (r == 1 && cos2.has_value()), kDC,
                           ": layer_rope entries must be 0, or 1 when cos2/sin2 are given, got ", r);
-    TORCH_CHECK_VALUE(layer_window.empty() || layer_window.size() == static_cast<size_t>(n_layer), kDC,
+    PYLLM_CHECK_VALUE(layer_window.empty() || layer_window.size() == static_cast<size_t>(n_layer), kDC,
                       ": layer_window must be empty or have one entry per layer (", n_layer, "), got ",
                       layer_window.size());
     for (int64_t w : layer_window)
-        TORCH_CHECK_VALUE(w >= 0, kDC, ": layer_window entries must be >= 0, got ", w);
+        PYLLM_CHECK_VALUE(w >= 0, kDC, ": layer_window entries must be >= 0, got ", w);
 
     // KV cache: K and V each (n_layer, n_kv_head, max_seq, row) of its own type (-1: f16/f32 from the dtype).
     if (k_type < 0) k_type = k_cache.scalar_type() == at::kHalf ? 1 : 0;
     if (v_type < 0) v_type = v_cache.scalar_type() == at::kHalf ? 1 : 0;
     const size_t k_row = check_kv_rows(kDC, "k_cache", k_cache, k_type, head_dim, 3);
     const size_t v_row = check_kv_rows(kDC, "v_cache", v_cache, v_type, head_dim, 3);
-    TORCH_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(2) >= 1, kDC,
+    PYLLM_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(2) >= 1, kDC,
                       ": k_cache has shape ", k_cache.sizes(), ", expected (", n_layer, ", ", n_kv_head,
                       ", max_seq, row)");
-    TORCH_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kDC, ": v_cache has shape ",
+    PYLLM_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kDC, ": v_cache has shape ",
                       v_cache.sizes(), " but k_cache has ", k_cache.sizes());
-    TORCH_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, kDC, ": max_seq too large");
+    PYLLM_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, kDC, ": max_seq too large");
     check_tensor(kDC, "cos", cos, at::kFloat, 2);
     check_tensor(kDC, "sin", sin, at::kFloat, 2);
-    TORCH_CHECK_VALUE(cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes() && cos.size(0) >= 1, kDC,
+    PYLLM_CHECK_VALUE(cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes() && cos.size(0) >= 1, kDC,
                       ": cos/sin have shapes ", cos.sizes(), "/", sin.sizes(), ", expected equal [max_pos, ",
                       rope_dim / 2, "]");
 
     if (cos2) {
         check_tensor(kDC, "cos2", *cos2, at::kFloat, 2);
         check_tensor(kDC, "sin2", *sin2, at::kFloat, 2);
-        TORCH_CHECK_VALUE(cos2->sizes() == cos.sizes() && sin2->sizes() == cos.sizes(), kDC,
+        PYLLM_CHECK_VALUE(cos2->sizes() == cos.sizes() && sin2->sizes() == cos.sizes(), kDC,
                           ": cos2/sin2 have shapes ", cos2->sizes(), "/", sin2->sizes(), ", expected cos's ",
                           cos.sizes());
     }
@@ -261,7 +261,7 @@ std::unique_ptr<DecodeContext> make_decode_context(
     d.model.token_embd = decode_weight(d, "token_embd", token_embd, token_embd_qtype, -1, n_embd);
     d.vocab_rows = token_embd.size(0);
     d.model.output = decode_weight(d, "output", output, output_qtype, -1, n_embd);
-    TORCH_CHECK_VALUE(output.size(0) <= INT32_MAX, kDC, ": output has too many rows");
+    PYLLM_CHECK_VALUE(output.size(0) <= INT32_MAX, kDC, ": output has too many rows");
     c.n_vocab = static_cast<int>(output.size(0));
     d.model.output_norm = decode_vec(d, "output_norm", output_norm, n_embd);
     d.scratch.resize(d.model);
@@ -272,14 +272,14 @@ std::unique_ptr<DecodeContext> make_decode_context(
 // argmax (the first of ties), or -1 where a logit is NaN or infinite.
 int64_t decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
     const pyllm::DecodeConfig& c = ctx.model.cfg;
-    TORCH_CHECK_INDEX(token >= 0 && token < ctx.vocab_rows, "decode_step: token ", token, " is out of range for ",
+    PYLLM_CHECK_INDEX(token >= 0 && token < ctx.vocab_rows, "decode_step: token ", token, " is out of range for ",
                       ctx.vocab_rows, " embedding rows");
     const int64_t limit = std::min(c.max_seq, c.max_pos);
-    TORCH_CHECK_INDEX(pos >= 0 && pos < limit, "decode_step: pos ", pos, " is out of range: the KV cache holds ",
+    PYLLM_CHECK_INDEX(pos >= 0 && pos < limit, "decode_step: pos ", pos, " is out of range: the KV cache holds ",
                       c.max_seq, " positions and the rope tables ", c.max_pos);
-    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_step: logits_out must be float32, got ",
+    PYLLM_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_step: logits_out must be float32, got ",
                      c10::toString(logits_out.scalar_type()));
-    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == c.n_vocab,
+    PYLLM_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == c.n_vocab,
                       "decode_step: logits_out must be a contiguous CPU tensor of ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
     pybind11::gil_scoped_release nogil;
@@ -296,19 +296,19 @@ std::vector<int64_t> decode_steps(DecodeContext& ctx, const Tensor& tokens, int6
     const pyllm::DecodeConfig& c = ctx.model.cfg;
     check_tensor("decode_steps", "tokens", tokens, at::kLong, 1);
     const int64_t M = tokens.size(0);
-    TORCH_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "decode_steps: ", M, " tokens; it takes 1..",
+    PYLLM_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "decode_steps: ", M, " tokens; it takes 1..",
                       pyllm::GEMV_MAX_M);
     const int64_t* tk = tokens.data_ptr<int64_t>();
     for (int64_t i = 0; i < M; ++i)
-        TORCH_CHECK_INDEX(tk[i] >= 0 && tk[i] < ctx.vocab_rows, "decode_steps: token ", tk[i],
+        PYLLM_CHECK_INDEX(tk[i] >= 0 && tk[i] < ctx.vocab_rows, "decode_steps: token ", tk[i],
                           " is out of range for ", ctx.vocab_rows, " embedding rows");
     const int64_t limit = std::min(c.max_seq, c.max_pos);
-    TORCH_CHECK_INDEX(pos >= 0 && pos + M <= limit, "decode_steps: positions ", pos, "..", pos + M - 1,
+    PYLLM_CHECK_INDEX(pos >= 0 && pos + M <= limit, "decode_steps: positions ", pos, "..", pos + M - 1,
                       " are out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ", c.max_pos);
-    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_steps: logits_out must be float32, got ",
+    PYLLM_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_steps: logits_out must be float32, got ",
                      c10::toString(logits_out.scalar_type()));
     const int64_t rows = all_logits ? M : 1;
-    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() &&
+    PYLLM_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() &&
                           logits_out.numel() == rows * c.n_vocab,
                       "decode_steps: logits_out must be a contiguous CPU tensor of ", rows, " x ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
@@ -330,10 +330,10 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
                                   const Tensor& positions, const Tensor& logits_out) {
     const char* fn = "decode_batch";
     const int64_t B = static_cast<int64_t>(ctxs.size());
-    TORCH_CHECK_VALUE(B >= 1 && B <= pyllm::GEMV_MAX_M, fn, ": ", B, " sequences; it takes 1..", pyllm::GEMV_MAX_M);
+    PYLLM_CHECK_VALUE(B >= 1 && B <= pyllm::GEMV_MAX_M, fn, ": ", B, " sequences; it takes 1..", pyllm::GEMV_MAX_M);
     check_tensor(fn, "tokens", tokens, at::kLong, 1);
     check_tensor(fn, "positions", positions, at::kLong, 1);
-    TORCH_CHECK_VALUE(tokens.size(0) == B && positions.size(0) == B, fn, ": tokens and positions need ", B,
+    PYLLM_CHECK_VALUE(tokens.size(0) == B && positions.size(0) == B, fn, ": tokens and positions need ", B,
                       " entries (one per context), got ", tokens.size(0), " and ", positions.size(0));
     const pyllm::DecodeModel& m0 = ctxs[0]->model;
     const pyllm::DecodeConfig& c = m0.cfg;
@@ -343,7 +343,7 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
     int pos[pyllm::GEMV_MAX_M];
     const int64_t limit = std::min(c.max_seq, c.max_pos);
     for (int64_t b = 0; b < B; ++b) {
-        TORCH_CHECK_VALUE(ctxs[b] != nullptr, fn, ": context ", b, " is None");
+        PYLLM_CHECK_VALUE(ctxs[b] != nullptr, fn, ": context ", b, " is None");
         const pyllm::DecodeModel& m = ctxs[b]->model;
         // Same weights (every matrix), sizes and cache length as context 0: only the caches differ.
         bool same = m.layers.size() == m0.layers.size() && m.token_embd.data == m0.token_embd.data &&
@@ -356,22 +356,22 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
                    L.wo.data == L0.wo.data && L.wgate.data == L0.wgate.data && L.wup.data == L0.wup.data &&
                    L.wdown.data == L0.wdown.data;
         }
-        TORCH_CHECK_VALUE(same, fn, ": context ", b, " was built over other weights or sizes than context 0");
+        PYLLM_CHECK_VALUE(same, fn, ": context ", b, " was built over other weights or sizes than context 0");
         for (int64_t j = 0; j < b; ++j)
-            TORCH_CHECK_VALUE(m.k_cache.data != ctxs[j]->model.k_cache.data &&
+            PYLLM_CHECK_VALUE(m.k_cache.data != ctxs[j]->model.k_cache.data &&
                                   m.v_cache.data != ctxs[j]->model.v_cache.data,
                               fn, ": contexts ", j, " and ", b, " share a KV cache (one token per sequence)");
-        TORCH_CHECK_INDEX(tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows, fn, ": token ", tk[b], " (row ", b,
+        PYLLM_CHECK_INDEX(tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows, fn, ": token ", tk[b], " (row ", b,
                           ") is out of range for ", ctxs[b]->vocab_rows, " embedding rows");
-        TORCH_CHECK_INDEX(ps[b] >= 0 && ps[b] < limit, fn, ": pos ", ps[b], " (row ", b,
+        PYLLM_CHECK_INDEX(ps[b] >= 0 && ps[b] < limit, fn, ": pos ", ps[b], " (row ", b,
                           ") is out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ",
                           c.max_pos);
         seqs[b] = &m;
         pos[b] = static_cast<int>(ps[b]);
     }
-    TORCH_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, fn, ": logits_out must be float32, got ",
+    PYLLM_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, fn, ": logits_out must be float32, got ",
                      c10::toString(logits_out.scalar_type()));
-    TORCH_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == B * c.n_vocab,
+    PYLLM_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == B * c.n_vocab,
                       fn, ": logits_out must be a contiguous CPU tensor of ", B, " x ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
     pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
@@ -394,7 +394,7 @@ Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k
     check_tensor(fn, "q", q, at::kFloat, 2);
     const int64_t H = q.size(0), hd = q.size(1);
     const size_t kr = check_kv_rows(fn, "k", k, k_type, hd, 2), vr = check_kv_rows(fn, "v", v, v_type, hd, 2);
-    TORCH_CHECK_VALUE(v.size(0) == k.size(0) && v.size(1) == k.size(1) && k.size(1) >= 1 && H % k.size(0) == 0, fn,
+    PYLLM_CHECK_VALUE(v.size(0) == k.size(0) && v.size(1) == k.size(1) && k.size(1) >= 1 && H % k.size(0) == 0, fn,
                       ": k/v shapes ", k.sizes(), "/", v.sizes(), " do not fit q ", q.sizes());
     Tensor out = at::empty({H, hd}, q.options());
     const int64_t group = H / k.size(0), S = k.size(1);
@@ -430,24 +430,24 @@ Tensor causal_attention(const Tensor& q, const Tensor& k, const Tensor& v, doubl
     const char* names[] = {"q", "k", "v"};
     for (int i = 0; i < 3; ++i) {
         const Tensor& t = *args[i];
-        TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", names[i], " must be float32, got ",
+        PYLLM_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": ", names[i], " must be float32, got ",
                          c10::toString(t.scalar_type()));
-        TORCH_CHECK_VALUE(t.device().is_cpu(), fn, ": ", names[i], " is on ", t.device().str(),
+        PYLLM_CHECK_VALUE(t.device().is_cpu(), fn, ": ", names[i], " is on ", t.device().str(),
                           " but the CPU kernels need CPU tensors");
-        TORCH_CHECK_VALUE(t.dim() == 3 && t.size(0) >= 1 && t.size(1) >= 1 && t.size(2) >= 1, fn, ": ", names[i],
+        PYLLM_CHECK_VALUE(t.dim() == 3 && t.size(0) >= 1 && t.size(1) >= 1 && t.size(2) >= 1, fn, ": ", names[i],
                           " must be [positions, heads, head_dim] with every size >= 1, got shape ", t.sizes());
-        TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(0) >= 0 && t.stride(1) >= 0, fn, ": ", names[i],
+        PYLLM_CHECK_VALUE(t.stride(2) == 1 && t.stride(0) >= 0 && t.stride(1) >= 0, fn, ": ", names[i],
                           " must hold each head's values contiguously (shape ", t.sizes(), ", strides ", t.strides(),
                           ")");
     }
     const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), S = k.size(0), Hkv = k.size(1);
-    TORCH_CHECK_VALUE(k.sizes() == v.sizes() && S >= T && k.size(2) == hd && H % Hkv == 0, fn, ": k ", k.sizes(),
+    PYLLM_CHECK_VALUE(k.sizes() == v.sizes() && S >= T && k.size(2) == hd && H % Hkv == 0, fn, ": k ", k.sizes(),
                       " and v ", v.sizes(), " do not fit q ", q.sizes(),
                       " (need [S >= T, Hkv, head_dim] with Hkv dividing the query heads)");
-    TORCH_CHECK_VALUE(S <= (1 << 24) && H * hd <= (1 << 24), fn, ": shapes ", q.sizes(), " / ", k.sizes(),
+    PYLLM_CHECK_VALUE(S <= (1 << 24) && H * hd <= (1 << 24), fn, ": shapes ", q.sizes(), " / ", k.sizes(),
                       " are too large");
-    TORCH_CHECK_VALUE(window >= 0 && window <= INT32_MAX, fn, ": window must be >= 0 (0: none), got ", window);
-    TORCH_CHECK_VALUE(std::isfinite(scale), fn, ": scale must be finite, got ", scale);
+    PYLLM_CHECK_VALUE(window >= 0 && window <= INT32_MAX, fn, ": window must be >= 0 (0: none), got ", window);
+    PYLLM_CHECK_VALUE(std::isfinite(scale), fn, ": scale must be finite, got ", scale);
     Tensor out = at::empty({T, H * hd}, q.options());
     pybind11::gil_scoped_release nogil;
     pyllm::causal_attention_cpu(q.data_ptr<float>(), q.stride(0), q.stride(1), k.data_ptr<float>(), k.stride(0),
@@ -464,11 +464,11 @@ Tensor rms_norm(const Tensor& x, const Tensor& w, double eps) {
     const char* fn = "rms_norm";
     check_tensor(fn, "w", w, at::kFloat, 1);
     check_tensor(fn, "x", x, at::kFloat, x.dim());
-    TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(0) && w.size(0) >= 1, fn, ": x ", x.sizes(),
+    PYLLM_CHECK_VALUE(x.dim() >= 1 && x.size(-1) == w.size(0) && w.size(0) >= 1, fn, ": x ", x.sizes(),
                       " does not end in w's size ", w.sizes());
     const int64_t n = w.size(0), rows = x.numel() / n;
-    TORCH_CHECK_VALUE(rows <= INT32_MAX && n <= INT32_MAX, fn, ": x ", x.sizes(), " is too large");
-    TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0, fn, ": eps must be finite and >= 0, got ", eps);
+    PYLLM_CHECK_VALUE(rows <= INT32_MAX && n <= INT32_MAX, fn, ": x ", x.sizes(), " is too large");
+    PYLLM_CHECK_VALUE(std::isfinite(eps) && eps >= 0, fn, ": eps must be finite and >= 0, got ", eps);
     Tensor y = at::empty_like(x);
     pybind11::gil_scoped_release nogil;
     pyllm::rms_norm_rows_cpu(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), static_cast<int>(rows),
@@ -482,11 +482,11 @@ Tensor rope_(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t rope
     check_tensor(fn, "cos", cos, at::kFloat, 2);
     check_tensor(fn, "sin", sin, at::kFloat, 2);
     const int64_t T = x.size(0), H = x.size(1), hd = x.size(2);
-    TORCH_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= hd, fn, ": rope_dim ", rope_dim,
+    PYLLM_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= hd, fn, ": rope_dim ", rope_dim,
                       " must be even and within the head size ", hd);
-    TORCH_CHECK_VALUE(cos.size(0) == T && cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes(), fn, ": cos ",
+    PYLLM_CHECK_VALUE(cos.size(0) == T && cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes(), fn, ": cos ",
                       cos.sizes(), " and sin ", sin.sizes(), " must both be [", T, ", ", rope_dim / 2, "]");
-    TORCH_CHECK_VALUE(T <= INT32_MAX && H * hd <= INT32_MAX, fn, ": x ", x.sizes(), " is too large");
+    PYLLM_CHECK_VALUE(T <= INT32_MAX && H * hd <= INT32_MAX, fn, ": x ", x.sizes(), " is too large");
     pybind11::gil_scoped_release nogil;
     pyllm::rope_rows_cpu(x.data_ptr<float>(), static_cast<int>(T), static_cast<int>(H), static_cast<int>(hd),
                          cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<int>(rope_dim), neox);
@@ -497,10 +497,10 @@ Tensor glu_(const Tensor& g, const Tensor& u, bool gelu_tanh) {
     const char* fn = "glu_";
     check_tensor(fn, "g", g, at::kFloat, g.dim());
     check_tensor(fn, "u", u, at::kFloat, g.dim());
-    TORCH_CHECK_VALUE(g.sizes() == u.sizes() && g.dim() >= 1 && g.size(-1) >= 1, fn, ": g ", g.sizes(), " and u ",
+    PYLLM_CHECK_VALUE(g.sizes() == u.sizes() && g.dim() >= 1 && g.size(-1) >= 1, fn, ": g ", g.sizes(), " and u ",
                       u.sizes(), " must have one shape");
     const int64_t n = g.size(-1), rows = g.numel() / n;
-    TORCH_CHECK_VALUE(rows <= INT32_MAX && n <= INT32_MAX, fn, ": g ", g.sizes(), " is too large");
+    PYLLM_CHECK_VALUE(rows <= INT32_MAX && n <= INT32_MAX, fn, ": g ", g.sizes(), " is too large");
     pybind11::gil_scoped_release nogil;
     pyllm::glu_rows_cpu(gelu_tanh, g.data_ptr<float>(), u.data_ptr<float>(), static_cast<int>(rows),
                         static_cast<int>(n));

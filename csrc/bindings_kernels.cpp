@@ -18,7 +18,7 @@ Tensor gemv_rows(const Tensor& x, const Tensor& w, int64_t qtype, const std::opt
     const QTypeTraits& tr = check_qtype("gemv", qtype);
     check_tensor("gemv", "x", x, at::kFloat, 2);
     const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "gemv: x has ", M, " rows, the fused GEMV takes 1..",
+    PYLLM_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "gemv: x has ", M, " rows, the fused GEMV takes 1..",
                       pyllm::GEMV_MAX_M, " (use gemm)");
     check_weight("gemv", w, tr, K);
     check_rows8("gemv", "w", w, qtype);
@@ -46,7 +46,7 @@ std::pair<Tensor, std::vector<int64_t>> gemv_argmax(const Tensor& x, const Tenso
 // The RowArgmax of a f32 vector y [n], n >= 1 (the scan each chunk of logits gets).
 int64_t row_argmax(const Tensor& y) {
     check_tensor("row_argmax", "y", y, at::kFloat, 1);
-    TORCH_CHECK_VALUE(y.size(0) >= 1 && y.size(0) <= INT32_MAX, "row_argmax: y needs 1..2^31-1 values, got ",
+    PYLLM_CHECK_VALUE(y.size(0) >= 1 && y.size(0) <= INT32_MAX, "row_argmax: y needs 1..2^31-1 values, got ",
                       y.size(0));
     return pyllm::row_argmax_cpu(y.data_ptr<float>(), static_cast<int>(y.size(0))).index;
 }
@@ -54,11 +54,11 @@ int64_t row_argmax(const Tensor& y) {
 pyllm::PrefillKernel prefill_kernel_named(const std::string& name) {
     for (auto k : {pyllm::PrefillKernel::F32, pyllm::PrefillKernel::Avx512Bf16, pyllm::PrefillKernel::AmxBf16})
         if (name == pyllm::cpu_prefill_name(k)) {
-            TORCH_CHECK_VALUE(pyllm::cpu_prefill_available(k), "gemm: kernel '", name,
+            PYLLM_CHECK_VALUE(pyllm::cpu_prefill_available(k), "gemm: kernel '", name,
                               "' is not available (not compiled in, or this CPU or OS lacks it)");
             return k;
         }
-    TORCH_CHECK_VALUE(false, "gemm: unknown kernel '", name, "', expected 'f32', 'avx512-bf16' or 'amx-bf16'");
+    PYLLM_CHECK_VALUE(false, "gemm: unknown kernel '", name, "', expected 'f32', 'avx512-bf16' or 'amx-bf16'");
     return pyllm::PrefillKernel::F32;
 }
 
@@ -71,7 +71,7 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     const QTypeTraits& tr = check_qtype("gemm", qtype);
     check_tensor("gemm", "x", x, at::kFloat, 2);
     const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK_VALUE(M >= 1, "gemm: x has no rows");
+    PYLLM_CHECK_VALUE(M >= 1, "gemm: x has no rows");
     check_weight("gemm", w, tr, K);
     check_rows8("gemm", "w", w, qtype);
     const int64_t N = w.size(0);
@@ -139,8 +139,8 @@ Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optio
             return gemv_chunked(x, w, qtype, out, precise_x);
         if (x.size(0) > pyllm::GEMV_MAX_M) return gemm(x, w, qtype, out, prefill_kernel_for(precise_x));
     }
-    TORCH_CHECK_VALUE(x.dim() >= 1, "mul_mat: x must have at least 1 dimension, got a scalar");
-    TORCH_CHECK_VALUE(w.dim() == 2, "mul_mat: w must be 2-D, got shape ", w.sizes());
+    PYLLM_CHECK_VALUE(x.dim() >= 1, "mul_mat: x must have at least 1 dimension, got a scalar");
+    PYLLM_CHECK_VALUE(w.dim() == 2, "mul_mat: w must be 2-D, got shape ", w.sizes());
     std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
     shape.back() = w.size(0);
     const Tensor x2 = x.reshape({-1, x.size(-1)});
@@ -150,7 +150,7 @@ Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optio
     }
     std::optional<Tensor> out2;
     if (out) {
-        TORCH_CHECK_VALUE(out->sizes() == at::IntArrayRef(shape), "mul_mat: out has shape ", out->sizes(),
+        PYLLM_CHECK_VALUE(out->sizes() == at::IntArrayRef(shape), "mul_mat: out has shape ", out->sizes(),
                           ", expected ", at::IntArrayRef(shape));
         out2 = out->view({-1, w.size(0)});
     }
@@ -165,7 +165,7 @@ Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optio
 Tensor dequantize(const Tensor& w, int64_t qtype, const std::optional<Tensor>& ids) {
     const QTypeTraits& tr = check_qtype("dequantize", qtype);
     check_tensor("dequantize", "w", w, at::kByte, 2);
-    TORCH_CHECK_VALUE(w.size(1) % tr.type_size == 0, "dequantize: w has ", w.size(1), " bytes per row, not a ",
+    PYLLM_CHECK_VALUE(w.size(1) % tr.type_size == 0, "dequantize: w has ", w.size(1), " bytes per row, not a ",
                       "multiple of ", tr.name, "'s ", tr.type_size, "-byte block");
     const int64_t K = w.size(1) / tr.type_size * tr.block_size, N = w.size(0);
     check_weight("dequantize", w, tr, K);
@@ -176,15 +176,15 @@ Tensor dequantize(const Tensor& w, int64_t qtype, const std::optional<Tensor>& i
                                    nullptr, N, static_cast<int>(K), y.data_ptr<float>());
         return y;
     }
-    TORCH_CHECK_TYPE(ids->scalar_type() == at::kLong || ids->scalar_type() == at::kInt,
+    PYLLM_CHECK_TYPE(ids->scalar_type() == at::kLong || ids->scalar_type() == at::kInt,
                      "dequantize: ids must be int64 or int32, got ", c10::toString(ids->scalar_type()));
-    TORCH_CHECK_VALUE(ids->device().is_cpu(), "dequantize: ids is on ", ids->device().str(),
+    PYLLM_CHECK_VALUE(ids->device().is_cpu(), "dequantize: ids is on ", ids->device().str(),
                       " but the CPU kernels need CPU tensors");
-    TORCH_CHECK_VALUE(ids->dim() == 1, "dequantize: ids must be 1-D, got shape ", ids->sizes());
+    PYLLM_CHECK_VALUE(ids->dim() == 1, "dequantize: ids must be 1-D, got shape ", ids->sizes());
     const Tensor idx = ids->to(at::kLong).contiguous();
     const int64_t* p = idx.data_ptr<int64_t>();
     for (int64_t i = 0; i < idx.numel(); ++i)
-        TORCH_CHECK_INDEX(p[i] >= 0 && p[i] < N, "dequantize: ids[", i, "] = ", p[i], " is out of range for ", N,
+        PYLLM_CHECK_INDEX(p[i] >= 0 && p[i] < N, "dequantize: ids[", i, "] = ", p[i], " is out of range for ", N,
                           " rows");
     Tensor y = at::empty({idx.numel(), K}, at::kFloat);
     pyllm::dequantize_rows_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)), p,
@@ -195,7 +195,7 @@ Tensor dequantize(const Tensor& w, int64_t qtype, const std::optional<Tensor>& i
 // The internal type id of AWQ rows with group size G (csrc/common/qtype.h AWQ_G*).
 int64_t awq_qtype(int64_t group_size) {
     const int id = group_size > 0 && group_size <= 256 ? pyllm::awq_qtype_id(static_cast<int>(group_size)) : -1;
-    TORCH_CHECK_VALUE(id >= 0, "awq_qtype: group_size ", group_size,
+    PYLLM_CHECK_VALUE(id >= 0, "awq_qtype: group_size ", group_size,
                       " has no CPU layout (supported: 32, 64, 128, 256)");
     return id;
 }
@@ -209,12 +209,12 @@ Tensor awq_repack(const Tensor& qweight, const Tensor& qzeros, const Tensor& sca
     check_tensor(fn, "qzeros", qzeros, at::kInt, 2);
     check_tensor(fn, "scales", scales, at::kHalf, 2);
     const int64_t K = qweight.size(0), N8 = qweight.size(1), G = group_size;
-    TORCH_CHECK_VALUE(K > 0 && N8 > 0 && K % G == 0, fn, ": qweight has shape ", qweight.sizes(),
+    PYLLM_CHECK_VALUE(K > 0 && N8 > 0 && K % G == 0, fn, ": qweight has shape ", qweight.sizes(),
                       "; K = ", K, " must be a positive multiple of group_size ", G);
-    TORCH_CHECK_VALUE(K <= INT32_MAX / 2 && N8 <= INT32_MAX / 8, fn, ": qweight shape ", qweight.sizes(), " is too large");
-    TORCH_CHECK_VALUE(qzeros.size(0) == K / G && qzeros.size(1) == N8, fn, ": qzeros has shape ", qzeros.sizes(),
+    PYLLM_CHECK_VALUE(K <= INT32_MAX / 2 && N8 <= INT32_MAX / 8, fn, ": qweight shape ", qweight.sizes(), " is too large");
+    PYLLM_CHECK_VALUE(qzeros.size(0) == K / G && qzeros.size(1) == N8, fn, ": qzeros has shape ", qzeros.sizes(),
                       ", expected [", K / G, ", ", N8, "] for qweight ", qweight.sizes(), " and group_size ", G);
-    TORCH_CHECK_VALUE(scales.size(0) == K / G && scales.size(1) == 8 * N8, fn, ": scales has shape ",
+    PYLLM_CHECK_VALUE(scales.size(0) == K / G && scales.size(1) == 8 * N8, fn, ": scales has shape ",
                       scales.sizes(), ", expected [", K / G, ", ", 8 * N8, "] for qweight ", qweight.sizes(),
                       " and group_size ", G);
     const int64_t rb = static_cast<int64_t>(pyllm::qtype_row_bytes(static_cast<QType>(id), K));
@@ -234,14 +234,14 @@ int64_t rows8_qtype(int64_t qtype) {
 Tensor repack_rows8(const Tensor& w, int64_t qtype) {
     const char* fn = "repack_rows8";
     const QTypeTraits& tr = check_qtype(fn, qtype);
-    TORCH_CHECK_VALUE(rows8_qtype(qtype) >= 0, fn, ": ", tr.name, " has no rows-by-8 layout (Q4_0, Q4_1, Q5_0, ",
+    PYLLM_CHECK_VALUE(rows8_qtype(qtype) >= 0, fn, ": ", tr.name, " has no rows-by-8 layout (Q4_0, Q4_1, Q5_0, ",
                       "Q5_1, Q8_0, Q4_K, Q5_K and Q6_K do)");
     check_tensor(fn, "w", w, at::kByte, 2);
-    TORCH_CHECK_VALUE(w.size(1) > 0 && w.size(1) % tr.type_size == 0, fn, ": w has ", w.size(1),
+    PYLLM_CHECK_VALUE(w.size(1) > 0 && w.size(1) % tr.type_size == 0, fn, ": w has ", w.size(1),
                       " bytes per row, not a positive multiple of ", tr.name, "'s ", tr.type_size, "-byte block");
     const int64_t K = w.size(1) / tr.type_size * tr.block_size;
     check_weight(fn, w, tr, K);
-    TORCH_CHECK_VALUE(w.size(0) % 8 == 0, fn, ": w has ", w.size(0), " rows, not a multiple of 8");
+    PYLLM_CHECK_VALUE(w.size(0) % 8 == 0, fn, ": w has ", w.size(0), " rows, not a multiple of 8");
     Tensor out = at::empty_like(w);
     pyllm::repack_rows8_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), w.size(0), static_cast<int>(K),
                             out.data_ptr<uint8_t>());
@@ -251,9 +251,9 @@ Tensor repack_rows8(const Tensor& w, int64_t qtype) {
 void set_isa(const std::string& name) {
     pyllm::Isa isa;
     const std::string n = name == "generic" ? "scalar" : name;
-    TORCH_CHECK_VALUE(pyllm::cpu_isa_from_name(n.c_str(), &isa), "set_isa: unknown ISA '", name,
+    PYLLM_CHECK_VALUE(pyllm::cpu_isa_from_name(n.c_str(), &isa), "set_isa: unknown ISA '", name,
                       "', expected one of scalar, avx2, avx512, amx");
-    TORCH_CHECK_VALUE(pyllm::cpu_isa_available(isa), "set_isa: '", name,
+    PYLLM_CHECK_VALUE(pyllm::cpu_isa_available(isa), "set_isa: '", name,
                       "' is not available (not compiled in, or this CPU or OS lacks it)");
     pyllm::cpu_set_isa(isa);
     // The prefill GEMM follows the family as PYLLM_ISA makes it (cpu_prefill_default): AMX tiles for amx,
@@ -274,7 +274,7 @@ std::vector<std::string> available_isas() {
 }
 
 void set_num_threads(int64_t n) {
-    TORCH_CHECK_VALUE(n >= 1 && n <= 4096, "set_num_threads: n must be >= 1, got ", n);
+    PYLLM_CHECK_VALUE(n >= 1 && n <= 4096, "set_num_threads: n must be >= 1, got ", n);
     pyllm::cpu_set_num_threads(static_cast<int>(n));
 }
 
