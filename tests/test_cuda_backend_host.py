@@ -22,7 +22,8 @@ from pyllm.backends import cuda as cb
 from pyllm.backends.base import BackendUnavailable
 from pyllm.errors import PyllmError
 from pyllm.runtime import kv_cache
-from gpu.cuda_testutil import reference_attn_decode
+from gpu.cuda_testutil import (reference_act, reference_attn_decode, reference_quantize_act, reference_residual_norm,
+                               reference_rope_store)
 
 SEAM = hasattr(kv_cache.KVCache, "storage_layout")
 needs_seam = pytest.mark.skipif(not SEAM, reason="needs the backend seam (KVCache.storage_layout)")
@@ -126,12 +127,52 @@ def test_attention_definition_matches_kv_cache(kind, window):
 
 
 class TorchKernels:
-    """The CUDA kernels' contracts in torch on the CPU (the CPU extension dequantizes weights exactly)."""
+    """The CUDA kernels' contracts in torch on the CPU (the CPU extension dequantizes weights exactly; the step's row
+    kernels are tests/gpu/cuda_testutil.py's definitions).  Activation codes carry a float shadow of the rows they
+    encode (keyed by the codes' buffer), and the stand-in GEMV multiplies the shadow: these tests check the step's
+    wiring at float32 precision; the codes' int8 rounding is the kernels' own, checked on a GPU (tests/gpu)."""
 
     def __init__(self):
         from pyllm import _ext
 
         self.C = _ext.load()
+        self.shadow: dict[int, torch.Tensor] = {}
+
+    def _codes(self, x, xq, xds):
+        q, d = reference_quantize_act(x.reshape(xq.shape))
+        xq.copy_(q)
+        xds.copy_(d)
+        self.shadow[xq.data_ptr()] = x.detach().reshape(xq.shape).clone()
+
+    def cuda_quantize_act(self, x, xq=None, xds=None):
+        if xq is None:
+            xq = torch.empty(x.shape, dtype=torch.int8)
+            xds = torch.empty(x.shape[0], x.shape[1] // 32, 2)
+        self._codes(x, xq, xds)
+        return xq, xds
+
+    def cuda_gemv_q(self, w, qt, xq, xds, out=None):
+        y = self.shadow[xq.data_ptr()] @ self.C.dequantize(w, qt).T
+        return y if out is None else out.copy_(y)
+
+    def cuda_residual_norm_quant(self, x, a, post_w, w, eps, h, xq, xds):
+        xn, hn = reference_residual_norm(x, a, post_w, w, eps)
+        x.copy_(xn.float())
+        h.copy_(hn.float())
+        self._codes(h, xq, xds)
+
+    def cuda_act_quant(self, g, u, act, h, xq, xds):
+        h.copy_(reference_act(g, u, act).float())
+        self._codes(h, xq, xds)
+
+    def cuda_rope_store(self, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos, sin, neox, pos, k_cache,
+                        v_cache, q_out):
+        p = int(pos[0])
+        qq, kk, vv = reference_rope_store(q, k, v, q_out.shape[1], q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos,
+                                          sin, neox, p)
+        q_out.copy_(qq.float())
+        k_cache[:, p] = kk.float().to(k_cache.dtype)
+        v_cache[:, p] = vv.float().to(v_cache.dtype)
 
     def cuda_gemv_supported(self, qt):
         return True
@@ -152,9 +193,10 @@ class TorchKernels:
 
 
 @needs_seam
-@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot", "f16/q8_rot", "bf16/q4_0"])
+@pytest.mark.parametrize("body", ["row kernels", "torch"])
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot", "f16/q8_rot", "bf16/q4_0", "f32"])
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma3"])
-def test_step_matches_model_torch_path(arch, kind):
+def test_step_matches_model_torch_path(arch, kind, body):
     import pyllm
     from tiny_models import gguf_path
 
@@ -169,6 +211,9 @@ def test_step_matches_model_torch_path(arch, kind):
         model.forward(prompt, 0, ref_kv)
         model.forward(prompt, 0, kv)
         step = cb.CudaDecodeStep(backend, model, kv)
+        assert step.row_kernels_problem is None
+        if body == "torch":
+            step.row_kernels_problem = "the test asks for the torch body"
         step.policy.enabled = False
         for i, tok in enumerate([12, 200, 64, 3, 77, 150]):  # past the sliding window (8) of mistral / gemma3
             pos = prompt.numel() + i

@@ -12,25 +12,27 @@
 #include <optional>
 #include <string>
 
+#include "bindings_format.h"
 #include "cuda_kernels.h"
 
 namespace pyllm {
 namespace {
 
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dt, int64_t ndim) {
-    TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
-    TORCH_CHECK_TYPE(t.scalar_type() == dt, name, " must be ", dt, ", got ", t.scalar_type());
-    TORCH_CHECK_VALUE(t.dim() == ndim, name, " must have ", ndim, " dimensions, got shape ", t.sizes());
-    TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (shape ", t.sizes(), ", strides ", t.strides(), ")");
+    PYLLM_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+    PYLLM_CHECK_TYPE(t.scalar_type() == dt, name, " must be ", dt, ", got ", t.scalar_type());
+    PYLLM_CHECK_VALUE(t.dim() == ndim, name, " must have ", ndim, " dimensions, got shape ", t.sizes());
+    PYLLM_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (shape ", t.sizes(), ", strides ", t.strides(),
+                      ")");
 }
 
 void check_same_device(const at::Tensor& a, const char* an, const at::Tensor& b, const char* bn) {
-    TORCH_CHECK_VALUE(a.device() == b.device(), an, " is on ", a.device(), " but ", bn, " is on ", b.device());
+    PYLLM_CHECK_VALUE(a.device() == b.device(), an, " is on ", a.device(), " but ", bn, " is on ", b.device());
 }
 
 QType to_qtype(int64_t id) {
     const QTypeTraits* tr = qtype_traits(static_cast<int>(id));
-    TORCH_CHECK_VALUE(tr != nullptr, "qtype ", id, " is not a GGML type id");
+    PYLLM_CHECK_VALUE(tr != nullptr, "qtype ", id, " is not a GGML type id");
     return static_cast<QType>(id);
 }
 
@@ -40,29 +42,43 @@ cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDASt
 std::pair<int64_t, int64_t> check_weight(const at::Tensor& w, QType t, int64_t K) {
     check_tensor(w, "w", at::kByte, 2);
     const QTypeTraits* tr = qtype_traits(static_cast<int>(t));
-    TORCH_CHECK_VALUE(K > 0 && K % tr->block_size == 0, "K=", K, " is not a positive multiple of the ", tr->name,
+    PYLLM_CHECK_VALUE(K > 0 && K % tr->block_size == 0, "K=", K, " is not a positive multiple of the ", tr->name,
                       " block size ", tr->block_size);
     const int64_t row_bytes = static_cast<int64_t>(qtype_row_bytes(t, K));
-    TORCH_CHECK_VALUE(w.size(1) == row_bytes, "w has rows of ", w.size(1), " bytes, but ", tr->name, " with K=", K,
+    PYLLM_CHECK_VALUE(w.size(1) == row_bytes, "w has rows of ", w.size(1), " bytes, but ", tr->name, " with K=", K,
                       " needs ", row_bytes);
-    TORCH_CHECK_VALUE(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31), "w has ", w.size(0),
+    PYLLM_CHECK_VALUE(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31), "w has ", w.size(0),
                       " rows; 1 .. 2^31-1 supported");
-    TORCH_CHECK_VALUE(K < (int64_t{1} << 30), "K=", K, " is too large");
+    PYLLM_CHECK_VALUE(K < (int64_t{1} << 30), "K=", K, " is too large");
     return {w.size(0), row_bytes};
 }
 
-at::Tensor gemv(const at::Tensor& w, int64_t qtype, const at::Tensor& x, std::optional<at::Tensor> out) {
-    const QType t = to_qtype(qtype);
-    TORCH_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
+// Checks xq int8 [M, K] / xds f32 [M, K/32, 2] (cuda_quantize_act's outputs) on the device of `like`; returns M.
+int64_t check_codes(const at::Tensor& xq, const at::Tensor& xds, const at::Tensor& like, const char* like_name,
+                    int64_t K) {
+    check_tensor(xq, "xq", at::kChar, 2);
+    check_tensor(xds, "xds", at::kFloat, 3);
+    check_same_device(like, like_name, xq, "xq");
+    check_same_device(like, like_name, xds, "xds");
+    const int64_t M = xq.size(0);
+    PYLLM_CHECK_VALUE(xq.size(1) == K && K % 32 == 0, "xq has shape ", xq.sizes(), "; its rows need K=", K,
+                      " values, a multiple of 32");
+    PYLLM_CHECK_VALUE(xds.size(0) == M && xds.size(1) == K / 32 && xds.size(2) == 2, "xds has shape ", xds.sizes(),
+                      ", expected [", M, ", ", K / 32, ", 2]");
+    return M;
+}
+
+// y [M, N] from prepared activation codes (xq, xds); out when given, else a new tensor.
+at::Tensor gemv_prepared(const at::Tensor& w, QType t, const at::Tensor& xq, const at::Tensor& xds, int64_t K,
+                         std::optional<at::Tensor> out) {
+    PYLLM_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
                       " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
-    check_tensor(x, "x", at::kFloat, 2);
-    check_same_device(w, "w", x, "x");
-    const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK_VALUE(M >= 1 && M <= CUDA_GEMV_MAX_M, "cuda_gemv: x has M=", M, " rows; the fused GEMV takes 1..",
+    const int64_t M = xq.size(0);
+    PYLLM_CHECK_VALUE(M >= 1 && M <= CUDA_GEMV_MAX_M, "cuda_gemv: x has M=", M, " rows; the fused GEMV takes 1..",
                       CUDA_GEMV_MAX_M, " (dequantize + matmul above)");
     const auto [N, row_bytes] = check_weight(w, t, K);
     const int align = gemv_cuda_alignment(t);
-    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(w.data_ptr()) % align == 0, "cuda_gemv: ", qtype_name(t),
+    PYLLM_CHECK_VALUE(reinterpret_cast<uintptr_t>(w.data_ptr()) % align == 0, "cuda_gemv: ", qtype_name(t),
                       " weights must be ", align, "-byte aligned; w.data_ptr() % ", align, " = ",
                       reinterpret_cast<uintptr_t>(w.data_ptr()) % align, " (use a fresh copy, not a byte-offset view)");
     at::Tensor y;
@@ -70,34 +86,175 @@ at::Tensor gemv(const at::Tensor& w, int64_t qtype, const at::Tensor& x, std::op
         y = *out;
         check_tensor(y, "out", at::kFloat, 2);
         check_same_device(w, "w", y, "out");
-        TORCH_CHECK_VALUE(y.size(0) == M && y.size(1) == N, "out has shape ", y.sizes(), ", expected [", M, ", ", N, "]");
+        PYLLM_CHECK_VALUE(y.size(0) == M && y.size(1) == N, "out has shape ", y.sizes(), ", expected [", M, ", ", N,
+                          "]");
     } else {
-        y = at::empty({M, N}, x.options());
+        y = at::empty({M, N}, xds.options());
     }
-    const c10::cuda::CUDAGuard guard(x.device());
-    const cudaStream_t s = stream_of(x);
-    at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-    at::Tensor xds = at::empty({M, K / 32, 2}, x.options());
-    quantize_act_cuda(x.data_ptr<float>(), xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()),
-                      static_cast<int>(M), static_cast<int>(K), s);
+    const c10::cuda::CUDAGuard guard(w.device());
     gemv_cuda(t, w.data_ptr<uint8_t>(), static_cast<size_t>(row_bytes), xq.data_ptr<int8_t>(),
               reinterpret_cast<const float2*>(xds.data_ptr<float>()), y.data_ptr<float>(), static_cast<int>(M),
-              static_cast<int>(N), static_cast<int>(K), s);
+              static_cast<int>(N), static_cast<int>(K), stream_of(w));
     return y;
 }
 
-// (xq int8 [M, K], xds f32 [M, K/32, 2]) exactly as cuda_gemv prepares them (for tests and reuse).
-std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x) {
+// (xq int8 [M, K], xds f32 [M, K/32, 2]): x's int8 codes per 32 values, written into xq / xds when given.
+std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x, std::optional<at::Tensor> xq_out,
+                                                std::optional<at::Tensor> xds_out) {
     check_tensor(x, "x", at::kFloat, 2);
     const int64_t M = x.size(0), K = x.size(1);
-    TORCH_CHECK_VALUE(M >= 1 && K > 0 && K % 32 == 0, "cuda_quantize_act: x shape ", x.sizes(),
+    PYLLM_CHECK_VALUE(M >= 1 && K > 0 && K % 32 == 0, "cuda_quantize_act: x shape ", x.sizes(),
                       " needs M >= 1 and K a positive multiple of 32");
+    PYLLM_CHECK_VALUE(xq_out.has_value() == xds_out.has_value(), "cuda_quantize_act: give both xq and xds, or neither");
     const c10::cuda::CUDAGuard guard(x.device());
-    at::Tensor xq = at::empty({M, K}, x.options().dtype(at::kChar));
-    at::Tensor xds = at::empty({M, K / 32, 2}, x.options());
+    at::Tensor xq = xq_out ? *xq_out : at::empty({M, K}, x.options().dtype(at::kChar));
+    at::Tensor xds = xds_out ? *xds_out : at::empty({M, K / 32, 2}, x.options());
+    PYLLM_CHECK_VALUE(check_codes(xq, xds, x, "x", K) == M, "xq has ", xq.size(0), " rows, x has ", M);
     quantize_act_cuda(x.data_ptr<float>(), xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()),
                       static_cast<int>(M), static_cast<int>(K), stream_of(x));
     return {xq, xds};
+}
+
+at::Tensor gemv(const at::Tensor& w, int64_t qtype, const at::Tensor& x, std::optional<at::Tensor> out) {
+    const QType t = to_qtype(qtype);
+    check_tensor(x, "x", at::kFloat, 2);
+    check_same_device(w, "w", x, "x");
+    PYLLM_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
+                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
+    check_weight(w, t, x.size(1));
+    const auto [xq, xds] = quantize_act(x, std::nullopt, std::nullopt);
+    return gemv_prepared(w, t, xq, xds, x.size(1), out);
+}
+
+at::Tensor gemv_q(const at::Tensor& w, int64_t qtype, const at::Tensor& xq, const at::Tensor& xds,
+                  std::optional<at::Tensor> out) {
+    const QType t = to_qtype(qtype);
+    check_codes(xq, xds, w, "w", xq.dim() == 2 ? xq.size(1) : 0);
+    return gemv_prepared(w, t, xq, xds, xq.size(1), out);
+}
+
+// A float vector [1, n] (or [n]) on the device of `like`: n values, contiguous f32.
+void check_vec(const at::Tensor& t, const char* name, const at::Tensor& like, int64_t n) {
+    PYLLM_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+    PYLLM_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be Float, got ", t.scalar_type());
+    PYLLM_CHECK_VALUE(t.is_contiguous() && t.numel() == n, name, " must be ", n, " contiguous values, got shape ",
+                      t.sizes());
+    check_same_device(like, "x", t, name);
+}
+
+// x [1, D] += a (+ rms_norm(a) * post_w); h = rms_norm(x) * w; (xq, xds) = h's codes.  All written in place.
+void residual_norm_quant(const at::Tensor& x, std::optional<at::Tensor> a, std::optional<at::Tensor> post_w,
+                         const at::Tensor& w, double eps, const at::Tensor& h, const at::Tensor& xq,
+                         const at::Tensor& xds) {
+    check_tensor(x, "x", at::kFloat, 2);
+    const int64_t D = x.size(1);
+    PYLLM_CHECK_VALUE(x.size(0) == 1 && D > 0 && D % 32 == 0, "cuda_residual_norm_quant: x has shape ", x.sizes(),
+                      "; one row of a positive multiple of 32 values");
+    PYLLM_CHECK_VALUE(!post_w || a, "cuda_residual_norm_quant: post_w needs a");
+    if (a) check_vec(*a, "a", x, D);
+    if (post_w) check_vec(*post_w, "post_w", x, D);
+    check_vec(w, "w", x, D);
+    check_vec(h, "h", x, D);
+    check_codes(xq, xds, x, "x", D);
+    PYLLM_CHECK_VALUE(xq.size(0) == 1, "xq has ", xq.size(0), " rows, x has 1");
+    const c10::cuda::CUDAGuard guard(x.device());
+    residual_norm_quant_cuda(x.data_ptr<float>(), a ? a->data_ptr<float>() : nullptr,
+                             post_w ? post_w->data_ptr<float>() : nullptr, w.data_ptr<float>(),
+                             static_cast<float>(eps), static_cast<int>(D), h.data_ptr<float>(), xq.data_ptr<int8_t>(),
+                             reinterpret_cast<float2*>(xds.data_ptr<float>()), stream_of(x));
+}
+
+// h [1, n] = act(g) * u (act "silu" or "gelu_tanh"); (xq, xds) = h's codes.
+void act_quant(const at::Tensor& g, const at::Tensor& u, const std::string& act, const at::Tensor& h,
+               const at::Tensor& xq, const at::Tensor& xds) {
+    check_tensor(g, "g", at::kFloat, 2);
+    const int64_t n = g.size(1);
+    PYLLM_CHECK_VALUE(g.size(0) == 1 && n > 0 && n % 32 == 0, "cuda_act_quant: g has shape ", g.sizes(),
+                      "; one row of a positive multiple of 32 values");
+    PYLLM_CHECK_VALUE(act == "silu" || act == "gelu_tanh", "cuda_act_quant: act must be 'silu' or 'gelu_tanh', got '",
+                      act, "'");
+    check_vec(u, "u", g, n);
+    check_vec(h, "h", g, n);
+    check_codes(xq, xds, g, "g", n);
+    PYLLM_CHECK_VALUE(xq.size(0) == 1, "xq has ", xq.size(0), " rows, g has 1");
+    const c10::cuda::CUDAGuard guard(g.device());
+    act_quant_cuda(act == "silu" ? 0 : 1, g.data_ptr<float>(), u.data_ptr<float>(), static_cast<int>(n),
+                   h.data_ptr<float>(), xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()),
+                   stream_of(g));
+}
+
+KVRow float_row_type(const at::Tensor& t, const char* name) {
+    const at::ScalarType dt = t.scalar_type();
+    PYLLM_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, name,
+                     " must be Float, Half or BFloat16 rows (block caches are written by the torch path), got ", dt);
+    return dt == at::kFloat ? KVRow::F32 : dt == at::kHalf ? KVRow::F16 : KVRow::BF16;
+}
+
+// q [1, H*hd], k, v [1, Hkv*hd] -> q_out [H, hd] (bias, per-head norm, RoPE at pos[0]) and the rows k_cache[:, pos],
+// v_cache[:, pos] of one layer's float cache [Hkv, max_seq, hd].
+void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<at::Tensor> q_bias,
+                std::optional<at::Tensor> k_bias, std::optional<at::Tensor> v_bias, std::optional<at::Tensor> q_norm,
+                std::optional<at::Tensor> k_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
+                bool neox, const at::Tensor& pos, const at::Tensor& k_cache,
+                const at::Tensor& v_cache, const at::Tensor& q_out) {
+    check_tensor(q_out, "q_out", at::kFloat, 2);
+    const int64_t H = q_out.size(0), hd = q_out.size(1);
+    PYLLM_CHECK_VALUE(hd == 64 || hd == 128 || hd == 256, "cuda_rope_store: head_dim ", hd,
+                      " is not supported (64, 128, 256)");
+    PYLLM_CHECK_VALUE(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must both be "
+                      "[Hkv, max_seq, head_dim], got ", k_cache.sizes(), " and ", v_cache.sizes());
+    const int64_t Hkv = k_cache.size(0), max_seq = k_cache.size(1);
+    PYLLM_CHECK_VALUE(k_cache.size(2) == hd && Hkv >= 1 && H % Hkv == 0, "cuda_rope_store: k_cache has shape ",
+                      k_cache.sizes(), " for ", H, " query heads of ", hd, " values");
+    PYLLM_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
+    check_same_device(q_out, "q_out", k_cache, "k_cache");
+    check_same_device(q_out, "q_out", v_cache, "v_cache");
+    check_vec(q, "q", q_out, H * hd);
+    check_vec(k, "k", q_out, Hkv * hd);
+    check_vec(v, "v", q_out, Hkv * hd);
+    if (q_bias) check_vec(*q_bias, "q_bias", q_out, H * hd);
+    if (k_bias) check_vec(*k_bias, "k_bias", q_out, Hkv * hd);
+    if (v_bias) check_vec(*v_bias, "v_bias", q_out, Hkv * hd);
+    PYLLM_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), "cuda_rope_store: give q_norm and k_norm, or neither");
+    if (q_norm) check_vec(*q_norm, "q_norm", q_out, hd);
+    if (k_norm) check_vec(*k_norm, "k_norm", q_out, hd);
+    check_tensor(cos, "cos", at::kFloat, 2);
+    check_tensor(sin, "sin", at::kFloat, 2);
+    PYLLM_CHECK_VALUE(cos.sizes() == sin.sizes() && cos.size(1) >= 1 && 2 * cos.size(1) <= hd && cos.size(0) >= 1,
+                      "cos and sin must be [max_pos, rope_dim / 2] with rope_dim <= ", hd, ", got ", cos.sizes(),
+                      " and ", sin.sizes());
+    check_same_device(q_out, "q_out", cos, "cos");
+    check_same_device(q_out, "q_out", sin, "sin");
+    check_tensor(pos, "pos", at::kLong, 1);
+    check_same_device(q_out, "q_out", pos, "pos");
+    PYLLM_CHECK_VALUE(pos.numel() == 1, "pos must hold one value, got shape ", pos.sizes());
+    RopeStoreArgs args{};
+    args.q = q.data_ptr<float>();
+    args.k = k.data_ptr<float>();
+    args.v = v.data_ptr<float>();
+    args.q_bias = q_bias ? q_bias->data_ptr<float>() : nullptr;
+    args.k_bias = k_bias ? k_bias->data_ptr<float>() : nullptr;
+    args.v_bias = v_bias ? v_bias->data_ptr<float>() : nullptr;
+    args.q_norm = q_norm ? q_norm->data_ptr<float>() : nullptr;
+    args.k_norm = k_norm ? k_norm->data_ptr<float>() : nullptr;
+    args.eps = static_cast<float>(eps);
+    args.cos = cos.data_ptr<float>();
+    args.sin = sin.data_ptr<float>();
+    args.rope_half = static_cast<int>(cos.size(1));
+    args.max_pos = static_cast<int>(cos.size(0));
+    args.neox = neox ? 1 : 0;
+    args.pos = pos.data_ptr<int64_t>();
+    args.H = static_cast<int>(H);
+    args.Hkv = static_cast<int>(Hkv);
+    args.hd = static_cast<int>(hd);
+    args.max_seq = static_cast<int>(max_seq);
+    args.k_type = float_row_type(k_cache, "k_cache");
+    args.v_type = float_row_type(v_cache, "v_cache");
+    args.k_cache = static_cast<uint8_t*>(k_cache.data_ptr());
+    args.v_cache = static_cast<uint8_t*>(v_cache.data_ptr());
+    args.q_out = q_out.data_ptr<float>();
+    const c10::cuda::CUDAGuard guard(q_out.device());
+    rope_store_cuda(args, stream_of(q_out));
 }
 
 // Rows of W (all, or ids) as fp16 (half=True) or fp32.  check_ids=False skips the range check, which needs a
@@ -105,9 +262,9 @@ std::tuple<at::Tensor, at::Tensor> quantize_act(const at::Tensor& x) {
 at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, std::optional<at::Tensor> ids, bool half,
                       bool check_ids) {
     const QType t = to_qtype(qtype);
-    TORCH_CHECK_VALUE(dequant_cuda_supported(t), "cuda_dequantize: type ", qtype_name(t), " has no CUDA kernel");
+    PYLLM_CHECK_VALUE(dequant_cuda_supported(t), "cuda_dequantize: type ", qtype_name(t), " has no CUDA kernel");
     const auto [N, row_bytes] = check_weight(w, t, K);
-    TORCH_CHECK_VALUE(K % 8 == 0, "cuda_dequantize: K=", K, " must be a multiple of 8");
+    PYLLM_CHECK_VALUE(K % 8 == 0, "cuda_dequantize: K=", K, " must be a multiple of 8");
     int64_t n_out = N;
     const int64_t* idp = nullptr;
     if (ids) {
@@ -116,7 +273,7 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, std::option
         n_out = ids->size(0);
         if (check_ids && n_out > 0) {
             const int64_t lo = ids->min().item<int64_t>(), hi = ids->max().item<int64_t>();
-            TORCH_CHECK_VALUE(lo >= 0 && hi < N, "cuda_dequantize: row index ", lo < 0 ? lo : hi,
+            PYLLM_CHECK_VALUE(lo >= 0 && hi < N, "cuda_dequantize: row index ", lo < 0 ? lo : hi,
                               " is out of range for ", N, " rows");
         }
         idp = ids->data_ptr<int64_t>();
@@ -131,18 +288,20 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, std::option
 
 // One part (keys or values) of one layer: t is [Hkv, max_seq, D] f32/f16/bf16, or uint8 [Hkv, max_seq, row_bytes]
 // of `block` ("q8_0" or "q4_0") blocks; sink an optional f32 [Hkv, D] exact row for position 0.
-AttnRows check_rows(const at::Tensor& t, const char* name, const std::string& block, const std::optional<at::Tensor>& sink,
+AttnRows check_rows(const at::Tensor& t, const char* name, const std::string& block,
+                    const std::optional<at::Tensor>& sink,
                     const char* sink_name, const at::Tensor& q, int64_t Hkv, int64_t max_seq, int64_t D) {
     AttnRows r{};
     const at::ScalarType dt = t.scalar_type();
     if (dt == at::kByte) {
-        TORCH_CHECK_VALUE(block == "q8_0" || block == "q4_0", name, " holds uint8 rows, so its block type must be "
+        PYLLM_CHECK_VALUE(block == "q8_0" || block == "q4_0", name, " holds uint8 rows, so its block type must be "
                           "'q8_0' or 'q4_0', got '", block, "'");
         r.type = block == "q8_0" ? KVRow::Q8_0 : KVRow::Q4_0;
-        TORCH_CHECK_VALUE(D % 32 == 0, name, ": ", block, " rows need head_dim to be a multiple of 32, got ", D);
+        PYLLM_CHECK_VALUE(D % 32 == 0, name, ": ", block, " rows need head_dim to be a multiple of 32, got ", D);
     } else {
-        TORCH_CHECK_VALUE(block.empty(), name, " is ", dt, ", not uint8 blocks, but a block type '", block, "' was given");
-        TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, name,
+        PYLLM_CHECK_VALUE(block.empty(), name, " is ", dt, ", not uint8 blocks, but a block type '", block,
+                          "' was given");
+        PYLLM_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, name,
                          " must be Float, Half, BFloat16 or Byte (q8_0 / q4_0 blocks), got ", dt);
         r.type = dt == at::kFloat ? KVRow::F32 : dt == at::kHalf ? KVRow::F16 : KVRow::BF16;
     }
@@ -150,14 +309,14 @@ AttnRows check_rows(const at::Tensor& t, const char* name, const std::string& bl
     check_same_device(q, "q", t, name);
     const int64_t row_bytes = static_cast<int64_t>(kv_row_size(r.type, static_cast<int>(D)));
     const int64_t width = dt == at::kByte ? row_bytes : D;
-    TORCH_CHECK_VALUE(t.size(0) == Hkv && t.size(1) == max_seq && t.size(2) == width, name, " has shape ", t.sizes(),
+    PYLLM_CHECK_VALUE(t.size(0) == Hkv && t.size(1) == max_seq && t.size(2) == width, name, " has shape ", t.sizes(),
                       ", expected [", Hkv, ", ", max_seq, ", ", width, "]");
     r.data = static_cast<const uint8_t*>(t.data_ptr());
     r.row_bytes = static_cast<size_t>(row_bytes);
     if (sink) {
         check_tensor(*sink, sink_name, at::kFloat, 2);
         check_same_device(q, "q", *sink, sink_name);
-        TORCH_CHECK_VALUE(sink->size(0) == Hkv && sink->size(1) == D, sink_name, " has shape ", sink->sizes(),
+        PYLLM_CHECK_VALUE(sink->size(0) == Hkv && sink->size(1) == D, sink_name, " has shape ", sink->sizes(),
                           ", expected [", Hkv, ", ", D, "]");
         r.sink = sink->data_ptr<float>();
     }
@@ -173,18 +332,18 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     check_tensor(q, "q", at::kFloat, 2);
     check_tensor(len, "len", at::kInt, 1);
     check_same_device(q, "q", len, "len");
-    TORCH_CHECK_VALUE(len.numel() == 1, "len must hold one value, got shape ", len.sizes());
-    TORCH_CHECK_VALUE(k.dim() == 3 && v.dim() == 3, "k and v must have 3 dimensions, got shapes ", k.sizes(), " and ",
+    PYLLM_CHECK_VALUE(len.numel() == 1, "len must hold one value, got shape ", len.sizes());
+    PYLLM_CHECK_VALUE(k.dim() == 3 && v.dim() == 3, "k and v must have 3 dimensions, got shapes ", k.sizes(), " and ",
                       v.sizes());
     const int64_t H = q.size(0), D = q.size(1), Hkv = k.size(0), max_seq = k.size(1);
-    TORCH_CHECK_VALUE(attn_decode_supported_head_dim(static_cast<int>(D)), "cuda_attn_decode: head_dim ", D,
+    PYLLM_CHECK_VALUE(attn_decode_supported_head_dim(static_cast<int>(D)), "cuda_attn_decode: head_dim ", D,
                       " is not supported (64, 128, 256)");
-    TORCH_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "cuda_attn_decode: ", H, " query heads is not a multiple of ", Hkv,
+    PYLLM_CHECK_VALUE(Hkv >= 1 && H % Hkv == 0, "cuda_attn_decode: ", H, " query heads is not a multiple of ", Hkv,
                       " KV heads");
-    TORCH_CHECK_VALUE(max_seq >= 1 && max_seq < (int64_t{1} << 30), "cuda_attn_decode: max_seq=", max_seq);
-    TORCH_CHECK_VALUE(window >= 0 && window < (int64_t{1} << 30), "cuda_attn_decode: window=", window,
+    PYLLM_CHECK_VALUE(max_seq >= 1 && max_seq < (int64_t{1} << 30), "cuda_attn_decode: max_seq=", max_seq);
+    PYLLM_CHECK_VALUE(window >= 0 && window < (int64_t{1} << 30), "cuda_attn_decode: window=", window,
                       " must be 0 (none) or a positive number of positions");
-    TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "cuda_attn_decode: softcap=", softcap,
+    PYLLM_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap), "cuda_attn_decode: softcap=", softcap,
                       " must be 0 (none) or positive");
     const AttnRows kr = check_rows(k, "k", k_block, k_sink, "k_sink", q, Hkv, max_seq, D);
     const AttnRows vr = check_rows(v, "v", v_block, v_sink, "v_sink", q, Hkv, max_seq, D);
@@ -210,8 +369,22 @@ void register_cuda(pybind11::module& m) {
           py::arg("qtype"), "Whether cuda_dequantize handles this GGML type id.");
     m.def("cuda_gemv", &gemv, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("out") = py::none(),
           "y [M, N] f32 = x [M, K] f32 @ W^T for M <= 8, W uint8 [N, row_bytes] raw GGUF blocks on the GPU.");
-    m.def("cuda_quantize_act", &quantize_act, py::arg("x"),
-          "The int8 activation codes and (d, d*sum) scales cuda_gemv computes from x [M, K].");
+    m.def("cuda_gemv_q", &gemv_q, py::arg("w"), py::arg("qtype"), py::arg("xq"), py::arg("xds"),
+          py::arg("out") = py::none(),
+          "cuda_gemv from activation codes cuda_quantize_act prepared (xq int8 [M, K], xds f32 [M, K/32, 2]).");
+    m.def("cuda_quantize_act", &quantize_act, py::arg("x"), py::arg("xq") = py::none(), py::arg("xds") = py::none(),
+          "The int8 activation codes and (d, d*sum) scales cuda_gemv computes from x [M, K] (into xq, xds if given).");
+    m.def("cuda_residual_norm_quant", &residual_norm_quant, py::arg("x"), py::arg("a"), py::arg("post_w"),
+          py::arg("w"), py::arg("eps"), py::arg("h"), py::arg("xq"), py::arg("xds"),
+          "In place: x [1, D] += a (or rms_norm(a) * post_w), h = rms_norm(x) * w, (xq, xds) = h's int8 codes.");
+    m.def("cuda_act_quant", &act_quant, py::arg("g"), py::arg("u"), py::arg("act"), py::arg("h"), py::arg("xq"),
+          py::arg("xds"), "In place: h [1, n] = act(g) * u (act 'silu' or 'gelu_tanh'), (xq, xds) = h's int8 codes.");
+    m.def("cuda_rope_store", &rope_store, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_bias"),
+          py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"),
+          py::arg("sin"), py::arg("neox"), py::arg("pos"), py::arg("k_cache"), py::arg("v_cache"),
+          py::arg("q_out"),
+          "One token's q [1, H*hd], k, v [1, Hkv*hd]: bias, per-head RMS norm, RoPE at pos[0] -> q_out [H, hd], and "
+          "k, v written at pos[0] into one layer's float cache [Hkv, max_seq, hd].");
     m.def("cuda_dequantize", &dequantize, py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("ids") = py::none(),
           py::arg("half") = true, py::arg("check_ids") = true,
           "Rows of W (all, or ids int64 [n]) -> [n, K] fp16 (half) or fp32, equal to gguf.quants in fp32.");

@@ -78,4 +78,39 @@ void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, cons
                       float softcap, float* part_o, float* part_ml, float* out, int H, int Hkv, int D, int max_seq,
                       float scale, cudaStream_t stream);
 
+// ---- the decode step's row operations (step.cu) -------------------------------------------------------------
+// x [D] += a (a given: plus rms_norm(a) * post_w where post_w is given), then h = rms_norm(x) * w [D] and h's
+// int8 codes (xq [D], xds [D/32], as quantize_act_cuda).  D % 32 == 0; x updated in place; one CTA.
+void residual_norm_quant_cuda(float* x, const float* a, const float* post_w, const float* w, float eps, int D,
+                              float* h, int8_t* xq, float2* xds, cudaStream_t stream);
+
+// h = act(g) * u over n values (act 0: SiLU, 1: GELU tanh approximation) and h's int8 codes; n % 32 == 0.
+void act_quant_cuda(int act, const float* g, const float* u, int n, float* h, int8_t* xq, float2* xds,
+                    cudaStream_t stream);
+
+// One token's q, k, v (GEMV outputs) -> RoPE'd q_out [H, hd] and the k, v rows at position *pos of a float cache.
+struct RopeStoreArgs {
+    const float* q;       // [H * hd]
+    const float* k;       // [Hkv * hd]
+    const float* v;       // [Hkv * hd]
+    const float* q_bias;  // [H * hd], [Hkv * hd], [Hkv * hd] or nullptr
+    const float* k_bias;
+    const float* v_bias;
+    const float* q_norm;  // [hd] per-head RMS norm weights of q and k, or nullptr
+    const float* k_norm;
+    float eps;
+    const float* cos;     // [max_pos, rope_half] tables; RoPE rotates the first 2 * rope_half values of a head
+    const float* sin;
+    int rope_half;
+    int max_pos;
+    int neox;             // 1: pairs (i, i + rope_half); 0: pairs (2i, 2i + 1)
+    const int64_t* pos;   // device: the token's position
+    int H, Hkv, hd, max_seq;
+    KVRow k_type, v_type;  // F32, F16 or BF16 rows
+    uint8_t* k_cache;     // [Hkv, max_seq, hd] rows of one layer
+    uint8_t* v_cache;
+    float* q_out;         // [H, hd]
+};
+void rope_store_cuda(const RopeStoreArgs& args, cudaStream_t stream);
+
 }  // namespace pyllm

@@ -8,6 +8,8 @@
 //
 // Why this shape: at batch 1 the GEMV is a stream over W; one row per CTA gives N CTAs (>= 4096 for every
 // Llama-3 matrix), enough independent loads in flight to cover HBM latency without a split-K reduction.
+#include <cstdlib>
+
 #include "cuda_kernels.h"
 #include "gemv_types.cuh"
 
@@ -28,8 +30,8 @@ __global__ void __launch_bounds__(256) quantize_act_kernel(const float* __restri
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
     for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float d = amax / 127.0f;
-    // __fdiv_rn: IEEE division even under --use_fast_math, so the codes are reproducible by a numpy reference
+    // __fdiv_rn: IEEE division even under --use_fast_math, so scales and codes are reproducible by a numpy reference
+    const float d = __fdiv_rn(amax, 127.0f);
     const int q0 = d > 0.f ? __float2int_rn(__fdiv_rn(v.x, d)) : 0;
     const int q1 = d > 0.f ? __float2int_rn(__fdiv_rn(v.y, d)) : 0;
     const int q2 = d > 0.f ? __float2int_rn(__fdiv_rn(v.z, d)) : 0;
@@ -168,11 +170,27 @@ void launch_awq(int M, const uint8_t* w, size_t row_bytes, const int8_t* xq, con
     }
 }
 
+// Rows per CTA at M = 1: 1, or 2 / 4 where PYLLM_CUDA_GEMV_ROWS asks.  On the H200 one row per CTA ran at 37-65%
+// of copy bandwidth for Q4_K, bound by each CTA's short life (one or two slots per thread, then a reduction);
+// more rows per CTA put R independent loads per thread in flight and cut the CTAs R-fold.  tests/gpu/bench_cuda.py
+// times all three so the default can follow the measurement.
+int rows_per_cta_m1() {
+    const char* e = std::getenv("PYLLM_CUDA_GEMV_ROWS");
+    return e != nullptr && (e[0] == '2' || e[0] == '4') && e[1] == 0 ? e[0] - '0' : 1;
+}
+
 template <QType T, int M>
 void launch_m(const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N, int K,
               cudaStream_t stream) {
-    constexpr int R = M == 1 ? 1 : 2;
-    gemv_kernel<T, M, R><<<(N + R - 1) / R, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K);
+    if constexpr (M == 1) {
+        switch (rows_per_cta_m1()) {
+            case 2: gemv_kernel<T, 1, 2><<<(N + 1) / 2, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K); return;
+            case 4: gemv_kernel<T, 1, 4><<<(N + 3) / 4, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K); return;
+            default: gemv_kernel<T, 1, 1><<<N, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K); return;
+        }
+    } else {
+        gemv_kernel<T, M, 2><<<(N + 1) / 2, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K);
+    }
 }
 
 template <QType T>

@@ -289,6 +289,54 @@ def fused_decode_problem(model, kv) -> str | None:
     return None
 
 
+ROW_KERNELS = ("cuda_gemv_q", "cuda_quantize_act", "cuda_residual_norm_quant", "cuda_act_quant", "cuda_rope_store")
+
+
+def row_kernels_problem(kernels, model, act: str) -> str | None:
+    """Why CudaDecodeStep cannot use csrc/cuda/step.cu's row kernels for ``model`` (then its torch body runs), or
+    None: they need every row length a multiple of 32 (the int8 codes' blocks) and a SiLU or tanh-GELU MLP.
+    PYLLM_CUDA_ROW_KERNELS=0 asks for the torch body."""
+    if os.environ.get("PYLLM_CUDA_ROW_KERNELS", "1") == "0":
+        return "PYLLM_CUDA_ROW_KERNELS=0"
+    missing = [n for n in ROW_KERNELS if not hasattr(kernels, n)]
+    if missing:
+        return f"the extension lacks {', '.join(missing)}"
+    cfg = model.cfg
+    n_ff = model.w["blk.0.ffn_gate.weight"].shape[0] if "blk.0.ffn_gate.weight" in model.w else 0
+    for what, n in (("n_embd", cfg.n_embd), ("n_head * head_dim", cfg.n_head * cfg.head_dim), ("n_ff", n_ff)):
+        if n <= 0 or n % 32:
+            return f"{what} = {n} is not a positive multiple of 32"
+    if act not in ("silu", "gelu_tanh"):
+        return f"activation {act!r}"
+    return None
+
+
+def _plain_float(part: AttnPart) -> bool:
+    return not part.block and part.sink is None and part.mu is None and part.scale is None and part.rot is None
+
+
+class StepBuffers:
+    """The fused step's activations, allocated once (a captured graph replays into the same memory): each row and
+    the int8 codes (xq, xds) the GEMV reads of the rows that feed one."""
+
+    def __init__(self, cfg, n_ff: int, n_vocab: int, dev: torch.device):
+        def f(n):
+            return torch.zeros(1, n, dtype=torch.float32, device=dev)
+
+        def codes(n):
+            return (torch.zeros(1, n, dtype=torch.int8, device=dev),
+                    torch.zeros(1, n // 32, 2, dtype=torch.float32, device=dev))
+
+        d, qd, kvd = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        self.x, self.h, self.o, self.m = f(d), f(d), f(d), f(d)
+        self.q, self.k, self.v, self.g, self.u, self.f = f(qd), f(kvd), f(kvd), f(n_ff), f(n_ff), f(n_ff)
+        self.qr = torch.zeros(cfg.n_head, cfg.head_dim, dtype=torch.float32, device=dev)
+        self.logits = f(n_vocab)
+        self.hq, self.hds = codes(d)
+        self.aq, self.ads = codes(qd)
+        self.fq, self.fds = codes(n_ff)
+
+
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -366,51 +414,133 @@ class CudaDecodeStep:
         self.policy = GraphPolicy()
         self.graph = None
         self.g_logits = None
+        self.row_kernels_problem = row_kernels_problem(self.K, model, self.act)
+        if self.row_kernels_problem is None:
+            self.buf = StepBuffers(cfg, model.w["blk.0.ffn_gate.weight"].shape[0], self.n_vocab, dev)
+            # Layers whose new K/V rows one kernel writes: plain float rows with no storage transform or sink row.
+            self.store_kernel = [all(_plain_float(part) for part in pair) for pair in self.parts]
 
     # -- the step's math (device tensors only: capturable) --------------------------------------------------
     def _body(self, first: bool) -> torch.Tensor:
-        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.b.linear
+        return self._body_torch(first) if self.row_kernels_problem else self._body_kernels(first)
+
+    def _gemv(self, wt, rows: torch.Tensor, codes: tuple, out: torch.Tensor) -> torch.Tensor:
+        """out [1, N] = rows @ W^T: from rows' int8 codes (xq, xds) where W's type has a GEMV kernel, else through
+        the backend's linear (its dequantize path)."""
+        qt = getattr(wt, "qtype", None)
+        if isinstance(qt, int) and not getattr(wt, "is_float", False) and self.K.cuda_gemv_supported(int(qt)):
+            return self.K.cuda_gemv_q(wt.data, int(qt), codes[0], codes[1], out)
+        out.copy_(self.b.linear(rows, wt))
+        return out
+
+    def _body_kernels(self, first: bool) -> torch.Tensor:
+        """The step through csrc/cuda/step.cu's row kernels: norms, activations and RoPE fused with the int8 codes
+        the next GEMV reads (~14 launches per layer).  The residual branch of each block is added by the next
+        norm's kernel, so x is touched once per block."""
+        cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
+        H, hd = cfg.n_head, cfg.head_dim
+        self.len.copy_(self.pos + 1)
+        B.x.copy_(self.b.embed(w["token_embd.weight"], self.tok, check_ids=False))
+        if self.embd_scale:
+            B.x.mul_(self.embd_scale)
+        branch, post = None, None  # the block output not yet added to x, and its post-norm weights
+        neox = cfg.rope_style == "neox"
+        for i in range(cfg.n_layer):
+            p = f"blk.{i}."
+            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "attn_norm.weight"], eps, B.h, B.hq, B.hds)
+            hc = (B.hq, B.hds)
+            q, k, v = (self._gemv(w[p + n], B.h, hc, o) for n, o in (("attn_q.weight", B.q), ("attn_k.weight", B.k),
+                                                                    ("attn_v.weight", B.v)))
+            if self.store_kernel[i] and not first:
+                kp, vp = self.parts[i]
+                bias, norms = self._qk_extras(i)
+                c_tab, s_tab = self.tables[self.layer_rope[i]]
+                K.cuda_rope_store(q, k, v, *bias, *norms, eps, c_tab, s_tab, neox, self.pos, kp.data, vp.data, B.qr)
+                a = K.cuda_attn_decode(B.qr, kp.data, vp.data, self.len, self.scale, "", "", None, None,
+                                       self.layer_window[i], 0.0)
+            else:
+                a = self._attend_torch(i, q, k, v, first)
+            a = a.reshape(1, H * hd)
+            K.cuda_quantize_act(a, B.aq, B.ads)
+            branch = self._gemv(w[p + "attn_output.weight"], a, (B.aq, B.ads), B.o)
+            post = vec[p + "post_attention_norm.weight"] if self.post_norms else None
+            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)
+            g = self._gemv(w[p + "ffn_gate.weight"], B.h, (B.hq, B.hds), B.g)
+            u = self._gemv(w[p + "ffn_up.weight"], B.h, (B.hq, B.hds), B.u)
+            K.cuda_act_quant(g, u, self.act, B.f, B.fq, B.fds)
+            branch = self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds), B.m)
+            post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None
+        K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.hq, B.hds)
+        logits = self._gemv(self.out_w, B.h, (B.hq, B.hds), B.logits)
+        if self.final_softcap:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _qk_extras(self, i: int) -> tuple[list, list]:
+        """Layer i's ([q, k, v biases], [q, k norm weights]), None where the model has none."""
+        p, vec = f"blk.{i}.", self.vec
+        bias = [vec[p + n] for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")] if self.bias else [None] * 3
+        norms = [vec[p + "attn_q_norm.weight"], vec[p + "attn_k_norm.weight"]] if self.qk_norm else [None] * 2
+        return bias, norms
+
+    def _attend_torch(self, i: int, q, k, v, first: bool) -> torch.Tensor:
+        """Layer i's bias, QK norm, RoPE, cache write and attention in torch ops from the q, k, v projections: the
+        torch body's, and the row-kernel body's for block or transformed cache rows and for position 0 (which
+        writes the sink rows)."""
+        cfg, eps = self.cfg, self.cfg.rms_eps
         H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        bias, norms = self._qk_extras(i)
+        c_tab, s_tab = self.tables[self.layer_rope[i]]
+        c, s = c_tab.index_select(0, self.pos)[0], s_tab.index_select(0, self.pos)[0]
+        if self.bias:
+            q, k, v = q + bias[0], k + bias[1], v + bias[2]
+        q, k, v = q.view(H, hd), k.view(Hkv, hd), v.view(Hkv, hd)
+        if self.qk_norm:
+            q, k = _rms_norm(q, norms[0], eps), _rms_norm(k, norms[1], eps)
+        q = _rope(q, c, s, cfg.rope_style, cfg.rope_dim)
+        k = _rope(k, c, s, cfg.rope_style, cfg.rope_dim)
+        return self._store_attend(i, q, k, v, first)
+
+    def _store_attend(self, i: int, q, k, v, first: bool) -> torch.Tensor:
+        """Writes layer i's new K/V rows (storage transform, encoding, sink rows at position 0) and returns the
+        attention output [H, hd] in the model's basis."""
+        kp, vp = self.parts[i]
+        ks, vs = to_storage(kp, k), to_storage(vp, v)
+        kp.data.index_copy_(1, self.pos, encode_rows(kp.block, ks, self.k_dtype)[:, None])
+        vp.data.index_copy_(1, self.pos, encode_rows(vp.block, vs, self.v_dtype)[:, None])
+        if first:  # position 0: the exact sink rows, and attention over one key is its value
+            if kp.sink is not None:
+                kp.sink.copy_(ks)
+            if vp.sink is not None:
+                vp.sink.copy_(vs)
+            return v.repeat_interleave(self.group, 0)
+        qs = q
+        if kp.scale is not None:
+            qs = qs * kp.scale.repeat_interleave(self.group, 0)
+        if kp.rot is not None:
+            qs = qs @ kp.rot_t
+        a = self.K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, self.len, self.scale, kp.block, vp.block,
+                                    kp.sink, vp.sink, self.layer_window[i], 0.0)
+        if vp.rot is not None:
+            a = a @ vp.rot
+        if vp.mu is not None:
+            a = a + vp.mu.repeat_interleave(self.group, 0)
+        return a
+
+    def _body_torch(self, first: bool) -> torch.Tensor:
+        """The step in torch ops around the GEMV and attention kernels: the definition the row kernels follow, and
+        the path for a model they do not take (row_kernels_problem)."""
+        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.b.linear
+        H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
         x = self.b.embed(w["token_embd.weight"], self.tok, check_ids=False)  # [1, D]
         if self.embd_scale:
             x = x * self.embd_scale
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            c, s = self.tables[self.layer_rope[i]]
-            c, s = c.index_select(0, self.pos)[0], s.index_select(0, self.pos)[0]
             h = _rms_norm(x, vec[p + "attn_norm.weight"], eps)
             q, k, v = lin(h, w[p + "attn_q.weight"]), lin(h, w[p + "attn_k.weight"]), lin(h, w[p + "attn_v.weight"])
-            if self.bias:
-                q, k, v = q + vec[p + "attn_q.bias"], k + vec[p + "attn_k.bias"], v + vec[p + "attn_v.bias"]
-            q, k, v = q.view(H, hd), k.view(Hkv, hd), v.view(Hkv, hd)
-            if self.qk_norm:
-                q = _rms_norm(q, vec[p + "attn_q_norm.weight"], eps)
-                k = _rms_norm(k, vec[p + "attn_k_norm.weight"], eps)
-            q = _rope(q, c, s, cfg.rope_style, cfg.rope_dim)
-            k = _rope(k, c, s, cfg.rope_style, cfg.rope_dim)
-            kp, vp = self.parts[i]
-            ks, vs = to_storage(kp, k), to_storage(vp, v)
-            kp.data.index_copy_(1, self.pos, encode_rows(kp.block, ks, self.k_dtype)[:, None])
-            vp.data.index_copy_(1, self.pos, encode_rows(vp.block, vs, self.v_dtype)[:, None])
-            if first:  # position 0: the exact sink rows, and attention over one key is its value
-                if kp.sink is not None:
-                    kp.sink.copy_(ks)
-                if vp.sink is not None:
-                    vp.sink.copy_(vs)
-                a = v.repeat_interleave(self.group, 0)
-            else:
-                qs = q
-                if kp.scale is not None:
-                    qs = qs * kp.scale.repeat_interleave(self.group, 0)
-                if kp.rot is not None:
-                    qs = qs @ kp.rot_t
-                a = self.K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, self.len, self.scale, kp.block,
-                                            vp.block, kp.sink, vp.sink, self.layer_window[i], 0.0)
-                if vp.rot is not None:
-                    a = a @ vp.rot
-                if vp.mu is not None:
-                    a = a + vp.mu.repeat_interleave(self.group, 0)
+            a = self._attend_torch(i, q, k, v, first)
             a = lin(a.reshape(1, H * hd), w[p + "attn_output.weight"])
             x = x + (_rms_norm(a, vec[p + "post_attention_norm.weight"], eps) if self.post_norms else a)
             h = _rms_norm(x, vec[p + "ffn_norm.weight"], eps)
@@ -477,3 +607,30 @@ def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 
         e.synchronize()
         best = min(best, s.elapsed_time(e) / 1e3)
     return 2 * nbytes / best
+
+
+def measure_matmul_flops(device: torch.device | str = "cuda", n: int = 8192, repeats: int = 5) -> float:
+    """FLOP/s of an n x n x n fp16 matmul through cuBLAS (random operands, best of ``repeats``): the ceiling of
+    the prefill path, which dequantizes to fp16 and multiplies there."""
+    dev = torch.device(device)
+    a = torch.randn(n, n, dtype=torch.float16, device=dev)
+    b = torch.randn(n, n, dtype=torch.float16, device=dev)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        best = min(best, s.elapsed_time(e) / 1e3)
+    return 2 * n ** 3 / best
+
+
+def roofline(device: torch.device | str = "cuda") -> dict:
+    """The GPU's ceilings for `pyllm bench` rows (the CPU's come from pyllm.roofline.probe): copy bandwidth, read
+    + write counted, as tg's GB/s roofline, and the fp16 matmul rate as pp's."""
+    return {"gpu": torch.cuda.get_device_name(torch.device(device)),
+            "read_gbs": measure_copy_bandwidth(device) / 1e9,
+            "matmul_gflops": measure_matmul_flops(device) / 1e9,
+            "prefill_kernel": "fp16 cuBLAS"}

@@ -81,3 +81,60 @@ def reference_attn_decode(q: torch.Tensor, k, v, length: int, scale: float, wind
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     return torch.einsum("hs,hsd->hd", torch.softmax(s, -1), vv.repeat_interleave(g, 0))
+
+
+# ---- the decode step's row kernels (csrc/cuda/step.cu, gemv.cu), defined in torch -------------------------------
+# The CUDA tests compare each kernel with these; tests/test_cuda_backend_host.py runs CudaDecodeStep on the CPU with
+# them standing in for the kernels.
+def reference_quantize_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] f32 -> (codes int8 [M, K], f32 [M, K/32, 2] = (d, d * sum(codes))): d = max|x| / 127 per 32 values,
+    codes = x / d rounded half to even (0 where d is 0)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    q = torch.where(d[..., None] > 0, torch.round(xb / safe[..., None]), torch.zeros_like(xb))
+    return q.to(torch.int8).reshape(m, k), torch.stack((d, d * q.sum(-1)), -1)
+
+
+def reference_codes_value(xq: torch.Tensor, xds: torch.Tensor) -> torch.Tensor:
+    """The activations the codes stand for: codes * d per 32 values, [M, K] float64."""
+    m, k = xq.shape
+    return (xq.double().reshape(m, k // 32, 32) * xds[..., :1].double()).reshape(m, k)
+
+
+def rms_norm64(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+def reference_residual_norm(x, a, post_w, w, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + a', rms_norm(x + a') * w) in float64, a' = rms_norm(a) * post_w where post_w is given, a where not, 0
+    where a is None: what cuda_residual_norm_quant leaves in x and h."""
+    x = x.double()
+    if a is not None:
+        x = x + (rms_norm64(a, post_w, eps) if post_w is not None else a.double())
+    return x, rms_norm64(x, w, eps)
+
+
+def reference_act(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
+    g = g.double()
+    a = torch.nn.functional.gelu(g, approximate="tanh") if act == "gelu_tanh" else torch.nn.functional.silu(g)
+    return a * u.double()
+
+
+def reference_rope_store(q, k, v, hd, q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos, sin, neox, pos):
+    """float64 (q [H, hd] after bias, per-head RMS norm and RoPE at pos; k likewise [Hkv, hd]; v [Hkv, hd] after
+    bias): what cuda_rope_store writes to q_out and, before rounding to the cache's dtype, into the rows at pos."""
+    from pyllm.models.decoder import apply_rope
+
+    def heads(t, b):
+        t = t.double().reshape(-1, hd)
+        return t + b.double().reshape(-1, hd) if b is not None else t
+
+    qq, kk, vv = heads(q, q_bias), heads(k, k_bias), heads(v, v_bias)
+    if q_norm is not None:
+        qq, kk = rms_norm64(qq, q_norm, eps), rms_norm64(kk, k_norm, eps)
+    c, s = cos[pos:pos + 1].double(), sin[pos:pos + 1].double()
+    style, rope_dim = ("neox" if neox else "norm"), 2 * cos.shape[1]
+    return apply_rope(qq[None], c, s, style, rope_dim)[0], apply_rope(kk[None], c, s, style, rope_dim)[0], vv

@@ -1,6 +1,6 @@
 """CUDA split-K decode attention vs its float64 definition (tests/gpu/cuda_testutil.py reference_attn_decode:
 the stored rows decoded by kv_cache.py's own dequantizers, softmax in float64), over GQA layouts, head sizes,
-lengths that straddle the 256-position chunks, every row type for K and V apart, exact sink rows, sliding
+lengths that straddle the 128-position chunks, every row type for K and V apart, exact sink rows, sliding
 windows and logit softcaps.  Positions past the length hold NaN (float rows) and must be ignored.
 Tolerance: relative 1e-4 (fp32 accumulation over up to 1000 positions; the rows themselves are exact)."""
 
@@ -53,7 +53,7 @@ def test_f16_lengths_and_layouts(K, H, Hkv, D, max_seq):
     k, v = (make_part("f16", Hkv, max_seq, D, g, False) for _ in range(2))
     q = torch.randn(H, D, device="cuda", generator=g) * 2
     scale = 1 / math.sqrt(D)
-    for L in sorted({1, 255, 256, 257, max_seq // 2, max_seq}):
+    for L in sorted({1, 127, 128, 129, 255, 256, 257, max_seq // 2, max_seq}):
         kk = AttnPart(k.data.clone(), "", None, None, None, None)
         vv = AttnPart(v.data.clone(), "", None, None, None, None)
         kk.data[:, L:] = float("nan")

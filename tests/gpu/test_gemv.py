@@ -7,6 +7,8 @@ Two references per case:
   ~1e-5 here), the accuracy the model sees.
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -18,16 +20,21 @@ TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4
 SHAPES = [(1, 256), (37, 1024), (1000, 4096), (130, 14336)]
 
 
+@functools.lru_cache(maxsize=None)
+def weights(qtype: GGMLType, n: int, k: int):
+    """(blocks on the GPU, their gguf.quants float64 values): shared by the M cases of one weight."""
+    blocks = random_blocks(qtype, n, k, np.random.default_rng((int(qtype) * 7919 + n * 31 + k) & 0xFFFF))
+    return to_cuda(blocks), reference(qtype, blocks).astype(np.float64)
+
+
 @pytest.mark.parametrize("M", [1, 2, 5, 8])
 @pytest.mark.parametrize("N,Kd", SHAPES)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_gemv_matches_float64(K, qtype, N, Kd, M):
-    rng = np.random.default_rng(hash((int(qtype), N, Kd, M)) & 0xFFFF)
-    blocks = random_blocks(qtype, N, Kd, rng)
-    w64 = reference(qtype, blocks).astype(np.float64)
+    w, w64 = weights(qtype, N, Kd)
     x = torch.randn(M, Kd, dtype=torch.float32, device="cuda") * 3
     out = torch.full((M, N), float("nan"), device="cuda")  # poisoned: every element must be written
-    y = K.cuda_gemv(to_cuda(blocks), int(qtype), x, out)
+    y = K.cuda_gemv(w, int(qtype), x, out)
     assert y.data_ptr() == out.data_ptr()
     y64 = y.double().cpu().numpy()
     assert np.isfinite(y64).all(), "unwritten or non-finite outputs"
@@ -37,10 +44,29 @@ def test_gemv_matches_float64(K, qtype, N, Kd, M):
     exact = xdeq @ w64.T
     rel = np.linalg.norm(y64 - exact) / np.linalg.norm(exact)
     assert rel <= 2e-5, f"{qtype.name} N={N} K={Kd} M={M}: ||y - W xq|| / ||W xq|| = {rel:.3g}"
+    y2 = K.cuda_gemv_q(w, int(qtype), xq, xds)  # the same codes given: the same sums
+    assert torch.equal(y2, y)
 
+    if M * N < 32:  # the bound is over a matrix of outputs; one or a few are single draws of the int8 error
+        return
     ref = x.double().cpu().numpy() @ w64.T
     nmse = np.sum((y64 - ref) ** 2) / np.sum(ref ** 2)
     assert nmse <= 5e-4, f"{qtype.name} N={N} K={Kd} M={M}: NMSE vs float64 = {nmse:.3g}"
+
+
+@pytest.mark.parametrize("rows", ["2", "4"])
+@pytest.mark.parametrize("N,Kd", [(37, 1024), (1000, 4096)])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gemv_rows_per_cta(K, qtype, N, Kd, rows, monkeypatch):
+    """PYLLM_CUDA_GEMV_ROWS=2|4 at M = 1 gives one row per CTA's sums bit for bit (each row's slots are added by the
+    same threads in the same order), a last CTA with fewer rows than it holds included (N = 37)."""
+    w, _ = weights(qtype, N, Kd)
+    xq, xds = K.cuda_quantize_act(torch.randn(1, Kd, device="cuda"))
+    monkeypatch.delenv("PYLLM_CUDA_GEMV_ROWS", raising=False)
+    want = K.cuda_gemv_q(w, int(qtype), xq, xds)
+    monkeypatch.setenv("PYLLM_CUDA_GEMV_ROWS", rows)
+    got = K.cuda_gemv_q(w, int(qtype), xq, xds, torch.full((1, N), float("nan"), device="cuda"))
+    assert torch.equal(got, want)
 
 
 def test_quantize_act_codes(K):

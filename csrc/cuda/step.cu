@@ -1,0 +1,169 @@
+// The row operations of the graph-captured decode step (pyllm/backends/cuda.py CudaDecodeStep) between its
+// GEMVs, each one kernel where torch takes several: a step of an 8B model is ~14 launches per layer instead of
+// ~50, and at batch 1 on a GPU every launch costs microseconds the weights' stream does not hide.
+//
+// - residual_norm_quant: x += a (or + rms_norm(a) * post_w), then h = rms_norm(x) * w and h's int8 codes for
+//   the next GEMV (quantize_act's codes: 32 values per scale, one warp per 32 values, one value per lane);
+// - act_quant: h = act(g) * u (SiLU or tanh-GELU) and its codes, for the down projection;
+// - rope_store: bias, per-head RMS norm, RoPE of q and k at the device-held position, and the new K/V rows
+//   written into a float cache (f32 / f16 / bf16) at that position.
+// Every value is float32 and computed in the order of the torch code it replaces, so the step's logits stay
+// within float rounding of the torch path (tests/gpu/test_step_kernels.py).
+#include <cuda_bf16.h>
+
+#include "common.cuh"
+#include "cuda_kernels.h"
+
+namespace pyllm {
+namespace cuda {
+namespace {
+
+constexpr int kActBlock = 32;  // values per activation scale (gemv_types.cuh)
+
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum over the CTA (blockDim.x a multiple of 32, at most 1024); every thread gets it.  red: 32 floats of
+// shared memory, free for the next call once this one returns (the leading barrier guards its reuse).
+__device__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < nw ? red[lane] : 0.f);
+}
+
+// The 32 values of one activation block, value i in lane i: its codes and (d, d * sum(codes)) as
+// quantize_act_kernel (gemv.cu) computes them.  The whole warp calls it.
+__device__ __forceinline__ void quantize_block(float v, int8_t* __restrict__ xq, float2* __restrict__ xds,
+                                               int base) {
+    const int lane = threadIdx.x & 31;
+    const float d = __fdiv_rn(warp_max(fabsf(v)), 127.0f);
+    const int q = d > 0.f ? __float2int_rn(__fdiv_rn(v, d)) : 0;
+    const int sum = warp_sum_int(q);
+    xq[base + lane] = static_cast<int8_t>(q);
+    if (lane == 0) xds[base / kActBlock] = make_float2(d, d * static_cast<float>(sum));
+}
+
+__global__ void __launch_bounds__(1024) residual_norm_quant_kernel(float* __restrict__ x, const float* __restrict__ a,
+                                                                   const float* __restrict__ post_w,
+                                                                   const float* __restrict__ w, float eps, int D,
+                                                                   float* __restrict__ h, int8_t* __restrict__ xq,
+                                                                   float2* __restrict__ xds) {
+    __shared__ float red[32];
+    // Each thread touches elements threadIdx.x + k * blockDim.x in every loop, so x needs no barrier between them.
+    if (a != nullptr) {
+        float ra = 1.f;
+        if (post_w != nullptr) {
+            float ss = 0.f;
+            for (int i = threadIdx.x; i < D; i += blockDim.x) ss += a[i] * a[i];
+            ra = rsqrtf(block_sum(ss, red) / static_cast<float>(D) + eps);
+        }
+        for (int i = threadIdx.x; i < D; i += blockDim.x) x[i] += post_w != nullptr ? a[i] * ra * post_w[i] : a[i];
+    }
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += x[i] * x[i];
+    const float r = rsqrtf(block_sum(ss, red) / static_cast<float>(D) + eps);
+    // Warp-uniform trip count: D % 32 == 0 and blockDim.x % 32 == 0, so a warp's 32 elements are one block.
+    for (int base = threadIdx.x & ~31; base < D; base += blockDim.x) {
+        const int i = base + (threadIdx.x & 31);
+        const float v = x[i] * r * w[i];
+        h[i] = v;
+        quantize_block(v, xq, xds, base);
+    }
+}
+
+template <int Act>  // 0: SiLU, 1: GELU (tanh approximation)
+__global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ g, const float* __restrict__ u,
+                                                        int n, float* __restrict__ h, int8_t* __restrict__ xq,
+                                                        float2* __restrict__ xds) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    const int base = i & ~31;
+    if (base >= n) return;  // the whole warp: n % 32 == 0
+    const float gv = g[i];
+    const float act = Act == 0 ? gv / (1.0f + __expf(-gv))
+                               : 0.5f * gv * (1.0f + tanhf(0.7978845608028654f * (gv + 0.044715f * gv * gv * gv)));
+    const float v = act * u[i];
+    h[i] = v;
+    quantize_block(v, xq, xds, base);
+}
+
+__device__ __forceinline__ void store_row_value(KVRow t, uint8_t* row, int j, float v) {
+    switch (t) {
+        case KVRow::F32: reinterpret_cast<float*>(row)[j] = v; break;
+        case KVRow::F16: reinterpret_cast<__half*>(row)[j] = __float2half_rn(v); break;
+        case KVRow::BF16: reinterpret_cast<__nv_bfloat16*>(row)[j] = __float2bfloat16_rn(v); break;
+        default: break;  // block rows are written by the torch path (the binding refuses them)
+    }
+}
+
+// One CTA per head: H query heads, then Hkv key heads, then Hkv value heads; one thread per value.
+__global__ void rope_store_kernel(RopeStoreArgs p) {
+    extern __shared__ float row[];  // the head's values before RoPE: each output reads its pair partner
+    __shared__ float red[32];
+    const int b = blockIdx.x, j = threadIdx.x, hd = p.hd;
+    const bool is_q = b < p.H, is_k = !is_q && b < p.H + p.Hkv;
+    const int head = is_q ? b : is_k ? b - p.H : b - p.H - p.Hkv;
+    const float* src = is_q ? p.q : is_k ? p.k : p.v;
+    const float* bias = is_q ? p.q_bias : is_k ? p.k_bias : p.v_bias;
+    const int64_t pos = *p.pos;
+    float x = src[head * hd + j];
+    if (bias != nullptr) x += bias[head * hd + j];
+    if (is_q || is_k) {
+        const float* nw = is_q ? p.q_norm : p.k_norm;
+        if (nw != nullptr) x = x * rsqrtf(block_sum(x * x, red) / static_cast<float>(hd) + p.eps) * nw[j];
+        row[j] = x;
+        __syncthreads();
+        if (j < 2 * p.rope_half && pos < p.max_pos) {
+            const float* cs = p.cos + pos * p.rope_half;
+            const float* sn = p.sin + pos * p.rope_half;
+            if (p.neox) {  // pairs (i, i + half)
+                const int i = j < p.rope_half ? j : j - p.rope_half;
+                x = j < p.rope_half ? row[j] * cs[i] - row[j + p.rope_half] * sn[i]
+                                    : row[j] * cs[i] + row[j - p.rope_half] * sn[i];
+            } else {  // pairs (2i, 2i + 1)
+                const int i = j >> 1;
+                x = (j & 1) == 0 ? row[j] * cs[i] - row[j + 1] * sn[i] : row[j] * cs[i] + row[j - 1] * sn[i];
+            }
+        }
+    }
+    if (is_q) {
+        p.q_out[head * hd + j] = x;
+    } else if (pos < p.max_seq) {  // the runtime checks room before a step; never write past the cache
+        const KVRow t = is_k ? p.k_type : p.v_type;
+        uint8_t* base = is_k ? p.k_cache : p.v_cache;
+        store_row_value(t, base + (static_cast<size_t>(head) * p.max_seq + pos) * kv_row_size(t, hd), j, x);
+    }
+}
+
+}  // namespace
+}  // namespace cuda
+
+void residual_norm_quant_cuda(float* x, const float* a, const float* post_w, const float* w, float eps, int D,
+                              float* h, int8_t* xq, float2* xds, cudaStream_t stream) {
+    const int threads = D < 1024 ? D : 1024;  // D % 32 == 0
+    cuda::residual_norm_quant_kernel<<<1, threads, 0, stream>>>(x, a, post_w, w, eps, D, h, xq, xds);
+    cuda::check_launch("residual_norm_quant_cuda");
+}
+
+void act_quant_cuda(int act, const float* g, const float* u, int n, float* h, int8_t* xq, float2* xds,
+                    cudaStream_t stream) {
+    const unsigned grid = static_cast<unsigned>((n + 255) / 256);
+    if (act == 0)
+        cuda::act_quant_kernel<0><<<grid, 256, 0, stream>>>(g, u, n, h, xq, xds);
+    else
+        cuda::act_quant_kernel<1><<<grid, 256, 0, stream>>>(g, u, n, h, xq, xds);
+    cuda::check_launch("act_quant_cuda");
+}
+
+void rope_store_cuda(const RopeStoreArgs& args, cudaStream_t stream) {
+    const unsigned grid = static_cast<unsigned>(args.H + 2 * args.Hkv);
+    cuda::rope_store_kernel<<<grid, args.hd, args.hd * sizeof(float), stream>>>(args);
+    cuda::check_launch("rope_store_cuda");
+}
+
+}  // namespace pyllm
