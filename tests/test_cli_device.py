@@ -11,6 +11,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 import pyllm
 import pyllm.llm
@@ -141,9 +142,34 @@ def test_bench_rows_say_where_they_ran(cli, tiny):
     assert f"| cpu (fast, {want['isa']}, kv f16) |" in res.stdout, res.stdout
 
 
-def test_bench_synthetic_refuses_a_gpu_device(cli):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_bench_synthetic_on_a_missing_gpu_says_why(cli):
     res = cli("bench", "--synthetic", "llama3-1b:q4_0", "-p", "4", "-n", "2", "-r", "1", "--device", "cuda")
-    assert res.returncode == 1 and "--synthetic" in res.stderr and "cuda" in res.stderr, res.stderr
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.startswith("pyllm: error: device 'cuda' is not available"), res.stderr
+
+
+def test_bench_synthetic_on_the_cuda_backend(cli, monkeypatch):
+    """A synthetic model benchmarks on the CUDA backend (its host logic, torch stand-ins for the kernels): rows say
+    where they ran, and tg's GB/s and pp's GFLOP/s are shares of the GPU's measured ceilings (copy bandwidth, fp16
+    matmul), stood in here by fixed numbers."""
+    from pyllm import backends
+    from pyllm.backends import cuda as cb
+    from test_cuda_backend_host import FakeCudaBackend
+
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    roof = {"gpu": "Stand-in GPU", "read_gbs": 4000.0, "matmul_gflops": 700000.0, "prefill_kernel": "fp16 cuBLAS"}
+    monkeypatch.setattr(cb, "roofline", lambda device: dict(roof))
+    res = cli("bench", "--synthetic", "smollm2-135m:q4_0", "-p", "4", "-n", "2", "-r", "1", "--device", "cuda",
+              "-o", "json")
+    assert res.returncode == 0, res.stderr
+    pp, tg = json.loads(res.stdout)
+    assert pp["test"] == "pp4" and tg["test"] == "tg2" and tg["backends"].startswith("cpu (CUDA backend logic")
+    assert tg["bw_share"] == pytest.approx(tg["gbs"] / roof["read_gbs"])
+    assert pp["flops_share"] == pytest.approx(pp["gflops"] / roof["matmul_gflops"])
+    res = cli("bench", "--synthetic", "smollm2-135m:q4_0", "-p", "0", "-n", "2", "-r", "1", "--device", "cuda")
+    assert res.returncode == 0 and "roofline (Stand-in GPU): copy 4000 GB/s" in res.stdout, res.stdout + res.stderr
 
 
 def test_chat_banner_and_show_say_where_the_model_runs(monkeypatch, capsys, tiny):

@@ -293,3 +293,34 @@ def test_requantize_tool_writes_over_its_own_input(tmp_path):
     r = subprocess.run([sys.executable, tool, str(src), "q8_0", str(tmp_path / "no" / "x.gguf")], capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 1 and r.stderr.startswith("requantize_gguf: error:") and "Traceback" not in r.stderr
+
+
+def test_requantize_tool_cuts_to_the_first_layers(tmp_path):
+    """`keep --layers N` copies the first N layers and every tensor outside the layers byte for byte, sets the block
+    count, and the result loads and decodes as an N-layer model (reference: the source file's own tensors)."""
+    import subprocess
+    import sys
+
+    import pyllm
+
+    src = tm.gguf_path("qwen3", "q8_0")
+    out = tmp_path / "cut.gguf"
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "requantize_gguf.py")
+    r = subprocess.run([sys.executable, tool, str(src), "keep", str(out), "--layers", "1"], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    a, b = open_gguf(src), open_gguf(out)
+    try:
+        assert b.metadata["qwen3.block_count"] == 1 and a.metadata["qwen3.block_count"] > 1
+        assert sorted(b.tensors) == sorted(n for n in a.tensors if not n.startswith("blk.") or n.startswith("blk.0."))
+        for name, t in b.tensors.items():
+            assert t.ggml_type == a.tensors[name].ggml_type, name
+            assert b.raw(name).numpy().tobytes() == a.raw(name).numpy().tobytes(), name
+    finally:
+        a.close()
+        b.close()
+    llm = pyllm.load(str(out), n_ctx=64)
+    assert llm.model.cfg.n_layer == 1 and len(list(llm.generate_tokens([1, 17, 33], max_tokens=4, temperature=0))) == 4
+    r = subprocess.run([sys.executable, tool, str(src), "keep", str(tmp_path / "x.gguf"), "--layers", "0"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "--layers 0" in r.stderr and "Traceback" not in r.stderr

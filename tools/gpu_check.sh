@@ -5,15 +5,21 @@
 #      device="cuda" against device="cpu" end to end: logits KL and 32 greedy tokens), the host-compiled row
 #      reader and the build lock (tests/test_cuda_backend_host.py is CPU-only and runs with the CPU suite);
 #   3. pyllm run and a piped pyllm chat on --device cuda (a tiny converted model);
-#   4. GEMV GB/s vs copy bandwidth, synthetic Llama-3-8B pp512/tg128 and tg after a long prompt with f16 and
-#      q8_0 caches (+ fp16 torch baseline), then `pyllm bench --device cuda` when the CLI has it;
+#   4. GEMV GB/s vs copy bandwidth (1, 2 and 4 rows per CTA), synthetic Llama-3-8B pp512/tg128 and tg after a
+#      long prompt with f16 and q8_0 caches (+ fp16 torch baseline, + the step in torch ops), the KL of a real model
+#      cut to its first layers (CUDA and CPU against float32), then `pyllm bench --synthetic ... --device cuda`;
 # and prints a short table last.  Logs and bench.json go to $OUT (the device tool's folder) or /tmp.
 #
 # Missing packages (gguf, maybe prompt_toolkit) travel as wheels in .whl/ (carry ".whl"); prepare them here:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 --platform any -d .whl gguf==0.19.0 prompt_toolkit wcwidth
-# Env: GPU_CHECK_SKIP_BENCH=1 (tests only), GPU_CHECK_CTX (long-context position, default 4096).
+# A real model for the KL check travels cut to its first layers (SmolLM2 to 8 layers is ~40 MB of the 64 MiB a call
+# carries; carry ".gpu_models" too):
+#   echo /.gpu_models/ >> .git/info/exclude
+#   python tools/requantize_gguf.py smollm2-135m keep .gpu_models/smollm2-8l.gguf --layers 8
+# Env: GPU_CHECK_SKIP_BENCH=1 (tests only), GPU_CHECK_CTX (long-context position, default 4096),
+#      GPU_CHECK_KL_MODEL (default: .gpu_models/smollm2-8l.gguf when it exists).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp/pyllm-gpu-check}
@@ -47,7 +53,9 @@ build_rc=${PIPESTATUS[0]}
 [ "$build_rc" = 0 ] || { stamp "BUILD FAILED (rc $build_rc)"; exit 1; }
 
 stamp "tests/gpu"
-timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu tests/test_cuda_host.py \
+# Parallel workers where pytest-xdist is installed: faster, and a test that crashes its process fails alone.
+xdist=$(python3 -c "import xdist" 2>/dev/null && echo "-n 8")
+timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider $xdist tests/gpu tests/test_cuda_host.py \
     tests/test_ext_build_lock.py 2>&1 | tee "$LOG/tests.log"
 test_rc=${PIPESTATUS[0]}
 
@@ -66,11 +74,15 @@ PY
 bench_rc=skipped
 if [ "${GPU_CHECK_SKIP_BENCH:-0}" != 1 ]; then
     stamp "benchmarks"
-    timeout 240 python3 tests/gpu/bench_cuda.py --out "$LOG" --ctx "${GPU_CHECK_CTX:-4096}" 2>&1 | tee "$LOG/bench.log"
+    kl_model=${GPU_CHECK_KL_MODEL:-.gpu_models/smollm2-8l.gguf}
+    kl_arg=()
+    [ -f "$kl_model" ] && kl_arg=(--kl-model "$kl_model")
+    timeout 300 python3 tests/gpu/bench_cuda.py --out "$LOG" --ctx "${GPU_CHECK_CTX:-4096}" "${kl_arg[@]}" 2>&1 \
+        | tee "$LOG/bench.log"
     bench_rc=${PIPESTATUS[0]}
-    if python3 -m pyllm bench --help 2>/dev/null | grep -q -- --device; then
-        timeout 120 python3 -m pyllm bench --device cuda --json 2>&1 | tail -20 | tee "$LOG/pyllm_bench.log"
-    fi
+    # the CLI's own numbers, shares of the GPU's measured copy bandwidth and fp16 matmul rate
+    timeout 150 python3 -m pyllm bench --synthetic llama3-1b:q4_k_m --device cuda -p 512 -n 128 -r 2 2>&1 \
+        | tail -8 | tee "$LOG/pyllm_bench.log"
 fi
 
 stamp "done"
@@ -79,7 +91,9 @@ cat "$LOG/device.txt"
 echo "tests: $(tail -1 "$LOG/tests.log") (rc $test_rc)"
 cat "$LOG/cli.log"
 if [ "$bench_rc" != skipped ]; then
+    grep '"mean KL' "$LOG/bench.log"
     sed -n '/^=== GEMV/,$p' "$LOG/bench.log"
     echo "bench rc $bench_rc"
+    cat "$LOG/pyllm_bench.log"
 fi
 [ "$test_rc" = 0 ] && { [ "$bench_rc" = 0 ] || [ "$bench_rc" = skipped ]; }

@@ -117,19 +117,18 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     if synthetic:
         from ..models.synthetic import synthetic_model
 
-        if a.device not in ("cpu", "auto"):
-            raise PyllmError(f"--synthetic models are built for the CPU kernels only; --device {a.device} needs a "
-                             f"model file")
+        backend = backends.select(a.device, a.backend, a.threads)  # a GPU that cannot run says why before 8B of work
         cfg, weights = synthetic_model(synthetic)
         from ..llm import plan_kv_cache
 
         plan_kv_cache(cfg, n_ctx, a.kv)  # as pyllm.load does: a cache too large for memory is refused, not built
-        mdl = build_model(cfg, weights, backends.select(a.device, a.backend, a.threads), max_pos=n_ctx)
+        mdl = build_model(cfg, weights, backend, max_pos=n_ctx, progress=backend.name == "cuda")
         kv = mdl.backend.make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
         size = sum(w.nbytes for w in weights.values())
         from .. import ops
 
-        rt = {"device": "cpu", "backend": a.backend, "isa": ops.get_isa() if a.backend == "fast" else None}
+        rt = dict(backend.describe()) if backend.name == "cuda" else \
+            {"device": "cpu", "backend": a.backend, "isa": ops.get_isa() if a.backend == "fast" else None}
         return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size, rt)
     import pyllm
 
@@ -219,7 +218,10 @@ def prefill_peak(roof: dict) -> float:
 
 def format_md(rows: list[dict], roof: dict) -> str:
     out = io.StringIO()
-    if roof:
+    if roof.get("gpu"):
+        out.write(f"roofline ({roof['gpu']}): copy {roof['read_gbs']:.0f} GB/s (read + write), fp16 matmul "
+                  f"{roof['matmul_gflops']:.0f} GFLOP/s\n\n")
+    elif roof:
         out.write(f"roofline ({roof['cpu']}, {roof['threads']} threads): read {roof['read_gbs']:.1f} GB/s "
                   f"(1 thread {roof['read_gbs_1t']:.1f}), f32 matmul {roof['matmul_gflops']:.0f} GFLOP/s, "
                   f"prefill GEMM ({roof.get('prefill_kernel', 'f32')}) {prefill_peak(roof):.0f} GFLOP/s\n\n")
@@ -263,7 +265,7 @@ def cmd_bench(a) -> int:
     if a.spec:
         return cmd_bench_spec(a)
     rows = []
-    roof = {}  # the CPU's roofline, probed once the first model runs on the CPU
+    roof = {}  # the roofline of the device the models run on, measured when the first one has loaded
     subjects = [(m, None) for m in a.models] + [(None, s) for s in a.synthetic]
     for model, synth in subjects:
         s = None  # the previous model's memory goes before the next one loads (two 8B models may not fit)
@@ -273,10 +275,16 @@ def cmd_bench(a) -> int:
         except KVCacheMemoryError as e:  # bench has no --ctx: its context is what -d/-p/-n ask for
             raise e.with_fix("use a smaller -d, -p or -n (the cache holds depth + max(p, n) + 16 tokens) or a "
                              "smaller --kv type (q8_0, q4_rot, or KEY/VALUE such as q8_0/q4_0)") from None
-        if s.runtime["device"] == "cpu" and not roof:
-            roof = probe(a.threads, force=a.probe)
+        on_gpu = s.runtime.get("backend") == "cuda"
+        if not roof and (on_gpu or s.runtime["device"] == "cpu"):
+            if on_gpu:
+                from ..backends import cuda
+
+                roof = cuda.roofline(s.model.backend.device)
+            else:
+                roof = probe(a.threads, force=a.probe)
         with torch.inference_mode():
-            rows += run_tests(s, a, roof if s.runtime["device"] == "cpu" else {})
+            rows += run_tests(s, a, roof if on_gpu or s.runtime["device"] == "cpu" else {})
         if a.output == "md":
             sys.stderr.write(f"pyllm: measured {s.name}\n")
     if a.output == "json":
