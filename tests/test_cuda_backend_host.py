@@ -15,6 +15,7 @@ What only a GPU run can prove (tests/gpu): the kernels themselves, graph capture
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -222,10 +223,29 @@ def test_step_matches_model_torch_path(arch, kind, body):
             assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == want.shape
             err = ((got - want).norm() / want.norm()).item()
             assert err <= 5e-4, f"{arch} {kind} pos {pos}: relative error {err:.3g}"
+        logits, top = step.with_argmax(5, pos + 1)  # the CPU step's contract: 1-D logits and their first argmax
+        assert logits.shape == (model.cfg.n_vocab,) and top == int(np.argmax(logits.numpy()))
     finally:
         model.use_cpp_decode = True
-    assert step.policy.eager_calls == 6
+    assert step.policy.eager_calls == 7
     assert not math.isnan(err)
+
+
+def test_argmax_or_minus1_is_numpys_argmax_or_minus1():
+    """The step's device-side argmax (reference: np.argmax, first of tied maxima) and its non-finite flag (-1 where
+    any logit is NaN or +-inf, as the CPU step's RowArgmax)."""
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 31, 1000, 49152):
+        x = torch.randn(1, n, generator=g)
+        assert int(cb.argmax_or_minus1(x)) == int(np.argmax(x.numpy()))
+    x = torch.zeros(1, 100)
+    x[0, [17, 3, 90]] = 2.0
+    assert int(cb.argmax_or_minus1(x)) == 3
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in (0, 50, 99):
+            y = x.clone()
+            y[0, at] = bad
+            assert int(cb.argmax_or_minus1(y)) == -1, (bad, at)
 
 
 def test_awq_weights_go_up_as_rows():

@@ -413,7 +413,7 @@ class CudaDecodeStep:
         self.len = torch.ones(1, dtype=torch.int32, device=dev)
         self.policy = GraphPolicy()
         self.graph = None
-        self.g_logits = None
+        self.g_logits = self.g_top = None
         self.row_kernels_problem = row_kernels_problem(self.K, model, self.act)
         if self.row_kernels_problem is None:
             self.buf = StepBuffers(cfg, model.w["blk.0.ffn_gate.weight"].shape[0], self.n_vocab, dev)
@@ -566,10 +566,12 @@ class CudaDecodeStep:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             self.g_logits = self._body(False)
+            self.g_top = argmax_or_minus1(self.g_logits)
         self.graph = g
 
-    def __call__(self, token: int, pos: int) -> torch.Tensor:
-        """Logits [1, n_vocab] float32 on the CPU for ``token`` at ``pos``; its K/V land in the bound cache."""
+    def _step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [1, n_vocab] float32, their argmax or -1 as a device scalar) on the GPU for ``token`` at ``pos``;
+        its K/V land in the bound cache."""
         self.tok.fill_(int(token))
         self.pos.fill_(int(pos))
         action = self.policy.action(pos)
@@ -580,15 +582,35 @@ class CudaDecodeStep:
                 self.graph = None
                 self.policy.record(action, e)
                 print(f"pyllm: CUDA graph capture failed, decoding without it ({e})", file=sys.stderr)
-                return self._body(False).float().cpu()
+                logits = self._body(False)
+                return logits, argmax_or_minus1(logits)
             self.policy.record(action)
             action = "replay"
         if action == "replay":
             self.graph.replay()
             self.policy.record(action)
-            return self.g_logits.float().cpu()
+            return self.g_logits, self.g_top
         self.policy.record(action)
-        return self._body(pos == 0).float().cpu()
+        logits = self._body(pos == 0)
+        return logits, argmax_or_minus1(logits)
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        """Logits [1, n_vocab] float32 on the CPU for ``token`` at ``pos``; its K/V land in the bound cache."""
+        return self._step(token, pos)[0].float().cpu()
+
+    def with_argmax(self, token: int, pos: int) -> tuple[torch.Tensor, int]:
+        """(logits [n_vocab] float32 on the CPU, their first argmax, or -1 where a logit is NaN or infinite): the CPU
+        step's contract (Decoder.fused_logits).  The argmax is taken on the GPU, inside the captured graph, so the
+        runtime's greedy path reads the vocabulary neither for the check nor for the pick."""
+        logits, top = self._step(token, pos)
+        return logits[0].float().cpu(), int(top)
+
+
+def argmax_or_minus1(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of the maximum of logits [1, n] (torch.argmax's tie rule, as np.argmax's), or -1 where any
+    logit is NaN or infinite: a device scalar, no host sync (capturable)."""
+    top = logits[0].argmax()
+    return top.masked_fill(~torch.isfinite(logits).all(), -1)
 
 
 def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30, repeats: int = 10) -> float:

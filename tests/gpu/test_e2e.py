@@ -98,6 +98,8 @@ def test_graph_replays_after_first_step():
     step = m.backend.fused_decode(m, kv) if not hasattr(m, "fused_step") else m.fused_step(kv)
     assert step is not None and step.policy.failed is None, getattr(step.policy, "failed", None)
     assert step.policy.captured and step.policy.replays >= 4
+    logits, top = step.with_argmax(7, pos + 1)  # the argmax taken inside the replayed graph
+    assert step.policy.replays >= 5 and top == int(logits.argmax())
 
 
 def test_weights_stay_quantized_in_vram():
