@@ -860,3 +860,27 @@ def test_pyllm_repack_env_switches_the_decode_copy(C):
     assert json.loads(r.stdout)["runtime"]["repacked_mb"] == 92.0
     r = _pyllm(["info", "smollm2-135m", "--device", "cpu", "--json"], PYLLM_REPACK="0")
     assert r.returncode == 0 and "repacked_mb" not in json.loads(r.stdout)["runtime"], r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_a_non_finite_activation_reaches_its_rows_outputs(C, qtype):
+    """A NaN or +-inf among otherwise finite activations makes every output of its row non-finite (every ISA, int8
+    and int16 activations, the value first, inside and last in the row), and the other rows stay finite.  The
+    activation quantizers once rounded a NaN into finite codes (fmax and max_ps drop NaN), so a broken activation
+    became plausible logits instead of the runtime's "non-finite logits" error."""
+    N, K = 64, 512
+    wt = make_weight(qtype, N, K)
+    x = torch.from_numpy(rng_for("nonfinite", qtype).standard_normal((3, K), dtype=np.float32))
+    try:
+        for isa in C.available_isas():
+            C.set_isa(isa)
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                for at in (0, 37, K - 1):
+                    xs = x.clone()
+                    xs[1, at] = bad
+                    for precise in (False, True):
+                        y = C.gemv(xs, wt.raw, int(GT[qtype]), None, precise)
+                        assert not torch.isfinite(y[1]).any(), why(isa, bad, at, precise)
+                        assert torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all(), why(isa, bad, at, precise)
+    finally:
+        C.set_isa(C.default_isa)

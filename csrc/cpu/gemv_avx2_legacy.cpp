@@ -3,7 +3,10 @@
 //
 // Every kernel is `template <int M>`: each weight block is decoded into registers once and then dotted with
 // the M activation rows, so W streams from memory once per call whatever M is.
+#include <cfloat>
+#include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <type_traits>
 
 #include "avx2_util.h"
@@ -97,11 +100,17 @@ PYLLM_INLINE int quantize_32(const float* x, float id, int8_t* out) {
     return sum;
 }
 
+// max |x| over n values (n % 8 == 0), or NaN where one of them is NaN or infinite: gemv_generic.cpp's
+// amax_or_nan, whose callers give such a block zero codes and a NaN scale (max_ps alone would drop a NaN).
 PYLLM_INLINE float amax_n(const float* x, int n) {
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    __m256 mx = _mm256_setzero_ps();
-    for (int j = 0; j < n; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
-    return hmax(mx);
+    const __m256 sign = _mm256_set1_ps(-0.f), big = _mm256_set1_ps(FLT_MAX);
+    __m256 mx = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int j = 0; j < n; j += 8) {
+        const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j));
+        mx = _mm256_max_ps(mx, a);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, big, _CMP_NLE_UQ));  // a > FLT_MAX, or NaN
+    }
+    return _mm256_movemask_ps(bad) ? NAN : hmax(mx);
 }
 
 template <class B>
@@ -147,6 +156,12 @@ bool dequant_row_avx2_legacy(QType t, const uint8_t* w, int K, float* out) {
 void quantize_q8_32_avx2(const float* x, int K, Q8Row out) {
     for (int i = 0; i < K / QK; ++i) {
         const float amax = amax_n(x + QK * i, QK);
+        if (std::isnan(amax)) {
+            std::memset(out.qs + QK * i, 0, QK);
+            out.d[i] = out.s[i] = NAN;
+            out.sum[i] = 0;
+            continue;
+        }
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         const int sum = quantize_32(x + QK * i, id, out.qs + QK * i);
         out.d[i] = d;
@@ -158,6 +173,11 @@ void quantize_q8_32_avx2(const float* x, int K, Q8Row out) {
 void quantize_q16_32_avx2(const float* x, int K, Q16Row out) {
     for (int i = 0; i < K / QK; ++i) {
         const float amax = amax_n(x + QK * i, QK);
+        if (std::isnan(amax)) {
+            std::memset(out.qs + QK * i, 0, QK * sizeof(int16_t));
+            out.d[i] = NAN;
+            continue;
+        }
         const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
         const __m256 vid = _mm256_set1_ps(id);
         for (int h = 0; h < 2; ++h) {
@@ -176,6 +196,11 @@ void quantize_q8_K_avx2(const float* x, int K, block_q8_K* out) {
     for (int i = 0; i < K / QK_K; ++i) {
         const float* xb = x + QK_K * i;
         const float amax = amax_n(xb, QK_K);
+        if (std::isnan(amax)) {
+            out[i] = block_q8_K{};
+            out[i].d = NAN;
+            continue;
+        }
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         for (int j = 0; j < QK_K / 32; ++j) {
             quantize_32(xb + 32 * j, id, out[i].qs + 32 * j);

@@ -17,6 +17,8 @@
 //     value), exact int32 block sums sum(q * xq) and sum(xq), then per block s_g * (dx * sum(q * xq) - z_g * s_b)
 //     in fp32, accumulated in fp32.  Against the float64 product on the exact weights the error is the int8
 //     rounding of x (~0.5% of an output's rms for Gaussian x), plus ~1e-7 relative of fp32.
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 
@@ -291,11 +293,30 @@ RowKernel row_kernel_generic_x16(QType t) {
 // ---- activation quantizers ------------------------------------------------------------------------------
 // Symmetric int8 with the fp32 scale d = max|x| / 127; q = round-half-even(x * (1/d)), exactly what
 // _mm256_cvtps_epi32 does, so the AVX2 quantizers produce the same bytes.
+// max |x| over n values, or NaN where one of them is NaN or infinite.  A block holding one gets zero codes and a NaN
+// scale, so every dot product with it is NaN: a broken activation reaches the logits, where the runtime reports
+// it, instead of being rounded into finite codes (fmax drops NaN; x * (1/d) of an infinity is NaN).
+float amax_or_nan(const float* x, int n) {
+    float amax = 0.f;
+    bool finite = true;
+    for (int j = 0; j < n; ++j) {
+        const float a = std::fabs(x[j]);
+        finite &= a <= FLT_MAX;
+        amax = std::fmax(amax, a);
+    }
+    return finite ? amax : NAN;
+}
+
 void quantize_q8_32_generic(const float* x, int K, Q8Row out) {
     for (int i = 0; i < K / QK; ++i) {
         const float* xb = x + QK * i;
-        float amax = 0.f;
-        for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+        const float amax = amax_or_nan(xb, QK);
+        if (std::isnan(amax)) {
+            std::fill(out.qs + QK * i, out.qs + QK * (i + 1), static_cast<int8_t>(0));
+            out.d[i] = out.s[i] = NAN;
+            out.sum[i] = 0;
+            continue;
+        }
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         int sum = 0;
         for (int j = 0; j < QK; ++j) {
@@ -313,8 +334,12 @@ void quantize_q8_32_generic(const float* x, int K, Q8Row out) {
 void quantize_q16_32_generic(const float* x, int K, Q16Row out) {
     for (int i = 0; i < K / QK; ++i) {
         const float* xb = x + QK * i;
-        float amax = 0.f;
-        for (int j = 0; j < QK; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+        const float amax = amax_or_nan(xb, QK);
+        if (std::isnan(amax)) {
+            std::fill(out.qs + QK * i, out.qs + QK * (i + 1), static_cast<int16_t>(0));
+            out.d[i] = NAN;
+            continue;
+        }
         const float d = amax / 32767.f, id = d != 0.f ? 1.f / d : 0.f;
         for (int j = 0; j < QK; ++j) out.qs[QK * i + j] = static_cast<int16_t>(std::nearbyint(xb[j] * id));
         out.d[i] = d;
@@ -324,8 +349,12 @@ void quantize_q16_32_generic(const float* x, int K, Q16Row out) {
 void quantize_q8_K_generic(const float* x, int K, block_q8_K* out) {
     for (int i = 0; i < K / QK_K; ++i) {
         const float* xb = x + QK_K * i;
-        float amax = 0.f;
-        for (int j = 0; j < QK_K; ++j) amax = std::fmax(amax, std::fabs(xb[j]));
+        const float amax = amax_or_nan(xb, QK_K);
+        if (std::isnan(amax)) {
+            out[i] = block_q8_K{};
+            out[i].d = NAN;
+            continue;
+        }
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         for (int g = 0; g < QK_K / 16; ++g) {
             int sum = 0;

@@ -8,6 +8,7 @@
 //
 // Why this shape: at batch 1 the GEMV is a stream over W; one row per CTA gives N CTAs (>= 4096 for every
 // Llama-3 matrix), enough independent loads in flight to cover HBM latency without a split-K reduction.
+#include <cfloat>
 #include <cstdlib>
 
 #include "cuda_kernels.h"
@@ -28,14 +29,21 @@ __global__ void __launch_bounds__(256) quantize_act_kernel(const float* __restri
     const bool live = i4 < n_vals;
     float4 v = live ? *reinterpret_cast<const float4*>(x + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
     float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+    // NaN or +-inf anywhere in the block: zero codes and a NaN scale, so the GEMV's sums are NaN rather than a
+    // broken activation rounded into finite codes (fmaxf drops NaN).  The CPU quantizers do the same.
+    int bad = !(fabsf(v.x) <= FLT_MAX && fabsf(v.y) <= FLT_MAX && fabsf(v.z) <= FLT_MAX && fabsf(v.w) <= FLT_MAX);
 #pragma unroll
-    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    for (int o = 4; o > 0; o >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+    }
     // __fdiv_rn: IEEE division even under --use_fast_math, so scales and codes are reproducible by a numpy reference
-    const float d = __fdiv_rn(amax, 127.0f);
-    const int q0 = d > 0.f ? __float2int_rn(__fdiv_rn(v.x, d)) : 0;
-    const int q1 = d > 0.f ? __float2int_rn(__fdiv_rn(v.y, d)) : 0;
-    const int q2 = d > 0.f ? __float2int_rn(__fdiv_rn(v.z, d)) : 0;
-    const int q3 = d > 0.f ? __float2int_rn(__fdiv_rn(v.w, d)) : 0;
+    const float d = bad ? __int_as_float(0x7fc00000) : __fdiv_rn(amax, 127.0f);
+    const bool live_codes = !bad && d > 0.f;
+    const int q0 = live_codes ? __float2int_rn(__fdiv_rn(v.x, d)) : 0;
+    const int q1 = live_codes ? __float2int_rn(__fdiv_rn(v.y, d)) : 0;
+    const int q2 = live_codes ? __float2int_rn(__fdiv_rn(v.z, d)) : 0;
+    const int q3 = live_codes ? __float2int_rn(__fdiv_rn(v.w, d)) : 0;
     int sum = q0 + q1 + q2 + q3;
 #pragma unroll
     for (int o = 4; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);

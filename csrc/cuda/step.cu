@@ -11,6 +11,8 @@
 // within float rounding of the torch path (tests/gpu/test_step_kernels.py).
 #include <cuda_bf16.h>
 
+#include <cfloat>
+
 #include "common.cuh"
 #include "cuda_kernels.h"
 
@@ -42,8 +44,10 @@ __device__ float block_sum(float v, float* red) {
 __device__ __forceinline__ void quantize_block(float v, int8_t* __restrict__ xq, float2* __restrict__ xds,
                                                int base) {
     const int lane = threadIdx.x & 31;
-    const float d = __fdiv_rn(warp_max(fabsf(v)), 127.0f);
-    const int q = d > 0.f ? __float2int_rn(__fdiv_rn(v, d)) : 0;
+    // NaN or +-inf in the block: zero codes and a NaN scale, as quantize_act_kernel (gemv.cu)
+    const bool bad = __any_sync(0xffffffffu, !(fabsf(v) <= FLT_MAX));
+    const float d = bad ? __int_as_float(0x7fc00000) : __fdiv_rn(warp_max(fabsf(v)), 127.0f);
+    const int q = !bad && d > 0.f ? __float2int_rn(__fdiv_rn(v, d)) : 0;
     const int sum = warp_sum_int(q);
     xq[base + lane] = static_cast<int8_t>(q);
     if (lane == 0) xds[base / kActBlock] = make_float2(d, d * static_cast<float>(sum));

@@ -69,6 +69,21 @@ def test_gemv_rows_per_cta(K, qtype, N, Kd, rows, monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_non_finite_activations_give_non_finite_sums(K):
+    """A NaN or +-inf among finite activations gets its block a NaN scale and zero codes, so its row's GEMV outputs
+    are NaN (not a broken activation rounded into finite codes), and the other rows stay finite: the CPU
+    quantizers' rule (tests/test_kernels.py test_a_non_finite_activation_reaches_its_rows_outputs)."""
+    w, _ = weights(GGMLType.Q4_K, 37, 1024)
+    x = torch.randn(3, 1024, device="cuda")
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        xs = x.clone()
+        xs[1, 300] = bad
+        xq, xds = K.cuda_quantize_act(xs)
+        assert torch.isnan(xds[1, 300 // 32]).all() and (xq[1, 288:320] == 0).all(), bad
+        y = K.cuda_gemv(w, int(GGMLType.Q4_K), xs)
+        assert torch.isnan(y[1]).all() and torch.isfinite(y[0]).all() and torch.isfinite(y[2]).all(), bad
+
+
 def test_quantize_act_codes(K):
     """int8 codes = round-half-even(x / d), d = max|x| / 127 per 32 values; the (d, d*sum) pairs match."""
     x = torch.randn(3, 4096, device="cuda") * torch.logspace(-3, 3, 4096, device="cuda")
