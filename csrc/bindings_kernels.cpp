@@ -44,6 +44,17 @@ std::pair<Tensor, std::vector<int64_t>> gemv_argmax(const Tensor& x, const Tenso
 }
 
 // The RowArgmax of a f32 vector y [n], n >= 1 (the scan each chunk of logits gets).
+std::optional<Tensor> top_k_ids(const Tensor& y, int64_t k) {
+    check_tensor("top_k_ids", "y", y, at::kFloat, 1);
+    PYLLM_CHECK_VALUE(y.size(0) >= 1 && y.size(0) <= INT32_MAX && k >= 1 && k <= y.size(0), "top_k_ids: k=", k,
+                      " must be in 1..", y.size(0), " (the values y holds)");
+    Tensor ids = at::empty({k}, y.options().dtype(at::kLong));
+    if (pyllm::row_top_k_cpu(y.data_ptr<float>(), static_cast<int>(y.size(0)), static_cast<int>(k),
+                             ids.data_ptr<int64_t>()) < 0)
+        return std::nullopt;
+    return ids;
+}
+
 int64_t row_argmax(const Tensor& y) {
     check_tensor("row_argmax", "y", y, at::kFloat, 1);
     PYLLM_CHECK_VALUE(y.size(0) >= 1 && y.size(0) <= INT32_MAX, "row_argmax: y needs 1..2^31-1 values, got ",
@@ -298,6 +309,9 @@ void register_kernels(py::module& m) {
           py::arg("out") = py::none(), py::arg("precise_x") = false);
     m.def("gemv_argmax", &gemv_argmax, "(gemv's y, each row's argmax as the decode step's logits get it: -1 where "
           "a value is not finite)", py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("precise_x") = false);
+    m.def("top_k_ids", &top_k_ids, py::arg("y"), py::arg("k"),
+          "ids of y's k largest values, ascending (lowest ids where values tie at the k-th), None where a value is "
+          "not finite");
     m.def("row_argmax", &row_argmax, "first index of y's largest value, -1 where a value is not finite",
           py::arg("y"));
     m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M; kernel 'f32' (dequantized tiles + torch GEMM), "

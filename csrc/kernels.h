@@ -55,6 +55,11 @@ struct RowArgmax {
 // The RowArgmax of y[0..n-1], n >= 1.
 RowArgmax row_argmax_cpu(const float* y, int n);
 
+// The ids of the k largest of y[0..n-1] (1 <= k <= n), ascending, into ids[0..k-1]: where values tie at the k-th
+// largest, the lowest ids (the sampler's top-k rule).  Returns k, or -1 (ids untouched) where y holds a NaN or an
+// infinity.
+int row_top_k_cpu(const float* y, int n, int k, int64_t* ids);
+
 // y[m, n] = sum_k x[m, k] * W[n, k] for 1 <= M <= GEMV_MAX_M, W read once in its quantized form.
 // w: N * row_bytes bytes; x: [M, K]; y: [M, N].
 // precise_x: keep the activations at 16 bits where the type has such a kernel (Q8_0; others ignore it).  For

@@ -158,3 +158,57 @@ def test_a_known_argmax_is_taken_only_where_greedy_sampling_would_take_the_argma
 
     s = Logged(S.SamplerSettings(temperature=0))
     assert s.sample_known_argmax(logits, 3) == 5 and s.called
+
+
+def _values(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == "random":
+        return (rng.standard_normal(n) * 3).astype(np.float32)
+    if kind == "ties":  # a tenth-step grid: many equal values at the k-th largest
+        return np.round(rng.standard_normal(n), 1).astype(np.float32)
+    if kind == "zeros":  # -0.0 and +0.0 compare equal: one tie class
+        return np.where(rng.random(n) < 0.5, -0.0, 0.0).astype(np.float32)
+    return np.sort(rng.standard_normal(n)).astype(np.float32)  # ascending: every value enters and leaves
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "zeros", "ascending"])
+@pytest.mark.parametrize("n", [1, 2, 63, 64, 65, 129, 1000, 49152])
+def test_top_k_scan_is_the_numpy_partitions_choice(kind, n):
+    """Reference: the sampler's numpy top-k (partition, then every id above the k-th value and the lowest tied ids
+    at it).  The extension's one-pass scan must choose the same ids, for k from 1 to n, around its 64-value chunks,
+    over ties, signed zeros and an ascending row (which replaces its weakest at every value)."""
+    from pyllm import ops
+
+    rng = np.random.default_rng(n * 7 + len(kind))
+    f = _values(kind, n, rng)
+    s = S.Sampler(S.SamplerSettings())
+    for k in sorted({1, 2, 40, n - 1, n} & set(range(1, n + 1))):
+        got = ops.top_k_ids(f, k)
+        assert got is not None, (kind, n, k)
+        want = np.sort(s._top_k_ids_numpy(f, k))
+        assert got.tolist() == want.tolist(), (kind, n, k)
+
+
+def test_top_k_scan_leaves_non_finite_rows_to_numpy():
+    from pyllm import ops
+
+    f = np.random.default_rng(3).standard_normal(500).astype(np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        g = f.copy()
+        g[123] = bad
+        assert ops.top_k_ids(g, 40) is None, bad
+    assert ops.top_k_ids(f.astype(np.float64), 40) is None and ops.top_k_ids(f, 0) is None
+
+
+def test_sampled_tokens_do_not_depend_on_the_top_k_path(monkeypatch):
+    """Reference: the same seeded sampler with the numpy top-k.  The default chain (temperature 0.8, top-k 40,
+    top-p 0.95, min-p 0.05) draws the same 200 tokens through the extension's scan."""
+    from pyllm import ops
+
+    g = torch.Generator().manual_seed(11)
+    rows = [torch.randn(32000, generator=g) * 2 for _ in range(200)]
+    fast = S.Sampler(S.SamplerSettings(seed=5))
+    want_sampler = S.Sampler(S.SamplerSettings(seed=5))
+    got = [fast.sample(r) for r in rows]
+    monkeypatch.setattr(ops, "top_k_ids", lambda f, k: None)
+    want = [want_sampler.sample(r) for r in rows]
+    assert got == want

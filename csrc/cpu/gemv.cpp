@@ -450,6 +450,51 @@ constexpr int kActCount = 4;
 
 }  // namespace
 
+int row_top_k_cpu(const float* y, int n, int k, int64_t* ids) {
+    // The k best so far and the weakest of them (lowest value; of equal ones the highest id, so ties at the k-th
+    // value keep the lowest ids).  A later value enters only if strictly above it, so equal later ids never do.
+    // Past the first k values a 64-value chunk is looked at only when its max beats the weakest: after a few
+    // thousand values that is rare, and the scan runs at the vectorized max's speed (~10x np.partition's).
+    uint32_t bad = 0;
+#pragma omp simd reduction(| : bad)
+    for (int i = 0; i < n; ++i) {
+        uint32_t b;
+        std::memcpy(&b, &y[i], sizeof b);
+        bad |= static_cast<uint32_t>((b & 0x7f800000u) == 0x7f800000u);
+    }
+    if (bad) return -1;
+    std::vector<float> val(y, y + k);
+    std::vector<int64_t> id(k);
+    for (int j = 0; j < k; ++j) id[j] = j;
+    int weak = 0;
+    auto find_weak = [&] {
+        weak = 0;
+        for (int j = 1; j < k; ++j)
+            if (val[j] < val[weak] || (val[j] == val[weak] && id[j] > id[weak])) weak = j;
+    };
+    find_weak();
+    auto offer = [&](int i) {
+        if (y[i] > val[weak]) {
+            val[weak] = y[i];
+            id[weak] = i;
+            find_weak();
+        }
+    };
+    int i = k;
+    for (; i < n && (i & 63); ++i) offer(i);
+    for (; i + 64 <= n; i += 64) {
+        float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+        for (int j = 0; j < 64; ++j) m = y[i + j] > m ? y[i + j] : m;
+        if (m > val[weak])
+            for (int j = 0; j < 64; ++j) offer(i + j);
+    }
+    for (; i < n; ++i) offer(i);
+    std::sort(id.begin(), id.end());
+    std::copy(id.begin(), id.end(), ids);
+    return k;
+}
+
 RowArgmax row_argmax_cpu(const float* y, int n) {
     // A max and an OR of exponent tests, then the first copy of the max, 64 values at a time: loops the compiler
     // vectorizes under `omp simd` (a plain float max reduction it keeps scalar: 2 cycles a value, 0.1 ms per

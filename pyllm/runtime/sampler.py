@@ -17,6 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from .. import ops
 from ..errors import PyllmError
 from .sampler_settings import SamplerSettings  # noqa: F401  (re-exported: the sampler's settings)
 
@@ -212,8 +213,13 @@ class Sampler:
         return ids
 
     def _top_k_ids(self, f: np.ndarray, k: int) -> np.ndarray:
-        """Ids of the k largest of ``f`` (any of the tied ones at the k-th value, lowest ids first), through an
-        in-place partition of a buffer kept between tokens."""
+        """Ids of the k largest of ``f`` (any of the tied ones at the k-th value, lowest ids first): the extension's
+        one-pass scan for float32 logits, else an in-place partition of a buffer kept between tokens (the
+        definition the scan is tested against)."""
+        ids = ops.top_k_ids(f, k)
+        return ids if ids is not None else self._top_k_ids_numpy(f, k)
+
+    def _top_k_ids_numpy(self, f: np.ndarray, k: int) -> np.ndarray:
         n = len(f)
         buf = self._part
         if buf is None or buf.shape != f.shape or buf.dtype != f.dtype:
