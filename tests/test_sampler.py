@@ -107,14 +107,14 @@ def test_bad_settings_raise(bad):
 @pytest.mark.parametrize("vocab", [1000, 151936])
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_fast_candidates_equal_the_full_chain(vocab, temperature):
-    # Reference: the same settings through the general path (a logit bias of +0 on one id forces it; it changes no
-    # logit).  The fast path (no bias, penalty or grammar) must give the same ids and logits, greedy and top-k.
+    # Reference: the same settings through the full chain (every step on a float64 copy of the row).  The fast path
+    # (no bias, penalty or grammar) must give the same ids and logits, greedy and top-k.
     g = torch.Generator().manual_seed(vocab)
     for trial in range(5):
         logits = torch.randn(vocab, generator=g) * 3
         kw = dict(temperature=temperature, top_k=40, top_p=0.9, min_p=0.02)
         fast = S.Sampler(S.SamplerSettings(**kw)).candidates(logits)
-        full = S.Sampler(S.SamplerSettings(logit_bias={7: 0.0}, **kw)).candidates(logits)
+        full = S.Sampler(S.SamplerSettings(**kw))._full_chain(logits.numpy())
         assert fast[0].tolist() == full[0].tolist(), trial
         assert np.array_equal(fast[1], full[1]), trial
 
@@ -212,3 +212,29 @@ def test_sampled_tokens_do_not_depend_on_the_top_k_path(monkeypatch):
     monkeypatch.setattr(ops, "top_k_ids", lambda f, k: None)
     want = [want_sampler.sample(r) for r in rows]
     assert got == want
+
+
+@pytest.mark.parametrize("vocab", [1000, 151936])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("moves", ["bias", "penalties", "both"])
+def test_candidates_with_a_bias_or_penalties_equal_the_full_chain(vocab, temperature, moves):
+    """Reference: the full chain (bias and penalties over a float64 copy of the whole row, then top-k).  With a bias
+    or penalties only the moved ids' logits change, and the candidates path must give the same ids and logits: a
+    bias that lifts a low id into the top-k and one that bans the best, penalties over a window holding the best
+    ids and some low ones, greedy and sampled."""
+    g = torch.Generator().manual_seed(vocab + len(moves))
+    for trial in range(5):
+        logits = torch.randn(vocab, generator=g) * 3
+        order = torch.argsort(logits, descending=True).tolist()
+        kw = dict(temperature=temperature, top_k=40, top_p=0.9, min_p=0.02)
+        if moves in ("bias", "both"):
+            kw["logit_bias"] = {order[-1]: 25.0, order[0]: -math.inf, order[500 % vocab]: 2.0}
+        if moves in ("penalties", "both"):
+            kw.update(repeat_penalty=1.3, frequency_penalty=0.2, presence_penalty=0.1)
+        s = S.Sampler(S.SamplerSettings(**kw))
+        for t in order[:5] + order[-3:] + order[:2]:
+            s.accept(t)
+        got = s.candidates(logits)
+        want = s._full_chain(logits.numpy())
+        assert got[0].tolist() == want[0].tolist(), (trial, moves)
+        assert np.array_equal(got[1], want[1]), (trial, moves)
