@@ -14,12 +14,15 @@
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 --platform any -d .whl gguf==0.19.0 prompt_toolkit wcwidth
-# A real model for the KL check travels cut to its first layers (SmolLM2 to 8 layers is ~40 MB of the 64 MiB a call
+# A real model for the KL check travels cut to its first layers (SmolLM2 to 8 layers is 49.6 MB of the 64 MiB a call
 # carries; carry ".gpu_models" too):
 #   echo /.gpu_models/ >> .git/info/exclude
 #   python tools/requantize_gguf.py smollm2-135m keep .gpu_models/smollm2-8l.gguf --layers 8
 # Env: GPU_CHECK_SKIP_BENCH=1 (tests only), GPU_CHECK_CTX (long-context position, default 4096),
 #      GPU_CHECK_KL_MODEL (default: .gpu_models/smollm2-8l.gguf when it exists).
+# On the H200 (2026-12-04) the whole script ran in ~5 minutes: build ~55 s, tests ~100 s under pytest-xdist, the
+# CLI ~30 s, benchmarks ~90 s; a device call also pays ~1 minute to start.  PYTEST_ADDOPTS=--timeout=90 bounds a
+# hung test.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp/pyllm-gpu-check}
