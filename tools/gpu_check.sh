@@ -22,7 +22,7 @@
 #      GPU_CHECK_KL_MODEL (default: .gpu_models/smollm2-8l.gguf when it exists).
 # On the H200 (2026-12-04) the whole script ran in ~5 minutes: build ~55 s, tests ~100 s under pytest-xdist, the
 # CLI ~30 s, benchmarks ~90 s; a device call also pays ~1 minute to start.  PYTEST_ADDOPTS=--timeout=90 bounds a
-# hung test.
+# hung test.  tools/gpu_profile.py ranks one token's kernels (~40 s more) when the numbers need explaining.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${OUT:-/tmp/pyllm-gpu-check}
