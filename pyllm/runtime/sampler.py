@@ -23,12 +23,12 @@ from .sampler_settings import SamplerSettings  # noqa: F401  (re-exported: the s
 
 
 def apply_logit_bias(ids, logits, bias: dict[int, float]):
+    """Adds bias[t] to the logit of id t where ids (ascending: the whole vocabulary, or candidates) hold t."""
     if bias:
         logits = logits.copy()
-        pos = {int(t): j for j, t in enumerate(ids)} if len(ids) != len(logits) else None
         for tok, b in bias.items():
-            j = tok if pos is None else pos.get(tok)
-            if j is not None and 0 <= j < len(logits):
+            j = int(np.searchsorted(ids, int(tok)))
+            if j < len(ids) and ids[j] == int(tok):
                 logits[j] += b
     return ids, logits
 
@@ -40,12 +40,13 @@ def penalties_change_logits(recent: list[int], repeat: float, frequency: float, 
 
 def apply_penalties(ids, logits, recent: list[int], repeat: float, frequency: float, presence: float):
     """llama.cpp semantics: repeat divides positive logits and multiplies negative ones; frequency and presence
-    subtract count*frequency + presence for tokens that occurred in the window."""
+    subtract count*frequency + presence for tokens that occurred in the window.  ids: ascending (the whole
+    vocabulary, or candidates)."""
     if not penalties_change_logits(recent, repeat, frequency, presence):
         return ids, logits
     logits = logits.copy()
     toks, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
-    idx = np.searchsorted(ids, toks) if len(ids) != len(logits) else toks
+    idx = np.searchsorted(ids, toks)
     ok = (idx < len(ids)) & (ids[np.minimum(idx, len(ids) - 1)] == toks)
     idx, counts = idx[ok], counts[ok]
     l = logits[idx]
@@ -218,19 +219,9 @@ class Sampler:
         on a vocabulary-sized float64 copy (1-4 ms of a 262k row, per token)."""
         s = self.s
         ids = np.union1d(self._top_k_ids(f, k + len(moved)), moved)
-        lg = f[ids].astype(np.float64)
-        for tok, b in s.logit_bias.items():
-            j = int(np.searchsorted(ids, int(tok)))
-            if j < len(ids) and ids[j] == int(tok):
-                lg[j] += b
-        if self._penalizing():
-            toks, counts = np.unique(np.asarray(list(self.recent), dtype=np.int64), return_counts=True)
-            j = np.searchsorted(ids, toks)
-            ok = (j < len(ids)) & (ids[np.minimum(j, len(ids) - 1)] == toks)
-            j, counts = j[ok], counts[ok]
-            l = lg[j]
-            l = np.where(l > 0, l / s.repeat_penalty, l * s.repeat_penalty)
-            lg[j] = l - (counts * s.frequency_penalty + s.presence_penalty)
+        ids, lg = apply_logit_bias(ids, f[ids].astype(np.float64), s.logit_bias)
+        ids, lg = apply_penalties(ids, lg, list(self.recent), s.repeat_penalty, s.frequency_penalty,
+                                  s.presence_penalty)
         if s.temperature == 0:
             j = int(np.argmax(lg))
             return ids[j:j + 1].copy(), lg[j:j + 1]
