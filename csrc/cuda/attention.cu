@@ -25,27 +25,62 @@ namespace pyllm {
 namespace cuda {
 namespace {
 
-// A CTA's warps walk its positions one row per warp (scores) or per thread group (values), each step a load whose
-// latency nothing else hides: 256 positions over 4 warps took 146 us per layer on an H200 (profiled, Llama-3-8B
-// shape at position ~320), 62% of the step.  Half the positions over twice the warps, with the position loops
-// unrolled so several rows are in flight, shorten that chain 4x (this shape is not measured yet).
+// A CTA's warps walk its positions one row per warp (scores) or per thread group (values).  Each row is a load
+// whose latency nothing else hides unless several are in flight: 256 positions over 4 warps, one row at a time,
+// took 146 us per layer on an H200 (profiled, Llama-3-8B shape at position ~320), 62% of the step.  So a chunk
+// is half that over twice the warps, and each warp (thread group) issues the loads of a batch of its rows before
+// it uses any: one load's latency per batch instead of per row (this shape is not measured yet).
 constexpr int kChunk = 128;    // positions per CTA
 constexpr int kThreads = 256;  // 8 warps
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxG = 8;       // query heads per CTA (more per KV head: more CTAs along grid.z)
 
-// Row p of head hk, as values d, d + 1: the exact sink row for p == 0 when the part keeps one.
-__device__ __forceinline__ float2 row_pair(const AttnRows& r, int hk, int p, int d, int max_seq, int D) {
-    if (p == 0 && r.sink) return *reinterpret_cast<const float2*>(r.sink + static_cast<size_t>(hk) * D + d);
-    return kv_row_pair(r.type, r.data + (static_cast<size_t>(hk) * max_seq + p) * r.row_bytes, d);
+// Rows c0 + p0 + b * stride (b < B) of head hk, values d0 + 64 j and d0 + 64 j + 1 (j < J); rows at or past n
+// read as zeros.  Every load of the batch is issued before any value is decoded, with no branch between them
+// (rows past n load row n - 1, then decode to zero), and the row type is switched on once per batch, outside it:
+// a load followed by its use, or in a branch of its own, waits for that load before the next one is issued.
+template <KVRow T, int B, int J>
+__device__ __forceinline__ void load_rows_typed(const AttnRows& r, int hk, int c0, int p0, int stride, int n, int d0,
+                                                int max_seq, float2 (&out)[B][J]) {
+    const uint8_t* base = r.data + (static_cast<size_t>(hk) * max_seq + c0) * r.row_bytes;
+    KVRaw raw[B][J];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+        const int p = min(p0 + b * stride, n - 1);
+#pragma unroll
+        for (int j = 0; j < J; ++j) raw[b][j] = kv_raw<T>(base + static_cast<size_t>(p) * r.row_bytes, d0 + 64 * j);
+    }
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            out[b][j] = p0 + b * stride < n ? kv_decode<T>(raw[b][j], d0 + 64 * j) : make_float2(0.f, 0.f);
+}
+
+// load_rows_typed for the part's row type; position 0 from the exact sink row when the part keeps one.
+template <int B, int J>
+__device__ __forceinline__ void load_rows(const AttnRows& r, int hk, int c0, int p0, int stride, int n, int d0,
+                                          int max_seq, int D, float2 (&out)[B][J]) {
+    switch (r.type) {
+        case KVRow::F32: load_rows_typed<KVRow::F32>(r, hk, c0, p0, stride, n, d0, max_seq, out); break;
+        case KVRow::F16: load_rows_typed<KVRow::F16>(r, hk, c0, p0, stride, n, d0, max_seq, out); break;
+        case KVRow::BF16: load_rows_typed<KVRow::BF16>(r, hk, c0, p0, stride, n, d0, max_seq, out); break;
+        case KVRow::Q8_0: load_rows_typed<KVRow::Q8_0>(r, hk, c0, p0, stride, n, d0, max_seq, out); break;
+        case KVRow::Q4_0: load_rows_typed<KVRow::Q4_0>(r, hk, c0, p0, stride, n, d0, max_seq, out); break;
+    }
+    if (r.sink && c0 + p0 == 0)  // row b = 0 is position 0
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            out[0][j] = *reinterpret_cast<const float2*>(r.sink + static_cast<size_t>(hk) * D + d0 + 64 * j);
 }
 
 // The positions [lo, len) attended to (device: len is read there).
 __device__ __forceinline__ int window_start(int L, int window) { return window > 0 ? max(0, L - window) : 0; }
 
 // part_o [H, chunks, D]: unnormalized sum_p exp(s_p - m) v_p of one chunk; part_ml [H, chunks, 2]: (m, l).
+// (At least 2 CTAs per SM: left to itself ptxas held head_dim 64 to 64 registers and spilled the key batch.)
 template <int D>
-__global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __restrict__ q, AttnRows k, AttnRows v,
+__global__ void __launch_bounds__(kThreads, 2) attn_chunk_kernel(const float* __restrict__ q, AttnRows k, AttnRows v,
                                                               const int* __restrict__ len, int window, float softcap,
                                                               float* __restrict__ part_o,
                                                               float* __restrict__ part_ml, int H, int Hkv,
@@ -53,6 +88,9 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
     constexpr int kPairs = D / 2;              // value pairs of a row
     constexpr int kPerLane = D / 64;           // pairs per lane when a warp reads one row
     constexpr int kGroups = kThreads / kPairs; // position groups in the V pass
+    // rows in flight per warp (scores: 32 registers of keys at most) and per thread (values)
+    constexpr int kKeyBatch = kChunk / kWarps < 16 / kPerLane ? kChunk / kWarps : 16 / kPerLane;
+    constexpr int kValueBatch = 8;
     static_assert(kPerLane >= 1 && kThreads % kPairs == 0, "head_dim must be 64, 128 or 256");
 
     const int L = *len, lo = window_start(L, window);
@@ -63,6 +101,7 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
     const int G = H / Hkv, g0 = blockIdx.z * kMaxG, Gc = min(kMaxG, G - g0);
     const int h0 = hk * G + g0;  // first query head of this CTA
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;  // no IEEE division (a call) per score
 
     __shared__ float q_s[kMaxG][D];
     __shared__ float p_s[kMaxG][kChunk];
@@ -72,22 +111,25 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
     for (int i = threadIdx.x; i < Gc * D; i += kThreads) q_s[i / D][i % D] = q[static_cast<size_t>(h0) * D + i] * scale;
     __syncthreads();
 
-    // scores: one warp per position, lanes across the row
-#pragma unroll 4
-    for (int p = warp; p < n; p += kWarps) {
-        float2 kf[kPerLane];
+    // scores: one warp per position, lanes across the row; a warp's rows kKeyBatch at a time, all loaded first
+    for (int p0 = warp; p0 < n; p0 += kWarps * kKeyBatch) {
+        float2 kf[kKeyBatch][kPerLane];  // rows p0 + b * kWarps: the same for every lane, no divergence
+        load_rows(k, hk, c0, p0, kWarps, n, 2 * lane, max_seq, D, kf);
 #pragma unroll
-        for (int j = 0; j < kPerLane; ++j) kf[j] = row_pair(k, hk, c0 + p, 2 * (lane + 32 * j), max_seq, D);
-        for (int g = 0; g < Gc; ++g) {
-            float s = 0.f;
+        for (int b = 0; b < kKeyBatch; ++b) {
+            const int p = p0 + b * kWarps;
+            if (p >= n) break;
+            for (int g = 0; g < Gc; ++g) {
+                float s = 0.f;
 #pragma unroll
-            for (int j = 0; j < kPerLane; ++j) {
-                const int d = 2 * (lane + 32 * j);
-                s += q_s[g][d] * kf[j].x + q_s[g][d + 1] * kf[j].y;
+                for (int j = 0; j < kPerLane; ++j) {
+                    const int d = 2 * (lane + 32 * j);
+                    s += q_s[g][d] * kf[b][j].x + q_s[g][d + 1] * kf[b][j].y;
+                }
+                s = warp_sum(s);
+                if (softcap > 0.f) s = softcap * tanhf(s * inv_cap);
+                if (lane == 0) p_s[g][p] = s;
             }
-            s = warp_sum(s);
-            if (softcap > 0.f) s = softcap * tanhf(s / softcap);
-            if (lane == 0) p_s[g][p] = s;
         }
     }
     __syncthreads();
@@ -116,15 +158,20 @@ __global__ void __launch_bounds__(kThreads) attn_chunk_kernel(const float* __res
     float2 acc[kMaxG];
 #pragma unroll
     for (int g = 0; g < kMaxG; ++g) acc[g] = make_float2(0.f, 0.f);
-#pragma unroll 4
-    for (int p = pg; p < n; p += kGroups) {
-        const float2 vf = row_pair(v, hk, c0 + p, 2 * cp, max_seq, D);
+    for (int p0 = pg; p0 < n; p0 += kGroups * kValueBatch) {  // kValueBatch rows loaded, then summed in order
+        float2 vf[kValueBatch][1];  // a position group is whole warps: p is the same across a warp
+        load_rows(v, hk, c0, p0, kGroups, n, 2 * cp, max_seq, D, vf);
 #pragma unroll
-        for (int g = 0; g < kMaxG; ++g) {
-            if (g < Gc) {
-                const float e = p_s[g][p];
-                acc[g].x += e * vf.x;
-                acc[g].y += e * vf.y;
+        for (int b = 0; b < kValueBatch; ++b) {
+            const int p = p0 + b * kGroups;
+            if (p >= n) break;
+#pragma unroll
+            for (int g = 0; g < kMaxG; ++g) {
+                if (g < Gc) {
+                    const float e = p_s[g][p];
+                    acc[g].x += e * vf[b][0].x;
+                    acc[g].y += e * vf[b][0].y;
+                }
             }
         }
     }
