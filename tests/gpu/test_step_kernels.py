@@ -29,7 +29,7 @@ def codes(n: int):
             torch.full((1, n // 32, 2), float("nan"), device="cuda"))
 
 
-@pytest.mark.parametrize("D", [576, 640, 896, 4096, 5120])
+@pytest.mark.parametrize("D", [576, 640, 896, 4096, 5120, 8192, 12288])  # 12288: the loop kernel
 @pytest.mark.parametrize("branch", ["none", "add", "post-norm"])
 def test_residual_norm_quant(K, D, branch):
     g = torch.Generator(device="cuda").manual_seed(D)
