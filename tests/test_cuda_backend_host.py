@@ -138,6 +138,7 @@ class TorchKernels:
 
         self.C = _ext.load()
         self.shadow: dict[int, torch.Tensor] = {}
+        self.parts_calls: list[int] = []  # matrices per cuda_gemv_q_parts launch
 
     def _codes(self, x, xq, xds):
         q, d = reference_quantize_act(x.reshape(xq.shape))
@@ -155,6 +156,10 @@ class TorchKernels:
     def cuda_gemv_q(self, w, qt, xq, xds, out=None):
         y = self.shadow[xq.data_ptr()] @ self.C.dequantize(w, qt).T
         return y if out is None else out.copy_(y)
+
+    def cuda_gemv_q_parts(self, ws, qt, xq, xds, outs):
+        self.parts_calls.append(len(ws))
+        return [self.cuda_gemv_q(w, qt, xq, xds, o) for w, o in zip(ws, outs)]
 
     def cuda_residual_norm_quant(self, x, a, post_w, w, eps, h, xq, xds):
         xn, hn = reference_residual_norm(x, a, post_w, w, eps)
@@ -229,6 +234,33 @@ def test_step_matches_model_torch_path(arch, kind, body):
         model.use_cpp_decode = True
     assert step.policy.eager_calls == 7
     assert not math.isnan(err)
+    if body == "row kernels":  # Q8_0 everywhere: q/k/v in one launch, gate/up in one
+        assert sorted(set(backend.K.parts_calls)) == [2, 3]
+
+
+def test_gemvs_group_consecutive_weights_of_one_type():
+    """CudaDecodeStep._gemvs: consecutive weights of one type with a GEMV kernel share one cuda_gemv_q_parts launch;
+    a type change, a float weight or a type without a kernel ends the group (those go through _gemv)."""
+    import types
+
+    launches, single = [], []
+
+    class Kern:
+        def cuda_gemv_supported(self, qt):
+            return qt != 99
+
+        def cuda_gemv_q_parts(self, ws, qt, xq, xds, outs):
+            launches.append((qt, len(ws)))
+            return list(outs)
+
+    def w(qt, is_float=False):
+        return types.SimpleNamespace(qtype=qt, is_float=is_float, data=None)
+
+    me = types.SimpleNamespace(K=Kern(), _gemv=lambda wt, rows, codes, out: single.append(wt.qtype) or out)
+    pairs = [(w(12), "q"), (w(12), "k"), (w(14), "v"), (w(99), "x"), (w(12, True), "f"), (w(12), "g"), (w(12), "u")]
+    assert cb.CudaDecodeStep._gemvs(me, pairs, None, (None, None)) == ["q", "k", "v", "x", "f", "g", "u"]
+    assert launches == [(12, 2), (14, 1), (12, 2)]
+    assert single == [99, 12]
 
 
 def test_argmax_or_minus1_is_numpys_argmax_or_minus1():

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "bindings_format.h"
 #include "cuda_kernels.h"
@@ -68,15 +69,12 @@ int64_t check_codes(const at::Tensor& xq, const at::Tensor& xds, const at::Tenso
     return M;
 }
 
-// y [M, N] from prepared activation codes (xq, xds); out when given, else a new tensor.
-at::Tensor gemv_prepared(const at::Tensor& w, QType t, const at::Tensor& xq, const at::Tensor& xds, int64_t K,
-                         std::optional<at::Tensor> out) {
-    PYLLM_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
-                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
-    const int64_t M = xq.size(0);
-    PYLLM_CHECK_VALUE(M >= 1 && M <= CUDA_GEMV_MAX_M, "cuda_gemv: x has M=", M, " rows; the fused GEMV takes 1..",
-                      CUDA_GEMV_MAX_M, " (dequantize + matmul above)");
+// One matrix of a GEMV launch, checked against (t, K) and M: its part (pointers, sizes) and its output [M, N]
+// (out when given, else a new tensor).
+std::pair<GemvPart, at::Tensor> checked_part(const at::Tensor& w, QType t, int64_t M, int64_t K,
+                                             std::optional<at::Tensor> out, const at::Tensor& xds) {
     const auto [N, row_bytes] = check_weight(w, t, K);
+    check_same_device(xds, "xds", w, "w");
     const int align = gemv_cuda_alignment(t);
     PYLLM_CHECK_VALUE(reinterpret_cast<uintptr_t>(w.data_ptr()) % align == 0, "cuda_gemv: ", qtype_name(t),
                       " weights must be ", align, "-byte aligned; w.data_ptr() % ", align, " = ",
@@ -91,10 +89,27 @@ at::Tensor gemv_prepared(const at::Tensor& w, QType t, const at::Tensor& xq, con
     } else {
         y = at::empty({M, N}, xds.options());
     }
+    return {GemvPart{w.data_ptr<uint8_t>(), static_cast<size_t>(row_bytes), y.data_ptr<float>(), static_cast<int>(N)},
+            y};
+}
+
+int64_t checked_m(QType t, const at::Tensor& xq) {
+    PYLLM_CHECK_VALUE(gemv_cuda_supported(t), "cuda_gemv: weight type ", qtype_name(t),
+                      " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
+    const int64_t M = xq.size(0);
+    PYLLM_CHECK_VALUE(M >= 1 && M <= CUDA_GEMV_MAX_M, "cuda_gemv: x has M=", M, " rows; the fused GEMV takes 1..",
+                      CUDA_GEMV_MAX_M, " (dequantize + matmul above)");
+    return M;
+}
+
+// y [M, N] from prepared activation codes (xq, xds); out when given, else a new tensor.
+at::Tensor gemv_prepared(const at::Tensor& w, QType t, const at::Tensor& xq, const at::Tensor& xds, int64_t K,
+                         std::optional<at::Tensor> out) {
+    const int64_t M = checked_m(t, xq);
+    const auto [part, y] = checked_part(w, t, M, K, out, xds);
     const c10::cuda::CUDAGuard guard(w.device());
-    gemv_cuda(t, w.data_ptr<uint8_t>(), static_cast<size_t>(row_bytes), xq.data_ptr<int8_t>(),
-              reinterpret_cast<const float2*>(xds.data_ptr<float>()), y.data_ptr<float>(), static_cast<int>(M),
-              static_cast<int>(N), static_cast<int>(K), stream_of(w));
+    gemv_parts_cuda(t, &part, 1, xq.data_ptr<int8_t>(), reinterpret_cast<const float2*>(xds.data_ptr<float>()),
+                    static_cast<int>(M), static_cast<int>(K), stream_of(w));
     return y;
 }
 
@@ -131,6 +146,34 @@ at::Tensor gemv_q(const at::Tensor& w, int64_t qtype, const at::Tensor& xq, cons
     const QType t = to_qtype(qtype);
     check_codes(xq, xds, w, "w", xq.dim() == 2 ? xq.size(1) : 0);
     return gemv_prepared(w, t, xq, xds, xq.size(1), out);
+}
+
+// cuda_gemv_q over several matrices of one type that read the same codes (q, k, v), in one launch.
+std::vector<at::Tensor> gemv_q_parts(const std::vector<at::Tensor>& ws, int64_t qtype, const at::Tensor& xq,
+                                     const at::Tensor& xds, const std::vector<at::Tensor>& outs) {
+    const QType t = to_qtype(qtype);
+    const int64_t n = static_cast<int64_t>(ws.size());
+    PYLLM_CHECK_VALUE(n >= 1 && n <= CUDA_GEMV_MAX_PARTS, "cuda_gemv_q_parts: ", n, " weights; 1..",
+                      CUDA_GEMV_MAX_PARTS, " per launch");
+    PYLLM_CHECK_VALUE(static_cast<int64_t>(outs.size()) == n, "cuda_gemv_q_parts: ", n, " weights but ", outs.size(),
+                      " outputs");
+    check_codes(xq, xds, ws[0], "ws[0]", xq.dim() == 2 ? xq.size(1) : 0);
+    const int64_t M = checked_m(t, xq), K = xq.size(1);
+    GemvPart parts[CUDA_GEMV_MAX_PARTS];
+    std::vector<at::Tensor> ys;
+    int64_t rows = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        auto [part, y] = checked_part(ws[i], t, M, K, outs[i], xds);
+        parts[i] = part;
+        ys.push_back(y);
+        rows += part.N;
+    }
+    PYLLM_CHECK_VALUE(rows < (int64_t{1} << 31), "cuda_gemv_q_parts: ", rows, " rows in all; under 2^31 supported");
+    const c10::cuda::CUDAGuard guard(ws[0].device());
+    gemv_parts_cuda(t, parts, static_cast<int>(n), xq.data_ptr<int8_t>(),
+                    reinterpret_cast<const float2*>(xds.data_ptr<float>()), static_cast<int>(M), static_cast<int>(K),
+                    stream_of(ws[0]));
+    return ys;
 }
 
 // A float vector [1, n] (or [n]) on the device of `like`: n values, contiguous f32.
@@ -372,6 +415,10 @@ void register_cuda(pybind11::module& m) {
     m.def("cuda_gemv_q", &gemv_q, py::arg("w"), py::arg("qtype"), py::arg("xq"), py::arg("xds"),
           py::arg("out") = py::none(),
           "cuda_gemv from activation codes cuda_quantize_act prepared (xq int8 [M, K], xds f32 [M, K/32, 2]).");
+    m.def("cuda_gemv_q_parts", &gemv_q_parts, py::arg("ws"), py::arg("qtype"), py::arg("xq"), py::arg("xds"),
+          py::arg("outs"),
+          "cuda_gemv_q for 1..3 weights of one type and row length reading the same codes, one launch: outs[i] [M, "
+          "N_i] = x @ ws[i]^T.");
     m.def("cuda_quantize_act", &quantize_act, py::arg("x"), py::arg("xq") = py::none(), py::arg("xds") = py::none(),
           "The int8 activation codes and (d, d*sum) scales cuda_gemv computes from x [M, K] (into xq, xds if given).");
     m.def("cuda_residual_norm_quant", &residual_norm_quant, py::arg("x"), py::arg("a"), py::arg("post_w"),

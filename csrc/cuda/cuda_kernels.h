@@ -36,6 +36,19 @@ void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cu
 void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
                int N, int K, cudaStream_t stream);
 
+// Up to CUDA_GEMV_MAX_PARTS matrices of one type and row length that read the same activations (q, k and v; gate
+// and up) in one launch: y_p [M, N_p] = x @ W_p^T for each part, each as gemv_cuda computes it, bit for bit.  At
+// batch 1 every launch costs microseconds between kernels that the weights' stream does not hide.
+constexpr int CUDA_GEMV_MAX_PARTS = 3;
+struct GemvPart {
+    const uint8_t* w;
+    size_t row_bytes;
+    float* y;
+    int N;
+};
+void gemv_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* xq, const float2* xds, int M, int K,
+                     cudaStream_t stream);
+
 // ---- dequantize (dequant.cu) -------------------------------------------------------------------------------
 // Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows), and
 // AWQ rows ((q - z) * s, exact as the CPU's).

@@ -2,9 +2,10 @@
 // and dequantized in registers (the per-type math is in gemv_types.cuh).
 //
 // Shape of the work: a CTA of 4 warps owns R rows (R = 1 for M = 1, else 2, as ggml's mmvq: two rows share
-// each activation load once M > 1).  Its 128 threads walk the row's slots (16- or 32-value pieces of blocks)
-// with stride 128, so each warp reads a contiguous run of the row; partial sums are reduced across the warp
-// by shuffles and across the 4 warps through shared memory.  Accumulation is fp32 per slot, int32 inside.
+// each activation load once M > 1) of one of the launch's parts (matrices sharing x: q/k/v, gate/up).  Its 128
+// threads walk the row's slots (16- or 32-value pieces of blocks) with stride 128, so each warp reads a
+// contiguous run of the row; partial sums are reduced across the warp by shuffles and across the 4 warps through
+// shared memory.  Accumulation is fp32 per slot, int32 inside.
 //
 // Why this shape: at batch 1 the GEMV is a stream over W; one row per CTA gives N CTAs (>= 4096 for every
 // Llama-3 matrix), enough independent loads in flight to cover HBM latency without a split-K reduction.
@@ -54,13 +55,28 @@ __global__ void __launch_bounds__(256) quantize_act_kernel(const float* __restri
     if ((threadIdx.x & 7) == 0) xds[i4 / kActBlock] = make_float2(d, d * static_cast<float>(sum));
 }
 
+// The parts of one launch (gemv_parts_cuda): part p owns CTAs [cta_end[p - 1], cta_end[p]).
+struct Parts {
+    GemvPart p[CUDA_GEMV_MAX_PARTS];
+    int cta_end[CUDA_GEMV_MAX_PARTS];
+    int n;
+};
+
 template <QType T, int M, int R>
-__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
-                                                        const int8_t* __restrict__ xq,
-                                                        const float2* __restrict__ xds, float* __restrict__ y,
-                                                        int N, int K) {
+__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Parts parts, const int8_t* __restrict__ xq,
+                                                        const float2* __restrict__ xds, int K) {
+    // this CTA's part, by selects (a dynamic index into the parameter struct would copy it to local memory)
+    int pi = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < CUDA_GEMV_MAX_PARTS; ++i) pi += i + 1 < parts.n && blockIdx.x >= parts.cta_end[i];
+    static_assert(CUDA_GEMV_MAX_PARTS == 3, "the selects below name each part");
+    const uint8_t* const w = pi == 0 ? parts.p[0].w : pi == 1 ? parts.p[1].w : parts.p[2].w;
+    const size_t row_bytes = pi == 0 ? parts.p[0].row_bytes : pi == 1 ? parts.p[1].row_bytes : parts.p[2].row_bytes;
+    float* const y = pi == 0 ? parts.p[0].y : pi == 1 ? parts.p[1].y : parts.p[2].y;
+    const int N = pi == 0 ? parts.p[0].N : pi == 1 ? parts.p[1].N : parts.p[2].N;
+    const int cta0 = pi == 0 ? 0 : pi == 1 ? parts.cta_end[0] : parts.cta_end[1];
     using Ty = GemvType<T>;
-    const int row0 = blockIdx.x * R;
+    const int row0 = (static_cast<int>(blockIdx.x) - cta0) * R;
     const int n_slots = (K / Ty::kElems) * Ty::kSlots;
     const int nds = K / kActBlock;
     const uint8_t* wr[R];
@@ -188,31 +204,32 @@ int rows_per_cta_m1() {
 }
 
 template <QType T, int M>
-void launch_m(const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N, int K,
-              cudaStream_t stream) {
+void launch_m(Parts parts, const int8_t* xq, const float2* xds, int K, cudaStream_t stream) {
+    const int R = M == 1 ? rows_per_cta_m1() : 2;
+    int ctas = 0;
+    for (int i = 0; i < parts.n; ++i) parts.cta_end[i] = ctas += (parts.p[i].N + R - 1) / R;
     if constexpr (M == 1) {
-        switch (rows_per_cta_m1()) {
-            case 2: gemv_kernel<T, 1, 2><<<(N + 1) / 2, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K); return;
-            case 4: gemv_kernel<T, 1, 4><<<(N + 3) / 4, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K); return;
-            default: gemv_kernel<T, 1, 1><<<N, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K); return;
+        switch (R) {
+            case 2: gemv_kernel<T, 1, 2><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K); return;
+            case 4: gemv_kernel<T, 1, 4><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K); return;
+            default: gemv_kernel<T, 1, 1><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K); return;
         }
     } else {
-        gemv_kernel<T, M, 2><<<(N + 1) / 2, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K);
+        gemv_kernel<T, M, 2><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K);
     }
 }
 
 template <QType T>
-void launch_type(int M, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N,
-                 int K, cudaStream_t stream) {
+void launch_type(int M, const Parts& parts, const int8_t* xq, const float2* xds, int K, cudaStream_t stream) {
     switch (M) {
-        case 1: launch_m<T, 1>(w, row_bytes, xq, xds, y, N, K, stream); break;
-        case 2: launch_m<T, 2>(w, row_bytes, xq, xds, y, N, K, stream); break;
-        case 3: launch_m<T, 3>(w, row_bytes, xq, xds, y, N, K, stream); break;
-        case 4: launch_m<T, 4>(w, row_bytes, xq, xds, y, N, K, stream); break;
-        case 5: launch_m<T, 5>(w, row_bytes, xq, xds, y, N, K, stream); break;
-        case 6: launch_m<T, 6>(w, row_bytes, xq, xds, y, N, K, stream); break;
-        case 7: launch_m<T, 7>(w, row_bytes, xq, xds, y, N, K, stream); break;
-        case 8: launch_m<T, 8>(w, row_bytes, xq, xds, y, N, K, stream); break;
+        case 1: launch_m<T, 1>(parts, xq, xds, K, stream); break;
+        case 2: launch_m<T, 2>(parts, xq, xds, K, stream); break;
+        case 3: launch_m<T, 3>(parts, xq, xds, K, stream); break;
+        case 4: launch_m<T, 4>(parts, xq, xds, K, stream); break;
+        case 5: launch_m<T, 5>(parts, xq, xds, K, stream); break;
+        case 6: launch_m<T, 6>(parts, xq, xds, K, stream); break;
+        case 7: launch_m<T, 7>(parts, xq, xds, K, stream); break;
+        case 8: launch_m<T, 8>(parts, xq, xds, K, stream); break;
         default: throw std::invalid_argument("gemv_cuda: M=" + std::to_string(M) + " is outside 1.." +
                                              std::to_string(CUDA_GEMV_MAX_M));
     }
@@ -249,25 +266,39 @@ void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cu
     cuda::check_launch("quantize_act_cuda");
 }
 
-void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
-               int N, int K, cudaStream_t stream) {
+void gemv_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* xq, const float2* xds, int M, int K,
+                     cudaStream_t stream) {
+    if (n_parts < 1 || n_parts > CUDA_GEMV_MAX_PARTS)
+        throw std::invalid_argument("gemv_parts_cuda: " + std::to_string(n_parts) + " parts (1.." +
+                                    std::to_string(CUDA_GEMV_MAX_PARTS) + ")");
+    cuda::Parts P{};
+    for (int i = 0; i < n_parts; ++i) P.p[i] = parts[i];
+    P.n = n_parts;
     using cuda::launch_type;
     switch (t) {
-        case QType::Q4_0: launch_type<QType::Q4_0>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
-        case QType::Q4_1: launch_type<QType::Q4_1>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
-        case QType::Q5_0: launch_type<QType::Q5_0>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
-        case QType::Q8_0: launch_type<QType::Q8_0>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
-        case QType::Q4_K: launch_type<QType::Q4_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
-        case QType::Q5_K: launch_type<QType::Q5_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
-        case QType::Q6_K: launch_type<QType::Q6_K>(M, w, row_bytes, xq, xds, y, N, K, stream); break;
+        case QType::Q4_0: launch_type<QType::Q4_0>(M, P, xq, xds, K, stream); break;
+        case QType::Q4_1: launch_type<QType::Q4_1>(M, P, xq, xds, K, stream); break;
+        case QType::Q5_0: launch_type<QType::Q5_0>(M, P, xq, xds, K, stream); break;
+        case QType::Q8_0: launch_type<QType::Q8_0>(M, P, xq, xds, K, stream); break;
+        case QType::Q4_K: launch_type<QType::Q4_K>(M, P, xq, xds, K, stream); break;
+        case QType::Q5_K: launch_type<QType::Q5_K>(M, P, xq, xds, K, stream); break;
+        case QType::Q6_K: launch_type<QType::Q6_K>(M, P, xq, xds, K, stream); break;
         case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256:
-            cuda::launch_awq(M, w, row_bytes, xq, xds, y, N, K, qtype_traits(static_cast<int>(t))->block_size, stream);
+            for (int i = 0; i < n_parts; ++i)  // AWQ rows keep a launch per matrix
+                cuda::launch_awq(M, parts[i].w, parts[i].row_bytes, xq, xds, parts[i].y, parts[i].N, K,
+                                 qtype_traits(static_cast<int>(t))->block_size, stream);
             break;
         default:
             throw std::invalid_argument(std::string("gemv_cuda: weight type ") + qtype_name(t) +
                                         " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
     }
     cuda::check_launch("gemv_cuda");
+}
+
+void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
+               int N, int K, cudaStream_t stream) {
+    const GemvPart part{w, row_bytes, y, N};
+    gemv_parts_cuda(t, &part, 1, xq, xds, M, K, stream);
 }
 
 }  // namespace pyllm

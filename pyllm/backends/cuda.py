@@ -289,7 +289,8 @@ def fused_decode_problem(model, kv) -> str | None:
     return None
 
 
-ROW_KERNELS = ("cuda_gemv_q", "cuda_quantize_act", "cuda_residual_norm_quant", "cuda_act_quant", "cuda_rope_store")
+ROW_KERNELS = ("cuda_gemv_q", "cuda_gemv_q_parts", "cuda_quantize_act", "cuda_residual_norm_quant", "cuda_act_quant",
+               "cuda_rope_store")
 
 
 def row_kernels_problem(kernels, model, act: str) -> str | None:
@@ -433,10 +434,32 @@ class CudaDecodeStep:
         out.copy_(self.b.linear(rows, wt))
         return out
 
+    def _gemvs(self, pairs, rows: torch.Tensor, codes: tuple) -> list[torch.Tensor]:
+        """_gemv over (weight, out) pairs that read the same codes: consecutive weights of one type with a GEMV
+        kernel share one launch (``cuda_gemv_q_parts``: q/k/v, gate/up), the others go one by one."""
+        outs: list[torch.Tensor] = []
+        i = 0
+        while i < len(pairs):
+            wt, out = pairs[i]
+            qt = getattr(wt, "qtype", None)
+            if not (isinstance(qt, int) and not getattr(wt, "is_float", False) and self.K.cuda_gemv_supported(int(qt))):
+                outs.append(self._gemv(wt, rows, codes, out))
+                i += 1
+                continue
+            j = i + 1
+            while j < len(pairs) and getattr(pairs[j][0], "qtype", None) == qt and \
+                    not getattr(pairs[j][0], "is_float", False):
+                j += 1
+            outs += self.K.cuda_gemv_q_parts([pw.data for pw, _ in pairs[i:j]], int(qt), codes[0], codes[1],
+                                             [po for _, po in pairs[i:j]])
+            i = j
+        return outs
+
     def _body_kernels(self, first: bool) -> torch.Tensor:
         """The step through csrc/cuda/step.cu's row kernels: norms, activations and RoPE fused with the int8 codes
-        the next GEMV reads (~14 launches per layer).  The residual branch of each block is added by the next
-        norm's kernel, so x is touched once per block."""
+        the next GEMV reads, q/k/v and gate/up one GEMV launch each where their types match (~11 launches per
+        layer).  The residual branch of each block is added by the next norm's kernel, so x is touched once per
+        block."""
         cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
@@ -449,8 +472,8 @@ class CudaDecodeStep:
             p = f"blk.{i}."
             K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "attn_norm.weight"], eps, B.h, B.hq, B.hds)
             hc = (B.hq, B.hds)
-            q, k, v = (self._gemv(w[p + n], B.h, hc, o) for n, o in (("attn_q.weight", B.q), ("attn_k.weight", B.k),
-                                                                    ("attn_v.weight", B.v)))
+            q, k, v = self._gemvs([(w[p + "attn_q.weight"], B.q), (w[p + "attn_k.weight"], B.k),
+                                   (w[p + "attn_v.weight"], B.v)], B.h, hc)
             if self.store_kernel[i] and not first:
                 kp, vp = self.parts[i]
                 bias, norms = self._qk_extras(i)
@@ -465,8 +488,7 @@ class CudaDecodeStep:
             branch = self._gemv(w[p + "attn_output.weight"], a, (B.aq, B.ads), B.o)
             post = vec[p + "post_attention_norm.weight"] if self.post_norms else None
             K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)
-            g = self._gemv(w[p + "ffn_gate.weight"], B.h, (B.hq, B.hds), B.g)
-            u = self._gemv(w[p + "ffn_up.weight"], B.h, (B.hq, B.hds), B.u)
+            g, u = self._gemvs([(w[p + "ffn_gate.weight"], B.g), (w[p + "ffn_up.weight"], B.u)], B.h, (B.hq, B.hds))
             K.cuda_act_quant(g, u, self.act, B.f, B.fq, B.fds)
             branch = self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds), B.m)
             post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None

@@ -69,6 +69,38 @@ def test_gemv_rows_per_cta(K, qtype, N, Kd, rows, monkeypatch):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("rows", ["1", "2", "4"])
+@pytest.mark.parametrize("M", [1, 3])
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gemv_parts_equal_one_call_each(K, qtype, M, rows, monkeypatch):
+    """cuda_gemv_q_parts over 1..3 matrices (q/k/v-like: different row counts, odd ones included) gives each
+    matrix's cuda_gemv_q outputs bit for bit: a CTA's part and rows are a function of its index only."""
+    monkeypatch.setenv("PYLLM_CUDA_GEMV_ROWS", rows)
+    Kd = 1024
+    ws = [weights(qtype, n, Kd)[0] for n in (37, 1000, 130)]
+    xq, xds = K.cuda_quantize_act(torch.randn(M, Kd, device="cuda"))
+    for n_parts in (1, 2, 3):
+        outs = [torch.full((M, w.shape[0]), float("nan"), device="cuda") for w in ws[:n_parts]]
+        got = K.cuda_gemv_q_parts(ws[:n_parts], int(qtype), xq, xds, outs)
+        assert [g.data_ptr() for g in got] == [o.data_ptr() for o in outs]
+        for w, g in zip(ws, got):
+            assert torch.equal(g, K.cuda_gemv_q(w, int(qtype), xq, xds)), f"{qtype.name} M={M} parts={n_parts}"
+
+
+def test_gemv_parts_errors(K):
+    w = _w(GGMLType.Q4_0)
+    xq, xds = K.cuda_quantize_act(torch.randn(1, 256, device="cuda"))
+    out = torch.empty(1, 8, device="cuda")
+    with pytest.raises(ValueError, match="4 weights; 1..3"):
+        K.cuda_gemv_q_parts([w] * 4, int(GGMLType.Q4_0), xq, xds, [out] * 4)
+    with pytest.raises(ValueError, match="2 weights but 1 outputs"):
+        K.cuda_gemv_q_parts([w, w], int(GGMLType.Q4_0), xq, xds, [out])
+    with pytest.raises(ValueError, match="out has shape"):
+        K.cuda_gemv_q_parts([w, w], int(GGMLType.Q4_0), xq, xds, [out, torch.empty(1, 7, device="cuda")])
+    with pytest.raises(ValueError, match="rows of 144 bytes"):  # a part of another type's row size
+        K.cuda_gemv_q_parts([w, _w(GGMLType.Q8_0)], int(GGMLType.Q4_0), xq, xds, [out, out])
+
+
 def test_non_finite_activations_give_non_finite_sums(K):
     """A NaN or +-inf among finite activations gets its block a NaN scale and zero codes, so its row's GEMV outputs
     are NaN (not a broken activation rounded into finite codes), and the other rows stay finite: the CPU
