@@ -192,10 +192,14 @@ class TorchKernels:
         out = self.C.dequantize(w, qt) if ids is None else self.C.dequantize(w, qt, ids)
         return out.half() if half else out
 
-    def cuda_attn_decode(self, q, k, v, length, scale, k_block, v_block, k_sink, v_sink, window, softcap):
+    def cuda_attn_decode(self, q, k, v, length, scale, k_block, v_block, k_sink, v_sink, window, softcap, xq=None,
+                         xds=None):
         kp = cb.AttnPart(k, k_block, k_sink, None, None, None)
         vp = cb.AttnPart(v, v_block, v_sink, None, None, None)
-        return reference_attn_decode(q, kp, vp, int(length[0]), scale, window, softcap).float()
+        out = reference_attn_decode(q, kp, vp, int(length[0]), scale, window, softcap).float()
+        if xq is not None:
+            self._codes(out.reshape(1, -1), xq, xds)
+        return out
 
 
 @needs_seam

@@ -17,6 +17,7 @@
 // is sized by max_seq and CTAs outside the window exit at once.
 #include <cfloat>
 
+#include "act_codes.cuh"
 #include "common.cuh"
 #include "cuda_kernels.h"
 #include "kv_rows.cuh"
@@ -195,10 +196,12 @@ __global__ void __launch_bounds__(kThreads, 2) attn_chunk_kernel(const float* __
     }
 }
 
-// out[h, d] = sum_c e^(m_c - M) o_c[d] / sum_c e^(m_c - M) l_c over the chunks that hold attended positions.
+// out[h, d] = sum_c e^(m_c - M) o_c[d] / sum_c e^(m_c - M) l_c over the chunks that hold attended positions;
+// with xq, also out's int8 codes for the output projection (the flat [H * D] row, 32 values per scale): a warp
+// holds 32 consecutive values of one head (D and blockDim.x are multiples of 32), one launch fewer per layer.
 __global__ void attn_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                   const int* __restrict__ len, int window, float* __restrict__ out, int D,
-                                  int chunks) {
+                                  int chunks, int8_t* __restrict__ xq, float2* __restrict__ xds) {
     const int h = blockIdx.x;
     const int L = *len;
     const int cb = window_start(L, window) / kChunk, ce = min(chunks, (L + kChunk - 1) / kChunk);
@@ -213,19 +216,21 @@ __global__ void attn_merge_kernel(const float* __restrict__ part_o, const float*
         for (int c = cb; c < ce; ++c)
             num += __expf(ml[2 * c] - M) * part_o[(static_cast<size_t>(h) * chunks + c) * D + d];
         out[static_cast<size_t>(h) * D + d] = num * inv;
+        if (xq != nullptr) quantize_block(num * inv, xq, xds, h * D + (d & ~31));
     }
 }
 
 template <int D>
 void launch(const float* q, const AttnRows& k, const AttnRows& v, const int* len, int window, float softcap,
-            float* part_o, float* part_ml, float* out, int H, int Hkv, int max_seq, float scale, cudaStream_t stream) {
+            float* part_o, float* part_ml, float* out, int H, int Hkv, int max_seq, float scale, int8_t* xq,
+            float2* xds, cudaStream_t stream) {
     const int chunks = attn_decode_chunks(max_seq);
     const int G = H / Hkv;
     const dim3 grid(Hkv, chunks, (G + kMaxG - 1) / kMaxG);
     attn_chunk_kernel<D><<<grid, kThreads, 0, stream>>>(q, k, v, len, window, softcap, part_o, part_ml, H, Hkv,
                                                         max_seq, chunks, scale);
     check_launch("attn_decode_cuda (chunks)");
-    attn_merge_kernel<<<H, D < 256 ? D : 256, 0, stream>>>(part_o, part_ml, len, window, out, D, chunks);
+    attn_merge_kernel<<<H, D < 256 ? D : 256, 0, stream>>>(part_o, part_ml, len, window, out, D, chunks, xq, xds);
 }
 
 }  // namespace
@@ -237,11 +242,18 @@ int attn_decode_chunks(int max_seq) { return (max_seq + cuda::kChunk - 1) / cuda
 
 void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, const int* len, int window,
                       float softcap, float* part_o, float* part_ml, float* out, int H, int Hkv, int D, int max_seq,
-                      float scale, cudaStream_t stream) {
+                      float scale, cudaStream_t stream, int8_t* xq, float2* xds) {
+    using cuda::launch;
     switch (D) {
-        case 64: cuda::launch<64>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
-        case 128: cuda::launch<128>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
-        case 256: cuda::launch<256>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, stream); break;
+        case 64:
+            launch<64>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, xq, xds, stream);
+            break;
+        case 128:
+            launch<128>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, xq, xds, stream);
+            break;
+        case 256:
+            launch<256>(q, k, v, len, window, softcap, part_o, part_ml, out, H, Hkv, max_seq, scale, xq, xds, stream);
+            break;
         default:
             throw std::invalid_argument("attn_decode_cuda: head_dim " + std::to_string(D) +
                                         " is not supported (64, 128, 256)");

@@ -371,7 +371,7 @@ AttnRows check_rows(const at::Tensor& t, const char* name, const std::string& bl
 at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& len,
                        double scale, const std::string& k_block, const std::string& v_block,
                        std::optional<at::Tensor> k_sink, std::optional<at::Tensor> v_sink, int64_t window,
-                       double softcap) {
+                       double softcap, std::optional<at::Tensor> xq, std::optional<at::Tensor> xds) {
     check_tensor(q, "q", at::kFloat, 2);
     check_tensor(len, "len", at::kInt, 1);
     check_same_device(q, "q", len, "len");
@@ -390,6 +390,9 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                       " must be 0 (none) or positive");
     const AttnRows kr = check_rows(k, "k", k_block, k_sink, "k_sink", q, Hkv, max_seq, D);
     const AttnRows vr = check_rows(v, "v", v_block, v_sink, "v_sink", q, Hkv, max_seq, D);
+    PYLLM_CHECK_VALUE(xq.has_value() == xds.has_value(), "cuda_attn_decode: give both xq and xds, or neither");
+    if (xq) PYLLM_CHECK_VALUE(check_codes(*xq, *xds, q, "q", H * D) == 1, "xq has ", xq->size(0), " rows; the output's "
+                              "codes are one row of H*D=", H * D, " values");
     const c10::cuda::CUDAGuard guard(q.device());
     const int chunks = attn_decode_chunks(static_cast<int>(max_seq));
     at::Tensor part_o = at::empty({H, chunks, D}, q.options());
@@ -398,7 +401,9 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     attn_decode_cuda(q.data_ptr<float>(), kr, vr, len.data_ptr<int>(), static_cast<int>(window),
                      static_cast<float>(softcap), part_o.data_ptr<float>(), part_ml.data_ptr<float>(),
                      out.data_ptr<float>(), static_cast<int>(H), static_cast<int>(Hkv), static_cast<int>(D),
-                     static_cast<int>(max_seq), static_cast<float>(scale), stream_of(q));
+                     static_cast<int>(max_seq), static_cast<float>(scale), stream_of(q),
+                     xq ? xq->data_ptr<int8_t>() : nullptr,
+                     xds ? reinterpret_cast<float2*>(xds->data_ptr<float>()) : nullptr);
     return out;
 }
 
@@ -437,10 +442,12 @@ void register_cuda(pybind11::module& m) {
           "Rows of W (all, or ids int64 [n]) -> [n, K] fp16 (half) or fp32, equal to gguf.quants in fp32.");
     m.def("cuda_attn_decode", &attn_decode, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("len"),
           py::arg("scale"), py::arg("k_block") = "", py::arg("v_block") = "", py::arg("k_sink") = py::none(),
-          py::arg("v_sink") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0,
+          py::arg("v_sink") = py::none(), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("xq") = py::none(),
+          py::arg("xds") = py::none(),
           "One token's attention in the cache's storage basis: q [H, D] f32 over one layer's k, v ([Hkv, max_seq, D] "
           "f32/f16/bf16, or uint8 [Hkv, max_seq, row_bytes] q8_0/q4_0 blocks named by k_block/v_block), positions "
-          "max(0, len[0] - window) .. len[0] - 1, position 0 from the f32 [Hkv, D] sink rows when given.");
+          "max(0, len[0] - window) .. len[0] - 1, position 0 from the f32 [Hkv, D] sink rows when given; with xq "
+          "int8 [1, H*D] and xds f32 [1, H*D/32, 2], also the output's codes as cuda_quantize_act writes them.");
 }
 
 }  // namespace pyllm

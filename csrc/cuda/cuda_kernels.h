@@ -86,10 +86,11 @@ struct AttnRows {
 //        softcap * tanh(scale q.k / softcap) before the softmax;
 //   part_o [H, chunks, D] fp32 and part_ml [H, chunks, 2] fp32: scratch (chunks = attn_decode_chunks);
 //   out [H, D] fp32 in the values' storage basis.  H % Hkv == 0; D even (64, 128 or 256), a multiple of 32 for
-//   block rows.
+//   block rows.  xq int8 [H * D] / xds float2 [H * D / 32] (or null): out's activation codes as quantize_act_cuda
+//   makes them, for the output projection.
 void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, const int* len, int window,
                       float softcap, float* part_o, float* part_ml, float* out, int H, int Hkv, int D, int max_seq,
-                      float scale, cudaStream_t stream);
+                      float scale, cudaStream_t stream, int8_t* xq = nullptr, float2* xds = nullptr);
 
 // ---- the decode step's row operations (step.cu) -------------------------------------------------------------
 // x [D] += a (a given: plus rms_norm(a) * post_w where post_w is given), then h = rms_norm(x) * w [D] and h's

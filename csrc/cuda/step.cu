@@ -13,20 +13,13 @@
 
 #include <cfloat>
 
+#include "act_codes.cuh"
 #include "common.cuh"
 #include "cuda_kernels.h"
 
 namespace pyllm {
 namespace cuda {
 namespace {
-
-constexpr int kActBlock = 32;  // values per activation scale (gemv_types.cuh)
-
-__device__ __forceinline__ int warp_sum_int(int v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 // Sum over the CTA (blockDim.x a multiple of 32, at most 1024); every thread gets it.  red: 32 floats of
 // shared memory, free for the next call once this one returns (the leading barrier guards its reuse).
@@ -37,20 +30,6 @@ __device__ float block_sum(float v, float* red) {
     if (lane == 0) red[warp] = v;
     __syncthreads();
     return warp_sum(lane < nw ? red[lane] : 0.f);
-}
-
-// The 32 values of one activation block, value i in lane i: its codes and (d, d * sum(codes)) as
-// quantize_act_kernel (gemv.cu) computes them.  The whole warp calls it.
-__device__ __forceinline__ void quantize_block(float v, int8_t* __restrict__ xq, float2* __restrict__ xds,
-                                               int base) {
-    const int lane = threadIdx.x & 31;
-    // NaN or +-inf in the block: zero codes and a NaN scale, as quantize_act_kernel (gemv.cu)
-    const bool bad = __any_sync(0xffffffffu, !(fabsf(v) <= FLT_MAX));
-    const float d = bad ? __int_as_float(0x7fc00000) : __fdiv_rn(warp_max(fabsf(v)), 127.0f);
-    const int q = !bad && d > 0.f ? __float2int_rn(__fdiv_rn(v, d)) : 0;
-    const int sum = warp_sum_int(q);
-    xq[base + lane] = static_cast<int8_t>(q);
-    if (lane == 0) xds[base / kActBlock] = make_float2(d, d * static_cast<float>(sum));
 }
 
 // Thread t owns elements t + k * blockDim.x (k < P, P * blockDim.x >= D): all its loads are issued first, so the

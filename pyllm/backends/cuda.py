@@ -457,9 +457,9 @@ class CudaDecodeStep:
 
     def _body_kernels(self, first: bool) -> torch.Tensor:
         """The step through csrc/cuda/step.cu's row kernels: norms, activations and RoPE fused with the int8 codes
-        the next GEMV reads, q/k/v and gate/up one GEMV launch each where their types match (~11 launches per
-        layer).  The residual branch of each block is added by the next norm's kernel, so x is touched once per
-        block."""
+        the next GEMV reads (the attention's merge writes its output's), q/k/v and gate/up one GEMV launch each
+        where their types match (~10 launches per layer).  The residual branch of each block is added by the next
+        norm's kernel, so x is touched once per block."""
         cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
@@ -480,11 +480,10 @@ class CudaDecodeStep:
                 c_tab, s_tab = self.tables[self.layer_rope[i]]
                 K.cuda_rope_store(q, k, v, *bias, *norms, eps, c_tab, s_tab, neox, self.pos, kp.data, vp.data, B.qr)
                 a = K.cuda_attn_decode(B.qr, kp.data, vp.data, self.len, self.scale, "", "", None, None,
-                                       self.layer_window[i], 0.0)
+                                       self.layer_window[i], 0.0, B.aq, B.ads).reshape(1, H * hd)  # and a's codes
             else:
-                a = self._attend_torch(i, q, k, v, first)
-            a = a.reshape(1, H * hd)
-            K.cuda_quantize_act(a, B.aq, B.ads)
+                a = self._attend_torch(i, q, k, v, first).reshape(1, H * hd)
+                K.cuda_quantize_act(a, B.aq, B.ads)
             branch = self._gemv(w[p + "attn_output.weight"], a, (B.aq, B.ads), B.o)
             post = vec[p + "post_attention_norm.weight"] if self.post_norms else None
             K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)

@@ -86,6 +86,27 @@ def test_sliding_window_and_softcap(K, window):
                   f"window {window} L={L} softcap {cap}")
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_output_codes_are_quantize_acts(K, D):
+    """With xq / xds the attention also writes its output's int8 codes: bit for bit what cuda_quantize_act makes of
+    that output (the output projection's input), whatever the head size."""
+    g = torch.Generator(device="cuda").manual_seed(D)
+    H, Hkv, S = 8, 2, 300
+    k, v = (make_part("f16", Hkv, S, D, g, False) for _ in range(2))
+    q = torch.randn(H, D, device="cuda", generator=g)
+    length = torch.tensor([S - 3], dtype=torch.int32, device="cuda")
+    xq = torch.full((1, H * D), 99, dtype=torch.int8, device="cuda")
+    xds = torch.full((1, H * D // 32, 2), float("nan"), device="cuda")
+    out = K.cuda_attn_decode(q, k.data, v.data, length, 0.1, "", "", None, None, 0, 0.0, xq, xds)
+    assert torch.equal(out, K.cuda_attn_decode(q, k.data, v.data, length, 0.1))
+    want_q, want_ds = K.cuda_quantize_act(out.reshape(1, -1))
+    assert torch.equal(xq, want_q) and torch.equal(xds, want_ds)
+    with pytest.raises(ValueError, match="both xq and xds"):
+        K.cuda_attn_decode(q, k.data, v.data, length, 0.1, "", "", None, None, 0, 0.0, xq, None)
+    with pytest.raises(ValueError, match="xq has shape"):
+        K.cuda_attn_decode(q, k.data, v.data, length, 0.1, "", "", None, None, 0, 0.0, xq[:, :32], xds)
+
+
 def test_attn_errors(K):
     q = torch.randn(8, 128, device="cuda")
     k = torch.zeros(3, 64, 128, device="cuda", dtype=torch.float16)
