@@ -31,14 +31,11 @@ int gemv_cuda_alignment(QType t);
 // K % 32 == 0, 1 <= M.
 void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cudaStream_t stream);
 
-// y[m, n] = sum_k x[m, k] * W[n, k] for 1 <= M <= CUDA_GEMV_MAX_M, from activations prepared by
-// quantize_act_cuda.  w: N * row_bytes bytes, aligned to gemv_cuda_alignment(t); K % block_size == 0.
-void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
-               int N, int K, cudaStream_t stream);
-
-// Up to CUDA_GEMV_MAX_PARTS matrices of one type and row length that read the same activations (q, k and v; gate
-// and up) in one launch: y_p [M, N_p] = x @ W_p^T for each part, each as gemv_cuda computes it, bit for bit.  At
-// batch 1 every launch costs microseconds between kernels that the weights' stream does not hide.
+// y_p[m, n] = sum_k x[m, k] * W_p[n, k] for 1 <= M <= CUDA_GEMV_MAX_M, from activations prepared by
+// quantize_act_cuda, for 1..CUDA_GEMV_MAX_PARTS matrices of one type and row length in one launch (q, k and v;
+// gate and up: at batch 1 every launch costs microseconds between kernels that the weights' stream does not
+// hide).  Each part's sums are the same whatever the other parts.  w: N * row_bytes bytes, aligned to
+// gemv_cuda_alignment(t); K % block_size == 0.
 constexpr int CUDA_GEMV_MAX_PARTS = 3;
 struct GemvPart {
     const uint8_t* w;

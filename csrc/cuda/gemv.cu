@@ -295,10 +295,4 @@ void gemv_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* 
     cuda::check_launch("gemv_cuda");
 }
 
-void gemv_cuda(QType t, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int M,
-               int N, int K, cudaStream_t stream) {
-    const GemvPart part{w, row_bytes, y, N};
-    gemv_parts_cuda(t, &part, 1, xq, xds, M, K, stream);
-}
-
 }  // namespace pyllm

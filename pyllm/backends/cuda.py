@@ -425,12 +425,18 @@ class CudaDecodeStep:
     def _body(self, first: bool) -> torch.Tensor:
         return self._body_torch(first) if self.row_kernels_problem else self._body_kernels(first)
 
+    def _kernel_qtype(self, wt) -> int | None:
+        """W's GGML type id where the GEMV has a kernel for it (the int8-code path), else None."""
+        qt = getattr(wt, "qtype", None)
+        ok = isinstance(qt, int) and not getattr(wt, "is_float", False) and self.K.cuda_gemv_supported(int(qt))
+        return int(qt) if ok else None
+
     def _gemv(self, wt, rows: torch.Tensor, codes: tuple, out: torch.Tensor) -> torch.Tensor:
         """out [1, N] = rows @ W^T: from rows' int8 codes (xq, xds) where W's type has a GEMV kernel, else through
         the backend's linear (its dequantize path)."""
-        qt = getattr(wt, "qtype", None)
-        if isinstance(qt, int) and not getattr(wt, "is_float", False) and self.K.cuda_gemv_supported(int(qt)):
-            return self.K.cuda_gemv_q(wt.data, int(qt), codes[0], codes[1], out)
+        qt = self._kernel_qtype(wt)
+        if qt is not None:
+            return self.K.cuda_gemv_q(wt.data, qt, codes[0], codes[1], out)
         out.copy_(self.b.linear(rows, wt))
         return out
 
@@ -440,18 +446,15 @@ class CudaDecodeStep:
         outs: list[torch.Tensor] = []
         i = 0
         while i < len(pairs):
-            wt, out = pairs[i]
-            qt = getattr(wt, "qtype", None)
-            if not (isinstance(qt, int) and not getattr(wt, "is_float", False) and self.K.cuda_gemv_supported(int(qt))):
-                outs.append(self._gemv(wt, rows, codes, out))
-                i += 1
-                continue
+            qt = self._kernel_qtype(pairs[i][0])
             j = i + 1
-            while j < len(pairs) and getattr(pairs[j][0], "qtype", None) == qt and \
-                    not getattr(pairs[j][0], "is_float", False):
+            while qt is not None and j < len(pairs) and self._kernel_qtype(pairs[j][0]) == qt:
                 j += 1
-            outs += self.K.cuda_gemv_q_parts([pw.data for pw, _ in pairs[i:j]], int(qt), codes[0], codes[1],
-                                             [po for _, po in pairs[i:j]])
+            if qt is None:
+                outs.append(self._gemv(pairs[i][0], rows, codes, pairs[i][1]))
+            else:
+                outs += self.K.cuda_gemv_q_parts([w.data for w, _ in pairs[i:j]], qt, codes[0], codes[1],
+                                                 [o for _, o in pairs[i:j]])
             i = j
         return outs
 
