@@ -40,15 +40,15 @@ QType to_qtype(int64_t id) {
 cudaStream_t stream_of(const at::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 // Checks w against (qtype, K) and returns (N, row_bytes).
-std::pair<int64_t, int64_t> check_weight(const at::Tensor& w, QType t, int64_t K) {
-    check_tensor(w, "w", at::kByte, 2);
+std::pair<int64_t, int64_t> check_weight(const at::Tensor& w, QType t, int64_t K, const char* name = "w") {
+    check_tensor(w, name, at::kByte, 2);
     const QTypeTraits* tr = qtype_traits(static_cast<int>(t));
     PYLLM_CHECK_VALUE(K > 0 && K % tr->block_size == 0, "K=", K, " is not a positive multiple of the ", tr->name,
                       " block size ", tr->block_size);
     const int64_t row_bytes = static_cast<int64_t>(qtype_row_bytes(t, K));
-    PYLLM_CHECK_VALUE(w.size(1) == row_bytes, "w has rows of ", w.size(1), " bytes, but ", tr->name, " with K=", K,
+    PYLLM_CHECK_VALUE(w.size(1) == row_bytes, name, " has rows of ", w.size(1), " bytes, but ", tr->name, " with K=", K,
                       " needs ", row_bytes);
-    PYLLM_CHECK_VALUE(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31), "w has ", w.size(0),
+    PYLLM_CHECK_VALUE(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31), name, " has ", w.size(0),
                       " rows; 1 .. 2^31-1 supported");
     PYLLM_CHECK_VALUE(K < (int64_t{1} << 30), "K=", K, " is too large");
     return {w.size(0), row_bytes};
@@ -70,11 +70,13 @@ int64_t check_codes(const at::Tensor& xq, const at::Tensor& xds, const at::Tenso
 }
 
 // One matrix of a GEMV launch, checked against (t, K) and M: its part (pointers, sizes) and its output [M, N]
-// (out when given, else a new tensor).
+// (out when given, else a new tensor).  index >= 0 names them ws[index] / outs[index] in errors.
 std::pair<GemvPart, at::Tensor> checked_part(const at::Tensor& w, QType t, int64_t M, int64_t K,
-                                             std::optional<at::Tensor> out, const at::Tensor& xds) {
-    const auto [N, row_bytes] = check_weight(w, t, K);
-    check_same_device(xds, "xds", w, "w");
+                                             std::optional<at::Tensor> out, const at::Tensor& xds, int64_t index = -1) {
+    const std::string w_name = index < 0 ? "w" : "ws[" + std::to_string(index) + "]";
+    const std::string out_name = index < 0 ? "out" : "outs[" + std::to_string(index) + "]";
+    const auto [N, row_bytes] = check_weight(w, t, K, w_name.c_str());
+    check_same_device(xds, "xds", w, w_name.c_str());
     const int align = gemv_cuda_alignment(t);
     PYLLM_CHECK_VALUE(reinterpret_cast<uintptr_t>(w.data_ptr()) % align == 0, "cuda_gemv: ", qtype_name(t),
                       " weights must be ", align, "-byte aligned; w.data_ptr() % ", align, " = ",
@@ -82,9 +84,9 @@ std::pair<GemvPart, at::Tensor> checked_part(const at::Tensor& w, QType t, int64
     at::Tensor y;
     if (out) {
         y = *out;
-        check_tensor(y, "out", at::kFloat, 2);
-        check_same_device(w, "w", y, "out");
-        PYLLM_CHECK_VALUE(y.size(0) == M && y.size(1) == N, "out has shape ", y.sizes(), ", expected [", M, ", ", N,
+        check_tensor(y, out_name.c_str(), at::kFloat, 2);
+        check_same_device(w, w_name.c_str(), y, out_name.c_str());
+        PYLLM_CHECK_VALUE(y.size(0) == M && y.size(1) == N, out_name, " has shape ", y.sizes(), ", expected [", M, ", ", N,
                           "]");
     } else {
         y = at::empty({M, N}, xds.options());
@@ -163,7 +165,7 @@ std::vector<at::Tensor> gemv_q_parts(const std::vector<at::Tensor>& ws, int64_t 
     std::vector<at::Tensor> ys;
     int64_t rows = 0;
     for (int64_t i = 0; i < n; ++i) {
-        auto [part, y] = checked_part(ws[i], t, M, K, outs[i], xds);
+        auto [part, y] = checked_part(ws[i], t, M, K, outs[i], xds, i);
         parts[i] = part;
         ys.push_back(y);
         rows += part.N;

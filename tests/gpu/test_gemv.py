@@ -95,9 +95,9 @@ def test_gemv_parts_errors(K):
         K.cuda_gemv_q_parts([w] * 4, int(GGMLType.Q4_0), xq, xds, [out] * 4)
     with pytest.raises(ValueError, match="2 weights but 1 outputs"):
         K.cuda_gemv_q_parts([w, w], int(GGMLType.Q4_0), xq, xds, [out])
-    with pytest.raises(ValueError, match="out has shape"):
+    with pytest.raises(ValueError, match=r"outs\[1\] has shape"):
         K.cuda_gemv_q_parts([w, w], int(GGMLType.Q4_0), xq, xds, [out, torch.empty(1, 7, device="cuda")])
-    with pytest.raises(ValueError, match="rows of 144 bytes"):  # a part of another type's row size
+    with pytest.raises(ValueError, match=r"ws\[1\] has rows of 272 bytes, but Q4_0 with K=256 needs 144"):
         K.cuda_gemv_q_parts([w, _w(GGMLType.Q8_0)], int(GGMLType.Q4_0), xq, xds, [out, out])
 
 
