@@ -54,17 +54,21 @@ def test_gemv_matches_float64(K, qtype, N, Kd, M):
     assert nmse <= 5e-4, f"{qtype.name} N={N} K={Kd} M={M}: NMSE vs float64 = {nmse:.3g}"
 
 
-@pytest.mark.parametrize("rows", ["2", "4"])
+@pytest.mark.parametrize("rows", ["2", "4", "default"])
 @pytest.mark.parametrize("N,Kd", [(37, 1024), (1000, 4096)])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_gemv_rows_per_cta(K, qtype, N, Kd, rows, monkeypatch):
-    """PYLLM_CUDA_GEMV_ROWS=2|4 at M = 1 gives one row per CTA's sums bit for bit (each row's slots are added by the
-    same threads in the same order), a last CTA with fewer rows than it holds included (N = 37)."""
+    """PYLLM_CUDA_GEMV_ROWS=2|4 (and the default, 4) at M = 1 gives PYLLM_CUDA_GEMV_ROWS=1's sums bit for bit (each
+    row's slots are added by the same threads in the same order), a last CTA with fewer rows than it holds included
+    (N = 37)."""
     w, _ = weights(qtype, N, Kd)
     xq, xds = K.cuda_quantize_act(torch.randn(1, Kd, device="cuda"))
-    monkeypatch.delenv("PYLLM_CUDA_GEMV_ROWS", raising=False)
+    monkeypatch.setenv("PYLLM_CUDA_GEMV_ROWS", "1")
     want = K.cuda_gemv_q(w, int(qtype), xq, xds)
-    monkeypatch.setenv("PYLLM_CUDA_GEMV_ROWS", rows)
+    if rows == "default":
+        monkeypatch.delenv("PYLLM_CUDA_GEMV_ROWS")
+    else:
+        monkeypatch.setenv("PYLLM_CUDA_GEMV_ROWS", rows)
     got = K.cuda_gemv_q(w, int(qtype), xq, xds, torch.full((1, N), float("nan"), device="cuda"))
     assert torch.equal(got, want)
 
