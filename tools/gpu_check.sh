@@ -6,7 +6,8 @@
 #      reader and the build lock (tests/test_cuda_backend_host.py is CPU-only and runs with the CPU suite);
 #   3. pyllm run and a piped pyllm chat on --device cuda (a tiny converted model);
 #   4. GEMV GB/s vs copy bandwidth (1, 2 and 4 rows per CTA), synthetic Llama-3-8B pp512/tg128 and tg after a
-#      long prompt with f16 and q8_0 caches (+ fp16 torch baseline, + the step in torch ops), the KL of a real model
+#      long prompt with f16 and q8_0 caches (+ fp16 torch baseline, + the step in torch ops, + the row kernels with
+#      programmatic dependent launches, PYLLM_CUDA_PDL=1), the KL of a real model
 #      cut to its first layers (CUDA and CPU against float32), then `pyllm bench --synthetic ... --device cuda`;
 # and prints a short table last.  Logs and bench.json go to $OUT (the device tool's folder) or /tmp.
 #

@@ -2,7 +2,7 @@
 weights, random blocks made on the GPU) timed as a replayed graph, through step() (with the logits' copy to the
 host), eagerly, and under torch.profiler, which lists every kernel's share of an eager step.
 
-    python tools/gpu_profile.py [--ftype q4_k_m|q4_0] [--kv f16|q8_0|...] [--pos 320] [--torch-body]
+    python tools/gpu_profile.py [--ftype q4_k_m|q4_0] [--kv f16|q8_0|...] [--pos 320] [--torch-body] [--pdl]
 
 For a device call (/work/.library/device/README.md): ~40 s on an H200 after the extension is built.  The table is
 what the kernel work is ranked by (session 25: the decode attention's chunk kernel held 62% of a token).
@@ -11,6 +11,7 @@ what the kernel work is ranked by (session 25: the decode attention's chunk kern
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,7 +41,11 @@ def main() -> int:
     ap.add_argument("--kv", default="f16", help="KV cache kind (f16, q8_0, q4_0, q8_rot, ...)")
     ap.add_argument("--pos", type=int, default=320, help="position of the profiled tokens")
     ap.add_argument("--torch-body", action="store_true", help="the step in torch ops, not the row kernels")
+    ap.add_argument("--pdl", action="store_true",
+                    help="programmatic dependent launches (PYLLM_CUDA_PDL=1: csrc/cuda/common.cuh)")
     a = ap.parse_args()
+    if a.pdl:
+        os.environ["PYLLM_CUDA_PDL"] = "1"  # read at each launch, so also by the graph's capture
     try:
         backend = cb.create("cuda")
     except cb.BackendUnavailable as e:
@@ -52,7 +57,8 @@ def main() -> int:
     step = backend.fused_decode(model, kv)
     if a.torch_body:
         step.row_kernels_problem = "asked for the torch body"
-    print(f"llama3-8b {a.ftype}, kv {a.kv}, position {a.pos}; row kernels: {step.row_kernels_problem or 'yes'}")
+    print(f"llama3-8b {a.ftype}, kv {a.kv}, position {a.pos}; row kernels: {step.row_kernels_problem or 'yes'}; "
+          f"programmatic launches: {'asked' if a.pdl else 'no'}")
     for i in range(6):  # position 0 eager, then the capture
         step(1, i if i == 0 else a.pos - 100 + i)
     print(f"graph replay only:        {per_token_ms(lambda i: step.graph.replay(), 50):7.3f} ms/token")

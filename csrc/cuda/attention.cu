@@ -100,6 +100,8 @@ __global__ void __launch_bounds__(kThreads, 2) attn_chunk_kernel(const float* __
     constexpr int kValueBatch = kChunk / kGroups < 16 ? kChunk / kGroups : 16;
     static_assert(kPerLane >= 1 && kThreads % kPairs == 0, "head_dim must be 64, 128 or 256");
 
+    pdl_trigger();
+    pdl_wait();
     const int L = *len, lo = window_start(L, window);
     const int hk = blockIdx.x, c = blockIdx.y;
     const int c0 = max(c * kChunk, lo), c1 = min((c + 1) * kChunk, L);
@@ -223,6 +225,8 @@ __global__ void __launch_bounds__(kThreads, 2) attn_chunk_kernel(const float* __
 __global__ void attn_merge_kernel(const float* __restrict__ part_o, const float* __restrict__ part_ml,
                                   const int* __restrict__ len, int window, float* __restrict__ out, int D,
                                   int chunks, int8_t* __restrict__ xq, float2* __restrict__ xds) {
+    pdl_trigger();
+    pdl_wait();
     const int h = blockIdx.x;
     const int L = *len;
     const int cb = window_start(L, window) / kChunk, ce = min(chunks, (L + kChunk - 1) / kChunk);
@@ -248,10 +252,10 @@ void launch(const float* q, const AttnRows& k, const AttnRows& v, const int* len
     const int chunks = attn_decode_chunks(max_seq);
     const int G = H / Hkv;
     const dim3 grid(Hkv, chunks, (G + kMaxG - 1) / kMaxG);
-    attn_chunk_kernel<D><<<grid, kThreads, 0, stream>>>(q, k, v, len, window, softcap, part_o, part_ml, H, Hkv,
-                                                        max_seq, chunks, scale);
-    check_launch("attn_decode_cuda (chunks)");
-    attn_merge_kernel<<<H, D < 256 ? D : 256, 0, stream>>>(part_o, part_ml, len, window, out, D, chunks, xq, xds);
+    launch_kernel("attn_decode_cuda (chunks)", attn_chunk_kernel<D>, grid, kThreads, 0, stream, q, k, v, len, window,
+                  softcap, part_o, part_ml, H, Hkv, max_seq, chunks, scale);
+    launch_kernel("attn_decode_cuda (merge)", attn_merge_kernel, H, D < 256 ? D : 256, 0, stream, part_o, part_ml,
+                  len, window, out, D, chunks, xq, xds);
 }
 
 }  // namespace
@@ -279,7 +283,6 @@ void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, cons
             throw std::invalid_argument("attn_decode_cuda: head_dim " + std::to_string(D) +
                                         " is not supported (64, 128, 256)");
     }
-    cuda::check_launch("attn_decode_cuda (merge)");
 }
 
 }  // namespace pyllm

@@ -6,8 +6,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "../common/decode.h"
 
@@ -83,7 +85,58 @@ inline void check_launch(const char* what) {
     if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
 }
 
+// Programmatic dependent launch (compute capability 9.0 and later), asked for with PYLLM_CUDA_PDL=1: a decode-step
+// kernel may then start while the one before it drains, so its CTAs are resident and its weights on their way to
+// L2 when the previous kernel's last CTA retires, where a plain launch pays the ramp and a first HBM round trip
+// after the drain, ~10 times per layer.  Each such kernel calls pdl_trigger() first (so its own successor may
+// launch) and pdl_wait() before it reads anything an earlier kernel wrote or writes anything at all:
+// griddepcontrol.wait returns once the kernel before it has completed with its writes visible, and that kernel
+// waited for its own predecessor, so every earlier one has completed too.  Without the launch attribute both are
+// no-ops.  Off by default until a GPU run measures it (tests/gpu/bench_cuda.py and tools/gpu_profile.py time both).
+inline bool pdl_requested() {
+    const char* e = std::getenv("PYLLM_CUDA_PDL");
+    if (e == nullptr || e[0] != '1' || e[1] != 0) return false;
+    int dev = 0, major = 0;
+    return cudaGetDevice(&dev) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 9;
+}
+
 #if defined(__CUDACC__)
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where pdl_requested().
+template <class... P, class... A>
+void launch_kernel(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   A&&... args) {
+    if (!pdl_requested()) {
+        kernel<<<grid, block, smem, stream>>>(std::forward<A>(args)...);
+        check_launch(what);
+        return;
+    }
+    cudaLaunchAttribute attr[1] = {};
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+    if (e != cudaSuccess)
+        throw std::runtime_error(std::string(what) + ": CUDA launch failed: " + cudaGetErrorString(e));
+}
+
 // Sum over the 32 lanes of a warp; every lane gets the total.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

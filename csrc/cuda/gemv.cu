@@ -26,6 +26,8 @@ constexpr int kWarps = kThreads / 32;
 // code sum are 3 shuffles away; groups of 8 lanes never straddle a block because K % 32 == 0.
 __global__ void __launch_bounds__(256) quantize_act_kernel(const float* __restrict__ x, int8_t* __restrict__ xq,
                                                            float2* __restrict__ xds, int64_t n_vals) {
+    pdl_trigger();
+    pdl_wait();
     const int64_t i4 = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
     const bool live = i4 < n_vals;
     float4 v = live ? *reinterpret_cast<const float4*>(x + i4) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -56,15 +58,19 @@ __global__ void __launch_bounds__(256) quantize_act_kernel(const float* __restri
 }
 
 // The parts of one launch (gemv_parts_cuda): part p owns CTAs [cta_end[p - 1], cta_end[p]).
+// prefetch_l2: the CTA asks L2 for its weight rows before it waits for the activations (set when the launch is
+// programmatic, pdl_requested(): the rows then stream in while the kernel before drains).
 struct Parts {
     GemvPart p[CUDA_GEMV_MAX_PARTS];
     int cta_end[CUDA_GEMV_MAX_PARTS];
     int n;
+    int prefetch_l2;
 };
 
 template <QType T, int M, int R>
 __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Parts parts, const int8_t* __restrict__ xq,
                                                         const float2* __restrict__ xds, int K) {
+    pdl_trigger();
     // this CTA's part, by selects (a dynamic index into the parameter struct would copy it to local memory)
     int pi = 0;
 #pragma unroll
@@ -82,6 +88,12 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Parts parts, co
     const uint8_t* wr[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) wr[r] = w + static_cast<size_t>(min(row0 + r, N - 1)) * row_bytes;  // tail rows read row N-1, never written
+    if (parts.prefetch_l2)  // the weights are constant: nothing to wait for
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            for (size_t off = static_cast<size_t>(threadIdx.x) * 128; off < row_bytes; off += kThreads * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + off));
+    pdl_wait();
 
     float acc[M][R];
 #pragma unroll
@@ -127,6 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_awq_kernel(const uint8_t* __
                                                             const int8_t* __restrict__ xq,
                                                             const float2* __restrict__ xds, float* __restrict__ y,
                                                             int N, int K, int G) {
+    pdl_trigger();
+    pdl_wait();
     const int row0 = blockIdx.x * R;
     const int ng = K / G, n_slots = (K / GemvAwq::kElems) * GemvAwq::kSlots, nds = K / kActBlock;
     const uint8_t* wr[R];
@@ -175,7 +189,8 @@ template <int M>
 void launch_awq_m(const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N, int K,
                   int G, cudaStream_t stream) {
     constexpr int R = M == 1 ? 1 : 2;
-    gemv_awq_kernel<M, R><<<(N + R - 1) / R, kThreads, 0, stream>>>(w, row_bytes, xq, xds, y, N, K, G);
+    launch_kernel("gemv_cuda", gemv_awq_kernel<M, R>, (N + R - 1) / R, kThreads, 0, stream, w, row_bytes, xq, xds, y,
+                  N, K, G);
 }
 
 void launch_awq(int M, const uint8_t* w, size_t row_bytes, const int8_t* xq, const float2* xds, float* y, int N,
@@ -209,14 +224,12 @@ void launch_m(Parts parts, const int8_t* xq, const float2* xds, int K, cudaStrea
     const int R = M == 1 ? rows_per_cta_m1() : 2;
     int ctas = 0;
     for (int i = 0; i < parts.n; ++i) parts.cta_end[i] = ctas += (parts.p[i].N + R - 1) / R;
+    parts.prefetch_l2 = pdl_requested();
     if constexpr (M == 1) {
-        switch (R) {
-            case 2: gemv_kernel<T, 1, 2><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K); return;
-            case 4: gemv_kernel<T, 1, 4><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K); return;
-            default: gemv_kernel<T, 1, 1><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K); return;
-        }
+        auto* kernel = R == 2 ? gemv_kernel<T, 1, 2> : R == 4 ? gemv_kernel<T, 1, 4> : gemv_kernel<T, 1, 1>;
+        launch_kernel("gemv_cuda", kernel, ctas, kThreads, 0, stream, parts, xq, xds, K);
     } else {
-        gemv_kernel<T, M, 2><<<ctas, kThreads, 0, stream>>>(parts, xq, xds, K);
+        launch_kernel("gemv_cuda", gemv_kernel<T, M, 2>, ctas, kThreads, 0, stream, parts, xq, xds, K);
     }
 }
 
@@ -263,8 +276,7 @@ void quantize_act_cuda(const float* x, int8_t* xq, float2* xds, int M, int K, cu
     const int64_t n = static_cast<int64_t>(M) * K;
     const int64_t threads = n / 4;
     const unsigned grid = static_cast<unsigned>((threads + 255) / 256);
-    cuda::quantize_act_kernel<<<grid, 256, 0, stream>>>(x, xq, xds, n);
-    cuda::check_launch("quantize_act_cuda");
+    cuda::launch_kernel("quantize_act_cuda", cuda::quantize_act_kernel, grid, 256, 0, stream, x, xq, xds, n);
 }
 
 void gemv_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* xq, const float2* xds, int M, int K,
@@ -293,7 +305,6 @@ void gemv_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* 
             throw std::invalid_argument(std::string("gemv_cuda: weight type ") + qtype_name(t) +
                                         " has no CUDA GEMV kernel (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K AWQ)");
     }
-    cuda::check_launch("gemv_cuda");
 }
 
 }  // namespace pyllm

@@ -43,6 +43,8 @@ __global__ void __launch_bounds__(1024) residual_norm_quant_regs_kernel(float* _
                                                                         float* __restrict__ h,
                                                                         int8_t* __restrict__ xq,
                                                                         float2* __restrict__ xds) {
+    pdl_trigger();
+    pdl_wait();
     __shared__ float red[32];
     const int t = threadIdx.x, nt = blockDim.x;
     float xv[P], av[P], pv[P], wv[P];
@@ -93,6 +95,8 @@ __global__ void __launch_bounds__(1024) residual_norm_quant_kernel(float* __rest
                                                                    const float* __restrict__ w, float eps, int D,
                                                                    float* __restrict__ h, int8_t* __restrict__ xq,
                                                                    float2* __restrict__ xds) {
+    pdl_trigger();
+    pdl_wait();
     __shared__ float red[32];
     // Each thread touches elements threadIdx.x + k * blockDim.x in every loop, so x needs no barrier between them.
     if (a != nullptr) {
@@ -120,6 +124,8 @@ template <int Act>  // 0: SiLU, 1: GELU (tanh approximation)
 __global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ g, const float* __restrict__ u,
                                                         int n, float* __restrict__ h, int8_t* __restrict__ xq,
                                                         float2* __restrict__ xds) {
+    pdl_trigger();
+    pdl_wait();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int base = i & ~31;
     if (base >= n) return;  // the whole warp: n % 32 == 0
@@ -142,6 +148,8 @@ __device__ __forceinline__ void store_row_value(KVRow t, uint8_t* row, int j, fl
 
 // One CTA per head: H query heads, then Hkv key heads, then Hkv value heads; one thread per value.
 __global__ void rope_store_kernel(RopeStoreArgs p) {
+    pdl_trigger();
+    pdl_wait();
     extern __shared__ float row[];  // the head's values before RoPE: each output reads its pair partner
     __shared__ float red[32];
     const int b = blockIdx.x, j = threadIdx.x, hd = p.hd;
@@ -186,33 +194,26 @@ void residual_norm_quant_cuda(float* x, const float* a, const float* post_w, con
                               float* h, int8_t* xq, float2* xds, cudaStream_t stream) {
     const int threads = D < 1024 ? D : 1024;  // D % 32 == 0
     const int per = (D + threads - 1) / threads;
-    if (per == 1)
-        cuda::residual_norm_quant_regs_kernel<1><<<1, threads, 0, stream>>>(x, a, post_w, w, eps, D, h, xq, xds);
-    else if (per == 2)
-        cuda::residual_norm_quant_regs_kernel<2><<<1, threads, 0, stream>>>(x, a, post_w, w, eps, D, h, xq, xds);
-    else if (per <= 4)
-        cuda::residual_norm_quant_regs_kernel<4><<<1, threads, 0, stream>>>(x, a, post_w, w, eps, D, h, xq, xds);
-    else if (per <= 8)
-        cuda::residual_norm_quant_regs_kernel<8><<<1, threads, 0, stream>>>(x, a, post_w, w, eps, D, h, xq, xds);
-    else
-        cuda::residual_norm_quant_kernel<<<1, threads, 0, stream>>>(x, a, post_w, w, eps, D, h, xq, xds);
-    cuda::check_launch("residual_norm_quant_cuda");
+    auto* kernel = per == 1   ? cuda::residual_norm_quant_regs_kernel<1>
+                   : per == 2 ? cuda::residual_norm_quant_regs_kernel<2>
+                   : per <= 4 ? cuda::residual_norm_quant_regs_kernel<4>
+                   : per <= 8 ? cuda::residual_norm_quant_regs_kernel<8>
+                              : cuda::residual_norm_quant_kernel;
+    cuda::launch_kernel("residual_norm_quant_cuda", kernel, 1, threads, 0, stream, x, a, post_w, w, eps, D, h, xq,
+                        xds);
 }
 
 void act_quant_cuda(int act, const float* g, const float* u, int n, float* h, int8_t* xq, float2* xds,
                     cudaStream_t stream) {
     const unsigned grid = static_cast<unsigned>((n + 255) / 256);
-    if (act == 0)
-        cuda::act_quant_kernel<0><<<grid, 256, 0, stream>>>(g, u, n, h, xq, xds);
-    else
-        cuda::act_quant_kernel<1><<<grid, 256, 0, stream>>>(g, u, n, h, xq, xds);
-    cuda::check_launch("act_quant_cuda");
+    cuda::launch_kernel("act_quant_cuda", act == 0 ? cuda::act_quant_kernel<0> : cuda::act_quant_kernel<1>, grid, 256,
+                        0, stream, g, u, n, h, xq, xds);
 }
 
 void rope_store_cuda(const RopeStoreArgs& args, cudaStream_t stream) {
     const unsigned grid = static_cast<unsigned>(args.H + 2 * args.Hkv);
-    cuda::rope_store_kernel<<<grid, args.hd, args.hd * sizeof(float), stream>>>(args);
-    cuda::check_launch("rope_store_cuda");
+    cuda::launch_kernel("rope_store_cuda", cuda::rope_store_kernel, grid, args.hd, args.hd * sizeof(float), stream,
+                        args);
 }
 
 }  // namespace pyllm

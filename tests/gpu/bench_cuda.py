@@ -158,12 +158,16 @@ def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) 
             pp_ms = median_ms(lambda: model.forward(prompt, 0, kv), reps=3, warmup=1)
             if kind == "f16":
                 res["pp512"] = 512 / pp_ms * 1e3
-            bodies = ["row kernels", "torch"] if kind == "f16" and label == ftype else ["row kernels"]
+            # "pdl": the row kernels launched programmatically (PYLLM_CUDA_PDL=1, csrc/cuda/common.cuh), read at
+            # each launch, so baked into the graph the first call captures
+            bodies = ["row kernels", "torch", "pdl"] if kind == "f16" and label == ftype else ["row kernels"]
             for body in bodies:
+                if body == "pdl":
+                    os.environ["PYLLM_CUDA_PDL"] = "1"
                 step = backend.fused_decode(model, kv)
                 if body == "torch":
                     step.row_kernels_problem = "bench: the torch body for comparison"
-                suffix = "" if body == "row kernels" else " torch body"
+                suffix = {"row kernels": "", "torch": " torch body", "pdl": " pdl"}[body]
                 for pos, key in ((512, "tg128"), (ctx, f"tg128@{ctx}")):
                     for i in range(4):  # warm (the first call captures the graph)
                         step(1, pos + i)
@@ -175,6 +179,7 @@ def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) 
                 res[f"graph {kind}{suffix}"] = "replay" if step.policy.captured and not step.policy.failed else \
                     f"eager ({step.policy.failed})"
                 res[f"row kernels {kind}{suffix}"] = step.row_kernels_problem or "yes"
+                os.environ.pop("PYLLM_CUDA_PDL", None)
                 del step
             del kv
         res["roofline_pct"] = 100 * res["tg128 f16"] * per_token / (bw * 1e9)
@@ -252,6 +257,9 @@ def main() -> int:
         for r in dec:
             if "tg128 f16 torch body" in r:
                 print(f"{r['model']:22s} torch body: tg128 {r['tg128 f16 torch body']:6.1f}")
+            if "tg128 f16 pdl" in r:
+                print(f"{r['model']:22s} programmatic launches (PYLLM_CUDA_PDL=1): tg128 {r['tg128 f16 pdl']:6.1f}  "
+                      f"tg128@{args.ctx} {r[f'tg128@{args.ctx} f16 pdl']:6.1f}")
             print(f"{r['model']:22s} pp512 {r['pp512']:7.0f}  tg128 {r['tg128 f16']:6.1f}  "
                   f"tg128@{args.ctx} f16 {r[f'tg128@{args.ctx} f16']:6.1f} q8_0 {r[f'tg128@{args.ctx} q8_0']:6.1f}  "
                   f"{r['GB_per_token']:.2f} GB/tok  {r['roofline_pct']:.0f}% of copy-BW roofline")

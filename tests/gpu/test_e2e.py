@@ -88,6 +88,24 @@ def test_every_cache_kind(arch, kind):
                              cache_logits(gpu, kind, tokens, len(PROMPT)), f"{arch} {kind}")
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_programmatic_launches_give_the_same_logits(arch, kind, monkeypatch):
+    """PYLLM_CUDA_PDL=1 (csrc/cuda/common.cuh) lets each step kernel start while the one before it drains; every
+    kernel waits for its predecessor before it reads or writes, so the logits are those of plain launches bit for
+    bit, through the captured graph, with only row kernels (f16 cache) or torch's kernels between them (q8_0 rows
+    are written by torch ops).  Reference: the same model and tokens without the variable."""
+    path = str(gguf_path(arch, "q4_k_m"))
+    tokens = PROMPT + [12, 200, 64, 3, 77, 150, 21, 9, 30, 31] * 3
+    monkeypatch.delenv("PYLLM_CUDA_PDL", raising=False)
+    want = cache_logits(pyllm.load(path, device="cuda", n_ctx=128), kind, tokens, len(PROMPT))
+    monkeypatch.setenv("PYLLM_CUDA_PDL", "1")
+    gpu = pyllm.load(path, device="cuda", n_ctx=128)
+    got = cache_logits(gpu, kind, tokens, len(PROMPT))
+    for i, (w, g) in enumerate(zip(want, got)):
+        assert torch.equal(w, g), f"{arch} {kind}: position {i} differs with programmatic launches"
+
+
 def test_graph_replays_after_first_step():
     gpu = pyllm.load(str(gguf_path("qwen3", "q4_0")), device="cuda", n_ctx=128)
     m = gpu.model
