@@ -27,6 +27,7 @@ from gpu.cuda_testutil import (reference_act, reference_attn_decode, reference_q
                                reference_rope_store)
 
 SEAM = hasattr(kv_cache.KVCache, "storage_layout")
+CODES_VALUE = cb.codes_value  # the real one (the fixture below stands a shadow in for it)
 needs_seam = pytest.mark.skipif(not SEAM, reason="needs the backend seam (KVCache.storage_layout)")
 
 KINDS = ["f16", "bf16", "f32", "q8_0", "q4_0", "q8_rot", "q4_rot", "f16/q4_rot", "q8_0/f16", "q4_rot/q8_0"]
@@ -133,18 +134,24 @@ class TorchKernels:
     encode (keyed by the codes' buffer), and the stand-in GEMV multiplies the shadow: these tests check the step's
     wiring at float32 precision; the codes' int8 rounding is the kernels' own, checked on a GPU (tests/gpu)."""
 
+    shadow: dict[int, torch.Tensor] = {}  # a code row's address -> the float row it encodes (shared: codes_value)
+
     def __init__(self):
         from pyllm import _ext
 
         self.C = _ext.load()
-        self.shadow: dict[int, torch.Tensor] = {}
         self.parts_calls: list[int] = []  # matrices per cuda_gemv_q_parts launch
 
     def _codes(self, x, xq, xds):
         q, d = reference_quantize_act(x.reshape(xq.shape))
         xq.copy_(q)
         xds.copy_(d)
-        self.shadow[xq.data_ptr()] = x.detach().reshape(xq.shape).clone()
+        for i, row in enumerate(x.detach().reshape(xq.shape)):
+            self.shadow[xq[i].data_ptr()] = row.clone()
+
+    @classmethod
+    def rows(cls, xq):
+        return torch.stack([cls.shadow[r.data_ptr()] for r in xq])
 
     def cuda_quantize_act(self, x, xq=None, xds=None):
         if xq is None:
@@ -154,7 +161,7 @@ class TorchKernels:
         return xq, xds
 
     def cuda_gemv_q(self, w, qt, xq, xds, out=None):
-        y = self.shadow[xq.data_ptr()] @ self.C.dequantize(w, qt).T
+        y = self.rows(xq) @ self.C.dequantize(w, qt).T
         return y if out is None else out.copy_(y)
 
     def cuda_gemv_q_parts(self, ws, qt, xq, xds, outs):
@@ -202,6 +209,16 @@ class TorchKernels:
         return out
 
 
+@pytest.fixture(autouse=True)
+def shadow_codes_value(monkeypatch):
+    """With TorchKernels' float shadows standing for codes, what codes stand for is the shadow itself: so
+    output_gemv's residual rows are zeros and the step's logits stay float32-exact for these wiring tests (the
+    residual's own arithmetic: test_output_gemv_residual_codes)."""
+    monkeypatch.setattr(cb, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
+    yield
+    TorchKernels.shadow.clear()
+
+
 @needs_seam
 @pytest.mark.parametrize("body", ["row kernels", "torch"])
 @pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot", "f16/q8_rot", "bf16/q4_0", "f32"])
@@ -240,6 +257,54 @@ def test_step_matches_model_torch_path(arch, kind, body):
     assert not math.isnan(err)
     if body == "row kernels":  # Q8_0 everywhere: q/k/v in one launch, gate/up in one
         assert sorted(set(backend.K.parts_calls)) == [2, 3]
+
+
+class CodeKernels:
+    """Code-exact stand-ins: cuda_quantize_act writes reference codes, cuda_gemv_q multiplies what the codes stand for
+    (the GEMV kernel's block products, float64 here) by a float weight matrix."""
+
+    def cuda_quantize_act(self, x, xq=None, xds=None):
+        q, d = reference_quantize_act(x)
+        if xq is None:
+            return q, d
+        xq.copy_(q)
+        xds.copy_(d)
+        return xq, xds
+
+    def cuda_gemv_q(self, w, qt, xq, xds, out=None):
+        y = (CODES_VALUE(xq, xds).double() @ w.double().T).float()
+        return y if out is None else out.copy_(y)
+
+    def cuda_gemv_supported(self, qt):
+        return True
+
+
+class _Rows:
+    qtype, is_float = 8, False
+
+    def __init__(self, w):
+        self.data, self.shape = w, w.shape
+
+
+@pytest.mark.parametrize("t", [1, 3, 6])
+def test_output_gemv_residual_codes(t, monkeypatch):
+    """The output projection from x's int8 codes plus the codes of what they miss (output_gemv, through
+    CudaBackend.linear_output: one [2T]-row launch for T <= 4, T = 6 in parts) against float64 x @ W^T: the error
+    of two 8-bit roundings, the second of the first's residual, is ~1/100 of one rounding's.  Rows carry outliers
+    (a few values 30x the rest), where one scale per 32 values rounds the others coarsely."""
+    monkeypatch.setattr(cb, "codes_value", CODES_VALUE)
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 256, generator=g)
+    x[:, ::37] *= 30
+    w = torch.randn(96, 256, generator=g)
+    want = x.double() @ w.double().T
+    kern = CodeKernels()
+    got = cb.CudaBackend(kern, torch.device("cpu")).linear_output(x, _Rows(w))
+    err = ((got.double() - want).norm() / want.norm()).item()
+    xq, xds = kern.cuda_quantize_act(x)
+    one = kern.cuda_gemv_q(w, 8, xq, xds)  # x's codes alone: the GEMV the output projection took before
+    err_one = ((one.double() - want).norm() / want.norm()).item()
+    assert got.shape == (t, 96) and err < 1e-4 and err < err_one / 50, (err, err_one)
 
 
 def test_gemvs_group_consecutive_weights_of_one_type():

@@ -243,7 +243,21 @@ class CudaBackend:
             return (x.to(torch.float16) @ wd.T).float()
         return x @ w.dequantize(torch.float32).T
 
-    linear_output = linear
+    def linear_output(self, x: torch.Tensor, w) -> torch.Tensor:
+        """linear for the output projection: where W has an int8-code GEMV and x at most GEMV_MAX_M rows, through
+        output_gemv (x's codes plus the codes of what they miss), GEMV_MAX_M / 2 rows a launch; else linear."""
+        qt = getattr(w, "qtype", None)
+        if not isinstance(qt, int) or getattr(w, "is_float", False) or x.shape[0] > GEMV_MAX_M \
+                or not self.K.cuda_gemv_supported(int(qt)):
+            return self.linear(x, w)
+        x = x.contiguous()
+        if 2 * x.shape[0] > GEMV_MAX_M:  # GEMV_MAX_M / 2 rows (and their residual rows) a launch
+            return torch.cat([self.linear_output(part, w) for part in x.split(GEMV_MAX_M // 2)])
+        t, k = x.shape
+        xq = torch.empty(2 * t, k, dtype=torch.int8, device=x.device)
+        xds = torch.empty(2 * t, k // 32, 2, dtype=torch.float32, device=x.device)
+        self.K.cuda_quantize_act(x, xq[:t], xds[:t])
+        return output_gemv(self.K, w.data, int(qt), x, xq, xds)
 
     def embed(self, w, ids: torch.Tensor, check_ids: bool = True) -> torch.Tensor:
         """Rows ids [T] of W -> [T, K] f32, dequantizing only those rows.  check_ids=False inside graph capture
@@ -316,6 +330,27 @@ def _plain_float(part: AttnPart) -> bool:
     return not part.block and part.sink is None and part.mu is None and part.scale is None and part.rot is None
 
 
+def codes_value(xq: torch.Tensor, xds: torch.Tensor) -> torch.Tensor:
+    """What int8 activation codes xq [M, K] (scales xds [M, K/32, 2], cuda_quantize_act's) stand for: each code
+    times its block's d, float32 [M, K]."""
+    m, k = xq.shape
+    return (xq.float().view(m, k // 32, 32) * xds[:, :, :1]).view(m, k)
+
+
+def output_gemv(K, w: torch.Tensor, qt: int, x: torch.Tensor, xq: torch.Tensor, xds: torch.Tensor,
+                out2: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] @ W^T for the output projection, whose activation error goes straight into the logits: from x's int8
+    codes and the codes of what they miss, x - codes_value, each block scaled anew, so the two sums add up to x's
+    products within ~1/127 of the int8 rounding, as the CPU's 16-bit output activations do (csrc/cpu/cpu_impl.h
+    Q16Row: on SmolLM2 the int8 rounding there was a quarter of the decode path's KL from float32).  xq [2T, K] /
+    xds [2T, K/32, 2] hold x's codes in their first T rows; the residual's go in the other T, and one GEMV launch
+    (2T <= GEMV_MAX_M) reads W once for both.  out2 [2T, N] / out [T, N]: buffers to fill, for graph capture."""
+    t = x.shape[0]
+    K.cuda_quantize_act(x - codes_value(xq[:t], xds[:t]), xq[t:], xds[t:])
+    y = K.cuda_gemv_q(w, qt, xq, xds, out2)
+    return torch.add(y[:t], y[t:], out=out)
+
+
 class StepBuffers:
     """The fused step's activations, allocated once (a captured graph replays into the same memory): each row and
     the int8 codes (xq, xds) the GEMV reads of the rows that feed one."""
@@ -333,7 +368,11 @@ class StepBuffers:
         self.q, self.k, self.v, self.g, self.u, self.f = f(qd), f(kvd), f(kvd), f(n_ff), f(n_ff), f(n_ff)
         self.qr = torch.zeros(cfg.n_head, cfg.head_dim, dtype=torch.float32, device=dev)
         self.logits = f(n_vocab)
+        self.logits2 = torch.zeros(2, n_vocab, dtype=torch.float32, device=dev)  # output_gemv's two halves
         self.hq, self.hds = codes(d)
+        # the final norm's codes, then those of what they miss (output_gemv)
+        self.oq = torch.zeros(2, d, dtype=torch.int8, device=dev)
+        self.ods = torch.zeros(2, d // 32, 2, dtype=torch.float32, device=dev)
         self.aq, self.ads = codes(qd)
         self.fq, self.fds = codes(n_ff)
 
@@ -494,8 +533,13 @@ class CudaDecodeStep:
             K.cuda_act_quant(g, u, self.act, B.f, B.fq, B.fds)
             branch = self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds), B.m)
             post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None
-        K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.hq, B.hds)
-        logits = self._gemv(self.out_w, B.h, (B.hq, B.hds), B.logits)
+        qt = self._kernel_qtype(self.out_w)
+        if qt is None:
+            K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.hq, B.hds)
+            logits = self._gemv(self.out_w, B.h, (B.hq, B.hds), B.logits)
+        else:
+            K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.oq[:1], B.ods[:1])
+            logits = output_gemv(K, self.out_w.data, qt, B.h, B.oq, B.ods, B.logits2, B.logits)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

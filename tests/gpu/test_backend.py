@@ -47,6 +47,24 @@ def test_linear_every_type(backend, qtype, rows):
     torch.testing.assert_close(backend.embed(up, ids).cpu().double(), w64[ids], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("qtype", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K], ids=lambda t: t.name)
+def test_linear_output_adds_the_residual_codes(backend, qtype, rows):
+    """linear_output (the output projection: x's int8 codes plus the codes of what they miss, cuda.output_gemv)
+    against float64 on the same weights: within 1e-4 relative, and under 1/30 of linear's error (x's codes alone),
+    on rows with outliers (a few values 30x the rest)."""
+    n, k = 96, 512
+    rng = np.random.default_rng(int(qtype) + rows)
+    blocks = random_blocks(qtype, n, k, rng)
+    w64 = torch.from_numpy(reference(qtype, blocks)).double()
+    up = backend.prepare_weights({"w": QTensor(qtype, (n, k), torch.from_numpy(blocks), "w")})["w"]
+    x = torch.randn(rows, k)
+    x[:, ::37] *= 30
+    want = x.double() @ w64.T
+    err = rel(backend.linear_output(x.cuda(), up), want)
+    assert err <= 1e-4 and err < rel(backend.linear(x.cuda(), up), want) / 30, err
+
+
 @pytest.mark.parametrize("g", [32, 128, 96])
 @pytest.mark.parametrize("rows", [1, 8, 33])
 def test_linear_awq(backend, g, rows):
