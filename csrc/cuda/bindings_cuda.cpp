@@ -86,8 +86,8 @@ std::pair<GemvPart, at::Tensor> checked_part(const at::Tensor& w, QType t, int64
         y = *out;
         check_tensor(y, out_name.c_str(), at::kFloat, 2);
         check_same_device(w, w_name.c_str(), y, out_name.c_str());
-        PYLLM_CHECK_VALUE(y.size(0) == M && y.size(1) == N, out_name, " has shape ", y.sizes(), ", expected [", M, ", ", N,
-                          "]");
+        PYLLM_CHECK_VALUE(y.size(0) == M && y.size(1) == N, out_name, " has shape ", y.sizes(), ", expected [", M,
+                          ", ", N, "]");
     } else {
         y = at::empty({M, N}, xds.options());
     }
