@@ -8,7 +8,8 @@ backend's.  What it cannot see: fp32 summation order inside the kernels (small n
     python tools/cuda_host_kl.py MODEL --int8-output                  # the output projection from x's codes alone
 
 A change to the CUDA step's numerics can be judged here before a GPU run (tests/gpu/bench_cuda.py --kl-model measures
-the same on the GPU).
+the same on the GPU).  SmolLM2 cut to 8 layers, 194 positions: 6.7e-4 (9.8e-4 with --int8-output), CPU 6.5e-4; about
+a minute for both lines.
 """
 
 from __future__ import annotations

@@ -190,9 +190,16 @@ def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) 
     return rows
 
 
+# ~190 tokens: a mean over 57 (the first paragraph alone) swung by ~20% with a single position's KL
 KL_TEXT = ("The committee met on Tuesday to review the budget for the coming year. After a long discussion about "
            "the costs of the new library, the members agreed to postpone the decision until the next meeting, when "
-           "the architect will present a revised plan. Meanwhile, volunteers will collect opinions from residents.")
+           "the architect will present a revised plan. Meanwhile, volunteers will collect opinions from residents.\n\n"
+           "def moving_average(values, window):\n    if window <= 0:\n        raise ValueError('window must be "
+           "positive')\n    total = sum(values[:window])\n    out = [total / window]\n    for i in range(window, "
+           "len(values)):\n        total += values[i] - values[i - window]\n        out.append(total / window)\n"
+           "    return out\n\nIn the spring the river rises quickly, and the old bridge near the mill has to be "
+           "closed for a few days each year. Farmers on the east bank then drive twenty kilometres to the next "
+           "crossing, which is why the council has asked twice for a new bridge.")
 
 
 def kl_real_model(path: str, n_ctx: int = 256) -> dict:
