@@ -75,12 +75,6 @@ __device__ __forceinline__ void load_rows(const AttnRows& r, int hk, int c0, int
             out[0][j] = *reinterpret_cast<const float2*>(r.sink + static_cast<size_t>(hk) * D + d0 + 64 * j);
 }
 
-// Every 128-byte line of [p, p + bytes) into L2, the CTA's threads taking one line each in turn.
-__device__ __forceinline__ void prefetch_l2(const uint8_t* p, size_t bytes) {
-    for (size_t off = static_cast<size_t>(threadIdx.x) * 128; off < bytes; off += static_cast<size_t>(kThreads) * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
-}
-
 // The positions [lo, len) attended to (device: len is read there).
 __device__ __forceinline__ int window_start(int L, int window) { return window > 0 ? max(0, L - window) : 0; }
 

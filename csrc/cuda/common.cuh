@@ -113,6 +113,14 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Every 128-byte line of [p, p + bytes) into L2, the CTA's threads taking one line each in turn: for rows a kernel
+// reads later (or, launched programmatically, before the kernel it depends on has finished).
+__device__ __forceinline__ void prefetch_l2(const uint8_t* p, size_t bytes) {
+    const size_t stride = static_cast<size_t>(blockDim.x) * 128;
+    for (size_t off = static_cast<size_t>(threadIdx.x) * 128; off < bytes; off += stride)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), with programmatic stream serialization where pdl_requested().
 template <class... P, class... A>
 void launch_kernel(const char* what, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,

@@ -90,9 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Parts parts, co
     for (int r = 0; r < R; ++r) wr[r] = w + static_cast<size_t>(min(row0 + r, N - 1)) * row_bytes;  // tail rows read row N-1, never written
     if (parts.prefetch_l2)  // the weights are constant: nothing to wait for
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-            for (size_t off = static_cast<size_t>(threadIdx.x) * 128; off < row_bytes; off += kThreads * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(wr[r] + off));
+        for (int r = 0; r < R; ++r) prefetch_l2(wr[r], row_bytes);
     pdl_wait();
 
     float acc[M][R];
