@@ -325,8 +325,9 @@ def test_gemvs_group_consecutive_weights_of_one_type():
     def w(qt, is_float=False):
         return types.SimpleNamespace(qtype=qt, is_float=is_float, data=None)
 
-    me = types.SimpleNamespace(K=Kern(), _gemv=lambda wt, rows, codes, out: single.append(wt.qtype) or out)
-    me._kernel_qtype = lambda wt: cb.CudaDecodeStep._kernel_qtype(me, wt)
+    kern = Kern()
+    me = types.SimpleNamespace(K=kern, b=cb.CudaBackend(kern, torch.device("cpu")),
+                               _gemv=lambda wt, rows, codes, out: single.append(wt.qtype) or out)
     pairs = [(w(12), "q"), (w(12), "k"), (w(14), "v"), (w(99), "x"), (w(12, True), "f"), (w(12), "g"), (w(12), "u")]
     assert cb.CudaDecodeStep._gemvs(me, pairs, None, (None, None)) == ["q", "k", "v", "x", "f", "g", "u"]
     assert launches == [(12, 2), (14, 1), (12, 2)]

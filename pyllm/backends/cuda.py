@@ -243,12 +243,17 @@ class CudaBackend:
             return (x.to(torch.float16) @ wd.T).float()
         return x @ w.dequantize(torch.float32).T
 
+    def gemv_qtype(self, w) -> int | None:
+        """W's GGML type id where the GEMV has a kernel for it (the int8-code path), else None."""
+        qt = getattr(w, "qtype", None)
+        ok = isinstance(qt, int) and not getattr(w, "is_float", False) and self.K.cuda_gemv_supported(int(qt))
+        return int(qt) if ok else None
+
     def linear_output(self, x: torch.Tensor, w) -> torch.Tensor:
         """linear for the output projection: where W has an int8-code GEMV and x at most GEMV_MAX_M rows, through
         output_gemv (x's codes plus the codes of what they miss), GEMV_MAX_M / 2 rows a launch; else linear."""
-        qt = getattr(w, "qtype", None)
-        if not isinstance(qt, int) or getattr(w, "is_float", False) or x.shape[0] > GEMV_MAX_M \
-                or not self.K.cuda_gemv_supported(int(qt)):
+        qt = self.gemv_qtype(w)
+        if qt is None or x.shape[0] > GEMV_MAX_M:
             return self.linear(x, w)
         x = x.contiguous()
         if 2 * x.shape[0] > GEMV_MAX_M:  # GEMV_MAX_M / 2 rows (and their residual rows) a launch
@@ -257,7 +262,7 @@ class CudaBackend:
         xq = torch.empty(2 * t, k, dtype=torch.int8, device=x.device)
         xds = torch.empty(2 * t, k // 32, 2, dtype=torch.float32, device=x.device)
         self.K.cuda_quantize_act(x, xq[:t], xds[:t])
-        return output_gemv(self.K, w.data, int(qt), x, xq, xds)
+        return output_gemv(self.K, w.data, qt, x, xq, xds)
 
     def embed(self, w, ids: torch.Tensor, check_ids: bool = True) -> torch.Tensor:
         """Rows ids [T] of W -> [T, K] f32, dequantizing only those rows.  check_ids=False inside graph capture
@@ -464,16 +469,10 @@ class CudaDecodeStep:
     def _body(self, first: bool) -> torch.Tensor:
         return self._body_torch(first) if self.row_kernels_problem else self._body_kernels(first)
 
-    def _kernel_qtype(self, wt) -> int | None:
-        """W's GGML type id where the GEMV has a kernel for it (the int8-code path), else None."""
-        qt = getattr(wt, "qtype", None)
-        ok = isinstance(qt, int) and not getattr(wt, "is_float", False) and self.K.cuda_gemv_supported(int(qt))
-        return int(qt) if ok else None
-
     def _gemv(self, wt, rows: torch.Tensor, codes: tuple, out: torch.Tensor) -> torch.Tensor:
         """out [1, N] = rows @ W^T: from rows' int8 codes (xq, xds) where W's type has a GEMV kernel, else through
         the backend's linear (its dequantize path)."""
-        qt = self._kernel_qtype(wt)
+        qt = self.b.gemv_qtype(wt)
         if qt is not None:
             return self.K.cuda_gemv_q(wt.data, qt, codes[0], codes[1], out)
         out.copy_(self.b.linear(rows, wt))
@@ -485,9 +484,9 @@ class CudaDecodeStep:
         outs: list[torch.Tensor] = []
         i = 0
         while i < len(pairs):
-            qt = self._kernel_qtype(pairs[i][0])
+            qt = self.b.gemv_qtype(pairs[i][0])
             j = i + 1
-            while qt is not None and j < len(pairs) and self._kernel_qtype(pairs[j][0]) == qt:
+            while qt is not None and j < len(pairs) and self.b.gemv_qtype(pairs[j][0]) == qt:
                 j += 1
             if qt is None:
                 outs.append(self._gemv(pairs[i][0], rows, codes, pairs[i][1]))
@@ -533,7 +532,7 @@ class CudaDecodeStep:
             K.cuda_act_quant(g, u, self.act, B.f, B.fq, B.fds)
             branch = self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds), B.m)
             post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None
-        qt = self._kernel_qtype(self.out_w)
+        qt = self.b.gemv_qtype(self.out_w)
         if qt is None:
             K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.hq, B.hds)
             logits = self._gemv(self.out_w, B.h, (B.hq, B.hds), B.logits)
