@@ -11,6 +11,40 @@
 namespace pyllm {
 namespace cpu {
 
+// What the rows-by-8 kernels need to know of a 32-element group block type (blocks.h): fifth code bits (Q5),
+// a block min (Q4_1, Q5_1) or the code offset folded into c = offset * dw (Q4_0: -8, Q5_0: -16).
+template <class G>
+struct Rows8;
+template <>
+struct Rows8<block_q4_0x8> {
+    static constexpr bool five = false, has_min = false;
+    static constexpr float offset = -8.f;
+};
+template <>
+struct Rows8<block_q4_1x8> {
+    static constexpr bool five = false, has_min = true;
+    static constexpr float offset = 0.f;
+};
+template <>
+struct Rows8<block_q5_0x8> {
+    static constexpr bool five = true, has_min = false;
+    static constexpr float offset = -16.f;
+};
+template <>
+struct Rows8<block_q5_1x8> {
+    static constexpr bool five = true, has_min = true;
+    static constexpr float offset = 0.f;
+};
+
+// AMX tile configuration (Intel SDM vol. 1, 3.2: LDTILECFG's 64-byte memory operand), palette 1.
+struct alignas(64) AmxTileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+};
+
 // How x is prepared before the row dots run (once per call, then shared by every row and thread).
 enum class Act : int {
     F32,    // fp32 as given (float weight types)
@@ -63,6 +97,11 @@ RowKernel row_kernel_avx512_x16(QType t);     // precise_x Q8_0 rows, each int16
 RowKernel row_kernel_vnni_emulated_x16(QType t);  // the same kernels as AVX2 code, for tests
 RowKernel row_kernel_generic_rows8(QType t);  // Q*_R8 without SIMD: each row unpacked, then the generic row dot
 RowKernel row_kernel_generic_rows8_x16(QType t);  // Q8_0_R8 against 16-bit activations, likewise
+// AMX-INT8 rows for 2 <= M <= 8 activation rows against Q4_0_R8 / Q4_1_R8 / Q8_0_R8, bit for bit the VNNI rows
+// kernels (rows8_amx.cpp): native tiles, or tiles emulated in C++ for tests.  nullptr for other types and M.  Call
+// only where cpu_runs_avx512_natively() (the file is built for AVX-512), and native only where
+// cpu_amx_int8_usable().
+RowsDot rows8_amx_kernel(QType t, int M, bool emulated);
 bool avx2_compiled();
 bool avx512_compiled();
 // AMX-BF16 tiles usable by this process: CPUID (AMX-TILE, AMX-BF16, AVX512_BF16 for the packing), OS state

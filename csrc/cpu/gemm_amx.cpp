@@ -207,18 +207,10 @@ void block_avx512(const uint16_t* a, const uint16_t* b0, const uint16_t* b1, int
 }
 
 #ifdef PYLLM_AMX
-struct alignas(64) TileConfig {
-    uint8_t palette = 1;
-    uint8_t start_row = 0;
-    uint8_t reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-};
-
 // tmm0..3: C (y^T) for weight tiles {0,1} x token tiles {0,1}; tmm4,5: weight tiles; tmm6,7: token tiles.
 // Every tile is 16 rows x 64 bytes.
 void tile_config() {
-    TileConfig cfg;
+    cpu::AmxTileConfig cfg;
     for (int i = 0; i < 8; ++i) {
         cfg.rows[i] = kTile;
         cfg.colsb[i] = 64;

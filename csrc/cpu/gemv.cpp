@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <set>
@@ -169,6 +170,51 @@ bool cpu_emulate_avx512(bool on) {
     return g_emulate_avx512;
 }
 bool cpu_avx512_emulated() { return g_emulate_avx512.load(); }
+
+bool cpu_amx_int8_usable() {
+#if defined(__x86_64__)
+    static const bool ok = [] {
+        if (!cpu_isa_available(Isa::Amx)) return false;  // AMX-TILE and the tile permission (cpu::amx_usable)
+        unsigned r[4];
+        cpuid(7, 0, r);
+        return (r[3] & (1u << 25)) != 0;  // AMX-INT8
+    }();
+    return ok;
+#else
+    return false;
+#endif
+}
+
+namespace {
+std::atomic<int> g_amx_rows{-1};  // -1: not read from PYLLM_AMX_ROWS yet
+
+AmxRows amx_rows_mode() {
+    int m = g_amx_rows.load(std::memory_order_relaxed);
+    if (m < 0) {
+        const char* env = std::getenv("PYLLM_AMX_ROWS");
+        m = env && std::strcmp(env, "1") == 0 && cpu_amx_int8_usable() ? static_cast<int>(AmxRows::Native) : 0;
+        g_amx_rows.store(m);
+    }
+    return static_cast<AmxRows>(m);
+}
+
+// The AMX rows kernel that replaces a rows kernel of M activation rows against type t, or nullptr.  Native tiles
+// serve only the amx ISA (PYLLM_ISA and the tests' ISA loops keep meaning what they say), emulated ones avx512 too.
+cpu::RowsDot amx_rows_for(QType t, int M, Isa isa) {
+    const AmxRows mode = amx_rows_mode();
+    if (mode == AmxRows::Off || M < 2 || isa < Isa::Avx512 || (mode == AmxRows::Native && isa != Isa::Amx))
+        return nullptr;
+    return cpu::rows8_amx_kernel(t, M, mode == AmxRows::Emulated);
+}
+}  // namespace
+
+bool cpu_set_amx_rows(AmxRows mode) {
+    const bool ok = mode == AmxRows::Off || (mode == AmxRows::Native && cpu_amx_int8_usable()) ||
+                    (mode == AmxRows::Emulated && cpu_runs_avx512_natively());
+    if (ok) g_amx_rows.store(static_cast<int>(mode));
+    return ok;
+}
+AmxRows cpu_get_amx_rows() { return amx_rows_mode(); }
 
 Isa cpu_best_isa() {
     static const Isa best = pick_default();
@@ -655,7 +701,10 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         }
         const int fm = (res ? first[M] : M) - 1;
         const bool q8k = kern[p]->act == Act::Q8_K;
-        job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
+        cpu::RowsDot rows = kern[p]->rows[fm];
+        if (kern[p]->act == Act::Q8_32 && rows != nullptr)
+            if (cpu::RowsDot amx = amx_rows_for(P.t, fm + 1, isa)) rows = amx;
+        job[p] = {kern[p]->fn[fm], rows, P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
                   P.t, sparse && q8k ? outl : nullptr, first, M};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);
         total_rows += P.N;

@@ -318,28 +318,7 @@ template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_
 // against 8 code vectors decoded once per block for up to 4 activation rows: per 8 rows x 32 weights, 4 loads,
 // ~12 ALU ops of decoding and per activation row 8 multiplies, where the row kernels above need ~11 ALU ops per row block
 // (nibble unpack, the int16 reduction tree, horizontal sums).  Same operations per row for every M.
-template <class G>
-struct Rows8;
-template <>
-struct Rows8<block_q4_0x8> {
-    static constexpr bool five = false, has_min = false;
-    static constexpr float offset = -8.f;
-};
-template <>
-struct Rows8<block_q4_1x8> {
-    static constexpr bool five = false, has_min = true;
-    static constexpr float offset = 0.f;
-};
-template <>
-struct Rows8<block_q5_0x8> {
-    static constexpr bool five = true, has_min = false;
-    static constexpr float offset = -16.f;
-};
-template <>
-struct Rows8<block_q5_1x8> {
-    static constexpr bool five = true, has_min = true;
-    static constexpr float offset = 0.f;
-};
+// Rows8<G> (cpu_impl.h): five, has_min, offset of the group block type G.
 
 // Fifth bits of lane group c (blocks.h: bit c of each qh byte) at 0x10.  16-bit shifts are safe: after the
 // mask, bit 4 of each byte came from that byte (shifts by at most 4).
