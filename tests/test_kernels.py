@@ -401,8 +401,9 @@ def test_amx_rows_give_the_vnni_rows_bits(C, name):
     kernels' fp32 steps lane for lane) give, for every row of every M = 2..8, the bits of the VNNI rows kernels
     they replace (references checked against float64 by test_rows8_gemv_matches_oracle_and_isas_agree), so a
     verification pass with them stays greedy-exact against the one-row step.  Also against the int8-x float64
-    oracle (TOL_EXACT).  Shapes: a lone last group of 8 rows (N = 40, 24), whole pairs (48, 1536), K of 1 to 28
-    blocks.  The emulated tiles are TDPBSSD's definition in C++: they check the layouts, not the instructions."""
+    oracle (TOL_EXACT).  The output projection's int16 activations (precise_x) keep the VNNI kernel: checked to be
+    untouched.  Shapes: a lone last group of 8 rows (N = 40, 24), whole pairs (48, 1536), K of 1 to 28 blocks.
+    The emulated tiles are TDPBSSD's definition in C++: they check the layouts, not the instructions."""
     paths = amx_rows_paths(C)
     try:
         for N, K in [(40, 160), (48, 576), (1536, 576), (8, 32), (24, 896)]:
@@ -415,12 +416,15 @@ def test_amx_rows_give_the_vnni_rows_bits(C, name):
                     xm = x[:M].contiguous()
                     C.set_amx_rows("off")
                     ref = C.gemv(xm, r, rid)
+                    ref16 = C.gemv(xm, r, rid, None, True) if name == "Q8_0" else None
                     C.set_amx_rows(mode)
                     assert C.amx_rows() == mode
                     got = C.gemv(xm, r, rid)
                     assert torch.equal(got, ref), f"{name} {mode} tiles: M={M} differs from the VNNI rows " + why(N, K)
                     err = rel_err(got, quantize_like_kernels(xm, 32) @ wt.W64.T, xm, wt)
                     assert err < TOL_EXACT, f"{name} {mode} tiles vs int8-x float64: {err:.3g} " + why(N, K, M)
+                    if ref16 is not None:
+                        assert torch.equal(C.gemv(xm, r, rid, None, True), ref16), f"{mode}: precise_x moved"
     finally:
         C.set_amx_rows("off")
 

@@ -15,6 +15,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_impl.h"  // PYLLM_PREFETCH
+
 #if defined(PYLLM_VNNI_EMULATED)
 #define PYLLM_SIMD_NS vnni_emulated
 #elif defined(PYLLM_VNNI)
@@ -71,12 +73,7 @@ PYLLM_INLINE float hmax(__m256 v) {
 
 PYLLM_INLINE float f16(uint16_t h) { return _cvtsh_ss(h); }
 
-// Software prefetch of the weight stream, PYLLM_PREFETCH bytes ahead of the bytes being decoded.  One core
-// keeps only a limited number of L1 misses in flight; the decode math between loads otherwise starves the
-// hardware prefetcher of issue slots.
-#ifndef PYLLM_PREFETCH
-#define PYLLM_PREFETCH 1536
-#endif
+// Software prefetch of the weight stream, PYLLM_PREFETCH bytes ahead (cpu_impl.h) of the bytes being decoded.
 template <int Bytes>
 PYLLM_INLINE void prefetch_ahead(const void* p) {
 #if PYLLM_PREFETCH > 0

@@ -8,6 +8,12 @@
 #include "../common/blocks.h"
 #include "../kernels.h"
 
+// Software prefetch distance of the weight streams in the row kernels.  One core keeps only a limited number of L1
+// misses in flight; the decode math between loads otherwise starves the hardware prefetcher of issue slots.
+#ifndef PYLLM_PREFETCH
+#define PYLLM_PREFETCH 1536
+#endif
+
 namespace pyllm {
 namespace cpu {
 

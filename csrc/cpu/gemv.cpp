@@ -198,11 +198,13 @@ AmxRows amx_rows_mode() {
     return static_cast<AmxRows>(m);
 }
 
-// The AMX rows kernel that replaces a rows kernel of M activation rows against type t, or nullptr.  Native tiles
-// serve only the amx ISA (PYLLM_ISA and the tests' ISA loops keep meaning what they say), emulated ones avx512 too.
-cpu::RowsDot amx_rows_for(QType t, int M, Isa isa) {
+// The AMX rows kernel that replaces a rows kernel of M activation rows (of kind act) against type t, or nullptr.
+// Native tiles serve only the amx ISA (PYLLM_ISA and the tests' ISA loops keep meaning what they say), emulated
+// ones avx512 too.
+cpu::RowsDot amx_rows_for(QType t, Act act, int M, Isa isa) {
     const AmxRows mode = amx_rows_mode();
-    if (mode == AmxRows::Off || M < 2 || isa < Isa::Avx512 || (mode == AmxRows::Native && isa != Isa::Amx))
+    if (mode == AmxRows::Off || act != Act::Q8_32 || M < 2 || isa < Isa::Avx512 ||
+        (mode == AmxRows::Native && isa != Isa::Amx))
         return nullptr;
     return cpu::rows8_amx_kernel(t, M, mode == AmxRows::Emulated);
 }
@@ -702,8 +704,8 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         const int fm = (res ? first[M] : M) - 1;
         const bool q8k = kern[p]->act == Act::Q8_K;
         cpu::RowsDot rows = kern[p]->rows[fm];
-        if (kern[p]->act == Act::Q8_32 && rows != nullptr)
-            if (cpu::RowsDot amx = amx_rows_for(P.t, fm + 1, isa)) rows = amx;
+        if (rows != nullptr)
+            if (cpu::RowsDot amx = amx_rows_for(P.t, kern[p]->act, fm + 1, isa)) rows = amx;
         job[p] = {kern[p]->fn[fm], rows, P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
                   P.t, sparse && q8k ? outl : nullptr, first, M};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);

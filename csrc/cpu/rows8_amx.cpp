@@ -88,6 +88,14 @@ struct EmulatedTiles {
     }
 };
 
+// The weight stream's software prefetch (avx2_util.h's prefetch_ahead, not included here: its inline functions
+// would get AVX-512 copies under this file's target pragma): the group block PYLLM_PREFETCH bytes on.
+template <int Bytes>
+inline void prefetch_block(const void* p) {
+    const char* c = static_cast<const char*>(p) + PYLLM_PREFETCH;
+    for (int l = 0; l < Bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T0);
+}
+
 template <int S>
 struct TileSet {  // a tile set's index as a type (tile numbers must be constants)
     static constexpr int value = S;
@@ -150,6 +158,8 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
         // Block b's codes into buffer s, and its tile product into ct[s].
         auto tile_block = [&](int b, auto set) {
             constexpr int s = decltype(set)::value;
+            prefetch_block<sizeof(G)>(g0 + b);
+            if (pair) prefetch_block<sizeof(G)>(g1 + b);
             codes_to_tile(g0[b], bt[s], 0);
             if (pair) codes_to_tile(g1[b], bt[s], 32);
             tiles.template dot<s>(a[0].qs + QK * b, xs, bt[s], ct[s]);
