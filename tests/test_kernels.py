@@ -379,7 +379,7 @@ def test_gemv_rows_do_not_depend_on_m(C, name):
                         assert torch.equal(y[m], alone[m]), f"{name} {isa} K={K}: row {m} of {M} differs from alone"
 
 
-AMX_ROWS_TYPES = ["Q4_0", "Q4_1", "Q8_0"]  # the rows-by-8 types with AMX-INT8 kernels for 2..8 activation rows
+AMX_ROWS_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K"]  # rows-by-8 types with AMX-INT8 kernels for 2..8 rows
 
 
 def amx_rows_paths(C) -> list[tuple[str, str]]:
@@ -397,16 +397,20 @@ def amx_rows_paths(C) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("name", AMX_ROWS_TYPES)
 def test_amx_rows_give_the_vnni_rows_bits(C, name):
-    """The AMX-INT8 rows kernels (C = A B per block: activation codes x 16 weight rows' codes, then the VNNI
-    kernels' fp32 steps lane for lane) give, for every row of every M = 2..8, the bits of the VNNI rows kernels
-    they replace (references checked against float64 by test_rows8_gemv_matches_oracle_and_isas_agree), so a
-    verification pass with them stays greedy-exact against the one-row step.  Also against the int8-x float64
-    oracle (TOL_EXACT).  The output projection's int16 activations (precise_x) keep the VNNI kernel: checked to be
-    untouched.  Shapes: a lone last group of 8 rows (N = 40, 24), whole pairs (48, 1536), K of 1 to 28 blocks.
-    The emulated tiles are TDPBSSD's definition in C++: they check the layouts, not the instructions."""
+    """The AMX-INT8 rows kernels (C = A B per 32-element block or sub-block: activation codes x 16 weight rows'
+    codes; the K-quants' sub-block scales applied in int32; then the VNNI kernels' fp32 steps lane for lane) give,
+    for every row of every M = 2..8, the bits of the VNNI rows kernels they replace (references checked against
+    float64 by test_rows8_gemv_matches_oracle_and_isas_agree), so a verification pass with them stays greedy-exact
+    against the one-row step.  Also against the int8-x float64 oracle (TOL_EXACT).  The output projection's int16
+    activations (precise_x) keep the VNNI kernel: checked to be untouched.  Shapes: a lone last group of 8 rows
+    (N = 40, 24), whole pairs (48, 1536, 896), K of 1 to 28 blocks (1 to 8 super-blocks).  The emulated tiles are
+    TDPBSSD's definition in C++: they check the layouts, not the instructions."""
     paths = amx_rows_paths(C)
+    k_quant = name in ROWS8_K_TYPES
+    shapes = [(40, 256), (48, 768), (896, 2048), (8, 256), (24, 1024)] if k_quant else \
+        [(40, 160), (48, 576), (1536, 576), (8, 32), (24, 896)]
     try:
-        for N, K in [(40, 160), (48, 576), (1536, 576), (8, 32), (24, 896)]:
+        for N, K in shapes:
             wt = make_weight(name, N, K)
             r, rid = rows8(C, name, wt)
             x = torch.from_numpy(rng_for("xamx", name, N, K).standard_normal((8, K), dtype=np.float32))
@@ -421,7 +425,7 @@ def test_amx_rows_give_the_vnni_rows_bits(C, name):
                     assert C.amx_rows() == mode
                     got = C.gemv(xm, r, rid)
                     assert torch.equal(got, ref), f"{name} {mode} tiles: M={M} differs from the VNNI rows " + why(N, K)
-                    err = rel_err(got, quantize_like_kernels(xm, 32) @ wt.W64.T, xm, wt)
+                    err = rel_err(got, quantize_like_kernels(xm, 256 if k_quant else 32) @ wt.W64.T, xm, wt)
                     assert err < TOL_EXACT, f"{name} {mode} tiles vs int8-x float64: {err:.3g} " + why(N, K, M)
                     if ref16 is not None:
                         assert torch.equal(C.gemv(xm, r, rid, None, True), ref16), f"{mode}: precise_x moved"

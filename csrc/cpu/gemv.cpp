@@ -145,6 +145,23 @@ int32_t* thread_scratch_i32(size_t n) {
     if (buf.size() < n) buf.resize(n);
     return buf.data();
 }
+
+const int32_t* q8_K_bsum_pairs(const uint8_t* xa, size_t xs, int M, int nb) {
+    int32_t* out = thread_scratch_i32(static_cast<size_t>(M) * nb * 4);
+    for (int m = 0; m < M; ++m) {
+        const block_q8_K* x = reinterpret_cast<const block_q8_K*>(xa + xs * m);
+        for (int b = 0; b < nb; ++b) {
+            const int16_t* s = x[b].bsums;
+            for (int t = 0; t < 4; ++t) {
+                const uint16_t lo = static_cast<uint16_t>(s[4 * t] + s[4 * t + 1]);
+                const uint16_t hi = static_cast<uint16_t>(s[4 * t + 2] + s[4 * t + 3]);
+                out[(static_cast<size_t>(m) * nb + b) * 4 + t] =
+                    static_cast<int32_t>(lo | (static_cast<uint32_t>(hi) << 16));
+            }
+        }
+    }
+    return out;
+}
 }  // namespace cpu
 
 bool cpu_type_supported(QType t) {
@@ -203,7 +220,7 @@ AmxRows amx_rows_mode() {
 // ones avx512 too.
 cpu::RowsDot amx_rows_for(QType t, Act act, int M, Isa isa) {
     const AmxRows mode = amx_rows_mode();
-    if (mode == AmxRows::Off || act != Act::Q8_32 || M < 2 || isa < Isa::Avx512 ||
+    if (mode == AmxRows::Off || (act != Act::Q8_32 && act != Act::Q8_K) || M < 2 || isa < Isa::Avx512 ||
         (mode == AmxRows::Native && isa != Isa::Amx))
         return nullptr;
     return cpu::rows8_amx_kernel(t, M, mode == AmxRows::Emulated);

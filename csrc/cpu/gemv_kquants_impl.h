@@ -448,22 +448,12 @@ template <class G, bool Five, int M>
 void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
                  size_t ldy) {
     const int nb = K / QK_K;
-    // bsum pairs: bs[(m * nb + b) * 4 + t] = (bsum_4t + bsum_4t+1) | (bsum_4t+2 + bsum_4t+3) << 16 (|.| <= 4064)
-    int32_t* bsw = thread_scratch_i32(static_cast<size_t>(M) * nb * 4);
+    const int32_t* bsw = q8_K_bsum_pairs(xa, xs, M, nb);
     const block_q8_K* xr[M];
     const int32_t* bw[M];
     for (int m = 0; m < M; ++m) {
         xr[m] = act_row<block_q8_K>(xa, xs, m);
         bw[m] = bsw + static_cast<size_t>(m) * nb * 4;
-        for (int b = 0; b < nb; ++b) {
-            const int16_t* s = xr[m][b].bsums;
-            for (int t = 0; t < 4; ++t) {
-                const uint16_t lo = static_cast<uint16_t>(s[4 * t] + s[4 * t + 1]);
-                const uint16_t hi = static_cast<uint16_t>(s[4 * t + 2] + s[4 * t + 3]);
-                bsw[(static_cast<size_t>(m) * nb + b) * 4 + t] =
-                    static_cast<int32_t>(lo | (static_cast<uint32_t>(hi) << 16));
-            }
-        }
     }
     constexpr int C = M < rows8_k_chunk ? M : rows8_k_chunk, full = M / C * C;
     for (int g = 0; g < n; g += 8) {

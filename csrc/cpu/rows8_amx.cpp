@@ -112,6 +112,13 @@ struct Amx8<block_q8_0x8> {
     static constexpr float offset = 0.f;
 };
 // Group block B's codes -> rows 0..7 of the B tile buffer at byte `col` (0: weight rows 0-7, 32: rows 8-15).
+// A lone last group: the B tiles' weight rows 8-15 stay zero (their sums are computed, never stored).
+inline void zero_upper_halves(int8_t (&bt)[2][8 * 64]) {
+    for (int s = 0; s < 2; ++s)
+        for (int k = 0; k < 8; ++k)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(bt[s] + 64 * k + 32), _mm256_setzero_si256());
+}
+
 template <class G>
 inline void codes_to_tile(const G& B, int8_t* bt, int col) {
     if constexpr (Amx8<G>::four) {
@@ -149,10 +156,7 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
         const bool pair = g + 8 < n;  // else the last group alone: the tiles' second halves stay zero
         const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
         const G* g1 = pair ? reinterpret_cast<const G*>(w + row_bytes * (g + 8)) : nullptr;
-        if (!pair)
-            for (int s = 0; s < 2; ++s)
-                for (int k = 0; k < 8; ++k)
-                    _mm256_store_si256(reinterpret_cast<__m256i*>(bt[s] + 64 * k + 32), _mm256_setzero_si256());
+        if (!pair) zero_upper_halves(bt);
         __m512 acc[M], accc[M];
         for (int m = 0; m < M; ++m) acc[m] = accc[m] = _mm512_setzero_ps();
         // Block b's codes into buffer s, and its tile product into ct[s].
@@ -195,6 +199,143 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
     }
 }
 
+// ---- Q4_K_R8 / Q5_K_R8 (gemv_kquants_impl.h rows8_q45_k_group): per super-block and 32-element sub-block s, one
+// TDPBSSD gives each activation row's exact sum(code * xq) for 16 weight rows (the B tile: the sub-block's 8 code
+// vectors, low nibbles for even s, high for odd, as stored), which is multiplied by the row's 6-bit scale s and
+// added in int32: the VNNI kernel's integer sumi, summed in another order but exactly.  The min term (4 vpmaddwd of
+// (min, min) pairs against the activation's bsum pairs), and the fp32 steps, are that kernel's, lane for lane.
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+
+// Lane j of sc03 / sc47 / mn03 / mn47: row j's scales 0..3, 4..7, mins 0..3, 4..7 as bytes (ggml's unpacking of
+// the 12 scale bytes, on the 8 rows' words at once), for a group block.
+template <class G>
+inline void k_scales(const G& B, __m256i out[4]) {
+    const __m256i k1 = _mm256_set1_epi8(0x3F), k2 = _mm256_set1_epi8(0x0F), k3 = _mm256_set1_epi8(0x03);
+    const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales));
+    const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 32));
+    const __m256i u2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.scales + 64));
+    out[0] = _mm256_and_si256(u0, k1);
+    out[1] = _mm256_or_si256(_mm256_and_si256(u2, k2),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), k3), 4));
+    out[2] = _mm256_and_si256(u1, k1);
+    out[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), k2),
+                             _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), k3), 4));
+}
+
+// Lane j: (byte e0, byte e1) of lane j as two u16 (each 128-bit lane shuffled alike).
+inline __m512i pick16(__m512i bytes, int e0, int e1) {
+    const __m512i ctl = _mm512_set1_epi32(static_cast<int>(0x80008000u | static_cast<unsigned>(e0) |
+                                                           (static_cast<unsigned>(e1) << 16)));
+    const __m512i lane = _mm512_set4_epi32(0x000C000C, 0x00080008, 0x00040004, 0);
+    return _mm512_shuffle_epi8(bytes, _mm512_add_epi8(ctl, lane));
+}
+
+// Code vectors k = 0..7 of elements 64 c8 .. 64 c8 + 63 of group block B -> B tile buffers lo (sub-block 2 c8) and
+// hi (2 c8 + 1) at byte `col`; Q5_K's fifth bits joined at 0x10.
+template <class G, bool Five>
+inline void k_codes_to_tiles(const G& B, int c8, int8_t* lo_t, int8_t* hi_t, int col) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+    for (int k = 0; k < 8; ++k) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * (8 * c8 + k)));
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if constexpr (Five) {
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * k));
+            const int sl = 4 - 2 * c8;  // bit 2 c8 -> 4, bit 2 c8 + 1 -> 4
+            const __m128i cl = _mm_cvtsi32_si128(sl >= 0 ? sl : -sl);
+            const __m128i ch = _mm_cvtsi32_si128(sl - 1 >= 0 ? sl - 1 : 1 - sl);
+            const __m256i hl = sl >= 0 ? _mm256_sll_epi16(h, cl) : _mm256_srl_epi16(h, cl);
+            const __m256i hh = sl - 1 >= 0 ? _mm256_sll_epi16(h, ch) : _mm256_srl_epi16(h, ch);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(hl, bit4));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(hh, bit4));
+        }
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lo_t + 64 * k + col), lo);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(hi_t + 64 * k + col), hi);
+    }
+}
+
+template <class Tiles, class G, bool Five, int M>
+void rows8_amx_q45k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
+                    size_t ldy) {
+    const int nb = K / QK_K;
+    const int32_t* bsw = q8_K_bsum_pairs(xa, xs, M, nb);
+    const block_q8_K* xr[M];
+    const int32_t* bw[M];
+    for (int m = 0; m < M; ++m) {
+        xr[m] = reinterpret_cast<const block_q8_K*>(xa + xs * m);
+        bw[m] = bsw + static_cast<size_t>(m) * nb * 4;
+    }
+    alignas(64) int8_t bt[2][8 * 64];
+    alignas(64) int32_t ct[2][M * 16];
+    Tiles tiles(M);
+    const __m512i low8 = _mm512_set1_epi32(0xFF);
+    for (int g = 0; g < n; g += 16) {
+        const bool pair = g + 8 < n;
+        const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
+        const G* g1 = pair ? reinterpret_cast<const G*>(w + row_bytes * (g + 8)) : nullptr;
+        if (!pair) zero_upper_halves(bt);
+        __m512 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            prefetch_block<sizeof(G)>(g0 + b);
+            if (pair) prefetch_block<sizeof(G)>(g1 + b);
+            __m256i s0[4], s1[4];
+            k_scales(g0[b], s0);
+            if (pair) k_scales(g1[b], s1);
+            else s1[0] = s1[1] = s1[2] = s1[3] = _mm256_setzero_si256();
+            const __m512i sc03 = join(s0[0], s1[0]), sc47 = join(s0[1], s1[1]);
+            __m512i sumi[M];
+            for (int m = 0; m < M; ++m) sumi[m] = _mm512_setzero_si512();
+            for (int c8 = 0; c8 < 4; ++c8) {  // sub-blocks 2 c8 (tile set 0) and 2 c8 + 1 (set 1)
+                k_codes_to_tiles<G, Five>(g0[b], c8, bt[0], bt[1], 0);
+                if (pair) k_codes_to_tiles<G, Five>(g1[b], c8, bt[0], bt[1], 32);
+                tiles.template dot<0>(xr[0][b].qs + 64 * c8, xs, bt[0], ct[0]);
+                tiles.template dot<1>(xr[0][b].qs + 64 * c8 + 32, xs, bt[1], ct[1]);
+                const __m512i scs = c8 < 2 ? sc03 : sc47;
+                const int e = 2 * (c8 & 1);  // the two sub-blocks' scale bytes in the lane
+                const __m512i sc_l = _mm512_and_si512(_mm512_srli_epi32(scs, 8 * e), low8);
+                const __m512i sc_h = _mm512_and_si512(_mm512_srli_epi32(scs, 8 * e + 8), low8);
+                for (int m = 0; m < M; ++m)
+                    sumi[m] = _mm512_add_epi32(sumi[m], _mm512_add_epi32(
+                        _mm512_mullo_epi32(_mm512_load_si512(ct[0] + 16 * m), sc_l),
+                        _mm512_mullo_epi32(_mm512_load_si512(ct[1] + 16 * m), sc_h)));
+            }
+            const __m512i mn03 = join(s0[2], s1[2]), mn47 = join(s0[3], s1[3]);
+            const __m512i mp[4] = {pick16(mn03, 0, 1), pick16(mn03, 2, 3), pick16(mn47, 0, 1), pick16(mn47, 2, 3)};
+            const __m512 dw = f16x16(g0[b].d, pair ? g1[b].d : nullptr);
+            const __m512 dmw = f16x16(g0[b].dmin, pair ? g1[b].dmin : nullptr);
+            for (int m = 0; m < M; ++m) {
+                const int32_t* w4 = bw[m] + 4 * b;
+                const __m512i summ = _mm512_add_epi32(
+                    _mm512_add_epi32(_mm512_madd_epi16(mp[0], _mm512_set1_epi32(w4[0])),
+                                     _mm512_madd_epi16(mp[1], _mm512_set1_epi32(w4[1]))),
+                    _mm512_add_epi32(_mm512_madd_epi16(mp[2], _mm512_set1_epi32(w4[2])),
+                                     _mm512_madd_epi16(mp[3], _mm512_set1_epi32(w4[3]))));
+                const __m512 dx = _mm512_set1_ps(xr[m][b].d);
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, dx), _mm512_cvtepi32_ps(sumi[m]), acc[m]);
+                acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(dmw, dx), _mm512_cvtepi32_ps(summ), acc[m]);
+            }
+        }
+        for (int m = 0; m < M; ++m) {
+            if (pair) _mm512_storeu_ps(y + m * ldy + g, acc[m]);
+            else _mm256_storeu_ps(y + m * ldy + g, _mm512_castps512_ps256(acc[m]));
+        }
+    }
+}
+
+template <class Tiles, class G, bool Five>
+RowsDot pick_k(int M) {
+    switch (M) {
+        case 2: return rows8_amx_q45k<Tiles, G, Five, 2>;
+        case 3: return rows8_amx_q45k<Tiles, G, Five, 3>;
+        case 4: return rows8_amx_q45k<Tiles, G, Five, 4>;
+        case 5: return rows8_amx_q45k<Tiles, G, Five, 5>;
+        case 6: return rows8_amx_q45k<Tiles, G, Five, 6>;
+        case 7: return rows8_amx_q45k<Tiles, G, Five, 7>;
+        case 8: return rows8_amx_q45k<Tiles, G, Five, 8>;
+        default: return nullptr;
+    }
+}
+
 template <class Tiles, class G>
 RowsDot pick(int M) {
     switch (M) {
@@ -215,6 +356,8 @@ RowsDot pick_type(QType t, int M) {
         case QType::Q4_0_R8: return pick<Tiles, block_q4_0x8>(M);
         case QType::Q4_1_R8: return pick<Tiles, block_q4_1x8>(M);
         case QType::Q8_0_R8: return pick<Tiles, block_q8_0x8>(M);
+        case QType::Q4_K_R8: return pick_k<Tiles, block_q4_kx8, false>(M);
+        case QType::Q5_K_R8: return pick_k<Tiles, block_q5_kx8, true>(M);
         default: return nullptr;
     }
 }
