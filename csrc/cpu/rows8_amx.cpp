@@ -38,15 +38,16 @@ namespace cpu {
 namespace {
 
 // Two tile sets, so that one block's tile work overlaps the other's (AMX has 8 tile registers and no renaming to
-// speak of): set s uses tmm(3s) = C (M x 64 bytes), tmm(3s+1) = A (M x 32), tmm(3s+2) = B (8 x 64).
+// speak of): set s uses tmm(3s) = C (M x 64 bytes), tmm(3s+1) = A (M x kb bytes), tmm(3s+2) = B (kb/4 x 64), with
+// kb = 32 (a 32-element block or sub-block) or 16 (Q6_K's 16-element sub-blocks).
 struct NativeTiles {
-    explicit NativeTiles(int M) {
+    NativeTiles(int M, int kb) {
         AmxTileConfig cfg;  // per call: the configuration is thread state, and another kernel may have changed it
         for (int s = 0; s < 2; ++s) {
             cfg.rows[3 * s] = cfg.rows[3 * s + 1] = static_cast<uint8_t>(M);
             cfg.colsb[3 * s] = 64;
-            cfg.colsb[3 * s + 1] = 32;
-            cfg.rows[3 * s + 2] = 8;
+            cfg.colsb[3 * s + 1] = static_cast<uint16_t>(kb);
+            cfg.rows[3 * s + 2] = static_cast<uint8_t>(kb / 4);
             cfg.colsb[3 * s + 2] = 64;
         }
         _tile_loadconfig(&cfg);
@@ -70,17 +71,17 @@ struct NativeTiles {
     }
 };
 
-// TDPBSSD's definition (Intel SDM vol. 2, TDPBSSD): c[m][n] = sum over kk < 8, i < 4 of a[m][4kk + i] *
+// TDPBSSD's definition (Intel SDM vol. 2, TDPBSSD): c[m][n] = sum over kk < kb/4, i < 4 of a[m][4kk + i] *
 // b[kk][4n + i], signed bytes, exact in int32.
 struct EmulatedTiles {
-    int M;
-    explicit EmulatedTiles(int m) : M(m) {}
+    int M, kb;
+    EmulatedTiles(int m, int k) : M(m), kb(k) {}
     template <int S>
     void dot(const int8_t* a, size_t a_stride, const int8_t* b, int32_t* c) const {
         for (int m = 0; m < M; ++m)
             for (int n = 0; n < 16; ++n) {
                 int32_t s = 0;
-                for (int kk = 0; kk < 8; ++kk)
+                for (int kk = 0; kk < kb / 4; ++kk)
                     for (int i = 0; i < 4; ++i)
                         s += static_cast<int32_t>(a[m * a_stride + 4 * kk + i]) * b[64 * kk + 4 * n + i];
                 c[16 * m + n] = s;
@@ -151,7 +152,7 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
     for (int m = 0; m < M; ++m) a[m] = q8_row(xa + xs * m, K);
     alignas(64) int8_t bt[2][8 * 64];
     alignas(64) int32_t ct[2][M * 16];
-    Tiles tiles(M);
+    Tiles tiles(M, 32);
     for (int g = 0; g < n; g += 16) {
         const bool pair = g + 8 < n;  // else the last group alone: the tiles' second halves stay zero
         const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
@@ -266,7 +267,7 @@ void rows8_amx_q45k(int K, int n, const uint8_t* w, size_t row_bytes, const uint
     }
     alignas(64) int8_t bt[2][8 * 64];
     alignas(64) int32_t ct[2][M * 16];
-    Tiles tiles(M);
+    Tiles tiles(M, 32);
     const __m512i low8 = _mm512_set1_epi32(0xFF);
     for (int g = 0; g < n; g += 16) {
         const bool pair = g + 8 < n;
@@ -322,6 +323,114 @@ void rows8_amx_q45k(int K, int n, const uint8_t* w, size_t row_bytes, const uint
     }
 }
 
+// ---- Q6_K_R8 (gemv_kquants_impl.h rows8_q6_k): per 16-element sub-block s, one TDPBSSD (kb = 16: the A tile the
+// rows' 16 codes, the B tile the sub-block's 4 code vectors of 6-bit codes, decoded as that kernel does) times
+// the row's int8 scale s in int32, plus the -32 offset as -32 sc_s * bsum_s (vpmaddwd of (-32 sc_s, -32 sc_s+1)
+// pairs against (bsum_s, bsum_s+1), as there): the VNNI kernel's integer sumi exactly, then its fp32 step.
+
+// Lane j: the int8 scales s of the two groups' rows, sign-extended to (v, v) int16 pairs (row j of group 0 in
+// lanes 0-7, group 1 in 8-15).
+inline __m512i q6_scale_pairs(const block_q6_kx8& B0, const block_q6_kx8* B1, int s) {
+    auto pairs = [](const int8_t* p) {
+        int64_t v;
+        memcpy(&v, p, 8);
+        const __m256i ctl = _mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1, 3,
+                                             -1, 4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7, -1, 7);
+        return _mm256_srai_epi16(_mm256_shuffle_epi8(_mm256_set1_epi64x(v), ctl), 8);
+    };
+    return join(pairs(B0.scales + 8 * s), B1 ? pairs(B1->scales + 8 * s) : _mm256_setzero_si256());
+}
+
+// The 4 code vectors of sub-block s0 + kk (h, i as in rows8_q6_k) -> rows 0..3 of a B tile buffer at byte col.
+inline void q6_codes_to_tile(const block_q6_kx8& B, int h, int i, int kk, int8_t* bt, int col) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    for (int k = 0; k < 4; ++k) {
+        const int c = 4 * kk + k;
+        const uint8_t* ql = B.ql + 32 * (16 * h + c + (i & 1 ? 8 : 0));
+        const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh + 32 * (8 * h + c)));
+        const __m256i lo = i < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+        // top bits 2i, 2i + 1 moved to bits 4, 5
+        const __m128i sh = _mm_cvtsi32_si128(i < 2 ? 4 - 2 * i : 2 * i - 4);
+        const __m256i hi = i < 2 ? _mm256_sll_epi16(hb, sh) : _mm256_srl_epi16(hb, sh);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(bt + 64 * k + col),
+                           _mm256_or_si256(lo, _mm256_and_si256(hi, m30)));
+    }
+}
+
+template <class Tiles, int M>
+void rows8_amx_q6k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
+                   size_t ldy) {
+    const int nb = K / QK_K;
+    const block_q8_K* xr[M];
+    for (int m = 0; m < M; ++m) xr[m] = reinterpret_cast<const block_q8_K*>(xa + xs * m);
+    alignas(64) int8_t bt[2][8 * 64];  // rows 0..3 used (kb = 16)
+    alignas(64) int32_t ct[2][M * 16];
+    Tiles tiles(M, 16);
+    for (int g = 0; g < n; g += 16) {
+        const bool pair = g + 8 < n;
+        const block_q6_kx8* g0 = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g);
+        const block_q6_kx8* g1 = pair ? reinterpret_cast<const block_q6_kx8*>(w + row_bytes * (g + 8)) : nullptr;
+        if (!pair) zero_upper_halves(bt);
+        __m512 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            prefetch_block<sizeof(block_q6_kx8)>(g0 + b);
+            if (pair) prefetch_block<sizeof(block_q6_kx8)>(g1 + b);
+            __m512i sumi[M];
+            for (int m = 0; m < M; ++m) sumi[m] = _mm512_setzero_si512();
+            for (int h = 0; h < 2; ++h)
+                for (int i = 0; i < 4; ++i) {
+                    const int s0 = 8 * h + 2 * i;  // sub-blocks s0 (tile set 0) and s0 + 1 (set 1)
+                    const __m512i sc0 = q6_scale_pairs(g0[b], pair ? g1 + b : nullptr, s0);
+                    const __m512i sc1 = q6_scale_pairs(g0[b], pair ? g1 + b : nullptr, s0 + 1);
+                    const __m512i pair_sc = _mm512_mask_blend_epi16(0xAAAAAAAAu, sc0, sc1);  // (sc_s0, sc_s0+1)
+                    const __m512i off = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(pair_sc, 5));
+                    for (int kk = 0; kk < 2; ++kk) {
+                        q6_codes_to_tile(g0[b], h, i, kk, bt[kk], 0);
+                        if (pair) q6_codes_to_tile(g1[b], h, i, kk, bt[kk], 32);
+                    }
+                    const int8_t* x0 = xr[0][b].qs + 128 * h + 32 * i;
+                    tiles.template dot<0>(x0, xs, bt[0], ct[0]);
+                    tiles.template dot<1>(x0 + 16, xs, bt[1], ct[1]);
+                    // the scale pairs' low halves as int32 (each pair is (v, v), sign-extended)
+                    const __m512i s0i = _mm512_srai_epi32(_mm512_slli_epi32(sc0, 16), 16);
+                    const __m512i s1i = _mm512_srai_epi32(_mm512_slli_epi32(sc1, 16), 16);
+                    for (int m = 0; m < M; ++m) {
+                        int32_t bs;
+                        memcpy(&bs, xr[m][b].bsums + s0, 4);
+                        const __m512i o = _mm512_madd_epi16(off, _mm512_set1_epi32(bs));
+                        sumi[m] = _mm512_add_epi32(sumi[m], _mm512_add_epi32(o, _mm512_add_epi32(
+                            _mm512_mullo_epi32(_mm512_load_si512(ct[0] + 16 * m), s0i),
+                            _mm512_mullo_epi32(_mm512_load_si512(ct[1] + 16 * m), s1i))));
+                    }
+                }
+            const __m512 dw = f16x16(g0[b].d, pair ? g1[b].d : nullptr);
+            for (int m = 0; m < M; ++m)
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xr[m][b].d)), _mm512_cvtepi32_ps(sumi[m]),
+                                         acc[m]);
+        }
+        for (int m = 0; m < M; ++m) {
+            if (pair) _mm512_storeu_ps(y + m * ldy + g, acc[m]);
+            else _mm256_storeu_ps(y + m * ldy + g, _mm512_castps512_ps256(acc[m]));
+        }
+    }
+}
+
+template <class Tiles>
+RowsDot pick_q6k(int M) {
+    switch (M) {
+        case 2: return rows8_amx_q6k<Tiles, 2>;
+        case 3: return rows8_amx_q6k<Tiles, 3>;
+        case 4: return rows8_amx_q6k<Tiles, 4>;
+        case 5: return rows8_amx_q6k<Tiles, 5>;
+        case 6: return rows8_amx_q6k<Tiles, 6>;
+        case 7: return rows8_amx_q6k<Tiles, 7>;
+        case 8: return rows8_amx_q6k<Tiles, 8>;
+        default: return nullptr;
+    }
+}
+
 template <class Tiles, class G, bool Five>
 RowsDot pick_k(int M) {
     switch (M) {
@@ -358,6 +467,7 @@ RowsDot pick_type(QType t, int M) {
         case QType::Q8_0_R8: return pick<Tiles, block_q8_0x8>(M);
         case QType::Q4_K_R8: return pick_k<Tiles, block_q4_kx8, false>(M);
         case QType::Q5_K_R8: return pick_k<Tiles, block_q5_kx8, true>(M);
+        case QType::Q6_K_R8: return pick_q6k<Tiles>(M);
         default: return nullptr;
     }
 }
