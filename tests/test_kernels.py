@@ -379,7 +379,8 @@ def test_gemv_rows_do_not_depend_on_m(C, name):
                         assert torch.equal(y[m], alone[m]), f"{name} {isa} K={K}: row {m} of {M} differs from alone"
 
 
-AMX_ROWS_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]  # rows-by-8 types with AMX-INT8 kernels for 2..8 rows
+# the rows-by-8 types with AMX-INT8 kernels for 2..8 activation rows
+AMX_ROWS_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def amx_rows_paths(C) -> list[tuple[str, str]]:

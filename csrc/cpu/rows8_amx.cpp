@@ -102,17 +102,18 @@ struct TileSet {  // a tile set's index as a type (tile numbers must be constant
     static constexpr int value = S;
 };
 
-// Rows8<G> (cpu_impl.h) for the 4-bit groups; Q8_0's codes are whole bytes, with no min and no offset.
+// Rows8<G> (cpu_impl.h) for the groups of 4- and 5-bit codes; Q8_0's codes are whole bytes, with no min and no
+// offset.
 template <class G>
 struct Amx8 : Rows8<G> {
-    static constexpr bool four = true;
+    static constexpr bool nibbles = true;
 };
 template <>
 struct Amx8<block_q8_0x8> {
-    static constexpr bool four = false, has_min = false;
+    static constexpr bool nibbles = false, five = false, has_min = false;
     static constexpr float offset = 0.f;
 };
-// Group block B's codes -> rows 0..7 of the B tile buffer at byte `col` (0: weight rows 0-7, 32: rows 8-15).
+
 // A lone last group: the B tiles' weight rows 8-15 stay zero (their sums are computed, never stored).
 inline void zero_upper_halves(int8_t (&bt)[2][8 * 64]) {
     for (int s = 0; s < 2; ++s)
@@ -120,15 +121,25 @@ inline void zero_upper_halves(int8_t (&bt)[2][8 * 64]) {
             _mm256_store_si256(reinterpret_cast<__m256i*>(bt[s] + 64 * k + 32), _mm256_setzero_si256());
 }
 
+// Group block B's codes -> rows 0..7 of the B tile buffer at byte `col` (0: weight rows 0-7, 32: rows 8-15).  Q5:
+// the fifth bits of lane group c (blocks.h: bit c of each qh byte) joined at 0x10, as rows8_group does.
 template <class G>
 inline void codes_to_tile(const G& B, int8_t* bt, int col) {
-    if constexpr (Amx8<G>::four) {
-        const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if constexpr (Amx8<G>::nibbles) {
+        const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+        __m256i qh = _mm256_setzero_si256();
+        if constexpr (Amx8<G>::five) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qh));
         for (int k = 0; k < 4; ++k) {
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B.qs + 32 * k));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(bt + 64 * k + col), _mm256_and_si256(v, low4));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(bt + 64 * (4 + k) + col),
-                               _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if constexpr (Amx8<G>::five) {  // bit k -> 4 (lo), bit 4 + k -> 4 (hi)
+                const __m256i fl = _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - k));
+                const __m256i fh = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(k));
+                lo = _mm256_or_si256(lo, _mm256_and_si256(fl, bit4));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(fh, bit4));
+            }
+            _mm256_store_si256(reinterpret_cast<__m256i*>(bt + 64 * k + col), lo);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(bt + 64 * (4 + k) + col), hi);
         }
     } else {
         for (int k = 0; k < 8; ++k)
@@ -174,11 +185,11 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
             const __m512 dw = f16x16(g0[b].d, pair ? g1[b].d : nullptr);
             __m512 cw = _mm512_setzero_ps();
             if constexpr (T::has_min) cw = f16x16(g0[b].m, pair ? g1[b].m : nullptr);
-            else if constexpr (T::four) cw = _mm512_mul_ps(dw, _mm512_set1_ps(T::offset));
+            else if constexpr (T::nibbles) cw = _mm512_mul_ps(dw, _mm512_set1_ps(T::offset));
             for (int m = 0; m < M; ++m) {
                 const __m512 is = _mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * m));
                 acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a[m].d[b])), is, acc[m]);
-                if constexpr (T::four) accc[m] = _mm512_fmadd_ps(cw, _mm512_set1_ps(a[m].s[b]), accc[m]);
+                if constexpr (T::nibbles) accc[m] = _mm512_fmadd_ps(cw, _mm512_set1_ps(a[m].s[b]), accc[m]);
             }
         };
         int b = 0;
@@ -193,7 +204,7 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
             scale_block(b, ct[0]);
         }
         for (int m = 0; m < M; ++m) {
-            const __m512 v = T::four ? _mm512_add_ps(acc[m], accc[m]) : acc[m];
+            const __m512 v = T::nibbles ? _mm512_add_ps(acc[m], accc[m]) : acc[m];
             if (pair) _mm512_storeu_ps(y + m * ldy + g, v);
             else _mm256_storeu_ps(y + m * ldy + g, _mm512_castps512_ps256(v));
         }
@@ -464,6 +475,8 @@ RowsDot pick_type(QType t, int M) {
     switch (t) {
         case QType::Q4_0_R8: return pick<Tiles, block_q4_0x8>(M);
         case QType::Q4_1_R8: return pick<Tiles, block_q4_1x8>(M);
+        case QType::Q5_0_R8: return pick<Tiles, block_q5_0x8>(M);
+        case QType::Q5_1_R8: return pick<Tiles, block_q5_1x8>(M);
         case QType::Q8_0_R8: return pick<Tiles, block_q8_0x8>(M);
         case QType::Q4_K_R8: return pick_k<Tiles, block_q4_kx8, false>(M);
         case QType::Q5_K_R8: return pick_k<Tiles, block_q5_kx8, true>(M);
