@@ -1,21 +1,21 @@
 // AMX-INT8 row kernels for several activation rows (a speculative verification pass, a few batched sequences)
-// against the decode step's rows interleaved by 8 (Q4_0_R8, Q4_1_R8, Q8_0_R8).  At M = 8 the VNNI rows kernels
-// spend 8 vpdpbusd per activation row, group block and 8 weight rows (gemv_legacy_impl.h rows8_group); here one
-// TDPBSSD takes all M rows of a block against 16 weight rows, and what is left per row is the fp32 scaling.
+// against the decode step's rows interleaved by 8 (every Q*_R8 type).  At M = 8 the VNNI rows kernels spend 8
+// vpdpbusd per activation row, group block and 8 weight rows (gemv_legacy_impl.h rows8_group); here one TDPBSSD
+// takes all M rows of a block against 16 weight rows, and what is left per row is the fp32 scaling.
 //
-// Per group block b, two groups side by side (16 weight rows):
+// Per group block b (the K-quants: per sub-block), two groups side by side (16 weight rows):
 //   B tile (8 rows x 64 bytes, signed): row kk holds, for weight row n, its codes of elements 4kk..4kk+3 at
-//     bytes 4n..4n+3.  That is the R8 layout's own: Q4 code vector k (4k..4k+3 low nibbles, 16+4k.. high ones)
-//     decoded is row k / 4 + k, a Q8_0 code vector k is row k.  The codes are 0..15 or int8: TDPBSSD's signed
-//     operand holds them as they are.
+//     bytes 4n..4n+3.  That is the R8 layout's own: Q4/Q5 code vector k decoded gives row k (its low nibbles,
+//     elements 4k..4k+3) and row 4 + k (its high nibbles, 16+4k..16+4k+3); a Q8_0 code vector k is row k.  The
+//     codes are 0..31 or int8: TDPBSSD's signed operand holds them as they are.
 //   A tile (M rows x 32 bytes, signed): the activation rows' int8 codes of block b, loaded in place from the
-//     Q8Row buffers (stride xs).
+//     activation rows (stride xs).
 //   C = A B: the exact int32 dots sum(code * xq) of the M rows and 16 weight rows, the very integers vpdpbusd sums
 //     in the VNNI kernels.  The fp32 steps after it are theirs lane for lane (acc += (dw * dx) * isum, accc +=
 //     c * s, y = acc + accc), so every row gets the VNNI kernels' bits: greedy verification stays exact against
 //     the one-row step, which keeps the VNNI kernel.
 //
-// Two builds of the same kernel: native tiles (a CPU with AMX-INT8 and Linux's tile permission) and tiles
+// Two builds of the same kernels: native tiles (a CPU with AMX-INT8 and Linux's tile permission) and tiles
 // emulated in plain C++ (any CPU with AVX-512, for tests of everything but the tile instructions themselves).
 // Compiled for AVX-512 (+AMX) by target pragma: called only where cpu_runs_avx512_natively() (gemv.cpp), and
 // nothing here instantiates std:: templates (their weak copies would be built for AVX-512).
