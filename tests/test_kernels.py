@@ -402,8 +402,9 @@ def test_amx_rows_give_the_vnni_rows_bits(C, name):
     codes; the K-quants' sub-block scales applied in int32; then the VNNI kernels' fp32 steps lane for lane) give,
     for every row of every M = 2..8, the bits of the VNNI rows kernels they replace (references checked against
     float64 by test_rows8_gemv_matches_oracle_and_isas_agree), so a verification pass with them stays greedy-exact
-    against the one-row step.  Also against the int8-x float64 oracle (TOL_EXACT).  The output projection's int16
-    activations (precise_x) keep the VNNI kernel: checked to be untouched.  Shapes: a lone last group of 8 rows
+    against the one-row step.  Also against the int8-x float64 oracle (TOL_EXACT).  Q8_0 also under the output
+    projection's int16 activations (precise_x: their high and low bytes through TDPBSSD and TDPBUSD), against the
+    VNNI int16 kernel's bits and the int16-x float64 oracle.  Shapes: a lone last group of 8 rows
     (N = 40, 24), whole pairs (48, 1536, 896), K of 1 to 28 blocks (1 to 8 super-blocks).  The emulated tiles are
     TDPBSSD's definition in C++: they check the layouts, not the instructions."""
     paths = amx_rows_paths(C)
@@ -429,7 +430,10 @@ def test_amx_rows_give_the_vnni_rows_bits(C, name):
                     err = rel_err(got, quantize_like_kernels(xm, 256 if k_quant else 32) @ wt.W64.T, xm, wt)
                     assert err < TOL_EXACT, f"{name} {mode} tiles vs int8-x float64: {err:.3g} " + why(N, K, M)
                     if ref16 is not None:
-                        assert torch.equal(C.gemv(xm, r, rid, None, True), ref16), f"{mode}: precise_x moved"
+                        got16 = C.gemv(xm, r, rid, None, True)
+                        assert torch.equal(got16, ref16), f"Q8_0 precise_x {mode}: M={M} differs " + why(N, K)
+                        err = rel_err(got16, quantize_like_kernels(xm, 32, 32767) @ wt.W64.T, xm, wt)
+                        assert err < TOL_EXACT, f"Q8_0 precise_x {mode} vs int16-x float64: {err:.3g} " + why(N, K, M)
     finally:
         C.set_amx_rows("off")
 

@@ -103,11 +103,11 @@ RowKernel row_kernel_avx512_x16(QType t);     // precise_x Q8_0 rows, each int16
 RowKernel row_kernel_vnni_emulated_x16(QType t);  // the same kernels as AVX2 code, for tests
 RowKernel row_kernel_generic_rows8(QType t);  // Q*_R8 without SIMD: each row unpacked, then the generic row dot
 RowKernel row_kernel_generic_rows8_x16(QType t);  // Q8_0_R8 against 16-bit activations, likewise
-// AMX-INT8 rows for 2 <= M <= 8 activation rows against every rows-by-8 type (Q4_0_R8 ... Q6_K_R8), bit for bit
-// the VNNI rows kernels (rows8_amx.cpp): native tiles, or tiles emulated in C++ for tests.  nullptr for other
-// types and M.  Call only where cpu_runs_avx512_natively() (the file is built for AVX-512), and native only where
-// cpu_amx_int8_usable().
-RowsDot rows8_amx_kernel(QType t, int M, bool emulated);
+// AMX-INT8 rows for 2 <= M <= 8 activation rows against every rows-by-8 type (Q4_0_R8 ... Q6_K_R8; x16: Q8_0_R8
+// against int16 activations), bit for bit the VNNI rows kernels (rows8_amx.cpp): native tiles, or tiles emulated
+// in C++ for tests.  nullptr for other types and M.  Call only where cpu_runs_avx512_natively() (the file is built
+// for AVX-512), and native only where cpu_amx_int8_usable().
+RowsDot rows8_amx_kernel(QType t, int M, bool emulated, bool x16);
 bool avx2_compiled();
 bool avx512_compiled();
 // AMX-BF16 tiles usable by this process: CPUID (AMX-TILE, AMX-BF16, AVX512_BF16 for the packing), OS state

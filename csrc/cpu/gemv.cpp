@@ -220,10 +220,9 @@ AmxRows amx_rows_mode() {
 // ones avx512 too.
 cpu::RowsDot amx_rows_for(QType t, Act act, int M, Isa isa) {
     const AmxRows mode = amx_rows_mode();
-    if (mode == AmxRows::Off || (act != Act::Q8_32 && act != Act::Q8_K) || M < 2 || isa < Isa::Avx512 ||
-        (mode == AmxRows::Native && isa != Isa::Amx))
+    if (mode == AmxRows::Off || M < 2 || isa < Isa::Avx512 || (mode == AmxRows::Native && isa != Isa::Amx))
         return nullptr;
-    return cpu::rows8_amx_kernel(t, M, mode == AmxRows::Emulated);
+    return cpu::rows8_amx_kernel(t, M, mode == AmxRows::Emulated, act == Act::Q16_32);
 }
 }  // namespace
 

@@ -69,15 +69,28 @@ struct NativeTiles {
             _tile_stored(3, c, 64);
         }
     }
+    // int16 activations as their high (signed) and low (unsigned) bytes against one B tile: c_hi, c_lo.
+    void dot_x16(const int8_t* a_hi, const uint8_t* a_lo, size_t a_stride, const int8_t* b, int32_t* c_hi,
+                 int32_t* c_lo) {
+        _tile_zero(0);
+        _tile_zero(3);
+        _tile_loadd(2, b, 64);
+        _tile_loadd(1, a_hi, a_stride);
+        _tile_loadd(4, a_lo, a_stride);
+        _tile_dpbssd(0, 1, 2);
+        _tile_dpbusd(3, 4, 2);
+        _tile_stored(0, c_hi, 64);
+        _tile_stored(3, c_lo, 64);
+    }
 };
 
 // TDPBSSD's definition (Intel SDM vol. 2, TDPBSSD): c[m][n] = sum over kk < kb/4, i < 4 of a[m][4kk + i] *
-// b[kk][4n + i], signed bytes, exact in int32.
+// b[kk][4n + i], bytes (signed; TDPBUSD: a unsigned), exact in int32.
 struct EmulatedTiles {
     int M, kb;
     EmulatedTiles(int m, int k) : M(m), kb(k) {}
-    template <int S>
-    void dot(const int8_t* a, size_t a_stride, const int8_t* b, int32_t* c) const {
+    template <class A>
+    void product(const A* a, size_t a_stride, const int8_t* b, int32_t* c) const {
         for (int m = 0; m < M; ++m)
             for (int n = 0; n < 16; ++n) {
                 int32_t s = 0;
@@ -86,6 +99,15 @@ struct EmulatedTiles {
                         s += static_cast<int32_t>(a[m * a_stride + 4 * kk + i]) * b[64 * kk + 4 * n + i];
                 c[16 * m + n] = s;
             }
+    }
+    template <int S>
+    void dot(const int8_t* a, size_t a_stride, const int8_t* b, int32_t* c) const {
+        product(a, a_stride, b, c);
+    }
+    void dot_x16(const int8_t* a_hi, const uint8_t* a_lo, size_t a_stride, const int8_t* b, int32_t* c_hi,
+                 int32_t* c_lo) const {
+        product(a_hi, a_stride, b, c_hi);
+        product(a_lo, a_stride, b, c_lo);
     }
 };
 
@@ -96,6 +118,34 @@ inline void prefetch_block(const void* p) {
     const char* c = static_cast<const char*>(p) + PYLLM_PREFETCH;
     for (int l = 0; l < Bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T0);
 }
+
+// A lone last group: the B tiles' weight rows 8-15 stay zero (their sums are computed, never stored).
+inline void zero_upper_halves(int8_t (&bt)[2][8 * 64]) {
+    for (int s = 0; s < 2; ++s)
+        for (int k = 0; k < 8; ++k)
+            _mm256_store_si256(reinterpret_cast<__m256i*>(bt[s] + 64 * k + 32), _mm256_setzero_si256());
+}
+
+// Weight rows g .. g + 15 of a call: groups g0 and g1, or g0 alone where g is the call's last group (g1 null; the
+// B tiles' second halves then stay zero and the upper 8 results are computed but not stored).
+template <class G>
+struct GroupPair {
+    const G* g0;
+    const G* g1;
+    GroupPair(const uint8_t* w, size_t row_bytes, int g, int n, int8_t (&bt)[2][8 * 64])
+        : g0(reinterpret_cast<const G*>(w + row_bytes * g)),
+          g1(g + 8 < n ? reinterpret_cast<const G*>(w + row_bytes * (g + 8)) : nullptr) {
+        if (!g1) zero_upper_halves(bt);
+    }
+    void prefetch(int b) const {
+        prefetch_block<sizeof(G)>(g0 + b);
+        if (g1) prefetch_block<sizeof(G)>(g1 + b);
+    }
+    void store(float* y, __m512 v) const {  // rows g .. g + 15 (or g + 7) of one activation row
+        if (g1) _mm512_storeu_ps(y, v);
+        else _mm256_storeu_ps(y, _mm512_castps512_ps256(v));
+    }
+};
 
 template <int S>
 struct TileSet {  // a tile set's index as a type (tile numbers must be constants)
@@ -113,13 +163,6 @@ struct Amx8<block_q8_0x8> {
     static constexpr bool nibbles = false, five = false, has_min = false;
     static constexpr float offset = 0.f;
 };
-
-// A lone last group: the B tiles' weight rows 8-15 stay zero (their sums are computed, never stored).
-inline void zero_upper_halves(int8_t (&bt)[2][8 * 64]) {
-    for (int s = 0; s < 2; ++s)
-        for (int k = 0; k < 8; ++k)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(bt[s] + 64 * k + 32), _mm256_setzero_si256());
-}
 
 // Group block B's codes -> rows 0..7 of the B tile buffer at byte `col` (0: weight rows 0-7, 32: rows 8-15).  Q5:
 // the fifth bits of lane group c (blocks.h: bit c of each qh byte) joined at 0x10, as rows8_group does.
@@ -165,17 +208,15 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
     alignas(64) int32_t ct[2][M * 16];
     Tiles tiles(M, 32);
     for (int g = 0; g < n; g += 16) {
-        const bool pair = g + 8 < n;  // else the last group alone: the tiles' second halves stay zero
-        const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
-        const G* g1 = pair ? reinterpret_cast<const G*>(w + row_bytes * (g + 8)) : nullptr;
-        if (!pair) zero_upper_halves(bt);
+        const GroupPair<G> gp(w, row_bytes, g, n, bt);
+        const G *g0 = gp.g0, *g1 = gp.g1;
+        const bool pair = g1 != nullptr;
         __m512 acc[M], accc[M];
         for (int m = 0; m < M; ++m) acc[m] = accc[m] = _mm512_setzero_ps();
         // Block b's codes into buffer s, and its tile product into ct[s].
         auto tile_block = [&](int b, auto set) {
             constexpr int s = decltype(set)::value;
-            prefetch_block<sizeof(G)>(g0 + b);
-            if (pair) prefetch_block<sizeof(G)>(g1 + b);
+            gp.prefetch(b);
             codes_to_tile(g0[b], bt[s], 0);
             if (pair) codes_to_tile(g1[b], bt[s], 32);
             tiles.template dot<s>(a[0].qs + QK * b, xs, bt[s], ct[s]);
@@ -203,11 +244,7 @@ void rows8_amx(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
             tile_block(b, TileSet<0>{});
             scale_block(b, ct[0]);
         }
-        for (int m = 0; m < M; ++m) {
-            const __m512 v = T::nibbles ? _mm512_add_ps(acc[m], accc[m]) : acc[m];
-            if (pair) _mm512_storeu_ps(y + m * ldy + g, v);
-            else _mm256_storeu_ps(y + m * ldy + g, _mm512_castps512_ps256(v));
-        }
+        for (int m = 0; m < M; ++m) gp.store(y + m * ldy + g, T::nibbles ? _mm512_add_ps(acc[m], accc[m]) : acc[m]);
     }
 }
 
@@ -281,15 +318,13 @@ void rows8_amx_q45k(int K, int n, const uint8_t* w, size_t row_bytes, const uint
     Tiles tiles(M, 32);
     const __m512i low8 = _mm512_set1_epi32(0xFF);
     for (int g = 0; g < n; g += 16) {
-        const bool pair = g + 8 < n;
-        const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
-        const G* g1 = pair ? reinterpret_cast<const G*>(w + row_bytes * (g + 8)) : nullptr;
-        if (!pair) zero_upper_halves(bt);
+        const GroupPair<G> gp(w, row_bytes, g, n, bt);
+        const G *g0 = gp.g0, *g1 = gp.g1;
+        const bool pair = g1 != nullptr;
         __m512 acc[M];
         for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
         for (int b = 0; b < nb; ++b) {
-            prefetch_block<sizeof(G)>(g0 + b);
-            if (pair) prefetch_block<sizeof(G)>(g1 + b);
+            gp.prefetch(b);
             __m256i s0[4], s1[4];
             k_scales(g0[b], s0);
             if (pair) k_scales(g1[b], s1);
@@ -327,10 +362,7 @@ void rows8_amx_q45k(int K, int n, const uint8_t* w, size_t row_bytes, const uint
                 acc[m] = _mm512_fnmadd_ps(_mm512_mul_ps(dmw, dx), _mm512_cvtepi32_ps(summ), acc[m]);
             }
         }
-        for (int m = 0; m < M; ++m) {
-            if (pair) _mm512_storeu_ps(y + m * ldy + g, acc[m]);
-            else _mm256_storeu_ps(y + m * ldy + g, _mm512_castps512_ps256(acc[m]));
-        }
+        for (int m = 0; m < M; ++m) gp.store(y + m * ldy + g, acc[m]);
     }
 }
 
@@ -379,15 +411,13 @@ void rows8_amx_q6k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8
     alignas(64) int32_t ct[2][M * 16];
     Tiles tiles(M, 16);
     for (int g = 0; g < n; g += 16) {
-        const bool pair = g + 8 < n;
-        const block_q6_kx8* g0 = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g);
-        const block_q6_kx8* g1 = pair ? reinterpret_cast<const block_q6_kx8*>(w + row_bytes * (g + 8)) : nullptr;
-        if (!pair) zero_upper_halves(bt);
+        const GroupPair<block_q6_kx8> gp(w, row_bytes, g, n, bt);
+        const block_q6_kx8 *g0 = gp.g0, *g1 = gp.g1;
+        const bool pair = g1 != nullptr;
         __m512 acc[M];
         for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
         for (int b = 0; b < nb; ++b) {
-            prefetch_block<sizeof(block_q6_kx8)>(g0 + b);
-            if (pair) prefetch_block<sizeof(block_q6_kx8)>(g1 + b);
+            gp.prefetch(b);
             __m512i sumi[M];
             for (int m = 0; m < M; ++m) sumi[m] = _mm512_setzero_si512();
             for (int h = 0; h < 2; ++h)
@@ -421,77 +451,116 @@ void rows8_amx_q6k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8
                 acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xr[m][b].d)), _mm512_cvtepi32_ps(sumi[m]),
                                          acc[m]);
         }
-        for (int m = 0; m < M; ++m) {
-            if (pair) _mm512_storeu_ps(y + m * ldy + g, acc[m]);
-            else _mm256_storeu_ps(y + m * ldy + g, _mm512_castps512_ps256(acc[m]));
+        for (int m = 0; m < M; ++m) gp.store(y + m * ldy + g, acc[m]);
+    }
+}
+
+// ---- Q8_0_R8 against int16 activations (precise_x: the output projection; gemv_legacy_impl.h rows8_q16_chunk).
+// AMX has no int16 product, but x = 256 hi + lo with hi = x >> 8 (signed) and lo = x & 255 (unsigned), so per
+// block TDPBSSD (hi x codes) and TDPBUSD (lo x codes) against one B tile give sum(x * code) = 256 c_hi + c_lo
+// exactly in int32 (|.| <= 32 * 32767 * 128 < 2^31): the integer vpdpwssd sums, then the same fp32 step per row
+// (the VNNI kernel's lane order 0 1 4 5 2 3 6 7 only permutes rows, each row's operations are these).
+template <class Tiles, int M>
+void rows8_amx_x16(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
+                   size_t ldy) {
+    const int nb = K / QK;
+    Q16RowC a[M];
+    for (int m = 0; m < M; ++m) a[m] = q16_row(xa + xs * m, K);
+    // the activation rows' byte planes, K bytes a row: high bytes (signed), then low bytes (unsigned)
+    int8_t* const hi = reinterpret_cast<int8_t*>(thread_scratch_i32((static_cast<size_t>(M) * K * 2 + 3) / 4));
+    uint8_t* const lo = reinterpret_cast<uint8_t*>(hi + static_cast<size_t>(M) * K);
+    for (int m = 0; m < M; ++m)
+        for (int k = 0; k < K; k += 32) {
+            const __m512i v = _mm512_loadu_si512(a[m].qs + k);  // 32 int16
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + static_cast<size_t>(m) * K + k),
+                                _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + static_cast<size_t>(m) * K + k),
+                                _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xFF))));
         }
+    alignas(64) int8_t bt[2][8 * 64];
+    alignas(64) int32_t ct[2][M * 16];
+    Tiles tiles(M, 32);
+    for (int g = 0; g < n; g += 16) {
+        const GroupPair<block_q8_0x8> gp(w, row_bytes, g, n, bt);
+        const block_q8_0x8 *g0 = gp.g0, *g1 = gp.g1;
+        const bool pair = g1 != nullptr;
+        __m512 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            gp.prefetch(b);
+            codes_to_tile(g0[b], bt[0], 0);
+            if (pair) codes_to_tile(g1[b], bt[0], 32);
+            tiles.dot_x16(hi + QK * b, lo + QK * b, K, bt[0], ct[0], ct[1]);
+            const __m512 dw = f16x16(g0[b].d, pair ? g1[b].d : nullptr);
+            for (int m = 0; m < M; ++m) {
+                const __m512i is = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(ct[0] + 16 * m), 8),
+                                                    _mm512_load_si512(ct[1] + 16 * m));
+                acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a[m].d[b])), _mm512_cvtepi32_ps(is), acc[m]);
+            }
+        }
+        for (int m = 0; m < M; ++m) gp.store(y + m * ldy + g, acc[m]);
     }
 }
 
-template <class Tiles>
-RowsDot pick_q6k(int M) {
-    switch (M) {
-        case 2: return rows8_amx_q6k<Tiles, 2>;
-        case 3: return rows8_amx_q6k<Tiles, 3>;
-        case 4: return rows8_amx_q6k<Tiles, 4>;
-        case 5: return rows8_amx_q6k<Tiles, 5>;
-        case 6: return rows8_amx_q6k<Tiles, 6>;
-        case 7: return rows8_amx_q6k<Tiles, 7>;
-        case 8: return rows8_amx_q6k<Tiles, 8>;
-        default: return nullptr;
-    }
-}
-
-template <class Tiles, class G, bool Five>
-RowsDot pick_k(int M) {
-    switch (M) {
-        case 2: return rows8_amx_q45k<Tiles, G, Five, 2>;
-        case 3: return rows8_amx_q45k<Tiles, G, Five, 3>;
-        case 4: return rows8_amx_q45k<Tiles, G, Five, 4>;
-        case 5: return rows8_amx_q45k<Tiles, G, Five, 5>;
-        case 6: return rows8_amx_q45k<Tiles, G, Five, 6>;
-        case 7: return rows8_amx_q45k<Tiles, G, Five, 7>;
-        case 8: return rows8_amx_q45k<Tiles, G, Five, 8>;
-        default: return nullptr;
-    }
-}
-
+// Each kernel family as a type holding its instantiation for M rows (fn<M>), so that one switch picks M for all.
 template <class Tiles, class G>
+struct Blocks32 {
+    template <int M>
+    static constexpr RowsDot fn = rows8_amx<Tiles, G, M>;
+};
+template <class Tiles, class G, bool Five>
+struct Q45K {
+    template <int M>
+    static constexpr RowsDot fn = rows8_amx_q45k<Tiles, G, Five, M>;
+};
+template <class Tiles>
+struct Q6K {
+    template <int M>
+    static constexpr RowsDot fn = rows8_amx_q6k<Tiles, M>;
+};
+template <class Tiles>
+struct X16 {
+    template <int M>
+    static constexpr RowsDot fn = rows8_amx_x16<Tiles, M>;
+};
+
+template <class Kernel>
 RowsDot pick(int M) {
     switch (M) {
-        case 2: return rows8_amx<Tiles, G, 2>;
-        case 3: return rows8_amx<Tiles, G, 3>;
-        case 4: return rows8_amx<Tiles, G, 4>;
-        case 5: return rows8_amx<Tiles, G, 5>;
-        case 6: return rows8_amx<Tiles, G, 6>;
-        case 7: return rows8_amx<Tiles, G, 7>;
-        case 8: return rows8_amx<Tiles, G, 8>;
+        case 2: return Kernel::template fn<2>;
+        case 3: return Kernel::template fn<3>;
+        case 4: return Kernel::template fn<4>;
+        case 5: return Kernel::template fn<5>;
+        case 6: return Kernel::template fn<6>;
+        case 7: return Kernel::template fn<7>;
+        case 8: return Kernel::template fn<8>;
         default: return nullptr;
     }
 }
 
 template <class Tiles>
-RowsDot pick_type(QType t, int M) {
+RowsDot pick_type(QType t, int M, bool x16) {
+    if (x16) return t == QType::Q8_0_R8 ? pick<X16<Tiles>>(M) : nullptr;
     switch (t) {
-        case QType::Q4_0_R8: return pick<Tiles, block_q4_0x8>(M);
-        case QType::Q4_1_R8: return pick<Tiles, block_q4_1x8>(M);
-        case QType::Q5_0_R8: return pick<Tiles, block_q5_0x8>(M);
-        case QType::Q5_1_R8: return pick<Tiles, block_q5_1x8>(M);
-        case QType::Q8_0_R8: return pick<Tiles, block_q8_0x8>(M);
-        case QType::Q4_K_R8: return pick_k<Tiles, block_q4_kx8, false>(M);
-        case QType::Q5_K_R8: return pick_k<Tiles, block_q5_kx8, true>(M);
-        case QType::Q6_K_R8: return pick_q6k<Tiles>(M);
+        case QType::Q4_0_R8: return pick<Blocks32<Tiles, block_q4_0x8>>(M);
+        case QType::Q4_1_R8: return pick<Blocks32<Tiles, block_q4_1x8>>(M);
+        case QType::Q5_0_R8: return pick<Blocks32<Tiles, block_q5_0x8>>(M);
+        case QType::Q5_1_R8: return pick<Blocks32<Tiles, block_q5_1x8>>(M);
+        case QType::Q8_0_R8: return pick<Blocks32<Tiles, block_q8_0x8>>(M);
+        case QType::Q4_K_R8: return pick<Q45K<Tiles, block_q4_kx8, false>>(M);
+        case QType::Q5_K_R8: return pick<Q45K<Tiles, block_q5_kx8, true>>(M);
+        case QType::Q6_K_R8: return pick<Q6K<Tiles>>(M);
         default: return nullptr;
     }
 }
 
 }  // namespace
 
-RowsDot rows8_amx_kernel(QType t, int M, bool emulated) {
-    return emulated ? pick_type<EmulatedTiles>(t, M) : pick_type<NativeTiles>(t, M);
+RowsDot rows8_amx_kernel(QType t, int M, bool emulated, bool x16) {
+    return emulated ? pick_type<EmulatedTiles>(t, M, x16) : pick_type<NativeTiles>(t, M, x16);
 }
 #else
-RowsDot rows8_amx_kernel(QType, int, bool) { return nullptr; }
+RowsDot rows8_amx_kernel(QType, int, bool, bool) { return nullptr; }
 #endif
 
 }  // namespace cpu
