@@ -920,6 +920,17 @@ def test_pyllm_isa_env_forces_the_kernels_and_rejects_what_the_cpu_lacks(C):
     assert len(lines) == 1 and lines[0].startswith("pyllm: error:") and f"PYLLM_ISA={bad}" in lines[0], r.stderr
 
 
+def test_pyllm_amx_rows_env_is_named_by_version_where_it_applies(C):
+    """README: `PYLLM_AMX_ROWS=1` turns on the AMX-INT8 rows kernels on a CPU with AMX-INT8, and `pyllm --version`
+    says so; elsewhere it changes nothing (the kernels stay off) and the line does not mention them."""
+    r = _pyllm(["--version"], PYLLM_AMX_ROWS="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    named = "AMX-INT8 rows kernels for verification passes (native)" in r.stdout
+    assert named == C.amx_int8_usable(), r.stdout
+    r = _pyllm(["--version"])
+    assert "AMX-INT8 rows" not in r.stdout, r.stdout
+
+
 def test_pyllm_repack_env_switches_the_decode_copy(C):
     """README: `pyllm info MODEL --device cpu --json` names the decode step's interleaved copy (repacked_mb: the
     default model's Q4_1 layer matrices, 63.3 MiB, and its Q8_0 output projection, 28.7 MiB), and PYLLM_REPACK=0
