@@ -124,9 +124,11 @@ bool dequant_row_avx2_awq(QType t, const uint8_t* w, int K, float* out);
 // headers: those are also compiled under AVX-512 target pragmas, and a std::vector instantiated there emits weak
 // std:: functions built for AVX-512 that the linker may keep as every file's copy, AVX2-only CPUs included.
 int32_t* thread_scratch_i32(size_t n);
-// The Q4_K/Q5_K rows kernels' bsum pairs of M block_q8_K activation rows (xs bytes apart, nb blocks each), in this
-// thread's scratch: [(m * nb + b) * 4 + t] = (bsum_4t + bsum_4t+1) | (bsum_4t+2 + bsum_4t+3) << 16, |.| <= 4064.
-const int32_t* q8_K_bsum_pairs(const uint8_t* xa, size_t xs, int M, int nb);
+// The Q4_K/Q5_K rows kernels' view of M block_q8_K activation rows (xs bytes apart, nb blocks each): xr[m], row m,
+// and bw[m], its bsum pairs in this thread's scratch: bw[m][4 b + t] = (bsum_4t + bsum_4t+1) | (bsum_4t+2 +
+// bsum_4t+3) << 16, |.| <= 4064.
+void q8_K_rows_with_bsum_pairs(const uint8_t* xa, size_t xs, int M, int nb, const block_q8_K** xr,
+                               const int32_t** bw);
 
 // One row of K values of any CPU type -> fp32 (dequantize_rows_cpu's per-row step, without its thread team, for
 // callers already inside a parallel region).

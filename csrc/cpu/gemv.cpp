@@ -146,10 +146,12 @@ int32_t* thread_scratch_i32(size_t n) {
     return buf.data();
 }
 
-const int32_t* q8_K_bsum_pairs(const uint8_t* xa, size_t xs, int M, int nb) {
+void q8_K_rows_with_bsum_pairs(const uint8_t* xa, size_t xs, int M, int nb, const block_q8_K** xr,
+                               const int32_t** bw) {
     int32_t* out = thread_scratch_i32(static_cast<size_t>(M) * nb * 4);
     for (int m = 0; m < M; ++m) {
-        const block_q8_K* x = reinterpret_cast<const block_q8_K*>(xa + xs * m);
+        const block_q8_K* x = xr[m] = reinterpret_cast<const block_q8_K*>(xa + xs * m);
+        bw[m] = out + static_cast<size_t>(m) * nb * 4;
         for (int b = 0; b < nb; ++b) {
             const int16_t* s = x[b].bsums;
             for (int t = 0; t < 4; ++t) {
@@ -160,7 +162,6 @@ const int32_t* q8_K_bsum_pairs(const uint8_t* xa, size_t xs, int M, int nb) {
             }
         }
     }
-    return out;
 }
 }  // namespace cpu
 

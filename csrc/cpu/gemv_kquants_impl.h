@@ -448,13 +448,9 @@ template <class G, bool Five, int M>
 void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
                  size_t ldy) {
     const int nb = K / QK_K;
-    const int32_t* bsw = q8_K_bsum_pairs(xa, xs, M, nb);
     const block_q8_K* xr[M];
     const int32_t* bw[M];
-    for (int m = 0; m < M; ++m) {
-        xr[m] = act_row<block_q8_K>(xa, xs, m);
-        bw[m] = bsw + static_cast<size_t>(m) * nb * 4;
-    }
+    q8_K_rows_with_bsum_pairs(xa, xs, M, nb, xr, bw);
     constexpr int C = M < rows8_k_chunk ? M : rows8_k_chunk, full = M / C * C;
     for (int g = 0; g < n; g += 8) {
         const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);

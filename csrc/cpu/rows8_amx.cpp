@@ -306,13 +306,9 @@ template <class Tiles, class G, bool Five, int M>
 void rows8_amx_q45k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
                     size_t ldy) {
     const int nb = K / QK_K;
-    const int32_t* bsw = q8_K_bsum_pairs(xa, xs, M, nb);
     const block_q8_K* xr[M];
     const int32_t* bw[M];
-    for (int m = 0; m < M; ++m) {
-        xr[m] = reinterpret_cast<const block_q8_K*>(xa + xs * m);
-        bw[m] = bsw + static_cast<size_t>(m) * nb * 4;
-    }
+    q8_K_rows_with_bsum_pairs(xa, xs, M, nb, xr, bw);
     alignas(64) int8_t bt[2][8 * 64];
     alignas(64) int32_t ct[2][M * 16];
     Tiles tiles(M, 32);
