@@ -34,6 +34,7 @@ CPU_SOURCES = [
     "bindings_kernels.cpp",
     "bindings_decode.cpp",
     "cpu/gemv.cpp",
+    "cpu/isa.cpp",
     "cpu/gemv_generic.cpp",
     "cpu/gemv_avx2_legacy.cpp",
     "cpu/gemv_avx2_kquants.cpp",

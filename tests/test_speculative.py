@@ -279,7 +279,7 @@ def test_decode_steps_rows_equal_one_token_steps(key, kind):
     ops._C.emulate_avx512(True)  # where the CPU lacks AVX-512, its VNNI kernels as AVX2 code join the paths
     try:
         # every kernel path this CPU has, every row count: each row sums in the same order whatever M is; the
-        # AMX-INT8 rows kernels (2..8 rows of SmolLM2's Q4_1 layers) with emulated tiles on AVX-512, native on AMX
+        # AMX-INT8 rows kernels (every GEMV of a 2..8-row pass) with emulated tiles on AVX-512, native on AMX
         for isa, amx_rows in kernel_paths_with_amx_rows():
             for M in (1, 2, 3, 8):
                 ops.set_isa(before)  # the prompt's rows are the same for both paths: prefill them fast

@@ -1,5 +1,5 @@
 // CPU dispatch: picks the row kernel for (ISA, type), prepares the activations once, and splits the output
-// rows over OpenMP threads.  Also the thread count, ISA selection and the bandwidth probe.
+// rows over OpenMP threads.  Also the bandwidth probe (the ISA selection and thread count: isa.cpp).
 //
 // The OpenMP runtime is torch's own libgomp (same soname, loaded first), so our threads and torch's share
 // one pool; we pass num_threads() per region instead of omp_set_num_threads() so that pyllm's setting does
@@ -8,20 +8,13 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-#include <sched.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <set>
-#include <thread>
-#include <utility>
 #include <vector>
 
 #include "common/decode.h"
@@ -36,7 +29,6 @@ namespace {
 
 constexpr int kTypeIds = QTYPE_ID_LIMIT;
 
-bool cpu_runs_avx512_natively();
 
 struct Tables {
     RowKernel k[ISA_COUNT][kTypeIds];    // [Isa][type id]; each ISA falls back per type to the one below it
@@ -53,7 +45,7 @@ struct Tables {
             // Even the table lookup is compiled for AVX-512 (its file's target pragma): ask only a CPU that has it.
             // Elsewhere the row holds the same kernels compiled as AVX2 code, reachable only while the tests
             // emulate AVX-512 (cpu_emulate_avx512).
-            const bool native = cpu_runs_avx512_natively();
+            const bool native = cpu::avx512_runs_natively();
             const RowKernel v = native ? cpu::row_kernel_avx512(q) : cpu::row_kernel_vnni_emulated(q);
             k[2][t] = k[3][t] = v.available() ? v : k[1][t];
             RowKernel g16 = cpu::row_kernel_generic_x16(q);
@@ -71,66 +63,6 @@ const Tables& tables() {
     static const Tables t;
     return t;
 }
-
-bool cpu_runs_avx2() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-    return false;
-#endif
-}
-
-#if defined(__x86_64__)
-void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
-    __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
-}
-// XCR0: which register states the OS saves on a context switch (xgetbv needs CPUID.1:ECX.OSXSAVE).
-uint64_t xcr0() {
-    unsigned r[4];
-    cpuid(1, 0, r);
-    if (!(r[2] & (1u << 27))) return 0;
-    unsigned lo, hi;
-    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    return (static_cast<uint64_t>(hi) << 32) | lo;
-}
-#endif
-
-// AVX-512 F + BW + VL + VNNI in CPUID, and the OS saves the opmask and all 32 ZMM registers (XCR0 bits 5-7,
-// with SSE and AVX state, bits 1-2).  A kernel or hypervisor may hide AVX-512 state although CPUID lists it.
-bool cpu_runs_avx512() {
-#if defined(__x86_64__)
-    if (!cpu_runs_avx2()) return false;
-    unsigned r[4];
-    cpuid(0, 0, r);
-    if (r[0] < 7) return false;
-    cpuid(7, 0, r);
-    const bool f = r[1] & (1u << 16), bw = r[1] & (1u << 30), vl = r[1] & (1u << 31), vnni = r[2] & (1u << 11);
-    return f && bw && vl && vnni && (xcr0() & 0xE6) == 0xE6;
-#else
-    return false;
-#endif
-}
-
-// Built with the AVX-512 kernels, and this CPU and its OS run them.
-bool cpu_runs_avx512_natively() {
-    static const bool ok = cpu::avx2_compiled() && cpu::avx512_compiled() && cpu_runs_avx512();
-    return ok;
-}
-
-Isa pick_default() {
-    for (int i = ISA_COUNT - 1; i > 0; --i) {
-        const Isa isa = static_cast<Isa>(i);
-        if (cpu_isa_available(isa) && !(isa == Isa::Avx512 && cpu_avx512_emulated())) return isa;
-    }
-    return Isa::Scalar;
-}
-
-std::atomic<bool> g_emulate_avx512{false};
-
-Isa g_isa = Isa::Scalar;  // set on first use from cpu_best_isa() (PYLLM_ISA: see bindings_kernels.cpp)
-bool g_isa_set = false;
-int g_threads = 0;  // 0 = not chosen yet: physical cores
 
 // Below this many weight bytes a parallel region costs more than it saves.
 constexpr size_t kMinParallelBytes = 64 * 1024;
@@ -170,123 +102,6 @@ bool cpu_type_supported(QType t) {
     return id >= 0 && id < kTypeIds && tables().k[0][id].available();
 }
 
-
-bool cpu_isa_available(Isa isa) {
-    switch (isa) {
-        case Isa::Scalar: return true;
-        case Isa::Avx2: return cpu::avx2_compiled() && cpu_runs_avx2();
-        case Isa::Avx512: return cpu_runs_avx512_natively() || cpu_avx512_emulated();
-        case Isa::Amx: return cpu_runs_avx512_natively() && cpu::amx_usable();
-    }
-    return false;
-}
-bool cpu_emulate_avx512(bool on) {
-    const bool can = !cpu_runs_avx512_natively() && cpu_isa_available(Isa::Avx2) &&
-                     cpu::row_kernel_vnni_emulated(QType::Q4_0).available();
-    g_emulate_avx512 = on && can;
-    if (!g_emulate_avx512 && cpu_get_isa() == Isa::Avx512 && !cpu_runs_avx512_natively()) cpu_set_isa(cpu_best_isa());
-    return g_emulate_avx512;
-}
-bool cpu_avx512_emulated() { return g_emulate_avx512.load(); }
-
-bool cpu_amx_int8_usable() {
-#if defined(__x86_64__)
-    static const bool ok = [] {
-        if (!cpu_isa_available(Isa::Amx)) return false;  // AMX-TILE and the tile permission (cpu::amx_usable)
-        unsigned r[4];
-        cpuid(7, 0, r);
-        return (r[3] & (1u << 25)) != 0;  // AMX-INT8
-    }();
-    return ok;
-#else
-    return false;
-#endif
-}
-
-namespace {
-std::atomic<int> g_amx_rows{-1};  // -1: not read from PYLLM_AMX_ROWS yet
-
-AmxRows amx_rows_mode() {
-    int m = g_amx_rows.load(std::memory_order_relaxed);
-    if (m < 0) {
-        const char* env = std::getenv("PYLLM_AMX_ROWS");
-        m = env && std::strcmp(env, "1") == 0 && cpu_amx_int8_usable() ? static_cast<int>(AmxRows::Native) : 0;
-        g_amx_rows.store(m);
-    }
-    return static_cast<AmxRows>(m);
-}
-
-// The AMX rows kernel that replaces a rows kernel of M activation rows (of kind act) against type t, or nullptr.
-// Native tiles serve only the amx ISA (PYLLM_ISA and the tests' ISA loops keep meaning what they say), emulated
-// ones avx512 too.
-cpu::RowsDot amx_rows_for(QType t, Act act, int M, Isa isa) {
-    const AmxRows mode = amx_rows_mode();
-    if (mode == AmxRows::Off || M < 2 || isa < Isa::Avx512 || (mode == AmxRows::Native && isa != Isa::Amx))
-        return nullptr;
-    return cpu::rows8_amx_kernel(t, M, mode == AmxRows::Emulated, act == Act::Q16_32);
-}
-}  // namespace
-
-bool cpu_set_amx_rows(AmxRows mode) {
-    const bool ok = mode == AmxRows::Off || (mode == AmxRows::Native && cpu_amx_int8_usable()) ||
-                    (mode == AmxRows::Emulated && cpu_runs_avx512_natively());
-    if (ok) g_amx_rows.store(static_cast<int>(mode));
-    return ok;
-}
-AmxRows cpu_get_amx_rows() { return amx_rows_mode(); }
-
-Isa cpu_best_isa() {
-    static const Isa best = pick_default();
-    return best;
-}
-void cpu_set_isa(Isa isa) {
-    g_isa = isa;
-    g_isa_set = true;
-}
-Isa cpu_get_isa() {
-    if (!g_isa_set) cpu_set_isa(cpu_best_isa());
-    return g_isa;
-}
-const char* cpu_isa_name(Isa isa) {
-    static const char* const names[ISA_COUNT] = {"scalar", "avx2", "avx512", "amx"};
-    const int i = static_cast<int>(isa);
-    return i >= 0 && i < ISA_COUNT ? names[i] : "?";
-}
-bool cpu_isa_from_name(const char* name, Isa* isa) {
-    for (int i = 0; i < ISA_COUNT; ++i)
-        if (std::strcmp(name, cpu_isa_name(static_cast<Isa>(i))) == 0) {
-            *isa = static_cast<Isa>(i);
-            return true;
-        }
-    return false;
-}
-
-int cpu_physical_cores() {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    if (sched_getaffinity(0, sizeof(set), &set) != 0) return std::max(1u, std::thread::hardware_concurrency());
-    // SMT siblings share a core's load/store units; decode GEMV is bandwidth-bound, so one thread per core.
-    std::set<std::pair<int, int>> cores;
-    int n_cpus = 0;
-    for (int c = 0; c < CPU_SETSIZE; ++c) {
-        if (!CPU_ISSET(c, &set)) continue;
-        ++n_cpus;
-        int pkg = 0, core = c;
-        char path[128];
-        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu%d/topology/physical_package_id", c);
-        if (FILE* f = fopen(path, "r")) { if (fscanf(f, "%d", &pkg) != 1) pkg = 0; fclose(f); }
-        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu%d/topology/core_id", c);
-        if (FILE* f = fopen(path, "r")) { if (fscanf(f, "%d", &core) != 1) core = c; fclose(f); }
-        cores.insert({pkg, core});
-    }
-    return std::max(1, cores.empty() ? n_cpus : static_cast<int>(cores.size()));
-}
-
-void cpu_set_num_threads(int n) { g_threads = n; }
-int cpu_get_num_threads() {
-    if (g_threads <= 0) g_threads = cpu_physical_cores();
-    return g_threads;
-}
 
 namespace {
 
@@ -722,7 +537,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         const bool q8k = kern[p]->act == Act::Q8_K;
         cpu::RowsDot rows = kern[p]->rows[fm];
         if (rows != nullptr)
-            if (cpu::RowsDot amx = amx_rows_for(P.t, kern[p]->act, fm + 1, isa)) rows = amx;
+            if (cpu::RowsDot amx = cpu::amx_rows_for(P.t, kern[p]->act, fm + 1, isa)) rows = amx;
         job[p] = {kern[p]->fn[fm], rows, P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
                   P.t, sparse && q8k ? outl : nullptr, first, M};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);

@@ -17,7 +17,7 @@
 //
 // Two builds of the same kernels: native tiles (a CPU with AMX-INT8 and Linux's tile permission) and tiles
 // emulated in plain C++ (any CPU with AVX-512, for tests of everything but the tile instructions themselves).
-// Compiled for AVX-512 (+AMX) by target pragma: called only where cpu_runs_avx512_natively() (gemv.cpp), and
+// Compiled for AVX-512 (+AMX) by target pragma: called only where cpu::avx512_runs_natively() (isa.cpp), and
 // nothing here instantiates std:: templates (their weak copies would be built for AVX-512).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
