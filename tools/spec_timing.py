@@ -75,10 +75,12 @@ def main() -> int:
 
                 reply("none")  # warm-up
                 for rnd in range(a.r):
-                    total.clear(), count.clear()
+                    total.clear()
+                    count.clear()
                     ref, t_plain = reply("none")
                     step = total["one-row step"] / max(1, count["one-row step"])
-                    total.clear(), count.clear()
+                    total.clear()
+                    count.clear()
                     out, t_spec = reply("lookup")
                     speedup = t_plain / t_spec * (len(out) - 1) / max(1, len(ref) - 1)
                     print(f"{llm.path.name} {p['name']} round {rnd + 1}: plain {len(ref)} tokens, "
