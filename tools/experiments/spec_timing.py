@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where a speculative reply's decode time goes, against a plain reply to the same prompt (interleaved).
 
-    python tools/spec_timing.py smollm2-135m --prompts code-edit,quote-answer -r 3 -t 2
+    python tools/experiments/spec_timing.py smollm2-135m --prompts code-edit,quote-answer -r 3 -t 2
 
 For each shipped prompt (pyllm/data/spec_prompts.json) and round: a plain greedy reply, then a speculative one
 (prompt lookup), from a fresh cache, as `pyllm bench --spec` times them.  The speculative run's calls are timed
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Outside reference for the KV quality table: llama.cpp (llama-cpp-python) perplexity with K/V cache types.
 
-  python tools/kv_llamacpp_ref.py MODEL f16/f16,q8_0/f16,q8_0/q8_0,f16/q8_0,q4_0/q4_0 [CHUNKS]
+  python tools/experiments/kv_llamacpp_ref.py MODEL f16/f16,q8_0/f16,q8_0/q8_0,f16/q8_0,q4_0/q4_0 [CHUNKS]
 
 Same GGUF, the same tokens (pyllm's tokenizer) and pyllm's protocol (pyllm/perplexity.py: chunks of 512, score the
 second half); KL divergence against the first K/V pair. Needs llama-cpp-python; flash attention on (llama.cpp
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import llama_cpp  # noqa: E402
 

@@ -1,8 +1,8 @@
 """Where a prefill's time goes besides the matmuls, and what the CPU backend's prefill kernels save there.
 
-    python tools/prefill_profile.py smollm2-135m gemma3-270m qwen2.5-coder-0.5b -t 2 -p 512 -r 6
-    python tools/prefill_profile.py smollm2-135m -p 512 -d 1024     # the same prompt after 1024 cached tokens
-    python tools/prefill_profile.py --attention -t 2          # the attention kernel alone vs torch's SDPA
+    python tools/experiments/prefill_profile.py smollm2-135m gemma3-270m qwen2.5-coder-0.5b -t 2 -p 512 -r 6
+    python tools/experiments/prefill_profile.py smollm2-135m -p 512 -d 1024     # the same prompt after 1024 cached tokens
+    python tools/experiments/prefill_profile.py --attention -t 2          # the attention kernel alone vs torch's SDPA
 
 Per model, one process alternates -r times between the backend's kernels (causal_attention, rms_norm, rope, glu)
 and torch's forms of all four (the backend's methods answering None), on the same -p random tokens after -d

@@ -1,7 +1,7 @@
 """KL of the fast backend's prefill logits (every position, one batch) from the float32 reference backend, once per
 prefill GEMM kernel this CPU runs (f32, avx512-bf16, amx-bf16), on the first N tokens of the GPL-3 text.
 
-    python tools/prefill_kl.py 128 smollm2-135m qwen2.5-coder-0.5b gemma3-270m
+    python tools/experiments/prefill_kl.py 128 smollm2-135m qwen2.5-coder-0.5b gemma3-270m
 """
 import sys, torch, pyllm
 from pyllm import _ext
