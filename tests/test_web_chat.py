@@ -13,6 +13,7 @@ $PYLLM_TEST_ARTIFACTS.
 import fnmatch
 import json
 import os
+import re
 import time
 import tomllib
 import urllib.error
@@ -145,11 +146,15 @@ def _chat_requests(driver) -> list[tuple[dict, str | None]]:
     return [(sent[i], bodies.get(i)) for i in order]
 
 
-def _deltas(sse: str) -> str:
+def _deltas(sse: str) -> tuple[str, dict, str]:
+    """(the text, the usage, the finish reason) of a chat completion's event stream."""
     events = [e[6:] for e in sse.split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and chunks[-1]["usage"]
+    return text, chunks[-1]["usage"], finish[0]
 
 
 def test_chat_streams_stops_keeps_the_conversation(smol, smol_llm, browser, artifacts):
@@ -212,16 +217,20 @@ def test_chat_streams_stops_keeps_the_conversation(smol, smol_llm, browser, arti
     d.find_element("id", "prompt").send_keys(second, Keys.ENTER)
     _wait("the second reply", lambda: len(_stored(d)[0]["messages"]) == 4 and _idle(d))
     reply = _stored(d)[0]["messages"][3]
-    assert "error" not in reply and reply["note"].startswith("16 tokens")
     (sent, sse), = _chat_requests(d)
     assert sent["messages"] == msgs + [{"role": "assistant", "content": partial["content"]},
                                        {"role": "user", "content": second}]
     assert sent["stream"] is True and sent["temperature"] == 0 and sent["max_tokens"] == 16
-    assert reply["content"] == _deltas(sse) != ""
+    text, usage, finish = _deltas(sse)
+    assert "error" not in reply and reply["content"] == text != ""
+    # the note: the stream's token count, and whether the reply met max_tokens
+    limit = " · stopped at the token limit" if finish == "length" else ""
+    assert re.fullmatch(rf"{usage['completion_tokens']} tokens, [\d.]+ tokens/s{limit}", reply["note"])
     # the page shows the reply as its renderer makes it
     html = d.execute_script("return [...document.querySelectorAll('.msg.assistant .body')].pop().innerHTML")
     assert html == d.execute_async_script(
-        "const done = arguments[1]; import('/web/markdown.js').then((m) => done(m.renderMarkdown(arguments[0])))",
+        "const [text, done] = arguments, box = document.createElement('div');"
+        "import('/web/markdown.js').then((m) => { m.setMarkdown(box, text); done(box.innerHTML) })",
         reply["content"])
 
     # a reload finds the conversation where it was
