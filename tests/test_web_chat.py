@@ -6,8 +6,8 @@ References: the library's greedy chat (the first, stopped reply must be a prefix
 stream as the browser received it (the page must show and keep exactly those deltas), /metrics (a stopped reply
 stops the server's generation: one cancelled request, fewer tokens than asked for), and the page's
 Content-Security-Policy as the browser enforces it. A missing browser is a failure, not a skip: .ci/run installs
-it. The last screenshot of the conversation is written to tests/artifacts/web_chat.png (gitignored), or under
-$PYLLM_TEST_ARTIFACTS.
+it. Screenshots of the conversation and of a rendered reply are written to tests/artifacts/web_chat*.png
+(gitignored), or under $PYLLM_TEST_ARTIFACTS.
 """
 
 import fnmatch
@@ -15,7 +15,6 @@ import json
 import os
 import re
 import time
-import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -97,7 +96,9 @@ def test_page_files_have_their_types_and_a_strict_csp(smol):
         assert again == 304 and body == b""
     # every file of the page is served, and the wheel carries it (package-data)
     assert {p.name for p in WEB.iterdir()} == {"index.html", *kinds}
-    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pyllm.server"]
+    # (read with a pattern: tomllib is Python 3.11's, and pyllm supports 3.10)
+    line = re.search(r'^"pyllm\.server" = \[(.*)\]$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    globs = json.loads(f"[{line}]")
     assert all(any(fnmatch.fnmatch("web/" + p.name, g) for g in globs) for p in WEB.iterdir())
     for path in ("/web/", "/web/../app.py", "/web/index.html", "/web/chat.js.map", "/index.html"):
         status, _, body = _get(smol, path)
@@ -275,7 +276,7 @@ print("<script>window.pwned=3</script>")
 """
 
 
-def test_markdown_renders_blocks_and_never_model_markup(smol, browser):
+def test_markdown_renders_blocks_and_never_model_markup(smol, browser, artifacts):
     """Model text with markup in it (as a prompt injection would make the model write) is shown as text: the only
     elements are the renderer's own, links are http(s) only, and the browser enforces the CSP's Trusted Types."""
     d = browser
@@ -305,6 +306,7 @@ def test_markdown_renders_blocks_and_never_model_markup(smol, browser):
     assert '<img src=x onerror="window.pwned=1">' in body.text and "<svg onload" in body.text
     assert d.find_element("css selector", ".msg.user .body").text == "<i>not italic</i>"
     assert d.execute_script("return window.pwned") is None
+    d.save_screenshot(str(artifacts / "web_chat_markdown.png"))
     assert [e["message"] for e in d.get_log("browser") if e["level"] == "SEVERE" and "401" not in e["message"]] == []
     # Trusted Types in force: HTML from a plain string is refused, even from the page's own code
     assert d.execute_script("try { document.body.innerHTML = '<b>x</b>'; return 'assigned' }"
