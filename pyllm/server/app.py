@@ -31,6 +31,7 @@ from .. import api
 from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
 from . import responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
+from .webui import routes as web_routes
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
 SHUTDOWN_GRACE_S = 10  # on SIGTERM, requests in flight get this long to finish before their connections close
@@ -512,6 +513,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         Route("/v1/embeddings", embeddings, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
+        *web_routes(),  # the browser chat page at / (webui.py)
     ]
 
     async def on_api_error(request: Request, e: APIError) -> Response:
