@@ -51,6 +51,17 @@ struct alignas(64) AmxTileConfig {
     uint8_t rows[16] = {};
 };
 
+// LDTILECFG with the whole 64-byte configuration as the asm's memory input.  gcc 12's _tile_loadconfig builtin
+// does not tell the optimizer that it reads the rows and colsb fields, so a configuration filled in a loop lost
+// those stores (the loaded palette had every tile unconfigured, and the first tile instruction raised SIGILL).
+inline void load_tile_config(const AmxTileConfig& cfg) {
+#if defined(__x86_64__)
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+#else
+    (void)cfg;
+#endif
+}
+
 // How x is prepared before the row dots run (once per call, then shared by every row and thread).
 enum class Act : int {
     F32,    // fp32 as given (float weight types)

@@ -215,7 +215,7 @@ void tile_config() {
         cfg.rows[i] = kTile;
         cfg.colsb[i] = 64;
     }
-    _tile_loadconfig(&cfg);
+    cpu::load_tile_config(cfg);
 }
 
 // 32 weight rows (a0, a1: strip tiles of 16 rows) x 32 tokens (b0, b1: xp tiles), all of K -> c [4][16][16]:

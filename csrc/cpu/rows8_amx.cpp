@@ -50,7 +50,7 @@ struct NativeTiles {
             cfg.rows[3 * s + 2] = static_cast<uint8_t>(kb / 4);
             cfg.colsb[3 * s + 2] = 64;
         }
-        _tile_loadconfig(&cfg);
+        load_tile_config(cfg);
     }
     ~NativeTiles() { _tile_release(); }  // back to the init state: no tile data saved on a context switch
     template <int S>
