@@ -325,9 +325,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     scheduler = Scheduler(on_done, workers=parallel + 1 if engine else 1)
     created = int(time.time())
-    names = {model_name, llm.path.name, llm.path.stem}
 
-    async def read_json(request: Request) -> dict:
+    async def read_json(request: Request, served_name: bool = True) -> dict:
+        """The request's JSON object. Its ``model`` may name any model: the server serves one, as llama-server
+        does (a server started on a file was asked for the registry name its README uses); with
+        ``served_name`` it is replaced by the served model's name, which responses then carry."""
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body:
             raise APIError(413, f"request body of {size} bytes exceeds the limit of {max_body} bytes")
@@ -357,10 +359,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         model = data.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, f"model must be a string, got {type(model).__name__}", "model")
-        if model is not None and model not in names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
-        data["model"] = model_name
+        if served_name:
+            data["model"] = model_name
         return data
 
     def check_key(request: Request) -> None:
@@ -491,11 +491,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         return JSONResponse({"object": "list", "data": [model_card]})
 
     async def model(request: Request) -> Response:
-        name = request.path_params["model"]
-        if name not in names:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
-        return JSONResponse(model_card)
+        return JSONResponse(model_card)  # every name is the one model served (read_json)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
