@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from .. import api
 from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
-from . import responses
+from . import ollama, responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
@@ -237,7 +237,7 @@ class API(Starlette):
         self.cors_origins = cors_origins
 
     def build_middleware_stack(self):
-        return with_cors(super().build_middleware_stack(), self.cors_origins)
+        return with_cors(ollama.OllamaErrors(super().build_middleware_stack()), self.cors_origins)
 
 
 class BodyDeadline:
@@ -381,28 +381,27 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     job.cancel.set()
                     raise asyncio.CancelledError from None
 
-    async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
-        """``translate``: for a route in another API's shape, data -> (fn's keyword arguments, shape), where
-        shape(make) runs make() (the call) on the worker and returns its result in the route's shape."""
-        data = await read_json(request)
-        stream = bool(data.get("stream"))
-        prompt_param = ("input" if translate else "messages") if fn_name == "create_chat_completion" else "prompt"
-        named = translate is not None  # the Responses API's named events, without data: [DONE]
-        if translate is None:
-            data, shape = call_kwargs(getattr(api, fn_name), data, prompt_param), lambda make: make()
-        else:
-            try:
-                data, shape = translate(data)
-            except PyllmError as e:
-                raise _as_api_error(e, prompt_param) from None
+    def submit_model_call(call) -> Job:
+        """A job running ``call(llm, cancel)`` on a worker outside any generation (embeddings): with an engine on
+        the engine's thread, between its steps, as one thread runs the model."""
         if engine is None:
-            fn = getattr(llm, fn_name)
-            job = scheduler.submit(lambda cancel: shape(lambda: fn(**data, cancel=cancel)))
-        else:
-            cancel = threading.Event()
-            view = EngineLLM(llm, engine, cancel)
-            fn = getattr(api, fn_name)
-            job = scheduler.submit(lambda c: shape(lambda: fn(view, **data, cancel=c)), cancel=cancel, view=view)
+            return scheduler.submit(lambda cancel: call(llm, cancel))
+        return scheduler.submit(lambda cancel: engine.call(lambda: call(llm, cancel)))
+
+    def submit(call) -> Job:
+        """A job running ``call(target, cancel)`` on a worker: ``target`` is the LLM, or with an engine this
+        request's EngineLLM (pyllm/api.py's functions take either; its ``stats`` are this generation's)."""
+        if engine is None:
+            return scheduler.submit(lambda cancel: call(llm, cancel))
+        cancel = threading.Event()
+        view = EngineLLM(llm, engine, cancel)
+        return scheduler.submit(lambda c: call(view, c), cancel=cancel, view=view)
+
+    async def respond(request: Request, route: str, job: Job, stream: bool, prompt_param: str = "messages",
+                      framing: str = "sse") -> Response:
+        """The job's result as the route's response: its one dict as JSON, or with ``stream`` its items as a
+        stream in ``framing``: "sse" (OpenAI's events, ending in data: [DONE]), "events" (the Responses API's
+        named events) or "ndjson" (one JSON object a line, an error as {"error": message}: Ollama's)."""
         try:
             first = await next_item(request, job)
         except asyncio.CancelledError:
@@ -415,6 +414,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         if not stream:
             metrics.request(route, 200)
             return JSONResponse(value)
+        named, ndjson = framing == "events", framing == "ndjson"
 
         async def events():
             # Every item already waiting goes out in one write: a stream that fell behind (the event loop had
@@ -432,12 +432,18 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                             # the Responses API's error event: the error's fields at the top, its type "error";
                             # the error's own type (server_error, ...) would be lost under it, so it is the code
                             # when the error has none
-                            out.append(sse_event({**error, "type": "error", "code": e.code or error["type"],
-                                                  "sequence_number": seq + 1}, "error")
-                                       if named else sse_event({"error": error}))
+                            if ndjson:
+                                out.append(json.dumps({"error": e.message}, ensure_ascii=False) + "\n")
+                            else:
+                                out.append(sse_event({**error, "type": "error", "code": e.code or error["type"],
+                                                      "sequence_number": seq + 1}, "error")
+                                           if named else sse_event({"error": error}))
                             yield "".join(out)
                             return
-                        out.append(sse_event(value, value["type"]) if named else sse_event(value))
+                        if ndjson:
+                            out.append(json.dumps(value, separators=(",", ":"), ensure_ascii=False) + "\n")
+                        else:
+                            out.append(sse_event(value, value["type"]) if named else sse_event(value))
                         seq = value.get("sequence_number", seq)
                         if job.out.empty():
                             item = None
@@ -448,14 +454,34 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     yield "".join(out)
                     if item is None:
                         item = await job.out.get()
-                if not named:
+                if framing == "sse":
                     yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop at the next token
 
         metrics.request(route, 200)
+        if ndjson:
+            return StreamingResponse(events(), media_type="application/x-ndjson",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
+        """``translate``: for a route in another API's shape, data -> (fn's keyword arguments, shape), where
+        shape(make) runs make() (the call) on the worker and returns its result in the route's shape."""
+        data = await read_json(request)
+        stream = bool(data.get("stream"))
+        prompt_param = ("input" if translate else "messages") if fn_name == "create_chat_completion" else "prompt"
+        if translate is None:
+            data, shape = call_kwargs(getattr(api, fn_name), data, prompt_param), lambda make: make()
+        else:
+            try:
+                data, shape = translate(data)
+            except PyllmError as e:
+                raise _as_api_error(e, prompt_param) from None
+        fn = getattr(api, fn_name)
+        job = submit(lambda target, cancel: shape(lambda: fn(target, **data, cancel=cancel)))
+        return await respond(request, route, job, stream, prompt_param, "events" if translate else "sse")
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "/v1/chat/completions", "create_chat_completion")
@@ -470,10 +496,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         from ..embed import create_embedding
 
         data = call_kwargs(create_embedding, await read_json(request), "input")
-        if engine is None:
-            job = scheduler.submit(lambda cancel: llm.create_embedding(**data, cancel=cancel))
-        else:  # on the engine's thread, between its steps: one thread runs the model
-            job = scheduler.submit(lambda cancel: engine.call(lambda: llm.create_embedding(**data, cancel=cancel)))
+        job = submit_model_call(lambda model, cancel: model.create_embedding(**data, cancel=cancel))
         try:
             kind, value = await next_item(request, job)
         except asyncio.CancelledError:
@@ -523,16 +546,18 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     async def on_error(request: Request, e: Exception) -> Response:
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
+    routes += ollama.routes(llm, model_name, read_json, submit, submit_model_call, respond, APIError)  # /api
     ROUTES = {r.path for r in routes}
 
     class Auth:
-        """API-key check in front of the /v1 routes (health and metrics stay open, as in llama-server)."""
+        """API-key check in front of the /v1 and /api routes (health and metrics stay open, as in
+        llama-server)."""
 
         def __init__(self, app):
             self.app = app
 
         async def __call__(self, scope, receive, send):
-            if scope["type"] == "http" and api_key is not None and scope["path"].startswith("/v1/"):
+            if scope["type"] == "http" and api_key is not None and scope["path"].startswith(("/v1/", "/api/")):
                 try:
                     check_key(Request(scope))
                 except APIError as e:
