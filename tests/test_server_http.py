@@ -418,7 +418,8 @@ def test_serve_cli_errors_are_one_line():
                                     (["--client-timeout", "0"], "--client-timeout: must be in [1, ", 2,
                                      "pyllm serve: error: "),
                                     (["--cors-origin", "https://ui.example/chat"], "is not an origin", 1,
-                                     "pyllm: error: ")):
+                                     "pyllm: error: "),
+                                    (["--log-format", "xml"], "--log-format", 2, "pyllm serve: error: ")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
                                env=env, capture_output=True, text=True, timeout=120)
             assert r.returncode == rc and r.stderr.startswith(head) and msg in r.stderr, r.stderr

@@ -1,6 +1,6 @@
 """Ollama's API on `pyllm serve` (/api/chat, /api/generate, /api/embed, /api/tags, /api/show, /api/ps,
-/api/version), driven by the official `ollama` Python client against a live server; any model name naming the
-one model served.
+/api/version), driven by the official `ollama` Python client against a live server; the request log; any model
+name naming the one model served.
 
 References: the same server's OpenAI routes (the same generation, so the same greedy text and token counts, when
 both meet the same prompt-cache state: the second of two identical requests), the library's embeddings, the
@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -19,7 +20,7 @@ import ollama  # the test extra installs it (pyproject.toml)
 import pytest
 
 from conftest import fixture_path
-from server_harness import KEY, ROOT
+from server_harness import KEY, ROOT, failing_after, served_in_thread
 
 NS_FIELDS = ("total_duration", "load_duration", "prompt_eval_duration", "eval_duration")
 
@@ -231,6 +232,54 @@ def test_any_model_name_is_the_served_model(smol):
     assert ref.model == "smollm2" and ref.usage.completion_tokens == 2
     assert smol.client().models.retrieve("gpt-9/x").id == "smollm2"
     assert _client(smol).show("anything").details.family == "llama"
+
+
+def test_the_server_logs_one_line_per_request(smol):
+    """Text lines: method, path, status, prompt and generated tokens, milliseconds; /health is not logged."""
+    _client(smol).generate(model="smollm2", prompt="Hello", options={"num_predict": 3})
+    smol.raw("/v1/nothing", b"{}")
+    deadline = time.monotonic() + 30  # a line is written once its response has gone: the client may read first
+    while " /v1/nothing " not in smol.output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out = smol.output()
+    m = re.findall(r"^\S+Z 127\.0\.0\.1 POST /api/generate 200 prompt=(\d+) generated=3 (\d+) ms$", out, re.M)
+    assert m and int(m[-1][0]) > 0
+    assert re.search(r"^\S+Z 127\.0\.0\.1 POST /v1/nothing 404 prompt=- generated=- \d+ ms$", out, re.M)
+    assert not re.search(r" GET /health ", out)
+
+
+def test_json_log_and_a_stream_that_fails_midway(smol_llm, monkeypatch, capsys):
+    """--log-format json: one JSON object a line. A generation that fails after two tokens ends an NDJSON stream
+    with Ollama's {"error": ...} line (the ollama client raises it), and the log names the tokens generated."""
+    import torch
+
+    from pyllm.server.app import create_app
+
+    fault = smol_llm._nonfinite_error(torch.full((smol_llm.n_vocab,), float("nan")))
+    monkeypatch.setattr(smol_llm, "generate_tokens", failing_after(smol_llm, 2, fault))
+    with served_in_thread(create_app(smol_llm, "smollm2", log_format="json")) as base:
+        c = ollama.Client(host=base, timeout=120)
+        got = []
+        with pytest.raises(ollama.ResponseError) as e:
+            for part in c.chat(model="smollm2", messages=_hi(), stream=True, options={"temperature": 0}):
+                got.append(part)
+        assert str(fault) in e.value.error and got and not any(p.done for p in got)
+        with pytest.raises(ollama.ResponseError) as e:
+            c.generate(model="smollm2", prompt="Hi", options={"temperature": 0})
+        assert e.value.status_code == 500 and str(fault) in e.value.error
+    lines = [json.loads(x) for x in capsys.readouterr().err.splitlines() if x.startswith("{")]
+    assert [(x["method"], x["path"], x["status"]) for x in lines] == [("POST", "/api/chat", 200),
+                                                                     ("POST", "/api/generate", 500)]
+    # the third token is the one the failure came with
+    assert lines[0]["generated_tokens"] in (2, 3) and lines[0]["prompt_tokens"] > 0 and lines[0]["ms"] > 0
+
+
+def test_request_log_escapes_what_a_client_writes():
+    from pyllm.server.request_log import format_line
+
+    line = format_line("text", "GET", "/x\n2026-01-01T00:00:00Z 1.2.3.4 GET /forged 200", 404, None, 1.0, "::1")
+    assert "\n" not in line and "/x\\n2026" in line
+    assert json.loads(format_line("json", "GET", "/a", 200, (3, 4), 2.5, None))["generated_tokens"] == 4
 
 
 def _readme_section() -> str:

@@ -248,7 +248,7 @@ def cmd_serve(a) -> int:
         name = a.model if a.model in registry.REGISTRY else llm.path.name
         serve(llm, a.alias or name, host=a.host, port=a.port, api_key=api_key,
               max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock,
-              cors_origins=cors_origins, client_timeout=a.client_timeout)
+              cors_origins=cors_origins, client_timeout=a.client_timeout, log_format=a.log_format)
     return 0
 
 
@@ -386,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client may take to send a request head, or pause within a body, before a 408 "
                         "and a closed connection (a body must also average 500 bytes/s past its first S); "
                         "responses are never cut (default 30)")
+    s.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="one line per request on stderr (method, path, status, prompt and generated tokens, ms), "
+                        "as text or as JSON objects (default text)")
     add_runtime_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -30,6 +30,7 @@ from starlette.routing import Route
 from .. import api
 from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
 from . import ollama, responses
+from .request_log import RequestLog
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
@@ -292,11 +293,13 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, parallel: int = 1,
-               prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S) -> Starlette:
+               prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S,
+               log_format: str | None = None) -> Starlette:
     """The ASGI app serving ``llm`` under the model id ``model_name``. ``parallel`` > 1 or a ``prompt_cache``
     directory: requests run in a BatchEngine of that many KV slots (pyllm/runtime/batch.py); else one at a time
     through the LLM itself (which speculates on greedy requests). ``cors_origins``: origins whose pages may call
-    it besides the local ones (with_cors). ``client_timeout``: the body's deadline (BodyDeadline)."""
+    it besides the local ones (with_cors). ``client_timeout``: the body's deadline (BodyDeadline).
+    ``log_format``: "text" or "json", one line per request on stderr (request_log.py); None: no request log."""
     metrics = Metrics()
     engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if parallel > 1 or prompt_cache else None
 
@@ -315,6 +318,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             metrics.busy_seconds += seconds
             metrics.cancelled += job.cancel.is_set()
             if fresh:
+                job.tokens = st.prompt_tokens, st.generated_tokens
                 metrics.prompt_tokens += st.prompt_tokens
                 metrics.generated_tokens += st.generated_tokens
                 cached = st.prompt_cached
@@ -402,6 +406,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         """The job's result as the route's response: its one dict as JSON, or with ``stream`` its items as a
         stream in ``framing``: "sse" (OpenAI's events, ending in data: [DONE]), "events" (the Responses API's
         named events) or "ndjson" (one JSON object a line, an error as {"error": message}: Ollama's)."""
+        request.state.job = job  # the request log's token counts
         try:
             first = await next_item(request, job)
         except asyncio.CancelledError:
@@ -412,6 +417,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         if kind == "error":
             raise _as_api_error(value, prompt_param)
         if not stream:
+            await job.out.get()  # DONE, which follows at once: on_done has counted the job (the request log)
             metrics.request(route, 200)
             return JSONResponse(value)
         named, ndjson = framing == "events", framing == "ndjson"
@@ -497,6 +503,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
         data = call_kwargs(create_embedding, await read_json(request), "input")
         job = submit_model_call(lambda model, cancel: model.create_embedding(**data, cancel=cancel))
+        request.state.job = job
         try:
             kind, value = await next_item(request, job)
         except asyncio.CancelledError:
@@ -577,6 +584,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                                                  Exception: on_error}, lifespan=lifespan, cors_origins=cors_origins)
     app.add_middleware(Auth)
     app.add_middleware(BodyDeadline, timeout=client_timeout)
+    if log_format is not None:  # outermost of these: it sees the 401s and 408s too
+        app.add_middleware(RequestLog, log_format=log_format)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
 
@@ -665,16 +674,18 @@ def head_deadline_protocol(timeout: float):
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None, cors_origins=(),
-          client_timeout: float = CLIENT_TIMEOUT_S) -> None:
+          client_timeout: float = CLIENT_TIMEOUT_S, log_format: str | None = "text") -> None:
     """``sock``: a socket from listen_socket, already bound (else one is bound here). ``client_timeout``: the
-    deadline of a request's head (head_deadline_protocol) and body (BodyDeadline)."""
+    deadline of a request's head (head_deadline_protocol) and body (BodyDeadline). ``log_format``: the request
+    log's (create_app)."""
     import sys
 
     import uvicorn
 
     prepare_for_requests(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
-                     prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout)
+                     prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout,
+                     log_format=log_format)
     sock = sock or listen_socket(host, port)
     # h11, not httptools (uvicorn's pick when it is installed): httptools keeps a request's header lines however
     # long they grow, so one client sending an endless header took the server's memory (256 MiB of header, +376
