@@ -360,14 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(s)
     s.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+    s = sub.add_parser("serve", help="HTTP server: the OpenAI and Ollama APIs",
                        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
-                                   "/v1/embeddings, /v1/models, /health, /metrics).")
+                                   "/v1/embeddings, /v1/models, /health, /metrics) and Ollama's (/api/chat, "
+                                   "/api/generate, /api/embed, /api/tags, /api/show, /api/ps, /api/version).")
     add_model_arg(s, optional=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PYLLM_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and /api routes (default: $PYLLM_API_KEY, else "
+                        "none)")
     s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="also let browser pages from ORIGIN (scheme://host[:port], '*' a wildcard; '*' alone: any "
                         "site) call the server; repeatable (default: only local pages: localhost, 127.0.0.1, "
@@ -388,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "responses are never cut (default 30)")
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="one line per request on stderr (method, path, status, prompt and generated tokens, ms), "
-                        "as text or as JSON objects (default text)")
+                        "as text or as JSON objects (default text; not with --replicas)")
     add_runtime_args(s)
     s.set_defaults(func=cmd_serve)
 
