@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API over one LLM (Starlette routes, served by uvicorn; see docs/DESIGN.md, Server).
 
 Routes: GET /v1/models, /v1/models/{model}, POST /v1/chat/completions, /v1/completions, /v1/responses,
-/v1/embeddings, GET /health, GET /metrics.
+/v1/embeddings, GET /health, GET /metrics; Ollama's /api routes beside them (ollama.py).
 Responses are the dicts of pyllm/api.py (/v1/responses: translated by responses.py); streams are OpenAI's
 server-sent events ending in ``data: [DONE]`` (/v1/responses: named events, ending in response.completed).
-Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status (on /api: Ollama's
+``{"error": "message"}``).
 """
 
 from __future__ import annotations
@@ -466,10 +467,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                 job.cancel.set()  # the client went away (or the stream ended): stop at the next token
 
         metrics.request(route, 200)
-        if ndjson:
-            return StreamingResponse(events(), media_type="application/x-ndjson",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(events(), media_type="application/x-ndjson" if ndjson else "text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
