@@ -190,6 +190,9 @@ def test_embed_matches_the_library(smol, smol_llm):
     np.testing.assert_allclose(np.array(r.embeddings), np.array(ref), atol=1e-5)
     assert r.prompt_eval_count == sum(len(smol_llm.tokenize(t)) for t in ("red apple", "blue sky"))
     assert _client(smol).embed(model="smollm2", input=[]).embeddings == []
+    # the deprecated /api/embeddings: one vector, not normalised (as Ollama serves it there)
+    old = _client(smol).embeddings(model="smollm2", prompt="red apple").embedding
+    np.testing.assert_allclose(np.array(old), np.array(smol_llm.embed("red apple", normalize=False)), atol=1e-4)
 
 
 @pytest.mark.parametrize("call, message", [

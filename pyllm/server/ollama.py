@@ -1,5 +1,6 @@
-"""Ollama's API beside the OpenAI routes: POST /api/chat, /api/generate, /api/embed, /api/show, GET /api/tags,
-/api/ps, /api/version, for the tools written against Ollama (its Python and JS clients, Open WebUI, editors).
+"""Ollama's API beside the OpenAI routes: POST /api/chat, /api/generate, /api/embed (and the deprecated
+/api/embeddings), /api/show, GET /api/tags, /api/ps, /api/version, for the tools written against Ollama (its
+Python and JS clients, Open WebUI, editors).
 
 A request is translated into the keyword arguments of pyllm/api.py's create_chat_completion / create_completion
 (or embed.py's create_embedding) and run through app.py's own job, stream and error machinery, so sampling, stop
@@ -409,6 +410,23 @@ def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_m
 
         return await respond(request, "/api/embed", submit_model_call(call), False, "input")
 
+    async def embeddings(request: Request) -> Response:
+        """The deprecated /api/embeddings, which older clients still call: one text's vector, not normalised,
+        as Ollama returns it there."""
+        data = await read_json(request, served_name=False)
+        prompt = data.get("prompt")
+        try:
+            options_kwargs(data.get("options"))
+            _check_keep_alive(data.get("keep_alive"))
+            if prompt is not None and not isinstance(prompt, str):
+                raise BadRequest("prompt must be a string", "prompt")
+        except BadRequest as e:
+            raise _bad(e) from None
+        if not prompt:
+            return JSONResponse({"embedding": []})
+        job = submit_model_call(lambda model, cancel: {"embedding": model.embed(prompt, normalize=False)})
+        return await respond(request, "/api/embeddings", job, False, "prompt")
+
     def card(name: str, sha256: str) -> dict:
         return {"name": name, "model": name, "modified_at": modified_at, "size": st.st_size, "digest": sha256,
                 "details": details}
@@ -443,7 +461,8 @@ def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_m
         return JSONResponse({"version": OLLAMA_API_VERSION, "pyllm": __version__})
 
     return [Route("/api/chat", chat, methods=["POST"]), Route("/api/generate", generate, methods=["POST"]),
-            Route("/api/embed", embed, methods=["POST"]), Route("/api/show", show, methods=["POST"]),
+            Route("/api/embed", embed, methods=["POST"]), Route("/api/embeddings", embeddings, methods=["POST"]),
+            Route("/api/show", show, methods=["POST"]),
             Route("/api/tags", tags, methods=["GET"]), Route("/api/ps", ps, methods=["GET"]),
             Route("/api/version", version, methods=["GET"])]
 
