@@ -136,3 +136,23 @@ def test_prompt_cache_survives_a_restart_and_ignores_bad_files(tmp_path):
 def test_echo_with_logprobs_scores_the_prompt_on_the_engine_thread(par):
     """The prompt is scored on the engine's thread, between its steps (the model has one thread)."""
     check_echoed_prompt_logprobs(par, pyllm_model("smollm2", n_ctx=512, n_threads=1))
+
+
+def test_ollama_routes_run_in_the_batch(par):
+    """Ollama's /api routes go through the same engine: a greedy chat beside another request equals the OpenAI
+    route's reply alone, its counts and durations are its own slot's, and embeddings run between the steps."""
+    import ollama
+
+    c = ollama.Client(host=par.base, headers={"Authorization": f"Bearer {KEY}"}, timeout=300)
+    solo = _ask(par, "Count from 3 to 8.")
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        other = ex.submit(_ask, par, "Count from 0 to 5.")
+        parts = list(c.chat(model="smollm2", messages=_chat("Count from 3 to 8."), stream=True,
+                            options={"temperature": 0, "num_predict": 12}))
+        other.result(timeout=600)
+    assert "".join(p.message.content for p in parts) == solo
+    last = parts[-1]
+    assert last.done and last.eval_count == 12 and last.eval_duration > 0 and last.prompt_eval_duration > 0
+    r = c.generate(model="smollm2", prompt="Count from 3 to 8.", options={"temperature": 0, "num_predict": 12})
+    assert r.response == solo and len(r.context) > r.prompt_eval_count  # the prompt's ids, then the reply's
+    assert len(c.embed(model="smollm2", input="a river").embeddings[0]) == 576

@@ -27,9 +27,7 @@ def test_models_and_health(smol):
     assert ids == ["smollm2"]
     m = smol.client().models.retrieve("smollm2")  # GET /v1/models/{model}, as OpenAI's API serves it
     assert m.id == "smollm2" and m.object == "model" and m.owned_by == "pyllm"
-    with pytest.raises(openai.NotFoundError) as e:
-        smol.client().models.retrieve("gpt-9/x")
-    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert smol.client().models.retrieve("gpt-9/x").id == "smollm2"  # one model served: every name is it
     assert smol.raw("/health", key=None) == (200, {"status": "ok"})
 
 
@@ -40,10 +38,7 @@ def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     assert status == 400 and "malformed JSON" in body["error"]["message"]
     assert set(body["error"]) == {"message", "type", "param", "code"}
     _ok(smol)
-    # 404: unknown model, unknown route
-    with pytest.raises(openai.NotFoundError) as e:
-        c.chat.completions.create(model="gpt-9", messages=_chat("hi"), max_tokens=2)
-    assert e.value.body["code"] == "model_not_found"
+    # 404: unknown route (any model name is the one model served)
     status, body = smol.raw("/v1/nothing", b"{}")
     assert status == 404 and "unknown route" in body["error"]["message"]
     _ok(smol)
@@ -423,7 +418,8 @@ def test_serve_cli_errors_are_one_line():
                                     (["--client-timeout", "0"], "--client-timeout: must be in [1, ", 2,
                                      "pyllm serve: error: "),
                                     (["--cors-origin", "https://ui.example/chat"], "is not an origin", 1,
-                                     "pyllm: error: ")):
+                                     "pyllm: error: "),
+                                    (["--log-format", "xml"], "--log-format", 2, "pyllm serve: error: ")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
                                env=env, capture_output=True, text=True, timeout=120)
             assert r.returncode == rc and r.stderr.startswith(head) and msg in r.stderr, r.stderr

@@ -248,7 +248,7 @@ def cmd_serve(a) -> int:
         name = a.model if a.model in registry.REGISTRY else llm.path.name
         serve(llm, a.alias or name, host=a.host, port=a.port, api_key=api_key,
               max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock,
-              cors_origins=cors_origins, client_timeout=a.client_timeout)
+              cors_origins=cors_origins, client_timeout=a.client_timeout, log_format=a.log_format)
     return 0
 
 
@@ -360,14 +360,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(s)
     s.set_defaults(func=cmd_run)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+    s = sub.add_parser("serve", help="HTTP server: the OpenAI and Ollama APIs",
                        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
-                                   "/v1/embeddings, /v1/models, /health, /metrics).")
+                                   "/v1/embeddings, /v1/models, /health, /metrics) and Ollama's (/api/chat, "
+                                   "/api/generate, /api/embed, /api/tags, /api/show, /api/ps, /api/version).")
     add_model_arg(s, optional=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $PYLLM_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on /v1 and /api routes (default: $PYLLM_API_KEY, else "
+                        "none)")
     s.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="also let browser pages from ORIGIN (scheme://host[:port], '*' a wildcard; '*' alone: any "
                         "site) call the server; repeatable (default: only local pages: localhost, 127.0.0.1, "
@@ -386,6 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a client may take to send a request head, or pause within a body, before a 408 "
                         "and a closed connection (a body must also average 500 bytes/s past its first S); "
                         "responses are never cut (default 30)")
+    s.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="one line per request on stderr (method, path, status, prompt and generated tokens, ms), "
+                        "as text or as JSON objects (default text; not with --replicas)")
     add_runtime_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP API over one LLM (Starlette routes, served by uvicorn; see docs/DESIGN.md, Server).
 
 Routes: GET /v1/models, /v1/models/{model}, POST /v1/chat/completions, /v1/completions, /v1/responses,
-/v1/embeddings, GET /health, GET /metrics.
+/v1/embeddings, GET /health, GET /metrics; Ollama's /api routes beside them (ollama.py).
 Responses are the dicts of pyllm/api.py (/v1/responses: translated by responses.py); streams are OpenAI's
 server-sent events ending in ``data: [DONE]`` (/v1/responses: named events, ending in response.completed).
-Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status.
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status (on /api: Ollama's
+``{"error": "message"}``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from starlette.routing import Route
 
 from .. import api
 from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
-from . import responses
+from . import ollama, responses
+from .request_log import RequestLog
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 from .webui import routes as web_routes
 
@@ -238,7 +240,7 @@ class API(Starlette):
         self.cors_origins = cors_origins
 
     def build_middleware_stack(self):
-        return with_cors(super().build_middleware_stack(), self.cors_origins)
+        return with_cors(ollama.OllamaErrors(super().build_middleware_stack()), self.cors_origins)
 
 
 class BodyDeadline:
@@ -293,11 +295,13 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, parallel: int = 1,
-               prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S) -> Starlette:
+               prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S,
+               log_format: str | None = None) -> Starlette:
     """The ASGI app serving ``llm`` under the model id ``model_name``. ``parallel`` > 1 or a ``prompt_cache``
     directory: requests run in a BatchEngine of that many KV slots (pyllm/runtime/batch.py); else one at a time
     through the LLM itself (which speculates on greedy requests). ``cors_origins``: origins whose pages may call
-    it besides the local ones (with_cors). ``client_timeout``: the body's deadline (BodyDeadline)."""
+    it besides the local ones (with_cors). ``client_timeout``: the body's deadline (BodyDeadline).
+    ``log_format``: "text" or "json", one line per request on stderr (request_log.py); None: no request log."""
     metrics = Metrics()
     engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if parallel > 1 or prompt_cache else None
 
@@ -316,6 +320,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             metrics.busy_seconds += seconds
             metrics.cancelled += job.cancel.is_set()
             if fresh:
+                job.tokens = st.prompt_tokens, st.generated_tokens
                 metrics.prompt_tokens += st.prompt_tokens
                 metrics.generated_tokens += st.generated_tokens
                 cached = st.prompt_cached
@@ -326,9 +331,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     scheduler = Scheduler(on_done, workers=parallel + 1 if engine else 1)
     created = int(time.time())
-    names = {model_name, llm.path.name, llm.path.stem}
 
-    async def read_json(request: Request) -> dict:
+    async def read_json(request: Request, served_name: bool = True) -> dict:
+        """The request's JSON object. Its ``model`` may name any model: the server serves one, as llama-server
+        does (a server started on a file was asked for the registry name its README uses); with
+        ``served_name`` it is replaced by the served model's name, which responses then carry."""
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > max_body:
             raise APIError(413, f"request body of {size} bytes exceeds the limit of {max_body} bytes")
@@ -358,10 +365,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         model = data.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, f"model must be a string, got {type(model).__name__}", "model")
-        if model is not None and model not in names:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
-        data["model"] = model_name
+        if served_name:
+            data["model"] = model_name
         return data
 
     def check_key(request: Request) -> None:
@@ -382,28 +387,28 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     job.cancel.set()
                     raise asyncio.CancelledError from None
 
-    async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
-        """``translate``: for a route in another API's shape, data -> (fn's keyword arguments, shape), where
-        shape(make) runs make() (the call) on the worker and returns its result in the route's shape."""
-        data = await read_json(request)
-        stream = bool(data.get("stream"))
-        prompt_param = ("input" if translate else "messages") if fn_name == "create_chat_completion" else "prompt"
-        named = translate is not None  # the Responses API's named events, without data: [DONE]
-        if translate is None:
-            data, shape = call_kwargs(getattr(api, fn_name), data, prompt_param), lambda make: make()
-        else:
-            try:
-                data, shape = translate(data)
-            except PyllmError as e:
-                raise _as_api_error(e, prompt_param) from None
+    def submit_model_call(call) -> Job:
+        """A job running ``call(llm, cancel)`` on a worker outside any generation (embeddings): with an engine on
+        the engine's thread, between its steps, as one thread runs the model."""
         if engine is None:
-            fn = getattr(llm, fn_name)
-            job = scheduler.submit(lambda cancel: shape(lambda: fn(**data, cancel=cancel)))
-        else:
-            cancel = threading.Event()
-            view = EngineLLM(llm, engine, cancel)
-            fn = getattr(api, fn_name)
-            job = scheduler.submit(lambda c: shape(lambda: fn(view, **data, cancel=c)), cancel=cancel, view=view)
+            return scheduler.submit(lambda cancel: call(llm, cancel))
+        return scheduler.submit(lambda cancel: engine.call(lambda: call(llm, cancel)))
+
+    def submit(call) -> Job:
+        """A job running ``call(target, cancel)`` on a worker: ``target`` is the LLM, or with an engine this
+        request's EngineLLM (pyllm/api.py's functions take either; its ``stats`` are this generation's)."""
+        if engine is None:
+            return scheduler.submit(lambda cancel: call(llm, cancel))
+        cancel = threading.Event()
+        view = EngineLLM(llm, engine, cancel)
+        return scheduler.submit(lambda c: call(view, c), cancel=cancel, view=view)
+
+    async def respond(request: Request, route: str, job: Job, stream: bool, prompt_param: str = "messages",
+                      framing: str = "sse") -> Response:
+        """The job's result as the route's response: its one dict as JSON, or with ``stream`` its items as a
+        stream in ``framing``: "sse" (OpenAI's events, ending in data: [DONE]), "events" (the Responses API's
+        named events) or "ndjson" (one JSON object a line, an error as {"error": message}: Ollama's)."""
+        request.state.job = job  # the request log's token counts
         try:
             first = await next_item(request, job)
         except asyncio.CancelledError:
@@ -414,8 +419,10 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         if kind == "error":
             raise _as_api_error(value, prompt_param)
         if not stream:
+            await job.out.get()  # DONE, which follows at once: on_done has counted the job (the request log)
             metrics.request(route, 200)
             return JSONResponse(value)
+        named, ndjson = framing == "events", framing == "ndjson"
 
         async def events():
             # Every item already waiting goes out in one write: a stream that fell behind (the event loop had
@@ -433,12 +440,18 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                             # the Responses API's error event: the error's fields at the top, its type "error";
                             # the error's own type (server_error, ...) would be lost under it, so it is the code
                             # when the error has none
-                            out.append(sse_event({**error, "type": "error", "code": e.code or error["type"],
-                                                  "sequence_number": seq + 1}, "error")
-                                       if named else sse_event({"error": error}))
+                            if ndjson:
+                                out.append(json.dumps({"error": e.message}, ensure_ascii=False) + "\n")
+                            else:
+                                out.append(sse_event({**error, "type": "error", "code": e.code or error["type"],
+                                                      "sequence_number": seq + 1}, "error")
+                                           if named else sse_event({"error": error}))
                             yield "".join(out)
                             return
-                        out.append(sse_event(value, value["type"]) if named else sse_event(value))
+                        if ndjson:
+                            out.append(json.dumps(value, separators=(",", ":"), ensure_ascii=False) + "\n")
+                        else:
+                            out.append(sse_event(value, value["type"]) if named else sse_event(value))
                         seq = value.get("sequence_number", seq)
                         if job.out.empty():
                             item = None
@@ -449,14 +462,31 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     yield "".join(out)
                     if item is None:
                         item = await job.out.get()
-                if not named:
+                if framing == "sse":
                     yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop at the next token
 
         metrics.request(route, 200)
-        return StreamingResponse(events(), media_type="text/event-stream",
+        return StreamingResponse(events(), media_type="application/x-ndjson" if ndjson else "text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
+        """``translate``: for a route in another API's shape, data -> (fn's keyword arguments, shape), where
+        shape(make) runs make() (the call) on the worker and returns its result in the route's shape."""
+        data = await read_json(request)
+        stream = bool(data.get("stream"))
+        prompt_param = ("input" if translate else "messages") if fn_name == "create_chat_completion" else "prompt"
+        if translate is None:
+            data, shape = call_kwargs(getattr(api, fn_name), data, prompt_param), lambda make: make()
+        else:
+            try:
+                data, shape = translate(data)
+            except PyllmError as e:
+                raise _as_api_error(e, prompt_param) from None
+        fn = getattr(api, fn_name)
+        job = submit(lambda target, cancel: shape(lambda: fn(target, **data, cancel=cancel)))
+        return await respond(request, route, job, stream, prompt_param, "events" if translate else "sse")
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "/v1/chat/completions", "create_chat_completion")
@@ -471,10 +501,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         from ..embed import create_embedding
 
         data = call_kwargs(create_embedding, await read_json(request), "input")
-        if engine is None:
-            job = scheduler.submit(lambda cancel: llm.create_embedding(**data, cancel=cancel))
-        else:  # on the engine's thread, between its steps: one thread runs the model
-            job = scheduler.submit(lambda cancel: engine.call(lambda: llm.create_embedding(**data, cancel=cancel)))
+        job = submit_model_call(lambda model, cancel: model.create_embedding(**data, cancel=cancel))
+        request.state.job = job
         try:
             kind, value = await next_item(request, job)
         except asyncio.CancelledError:
@@ -492,11 +520,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         return JSONResponse({"object": "list", "data": [model_card]})
 
     async def model(request: Request) -> Response:
-        name = request.path_params["model"]
-        if name not in names:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}", "model",
-                           "model_not_found")
-        return JSONResponse(model_card)
+        return JSONResponse(model_card)  # every name is the one model served (read_json)
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -529,16 +553,18 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     async def on_error(request: Request, e: Exception) -> Response:
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
+    routes += ollama.routes(llm, model_name, read_json, submit, submit_model_call, respond, APIError)  # /api
     ROUTES = {r.path for r in routes}
 
     class Auth:
-        """API-key check in front of the /v1 routes (health and metrics stay open, as in llama-server)."""
+        """API-key check in front of the /v1 and /api routes (health and metrics stay open, as in
+        llama-server)."""
 
         def __init__(self, app):
             self.app = app
 
         async def __call__(self, scope, receive, send):
-            if scope["type"] == "http" and api_key is not None and scope["path"].startswith("/v1/"):
+            if scope["type"] == "http" and api_key is not None and scope["path"].startswith(("/v1/", "/api/")):
                 try:
                     check_key(Request(scope))
                 except APIError as e:
@@ -558,6 +584,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                                                  Exception: on_error}, lifespan=lifespan, cors_origins=cors_origins)
     app.add_middleware(Auth)
     app.add_middleware(BodyDeadline, timeout=client_timeout)
+    if log_format is not None:  # outermost of these: it sees the 401s and 408s too
+        app.add_middleware(RequestLog, log_format=log_format)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
 
@@ -646,16 +674,18 @@ def head_deadline_protocol(timeout: float):
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None, cors_origins=(),
-          client_timeout: float = CLIENT_TIMEOUT_S) -> None:
+          client_timeout: float = CLIENT_TIMEOUT_S, log_format: str | None = "text") -> None:
     """``sock``: a socket from listen_socket, already bound (else one is bound here). ``client_timeout``: the
-    deadline of a request's head (head_deadline_protocol) and body (BodyDeadline)."""
+    deadline of a request's head (head_deadline_protocol) and body (BodyDeadline). ``log_format``: the request
+    log's (create_app)."""
     import sys
 
     import uvicorn
 
     prepare_for_requests(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
-                     prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout)
+                     prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout,
+                     log_format=log_format)
     sock = sock or listen_socket(host, port)
     # h11, not httptools (uvicorn's pick when it is installed): httptools keeps a request's header lines however
     # long they grow, so one client sending an endless header took the server's memory (256 MiB of header, +376

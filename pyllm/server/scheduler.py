@@ -35,6 +35,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
     view: Any = None  # the EngineLLM the job generates through (its stats), or None: the LLM itself
+    tokens: tuple[int, int] | None = None  # (prompt, generated) of the generation it ran, set by on_done
 
     def put(self, x) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, x)
@@ -85,6 +86,8 @@ class Scheduler:
                     self.busy -= 1
                 if self.on_done:
                     self.on_done(job, time.monotonic() - t0)
+                # after on_done: when a response ends, its counts (the request log's, /metrics') are in place
+                job.put(DONE)
 
     @staticmethod
     def _run(job: Job) -> None:
@@ -102,7 +105,6 @@ class Scheduler:
                     result.close()  # frees the model at once, not when the generator is collected
         except Exception as e:  # reported to the client as an error object; the worker keeps serving
             job.put(("error", e))
-        job.put(DONE)
 
 
 class EngineLLM:
