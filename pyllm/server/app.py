@@ -447,6 +447,10 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                                                       "sequence_number": seq + 1}, "error")
                                            if named else sse_event({"error": error}))
                             yield "".join(out)
+                            # DONE follows the error once on_done has counted the job: the request log, written
+                            # when this response ends, then has the tokens generated before the failure
+                            while await job.out.get() is not DONE:
+                                pass
                             return
                         if ndjson:
                             out.append(json.dumps(value, separators=(",", ":"), ensure_ascii=False) + "\n")
