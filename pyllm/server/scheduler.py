@@ -35,6 +35,7 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued: float = field(default_factory=time.monotonic)
     view: Any = None  # the EngineLLM the job generates through (its stats), or None: the LLM itself
+    release: Callable[[], None] | None = None  # called once the job is done with ``fn`` (run, or dropped)
 
     def put(self, x) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, x)
@@ -57,8 +58,8 @@ class Scheduler:
         return self._q.qsize()
 
     def submit(self, fn: Callable[[threading.Event], Any], cancel: threading.Event | None = None,
-               view=None) -> Job:
-        job = Job(fn, asyncio.get_running_loop(), cancel=cancel or threading.Event(), view=view)
+               view=None, release: Callable[[], None] | None = None) -> Job:
+        job = Job(fn, asyncio.get_running_loop(), cancel=cancel or threading.Event(), view=view, release=release)
         self._q.put(job)
         return job
 
@@ -73,18 +74,23 @@ class Scheduler:
             job = self._q.get()
             if job is None:
                 return
-            if job.cancel.is_set():
-                continue
-            with self._busy_lock:
-                self.busy += 1
-            t0 = time.monotonic()
-            try:
-                self._run(job)
-            finally:
+            if not job.cancel.is_set():
                 with self._busy_lock:
-                    self.busy -= 1
-                if self.on_done:
-                    self.on_done(job, time.monotonic() - t0)
+                    self.busy += 1
+                t0 = time.monotonic()
+                try:
+                    self._run(job)
+                finally:
+                    with self._busy_lock:
+                        self.busy -= 1
+                    if self.on_done:
+                        self.on_done(job, time.monotonic() - t0)
+            # What the job's function holds (a request's parsed body) goes now, not when the next job comes; the
+            # request may still hold the Job itself (a stream being sent).
+            job.fn, release = None, job.release
+            del job
+            if release is not None:
+                release()
 
     @staticmethod
     def _run(job: Job) -> None:
