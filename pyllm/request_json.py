@@ -6,7 +6,8 @@ then no response can carry back), recurses once per nesting level (a few kB of "
 value a few hundred levels deep makes every later recursive walk fail: repr, json.dumps, a template's tojson),
 and turns 8 MiB of "[]," into 2.8 million lists, 200 MiB held while one C call runs with the GIL. ``shape``
 measures a text before it is parsed, in a few vectorized passes and nothing recursive: nesting depth, containers,
-values, and an upper bound of the memory the parsed value takes (what the server admits requests by); ``loads``
+values, escapes, and upper bounds of the memory the parsed value and its parse take (what the server admits
+requests by); ``loads``
 refuses what is past the limits before parsing and what is not JSON while parsing.
 """
 
@@ -24,6 +25,7 @@ from .errors import shorten
 MAX_DEPTH = 64  # a chat request nests 5-6 levels, a tool's JSON schema some more; Python's parser 1000 at most
 MAX_CONTAINERS = 100_000  # objects and arrays: a 10,000-message conversation with tool calls holds ~40,000
 MAX_VALUES = 1_000_000  # values and keys: a prompt of token ids as long as a 128k context is 128k
+MAX_ESCAPES = 1_000_000  # backslashes: 1 MiB of code as JSON text has ~60,000 (its newlines and quotes)
 # Bytes of CPython 3.11 objects, upper bounds (measured with tracemalloc over tests/test_request_json.py's corpus):
 # a value or key costs its object (a short str 50-80, a float 24, an int 28-36) and its slot (a list's pointer, a
 # dict's entry and index, both over-allocated); a container its own header beyond that (a list 56 + GC 16, a dict
@@ -31,7 +33,11 @@ MAX_VALUES = 1_000_000  # values and keys: a prompt of token ids as long as a 12
 # U+00FF (all its characters are then 2 or 4 bytes wide): the text's length bounds them.
 VALUE_BYTES = 120
 CONTAINER_BYTES = 280
-BASE_BYTES = 4096  # the parse's own few objects
+BASE_BYTES = 64 << 10  # the parse's own few objects
+# While it parses a string, CPython's scanner (3.11) keeps a list of pieces, one per escape and one per run of text
+# between escapes: a pointer each, and a str object for each run (50 bytes and more). The text it parses is up to 4
+# bytes a character, and decoding and scanning take up to twice that again.
+ESCAPE_BYTES = 80
 
 
 class JSONSyntaxError(ValueError):
@@ -46,7 +52,9 @@ class JSONShape(NamedTuple):
     depth: int  # deepest nesting of arrays and objects (0 when ``containers`` is past MAX_CONTAINERS: not measured)
     containers: int
     values: int  # an upper bound: every comma and colon outside strings, and each container, start one
+    escapes: int  # backslashes
     parsed_bytes: int  # an upper bound of the memory the parsed value takes
+    parse_bytes: int  # an upper bound of what parsing takes besides, until it returns
 
 
 _KIND = np.zeros(256, np.uint8)  # what each byte is outside strings: 1 opens, 2 closes, 3 separates
@@ -87,10 +95,12 @@ def shape(raw: bytes | bytearray) -> JSONShape:
     if opens <= MAX_CONTAINERS and closes <= opens:
         brackets = kind[(kind == 1) | (kind == 2)].astype(np.int32)
         depth = int(np.cumsum(3 - 2 * brackets).max(initial=0))
-    wide = not raw.isascii() or b"\\u" in raw
+    wide = 4 if not raw.isascii() or b"\\u" in raw else 1
     values = seps + opens + 1
-    return JSONShape(depth, opens, values,
-                     BASE_BYTES + (4 if wide else 1) * len(raw) + VALUE_BYTES * values + CONTAINER_BYTES * opens)
+    escapes = int(np.count_nonzero(a == ord("\\")))
+    return JSONShape(depth, opens, values, escapes,
+                     BASE_BYTES + wide * len(raw) + VALUE_BYTES * values + CONTAINER_BYTES * opens,
+                     3 * wide * len(raw) + ESCAPE_BYTES * escapes)
 
 
 def check_shape(s: JSONShape) -> None:
@@ -99,6 +109,8 @@ def check_shape(s: JSONShape) -> None:
         raise JSONLimitError(f"it holds {s.containers} arrays and objects; the limit is {MAX_CONTAINERS}")
     if s.values > MAX_VALUES:
         raise JSONLimitError(f"it holds over {MAX_VALUES} values")
+    if s.escapes > MAX_ESCAPES:
+        raise JSONLimitError(f"it holds over {MAX_ESCAPES} backslash escapes")
     if s.depth > MAX_DEPTH:
         raise JSONLimitError(f"arrays and objects nest too deeply ({s.depth} levels; the limit is {MAX_DEPTH})")
 
@@ -118,9 +130,10 @@ def utf8_text(raw: bytes | bytearray) -> str:
     """``raw`` as text (a UTF-8 byte order mark dropped), JSONSyntaxError naming the first byte that is not
     UTF-8. RFC 8259: JSON exchanged between systems is UTF-8 (Python's parser also guessed UTF-16 and -32)."""
     try:
-        return raw.decode("utf-8-sig")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise JSONSyntaxError(f"it is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start})") from None
+    return text[1:] if text.startswith("\ufeff") else text  # utf-8-sig's codec copies every text twice
 
 
 def loads(raw: bytes | bytearray | str, known: JSONShape | None = None) -> Any:

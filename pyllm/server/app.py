@@ -273,15 +273,17 @@ HOLD = "pyllm.hold"  # the ASGI scope key of a request's Hold
 
 
 def worst_request_bytes(max_body: int) -> int:
-    """The most one request within ``max_body`` can hold: its body read, and the largest value request_json's
-    estimate allows a body of that size to parse into."""
-    return max_body + 4 * max_body + request_json.VALUE_BYTES * min(request_json.MAX_VALUES, max_body + 1) \
-        + request_json.CONTAINER_BYTES * min(request_json.MAX_CONTAINERS, max_body // 2)
+    """The most one request within ``max_body`` can take from the budget: its body, and the largest parsed value
+    and parse that request_json's estimates allow a body of that size."""
+    rj = request_json
+    return max_body + rj.BASE_BYTES + 4 * max_body + rj.VALUE_BYTES * min(rj.MAX_VALUES, max_body + 1) \
+        + rj.CONTAINER_BYTES * min(rj.MAX_CONTAINERS, max_body // 2) \
+        + 12 * max_body + rj.ESCAPE_BYTES * min(rj.MAX_ESCAPES, max_body)
 
 
 def default_request_memory(max_body: int) -> int:
-    """--max-request-memory's default: 512 MiB, or room for two of the largest requests if that is more."""
-    return max(512 << 20, 2 * worst_request_bytes(max_body))
+    """--max-request-memory's default: 512 MiB, or room for the largest request if that is more."""
+    return max(512 << 20, worst_request_bytes(max_body))
 
 
 def request_memory(max_body: int, limit: int | None) -> int:
@@ -525,7 +527,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     names = {model_name, llm.path.name, llm.path.stem}
 
     # One thread parses request bodies, off the event loop, which keeps answering (/health too) while it works;
-    # one at a time, so that a parse's transient memory (request_json.shape's, the text decoded) is counted once.
+    # one at a time, so that the scan's transient memory (request_json.shape's, before the parse's own is known and
+    # taken from the budget) is there once.
     parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyllm-parse")
 
     def parse_held(body: bytearray, hold: Hold) -> dict:
@@ -534,8 +537,12 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             request_json.check_shape(shape)
         except ValueError as e:
             raise APIError(400, f"malformed JSON body: {e}") from None
-        hold.take(shape.parsed_bytes, f"a body that parses to up to {-(-shape.parsed_bytes >> 20)} MiB")
-        return parse_json_body(body, shape)
+        need = shape.parsed_bytes + shape.parse_bytes
+        hold.take(need, f"a body that takes up to {-(-need >> 20)} MiB to parse")
+        try:
+            return parse_json_body(body, shape)
+        finally:
+            hold.give(shape.parse_bytes)  # the parse is over; its value stays counted
 
     async def read_json(request: Request) -> dict:
         hold: Hold = request.scope[HOLD]
