@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -291,21 +292,28 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 def test_requests_past_the_memory_budget_are_503s_and_the_server_stays_within_its_bound(tight):
-    """32 clients each send a body at --max-body that parses into ~35,000 small objects (8 MiB of Python objects
-    from 256 KiB of text) while the model is busy with a long stream, so every accepted body waits parsed in the
-    queue: the server held them all (+250 MiB peak RSS). With admission, bodies are counted from their
-    Content-Length and their parse's estimated size (an upper bound: tests/test_request_json.py) against
-    --max-request-memory; those past it are 503 with Retry-After (TGI's answer past its concurrency limit),
-    /health answers throughout (parsing runs off the event loop), and the peak resident set grows by at most the
-    budget, the scan of the body being parsed (3 x --max-body) and 32 MiB for the connections and the model's work.
-    Reference: VmHWM in /proc/PID/status, reset before the load through /proc/PID/clear_refs."""
+    """32 clients each send a body at --max-body that parses into ~28,000 small objects (9 MiB of Python objects
+    from 256 KiB of text) while the model is busy with a long request, so every accepted body waits parsed in the
+    queue: the server held them all (+290 MiB peak RSS), and /health waited seconds while bodies were parsed on the
+    event loop. With admission, bodies are counted from their Content-Length and their parse's estimated size (an
+    upper bound: tests/test_request_json.py) against --max-request-memory; those past it are 503 with Retry-After
+    (TGI's answer past its concurrency limit), /health answers throughout (parsing runs off the event loop), and
+    the peak resident set grows by at most the budget, the scan of the body being parsed (3 x --max-body) and 32 MiB
+    for the connections and the model's work. Reference: VmHWM in /proc/PID/status, reset before the load through
+    /proc/PID/clear_refs; the queue-depth gauge tells when every body is answered or waiting."""
     pid = tight.proc.pid
     pad = b'{"a":[]},' * ((MAX_BODY - 200) // 9)
     body = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "pad": [' + pad + b"1]}"
     assert len(body) <= MAX_BODY
-    stream = tight.client().chat.completions.create(model="smollm2", messages=_chat("Tell a long story."),
-                                                    max_tokens=150, temperature=0, stream=True)
-    next(iter(stream))  # the worker is generating: what is accepted now waits in the queue
+    # the worker embeds 20,000 texts (minutes) until this connection closes: what is accepted meanwhile waits
+    busy = socket.create_connection(("127.0.0.1", tight.port), timeout=60)
+    long_job = json.dumps({"input": ["hi"] * 20000}).encode()
+    busy.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(long_job)).encode() + b"\r\n\r\n" + long_job)
+    deadline = time.monotonic() + 120
+    while tight.metrics()["pyllm_requests_processing"] == 0:
+        assert time.monotonic() < deadline, "the server did not start on the long request within 120 s"
+        time.sleep(0.1)
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")  # the peak resident set starts again from the current one
     before = _status_kib(pid, "VmHWM")
@@ -321,13 +329,18 @@ def test_requests_past_the_memory_budget_are_503s_and_the_server_stays_within_it
     watcher.start()
     try:
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            replies = list(pool.map(lambda _: _post(tight.port, "/v1/chat/completions", body), range(32)))
-        for _ in stream:  # the long generation ends
-            pass
+            futures = [pool.submit(_post, tight.port, "/v1/chat/completions", body) for _ in range(32)]
+            deadline = time.monotonic() + 300
+            while sum(f.done() for f in futures) + tight.metrics()["pyllm_queue_depth"] < 32:
+                assert time.monotonic() < deadline, "the bodies were neither answered nor queued within 300 s"
+                time.sleep(0.2)
+            grew_mib = (_status_kib(pid, "VmHWM") - before) / 1024
+            busy.close()  # the long request is cancelled; the admitted ones run
+            replies = [f.result() for f in futures]
     finally:
+        busy.close()
         stop.set()
         watcher.join(timeout=120)
-    grew_mib = (_status_kib(pid, "VmHWM") - before) / 1024
     statuses = sorted(s for s, _, _ in replies)
     assert set(statuses) <= {200, 503} and 503 in statuses and 200 in statuses, statuses
     for status, headers, text in replies:
@@ -335,8 +348,10 @@ def test_requests_past_the_memory_budget_are_503s_and_the_server_stays_within_it
             assert headers.get("retry-after") == "1" and json.loads(text)["error"]["code"] == "server_overloaded"
     assert health and set(health) == {200}, health
     assert grew_mib <= BUDGET_MIB + 3 * MAX_BODY / 2**20 + 32, (grew_mib, statuses)
-    m = tight.metrics()
-    assert m["pyllm_request_memory_bytes"] == 0  # every request's hold was given back
+    deadline = time.monotonic() + 60
+    while tight.metrics()["pyllm_request_memory_bytes"] != 0:  # every request's hold is given back
+        assert time.monotonic() < deadline, tight.metrics()["pyllm_request_memory_bytes"]
+        time.sleep(0.2)
     _ok(tight)
 
 
