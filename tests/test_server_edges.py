@@ -292,10 +292,10 @@ def _status_kib(pid: int, field: str) -> int:
 
 
 def test_requests_past_the_memory_budget_are_503s_and_the_server_stays_within_its_bound(tight):
-    """32 clients each send a body at --max-body that parses into ~28,000 small objects (9 MiB of Python objects
-    from 256 KiB of text) while the model is busy with a long request, so every accepted body waits parsed in the
-    queue: the server held them all (+290 MiB peak RSS), and /health waited seconds while bodies were parsed on the
-    event loop. With admission, bodies are counted from their Content-Length and their parse's estimated size (an
+    """32 clients each send a body at --max-body whose metadata (echoed by /v1/responses) parses into ~28,000
+    small objects (7 MiB of Python objects from 256 KiB of text) while the model is busy with a long request, so
+    every accepted body waits parsed in the queue: the server held them all (+239 MiB peak RSS), and /health
+    waited while bodies were parsed on the event loop. With admission, bodies are counted from their Content-Length and their parse's estimated size (an
     upper bound: tests/test_request_json.py) against --max-request-memory; those past it are 503 with Retry-After
     (TGI's answer past its concurrency limit), /health answers throughout (parsing runs off the event loop), and
     the peak resident set grows by at most the budget, the scan of the body being parsed (3 x --max-body) and 32 MiB
@@ -303,7 +303,8 @@ def test_requests_past_the_memory_budget_are_503s_and_the_server_stays_within_it
     /proc/PID/clear_refs; the queue-depth gauge tells when every body is answered or waiting."""
     pid = tight.proc.pid
     pad = b'{"a":[]},' * ((MAX_BODY - 200) // 9)
-    body = b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "pad": [' + pad + b"1]}"
+    # in metadata, which /v1/responses echoes: the parsed body is held until the reply is made
+    body = b'{"input": "Hi", "max_output_tokens": 1, "metadata": {"pad": [' + pad + b"1]}}"
     assert len(body) <= MAX_BODY
     # the worker embeds 20,000 texts (minutes) until this connection closes: what is accepted meanwhile waits
     busy = socket.create_connection(("127.0.0.1", tight.port), timeout=60)
@@ -329,7 +330,7 @@ def test_requests_past_the_memory_budget_are_503s_and_the_server_stays_within_it
     watcher.start()
     try:
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
-            futures = [pool.submit(_post, tight.port, "/v1/chat/completions", body) for _ in range(32)]
+            futures = [pool.submit(_post, tight.port, "/v1/responses", body) for _ in range(32)]
             deadline = time.monotonic() + 300
             while sum(f.done() for f in futures) + tight.metrics()["pyllm_queue_depth"] < 32:
                 assert time.monotonic() < deadline, "the bodies were neither answered nor queued within 300 s"
