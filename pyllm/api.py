@@ -17,7 +17,7 @@ from typing import Any, Iterator
 
 from .chat_messages import (CALL_STARTS, TOOL_OPEN, TOOL_SYSTEM_FALLBACK, calls_as_text, check_tools, forced_call,
                             legacy_functions, normalize_messages, parse_tool_calls)
-from .errors import BadRequest, ContextFullError, PyllmError
+from .errors import BadRequest, ContextFullError, PyllmError, shorten
 from .request_checks import check_logit_bias, check_number, refuse_unknown
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import OutputText, stop_list
@@ -211,7 +211,7 @@ def _new_run(llm, ids, max_tokens, stop, sampling: dict, n_logprobs, constraint,
         raise BadRequest("the prompt is empty", "prompt")
     bad = [i for i in ids if not 0 <= i < llm.n_vocab]
     if bad:
-        raise BadRequest(f"token id {bad[0]} is outside the vocabulary (0..{llm.n_vocab - 1})", "prompt")
+        raise BadRequest(f"token id {shorten(bad[0], 40)} is outside the vocabulary (0..{llm.n_vocab - 1})", "prompt")
     return Run(llm, ids, _max_tokens(llm, len(ids), max_tokens), _stop_list(stop),
                _sampler(llm, n_logprobs=n_logprobs, **sampling), constraint, cancel)
 
@@ -241,7 +241,7 @@ def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, prese
 
 def _check_n(n):
     if n not in (None, 1):
-        raise BadRequest(f"n={n!r}: only one choice per request is supported", "n")
+        raise BadRequest(f"n={shorten(repr(n), 60)}: only one choice per request is supported", "n")
 
 
 def _check_text_output(modalities, audio) -> None:

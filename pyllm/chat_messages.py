@@ -10,6 +10,7 @@ import re
 import uuid
 from typing import Any
 
+from . import request_json
 from .errors import BadRequest, PyllmError
 from .runtime.schema_walk import SCHEMA_DATA
 from .structured_output import structured_output_kwargs
@@ -86,10 +87,7 @@ def normalize_messages(messages) -> list[dict]:
                 fn = dict(c["function"])
                 args = fn.get("arguments")
                 if isinstance(args, str):
-                    try:
-                        fn["arguments"] = json.loads(args)
-                    except json.JSONDecodeError:
-                        pass
+                    fn["arguments"] = history_arguments(args, f"messages[{i}].tool_calls[{j}].function.arguments")
                 if isinstance(c.get("id"), str):  # a call without an id names no tool result
                     names[c["id"]] = fn.get("name")
                 calls.append({**c, "function": fn})
@@ -103,6 +101,25 @@ def normalize_messages(messages) -> list[dict]:
             m["name"] = names[call_id]
         out.append(m)
     return out
+
+
+def history_arguments(text: str, where: str, param: str = "messages"):
+    """A call's ``arguments`` (JSON text, as OpenAI sends them) from a conversation's history as the value
+    templates write with ``tojson``: parsed within request_json's bounds, as the request's body is. Text that is
+    not JSON stays text (OpenAI takes any string there, and a model's earlier call may have been malformed); JSON
+    past the bounds (nesting, size, a number no double holds, a lone surrogate) is a BadRequest naming where
+    (and ``param``, the request parameter that holds it)."""
+    try:
+        value = request_json.loads(text)
+    except request_json.JSONSyntaxError:
+        return text
+    except request_json.JSONLimitError as e:
+        raise BadRequest(f"{where}: {e}", param) from None
+    bad = request_json.lone_surrogate(value) if request_json.may_hold_surrogate(text) else None
+    if bad is not None:
+        raise BadRequest(f"{where}{'.' + bad[0] if bad[0] else ''} holds a lone UTF-16 surrogate ({bad[1]!a}), "
+                         f"which is not Unicode text", param)
+    return value
 
 
 def calls_as_text(m: dict) -> dict:
@@ -255,9 +272,18 @@ def _call(obj, names, values: bool = False) -> dict | None:
 
 def _json_object_text(text: str) -> bool:
     try:
-        return isinstance(json.loads(text), dict)
-    except (ValueError, RecursionError):
+        return isinstance(request_json.loads(text), dict)
+    except ValueError:
         return False
+
+
+def _reply_json(text: str):
+    """The JSON value of a call the model wrote, or None where it is not one within request_json's bounds (too
+    deep, too long a number, not JSON): the reply then stays text, as vLLM's tool parsers leave it."""
+    try:
+        return request_json.loads(text)
+    except ValueError:
+        return None
 
 
 FENCED = re.compile(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", re.S)
@@ -268,28 +294,21 @@ CALL_STARTS = (TOOL_OPEN, "{", "```")
 def parse_tool_calls(text: str, names: list[str] | None = None,
                      values: bool = False) -> tuple[str | None, list[dict]]:
     """(content before the first call or None, OpenAI tool_calls) from a reply in the <tool_call> convention. A
-    call whose JSON does not parse leaves the whole reply as content. Small models sometimes answer with the bare
+    call whose JSON does not parse (or is past request_json's bounds) leaves the whole reply as content. Small models sometimes answer with the bare
     call object instead (optionally in a ```json fence): a whole reply that is {"name": <one of names>,
     "arguments": ...} is a call too. ``values``: as ``_call``'s."""
     start = text.find(TOOL_OPEN)
     if start < 0:
         m = FENCED.fullmatch(text)
         if m:
-            try:
-                call = _call(json.loads(m.group(1)), names or [""], values)
-            except json.JSONDecodeError:
-                call = None
+            call = _call(_reply_json(m.group(1)), names or [""], values)
             if call:
                 return None, [call]
         return text, []
     calls = []
     for m in re.finditer(re.escape(TOOL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(TOOL_CLOSE) + r"|$)", text[start:],
                          re.S):
-        try:
-            obj = json.loads(m.group(1))
-        except json.JSONDecodeError:
-            return text, []
-        call = _call(obj, None, values)
+        call = _call(_reply_json(m.group(1)), None, values)
         if call is None:
             return text, []
         calls.append(call)

@@ -5,6 +5,7 @@ api.py so that llm.py, below it, can use them without importing the layer above.
 from __future__ import annotations
 
 import math
+import operator
 
 from .errors import BadRequest, shorten
 
@@ -15,7 +16,8 @@ def check_number(name: str, v, lo: float | None = None, hi: float | None = None,
     request's parameter that holds it."""
     param = param or name
     if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {v!r}", param)
+        raise BadRequest(f"{name} must be {'an integer' if integer else 'a number'}, got {shorten(repr(v), 60)}",
+                         param)
     try:
         finite = math.isfinite(v)
     except OverflowError:  # an integer past a double's range: JSON's numbers have no size limit, nor Python's ints
@@ -23,7 +25,7 @@ def check_number(name: str, v, lo: float | None = None, hi: float | None = None,
                          f"digits", param) from None
     if not finite or (lo is not None and v < lo) or (hi is not None and v > hi):
         rng = f"in [{lo}, {hi}]" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-        raise BadRequest(f"{name} must be {rng}, got {v!r}", param)
+        raise BadRequest(f"{name} must be {rng}, got {shorten(repr(v), 60)}", param)
     return v
 
 
@@ -34,13 +36,23 @@ def check_logit_bias(bias, n_vocab: int) -> dict[int, float]:
         raise BadRequest("logit_bias must be an object mapping token ids to a bias", "logit_bias")
     out = {}
     for k, v in bias.items():
+        # the decimal digits of a token id, as OpenAI's keys are: int() also takes " 7", "0_7" and "٧" (an
+        # Arabic-Indic seven), and spends quadratic time on a key of 4000 digits
         try:
-            tok = int(k)
+            if isinstance(k, str):
+                if not (k.isascii() and k.isdigit() and len(k) <= 12):
+                    raise ValueError
+                tok = int(k)
+            elif isinstance(k, bool):
+                raise ValueError
+            else:
+                tok = operator.index(k)  # an int (numpy's too), as the library's callers pass them
         except (TypeError, ValueError):
-            raise BadRequest(f"logit_bias key {k!r} is not a token id", "logit_bias") from None
+            raise BadRequest(f"logit_bias key {shorten(repr(k), 60)} is not a token id", "logit_bias") from None
         if not 0 <= tok < n_vocab:
-            raise BadRequest(f"logit_bias token id {tok} is outside the vocabulary (0..{n_vocab - 1})", "logit_bias")
-        out[tok] = float(check_number(f"logit_bias[{k!r}]", v, -100, 100, param="logit_bias"))
+            raise BadRequest(f"logit_bias token id {shorten(tok, 40)} is outside the vocabulary (0..{n_vocab - 1})",
+                             "logit_bias")
+        out[tok] = float(check_number(f"logit_bias[{shorten(repr(k), 40)}]", v, -100, 100, param="logit_bias"))
     return out
 
 

@@ -58,10 +58,10 @@ def test_errors_are_openai_objects_and_the_server_keeps_serving(smol):
     status, body = smol.raw("/v1/completions", json.dumps({"model": "smollm2", "prompt": "a" * MAX_BODY}).encode())
     assert status == 413 and "limit" in body["error"]["message"]
     _ok(smol)
-    # 401: wrong and missing key (health stays open)
+    # 401: wrong and missing key (health and the model list stay open)
     with pytest.raises(openai.AuthenticationError):
         smol.client(key="sk-wrong").chat.completions.create(model="smollm2", messages=_chat("hi"), max_tokens=2)
-    status, body = smol.raw("/v1/models", key=None)
+    status, body = smol.raw("/v1/models/smollm2", key=None)
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     _ok(smol)
     m = smol.metrics()
@@ -250,7 +250,7 @@ def test_disconnect_mid_stream_frees_the_worker(smol):
 def _post_and_leave(smol, path: str, body: bytes) -> None:
     """POSTs ``body`` on a raw socket, waits until the server is processing it, then closes the connection."""
     with socket.create_connection(("127.0.0.1", smol.port), timeout=30) as s:
-        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
                   b"\r\n\r\n" + body)
         deadline = time.monotonic() + 60
@@ -371,7 +371,7 @@ def test_a_500_from_an_exception_no_handler_caught_carries_cors_headers(smol_llm
 
     scope = {"type": "http", "http_version": "1.1", "scheme": "http", "method": "GET", "path": "/v1/broken",
              "raw_path": b"/v1/broken", "root_path": "", "query_string": b"", "server": ("127.0.0.1", 8080),
-             "client": ("127.0.0.1", 50000), "headers": [(b"host", b"x"), (b"origin", b"http://localhost:3000")]}
+             "client": ("127.0.0.1", 50000), "headers": [(b"host", b"localhost"), (b"origin", b"http://localhost:3000")]}
     try:
         with pytest.raises(RuntimeError, match="a bug"):  # re-raised after the response, for the server to log
             asyncio.run(app(scope, receive, send))
@@ -470,7 +470,7 @@ def test_an_endless_request_head_is_refused_and_the_server_keeps_serving(smol):
 
     s = socket.create_connection(("127.0.0.1", smol.port), timeout=60)
     try:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
         reply = b""
         try:
             for _ in range(4 * MAX_HEAD_BYTES // 8192):
@@ -497,7 +497,7 @@ def test_sigterm_ends_the_server_while_a_client_never_finishes_its_body():
     s = Server(fixture_path("smollm2"), "--ctx", "256")
     c = socket.create_connection(("127.0.0.1", s.port), timeout=60)
     try:
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{")
         time.sleep(0.5)
         t = time.monotonic()
@@ -540,7 +540,7 @@ def test_stalled_request_heads_are_closed_at_the_client_timeout_and_others_are_s
     """A connection that never finishes a request head (no byte at all, half a head, or half of the next head after
     a response) is closed --client-timeout seconds after the server began waiting for the head, with a 408 when part
     of one came: they were held open without end. Requests on other connections are answered meanwhile."""
-    heads = [b"", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: a", b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /he"]
+    heads = [b"", b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: a", b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\nGET /he"]
     conns = []
     try:
         for i in range(60):
@@ -572,7 +572,7 @@ def _post_in_pieces(server, body: bytes, pieces: list[tuple[float, int]]) -> tup
     c = socket.create_connection(("127.0.0.1", server.port), timeout=CLIENT_TIMEOUT + SLACK + 60)
     with c:
         t = time.monotonic()
-        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nConnection: close\r\n"
                   b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (KEY.encode(), len(body)))
         at = 0
         try:

@@ -226,6 +226,18 @@ def cors_origins_from_args(a) -> tuple[str, ...]:
     return tuple(out)
 
 
+def allow_hosts_from_args(a) -> tuple[str, ...]:
+    """--allow-host values, lowercased: a host name, ``*.domain`` (its subdomains) or ``*`` (any Host)."""
+    out = []
+    for h in a.allow_host or ():
+        name = h.strip().lower().rstrip(".")
+        if name != "*" and not re.fullmatch(r"(\*\.)?[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?|[0-9a-f:.%]+", name):
+            raise PyllmError(f"--allow-host {h!r} is not a host name: give a name as clients write it in the URL "
+                             f"(example.com, *.example.com for its subdomains, * for any)")
+        out.append(name)
+    return tuple(out)
+
+
 def cmd_serve(a) -> int:
     try:
         import starlette  # noqa: F401
@@ -234,7 +246,10 @@ def cmd_serve(a) -> int:
         raise PyllmError(f"pyllm serve needs the server extra ({e.name} is missing): pip install \"pyllm[serve]\"")
     api_key = api_key_from_args(a)
     cors_origins = cors_origins_from_args(a)
-    from ..server.app import listen_socket, serve
+    from ..server.app import listen_socket, request_memory, serve
+
+    memory = request_memory(a.max_body, None if a.max_request_memory is None else a.max_request_memory << 20)
+    allow_hosts = allow_hosts_from_args(a)
 
     try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
         sock = listen_socket(a.host, a.port)
@@ -248,7 +263,8 @@ def cmd_serve(a) -> int:
         name = a.model if a.model in registry.REGISTRY else llm.path.name
         serve(llm, a.alias or name, host=a.host, port=a.port, api_key=api_key,
               max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock,
-              cors_origins=cors_origins, client_timeout=a.client_timeout, log_format=a.log_format)
+              cors_origins=cors_origins, client_timeout=a.client_timeout, log_format=a.log_format,
+              allow_hosts=allow_hosts, max_request_memory=memory)
     return 0
 
 
@@ -268,7 +284,9 @@ def serve_replicas_from_args(a) -> int:
     spec = ReplicaSpec(path=str(path), model_name=a.alias or name or path.name, device=a.device, n_ctx=a.ctx,
                        kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
                        api_key=api_key_from_args(a), max_body=a.max_body, client_timeout=a.client_timeout,
-                       parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a))
+                       parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a),
+                       host=a.host, allow_hosts=allow_hosts_from_args(a),
+                       max_request_memory=None if a.max_request_memory is None else a.max_request_memory << 20)
 
     def wait_for_interrupt():  # serve_replicas turns Ctrl-C and SIGTERM into KeyboardInterrupt
         threading.Event().wait()
@@ -384,6 +402,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve from N model replicas (processes) behind Ray Serve's proxy; needs the ray extra "
                         "(default 1: this process, no Ray)")
     s.add_argument("--max-body", type=int, default=8 * 2**20, help="largest request body in bytes (default 8 MiB)")
+    s.add_argument("--max-request-memory", type=int, default=None, metavar="MIB",
+                   help="memory that request bodies, read and parsed, may hold at once; a request past it is "
+                        "answered 503 with Retry-After (default 512, or more for a large --max-body)")
+    s.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="also answer requests whose Host header is NAME ('*.domain' for its subdomains, '*' any), "
+                        "when listening on loopback; repeatable (default: only this machine's names: localhost, "
+                        "*.localhost, loopback and private addresses, the host name)")
     s.add_argument("--client-timeout", type=int, default=30, metavar="S",
                    help="seconds a client may take to send a request head, or pause within a body, before a 408 "
                         "and a closed connection (a body must also average 500 bytes/s past its first S); "

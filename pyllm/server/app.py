@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over one LLM (Starlette routes, served by uvicorn; see docs/DESIGN.md, Server).
 
 Routes: GET /v1/models, /v1/models/{model}, POST /v1/chat/completions, /v1/completions, /v1/responses,
-/v1/embeddings, GET /health, GET /metrics; Ollama's /api routes beside them (ollama.py).
+/v1/embeddings, GET /health, GET /metrics; Ollama's /api routes beside them (ollama.py); the browser chat page at
+/ (webui.py).
 Responses are the dicts of pyllm/api.py (/v1/responses: translated by responses.py); streams are OpenAI's
 server-sent events ending in ``data: [DONE]`` (/v1/responses: named events, ending in response.completed).
 Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP status (on /api: Ollama's
@@ -11,12 +12,12 @@ Every error is ``{"error": {"message", "type", "param", "code"}}`` with its HTTP
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import inspect
 import json
 import logging
-import math
 import re
 import threading
 import time
@@ -28,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import api
-from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
+from .. import api, request_json
+from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError
 from . import ollama, responses
 from .request_log import RequestLog
 from .scheduler import DONE, EngineLLM, Job, Scheduler
@@ -45,57 +46,43 @@ CLIENT_TIMEOUT_S = 30
 # mod_reqtimeout MinRate): a pause limit alone lets one byte every few seconds hold a request for as long as
 # --max-body allows, and a limit on the whole body would cut off a large one on a slow link
 MIN_BODY_RATE = 500
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
-               500: "server_error"}
-
-
-SURROGATE = re.compile("[\ud800-\udfff]")
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
+               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 def lone_surrogate(data: dict) -> tuple[str, str | None, str] | None:
     """(where, the top-level parameter, the character) of the first lone UTF-16 surrogate in the strings or keys
-    of the body ``data`` (what JSON's "\\ud800" escape decodes to when no low half follows), or None. Iterative:
-    the body may nest deeply."""
-    stack = [(k, k, v) for k, v in reversed(data.items())]
-    while stack:
-        path, param, v = stack.pop()
-        m = SURROGATE.search(param) if path == param else None
+    of the body ``data`` (what JSON's "\\ud800" escape decodes to when no low half follows), or None."""
+    for k, v in data.items():
+        m = request_json.SURROGATE.search(k)
         if m:
             return "a parameter name", None, m.group()
-        if isinstance(v, str):
-            m = SURROGATE.search(v)
-            if m:
-                return path, param, m.group()
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                m = SURROGATE.search(k)
-                if m:
-                    return f"a key of {path}", param, m.group()
-            stack.extend((f"{path}.{k}", param, x) for k, x in reversed(v.items()))
-        elif isinstance(v, list):
-            stack.extend((f"{path}[{i}]", param, x) for i, x in reversed(list(enumerate(v))))
+        found = request_json.lone_surrogate(v, k)
+        if found:
+            return found[0], k, found[1]
     return None
 
 
-def _no_nonfinite_constant(name: str):
-    raise ValueError(f"{name} is not JSON (JSON numbers are finite)")
-
-
-def _finite_float(text: str) -> float:
-    v = float(text)
-    if not math.isfinite(v):
-        raise ValueError(f"the number {shorten(text, 40)} is past a double's range")
-    return v
-
-
-def parse_json_body(body: bytes):
-    """The request body ``body`` as JSON, ValueError for what JSON does not allow. Python's json module alone reads
-    NaN, Infinity and -Infinity (which are not JSON) and a number past a double's range (1e400) as a non-finite
-    float: a value that no response can carry back (JSONResponse refuses it: a 500 where /v1/responses echoes
-    metadata or tools; an event writes it as NaN, which JSON parsers of clients refuse), and that OpenAI's API
-    refuses as unparseable."""
-    return json.loads(body, parse_constant=_no_nonfinite_constant, parse_float=_finite_float)
+def parse_json_body(body: bytes | bytearray, known: request_json.JSONShape | None = None) -> dict:
+    """The request body ``body`` as a JSON object, through request_json's bounded parser (``known``: its shape,
+    measured already); APIError 400 naming what is wrong. Python's json module alone read NaN, Infinity and numbers
+    past a double's range (1e400) as floats that no response can carry back (JSONResponse refuses them: a 500
+    where /v1/responses echoes metadata or tools; an event writes them as NaN, which clients' parsers refuse), and
+    OpenAI's API refuses them as unparseable; text with a lone surrogate cannot be written back as UTF-8 either
+    (a 500, or a stream cut off mid-way), so it is refused here, where it can be named."""
+    try:
+        data = request_json.loads(body, known)
+    except ValueError as e:  # JSONSyntaxError, JSONLimitError
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if request_json.may_hold_surrogate(body):  # only an escape can produce one: most bodies skip the walk
+        bad = lone_surrogate(data)
+        if bad is not None:
+            where, param, ch = bad
+            raise APIError(400, f"{where} holds a lone UTF-16 surrogate ({ch!a}), which is not Unicode text", param)
+    return data
 
 
 def call_kwargs(fn, data: dict, required: str) -> dict:
@@ -118,14 +105,16 @@ def sse_event(obj: dict, name: str | None = None) -> str:
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
     # after a 408 the rest of the body may still come, or never: the connection cannot carry another request
-    headers = {"Connection": "close"} if status == 408 else None
+    headers = {**(headers or {}), "Connection": "close"} if status == 408 else headers
     return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                                    "param": param, "code": code}}, status_code=status, headers=headers)
 
@@ -158,6 +147,7 @@ class Metrics:
         self.busy_seconds = 0.0
         self.cancelled = 0
         self.engine = None  # the BatchEngine with --parallel > 1 or a prompt cache
+        self.budget = None  # the MemoryBudget of request bodies
 
     def request(self, route: str, status: int) -> None:
         with self.lock:
@@ -185,6 +175,8 @@ class Metrics:
             ("pyllm_slots_busy", "gauge", "KV slots holding a running request",
              [("", self.engine.active if self.engine else scheduler.busy)]),
             ("pyllm_requests_processing", "gauge", "requests being generated now", [("", scheduler.busy)]),
+            ("pyllm_request_memory_bytes", "gauge", "bytes request bodies in flight hold, read or parsed "
+             "(--max-request-memory)", [("", self.budget.used if self.budget else 0)]),
         ]
         out = []
         for name, kind, help_, samples in rows:
@@ -276,6 +268,210 @@ class BodyDeadline:
         await self.app(scope, timed_receive, send)
 
 
+# Memory that request bodies, read and parsed, may hold at once (--max-request-memory); past it a request is
+# answered 503 with Retry-After, as TGI answers past its concurrency limit. A body is counted from its first byte
+# (its Content-Length, when given, before any is read) until its request has been answered and the job that holds
+# its parsed value has finished: while it waits for the model it is memory all the same.
+RETRY_AFTER_S = 1
+HOLD = "pyllm.hold"  # the ASGI scope key of a request's Hold
+
+
+def worst_request_bytes(max_body: int) -> int:
+    """The most one request within ``max_body`` can take from the budget: its body, and the largest parsed value
+    and parse that request_json's estimates allow a body of that size."""
+    rj = request_json
+    return max_body + rj.BASE_BYTES + 4 * max_body + rj.VALUE_BYTES * min(rj.MAX_VALUES, max_body + 1) \
+        + rj.CONTAINER_BYTES * min(rj.MAX_CONTAINERS, max_body // 2) \
+        + 12 * max_body + rj.ESCAPE_BYTES * min(rj.MAX_ESCAPES, max_body)
+
+
+def default_request_memory(max_body: int) -> int:
+    """--max-request-memory's default: 512 MiB, or room for the largest request if that is more."""
+    return max(512 << 20, worst_request_bytes(max_body))
+
+
+def request_memory(max_body: int, limit: int | None) -> int:
+    """The MemoryBudget's limit in bytes: ``limit`` (--max-request-memory), None for the default; PyllmError if
+    one request within ``max_body`` could not fit in it."""
+    limit = default_request_memory(max_body) if limit is None else limit
+    if limit < worst_request_bytes(max_body):
+        raise PyllmError(f"--max-request-memory {limit >> 20} MiB is less than one request within --max-body "
+                         f"{max_body} may hold ({-(-worst_request_bytes(max_body) >> 20)} MiB): raise it or lower "
+                         f"--max-body")
+    return limit
+
+
+class MemoryBudget:
+    """The bytes requests may hold at once, shared by every request (thread-safe: the worker threads give back
+    what their jobs held)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self.lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.used -= n
+
+
+class Hold:
+    """One request's part of the MemoryBudget: taken as its body arrives and once more for its parsed value,
+    given back whole when every holder has let go: the request (its response sent) and each job it submitted
+    (finished, or dropped after a cancel)."""
+
+    def __init__(self, budget: MemoryBudget):
+        self.budget, self.bytes, self.holders = budget, 0, 1
+        self.lock = threading.Lock()
+
+    def take(self, n: int, what: str) -> None:
+        """Counts ``n`` more bytes, or APIError 503 (Retry-After) when the budget has no room for them."""
+        if not self.budget.take(n):
+            raise APIError(503, f"the server is busy: {what} does not fit in the memory that requests in flight "
+                                f"may hold (--max-request-memory {self.budget.limit >> 20} MiB); retry shortly",
+                           None, "server_overloaded", {"Retry-After": str(RETRY_AFTER_S)})
+        with self.lock:
+            self.bytes += n
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.bytes -= n
+        self.budget.give(n)
+
+    def retain(self) -> None:
+        with self.lock:
+            self.holders += 1
+
+    def release(self) -> None:
+        with self.lock:
+            self.holders -= 1
+            n, self.bytes = (self.bytes, 0) if self.holders == 0 else (0, self.bytes)
+        if n:
+            self.budget.give(n)
+
+
+class Admission:
+    """ASGI middleware: each HTTP request gets a Hold on ``budget`` (scope[HOLD]), let go once its response has
+    been sent; read_json takes from it."""
+
+    def __init__(self, app, budget: MemoryBudget):
+        self.app, self.budget = app, budget
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        hold = scope[HOLD] = Hold(self.budget)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            hold.release()
+
+
+# --api-key leaves these open, as llama-server does: the health check, the model lists (OpenAI's and Ollama's) and
+# the web page and its static files under /web/ (a browser cannot send a key with a navigation or a script tag; the
+# page's own calls send it). Every other path, /metrics and routes added later included, needs the key.
+OPEN_PATHS = frozenset({"/health", "/v1/models", "/api/tags", "/"})
+OPEN_PREFIXES = ("/web/",)
+
+
+def bound_to_loopback(host: str) -> bool:
+    """Whether the listening address ``host`` (an address or a name) is this machine's loopback only."""
+    import ipaddress
+    import socket
+
+    name = host.strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        pass
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def host_name(header: str) -> str:
+    """The host of a Host header: the port and a trailing dot dropped, an IPv6 literal without its brackets,
+    lowercased."""
+    h = header.strip().lower()
+    if h.startswith("["):
+        h = h[1:h.find("]")] if "]" in h else h[1:]
+    elif h.count(":") == 1:
+        h = h.split(":")[0]
+    return h.rstrip(".")
+
+
+def local_host(name: str, allowed=()) -> bool:
+    """Whether a server bound to loopback answers a request whose Host names ``name`` (host_name's form): the
+    names a page on this machine reaches it by (localhost and *.localhost, loopback and private addresses, this
+    machine's name) and ``allowed`` (--allow-host: names, ``*.domain`` for its subdomains, ``*`` for any). A page
+    on another site whose name the attacker re-points at 127.0.0.1 (DNS rebinding) sends its own name, which is
+    none of these (Ollama's defence)."""
+    import ipaddress
+    import socket
+
+    if name in ("", "localhost") or name.endswith(".localhost") or name == socket.gethostname().lower():
+        return True
+    try:
+        ip = ipaddress.ip_address(name.split("%")[0])
+    except ValueError:
+        ip = None
+    if ip is not None and (ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local):
+        return True
+    for a in allowed:
+        if a == "*" or a == name or (a.startswith("*.") and name.endswith(a[1:])):
+            return True
+    return False
+
+
+class AccessControl:
+    """ASGI middleware, the one gate every route is behind (routes added later too): a Host header that a server
+    bound to loopback does not answer to is a 403 (local_host), and with an API key every path but OPEN_PATHS
+    needs it (401). ``on_refused(path, status)`` counts a refusal."""
+
+    def __init__(self, app, api_key: str | None, check_host: bool, allow_hosts=(), on_refused=None):
+        self.app, self.api_key, self.check_host = app, api_key, check_host
+        self.allow_hosts = tuple(allow_hosts)
+        self.on_refused = on_refused
+
+    def refusal(self, scope) -> APIError | None:
+        headers = {k: v for k, v in scope.get("headers", ()) if k in (b"host", b"authorization", b"x-api-key")}
+        if self.check_host:
+            header = headers.get(b"host", b"").decode("latin-1")
+            if not local_host(host_name(header), self.allow_hosts):
+                return APIError(403, f"this server answers requests for this machine's names only, not for Host "
+                                     f"{header[:100]!r} (a page whose name points at 127.0.0.1 must not reach it); "
+                                     f"start it with --allow-host NAME to serve that name", None, "host_not_allowed")
+        path = scope["path"]
+        if self.api_key is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
+            auth = headers.get(b"authorization", b"").decode("latin-1")
+            given = auth[7:] if auth.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode(
+                "latin-1")
+            if not hmac.compare_digest(given.encode("latin-1"), self.api_key.encode()):
+                return APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None,
+                                "invalid_api_key")
+        return None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            e = self.refusal(scope)
+            if e is not None:
+                if self.on_refused:
+                    self.on_refused(scope["path"], e.status)
+                await error_response(e.status, e.message, e.param, e.code)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30):
     """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
     directory ``prompt_cache`` (or None)."""
@@ -295,14 +491,19 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, parallel: int = 1,
-               prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S,
-               log_format: str | None = None) -> Starlette:
+               prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S, host: str = "127.0.0.1",
+               allow_hosts=(), max_request_memory: int | None = None, log_format: str | None = None) -> Starlette:
     """The ASGI app serving ``llm`` under the model id ``model_name``. ``parallel`` > 1 or a ``prompt_cache``
     directory: requests run in a BatchEngine of that many KV slots (pyllm/runtime/batch.py); else one at a time
     through the LLM itself (which speculates on greedy requests). ``cors_origins``: origins whose pages may call
-    it besides the local ones (with_cors). ``client_timeout``: the body's deadline (BodyDeadline).
-    ``log_format``: "text" or "json", one line per request on stderr (request_log.py); None: no request log."""
+    it besides the local ones (with_cors). ``client_timeout``: the body's deadline (BodyDeadline). ``host``: the
+    address it listens on; bound to loopback, it answers only Host headers naming this machine and
+    ``allow_hosts`` (AccessControl). ``max_request_memory``: the MemoryBudget of request bodies in bytes (default:
+    default_request_memory); PyllmError if one request within ``max_body`` could not fit in it. ``log_format``:
+    "text" or "json", one line per request on stderr (request_log.py); None: no request log."""
+    budget = MemoryBudget(request_memory(max_body, max_request_memory))
     metrics = Metrics()
+    metrics.budget = budget
     engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if parallel > 1 or prompt_cache else None
 
     last_stats = [llm.stats]
@@ -332,36 +533,47 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     scheduler = Scheduler(on_done, workers=parallel + 1 if engine else 1)
     created = int(time.time())
 
+    # One thread parses request bodies, off the event loop, which keeps answering (/health too) while it works;
+    # one at a time, so that the scan's transient memory (request_json.shape's, before the parse's own is known and
+    # taken from the budget) is there once.
+    parser = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="pyllm-parse")
+
+    def parse_held(body: bytearray, hold: Hold) -> dict:
+        shape = request_json.shape(body)
+        try:
+            request_json.check_shape(shape)
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        need = shape.parsed_bytes + shape.parse_bytes
+        hold.take(need, f"a body that takes up to {-(-need >> 20)} MiB to parse")
+        try:
+            return parse_json_body(body, shape)
+        finally:
+            hold.give(shape.parse_bytes)  # the parse is over; its value stays counted
+
     async def read_json(request: Request, served_name: bool = True) -> dict:
-        """The request's JSON object. Its ``model`` may name any model: the server serves one, as llama-server
-        does (a server started on a file was asked for the registry name its README uses); with
-        ``served_name`` it is replaced by the served model's name, which responses then carry."""
+        """The request's JSON object, read and parsed within the request's Hold. Its ``model`` may name any
+        model: the server serves one, as llama-server does (a server started on a file was asked for the registry
+        name its README uses); with ``served_name`` it is replaced by the served model's name, which responses then
+        carry."""
+        hold: Hold = request.scope[HOLD]
         size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > max_body:
-            raise APIError(413, f"request body of {size} bytes exceeds the limit of {max_body} bytes")
+        if size is not None and size.isascii() and size.isdigit():
+            if int(size) > max_body:
+                raise APIError(413, f"request body of {size} bytes exceeds the limit of {max_body} bytes")
+            hold.take(int(size), f"a body of {size} bytes")
+        taken = hold.bytes
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > max_body:
                 raise APIError(413, f"request body exceeds the limit of {max_body} bytes")
-        try:
-            data = parse_json_body(body)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, or an integer of over 4300 digits
-            # the last one's text ends in advice to call a Python function, which no HTTP client can follow
-            why = re.sub(r";? *use sys\.set_int_max_str_digits\(\).*", "", str(e))
-            raise APIError(400, f"malformed JSON body: {why}") from None
-        except RecursionError:  # Python's parser recurses per level: a few kB of "[[[[" exhaust its stack
-            raise APIError(400, "malformed JSON body: arrays and objects nest too deeply") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        # Text with a lone surrogate cannot be written back as UTF-8 (a 500, or a stream cut off mid-way): it is
-        # refused here, where it can be named. Only an escape can produce one, so most bodies skip the walk.
-        if re.search(rb"\\u[dD][89a-fA-F]", body):
-            bad = lone_surrogate(data)
-            if bad is not None:
-                where, param, ch = bad
-                raise APIError(400, f"{where} holds a lone UTF-16 surrogate ({ch!a}), which is not Unicode text",
-                               param)
+            if len(body) > taken:  # a body sent in chunks, without a Content-Length
+                hold.take(len(body) - taken, f"a body of over {taken} bytes")
+                taken = len(body)
+        data = await asyncio.get_running_loop().run_in_executor(parser, parse_held, body, hold)
+        del body
+        hold.give(taken)  # the body's bytes are free; its parsed value stays counted
         model = data.get("model")
         if model is not None and not isinstance(model, str):
             raise APIError(400, f"model must be a string, got {type(model).__name__}", "model")
@@ -369,13 +581,28 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             data["model"] = model_name
         return data
 
-    def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        auth = request.headers.get("authorization", "")
-        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None, "invalid_api_key")
+    def submit_held(request: Request, fn, cancel: threading.Event | None = None, view=None) -> Job:
+        """``fn`` as a job on the scheduler; the request's Hold stays taken until the job is done with the
+        parsed body that ``fn`` holds, even after a cancel (it waits in the queue until a worker drops it)."""
+        hold: Hold = request.scope[HOLD]
+        hold.retain()
+        return scheduler.submit(fn, cancel=cancel, view=view, release=hold.release)
+
+    def submit(request: Request, call) -> Job:
+        """A job running ``call(target, cancel)`` on a worker: ``target`` is the LLM, or with an engine this
+        request's EngineLLM (pyllm/api.py's functions take either; its ``stats`` are this generation's)."""
+        if engine is None:
+            return submit_held(request, lambda cancel: call(llm, cancel))
+        cancel = threading.Event()
+        view = EngineLLM(llm, engine, cancel)
+        return submit_held(request, lambda c: call(view, c), cancel=cancel, view=view)
+
+    def submit_model_call(request: Request, call) -> Job:
+        """A job running ``call(llm, cancel)`` on a worker outside any generation (embeddings): with an engine on
+        the engine's thread, between its steps, as one thread runs the model."""
+        if engine is None:
+            return submit_held(request, lambda cancel: call(llm, cancel))
+        return submit_held(request, lambda cancel: engine.call(lambda: call(llm, cancel)))
 
     async def next_item(request: Request, job: Job):
         """The job's next item; cancels the job if the client disconnects while it waits."""
@@ -386,22 +613,6 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                 if await request.is_disconnected():
                     job.cancel.set()
                     raise asyncio.CancelledError from None
-
-    def submit_model_call(call) -> Job:
-        """A job running ``call(llm, cancel)`` on a worker outside any generation (embeddings): with an engine on
-        the engine's thread, between its steps, as one thread runs the model."""
-        if engine is None:
-            return scheduler.submit(lambda cancel: call(llm, cancel))
-        return scheduler.submit(lambda cancel: engine.call(lambda: call(llm, cancel)))
-
-    def submit(call) -> Job:
-        """A job running ``call(target, cancel)`` on a worker: ``target`` is the LLM, or with an engine this
-        request's EngineLLM (pyllm/api.py's functions take either; its ``stats`` are this generation's)."""
-        if engine is None:
-            return scheduler.submit(lambda cancel: call(llm, cancel))
-        cancel = threading.Event()
-        view = EngineLLM(llm, engine, cancel)
-        return scheduler.submit(lambda c: call(view, c), cancel=cancel, view=view)
 
     async def respond(request: Request, route: str, job: Job, stream: bool, prompt_param: str = "messages",
                       framing: str = "sse") -> Response:
@@ -489,7 +700,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
             except PyllmError as e:
                 raise _as_api_error(e, prompt_param) from None
         fn = getattr(api, fn_name)
-        job = submit(lambda target, cancel: shape(lambda: fn(target, **data, cancel=cancel)))
+        job = submit(request, lambda target, cancel: shape(lambda: fn(target, **data, cancel=cancel)))
         return await respond(request, route, job, stream, prompt_param, "events" if translate else "sse")
 
     async def chat_completions(request: Request) -> Response:
@@ -505,7 +716,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         from ..embed import create_embedding
 
         data = call_kwargs(create_embedding, await read_json(request), "input")
-        job = submit_model_call(lambda model, cancel: model.create_embedding(**data, cancel=cancel))
+        job = submit_model_call(request, lambda model, cancel: model.create_embedding(**data, cancel=cancel))
         request.state.job = job
         try:
             kind, value = await next_item(request, job)
@@ -546,7 +757,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     async def on_api_error(request: Request, e: APIError) -> Response:
         metrics.request(request.url.path if request.url.path in ROUTES else "other", e.status)
-        return error_response(e.status, e.message, e.param, e.code)
+        return error_response(e.status, e.message, e.param, e.code, e.headers)
 
     async def on_http_error(request: Request, e: HTTPException) -> Response:
         metrics.request("other", e.status_code)
@@ -560,35 +771,21 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     routes += ollama.routes(llm, model_name, read_json, submit, submit_model_call, respond, APIError)  # /api
     ROUTES = {r.path for r in routes}
 
-    class Auth:
-        """API-key check in front of the /v1 and /api routes (health and metrics stay open, as in
-        llama-server)."""
-
-        def __init__(self, app):
-            self.app = app
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] == "http" and api_key is not None and scope["path"].startswith(("/v1/", "/api/")):
-                try:
-                    check_key(Request(scope))
-                except APIError as e:
-                    metrics.request(scope["path"] if scope["path"] in ROUTES else "other", 401)
-                    await error_response(e.status, e.message, e.param, e.code)(scope, receive, send)
-                    return
-            await self.app(scope, receive, send)
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         scheduler.close()
+        parser.shutdown(wait=False, cancel_futures=True)
         if engine is not None:
             engine.close()
 
     app = API(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                                                  Exception: on_error}, lifespan=lifespan, cors_origins=cors_origins)
-    app.add_middleware(Auth)
+    app.add_middleware(Admission, budget=budget)
     app.add_middleware(BodyDeadline, timeout=client_timeout)
-    if log_format is not None:  # outermost of these: it sees the 401s and 408s too
+    app.add_middleware(AccessControl, api_key=api_key, check_host=bound_to_loopback(host), allow_hosts=allow_hosts,
+                       on_refused=lambda path, status: metrics.request(path if path in ROUTES else "other", status))
+    if log_format is not None:  # outermost of these: it sees the 401s, 403s and 408s too
         app.add_middleware(RequestLog, log_format=log_format)
     app.state.scheduler, app.state.metrics = scheduler, metrics
     return app
@@ -678,18 +875,19 @@ def head_deadline_protocol(timeout: float):
 
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None, cors_origins=(),
-          client_timeout: float = CLIENT_TIMEOUT_S, log_format: str | None = "text") -> None:
+          client_timeout: float = CLIENT_TIMEOUT_S, allow_hosts=(), max_request_memory: int | None = None,
+          log_format: str | None = "text") -> None:
     """``sock``: a socket from listen_socket, already bound (else one is bound here). ``client_timeout``: the
-    deadline of a request's head (head_deadline_protocol) and body (BodyDeadline). ``log_format``: the request
-    log's (create_app)."""
+    deadline of a request's head (head_deadline_protocol) and body (BodyDeadline). ``allow_hosts``,
+    ``max_request_memory``, ``log_format``: create_app's."""
     import sys
 
     import uvicorn
 
     prepare_for_requests(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
-                     prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout,
-                     log_format=log_format)
+                     prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout, host=host,
+                     allow_hosts=allow_hosts, max_request_memory=max_request_memory, log_format=log_format)
     sock = sock or listen_socket(host, port)
     # h11, not httptools (uvicorn's pick when it is installed): httptools keeps a request's header lines however
     # long they grow, so one client sending an endless header took the server's memory (256 MiB of header, +376

@@ -277,8 +277,9 @@ def _context(target, ids: list[int] | None, text: str) -> dict:
 
 def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_model_call: Callable,
            respond: Callable, api_error: type) -> list[Route]:
-    """The /api routes over app.py's machinery: ``read_json(request, served_name)``, ``submit(call)`` (a
-    generation: call(target, cancel) on a worker), ``submit_model_call(call)`` (other model work: embeddings),
+    """The /api routes over app.py's machinery: ``read_json(request, served_name)``, ``submit(request, call)``
+    (a generation: call(target, cancel) on a worker), ``submit_model_call(request, call)`` (other model work:
+    embeddings),
     ``respond(request, route, job, stream, prompt_param, framing)`` and its error, ``api_error(status, message,
     param)``."""
     path = llm.path
@@ -332,7 +333,7 @@ def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_m
                 return _chat_stream(result, h, timing, target)
             return _chat_reply(result, h, timing, target, want_lp)
 
-        return await respond(request, "/api/chat", submit(call), stream, "messages", "ndjson")
+        return await respond(request, "/api/chat", submit(request, call), stream, "messages", "ndjson")
 
     async def generate(request: Request) -> Response:
         timing = Timing()
@@ -383,7 +384,7 @@ def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_m
                 out["logprobs"] = _completion_logprobs(choice["logprobs"])
             return out
 
-        return await respond(request, "/api/generate", submit(call), stream, "prompt", "ndjson")
+        return await respond(request, "/api/generate", submit(request, call), stream, "prompt", "ndjson")
 
     async def embed(request: Request) -> Response:
         timing = Timing()
@@ -408,7 +409,7 @@ def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_m
                     **{k: v for k, v in timing.fields(model, n, 0).items()
                        if k in ("total_duration", "load_duration", "prompt_eval_count")}}
 
-        return await respond(request, "/api/embed", submit_model_call(call), False, "input")
+        return await respond(request, "/api/embed", submit_model_call(request, call), False, "input")
 
     async def embeddings(request: Request) -> Response:
         """The deprecated /api/embeddings, which older clients still call: one text's vector, not normalised,
@@ -424,7 +425,7 @@ def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_m
             raise _bad(e) from None
         if not prompt:
             return JSONResponse({"embedding": []})
-        job = submit_model_call(lambda model, cancel: {"embedding": model.embed(prompt, normalize=False)})
+        job = submit_model_call(request, lambda model, cancel: {"embedding": model.embed(prompt, normalize=False)})
         return await respond(request, "/api/embeddings", job, False, "prompt")
 
     def card(name: str, sha256: str) -> dict:

@@ -34,6 +34,9 @@ class ReplicaSpec:
     parallel: int = 1
     plain_template: bool = False
     cors_origins: tuple[str, ...] = ()
+    host: str = "127.0.0.1"  # the proxy's address: on loopback, only Host headers naming this machine are answered
+    allow_hosts: tuple[str, ...] = ()
+    max_request_memory: int | None = None  # bytes, per replica
 
 
 def require_ray():
@@ -77,7 +80,8 @@ def build_replica_app(spec: ReplicaSpec):
         llm.use_fallback_template()
     prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles
     app = create_app(llm, spec.model_name, api_key=spec.api_key, max_body=spec.max_body, parallel=spec.parallel,
-                     cors_origins=tuple(spec.cors_origins), client_timeout=spec.client_timeout)
+                     cors_origins=tuple(spec.cors_origins), client_timeout=spec.client_timeout, host=spec.host,
+                     allow_hosts=tuple(spec.allow_hosts), max_request_memory=spec.max_request_memory)
     return with_replica_header(app, f"{socket.gethostname()}:{os.getpid()}")
 
 

@@ -15,6 +15,7 @@ import uuid
 from typing import Callable, Iterator
 
 from ..api import SAMPLING_DEFAULTS
+from ..chat_messages import history_arguments
 from ..errors import BadRequest
 
 # Chat parameters that errors from create_chat_completion name, as this request spells them.
@@ -100,6 +101,7 @@ def _messages(items, instructions) -> list[dict]:
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
                 raise BadRequest(f"{where}: a function_call item needs call_id, name and arguments (strings)",
                                  "input")
+            history_arguments(item["arguments"], f"{where}.arguments", "input")  # named as this request spells it
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             if out and out[-1]["role"] == "assistant":

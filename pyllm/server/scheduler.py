@@ -36,6 +36,7 @@ class Job:
     enqueued: float = field(default_factory=time.monotonic)
     view: Any = None  # the EngineLLM the job generates through (its stats), or None: the LLM itself
     tokens: tuple[int, int] | None = None  # (prompt, generated) of the generation it ran, set by on_done
+    release: Callable[[], None] | None = None  # called once the job is done with ``fn`` (run, or dropped)
 
     def put(self, x) -> None:
         self.loop.call_soon_threadsafe(self.out.put_nowait, x)
@@ -58,8 +59,8 @@ class Scheduler:
         return self._q.qsize()
 
     def submit(self, fn: Callable[[threading.Event], Any], cancel: threading.Event | None = None,
-               view=None) -> Job:
-        job = Job(fn, asyncio.get_running_loop(), cancel=cancel or threading.Event(), view=view)
+               view=None, release: Callable[[], None] | None = None) -> Job:
+        job = Job(fn, asyncio.get_running_loop(), cancel=cancel or threading.Event(), view=view, release=release)
         self._q.put(job)
         return job
 
@@ -74,20 +75,25 @@ class Scheduler:
             job = self._q.get()
             if job is None:
                 return
-            if job.cancel.is_set():
-                continue
-            with self._busy_lock:
-                self.busy += 1
-            t0 = time.monotonic()
-            try:
-                self._run(job)
-            finally:
+            if not job.cancel.is_set():
                 with self._busy_lock:
-                    self.busy -= 1
-                if self.on_done:
-                    self.on_done(job, time.monotonic() - t0)
-                # after on_done: when a response ends, its counts (the request log's, /metrics') are in place
-                job.put(DONE)
+                    self.busy += 1
+                t0 = time.monotonic()
+                try:
+                    self._run(job)
+                finally:
+                    with self._busy_lock:
+                        self.busy -= 1
+                    if self.on_done:
+                        self.on_done(job, time.monotonic() - t0)
+                    # after on_done: when a response ends, its counts (the request log's, /metrics') are in place
+                    job.put(DONE)
+            # What the job's function holds (a request's parsed body) goes now, not when the next job comes; the
+            # request may still hold the Job itself (a stream being sent).
+            job.fn, release = None, job.release
+            del job
+            if release is not None:
+                release()
 
     @staticmethod
     def _run(job: Job) -> None:
