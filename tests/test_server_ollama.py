@@ -218,7 +218,7 @@ def test_errors_on_api_routes_are_ollamas_shape(smol):
     for path, body, key, status in (("/api/chat", b'{"messages": [', KEY, 400),
                                     ("/api/chat", json.dumps({"messages": _hi(), "format": "xml"}).encode(), KEY,
                                      400),
-                                    ("/api/tags", None, "sk-wrong", 401), ("/api/pull", b"{}", KEY, 404)):
+                                    ("/api/ps", None, "sk-wrong", 401), ("/api/pull", b"{}", KEY, 404)):
         got, out = smol.raw(path, body, key=key)
         assert got == status and set(out) == {"error"} and isinstance(out["error"], str), (path, out)
     with pytest.raises(ollama.ResponseError) as e:

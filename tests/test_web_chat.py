@@ -100,12 +100,14 @@ def test_page_files_have_their_types_and_a_strict_csp(smol):
     line = re.search(r'^"pyllm\.server" = \[(.*)\]$', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
     globs = json.loads(f"[{line}]")
     assert all(any(fnmatch.fnmatch("web/" + p.name, g) for g in globs) for p in WEB.iterdir())
-    for path in ("/web/", "/web/../app.py", "/web/index.html", "/web/chat.js.map", "/index.html"):
-        status, _, body = _get(smol, path)
+    # the page's files are open under --api-key (a browser sends no key for them); other paths need it, then 404
+    for path, key in (("/web/", None), ("/web/../app.py", None), ("/web/index.html", None),
+                      ("/web/chat.js.map", None), ("/index.html", KEY)):
+        status, _, body = _get(smol, path, {"Authorization": f"Bearer {key}"} if key else None)
         assert status == 404 and "unknown route" in json.loads(body)["error"]["message"], path
     status, _, body = _get(smol, "/", method="POST")
     assert status == 405
-    assert _get(smol, "/v1/models")[0] == 401
+    assert _get(smol, "/index.html")[0] == 401 and _get(smol, "/metrics")[0] == 401
 
 
 def _reply_text(driver) -> str:

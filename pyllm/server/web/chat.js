@@ -188,6 +188,12 @@ async function loadModels() {
   const card = models.find((m) => m.id === settings.model);
   $("model-name").textContent = settings.model || "pyllm";
   if (card && card.meta && card.meta.n_ctx) $("model-name").title = `context ${card.meta.n_ctx} tokens`;
+  // Under --api-key the list stays open (as llama-server's) but a model's own card does not: asking for it tells
+  // whether replies will need the key, before the first message fails.
+  if (models.length) {
+    const probe = await fetch(`/v1/models/${encodeURIComponent(settings.model)}`, { headers: headers() });
+    if (probe.status === 401) setStatus("this server needs an API key: enter it in Settings", true);
+  }
 }
 
 function requestBody(conv) {
