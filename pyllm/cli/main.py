@@ -122,6 +122,32 @@ def cmd_run(a) -> int:
     return 0
 
 
+def confirm_download(model: str) -> None:
+    """Describing a model should not start a download unasked: a registry name or URL that is not cached yet is
+    fetched only after a yes on a terminal; elsewhere it is an error saying how to pull it."""
+    from ..download import is_remote
+
+    if model in registry.REGISTRY:
+        missing, size = not registry.is_cached(model), f" ({registry.REGISTRY[model].size / 2**20:.0f} MiB)"
+    elif is_remote(model):
+        missing, size = registry.find_remote(model) is None, ""
+    else:
+        return
+    if not missing:
+        return
+    how = f"`pyllm pull {shorten(model)}` downloads it"
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise PyllmError(f"{shorten(model)} is not downloaded yet; {how}, then `pyllm info` describes it")
+    print(f"{shorten(model)} is not downloaded yet{size}. Download it now? [y/N] ", end="", file=sys.stderr,
+          flush=True)
+    try:
+        answer = input()
+    except EOFError:
+        answer = ""
+    if answer.strip().lower() not in ("y", "yes"):
+        raise PyllmError(f"not downloaded; {how}")
+
+
 def cmd_info(a) -> int:
     from ..gguf import open_gguf
     from ..info import format_info, metadata_problems, model_info
@@ -129,6 +155,7 @@ def cmd_info(a) -> int:
     from ..models.config import ModelConfig
 
     kv_flag("--kv", a.kv)
+    confirm_download(a.model)
     path = registry.resolve(a.model, quiet=False)
     problems = []
     if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq.py)
