@@ -321,3 +321,33 @@ def test_load_restores_the_settings_save_wrote_and_counts_alike(tmp_path):
 def test_run_stop_flag_and_chat_stop_flag_follow_set_rules(monkeypatch, capsys):
     res = cli_in_process(monkeypatch, capsys)("run", "m.gguf", "hi", *sum((["--stop", "x"] for _ in range(17)), []))
     assert res.returncode == 2 and "argument --stop: stop must be up to 16 non-empty strings" in res.stderr
+
+
+# ---- the README's example -------------------------------------------------------------------------------------
+
+def test_readme_llama_cpp_example_runs_as_written(smollm2_path, monkeypatch, capsys):
+    """The README's block under "Coming from llama.cpp or Ollama", as written: the run line completes with the
+    registry model from the cache (greedy: the same text as the plain spelling of the same command), the serve
+    line's variables become its port and context."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("**Coming from llama.cpp or Ollama.**"):]
+    block = re.search(r"```bash\n(.*?)```", section, re.S).group(1).strip().splitlines()
+    run_line, serve_line = block
+    argv = shlex.split(run_line)
+    assert argv[0] == "pyllm"
+    cli = cli_in_process(monkeypatch, capsys)
+    res = cli(*argv[1:])
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr
+    plain = cli("run", "smollm2-135m", "Once upon a time", "--max-tokens", "16", "--ctx", "2048", "--threads", "2",
+                "--device", "cpu", "--temp", "0")
+    assert plain.stdout == res.stdout
+    words = shlex.split(serve_line)
+    env = dict(w.split("=", 1) for w in words if "=" in w and w.startswith("PYLLM_ARG_"))
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    a = parsed(*words[len(env) + 1:])
+    assert (a.command, a.model, a.port, a.ctx) == ("serve", "smollm2-135m", 8081, 2048)

@@ -35,6 +35,10 @@ environment:
   PYLLM_CACHE_DIR   where models and the compiled extension are cached (default $XDG_CACHE_HOME/pyllm,
                     else ~/.cache/pyllm)
   PYLLM_HF_ENDPOINT the Hugging Face endpoint for hf.co/... (default $HF_ENDPOINT, else https://huggingface.co)
+  PYLLM_ARG_<FLAG>  serve's default for --<flag> (PYLLM_ARG_PORT, PYLLM_ARG_CTX, PYLLM_ARG_MODEL, ...), as
+                    llama-server's LLAMA_ARG_*; the command line wins
+
+llama.cpp's -m, -p, -c, -t, -n, -np, -ngl, -fa, -j and --chat-template-file are accepted (see the README)
 """
 
 
@@ -411,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
-                                   "/v1/embeddings, /v1/models, /health, /metrics).")
+                                   "/v1/embeddings, /v1/models, /health, /metrics). Each flag's default can come "
+                                   "from PYLLM_ARG_<FLAG> (PYLLM_ARG_PORT=8081, PYLLM_ARG_MODEL=...); the command "
+                                   "line wins.")
     add_model_arg(s, optional=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
