@@ -15,9 +15,9 @@ import sys
 from .. import registry
 from ..errors import PyllmError, TemplateError, shorten
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
-                     add_spec_args, apply_env_defaults, check_numeric_args, decode_utf8, drop_flash_attn_values, kv_flag,
-                     kv_kind_from_args, load_from_args, merge_model_flag, read_stdin_text, read_text_arg, runtime_info,
-                     sampling_kwargs)
+                     add_spec_args, apply_env_defaults, apply_gpu_layers, check_numeric_args, decode_utf8,
+                     drop_flash_attn_values, kv_flag, kv_kind_from_args, load_from_args, merge_model_flag,
+                     read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
 from .chat import HELP_EPILOG as CHAT_EPILOG
 from .chat import run_chat
 
@@ -304,6 +304,7 @@ def serve_replicas_from_args(a) -> int:
         raise PyllmError("--prompt-cache cannot be shared by --replicas (each replica would write the same "
                          "directory); use one or the other")
     require_ray()
+    apply_gpu_layers(a)  # -ngl as --device, as a single process reads it
     path = registry.resolve(a.model or registry.DEFAULT_MODEL)  # fetched once here, not by every replica
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.replicas)
     name = a.model if a.model in registry.REGISTRY else path.name
