@@ -19,6 +19,7 @@ import fcntl
 import hashlib
 import os
 import platform
+import re
 import shutil
 import sys
 import sysconfig
@@ -213,6 +214,132 @@ def _diagnose(exc: BaseException) -> PyllmError:
                       f"PYLLM_VERBOSE_BUILD=1 for the full log. Last lines:\n{tail}")
 
 
+_STEP = re.compile(r"^\[(\d+)/(\d+)\] (.*)$")
+
+
+def _step_name(command: str) -> str:
+    """The file a ninja step makes or compiles, from its command line: 'gemv_avx512.cpp', 'pyllm_C.so'."""
+    words = command.split()
+    for w in reversed(words):
+        if w.endswith((".cpp", ".cu", ".so")):
+            return Path(w).name
+    return words[0] if words else "?"
+
+
+class BuildProgress:
+    """The first-use build's progress on stderr: ninja's [n/m] with the file and the time so far, as one status line
+    rewritten in place on a terminal (ticking while a long file compiles), else one plain line per finished step
+    (a log keeps every line)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.start = time.monotonic()
+        self.step = ""
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def line(self, text: str) -> None:
+        m = _STEP.match(text)
+        if not m:
+            return
+        self.step = f"[{m.group(1)}/{m.group(2)}] {_step_name(m.group(3))}"
+        self.show(final=not self.tty)
+
+    def show(self, final: bool = False) -> None:
+        if not self.step:
+            return
+        text = f"pyllm: compiling {self.step}, {self.elapsed():.0f} s"
+        if self.tty:
+            self.stream.write(f"\r\x1b[K{text}")
+        elif final:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def done(self, ok: bool) -> None:
+        if self.tty and self.step:
+            self.stream.write("\n")
+        if ok and self.step:  # a build that was already complete ran no step: nothing to report
+            self.stream.write(f"pyllm: compiled the C++ extension in {self.elapsed():.0f} s\n")
+        self.stream.flush()
+
+
+def run_ninja_with_progress(build_directory: str, verbose: bool, error_prefix: str) -> None:
+    """torch.utils.cpp_extension's ninja step, showing BuildProgress instead of one static line for minutes. The
+    output is kept and raised as torch raises it (RuntimeError with the compiler's text) when the build fails."""
+    import select
+    import subprocess
+
+    from torch.utils import cpp_extension
+
+    command = ["ninja", "-v"]
+    jobs = cpp_extension._get_num_workers(False) if hasattr(cpp_extension, "_get_num_workers") else None
+    if jobs is not None:
+        command += ["-j", str(jobs)]
+    progress = BuildProgress()
+    output: list[bytes] = []
+    sys.stdout.flush()
+    sys.stderr.flush()
+    proc = subprocess.Popen(command, cwd=build_directory, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=os.environ.copy())
+    ok = False
+    try:
+        pending = b""
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], 1.0)
+            if not ready:
+                progress.show()  # the elapsed time ticks on a terminal while one file compiles
+                continue
+            chunk = os.read(proc.stdout.fileno(), 1 << 16)
+            if not chunk:
+                break
+            output.append(chunk)
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for ln in lines:
+                progress.line(ln.decode("utf-8", "replace"))
+        ok = proc.wait() == 0
+    finally:
+        if proc.poll() is None:  # interrupted: the compilers go with us
+            proc.kill()
+            proc.wait()
+        progress.done(ok)
+    if not ok:
+        raise RuntimeError(f"{error_prefix}: {b''.join(output).decode('utf-8', 'replace')}")
+
+
+@contextlib.contextmanager
+def _build_progress():
+    """cpp_extension.load with run_ninja_with_progress as its ninja step (torch's own stays for
+    PYLLM_VERBOSE_BUILD=1, which streams the compiler's full output, and for a torch without the hook)."""
+    from torch.utils import cpp_extension
+
+    original = getattr(cpp_extension, "_run_ninja_build", None)
+    if original is None or os.environ.get("PYLLM_VERBOSE_BUILD") == "1":
+        yield
+        return
+    cpp_extension._run_ninja_build = run_ninja_with_progress
+    try:
+        yield
+    finally:
+        cpp_extension._run_ninja_build = original
+
+
+def _load_extension(cpp_extension, src: Path, sources: list[str], build: Path, cuda: bool):
+    return cpp_extension.load(
+        name=NAME,
+        sources=[str(src / s) for s in sources],
+        extra_include_paths=[str(src)],
+        extra_cflags=CFLAGS + (["-DPYLLM_CUDA"] if cuda else []),
+        extra_cuda_cflags=CUDA_FLAGS,
+        extra_ldflags=LDFLAGS,
+        build_directory=str(build),
+        with_cuda=cuda,
+        verbose=os.environ.get("PYLLM_VERBOSE_BUILD") == "1",
+    )
+
+
 def load():
     """The extension module (built on first call, then cached in-process and on disk).
 
@@ -250,17 +377,8 @@ def load():
             if not (build / f"{NAME}.so").exists():
                 what = ("with its CUDA kernels " if cuda else "") + "(first use, a few minutes)"
                 print(f"pyllm: compiling the C++ extension {what}...", file=sys.stderr, flush=True)
-            mod = cpp_extension.load(
-                name=NAME,
-                sources=[str(src / s) for s in sources],
-                extra_include_paths=[str(src)],
-                extra_cflags=CFLAGS + (["-DPYLLM_CUDA"] if cuda else []),
-                extra_cuda_cflags=CUDA_FLAGS,
-                extra_ldflags=LDFLAGS,
-                build_directory=str(build),
-                with_cuda=cuda,
-                verbose=os.environ.get("PYLLM_VERBOSE_BUILD") == "1",
-            )
+            with _build_progress():
+                mod = _load_extension(cpp_extension, src, sources, build, cuda)
     except PyllmError as e:
         _error = e
         raise

@@ -64,6 +64,7 @@ class Progress:
     def __init__(self, label: str, total: int | None, stream=None, enabled: bool | None = None):
         self.stream = stream or sys.stderr
         self.enabled = (hasattr(self.stream, "isatty") and self.stream.isatty()) if enabled is None else enabled
+        self.silent = enabled is False  # quiet: not even the one-off notes a log keeps (note())
         self.label, self.total, self.done = label, total, 0
         self.t0 = time.monotonic()
         self._last = 0.0
@@ -86,6 +87,14 @@ class Progress:
         self.stream.write("\r" + line + "\033[K")
         self.stream.flush()
         self._drawn = True
+
+    def note(self, text: str) -> None:
+        """A line a log keeps too (resuming at N MiB), above the redrawn progress line."""
+        if self.silent:
+            return
+        self.stream.write(("\r\033[K" if self._drawn else "") + f"pulling {self.label}: {text}\n")
+        self.stream.flush()
+        self._drawn = False
 
     def close(self) -> None:
         if self._drawn:
@@ -162,10 +171,13 @@ def _sidecar_sha(url: str, timeout: float) -> str | None:
     """The digest from ``URL.sha256`` (``sha256sum`` format or a bare hex digest), if the server has one."""
     try:
         text = _read_small(url + ".sha256", 4096, timeout).decode("ascii", "replace").strip()
-    except (DownloadError, OSError, urllib.error.URLError, http.client.HTTPException, ValueError):
-        return None
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError):
+        return None  # none published (404), or not reachable: the digest is computed
     tok = text.split()[0] if text else ""
-    return tok.lower() if re.fullmatch(r"[0-9a-fA-F]{64}", tok) else None
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", tok):  # published but unreadable: the check it promises cannot be made
+        raise DownloadError(f"{shorten(url)}.sha256 is not a sha256 digest (64 hex digits, as sha256sum writes): "
+                            f"{shorten(text, 80)!r}; give the right one with --sha256")
+    return tok.lower()
 
 
 def resolve_url(url: str, sha256: str | None = None, timeout: float = 30.0) -> Remote:
@@ -266,6 +278,8 @@ def fetch(remote: Remote, part: Path, progress: Progress | None = None, timeout:
                 h.update(block)
     total = remote.size  # the full size, once anyone has said it
     stalls = 0
+    if have and progress:
+        progress.note(f"resuming at {have / 2**20:.1f} MiB" + (f" of {total / 2**20:.1f} MiB" if total else ""))
     for _ in range(MAX_REQUESTS):
         if total is not None and have > total:  # a previous, different file: start over
             part.unlink()
@@ -314,6 +328,8 @@ def fetch(remote: Remote, part: Path, progress: Progress | None = None, timeout:
                 end = int(cl) if cl and cl.isdigit() else None
                 if total is None:
                     total = end
+            if progress and total is not None:  # a URL's size is known once its server answers: % and totals
+                progress.total = total
             mode = "ab" if have else "wb"
             try:
                 with open(part, mode) as f:

@@ -10,6 +10,26 @@ from .runtime.kv_cache import KV_KINDS, KVCache, check_kind
 TOKENIZER_KIND = {"gpt2": "byte-level BPE", "llama": "SentencePiece", "bert": "WordPiece"}
 
 
+# llama.cpp's llama_ftype (general.file_type): the label a GGUF's quantization goes by (Q4_K_M), which its block
+# types alone do not say (Q4_K_M and Q4_K_S hold the same types in different proportions)
+FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9: "Q5_1", 10: "Q2_K", 11: "Q3_K_S",
+              12: "Q3_K_M", 13: "Q3_K_L", 14: "Q4_K_S", 15: "Q4_K_M", 16: "Q5_K_S", 17: "Q5_K_M", 18: "Q6_K",
+              19: "IQ2_XXS", 20: "IQ2_XS", 21: "Q2_K_S", 22: "IQ3_XS", 23: "IQ3_XXS", 24: "IQ1_S", 25: "IQ4_NL",
+              26: "IQ3_S", 27: "IQ3_M", 28: "IQ2_S", 29: "IQ2_M", 30: "IQ4_XS", 31: "IQ1_M", 32: "BF16",
+              36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4_MOE"}
+GUESSED = 1024  # llama.cpp's flag: the converter guessed the type
+
+
+def quantization_label(md: dict) -> str | None:
+    """'Q4_K_M' from general.file_type; None when the file does not say (or says a number llama.cpp has not
+    named), 'Q4_K_M (guessed)' when the converter guessed it."""
+    ft = md.get("general.file_type")
+    if type(ft) is not int:
+        return None
+    label = FILE_TYPES.get(ft & ~GUESSED)
+    return None if label is None else label + (" (guessed)" if ft & GUESSED else "")
+
+
 def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None, kv_kind: str = "f16") -> dict:
     by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     n_params = 0
@@ -29,6 +49,7 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         "name": md.get("general.name", ""),
         "architecture": cfg.arch,
         "parameters": n_params,
+        "quantization": quantization_label(md),
         "file_bytes": gf.path.stat().st_size,
         "tensor_types": {k: {"tensors": v[0], "bytes": v[1]} for k, v in sorted(by_type.items())},
         "context_length": cfg.n_ctx_train,
@@ -119,6 +140,7 @@ def format_info(info: dict) -> str:
         f"name:            {info['name']}",
         f"architecture:    {info['architecture']}",
         f"parameters:      {info['parameters'] / 1e6:.1f} M",
+        f"quantization:    {info.get('quantization') or 'not stated (no general.file_type; see the block types)'}",
         f"layers:          {info['n_layer']} (embd {info['n_embd']}, ff {info['n_ff']}, heads {info['n_head']}, "
         f"kv heads {info['n_kv_head']}, head dim {info['head_dim']})",
         f"rope:            {info['rope']}",

@@ -564,6 +564,20 @@ class LLM:
 
         self.template = ChatTemplate.from_metadata({}, self.tokenizer, use_file_template=False)
 
+    def use_template(self, source: str, where: str = "chat template") -> None:
+        """Format chats with the Jinja template ``source`` instead of the file's own; TemplateError naming
+        ``where`` when it does not compile."""
+        from .chat_template import ChatTemplate
+        from .errors import TemplateError
+
+        tok = self.tokenizer
+        bos = tok.token_text(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.token_text(tok.eos_id) if tok.eos_id is not None else ""
+        try:
+            self.template = ChatTemplate(source, bos, eos)
+        except TemplateError as e:
+            raise TemplateError(f"{where}: {e}") from None
+
     def format_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kw) -> str:
         """``template_kw``: extra template variables (``tools=[...]`` for templates that describe tools).
         Every chat entry point (chat, chat_ids, fit_chat, create_chat_completion) formats through here, so an empty

@@ -221,14 +221,25 @@ def verify_cached(path: Path, expected: str | None, fix: str, full: bool = False
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """Exclusive lock held across processes, so two pulls of one model download it once."""
+    """Exclusive lock held across processes, so two pulls of one model download it once. The lock file is removed
+    when the pull ends (done or failed), while still locked: a waiter that then gets the lock of the removed file
+    sees that the path no longer names it and locks the path anew."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    while True:
+        f = open(path, "a")
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        f.close()  # locked a file its holder removed: try the one at the path now
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+        f.close()  # releases the lock
 
 
 # ---- registry pulls (PyPI packages) ------------------------------------------------------------------------------
@@ -407,7 +418,12 @@ def pull_remote(ref: str, quiet: bool = False, force: bool = False, sha256: str 
         raise PyllmError(f"--sha256 {shorten(sha256)!r}: not a sha256 digest (64 hex digits)")
     cached = find_remote(ref)
     if cached is not None and not force:
-        verify_cached(cached, sha256, ref)
+        verify_cached(cached, None, ref)  # intact as downloaded: a different --sha256 is then not corruption
+        have = (read_record(cached) or {}).get("sha256")
+        if sha256 and have and have != sha256.lower():
+            raise DownloadError(f"--sha256 {sha256} differs from the cached {shorten(ref)}, which is intact as "
+                                f"downloaded (sha256 {have}): the file at that address is not the one you expect; "
+                                f"check the digest, or `pyllm pull --force` to download it again")
         if not quiet:
             print(_summary(f"{ref} is cached", cached, cached.stat().st_size, "verified"), file=sys.stderr)
         return cached

@@ -510,8 +510,7 @@ def _as_a_user_permissions_bind():
 
 
 @pytest.mark.parametrize("args", [["pull", "smollm2-135m"], ["run", "smollm2-135m", "hi", "-n", "1"],
-                                  ["chat", "smollm2-135m"], ["serve", "smollm2-135m", "--port", "0"],
-                                  ["info", "smollm2-135m"]])
+                                  ["chat", "smollm2-135m"], ["serve", "smollm2-135m", "--port", "0"]])
 def test_cache_dir_without_write_permission_is_a_clean_error(tmp_path, args):
     """Reference: README's PYLLM_CACHE_DIR, a directory pyllm writes models into. One the user may not write
     (here a directory of root's, or mode 0555 for a non-root test run) ended pull, run, chat and serve on a

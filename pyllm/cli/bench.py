@@ -21,7 +21,8 @@ import sys
 import time
 
 from ..errors import KVCacheMemoryError, PyllmError
-from .common import add_backend_arg, add_device_arg, kv_kind_from_args, runtime_info
+from .common import (add_backend_arg, add_device_arg, add_llama_cpp_args, apply_gpu_layers, kv_kind_from_args,
+                     runtime_info)
 
 
 def add_bench_parser(sub) -> None:
@@ -34,6 +35,8 @@ def add_bench_parser(sub) -> None:
                "  pyllm bench --probe",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("models", nargs="*", help="GGUF files or registry names")
+    s.add_argument("-m", "--model", dest="model_flags", action="append", default=[], metavar="MODEL",
+                   help="a model, as llama-bench's -m (repeatable; measured after the MODEL arguments)")
     s.add_argument("--synthetic", action="append", default=[], metavar="SHAPE:TYPE",
                    help="a random-weight model built in memory, e.g. llama3-8b:q4_k_m, llama3-1b:q4_0, "
                         "qwen2.5-7b:q4_k_m, llama3-8b:awq (AWQ int4, group size 128) (repeatable)")
@@ -50,6 +53,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--kv-k", "-ctk", default=None, metavar="TYPE", help="key cache type (overrides --kv for keys)")
     s.add_argument("--kv-v", "-ctv", default=None, metavar="TYPE", help="value cache type (overrides --kv)")
     add_backend_arg(s)
+    add_llama_cpp_args(s)
     s.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     s.add_argument("--probe", action="store_true",
                    help="(re)measure this machine's bandwidth, fp32 matmul and prefill GEMM rates first")
@@ -170,7 +174,8 @@ def time_tg(s: Subject, n: int, depth: int = 0) -> float:
     return time.perf_counter() - t
 
 
-def run_tests(s: Subject, a, roof: dict) -> list[dict]:
+def run_tests(s: Subject, a, roof: dict, on_row=lambda row: None) -> list[dict]:
+    """The pp and tg rows of one model; ``on_row`` gets each as soon as it is measured."""
     rows = []
     cfg = s.cfg
     kv_elem = s.kv.nbytes / (s.kv.max_seq * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * 2)
@@ -208,6 +213,7 @@ def run_tests(s: Subject, a, roof: dict) -> list[dict]:
             row["prefill_kernel"] = roof.get("prefill_kernel") if roof else None
             row["flops_share"] = row["gflops"] / prefill_peak(roof) if roof else None
         rows.append(row)
+        on_row(row)
     return rows
 
 
@@ -216,7 +222,8 @@ def prefill_peak(roof: dict) -> float:
     return roof.get("prefill_gflops") or roof["matmul_gflops"]
 
 
-def format_md(rows: list[dict], roof: dict) -> str:
+def format_md_header(roof: dict) -> str:
+    """The roofline line (when one was measured) and the table's head: printed before the first row is measured."""
     out = io.StringIO()
     if roof.get("gpu"):
         out.write(f"roofline ({roof['gpu']}): copy {roof['read_gbs']:.0f} GB/s (read + write), fp16 matmul "
@@ -227,17 +234,19 @@ def format_md(rows: list[dict], roof: dict) -> str:
                   f"prefill GEMM ({roof.get('prefill_kernel', 'f32')}) {prefill_peak(roof):.0f} GFLOP/s\n\n")
     out.write("| model | size | params | backend | threads | test | t/s | roofline |\n")
     out.write("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |\n")
-    for r in rows:
-        if "gbs" in r:
-            share = f"{r['gbs']:.1f} GB/s" + (f" ({100 * r['bw_share']:.0f}% of BW)" if r.get("bw_share") else "")
-        else:
-            share = f"{r['gflops']:.0f} GFLOP/s" + (f" ({100 * r['flops_share']:.0f}% of peak)"
-                                                    if r.get("flops_share") else "")
-        out.write(f"| {r['model_filename']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e6:.0f} M "
-                  f"| {r['backends']} ({', '.join(filter(None, (r['pyllm_backend'], r.get('isa'), r.get('gpu'))))}, "
-                  f"kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
-                  f"| {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {share} |\n")
     return out.getvalue()
+
+
+def format_md_row(r: dict) -> str:
+    if "gbs" in r:
+        share = f"{r['gbs']:.1f} GB/s" + (f" ({100 * r['bw_share']:.0f}% of BW)" if r.get("bw_share") else "")
+    else:
+        share = f"{r['gflops']:.0f} GFLOP/s" + (f" ({100 * r['flops_share']:.0f}% of peak)"
+                                                if r.get("flops_share") else "")
+    return (f"| {r['model_filename']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e6:.0f} M "
+            f"| {r['backends']} ({', '.join(filter(None, (r['pyllm_backend'], r.get('isa'), r.get('gpu'))))}, "
+            f"kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
+            f"| {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {share} |\n")
 
 
 def cmd_bench(a) -> int:
@@ -246,6 +255,9 @@ def cmd_bench(a) -> int:
     from ..roofline import physical_cores, probe
 
     a.kv = kv_kind_from_args(a)  # --kv with --kv-k/--kv-v applied: "q8_0", "f16/q4_rot", ...
+    a.models = a.models + a.model_flags
+    for a.model in a.models or [None]:  # -ngl N: every model must fit wholly on the GPU (or N = 0)
+        apply_gpu_layers(a)
     a.threads = a.threads or physical_cores()
     torch.set_num_threads(a.threads)
     if a.backend == "fast":
@@ -266,6 +278,13 @@ def cmd_bench(a) -> int:
         return cmd_bench_spec(a)
     rows = []
     roof = {}  # the roofline of the device the models run on, measured when the first one has loaded
+    header_printed = False
+
+    def print_row(row: dict) -> None:  # md: each row as it is measured, as llama-bench prints them
+        if a.output == "md":
+            sys.stdout.write(format_md_row(row))
+            sys.stdout.flush()
+
     subjects = [(m, None) for m in a.models] + [(None, s) for s in a.synthetic]
     for model, synth in subjects:
         s = None  # the previous model's memory goes before the next one loads (two 8B models may not fit)
@@ -283,10 +302,12 @@ def cmd_bench(a) -> int:
                 roof = cuda.roofline(s.model.backend.device)
             else:
                 roof = probe(a.threads, force=a.probe)
+        if a.output == "md" and not header_printed:
+            sys.stdout.write(format_md_header(roof))
+            sys.stdout.flush()
+            header_printed = True
         with torch.inference_mode():
-            rows += run_tests(s, a, roof if on_gpu or s.runtime["device"] == "cpu" else {})
-        if a.output == "md":
-            sys.stderr.write(f"pyllm: measured {s.name}\n")
+            rows += run_tests(s, a, roof if on_gpu or s.runtime["device"] == "cpu" else {}, print_row)
     if a.output == "json":
         print(json.dumps(rows, indent=2))
     elif a.output == "csv":
@@ -296,8 +317,6 @@ def cmd_bench(a) -> int:
         w.writeheader()
         w.writerows(rows)
         print(buf.getvalue(), end="")
-    else:
-        print(format_md(rows, roof), end="")
     return 0
 
 

@@ -35,7 +35,9 @@ examples:
 """
 
 
-RULES_EXAMPLE = {"temp": 0.7, "temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "seed": 42, "max_tokens": 256}
+RULES_EXAMPLE = {"temp": 0.7, "temperature": 0.7, "top_p": 0.9, "min_p": 0.05, "seed": 42, "max_tokens": 256,
+                 "stop": '"User:"', "num_ctx": 8192}
+CONTEXT_SETTINGS = ("num_ctx", "ctx", "n_ctx")  # Ollama's name and pyllm's: the context length, a reload
 
 
 # ---- commands ------------------------------------------------------------------------------------------------------
@@ -51,9 +53,11 @@ COMMANDS: dict[str, tuple[tuple[str, ...], str, str]] = {
     "bye": (("bye", "exit", "quit", "q"), "/bye", "quit (or Ctrl-D)"),
     "reset": (("reset", "clear", "new"), "/reset", "start a new conversation (the system prompt stays)"),
     "system": (("system", "sys"), "/system [TEXT]", "set the system prompt (no TEXT: show it; '/system -' clears it)"),
-    "set": (("set",), "/set NAME VALUE", "NAME: temp top_k top_p min_p seed max_tokens repeat_penalty; "
-                                         "/set alone shows them"),
-    "show": (("show", "info"), "/show", "model, settings, context used, KV cache"),
+    "set": (("set",), "/set NAME VALUE", "NAME: temp top_k top_p min_p seed max_tokens repeat_penalty stop "
+                                         "num_ctx (Ollama's names too: /set parameter num_predict 64); /set alone "
+                                         "shows them"),
+    "show": (("show", "info"), "/show [WHAT]", "model, settings, context used, KV cache; WHAT: info (the same), "
+                                               "parameters, system, template"),
     "save": (("save",), "/save FILE", "write the conversation as JSON"),
     "load": (("load",), "/load FILE", "replace the conversation with one saved by /save (or a JSON message list)"),
     "regen": (("regen", "retry", "redo"), "/regen", "throw away the last reply and generate it again"),
@@ -106,6 +110,27 @@ def parse_conversation(data, source: str = "conversation") -> tuple[str | None, 
         else:
             turns.append({"role": m["role"], "content": m["content"]})
     return system, turns
+
+
+def saved_settings(data, current: Settings, source: str) -> Settings | None:
+    """The settings a /save file holds (its "settings" object) applied over ``current``, each checked as /set checks
+    it; None when the file has none (a plain message list). A name this version does not know is skipped: a newer
+    pyllm may save more."""
+    saved = data.get("settings") if isinstance(data, dict) else None
+    if saved is None:
+        return None
+    if not isinstance(saved, dict):
+        raise PyllmError(f"{source}: 'settings' must be an object, got {type(saved).__name__}")
+    out = Settings(**{f.name: getattr(current, f.name) for f in fields(Settings)})
+    names = {f.name for f in fields(Settings)}
+    for name, value in saved.items():
+        if name not in names:
+            continue
+        try:
+            out.set(name, value)
+        except SettingError as e:
+            raise PyllmError(f"{source}: settings: {e}") from None
+    return out
 
 
 MAX_CONVERSATION_BYTES = 64 << 20
@@ -191,6 +216,8 @@ class ChatSession:
         # messages come from piped standard input, not typed: ways out name flags, not slash commands
         self.piped = piped
         self.interrupted = False  # whether the last reply was stopped by Ctrl-C
+        # n_ctx -> the same model loaded with that context (/set num_ctx); None: the context cannot change here
+        self.reload: Callable[[int], object] | None = None
         self._regens = 0  # consecutive /regen of the same message: a fixed seed would replay the same reply
 
     # ---- output ----
@@ -329,7 +356,8 @@ class ChatSession:
         s = self.settings
         parts: list[str] = []
         interrupted = False
-        it = self.llm.generate(ids, max_tokens=s.max_tokens, stream=True, **s.sampling(seed_offset))
+        it = self.llm.generate(ids, max_tokens=s.max_tokens, stream=True, stop=list(s.stop) or None,
+                               **s.sampling(seed_offset))
         try:
             for piece in it:
                 parts.append(piece)
@@ -419,10 +447,19 @@ class ChatSession:
         self.note("(system prompt cleared)" if self.system is None else "(system prompt set)")
 
     def cmd_set(self, arg: str) -> None:
-        if not arg:
-            self.say(self.settings.describe())
-            return
         name, _, value = arg.partition(" ")
+        if name.lower() == "parameter":  # Ollama's `/set parameter NAME VALUE`
+            name, _, value = value.strip().partition(" ")
+        if not name:
+            self.say(self.settings.describe() + f", num_ctx {self.llm.n_ctx}")
+            return
+        if name.lower() in ("system", "verbose", "quiet"):  # Ollama's other /set words
+            if name.lower() == "system":
+                return self.cmd_system(value.strip())
+            self.quiet = name.lower() == "quiet"
+            return self.note(f"({'no ' if self.quiet else ''}status line after replies)")
+        if name.lower().replace("-", "_") in CONTEXT_SETTINGS:
+            return self.set_context(name, value.strip())
         try:
             if not value.strip():
                 canonical_setting(name)  # an unknown name is the more useful message
@@ -432,7 +469,36 @@ class ChatSession:
             raise PyllmError(str(e)) from None
         self.note(f"({key} = {getattr(self.settings, key)})")
 
+    def set_context(self, name: str, value: str) -> None:
+        """/set num_ctx N: the model again with a context of N tokens (0: the model's own); the conversation is
+        kept, and refitted into the new context at the next message."""
+        from .common import NUMERIC_FLAGS
+
+        _, lo, hi = NUMERIC_FLAGS["ctx"]
+        try:
+            n = int(value)
+        except ValueError:
+            n = None
+        if n is None or not lo <= n <= hi:
+            raise PyllmError(f"{name} must be an integer in [{lo}, {hi}] (0 = the model's own), got "
+                             f"{shorten(value) or 'nothing'!r}, e.g. /set {name} {RULES_EXAMPLE['num_ctx']}")
+        if self.reload is None:
+            raise PyllmError(f"the context cannot change in this session; restart with --ctx {n}")
+        new = self.reload(n)  # loaded before the old model goes: a failure leaves the session as it was
+        old, self.llm = self.llm, new
+        old.close()
+        self.note(f"(num_ctx = {new.n_ctx}; the conversation is kept and read again at the next message)")
+
     def cmd_show(self, arg: str) -> None:
+        what = arg.strip().lower()
+        if what == "parameters":
+            return self.say(self.settings.describe() + f", num_ctx {self.llm.n_ctx}")
+        if what == "system":
+            return self.cmd_system("")
+        if what == "template":
+            return self.say(self.llm.template.source)
+        if what not in ("", "info"):
+            raise PyllmError(f"/show {shorten(arg, 40)}: one of info, parameters, system, template")
         llm = self.llm
         cfg = llm.config
         used = len(llm.generator.tokens)
@@ -479,7 +545,7 @@ class ChatSession:
                     os.unlink(tmp)
                 except OSError:
                     pass
-        self.note(f"(saved {len(self.messages())} messages to {path})")
+        self.note(f"(saved {len(self.messages())} messages to {path})")  # /load counts the same: all of them
 
     def cmd_load(self, arg: str) -> None:
         if not arg:
@@ -496,15 +562,19 @@ class ChatSession:
                 from None
         try:
             system, turns = parse_conversation(data, shorten(path))
+            settings = saved_settings(data, self.settings, shorten(path))
         except PyllmError as e:
             raise PyllmError(f"{e}; the conversation is unchanged") from None
         self.turns = turns
+        if settings is not None:
+            self.settings = settings
         if system is not None:
             self.system = system
         self._regens = 0
         self.llm.reset()
-        self.note(f"(loaded {len(turns)} messages from {path}"
-                  + (", with its system prompt)" if system is not None else ")"))
+        n = len(turns) + (system is not None)
+        self.note(f"(loaded {n} messages from {path}" + (", with its system prompt" if system is not None else "")
+                  + (", and its settings)" if settings is not None else ")"))
         last = next((m for m in reversed(turns) if m["role"] == "assistant"), None)
         if last is not None:
             self.note("last reply: " + shorten(last["content"], 200))
@@ -675,6 +745,11 @@ def run_chat(a) -> int:
     color = terminal and use_color(a, sys.stdout)
     chat = ChatSession(llm, settings, system=a.system, out=sys.stdout, ui=ui, color=color,
                        quiet=a.quiet or (not terminal and not a.verbose), terminal=terminal, piped=not terminal)
+    def reload(n_ctx: int):
+        a.ctx = n_ctx
+        return load_from_args(a, context_policy="shift")
+
+    chat.reload = reload
     if not terminal:
         return run_piped(chat, a)
     banner = (f"pyllm chat · {llm.path.name} ({llm.config.arch}, context {llm.n_ctx}, KV {llm.kv.kind}) on "

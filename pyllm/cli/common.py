@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import sys
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -47,6 +48,28 @@ def _seed(text):
     return _strict_int(text)
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # a stop list is a few short markers; a pasted page is a mistake to refuse
+
+
+def _stops(value) -> tuple[str, ...]:
+    """Stop strings: a list (a flag given several times, a saved conversation), or one line of words, quoted as in
+    a shell where a stop string holds spaces (/set stop "User:" "###"); '-' or 'none' for none."""
+    if isinstance(value, (list, tuple)):
+        if not all(isinstance(x, str) and x for x in value):
+            raise ValueError(value)
+        return tuple(value)  # empty: none (as /save writes "no stop strings")
+    text = str(value).strip()
+    if text.lower() in ("-", "none"):
+        return ()
+    try:
+        items = shlex.split(text)
+    except ValueError:  # an unbalanced quote: the words as typed
+        items = text.split()
+    if not items:
+        raise ValueError(value)
+    return tuple(items)
+
+
 # name -> (parser, check, what a valid value is). The ranges match SamplerSettings.validate, so a value that
 # passes here never fails later in the middle of a reply.
 RULES: dict[str, tuple[Callable, Callable, str]] = {
@@ -57,11 +80,14 @@ RULES: dict[str, tuple[Callable, Callable, str]] = {
     "seed": (_seed, lambda v: v is None or 0 <= v < 2**63, "an integer >= 0, or 'random'"),
     "max_tokens": (_strict_int, lambda v: v >= 1 or v == -1, "an integer >= 1, or -1 (until the context is full)"),
     "repeat_penalty": (_finite_float, lambda v: v > 0, "a number > 0 (1 = off)"),
+    "stop": (_stops, lambda v: len(v) <= MAX_STOPS and all(len(x) <= MAX_STOP_CHARS for x in v),
+             f"up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters (quoted where they hold "
+             f"spaces), or 'none'"),
 }
 ALIASES = {"temp": "temperature", "t": "temperature", "k": "top_k", "p": "top_p", "n": "max_tokens",
            "num_predict": "max_tokens", "max": "max_tokens"}
 FLAGS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed",
-         "max_tokens": "-n/--max-tokens", "repeat_penalty": "--repeat-penalty"}
+         "max_tokens": "-n/--max-tokens", "repeat_penalty": "--repeat-penalty", "stop": "--stop"}
 
 
 def canonical_setting(name: str) -> str:
@@ -98,6 +124,7 @@ class Settings:
     seed: int | None = SamplerSettings.seed
     max_tokens: int = 512
     repeat_penalty: float = SamplerSettings.repeat_penalty
+    stop: tuple[str, ...] = ()
 
     @classmethod
     def from_args(cls, a) -> "Settings":
@@ -105,7 +132,7 @@ class Settings:
         s = cls()
         for f in fields(cls):
             attr = {"temperature": "temp"}.get(f.name, f.name)
-            if not hasattr(a, attr):
+            if not hasattr(a, attr) or (f.name == "stop" and not getattr(a, attr)):
                 continue
             try:
                 s.set(f.name, getattr(a, attr))
@@ -125,15 +152,48 @@ class Settings:
 
     def describe(self) -> str:
         seed = "random" if self.seed is None else self.seed
+        stop = f", stop {' '.join(shlex.quote(x) for x in self.stop)}" if self.stop else ""
         return (f"temp {self.temperature:g}, top_k {self.top_k}, top_p {self.top_p:g}, min_p {self.min_p:g}, "
-                f"seed {seed}, max_tokens {self.max_tokens}, repeat_penalty {self.repeat_penalty:g}")
+                f"seed {seed}, max_tokens {self.max_tokens}, repeat_penalty {self.repeat_penalty:g}{stop}")
 
 
 # ---- arguments -----------------------------------------------------------------------------------------------------
 
 def add_model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
-    kw = dict(nargs="?", default=registry.DEFAULT_MODEL) if optional else {}
-    p.add_argument("model", help=f"a .gguf file or a registry name ({', '.join(registry.REGISTRY)})", **kw)
+    """MODEL as the first positional, or as llama.cpp's -m/--model anywhere (merge_model_flag reconciles them).
+    The positional is optional to argparse either way: with -m, what follows the flags is the next positional."""
+    p.add_argument("model", nargs="?", default=None,
+                   help=f"a .gguf file or a registry name ({', '.join(registry.REGISTRY)})"
+                        + (f" (default {registry.DEFAULT_MODEL})" if optional else ""))
+    p.add_argument("-m", "--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as llama.cpp's -m (instead of the MODEL argument)")
+    p.set_defaults(model_required=not optional)
+
+
+def merge_model_flag(a) -> None:
+    """a.model from -m/--model or the first positional (the registry's default model where MODEL is optional);
+    with -m, a positional that argparse took for MODEL is the prompt (`run -m M "text"`), and -p/--prompt gives
+    the prompt as llama.cpp's -p does. SettingError when a value is given twice or the model is missing."""
+    if not hasattr(a, "model_required"):
+        return
+    flag = a.model_flag
+    if flag is not None and a.model is not None:
+        if not hasattr(a, "prompt") or a.prompt is not None:
+            raise SettingError(f"argument -m/--model: the model is given twice ({shorten(flag, 60)!r} and "
+                               f"{shorten(a.model, 60)!r}); give it once")
+        a.prompt = a.model  # `run -m MODEL TEXT`: TEXT is the prompt
+    if flag is not None:
+        a.model = flag
+    prompt_flag = getattr(a, "prompt_flag", None)
+    if prompt_flag is not None:
+        if a.prompt is not None:
+            raise SettingError(f"argument -p/--prompt: the prompt is given twice ({shorten(prompt_flag, 60)!r} and "
+                               f"{shorten(a.prompt, 60)!r}); give it once")
+        a.prompt = prompt_flag
+    if a.model is None:
+        if a.model_required:
+            raise SettingError("the following arguments are required: model (or -m MODEL)")
+        a.model = registry.DEFAULT_MODEL
 
 
 def add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -154,6 +214,93 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     add_backend_arg(g)
     g.add_argument("--plain-template", action="store_true",
                    help="format chats with pyllm's plain template instead of the file's own chat template")
+    g.add_argument("--chat-template-file", default=None, metavar="FILE",
+                   help="format chats with the Jinja chat template in FILE instead of the file's own (as "
+                        "llama.cpp's flag)")
+    add_llama_cpp_args(g)
+
+
+def gpu_layers_arg(text: str) -> int:
+    """-ngl's value: a layer count >= 0, or -1 / 'all' / 'max' for every layer (-1)."""
+    value = text.strip().lower()
+    if value in ("all", "max", "-1"):
+        return -1
+    try:
+        n = int(value)
+    except ValueError:
+        n = -2
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of layers >= 0, or 'all' (or -1), got {shorten(text)!r}")
+    return n
+
+
+def add_llama_cpp_args(g) -> None:
+    """Flags llama.cpp's tools take, accepted under their names: -ngl (whole model on the GPU, or none of it) and
+    -fa (attention is always fused here: nothing to switch)."""
+    g.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", dest="gpu_layers", type=gpu_layers_arg, default=None,
+                   metavar="N", help="layers on the GPU, as llama.cpp's -ngl: 'all' (or -1, or at least the model's "
+                                     "layer count, e.g. 99) is --device cuda, 0 is --device cpu; a model split "
+                                     "between the two is not supported yet")
+    g.add_argument("--flash-attn", "-fa", action="store_true",
+                   help="accepted for llama.cpp command lines (with an optional on/off/auto): attention is always "
+                        "fused here, so it changes nothing")
+
+
+FLASH_ATTN_VALUES = ("on", "off", "auto", "1", "0", "true", "false", "enabled", "disabled")
+
+
+def drop_flash_attn_values(argv: list[str]) -> list[str]:
+    """argv without the value llama.cpp's newer -fa/--flash-attn takes (on, off, auto): the flag is a no-op here,
+    and argparse's optional value would swallow a prompt that follows the flag."""
+    out, skip = [], False
+    for i, word in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if word == "--":
+            out += argv[i:]
+            break
+        if word.startswith("--flash-attn=") or word.startswith("-fa="):
+            out.append(word.split("=", 1)[0])
+            continue
+        out.append(word)
+        if word in ("-fa", "--flash-attn") and i + 1 < len(argv) and argv[i + 1].lower() in FLASH_ATTN_VALUES:
+            skip = True
+    return out
+
+
+def model_layer_count(model: str) -> int | None:
+    """The number of repeating layers a GGUF model file (or registry model) declares, from its header alone; None
+    for anything else (an AWQ folder)."""
+    from ..gguf import open_gguf
+
+    path = registry.resolve(model, quiet=False)
+    if not path.is_file():
+        return None
+    with open_gguf(path) as gf:
+        arch = gf.metadata.get("general.architecture")
+        n = gf.metadata.get(f"{arch}.block_count")
+    return n if isinstance(n, int) else None
+
+
+def apply_gpu_layers(a) -> None:
+    """-ngl N as a device: 0 is the CPU, every layer (-1, all, or N at least the model's layer count, so the habitual
+    99 too) is CUDA, as --device cuda; a split is refused with what to do instead. --device, if given, must agree."""
+    n = getattr(a, "gpu_layers", None)
+    if n is None:
+        return
+    device = a.device or "auto"
+    want = "cpu" if n == 0 else "cuda"
+    layers = model_layer_count(a.model) if n > 0 and getattr(a, "model", None) else None
+    if n > 0 and n < (99 if layers is None else layers):  # 99: llama.cpp's habitual "all", when no count is known
+        of = f"{n} of its {layers} layers" if layers is not None else f"{n} layers"
+        raise PyllmError(f"-ngl {n}: running {of} on the GPU and the rest on the CPU is not supported yet; use "
+                         f"-ngl all (every layer on the GPU, as --device cuda) or -ngl 0 (the CPU)")
+    if device == "auto" or device.split(":")[0] == want:
+        a.device = device if device != "auto" else want
+        return
+    raise PyllmError(f"-ngl {n} puts {'no' if want == 'cpu' else 'every'} layer on the GPU but --device is "
+                     f"{device}; drop one of them")
 
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -261,11 +408,19 @@ def load_from_args(a, context_policy: str = "stop"):
     template chosen, and speculation set for every generation."""
     import pyllm
 
+    apply_gpu_layers(a)
+    template_source = None
+    if getattr(a, "chat_template_file", None):
+        if a.plain_template:
+            raise PyllmError("--chat-template-file and --plain-template both choose the chat template; give one")
+        template_source = read_text_arg(a.chat_template_file, "--chat-template-file")
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
                      backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False),
                      context_policy=getattr(a, "context_policy", None) or context_policy,
                      draft=getattr(a, "draft", None))
-    if getattr(a, "plain_template", False):
+    if template_source is not None:
+        llm.use_template(template_source, f"--chat-template-file {shorten(a.chat_template_file)}")
+    elif getattr(a, "plain_template", False):
         llm.use_fallback_template()
     elif getattr(llm.template, "is_fallback", False) and (getattr(a, "command", None) == "chat"
                                                           or getattr(a, "chat", False)):
@@ -426,3 +581,72 @@ def check_numeric_args(a) -> None:
         if a.seed is not None and a.seed == -1:
             a.seed = None  # random, like chat
 
+
+
+# ---- environment defaults (serve) -----------------------------------------------------------------------------------
+
+ENV_PREFIX = "PYLLM_ARG_"
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_names(action, prefix: str = ENV_PREFIX) -> list[str]:
+    """The variables that give ``action`` a default: PREFIX + each long flag (or a positional's name) in capitals,
+    dashes as underscores (--ctx: PYLLM_ARG_CTX, --n-gpu-layers: PYLLM_ARG_N_GPU_LAYERS, MODEL: PYLLM_ARG_MODEL)."""
+    names = [o[2:] for o in action.option_strings if o.startswith("--")] or ([] if action.option_strings
+                                                                            else [action.dest])
+    return [prefix + n.upper().replace("-", "_") for n in names]
+
+
+def _given(action, argv: list[str], parser) -> bool:
+    for word in argv:
+        for opt in action.option_strings:
+            if word == opt or word.startswith(opt + "=") or (
+                    len(opt) == 2 and word.startswith(opt) and word not in parser._option_string_actions):
+                return True
+    return False
+
+
+def apply_env_defaults(a, parser, argv: list[str], prefix: str = ENV_PREFIX) -> None:
+    """Values from PYLLM_ARG_* variables for the flags the command line leaves out (llama-server's LLAMA_ARG_*
+    habit: a container sets the variables, the command stays `pyllm serve`). The command line wins; a variable
+    that names no flag, or holds a value the flag would refuse, is a SettingError naming it."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(prefix)}
+    if not env:
+        return
+    known = {}
+    for action in parser._actions:
+        if action.dest in ("help", "verbose", "model_flag", "model_required") or isinstance(
+                action, argparse._SubParsersAction):
+            continue
+        for name in env_names(action, prefix):
+            known[name] = action
+    unknown = sorted(set(env) - set(known))
+    if unknown:
+        raise SettingError(f"{unknown[0]} names no flag of {parser.prog}; these variables are read: "
+                           f"{', '.join(sorted(known))}")
+    for name, text in sorted(env.items()):
+        action = known[name]
+        if action.dest == "model":
+            if a.model is not None or a.model_flag is not None:
+                continue
+        elif _given(action, argv, parser):
+            continue
+        try:
+            if isinstance(action, argparse._StoreTrueAction):
+                word = text.strip().lower()
+                if word not in _TRUE + _FALSE:
+                    raise ValueError("must be 1/true/yes/on or 0/false/no/off")
+                value = word in _TRUE
+            else:
+                items = [t.strip() for t in text.split(",")] if isinstance(action, argparse._AppendAction) \
+                    else [text]
+                items = [action.type(t) if action.type else t for t in items]
+                if action.choices is not None and any(v not in action.choices for v in items):
+                    raise ValueError(f"choose from {', '.join(map(str, action.choices))}")
+                value = items if isinstance(action, argparse._AppendAction) else items[0]
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+            why = str(e) if isinstance(e, argparse.ArgumentTypeError) or "choose" in str(e) or "must" in str(e) \
+                else f"not a valid {getattr(action.type, '__name__', 'value')}"
+            raise SettingError(f"{name}={shorten(text)!r} (for {'/'.join(action.option_strings) or action.dest}): "
+                               f"{why}") from None
+        setattr(a, action.dest, value)

@@ -15,7 +15,8 @@ import sys
 from .. import registry
 from ..errors import PyllmError, TemplateError, shorten
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
-                     add_spec_args, check_numeric_args, decode_utf8, kv_flag, kv_kind_from_args, load_from_args,
+                     add_spec_args, apply_env_defaults, apply_gpu_layers, check_numeric_args, decode_utf8,
+                     drop_flash_attn_values, kv_flag, kv_kind_from_args, load_from_args, merge_model_flag,
                      read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
 from .chat import HELP_EPILOG as CHAT_EPILOG
 from .chat import run_chat
@@ -34,12 +35,19 @@ environment:
   PYLLM_CACHE_DIR   where models and the compiled extension are cached (default $XDG_CACHE_HOME/pyllm,
                     else ~/.cache/pyllm)
   PYLLM_HF_ENDPOINT the Hugging Face endpoint for hf.co/... (default $HF_ENDPOINT, else https://huggingface.co)
+  PYLLM_ARG_<FLAG>  serve's default for --<flag> (PYLLM_ARG_PORT, PYLLM_ARG_CTX, PYLLM_ARG_MODEL, ...), as
+                    llama-server's LLAMA_ARG_*; the command line wins
+
+llama.cpp's -m, -p, -c, -t, -n, -np, -ngl, -fa, -j and --chat-template-file are accepted (see the README)
 """
 
 
 def constraint_kwargs(a) -> dict:
-    """json_schema / grammar for generate() from --json-schema FILE / --grammar FILE."""
+    """json_schema / grammar for generate() from --json-schema FILE (or the schema itself, as llama.cpp's -j takes
+    it: a value starting with '{') / --grammar FILE."""
     if getattr(a, "json_schema", None):
+        if a.json_schema.lstrip().startswith("{"):
+            return {"json_schema": a.json_schema}
         return {"json_schema": read_text_arg(a.json_schema, "--json-schema")}
     if getattr(a, "grammar", None):
         return {"grammar": read_text_arg(a.grammar, "--grammar")}
@@ -72,12 +80,18 @@ def cmd_run(a) -> int:
     a.chat = a.chat or a.system is not None  # a system prompt only means something inside the chat template
     llm = load_from_args(a)
     kw = sampling_kwargs(a)
+    if kw["seed"] is None:  # a random seed, chosen here so that -v and --json can say which: --seed N replays it
+        import secrets
+
+        kw["seed"] = secrets.randbelow(2**32)
     if constrained:
         # compiled before the prompt is evaluated, so a bad schema or grammar fails fast
         try:
             kw["constraint"] = llm.make_constraint(**constrained)
         except PyllmError as e:  # the file's content is at fault: say which file
             flag, path = ("--json-schema", a.json_schema) if "json_schema" in constrained else ("--grammar", a.grammar)
+            if path.lstrip().startswith("{"):  # an inline schema: quoting it back would only repeat the flag's value
+                path = "(inline)"
             raise PyllmError(f"{flag} {shorten(path)}: {e}") from None
     whole = llm.context_policy == "stop"  # else fit_prompt drops the prompt's oldest tokens to make it fit
     if a.chat:
@@ -98,6 +112,7 @@ def cmd_run(a) -> int:
     if a.json:
         print(json.dumps({"text": "".join(pieces), "prompt_tokens": st.prompt_tokens,
                           "generated_tokens": st.generated_tokens, "finish_reason": st.finish_reason,
+                          "seed": kw["seed"],
                           "timings": st.as_dict(), "runtime": runtime_info(llm)}))
     else:
         sys.stdout.write("\n")
@@ -107,8 +122,34 @@ def cmd_run(a) -> int:
             spec = (f"; speculative: {st.spec.acceptance:.0%} of {st.spec.drafted} drafted accepted, "
                     f"{st.spec.mean_accepted:.2f} tokens per pass") if st.spec is not None else ""
             print(f"[{st.prompt_tokens} prompt tokens, {st.prompt_tps:.1f} t/s; {st.generated_tokens} generated, "
-                  f"{st.decode_tps:.1f} t/s; {st.finish_reason}{spec}]", file=sys.stderr)
+                  f"{st.decode_tps:.1f} t/s; {st.finish_reason}; seed {kw['seed']}{spec}]", file=sys.stderr)
     return 0
+
+
+def confirm_download(model: str) -> None:
+    """Describing a model should not start a download unasked: a registry name or URL that is not cached yet is
+    fetched only after a yes on a terminal; elsewhere it is an error saying how to pull it."""
+    from ..download import is_remote
+
+    if model in registry.REGISTRY:
+        missing, size = not registry.is_cached(model), f" ({registry.REGISTRY[model].size / 2**20:.0f} MiB)"
+    elif is_remote(model):
+        missing, size = registry.find_remote(model) is None, ""
+    else:
+        return
+    if not missing:
+        return
+    how = f"`pyllm pull {shorten(model)}` downloads it"
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise PyllmError(f"{shorten(model)} is not downloaded yet; {how}, then `pyllm info` describes it")
+    print(f"{shorten(model)} is not downloaded yet{size}. Download it now? [y/N] ", end="", file=sys.stderr,
+          flush=True)
+    try:
+        answer = input()
+    except EOFError:
+        answer = ""
+    if answer.strip().lower() not in ("y", "yes"):
+        raise PyllmError(f"not downloaded; {how}")
 
 
 def cmd_info(a) -> int:
@@ -118,6 +159,7 @@ def cmd_info(a) -> int:
     from ..models.config import ModelConfig
 
     kv_flag("--kv", a.kv)
+    confirm_download(a.model)
     path = registry.resolve(a.model, quiet=False)
     problems = []
     if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq.py)
@@ -278,6 +320,7 @@ def serve_replicas_from_args(a) -> int:
         raise PyllmError("--prompt-cache cannot be shared by --replicas (each replica would write the same "
                          "directory); use one or the other")
     require_ray()
+    apply_gpu_layers(a)  # -ngl as --device, as a single process reads it
     path = registry.resolve(a.model or registry.DEFAULT_MODEL)  # fetched once here, not by every replica
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.replicas)
     name = a.model if a.model in registry.REGISTRY else path.name
@@ -303,7 +346,14 @@ class _Parser(argparse.ArgumentParser):
     """argparse quoting what the user typed in its errors ("invalid choice: '...'") at most 80 characters of it: a
     pasted 10 KB value must not bury the error it is in. An error about one argument's value (a bad type, choice
     or missing value) is one line naming the argument, as pyllm's range checks are: the usage block would push
-    that line out of sight. Errors about the command line as a whole (a missing argument) keep the usage."""
+    that line out of sight. Errors about the command line as a whole (a missing argument) keep the usage.
+
+    No abbreviations (allow_abbrev=False): with llama.cpp's flags beside pyllm's, a prefix that happens to match
+    one long flag today (--n-gpu for --n-gpu-layers) would silently mean another once a flag is added."""
+
+    def __init__(self, *args, **kw):
+        kw.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kw)
 
     def error(self, message: str):
         message = _QUOTED.sub(lambda m: m.group(1) + shorten(m.group(2)) + m.group(1), message)
@@ -354,6 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="no status line after replies")
     s.add_argument("--no-color", action="store_true", help="no colors")
     s.add_argument("--lines", action="store_true", help="piped input: one message per line")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable; /set stop in the chat)")
     add_runtime_args(s)
     add_sampling_args(s, 512)
     add_spec_args(s)
@@ -364,13 +415,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("prompt", nargs="?", default=None,
                    help="the prompt; '-' or none with piped input reads standard input; none on a terminal "
                         "opens a chat")
+    s.add_argument("-p", "--prompt", dest="prompt_flag", default=None, metavar="PROMPT",
+                   help="the prompt, as llama.cpp's -p (instead of the PROMPT argument)")
     s.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     s.add_argument("--system", default=None, help="system prompt (implies --chat)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--json", action="store_true", help="print one JSON object with text, tokens and timings")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--json-schema", metavar="FILE", default=None,
-                   help="constrain the output to JSON valid under the JSON schema in FILE ('-' = stdin)")
+    g.add_argument("--json-schema", "-j", metavar="FILE", default=None,
+                   help="constrain the output to JSON valid under the JSON schema in FILE ('-' = stdin), or given "
+                        "inline as llama.cpp's -j takes it (a value starting with '{')")
     g.add_argument("--grammar", metavar="FILE", default=None,
                    help="constrain the output to the llama.cpp GBNF grammar in FILE ('-' = stdin)")
     add_runtime_args(s)
@@ -381,7 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="HTTP server: the OpenAI and Ollama APIs",
                        description="Serve a model over the OpenAI API (/v1/chat/completions, /v1/completions, "
                                    "/v1/embeddings, /v1/models, /health, /metrics) and Ollama's (/api/chat, "
-                                   "/api/generate, /api/embed, /api/tags, /api/show, /api/ps, /api/version).")
+                                   "/api/generate, /api/embed, /api/tags, /api/show, /api/ps, /api/version). Each "
+                                   "flag's default can come from PYLLM_ARG_<FLAG> (PYLLM_ARG_PORT=8081, "
+                                   "PYLLM_ARG_MODEL=...); the command line wins.")
     add_model_arg(s, optional=True)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -481,12 +537,27 @@ def version_text() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_command_line(argv: list[str] | None = None):
+    """(parser, {subcommand: parser}, namespace) for ``argv``: llama.cpp's -fa values dropped, serve's PYLLM_ARG_*
+    defaults applied, -m/-p merged with the positionals. A usage error exits 2 (SystemExit) with one line."""
     parser = build_parser()
+    argv = drop_flash_attn_values(sys.argv[1:] if argv is None else list(argv))
     a, extra = parser.parse_known_args(argv)
     subs = next((act.choices for act in parser._actions if isinstance(act, argparse._SubParsersAction)), {})
     if extra:  # a subcommand's unknown flag: that subcommand's usage, not the top-level one
         (subs.get(a.command) or parser).error(f"unrecognized arguments: {shorten(' '.join(extra))}")
+    if a.command:
+        try:
+            if a.command == "serve":
+                apply_env_defaults(a, subs["serve"], argv)
+            merge_model_flag(a)
+        except SettingError as e:
+            subs[a.command].exit(2, f"{subs[a.command].prog}: error: {e}\n")
+    return parser, subs, a
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, subs, a = parse_command_line(argv)
     if a.version:
         print(version_text())
         return 0

@@ -338,7 +338,7 @@ class Constraint:
         try:
             grammar = _on_compile_stack(llg.grammar_from, "gbnf", text)
         except ValueError as e:
-            raise PyllmError(f"invalid grammar: {_first_line(str(e))}") from None
+            raise PyllmError(f"invalid grammar: {_gbnf_message(str(e))}") from None
         why = _on_compile_stack(_unfinishable_rule, text)
         if why:
             raise PyllmError(f"invalid grammar: {why}")
@@ -723,6 +723,14 @@ def _engine_refusal(msg: str) -> str:
     """The engine's refusal of a grammar or schema, on one line, in terms a caller can act on."""
     line = _first_line(msg)
     return _ONE_OF_HELP if line.startswith(_ONE_OF_REFUSAL) else line
+
+
+def _gbnf_message(msg: str) -> str:
+    """An engine error about a GBNF grammar in GBNF's terms: the engine converts GBNF to its own Lark dialect first
+    and says so ("Failed to convert the grammar from GBNF to Lark: ..."), which names a language the user never
+    wrote."""
+    msg = re.sub(r"(?i)failed to convert the grammar from GBNF to Lark:\s*", "", _first_line(msg))
+    return re.sub(r"(?i)\blark\b", "grammar", msg)
 
 
 def _first_line(msg: str) -> str:
