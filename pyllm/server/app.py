@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from .. import api
 from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError, shorten
-from . import responses
+from . import infill, responses
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
@@ -381,13 +381,14 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     job.cancel.set()
                     raise asyncio.CancelledError from None
 
-    async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
+    async def generate(request: Request, route: str, fn_name: str, translate=None, plain_events=False) -> Response:
         """``translate``: for a route in another API's shape, data -> (fn's keyword arguments, shape), where
-        shape(make) runs make() (the call) on the worker and returns its result in the route's shape."""
+        shape(make) runs make() (the call) on the worker and returns its result in the route's shape.
+        ``plain_events``: a translated stream is sent as unnamed data events with no [DONE] (llama-server's own)."""
         data = await read_json(request)
         stream = bool(data.get("stream"))
         prompt_param = ("input" if translate else "messages") if fn_name == "create_chat_completion" else "prompt"
-        named = translate is not None  # the Responses API's named events, without data: [DONE]
+        named = translate is not None and not plain_events  # the Responses API's named events, without [DONE]
         if translate is None:
             data, shape = call_kwargs(getattr(api, fn_name), data, prompt_param), lambda make: make()
         else:
@@ -448,7 +449,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                     yield "".join(out)
                     if item is None:
                         item = await job.out.get()
-                if not named:
+                if translate is None:
                     yield "data: [DONE]\n\n"
             finally:
                 job.cancel.set()  # the client went away (or the stream ended): stop at the next token
@@ -465,6 +466,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     async def create_response(request: Request) -> Response:
         return await generate(request, "/v1/responses", "create_chat_completion", responses.translate)
+
+    async def infill_route(request: Request) -> Response:
+        check_key(request)  # the key guards /v1 in Auth; this route sits beside it, as in llama-server
+        return await generate(request, "/infill", "create_completion", lambda data: infill.translate(llm, data),
+                              plain_events=True)
 
     async def embeddings(request: Request) -> Response:
         from ..embed import create_embedding
@@ -510,6 +516,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/infill", infill_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
