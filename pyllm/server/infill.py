@@ -37,7 +37,7 @@ def translate(llm, data: dict) -> tuple[dict, Callable]:
         prompt = ""
     ids = infill_ids(llm.tokenizer, data["input_prefix"], data["input_suffix"], prompt, data.get("input_extra"),
                      llm.n_ctx, max_tokens)
-    stream = data.get("stream") is True
+    stream = bool(data.get("stream"))  # as the route reads it
     kwargs = {k: data[k] for k in SAMPLING if data.get(k) is not None}
     kwargs.update(prompt=ids, max_tokens=max_tokens, model=data.get("model"), stream=stream,
                   stream_options={"include_usage": True} if stream else None)
