@@ -7,8 +7,12 @@ routes; the middle of a small Python function for what qwen2.5-coder-0.5b fills 
 """
 
 import json
+import re
+import subprocess
+import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -158,3 +162,13 @@ def test_infill_route_on_a_model_without_fim_tokens_is_a_400():
         err = json.loads(e.value.read().decode())["error"]
         assert e.value.code == 400 and err["param"] == "input_prefix"
         assert "no fill-in-the-middle tokens" in err["message"] and "\n" not in err["message"]
+
+
+def test_readme_fill_in_the_middle_example(tmp_path):
+    """Runs the README's example as written (the registry name resolves from the cache)."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    start = text.index("### Fill in the middle")
+    code = re.search(r"```python\n(.*?)```", text[start:text.index("\n## ", start)], re.S).group(1)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("a + b"), res.stdout
