@@ -10,7 +10,7 @@ import json
 import subprocess
 import sys
 from enum import Enum
-from typing import List, Optional
+from typing import Annotated, List, Optional
 
 import pytest
 
@@ -110,7 +110,7 @@ class Person(pydantic.BaseModel):
     color: Color
     address: Address
     nick: Optional[str] = pydantic.Field(default=None, max_length=8)
-    tags: List[str] = pydantic.Field(default=[], max_length=2)
+    tags: List[Annotated[str, pydantic.StringConstraints(max_length=12)]] = pydantic.Field(default=[], max_length=2)
 
 
 def check_person(text: str):
