@@ -24,7 +24,9 @@ SAMPLING = ("temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penal
 
 def translate(llm, data: dict) -> tuple[dict, Callable]:
     """(create_completion's keyword arguments for the /infill request ``data``, ``shape``): ``shape(make)`` runs
-    ``make()`` and returns its result in llama-server's shape (a dict, or for a stream an iterator of dicts)."""
+    ``make()`` and returns its result in llama-server's shape (a dict, or for a stream an iterator of dicts). The
+    prompt is tokenized in ``shape``, on the worker: a prefix of megabytes takes seconds, which the event loop
+    (every other client) must not wait for."""
     for name in ("input_prefix", "input_suffix"):
         if name not in data:
             raise BadRequest(f"missing required parameter '{name}'", name)
@@ -35,18 +37,16 @@ def translate(llm, data: dict) -> tuple[dict, Callable]:
     prompt = data.get("prompt", "")
     if prompt is None:
         prompt = ""
-    ids = infill_ids(llm.tokenizer, data["input_prefix"], data["input_suffix"], prompt, data.get("input_extra"),
-                     llm.n_ctx, max_tokens)
     stream = bool(data.get("stream"))  # as the route reads it
     kwargs = {k: data[k] for k in SAMPLING if data.get(k) is not None}
-    kwargs.update(prompt=ids, max_tokens=max_tokens, model=data.get("model"), stream=stream,
+    kwargs.update(prompt=None, max_tokens=max_tokens, model=data.get("model"), stream=stream,
                   stream_options={"include_usage": True} if stream else None)
     head = {"index": 0, "id_slot": 0, "model": data.get("model")}
 
     def summary(finish: str | None, usage: dict | None) -> dict:
         usage = usage or {}
         return {"stop": True, "tokens_predicted": usage.get("completion_tokens", 0),
-                "tokens_evaluated": usage.get("prompt_tokens", len(ids)), "stopped_limit": finish == "length",
+                "tokens_evaluated": usage.get("prompt_tokens", 0), "stopped_limit": finish == "length",
                 "truncated": False}
 
     def events(chunks: Iterator[dict]) -> Iterator[dict]:
@@ -61,6 +61,9 @@ def translate(llm, data: dict) -> tuple[dict, Callable]:
                 yield {**head, "content": "", **summary(finish, c["usage"])}
 
     def shape(make):
+        # make() reads kwargs when it runs, so the ids set here are the prompt it generates from
+        kwargs["prompt"] = infill_ids(llm.tokenizer, data["input_prefix"], data["input_suffix"], prompt,
+                                      data.get("input_extra"), llm.n_ctx, max_tokens)
         result = make()
         if stream:
             return events(result)
