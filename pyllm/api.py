@@ -18,6 +18,7 @@ from typing import Any, Iterator
 from .chat_messages import (CALL_STARTS, TOOL_OPEN, TOOL_SYSTEM_FALLBACK, calls_as_text, check_tools, forced_call,
                             legacy_functions, normalize_messages, parse_tool_calls)
 from .errors import BadRequest, ContextFullError, PyllmError, shorten
+from .infill import suffix_ids
 from .request_checks import check_logit_bias, check_number, refuse_unknown
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import OutputText, stop_list
@@ -281,7 +282,9 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     ``stream=True`` an iterator of ``text_completion`` chunk dicts (the last one carries finish_reason; with
     ``stream_options={"include_usage": True}`` one more carries usage). ``logprobs=N`` adds the top N per token,
     with ``echo`` the prompt's tokens too (the first one's null), as OpenAI's and llama-cpp-python's do.
-    ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled")."""
+    ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled").
+    ``suffix`` (non-empty): the text fills the middle between ``prompt`` and ``suffix``, prompted with the model's
+    fill-in-the-middle tokens (pyllm/infill.py); a BadRequest for a model without them."""
     refuse_unknown(create_completion, ignored)
     _check_n(n)
     if best_of is not None:
@@ -292,17 +295,20 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
             raise BadRequest(f"best_of={best_of}: one candidate is generated per request, so best_of must be 1 "
                              f"(or left out)", "best_of")
     stream, echo = _flag("stream", stream), _flag("echo", echo)
-    if suffix:
-        raise BadRequest("suffix (fill-in-the-middle) is not supported", "suffix")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # OpenAI's batch of prompts, holding one (a string, or token ids)
     if isinstance(prompt, str):
-        llm.check_prompt_fits(prompt)
+        llm.check_prompt_fits(prompt + (suffix if isinstance(suffix, str) else ""))
         ids = llm.tokenize(prompt)
     elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
         ids = list(prompt)
     else:
         raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+    if suffix is not None and suffix != "":  # fill in the middle, between the prompt and the suffix
+        if echo:
+            raise BadRequest("echo cannot be combined with suffix (the prompt is the text before the middle)",
+                             "echo")
+        ids = suffix_ids(llm.tokenizer, prompt, suffix)
     if logprobs is not None:
         check_number("logprobs", logprobs, 0, 20, integer=True)
     run = _new_run(llm, ids, max_tokens, stop, _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty,

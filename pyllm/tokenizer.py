@@ -149,8 +149,10 @@ class Tokenizer:
     """Text <-> token ids for one GGUF vocabulary. Build with :meth:`from_gguf`."""
 
     def __init__(self, *, kind: str, tokens: list[str], types: list[int], backend, bos_id, eos_id, eog_ids,
-                 add_bos: bool, add_eos: bool, add_space_prefix: bool):
+                 add_bos: bool, add_eos: bool, add_space_prefix: bool, fim_ids: dict | None = None):
         self.kind = kind
+        # fill-in-the-middle tokens by role (prefix, suffix, middle, repo, file_sep), None where absent
+        self.fim_ids: dict[str, int | None] = dict(fim_ids or {})
         self._tokens = tokens
         self._types = types
         self._backend = backend
@@ -179,7 +181,7 @@ class Tokenizer:
             raise TokenizerError(f"GGUF tokenizer vocabulary cannot be built ({type(e).__name__}: {first})") from None
         return cls(kind=v.kind, tokens=list(v.tokens), types=v.types, backend=backend, bos_id=v.bos_id,
                    eos_id=v.eos_id, eog_ids=v.eog, add_bos=v.add_bos, add_eos=v.add_eos,
-                   add_space_prefix=v.add_space_prefix)
+                   add_space_prefix=v.add_space_prefix, fim_ids=v.fim)
 
     @staticmethod
     def check_metadata(metadata: dict) -> None:
@@ -558,6 +560,34 @@ def _segments(guard: bytearray | None, start: int, end: int):
         pos = stop
 
 
+# Fill-in-the-middle tokens (pyllm/infill.py): the GGUF key llama.cpp reads, its older spelling, then the token
+# texts llama.cpp recognises when the file names none (Qwen2.5-Coder's GGUF names none)
+_FIM_TOKENS = {
+    "prefix": (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"),
+               ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<\uff5cfim\u2581begin\uff5c>", "<PRE>",
+                "\u2581<PRE>", "<|code_prefix|>")),
+    "suffix": (("tokenizer.ggml.fim_suf_token_id", "tokenizer.ggml.suffix_token_id"),
+               ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<\uff5cfim\u2581hole\uff5c>", "<SUF>",
+                "\u2581<SUF>", "<|code_suffix|>")),
+    "middle": (("tokenizer.ggml.fim_mid_token_id", "tokenizer.ggml.middle_token_id"),
+               ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<\uff5cfim\u2581end\uff5c>", "<MID>",
+                "\u2581<MID>", "<|code_middle|>")),
+    "repo": (("tokenizer.ggml.fim_rep_token_id",), _FIM_EOG_TEXTS[1][1]),
+    "file_sep": (("tokenizer.ggml.fim_sep_token_id",), _FIM_EOG_TEXTS[2][1]),
+}
+
+
+def _fim_ids(md: dict, n: int, index: dict) -> dict[str, int | None]:
+    """{"prefix", "suffix", "middle", "repo", "file_sep"} -> token id or None. An id out of range is passed over
+    (llama.cpp warns and ignores it), as the end-of-generation FIM keys are."""
+    out = {}
+    for name, (keys, texts) in _FIM_TOKENS.items():
+        ids = [md.get(k) for k in keys]
+        found = next((i for i in ids if _is_int(i) and 0 <= i < n), None)
+        out[name] = found if found is not None else next((index[t] for t in texts if t in index), None)
+    return out
+
+
 def _eog_ids(md, tokens, types, index, eos_id, eot_id, eom_id):
     """llama.cpp's end-of-generation set, and token types with every EOG-looking token made a control token."""
     types = list(types)
@@ -681,7 +711,7 @@ def _read_vocabulary(metadata: dict) -> SimpleNamespace:
             _check_items("tokenizer.ggml.scores", scores, lambda v: _is_int(v) or type(v) is float, "a number")
     return SimpleNamespace(kind=kind, tokens=tokens, types=types, bos_id=bos_id, eos_id=eos_id, eog=eog,
                            add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix, index=index,
-                           pre=pre, merges=merges, scores=scores)
+                           pre=pre, merges=merges, scores=scores, fim=_fim_ids(md, n, index))
 
 
 def _bpe_backend(index: dict, merges: Sequence[tuple[str, str]], pre: str):

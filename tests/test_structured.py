@@ -264,8 +264,8 @@ def test_min_properties_that_repeated_keys_could_fake_is_refused():
     llm = llm_of("smollm2")
     for schema, where, required in (
             ({"type": "object", "additionalProperties": {"type": "integer"}, "minProperties": 2}, "/minProperties", 0),
-            ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2},
-             "/minProperties", 1),
+            ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "minProperties": 2,
+              "additionalProperties": True}, "/minProperties", 1),
             ({"type": "array", "items": {"type": "object", "patternProperties": {"^x": {"type": "integer"}},
                                          "additionalProperties": False, "minProperties": 2}},
              "/items/minProperties", 0)):
@@ -617,7 +617,12 @@ def test_a_forced_call_is_closed_after_its_arguments():
             return accepts(llm, None, text, forced_call(llm, tools, name, {})[1]["constraint"])
         assert call('{"name": "f", "arguments": {"v": 42}}')
         assert not call('{"name": "f", "arguments": {"v": 42}, "type": "function"}')
-    assert call('{"name": "f", "arguments": {"v": 42, "w": 1}}')  # the tool's own schema stays open
+    # the tool's own schema lists "v" and says nothing of additionalProperties: false, as llama.cpp reads it
+    assert not call('{"name": "f", "arguments": {"v": 42, "w": 1}}')
+    open_params = {**params, "additionalProperties": True}
+    tools[0]["function"]["parameters"] = open_params
+    assert accepts(llm, None, '{"name": "f", "arguments": {"v": 42, "w": 1}}',
+                   forced_call(llm, tools, "f", {})[1]["constraint"])
 
 
 def test_accepts_text_agrees_with_json_on_every_prefix_in_any_order():
@@ -628,7 +633,7 @@ def test_accepts_text_agrees_with_json_on_every_prefix_in_any_order():
 
     llm = llm_of("smollm2")
     cases = [({"type": "object", "properties": {"a": {"type": "array", "items": {"type": "integer"}}},
-               "required": ["a"]}, '{"a": [1, 23, -4], "b": "x y"}'),
+               "required": ["a"], "additionalProperties": True}, '{"a": [1, 23, -4], "b": "x y"}'),
              ({"type": "integer"}, "-12345")]
     for schema, doc in cases:
 

@@ -74,7 +74,8 @@ def test_min_properties_counts_required_names_from_every_merged_member(schema):
 
 @pytest.mark.parametrize("schema,message", [
     # keys that additionalProperties admits are not kept distinct: still refused, now naming where
-    ({"type": "object", "properties": AB, "allOf": [{"required": ["a"]}, {"minProperties": 2}]},
+    ({"type": "object", "properties": AB, "additionalProperties": True,
+      "allOf": [{"required": ["a"]}, {"minProperties": 2}]},
      "/allOf/1/minProperties is 2, above the 1 properties that object requires, on an object that admits "
      "additionalProperties"),
     ({"type": "object", "$ref": "#/$defs/M", "$defs": {"M": {"minProperties": 1, "additionalProperties": True}}},
@@ -86,12 +87,15 @@ def test_min_properties_counts_required_names_from_every_merged_member(schema):
     ({"type": "object", "properties": AB, "allOf": [{"required": ["a", "b"]}], "maxProperties": 1},
      "/maxProperties is 1, but the object requires 2 properties ('a', 'b')"),
     ({"type": "object", "properties": AB, "additionalProperties": False, "minProperties": 3},
-     "/minProperties is 3, but additionalProperties false leaves the object only 2 names it may have"),
+     "/minProperties is 3, but additionalProperties false (as written, or absent, which reads as false) leaves the "
+     "object only 2 names it may have"),
     # additionalProperties false in a member admits none of the names beside it (as jsonschema reads it)
     ({"type": "object", "properties": AB, "allOf": [{"additionalProperties": False}], "minProperties": 1},
-     "/minProperties is 1, but additionalProperties false leaves the object only 0 names"),
+     "/minProperties is 1, but additionalProperties false (as written, or absent, which reads as false) leaves the "
+     "object only 0 names"),
     # a count the engine cannot generate (it needs every listed name required): named, with its rule
-    ({"type": "object", "properties": {"x": {"type": "object", "properties": AB, "maxProperties": 1}}},
+    ({"type": "object", "properties": {"x": {"type": "object", "properties": AB, "maxProperties": 1,
+                                             "additionalProperties": True}}},
      "/properties/x/maxProperties is 1: the engine bounds the number of properties only where every name"),
 ])
 def test_property_counts_that_cannot_be_kept_are_refused_naming_where(schema, message):

@@ -29,7 +29,7 @@ import torch
 from ..errors import PyllmError, shorten
 from .schema_formats import exact_formats
 from .schema_numbers import deep_bound_refusal, exact_integers, number_bound_refusal, number_digit_cap
-from .schema_objects import count_refusal, repeated_key_refusal
+from .schema_objects import close_objects, count_refusal, repeated_key_refusal
 from .schema_walk import SCHEMA_DATA, resolve_local
 
 
@@ -227,7 +227,8 @@ def _self_defined(schema: dict) -> str | None:
 
 def _schema_text(schema: Any) -> tuple[str, str]:
     """A JSON schema given as a dict or a JSON string -> (canonical JSON text for the engine, bounds moved where
-    it would not keep them; the same before that); PyllmError naming the problem."""
+    it would not keep them; the same before that), a missing additionalProperties read as false in both
+    (schema_objects.close_objects); PyllmError naming the problem."""
     if isinstance(schema, (bytes, str)):
         try:
             schema = json.loads(schema)
@@ -241,7 +242,7 @@ def _schema_text(schema: Any) -> tuple[str, str]:
         schema = {}
     if not isinstance(schema, dict):
         raise PyllmError(f"json_schema must be a JSON object (a dict or its JSON text), got {type(schema).__name__}")
-    why = _engine_options_refusal(schema) or repeated_key_refusal(schema)
+    why = _engine_options_refusal(schema)
     if why:
         raise PyllmError(f"invalid json_schema: {why}")
     ref = _self_defined(schema)
@@ -256,6 +257,11 @@ def _schema_text(schema: Any) -> tuple[str, str]:
         raise PyllmError("json_schema nests too deeply to write as JSON") from None
     # a fresh copy to edit (the caller's schema stays as given); parsing what was just written cannot fail
     edited = json.loads(text)
+    if close_objects(edited):  # a missing additionalProperties is false, as the peers read it
+        text = json.dumps(edited)
+    why = repeated_key_refusal(edited)
+    if why:
+        raise PyllmError(f"invalid json_schema: {why}")
     moved = exact_integers(edited) is not None
     guarded = exact_formats(edited)
     return (json.dumps(edited) if moved or guarded else text), text

@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .schema_walk import Merged, generated_subschemas, pointer, typed_subschemas
+from .schema_walk import (SCHEMA_DATA, SCHEMA_MAPS, Merged, generated_subschemas, pointer, resolve_local,
+                          typed_subschemas)
 
 # (value, JSON pointer of the keyword) of a count bound
 Count = tuple[int, str]
@@ -161,8 +162,9 @@ def count_refusal(message: str, schema: Any) -> str | None:
         names = way.named | way.required
         if what.startswith(("minProperties (", "min/max")) and way.least and not way.open() \
                 and way.least[0] > len(way.allowed):
-            return (f"{way.least[1]} is {way.least[0]}, but additionalProperties false leaves the object only "
-                    f"{len(way.allowed)} names it may have: the schema admits no value")
+            return (f"{way.least[1]} is {way.least[0]}, but additionalProperties false (as written, or absent, "
+                    f"which reads as false) leaves the object only {len(way.allowed)} names it may have: the schema "
+                    f"admits no value")
         if what.startswith("min/max") and names - way.required:
             # the engine's rule: with a name that is not required, a count above the required names is kept only
             # as "at least one" or "at most one" of a closed object's names
@@ -174,3 +176,78 @@ def count_refusal(message: str, schema: Any) -> str | None:
                         f"in \"properties\" is required, or as a minProperties or maxProperties of 1 (one "
                         f"above the required names) with additionalProperties false")
     return None
+
+
+# Keywords whose subschemas the output is not matched against as written (negated, conditional, applied to some
+# keys or to key names only): an object there keeps JSON Schema's own default, extra keys allowed
+_AS_WRITTEN = frozenset(["not", "if", "then", "else", "dependentSchemas", "propertyNames", "x-guidance"])
+
+
+def close_objects(schema: dict) -> int:
+    """Reads a missing "additionalProperties" as false, as llama.cpp's json-schema-to-grammar does (and so Ollama
+    and llama-cpp-python): in place, every subschema that lists "properties" and says nothing of
+    additionalProperties (nor unevaluatedProperties) gets "additionalProperties": false; "true" or a schema there
+    still admits other keys, and an object without "properties" ({"type": "object"}) stays any object. JSON
+    Schema's default (true) let a model invent keys until max_tokens, and a pydantic model's schema, which never
+    writes it, failed to validate against the model where it validates with the peers.
+
+    Objects whose "properties" come from more than one subschema merged together (allOf members, a "$ref" beside
+    "properties", "properties" beside anyOf / oneOf branches that have their own) are left open: closing each
+    part would admit only that part's names and reject the others' (llama.cpp merges such parts into one closed
+    object, which JSON Schema cannot say without unevaluatedProperties). A definition referenced from such a
+    place stays open everywhere. Returns how many objects were closed."""
+    nodes: list[dict] = []  # every subschema the output is matched against as written
+    stack: list[Any] = [schema]
+    while stack:
+        s = stack.pop()
+        if isinstance(s, list):
+            stack.extend(s)
+            continue
+        if not isinstance(s, dict):
+            continue
+        nodes.append(s)
+        for k, v in s.items():
+            if k in SCHEMA_DATA or k in _AS_WRITTEN:
+                continue
+            if k in SCHEMA_MAPS and isinstance(v, dict):
+                stack.extend(v.values())
+            elif isinstance(v, (dict, list)):
+                stack.append(v)
+    # union-find over the subschemas merged as one object: a schema with its allOf members and its "$ref" target
+    parent = {id(s): id(s) for s in nodes}
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(a: Any, b: Any) -> None:
+        if isinstance(b, dict) and id(b) in parent:
+            parent[find(id(a))] = find(id(b))
+
+    for s in nodes:
+        members = s.get("allOf")
+        for m in members if isinstance(members, list) else ():
+            union(s, m)
+        if isinstance(s.get("$ref"), str):
+            union(s, resolve_local(schema, s["$ref"]))
+    named = [s for s in nodes if isinstance(s.get("properties"), dict)]
+    count: dict[int, int] = {}
+    for s in named:
+        count[find(id(s))] = count.get(find(id(s)), 0) + 1
+    merged = {root for root, n in count.items() if n > 1}
+    for s in nodes:  # each branch is merged with the schema that holds it, not with the other branches
+        if count.get(find(id(s))):
+            for key in ("anyOf", "oneOf"):
+                branches = s.get(key)
+                for b in branches if isinstance(branches, list) else ():
+                    if isinstance(b, dict) and id(b) in parent and count.get(find(id(b))) \
+                            and find(id(b)) != find(id(s)):
+                        merged |= {find(id(s)), find(id(b))}
+    closed = 0
+    for s in named:
+        if find(id(s)) not in merged and "additionalProperties" not in s and "unevaluatedProperties" not in s:
+            s["additionalProperties"] = False
+            closed += 1
+    return closed

@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from .. import api, request_json
 from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError
-from . import ollama, responses
+from . import infill, ollama, responses
 from .request_log import RequestLog
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 from .webui import routes as web_routes
@@ -618,7 +618,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                       framing: str = "sse") -> Response:
         """The job's result as the route's response: its one dict as JSON, or with ``stream`` its items as a
         stream in ``framing``: "sse" (OpenAI's events, ending in data: [DONE]), "events" (the Responses API's
-        named events) or "ndjson" (one JSON object a line, an error as {"error": message}: Ollama's)."""
+        named events), "plain" (unnamed data events without [DONE]: llama-server's own routes) or "ndjson" (one
+        JSON object a line, an error as {"error": message}: Ollama's)."""
         request.state.job = job  # the request log's token counts
         try:
             first = await next_item(request, job)
@@ -686,9 +687,10 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         return StreamingResponse(events(), media_type="application/x-ndjson" if ndjson else "text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def generate(request: Request, route: str, fn_name: str, translate=None) -> Response:
+    async def generate(request: Request, route: str, fn_name: str, translate=None, plain_events=False) -> Response:
         """``translate``: for a route in another API's shape, data -> (fn's keyword arguments, shape), where
-        shape(make) runs make() (the call) on the worker and returns its result in the route's shape."""
+        shape(make) runs make() (the call) on the worker and returns its result in the route's shape.
+        ``plain_events``: a translated stream is sent as unnamed data events with no [DONE] (llama-server's own)."""
         data = await read_json(request)
         stream = bool(data.get("stream"))
         prompt_param = ("input" if translate else "messages") if fn_name == "create_chat_completion" else "prompt"
@@ -701,7 +703,8 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
                 raise _as_api_error(e, prompt_param) from None
         fn = getattr(api, fn_name)
         job = submit(request, lambda target, cancel: shape(lambda: fn(target, **data, cancel=cancel)))
-        return await respond(request, route, job, stream, prompt_param, "events" if translate else "sse")
+        framing = "plain" if plain_events else "events" if translate else "sse"
+        return await respond(request, route, job, stream, prompt_param, framing)
 
     async def chat_completions(request: Request) -> Response:
         return await generate(request, "/v1/chat/completions", "create_chat_completion")
@@ -711,6 +714,10 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
 
     async def create_response(request: Request) -> Response:
         return await generate(request, "/v1/responses", "create_chat_completion", responses.translate)
+
+    async def infill_route(request: Request) -> Response:
+        return await generate(request, "/infill", "create_completion", lambda data: infill.translate(llm, data),
+                              plain_events=True)
 
     async def embeddings(request: Request) -> Response:
         from ..embed import create_embedding
@@ -750,6 +757,7 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/infill", infill_route, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
         *web_routes(),  # the browser chat page at / (webui.py)
