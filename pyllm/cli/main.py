@@ -16,7 +16,7 @@ from .. import registry
 from ..errors import PyllmError, TemplateError, shorten
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
                      add_spec_args, check_numeric_args, decode_utf8, kv_flag, kv_kind_from_args, load_from_args,
-                     read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
+                     lora_from_args, read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
 from .chat import HELP_EPILOG as CHAT_EPILOG
 from .chat import run_chat
 
@@ -268,7 +268,8 @@ def serve_replicas_from_args(a) -> int:
     spec = ReplicaSpec(path=str(path), model_name=a.alias or name or path.name, device=a.device, n_ctx=a.ctx,
                        kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
                        api_key=api_key_from_args(a), max_body=a.max_body, client_timeout=a.client_timeout,
-                       parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a))
+                       parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a),
+                       lora=tuple(lora_from_args(a)))
 
     def wait_for_interrupt():  # serve_replicas turns Ctrl-C and SIGTERM into KeyboardInterrupt
         threading.Event().wait()
