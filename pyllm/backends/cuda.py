@@ -432,10 +432,9 @@ class CudaDecodeStep:
         self.b, self.K, self.kv = backend, backend.K, kv
         cfg = model.cfg
         self.cfg, self.w, self.vec, self.out_w = cfg, model.w, model.vec, model.output
-        # LoRA terms by tensor name (Decoder.attach_lora), added after each matrix's GEMV in torch ops; the
-        # model's linear / embed carry the same terms for the torch body
+        # LoRA terms by tensor name (Decoder.attach_lora), each added after its matrix's GEMV in torch ops
         self.lora = getattr(model, "lora_terms", None) or {}
-        self.lin, self.lin_out, self.embed = model.linear, model.output_linear, model.embed
+        self.lora_names = {id(w): n for n, w in model.w.items() if n in self.lora and n != "token_embd.weight"}
         self.n_vocab = cfg.n_vocab
         opts = dict(model.decode_options())
         self.bias, self.qk_norm = bool(opts.get("bias")), bool(opts.get("qk_norm"))
@@ -490,6 +489,18 @@ class CudaDecodeStep:
             out.add_((x @ t.a.T) @ t.bt)
         return out
 
+    def _embed(self) -> torch.Tensor:
+        """The token's embedding row [1, D] with its LoRA term."""
+        x = self.b.embed(self.w["token_embd.weight"], self.tok, check_ids=False)
+        t = self.lora.get("token_embd.weight")
+        return x if t is None else x + t.a.index_select(0, self.tok) @ t.bt
+
+    def _linear(self, x: torch.Tensor, wt, output: bool = False) -> torch.Tensor:
+        """The backend's linear (linear_output when ``output``) plus wt's LoRA term: the torch body's products."""
+        y = (self.b.linear_output if output else self.b.linear)(x, wt)
+        name = self.lora_names.get(id(wt))
+        return y if name is None else self._lora(name, x, y)
+
     def _gemvs(self, pairs, rows: torch.Tensor, codes: tuple) -> list[torch.Tensor]:
         """_gemv over (weight, out) pairs that read the same codes: consecutive weights of one type with a GEMV
         kernel share one launch (``cuda_gemv_q_parts``: q/k/v, gate/up), the others go one by one."""
@@ -516,7 +527,7 @@ class CudaDecodeStep:
         cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
-        B.x.copy_(self.embed(w["token_embd.weight"], self.tok, check_ids=False))
+        B.x.copy_(self._embed())
         if self.embd_scale:
             B.x.mul_(self.embd_scale)
         branch, post = None, None  # the block output not yet added to x, and its post-norm weights
@@ -615,10 +626,10 @@ class CudaDecodeStep:
     def _body_torch(self, first: bool) -> torch.Tensor:
         """The step in torch ops around the GEMV and attention kernels: the definition the row kernels follow, and
         the path for a model they do not take (row_kernels_problem)."""
-        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.lin
+        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self._linear
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
-        x = self.embed(w["token_embd.weight"], self.tok, check_ids=False)  # [1, D]
+        x = self._embed()  # [1, D]
         if self.embd_scale:
             x = x * self.embd_scale
         for i in range(cfg.n_layer):
@@ -635,7 +646,7 @@ class CudaDecodeStep:
             m = lin(act * u, w[p + "ffn_down.weight"])
             x = x + (_rms_norm(m, vec[p + "post_ffw_norm.weight"], eps) if self.post_norms else m)
         x = _rms_norm(x, vec["output_norm.weight"], eps)
-        logits = self.lin_out(x, self.out_w)
+        logits = self._linear(x, self.out_w, output=True)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
