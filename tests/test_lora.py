@@ -322,3 +322,23 @@ def test_readme_examples(tmp_path, smollm2_path):
     cli = subprocess.run(["bash", "-ec", sh], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.strip() == generated.strip() != ""
+
+
+def test_non_finite_pair(mistral_base, tmp_path):
+    a, b = make_pairs(mistral_base, ["blk.0.attn_v.weight"], 4, 0)["blk.0.attn_v.weight"]
+    b[3, 1] = np.nan
+    p = write_adapter(tmp_path / "n.gguf", "llama", {"blk.0.attn_v.weight": (a, b)})
+    msg = _load_error(mistral_base, tmp_path, lora=p)
+    assert "n.gguf" in msg and "'blk.0.attn_v.weight.lora_b'" in msg and "NaN" in msg
+
+
+@pytest.mark.parametrize("command", ["run", "chat", "serve", "bench"])
+def test_flags_on_every_command(command):
+    """--lora and --lora-scaled (llama.cpp's spellings) on run, chat, serve and bench: the --lora files, then the
+    --lora-scaled ones (the terms add up, so the order does not matter)."""
+    from pyllm.cli.common import lora_from_args
+    from pyllm.cli.main import build_parser
+
+    a = build_parser().parse_args([command, "m.gguf", "--lora", "a.gguf", "--lora-scaled", "b.gguf", "0.25",
+                                   "--lora", "c.gguf"])
+    assert lora_from_args(a) == [("a.gguf", 1.0), ("c.gguf", 1.0), ("b.gguf", 0.25)]
