@@ -137,6 +137,9 @@ ALL = {
     + ["output.weight", "token_embd.weight"],
     # qk-norm, tied output; only some matrices
     "qwen3": lambda n: [f"blk.{i}.{m}.weight" for i in range(2) for m in ("attn_q", "attn_v", "ffn_down")],
+    # fused attn_qkv and [gate; up] rows: the terms are split as the weights are
+    "phi3": lambda n: [f"blk.{i}.{m}.weight" for i in range(2) for m in ("attn_qkv", "attn_output", "ffn_up",
+                                                                         "ffn_down")],
     # post-norms, embedding scale, sliding windows: every layer matrix
     "gemma3": lambda n: [f"blk.{i}.{m}.weight" for i in range(6) for m in LAYER_MATRICES],
 }
@@ -166,9 +169,13 @@ def cases(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("backend", ["reference", "fast"])
-@pytest.mark.parametrize("which", ["one", "two"])
-@pytest.mark.parametrize("arch", list(ALL))
+# Gemma 3 (6 layers, the slowest) on the fast backend only: its prefill there is the same torch hook the reference
+# backend runs, and its decode the C++ step's Gemma path.
+MATCH_CASES = [(arch, which, backend) for arch in ALL for which in ("one", "two") for backend in ("reference", "fast")
+               if (arch, backend) != ("gemma3", "reference")]
+
+
+@pytest.mark.parametrize("arch,which,backend", MATCH_CASES)
 def test_adapters_match_merged_weights(cases, arch, which, backend):
     c = cases[arch]
     kw = dict(backend=backend, n_ctx=64, kv_cache="f32")

@@ -140,7 +140,8 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
                      quiet=False, lora=lora_from_args(a))
     p = llm.path
     size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size  # AWQ folder
-    return Subject(p.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size, runtime_info(llm))
+    name = p.name + "".join(f" + LoRA {a.path.name} x{a.scale:g}" for a in llm.lora)
+    return Subject(name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size, runtime_info(llm))
 
 
 def _random_tokens(s: Subject, n: int, seed: int = 0) -> list[int]:
