@@ -268,6 +268,45 @@ std::unique_ptr<DecodeContext> make_decode_context(
     return ctx;
 }
 
+// A LoRA term (kernels.h DecodeLora) on one matrix: slot 7 i + j is layer i's matrix j (q, k, v, output, gate, up,
+// down), slot 7 n_layer the output projection, 7 n_layer + 1 the token embedding.  a: f32 [rank, K] (the
+// embedding's: [vocab rows, rank]), bt: f32 [rank, N], the scales already in bt.
+void decode_set_lora(DecodeContext& d, int64_t slot, const Tensor& a, const Tensor& bt) {
+    const char* fn = "DecodeContext.set_lora";
+    const pyllm::DecodeConfig& c = d.model.cfg;
+    const int64_t n_layer = c.n_layer, D = c.n_embd, qd = int64_t{c.n_head} * c.head_dim,
+                  kvd = int64_t{c.n_kv_head} * c.head_dim;
+    PYLLM_CHECK_VALUE(slot >= 0 && slot <= 7 * n_layer + 1, fn, ": slot ", slot, " is out of range 0..",
+                      7 * n_layer + 1);
+    check_tensor(fn, "a", a, at::kFloat, 2);
+    check_tensor(fn, "bt", bt, at::kFloat, 2);
+    const bool embd = slot == 7 * n_layer + 1;
+    const int64_t rank = embd ? a.size(1) : a.size(0);
+    int64_t K = D, N = D;
+    pyllm::DecodeLora* l = nullptr;
+    if (slot < 7 * n_layer) {
+        const int64_t j = slot % 7;
+        const int64_t Ks[7] = {D, D, D, qd, D, D, c.n_ff}, Ns[7] = {qd, kvd, kvd, D, c.n_ff, c.n_ff, D};
+        K = Ks[j];
+        N = Ns[j];
+        l = &d.model.layers[slot / 7].lora[j];
+    } else if (!embd) {
+        N = c.n_vocab;
+        l = &d.model.output_lora;
+    } else {
+        K = d.vocab_rows;  // a's rows: one per token
+        l = &d.model.token_embd_lora;
+    }
+    PYLLM_CHECK_VALUE(rank >= 1 && rank <= INT32_MAX && bt.size(0) == rank && bt.size(1) == N &&
+                          (embd ? a.size(0) : a.size(1)) == K,
+                      fn, ": slot ", slot, ": a ", a.sizes(), " and bt ", bt.sizes(), " do not fit a matrix of ", N,
+                      " x ", K, " (expected a [", embd ? K : rank, ", ", embd ? rank : K, "], bt [", rank, ", ", N,
+                      "])");
+    d.keep.insert(d.keep.end(), {a, bt});
+    *l = {a.data_ptr<float>(), bt.data_ptr<float>(), static_cast<int>(rank)};
+    d.scratch.resize(d.model);
+}
+
 // logits_out: f32 [n_vocab] (or [1, n_vocab]) filled with the logits of `token` at position `pos`.  Returns their
 // argmax (the first of ties), or -1 where a logit is NaN or infinite.
 int64_t decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
@@ -355,7 +394,9 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
             same = L.wq.data == L0.wq.data && L.wk.data == L0.wk.data && L.wv.data == L0.wv.data &&
                    L.wo.data == L0.wo.data && L.wgate.data == L0.wgate.data && L.wup.data == L0.wup.data &&
                    L.wdown.data == L0.wdown.data;
+            for (int j = 0; same && j < 7; ++j) same = L.lora[j].a == L0.lora[j].a && L.lora[j].bt == L0.lora[j].bt;
         }
+        same = same && m.output_lora.a == m0.output_lora.a && m.token_embd_lora.a == m0.token_embd_lora.a;
         PYLLM_CHECK_VALUE(same, fn, ": context ", b, " was built over other weights or sizes than context 0");
         for (int64_t j = 0; j < b; ++j)
             PYLLM_CHECK_VALUE(m.k_cache.data != ctxs[j]->model.k_cache.data &&
@@ -540,6 +581,11 @@ void register_decode(py::module& m) {
              py::arg("k_mu") = py::none(), py::arg("v_mu") = py::none(), py::arg("k_rot") = py::none(),
              py::arg("v_rot") = py::none(), py::arg("k_scale") = py::none(), py::arg("k_sink") = py::none(),
              py::arg("v_sink") = py::none())
+        .def("set_lora", &decode_set_lora,
+             "adds a LoRA term to one matrix: slot 7*layer + j (q, k, v, output, gate, up, down), 7*n_layer the "
+             "output projection, 7*n_layer + 1 the token embedding; a f32 [rank, K] (embedding: [vocab, rank]), "
+             "bt f32 [rank, N] with the scales in it",
+             py::arg("slot"), py::arg("a"), py::arg("bt"))
         .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
         .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
     m.def("decode_profile", [](bool on) { pyllm::decode_profile_cpu() = pyllm::DecodeProfile{on}; },

@@ -152,8 +152,18 @@ struct DecodeWeight {
     size_t row_bytes = 0;
     QType qtype{};
 };
+// A low-rank term added to a matrix's output (LoRA adapters, pyllm/lora.py): y[m] += sum_j (A x[m])_j bt[j, :],
+// A [rank, K] and bt [rank, N] float32, the adapters' scales already in bt (several adapters: their ranks stacked).
+// The token embedding's is looked up instead: row[tok] += sum_j A[tok, j] bt[j, :], A [n_vocab, rank].
+// rank 0: none.
+struct DecodeLora {
+    const float* a = nullptr;
+    const float* bt = nullptr;
+    int rank = 0;
+};
 struct DecodeLayer {
     DecodeWeight wq, wk, wv, wo, wgate, wup, wdown;
+    DecodeLora lora[7];  // of wq, wk, wv, wo, wgate, wup, wdown, in that order
     const float* attn_norm = nullptr;
     const float* ffn_norm = nullptr;
     const float *bq = nullptr, *bk = nullptr, *bv = nullptr;  // all or none ([H*hd], [Hkv*hd], [Hkv*hd])
@@ -227,6 +237,7 @@ struct DecodeModel {
     DecodeConfig cfg;
     std::vector<DecodeLayer> layers;
     DecodeWeight token_embd, output;
+    DecodeLora token_embd_lora, output_lora;
     const float* output_norm = nullptr;
     const float *cos = nullptr, *sin = nullptr;    // [max_pos, rope_dim/2]
     const float *cos2 = nullptr, *sin2 = nullptr;  // second table (layers with rope == 1), same shape, or nullptr
@@ -240,6 +251,7 @@ struct DecodeScratch {
     std::vector<float> x, h, q, k, v, att, g, u, scores, tmp;
     std::vector<float> sink;  // [n_head * (head_dim + 3)] per slot: the sink row's output, log-sum-exps, scratch
     std::vector<float> part_o, part_lse;  // a long row's key parts: outputs and log-sum-exps (decode_step.cpp)
+    std::vector<float> lora_t;  // [GEMV_MAX_M, the largest LoRA rank]: A x of each row
     void resize(const DecodeModel& m);
 };
 // Where the decode steps' time goes (tools/decode_profile.py): every decode_*_cpu call adds to it while `on`

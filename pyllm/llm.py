@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from . import lora as lora_adapters
 from . import registry
 from .errors import ContextFullError, KVCacheMemoryError, ModelError, PyllmError, in_file
 from .runtime.generator import GenerationStats, Generator
@@ -206,6 +207,7 @@ class LLM:
         self.chat_dropped = 0  # messages the last chat() dropped from the front of its history ("shift")
         self.generator = Generator(model, kv, n_ctx)
         self.draft = None  # the draft LLM for speculative="draft" (set_draft)
+        self.lora: list = []  # the LoRA adapters the model runs with (pyllm/lora.py LoraAdapter), set by load
         # What generate_tokens' speculative="auto" / spec_k / spec_ngram default to (the CLI's --spec* flags):
         # {"speculative": "lookup", "spec_k": 5, ...}; empty: DEFAULT_SPECULATIVE for greedy decoding.
         self.spec_options: dict = {}
@@ -690,6 +692,8 @@ class LLM:
         out = model_info(self.gguf, self.config, self.tokenizer, self.template, n_ctx=self.n_ctx,
                          kv_kind=self.kv.kind)
         out["runtime"] = self.model.backend.describe()
+        if self.lora:
+            out["lora"] = [a.describe() for a in self.lora]
         return out
 
     def close(self) -> None:
@@ -704,7 +708,7 @@ class LLM:
 
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
-         context_policy: str = "stop", verbose: bool = False, draft=None) -> LLM:
+         context_policy: str = "stop", verbose: bool = False, draft=None, lora=None) -> LLM:
     """Load a GGUF file (path), an AWQ checkpoint folder, or a registry model (name, fetched on first use).
 
     device: "cpu" (default), "cuda" (or "cuda:N"; PyllmError naming why when this machine cannot run it), or
@@ -720,6 +724,9 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     backend: the CPU kernels: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights
     dequantized by the torch reference code (cached per weight on first use: for tests and accuracy baselines, not
     for speed; CPU only).
+
+    lora: LoRA adapters in llama.cpp's GGUF format, applied at run time without merging (pyllm/lora.py): a path,
+    a (path, scale) pair, or a list of them (scale 1.0 for a bare path); ``llm.lora`` lists them.
     """
     from . import backends
     from .checkpoint import read_gguf
@@ -734,6 +741,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     backends.check_device(device)
     backends.check_backend(backend)
     _check_policy(context_policy)
+    lora_adapters.parse_spec(lora)  # a malformed argument fails before the model is read
     runner = backends.select(device, backend, n_threads)
     path = registry.resolve(model, quiet=quiet)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq.py)
@@ -745,7 +753,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     else:
         ckpt = read_gguf(path)
     llm = from_checkpoint(ckpt, runner, n_ctx=n_ctx, kv_cache=kv_cache, n_threads=n_threads, quiet=quiet,
-                          context_policy=context_policy, verbose=verbose, t0=t0)
+                          context_policy=context_policy, verbose=verbose, t0=t0, lora=lora)
     if draft is not None:  # a draft model for speculative decoding (same vocabulary, checked)
         try:
             llm.set_draft(draft)
@@ -757,7 +765,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
 
 def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_threads: int | None = None,
                     quiet: bool = True, context_policy: str = "stop", verbose: bool = False,
-                    t0: float | None = None) -> LLM:
+                    t0: float | None = None, lora=None) -> LLM:
     """The LLM for a file reader's Checkpoint (pyllm/checkpoint.py), run by ``backend`` (pyllm.backends.select):
     plans the KV cache, prepares the weights (CUDA: uploads them), builds the model and its cache. Closes the
     checkpoint if anything fails."""
@@ -766,6 +774,8 @@ def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_t
     t0 = time.perf_counter() if t0 is None else t0
     try:
         cfg = ckpt.config
+        # the adapters are read and checked before the weights are prepared (CUDA: uploaded)
+        adapters, terms = lora_adapters.load_adapters(lora, cfg, ckpt.weights)
         n_ctx, per_token, need = plan_kv_cache(cfg, n_ctx, kv_cache, check_memory=backend.device.type == "cpu")
         if verbose:
             print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
@@ -776,9 +786,13 @@ def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_t
             mdl = build_model(cfg, ckpt.weights, backend, max_pos=n_ctx, progress=not quiet)
         except ModelError as e:  # the file lacks a tensor the architecture needs
             raise in_file(e, Path(ckpt.path).name) from None
+        if terms:
+            mdl.attach_lora(terms)
         kv = backend.make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
     except BaseException:
         ckpt.close()
         raise
-    return LLM(ckpt, mdl, kv, n_ctx, n_threads or torch.get_num_threads(), time.perf_counter() - t0,
-               context_policy=context_policy)
+    llm = LLM(ckpt, mdl, kv, n_ctx, n_threads or torch.get_num_threads(), time.perf_counter() - t0,
+              context_policy=context_policy)
+    llm.lora = adapters
+    return llm

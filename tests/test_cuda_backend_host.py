@@ -403,3 +403,80 @@ def test_runtime_through_the_cuda_step_matches_cpu(arch, monkeypatch):
     assert got == want
     step = fake.model.fused_step(fake.kv)
     assert isinstance(step, cb.CudaDecodeStep) and step.policy.eager_calls >= len(want) - 1
+
+
+def _adapter_for(arch: str, path, tmp_path) -> str:
+    """A rank-4 LoRA adapter (tests/test_lora.py's layout) on every matrix of the tiny ``arch`` model at ``path``,
+    the output projection and the token embedding included where the model has its own output."""
+    from test_lora import ALL, make_pairs, write_adapter
+
+    from pyllm.gguf import open_gguf
+
+    gf = open_gguf(path)
+    file_arch, names = gf.metadata["general.architecture"], set(gf.tensors)
+    gf.close()
+    wanted = [n for n in ALL["mistral"](arch) if n in names] if arch == "mistral" else \
+        [f"blk.{i}.{m}.weight" for i in range(2) for m in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                             "ffn_up", "ffn_down")]
+    return write_adapter(tmp_path / f"{arch}-lora.gguf", file_arch, make_pairs(path, wanted, 4, 3), alpha=8.0)
+
+
+@needs_seam
+@pytest.mark.parametrize("body", ["row kernels", "torch"])
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_step_adds_lora_terms(arch, body, tmp_path):
+    """LoRA adapters (pyllm/lora.py) in the step, both bodies: its logits equal the model's own torch forward with
+    the same adapters (Decoder.attach_lora's hook, which tests/test_lora.py ties to the adapters merged into the
+    weights); tolerance as test_step_matches_model_torch_path's."""
+    import pyllm
+    from tiny_models import gguf_path
+
+    path = gguf_path(arch, "q8_0")
+    adapter = _adapter_for(arch, path, tmp_path)
+    llm = pyllm.load(str(path), backend="reference", n_ctx=64, kv_cache="f32", lora=[(adapter, 0.7)])
+    model = llm.model
+    assert model.lora_terms
+    backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))
+    prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
+    ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, "f16")
+                  for _ in range(2))
+    model.use_cpp_decode = False
+    model.forward(prompt, 0, ref_kv)
+    model.forward(prompt, 0, kv)
+    step = cb.CudaDecodeStep(backend, model, kv)
+    if body == "torch":
+        step.row_kernels_problem = "the test asks for the torch body"
+    step.policy.enabled = False
+    for i, tok in enumerate([12, 200, 64, 3, 77]):
+        pos = prompt.numel() + i
+        want = model.forward(torch.tensor([tok]), pos, ref_kv)
+        err = ((step(tok, pos) - want).norm() / want.norm()).item()
+        assert err <= 5e-4, f"{arch} {body} pos {pos}: relative error {err:.3g}"
+    llm.close()
+    # without the terms the step is far from the adapted forward: the terms are what the comparison measures
+    step.lora, step.lora_names = {}, {}
+    want = model.forward(torch.tensor([5]), pos + 1, ref_kv)
+    assert ((step(5, pos + 1) - want).norm() / want.norm()).item() > 100 * 5e-4
+
+
+@needs_seam
+def test_runtime_with_lora_through_the_cuda_step_matches_cpu(monkeypatch, tmp_path):
+    """pyllm.load(lora=...) -> the CUDA backend's step (eager, torch kernels): greedy tokens equal the CPU backend's
+    C++ step with the same adapter (Q8_0 weights, f16 cache; an 8-token prompt: the CPU's prefill then runs its
+    GEMVs, not its bf16 GEMM)."""
+    import pyllm
+    from pyllm import backends
+    from tiny_models import gguf_path
+
+    path = str(gguf_path("mistral", "q8_0"))
+    adapter = _adapter_for("mistral", path, tmp_path)
+    cpu = pyllm.load(path, device="cpu", n_ctx=128, lora=[(adapter, 0.7)])
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    fake = pyllm.load(path, device="cpu", n_ctx=128, lora=[(adapter, 0.7)])
+    prompt = [1, 17, 33, 5, 99, 42, 7, 250]
+    want = list(cpu.generate_tokens(prompt, max_tokens=16, temperature=0, speculative="none"))
+    got = list(fake.generate_tokens(prompt, max_tokens=16, temperature=0, speculative="none"))
+    assert got == want
+    step = fake.model.fused_step(fake.kv)
+    assert isinstance(step, cb.CudaDecodeStep) and step.lora and step.policy.eager_calls >= len(want) - 1

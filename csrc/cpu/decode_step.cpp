@@ -45,6 +45,43 @@ inline void rms_norm(const float* x, const float* w, float* y, int n, float eps)
     for (int i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
 }
 
+// sum a[i] b[i] in 8 float partial sums (one running sum is a chain of dependent adds; these vectorize).
+inline float dot8(const float* a, const float* b, int n) {
+    float part[8] = {};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; ++l) part[l] += a[i + l] * b[i + l];
+    for (; i < n; ++i) part[i & 7] += a[i] * b[i];
+    return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+// y [M, N] += (x [M, K] A^T) bt: a LoRA'd matrix's low-rank term (kernels.h DecodeLora), t: [M, rank] scratch.
+// Each row's sums run in one order whatever M is, so a multi-row pass keeps a one-token step's bits.  The axpys
+// over y's rows are split among the threads only when the term is large (a 7B model's ffn_down at rank 16 is
+// 11008 x 16): a small model's whole term costs less than starting a parallel region.
+void add_lora(const DecodeLora& l, const float* x, int M, int K, float* y, int N, float* t) {
+    if (l.rank == 0) return;
+    const int R = l.rank;
+    for (int m = 0; m < M; ++m)
+        for (int j = 0; j < R; ++j) t[m * R + j] = dot8(l.a + static_cast<size_t>(j) * K, x + static_cast<size_t>(m) * K, K);
+    constexpr int kChunk = 512;  // columns of y per task
+    const int chunks = (N + kChunk - 1) / kChunk;
+    const size_t work = static_cast<size_t>(M) * R * N;
+    const int nt = work >= (size_t{1} << 18) ? std::min(cpu_get_num_threads(), chunks) : 1;
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int c = 0; c < chunks; ++c) {
+        const int n0 = c * kChunk, n1 = std::min(N, n0 + kChunk);
+        for (int m = 0; m < M; ++m) {
+            float* ym = y + static_cast<size_t>(m) * N;
+            for (int j = 0; j < R; ++j) {
+                const float tj = t[m * R + j];
+                const float* b = l.bt + static_cast<size_t>(j) * N;
+                for (int n = n0; n < n1; ++n) ym[n] += tj * b[n];
+            }
+        }
+    }
+}
+
 inline void rope(float* x, const float* c, const float* s, int rope_dim, bool neox) {
     const int half = rope_dim / 2;
     if (neox) {
@@ -122,6 +159,10 @@ void DecodeScratch::resize(const DecodeModel& m) {
     sink.assign(slots * c.n_head * (c.head_dim + 3), 0.f);
     part_o.assign(R * KEY_PARTS_MAX * c.n_head * c.head_dim, 0.f);
     part_lse.assign(R * KEY_PARTS_MAX * c.n_head, 0.f);
+    int rank = std::max(m.token_embd_lora.rank, m.output_lora.rank);
+    for (const DecodeLayer& L : m.layers)
+        for (const DecodeLora& l : L.lora) rank = std::max(rank, l.rank);
+    lora_t.assign(R * rank, 0.f);
 }
 
 namespace {
@@ -152,6 +193,15 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
     GemvStats* const st_output = prof.on ? &prof.output : nullptr;
 
     dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, tokens, M, D, x0);
+    float* const lora_t = s.lora_t.data();  // [M, rank] A x of the LoRA term being added
+    if (const DecodeLora& el = m.token_embd_lora; el.rank)  // the embedding's term is a row lookup
+        for (int r = 0; r < M; ++r)
+            for (int j = 0; j < el.rank; ++j) {
+                const float a = el.a[tokens[r] * el.rank + j];
+                const float* b = el.bt + static_cast<size_t>(j) * D;
+                float* xr = x0 + static_cast<size_t>(r) * D;
+                for (int n = 0; n < D; ++n) xr[n] += a * b[n];
+            }
     if (c.embd_scale != 0.f)
         for (size_t i = 0; i < static_cast<size_t>(M) * D; ++i) x0[i] *= c.embd_scale;
     const int nt = std::min(cpu_get_num_threads(), H);
@@ -168,6 +218,9 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             gemv_parts_cpu(qkv, 3, h0b, M, D, false, st_qkv);
         }
         clk.skip();
+        add_lora(L.lora[0], h0b, M, D, q0, H * hd, lora_t);
+        add_lora(L.lora[1], h0b, M, D, k0, Hkv * hd, lora_t);
+        add_lora(L.lora[2], h0b, M, D, v0, Hkv * hd, lora_t);
         const size_t lrow = static_cast<size_t>(il) * Hkv;  // first row index of this layer, in units of max_seq
       // First every row's K/V is stored (row r at pos_of[r]), then every row attends over its cache's keys up to
       // its own position: rows stored after row r lie beyond its keys, or in another sequence's cache.
@@ -406,6 +459,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             gemv_parts_cpu(&wo, 1, att0, M, H * hd, false, st_wo);
         }
         clk.skip();
+        add_lora(L.lora[3], att0, M, H * hd, h0b, D, lora_t);
         if (L.post_attn_norm)
             for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_attn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
@@ -417,6 +471,8 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             gemv_parts_cpu(gate_up, 2, h0b, M, D, false, st_gate_up);
         }
         clk.skip();
+        add_lora(L.lora[4], h0b, M, D, g0, F, lora_t);
+        add_lora(L.lora[5], h0b, M, D, u0, F, lora_t);
         // Row by row, so that each row's 8-wide part and scalar tail are the same for every M.
         for (int r = 0; r < M; ++r) glu_cpu(c.gelu_tanh, g0 + static_cast<size_t>(r) * F, u0 + static_cast<size_t>(r) * F, F);
         clk.to(prof.act_ns);
@@ -425,6 +481,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             gemv_parts_cpu(&down, 1, g0, M, F, false, st_down);
         }
         clk.skip();
+        add_lora(L.lora[6], g0, M, F, h0b, D, lora_t);
         if (L.post_ffw_norm)
             for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_ffw_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
@@ -434,20 +491,22 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
     const int r0 = all_logits ? 0 : M - 1, n_out = M - r0;
     for (int r = r0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, m.output_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
     clk.to(prof.norm_ns);
+    // the softcap can tie logits the GEMV kept apart, and a LoRA term moves them: then the argmax waits for both
+    const bool late_argmax = c.final_softcap != 0.f || m.output_lora.rank != 0;
     {
         const GemvPart out{m.output.qtype, m.output.data, m.output.row_bytes, logits, c.n_vocab};
-        // as ops.qmatmul_output; the softcap can tie logits the GEMV kept apart, so then the argmax waits for it
+        // as ops.qmatmul_output
         gemv_parts_cpu(&out, 1, h0b + static_cast<size_t>(r0) * D, n_out, D, /*precise_x=*/true, st_output,
-                       c.final_softcap == 0.f ? argmax : nullptr);
+                       late_argmax ? nullptr : argmax);
     }
     clk.skip();
+    add_lora(m.output_lora, h0b + static_cast<size_t>(r0) * D, n_out, D, logits, c.n_vocab, lora_t);
     if (c.final_softcap != 0.f) {
         const float cap = c.final_softcap;
         for (size_t i = 0; i < static_cast<size_t>(n_out) * c.n_vocab; ++i) logits[i] = std::tanh(logits[i] / cap) * cap;
-        if (argmax)
-            for (int r = 0; r < n_out; ++r)
-                argmax[r] = row_argmax_cpu(logits + static_cast<size_t>(r) * c.n_vocab, c.n_vocab);
     }
+    if (argmax && late_argmax)
+        for (int r = 0; r < n_out; ++r) argmax[r] = row_argmax_cpu(logits + static_cast<size_t>(r) * c.n_vocab, c.n_vocab);
     clk.to(prof.act_ns);
     if (prof.on) {
         prof.steps += 1;

@@ -74,6 +74,19 @@ class CpuDecodeStep:
         return out, ops._C.decode_steps(self.ctx, tokens, pos, out, all_logits)
 
 
+def _add_lora(ctx, model) -> None:
+    """The model's LoRA terms (Decoder.attach_lora) into the step, which adds each after its matrix's GEMV
+    (csrc/cpu/decode_step.cpp); KeyError for a term on a matrix the step does not run."""
+    terms = getattr(model, "lora_terms", None)
+    if not terms:
+        return
+    n_layer = model.cfg.n_layer
+    slots = {f"blk.{i}.{n}.weight": 7 * i + j for i in range(n_layer) for j, n in enumerate(LAYER_MATRICES)}
+    slots.update({"output.weight": 7 * n_layer, "token_embd.weight": 7 * n_layer + 1})
+    for name, t in terms.items():
+        ctx.set_lora(slots[name], t.a, t.bt)
+
+
 class CpuBackend:
     name = "fast"
     device = torch.device("cpu")
@@ -210,7 +223,9 @@ class CpuBackend:
                 k_rot=None if k.rot is None else k.rot.contiguous(),
                 v_rot=None if v.rot is None else v.rot.contiguous(), k_scale=k.scale, k_sink=k.sink,
                 v_sink=v.sink, **opts)
+            _add_lora(ctx, model)
         except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
-            # No extension, a GGML type the CPU kernels lack, or a layout the step does not take: torch path.
+            # No extension, a GGML type the CPU kernels lack, or a layout the step does not take (LoRA terms on a
+            # matrix outside it, an extension without set_lora): torch path.
             return None
         return CpuDecodeStep(ctx, rows_exact=all(t in EXACT_ROW_TYPES for _, t in packed + [(out_data, out_type)]))

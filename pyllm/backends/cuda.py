@@ -432,6 +432,9 @@ class CudaDecodeStep:
         self.b, self.K, self.kv = backend, backend.K, kv
         cfg = model.cfg
         self.cfg, self.w, self.vec, self.out_w = cfg, model.w, model.vec, model.output
+        # LoRA terms by tensor name (Decoder.attach_lora), each added after its matrix's GEMV in torch ops
+        self.lora = getattr(model, "lora_terms", None) or {}
+        self.lora_names = {id(w): n for n, w in model.w.items() if n in self.lora and n != "token_embd.weight"}
         self.n_vocab = cfg.n_vocab
         opts = dict(model.decode_options())
         self.bias, self.qk_norm = bool(opts.get("bias")), bool(opts.get("qk_norm"))
@@ -478,6 +481,26 @@ class CudaDecodeStep:
         out.copy_(self.b.linear(rows, wt))
         return out
 
+    def _lora(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out += the LoRA term of matrix ``name`` on rows x (none: out as is), in place: the step's buffers stay
+        the ones a captured graph replays into."""
+        t = self.lora.get(name)
+        if t is not None:
+            out.add_((x @ t.a.T) @ t.bt)
+        return out
+
+    def _embed(self) -> torch.Tensor:
+        """The token's embedding row [1, D] with its LoRA term."""
+        x = self.b.embed(self.w["token_embd.weight"], self.tok, check_ids=False)
+        t = self.lora.get("token_embd.weight")
+        return x if t is None else x + t.a.index_select(0, self.tok) @ t.bt
+
+    def _linear(self, x: torch.Tensor, wt, output: bool = False) -> torch.Tensor:
+        """The backend's linear (linear_output when ``output``) plus wt's LoRA term: the torch body's products."""
+        y = (self.b.linear_output if output else self.b.linear)(x, wt)
+        name = self.lora_names.get(id(wt))
+        return y if name is None else self._lora(name, x, y)
+
     def _gemvs(self, pairs, rows: torch.Tensor, codes: tuple) -> list[torch.Tensor]:
         """_gemv over (weight, out) pairs that read the same codes: consecutive weights of one type with a GEMV
         kernel share one launch (``cuda_gemv_q_parts``: q/k/v, gate/up), the others go one by one."""
@@ -504,7 +527,7 @@ class CudaDecodeStep:
         cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
-        B.x.copy_(self.b.embed(w["token_embd.weight"], self.tok, check_ids=False))
+        B.x.copy_(self._embed())
         if self.embd_scale:
             B.x.mul_(self.embd_scale)
         branch, post = None, None  # the block output not yet added to x, and its post-norm weights
@@ -515,6 +538,8 @@ class CudaDecodeStep:
             hc = (B.hq, B.hds)
             q, k, v = self._gemvs([(w[p + "attn_q.weight"], B.q), (w[p + "attn_k.weight"], B.k),
                                    (w[p + "attn_v.weight"], B.v)], B.h, hc)
+            q, k, v = (self._lora(p + n, B.h, o) for n, o in (("attn_q.weight", q), ("attn_k.weight", k),
+                                                               ("attn_v.weight", v)))
             if self.store_kernel[i] and not first:
                 kp, vp = self.parts[i]
                 bias, norms = self._qk_extras(i)
@@ -526,11 +551,14 @@ class CudaDecodeStep:
                 a = self._attend_torch(i, q, k, v, first).reshape(1, H * hd)
                 K.cuda_quantize_act(a, B.aq, B.ads)
             branch = self._gemv(w[p + "attn_output.weight"], a, (B.aq, B.ads), B.o)
+            branch = self._lora(p + "attn_output.weight", a, branch)
             post = vec[p + "post_attention_norm.weight"] if self.post_norms else None
             K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)
             g, u = self._gemvs([(w[p + "ffn_gate.weight"], B.g), (w[p + "ffn_up.weight"], B.u)], B.h, (B.hq, B.hds))
+            g, u = self._lora(p + "ffn_gate.weight", B.h, g), self._lora(p + "ffn_up.weight", B.h, u)
             K.cuda_act_quant(g, u, self.act, B.f, B.fq, B.fds)
-            branch = self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds), B.m)
+            branch = self._lora(p + "ffn_down.weight", B.f, self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds),
+                                                                        B.m))
             post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None
         qt = self.b.gemv_qtype(self.out_w)
         if qt is None:
@@ -539,6 +567,7 @@ class CudaDecodeStep:
         else:
             K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.oq[:1], B.ods[:1])
             logits = output_gemv(K, self.out_w.data, qt, B.h, B.oq, B.ods, B.logits2, B.logits)
+        logits = self._lora("output.weight", B.h, logits)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
@@ -597,10 +626,10 @@ class CudaDecodeStep:
     def _body_torch(self, first: bool) -> torch.Tensor:
         """The step in torch ops around the GEMV and attention kernels: the definition the row kernels follow, and
         the path for a model they do not take (row_kernels_problem)."""
-        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.b.linear
+        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self._linear
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
-        x = self.b.embed(w["token_embd.weight"], self.tok, check_ids=False)  # [1, D]
+        x = self._embed()  # [1, D]
         if self.embd_scale:
             x = x * self.embd_scale
         for i in range(cfg.n_layer):
@@ -617,7 +646,7 @@ class CudaDecodeStep:
             m = lin(act * u, w[p + "ffn_down.weight"])
             x = x + (_rms_norm(m, vec[p + "post_ffw_norm.weight"], eps) if self.post_norms else m)
         x = _rms_norm(x, vec["output_norm.weight"], eps)
-        logits = self.b.linear_output(x, self.out_w)
+        logits = self._linear(x, self.out_w, output=True)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -21,8 +21,8 @@ import sys
 import time
 
 from ..errors import KVCacheMemoryError, PyllmError
-from .common import (add_backend_arg, add_device_arg, add_llama_cpp_args, apply_gpu_layers, kv_kind_from_args,
-                     runtime_info)
+from .common import (add_backend_arg, add_device_arg, add_llama_cpp_args, add_lora_args, apply_gpu_layers,
+                     kv_kind_from_args, lora_from_args, runtime_info)
 
 
 def add_bench_parser(sub) -> None:
@@ -65,6 +65,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--spec-k", type=int, default=None, metavar="K", help="most tokens drafted per step (1..7)")
     s.add_argument("--spec-ngram", type=int, default=None, metavar="N", help="longest suffix prompt lookup matches")
     s.add_argument("--draft", default=None, metavar="MODEL", help="draft model for --spec draft")
+    add_lora_args(s)
     s.set_defaults(func=cmd_bench)
 
 
@@ -121,6 +122,9 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     if synthetic:
         from ..models.synthetic import synthetic_model
 
+        if lora_from_args(a):
+            raise PyllmError("--lora / --lora-scaled apply to model files: a synthetic model has no adapter to fit")
+
         backend = backends.select(a.device, a.backend, a.threads)  # a GPU that cannot run says why before 8B of work
         cfg, weights = synthetic_model(synthetic)
         from ..llm import plan_kv_cache
@@ -137,10 +141,11 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
     import pyllm
 
     llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, backend=a.backend,
-                     quiet=False)
+                     quiet=False, lora=lora_from_args(a))
     p = llm.path
     size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size  # AWQ folder
-    return Subject(p.name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size, runtime_info(llm))
+    name = p.name + "".join(f" + LoRA {a.path.name} x{a.scale:g}" for a in llm.lora)
+    return Subject(name, llm.config, llm.weights, llm.model, llm.kv, llm.generator, size, runtime_info(llm))
 
 
 def _random_tokens(s: Subject, n: int, seed: int = 0) -> list[int]:
@@ -352,7 +357,7 @@ def cmd_bench_spec(a) -> int:
     rows = []
     for model in a.models:
         llm = pyllm.load(model, device=a.device, n_ctx=2048, kv_cache=a.kv, n_threads=a.threads, backend=a.backend, quiet=False,
-                         draft=a.draft if a.spec == "draft" else None)
+                         draft=a.draft if a.spec == "draft" else None, lora=lora_from_args(a))
         for p in spec_prompts():
             ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
             schema = p.get("json_schema")

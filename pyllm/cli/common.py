@@ -212,6 +212,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: physical cores)")
     add_device_arg(g)
     add_backend_arg(g)
+    add_lora_args(g)
     g.add_argument("--plain-template", action="store_true",
                    help="format chats with pyllm's plain template instead of the file's own chat template")
     g.add_argument("--chat-template-file", default=None, metavar="FILE",
@@ -301,6 +302,31 @@ def apply_gpu_layers(a) -> None:
         return
     raise PyllmError(f"-ngl {n} puts {'no' if want == 'cpu' else 'every'} layer on the GPU but --device is "
                      f"{device}; drop one of them")
+
+
+class _LoraScaled(argparse.Action):
+    """--lora-scaled FILE SCALE: the scale a finite number, else argparse's own usage error naming the flag."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        path, scale = values
+        try:
+            value = _finite_float(scale)
+        except ValueError:
+            raise argparse.ArgumentError(self, f"SCALE must be a finite number, got {shorten(scale)!r}") from None
+        setattr(namespace, self.dest, (getattr(namespace, self.dest) or []) + [(path, value)])
+
+
+def add_lora_args(g) -> None:
+    g.add_argument("--lora", action="append", default=None, metavar="FILE",
+                   help="a LoRA adapter in llama.cpp's GGUF format, applied at run time with scale 1 (repeat for "
+                        "several)")
+    g.add_argument("--lora-scaled", action=_LoraScaled, nargs=2, default=None, metavar=("FILE", "SCALE"),
+                   help="a LoRA adapter with its scale (repeat for several; combines with --lora)")
+
+
+def lora_from_args(a) -> list[tuple[str, float]]:
+    """pyllm.load's lora= from --lora and --lora-scaled."""
+    return [(p, 1.0) for p in getattr(a, "lora", None) or []] + list(getattr(a, "lora_scaled", None) or [])
 
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -417,7 +443,7 @@ def load_from_args(a, context_policy: str = "stop"):
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
                      backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False),
                      context_policy=getattr(a, "context_policy", None) or context_policy,
-                     draft=getattr(a, "draft", None))
+                     draft=getattr(a, "draft", None), lora=lora_from_args(a))
     if template_source is not None:
         llm.use_template(template_source, f"--chat-template-file {shorten(a.chat_template_file)}")
     elif getattr(a, "plain_template", False):

@@ -16,8 +16,8 @@ from .. import registry
 from ..errors import PyllmError, TemplateError, shorten
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
                      add_spec_args, apply_env_defaults, apply_gpu_layers, check_numeric_args, decode_utf8,
-                     drop_flash_attn_values, kv_flag, kv_kind_from_args, load_from_args, merge_model_flag,
-                     read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
+                     drop_flash_attn_values, kv_flag, kv_kind_from_args, load_from_args, lora_from_args,
+                     merge_model_flag, read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
 from .chat import HELP_EPILOG as CHAT_EPILOG
 from .chat import run_chat
 
@@ -329,7 +329,8 @@ def serve_replicas_from_args(a) -> int:
                        api_key=api_key_from_args(a), max_body=a.max_body, client_timeout=a.client_timeout,
                        parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a),
                        host=a.host, allow_hosts=allow_hosts_from_args(a),
-                       max_request_memory=None if a.max_request_memory is None else a.max_request_memory << 20)
+                       max_request_memory=None if a.max_request_memory is None else a.max_request_memory << 20,
+                       lora=tuple(lora_from_args(a)))
 
     def wait_for_interrupt():  # serve_replicas turns Ctrl-C and SIGTERM into KeyboardInterrupt
         threading.Event().wait()

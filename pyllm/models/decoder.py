@@ -86,6 +86,36 @@ class Decoder:
         """causal_attention in the form a KV cache's ``attend`` calls: (q [T, H, hd], k / v [Hkv, S, hd])."""
         return lambda q, k, v: self.causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale, window, attention)
 
+    def attach_lora(self, terms: dict) -> None:
+        """Adds LoRA terms at run time, unmerged: ``terms`` maps a matrix's tensor name to its low-rank term
+        (pyllm/lora.py LowRank: a, bt), already checked against the weights.  A matrix's product then gets
+        (x @ a.T) @ bt added, the token embedding's rows a[ids] @ bt.  The hook wraps ``linear``,
+        ``output_linear`` and ``embed``, so every forward takes it unchanged; the fused steps read ``lora_terms``
+        (the CPU's C++ step adds the terms itself, the CUDA step in torch ops)."""
+        terms = {name: t.to(self.device) for name, t in terms.items()}
+        self.lora_terms = terms
+        self._fused = weakref.WeakKeyDictionary()  # a step built before now would lack the terms
+        # by the weight object: the forward passes weights, not names (a tied output is the embedding's object,
+        # which gets no term: the embedding's term is a lookup, not a product)
+        by_weight = {id(self.w[n]): t for n, t in terms.items() if n != "token_embd.weight"}
+        embd, embd_w = terms.get("token_embd.weight"), self.w["token_embd.weight"]
+        linear, output_linear, embed = self.linear, self.output_linear, self.embed
+
+        def add_term(base):
+            def with_term(x: torch.Tensor, w) -> torch.Tensor:
+                y, t = base(x, w), by_weight.get(id(w))
+                return y if t is None else y + (x @ t.a.T) @ t.bt
+            return with_term
+
+        def embed_with_term(w, ids: torch.Tensor, **kw) -> torch.Tensor:
+            y = embed(w, ids, **kw)
+            if w is not embd_w or embd is None:
+                return y
+            return y + embd.a.index_select(0, ids.reshape(-1).to(embd.a.device)) @ embd.bt
+
+        self.linear, self.output_linear = add_term(linear), add_term(output_linear)
+        self.embed = embed_with_term
+
     @staticmethod
     def arrange_weights(cfg, weights: dict) -> dict:
         """The file's tensors as this architecture names them (Phi-3 splits its fused ones); by default as is."""

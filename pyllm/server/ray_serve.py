@@ -37,6 +37,7 @@ class ReplicaSpec:
     host: str = "127.0.0.1"  # the proxy's address: on loopback, only Host headers naming this machine are answered
     allow_hosts: tuple[str, ...] = ()
     max_request_memory: int | None = None  # bytes, per replica
+    lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (path, scale), as pyllm.load's lora=
 
 
 def require_ray():
@@ -75,7 +76,7 @@ def build_replica_app(spec: ReplicaSpec):
     from .app import create_app, prepare_for_requests
 
     llm = pyllm.load(spec.path, device=spec.device, n_ctx=spec.n_ctx, kv_cache=spec.kv_cache,
-                     n_threads=spec.n_threads, backend=spec.backend, quiet=True)
+                     n_threads=spec.n_threads, backend=spec.backend, quiet=True, lora=list(spec.lora))
     if spec.plain_template:
         llm.use_fallback_template()
     prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles
