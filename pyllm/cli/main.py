@@ -12,7 +12,7 @@ import os
 import re
 import sys
 
-from .. import registry
+from .. import environment, registry
 from ..errors import PyllmError, TemplateError, shorten
 from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
                      add_spec_args, apply_env_defaults, apply_gpu_layers, check_numeric_args, decode_utf8,
@@ -31,12 +31,8 @@ EXAMPLES = """examples:
   pyllm rm qwen2.5-coder-0.5b             delete a cached model
   pyllm bench model.gguf -p 512 -n 128
 
-environment:
-  PYLLM_CACHE_DIR   where models and the compiled extension are cached (default $XDG_CACHE_HOME/pyllm,
-                    else ~/.cache/pyllm)
-  PYLLM_HF_ENDPOINT the Hugging Face endpoint for hf.co/... (default $HF_ENDPOINT, else https://huggingface.co)
-  PYLLM_ARG_<FLAG>  serve's default for --<flag> (PYLLM_ARG_PORT, PYLLM_ARG_CTX, PYLLM_ARG_MODEL, ...), as
-                    llama-server's LLAMA_ARG_*; the command line wins
+environment (README, "Environment variables"):
+{environment}
 
 llama.cpp's -m, -p, -c, -t, -n, -np, -ngl, -fa, -j and --chat-template-file are accepted (see the README)
 """
@@ -383,7 +379,8 @@ class _SubcommandParser(_Parser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pyllm", description="Quantized local LLM inference.",
-        epilog=EXAMPLES.format(default=registry.DEFAULT_MODEL), formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=EXAMPLES.format(default=registry.DEFAULT_MODEL, environment=environment.help_text()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="store_true", help="print versions and the extension's build, then exit")
     p.add_argument("--verbose", "-v", action="store_true", help="timings, memory and tracebacks")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_SubcommandParser)
