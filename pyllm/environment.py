@@ -45,8 +45,8 @@ VARIABLES = (
 
 # Read by the test suite and its tools only.
 TEST_VARIABLES = (
-    Variable("PYLLM_TEST_SEED", "from the clock", "the seed of the kernel tests' random inputs (each failure prints it)",
-             user=False),
+    Variable("PYLLM_TEST_SEED", "from the clock",
+             "the seed of the kernel tests' random inputs (each failure prints it)", user=False),
     Variable("PYLLM_SLOW", "0", "1: also run the slowest end-to-end checks", user=False),
     Variable("PYLLM_FUZZ_SELFTEST", "none", "tools/fuzz_gguf.py's self-test: the faults it plants, as the test sets "
              "them", user=False),

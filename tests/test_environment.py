@@ -19,8 +19,8 @@ LISTED = {v.name for v in environment.VARIABLES + environment.TEST_VARIABLES}
 def _read_names() -> dict[str, str]:
     """name -> the first file that reads it."""
     found: dict[str, str] = {}
-    scans = [("pyllm", "*.py", r'"(PYLLM_[A-Z0-9_]+)"'), ("tools", "*.py", r'"(PYLLM_[A-Z0-9_]+)"'),
-             ("csrc", "*.c*", r'getenv\(\s*"(PYLLM_[A-Z0-9_]+)"'), ("csrc", "*.cuh", r'getenv\(\s*"(PYLLM_[A-Z0-9_]+)"'),
+    literal, getenv = r'"(PYLLM_[A-Z0-9_]+)"', r'getenv\(\s*"(PYLLM_[A-Z0-9_]+)"'
+    scans = [("pyllm", "*.py", literal), ("tools", "*.py", literal), ("csrc", "*.c*", getenv), ("csrc", "*.cuh", getenv),
              ("tests", "*.py", r'environ(?:\.get)?[\[(]\s*"(PYLLM_[A-Z0-9_]+)"')]
     for folder, pattern, regex in scans:
         for path in sorted((ROOT / folder).rglob(pattern)):
