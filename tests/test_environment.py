@@ -20,7 +20,8 @@ def _read_names() -> dict[str, str]:
     """name -> the first file that reads it."""
     found: dict[str, str] = {}
     literal, getenv = r'"(PYLLM_[A-Z0-9_]+)"', r'getenv\(\s*"(PYLLM_[A-Z0-9_]+)"'
-    scans = [("pyllm", "*.py", literal), ("tools", "*.py", literal), ("csrc", "*.c*", getenv), ("csrc", "*.cuh", getenv),
+    scans = [("pyllm", "*.py", literal), ("tools", "*.py", literal), ("csrc", "*.c*", getenv),
+             ("csrc", "*.cuh", getenv),
              ("tests", "*.py", r'environ(?:\.get)?[\[(]\s*"(PYLLM_[A-Z0-9_]+)"')]
     for folder, pattern, regex in scans:
         for path in sorted((ROOT / folder).rglob(pattern)):
