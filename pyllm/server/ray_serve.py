@@ -72,7 +72,7 @@ def build_replica_app(spec: ReplicaSpec):
     from .app import create_app, prepare_for_requests
 
     llm = pyllm.load(spec.path, device=spec.device, n_ctx=spec.n_ctx, kv_cache=spec.kv_cache,
-                     n_threads=spec.n_threads, backend=spec.backend, quiet=True)
+                     n_threads=spec.n_threads, kernels=spec.backend, quiet=True)
     if spec.plain_template:
         llm.use_fallback_template()
     prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles
