@@ -73,11 +73,11 @@ def test_long_prompt_crosses_the_sliding_window():
     assert ours.argmax() == theirs.argmax() and rel < 1e-3, f"rel {rel:.2e}"
     # Without the window (all layers global) the result must differ: the test would catch a missing mask.
     m = llm.model
-    saved, m.window = m.window, 0
+    saved, m.spec = m.spec, m.spec.with_windows(0)
     try:
         unwindowed = llm.logits(ids)[-1].double()
     finally:
-        m.window = saved
+        m.spec = saved
     assert rel_diff(unwindowed, theirs) > 10 * max(rel, 1e-5)
 
 
