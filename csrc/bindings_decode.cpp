@@ -2,6 +2,7 @@
 // decode_batch, the KV-row helpers and the step's profile.  Tensors are checked by bindings_checks.h, once, when a
 // context is built; the per-token calls check only what they are given.
 #include <cmath>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -97,80 +98,129 @@ const float* check_kv_extra(const char* fn, const char* name, const std::optiona
     return t->data_ptr<float>();
 }
 
-// weights: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]); qtypes likewise.
-// q_bias/k_bias/v_bias: empty or one per layer; q_norm/k_norm: empty or one per layer ([head_dim]).
-// Gemma 3: post_attn_norm/post_ffw_norm (empty or one per layer, [n_embd]), embd_scale (0 = none), act
-// ('silu' or 'gelu_tanh'), final_softcap (0 = none), a second rope table cos2/sin2 chosen per layer by
-// layer_rope (0/1; empty = all 0) and per-layer windows layer_window (empty = `window` for every layer).
+// ---- DecodeArch: pyllm.models.spec.ArchSpec as the decode step reads it ---------------------------------------
+// The one description of a layer the Python side hands the step, built by its checked constructor: every field
+// named as ArchSpec names it, each checked here with an error naming it.  The kernels' own copy is DecodeConfig
+// (plus each DecodeLayer's rope table and window), filled from it when a context is built.
+struct DecodeArch {
+    int64_t n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, rope_dim = 0;
+    bool neox = false, qkv_bias = false, qk_norm = false, post_norms = false, gelu_tanh = false;
+    double rms_eps = 0, attn_scale = 0, embd_scale = 0, final_softcap = 0;
+    std::vector<int64_t> layer_rope, layer_window;  // per layer: its rope table (index into the context's), window
+    int64_t n_rope = 1;                             // rope tables: 1 + the largest layer_rope entry
+};
+
+constexpr const char* kDA = "DecodeArch";
+
+DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_t n_kv_head, int64_t head_dim,
+                            int64_t rope_dim, const std::string& rope_style, double rms_eps, double attn_scale,
+                            bool qkv_bias, bool qk_norm, bool post_norms, const std::string& act, double embd_scale,
+                            double final_softcap, const std::vector<int64_t>& layer_rope,
+                            const std::vector<int64_t>& layer_window) {
+    DecodeArch a;
+    const std::pair<const char*, int64_t> sizes[] = {{"n_embd", n_embd}, {"n_ff", n_ff}, {"n_head", n_head},
+                                                     {"n_kv_head", n_kv_head}, {"head_dim", head_dim}};
+    for (const auto& [name, v] : sizes)
+        PYLLM_CHECK_VALUE(v >= 1 && v <= INT32_MAX, kDA, ": ", name, " must be in [1, 2**31), got ", v);
+    PYLLM_CHECK_VALUE(n_head % n_kv_head == 0, kDA, ": n_head ", n_head, " is not a multiple of n_kv_head ",
+                      n_kv_head);
+    PYLLM_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= head_dim, kDA, ": rope_dim ", rope_dim,
+                      " must be even and in [2, head_dim=", head_dim, "]");
+    PYLLM_CHECK_VALUE(rope_style == "norm" || rope_style == "neox", kDA, ": rope_style must be 'norm' or 'neox', got '",
+                      rope_style, "'");
+    PYLLM_CHECK_VALUE(act == "silu" || act == "gelu_tanh", kDA, ": act must be 'silu' or 'gelu_tanh', got '", act,
+                      "'");
+    PYLLM_CHECK_VALUE(std::isfinite(rms_eps) && rms_eps > 0, kDA, ": rms_eps must be finite and > 0, got ", rms_eps);
+    PYLLM_CHECK_VALUE(std::isfinite(attn_scale) && attn_scale > 0, kDA, ": attn_scale must be finite and > 0, got ",
+                      attn_scale);
+    PYLLM_CHECK_VALUE(std::isfinite(embd_scale) && embd_scale >= 0, kDA, ": embd_scale must be finite and >= 0 (0: "
+                      "none), got ", embd_scale);
+    PYLLM_CHECK_VALUE(std::isfinite(final_softcap) && final_softcap >= 0, kDA, ": final_softcap must be finite and "
+                      ">= 0 (0: none), got ", final_softcap);
+    PYLLM_CHECK_VALUE(!layer_window.empty() && layer_window.size() <= 4096, kDA,
+                      ": layer_window must have one entry per layer (1..4096), got ", layer_window.size());
+    PYLLM_CHECK_VALUE(layer_rope.size() == layer_window.size(), kDA, ": layer_rope has ", layer_rope.size(),
+                      " entries but layer_window ", layer_window.size(), ": one each per layer");
+    for (int64_t w : layer_window)
+        PYLLM_CHECK_VALUE(w >= 0 && w <= INT32_MAX, kDA, ": layer_window entries must be in [0, 2**31), got ", w);
+    for (int64_t r : layer_rope) {
+        PYLLM_CHECK_VALUE(r == 0 || r == 1, kDA, ": layer_rope entries must be 0 or 1 (two rope tables at most), got ",
+                          r);
+        a.n_rope = std::max(a.n_rope, r + 1);
+    }
+    a.n_layer = static_cast<int64_t>(layer_window.size());
+    a.n_embd = n_embd;
+    a.n_ff = n_ff;
+    a.n_head = n_head;
+    a.n_kv_head = n_kv_head;
+    a.head_dim = head_dim;
+    a.rope_dim = rope_dim;
+    a.neox = rope_style == "neox";
+    a.qkv_bias = qkv_bias;
+    a.qk_norm = qk_norm;
+    a.post_norms = post_norms;
+    a.gelu_tanh = act == "gelu_tanh";
+    a.rms_eps = rms_eps;
+    a.attn_scale = attn_scale;
+    a.embd_scale = embd_scale;
+    a.final_softcap = final_softcap;
+    a.layer_rope = layer_rope;
+    a.layer_window = layer_window;
+    return a;
+}
+
+// A KV cache part as the step reads it (kernels.h KVPart): rows (n_layer, n_kv_head, max_seq, row) of `type`
+// (0 f32, 1 f16, 2 q8_0, 3 q4_0; -1: f32 / f16 from the dtype) and the storage transform's tensors, if any.
+struct DecodeCachePart {
+    Tensor data;
+    int64_t type = -1;
+    std::optional<Tensor> mu, rot, scale, sink;
+};
+
+// weights / qtypes: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]).
+// vectors: name -> one float32 tensor per layer: attn_norm and ffn_norm always; attn_q.bias, attn_k.bias and
+// attn_v.bias with qkv_bias; attn_q_norm and attn_k_norm with qk_norm; post_attention_norm and post_ffw_norm with
+// post_norms (no other names).  rope: arch.n_rope (cos, sin) tables [max_pos, rope_dim/2].
 std::unique_ptr<DecodeContext> make_decode_context(
-    const std::vector<Tensor>& weights, const std::vector<int64_t>& qtypes, const std::vector<Tensor>& attn_norm,
-    const std::vector<Tensor>& ffn_norm, const std::vector<Tensor>& q_bias, const std::vector<Tensor>& k_bias,
-    const std::vector<Tensor>& v_bias, const std::vector<Tensor>& q_norm, const std::vector<Tensor>& k_norm,
-    const Tensor& token_embd, int64_t token_embd_qtype, const Tensor& output, int64_t output_qtype,
-    const Tensor& output_norm, const Tensor& cos, const Tensor& sin, const Tensor& k_cache, const Tensor& v_cache,
-    int64_t n_embd, int64_t n_ff, int64_t n_head, int64_t n_kv_head, int64_t head_dim, int64_t rope_dim,
-    const std::string& rope_style, double eps, double scale, int64_t window,
-    const std::vector<Tensor>& post_attn_norm, const std::vector<Tensor>& post_ffw_norm, double embd_scale,
-    const std::string& act, double final_softcap, const std::optional<Tensor>& cos2,
-    const std::optional<Tensor>& sin2, const std::vector<int64_t>& layer_rope,
-    const std::vector<int64_t>& layer_window, int64_t k_type, int64_t v_type, const std::optional<Tensor>& k_mu,
-    const std::optional<Tensor>& v_mu, const std::optional<Tensor>& k_rot, const std::optional<Tensor>& v_rot,
-    const std::optional<Tensor>& k_scale, const std::optional<Tensor>& k_sink, const std::optional<Tensor>& v_sink) {
+    const DecodeArch& arch, const std::vector<Tensor>& weights, const std::vector<int64_t>& qtypes,
+    const std::map<std::string, std::vector<Tensor>>& vectors, const Tensor& token_embd, int64_t token_embd_qtype,
+    const Tensor& output, int64_t output_qtype, const Tensor& output_norm,
+    const std::vector<std::pair<Tensor, Tensor>>& rope, const DecodeCachePart& k_part,
+    const DecodeCachePart& v_part) {
     auto ctx = std::make_unique<DecodeContext>();
     pyllm::DecodeConfig& c = ctx->model.cfg;
-    const int64_t n_layer = static_cast<int64_t>(attn_norm.size());
-    PYLLM_CHECK_VALUE(n_layer >= 1, kDC, ": no layers (attn_norm is empty)");
-    PYLLM_CHECK_VALUE(n_embd >= 1 && n_ff >= 1 && n_head >= 1 && n_kv_head >= 1 && head_dim >= 1, kDC,
-                      ": sizes must be >= 1, got n_embd=", n_embd, " n_ff=", n_ff, " n_head=", n_head, " n_kv_head=",
-                      n_kv_head, " head_dim=", head_dim);
-    PYLLM_CHECK_VALUE(n_head % n_kv_head == 0, kDC, ": n_head ", n_head, " is not a multiple of n_kv_head ",
-                      n_kv_head);
-    PYLLM_CHECK_VALUE(rope_dim >= 2 && rope_dim % 2 == 0 && rope_dim <= head_dim, kDC, ": rope_dim ", rope_dim,
-                      " must be even and in [2, head_dim=", head_dim, "]");
-    PYLLM_CHECK_VALUE(rope_style == "norm" || rope_style == "neox", kDC, ": rope_style must be 'norm' or 'neox', got '",
-                      rope_style, "'");
-    PYLLM_CHECK_VALUE(window >= 0, kDC, ": window must be >= 0, got ", window);
-    PYLLM_CHECK_VALUE(eps > 0 && scale > 0, kDC, ": eps and scale must be > 0, got ", eps, ", ", scale);
+    const int64_t n_layer = arch.n_layer, n_embd = arch.n_embd, n_ff = arch.n_ff, head_dim = arch.head_dim;
+    const int64_t n_kv_head = arch.n_kv_head, rope_dim = arch.rope_dim;
+    PYLLM_CHECK_VALUE(n_layer >= 1, kDC, ": arch has no layers (a DecodeArch from its constructor has)");
     PYLLM_CHECK_VALUE(weights.size() == 7 * static_cast<size_t>(n_layer) && qtypes.size() == weights.size(), kDC,
                       ": expected 7 weights and qtypes per layer (", 7 * n_layer, "), got ", weights.size(), " and ",
                       qtypes.size());
-    PYLLM_CHECK_VALUE(ffn_norm.size() == static_cast<size_t>(n_layer), kDC, ": ffn_norm has ", ffn_norm.size(),
-                      " entries, expected ", n_layer);
-    const bool bias = !q_bias.empty();
-    PYLLM_CHECK_VALUE((q_bias.size() == k_bias.size() && k_bias.size() == v_bias.size()) &&
-                          (!bias || q_bias.size() == static_cast<size_t>(n_layer)),
-                      kDC, ": q/k/v_bias must be empty or have one tensor per layer (", n_layer, "), got ",
-                      q_bias.size(), "/", k_bias.size(), "/", v_bias.size());
-    const bool qkn = !q_norm.empty();
-    PYLLM_CHECK_VALUE(q_norm.size() == k_norm.size() && (!qkn || q_norm.size() == static_cast<size_t>(n_layer)), kDC,
-                      ": q/k_norm must be empty or have one tensor per layer (", n_layer, "), got ", q_norm.size(),
-                      "/", k_norm.size());
-    const int64_t qd = n_head * head_dim, kvd = n_kv_head * head_dim;
-    // Gemma 3 extras (defaults keep the llama-family step unchanged).
-    PYLLM_CHECK_VALUE(post_attn_norm.size() == post_ffw_norm.size() &&
-                          (post_attn_norm.empty() || post_attn_norm.size() == static_cast<size_t>(n_layer)),
-                      kDC, ": post_attn_norm/post_ffw_norm must be empty or have one tensor per layer (", n_layer,
-                      "), got ", post_attn_norm.size(), "/", post_ffw_norm.size());
-    PYLLM_CHECK_VALUE(act == "silu" || act == "gelu_tanh", kDC, ": act must be 'silu' or 'gelu_tanh', got '", act,
-                      "'");
-    PYLLM_CHECK_VALUE(embd_scale >= 0 && final_softcap >= 0, kDC, ": embd_scale and final_softcap must be >= 0, got ",
-                      embd_scale, ", ", final_softcap);
-    PYLLM_CHECK_VALUE(cos2.has_value() == sin2.has_value(), kDC, ": cos2 and sin2 must be given together");
-    PYLLM_CHECK_VALUE(layer_rope.empty() || layer_rope.size() == static_cast<size_t>(n_layer), kDC,
-                      ": layer_rope must be empty or have one entry per layer (", n_layer, "), got ",
-                      layer_rope.size());
-    for (int64_t r : layer_rope)
-        PYLLM_CHECK_VALUE(r == 0 || (r == 1 && cos2.has_value()), kDC,
-                          ": layer_rope entries must be 0, or 1 when cos2/sin2 are given, got ", r);
-    PYLLM_CHECK_VALUE(layer_window.empty() || layer_window.size() == static_cast<size_t>(n_layer), kDC,
-                      ": layer_window must be empty or have one entry per layer (", n_layer, "), got ",
-                      layer_window.size());
-    for (int64_t w : layer_window)
-        PYLLM_CHECK_VALUE(w >= 0, kDC, ": layer_window entries must be >= 0, got ", w);
+    // The per-layer vectors the arch says the model has, and no others.
+    std::vector<std::pair<std::string, int64_t>> want = {{"attn_norm", n_embd}, {"ffn_norm", n_embd}};
+    const int64_t qd = arch.n_head * head_dim, kvd = n_kv_head * head_dim;
+    if (arch.qkv_bias) want.insert(want.end(), {{"attn_q.bias", qd}, {"attn_k.bias", kvd}, {"attn_v.bias", kvd}});
+    if (arch.qk_norm) want.insert(want.end(), {{"attn_q_norm", head_dim}, {"attn_k_norm", head_dim}});
+    if (arch.post_norms) want.insert(want.end(), {{"post_attention_norm", n_embd}, {"post_ffw_norm", n_embd}});
+    for (const auto& [name, n] : want) {
+        const auto it = vectors.find(name);
+        PYLLM_CHECK_VALUE(it != vectors.end(), kDC, ": vectors has no ", name, ", which the arch needs");
+        PYLLM_CHECK_VALUE(it->second.size() == static_cast<size_t>(n_layer), kDC, ": vectors[", name, "] has ",
+                          it->second.size(), " tensors, expected one per layer (", n_layer, ")");
+    }
+    for (const auto& [name, list] : vectors) {
+        bool known = false;
+        for (const auto& w : want) known = known || w.first == name;
+        PYLLM_CHECK_VALUE(known, kDC, ": vectors has ", name, ", which the arch does not use (qkv_bias=", arch.qkv_bias,
+                          " qk_norm=", arch.qk_norm, " post_norms=", arch.post_norms, ")");
+    }
+    PYLLM_CHECK_VALUE(rope.size() == static_cast<size_t>(arch.n_rope), kDC, ": rope has ", rope.size(),
+                      " (cos, sin) tables, but the arch's layer_rope uses ", arch.n_rope);
 
     // KV cache: K and V each (n_layer, n_kv_head, max_seq, row) of its own type (-1: f16/f32 from the dtype).
-    if (k_type < 0) k_type = k_cache.scalar_type() == at::kHalf ? 1 : 0;
-    if (v_type < 0) v_type = v_cache.scalar_type() == at::kHalf ? 1 : 0;
+    const Tensor& k_cache = k_part.data;
+    const Tensor& v_cache = v_part.data;
+    const int64_t k_type = k_part.type >= 0 ? k_part.type : k_cache.scalar_type() == at::kHalf ? 1 : 0;
+    const int64_t v_type = v_part.type >= 0 ? v_part.type : v_cache.scalar_type() == at::kHalf ? 1 : 0;
     const size_t k_row = check_kv_rows(kDC, "k_cache", k_cache, k_type, head_dim, 3);
     const size_t v_row = check_kv_rows(kDC, "v_cache", v_cache, v_type, head_dim, 3);
     PYLLM_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(2) >= 1, kDC,
@@ -179,55 +229,60 @@ std::unique_ptr<DecodeContext> make_decode_context(
     PYLLM_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kDC, ": v_cache has shape ",
                       v_cache.sizes(), " but k_cache has ", k_cache.sizes());
     PYLLM_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, kDC, ": max_seq too large");
-    check_tensor(kDC, "cos", cos, at::kFloat, 2);
-    check_tensor(kDC, "sin", sin, at::kFloat, 2);
-    PYLLM_CHECK_VALUE(cos.size(1) == rope_dim / 2 && sin.sizes() == cos.sizes() && cos.size(0) >= 1, kDC,
-                      ": cos/sin have shapes ", cos.sizes(), "/", sin.sizes(), ", expected equal [max_pos, ",
-                      rope_dim / 2, "]");
-
-    if (cos2) {
-        check_tensor(kDC, "cos2", *cos2, at::kFloat, 2);
-        check_tensor(kDC, "sin2", *sin2, at::kFloat, 2);
-        PYLLM_CHECK_VALUE(cos2->sizes() == cos.sizes() && sin2->sizes() == cos.sizes(), kDC,
-                          ": cos2/sin2 have shapes ", cos2->sizes(), "/", sin2->sizes(), ", expected cos's ",
-                          cos.sizes());
+    for (size_t t = 0; t < rope.size(); ++t) {
+        const std::string cn = "rope[" + std::to_string(t) + "] cos", sn = "rope[" + std::to_string(t) + "] sin";
+        check_tensor(kDC, cn.c_str(), rope[t].first, at::kFloat, 2);
+        check_tensor(kDC, sn.c_str(), rope[t].second, at::kFloat, 2);
+        const Tensor& cos = rope[t].first;
+        PYLLM_CHECK_VALUE(cos.size(1) == rope_dim / 2 && rope[t].second.sizes() == cos.sizes() && cos.size(0) >= 1 &&
+                              cos.sizes() == rope[0].first.sizes(),
+                          kDC, ": rope[", t, "] cos/sin have shapes ", cos.sizes(), "/", rope[t].second.sizes(),
+                          ", expected equal [max_pos, ", rope_dim / 2, "] (every table alike)");
     }
 
     c.n_layer = static_cast<int>(n_layer);
     c.n_embd = static_cast<int>(n_embd);
     c.n_ff = static_cast<int>(n_ff);
-    c.n_head = static_cast<int>(n_head);
+    c.n_head = static_cast<int>(arch.n_head);
     c.n_kv_head = static_cast<int>(n_kv_head);
     c.head_dim = static_cast<int>(head_dim);
     c.rope_dim = static_cast<int>(rope_dim);
-    c.max_pos = static_cast<int>(std::min<int64_t>(cos.size(0), INT32_MAX));
+    c.max_pos = static_cast<int>(std::min<int64_t>(rope[0].first.size(0), INT32_MAX));
     c.max_seq = static_cast<int>(k_cache.size(2));
-    c.gelu_tanh = act == "gelu_tanh";
-    c.embd_scale = static_cast<float>(embd_scale);
-    c.final_softcap = static_cast<float>(final_softcap);
-    c.neox = rope_style == "neox";
-    c.eps = static_cast<float>(eps);
-    c.scale = static_cast<float>(scale);
+    c.gelu_tanh = arch.gelu_tanh;
+    c.embd_scale = static_cast<float>(arch.embd_scale);
+    c.final_softcap = static_cast<float>(arch.final_softcap);
+    c.neox = arch.neox;
+    c.eps = static_cast<float>(arch.rms_eps);
+    c.scale = static_cast<float>(arch.attn_scale);
 
     DecodeContext& d = *ctx;
-    d.keep.insert(d.keep.end(), {cos, sin, k_cache, v_cache});
-    d.model.cos = cos.data_ptr<float>();
-    d.model.sin = sin.data_ptr<float>();
-    if (cos2) {
-        d.keep.insert(d.keep.end(), {*cos2, *sin2});
-        d.model.cos2 = cos2->data_ptr<float>();
-        d.model.sin2 = sin2->data_ptr<float>();
+    d.keep.insert(d.keep.end(), {k_cache, v_cache});
+    for (const auto& [cos, sin] : rope) d.keep.insert(d.keep.end(), {cos, sin});
+    d.model.cos = rope[0].first.data_ptr<float>();
+    d.model.sin = rope[0].second.data_ptr<float>();
+    if (rope.size() > 1) {
+        d.model.cos2 = rope[1].first.data_ptr<float>();
+        d.model.sin2 = rope[1].second.data_ptr<float>();
     }
     const int64_t mu_n = n_layer * n_kv_head * head_dim;
-    d.model.k_cache = {static_cast<pyllm::KVType>(k_type), k_cache.data_ptr(), k_row,
-                       check_kv_extra(kDC, "k_mu", k_mu, mu_n, d.keep), check_kv_extra(kDC, "k_rot", k_rot, head_dim * head_dim, d.keep)};
-    d.model.v_cache = {static_cast<pyllm::KVType>(v_type), v_cache.data_ptr(), v_row,
-                       check_kv_extra(kDC, "v_mu", v_mu, mu_n, d.keep), check_kv_extra(kDC, "v_rot", v_rot, head_dim * head_dim, d.keep)};
-    d.model.k_cache.scale = check_kv_extra(kDC, "k_scale", k_scale, mu_n, d.keep);
-    // the sinks are written by the step (position 0); check_kv_extra checked they are contiguous float32 tensors
-    d.model.k_cache.sink = const_cast<float*>(check_kv_extra(kDC, "k_sink", k_sink, mu_n, d.keep));
-    d.model.v_cache.sink = const_cast<float*>(check_kv_extra(kDC, "v_sink", v_sink, mu_n, d.keep));
+    auto part = [&](const char* which, const DecodeCachePart& p, int64_t type, size_t row) {
+        const std::string w(which);
+        pyllm::KVPart kp{static_cast<pyllm::KVType>(type), p.data.data_ptr(), row,
+                         check_kv_extra(kDC, (w + "_mu").c_str(), p.mu, mu_n, d.keep),
+                         check_kv_extra(kDC, (w + "_rot").c_str(), p.rot, head_dim * head_dim, d.keep)};
+        kp.scale = check_kv_extra(kDC, (w + "_scale").c_str(), p.scale, mu_n, d.keep);
+        // the sinks are written by the step (position 0); check_kv_extra checked they are contiguous float32
+        kp.sink = const_cast<float*>(check_kv_extra(kDC, (w + "_sink").c_str(), p.sink, mu_n, d.keep));
+        return kp;
+    };
+    d.model.k_cache = part("k", k_part, k_type, k_row);
+    d.model.v_cache = part("v", v_part, v_type, v_row);
+    PYLLM_CHECK_VALUE(!v_part.scale, kDC, ": v_scale is not supported (only keys are scaled)");
     d.model.layers.resize(n_layer);
+    auto vec = [&](const std::string& name, int64_t i, int64_t n) {
+        return decode_vec(d, "layer " + std::to_string(i) + " " + name, vectors.at(name)[i], n);
+    };
     for (int64_t i = 0; i < n_layer; ++i) {
         pyllm::DecodeLayer& L = d.model.layers[i];
         const std::string p = "layer " + std::to_string(i) + " ";
@@ -240,23 +295,23 @@ std::unique_ptr<DecodeContext> make_decode_context(
         L.wgate = decode_weight(d, p + "ffn_gate", w[4], t[4], n_ff, n_embd);
         L.wup = decode_weight(d, p + "ffn_up", w[5], t[5], n_ff, n_embd);
         L.wdown = decode_weight(d, p + "ffn_down", w[6], t[6], n_embd, n_ff);
-        L.attn_norm = decode_vec(d, p + "attn_norm", attn_norm[i], n_embd);
-        L.ffn_norm = decode_vec(d, p + "ffn_norm", ffn_norm[i], n_embd);
-        if (bias) {
-            L.bq = decode_vec(d, p + "attn_q.bias", q_bias[i], qd);
-            L.bk = decode_vec(d, p + "attn_k.bias", k_bias[i], kvd);
-            L.bv = decode_vec(d, p + "attn_v.bias", v_bias[i], kvd);
+        L.attn_norm = vec("attn_norm", i, n_embd);
+        L.ffn_norm = vec("ffn_norm", i, n_embd);
+        if (arch.qkv_bias) {
+            L.bq = vec("attn_q.bias", i, qd);
+            L.bk = vec("attn_k.bias", i, kvd);
+            L.bv = vec("attn_v.bias", i, kvd);
         }
-        if (qkn) {
-            L.q_norm = decode_vec(d, p + "attn_q_norm", q_norm[i], head_dim);
-            L.k_norm = decode_vec(d, p + "attn_k_norm", k_norm[i], head_dim);
+        if (arch.qk_norm) {
+            L.q_norm = vec("attn_q_norm", i, head_dim);
+            L.k_norm = vec("attn_k_norm", i, head_dim);
         }
-        if (!post_attn_norm.empty()) {
-            L.post_attn_norm = decode_vec(d, p + "post_attention_norm", post_attn_norm[i], n_embd);
-            L.post_ffw_norm = decode_vec(d, p + "post_ffw_norm", post_ffw_norm[i], n_embd);
+        if (arch.post_norms) {
+            L.post_attn_norm = vec("post_attention_norm", i, n_embd);
+            L.post_ffw_norm = vec("post_ffw_norm", i, n_embd);
         }
-        L.rope = layer_rope.empty() ? 0 : static_cast<int>(layer_rope[i]);
-        L.window = static_cast<int>(std::min<int64_t>(layer_window.empty() ? window : layer_window[i], INT32_MAX));
+        L.rope = static_cast<int>(arch.layer_rope[i]);
+        L.window = static_cast<int>(arch.layer_window[i]);
     }
     d.model.token_embd = decode_weight(d, "token_embd", token_embd, token_embd_qtype, -1, n_embd);
     d.vocab_rows = token_embd.size(0);
@@ -565,22 +620,27 @@ Tensor kv_store(const Tensor& x, int64_t kv_type) {
 }  // namespace
 
 void register_decode(py::module& m) {
-    py::class_<DecodeContext>(m, "DecodeContext",
-                              "llama-family / Gemma 3 model + KV cache + scratch for decode_step (built once per model/cache)")
-        .def(py::init(&make_decode_context), py::arg("weights"), py::arg("qtypes"), py::arg("attn_norm"),
-             py::arg("ffn_norm"), py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"),
-             py::arg("k_norm"), py::arg("token_embd"), py::arg("token_embd_qtype"), py::arg("output"),
-             py::arg("output_qtype"), py::arg("output_norm"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
-             py::arg("v_cache"), py::arg("n_embd"), py::arg("n_ff"), py::arg("n_head"), py::arg("n_kv_head"),
-             py::arg("head_dim"), py::arg("rope_dim"), py::arg("rope_style"), py::arg("eps"), py::arg("scale"),
-             py::arg("window"), py::arg("post_attn_norm") = std::vector<Tensor>{},
-             py::arg("post_ffw_norm") = std::vector<Tensor>{}, py::arg("embd_scale") = 0.0,
-             py::arg("act") = "silu", py::arg("final_softcap") = 0.0, py::arg("cos2") = py::none(),
-             py::arg("sin2") = py::none(), py::arg("layer_rope") = std::vector<int64_t>{},
-             py::arg("layer_window") = std::vector<int64_t>{}, py::arg("k_type") = -1, py::arg("v_type") = -1,
-             py::arg("k_mu") = py::none(), py::arg("v_mu") = py::none(), py::arg("k_rot") = py::none(),
-             py::arg("v_rot") = py::none(), py::arg("k_scale") = py::none(), py::arg("k_sink") = py::none(),
-             py::arg("v_sink") = py::none())
+    py::class_<DecodeArch>(m, "DecodeArch",
+                           "pyllm.models.spec.ArchSpec as the decode step reads it (checked field by field)")
+        .def(py::init(&make_decode_arch), py::kw_only(), py::arg("n_embd"), py::arg("n_ff"), py::arg("n_head"),
+             py::arg("n_kv_head"), py::arg("head_dim"), py::arg("rope_dim"), py::arg("rope_style"), py::arg("rms_eps"),
+             py::arg("attn_scale"), py::arg("qkv_bias"), py::arg("qk_norm"), py::arg("post_norms"), py::arg("act"),
+             py::arg("embd_scale"), py::arg("final_softcap"), py::arg("layer_rope"), py::arg("layer_window"))
+        .def_readonly("n_layer", &DecodeArch::n_layer)
+        .def_readonly("n_rope", &DecodeArch::n_rope);
+    py::class_<DecodeCachePart>(m, "DecodeCachePart", "one KV cache part (K or V) as the decode step reads it")
+        .def(py::init([](Tensor data, int64_t type, std::optional<Tensor> mu, std::optional<Tensor> rot,
+                         std::optional<Tensor> scale, std::optional<Tensor> sink) {
+                 return DecodeCachePart{std::move(data), type, std::move(mu), std::move(rot), std::move(scale),
+                                        std::move(sink)};
+             }),
+             py::arg("data"), py::arg("type") = -1, py::arg("mu") = py::none(), py::arg("rot") = py::none(),
+             py::arg("scale") = py::none(), py::arg("sink") = py::none());
+    py::class_<DecodeContext>(m, "DecodeContext", "a model (DecodeArch + weights) + KV cache + scratch for "
+                              "decode_step (built once per model and cache)")
+        .def(py::init(&make_decode_context), py::arg("arch"), py::arg("weights"), py::arg("qtypes"),
+             py::arg("vectors"), py::arg("token_embd"), py::arg("token_embd_qtype"), py::arg("output"),
+             py::arg("output_qtype"), py::arg("output_norm"), py::arg("rope"), py::arg("k_cache"), py::arg("v_cache"))
         .def("set_lora", &decode_set_lora,
              "adds a LoRA term to one matrix: slot 7*layer + j (q, k, v, output, gate, up, down), 7*n_layer the "
              "output projection, 7*n_layer + 1 the token embedding; a f32 [rank, K] (embedding: [vocab, rank]), "

@@ -11,12 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "common/limits.h"
 #include "common/qtype.h"
 
 namespace pyllm {
-
-// Largest M the fused GEMV takes; above it dequantize + GEMM wins (prefill).
-constexpr int GEMV_MAX_M = 8;
 
 // ---- CPU (csrc/cpu) --------------------------------------------------------------------------------------
 // Kernel families, each a superset of the one before: Avx512 = AVX-512 F/BW/VL + VNNI GEMV row kernels (the

@@ -106,6 +106,18 @@ def csrc_dir() -> Path:
                      "reinstall pyllm")
 
 
+def limit(name: str) -> int:
+    """The constant ``name`` of csrc/common/limits.h, where the C++ and CUDA kernels read it: each limit the
+    kernels and Python share is stated there once (PyllmError if the header does not define it)."""
+    import re
+
+    path = csrc_dir() / "common" / "limits.h"
+    found = re.search(rf"^constexpr int {re.escape(name)} = (\d+);", path.read_text(encoding="utf-8"), re.M)
+    if found is None:
+        raise PyllmError(f"pyllm: {path} does not define {name}; reinstall pyllm")
+    return int(found.group(1))
+
+
 def cuda_build_problem() -> str | None:
     """Why this build leaves the CUDA kernels out (one phrase), or None when it compiles them."""
     import torch

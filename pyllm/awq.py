@@ -1,5 +1,5 @@
 """AWQ checkpoints (a Hugging Face folder, AutoAWQ "gemm" layout) -> the same ModelConfig / weights / tokenizer /
-chat template the GGUF path produces, so LlamaModel runs them unchanged.
+chat template the GGUF path produces, so the one Transformer runs them unchanged.
 
 Format (AutoAWQ "gemm" checkpoints). For a linear layer with K = in_features, N = out_features, G = group size:
 ``qweight`` int32 [K, N/8] (eight nibbles per word packed along N; nibble i of word c is column 8c + ORDER[i],

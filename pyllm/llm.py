@@ -185,8 +185,8 @@ class CallLock:
 
 
 class LLM:
-    """Made by ``load`` (from_checkpoint). ``device`` ("cpu", "cuda") and ``backend`` ("fast", "reference",
-    "cuda") name what runs it; ``model.backend`` is the backend object (pyllm/backends)."""
+    """Made by ``load`` (from_checkpoint). ``device`` ("cpu", "cuda") and ``kernels`` ("fast", "reference",
+    "cuda") name what runs it; ``backend`` (= ``model.backend``) is the backend object (pyllm/backends)."""
 
     def __init__(self, checkpoint, model, kv, n_ctx: int, n_threads: int, load_seconds: float,
                  context_policy: str = "stop"):
@@ -200,7 +200,7 @@ class LLM:
         self.kv = kv
         self.n_ctx = n_ctx
         self.device = model.backend.device.type
-        self.backend = model.backend.name
+        self.kernels = model.backend.name
         self.n_threads = n_threads
         self.load_seconds = load_seconds
         self.context_policy = _check_policy(context_policy)
@@ -274,16 +274,21 @@ class LLM:
             return cached[1]
         template = getattr(self.template, "source", "") or ""
         key = (__version__, self.path.name, self.path.stat().st_size, self.kv.kind, self.n_ctx, self.device,
-               self.backend, self._kernels(), hashlib.sha256(template.encode()).hexdigest())
+               self.kernels, self._kernels(), hashlib.sha256(template.encode()).hexdigest())
         fp = "fp_" + hashlib.sha256(repr(key).encode()).hexdigest()[:12]
         self._fingerprint = (self.template, fp)
         return fp
+
+    @property
+    def backend(self):
+        """The backend object running the model (pyllm/backends); ``kernels`` is its name."""
+        return self.model.backend
 
     def _kernels(self) -> str:
         """The kernels in use: the CPU's kernel family, or the GPU's name."""
         if self.device == "cuda":
             return torch.cuda.get_device_name(self.model.backend.device)
-        if self.backend == "reference":
+        if self.kernels == "reference":
             return "torch"
         from . import ops
 
@@ -372,7 +377,7 @@ class LLM:
 
         if draft is not None and not isinstance(draft, LLM):
             draft = load(draft, n_ctx=self.n_ctx, device=self.device, quiet=True,
-                         backend="reference" if self.backend == "reference" else "fast")
+                         kernels="reference" if self.kernels == "reference" else "fast")
         if draft is not None:
             check_same_vocab(self, draft)
         self.draft = draft
@@ -707,8 +712,8 @@ class LLM:
 
 
 def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
-         kv_cache: str = "f16", n_threads: int | None = None, backend: str = "fast", quiet: bool = True,
-         context_policy: str = "stop", verbose: bool = False, draft=None, lora=None) -> LLM:
+         kv_cache: str = "f16", n_threads: int | None = None, kernels: str = "fast", quiet: bool = True,
+         context_policy: str = "stop", verbose: bool = False, draft=None, lora=None, backend: str | None = None) -> LLM:
     """Load a GGUF file (path), an AWQ checkpoint folder, or a registry model (name, fetched on first use).
 
     device: "cpu" (default), "cuda" (or "cuda:N"; PyllmError naming why when this machine cannot run it), or
@@ -721,9 +726,9 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
 
     draft: a smaller model (path, registry name or LLM) with the same vocabulary, for speculative="draft".
 
-    backend: the CPU kernels: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights
+    kernels: the CPU kernels: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights
     dequantized by the torch reference code (cached per weight on first use: for tests and accuracy baselines, not
-    for speed; CPU only).
+    for speed; CPU only).  ``backend`` is its old name, deprecated (a DeprecationWarning).
 
     lora: LoRA adapters in llama.cpp's GGUF format, applied at run time without merging (pyllm/lora.py): a path,
     a (path, scale) pair, or a list of them (scale 1.0 for a bare path); ``llm.lora`` lists them.
@@ -738,11 +743,20 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         check_int("n_ctx", n_ctx, 0)  # 0 (or None): the model's own
     if n_threads is not None:  # the CLI's --threads range (cli/common.py, max_threads): more only thrashes
         check_int("n_threads", n_threads, 1, 4 * (os.cpu_count() or 1))
+    if backend is not None:
+        import warnings
+
+        warnings.warn("pyllm.load(backend=...) is deprecated: the CPU kernel choice is kernels=...",
+                      DeprecationWarning, stacklevel=2)
+        if kernels != "fast" and backend != kernels:
+            raise PyllmError(f"kernels={kernels!r} and its deprecated alias backend={backend!r} disagree; give "
+                             f"kernels only")
+        kernels = backend
     backends.check_device(device)
-    backends.check_backend(backend)
+    backends.check_kernels(kernels)
     _check_policy(context_policy)
     lora_adapters.parse_spec(lora)  # a malformed argument fails before the model is read
-    runner = backends.select(device, backend, n_threads)
+    runner = backends.select(device, kernels, n_threads)
     path = registry.resolve(model, quiet=quiet)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq.py)
         from .awq import read_awq

@@ -26,7 +26,7 @@ import torch
 from . import _ext
 from .errors import PyllmError
 
-GEMV_MAX_M = 8  # = pyllm::GEMV_MAX_M (csrc/kernels.h): the most rows of x one fused GEMV pass takes
+GEMV_MAX_M = _ext.limit("GEMV_MAX_M")  # the most rows of x one fused GEMV pass takes (csrc/common/limits.h)
 
 
 class _LazyExtension:

@@ -8,7 +8,7 @@ chunk. PPL = exp(mean NLL); its standard error, as llama.cpp prints it, is ppl *
 (count - 1)). KL divergence is KL(base || kind) = sum_v p_base (log p_base - log p_kind) per scored token, its mean
 ± standard error, plus how often the top-1 token agrees.
 
-Reading the cache. ``LlamaModel.forward`` at start_pos == 0 attends to the fresh float32 keys and values, not the
+Reading the cache. ``Transformer.forward`` at start_pos == 0 attends to the fresh float32 keys and values, not the
 cache, so a chunk evaluated in one pass would never read the KV cache and every cache type would score the same.
 Each chunk is therefore evaluated in two passes: the context half (positions 0..first-1, stored into the cache;
 its own attention is float32, as in pyllm's prefill) and then the scored half (positions first..n_ctx-2) in one

@@ -39,9 +39,9 @@ def test_two_llms_with_different_backends_in_one_process(smollm2_path):
     own backend. Reference: the reference LLM's logits; bound 5% of the largest logit (int8 activations in the
     fast GEMV, test_model.py), greedy argmax equal where the reference's top-2 margin exceeds that bound."""
     fast = pyllm.load(smollm2_path, n_ctx=64)
-    ref = pyllm.load(smollm2_path, n_ctx=64, backend="reference")
-    assert (fast.backend, fast.device, ref.backend, ref.device) == ("fast", "cpu", "reference", "cpu")
-    assert fast.model.backend is not ref.model.backend
+    ref = pyllm.load(smollm2_path, n_ctx=64, kernels="reference")
+    assert (fast.kernels, fast.device, ref.kernels, ref.device) == ("fast", "cpu", "reference", "cpu")
+    assert fast.backend is fast.model.backend and fast.model.backend is not ref.model.backend
     ids = fast.tokenize("The capital of France is")
     lf, lr = fast.logits(ids), ref.logits(ids)
     atol = 0.05 * float(lr.abs().max())
@@ -87,9 +87,9 @@ def test_device_names_are_checked():
     for bad in ("tpu", "cuda:x", "cpu:0", "", None):
         with pytest.raises(PyllmError, match="device must be one of"):
             backends.select(bad)
-    with pytest.raises(PyllmError, match="backend must be"):
+    with pytest.raises(PyllmError, match="kernels must be"):
         backends.select("cpu", "turbo")
-    with pytest.raises(PyllmError, match="runs on the CPU"):
+    with pytest.raises(PyllmError, match="run on the CPU"):
         backends.select("cuda", "reference")
 
 
@@ -191,3 +191,14 @@ def test_cpu_backend_repacks_only_what_fits_in_half_the_free_memory(monkeypatch)
         assert (qtype == 60) == copied and (data is weights["blk.0.attn_q.weight"].data) != copied
     assert b.decode_matrix(weights["blk.0.attn_k.weight"])[1] == int(GGMLType.F16)
     assert id(weights["token_embd.weight"].data) not in b._rows8
+
+
+def test_backend_keyword_is_a_deprecated_alias_of_kernels(smollm2_path):
+    """``backend=`` (the CPU kernel choice's old name) still loads, with a DeprecationWarning; disagreeing with
+    ``kernels=`` is refused."""
+    with pytest.warns(DeprecationWarning, match="kernels="):
+        llm = pyllm.load(smollm2_path, n_ctx=32, backend="reference")
+    assert llm.kernels == "reference" and llm.backend.name == "reference"
+    llm.close()
+    with pytest.warns(DeprecationWarning), pytest.raises(pyllm.PyllmError, match="disagree"):
+        pyllm.load(smollm2_path, n_ctx=32, kernels="reference", backend="fast")

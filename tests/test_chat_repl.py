@@ -133,7 +133,7 @@ class FakeLLM:
         self.kv = SimpleNamespace(kind="f16", nbytes=2**20)
         self.generator = SimpleNamespace(tokens=[])
         self.weights = {}
-        self.device, self.backend, self.n_threads = "cpu", "fast", 2
+        self.device, self.kernels, self.n_threads = "cpu", "fast", 2
         self.stats = SimpleNamespace(prompt_tokens=0, prompt_evaluated=0, ttft=0.01, generated_tokens=0,
                                      decode_tps=100.0, finish_reason="eog", spec=None)
 

@@ -108,7 +108,7 @@ def test_row_writer_matches_kv_cache(kind):
 @pytest.mark.parametrize("window", [0, 4])
 @pytest.mark.parametrize("kind", KINDS)
 def test_attention_definition_matches_kv_cache(kind, window):
-    from pyllm.models.llama import attention
+    from pyllm.models.transformer import attention
 
     kv, g = _filled_cache(kind, seed=1)
     q = torch.randn(1, 4, 64, generator=g)

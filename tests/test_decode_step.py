@@ -1,4 +1,4 @@
-"""The one-call C++ decode step (csrc/cpu/decode_step.cpp) against LlamaModel's torch path.
+"""The one-call C++ decode step (csrc/cpu/decode_step.cpp) against the torch forward (models/transformer.py).
 
 Both run the same GEMV kernels, so logits differ only by summation order in the small ops (norms, attention).
 With float weights (the GEMV reads fp32 activations) that keeps logits within ~1e-4 relative.  Quantized weights
@@ -13,7 +13,7 @@ import torch
 
 import pyllm
 from pyllm import ops
-from pyllm.models.llama import LlamaModel
+from pyllm.models.transformer import Transformer
 from pyllm.runtime.kv_cache import KVCache
 
 @pytest.fixture(autouse=True, scope="module")
@@ -79,13 +79,13 @@ def smollm2(smollm2_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_smollm2_cpp_decode_matches_python(smollm2, dtype):
     model = smollm2.model
-    assert type(model) is LlamaModel and model.linear is ops.qmatmul
+    assert type(model) is Transformer and model.linear is ops.qmatmul
     _compare(model, smollm2.tokenize("The capital of France is"), dtype=dtype, tol=0.05)
 
 
 def test_smollm2_sliding_window(smollm2, monkeypatch):
     model = smollm2.model
-    monkeypatch.setattr(model.cfg, "sliding_window", 5)
+    monkeypatch.setattr(model, "spec", model.spec.with_windows(5))
     _compare(model, smollm2.tokenize("One, two, three, four, five, six,"), tol=0.05)
 
 
@@ -170,7 +170,7 @@ def tiny_qwen2(request, tmp_path_factory):
 def test_tiny_qwen2_with_bias(tiny_qwen2, monkeypatch, window, dtype):
     model = tiny_qwen2.model
     assert model.cfg.qkv_bias and model.cfg.rope_style == "neox"
-    monkeypatch.setattr(model.cfg, "sliding_window", window)
+    monkeypatch.setattr(model, "spec", model.spec.with_windows(window))
     _compare(model, [5, 17, 42, 99, 7, 3, 250], n=16, dtype=dtype, n_ctx=64, tol=tiny_qwen2.tol)
 
 
@@ -193,7 +193,7 @@ def test_long_rows_attend_in_key_parts_as_the_torch_path(tiny_qwen2_long, monkey
     path's one softmax over all keys, with float weights: within _compare's 2e-4 of the max logit, as at short
     depths (a part left out or weighted wrongly moves logits by far more)."""
     model = tiny_qwen2_long.model
-    monkeypatch.setattr(model.cfg, "sliding_window", window)
+    monkeypatch.setattr(model, "spec", model.spec.with_windows(window))
     prompt = torch.randint(0, 320, (depth,), generator=torch.Generator().manual_seed(depth)).tolist()
     _compare(model, prompt, n=8, dtype=dtype, n_ctx=1280, tol=2e-4)
 
@@ -244,58 +244,88 @@ def test_kv_cache_kinds_and_the_cpp_path(tiny_qwen2):
 
 # ---- the binding's argument checks ---------------------------------------------------------------------------
 
-def _ctx_args(model, kv):
-    cfg, w, vec = model.cfg, model.w, model.vec
+def arch_args(model) -> dict:
+    """The model's ArchSpec as the extension's DecodeArch keyword arguments."""
+    spec = model.spec
+    return dict(n_embd=spec.n_embd, n_ff=spec.n_ff, n_head=spec.n_head, n_kv_head=spec.n_kv_head,
+                head_dim=spec.head_dim, rope_dim=spec.rope_dim, rope_style=spec.rope_style, rms_eps=spec.rms_eps,
+                attn_scale=spec.attn_scale, qkv_bias=spec.qkv_bias, qk_norm=spec.qk_norm,
+                post_norms=spec.post_norms, act=spec.act, embd_scale=spec.embd_scale,
+                final_softcap=spec.final_softcap, layer_rope=list(model.layer_rope),
+                layer_window=[layer.window for layer in spec.layers])
+
+
+def ctx_args(C, model, kv) -> dict:
+    """DecodeContext's arguments for ``model`` over the float cache ``kv``, as backends/cpu.py builds them (with
+    the weights as loaded, not their rows-by-8 copies)."""
+    spec, w, vec = model.spec, model.w, model.vec
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-    mats = [w[f"blk.{i}.{n}.weight"] for i in range(cfg.n_layer) for n in names]
-
-    def vecs(name, on=True):
-        return [vec[f"blk.{i}.{name}"].float().contiguous() for i in range(cfg.n_layer)] if on else []
-
-    return dict(weights=[m.data for m in mats], qtypes=[int(m.qtype) for m in mats],
-                attn_norm=vecs("attn_norm.weight"), ffn_norm=vecs("ffn_norm.weight"),
-                q_bias=vecs("attn_q.bias", cfg.qkv_bias), k_bias=vecs("attn_k.bias", cfg.qkv_bias),
-                v_bias=vecs("attn_v.bias", cfg.qkv_bias), q_norm=[], k_norm=[],
+    mats = [w[f"blk.{i}.{n}.weight"] for i in range(spec.n_layer) for n in names]
+    small = {n.removesuffix(".weight"): n for n in spec.layer_tensors() if n.removesuffix(".weight") not in names}
+    return dict(arch=C.DecodeArch(**arch_args(model)), weights=[m.data for m in mats],
+                qtypes=[int(m.qtype) for m in mats],
+                vectors={name: [vec[f"blk.{i}.{t}"].float().contiguous() for i in range(spec.n_layer)]
+                         for name, t in small.items()},
                 token_embd=w["token_embd.weight"].data, token_embd_qtype=int(w["token_embd.weight"].qtype),
                 output=model.output.data, output_qtype=int(model.output.qtype),
-                output_norm=vec["output_norm.weight"].float().contiguous(), cos=model.cos, sin=model.sin,
-                k_cache=kv.k, v_cache=kv.v, n_embd=cfg.n_embd, n_ff=cfg.n_ff, n_head=cfg.n_head,
-                n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim, rope_dim=cfg.rope_dim, rope_style=cfg.rope_style,
-                eps=cfg.rms_eps, scale=model.scale, window=0)
+                output_norm=vec["output_norm.weight"].float().contiguous(), rope=list(model.rope_tables),
+                k_cache=C.DecodeCachePart(kv.k), v_cache=C.DecodeCachePart(kv.v))
 
 
 def test_binding_rejects_bad_arguments(tiny_qwen2):
     C = pyllm._ext.load()
     model = tiny_qwen2.model
     kv = _kv(model, 16, torch.float16)
-    good = _ctx_args(model, kv)
+    good = ctx_args(C, model, kv)
     ctx = C.DecodeContext(**good)
     assert ctx.n_vocab == model.cfg.n_vocab and ctx.max_seq == 16
+    n = model.cfg.n_layer
 
     def bad(exc, match, **kw):
         with pytest.raises(exc, match=match):
             C.DecodeContext(**{**good, **kw})
 
+    def bad_arch(match, **kw):
+        with pytest.raises(ValueError, match=match):
+            C.DecodeArch(**{**arch_args(model), **kw})
+
+    vectors = good["vectors"]
     bad(ValueError, "7 weights", weights=good["weights"][:-1])
     bad(ValueError, "bytes per row", weights=[good["weights"][6]] + good["weights"][1:])  # ffn_down as attn_q
     bad(ValueError, "rows, expected", weights=[good["weights"][1]] + good["weights"][1:])  # attn_k as attn_q
     bad(ValueError, "unknown GGML type", qtypes=[99] + good["qtypes"][1:])
     bad(TypeError, "must be Byte", weights=[good["weights"][0].float()] + good["weights"][1:])
     bad(ValueError, "contiguous", weights=[good["weights"][0].t().contiguous().t()] + good["weights"][1:])
-    bad(ValueError, "attn_norm has", attn_norm=[torch.ones(3)] + good["attn_norm"][1:])
-    bad(TypeError, "must be Float", ffn_norm=[good["ffn_norm"][0].double()] + good["ffn_norm"][1:])
-    bad(ValueError, "q/k/v_bias", q_bias=[])
-    bad(TypeError, "k_cache must be Float", k_cache=kv.k.bfloat16(), v_cache=kv.v.bfloat16())
-    bad(ValueError, "type must be", k_type=7)
-    bad(TypeError, "k_cache must be Byte", k_type=2)  # q8_0 rows are bytes
-    bad(ValueError, "k_mu must be", k_mu=torch.zeros(3))
-    bad(ValueError, "k_cache has shape", k_cache=kv.k[:1].contiguous(), v_cache=kv.v[:1].contiguous())
-    bad(ValueError, "v_cache has shape", v_cache=kv.v[:, :, :8].contiguous())
-    bad(TypeError, "v_cache must be Half", v_cache=kv.v.float(), v_type=1)
-    bad(ValueError, "cos/sin", cos=model.cos[:, :3].contiguous())
-    bad(ValueError, "rope_style", rope_style="yarn")
-    bad(ValueError, "not a multiple of n_kv_head", n_kv_head=3)
-    bad(ValueError, "window", window=-1)
+    bad(ValueError, "attn_norm has", vectors={**vectors, "attn_norm": [torch.ones(3)] + vectors["attn_norm"][1:]})
+    bad(TypeError, "must be Float", vectors={**vectors, "ffn_norm": [vectors["ffn_norm"][0].double()]
+                                             + vectors["ffn_norm"][1:]})
+    bad(ValueError, "vectors has no attn_q.bias", vectors={k: v for k, v in vectors.items() if k != "attn_q.bias"})
+    bad(ValueError, r"vectors\[attn_k.bias\] has", vectors={**vectors, "attn_k.bias": vectors["attn_k.bias"][:-1]})
+    bad(ValueError, "does not use", vectors={**vectors, "attn_q_norm": vectors["attn_norm"]})
+    bad(TypeError, "k_cache must be Float", k_cache=C.DecodeCachePart(kv.k.bfloat16()),
+        v_cache=C.DecodeCachePart(kv.v.bfloat16()))
+    bad(ValueError, "type must be", k_cache=C.DecodeCachePart(kv.k, 7))
+    bad(TypeError, "k_cache must be Byte", k_cache=C.DecodeCachePart(kv.k, 2))  # q8_0 rows are bytes
+    bad(ValueError, "k_mu must be", k_cache=C.DecodeCachePart(kv.k, mu=torch.zeros(3)))
+    bad(ValueError, "k_cache has shape", k_cache=C.DecodeCachePart(kv.k[:1].contiguous()),
+        v_cache=C.DecodeCachePart(kv.v[:1].contiguous()))
+    bad(ValueError, "v_cache has shape", v_cache=C.DecodeCachePart(kv.v[:, :, :8].contiguous()))
+    bad(TypeError, "v_cache must be Half", v_cache=C.DecodeCachePart(kv.v.float(), 1))
+    cos, sin = model.rope_tables[0]
+    bad(ValueError, r"rope\[0\] cos/sin", rope=[(cos[:, :3].contiguous(), sin)])
+    bad(ValueError, "rope has 2", rope=[(cos, sin)] * 2)
+    # DecodeArch's checked constructor names each field
+    bad_arch("rope_style", rope_style="yarn")
+    bad_arch("not a multiple of n_kv_head", n_kv_head=3)
+    bad_arch("rope_dim", rope_dim=model.spec.head_dim + 2)
+    bad_arch("layer_window entries", layer_window=[-1] * n)
+    bad_arch("layer_rope has 1", layer_rope=[0])
+    bad_arch("layer_rope entries", layer_rope=[2] * n)
+    bad_arch("act must be", act="relu")
+    bad_arch("embd_scale", embd_scale=-1.0)
+    bad_arch("final_softcap", final_softcap=float("nan"))
+    bad_arch("rms_eps", rms_eps=0.0)
+    bad_arch("attn_scale", attn_scale=float("inf"))
 
     out = torch.empty(model.cfg.n_vocab)
     C.decode_step(ctx, 3, 0, out)

@@ -1,4 +1,4 @@
-"""The one-call C++ decode step (csrc/cpu/decode_step.cpp) on Gemma 3 against Gemma3Model's torch path.
+"""The one-call C++ decode step (csrc/cpu/decode_step.cpp) on Gemma 3 against the torch forward.
 
 Gemma 3 adds to the llama step: the sqrt(n_embd) embedding scale, post-attention/post-FFW norms, tanh-GELU,
 QK-norm, and per-layer RoPE tables and sliding windows (local vs global layers).  Quantized weights make the two
@@ -10,12 +10,14 @@ Python argmax or a near-tie within that tolerance; free-running greedy decoding 
 whose top-2 margins are wide (float16 cache, the default).
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import pyllm
 from pyllm import ops
-from pyllm.models.gemma3 import Gemma3Model
+from pyllm.models.transformer import Transformer
 
 from test_decode_step import _compare, _greedy, _kv
 
@@ -62,8 +64,9 @@ def gemma3(gemma3_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gemma3_cpp_decode_matches_python(gemma3, dtype):
     model = gemma3.model
-    assert type(model) is Gemma3Model and model.linear is ops.qmatmul
-    assert any(model.is_global) and not all(model.is_global)
+    assert type(model) is Transformer and model.linear is ops.qmatmul
+    windows = [layer.window for layer in model.spec.layers]
+    assert 0 in windows and any(windows) and len(model.rope_tables) == 2
     _compare_forced(model, gemma3.tokenize("The capital of France is"), dtype=dtype)
 
 
@@ -76,14 +79,14 @@ def test_gemma3_sliding_window(gemma3, monkeypatch):
     """A window of 5 on the local layers (the real 512 would need a long prompt): keys drop out of local layers
     while the global ones still see the whole prompt."""
     model = gemma3.model
-    monkeypatch.setattr(model, "window", 5)
+    monkeypatch.setattr(model, "spec", model.spec.with_windows(5, where=lambda layer: layer.window))
     _compare_forced(model, gemma3.tokenize("One, two, three, four, five, six, seven,"))
 
 
 def test_gemma3_final_softcap(gemma3, monkeypatch):
     """gemma3 files normally have no final soft-capping; a made-up cap exercises the step's tanh."""
     model = gemma3.model
-    monkeypatch.setattr(model, "final_softcap", 30.0)
+    monkeypatch.setattr(model, "spec", replace(model.spec, final_softcap=30.0))
     _compare_forced(model, gemma3.tokenize("Hello"), n=4)
 
 
@@ -93,7 +96,7 @@ def test_gemma3_step_argmax_is_numpys_with_and_without_a_final_softcap(gemma3, m
     from test_decode_step import assert_step_argmax_is_numpys
 
     assert_step_argmax_is_numpys(gemma3.model, gemma3.tokenize("Hello"))
-    monkeypatch.setattr(gemma3.model, "final_softcap", 30.0)
+    monkeypatch.setattr(gemma3.model, "spec", replace(gemma3.model.spec, final_softcap=30.0))
     assert_step_argmax_is_numpys(gemma3.model, gemma3.tokenize("Hello"))
 
 
@@ -139,8 +142,9 @@ def test_gemma3_quantized_kv_cache_cpp_matches_python(gemma3, kind):
 
     model = gemma3.model
     c = model.cfg
-    saved_window = model.window
-    model.window = 6  # keys leave the local layers' window within the 3 + 6 positions below
+    saved_spec = model.spec
+    # keys leave the local layers' window within the 3 + 6 positions below
+    model.spec = model.spec.with_windows(6, where=lambda layer: layer.window)
     lg_py, lg_c = [], []
     try:
         kv = make_kv_cache(kind, c.n_layer, c.n_kv_head, 32, c.head_dim)
@@ -158,49 +162,38 @@ def test_gemma3_quantized_kv_cache_cpp_matches_python(gemma3, kind):
             assert (model.fused_step(kv) is not None) == (kind != "bf16")
             _restore(kv, after)
     finally:
-        model.window = saved_window
+        model.spec = saved_spec
         model.use_cpp_decode = True
     lg_py, lg_c = torch.stack(lg_py), torch.stack(lg_c)
     tol = TOL * (4.0 if "q4" in kind else 1.0)
     torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=tol * float(lg_py.abs().max()))
 
 
-def test_gemma3_binding_rejects_bad_arguments(gemma3, monkeypatch):
+def test_gemma3_binding_rejects_bad_arguments(gemma3):
+    """Gemma 3's parts of the binding: post norms, two rope tables chosen per layer, per-layer windows."""
+    from test_decode_step import arch_args, ctx_args
+
     model = gemma3.model
     C = pyllm._ext.load()
     kv = _kv(model, 16, torch.float16)
-    seen = {}
-
-    def capture(*args, **kw):
-        seen["args"], seen["kw"] = args, kw
-        return C.DecodeContext(*args, **kw)
-
-    from pyllm.backends import cpu
-
-    class Shim:  # the extension, with DecodeContext's arguments recorded
-        DecodeContext = staticmethod(capture)
-        rows8_qtype = staticmethod(C.rows8_qtype)
-        repack_rows8 = staticmethod(C.repack_rows8)
-
-    monkeypatch.setattr(cpu.ops, "_C", Shim)
-    assert model.backend.fused_decode(model, kv) is not None
-    monkeypatch.undo()
-    args, good = seen["args"], seen["kw"]
+    good = ctx_args(C, model, kv)
+    assert C.DecodeContext(**good).n_vocab == model.cfg.n_vocab and good["arch"].n_rope == 2
     n = model.cfg.n_layer
+    vectors = good["vectors"]
 
     def bad(match, **kw):
         with pytest.raises(ValueError, match=match):
-            C.DecodeContext(*args, **{**good, **kw})
+            C.DecodeContext(**{**good, **kw})
 
-    bad("act must be", act="relu")
-    bad("post_attn_norm/post_ffw_norm", post_ffw_norm=good["post_ffw_norm"][:-1])
-    bad("post_attention_norm has", post_attn_norm=[torch.ones(3)] * n)
-    bad("cos2 and sin2", sin2=None)
-    bad("layer_rope entries", cos2=None, sin2=None)
-    bad("layer_rope must be", layer_rope=[0])
-    bad("layer_window entries", layer_window=[-1] * n)
-    bad("cos2/sin2 have shapes", cos2=good["cos2"][:4].contiguous(), sin2=good["sin2"][:4].contiguous())
-    bad("embd_scale", embd_scale=-1.0)
+    bad(r"vectors\[post_ffw_norm\] has", vectors={**vectors, "post_ffw_norm": vectors["post_ffw_norm"][:-1]})
+    bad("post_attention_norm has", vectors={**vectors, "post_attention_norm": [torch.ones(3)] * n})
+    bad("vectors has no post_attention_norm",
+        vectors={k: v for k, v in vectors.items() if k != "post_attention_norm"})
+    bad("rope has 1", rope=good["rope"][:1])
+    bad(r"rope\[1\] cos/sin have shapes", rope=[good["rope"][0], tuple(t[:4].contiguous() for t in good["rope"][1])])
+    bad("does not use", arch=C.DecodeArch(**{**arch_args(model), "post_norms": False}))
+    with pytest.raises(ValueError, match="layer_window entries"):
+        C.DecodeArch(**{**arch_args(model), "layer_window": [-1] * n})
 
 
 def test_gemma3_cpp_step_reads_k_quant_matrices_interleaved_by_8(gemma3, monkeypatch):

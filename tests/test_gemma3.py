@@ -38,7 +38,12 @@ def test_config_from_metadata():
     assert (cfg.arch, cfg.n_layer, cfg.head_dim, cfg.sliding_window) == ("gemma3", 18, 256, 512)
     assert cfg.extra["rope_local_base"] == 10000.0 and cfg.rope_base == 1e6
     assert cfg.extra["query_pre_attn_scalar"] == 256 and cfg.tied_output and cfg.qk_norm
-    assert ref_llm().model.is_global == [(i + 1) % 6 == 0 for i in range(18)]
+    spec = ref_llm().model.spec
+    # global layers (every 6th): full attention, rope.freq_base; local ones: a 512 window, the local base
+    assert [layer.window == 0 for layer in spec.layers] == [(i + 1) % 6 == 0 for i in range(18)]
+    assert {(la.window, la.rope_base) for la in spec.layers} == {(0, 1e6), (512, 10000.0)}
+    assert spec.post_norms and spec.act == "gelu_tanh" and spec.attn_scale == 256 ** -0.5
+    assert spec.embd_scale == float(torch.tensor(640 ** 0.5, dtype=torch.float32))
 
 
 def test_last_logits_match_transformers():
@@ -68,11 +73,11 @@ def test_long_prompt_crosses_the_sliding_window():
     assert ours.argmax() == theirs.argmax() and rel < 1e-3, f"rel {rel:.2e}"
     # Without the window (all layers global) the result must differ: the test would catch a missing mask.
     m = llm.model
-    saved, m.window = m.window, 0
+    saved, m.spec = m.spec, m.spec.with_windows(0)
     try:
         unwindowed = llm.logits(ids)[-1].double()
     finally:
-        m.window = saved
+        m.spec = saved
     assert rel_diff(unwindowed, theirs) > 10 * max(rel, 1e-5)
 
 

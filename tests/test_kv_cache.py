@@ -18,7 +18,7 @@ import torch
 
 from conftest import pyllm_model
 from pyllm.errors import ContextFullError, PyllmError
-from pyllm.models.llama import attention
+from pyllm.models.transformer import attention
 from pyllm.runtime.kv_cache import KV_KINDS, QK, KVCache, hadamard_rotation, make_kv_cache
 
 QUANT = ["q8_0", "q8_rot", "q4_0", "q4_rot"]

@@ -54,7 +54,7 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--int8-output", action="store_true", help="output projection from x's int8 codes alone")
     a = ap.parse_args()
-    ref = pyllm.load(a.model, device="cpu", backend="reference", n_ctx=256)
+    ref = pyllm.load(a.model, device="cpu", kernels="reference", n_ctx=256)
     ids = ref.tokenize(KL_TEXT)
 
     def logits(llm):

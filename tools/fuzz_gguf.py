@@ -771,7 +771,7 @@ def _deep(gf, path: str, reached: set) -> None:
     import pyllm
 
     try:
-        llm = pyllm.load(path, n_ctx=32, backend="reference", kv_cache="f32")
+        llm = pyllm.load(path, n_ctx=32, kernels="reference", kv_cache="f32")
     except PyllmError:
         return
     reached.add("load")

@@ -23,7 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "gpu")]
 
 from bench_cuda import llama3_8b  # noqa: E402
 from pyllm.backends import cuda as cb  # noqa: E402
-from pyllm.models.llama import LlamaModel  # noqa: E402
+from pyllm.models.transformer import Transformer  # noqa: E402
 
 
 def per_token_ms(fn, n: int) -> float:
@@ -52,7 +52,7 @@ def main() -> int:
         sys.exit(f"gpu_profile: {e}")
     cfg, w = llama3_8b(a.ftype)
     max_seq = a.pos + 256
-    model = LlamaModel(cfg, w, backend, max_pos=max_seq)
+    model = Transformer(cfg, w, backend, max_pos=max_seq)
     kv = backend.make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, max_seq, cfg.head_dim)
     step = backend.fused_decode(model, kv)
     if a.torch_body:

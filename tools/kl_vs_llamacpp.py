@@ -45,7 +45,7 @@ def prompts_mode(key: str, threads: int, pyllm_only: bool) -> None:
     path = str(fixture_path(key))
     fast = pyllm.load(path, n_ctx=512, n_threads=threads)
     prompts = heldout_ids(fast)
-    ref = pyllm.load(path, backend="reference", n_ctx=512)
+    ref = pyllm.load(path, kernels="reference", n_ctx=512)
     refs = [ref.logits(ids)[-1] for ids in prompts]
     del ref
     paths: dict[str, list[float]] = {}
@@ -105,7 +105,7 @@ def main() -> None:
 
     for key in args.models:
         path = str(fixture_path(key))
-        ref = pyllm.load(path, backend="reference", n_ctx=max(ns) + 16)
+        ref = pyllm.load(path, kernels="reference", n_ctx=max(ns) + 16)
         ids = ref.tokenize(text)[:max(ns)]
         pr = torch.log_softmax(ref.logits(ids).double(), -1)
 

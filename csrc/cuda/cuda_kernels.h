@@ -12,13 +12,14 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../common/limits.h"
 #include "../common/qtype.h"
 #include "kv_rows.cuh"
 
 namespace pyllm {
 
 // ---- decode GEMV (gemv.cu) --------------------------------------------------------------------------------
-constexpr int CUDA_GEMV_MAX_M = 8;  // above this many activation rows, dequantize + cuBLAS wins (prefill)
+constexpr int CUDA_GEMV_MAX_M = GEMV_MAX_M;  // above this many activation rows, dequantize + cuBLAS wins (prefill)
 
 // Types the fused GEMV handles: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K, and AWQ int4 rows (QType::AWQ_G*, the
 // layout of csrc/common/blocks.h AwqRow that pyllm/awq.py repacks AutoAWQ tensors into at load).

@@ -4,9 +4,9 @@
     get("reference")  float32 torch over weights dequantized by the reference code (backends/reference.py)
     get("cuda")       imports pyllm.backends.cuda on first use and calls its ``create(device=...)``
 
-``select(device, backend)`` is what ``pyllm.load`` calls: device "cpu" | "cuda" | "cuda:N" | "auto" (CUDA when
-torch sees a GPU and the CUDA backend can be created, else the CPU), backend "fast" | "reference" (the CPU kernel
-choice; "reference" always runs on the CPU).
+``select(device, kernels)`` is what ``pyllm.load`` calls: device "cpu" | "cuda" | "cuda:N" | "auto" (CUDA when
+torch sees a GPU and the CUDA backend can be created, else the CPU), kernels "fast" | "reference" (the CPU kernel
+choice; "reference" always runs on the CPU).  A backend is the object; its ``name`` is the kernels' name.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import importlib
 from ..errors import PyllmError
 from .base import Backend, BackendUnavailable, DecodeStep
 
-__all__ = ["Backend", "BackendUnavailable", "DecodeStep", "get", "select", "DEVICES", "CPU_BACKENDS"]
+__all__ = ["Backend", "BackendUnavailable", "DecodeStep", "get", "select", "DEVICES", "CPU_KERNELS"]
 
 DEVICES = ("auto", "cpu", "cuda")
-CPU_BACKENDS = ("fast", "reference")
+CPU_KERNELS = ("fast", "reference")
 
 
 def get(name: str, **options) -> Backend:
@@ -57,21 +57,21 @@ def check_device(device: str) -> str:
     return device
 
 
-def check_backend(backend: str) -> str:
-    if backend not in CPU_BACKENDS:
-        raise PyllmError(f"backend must be 'fast' or 'reference', got {backend!r}")
-    return backend
+def check_kernels(kernels: str) -> str:
+    if kernels not in CPU_KERNELS:
+        raise PyllmError(f"kernels must be 'fast' or 'reference', got {kernels!r}")
+    return kernels
 
 
-def select(device: str = "cpu", backend: str = "fast", n_threads: int | None = None) -> Backend:
-    """The backend ``pyllm.load(device=, backend=)`` runs on; see the module docstring. A device that cannot run
+def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = None) -> Backend:
+    """The backend ``pyllm.load(device=, kernels=)`` runs on; see the module docstring. A device that cannot run
     raises BackendUnavailable naming why ("auto" never raises: it falls back to the CPU)."""
     check_device(device)
-    check_backend(backend)
+    check_kernels(kernels)
     if device.startswith("cuda"):
-        if backend == "reference":
-            raise PyllmError("backend 'reference' runs on the CPU (float32 torch); use device='cpu' with it, or "
-                             "backend='fast' on CUDA")
+        if kernels == "reference":
+            raise PyllmError("kernels 'reference' run on the CPU (float32 torch); use device='cpu' with them, or "
+                             "kernels='fast' on CUDA")
         import torch
 
         if not torch.cuda.is_available():
@@ -79,7 +79,7 @@ def select(device: str = "cpu", backend: str = "fast", n_threads: int | None = N
                    else "torch sees no GPU (torch.cuda.is_available() is False)")
             raise BackendUnavailable(f"device {device!r} is not available: {why}")
         return get("cuda", device=device)
-    if device == "auto" and backend == "fast":
+    if device == "auto" and kernels == "fast":
         import torch
 
         if torch.cuda.is_available():
@@ -87,4 +87,4 @@ def select(device: str = "cpu", backend: str = "fast", n_threads: int | None = N
                 return get("cuda", device="cuda")
             except BackendUnavailable:
                 pass
-    return get(backend, n_threads=n_threads) if backend == "fast" else get(backend)
+    return get(kernels, n_threads=n_threads) if kernels == "fast" else get(kernels)

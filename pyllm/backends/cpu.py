@@ -46,6 +46,17 @@ EXACT_ROW_TYPES = frozenset(
     + list(range(60, 68)))
 
 
+def decode_arch(C, spec, layer_rope):
+    """``spec`` (models/spec.py ArchSpec) as the extension's DecodeArch: the C++ mirror the decode steps read,
+    whose constructor checks every field.  ``layer_rope``: each layer's index into the model's rope tables."""
+    return C.DecodeArch(n_embd=spec.n_embd, n_ff=spec.n_ff, n_head=spec.n_head, n_kv_head=spec.n_kv_head,
+                        head_dim=spec.head_dim, rope_dim=spec.rope_dim, rope_style=spec.rope_style,
+                        rms_eps=spec.rms_eps, attn_scale=spec.attn_scale, qkv_bias=spec.qkv_bias,
+                        qk_norm=spec.qk_norm, post_norms=spec.post_norms, act=spec.act, embd_scale=spec.embd_scale,
+                        final_softcap=spec.final_softcap, layer_rope=list(layer_rope),
+                        layer_window=[layer.window for layer in spec.layers])
+
+
 class CpuDecodeStep:
     """The C++ decode step bound to one model and one cache: ``step(token, pos)`` -> logits [1, n_vocab] f32;
     ``rows(tokens, pos, all_logits)`` runs up to ops.GEMV_MAX_M consecutive tokens in one pass (speculation).
@@ -196,33 +207,25 @@ class CpuBackend:
         k, v = kv.storage_layout()
         if k.block not in KV_TYPE_IDS or v.block not in KV_TYPE_IDS or k.data.device.type != "cpu":
             return None
-        cfg, w, vec = model.cfg, model.w, model.vec
-        opts = dict(model.decode_options())
-        mats = [w[f"blk.{i}.{n}.weight"] for i in range(cfg.n_layer) for n in LAYER_MATRICES]
-
-        def vecs(name, on=True):
-            return [vec[f"blk.{i}.{name}"].float().contiguous() for i in range(cfg.n_layer)] if on else []
-
-        bias, qk_norm = opts.pop("bias"), opts.pop("qk_norm")
-        cos, sin, window = opts.pop("cos"), opts.pop("sin"), opts.pop("window")
-        if opts.pop("post_norms", False):
-            opts.update(post_attn_norm=vecs("post_attention_norm.weight"),
-                        post_ffw_norm=vecs("post_ffw_norm.weight"))
+        spec, w, vec = model.spec, model.w, model.vec
+        mats = [w[f"blk.{i}.{n}.weight"] for i in range(spec.n_layer) for n in LAYER_MATRICES]
+        # the per-layer vectors (norms, biases) by the step's names: the tensor names less ".weight"
+        small = {n.removesuffix(".weight"): n for n in spec.layer_tensors()}
+        small = {name: tensor for name, tensor in small.items() if name not in LAYER_MATRICES}
         try:
             packed = [self.decode_matrix(m) for m in mats]
             out_data, out_type = self.decode_matrix(model.output)
+            vectors = {name: [vec[f"blk.{i}.{tensor}"].float().contiguous() for i in range(spec.n_layer)]
+                       for name, tensor in small.items()}
             ctx = ops._C.DecodeContext(
-                [d for d, _ in packed], [t for _, t in packed], vecs("attn_norm.weight"),
-                vecs("ffn_norm.weight"), vecs("attn_q.bias", bias), vecs("attn_k.bias", bias),
-                vecs("attn_v.bias", bias), vecs("attn_q_norm.weight", qk_norm),
-                vecs("attn_k_norm.weight", qk_norm), w["token_embd.weight"].data, int(w["token_embd.weight"].qtype),
-                out_data, out_type, vec["output_norm.weight"].float().contiguous(),
-                cos.contiguous(), sin.contiguous(), k.data, v.data, cfg.n_embd, cfg.n_ff, cfg.n_head,
-                cfg.n_kv_head, cfg.head_dim, cfg.rope_dim, cfg.rope_style, cfg.rms_eps, model.scale, window,
-                k_type=KV_TYPE_IDS[k.block], v_type=KV_TYPE_IDS[v.block], k_mu=k.mu, v_mu=v.mu,
-                k_rot=None if k.rot is None else k.rot.contiguous(),
-                v_rot=None if v.rot is None else v.rot.contiguous(), k_scale=k.scale, k_sink=k.sink,
-                v_sink=v.sink, **opts)
+                decode_arch(ops._C, spec, model.layer_rope), [d for d, _ in packed], [t for _, t in packed],
+                vectors, w["token_embd.weight"].data, int(w["token_embd.weight"].qtype), out_data, out_type,
+                vec["output_norm.weight"].float().contiguous(),
+                [(c.contiguous(), s.contiguous()) for c, s in model.rope_tables],
+                ops._C.DecodeCachePart(k.data, KV_TYPE_IDS[k.block], mu=k.mu,
+                                       rot=None if k.rot is None else k.rot.contiguous(), scale=k.scale, sink=k.sink),
+                ops._C.DecodeCachePart(v.data, KV_TYPE_IDS[v.block], mu=v.mu,
+                                       rot=None if v.rot is None else v.rot.contiguous(), sink=v.sink))
             _add_lora(ctx, model)
         except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
             # No extension, a GGML type the CPU kernels lack, or a layout the step does not take (LoRA terms on a

@@ -28,9 +28,9 @@ import torch
 from ..awq import AWQRows
 from ..errors import PyllmError
 from ..gguf import GGMLType
+from ..ops import GEMV_MAX_M  # above it, dequantize + cuBLAS (csrc/common/limits.h)
 from .base import BackendUnavailable
 
-GEMV_MAX_M = 8  # csrc/cuda/cuda_kernels.h CUDA_GEMV_MAX_M: above it, dequantize + cuBLAS
 HEAD_DIMS = (64, 128, 256)  # head sizes csrc/cuda/attention.cu is instantiated for
 _FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 _BLOCK_KINDS = ("q8_0", "q4_0")
@@ -284,24 +284,17 @@ class CudaBackend:
     def fused_decode(self, model, kv) -> "CudaDecodeStep | None":
         """The graph-captured step for ``model`` over ``kv``, or None where it does not apply (then the model's
         torch forward runs on the GPU): a head size the attention kernel lacks, a cache without a storage
-        layout, or an architecture whose decode_options this step does not know."""
+        layout, or a model without an ArchSpec."""
         why = fused_decode_problem(model, kv)
         return None if why else CudaDecodeStep(self, model, kv)
 
 
-KNOWN_OPTIONS = {"bias", "qk_norm", "cos", "sin", "window", "post_norms", "embd_scale", "act", "final_softcap",
-                 "cos2", "sin2", "layer_rope", "layer_window"}
-
-
 def fused_decode_problem(model, kv) -> str | None:
     """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
-    if not hasattr(kv, "storage_layout") or not hasattr(model, "decode_options"):
+    if not hasattr(kv, "storage_layout") or not hasattr(model, "spec"):
         return "the model or cache predates the backend seam"
     if kv.head_dim not in HEAD_DIMS:
         return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
-    unknown = set(model.decode_options()) - KNOWN_OPTIONS
-    if unknown:
-        return f"decode options {sorted(unknown)}"
     for p in kv.storage_layout():
         if p.block not in _FLOAT_KINDS + _BLOCK_KINDS:
             return f"cache rows {p.block!r}"
@@ -436,21 +429,15 @@ class CudaDecodeStep:
         self.lora = getattr(model, "lora_terms", None) or {}
         self.lora_names = {id(w): n for n, w in model.w.items() if n in self.lora and n != "token_embd.weight"}
         self.n_vocab = cfg.n_vocab
-        opts = dict(model.decode_options())
-        self.bias, self.qk_norm = bool(opts.get("bias")), bool(opts.get("qk_norm"))
-        self.post_norms = bool(opts.get("post_norms"))
-        self.embd_scale = float(opts.get("embd_scale") or 0.0)
-        self.act = opts.get("act", "silu")
-        self.final_softcap = float(opts.get("final_softcap") or 0.0)
+        spec = self.spec = model.spec
+        self.bias, self.qk_norm, self.post_norms = spec.qkv_bias, spec.qk_norm, spec.post_norms
+        self.embd_scale, self.act, self.final_softcap = spec.embd_scale, spec.act, spec.final_softcap
         dev = backend.device
-        tables = [(opts["cos"].to(dev).contiguous(), opts["sin"].to(dev).contiguous())]
-        if opts.get("cos2") is not None:
-            tables.append((opts["cos2"].to(dev).contiguous(), opts["sin2"].to(dev).contiguous()))
+        self.tables = [(c.to(dev).contiguous(), s.to(dev).contiguous()) for c, s in model.rope_tables]
         n = cfg.n_layer
-        self.layer_rope = list(opts.get("layer_rope") or [0] * n)
-        self.layer_window = list(opts.get("layer_window") or [int(opts.get("window") or 0)] * n)
-        self.tables = tables
-        self.scale = float(model.scale)
+        self.layer_rope = list(model.layer_rope)
+        self.layer_window = [layer.window for layer in spec.layers]
+        self.scale = spec.attn_scale
         k_lay, v_lay = kv.storage_layout()
         self.k_dtype = k_lay.data.dtype
         self.v_dtype = v_lay.data.dtype

@@ -21,7 +21,7 @@ import sys
 import time
 
 from ..errors import KVCacheMemoryError, PyllmError
-from .common import (add_backend_arg, add_device_arg, add_llama_cpp_args, add_lora_args, apply_gpu_layers,
+from .common import (add_device_arg, add_kernels_arg, add_llama_cpp_args, add_lora_args, apply_gpu_layers,
                      kv_kind_from_args, lora_from_args, runtime_info)
 
 
@@ -52,7 +52,7 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--kv", default="f16", help="KV cache type (default f16), or KEY/VALUE such as f16/q8_0")
     s.add_argument("--kv-k", "-ctk", default=None, metavar="TYPE", help="key cache type (overrides --kv for keys)")
     s.add_argument("--kv-v", "-ctv", default=None, metavar="TYPE", help="value cache type (overrides --kv)")
-    add_backend_arg(s)
+    add_kernels_arg(s)
     add_llama_cpp_args(s)
     s.add_argument("-o", "--output", default="md", choices=["md", "json", "csv"])
     s.add_argument("--probe", action="store_true",
@@ -125,7 +125,7 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
         if lora_from_args(a):
             raise PyllmError("--lora / --lora-scaled apply to model files: a synthetic model has no adapter to fit")
 
-        backend = backends.select(a.device, a.backend, a.threads)  # a GPU that cannot run says why before 8B of work
+        backend = backends.select(a.device, a.kernels, a.threads)  # a GPU that cannot run says why before 8B of work
         cfg, weights = synthetic_model(synthetic)
         from ..llm import plan_kv_cache
 
@@ -136,11 +136,11 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
         from .. import ops
 
         rt = dict(backend.describe()) if backend.name == "cuda" else \
-            {"device": "cpu", "backend": a.backend, "isa": ops.get_isa() if a.backend == "fast" else None}
+            {"device": "cpu", "backend": a.kernels, "isa": ops.get_isa() if a.kernels == "fast" else None}
         return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size, rt)
     import pyllm
 
-    llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, backend=a.backend,
+    llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, kernels=a.kernels,
                      quiet=False, lora=lora_from_args(a))
     p = llm.path
     size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size  # AWQ folder
@@ -199,7 +199,7 @@ def run_tests(s: Subject, a, roof: dict, on_row=lambda row: None) -> list[dict]:
                    n_threads=a.threads,
                    n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, n_depth=depth,
                    test=f"{test}{n}" + (f" @ d{depth}" if depth else ""),
-                   avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.backend,
+                   avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.kernels,
                    isa=s.runtime.get("isa"), gpu=s.runtime.get("gpu"))
         if test == "tg":
             # the cache grows from depth to depth + n positions: on average depth + n/2 positions of K and V are read
@@ -265,7 +265,7 @@ def cmd_bench(a) -> int:
         apply_gpu_layers(a)
     a.threads = a.threads or physical_cores()
     torch.set_num_threads(a.threads)
-    if a.backend == "fast":
+    if a.kernels == "fast":
         from .. import ops
 
         ops.set_num_threads(a.threads)
@@ -356,8 +356,8 @@ def cmd_bench_spec(a) -> int:
     n = a.n_gen or 128
     rows = []
     for model in a.models:
-        llm = pyllm.load(model, device=a.device, n_ctx=2048, kv_cache=a.kv, n_threads=a.threads, backend=a.backend, quiet=False,
-                         draft=a.draft if a.spec == "draft" else None, lora=lora_from_args(a))
+        llm = pyllm.load(model, device=a.device, n_ctx=2048, kv_cache=a.kv, n_threads=a.threads, kernels=a.kernels,
+                         quiet=False, draft=a.draft if a.spec == "draft" else None, lora=lora_from_args(a))
         for p in spec_prompts():
             ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
             schema = p.get("json_schema")

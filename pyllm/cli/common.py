@@ -211,7 +211,7 @@ def add_runtime_args(p: argparse.ArgumentParser) -> None:
                         "stop for run")
     g.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: physical cores)")
     add_device_arg(g)
-    add_backend_arg(g)
+    add_kernels_arg(g)
     add_lora_args(g)
     g.add_argument("--plain-template", action="store_true",
                    help="format chats with pyllm's plain template instead of the file's own chat template")
@@ -347,9 +347,12 @@ def add_device_arg(g, default: str | None = "auto", help: str | None = None) -> 
                                 "the GPU when one is usable and its kernels build, else the CPU)")
 
 
-def add_backend_arg(g) -> None:
-    g.add_argument("--backend", default="fast", choices=["fast", "reference"],
+def add_kernels_arg(g) -> None:
+    g.add_argument("--kernels", default="fast", choices=["fast", "reference"],
                    help="CPU kernels: fast (default) or reference (float32 torch, for checking accuracy)")
+    # the flag's old name, kept working
+    g.add_argument("--backend", dest="kernels", default=argparse.SUPPRESS, choices=["fast", "reference"],
+                   help="deprecated: --kernels")
 
 
 def seed_arg(text: str) -> int:
@@ -441,7 +444,7 @@ def load_from_args(a, context_policy: str = "stop"):
             raise PyllmError("--chat-template-file and --plain-template both choose the chat template; give one")
         template_source = read_text_arg(a.chat_template_file, "--chat-template-file")
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
-                     backend=a.backend, quiet=False, verbose=getattr(a, "verbose", False),
+                     kernels=a.kernels, quiet=False, verbose=getattr(a, "verbose", False),
                      context_policy=getattr(a, "context_policy", None) or context_policy,
                      draft=getattr(a, "draft", None), lora=lora_from_args(a))
     if template_source is not None:
@@ -463,8 +466,8 @@ def runtime_info(llm) -> dict:
     backend = getattr(getattr(llm, "model", None), "backend", None)
     if callable(getattr(backend, "describe", None)):
         return dict(backend.describe())
-    rt = {"device": str(llm.device), "backend": llm.backend}
-    if rt["device"] == "cpu" and llm.backend == "fast":
+    rt = {"device": str(llm.device), "backend": llm.kernels}
+    if rt["device"] == "cpu" and llm.kernels == "fast":
         from .. import ops
 
         rt["isa"] = ops.get_isa()

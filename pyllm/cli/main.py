@@ -14,7 +14,7 @@ import sys
 
 from .. import environment, registry
 from ..errors import PyllmError, TemplateError, shorten
-from .common import (SettingError, add_backend_arg, add_device_arg, add_model_arg, add_runtime_args, add_sampling_args,
+from .common import (SettingError, add_device_arg, add_kernels_arg, add_model_arg, add_runtime_args, add_sampling_args,
                      add_spec_args, apply_env_defaults, apply_gpu_layers, check_numeric_args, decode_utf8,
                      drop_flash_attn_values, kv_flag, kv_kind_from_args, load_from_args, lora_from_args,
                      merge_model_flag, read_stdin_text, read_text_arg, runtime_info, sampling_kwargs)
@@ -178,7 +178,7 @@ def cmd_info(a) -> int:
         import pyllm
 
         with pyllm.load(str(path), device=a.device, n_ctx=a.ctx, kv_cache=a.kv, n_threads=a.threads,
-                        backend=a.backend, quiet=a.json) as llm:
+                        kernels=a.kernels, quiet=a.json) as llm:
             info["runtime"] = runtime_info(llm)
     print(json.dumps(info, indent=2) if a.json else format_info(info))
     return 0
@@ -321,7 +321,7 @@ def serve_replicas_from_args(a) -> int:
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.replicas)
     name = a.model if a.model in registry.REGISTRY else path.name
     spec = ReplicaSpec(path=str(path), model_name=a.alias or name or path.name, device=a.device, n_ctx=a.ctx,
-                       kv_cache=kv_kind_from_args(a), n_threads=threads, backend=a.backend,
+                       kv_cache=kv_kind_from_args(a), n_threads=threads, kernels=a.kernels,
                        api_key=api_key_from_args(a), max_body=a.max_body, client_timeout=a.client_timeout,
                        parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a),
                        host=a.host, allow_hosts=allow_hosts_from_args(a),
@@ -481,7 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "when one is usable, else the CPU) and report where it runs (default: "
                                          "describe the file from its header alone)")
     s.add_argument("--threads", "-t", type=int, default=None, help="CPU threads with --device")
-    add_backend_arg(s)
+    add_kernels_arg(s)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_info)
 

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from .common import add_backend_arg, add_device_arg, add_model_arg, kv_flag, read_text_arg, runtime_info
+from .common import add_device_arg, add_kernels_arg, add_model_arg, kv_flag, read_text_arg, runtime_info
 
 
 def add_perplexity_parser(sub) -> None:
@@ -28,7 +28,7 @@ def add_perplexity_parser(sub) -> None:
                    help="also compute KL divergence against this cache type (e.g. f16)")
     s.add_argument("--threads", "-t", type=int, default=None, help="CPU threads")
     add_device_arg(s)
-    add_backend_arg(s)
+    add_kernels_arg(s)
     s.add_argument("--json", action="store_true", help="print one JSON object with the results")
     s.set_defaults(func=cmd_perplexity)
 
@@ -43,7 +43,7 @@ def cmd_perplexity(a) -> int:
         kv_flag("--kl-base", a.kl_base)
     text = read_text_arg(a.file, "-f", limit=perplexity.MAX_TEXT_BYTES, strict=False)
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache="f16", n_threads=a.threads,
-                     backend=a.backend, quiet=False)
+                     kernels=a.kernels, quiet=False)
 
     def on_chunk(i, n, stats):
         if a.json:

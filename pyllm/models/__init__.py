@@ -1,21 +1,15 @@
-"""Architecture name -> decoder class. The llama family shares one decoder; others get a small file each."""
+"""Architecture name -> decoder: every architecture is the one Transformer (transformer.py) over its ArchSpec
+(spec.py); a family is a spec entry plus, where its files store tensors differently, a weight adapter."""
 
 from __future__ import annotations
 
 from ..errors import ModelError
 from .config import ModelConfig
-from .gemma3 import Gemma3Model
-from .llama import LlamaModel
-from .phi3 import Phi3Model
+from .spec import ARCHITECTURES as _NAMES
+from .spec import ArchSpec
+from .transformer import Transformer
 
-ARCHITECTURES = {
-    "llama": LlamaModel,
-    "mistral": LlamaModel,
-    "qwen2": LlamaModel,
-    "qwen3": LlamaModel,
-    "gemma3": Gemma3Model,
-    "phi3": Phi3Model,
-}
+ARCHITECTURES = {name: Transformer for name in _NAMES}
 
 
 def model_class(cfg: ModelConfig):
@@ -23,6 +17,7 @@ def model_class(cfg: ModelConfig):
     if cls is None:
         raise ModelError(f"unsupported architecture {cfg.arch!r} (general.architecture); "
                          f"supported: {', '.join(sorted(ARCHITECTURES))}")
+    ArchSpec.from_config(cfg)  # a value no body runs (e.g. attention soft-capping) fails here, before the weights
     return cls
 
 

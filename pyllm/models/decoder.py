@@ -125,10 +125,6 @@ class Decoder:
         """Norm weights, biases, rope factors: tiny, so float32 1-D tensors on the backend's device."""
         return {n: t.dequantize().reshape(-1).to(self.device) for n, t in weights.items() if len(t.shape) == 1}
 
-    def decode_options(self) -> dict:
-        """The architecture's options for a fused step (see backend_api: bias, qk_norm, cos, sin, window...)."""
-        raise NotImplementedError
-
     def fused_step(self, kv):
         """The backend's fused one-token step over ``kv`` (built once per cache), or None where it does not apply
         now: the backend has none for this model or cache, or a centered cache has not fixed its means yet (its

@@ -37,7 +37,7 @@ from ..errors import ContextFullError, ModelError, PyllmError
 from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
-MAX_BATCH = 8  # rows of one decode_batch call (the GEMV kernels' GEMV_MAX_M)
+MAX_BATCH = ops.GEMV_MAX_M  # rows of one decode_batch call (the GEMV kernels' limit)
 # Seconds of prefill the running streams may wait for their next token while new prompts are read: long enough
 # that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
 # short enough that a long prompt does not freeze the other streams.

@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from ..errors import PyllmError
+from ..ops import GEMV_MAX_M
 
 SPEC_MODES = ("none", "lookup", "draft")
-MAX_ROWS = 8  # rows of one verification forward: the fused GEMV's limit (ops.GEMV_MAX_M)
-DEFAULT_K = 7  # drafted tokens per verification at most (k + 1 = MAX_ROWS rows)
+MAX_ROWS = GEMV_MAX_M  # rows of one verification forward: the fused GEMV's limit
+DEFAULT_K = MAX_ROWS - 1  # drafted tokens per verification at most (k + 1 = MAX_ROWS rows)
 DEFAULT_NGRAM = 4  # longest suffix looked up; shorter ones are tried down to 1
 MATCH_CAP = 8  # a lookup's matched length (its evidence for the controller) is counted up to this
 SELECT_CAP = 32  # agreement counted up to this when choosing between a suffix's two latest occurrences

@@ -803,7 +803,7 @@ def prepare_for_requests(llm) -> None:
     """What the first request would otherwise wait for, done before the port opens: the kernel extension (built if
     this machine has no cached build: a compile that can take minutes) and the tokenizer's table for refusing
     prompts that cannot fit (a walk over the vocabulary, 0.3-1.7 s)."""
-    if llm.backend != "reference":
+    if llm.kernels != "reference":
         from .. import ops
 
         ops.get_isa()

@@ -27,7 +27,7 @@ class ReplicaSpec:
     n_ctx: int = 4096
     kv_cache: str = "f16"
     n_threads: int = 1
-    backend: str = "fast"
+    kernels: str = "fast"  # the CPU kernels, as pyllm.load's kernels=
     api_key: str | None = None
     max_body: int = 8 * 2**20
     client_timeout: float = 30  # the body's deadline; the head's is the Ray proxy's own
@@ -76,7 +76,7 @@ def build_replica_app(spec: ReplicaSpec):
     from .app import create_app, prepare_for_requests
 
     llm = pyllm.load(spec.path, device=spec.device, n_ctx=spec.n_ctx, kv_cache=spec.kv_cache,
-                     n_threads=spec.n_threads, backend=spec.backend, quiet=True, lora=list(spec.lora))
+                     n_threads=spec.n_threads, kernels=spec.kernels, quiet=True, lora=list(spec.lora))
     if spec.plain_template:
         llm.use_fallback_template()
     prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles

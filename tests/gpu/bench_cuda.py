@@ -138,7 +138,7 @@ def to_fp16(K, w: dict) -> dict:
 
 
 def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) -> list[dict]:
-    from pyllm.models.llama import LlamaModel
+    from pyllm.models.transformer import Transformer
 
     K = backend.K
     cfg, w = llama3_8b(ftype)
@@ -150,7 +150,7 @@ def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) 
             del w
             torch.cuda.empty_cache()
         per_token = sum(t.nbytes for n, t in weights.items() if n != "token_embd.weight")
-        model = LlamaModel(cfg, weights, backend, max_pos=ctx + 160)
+        model = Transformer(cfg, weights, backend, max_pos=ctx + 160)
         prompt = torch.randint(0, cfg.n_vocab, (512,))
         res = dict(model=f"llama3-8b {label}", GB_per_token=per_token / 1e9)
         for kind in ("f16", "q8_0"):

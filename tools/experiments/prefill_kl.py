@@ -12,7 +12,7 @@ def kl(p_logits, q_logits):
     return (p.exp() * (p - q)).sum(-1)
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 256
 for name in sys.argv[2:]:
-    ref = pyllm.load(name, backend="reference", n_ctx=n + 8)
+    ref = pyllm.load(name, kernels="reference", n_ctx=n + 8)
     ids = ref.tokenize(text)[:n]
     lr = ref.logits(ids)
     del ref

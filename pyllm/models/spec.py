@@ -1,0 +1,184 @@
+"""ArchSpec: what a decoder layer is, for every architecture pyllm runs, as one typed, frozen value.
+
+The torch forward (models/transformer.py), the C++ decode step (csrc/cpu/decode_step.cpp, through the
+``DecodeArch`` struct bound in csrc/bindings_decode.cpp) and the CUDA step (backends/cuda.py) all read this one
+description; none of them branches on an architecture name.  A family is added here (one ``_family`` entry), in
+the converter's tensor mapping, and nowhere else.
+
+The spec is derived from a ModelConfig (itself read from GGUF metadata or an AWQ folder's config.json, and checked
+there) and validated once, in ``__post_init__``: a value no body can run fails at load with a ModelError naming
+the field.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field, replace
+
+from ..errors import ModelError
+from .config import ModelConfig
+
+ROPE_STYLES = ("norm", "neox")  # adjacent pairs (llama-converted Q/K rows) / the two halves of each head
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP gate's activation: SiLU (llama) or tanh-approximated GELU (Gemma)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What differs between the layers of one model: their rotary embedding and their attention span."""
+
+    rope_base: float = 10000.0
+    rope_scale: float = 1.0  # linear position scaling: positions are divided by it (1: none)
+    window: int = 0  # sliding-window attention: each query sees its last ``window`` keys (0: every key)
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """One architecture's decoder, layer by layer: every body (torch, C++ step, CUDA step) computes, per layer,
+
+        h = norm(x) ; q, k, v = h Wq (+ bq), h Wk (+ bk), h Wv (+ bv) ; q, k = qk_norm(q, k) ; q, k = rope(q, k)
+        a = attention(q, K, V, attn_scale, window) Wo ; x += post_attention_norm(a) if post_norms else a
+        h = norm(x) ; m = (act(h Wgate) * h Wup) Wdown ; x += post_ffw_norm(m) if post_norms else m
+
+    with x = embedding * embd_scale (0: none) first and logits = softcap(norm(x) Woutput) last."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_kv_head: int
+    head_dim: int
+    n_vocab: int
+    rope_dim: int
+    rope_style: str = "norm"
+    rms_eps: float = 1e-5
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False  # Gemma: each block's output is normed before the residual add
+    act: str = "silu"
+    embd_scale: float = 0.0  # float32-representable: the bodies multiply by it in float32 (0: none)
+    final_softcap: float = 0.0  # logits = tanh(logits / c) * c (0: none)
+    attn_scale: float = 0.0  # the queries' scale; 0 here means head_dim ** -0.5 (set in __post_init__)
+    tied_output: bool = False  # the output projection is the token embedding
+    rope_freq_factors: bool = False  # llama3 rope scaling: the file's rope_freqs divide the frequencies
+    fused_qkv: bool = False  # the file keeps attn_qkv ([q; k; v] rows) and ffn_up ([gate; up]) fused (Phi-3)
+    layers: tuple[LayerSpec, ...] = field(default=())
+
+    def __post_init__(self):
+        def bad(name, value, want):
+            raise ModelError(f"{self.arch}: architecture field {name} = {value!r} {want}")
+
+        for name in ("n_layer", "n_embd", "n_ff", "n_head", "n_kv_head", "head_dim", "n_vocab", "rope_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < (1 << 31):
+                bad(name, v, "is not an integer in [1, 2**31)")
+        if self.n_head % self.n_kv_head:
+            bad("n_kv_head", self.n_kv_head, f"does not divide n_head {self.n_head}")
+        if self.rope_dim % 2 or self.rope_dim > self.head_dim:
+            bad("rope_dim", self.rope_dim, f"is not even and <= head_dim {self.head_dim}")
+        if self.rope_style not in ROPE_STYLES:
+            bad("rope_style", self.rope_style, f"is not one of {', '.join(ROPE_STYLES)}")
+        if self.act not in ACTIVATIONS:
+            bad("act", self.act, f"is not one of {', '.join(ACTIVATIONS)}")
+        for name in ("rms_eps", "embd_scale", "final_softcap", "attn_scale"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
+                    (name == "rms_eps" and v == 0):
+                bad(name, v, "is not a finite number >= 0" + (" and > 0" if name == "rms_eps" else ""))
+        if self.attn_scale == 0:
+            object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
+        if len(self.layers) != self.n_layer:
+            bad("layers", f"<{len(self.layers)} entries>", f"does not have one entry per layer ({self.n_layer})")
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerSpec):
+                bad(f"layers[{i}]", layer, "is not a LayerSpec")
+            if not (math.isfinite(layer.rope_base) and layer.rope_base > 0):
+                bad(f"layers[{i}].rope_base", layer.rope_base, "is not a finite number > 0")
+            if not (math.isfinite(layer.rope_scale) and layer.rope_scale > 0):
+                bad(f"layers[{i}].rope_scale", layer.rope_scale, "is not a finite number > 0")
+            if isinstance(layer.window, bool) or not isinstance(layer.window, int) or \
+                    not 0 <= layer.window < (1 << 31):
+                bad(f"layers[{i}].window", layer.window, "is not an integer in [0, 2**31)")
+
+    def rope_keys(self) -> tuple[tuple[tuple[float, float], ...], tuple[int, ...]]:
+        """(the distinct (rope_base, rope_scale) pairs in order of first use, each layer's index into them): the
+        rope tables a body builds once and the table each layer reads."""
+        keys: list[tuple[float, float]] = []
+        index = []
+        for layer in self.layers:
+            key = (layer.rope_base, layer.rope_scale)
+            if key not in keys:
+                keys.append(key)
+            index.append(keys.index(key))
+        return tuple(keys), tuple(index)
+
+    def with_windows(self, window: int, where=None) -> "ArchSpec":
+        """This spec with the window of every layer ``where(layer)`` holds (default: every layer) set to
+        ``window`` (tests: a short window on a short prompt)."""
+        return replace(self, layers=tuple(replace(la, window=window) if where is None or where(la) else la
+                                          for la in self.layers))
+
+    def layer_tensors(self) -> tuple[str, ...]:
+        """The tensor names (without "blk.N.") every layer of this architecture must have."""
+        names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down"]
+        if self.qk_norm:
+            names += ["attn_q_norm", "attn_k_norm"]
+        if self.post_norms:
+            names += ["post_attention_norm", "post_ffw_norm"]
+        out = [f"{n}.weight" for n in names]
+        if self.qkv_bias:
+            out += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        return tuple(out)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, tensor_names=None) -> "ArchSpec":
+        """The spec of ``cfg``'s architecture (ModelError for one pyllm does not run, or a value it cannot).
+        ``tensor_names``: the file's tensors, for what the file decides (llama3 rope factors)."""
+        family = _FAMILIES.get(cfg.arch)
+        if family is None:
+            raise ModelError(f"unsupported architecture {cfg.arch!r} (general.architecture); supported: "
+                             f"{', '.join(sorted(_FAMILIES))}")
+        base = dict(arch=cfg.arch, n_layer=cfg.n_layer, n_embd=cfg.n_embd, n_ff=cfg.n_ff, n_head=cfg.n_head,
+                    n_kv_head=cfg.n_kv_head, head_dim=cfg.head_dim, n_vocab=cfg.n_vocab,
+                    rope_dim=cfg.rope_dim or cfg.head_dim, rope_style=cfg.rope_style, rms_eps=cfg.rms_eps,
+                    qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, tied_output=cfg.tied_output,
+                    rope_freq_factors=tensor_names is not None and "rope_freqs.weight" in tensor_names)
+        base.update(family(cfg))
+        return cls(**base)
+
+
+def _llama(cfg: ModelConfig) -> dict:
+    """llama / SmolLM2, mistral, qwen2, qwen3, phi3: one rope table, one window (0 or the file's sliding_window)
+    for every layer.  Phi-3 files keep q/k/v and gate/up fused, as its checkpoint does (split at load)."""
+    return dict(layers=(LayerSpec(cfg.rope_base, 1.0, cfg.sliding_window),) * cfg.n_layer,
+                fused_qkv=cfg.arch == "phi3")
+
+
+def _gemma3(cfg: ModelConfig) -> dict:
+    """Gemma 3, each difference checked against transformers' Gemma3ForCausalLM and llama.cpp's gemma3 graph:
+    the embedding times sqrt(n_embd) (in float32; the tied output head is not scaled); RMSNorm x * (1 + w), whose
+    (1 + w) llama.cpp's converter already stored; norms after both blocks as well as before; QK-norm; GeGLU with the
+    tanh GELU; local layers attend to a sliding window with their own rope base (10000), every ``swa_pattern``-th
+    layer ((i + 1) % pattern == 0) is global with rope.freq_base and the linear rope scaling if any; queries scaled
+    by query_pre_attn_scalar ** -0.5; optional final logit soft-capping."""
+    ex = cfg.extra
+    if ex.get("attn_logit_softcapping"):
+        raise ModelError(f"{cfg.arch}: attn_logit_softcapping = {ex['attn_logit_softcapping']!r}: attention logit "
+                         f"soft-capping is not supported")
+    pattern = int(ex.get("swa_pattern", 6))
+    local = LayerSpec(float(ex.get("rope_local_base", 10000.0)), 1.0, int(cfg.sliding_window or 0))
+    glob = LayerSpec(cfg.rope_base, float(ex.get("rope_scale", 1.0)), 0)
+    # the float32 value of sqrt(n_embd): HF multiplies by it cast to the activation dtype
+    embd_scale = struct.unpack("<f", struct.pack("<f", math.sqrt(cfg.n_embd)))[0]
+    return dict(qk_norm=True, post_norms=True, act="gelu_tanh", embd_scale=embd_scale,
+                final_softcap=float(ex.get("final_logit_softcapping", 0.0) or 0.0),
+                attn_scale=float(ex.get("query_pre_attn_scalar", cfg.head_dim)) ** -0.5,
+                layers=tuple(glob if pattern <= 0 or (i + 1) % pattern == 0 else local for i in range(cfg.n_layer)))
+
+
+# general.architecture -> the family's entries (what differs from the ArchSpec defaults)
+_FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "phi3": _llama,
+             "gemma3": _gemma3}
+ARCHITECTURES = tuple(sorted(_FAMILIES))

@@ -1,0 +1,83 @@
+"""Conformance: every fused body of an ArchSpec against the torch forward (models/transformer.py), over every
+architecture x KV cache kind.  A new family is added by its spec entry, its converter mapping and a row in
+tests/tiny_models.py ARCHS; this suite then holds its fused bodies to the reference.
+
+Bodies: the CPU backend's C++ decode step (csrc/cpu/decode_step.cpp, built from the DecodeArch mirror of the spec).
+The CUDA step is held to the same reference on a GPU by tests/gpu (its host-side parts in
+tests/test_cuda_backend_host.py).
+
+Reference: the torch forward's one-token step from the same cache state (teacher-forced: each step starts from the
+torch path's cache and is fed its greedy token), on tiny random checkpoints of each family converted to Q8_0.
+Tolerance, as tests/test_decode_step.py's for quantized matrices: 5% of the largest |logit| for 16- and 8-bit
+caches (the step rounds GEMV activations to int8 per 32 values where the torch path multiplies in float32; that is
+the whole difference), 4x that with a 4-bit cache, where the step dots keys with the query rounded to 8 bits (see
+tests/test_decode_step_gemma3.py); and the same greedy token wherever the reference's top-2 margin exceeds the
+tolerance.  A missing or misplaced spec entry (a norm, a bias, a rope table, a window, the embedding scale) moves
+logits by far more than this.
+"""
+
+import pytest
+import torch
+
+import pyllm
+import tiny_models as tm
+from test_decode_step_gemma3 import _restore, _snapshot
+
+KV_KINDS = ["f16", "q8_0", "q4_rot"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _extension():
+    """These tests are about the extension's step: a build that fails is a failure, never a skip."""
+    pyllm._ext.load()
+
+
+@pytest.fixture(scope="module", params=tm.ARCHS)
+def llm(request):
+    llm = pyllm.load(str(tm.gguf_path(request.param, "q8_0")), n_ctx=64, n_threads=2)
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("kind", KV_KINDS)
+def test_cpu_step_conforms_to_the_torch_forward(llm, kind):
+    from pyllm.runtime.kv_cache import make_kv_cache
+
+    model, c = llm.model, llm.config
+    tol = 0.05 * (4.0 if "q4" in kind else 1.0)
+    # past the tiny mistral / gemma3 windows (8): keys leave the windowed layers within these positions
+    prompt, n = [5, 17, 42, 99, 7, 3, 250, 11, 64, 30], 6
+    kv = make_kv_cache(kind, c.n_layer, c.n_kv_head, 32, c.head_dim)
+    lg_py, lg_c = [], []
+    try:
+        model.use_cpp_decode = False
+        tok = int(model.forward(torch.tensor(prompt), 0, kv)[-1].argmax())
+        for i in range(n):
+            pos = len(prompt) + i
+            before = _snapshot(kv)
+            model.use_cpp_decode = False
+            lg_py.append(model.forward(torch.tensor([tok]), pos, kv)[0])
+            after = _snapshot(kv)
+            _restore(kv, before)
+            model.use_cpp_decode = True
+            lg_c.append(model.forward(torch.tensor([tok]), pos, kv)[0])
+            assert model.fused_step(kv) is not None, "the C++ step did not run"
+            _restore(kv, after)
+            tok = int(lg_py[-1].argmax())
+    finally:
+        model.use_cpp_decode = True
+    lg_py, lg_c = torch.stack(lg_py), torch.stack(lg_c)
+    atol = tol * float(lg_py.abs().max())
+    torch.testing.assert_close(lg_c, lg_py, rtol=0, atol=atol)
+    top2 = lg_py.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > atol
+    assert bool((lg_c.argmax(-1) == lg_py.argmax(-1))[clear].all())
+
+
+def test_every_architecture_is_one_forward():
+    """Every supported architecture runs the one Transformer; a family is its spec entry."""
+    from pyllm.models import ARCHITECTURES
+    from pyllm.models.spec import ARCHITECTURES as SPEC_FAMILIES
+    from pyllm.models.transformer import Transformer
+
+    assert set(ARCHITECTURES) == set(SPEC_FAMILIES) and set(ARCHITECTURES.values()) == {Transformer}
