@@ -233,6 +233,11 @@ def test_step_matches_model_torch_path(arch, kind, body):
     prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
     ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, kind)
                   for _ in range(2))
+    # The two bodies' float32 keys and values differ in their last bits (their matmuls sum in other orders), which a
+    # float cache keeps at ~1e-6 of the logits; a quantized cache can round one of those values to the next code,
+    # and one flipped code moves the logits by up to ~5e-4 relative (gemma3 q8_0 at position 14: 5.14e-4, where
+    # torch's float32 GEMM runs on Sapphire Rapids): the quantized caches' bound allows about two such flips.
+    bound = 5e-4 if kind in ("f16", "f32") else 1e-3
     model.use_cpp_decode = False
     try:
         model.forward(prompt, 0, ref_kv)
@@ -248,7 +253,7 @@ def test_step_matches_model_torch_path(arch, kind, body):
             got = step(tok, pos)
             assert got.dtype == torch.float32 and got.device.type == "cpu" and got.shape == want.shape
             err = ((got - want).norm() / want.norm()).item()
-            assert err <= 5e-4, f"{arch} {kind} pos {pos}: relative error {err:.3g}"
+            assert err <= bound, f"{arch} {kind} pos {pos}: relative error {err:.3g}"
         logits, top = step.with_argmax(5, pos + 1)  # the CPU step's contract: 1-D logits and their first argmax
         assert logits.shape == (model.cfg.n_vocab,) and top == int(np.argmax(logits.numpy()))
     finally:
