@@ -381,7 +381,7 @@ def read_quant_config(root: Path, hf: dict) -> dict:
 def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig:
     """config.json of a llama / mistral / qwen2 / qwen3 checkpoint -> ModelConfig (GGUF tensor names)."""
     mt = hf.get("model_type")
-    arch = SUPPORTED_ARCHS.get(mt)
+    arch = SUPPORTED_ARCHS.get(mt) if isinstance(mt, str) else None
     if arch is None:
         raise AWQError(f"{source}: model_type {mt!r} is not supported for AWQ (supported: "
                        f"{', '.join(sorted(SUPPORTED_ARCHS))})")

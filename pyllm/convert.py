@@ -355,8 +355,11 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
     cfg = _read_json(d / "config.json")
     if not cfg:
         raise ConvertError(f"{d}: config.json is missing")
-    if isinstance(cfg.get("text_config"), dict) and cfg.get("model_type") not in ARCH:
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # HF writes null for "not set": the defaults apply
+    if isinstance(cfg.get("text_config"), dict) and not (isinstance(cfg.get("model_type"), str)
+                                                        and cfg["model_type"] in ARCH):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
     mt = cfg.get("model_type")
     arch = ARCH.get(mt) if isinstance(mt, str) else None
     if arch is None:
@@ -490,6 +493,8 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     if kind == "llama3":
         extra["rope_freqs.weight"] = _llama3_factors(theta, rope_dim, rs)
     elif kind == "linear":
+        if rs.get("factor") is None:
+            raise ConvertError(f"{d}/config.json: linear rope scaling without a factor")
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rs["factor"]))
     elif kind != "default":
