@@ -15,6 +15,8 @@ import re
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -273,8 +275,24 @@ def test_load_of_a_fifo_is_refused_without_blocking(tmp_path):
     chat.handle("question")
     fifo = tmp_path / "pipe.json"
     os.mkfifo(fifo)  # opened for reading, it would block until a writer came: forever
+
+    def unblock():  # a regression then fails on the junk instead of hanging the suite
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader yet
+                time.sleep(0.05)
+                continue
+            os.write(fd, b"junk")
+            os.close(fd)
+            return
+
+    t = threading.Thread(target=unblock, daemon=True)
+    t.start()
     chat.handle(f"/load {fifo}")
     assert "a FIFO, not a regular file" in ui.getvalue() and "unchanged" in ui.getvalue() and len(chat.turns) == 2
+    t.join()
 
 
 def test_history_file_is_read_with_a_bound_and_never_a_fifo(tmp_path, monkeypatch):
