@@ -38,42 +38,46 @@ def kind_of(mode: int) -> str:
     return "not a regular file"
 
 
-def check_regular(path, err: type[PyllmError] = PyllmError) -> os.stat_result:
-    """The stat of ``path`` (symlinks followed) when it is a regular file; ``err`` naming what it is otherwise."""
+def check_regular(path, err: type[PyllmError] = PyllmError, shown: str | None = None) -> os.stat_result:
+    """The stat of ``path`` (symlinks followed) when it is a regular file; ``err`` naming what it is otherwise.
+    ``shown``: the name messages give the file (default: the path, up to 200 characters)."""
+    shown = shown or shorten(path, 200)
     try:
         st = os.stat(path)
     except OSError as e:
-        raise err(f"{shorten(path, 200)}: cannot read: {e.strerror or e}") from None
+        raise err(f"{shown}: cannot read: {e.strerror or e}") from None
     if not stat.S_ISREG(st.st_mode):
-        raise err(f"{shorten(path, 200)}: is {kind_of(st.st_mode)}, not a regular file")
+        raise err(f"{shown}: is {kind_of(st.st_mode)}, not a regular file")
     return st
 
 
-def open_regular(path, err: type[PyllmError] = PyllmError):
+def open_regular(path, err: type[PyllmError] = PyllmError, shown: str | None = None):
     """``path`` open for binary reading, refused unless it is a regular file (checked before and after the open,
     which is non-blocking so that a FIFO swapped in between cannot hang it)."""
-    check_regular(path, err)
+    shown = shown or shorten(path, 200)
+    check_regular(path, err, shown)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise err(f"{shorten(path, 200)}: cannot read: {e.strerror or e}") from None
+        raise err(f"{shown}: cannot read: {e.strerror or e}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise err(f"{shorten(path, 200)}: is {kind_of(st.st_mode)}, not a regular file")
+        raise err(f"{shown}: is {kind_of(st.st_mode)}, not a regular file")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
 
-def read_regular(path, limit: int, err: type[PyllmError] = PyllmError) -> bytes:
+def read_regular(path, limit: int, err: type[PyllmError] = PyllmError, shown: str | None = None) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes."""
-    with open_regular(path, err) as f:
+    shown = shown or shorten(path, 200)
+    with open_regular(path, err, shown) as f:
         try:
             data = f.read(limit + 1)
         except OSError as e:
-            raise err(f"{shorten(path, 200)}: cannot read: {e.strerror or e}") from None
+            raise err(f"{shown}: cannot read: {e.strerror or e}") from None
     if len(data) > limit:
-        raise err(f"{shorten(path, 200)}: larger than {_size(limit)}")
+        raise err(f"{shown}: larger than {_size(limit)}")
     return data
 
 

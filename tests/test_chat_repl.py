@@ -261,13 +261,20 @@ def test_save_onto_a_device_or_fifo_is_refused_and_leaves_it(tmp_path):
     chat.handle("question")
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    for target in ("/dev/null", fifo, tmp_path):
+    targets = [fifo, tmp_path / "dir"]
+    (tmp_path / "dir").mkdir()
+    if os.geteuid() == 0:  # a device of our own: never the system's /dev/null, which a regression would replace
+        os.mknod(tmp_path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        targets.append(tmp_path / "null")
+    for target in targets:
         before = ui.getvalue()
         chat.handle(f"/save {target}")
         new = ui.getvalue()[len(before):]
         assert new.count("\n") == 1 and "not a regular file" in new and "not saved" in new, new
-    assert Path("/dev/null").is_char_device() and stat.S_ISFIFO(os.stat(fifo).st_mode)
-    assert [p.name for p in tmp_path.iterdir()] == ["pipe"]  # no temporary file left
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and (tmp_path / "dir").is_dir()
+    if os.geteuid() == 0:
+        assert stat.S_ISCHR(os.stat(tmp_path / "null").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(t.name for t in targets)  # no temporary file left
 
 
 def test_load_of_a_fifo_is_refused_without_blocking(tmp_path):

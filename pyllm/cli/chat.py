@@ -501,7 +501,7 @@ class ChatSession:
         path = _typed_path(arg, "/load")
         try:
             # /load /dev/zero must not read forever, nor /load of a FIFO block the REPL
-            raw = read_regular(path, MAX_CONVERSATION_BYTES)
+            raw = read_regular(path, MAX_CONVERSATION_BYTES, shown=shorten(path))
         except PyllmError as e:
             raise PyllmError(f"/load {e}; the conversation is unchanged") from None
         try:
