@@ -232,8 +232,7 @@ def test_convert_bad_config_value_is_one_line(tmp_path, capsys, changes, needle)
     ("qwen3", dict(num_hidden_layers=3), "config.json has num_hidden_layers = 3, but the checkpoint has no tensors "
                                          "for layer 2"),
     ("qwen3", dict(num_hidden_layers=1), "is in layer 1, but config.json has num_hidden_layers = 1"),
-    ("mistral", dict(num_attention_heads=3), "has shape (256, 256), but config.json (hidden_size 256, "
-                                             "num_attention_heads 3,"),
+    ("mistral", dict(num_attention_heads=3), "num_attention_heads 3 is not a multiple of num_key_value_heads 2"),
     ("phi3", dict(num_key_value_heads=1), "self_attn.qkv_proj.weight has shape (768, 256), but config.json"),
     ("phi3", dict(intermediate_size=256), "has shape (256, 512), but config.json"),
 ], ids=["hidden", "rows-past-vocab", "heads", "kv-heads", "ffn", "head-dim", "more-layers", "fewer-layers",
