@@ -182,7 +182,7 @@ def build_lock(build: Path, timeout: float = LOCK_WAIT_S):
     """Holds the build directory's lock (waiting up to ``timeout`` seconds for a live holder) and clears a stale
     torch ``lock`` file left by a killed build.  Raises PyllmError naming the directory if the wait times out."""
     build.mkdir(parents=True, exist_ok=True)
-    fd = os.open(build / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(build / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never through a planted link
     try:
         deadline, told = time.monotonic() + timeout, False
         while True:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import os
 import re
 import struct
 from pathlib import Path
@@ -31,6 +32,7 @@ from .errors import ModelError, PyllmError, TokenizerError
 from .gguf import GGMLType
 from .models.config import ModelConfig
 from .quant import QTensor
+from .safe_io import open_regular, parse_json, read_json, read_regular
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -213,13 +215,9 @@ def repack_weights(weights: dict) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- safetensors
-def _parse_json(text):
-    """json.loads, with nesting too deep for Python's recursive parser ("[[[[...") reported as the ValueError
-    any other malformed JSON is."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("arrays or objects nest too deeply") from None
+def _parse_json(raw: bytes):
+    """JSON from bytes, UTF-8 and nesting bounded; ValueError (as any other malformed JSON) otherwise."""
+    return parse_json(raw)
 
 
 def _uint_list(v) -> bool:
@@ -242,8 +240,8 @@ class SafetensorsFile:
         self.path = path
         shown = str(path)
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as f:
+            with open_regular(path, AWQError) as f:  # a FIFO would block the open, a device map nonsense
+                size = os.fstat(f.fileno()).st_size
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         except OSError as e:
             raise AWQError(f"{shown}: cannot open: {e.strerror or e}") from None
@@ -311,7 +309,7 @@ def _open_shards(root: Path) -> dict[str, SafetensorsFile]:
             raise AWQError(f"{index}: weight_map names a shard {_short(odd)}, which is not a file name")
         for shard in sorted(set(wm.values())):
             p = root / str(shard)
-            if not p.is_file():
+            if not os.path.lexists(p):
                 raise AWQError(f"{root}: shard {shard} named in model.safetensors.index.json is missing")
             files[shard] = SafetensorsFile(p)
         for name, shard in wm.items():
@@ -331,17 +329,12 @@ def _open_shards(root: Path) -> dict[str, SafetensorsFile]:
 
 # ---------------------------------------------------------------------------------------------------- config
 def _read_json(path: Path, required: bool = True) -> dict:
-    if not path.is_file():
+    """A JSON object file of the folder: regular, bounded in size and depth, UTF-8 (AWQError otherwise)."""
+    if not os.path.lexists(path):
         if required:
             raise AWQError(f"{path.parent}: {path.name} is missing")
         return {}
-    try:
-        data = _parse_json(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        raise AWQError(f"{path}: cannot read JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise AWQError(f"{path}: is not a JSON object")
-    return data
+    return read_json(path, AWQError)
 
 
 def is_awq_dir(path) -> bool:
@@ -351,8 +344,8 @@ def is_awq_dir(path) -> bool:
     if not (p.is_dir() and cfg.is_file()):
         return False
     try:
-        qc = _parse_json(cfg.read_text(encoding="utf-8")).get("quantization_config") or {}
-    except (OSError, ValueError, AttributeError):
+        qc = read_json(cfg).get("quantization_config") or {}
+    except PyllmError:
         return False
     return isinstance(qc, dict) and str(qc.get("quant_method", "")).lower() == "awq"
 
@@ -388,7 +381,7 @@ def read_quant_config(root: Path, hf: dict) -> dict:
 def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig:
     """config.json of a llama / mistral / qwen2 / qwen3 checkpoint -> ModelConfig (GGUF tensor names)."""
     mt = hf.get("model_type")
-    arch = SUPPORTED_ARCHS.get(mt)
+    arch = SUPPORTED_ARCHS.get(mt) if isinstance(mt, str) else None
     if arch is None:
         raise AWQError(f"{source}: model_type {mt!r} is not supported for AWQ (supported: "
                        f"{', '.join(sorted(SUPPORTED_ARCHS))})")
@@ -417,6 +410,8 @@ def config_from_hf(hf: dict, source: str, tensor_names: set[str]) -> ModelConfig
         raise AWQError(f"{source}: num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}")
     hd = text.get("head_dim")
     head_dim = get_int("head_dim") if hd is not None else n_embd // n_head
+    if head_dim % 2:  # the rotation turns pairs of values
+        raise AWQError(f"{source}: head_dim {head_dim} is odd; rotary embeddings need an even head dimension")
     rp = text.get("rope_parameters") or text.get("rope_scaling") or {}
     if not isinstance(rp, dict):
         rp = {}
@@ -543,10 +538,10 @@ def tokenizer_from_hf(root: Path, n_vocab_model: int):
     from .tokenizer import BYTE, CONTROL, NORMAL, UNUSED, USER_DEFINED, _EOG_TEXTS, Tokenizer
 
     path = root / "tokenizer.json"
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise TokenizerError(f"{root}: tokenizer.json is missing (needed for the vocabulary)")
+    spec = read_json(path, TokenizerError)
     try:
-        spec = json.loads(path.read_text(encoding="utf-8"))
         backend = HFTok.from_str(json.dumps(spec))
     except Exception as e:  # the tokenizers library raises plain Exceptions
         raise TokenizerError(f"{path}: cannot be loaded ({str(e).splitlines()[0] if str(e) else type(e).__name__})") \
@@ -594,6 +589,9 @@ def tokenizer_from_hf(root: Path, n_vocab_model: int):
             eog.add(i)
     # add BOS as transformers would: the config's flag, else whatever the post-processor does
     add_bos = tc.get("add_bos_token")
+    if add_bos is not None and not isinstance(add_bos, bool):
+        raise TokenizerError(f"{root / 'tokenizer_config.json'}: add_bos_token = {_short(add_bos)} is not true or "
+                             f"false")
     if add_bos is None:
         with_sp = backend.encode("a", add_special_tokens=True).ids
         add_bos = bool(bos_id is not None and with_sp and with_sp[0] == bos_id)
@@ -620,12 +618,16 @@ def chat_template_source(root: Path) -> str | None:
     src = tc.get("chat_template")
     if isinstance(src, list):  # [{"name": "default", "template": ...}, ...]
         src = next((t.get("template") for t in src if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(src, str):
+    if src is not None and not isinstance(src, str):
+        raise AWQError(f"{root / 'tokenizer_config.json'}: chat_template = {_short(src)} is not a string")
+    if src is None:
         jinja = root / "chat_template.jinja"
+        raw = read_regular(jinja, 1 << 20, AWQError) if os.path.lexists(jinja) else None
         try:
-            src = jinja.read_text(encoding="utf-8") if jinja.is_file() else None
-        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-            raise AWQError(f"{jinja}: cannot read the chat template ({e})") from None
+            src = raw.decode("utf-8") if raw is not None else None
+        except UnicodeDecodeError as e:
+            raise AWQError(f"{jinja}: the chat template is not UTF-8 text (byte {raw[e.start]:#04x} at offset "
+                           f"{e.start})") from None
     return src if src and src.strip() else None
 
 

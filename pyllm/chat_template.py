@@ -491,6 +491,7 @@ class ChatTemplate:
         self.error: str | None = None  # set when the file's template could not be compiled
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
+        _check_utf8(self.source)
         import jinja2
 
         try:
@@ -684,6 +685,22 @@ def content_spans(template: "ChatTemplate", messages: list[dict], text: str,
             spans.append((start, start + len(core)))
             start = text.find(core, start + 1)
     return sorted(spans)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_utf8(source: str) -> None:
+    """TemplateError when the template held bytes that are not UTF-8. The GGUF reader keeps such bytes as lone
+    surrogates (U+DC80-U+DCFF) so they survive; rendered, they would reach the tokenizer as U+FFFD and the model
+    would see markup its template never meant. Refused, naming the first bad byte's offset in the template."""
+    m = _SURROGATE.search(source)
+    if m is None:
+        return
+    ch = ord(m.group())
+    offset = len(source[:m.start()].encode("utf-8"))
+    what = f"byte {ch - 0xDC00:#04x}" if 0xDC80 <= ch <= 0xDCFF else f"lone surrogate U+{ch:04X}"
+    raise TemplateError(f"chat template is not UTF-8 text ({what} at byte offset {offset} of the template)")
 
 
 class _BrokenTemplate(ChatTemplate):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import torch
 from .errors import PyllmError
 from .gguf import GGMLType
 from .quantize import QUANTIZERS, quantize
+from .safe_io import check_regular, private_tempfile, read_json, read_regular
 
 
 class ConvertError(PyllmError):
@@ -41,17 +43,10 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    """A JSON object file of the checkpoint ({} when absent): regular, bounded in size and depth, UTF-8."""
+    if not os.path.lexists(path):
         return {}
-    except (OSError, ValueError) as e:
-        raise ConvertError(f"{path}: cannot read JSON ({e})") from None
-    except RecursionError:  # Python's parser recurses once per level of "[[[[..."
-        raise ConvertError(f"{path}: cannot read JSON (arrays or objects nest too deeply)") from None
-    if not isinstance(data, dict):
-        raise ConvertError(f"{path}: is not a JSON object")
-    return data
+    return read_json(path, ConvertError)
 
 
 def _load_tensors(d: Path) -> dict[str, torch.Tensor]:
@@ -62,6 +57,7 @@ def _load_tensors(d: Path) -> dict[str, torch.Tensor]:
         raise ConvertError(f"{d}: no *.safetensors files (only safetensors checkpoints are supported)")
     out = {}
     for f in files:
+        check_regular(f, ConvertError)  # safetensors' native open would block on a FIFO with the GIL held
         try:
             with safe_open(str(f), framework="pt") as s:
                 for k in s.keys():
@@ -112,6 +108,56 @@ def _check_config_values(cfg: dict, source: str) -> None:
                 raise ConvertError(f"{source}: {key}.high_freq_factor {hi!r} is not above low_freq_factor {lo!r}")
     if not isinstance(cfg.get("_name_or_path", ""), str):
         raise ConvertError(f"{source}: _name_or_path = {cfg['_name_or_path']!r} is not a string")
+    _check_config_shapes(cfg, source)
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _check_config_shapes(cfg: dict, source: str) -> None:
+    """The fields the conversion combines: heads that divide, a rotary part in (0, 1] of an even head dimension
+    (the rotation turns pairs of values), flags that are booleans and rope groups that are objects."""
+    n_embd, n_head = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+    n_kv = cfg.get("num_key_value_heads") or n_head
+    if isinstance(n_head, int) and isinstance(n_kv, int) and n_head % n_kv:
+        raise ConvertError(f"{source}: num_attention_heads {n_head} is not a multiple of num_key_value_heads {n_kv}")
+    head_dim = cfg.get("head_dim")
+    if head_dim is None and isinstance(n_embd, int) and isinstance(n_head, int):
+        if n_embd % n_head:
+            raise ConvertError(f"{source}: hidden_size {n_embd} is not a multiple of num_attention_heads {n_head} "
+                               f"(and there is no head_dim)")
+        head_dim = n_embd // n_head
+    for key in ("rope_scaling", "rope_parameters"):
+        rp = cfg.get(key)
+        if isinstance(rp, dict):
+            for name in ("rope_type", "type"):
+                if rp.get(name) is not None and not isinstance(rp[name], str):
+                    raise ConvertError(f"{source}: {key}.{name} = {_short(rp[name])} is not a string")
+            for name in ("full_attention", "sliding_attention"):
+                if name in rp and not isinstance(rp[name], dict):
+                    raise ConvertError(f"{source}: {key}.{name} = {_short(rp[name])} is not an object")
+    rs = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    factor = cfg.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0))
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise ConvertError(f"{source}: partial_rotary_factor = {_short(factor)} is not a number in (0, 1]")
+    if isinstance(head_dim, int):
+        rope_dim = int(head_dim * factor)
+        if head_dim % 2 or rope_dim < 2 or rope_dim % 2:
+            raise ConvertError(f"{source}: head_dim {head_dim} with partial_rotary_factor {factor:g} gives "
+                               f"{rope_dim} rotated dimensions; the rotation needs an even number of them (>= 2)")
+    for key in ("tie_word_embeddings", "use_sliding_window"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ConvertError(f"{source}: {key} = {_short(cfg[key])} is not true or false")
+    for key in ("bos_token_id", "eos_token_id"):
+        v = cfg.get(key)
+        ids = v if isinstance(v, list) else [v]
+        if v is not None and not all(_is_id(i) for i in ids):
+            raise ConvertError(f"{source}: {key} = {_short(v)} is not a token id (or a list of them)")
+    q = cfg.get("query_pre_attn_scalar")
+    if q is not None and (isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q) or q <= 0):
+        raise ConvertError(f"{source}: query_pre_attn_scalar = {_short(q)} is not a finite number > 0")
 
 
 def _rope(cfg: dict) -> tuple[float, dict]:
@@ -149,7 +195,11 @@ def _llama3_factors(theta: float, dim: int, sc: dict) -> np.ndarray:
 def _pretokenizer_name(tj: dict) -> str:
     """llama.cpp names the pre-tokenizer by hashing its output; we recognise the tokenizer.json structure."""
     pt = tj.get("pre_tokenizer") or {}
+    if not isinstance(pt, dict):
+        raise ConvertError(f"tokenizer.json: pre_tokenizer = {_short(pt)} is not an object")
     parts = pt.get("pretokenizers", [pt]) if pt.get("type") == "Sequence" else [pt]
+    if not (isinstance(parts, list) and all(isinstance(p, dict) for p in parts)):
+        raise ConvertError(f"tokenizer.json: pre_tokenizer.pretokenizers = {_short(parts)} is not a list of objects")
     text = json.dumps(parts)
     if any(p.get("type") == "Digits" and p.get("individual_digits") for p in parts):
         return "smollm"
@@ -175,7 +225,7 @@ def _token_id(tok, vocab: dict) -> int | None:
 def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
     import gguf
 
-    if not (d / "tokenizer.json").is_file():
+    if not os.path.lexists(d / "tokenizer.json"):
         raise ConvertError(f"{d}: tokenizer.json is missing (pyllm converts checkpoints with a Hugging Face "
                            f"fast tokenizer file; save one with AutoTokenizer.from_pretrained(...).save_pretrained)")
     tj = _read_json(d / "tokenizer.json")
@@ -203,7 +253,7 @@ def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
         a = added.get(i)
         types[i] = (gguf.TokenType.NORMAL if a is None else
                     gguf.TokenType.CONTROL if a.get("special") else gguf.TokenType.USER_DEFINED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    merges = _merges(model.get("merges", []), d / "tokenizer.json")
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(_pretokenizer_name(tj))
     w.add_token_list(tokens)
@@ -225,17 +275,48 @@ def _write_tokenizer(w, d: Path, cfg: dict, n_vocab: int) -> None:
     pad = _token_id(tc.get("pad_token"), vocab)
     if pad is not None:
         w.add_pad_token_id(pad)
-    w.add_add_bos_token(bool(tc.get("add_bos_token", False)))
+    add_bos = tc.get("add_bos_token", False)
+    if not isinstance(add_bos, bool):
+        raise ConvertError(f"{d}/tokenizer_config.json: add_bos_token = {_short(add_bos)} is not true or false")
+    w.add_add_bos_token(add_bos)
     tmpl = tc.get("chat_template")
     if isinstance(tmpl, list):  # named templates: the default one
         tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
-    if tmpl is None and (d / "chat_template.jinja").exists():
-        try:
-            tmpl = (d / "chat_template.jinja").read_text(encoding="utf-8")
-        except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-            raise ConvertError(f"{d / 'chat_template.jinja'}: cannot read the chat template ({e})") from None
+    if tmpl is not None and not isinstance(tmpl, str):
+        raise ConvertError(f"{d}/tokenizer_config.json: chat_template = {_short(tmpl)} is not a string")
+    if tmpl is None and os.path.lexists(d / "chat_template.jinja"):
+        tmpl = _read_template(d / "chat_template.jinja")
     if tmpl:
         w.add_chat_template(tmpl)
+
+
+MAX_TEMPLATE_BYTES = 1 << 20
+
+
+def _read_template(path: Path) -> str:
+    """chat_template.jinja: a regular file of UTF-8 text (the template a GGUF file carries is a string; bytes that
+    are not UTF-8 are refused here, naming the offset, rather than carried into the output)."""
+    raw = read_regular(path, MAX_TEMPLATE_BYTES, ConvertError)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConvertError(f"{path}: the chat template is not UTF-8 text (byte {raw[e.start]:#04x} at offset "
+                           f"{e.start})") from None
+
+
+def _merges(merges, source: Path) -> list[str]:
+    """tokenizer.json's model.merges as GGUF writes them ("a b"): each entry a string of two space-separated
+    parts or a pair of strings (the newer format)."""
+    if not isinstance(merges, list):
+        raise ConvertError(f"{source}: model.merges = {_short(merges)} is not a list")
+    out = []
+    for i, m in enumerate(merges):
+        if isinstance(m, list) and len(m) == 2 and all(isinstance(x, str) and x for x in m):
+            m = " ".join(m)
+        if not (isinstance(m, str) and len(m.split(" ")) == 2 and all(m.split(" "))):
+            raise ConvertError(f"{source}: model.merges[{i}] = {_short(m)} is not a merge (\"a b\" or [\"a\", \"b\"])")
+        out.append(m)
+    return out
 
 
 def _tensor_type(name: str, arr_shape: tuple, ftype: str, layer_info: tuple[int, int] | None,
@@ -274,8 +355,11 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
     cfg = _read_json(d / "config.json")
     if not cfg:
         raise ConvertError(f"{d}: config.json is missing")
-    if isinstance(cfg.get("text_config"), dict) and cfg.get("model_type") not in ARCH:
+    cfg = {k: v for k, v in cfg.items() if v is not None}  # HF writes null for "not set": the defaults apply
+    if isinstance(cfg.get("text_config"), dict) and not (isinstance(cfg.get("model_type"), str)
+                                                        and cfg["model_type"] in ARCH):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
     mt = cfg.get("model_type")
     arch = ARCH.get(mt) if isinstance(mt, str) else None
     if arch is None:
@@ -289,16 +373,22 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
     tensors = _load_tensors(d)
 
     # Written next to the target and renamed at the end: an interrupted conversion leaves no half file behind.
-    tmp = out_path.with_name(out_path.name + ".part")
+    # The temporary name is mkstemp's (created exclusively, unpredictable): a symlink planted at a fixed name
+    # such as OUT.part would have sent the writer's open() to its target.
+    tmp = None
     try:
+        fd, tmp = private_tempfile(out_path.parent, f".{out_path.name}.", ".part")
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the model readable by its owner only
+        os.close(fd)
         _write(gguf, w := gguf.GGUFWriter(str(tmp), arch), d, cfg, arch, mt, tensors, ftype, log)
         w.close()
         tmp.replace(out_path)
+        tmp = None
     except OSError as e:  # a full disk, a folder that is not writable
         raise ConvertError(f"{out_path}: cannot write the output: {e.strerror or e}") from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
     return out_path
 
 
@@ -403,6 +493,8 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     if kind == "llama3":
         extra["rope_freqs.weight"] = _llama3_factors(theta, rope_dim, rs)
     elif kind == "linear":
+        if rs.get("factor") is None:
+            raise ConvertError(f"{d}/config.json: linear rope scaling without a factor")
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rs["factor"]))
     elif kind != "default":

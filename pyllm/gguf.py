@@ -8,6 +8,7 @@ IndexError or a segfault later. The layout follows ggml's ``docs/gguf.md``.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import struct
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 from pyllm.errors import GGUFError
+from pyllm.safe_io import open_regular
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -345,7 +347,7 @@ class GGUFFile:
         if size < 4:
             raise GGUFError(f"{shown}: not a GGUF file: only {size} bytes (a GGUF file starts with b'GGUF')")
         try:
-            with open(path, "rb") as f:
+            with open_regular(path, GGUFError) as f:  # a FIFO or device put there since the stat: refused
                 # ACCESS_COPY: a private mapping, so torch views are writable (torch warns on read-only buffers)
                 # and a stray in-place op can never write into the user's model file.
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -590,3 +592,73 @@ class GGUFFile:
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Open and validate a GGUF file. Raises GGUFError naming the file, the field or tensor and the bad value."""
     return GGUFFile(path)
+
+
+class NeedMoreBytes(Exception):
+    """expected_file_size: the header goes on past the bytes given."""
+
+
+def expected_file_size(head: bytes, shown: str = "download") -> int:
+    """The size a GGUF file starting with ``head`` has: the end of its last tensor's data, from the header and
+    tensor table alone (what a download with no announced length is capped at). NeedMoreBytes while ``head`` ends
+    inside the header; GGUFError when it is not a GGUF header."""
+    pos = 0
+
+    def take(n: int) -> memoryview:
+        nonlocal pos
+        if pos + n > len(head):
+            raise NeedMoreBytes
+        pos += n
+        return memoryview(head)[pos - n:pos]
+
+    def u32() -> int:
+        return _U32.unpack(take(4))[0]
+
+    def u64() -> int:
+        return _U64.unpack(take(8))[0]
+
+    def skip_value(vtype: int, depth: int = 0) -> Any:
+        if vtype in _SCALAR_STRUCT:
+            return _SCALAR_STRUCT[vtype].unpack(take(_SCALAR_STRUCT[vtype].size))[0]
+        if vtype == ValueType.STRING:
+            take(u64())
+            return None
+        if vtype == ValueType.ARRAY and depth < MAX_ARRAY_DEPTH:
+            etype, count = u32(), u64()
+            if etype in _SCALAR_STRUCT:
+                take(count * _SCALAR_STRUCT[etype].size)
+            else:
+                for _ in range(count):
+                    skip_value(etype, depth + 1)
+            return None
+        raise GGUFError(f"{shown}: not a usable GGUF header: value type {vtype} at byte {pos - 4}")
+
+    if bytes(head[:4]) != GGUF_MAGIC[:len(head[:4])]:
+        raise GGUFError(f"{shown}: not a GGUF file: it starts with {bytes(head[:4])!r}, expected {GGUF_MAGIC!r}")
+    take(4)
+    if u32() not in SUPPORTED_VERSIONS:
+        raise GGUFError(f"{shown}: not a usable GGUF header: unsupported version")
+    n_tensors, n_kv = u64(), u64()
+    if n_tensors > 1 << 24 or n_kv > 1 << 24:
+        raise GGUFError(f"{shown}: not a usable GGUF header: {n_tensors} tensors, {n_kv} metadata entries")
+    alignment = DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        key = bytes(take(u64()))
+        vtype = u32()
+        v = skip_value(vtype)
+        if key == b"general.alignment" and isinstance(v, int) and v > 0:
+            alignment = v
+    end = 0
+    for _ in range(n_tensors):
+        take(u64())
+        n_dims = u32()
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"{shown}: not a usable GGUF header: a tensor with {n_dims} dimensions")
+        ne = [u64() for _ in range(n_dims)]
+        type_id, rel = u32(), u64()
+        info = BLOCK_INFO.get(GGMLType(type_id)) if type_id in GGMLType._value2member_map_ else None
+        if info is None or ne[0] % info[0] or math.prod(ne) > MAX_ELEMENTS:
+            raise GGUFError(f"{shown}: not a usable GGUF header: tensor type {type_id}, dimensions {ne}")
+        end = max(end, rel + math.prod(ne) // info[0] * info[1])
+    data_offset = (pos + alignment - 1) // alignment * alignment
+    return data_offset + end if n_tensors else pos

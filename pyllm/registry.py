@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DownloadError, PyllmError, shorten
+from .safe_io import atomic_write, open_private, read_json
 
 
 @dataclass(frozen=True)
@@ -169,12 +170,14 @@ def _record_path(path: Path) -> Path:
     return cache_dir() / "verified" / rel.parent / (rel.name + ".json")
 
 
+RECORD_BYTES = 1 << 20  # size, mtime, digest, source and the refs that reach the file
+
+
 def read_record(path: Path) -> dict | None:
     try:
-        r = json.loads(_record_path(path).read_text())
-    except (OSError, ValueError):
+        return read_json(_record_path(path), limit=RECORD_BYTES)
+    except (PyllmError, ValueError):  # absent, not a regular file, too large, not JSON: as if never verified
         return None
-    return r if isinstance(r, dict) else None
 
 
 def write_record(path: Path, sha256: str, **extra) -> dict:
@@ -184,9 +187,7 @@ def write_record(path: Path, sha256: str, **extra) -> dict:
     rec = {**old, **extra, "sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
     rp = _record_path(path)
     rp.parent.mkdir(parents=True, exist_ok=True)
-    tmp = rp.with_name(f".{rp.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(rec, indent=1))
-    os.replace(tmp, rp)
+    atomic_write(rp, json.dumps(rec, indent=1))  # a fresh temporary name: no planted link is followed
     return rec
 
 
@@ -226,20 +227,20 @@ def _locked(path: Path):
     sees that the path no longer names it and locks the path anew."""
     path.parent.mkdir(parents=True, exist_ok=True)
     while True:
-        f = open(path, "a")
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fd = open_private(path, err=DownloadError)  # open(path, "a") followed a planted link
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+            if os.lstat(path).st_ino == os.fstat(fd).st_ino:
                 break
         except FileNotFoundError:
             pass
-        f.close()  # locked a file its holder removed: try the one at the path now
+        os.close(fd)  # locked a file its holder removed: try the one at the path now
     try:
         yield
     finally:
         with contextlib.suppress(OSError):
             path.unlink()
-        f.close()  # releases the lock
+        os.close(fd)  # releases the lock
 
 
 # ---- registry pulls (PyPI packages) ------------------------------------------------------------------------------
@@ -388,8 +389,8 @@ def find_remote(ref: str) -> Path | None:
         return None
     for rp in sorted(root.rglob("*.json")):
         try:
-            rec = json.loads(rp.read_text())
-        except (OSError, ValueError):
+            rec = read_json(rp, limit=RECORD_BYTES)
+        except PyllmError:
             continue
         if isinstance(rec, dict) and ref in (rec.get("refs") or []):
             p = models_dir() / rp.relative_to(root).parent / rp.name[: -len(".json")]

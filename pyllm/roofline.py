@@ -16,6 +16,7 @@ import time
 import torch
 
 from .registry import cache_dir
+from .safe_io import atomic_write
 
 
 def _cpu_name() -> str:
@@ -158,7 +159,7 @@ def probe(threads: int | None = None, force: bool = False) -> dict:
     cached[key] = r
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cached, indent=2))
+        atomic_write(path, json.dumps(cached, indent=2))  # no planted link followed, no half file read back
     except OSError:
         pass
     return r

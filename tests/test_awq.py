@@ -388,9 +388,58 @@ def test_deeply_nested_json_is_one_line(tmp_path):
     d = _tiny_folder(tmp_path / "n")
     deep = b"[" * 100_000 + b"]" * 100_000
     (d / "model.safetensors").write_bytes(struct.pack("<Q", len(deep)) + deep)
-    _one_line_error(d, "safetensors header is not valid JSON .*nest too deeply")
+    _one_line_error(d, "safetensors header is not valid JSON .*nest deeper than")
     (d / "config.json").write_bytes(deep)
-    _one_line_error(d, "config.json: cannot read JSON .*nest too deeply")
+    _one_line_error(d, "config.json: cannot read JSON .*nest deeper than")
+
+
+def _unblock_later(fifo, seconds=3.0):
+    """Writes junk into ``fifo`` once a reader opens it: a regression that opens it then fails instead of hanging."""
+    import os
+    import threading
+    import time
+
+    def run():
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.05)
+                continue
+            time.sleep(1)
+            os.write(fd, b"junk")
+            os.close(fd)
+            return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                                  "chat_template.jinja"])
+def test_a_fifo_in_the_folder_is_refused_before_it_is_opened(tmp_path, name):
+    """A FIFO blocks open() until a writer comes (safetensors' native open held the GIL): each file the folder
+    is read from is checked to be regular first, and the error names it."""
+    import os
+
+    d = _tiny_folder(tmp_path / "f")
+    _add_word_tokenizer(d)
+    (d / name).unlink(missing_ok=True)
+    os.mkfifo(d / name)
+    t = _unblock_later(d / name)
+    with pytest.raises(PyllmError, match=f"{name}: is a FIFO, not a regular file") as ei:
+        awq.open_awq(d) if name in ("config.json", "model.safetensors") else (
+            awq.tokenizer_from_hf(d, 32) if name == "tokenizer.json" else awq.chat_template_source(d))
+    assert "\n" not in str(ei.value)
+    t.join()
+
+
+def test_odd_head_dim_is_one_line(tmp_path):
+    d = _tiny_folder(tmp_path / "h")
+    _edit_config(d, head_dim=33)
+    _one_line_error(d, "head_dim 33 is odd; rotary embeddings need an even head dimension")
 
 
 def test_unpadded_header_loads_like_a_padded_one(tmp_path):
@@ -471,7 +520,7 @@ def test_tokenizer_side_files_that_are_wrong_are_one_line(tmp_path):
     d = _tiny_folder(tmp_path / "t")
     _add_word_tokenizer(d)
     (d / "chat_template.jinja").write_bytes(b"\xff\xfe{{ messages }}")
-    _one_line_load_error(d, "chat_template.jinja: cannot read the chat template")
+    _one_line_load_error(d, "chat_template.jinja: the chat template is not UTF-8 text \\(byte 0xff at offset 0\\)")
     (d / "chat_template.jinja").unlink()
     (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 10 ** 6}))
     (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}))

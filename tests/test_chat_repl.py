@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
+import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -198,17 +202,121 @@ def test_error_during_generation_keeps_conversation():
     assert chat.turns == before and "error: template exploded" in ui.getvalue()
 
 
-def test_overflow_drops_oldest_turns_after_system_prompt():
+def test_overflow_shortens_the_prompt_and_keeps_every_message(tmp_path):
     # n_ctx 64, reserve min(8, 16) = 8: each exchange costs 4+3 (user) + 4+5 (assistant) = 16 tokens
     replies = [["w1 w2 w3 w4 w5"]] * 6
     chat, llm, out, ui = make_chat(replies, system="be brief")
     for i in range(6):
         chat.handle(f"message number {i}")
         assert llm.calls[-1][0] + 8 <= 64
-    assert chat.turns[0]["role"] == "user" and chat.turns[-2]["content"] == "message number 5"
-    assert re.search(r"dropped the \d+ oldest messages", ui.getvalue())
-    assert ui.getvalue().count("dropped") == 2  # trimmed with room to spare, not once per message
+    # reference: every message sent and every reply, in order (Ollama's REPL keeps them too)
+    want = [m for i in range(6) for m in ({"role": "user", "content": f"message number {i}"},
+                                          {"role": "assistant", "content": "w1 w2 w3 w4 w5"})]
+    assert chat.turns == want
+    assert re.search(r"the prompt leaves out the \d+ oldest messages", ui.getvalue())
+    assert ui.getvalue().count("leaves out") == 2  # trimmed with room to spare, not once per message
     assert chat.messages()[0] == {"role": "system", "content": "be brief"}
+    chat.handle(f"/save {tmp_path / 'c.json'}")
+    assert json.loads((tmp_path / "c.json").read_text())["messages"][1:] == want
+
+
+class CountingLLM(FakeLLM):
+    """FakeLLM that counts the renders (chat_ids calls) and how many messages each one held."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.renders = []
+
+    def chat_ids(self, messages):
+        self.renders.append(len(messages))
+        return super().chat_ids(messages)
+
+
+def test_a_3000_message_load_fits_in_log_n_renders(tmp_path):
+    """/load of 3,000 messages, then one message in a context of 256: the prompt start is found by bisection
+    (reference: at most 2 + 2 log2(n) renders, where one render per left-out turn took 1,500), every message is
+    kept, and the next message reuses the start (one render)."""
+    n = 3000
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " + "w " * (i % 7)}
+            for i in range(n)]
+    f = tmp_path / "long.json"
+    f.write_text(json.dumps({"messages": msgs}))
+    out, ui = io.StringIO(), io.StringIO()
+    llm = CountingLLM([["r1"], ["r2"]], n_ctx=256)
+    chat = ChatSession(llm, Settings(max_tokens=8), out=out, ui=ui)
+    chat.handle(f"/load {f}")
+    assert len(chat.turns) == n
+    chat.handle("next question")
+    assert len(llm.renders) <= 2 + 2 * math.log2(n), len(llm.renders)
+    assert llm.calls[-1][0] + 8 <= 256 and "leaves out" in ui.getvalue()
+    assert chat.turns[:n] == msgs and chat.turns[n:] == [{"role": "user", "content": "next question"},
+                                                         {"role": "assistant", "content": "r1"}]
+    llm.renders.clear()
+    chat.handle("and another")
+    assert len(llm.renders) == 1 and len(chat.turns) == n + 4
+
+
+def test_save_onto_a_device_or_fifo_is_refused_and_leaves_it(tmp_path):
+    chat, llm, out, ui = make_chat([["reply"]])
+    chat.handle("question")
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    targets = [fifo, tmp_path / "dir"]
+    (tmp_path / "dir").mkdir()
+    if os.geteuid() == 0:  # a device of our own: never the system's /dev/null, which a regression would replace
+        os.mknod(tmp_path / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+        targets.append(tmp_path / "null")
+    for target in targets:
+        before = ui.getvalue()
+        chat.handle(f"/save {target}")
+        new = ui.getvalue()[len(before):]
+        assert new.count("\n") == 1 and "not a regular file" in new and "not saved" in new, new
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and (tmp_path / "dir").is_dir()
+    if os.geteuid() == 0:
+        assert stat.S_ISCHR(os.stat(tmp_path / "null").st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(t.name for t in targets)  # no temporary file left
+
+
+def test_load_of_a_fifo_is_refused_without_blocking(tmp_path):
+    chat, llm, out, ui = make_chat([["reply"]])
+    chat.handle("question")
+    fifo = tmp_path / "pipe.json"
+    os.mkfifo(fifo)  # opened for reading, it would block until a writer came: forever
+
+    def unblock():  # a regression then fails on the junk instead of hanging the suite
+        end = time.monotonic() + 3
+        while time.monotonic() < end:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader yet
+                time.sleep(0.05)
+                continue
+            os.write(fd, b"junk")
+            os.close(fd)
+            return
+
+    t = threading.Thread(target=unblock, daemon=True)
+    t.start()
+    chat.handle(f"/load {fifo}")
+    assert "a FIFO, not a regular file" in ui.getvalue() and "unchanged" in ui.getvalue() and len(chat.turns) == 2
+    t.join()
+
+
+def test_history_file_is_read_with_a_bound_and_never_a_fifo(tmp_path, monkeypatch):
+    import pyllm.cli.chat as chat_mod
+
+    monkeypatch.setattr(chat_mod, "MAX_HISTORY_BYTES", 4096)
+    h = tmp_path / "chat_history"
+    entries = [f"entry {i}" for i in range(2000)]
+    h.write_text("".join(f"\n# 2026-01-01 00:00:{i % 60:02d}\n+{e}\n" for i, e in enumerate(entries)))
+    assert h.stat().st_size > 40000
+    got = list(chat_mod.open_history(h).load_history_strings())
+    # reference: the newest entries, newest first, whole (the first partial entry skipped), within the bound
+    assert got and got == entries[::-1][:len(got)] and 100 <= len(got) <= 4096 // 35  # 35 bytes an entry
+    fifo = tmp_path / "fifo_history"
+    os.mkfifo(fifo)
+    assert chat_mod.open_history(fifo) is None  # the REPL falls back to an in-memory history
+    assert chat_mod.open_history(tmp_path / "new" / "chat_history") is not None
 
 
 def test_message_bigger_than_context_is_an_error_and_keeps_conversation():

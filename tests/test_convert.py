@@ -201,8 +201,17 @@ def _edit_json(path, **changes):
     (dict(rope_scaling={"rope_type": "llama3", "factor": "8"}), "rope_scaling.factor = '8'"),
     (dict(rope_scaling={"rope_type": "llama3", "low_freq_factor": 4.0}), "high_freq_factor 4.0 is not above"),
     (dict(bos_token_id="x"), "bos_token_id = 'x' is not a token id"),
+    (dict(partial_rotary_factor=1.5), "partial_rotary_factor = 1.5 is not a number in (0, 1]"),
+    (dict(partial_rotary_factor=0.01), "gives 0 rotated dimensions; the rotation needs an even number"),
+    (dict(head_dim=63), "head_dim 63 with partial_rotary_factor 1 gives 63 rotated dimensions"),
+    (dict(num_key_value_heads=3), "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    (dict(tie_word_embeddings="yes"), "tie_word_embeddings = 'yes' is not true or false"),
+    (dict(rope_scaling={"rope_type": 7}), "rope_scaling.rope_type = 7 is not a string"),
+    (dict(rope_parameters={"full_attention": [1]}), "rope_parameters.full_attention = [1] is not an object"),
+    (dict(eos_token_id=[1, "x"]), "eos_token_id = [1, 'x'] is not a token id"),
 ], ids=["eps-string", "theta-string", "negative-size", "heads-string", "ctx-over-int32", "name-int",
-        "llama3-factor-string", "llama3-equal-factors", "bos-string"])
+        "llama3-factor-string", "llama3-equal-factors", "bos-string", "rotary-over-1", "rotary-to-0", "odd-head-dim",
+        "kv-heads-not-dividing", "tie-string", "rope-type-int", "rope-group-list", "eos-list-string"])
 def test_convert_bad_config_value_is_one_line(tmp_path, capsys, changes, needle):
     d = _hf_copy(tmp_path, capsys)
     (d / "tokenizer_config.json").write_text("{}")  # bos/eos then come from config.json
@@ -223,8 +232,7 @@ def test_convert_bad_config_value_is_one_line(tmp_path, capsys, changes, needle)
     ("qwen3", dict(num_hidden_layers=3), "config.json has num_hidden_layers = 3, but the checkpoint has no tensors "
                                          "for layer 2"),
     ("qwen3", dict(num_hidden_layers=1), "is in layer 1, but config.json has num_hidden_layers = 1"),
-    ("mistral", dict(num_attention_heads=3), "has shape (256, 256), but config.json (hidden_size 256, "
-                                             "num_attention_heads 3,"),
+    ("mistral", dict(num_attention_heads=3), "num_attention_heads 3 is not a multiple of num_key_value_heads 2"),
     ("phi3", dict(num_key_value_heads=1), "self_attn.qkv_proj.weight has shape (768, 256), but config.json"),
     ("phi3", dict(intermediate_size=256), "has shape (256, 512), but config.json"),
 ], ids=["hidden", "rows-past-vocab", "heads", "kv-heads", "ffn", "head-dim", "more-layers", "fewer-layers",
@@ -254,7 +262,7 @@ def test_convert_bad_input_files_are_one_line(tmp_path, capsys):
     assert "model.safetensors: not a readable safetensors file" in _convert_err(capsys, ["convert", str(d), out])
     st.write_bytes(good)
     (d / "config.json").write_text("[" * 100_000)
-    assert "config.json: cannot read JSON (arrays or objects nest too deeply)" in _convert_err(
+    assert "config.json: cannot read JSON (arrays or objects nest deeper than 64 levels)" in _convert_err(
         capsys, ["convert", str(d), out])
     (d / "config.json").write_text("[1]")
     assert "config.json: is not a JSON object" in _convert_err(capsys, ["convert", str(d), out])
@@ -268,9 +276,75 @@ def test_convert_bad_input_files_are_one_line(tmp_path, capsys):
     tj.write_text(spec)
     (d2 / "tokenizer_config.json").write_text("{}")
     (d2 / "chat_template.jinja").write_bytes(b"\xff{{ messages }}")
-    assert "chat_template.jinja: cannot read the chat template" in _convert_err(
+    assert "chat_template.jinja: the chat template is not UTF-8 text (byte 0xff at offset 0)" in _convert_err(
         capsys, ["convert", str(d2), out])
     assert not os.path.exists(out)
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (dict(merges=[["a", "b"], ["c"]]), "tokenizer.json: model.merges[1] = ['c'] is not a merge"),
+    (dict(merges=["a b", "a b c"]), "tokenizer.json: model.merges[1] = 'a b c' is not a merge"),
+    (dict(merges=[5]), "tokenizer.json: model.merges[0] = 5 is not a merge"),
+    (dict(merges="a b"), "tokenizer.json: model.merges = 'a b' is not a list"),
+    (dict(pre_tokenizer=["x"]), "pre_tokenizer = ['x'] is not an object"),
+    (dict(pre_tokenizer={"type": "Sequence", "pretokenizers": [1]}), "pre_tokenizer.pretokenizers = [1] is not a"),
+    (dict(add_bos_token="yes"), "tokenizer_config.json: add_bos_token = 'yes' is not true or false"),
+    (dict(chat_template=5), "tokenizer_config.json: chat_template = 5 is not a string"),
+], ids=["merge-pair-of-one", "merge-of-three", "merge-int", "merges-string", "pretok-list", "pretok-seq-int",
+        "add-bos-string", "template-int"])
+def test_convert_bad_tokenizer_fields_are_one_line(tmp_path, capsys, edit, needle):
+    """Each tokenizer field convert uses, of the wrong type: one line naming file and field (they were an
+    AttributeError or TypeError traceback, or a merge the GGUF reader later split wrongly)."""
+    import json
+
+    d = _hf_copy(tmp_path, capsys)
+    key, value = next(iter(edit.items()))
+    if key in ("add_bos_token", "chat_template"):
+        _edit_json(d / "tokenizer_config.json", **edit)
+    else:
+        tj = json.loads((d / "tokenizer.json").read_text())
+        (tj["model"] if key == "merges" else tj)[key] = value
+        (d / "tokenizer.json").write_text(json.dumps(tj))
+    assert needle in _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf"), "-q"])
+    assert not (tmp_path / "x.gguf").exists()
+
+
+def _unblock_later(fifo, seconds=10.0):
+    """Opens ``fifo`` for writing once a reader waits on it (within ``seconds``) and writes junk: code that opens a
+    FIFO blocks until then, so a regression fails with some other error instead of hanging the suite."""
+    import threading
+    import time
+
+    def run():
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                time.sleep(0.05)
+                continue
+            time.sleep(2)
+            os.write(fd, b"junk")
+            os.close(fd)
+            return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
+                                  "chat_template.jinja"])
+def test_convert_refuses_a_fifo_in_the_checkpoint_before_opening_it(tmp_path, capsys, name):
+    d = _hf_copy(tmp_path, capsys)
+    (d / name).unlink(missing_ok=True)
+    if name == "chat_template.jinja":
+        (d / "tokenizer_config.json").write_text("{}")
+    os.mkfifo(d / name)
+    t = _unblock_later(d / name, seconds=3.0)
+    err = _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf"), "-q"])
+    assert f"{name}: is a FIFO, not a regular file" in err, err
+    t.join()
 
 
 def test_requantize_tool_writes_over_its_own_input(tmp_path):

@@ -110,6 +110,27 @@ def test_a_failing_chat_template_names_the_file(tmp_path, template):
             llm.chat([{"role": "user", "content": "hi"}], max_tokens=2)
 
 
+def test_a_chat_template_with_bytes_that_are_not_utf8_is_refused(tmp_path):
+    """Template bytes that are not UTF-8 (kept by the reader as surrogates) rendered silently, reaching the
+    tokenizer as U+FFFD. Decision (docs/SECURITY.md): the template is refused when the model loads; the model still
+    loads for raw completion, every chat use is one error naming the byte and its offset, `pyllm info` lists it,
+    and `run --chat` offers --plain-template. Reference: the byte and offset written into the file."""
+    template = b"{% for m in messages %}caf\xe9 {{ m['content'] }}{% endfor %}"
+    p = write_tiny_llama(tmp_path / "m.gguf", metadata={"tokenizer.chat_template": template}, **SMALL)
+    want = r"chat template is not UTF-8 text \(byte 0xe9 at byte offset 26 of the template\)"
+    with pyllm.load(p, n_ctx=32, backend="reference") as llm:
+        with pytest.raises(TemplateError, match=r"^m.gguf: " + want):
+            llm.chat([{"role": "user", "content": "hi"}], max_tokens=2)
+        assert len(llm.generate("hi", max_tokens=2, temperature=0)) >= 0  # raw completion is unaffected
+    info = subprocess.run([sys.executable, "-m", "pyllm", "info", str(p)], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+    assert "chat template does not work (chat template is not UTF-8 text" in info.stdout + info.stderr
+    r = subprocess.run([sys.executable, "-m", "pyllm", "run", str(p), "--chat", "hi", "-n", "2", "--backend",
+                        "reference"], capture_output=True, text=True, env=ENV, timeout=120)
+    err = r.stderr.strip()
+    assert r.returncode == 1 and "\n" not in err and "not UTF-8" in err and "--plain-template" in err, err
+
+
 def test_vocabulary_larger_than_the_embedding_is_refused_naming_both(tmp_path):
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={**tiny_vocab(336), "llama.vocab_size": 336}, **SMALL)
     with pytest.raises(ModelError, match=r"'token_embd.weight' has 320 rows but the vocabulary has 336"):

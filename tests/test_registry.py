@@ -220,13 +220,203 @@ def test_server_without_range_support_restarts(server, gguf_bytes):
 
 def test_not_a_gguf_and_http_errors(server):
     server.files["/page.gguf"] = b"<html>not found</html>"
-    with pytest.raises(DownloadError, match="not a usable GGUF"):
+    with pytest.raises(DownloadError, match="not a GGUF file: it starts with b'<htm'"):
         registry.pull(server.base + "/page.gguf", quiet=True)
     with pytest.raises(DownloadError, match="HTTP 404"):
         registry.pull(server.base + "/missing.gguf", quiet=True)
     with pytest.raises(DownloadError, match="Connection refused|refused"):
         registry.pull("http://127.0.0.1:9/x.gguf", quiet=True)
     assert _leftovers(registry.models_dir()) == []
+
+
+# ---- servers that lie: slow, endless, wrong, huge -----------------------------------------------------------
+
+
+class LyingServer:
+    """A raw HTTP/1.1 server on 127.0.0.1 whose answer per path is a function writing to the socket, so a test can
+    drip a head or a body, send without end, or declare any size. Every behaviour is a bounded loop (it stops at
+    a byte budget, a time budget of seconds, or when the client hangs up), so no test can hang on it."""
+
+    def __init__(self):
+        import socketserver
+
+        self.routes = {}
+        self.requests = []
+        srv = self
+
+        class H(socketserver.BaseRequestHandler):
+            def handle(self):
+                self.request.settimeout(10)
+                data = b""
+                try:
+                    while b"\r\n\r\n" not in data and len(data) < 65536:
+                        chunk = self.request.recv(4096)
+                        if not chunk:
+                            return
+                        data += chunk
+                    line = data.split(b"\r\n", 1)[0].decode()
+                    path = line.split(" ")[1].split("?")[0]
+                    srv.requests.append(path)
+                    route = srv.routes.get(path)
+                    if route is None:
+                        self.request.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    else:
+                        route(self.request)
+                except OSError:
+                    pass  # the client hung up: what the limits are for
+
+        class S(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self.httpd = S(("127.0.0.1", 0), H)
+        self.base = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _drip(sock, data: bytes, every: float, seconds: float = 15.0):
+    import time
+
+    end = time.monotonic() + seconds
+    for i in range(len(data)):
+        if time.monotonic() > end:
+            return
+        sock.sendall(data[i:i + 1])
+        time.sleep(every)
+
+
+@pytest.fixture
+def liar(tmp_path, monkeypatch):
+    """A lying server and small limits (a 1 s head deadline, a 4 KiB/s floor over 1 s), so each case ends in
+    seconds; the reference for each is what a correct client must do: fail with one line naming the reason."""
+    monkeypatch.setenv("PYLLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(download, "LIMITS", download.Limits(head_timeout=1.0, speed_limit=4096, speed_time=1.0,
+                                                            listing_bytes=1 << 16))
+    s = LyingServer()
+    monkeypatch.setenv("PYLLM_HF_ENDPOINT", s.base)
+    yield s
+    s.close()
+
+
+def _one_line_error(url, match):
+    with pytest.raises(DownloadError, match=match) as e:
+        registry.pull(url, quiet=True)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_a_head_dripped_a_byte_at_a_time_meets_the_deadline(liar):
+    # every byte arrives well within the socket timeout; only a deadline on the whole head ends it
+    liar.routes["/m.gguf"] = lambda s: _drip(s, b"HTTP/1.1 200 OK\r\n" + b"X-Slow: " + b"a" * 100000, 0.02)
+    _one_line_error(liar.base + "/m.gguf", r"no complete response head within 1 s")
+    assert _leftovers(registry.models_dir()) == []
+
+
+def test_a_body_dripped_under_the_speed_floor_is_aborted(liar, gguf_bytes):
+    def route(s):
+        s.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(gguf_bytes)}\r\n\r\n".encode())
+        _drip(s, gguf_bytes, 0.01)  # 100 bytes/s
+
+    liar.routes["/m.gguf"] = route
+    _one_line_error(liar.base + "/m.gguf", r"under the floor of 4096 bytes/s; the transfer was aborted")
+    assert liar.requests.count("/m.gguf") == 1  # aborted, not retried until MAX_REQUESTS
+
+
+def test_a_server_that_stops_sending_is_aborted(liar, gguf_bytes):
+    def route(s):
+        import time
+
+        s.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {len(gguf_bytes)}\r\n\r\n".encode() + gguf_bytes[:100])
+        time.sleep(5)  # silence, connection open
+
+    liar.routes["/m.gguf"] = route
+    _one_line_error(liar.base + "/m.gguf", r"no data for 1 s")
+
+
+def test_an_endless_body_is_capped_at_the_size_the_gguf_header_gives(liar, gguf_bytes):
+    from pyllm.gguf import expected_file_size
+
+    assert expected_file_size(gguf_bytes) == len(gguf_bytes)  # the reference for the cap
+
+    def route(s):  # no Content-Length: the body would end when the connection does, which it never does
+        s.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + gguf_bytes)
+        for _ in range(64 << 10):  # at most 4 GiB, far more than the client may take
+            s.sendall(b"\0" * 65536)
+
+    liar.routes["/m.gguf"] = route
+    _one_line_error(liar.base + "/m.gguf", f"sent more than the {len(gguf_bytes)} bytes the GGUF header gives")
+    assert _leftovers(registry.models_dir()) == []  # the bytes were deleted, nothing cached
+
+
+def test_wrong_magic_is_refused_in_the_first_bytes(liar):
+    sent = []
+
+    def route(s):  # announces 1 GiB of HTML, sends until the client hangs up
+        s.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1073741824\r\n\r\n")
+        for _ in range(16384):
+            s.sendall(b"<html>" + b"x" * 65530)
+            sent.append(1)
+
+    liar.routes["/m.gguf"] = route
+    _one_line_error(liar.base + "/m.gguf", r"not a GGUF file: it starts with b'<htm'.*deleted")
+    assert _leftovers(registry.models_dir()) == [] and len(sent) < 16384
+
+
+@pytest.mark.parametrize("where", ["content-length", "listing"])
+def test_a_size_larger_than_the_free_disk_is_refused_before_downloading(liar, gguf_bytes, where):
+    huge = 1 << 60
+    bodies = []
+
+    def route(s):
+        bodies.append(1)
+        s.sendall(f"HTTP/1.1 200 OK\r\nContent-Length: {huge}\r\n\r\n".encode() + gguf_bytes)
+
+    liar.routes["/m.gguf"] = route
+    liar.routes["/acme/big-GGUF/resolve/main/big-Q4_K_M.gguf"] = route
+    listing = {"siblings": [{"rfilename": "big-Q4_K_M.gguf", "lfs": {"size": huge, "sha256": "a" * 64}}]}
+    liar.routes["/api/models/acme/big-GGUF"] = lambda s: s.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(json.dumps(listing)), json.dumps(listing).encode()))
+    url = liar.base + "/m.gguf" if where == "content-length" else "hf.co/acme/big-GGUF"
+    _one_line_error(url, rf"says the file has {huge} bytes; {huge} more do not fit the \d+ bytes free")
+    assert _leftovers(registry.models_dir()) == []
+    assert bodies == ([1] if where == "content-length" else [])  # the listing's size stops it before any GET
+
+
+def test_listings_are_read_with_a_cap_and_a_depth_bound(liar):
+    def endless(s):
+        s.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n{\"siblings\": [")
+        for _ in range(1024):
+            s.sendall(b'{"rfilename": "x.gguf"}, ' * 1000)
+
+    liar.routes["/api/models/acme/endless"] = endless
+    _one_line_error("hf.co/acme/endless", r"response larger than 65536 bytes")
+    deep = b"[" * 20000 + b"]" * 20000
+    liar.routes["/api/models/acme/deep"] = lambda s: s.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(deep), deep))
+    _one_line_error("hf.co/acme/deep", r"not a JSON model listing \(arrays or objects nest deeper than 32")
+
+
+def test_planted_symlinks_are_not_followed(server, gguf_bytes, tmp_path):
+    """A link planted at the .partial (resume) file or the lock file of a pull: the pull neither writes through it
+    nor truncates its target, and what it caches is a regular file with the server's bytes."""
+    server.files["/tiny.gguf"] = gguf_bytes
+    url = server.base + "/tiny.gguf"
+    d = registry.models_dir() / "url" / f"127.0.0.1_{server.base.rsplit(':', 1)[1]}"
+    d.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"GGUF precious")
+    (d / ".tiny.gguf.partial").symlink_to(victim)
+    (d / ".tiny.gguf.lock").symlink_to(victim)
+    p = registry.pull(url, quiet=True)
+    assert victim.read_bytes() == b"GGUF precious"
+    assert not p.is_symlink() and p.read_bytes() == gguf_bytes
+    fifo = d / ".tiny.gguf.partial"
+    os.mkfifo(fifo)  # a FIFO at the resume name would have blocked the open
+    assert registry.pull(url, quiet=True, force=True).read_bytes() == gguf_bytes
 
 
 # ---- hf.co ------------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from dataclasses import dataclass, fields
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from ..errors import ContextFullError, PyllmError, shorten
-from .common import (Settings, SettingError, canonical_setting, check_numeric_args, load_from_args, read_bounded,
+from ..safe_io import json_depth, kind_of, open_regular, read_regular
+from .common import (Settings, SettingError, canonical_setting, check_numeric_args, load_from_args,
                      read_stdin_lines, read_stdin_text, runtime_label)
 
 HELP_EPILOG = """keys (on a terminal):
@@ -145,24 +147,10 @@ def dump_conversation(data) -> str:
     return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
-def _json_depth(raw: bytes) -> int:
-    """How deep brackets outside strings nest (checked before parsing: the parser recurses once per level)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
-        return 0  # cannot be deeper than that
-    import numpy as np
-
-    outside = re.sub(rb'"(?:[^"\\]|\\.)*"', b"", raw)  # strings may hold brackets
-    brackets = np.frombuffer(re.sub(rb"[^\[\]{}]", b"", outside), dtype=np.uint8)
-    if len(brackets) > 1 << 20:
-        return len(brackets)  # a million JSON containers is no conversation; spare the memory of the sum
-    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1).astype(np.int32)
-    return int(np.cumsum(steps).max(initial=0))
-
-
 def load_conversation_json(raw: bytes):
     """Parsed JSON of a conversation file: UTF-8, nesting bounded (ValueError otherwise)."""
     text = raw.decode("utf-8")
-    if _json_depth(raw) > MAX_JSON_DEPTH:
+    if json_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise ValueError(f"it nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         return json.loads(text)
@@ -218,6 +206,7 @@ class ChatSession:
         self.interrupted = False  # whether the last reply was stopped by Ctrl-C
         # n_ctx -> the same model loaded with that context (/set num_ctx); None: the context cannot change here
         self.reload: Callable[[int], object] | None = None
+        self._prompt_start = 0  # index in turns of the first message the last prompt held (see fit)
         self._regens = 0  # consecutive /regen of the same message: a fixed seed would replay the same reply
 
     # ---- output ----
@@ -242,9 +231,10 @@ class ChatSession:
 
     # ---- context ----
     def fit(self, turns: list[dict]) -> tuple[list[int], list[dict], int]:
-        """Prompt ids for ``turns`` (the last one is the new user message), dropping the oldest turns after the
-        system prompt when the conversation and room for a reply no longer fit. Returns (ids, kept turns,
-        number of dropped messages). Nothing is changed when even the newest message alone does not fit."""
+        """Prompt ids for ``turns`` (the last one is the new user message), leaving the oldest turns after the
+        system prompt out of the prompt when the conversation and room for a reply no longer fit (the conversation
+        itself keeps them). Returns (ids, turns in the prompt, number of messages left out). Nothing is changed
+        when even the newest message alone does not fit."""
         n_ctx = self.llm.n_ctx
         reserve = self._reserve()
         stop = getattr(self.llm, "context_policy", "shift") == "stop"
@@ -275,9 +265,14 @@ class ChatSession:
             has = f" it has at least {least} tokens {what}and the context holds {n_ctx};" if least else ""
             raise ContextFullError(f"the message is too long for --ctx {n_ctx}:{has} shorten it or restart with a "
                                    f"larger --ctx{kept}") from None
-        ids = self.llm.chat_ids(self.messages(turns))
+        # The prompt starts at a user message. The start of the last prompt is tried first: while the messages
+        # after it fit, the prompt only grows at its end and the cached prefix is reused.
+        start = self._prompt_start
+        if stop or not (0 < start < len(turns) - 1 and turns[start]["role"] == "user"):
+            start = 0
+        ids = self.llm.chat_ids(self.messages(turns[start:]))
         if len(ids) + reserve <= n_ctx:
-            return ids, turns, 0
+            return ids, turns[start:], start
         # /clear and dropping turns keep the system prompt: when it alone leaves no room, neither can help
         self.check_system_fits(self.system)
         if stop:
@@ -290,19 +285,27 @@ class ChatSession:
             raise ContextFullError(f"the conversation takes {len(ids)} tokens and the reply needs room for {reserve} "
                                    f"in a context of {n_ctx}: {clear}restart with a larger --ctx "
                                    f"or --context-policy shift (drops the oldest turns)")
-        # Dropping re-prefills the whole conversation, so trim to 3/4 of the context rather than to just fit:
-        # otherwise every following message would drop one turn and pay that prefill again.
+        # Leaving turns out re-prefills the prompt, so trim to 3/4 of the context rather than to just fit:
+        # otherwise every following message would leave out one more turn and pay that prefill again. The
+        # token count falls as the start moves later, so the earliest start that fits is found by bisection:
+        # O(log n) renders, not one per message of a long conversation.
         goal = n_ctx * 3 // 4
-        kept = list(turns)
-        while len(ids) + reserve > goal and len(kept) > 1:
-            nxt = next((i for i in range(1, len(kept)) if kept[i]["role"] == "user"), len(kept) - 1)
-            kept = kept[nxt:]
-            ids = self.llm.chat_ids(self.messages(kept))
+        starts = [i for i in range(start + 1, len(turns) - 1) if turns[i]["role"] == "user"] + [len(turns) - 1]
+        lo, hi = 0, len(starts) - 1  # starts[hi] is the new message alone: the last resort
+        best = None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            cand = self.llm.chat_ids(self.messages(turns[starts[mid]:]))
+            if len(cand) + reserve <= goal:
+                best, hi = (mid, cand), mid - 1
+            else:
+                lo = mid + 1
+        k, ids = best if best is not None else (len(starts) - 1, self.llm.chat_ids(self.messages(turns[-1:])))
         if len(ids) >= n_ctx:
             what = "the message and the system prompt take" if self.system else "the message takes"
             raise ContextFullError(f"{what} {len(ids)} tokens but the context holds {n_ctx}; "
                                    f"shorten it or use a larger --ctx")
-        return ids, kept, len(turns) - len(kept)
+        return ids, turns[starts[k]:], starts[k]
 
     def _reserve(self) -> int:
         # room for at least part of a reply; max_tokens -1 (until the context is full) as the largest
@@ -336,16 +339,19 @@ class ChatSession:
         reply. Returns the reply, or None when nothing was generated (interrupted during the prompt)."""
         base = self.turns if base is None else base
         user = {"role": "user", "content": user_text}
-        ids, kept, dropped = self.fit([*base, user])
-        if dropped:
-            self.note(f"(the conversation no longer fit the context of {self.llm.n_ctx} tokens: "
-                      f"dropped the {dropped} oldest message{'s' * (dropped > 1)})")
+        ids, kept, left_out = self.fit([*base, user])
+        if left_out > self._prompt_start:
+            self.note(f"(the conversation no longer fits the context of {self.llm.n_ctx} tokens: the prompt leaves "
+                      f"out the {left_out} oldest message{'s' * (left_out > 1)}; the conversation and /save keep "
+                      f"them)")
         reply, interrupted = self._stream(ids, seed_offset)
         self.interrupted = interrupted
         if interrupted and not reply:
             self.note("[interrupted before the reply started; the message was not kept]")
             return None
-        self.turns = kept[:-1] + [user, {"role": "assistant", "content": reply}]
+        # every message stays in the conversation (and in what /save writes); only the prompt was shortened
+        self.turns = [*base, user, {"role": "assistant", "content": reply}]
+        self._prompt_start = left_out
         if not self.quiet:
             self.status(interrupted)
         elif interrupted:
@@ -432,7 +438,7 @@ class ChatSession:
 
     def cmd_reset(self, arg: str) -> None:
         self.turns = []
-        self._regens = 0
+        self._regens = self._prompt_start = 0
         self.llm.reset()
         self.note("(new conversation" + (", same system prompt)" if self.system else ")"))
 
@@ -524,6 +530,14 @@ class ChatSession:
         if not arg:
             raise PyllmError("/save needs a file name, e.g. /save chat.json")
         path = _typed_path(arg, "/save")
+        try:
+            st = os.stat(path)
+        except OSError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            # the save renames a new file over the name: a device or FIFO there would itself be replaced
+            raise PyllmError(f"/save {shorten(path)}: is {kind_of(st.st_mode)}, not a regular file; the "
+                             f"conversation was not saved")
         data = {"format": "pyllm-chat", "version": 1, "model": self.llm.path.name,
                 "settings": {f.name: getattr(self.settings, f.name) for f in fields(Settings)},
                 "messages": self.messages()}
@@ -552,9 +566,10 @@ class ChatSession:
             raise PyllmError("/load needs a file name, e.g. /load chat.json")
         path = _typed_path(arg, "/load")
         try:
-            raw = read_bounded(path, "/load", MAX_CONVERSATION_BYTES)  # /load /dev/zero must not read forever
+            # /load /dev/zero must not read forever, nor /load of a FIFO block the REPL
+            raw = read_regular(path, MAX_CONVERSATION_BYTES, shown=shorten(path))
         except PyllmError as e:
-            raise PyllmError(f"{e}; the conversation is unchanged") from None
+            raise PyllmError(f"/load {e}; the conversation is unchanged") from None
         try:
             data = load_conversation_json(raw)
         except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
@@ -570,7 +585,7 @@ class ChatSession:
             self.settings = settings
         if system is not None:
             self.system = system
-        self._regens = 0
+        self._regens = self._prompt_start = 0
         self.llm.reset()
         n = len(turns) + (system is not None)
         self.note(f"(loaded {n} messages from {path}" + (", with its system prompt" if system is not None else "")
@@ -596,6 +611,50 @@ def history_path() -> Path:
     return root / "pyllm" / "chat_history"
 
 
+MAX_HISTORY_BYTES = 4 << 20  # the newest entries; the file itself may have grown larger over the years
+
+
+def open_history(path: Path):
+    """prompt_toolkit's FileHistory over ``path``, reading at most its last MAX_HISTORY_BYTES at start; None when
+    the file cannot serve (not a regular file: a FIFO would block the REPL's start, a device fills nothing; or not
+    writable: FileHistory appends on every Enter, and that must fail here, once)."""
+    from prompt_toolkit.history import FileHistory
+
+    class BoundedFileHistory(FileHistory):
+        def load_history_strings(self):
+            try:
+                with open_regular(self.filename) as f:
+                    size = os.fstat(f.fileno()).st_size
+                    f.seek(max(0, size - MAX_HISTORY_BYTES))
+                    data = f.read(MAX_HISTORY_BYTES)
+            except PyllmError:
+                return []
+            if size > MAX_HISTORY_BYTES:  # cut inside an entry: start at the next one (a "# date" line)
+                at = data.find(b"\n#")
+                data = data[at + 1:] if at >= 0 else b""
+            strings, lines = [], []
+            for line in data.decode("utf-8", "replace").splitlines(keepends=True):
+                if line.startswith("+"):
+                    lines.append(line[1:])
+                else:
+                    if lines:
+                        strings.append("".join(lines)[:-1])
+                    lines = []
+            if lines:
+                strings.append("".join(lines)[:-1])
+            return list(reversed(strings))
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        st = os.stat(path) if os.path.lexists(path) else None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            return None
+        os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o600))
+    except OSError:
+        return None
+    return BoundedFileHistory(str(path))
+
+
 def use_color(a, stream: TextIO) -> bool:
     return (stream.isatty() and not getattr(a, "no_color", False) and not os.environ.get("NO_COLOR")
             and os.environ.get("TERM") != "dumb")
@@ -604,7 +663,7 @@ def use_color(a, stream: TextIO) -> bool:
 def _prompt_sessions(color: bool):
     from prompt_toolkit import PromptSession
     from prompt_toolkit.formatted_text import ANSI
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.history import InMemoryHistory
     from prompt_toolkit.key_binding import KeyBindings
     from prompt_toolkit.output import ColorDepth
 
@@ -622,13 +681,7 @@ def _prompt_sessions(color: bool):
         else:  # an empty line: let the loop say how to quit
             event.app.exit(exception=KeyboardInterrupt, style="class:aborting")
 
-    try:
-        path = history_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        open(path, "ab").close()  # FileHistory appends on every Enter: an unwritable file must fail here, once
-        history = FileHistory(str(path))
-    except OSError:
-        history = InMemoryHistory()
+    history = open_history(history_path()) or InMemoryHistory()
     depth = None if color else ColorDepth.DEPTH_1_BIT
     mk = (lambda s: ANSI(f"\x1b[1;32m{s}\x1b[0m")) if color else (lambda s: s)
     main = PromptSession(mk(">>> "), history=history, key_bindings=kb, multiline=False,

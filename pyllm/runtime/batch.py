@@ -34,6 +34,7 @@ import torch
 
 from .. import ops
 from ..errors import ContextFullError, ModelError, PyllmError
+from ..safe_io import private_tempfile
 from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
@@ -293,7 +294,12 @@ class PromptCache:
         t = kv.prefix_state(n)
         name = hashlib.sha256((self.sha + json.dumps(tokens)).encode()).hexdigest()[:40] + ".safetensors"
         path = self.dir / name
-        tmp = path.with_suffix(".tmp")
+        try:  # a fresh name (mkstemp): a link planted at a fixed NAME.tmp would have redirected the write
+            fd, tmp = private_tempfile(self.dir, f".{name}.", ".tmp")
+            os.close(fd)
+        except OSError as e:
+            _log(f"cannot write {path}: {e.strerror or e}")
+            return
         meta = {"format": FORMAT, "model_sha256": self.sha, "layout": self.layout, "tokens": json.dumps(tokens),
                 "sha256": tensors_sha256(t)}
         try:
