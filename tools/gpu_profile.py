@@ -5,7 +5,7 @@ host), eagerly, and under torch.profiler, which lists every kernel's share of an
     python tools/gpu_profile.py [--ftype q4_k_m|q4_0] [--kv f16|q8_0|...] [--pos 320] [--torch-body] [--pdl]
 
 For a device call (/work/.library/device/README.md): ~40 s on an H200 after the extension is built.  The table is
-what the kernel work is ranked by (session 25: the decode attention's chunk kernel held 62% of a token).
+what the kernel work is ranked by (on the H200, 2026-12-04: the decode attention's chunk kernel held 62% of a token).
 """
 
 from __future__ import annotations
