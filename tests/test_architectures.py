@@ -77,7 +77,7 @@ def test_fast_backend_prefill_matches_transformers(arch, monkeypatch, fp32_prefi
     kernel = CpuBackend.causal_attention
     monkeypatch.setattr(CpuBackend, "causal_attention",
                         staticmethod(lambda *a: calls.append((a[0].shape[0], a[1].shape[0])) or kernel(*a)))
-    llm = pyllm.load(str(tm.gguf_path(arch, "f16")), backend="fast", n_ctx=256, kv_cache="f32")
+    llm = pyllm.load(str(tm.gguf_path(arch, "f16")), kernels="fast", n_ctx=256, kv_cache="f32")
     hf = tm.hf_model(arch)
     assert_logits_match(llm, hf, f"{arch} fast f16")
     assert calls and all(t > 1 and s == t for t, s in calls), "the prefill did not go through the kernel"

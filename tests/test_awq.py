@@ -171,7 +171,7 @@ def test_logits_match_transformers_dense(fixtures, g):
 
     d, dense = fixtures[g]
     ref_model = _dense_from_awq(d, dense)
-    llm = pyllm.load(d, backend="reference", n_ctx=64)
+    llm = pyllm.load(d, kernels="reference", n_ctx=64)
     assert llm.config.rope_style == "neox"
     assert llm.config.tied_output == (g == 32)
     ids = llm.tokenize("Hello world! The quick brown fox.")
@@ -196,7 +196,7 @@ def test_tokenizer_template_and_stop_tokens(fixtures):
 
     d, _ = fixtures[64]
     hf = AutoTokenizer.from_pretrained(d)
-    llm = pyllm.load(d, backend="reference", n_ctx=64)
+    llm = pyllm.load(d, kernels="reference", n_ctx=64)
     tok = llm.tokenizer
     for text in ["Hello world!", "café 東京 😀 <|im_end|> x", "  two  spaces\nnew line"]:
         ids = tok.encode(text)

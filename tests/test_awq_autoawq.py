@@ -193,7 +193,7 @@ def test_autoawq_reference_is_dequantize_gemm(autoawq_fixtures, name):
 def test_autoawq_logits_match_transformers(autoawq_fixtures, autoawq_refs, name, backend):
     import pyllm
 
-    llm = pyllm.load(autoawq_fixtures / name, backend=backend, n_ctx=128)
+    llm = pyllm.load(autoawq_fixtures / name, kernels=backend, n_ctx=128)
     assert llm.config.rope_style == "neox"
     tol, tie = (1e-3, 0.0) if backend == "reference" else (5e-2, 0.1)
     rel = check_logits(llm, autoawq_refs[name], "Hello world! The quick brown fox jumps over the lazy dog.", tol, tie)
@@ -204,7 +204,7 @@ def test_autoawq_logits_match_transformers(autoawq_fixtures, autoawq_refs, name,
 def test_autoawq_greedy_matches_transformers(autoawq_fixtures, autoawq_refs, name):
     import pyllm
 
-    llm = pyllm.load(autoawq_fixtures / name, backend="reference", n_ctx=128)
+    llm = pyllm.load(autoawq_fixtures / name, kernels="reference", n_ctx=128)
     check_greedy(llm, autoawq_refs[name], f"AutoAWQ {name}")
 
 
@@ -215,7 +215,7 @@ def test_auto_round_greedy_matches_transformers(auto_round_awq, name):
 
     d = auto_round_awq[name]
     ref = hf_dense(d, dequantized_state_dict(d))
-    llm = pyllm.load(d, backend="reference", n_ctx=128)
+    llm = pyllm.load(d, kernels="reference", n_ctx=128)
     check_logits(llm, ref, "Once upon a time there was a small language model.")
     check_greedy(llm, ref, f"auto-round {name}")
 
@@ -232,7 +232,7 @@ def test_smollm2_awq_matches_transformers():
 
     d = _tool("make_awq_smollm2").build_cached()
     ref = hf_dense(d, dequantized_state_dict(d))
-    llm = pyllm.load(d, backend="reference", n_ctx=256)
+    llm = pyllm.load(d, kernels="reference", n_ctx=256)
     for prompt in PROMPTS:
         check_logits(llm, ref, prompt)
     check_greedy(llm, ref, "AWQ SmolLM2-135M")

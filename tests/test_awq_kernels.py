@@ -206,8 +206,8 @@ def test_fast_backend_matches_reference(fixtures, g):  # noqa: F811 (the importe
     import pyllm
 
     d, _ = fixtures[g]
-    ref = pyllm.load(d, backend="reference", n_ctx=128)
-    fast = pyllm.load(d, backend="fast", n_ctx=128)
+    ref = pyllm.load(d, kernels="reference", n_ctx=128)
+    fast = pyllm.load(d, kernels="fast", n_ctx=128)
     quant = [n for n, w in ref.weights.items() if isinstance(w, awq.AWQTensor)]
     assert len(quant) == 14 and all(isinstance(fast.weights[n], awq.AWQRows) for n in quant)
     ids = ref.tokenize(PROMPT)

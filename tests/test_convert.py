@@ -140,7 +140,7 @@ def test_q4_0_output_head_is_q6_k_as_llama_cpp(tmp_path, arch, head):
 
     print(f"{arch} {head}: Q6_K rel RMS {rel(ours):.4f}, Q4_0 would be {rel(as_q4_0):.4f}")
     assert rel(ours) < 0.3 * rel(as_q4_0)
-    with pyllm.load(str(out), n_ctx=64, backend="reference") as q:
+    with pyllm.load(str(out), n_ctx=64, kernels="reference") as q:
         assert torch.isfinite(q.logits(list(range(3, 19)))).all()
 
 

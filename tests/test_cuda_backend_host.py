@@ -227,7 +227,7 @@ def test_step_matches_model_torch_path(arch, kind, body):
     import pyllm
     from tiny_models import gguf_path
 
-    llm = pyllm.load(str(gguf_path(arch, "q8_0")), backend="reference", n_ctx=64, kv_cache="f32")
+    llm = pyllm.load(str(gguf_path(arch, "q8_0")), kernels="reference", n_ctx=64, kv_cache="f32")
     model = llm.model
     backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))
     prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
@@ -438,7 +438,7 @@ def test_step_adds_lora_terms(arch, body, tmp_path):
 
     path = gguf_path(arch, "q8_0")
     adapter = _adapter_for(arch, path, tmp_path)
-    llm = pyllm.load(str(path), backend="reference", n_ctx=64, kv_cache="f32", lora=[(adapter, 0.7)])
+    llm = pyllm.load(str(path), kernels="reference", n_ctx=64, kv_cache="f32", lora=[(adapter, 0.7)])
     model = llm.model
     assert model.lora_terms
     backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))

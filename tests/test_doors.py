@@ -185,7 +185,7 @@ def test_perplexity_reads_a_bounded_amount(cli, tmp_path, monkeypatch):
 def test_library_arguments(tiny):
     import pyllm
 
-    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    llm = pyllm.load(tiny, n_ctx=32, kernels="reference")
     for bad in (float("nan"), "x", -2, 2.5, True):  # -1 (and None): until the context is full
         with pytest.raises(PyllmError, match="max_tokens"):
             llm.generate("hi", max_tokens=bad)
@@ -211,7 +211,7 @@ def test_unknown_generation_keywords_are_named_when_the_call_is_made(tiny):
     that every error caused by input is a PyllmError naming the value; the valid keywords still work."""
     import pyllm
 
-    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    llm = pyllm.load(tiny, n_ctx=32, kernels="reference")
     msgs = [{"role": "user", "content": "hi"}]
     for bad in ("max_new_tokens", "logprobs", "n_predict"):
         for call in (lambda: llm.generate("hi", max_tokens=2, stream=True, **{bad: 1}),
@@ -235,7 +235,7 @@ def test_chat_checks_stop_as_generate_does(tiny):
     the same PyllmError, before anything is generated, streamed or not."""
     import pyllm
 
-    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    llm = pyllm.load(tiny, n_ctx=32, kernels="reference")
     msgs = [{"role": "user", "content": "hi"}]
     for bad in (["x", 5], 5, b"x", {"x": 1}):
         for stream in (False, True):
@@ -254,7 +254,7 @@ def test_max_tokens_none_or_minus_one_runs_until_the_context_is_full(tiny):
     end-of-generation ids biased away, so the reply can only stop at the context: prompt + reply fill all 32."""
     import pyllm
 
-    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    llm = pyllm.load(tiny, n_ctx=32, kernels="reference")
     no_end = {t: -100.0 for t in llm.tokenizer.eog_ids}
     msgs = [{"role": "user", "content": "hi"}]
     for max_tokens in (None, -1):
@@ -276,7 +276,7 @@ def test_generate_tokens_checks_its_arguments_when_called(tiny):
     now does too, and its iterator still holds the LLM only from its first next() (a call in between runs)."""
     import pyllm
 
-    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    llm = pyllm.load(tiny, n_ctx=32, kernels="reference")
     for kw in ({"max_tokens": -5}, {"temperature": "hot"}, {"max_new_tokens": 3}, {"speculative": "bogus"}):
         with pytest.raises(PyllmError):
             llm.generate_tokens([1, 2], **{"max_tokens": 2, **kw})
@@ -294,7 +294,7 @@ def test_logit_bias_is_checked_as_create_completion_checks_it(tiny):
     at the call; a valid bias still changes the greedy choice."""
     import pyllm
 
-    llm = pyllm.load(tiny, n_ctx=32, backend="reference")
+    llm = pyllm.load(tiny, n_ctx=32, kernels="reference")
     for bad, needle in (({"a": 1}, "key 'a' is not a token id"), ([1, 2], "must be an object"),
                         ({10**6: 1}, "outside the vocabulary"), ({1: float("nan")}, "must be in \\[-100, 100\\]"),
                         ({1: 1000}, "must be in \\[-100, 100\\]")):

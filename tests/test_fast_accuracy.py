@@ -60,7 +60,7 @@ def decode_logits(llm, ids: list[int]) -> torch.Tensor:
 def decode_kl(key) -> tuple[float, float]:
     """Mean KL(reference || fast) over N_POSITIONS of real text, and the top-1 agreement."""
     fast = pyllm_model(key, n_ctx=512)
-    ref = pyllm_model(key, backend="reference", n_ctx=512)
+    ref = pyllm_model(key, kernels="reference", n_ctx=512)
     ids = fast.tokenize(real_text())[:N_POSITIONS]
     assert len(ids) == N_POSITIONS
     lf = decode_logits(fast, ids)
@@ -104,7 +104,7 @@ def test_mean_kl_of_decode_path_at_most_llama_cpp(key):
 @pytest.mark.parametrize("key", ["smollm2", "qwen2"])
 def test_same_argmax_on_foundation_prompts(key):
     fast = pyllm_model(key, n_ctx=512)
-    ref = pyllm_model(key, backend="reference", n_ctx=512)
+    ref = pyllm_model(key, kernels="reference", n_ctx=512)
     for prompt in PROMPTS:
         ids = fast.tokenize(prompt)
         lf = decode_logits(fast, ids)[-1]
@@ -119,7 +119,7 @@ def test_same_argmax_on_foundation_prompts(key):
 @pytest.mark.parametrize("key", ["smollm2", "qwen2"])
 def test_greedy_diverges_only_at_near_ties(key):
     fast = pyllm_model(key, n_ctx=512)
-    ref = pyllm_model(key, backend="reference", n_ctx=512)
+    ref = pyllm_model(key, kernels="reference", n_ctx=512)
     for prompt in PROMPTS:
         ids = fast.tokenize(prompt)
         ours = list(fast.generate_tokens(ids, max_tokens=32, temperature=0))
@@ -190,7 +190,7 @@ def test_last_position_kl_on_heldout_prompts_at_most_llama_cpp(key):
     # the long ones through the fp32 GEMM; n_batch 8 puts every prompt through the GEMV, the path a short prompt
     # (and every decode step) takes.
     fast = pyllm_model(key, n_ctx=512)
-    ref = pyllm_model(key, backend="reference", n_ctx=512)
+    ref = pyllm_model(key, kernels="reference", n_ctx=512)
     # The default prefill (what a user's prompt takes) is held to llama.cpp's figure. The all-GEMV variant gets
     # the teacher-forced test's 1.25x: rounding activations to 8 bits turns any fp32-order change into another
     # draw of rounding errors, and two equally accurate builds that differ only in the GEMV rows' summation order

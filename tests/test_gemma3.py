@@ -21,7 +21,7 @@ PROMPTS = [
 
 
 def ref_llm():
-    return pyllm_model("gemma3", backend="reference", n_ctx=1024)
+    return pyllm_model("gemma3", kernels="reference", n_ctx=1024)
 
 
 def last_logits_hf(hf, ids):

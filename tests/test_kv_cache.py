@@ -177,7 +177,7 @@ def test_position_zero_is_kept_exactly(kind):
 
 # ---- the real fixture (SmolLM2, llama arch, 3 KV heads), reference backend shared with test_model --------------
 def ref_llm():
-    return pyllm_model("smollm2", backend="reference", n_ctx=512)
+    return pyllm_model("smollm2", kernels="reference", n_ctx=512)
 
 
 @pytest.fixture

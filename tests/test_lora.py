@@ -178,7 +178,7 @@ MATCH_CASES = [(arch, which, backend) for arch in ALL for which in ("one", "two"
 @pytest.mark.parametrize("arch,which,backend", MATCH_CASES)
 def test_adapters_match_merged_weights(cases, arch, which, backend):
     c = cases[arch]
-    kw = dict(backend=backend, n_ctx=64, kv_cache="f32")
+    kw = dict(kernels=backend, n_ctx=64, kv_cache="f32")
     with pyllm.load(c["base"], lora=c[which], **kw) as llm, pyllm.load(c[f"merged_{which}"], **kw) as merged:
         assert len(llm.lora) == len(c[which]) and llm.info()["lora"][0]["alpha"] == 8.0
         if backend == "fast":  # the C++ step runs the decoded tokens, with the terms in it
@@ -226,7 +226,7 @@ def mistral_base():
 
 def _load_error(base, tmp_path, **kw) -> str:
     with pytest.raises(LoraError) as e:
-        pyllm.load(base, backend="reference", n_ctx=32, **kw)
+        pyllm.load(base, kernels="reference", n_ctx=32, **kw)
     msg = str(e.value)
     assert "\n" not in msg
     return msg

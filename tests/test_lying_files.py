@@ -58,7 +58,7 @@ CASES = [(k, n, v) for k in INT_KEYS + FLOAT_KEYS for n, v in lies_for(k)] + [("
 def test_hyperparameter_of_wrong_type_or_range_is_refused_naming_it(tmp_path, key, what, value):
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={f"llama.{key}": value}, **SMALL)
     with pytest.raises(ModelError, match=f"llama.{key}"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
 
 
 @pytest.mark.parametrize("key", INT_KEYS)
@@ -67,7 +67,7 @@ def test_hyperparameter_just_past_int32_is_refused_at_load(tmp_path, key):
     # prompt failed in causal_attention with a ValueError traceback); refused when the file is read
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={f"llama.{key}": Typed(ValueType.UINT32, 2**31)}, **SMALL)
     with pytest.raises(ModelError, match=f"llama.{key} = 2147483648"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
 
 
 @pytest.mark.parametrize("metadata, error, match", [
@@ -80,7 +80,7 @@ def test_hyperparameter_just_past_int32_is_refused_at_load(tmp_path, key):
 def test_errors_in_the_files_contents_name_the_file(tmp_path, metadata, error, match):
     p = write_tiny_llama(tmp_path / "liar.gguf", metadata=metadata, **SMALL)
     with pytest.raises(error, match="^liar.gguf: .*" + match):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
 
 
 def test_unsupported_architecture_is_named_before_its_keys_are_read(tmp_path):
@@ -89,7 +89,7 @@ def test_unsupported_architecture_is_named_before_its_keys_are_read(tmp_path):
     md = {"general.architecture": "mamba", "mamba.embedding_length": 32, "mamba.block_count": 1}
     p = write_tiny_llama(tmp_path / "m.gguf", metadata=md, **SMALL)
     with pytest.raises(ModelError, match=r"^m.gguf: unsupported architecture 'mamba' \(general.architecture\)"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
     assert subprocess.run([sys.executable, "-m", "pyllm", "info", str(p)], env=ENV, capture_output=True,
                           text=True).stderr.startswith("pyllm: error: m.gguf: unsupported architecture 'mamba'")
 
@@ -98,14 +98,14 @@ def test_heads_that_do_not_divide_the_embedding_are_named(tmp_path):
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={"llama.attention.head_count": 3}, **SMALL)
     with pytest.raises(ModelError, match=r"llama.embedding_length 32 is not a multiple of llama.attention.head_count "
                                          r"3, and llama.attention.key_length is not given"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
 
 
 @pytest.mark.parametrize("template", ["{{ raise_exception('no chat here') }}", "{% for %}", "{{ 'x' * 10**9 }}"])
 def test_a_failing_chat_template_names_the_file(tmp_path, template):
     # the model loads (raw completion works); the first chat says which file's template is at fault
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={"tokenizer.chat_template": template}, **SMALL)
-    with pyllm.load(p, n_ctx=32, backend="reference") as llm:
+    with pyllm.load(p, n_ctx=32, kernels="reference") as llm:
         with pytest.raises(TemplateError, match=r"^m.gguf: chat template"):
             llm.chat([{"role": "user", "content": "hi"}], max_tokens=2)
 
@@ -118,7 +118,7 @@ def test_a_chat_template_with_bytes_that_are_not_utf8_is_refused(tmp_path):
     template = b"{% for m in messages %}caf\xe9 {{ m['content'] }}{% endfor %}"
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={"tokenizer.chat_template": template}, **SMALL)
     want = r"chat template is not UTF-8 text \(byte 0xe9 at byte offset 26 of the template\)"
-    with pyllm.load(p, n_ctx=32, backend="reference") as llm:
+    with pyllm.load(p, n_ctx=32, kernels="reference") as llm:
         with pytest.raises(TemplateError, match=r"^m.gguf: " + want):
             llm.chat([{"role": "user", "content": "hi"}], max_tokens=2)
         assert len(llm.generate("hi", max_tokens=2, temperature=0)) >= 0  # raw completion is unaffected
@@ -134,10 +134,10 @@ def test_a_chat_template_with_bytes_that_are_not_utf8_is_refused(tmp_path):
 def test_vocabulary_larger_than_the_embedding_is_refused_naming_both(tmp_path):
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={**tiny_vocab(336), "llama.vocab_size": 336}, **SMALL)
     with pytest.raises(ModelError, match=r"'token_embd.weight' has 320 rows but the vocabulary has 336"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
     p = write_tiny_llama(tmp_path / "m2.gguf", metadata=tiny_vocab(336), **SMALL)  # vocab_size says 320
     with pytest.raises(ModelError, match=r"vocab_size = 320 but tokenizer.ggml.tokens has 336"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
 
 
 def test_embedding_rows_past_the_vocabulary_are_refused(tmp_path):
@@ -147,7 +147,7 @@ def test_embedding_rows_past_the_vocabulary_are_refused(tmp_path):
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={**tiny_vocab(300), "llama.vocab_size": 320}, **SMALL)
     with pytest.raises(ModelError, match=r"^m.gguf: llama tensor 'token_embd.weight' has 320 rows but the "
                                          r"vocabulary has 300 tokens"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
 
 
 @pytest.mark.parametrize("tensor", ["blk.1.attn_k.bias", "blk.0.attn_q.bias"])
@@ -176,14 +176,14 @@ def test_non_finite_norm_is_refused_at_load(tmp_path, value):
     p = write_tiny_llama(tmp_path / "m.gguf", **SMALL)
     poke(p, "blk.0.ffn_norm.weight", struct.pack("<f", value))
     with pytest.raises(ModelError, match=r"'blk.0.ffn_norm.weight' holds 1 NaN or Inf"):
-        pyllm.load(p, n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
 
 
 @pytest.mark.parametrize("backend", ["reference", "fast"])
 def test_nan_in_quantized_weights_ends_generation_naming_the_tensor(tmp_path, backend):
     p = write_tiny_llama(tmp_path / "m.gguf", **SMALL)  # Q8_0: each block starts with its fp16 scale
     poke(p, "output.weight", struct.pack("<e", math.nan))
-    llm = pyllm.load(p, n_ctx=32, backend=backend)
+    llm = pyllm.load(p, n_ctx=32, kernels=backend)
     with pytest.raises(PyllmError, match=r"non-finite logits.*'output.weight'"):
         llm.generate("hello", max_tokens=4, temperature=0)
     with pytest.raises(PyllmError, match="non-finite logits"):
@@ -195,7 +195,7 @@ CHANGE = textwrap.dedent('''
     import pyllm
     from pyllm.errors import PyllmError
     path, how, check = sys.argv[1], sys.argv[2], sys.argv[3] == "check"
-    llm = pyllm.load(path, n_ctx=64, backend="fast")
+    llm = pyllm.load(path, n_ctx=64, kernels="fast")
     if not check:
         llm.gguf.check_unchanged = lambda: None  # what happened before the check existed
     print("first:", repr(llm.generate("hello there", max_tokens=2, temperature=0)), flush=True)

@@ -21,7 +21,7 @@ KEYS = ["smollm2", "qwen2"]
 
 
 def ref_llm(key):
-    return pyllm_model(key, backend="reference", n_ctx=512)
+    return pyllm_model(key, kernels="reference", n_ctx=512)
 
 
 @pytest.mark.parametrize("key", KEYS)

@@ -22,7 +22,7 @@ def _text():
 
 
 def ref_llm():
-    return pyllm_model("smollm2", backend="reference", n_ctx=512)
+    return pyllm_model("smollm2", kernels="reference", n_ctx=512)
 
 
 def test_stats_formulas_match_llama_cpp():

@@ -31,7 +31,7 @@ N = 4
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path):
-    return pyllm_model("smollm2", backend="reference", n_ctx=512)
+    return pyllm_model("smollm2", kernels="reference", n_ctx=512)
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +245,7 @@ def test_huge_context_refused_before_allocation(smollm2_path):
 
     t0 = time.perf_counter()
     with pytest.raises(PyllmError) as ei:
-        pyllm.load(smollm2_path, n_ctx=10**9, backend="reference")
+        pyllm.load(smollm2_path, n_ctx=10**9, kernels="reference")
     msg = str(ei.value)
     assert "needs" in msg and "available" in msg and "GiB" in msg, msg
     assert time.perf_counter() - t0 < 60
@@ -293,7 +293,7 @@ def test_hostile_template_in_gguf_fails_cleanly(name, tiny_with_template):
     path = tiny_with_template(name, HOSTILE[name])
     t0 = time.perf_counter()
     try:
-        llm = pyllm.load(path, n_ctx=64, backend="reference")
+        llm = pyllm.load(path, n_ctx=64, kernels="reference")
     except TemplateError:  # rejected at load (a syntax error): also fine
         assert name == "syntax_error"
         return
@@ -485,6 +485,6 @@ def test_tensor_shapes_that_contradict_the_metadata_are_refused_at_load(tmp_path
 
     p = write_tiny_llama(tmp_path / "m.gguf", metadata={key: value})
     with pytest.raises(ModelError, match=rf"tensor '{re.escape(tensor)}' has shape .* needs"):
-        pyllm.load(p, n_ctx=32, backend="reference")
-    ok = pyllm.load(write_tiny_llama(tmp_path / "ok.gguf"), n_ctx=32, backend="reference")
+        pyllm.load(p, n_ctx=32, kernels="reference")
+    ok = pyllm.load(write_tiny_llama(tmp_path / "ok.gguf"), n_ctx=32, kernels="reference")
     assert ok.generate([1, 2], max_tokens=2, temperature=0.0) is not None

@@ -403,7 +403,7 @@ def test_greedy_decoding_speculates_by_default_where_the_check_is_exact():
     llm.reset()
     list(llm.generate_tokens(ids, max_tokens=4, temperature=0.7, seed=1))
     assert llm.stats.spec is None
-    ref = pyllm.load(fixture_path("smollm2"), n_ctx=512, backend="reference")
+    ref = pyllm.load(fixture_path("smollm2"), n_ctx=512, kernels="reference")
     list(ref.generate_tokens(ids, max_tokens=2, temperature=0))
     assert ref.stats.spec is None
 

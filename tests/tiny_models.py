@@ -117,4 +117,4 @@ def gguf_path(arch: str, ftype: str) -> Path:
 def pyllm_model(arch: str, ftype: str):
     import pyllm
 
-    return pyllm.load(str(gguf_path(arch, ftype)), backend="reference", n_ctx=256, kv_cache="f32")
+    return pyllm.load(str(gguf_path(arch, ftype)), kernels="reference", n_ctx=256, kv_cache="f32")

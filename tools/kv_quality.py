@@ -37,7 +37,7 @@ KINDS = ["f16", "q8_0", "q8_rot", "q4_0", "q4_rot"]
 def quality(a) -> None:
     text = Path(a.file).read_text(encoding="utf-8", errors="replace")
     for m in a.models:
-        llm = pyllm.load(m, n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
+        llm = pyllm.load(m, n_ctx=a.ctx, kernels=a.backend, n_threads=a.threads)
         t = time.perf_counter()
         stats = evaluate(llm, text, n_ctx=a.ctx, kinds=a.kinds.split(","), kl_base="f16", n_chunks=a.chunks,
                          on_chunk=lambda i, n, s: print(f"  [{i + 1}/{n}] " + " ".join(
@@ -61,7 +61,7 @@ def first_batch(a) -> None:
     """The perplexity protocol's chunks with the context half written in two batches, the first holding n tokens:
     a cache estimates its means and key scales from that first batch, as a chat that opens with a short prompt
     does. Mean KL divergence against the f16 cache written the same way."""
-    llm = pyllm.load(a.models[0], n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
+    llm = pyllm.load(a.models[0], n_ctx=a.ctx, kernels=a.backend, n_threads=a.threads)
     cfg, model, half = llm.config, llm.model, a.ctx // 2
     firsts = [int(x) for x in a.first.split(",")]
     kinds = [k for k in a.kinds.split(",") if k != "f16"]
@@ -91,7 +91,7 @@ def decode_kl(a) -> None:
     through the C++ decode step (--torch: the torch path), so the step's own attention over each cache kind is
     what is measured. Its floor is not 0: the decode GEMVs round activations to int8, so any perturbation of the
     inputs flips some roundings (f32 vs f16 caches already differ by ~0.003 on Qwen2.5)."""
-    llm = pyllm.load(a.models[0], n_ctx=a.ctx, backend=a.backend, n_threads=a.threads)
+    llm = pyllm.load(a.models[0], n_ctx=a.ctx, kernels=a.backend, n_threads=a.threads)
     cfg, model, half = llm.config, llm.model, a.ctx // 2
     model.use_cpp_decode = not a.torch
     kinds = [k for k in a.kinds.split(",") if k != "f16"]
@@ -114,7 +114,7 @@ def decode_kl(a) -> None:
 
 def speed(a) -> None:
     load0 = f"{os.getloadavg()[0]:.2f}"
-    llm = pyllm.load(a.models[0], n_ctx=a.depth + a.n + 8, backend=a.backend, n_threads=a.threads)
+    llm = pyllm.load(a.models[0], n_ctx=a.depth + a.n + 8, kernels=a.backend, n_threads=a.threads)
     cfg, model = llm.config, llm.model
     ids = torch.randint(0, cfg.n_vocab, (a.depth,), generator=torch.Generator().manual_seed(0))
     kinds = a.kinds.split(",")

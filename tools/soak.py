@@ -155,7 +155,7 @@ def soak(model: str, tokens: int = 20000, n_ctx: int = 2048, max_reply: int = 25
     if trace:
         tracemalloc.start()
     t_load = time.perf_counter()
-    llm = pyllm.load(model, n_ctx=n_ctx, backend=backend)
+    llm = pyllm.load(model, n_ctx=n_ctx, kernels=backend)
     t_load = time.perf_counter() - t_load
     sys_msgs = [{"role": "system", "content": system}] if system else []
     out = _Log(log)

@@ -208,7 +208,7 @@ def kl_real_model(path: str, n_ctx: int = 256) -> dict:
     target: CUDA <= 1e-3)."""
     import pyllm
 
-    ref = pyllm.load(path, device="cpu", backend="reference", n_ctx=n_ctx)
+    ref = pyllm.load(path, device="cpu", kernels="reference", n_ctx=n_ctx)
     ids = ref.tokenize(KL_TEXT)
     out = {"model": path, "positions": len(ids)}
 

@@ -62,7 +62,7 @@ def test_greedy_and_logits_match_cpu(arch, ftype):
     assert step is not None and step.row_kernels_problem is None, "the CUDA step did not run its row kernels"
     tokens = PROMPT + want
     ref = cache_logits(cpu, "f16", tokens, len(PROMPT))
-    exact = pyllm.load(path, device="cpu", backend="reference", n_ctx=128)
+    exact = pyllm.load(path, device="cpu", kernels="reference", n_ctx=128)
     flt = cache_logits(exact, "f16", tokens, len(PROMPT))
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
@@ -79,7 +79,7 @@ def test_greedy_and_logits_match_cpu(arch, ftype):
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_every_cache_kind(arch, kind):
     path = str(gguf_path(arch, "q8_0"))
-    ref = pyllm.load(path, device="cpu", backend="reference", n_ctx=128)
+    ref = pyllm.load(path, device="cpu", kernels="reference", n_ctx=128)
     cpu = pyllm.load(path, device="cpu", n_ctx=128)
     gpu = pyllm.load(path, device="cuda", n_ctx=128)
     tokens = PROMPT + [12, 200, 64, 3, 77, 150, 21, 9, 30, 31]  # decode past Gemma 3's sliding window
