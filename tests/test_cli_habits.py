@@ -247,7 +247,7 @@ def test_set_num_ctx_reloads_the_model_and_keeps_the_conversation():
     chat.handle("hello")
     turns = list(chat.turns)
     chat.handle("/set num_ctx 128")
-    assert "the context cannot change in this session; restart with --ctx 128" in ui.getvalue()
+    assert "the context cannot change in this chat; restart it with --ctx 128" in ui.getvalue()
     closed, asked = [], []
     llm.close = lambda: closed.append(llm)
 

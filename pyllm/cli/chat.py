@@ -489,7 +489,7 @@ class ChatSession:
             raise PyllmError(f"{name} must be an integer in [{lo}, {hi}] (0 = the model's own), got "
                              f"{shorten(value) or 'nothing'!r}, e.g. /set {name} {RULES_EXAMPLE['num_ctx']}")
         if self.reload is None:
-            raise PyllmError(f"the context cannot change in this session; restart with --ctx {n}")
+            raise PyllmError(f"the context cannot change in this chat; restart it with --ctx {n}")
         new = self.reload(n)  # loaded before the old model goes: a failure leaves the session as it was
         old, self.llm = self.llm, new
         old.close()
