@@ -238,3 +238,29 @@ def qwen():
     s = Server(fixture_path("qwen2"), "--alias", "qwen", "--ctx", "1024")
     yield s
     s.close()
+
+
+def unblock_fifo_later(fifo, seconds: float = 3.0):
+    """Opens ``fifo`` for writing once a reader waits on it (within ``seconds``) and writes junk: code that opens a
+    FIFO blocks until then, so a regression fails with some other error instead of hanging the suite. Returns the
+    thread (join it)."""
+    import os
+    import threading
+    import time
+
+    def run():
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # ENXIO: no reader yet
+                time.sleep(0.05)
+                continue
+            time.sleep(1)
+            os.write(fd, b"junk")
+            os.close(fd)
+            return
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import unblock_fifo_later
 from pyllm import awq
 from pyllm.errors import PyllmError
 
@@ -393,30 +394,6 @@ def test_deeply_nested_json_is_one_line(tmp_path):
     _one_line_error(d, "config.json: cannot read JSON .*nest deeper than")
 
 
-def _unblock_later(fifo, seconds=3.0):
-    """Writes junk into ``fifo`` once a reader opens it: a regression that opens it then fails instead of hanging."""
-    import os
-    import threading
-    import time
-
-    def run():
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            try:
-                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:
-                time.sleep(0.05)
-                continue
-            time.sleep(1)
-            os.write(fd, b"junk")
-            os.close(fd)
-            return
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                                   "chat_template.jinja"])
 def test_a_fifo_in_the_folder_is_refused_before_it_is_opened(tmp_path, name):
@@ -428,7 +405,7 @@ def test_a_fifo_in_the_folder_is_refused_before_it_is_opened(tmp_path, name):
     _add_word_tokenizer(d)
     (d / name).unlink(missing_ok=True)
     os.mkfifo(d / name)
-    t = _unblock_later(d / name)
+    t = unblock_fifo_later(d / name)
     with pytest.raises(PyllmError, match=f"{name}: is a FIFO, not a regular file") as ei:
         awq.open_awq(d) if name in ("config.json", "model.safetensors") else (
             awq.tokenizer_from_hf(d, 32) if name == "tokenizer.json" else awq.chat_template_source(d))

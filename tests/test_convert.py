@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tiny_models as tm
-from conftest import fixture_path
+from conftest import fixture_path, unblock_fifo_later
 from pyllm.cli.main import main
 from pyllm.convert import convert
 from pyllm.gguf import GGMLType, open_gguf
@@ -309,30 +309,6 @@ def test_convert_bad_tokenizer_fields_are_one_line(tmp_path, capsys, edit, needl
     assert not (tmp_path / "x.gguf").exists()
 
 
-def _unblock_later(fifo, seconds=10.0):
-    """Opens ``fifo`` for writing once a reader waits on it (within ``seconds``) and writes junk: code that opens a
-    FIFO blocks until then, so a regression fails with some other error instead of hanging the suite."""
-    import threading
-    import time
-
-    def run():
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            try:
-                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            except OSError:  # ENXIO: no reader yet
-                time.sleep(0.05)
-                continue
-            time.sleep(2)
-            os.write(fd, b"junk")
-            os.close(fd)
-            return
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
-
-
 @pytest.mark.parametrize("name", ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
                                   "chat_template.jinja"])
 def test_convert_refuses_a_fifo_in_the_checkpoint_before_opening_it(tmp_path, capsys, name):
@@ -341,7 +317,7 @@ def test_convert_refuses_a_fifo_in_the_checkpoint_before_opening_it(tmp_path, ca
     if name == "chat_template.jinja":
         (d / "tokenizer_config.json").write_text("{}")
     os.mkfifo(d / name)
-    t = _unblock_later(d / name, seconds=3.0)
+    t = unblock_fifo_later(d / name)
     err = _convert_err(capsys, ["convert", str(d), str(tmp_path / "x.gguf"), "-q"])
     assert f"{name}: is a FIFO, not a regular file" in err, err
     t.join()

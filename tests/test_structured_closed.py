@@ -17,25 +17,11 @@ import pytest
 jsonschema = pytest.importorskip("jsonschema")  # in the test extra; CI installs it
 pydantic = pytest.importorskip("pydantic")  # in the test extra
 
-from conftest import pyllm_model  # noqa: E402
 from server_harness import served_in_thread  # noqa: E402
+from test_structured_schemas import accepts, smollm2  # noqa: E402
 
 A = {"a": {"type": "integer"}}
 B = {"b": {"type": "string"}}
-
-
-def smollm2():
-    return pyllm_model("smollm2", n_ctx=512)
-
-
-def accepts(llm, schema, text) -> bool:
-    """Whether the constraint for ``schema`` takes ``text`` (as the tokenizer splits it) as a complete output."""
-    c = llm.make_constraint(json_schema=schema)
-    for t in llm.tokenize(text, add_bos=False, special=False):
-        if not c.allowed()[t]:
-            return False
-        c.advance(t)
-    return c.is_accepting()
 
 
 def closed_everywhere(schema):
