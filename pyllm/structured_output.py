@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import inspect
 
-from .errors import BadRequest, PyllmError, shorten
+from .errors import BadRequest, PyllmError
 
 
 def structured_output_kwargs(llm, response_format=None, grammar=None, json_schema=None,
@@ -53,15 +53,3 @@ def structured_output_kwargs(llm, response_format=None, grammar=None, json_schem
     except PyllmError as e:
         raise BadRequest(str(e), param or given) from None
 
-
-def ollama_format_kwargs(llm, fmt, param: str = "format") -> dict:
-    """The constraint keyword argument for Ollama's ``format``: "json" is any JSON object (Ollama's JSON mode), a
-    dict a JSON schema (a missing additionalProperties read as false, as for every schema here), "" or None no
-    constraint. BadRequest naming ``param`` for anything else or a schema that cannot be kept."""
-    if fmt is None or fmt == "":
-        return {}
-    if fmt == "json":
-        return structured_output_kwargs(llm, json_schema={"type": "object"}, param=param)
-    if isinstance(fmt, (dict, bool)):
-        return structured_output_kwargs(llm, json_schema=fmt, param=param)
-    raise BadRequest(f'{param} must be "json" or a JSON schema object, got {shorten(repr(fmt), 60)}', param)

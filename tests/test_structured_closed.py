@@ -150,15 +150,17 @@ def test_response_format_with_a_pydantic_schema_over_http():
 
 
 def test_ollama_format_is_the_same_conversion():
-    """Ollama's ``format`` ("json", or a schema) goes through the same reading: a schema without
-    additionalProperties refuses an invented key; "json" is any object. Reference: jsonschema, as above."""
+    """Ollama's ``format`` ("json", or a schema) becomes the same structured-output arguments the OpenAI routes
+    pass (server/ollama.py), so the same reading applies: a schema without additionalProperties refuses an invented
+    key; "json" is any object. Reference: jsonschema's reading, as above."""
     from pyllm.errors import BadRequest
-    from pyllm.structured_output import ollama_format_kwargs
+    from pyllm.server.ollama import _format_kwargs
+    from pyllm.structured_output import structured_output_kwargs
 
     llm = smollm2()
 
     def takes(fmt, text):
-        c = ollama_format_kwargs(llm, fmt)["constraint"]
+        c = structured_output_kwargs(llm, **_format_kwargs(fmt))["constraint"]
         for t in llm.tokenize(text, add_bos=False, special=False):
             if not c.allowed()[t]:
                 return False
@@ -168,8 +170,8 @@ def test_ollama_format_is_the_same_conversion():
     schema = {"type": "object", "properties": A, "required": ["a"]}
     assert takes(schema, '{"a": 1}') and not takes(schema, '{"a": 1, "b": 2}')
     assert takes("json", '{"b": [1]}') and not takes("json", "[1]")
-    assert ollama_format_kwargs(llm, None) == {} and ollama_format_kwargs(llm, "") == {}
-    for bad in ("yaml", 3, {"type": "nope"}):
+    assert _format_kwargs(None) == {} and _format_kwargs("") == {}
+    for bad in ("yaml", 3):
         with pytest.raises(BadRequest) as e:
-            ollama_format_kwargs(llm, bad)
+            _format_kwargs(bad)
         assert e.value.param == "format" and "\n" not in str(e.value)
