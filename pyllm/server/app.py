@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import hmac
 import inspect
 import json
 import logging
@@ -32,6 +31,9 @@ from starlette.routing import Route
 from .. import api, request_json
 from ..errors import BadRequest, ContextFullError, GGUFError, ModelError, PyllmError
 from . import infill, ollama, responses
+from .access import AccessControl, bound_to_loopback
+from .admission import HOLD, Admission, Hold, MemoryBudget, request_memory
+from .api_errors import ERROR_TYPES, APIError, error_response
 from .request_log import RequestLog
 from .scheduler import DONE, EngineLLM, Job, Scheduler
 from .webui import routes as web_routes
@@ -46,9 +48,6 @@ CLIENT_TIMEOUT_S = 30
 # mod_reqtimeout MinRate): a pause limit alone lets one byte every few seconds hold a request for as long as
 # --max-body allows, and a limit on the whole body would cut off a large one on a slow link
 MIN_BODY_RATE = 500
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
-               413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
 
 def lone_surrogate(data: dict) -> tuple[str, str | None, str] | None:
@@ -102,21 +101,6 @@ def sse_event(obj: dict, name: str | None = None) -> str:
     before it when given (the Responses API names each event by its type)."""
     head = f"event: {name}\n" if name else ""
     return head + "data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False) + "\n\n"
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    # after a 408 the rest of the body may still come, or never: the connection cannot carry another request
-    headers = {**(headers or {}), "Connection": "close"} if status == 408 else headers
-    return JSONResponse({"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                                   "param": param, "code": code}}, status_code=status, headers=headers)
 
 
 def _as_api_error(e: Exception, prompt_param: str = "messages") -> APIError:
@@ -266,210 +250,6 @@ class BodyDeadline:
             return message
 
         await self.app(scope, timed_receive, send)
-
-
-# Memory that request bodies, read and parsed, may hold at once (--max-request-memory); past it a request is
-# answered 503 with Retry-After, as TGI answers past its concurrency limit. A body is counted from its first byte
-# (its Content-Length, when given, before any is read) until its request has been answered and the job that holds
-# its parsed value has finished: while it waits for the model it is memory all the same.
-RETRY_AFTER_S = 1
-HOLD = "pyllm.hold"  # the ASGI scope key of a request's Hold
-
-
-def worst_request_bytes(max_body: int) -> int:
-    """The most one request within ``max_body`` can take from the budget: its body, and the largest parsed value
-    and parse that request_json's estimates allow a body of that size."""
-    rj = request_json
-    return max_body + rj.BASE_BYTES + 4 * max_body + rj.VALUE_BYTES * min(rj.MAX_VALUES, max_body + 1) \
-        + rj.CONTAINER_BYTES * min(rj.MAX_CONTAINERS, max_body // 2) \
-        + 12 * max_body + rj.ESCAPE_BYTES * min(rj.MAX_ESCAPES, max_body)
-
-
-def default_request_memory(max_body: int) -> int:
-    """--max-request-memory's default: 512 MiB, or room for the largest request if that is more."""
-    return max(512 << 20, worst_request_bytes(max_body))
-
-
-def request_memory(max_body: int, limit: int | None) -> int:
-    """The MemoryBudget's limit in bytes: ``limit`` (--max-request-memory), None for the default; PyllmError if
-    one request within ``max_body`` could not fit in it."""
-    limit = default_request_memory(max_body) if limit is None else limit
-    if limit < worst_request_bytes(max_body):
-        raise PyllmError(f"--max-request-memory {limit >> 20} MiB is less than one request within --max-body "
-                         f"{max_body} may hold ({-(-worst_request_bytes(max_body) >> 20)} MiB): raise it or lower "
-                         f"--max-body")
-    return limit
-
-
-class MemoryBudget:
-    """The bytes requests may hold at once, shared by every request (thread-safe: the worker threads give back
-    what their jobs held)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
-        self.lock = threading.Lock()
-
-    def take(self, n: int) -> bool:
-        with self.lock:
-            if self.used + n > self.limit:
-                return False
-            self.used += n
-            return True
-
-    def give(self, n: int) -> None:
-        with self.lock:
-            self.used -= n
-
-
-class Hold:
-    """One request's part of the MemoryBudget: taken as its body arrives and once more for its parsed value,
-    given back whole when every holder has let go: the request (its response sent) and each job it submitted
-    (finished, or dropped after a cancel)."""
-
-    def __init__(self, budget: MemoryBudget):
-        self.budget, self.bytes, self.holders = budget, 0, 1
-        self.lock = threading.Lock()
-
-    def take(self, n: int, what: str) -> None:
-        """Counts ``n`` more bytes, or APIError 503 (Retry-After) when the budget has no room for them."""
-        if not self.budget.take(n):
-            raise APIError(503, f"the server is busy: {what} does not fit in the memory that requests in flight "
-                                f"may hold (--max-request-memory {self.budget.limit >> 20} MiB); retry shortly",
-                           None, "server_overloaded", {"Retry-After": str(RETRY_AFTER_S)})
-        with self.lock:
-            self.bytes += n
-
-    def give(self, n: int) -> None:
-        with self.lock:
-            self.bytes -= n
-        self.budget.give(n)
-
-    def retain(self) -> None:
-        with self.lock:
-            self.holders += 1
-
-    def release(self) -> None:
-        with self.lock:
-            self.holders -= 1
-            n, self.bytes = (self.bytes, 0) if self.holders == 0 else (0, self.bytes)
-        if n:
-            self.budget.give(n)
-
-
-class Admission:
-    """ASGI middleware: each HTTP request gets a Hold on ``budget`` (scope[HOLD]), let go once its response has
-    been sent; read_json takes from it."""
-
-    def __init__(self, app, budget: MemoryBudget):
-        self.app, self.budget = app, budget
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        hold = scope[HOLD] = Hold(self.budget)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            hold.release()
-
-
-# --api-key leaves these open, as llama-server does: the health check, the model lists (OpenAI's and Ollama's) and
-# the web page and its static files under /web/ (a browser cannot send a key with a navigation or a script tag; the
-# page's own calls send it). Every other path, /metrics and routes added later included, needs the key.
-OPEN_PATHS = frozenset({"/health", "/v1/models", "/api/tags", "/"})
-OPEN_PREFIXES = ("/web/",)
-
-
-def bound_to_loopback(host: str) -> bool:
-    """Whether the listening address ``host`` (an address or a name) is this machine's loopback only."""
-    import ipaddress
-    import socket
-
-    name = host.strip("[]").lower()
-    if name == "localhost" or name.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        pass
-    try:
-        addrs = {info[4][0] for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)}
-    except OSError:
-        return False
-    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
-
-
-def host_name(header: str) -> str:
-    """The host of a Host header: the port and a trailing dot dropped, an IPv6 literal without its brackets,
-    lowercased."""
-    h = header.strip().lower()
-    if h.startswith("["):
-        h = h[1:h.find("]")] if "]" in h else h[1:]
-    elif h.count(":") == 1:
-        h = h.split(":")[0]
-    return h.rstrip(".")
-
-
-def local_host(name: str, allowed=()) -> bool:
-    """Whether a server bound to loopback answers a request whose Host names ``name`` (host_name's form): the
-    names a page on this machine reaches it by (localhost and *.localhost, loopback and private addresses, this
-    machine's name) and ``allowed`` (--allow-host: names, ``*.domain`` for its subdomains, ``*`` for any). A page
-    on another site whose name the attacker re-points at 127.0.0.1 (DNS rebinding) sends its own name, which is
-    none of these (Ollama's defence)."""
-    import ipaddress
-    import socket
-
-    if name in ("", "localhost") or name.endswith(".localhost") or name == socket.gethostname().lower():
-        return True
-    try:
-        ip = ipaddress.ip_address(name.split("%")[0])
-    except ValueError:
-        ip = None
-    if ip is not None and (ip.is_loopback or ip.is_private or ip.is_unspecified or ip.is_link_local):
-        return True
-    for a in allowed:
-        if a == "*" or a == name or (a.startswith("*.") and name.endswith(a[1:])):
-            return True
-    return False
-
-
-class AccessControl:
-    """ASGI middleware, the one gate every route is behind (routes added later too): a Host header that a server
-    bound to loopback does not answer to is a 403 (local_host), and with an API key every path but OPEN_PATHS
-    needs it (401). ``on_refused(path, status)`` counts a refusal."""
-
-    def __init__(self, app, api_key: str | None, check_host: bool, allow_hosts=(), on_refused=None):
-        self.app, self.api_key, self.check_host = app, api_key, check_host
-        self.allow_hosts = tuple(allow_hosts)
-        self.on_refused = on_refused
-
-    def refusal(self, scope) -> APIError | None:
-        headers = {k: v for k, v in scope.get("headers", ()) if k in (b"host", b"authorization", b"x-api-key")}
-        if self.check_host:
-            header = headers.get(b"host", b"").decode("latin-1")
-            if not local_host(host_name(header), self.allow_hosts):
-                return APIError(403, f"this server answers requests for this machine's names only, not for Host "
-                                     f"{header[:100]!r} (a page whose name points at 127.0.0.1 must not reach it); "
-                                     f"start it with --allow-host NAME to serve that name", None, "host_not_allowed")
-        path = scope["path"]
-        if self.api_key is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            given = auth[7:] if auth.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode(
-                "latin-1")
-            if not hmac.compare_digest(given.encode("latin-1"), self.api_key.encode()):
-                return APIError(401, "invalid or missing API key (send Authorization: Bearer KEY)", None,
-                                "invalid_api_key")
-        return None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
-            e = self.refusal(scope)
-            if e is not None:
-                if self.on_refused:
-                    self.on_refused(scope["path"], e.status)
-                await error_response(e.status, e.message, e.param, e.code)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30):
