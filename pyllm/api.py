@@ -285,6 +285,7 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     ``cancel``: a threading.Event that stops the generation at its next token (finish_reason "cancelled").
     ``suffix`` (non-empty): the text fills the middle between ``prompt`` and ``suffix``, prompted with the model's
     fill-in-the-middle tokens (pyllm/infill.py); a BadRequest for a model without them."""
+    llm.check_generates()
     refuse_unknown(create_completion, ignored)
     _check_n(n)
     if best_of is not None:
@@ -382,6 +383,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     their old names, and a call comes back as ``message.function_call``, finish_reason "function_call".
     ``max_tokens`` None = until the context is full. Returns the response dict, or with ``stream=True`` an iterator
     of ``chat.completion.chunk`` dicts."""
+    llm.check_generates()
     refuse_unknown(create_chat_completion, ignored)
     _check_n(n)
     _check_text_output(modalities, audio)

@@ -18,14 +18,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import PyllmError
+from . import convert_encoder
+from .errors import ConvertError
 from .gguf import GGMLType
 from .quantize import QUANTIZERS, quantize
 from .safe_io import check_regular, private_tempfile, read_json, read_regular
 
-
-class ConvertError(PyllmError):
-    pass
+__all__ = ["ConvertError", "convert"]
 
 
 # HF model_type -> GGUF architecture. Mistral is written as "llama" (as llama.cpp does) plus its sliding window.
@@ -362,13 +361,16 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
         cfg = {k: v for k, v in cfg.items() if v is not None}
     mt = cfg.get("model_type")
     arch = ARCH.get(mt) if isinstance(mt, str) else None
-    if arch is None:
-        raise ConvertError(f"{d}/config.json: model_type {mt!r} is not supported (supported: {', '.join(ARCH)})")
-    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")
-               if not isinstance(cfg.get(k), int)]
-    if missing:
-        raise ConvertError(f"{d}/config.json: missing or non-integer {', '.join(missing)}")
-    _check_config_values(cfg, f"{d}/config.json")
+    encoder = convert_encoder.ENCODER_TYPES.get(mt) if isinstance(mt, str) else None  # BERT-family embedders
+    if arch is None and encoder is None:
+        raise ConvertError(f"{d}/config.json: model_type {mt!r} is not supported (supported: "
+                           f"{', '.join([*ARCH, *convert_encoder.ENCODER_TYPES])})")
+    if encoder is None:
+        missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size")
+                   if not isinstance(cfg.get(k), int)]
+        if missing:
+            raise ConvertError(f"{d}/config.json: missing or non-integer {', '.join(missing)}")
+        _check_config_values(cfg, f"{d}/config.json")
     _check_output(d, out_path)
     tensors = _load_tensors(d)
 
@@ -380,7 +382,13 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
         fd, tmp = private_tempfile(out_path.parent, f".{out_path.name}.", ".part")
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the model readable by its owner only
         os.close(fd)
-        _write(gguf, w := gguf.GGUFWriter(str(tmp), arch), d, cfg, arch, mt, tensors, ftype, log)
+        w = gguf.GGUFWriter(str(tmp), arch or encoder)
+        if encoder is None:
+            _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log)
+        else:
+            out = convert_encoder.write_encoder_header(gguf, w, d, cfg, encoder, tensors, FILE_TYPES[ftype],
+                                                       cfg.get("_name_or_path") or d.name)
+            _write_tensors(gguf, w, out, ftype, cfg.get("num_hidden_layers") or cfg.get("n_layer"), False, log)
         w.close()
         tmp.replace(out_path)
         tmp = None
@@ -531,7 +539,11 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
         out.append((name, t))
     for name, a in extra.items():
         out.append((name, torch.from_numpy(a)))
+    _write_tensors(gguf, w, out, ftype, n_layer, tied, log)
 
+
+def _write_tensors(gguf, w, out: list[tuple[str, torch.Tensor]], ftype: str, n_layer: int, tied: bool, log) -> None:
+    """The tensors (GGUF name, float32 tensor) quantized to ``ftype``'s mix, then the whole file written."""
     for name, t in out:
         m = re.match(r"blk\.(\d+)\.", name)
         qt = _tensor_type(name, tuple(t.shape), ftype, (int(m.group(1)), n_layer) if m else None, tied)

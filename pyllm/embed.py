@@ -3,6 +3,10 @@
 Pooling follows the file's ``{arch}.pooling_type`` (llama.cpp's enum: 1 mean, 2 cls = first token, 3 last token);
 files without it (every decoder-only chat model) get mean pooling. Vectors are L2-normalised, so a dot product is
 the cosine similarity.
+
+An embedding encoder (the BERT family, models/encoder.py) is what retrieval wants: its hidden states come from one
+bidirectional pass over the text ([CLS] ... [SEP]), pooled as its spec says.  A Matryoshka encoder's vectors may
+be shortened (``dimensions``): the first n values, normalised again.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ POOLING = {1: "mean", 2: "cls", 3: "last"}
 
 
 def pooling_of(llm) -> str:
+    if getattr(llm, "is_encoder", False):
+        return llm.model.spec.pooling
     return POOLING.get(llm.gguf.get(f"{llm.config.arch}.pooling_type") if hasattr(llm.gguf, "get") else None,
                        "mean")
 
@@ -78,7 +84,10 @@ def embed_counted(llm, items: list[str], normalize: bool = True, pooling: str | 
             if len(ids) > llm.n_ctx:
                 raise PyllmError(f"embed: a text of {len(ids)} tokens exceeds the context of {llm.n_ctx}")
             with torch.inference_mode():
-                h = _hidden_states(llm, ids)
+                if getattr(llm, "is_encoder", False):
+                    h = llm.model.hidden_states(torch.tensor(ids, dtype=torch.int64))
+                else:
+                    h = _hidden_states(llm, ids)
             v = h.mean(0) if pooling == "mean" else h[0] if pooling == "cls" else h[-1]
             if normalize:
                 v = torch.nn.functional.normalize(v, dim=0)
@@ -102,21 +111,28 @@ def create_embedding(llm, input, model: str | None = None, encoding_format: str 
     """OpenAI ``/v1/embeddings`` response for ``input`` (a string or a list of strings); ``cancel`` as for
     embed_counted. ``dimensions``: None or the model's own width; a vector of any other length is refused, as
     OpenAI refuses it for models that cannot shorten theirs (cutting a vector that was not trained to be cut
-    would not keep its meaning), instead of answering with vectors of a length the client did not ask for."""
+    would not keep its meaning), instead of answering with vectors of a length the client did not ask for.  A
+    Matryoshka encoder (nomic-bert) takes 1..width: its vectors' first ``dimensions`` values, normalised again."""
     refuse_unknown(create_embedding, ignored)
     if encoding_format not in (None, "float", "base64"):
         raise BadRequest(f"encoding_format must be \"float\" or \"base64\", got {encoding_format!r}",
                          "encoding_format")
+    width = llm.config.n_embd
+    shorten = dimensions is not None and dimensions != width
     if dimensions is not None:
         check_number("dimensions", dimensions, 1, integer=True)
-        if dimensions != llm.config.n_embd:
-            raise BadRequest(f"dimensions={dimensions}: this model's embeddings have {llm.config.n_embd} dimensions "
-                             f"and cannot be shortened", "dimensions")
+        matryoshka = getattr(llm, "is_encoder", False) and llm.model.spec.matryoshka
+        if dimensions != width and not (matryoshka and dimensions < width):
+            raise BadRequest(f"dimensions={dimensions}: this model's embeddings have {width} dimensions "
+                             + ("and cannot be lengthened" if matryoshka else "and cannot be shortened"),
+                             "dimensions")
     if isinstance(input, str):
         input = [input]
     if not isinstance(input, list) or not input or not all(isinstance(t, str) for t in input):
         raise PyllmError("input must be a string or a non-empty list of strings")
     vecs, n = embed_counted(llm, input, cancel=cancel)
+    if shorten:
+        vecs = [torch.nn.functional.normalize(torch.tensor(v[:dimensions]), dim=0).tolist() for v in vecs]
     return {"object": "list", "model": model or llm.path.name,
             "data": [{"object": "embedding", "index": i, "embedding": _encode(v, encoding_format)}
                      for i, v in enumerate(vecs)],

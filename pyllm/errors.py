@@ -29,6 +29,10 @@ class DownloadError(PyllmError):
     """A registry model could not be fetched or failed its checksum."""
 
 
+class ConvertError(PyllmError):
+    """A checkpoint cannot be converted to GGUF (pyllm/convert.py)."""
+
+
 class ContextFullError(PyllmError):
     """The prompt and the reply would not fit in the model's context window."""
 

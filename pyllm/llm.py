@@ -259,6 +259,19 @@ class LLM:
         return self.config.n_vocab
 
     @property
+    def is_encoder(self) -> bool:
+        """An embedding encoder (the BERT family, models/encoder.py): it embeds text and generates none."""
+        return getattr(self.model, "is_encoder", False)
+
+    def check_generates(self) -> None:
+        """BadRequest (param "model") for an embedding encoder: it has no output head to predict a token with."""
+        if self.is_encoder:
+            from .errors import BadRequest
+
+            raise BadRequest(f"{self.path.name} is an embedding model (a {self.config.arch} encoder): it cannot "
+                             f"generate text; use it for embeddings (embed(), /v1/embeddings, /api/embed)", "model")
+
+    @property
     def system_fingerprint(self) -> str:
         """OpenAI's ``system_fingerprint``: "fp_" + 12 hex digits naming what, besides the request, decides the
         output: pyllm's version, the model file (name and size: hashing a multi-GB file would delay the first
@@ -303,6 +316,7 @@ class LLM:
     # ---- evaluation ---------------------------------------------------------------------------------------------
     def logits(self, ids: list[int]) -> torch.Tensor:
         """float32 [len(ids), n_vocab]: a fresh evaluation from position 0."""
+        self.check_generates()
         ids = self._check_ids(ids)
         with self._lock:
             self._epoch += 1
@@ -319,6 +333,7 @@ class LLM:
         time; it leaves the cache holding ``ids``, so a generation from them next evaluates only the last again."""
         from .runtime.sampler import rows_logprobs
 
+        self.check_generates()
         ids = self._check_ids(ids)
         out: list[tuple[float, list[tuple[int, float]]]] = []
         with self._lock:
@@ -424,6 +439,7 @@ class LLM:
         drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). Under a grammar,
         lookup drafts the tokens the grammar forces where it forces some; a draft model does not speculate there.
         """
+        self.check_generates()
         from .runtime.constraint import make_constraint
 
         ids = self._check_ids(ids)
@@ -653,6 +669,7 @@ class LLM:
         room is kept for min(max_tokens, n_ctx // 4) reply tokens). A reply that still fills the context stops
         with finish_reason "context".
         """
+        self.check_generates()
         max_tokens = self.check_max_tokens(max_tokens)
         sampling = check_sampling(sampling, self.n_vocab)
         stop = stop_list(stop)
@@ -783,13 +800,15 @@ def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_t
     """The LLM for a file reader's Checkpoint (pyllm/checkpoint.py), run by ``backend`` (pyllm.backends.select):
     plans the KV cache, prepares the weights (CUDA: uploads them), builds the model and its cache. Closes the
     checkpoint if anything fails."""
-    from .models import build_model
+    from .models import ENCODERS, build_model
 
     t0 = time.perf_counter() if t0 is None else t0
     try:
         cfg = ckpt.config
         # the adapters are read and checked before the weights are prepared (CUDA: uploaded)
         adapters, terms = lora_adapters.load_adapters(lora, cfg, ckpt.weights)
+        if cfg.arch in ENCODERS:
+            return _encoder_llm(ckpt, backend, cfg, n_ctx, kv_cache, n_threads, t0, adapters)
         n_ctx, per_token, need = plan_kv_cache(cfg, n_ctx, kv_cache, check_memory=backend.device.type == "cpu")
         if verbose:
             print(f"KV cache: {kv_cache}, {per_token / 1024:.1f} KiB per token, {need / 2**20:.1f} MiB for "
@@ -810,3 +829,21 @@ def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_t
               context_policy=context_policy)
     llm.lora = adapters
     return llm
+
+
+def _encoder_llm(ckpt, backend, cfg, n_ctx: int, kv_cache: str, n_threads: int | None, t0: float, adapters) -> LLM:
+    """The LLM of an embedding encoder: its context is at most the trained one (BERT's position table has no row
+    past it), and it keeps no cache between calls (a text is encoded in one pass); the one-position cache only
+    gives the LLM the shape every other model's has (its kind, for info), and nothing writes it."""
+    from .models import build_model
+
+    if adapters:
+        raise PyllmError(f"{Path(ckpt.path).name}: LoRA adapters apply to decoders; this is a {cfg.arch} encoder")
+    if n_threads:
+        torch.set_num_threads(n_threads)
+    try:
+        mdl = build_model(cfg, ckpt.weights, backend, max_pos=int(n_ctx) if n_ctx else cfg.n_ctx_train)
+    except ModelError as e:
+        raise in_file(e, Path(ckpt.path).name) from None
+    kv = backend.make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
+    return LLM(ckpt, mdl, kv, mdl.max_pos, n_threads or torch.get_num_threads(), time.perf_counter() - t0)

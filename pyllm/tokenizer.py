@@ -9,6 +9,11 @@ it and transformers' GGUF converter disagree, this module follows llama.cpp:
   (e.g. ``smollm`` isolates every digit before the GPT-2 regex runs);
 * SentencePiece vocabularies (``llama`` model) merge by token score over the whole fragment, spaces escaped
   to U+2581, with byte fallback -- which is BPE with merges ranked by the merged token's score;
+* WordPiece vocabularies (``bert`` model: BERT-family encoders) are stored as llama.cpp's converter writes them, a
+  word's first piece with a U+2581 prefix and a continuation without its ``##``; they are read back into the
+  ``##`` form and tokenized as BERT does (clean-up, CJK split, lowercasing and accent stripping where the
+  vocabulary is uncased, whitespace/punctuation split, greedy longest-match pieces), the text wrapped in
+  [CLS] ... [SEP];
 * tokens whose text is an end-of-generation marker (``<|im_end|>``, ``</s>``, ...) become control tokens and
   end generation, whatever type the file gave them.
 
@@ -173,6 +178,8 @@ class Tokenizer:
         try:
             if v.kind == "bpe":
                 backend = _bpe_backend(v.index, v.merges, v.pre)
+            elif v.kind == "wpm":
+                backend = _wpm_backend(v.tokens, v.types, v.unk_id)
             else:
                 backend = _spm_backend(v.tokens, v.types, v.index, v.scores)
         except (TypeError, ValueError, UnicodeError, OverflowError) as e:
@@ -351,6 +358,15 @@ class Tokenizer:
         table = getattr(self, "_floor", None)
         if table is not None:
             return table
+        if self.kind == "wpm":
+            # A WordPiece text's letters may all end up in one [UNK] (a word past 100 characters), but each ASCII
+            # punctuation character is a word of its own, so a token at least: only a special token written in
+            # the text ([CLS]) takes more than one.
+            punct = frozenset(b for b in range(33, 127) if not chr(b).isalnum())
+            most = max([1] + [sum(c.isascii() and ord(c) in punct for c in t)
+                              for t, ty in zip(self._tokens, self._types) if ty in (CONTROL, UNKNOWN, USER_DEFINED)])
+            self._floor = [(bytes(b for b in range(256) if b not in punct), most)]
+            return self._floor
         if self.kind == "bpe":
             # a byte whose character is missing from the vocabulary is dropped by the BPE model (no unknown token
             # is set): SmolLM2's vocabulary lacks 0x04, 0x06, 0x13, ...
@@ -424,7 +440,7 @@ class Tokenizer:
             return text.encode("utf-8")
         if ty == UNUSED:
             return b""  # llama.cpp renders unused tokens as nothing
-        if self.kind == "spm":
+        if self.kind in ("spm", "wpm"):
             return text.replace("\u2581", " ").encode("utf-8")
         out = bytearray()
         for ch in text:
@@ -443,7 +459,9 @@ class Tokenizer:
         ids = list(ids)
         data = b"".join(self.token_bytes(t, skip_special) for t in ids)
         text = data.decode("utf-8", errors="replace")
-        # the prefix space the encoder inserted is not part of the text
+        # the prefix space the encoder inserted is not part of the text (a WordPiece text's first word's marker)
+        if self.kind == "wpm" and text[:1] == " ":
+            text = text[1:]
         if self.kind == "spm" and self.add_space_prefix and ids and not (ids[0] == self.bos_id) and text[:1] == " ":
             text = text[1:]
         return text
@@ -656,9 +674,13 @@ def _read_vocabulary(metadata: dict) -> SimpleNamespace:
         kind, default_bos, default_eos = "bpe", 11, 11
     elif model == "llama":
         kind, default_bos, default_eos = "spm", 1, 2
+    elif model == "bert":  # [CLS] text [SEP]: the ids the file names, else the tokens of those texts
+        kind = "wpm"
+        default_bos, default_eos = next((i for i, t in enumerate(tokens) if t == "[CLS]"), None), \
+            next((i for i, t in enumerate(tokens) if t == "[SEP]"), None)
     else:
         raise TokenizerError(
-            f"GGUF metadata tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2', 'llama')"
+            f"GGUF metadata tokenizer.ggml.model = {model!r} is not supported (supported: 'gpt2', 'llama', 'bert')"
         )
 
     def special_id(key, default):
@@ -673,14 +695,26 @@ def _read_vocabulary(metadata: dict) -> SimpleNamespace:
     eos_id = special_id("tokenizer.ggml.eos_token_id", default_eos)
     eot_id = special_id("tokenizer.ggml.eot_token_id", None)
     eom_id = special_id("tokenizer.ggml.eom_token_id", None)
-    special_id("tokenizer.ggml.unknown_token_id", None)
+    unk_id = special_id("tokenizer.ggml.unknown_token_id", None)
+    if kind == "wpm":  # a WordPiece text ends in the separator, as llama.cpp and BERT's own tokenizer end it
+        eos_id = special_id("tokenizer.ggml.seperator_token_id", eos_id)
+        for what, tid in (("[CLS] (tokenizer.ggml.bos_token_id)", bos_id), ("[SEP] (tokenizer.ggml.seperator_token_id)",
+                                                                              eos_id)):
+            if tid is None:
+                raise TokenizerError(f"this WordPiece vocabulary has no {what} token")
+        if unk_id is None:
+            unk_id = next((i for i, t in enumerate(tokens) if t == "[UNK]"), None)
+        if unk_id is None:
+            raise TokenizerError("this WordPiece vocabulary has no [UNK] token (tokenizer.ggml.unknown_token_id)")
     special_id("tokenizer.ggml.padding_token_id", None)
 
     # llama.cpp adds BOS for a sentencepiece or llama-3 vocabulary unless the file says otherwise
     pre = _field(md, "tokenizer.ggml.pre", str) or "default"
-    bos_default = kind == "spm" or (kind == "bpe" and _PRE_SPLITS.get(pre, (None, False))[1])
+    bos_default = kind in ("spm", "wpm") or (kind == "bpe" and _PRE_SPLITS.get(pre, (None, False))[1])
     add_bos = _field(md, "tokenizer.ggml.add_bos_token", bool, default=bos_default)
     add_eos = _field(md, "tokenizer.ggml.add_eos_token", bool, default=False)
+    if kind == "wpm":
+        add_eos = add_bos and _field(md, "tokenizer.ggml.add_sep_token", bool, default=True)
     add_space_prefix = kind == "spm" and _field(md, "tokenizer.ggml.add_space_prefix", bool, default=True)
     if add_bos and bos_id is None:
         raise TokenizerError("GGUF metadata asks to add a BOS token but tokenizer.ggml.bos_token_id is missing")
@@ -711,7 +745,7 @@ def _read_vocabulary(metadata: dict) -> SimpleNamespace:
             _check_items("tokenizer.ggml.scores", scores, lambda v: _is_int(v) or type(v) is float, "a number")
     return SimpleNamespace(kind=kind, tokens=tokens, types=types, bos_id=bos_id, eos_id=eos_id, eog=eog,
                            add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space_prefix, index=index,
-                           pre=pre, merges=merges, scores=scores, fim=_fim_ids(md, n, index))
+                           pre=pre, merges=merges, scores=scores, fim=_fim_ids(md, n, index), unk_id=unk_id)
 
 
 def _bpe_backend(index: dict, merges: Sequence[tuple[str, str]], pre: str):
@@ -751,3 +785,42 @@ def _spm_backend(tokens: Sequence[str], types: Sequence[int], index: dict, score
                     pairs.append((a, b))
     model = models.BPE(index, pairs, byte_fallback=True)
     return HFTokenizer(model)
+
+
+def wordpiece_vocab(tokens: Sequence[str], types: Sequence[int]) -> dict[str, int]:
+    """The ``##`` form of a vocabulary llama.cpp's converter stored in its U+2581 form: "\u2581word" is a word's
+    first piece ("word"), any other normal token a continuation ("##" + token); special tokens keep their text."""
+    vocab: dict[str, int] = {}
+    for i, (t, ty) in enumerate(zip(tokens, types)):
+        if ty in (CONTROL, UNKNOWN, USER_DEFINED) or not t:
+            word = t
+        elif t.startswith("\u2581"):
+            word = t[1:]
+        else:
+            word = "##" + t
+        vocab.setdefault(word, i)
+    return vocab
+
+
+def wordpiece_cased(vocab: dict[str, int], types: Sequence[int]) -> bool:
+    """Whether a WordPiece vocabulary keeps case.  GGUF does not say whether the text is lowercased first (llama.cpp
+    always lowercases); an uncased vocabulary has no upper-case letter in any normal token, and its tokenizer
+    lowercases and strips accents (transformers' BertNormalizer: strip_accents follows lowercase)."""
+    return any(w != w.lower() for w, i in vocab.items() if types[i] == NORMAL)
+
+
+def _wpm_backend(tokens: Sequence[str], types: Sequence[int], unk_id: int):
+    """BERT's tokenizer over the vocabulary, in the tokenizers library: its normalizer (control characters
+    dropped, CJK characters split, lowercasing and accent stripping where uncased), its pre-tokenizer (whitespace
+    and punctuation) and WordPiece (greedy longest match, a word past 100 characters or with an unknown piece is
+    [UNK])."""
+    from tokenizers import Tokenizer as HFTokenizer, models, normalizers, pre_tokenizers
+
+    vocab = wordpiece_vocab(tokens, types)
+    uncased = not wordpiece_cased(vocab, types)
+    unk = next((w for w, i in vocab.items() if i == unk_id), tokens[unk_id])
+    tk = HFTokenizer(models.WordPiece(vocab, unk_token=unk, max_input_chars_per_word=100))
+    tk.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=uncased,
+                                               lowercase=uncased)
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return tk

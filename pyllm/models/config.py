@@ -18,6 +18,7 @@ ROPE_STYLE = {
     "qwen3": "neox",
     "phi3": "neox",
     "gemma3": "neox",
+    "nomic-bert": "neox",
 }
 
 
@@ -211,6 +212,16 @@ class ModelConfig:
             if arch != "gemma3":
                 raise ModelError(f"{source}: linear rope scaling (factor {factor!r}) is not supported for {arch}")
             cfg.extra["rope_scale"] = float(factor)  # gemma3 scales its global layers only
+        # encoders (models/encoder.py) say how their LayerNorm, attention mask and pooling differ from a decoder's
+        if get("attention.layer_norm_epsilon") is not None:
+            cfg.extra["layer_norm_eps"] = get_float("attention.layer_norm_epsilon", 1e-12, hi=1.0)
+        if get("pooling_type") is not None:
+            cfg.extra["pooling_type"] = get_int("pooling_type", lo=0, hi=4)
+        causal = get("attention.causal")
+        if causal is not None:
+            if not isinstance(causal, bool):
+                raise ModelError(f"{source}: {arch}.attention.causal = {_show(causal)} is not true or false")
+            cfg.extra["causal"] = causal
         if arch == "gemma3":
             # llama.cpp hard-codes these for gemma3 (no metadata keys): local RoPE base 10000, a global layer every
             # 6th, and queries scaled by head_dim**-0.5 except for 27B (62 layers), which uses n_embd / n_head.

@@ -284,7 +284,9 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     budget = MemoryBudget(request_memory(max_body, max_request_memory))
     metrics = Metrics()
     metrics.budget = budget
-    engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if parallel > 1 or prompt_cache else None
+    # an embedding encoder generates nothing: its requests run one at a time on the LLM, with no KV slots to batch
+    batched = (parallel > 1 or prompt_cache) and not getattr(llm, "is_encoder", False)
+    engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if batched else None
 
     last_stats = [llm.stats]
 
