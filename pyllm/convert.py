@@ -371,6 +371,8 @@ def convert(hf_dir: str | Path, out_path: str | Path, ftype: str = "f16", log=pr
         if missing:
             raise ConvertError(f"{d}/config.json: missing or non-integer {', '.join(missing)}")
         _check_config_values(cfg, f"{d}/config.json")
+    else:
+        convert_encoder.encoder_hparams(cfg, encoder, f"{d}/config.json")  # refused before the weights are read
     _check_output(d, out_path)
     tensors = _load_tensors(d)
 

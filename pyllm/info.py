@@ -67,6 +67,9 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         "kv_bytes_per_token_by_kind": {k: KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, k)
                                        for k in KV_KINDS if _fits(k, cfg.head_dim)},
     }
+    embedding = _embedding_info(cfg)
+    if embedding is not None:
+        info["embedding"] = embedding
     if n_ctx:
         info["n_ctx"] = n_ctx
         info["kv_cache"] = kv_kind
@@ -74,6 +77,30 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         info["kv_bytes_per_token"] = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_kind)
         info["kv_bytes_total"] = int(info["kv_bytes_per_token"] * n_ctx)
     return info
+
+
+def _embedding_info(cfg) -> dict | None:
+    """For an embedding encoder: how its vectors are made (pooling, dimensions, L2 normalisation, whether a prefix
+    may be requested); None for a decoder."""
+    from .errors import ModelError
+    from .models.encoder import ENCODERS, EncoderSpec
+
+    if cfg.arch not in ENCODERS:
+        return None
+    try:
+        spec = EncoderSpec.from_config(cfg)
+    except ModelError as e:
+        return {"problem": str(e)}
+    return {"pooling": spec.pooling, "dimensions": spec.n_embd, "normalized": spec.normalize,
+            "matryoshka": spec.matryoshka, "max_tokens": spec.n_pos}
+
+
+def _format_embedding(e: dict) -> str:
+    if "problem" in e:
+        return e["problem"]
+    return (f"{e['dimensions']} dimensions, {e['pooling']} pooling"
+            + (", L2-normalised" if e["normalized"] else "") + f", up to {e['max_tokens']} tokens"
+            + (f"; Matryoshka: dimensions 1..{e['dimensions']} may be requested" if e["matryoshka"] else ""))
 
 
 def _template_source(md: dict) -> str | None:
@@ -153,6 +180,8 @@ def format_info(info: dict) -> str:
     ]
     if "n_ctx" in info:
         lines.append(f"                 {size(info['kv_bytes_total'])} for n_ctx={info['n_ctx']} ({info['kv_cache']})")
+    if "embedding" in info:
+        lines.append(f"embedding model: {_format_embedding(info['embedding'])}")
     if "runtime" in info:
         lines.append(f"runs on:         {format_runtime(info['runtime'])}")
     lines.append("block types:")

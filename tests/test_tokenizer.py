@@ -422,7 +422,7 @@ def test_tiny_vocab_works():
         ({"tokenizer.ggml.token_type": [1, 1, 1]}, "token_type has 3 entries but tokenizer.ggml.tokens has 4"),
         ({"tokenizer.ggml.bos_token_id": 99}, "bos_token_id = 99 is out of range"),
         ({"tokenizer.ggml.eos_token_id": -1}, "eos_token_id = -1 is out of range"),
-        ({"tokenizer.ggml.model": "bert"}, "tokenizer.ggml.model = 'bert' is not supported"),
+        ({"tokenizer.ggml.model": "t5"}, "tokenizer.ggml.model = 't5' is not supported"),
         ({"tokenizer.ggml.model": None}, "lacks 'tokenizer.ggml.model'"),
         ({"tokenizer.ggml.tokens": None}, "lacks 'tokenizer.ggml.tokens'"),
         ({"tokenizer.ggml.merges": None}, "lacks 'tokenizer.ggml.merges'"),
