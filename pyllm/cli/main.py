@@ -193,12 +193,12 @@ def cmd_list(a) -> int:
     print(f"{'NAME':<22}{'SIZE':>10}  {'CACHED':<7}{'KIND':<6} DESCRIPTION")
     for r in rows:
         print(f"{r['name']:<22}{r['size'] / 2**20:>7.0f} MiB  {'yes' if r['cached'] else 'no':<7}"
-              f"{'chat' if r['chat'] else 'base':<6} {r['description']}")
+              f"{r['kind']:<6} {r['description']}")
     for f in files:
         kind = {True: "chat", False: "base", None: "?"}[f["chat_template"]]
         print(f"{f['name']:<22}{f['size'] / 2**20:>7.0f} MiB  {'yes':<7}{kind:<6} {f['path']}")
     print(f"cache: {registry.models_dir()} (set {registry.CACHE_ENV} to move it); base = no chat template, "
-          f"chat uses a plain fallback format")
+          f"chat uses a plain fallback format; embed = an embedding model (embeddings only)")
     return 0
 
 
