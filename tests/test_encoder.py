@@ -252,6 +252,7 @@ def test_openai_and_ollama_clients_over_http(bert, nomic):
             with pytest.raises(ollama.ResponseError, match="embedding model") as e:
                 oc.chat(model="enc", messages=[{"role": "user", "content": "hi"}])
             assert e.value.status_code == 400
+            assert oc.show("enc").capabilities == ["embedding"]
 
 
 def test_info_shows_pooling_and_dimensions(bert, nomic):

@@ -455,8 +455,10 @@ def routes(llm, model_name: str, read_json: Callable, submit: Callable, submit_m
         return JSONResponse({
             "modelfile": f"# served by pyllm {__version__}\nFROM {path}\nPARAMETER num_ctx {llm.n_ctx}\n",
             "parameters": f"num_ctx {llm.n_ctx}", "template": template, "details": details, "model_info": info,
-            # tool calls work with every model: a template without tools gets them in a system prompt
-            "capabilities": ["completion", "tools"], "modified_at": modified_at})
+            # tool calls work with every model: a template without tools gets them in a system prompt; an embedding
+            # encoder only embeds (Ollama's word for it: "embedding")
+            "capabilities": ["embedding"] if getattr(llm, "is_encoder", False) else ["completion", "tools"],
+            "modified_at": modified_at})
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": OLLAMA_API_VERSION, "pyllm": __version__})
