@@ -75,9 +75,13 @@ def test_cpu_step_conforms_to_the_torch_forward(llm, kind):
 
 
 def test_every_architecture_is_one_forward():
-    """Every supported architecture runs the one Transformer; a family is its spec entry."""
+    """Every supported decoder architecture runs the one Transformer, every embedding encoder the one Encoder; a
+    family is its spec entry."""
     from pyllm.models import ARCHITECTURES
+    from pyllm.models.encoder import ENCODERS, Encoder
     from pyllm.models.spec import ARCHITECTURES as SPEC_FAMILIES
     from pyllm.models.transformer import Transformer
 
-    assert set(ARCHITECTURES) == set(SPEC_FAMILIES) and set(ARCHITECTURES.values()) == {Transformer}
+    assert set(ARCHITECTURES) == set(SPEC_FAMILIES) | set(ENCODERS)
+    assert {ARCHITECTURES[a] for a in SPEC_FAMILIES} == {Transformer}
+    assert {ARCHITECTURES[a] for a in ENCODERS} == {Encoder}

@@ -355,3 +355,47 @@ def test_readme_embedding_example_runs_as_written(capsys):
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "README.md", "exec"), {})
     assert capsys.readouterr().out == "A simple recipe for homemade bread\n"
+
+
+def _rewrite(src, dst, changes: dict, drop: tuple = ()):
+    """``src`` GGUF written again as ``dst`` with metadata ``changes`` (None: key removed) and tensors ``drop``ped."""
+    from pyllm.gguf import open_gguf
+    from pyllm.synthetic import write_gguf
+
+    with open_gguf(src) as gf:
+        md = {k: v for k, v in gf.metadata.items() if not k.startswith("GGUF.")}
+        tensors = {n: (info.ggml_type, gf.raw(n).numpy().copy(), info.shape) for n, info in gf.tensors.items()
+                   if n not in drop}
+    for k, v in changes.items():
+        if v is None:
+            md.pop(k, None)
+        else:
+            md[k] = v
+    return write_gguf(dst, md, tensors)
+
+
+@pytest.mark.parametrize("changes,drop,words", [
+    ({"bert.pooling_type": "mean"}, (), "bert.pooling_type = 'mean'"),
+    ({"bert.pooling_type": 0}, (), "bert.pooling_type = 0 is not an embedding pooling"),
+    ({"bert.attention.causal": True}, (), "bert.attention.causal = true"),
+    ({"bert.attention.causal": 3}, (), "bert.attention.causal = 3 .* is not true or false"),
+    ({"bert.attention.layer_norm_epsilon": -1.0}, (), "bert.attention.layer_norm_epsilon = -1.0"),
+    ({"bert.context_length": 4}, (), r"'position_embd.weight' has shape \(128, 64\)"),
+    ({}, ("blk.1.attn_output_norm.bias",), "missing tensor blk.1.attn_output_norm.bias"),
+    ({"tokenizer.ggml.unknown_token_id": None, "tokenizer.ggml.tokens": "no-unk"}, (), "has no \\[UNK\\] token"),
+    ({"tokenizer.ggml.bos_token_id": None, "tokenizer.ggml.tokens": "no-cls"}, (), "has no \\[CLS\\]"),
+])
+def test_a_lying_encoder_file_is_refused_naming_what(tmp_path, bert, changes, drop, words):
+    """Metadata of the wrong type or range, a position table the context contradicts, a missing tensor or a
+    vocabulary without the tokens WordPiece needs: one PyllmError naming it, at load."""
+    from pyllm.gguf import open_gguf
+
+    if changes.get("tokenizer.ggml.tokens") in ("no-unk", "no-cls"):
+        with open_gguf(bert[2]) as gf:
+            tokens = list(gf.metadata["tokenizer.ggml.tokens"])
+        gone = "[UNK]" if changes["tokenizer.ggml.tokens"] == "no-unk" else "[CLS]"
+        tokens[tokens.index(gone)] = "[GONE]"
+        changes = {**changes, "tokenizer.ggml.tokens": tokens}
+    path = _rewrite(bert[2], tmp_path / "lying.gguf", changes, drop)
+    with pytest.raises(pyllm.PyllmError, match=words):
+        pyllm.load(str(path))

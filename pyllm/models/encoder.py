@@ -183,6 +183,8 @@ class Encoder:
         spec = EncoderSpec.from_config(cfg)
         types = weights.get("token_types.weight")
         n_types = types.shape[0] if types is not None and len(types.shape) == 2 else None
+        if n_types == 0:
+            raise ModelError(f"{cfg.arch} tensor 'token_types.weight' has no rows; every text is of type 0")
         want = spec.tensor_shapes("blk.0.attn_qkv.weight" in weights, n_types)
         for name, shape in want.items():
             t = weights.get(name)
