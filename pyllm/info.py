@@ -70,6 +70,8 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
     embedding = _embedding_info(cfg)
     if embedding is not None:
         info["embedding"] = embedding
+        if embedding.get("positions") == "absolute":
+            info["rope"] = "none (learned absolute positions)"
     if n_ctx:
         info["n_ctx"] = n_ctx
         info["kv_cache"] = kv_kind
@@ -92,7 +94,7 @@ def _embedding_info(cfg) -> dict | None:
     except ModelError as e:
         return {"problem": str(e)}
     return {"pooling": spec.pooling, "dimensions": spec.n_embd, "normalized": spec.normalize,
-            "matryoshka": spec.matryoshka, "max_tokens": spec.n_pos}
+            "matryoshka": spec.matryoshka, "max_tokens": spec.n_pos, "positions": spec.positions}
 
 
 def _format_embedding(e: dict) -> str:
@@ -174,14 +176,15 @@ def format_info(info: dict) -> str:
         f"context length:  {info['context_length']} (trained)",
         f"vocabulary:      {info['vocab_size']} tokens, {info['tokenizer']}",
         f"chat template:   {info['chat_template']}",
-        f"KV cache:        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB per token (f16); "
-        + ", ".join(f"{k} {b / 1024:.2f}" for k, b in info["kv_bytes_per_token_by_kind"].items()
-                    if k not in ("f16", "bf16")) + " KiB",
     ]
-    if "n_ctx" in info:
-        lines.append(f"                 {size(info['kv_bytes_total'])} for n_ctx={info['n_ctx']} ({info['kv_cache']})")
-    if "embedding" in info:
+    if "embedding" in info:  # an encoder keeps no KV cache
         lines.append(f"embedding model: {_format_embedding(info['embedding'])}")
+    else:
+        lines.append(f"KV cache:        {info['kv_bytes_per_token_f16'] / 1024:.1f} KiB per token (f16); "
+                     + ", ".join(f"{k} {b / 1024:.2f}" for k, b in info["kv_bytes_per_token_by_kind"].items()
+                                 if k not in ("f16", "bf16")) + " KiB")
+    if "n_ctx" in info and "embedding" not in info:
+        lines.append(f"                 {size(info['kv_bytes_total'])} for n_ctx={info['n_ctx']} ({info['kv_cache']})")
     if "runtime" in info:
         lines.append(f"runs on:         {format_runtime(info['runtime'])}")
     lines.append("block types:")

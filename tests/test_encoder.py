@@ -262,7 +262,9 @@ def test_info_shows_pooling_and_dimensions(bert, nomic):
     assert "embedding model: 64 dimensions, mean pooling, L2-normalised, up to 128 tokens; Matryoshka" in out.stdout
     info = pyllm.load(str(bert[2])).info()
     assert info["embedding"] == {"pooling": "mean", "dimensions": 64, "normalized": True, "matryoshka": False,
-                                 "max_tokens": 128}
+                                 "max_tokens": 128, "positions": "absolute"}
+    assert info["rope"] == "none (learned absolute positions)"
+    assert "KV cache" not in out.stdout  # an encoder keeps none
 
 
 def test_spec_fields_are_validated_by_name():
@@ -399,3 +401,21 @@ def test_a_lying_encoder_file_is_refused_naming_what(tmp_path, bert, changes, dr
     path = _rewrite(bert[2], tmp_path / "lying.gguf", changes, drop)
     with pytest.raises(pyllm.PyllmError, match=words):
         pyllm.load(str(path))
+
+
+def test_generating_commands_refuse_an_encoder_in_one_line(bert, monkeypatch, capsys):
+    """run, chat, bench and perplexity on an embedding model: exit 1 with one line saying it cannot generate (they
+    ended in an AttributeError's traceback inside the generator)."""
+    from conftest import cli_in_process
+
+    cli = cli_in_process(monkeypatch, capsys)
+    text = ROOT / "README.md"
+    for argv in (("run", str(bert[2]), "hi"), ("chat", str(bert[2])), ("bench", str(bert[2]), "-p", "8", "-n", "2"),
+                 ("perplexity", str(bert[2]), "-f", str(text), "-c", "64")):
+        r = cli(*argv, stdin=b"hi\n")
+        err = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and "Traceback" not in r.stderr, (argv, r.stderr)
+        assert err[-1].startswith("pyllm: error: bert.gguf is an embedding model"), (argv, r.stderr)
+    llm = pyllm.load(str(bert[2]))
+    with pytest.raises(ModelError, match="no output head"):
+        llm.model.forward(torch.tensor([1]), 0, llm.kv)

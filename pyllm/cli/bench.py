@@ -142,6 +142,7 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
 
     llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, kernels=a.kernels,
                      quiet=False, lora=lora_from_args(a))
+    llm.check_generates()  # an embedding encoder has no tokens to generate or prompts to score
     p = llm.path
     size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size  # AWQ folder
     name = p.name + "".join(f" + LoRA {a.path.name} x{a.scale:g}" for a in llm.lora)

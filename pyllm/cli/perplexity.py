@@ -44,6 +44,7 @@ def cmd_perplexity(a) -> int:
     text = read_text_arg(a.file, "-f", limit=perplexity.MAX_TEXT_BYTES, strict=False)
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache="f16", n_threads=a.threads,
                      kernels=a.kernels, quiet=False)
+    llm.check_generates()  # an embedding encoder predicts no next token
 
     def on_chunk(i, n, stats):
         if a.json:

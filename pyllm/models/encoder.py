@@ -251,3 +251,12 @@ class Encoder:
             m = self.project(m, p + "ffn_down")
             x = layer_norm(x + m, vec[p + "layer_output_norm.weight"], vec[p + "layer_output_norm.bias"], eps)
         return x.float().cpu()
+
+    def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
+        """A decoder's forward, which an encoder has not: it has no output head to predict a token with.  Every
+        generating path refuses an encoder before it gets here (LLM.check_generates); this keeps any other one
+        from ending in an AttributeError."""
+        raise ModelError(f"{self.spec.arch} is an embedding encoder: it has no output head to predict tokens with")
+
+    def fused_logits(self, token: int, pos: int, kv) -> None:
+        return None  # no fused step: the generator then calls forward, which refuses
