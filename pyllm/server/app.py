@@ -694,6 +694,10 @@ def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_k
     cache = f", prompt cache {prompt_cache}" if prompt_cache else ""
     port = sock.getsockname()[1]  # the port the system chose for --port 0
     shown = f"[{host}]" if ":" in host else host
-    print(f"pyllm serve: {model_name} on http://{shown}:{port}/v1 (context {llm.n_ctx}, KV {llm.kv.kind}{slots}"
+    if getattr(llm, "is_encoder", False):  # no KV cache, no slots: one text at a time
+        slots, cache, kv = "", "", f"embedding model, {llm.config.n_embd} dimensions"
+    else:
+        kv = f"KV {llm.kv.kind}"
+    print(f"pyllm serve: {model_name} on http://{shown}:{port}/v1 (context {llm.n_ctx}, {kv}{slots}"
           f"{cache})", file=sys.stderr, flush=True)
     server.run(sockets=[sock])
