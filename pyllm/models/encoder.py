@@ -6,7 +6,7 @@ validated once, each bad value a ModelError naming its field.  Each difference f
 transformers' BertModel / NomicBertModel and llama.cpp's bert graph (llm_build_bert), whose GGUF names these files
 use:
 
-    x = token_embd[ids] + token_types[0] (+ position_embd[pos]: absolute positions) ; x = LayerNorm(x)  (token_embd_norm)
+    x = token_embd[ids] + token_types[0] (+ position_embd[pos]: absolute positions) ; x = LayerNorm(x) (token_embd_norm)
     per layer:  q, k, v = x Wq (+ bq), x Wk (+ bk), x Wv (+ bv)  (or one attn_qkv) ; rotary positions: q, k = rope(q, k)
                 x = LayerNorm(x + attention(q, k, v) Wo (+ bo))                     (attn_output_norm)
                 m = gelu(x Wup + bup) Wdown + bdown  (bert)  |  (silu(x Wgate) * x Wup) Wdown  (nomic-bert)
