@@ -530,7 +530,7 @@ class CudaDecodeStep:
             if self.store_kernel[i] and not first:
                 kp, vp = self.parts[i]
                 bias, norms = self._qk_extras(i)
-                c_tab, s_tab = self.tables[self.layer_rope[i]]
+                c_tab, s_tab = self.tables[self.layer_rope[i]] if self.layer_rope[i] >= 0 else (None, None)
                 K.cuda_rope_store(q, k, v, *bias, *norms, eps, c_tab, s_tab, neox, self.pos, kp.data, vp.data, B.qr)
                 a = K.cuda_attn_decode(B.qr, kp.data, vp.data, self.len, self.scale, "", "", None, None,
                                        self.layer_window[i], 0.0, B.aq, B.ads).reshape(1, H * hd)  # and a's codes
@@ -573,15 +573,16 @@ class CudaDecodeStep:
         cfg, eps = self.cfg, self.cfg.rms_eps
         H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         bias, norms = self._qk_extras(i)
-        c_tab, s_tab = self.tables[self.layer_rope[i]]
-        c, s = c_tab.index_select(0, self.pos)[0], s_tab.index_select(0, self.pos)[0]
         if self.bias:
             q, k, v = q + bias[0], k + bias[1], v + bias[2]
         q, k, v = q.view(H, hd), k.view(Hkv, hd), v.view(Hkv, hd)
         if self.qk_norm:
             q, k = _rms_norm(q, norms[0], eps), _rms_norm(k, norms[1], eps)
-        q = _rope(q, c, s, cfg.rope_style, cfg.rope_dim)
-        k = _rope(k, c, s, cfg.rope_style, cfg.rope_dim)
+        if self.layer_rope[i] >= 0:  # -1: a layer without rope
+            c_tab, s_tab = self.tables[self.layer_rope[i]]
+            c, s = c_tab.index_select(0, self.pos)[0], s_tab.index_select(0, self.pos)[0]
+            q = _rope(q, c, s, cfg.rope_style, cfg.rope_dim)
+            k = _rope(k, c, s, cfg.rope_style, cfg.rope_dim)
         return self._store_attend(i, q, k, v, first)
 
     def _store_attend(self, i: int, q, k, v, first: bool) -> torch.Tensor:
