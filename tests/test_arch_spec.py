@@ -61,6 +61,16 @@ def test_layers_without_rope_read_no_table():
     assert nope.rope_keys() == (((5e5, 1.0),), (-1,) * 12)
 
 
+def test_smollm3_entries():
+    """SmolLM3: llama's layers with every 4th ((i + 1) % 4 == 0) without rope (llama.cpp's n_no_rope_layer_step 4);
+    those layers read no table (-1), the others the one table."""
+    spec = ArchSpec.from_config(_cfg("smollm3", rope_style="norm"))
+    assert spec.layers == tuple(LayerSpec(1e6, 1.0, 0, rope=(i + 1) % 4 != 0) for i in range(12))
+    assert spec.rope_keys() == (((1e6, 1.0),), tuple(-1 if (i + 1) % 4 == 0 else 0 for i in range(12)))
+    assert spec.rope_style == "norm" and spec.act == "silu" and not spec.post_norms and not spec.qk_norm
+    assert spec.layer_tensors() == ArchSpec.from_config(_cfg("llama")).layer_tensors()
+
+
 def test_spec_is_frozen():
     spec = ArchSpec.from_config(_cfg())
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -18,6 +18,7 @@ ROPE_STYLE = {
     "qwen3": "neox",
     "phi3": "neox",
     "gemma3": "neox",
+    "smollm3": "norm",
 }
 
 

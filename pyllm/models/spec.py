@@ -183,7 +183,15 @@ def _gemma3(cfg: ModelConfig) -> dict:
                 layers=tuple(glob if pattern <= 0 or (i + 1) % pattern == 0 else local for i in range(cfg.n_layer)))
 
 
+def _smollm3(cfg: ModelConfig) -> dict:
+    """SmolLM3: llama's layers, except that every 4th ((i + 1) % 4 == 0) has no rotary embedding (NoPE), as
+    transformers' default no_rope_layers and llama.cpp's smollm3 graph (n_no_rope_layer_step = 4, no metadata key)
+    have it."""
+    return dict(layers=tuple(LayerSpec(cfg.rope_base, 1.0, cfg.sliding_window, rope=(i + 1) % 4 != 0)
+                             for i in range(cfg.n_layer)))
+
+
 # general.architecture -> the family's entries (what differs from the ArchSpec defaults)
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "phi3": _llama,
-             "gemma3": _gemma3}
+             "gemma3": _gemma3, "smollm3": _smollm3}
 ARCHITECTURES = tuple(sorted(_FAMILIES))
