@@ -364,18 +364,20 @@ def test_argmax_or_minus1_is_numpys_argmax_or_minus1():
 def test_awq_weights_go_up_as_rows():
     """AWQ tensors are repacked once into the CPU's row layout (which the CUDA GEMV reads) before upload; a group
     size without a layout stays in AutoAWQ form (multiplied through its own dequantize)."""
-    from pyllm import _ext, awq
+    from pyllm import _ext
+    from pyllm.awq.repack import repack
+    from pyllm.awq.unpack import AWQTensor
     from test_awq import random_awq
 
     C = _ext.load()
     _, _, s, qw, qz = random_awq(256, 64, 64, seed=3)
-    t = awq.AWQTensor(qw, qz, s, 64, name="w")
+    t = AWQTensor(qw, qz, s, 64, name="w")
     up = cb._to_device(t, torch.device("cpu"), C)
     assert isinstance(up, cb.CudaAwqRows) and up.qtype == int(C.awq_qtype(64)) and up.shape == (64, 256)
-    assert torch.equal(up.data, awq.repack(t, C).data)
+    assert torch.equal(up.data, repack(t, C).data)
     _, _, s, qw, qz = random_awq(192, 16, 96, seed=4)
-    odd = cb._to_device(awq.AWQTensor(qw, qz, s, 96, name="odd"), torch.device("cpu"), C)
-    assert isinstance(odd, awq.AWQTensor) and odd.group_size == 96
+    odd = cb._to_device(AWQTensor(qw, qz, s, 96, name="odd"), torch.device("cpu"), C)
+    assert isinstance(odd, AWQTensor) and odd.group_size == 96
 
 
 class FakeCudaBackend(cb.CudaBackend):

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..awq import AWQRows
+from ..awq.repack import AWQRows, repack
+from ..awq.unpack import AWQTensor
 from ..errors import PyllmError
 from ..gguf import GGMLType
 from ..ops import GEMV_MAX_M  # above it, dequantize + cuBLAS (csrc/common/limits.h)
@@ -105,11 +106,9 @@ def _to_device(w, dev: torch.device, C):
     if isinstance(w, QTensor):
         return QTensor(w.qtype, w.shape, w.data.to(dev).contiguous(), w.name)
     if hasattr(w, "qzeros"):  # AWQTensor: rows for the GEMV when its group size has a layout
-        from .. import awq
-
-        rows = awq.repack(w, C)
+        rows = repack(w, C)
         if rows is None:
-            return awq.AWQTensor(w.qweight.to(dev), w.qzeros.to(dev), w.scales.to(dev), w.group_size, w.name)
+            return AWQTensor(w.qweight.to(dev), w.qzeros.to(dev), w.scales.to(dev), w.group_size, w.name)
         w = rows
     if hasattr(w, "group_size") and hasattr(w, "data"):  # AWQRows
         return CudaAwqRows(w.data.to(dev).contiguous(), w.qtype, w.shape, w.group_size, w.name)
@@ -117,7 +116,7 @@ def _to_device(w, dev: torch.device, C):
 
 
 class CudaAwqRows(AWQRows):
-    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.AWQRows dequantized by the CUDA kernel."""
+    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.repack.AWQRows dequantized by the CUDA kernel."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from .. import _ext
