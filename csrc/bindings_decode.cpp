@@ -106,7 +106,8 @@ struct DecodeArch {
     int64_t n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, rope_dim = 0;
     bool neox = false, qkv_bias = false, qk_norm = false, post_norms = false, gelu_tanh = false;
     double rms_eps = 0, attn_scale = 0, embd_scale = 0, final_softcap = 0;
-    std::vector<int64_t> layer_rope, layer_window;  // per layer: its rope table (index into the context's), window
+    std::vector<int64_t> layer_rope, layer_window;  // per layer: its rope table (index into the context's; -1:
+                                                    // none, a NoPE layer), window
     int64_t n_rope = 1;                             // rope tables: 1 + the largest layer_rope entry
 };
 
@@ -144,8 +145,8 @@ DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_
     for (int64_t w : layer_window)
         PYLLM_CHECK_VALUE(w >= 0 && w <= INT32_MAX, kDA, ": layer_window entries must be in [0, 2**31), got ", w);
     for (int64_t r : layer_rope) {
-        PYLLM_CHECK_VALUE(r == 0 || r == 1, kDA, ": layer_rope entries must be 0 or 1 (two rope tables at most), got ",
-                          r);
+        PYLLM_CHECK_VALUE(r >= -1 && r <= 1, kDA, ": layer_rope entries must be 0 or 1 (two rope tables at most) or "
+                          "-1 (no rope), got ", r);
         a.n_rope = std::max(a.n_rope, r + 1);
     }
     a.n_layer = static_cast<int64_t>(layer_window.size());

@@ -168,7 +168,7 @@ struct DecodeLayer {
     const float *q_norm = nullptr, *k_norm = nullptr;         // both or none ([hd])
     // Gemma-style norms of the attention / MLP output before each residual add (nullptr: none) ([n_embd]).
     const float *post_attn_norm = nullptr, *post_ffw_norm = nullptr;
-    int rope = 0;    // 0: cos/sin, 1: cos2/sin2 (Gemma's local layers have their own RoPE base)
+    int rope = 0;    // 0: cos/sin, 1: cos2/sin2 (Gemma's local layers have their own RoPE base), -1: none
     int window = 0;  // this layer's sliding window (0 = full attention)
 };
 // ---- KV cache rows for the decode step's attention (csrc/cpu/attention.cpp) ------------------------------------

@@ -1,6 +1,6 @@
 """What a model file reader produces: one value that ``pyllm.llm.from_checkpoint`` turns into an LLM.
 
-Readers (each a file format): ``read_gguf`` here, ``pyllm.awq.read_awq`` for AWQ folders. They know nothing of
+Readers (each a file format): ``read_gguf`` here, ``pyllm.awq.folder.read_awq`` for AWQ folders. They know nothing of
 backends, caches or generation, and nothing below them imports the LLM: data flows file -> Checkpoint -> LLM.
 """
 

@@ -29,8 +29,8 @@ __all__ = ["ConvertError", "convert"]
 
 # HF model_type -> GGUF architecture. Mistral is written as "llama" (as llama.cpp does) plus its sliding window.
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-        "gemma3_text": "gemma3"}
-PERMUTE_QK = {"llama"}  # archs whose runtime uses the interleaved ("norm") rotation
+        "gemma3_text": "gemma3", "smollm3": "smollm3"}
+PERMUTE_QK = {"llama", "smollm3"}  # archs whose runtime uses the interleaved ("norm") rotation
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
 BASE_TYPE = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0,
              "q4_k_m": GGMLType.Q4_K}
@@ -468,6 +468,19 @@ def _check_tensors(d: Path, arch: str, names, tensors: dict, n_layer: int, n_emb
             raise ConvertError(f"{d}: tensor {hf} has shape {got}, but config.json ({sizes}) needs {exp}")
 
 
+def _check_smollm3(d: Path, cfg: dict, n_layer: int) -> None:
+    """SmolLM3's GGUF has no key for which layers skip RoPE or attend to a window: llama.cpp's smollm3 graph (and
+    pyllm's spec entry) takes every 4th layer as NoPE and every layer as global.  A checkpoint that says otherwise
+    would convert into a file that runs another model, so it is refused, naming the field."""
+    want = [int((i + 1) % 4 != 0) for i in range(n_layer)]
+    got = cfg.get("no_rope_layers", want)
+    if got != want:
+        raise ConvertError(f"{d}/config.json: no_rope_layers = {_short(got)} is not every 4th layer without RoPE "
+                           f"({_short(want)}), the only pattern a smollm3 GGUF file can hold")
+    if cfg.get("use_sliding_window"):
+        raise ConvertError(f"{d}/config.json: use_sliding_window = true: a smollm3 GGUF file has no sliding window")
+
+
 def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     n_layer, n_embd = cfg["num_hidden_layers"], cfg["hidden_size"]
     n_head = cfg["num_attention_heads"]
@@ -517,6 +530,8 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
         if cfg.get("query_pre_attn_scalar") not in (None, head_dim):
             raise ConvertError(f"{d}: query_pre_attn_scalar {cfg['query_pre_attn_scalar']} != head_dim "
                                "is not representable in gemma3 GGUF metadata")
+    if mt == "smollm3":
+        _check_smollm3(d, cfg, n_layer)
     _write_tokenizer(w, d, cfg, n_vocab)
 
     tied = cfg.get("tie_word_embeddings", False) or "lm_head.weight" not in tensors

@@ -17,6 +17,10 @@ class ModelError(PyllmError):
     """A model's architecture or tensors are unsupported or inconsistent."""
 
 
+class AWQError(ModelError):
+    """An AWQ folder is incomplete, inconsistent or uses a layout pyllm does not support (pyllm/awq/)."""
+
+
 class TokenizerError(PyllmError):
     """The vocabulary in a model file cannot be turned into a tokenizer."""
 

@@ -775,8 +775,8 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
     lora_adapters.parse_spec(lora)  # a malformed argument fails before the model is read
     runner = backends.select(device, kernels, n_threads)
     path = registry.resolve(model, quiet=quiet)
-    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq.py)
-        from .awq import read_awq
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq/)
+        from .awq.folder import read_awq
 
         ckpt = read_awq(path, quiet=quiet)
     elif path.is_dir():

@@ -51,6 +51,26 @@ def test_gemma3_entries():
         ArchSpec.from_config(cfg)
 
 
+def test_layers_without_rope_read_no_table():
+    """A layer without rope (LayerSpec.rope False) reads no table (-1); a spec whose every layer is so still has
+    one table: the steps read the positions from its length."""
+    spec = ArchSpec.from_config(_cfg())
+    some = dataclasses.replace(spec, layers=tuple(LayerSpec(1e6, 1.0, 0, rope=i % 4 != 3) for i in range(12)))
+    assert some.rope_keys() == (((1e6, 1.0),), tuple(-1 if i % 4 == 3 else 0 for i in range(12)))
+    nope = dataclasses.replace(spec, layers=(LayerSpec(5e5, 1.0, 0, rope=False),) * 12)
+    assert nope.rope_keys() == (((5e5, 1.0),), (-1,) * 12)
+
+
+def test_smollm3_entries():
+    """SmolLM3: llama's layers with every 4th ((i + 1) % 4 == 0) without rope (llama.cpp's n_no_rope_layer_step 4);
+    those layers read no table (-1), the others the one table."""
+    spec = ArchSpec.from_config(_cfg("smollm3", rope_style="norm"))
+    assert spec.layers == tuple(LayerSpec(1e6, 1.0, 0, rope=(i + 1) % 4 != 0) for i in range(12))
+    assert spec.rope_keys() == (((1e6, 1.0),), tuple(-1 if (i + 1) % 4 == 0 else 0 for i in range(12)))
+    assert spec.rope_style == "norm" and spec.act == "silu" and not spec.post_norms and not spec.qk_norm
+    assert spec.layer_tensors() == ArchSpec.from_config(_cfg("llama")).layer_tensors()
+
+
 def test_spec_is_frozen():
     spec = ArchSpec.from_config(_cfg())
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -71,6 +91,7 @@ def test_spec_is_frozen():
     ("layers", (LayerSpec(window=-1),) * 12, r"layers\[0\].window"),
     ("layers", (LayerSpec(rope_base=0.0),) * 12, r"layers\[0\].rope_base"),
     ("layers", (LayerSpec(rope_scale=float("inf")),) * 12, r"layers\[0\].rope_scale"),
+    ("layers", (LayerSpec(rope=0),) * 12, r"layers\[0\].rope"),
 ])
 def test_bad_values_name_the_field(field, value, match):
     spec = ArchSpec.from_config(_cfg())

@@ -1,6 +1,6 @@
-"""Qwen3, Mistral (sliding window), Llama 3 rope scaling, Phi-3 (fused QKV / gate-up, partial rotary) and Gemma 3
-(sandwich norms, local/global layers): tiny random transformers checkpoints, converted by ``pyllm convert``,
-loaded by pyllm and compared with transformers on the same token ids.
+"""Qwen3, Mistral (sliding window), Llama 3 rope scaling, Phi-3 (fused QKV / gate-up, partial rotary), Gemma 3
+(sandwich norms, local/global layers) and SmolLM3 (every 4th layer without rope): tiny random transformers
+checkpoints, converted by ``pyllm convert``, loaded by pyllm and compared with transformers on the same token ids.
 
 - f16: the checkpoints hold f16-representable weights, so the file is exact and all-position logits must match
   within 1e-3 relative (max|diff| / max|logit| per position); greedy continuations must be equal.
@@ -132,7 +132,7 @@ def test_q8_0_logits(arch):
     assert exact < 1e-3 and vs_float < 0.1
 
 
-@pytest.mark.parametrize("arch", ["llama3", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama3", "gemma3", "smollm3"])
 def test_q4_k_m_logits(arch):
     from pyllm.gguf import GGMLType
 
@@ -145,6 +145,35 @@ def test_q4_k_m_logits(arch):
     vs_float = rel_per_position(ours, hf_logits(tm.hf_model(arch), ids))
     print(f"{arch} q4_k_m: vs same weights {exact:.2e}, vs float {vs_float:.2e}")
     assert exact < 1e-3 and vs_float < 1.0
+
+
+def test_smollm3_f32_logits_greedy_and_its_no_rope_layer():
+    """SmolLM3, a family that is its spec entry (every 4th layer without rope) and its converter mapping: the f32
+    file against transformers' float32 forward within 1e-3 with equal greedy tokens, as the f16 file above.  The
+    same weights with rope in every layer miss transformers by far more than that bound: the comparison sees the
+    NoPE layer."""
+    import dataclasses
+
+    from pyllm.models.transformer import Transformer
+    from pyllm.runtime.kv_cache import make_kv_cache
+
+    llm, hf = tm.pyllm_model("smollm3", "f32"), tm.hf_model("smollm3")
+    assert [la.rope for la in llm.model.spec.layers] == [True, True, True, False]
+    assert_logits_match(llm, hf, "smollm3 f32")
+    ids = llm.tokenize(PROMPTS[0])
+    ours = list(llm.generate_tokens(ids, max_tokens=24, temperature=0))
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, top_k=None, top_p=None,
+                          temperature=None, pad_token_id=0, eos_token_id=None)
+    assert ours == out[0, len(ids):len(ids) + len(ours)].tolist()
+
+    m = llm.model
+    roped = dataclasses.replace(m.spec, layers=tuple(dataclasses.replace(la, rope=True) for la in m.spec.layers))
+    wrong = Transformer(m.cfg, m.w, m.backend, 256, spec=roped)
+    ids = llm.tokenize(PROMPTS[1])
+    kv = make_kv_cache("f32", m.cfg.n_layer, m.cfg.n_kv_head, 256, m.cfg.head_dim)
+    rel = rel_per_position(wrong.forward(torch.tensor(ids), 0, kv, all_logits=True).double(), hf_logits(hf, ids))
+    assert rel > 0.05, f"rope in every layer is {rel:.2e} from transformers: the test cannot see the NoPE layer"
 
 
 def test_tokenizer_round_trip_matches_transformers():

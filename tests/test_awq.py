@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from conftest import unblock_fifo_later
-from pyllm import awq
+from pyllm.awq.folder import open_awq
+from pyllm.awq.shards import open_shards
+from pyllm.awq.tokenizer import chat_template_source, tokenizer_from_hf
+from pyllm.awq.unpack import AWQTensor
 from pyllm.errors import PyllmError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,14 +79,14 @@ def random_awq(k, n, g, seed=0):
 def test_pack_test_vector():
     # REFERENCE.md §4: logical columns v0..v7 = 0..7 pack to 0x75316420
     assert pack_gemm(torch.arange(8).view(1, 8)).item() == 0x75316420
-    assert awq.AWQTensor.unpack(torch.tensor([[0x75316420]], dtype=torch.int32)).tolist() == [list(range(8))]
+    assert AWQTensor.unpack(torch.tensor([[0x75316420]], dtype=torch.int32)).tolist() == [list(range(8))]
 
 
 @pytest.mark.parametrize("k,n,g", [(128, 64, 32), (256, 96, 64), (384, 256, 128), (576, 40, 64), (64, 8, -1)])
 def test_dequantize_matches_autoawq(k, n, g):
     gg = k if g == -1 else g  # -1: one group per column (per-channel)
     q, z, s, qw, qz = random_awq(k, n, gg, seed=k + n)
-    t = awq.AWQTensor(qw, qz, s, g, name="t")
+    t = AWQTensor(qw, qz, s, g, name="t")
     assert t.shape == (n, k)
     ref = dequantize_gemm(qw, qz, s, 4, gg)  # fp16 [K, N]
     assert torch.equal(t.dequantize(torch.float16), ref.T)
@@ -99,9 +102,9 @@ def test_dequantize_matches_autoawq(k, n, g):
 def test_shape_mismatch_in_tensor():
     q, z, s, qw, qz = random_awq(128, 64, 32)
     with pytest.raises(PyllmError, match="scales shape"):
-        awq.AWQTensor(qw, qz, s[:, :32], 32, name="x")
+        AWQTensor(qw, qz, s[:, :32], 32, name="x")
     with pytest.raises(PyllmError, match="qzeros shape"):
-        awq.AWQTensor(qw, qz[:2], s, 32, name="x")
+        AWQTensor(qw, qz[:2], s, 32, name="x")
 
 
 # ------------------------------------------------------------------ real-writer fixtures
@@ -126,12 +129,12 @@ def _dense_from_awq(awq_dir: Path, dense_dir: Path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
-    where = awq._open_shards(awq_dir)
+    where = open_shards(awq_dir)
     sd = {}
     for name in where:
         mod, _, suffix = name.rpartition(".")
         if suffix == "qweight":
-            t = awq.AWQTensor(where[name].get(name), where[mod + ".qzeros"].get(mod + ".qzeros"),
+            t = AWQTensor(where[name].get(name), where[mod + ".qzeros"].get(mod + ".qzeros"),
                               where[mod + ".scales"].get(mod + ".scales"), _group(awq_dir))
             sd[mod + ".weight"] = t.dequantize(torch.float32)
         elif suffix in ("weight", "bias"):
@@ -151,13 +154,13 @@ def _group(d: Path) -> int:
 @pytest.mark.parametrize("g", [32, 64, 128])
 def test_real_writer_unpacks_like_autoawq(fixtures, g):
     d, _ = fixtures[g]
-    where = awq._open_shards(d)
+    where = open_shards(d)
     n = 0
     for name in where:
         if name.endswith(".qweight"):
             mod = name[: -len(".qweight")]
             qw, qz, s = (where[mod + x].get(mod + x) for x in (".qweight", ".qzeros", ".scales"))
-            t = awq.AWQTensor(qw, qz, s, g, name=mod)
+            t = AWQTensor(qw, qz, s, g, name=mod)
             ref = dequantize_gemm(qw, qz, s, 4, g)
             assert torch.equal(t.dequantize(s.dtype), ref.T), mod
             assert torch.equal(t.dequantize(torch.float32).to(s.dtype), ref.T), mod
@@ -247,16 +250,16 @@ def _tiny_folder(d: Path, qc: dict | None = None, mutate=None):
 
 def _one_line_error(path, match):
     with pytest.raises(PyllmError, match=match) as ei:
-        awq.open_awq(path)
+        open_awq(path)
     msg = str(ei.value)
     assert "\n" not in msg and len(msg) < 400, msg
     return msg
 
 
 def test_good_hand_packed_folder_loads(tmp_path):
-    info, cfg, w = awq.open_awq(_tiny_folder(tmp_path / "ok"))
+    info, cfg, w = open_awq(_tiny_folder(tmp_path / "ok"))
     assert cfg.arch == "llama" and cfg.rope_style == "neox" and not cfg.tied_output
-    assert isinstance(w["blk.0.attn_q.weight"], awq.AWQTensor) and w["blk.0.ffn_down.weight"].shape == (64, 128)
+    assert isinstance(w["blk.0.attn_q.weight"], AWQTensor) and w["blk.0.ffn_down.weight"].shape == (64, 128)
 
 
 def test_missing_config(tmp_path):
@@ -407,8 +410,8 @@ def test_a_fifo_in_the_folder_is_refused_before_it_is_opened(tmp_path, name):
     os.mkfifo(d / name)
     t = unblock_fifo_later(d / name)
     with pytest.raises(PyllmError, match=f"{name}: is a FIFO, not a regular file") as ei:
-        awq.open_awq(d) if name in ("config.json", "model.safetensors") else (
-            awq.tokenizer_from_hf(d, 32) if name == "tokenizer.json" else awq.chat_template_source(d))
+        open_awq(d) if name in ("config.json", "model.safetensors") else (
+            tokenizer_from_hf(d, 32) if name == "tokenizer.json" else chat_template_source(d))
     assert "\n" not in str(ei.value)
     t.join()
 
@@ -424,11 +427,11 @@ def test_unpadded_header_loads_like_a_padded_one(tmp_path):
     d = _tiny_folder(tmp_path / "a")
     names = ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "token_embd.weight")
     # copies: the weights are views of the file's mapping, which rewriting the file changes under them
-    ref = {n: w.dequantize().clone() for n, w in awq.open_awq(d)[2].items() if n in names}
+    ref = {n: w.dequantize().clone() for n, w in open_awq(d)[2].items() if n in names}
     _edit_header(d, lambda h: None, pad=3)
     from safetensors import safe_open
 
-    got = awq.open_awq(d)[2]
+    got = open_awq(d)[2]
     with safe_open(str(d / "model.safetensors"), "pt") as f:  # the reference reader takes the file
         assert torch.equal(f.get_tensor(Q_PROJ), got["blk.0.attn_q.weight"].qweight)
     for name in names:
@@ -467,7 +470,7 @@ def test_bad_config_value_is_one_line(tmp_path, changes, match):
 def test_mistral_null_sliding_window_is_no_window(tmp_path):
     d = _tiny_folder(tmp_path / "w")
     _edit_config(d, model_type="mistral", sliding_window=None)
-    assert awq.open_awq(d)[1].sliding_window == 0
+    assert open_awq(d)[1].sliding_window == 0
 
 
 def test_index_naming_a_non_file_shard_is_one_line(tmp_path):

@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyllm import awq
+from pyllm.awq.folder import open_awq
+from pyllm.awq.unpack import AWQTensor
 from test_awq import dequantize_gemm
 
 PROMPTS = [
@@ -147,7 +148,7 @@ def test_autoawq_layers_unpack_exactly(autoawq_fixtures):
         g, k, n = (int(p[1:]) for p in key.split("_"))
         qw, qz, s = t[key + ".qweight"], t[key + ".qzeros"], t[key + ".scales"]
         assert qw.shape == (k, n // 8) and qz.shape == (k // g, n // 8) and s.dtype == torch.float16, key
-        w = awq.AWQTensor(qw, qz, s, g, name=key)
+        w = AWQTensor(qw, qz, s, g, name=key)
         assert w.shape == (n, k)
         assert torch.equal(w.dequantize(torch.float16), t[key + ".ref_f16"].T), key
         assert torch.equal(w.dequantize(torch.float32), t[key + ".ref_f32"].T), key
@@ -171,9 +172,9 @@ def test_autoawq_folder_is_what_autoawq_writes(autoawq_fixtures, name):
     assert cfg["quantization_config"] == {"bits": 4, "group_size": int(name.split("-g")[1]), "modules_to_not_convert":
                                           None, "quant_method": "awq", "version": "gemm", "zero_point": True}
     assert cfg["transformers_version"] == "4.51.3"
-    info, mcfg, w = awq.open_awq(d)
+    info, mcfg, w = open_awq(d)
     assert mcfg.tied_output == cfg["tie_word_embeddings"] == (name == "llama-g64")
-    assert sum(isinstance(v, awq.AWQTensor) for v in w.values()) == 14  # 7 linears x 2 layers
+    assert sum(isinstance(v, AWQTensor) for v in w.values()) == 14  # 7 linears x 2 layers
 
 
 @pytest.mark.parametrize("name", AUTOAWQ_MODELS)

@@ -23,7 +23,9 @@ import numpy as np
 import pytest
 import torch
 
-from pyllm import _ext, awq
+from pyllm import _ext
+from pyllm.awq.repack import AWQRows, repack, repack_weights
+from pyllm.awq.unpack import AWQTensor
 from test_awq import HAVE_AUTO_ROUND, dequantize_gemm, fixtures, needs_writer, random_awq  # noqa: F401 (fixture)
 from test_kernels import C, C_all_isas, SEED, gemv_on_every_isa, quantize_like_kernels, rel_err, rng_for, why  # noqa: F401 (fixture)
 
@@ -59,7 +61,7 @@ def make(C, k, n, g):
 def test_repack_dequantize_is_exact(C, k, n, g):
     w = make(C, k, n, g)
     assert w.rows.dtype == torch.uint8 and tuple(w.rows.shape) == (n, k // 2 + 3 * k // g)
-    t = awq.AWQTensor(w.qweight, w.qzeros, w.s, g)
+    t = AWQTensor(w.qweight, w.qzeros, w.s, g)
     assert torch.equal(t.dequantize(torch.float32), w.W)
     assert torch.equal(w.W.half(), dequantize_gemm(w.qweight, w.qzeros, w.s, 4, g).T)  # AutoAWQ's own, in fp16
     ids = torch.from_numpy(rng_for("ids", k, n, g).integers(0, n, 7))
@@ -111,8 +113,8 @@ def test_awq_rows_through_ops(C):
     from pyllm import ops
 
     w = make(C, 256, 96, 64)
-    t = awq.repack(awq.AWQTensor(w.qweight, w.qzeros, w.s, 64, name="t"))
-    assert isinstance(t, awq.AWQRows) and t.shape == (96, 256) and t.nbytes == 96 * (128 + 12)
+    t = repack(AWQTensor(w.qweight, w.qzeros, w.s, 64, name="t"))
+    assert isinstance(t, AWQRows) and t.shape == (96, 256) and t.nbytes == 96 * (128 + 12)
     assert torch.equal(ops.dequantize(t), w.W) and torch.equal(t.dequantize(), w.W)
     ids = torch.tensor([[3, 95], [0, 7]])
     assert torch.equal(ops.embedding(t, ids), w.W[ids]) and torch.equal(t.rows(ids), w.W[ids])
@@ -122,12 +124,12 @@ def test_awq_rows_through_ops(C):
 
 def test_repack_takes_exact_scales_only(C):
     q, z, s, qw, qz = random_awq(128, 16, 32, seed=1)
-    assert awq.repack(awq.AWQTensor(qw, qz, s.float(), 32)) is not None  # fp32 holding fp16 values: exact
-    assert awq.repack(awq.AWQTensor(qw, qz, s.bfloat16(), 32)) is not None  # bf16 values of this range fit fp16
+    assert repack(AWQTensor(qw, qz, s.float(), 32)) is not None  # fp32 holding fp16 values: exact
+    assert repack(AWQTensor(qw, qz, s.bfloat16(), 32)) is not None  # bf16 values of this range fit fp16
     odd = s.float() + 1e-7  # not representable in fp16: keep the AWQTensor path
-    assert awq.repack(awq.AWQTensor(qw, qz, odd, 32)) is None
+    assert repack(AWQTensor(qw, qz, odd, 32)) is None
     q, z, s, qw, qz = random_awq(96, 16, 96, seed=2)
-    assert awq.repack(awq.AWQTensor(qw, qz, s, 96)) is None  # no row layout for G = 96
+    assert repack(AWQTensor(qw, qz, s, 96)) is None  # no row layout for G = 96
 
 
 def test_cpu_backend_falls_back_per_tensor(C):
@@ -136,15 +138,15 @@ def test_cpu_backend_falls_back_per_tensor(C):
 
     q, z, s, qw, qz = random_awq(96, 16, 96, seed=3)
     w = make(C, 128, 16, 32)
-    weights = {"a": awq.AWQTensor(qw, qz, s, 96), "b": awq.AWQTensor(w.qweight, w.qzeros, w.s, 32)}
+    weights = {"a": AWQTensor(qw, qz, s, 96), "b": AWQTensor(w.qweight, w.qzeros, w.s, 32)}
     b = backends.get("fast")
     weights = b.prepare_weights(weights)
-    assert isinstance(weights["a"], awq.AWQTensor) and isinstance(weights["b"], awq.AWQRows)
+    assert isinstance(weights["a"], AWQTensor) and isinstance(weights["b"], AWQRows)
     assert b.linear is not ops.qmatmul
     x = torch.randn(1, 96)
     torch.testing.assert_close(b.linear(x, weights["a"]), x @ weights["a"].dequantize().T, rtol=1e-5, atol=1e-5)
     b = backends.get("fast")
-    b.prepare_weights({"b": awq.AWQTensor(w.qweight, w.qzeros, w.s, 32)})
+    b.prepare_weights({"b": AWQTensor(w.qweight, w.qzeros, w.s, 32)})
     assert b.linear is ops.qmatmul and b.embed is ops.embedding  # all repacked: the GGUF ops (and the C++ step)
 
 
@@ -208,8 +210,8 @@ def test_fast_backend_matches_reference(fixtures, g):  # noqa: F811 (the importe
     d, _ = fixtures[g]
     ref = pyllm.load(d, kernels="reference", n_ctx=128)
     fast = pyllm.load(d, kernels="fast", n_ctx=128)
-    quant = [n for n, w in ref.weights.items() if isinstance(w, awq.AWQTensor)]
-    assert len(quant) == 14 and all(isinstance(fast.weights[n], awq.AWQRows) for n in quant)
+    quant = [n for n, w in ref.weights.items() if isinstance(w, AWQTensor)]
+    assert len(quant) == 14 and all(isinstance(fast.weights[n], AWQRows) for n in quant)
     ids = ref.tokenize(PROMPT)
     assert len(ids) > 32
     lr = ref.logits(ids).double()
@@ -257,8 +259,8 @@ def test_without_extension_awq_tensors_stay(C, monkeypatch):
 
     monkeypatch.setattr(_ext, "load", no_ext)
     w = make(C, 128, 16, 32)
-    weights = {"b": awq.AWQTensor(w.qweight, w.qzeros, w.s, 32)}
-    assert awq.repack_weights(weights) == 1 and isinstance(weights["b"], awq.AWQTensor)
+    weights = {"b": AWQTensor(w.qweight, w.qzeros, w.s, 32)}
+    assert repack_weights(weights) == 1 and isinstance(weights["b"], AWQTensor)
 
 
 # ---- speed tooling: synthetic AWQ models and `pyllm bench DIR` ---------------------------------------------------
@@ -272,7 +274,7 @@ def test_synthetic_awq_model(C):
     with pytest.raises(PyllmError, match=r"K=576.*group_size 128 \(try another awq_g<G>\)"):
         synthetic_model("smollm2-135m:awq")
     cfg, w = synthetic_model("smollm2-135m:awq_g64")
-    assert isinstance(w["blk.0.ffn_down.weight"], awq.AWQRows) and w["blk.0.ffn_down.weight"].shape == (576, 1536)
+    assert isinstance(w["blk.0.ffn_down.weight"], AWQRows) and w["blk.0.ffn_down.weight"].shape == (576, 1536)
     assert w["token_embd.weight"].qtype.name == "F16"
     mdl = build_model(cfg, w, backends.get("fast"), max_pos=8)
     kv = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 8, cfg.head_dim)

@@ -146,7 +146,7 @@ def test_missing_cuda_backend_module(monkeypatch):
 # ---- loaders -------------------------------------------------------------------------------------------------
 def test_readers_do_not_import_the_llm():
     """Data flows file -> Checkpoint -> LLM: neither reader imports pyllm.llm (no hidden cycle)."""
-    code = ("import sys, pyllm.awq, pyllm.checkpoint, pyllm.backends.cpu, pyllm.models; "
+    code = ("import sys, pyllm.awq.folder, pyllm.checkpoint, pyllm.backends.cpu, pyllm.models; "
             "assert 'pyllm.llm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('pyllm'))")
     subprocess.run([sys.executable, "-c", code], check=True)
 

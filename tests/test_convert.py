@@ -88,6 +88,49 @@ def test_llama3_rope_freqs_written_and_q_k_permuted():
     assert freqs.min() == 1.0 and freqs.max() == 8.0  # high frequencies kept, low ones divided by the factor
 
 
+def test_smollm3_file_is_llama_cpps():
+    """A smollm3 file as llama.cpp's convert_hf_to_gguf.py writes one (SmolLM3Model, a LlamaModel): architecture
+    "smollm3", the llama keys under it, every tensor named by gguf's SMOLLM3 map, Q and K rows permuted for the
+    interleaved rotation (llama.cpp's LlamaModel.permute, restated here), and no key for the NoPE layers, which
+    llama.cpp's graph fixes at every 4th."""
+    import torch
+    from safetensors.torch import load_file
+
+    gf = open_gguf(tm.gguf_path("smollm3", "f32"))
+    md = gf.metadata
+    assert md["general.architecture"] == "smollm3"
+    for key in ("context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+                "attention.head_count_kv", "attention.layer_norm_rms_epsilon", "rope.freq_base",
+                "rope.dimension_count"):
+        assert f"smollm3.{key}" in md, key
+    assert not [k for k in md if "rope" in k and k not in ("smollm3.rope.freq_base", "smollm3.rope.dimension_count")]
+    names = gq.get_tensor_name_map(gq.MODEL_ARCH.SMOLLM3, 4)
+    hf = load_file(tm.hf_dir("smollm3") / "model.safetensors")
+    assert {names.get_name(n, try_suffixes=(".weight", ".bias")) for n in hf} == set(gf.tensors)
+    for proj, heads in (("q_proj", 4), ("k_proj", 2)):
+        w = hf[f"model.layers.0.self_attn.{proj}.weight"]
+        llama_cpp = w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
+        ours = qtensor_from_gguf(gf, f"blk.0.attn_{proj[0]}.weight").dequantize()
+        assert torch.equal(ours, llama_cpp), proj
+    gf.close()
+
+
+@pytest.mark.parametrize("changes,needle", [
+    (dict(no_rope_layers=[1, 1, 0, 1]), "no_rope_layers = [1, 1, 0, 1] is not every 4th layer without RoPE"),
+    (dict(use_sliding_window=True, sliding_window=8), "use_sliding_window = true"),
+], ids=["nope-pattern", "sliding-window"])
+def test_convert_refuses_smollm3_layers_a_gguf_cannot_hold(tmp_path, capsys, changes, needle):
+    import shutil
+
+    d = tmp_path / "ckpt"
+    shutil.copytree(tm.hf_dir("smollm3"), d)
+    capsys.readouterr()
+    _edit_json(d / "config.json", **changes)
+    out = tmp_path / "x.gguf"
+    assert needle in _convert_err(capsys, ["convert", str(d), str(out), "-q"])
+    assert not out.exists()
+
+
 def _convert_err(capsys, argv):
     rc = main(argv)
     err = capsys.readouterr().err.strip()

@@ -321,6 +321,7 @@ def test_binding_rejects_bad_arguments(tiny_qwen2):
     bad_arch("layer_window entries", layer_window=[-1] * n)
     bad_arch("layer_rope has 1", layer_rope=[0])
     bad_arch("layer_rope entries", layer_rope=[2] * n)
+    bad_arch("layer_rope entries", layer_rope=[-2] * n)
     bad_arch("act must be", act="relu")
     bad_arch("embd_scale", embd_scale=-1.0)
     bad_arch("final_softcap", final_softcap=float("nan"))

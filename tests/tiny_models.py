@@ -70,10 +70,13 @@ def _configs():
                                                   "full_attention": {"rope_type": "default", "rope_theta": 1e6},
                                                   "sliding_attention": {"rope_type": "default",
                                                                         "rope_theta": 10000.0}}),
+        # 4 layers: the 4th has no RoPE (no_rope_layers [1, 1, 1, 0], transformers' default)
+        "smollm3": lambda: tf.SmolLM3Config(**{**common, "num_hidden_layers": 4}, rope_parameters={
+            "rope_type": "default", "rope_theta": 1e6}),
     }
 
 
-ARCHS = ["qwen3", "mistral", "llama3", "phi3", "gemma3"]
+ARCHS = ["qwen3", "mistral", "llama3", "phi3", "gemma3", "smollm3"]
 
 
 @functools.lru_cache(maxsize=None)

@@ -230,9 +230,6 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         float* q = q0 + static_cast<size_t>(r) * H * hd;
         float* k = k0 + static_cast<size_t>(r) * Hkv * hd;
         float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
-        const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
-        const float* cs = (L.rope ? m.cos2 : m.cos) + rope_off;
-        const float* sn = (L.rope ? m.sin2 : m.sin) + rope_off;
         if (L.bq) {
             for (int i = 0; i < H * hd; ++i) q[i] += L.bq[i];
             for (int i = 0; i < Hkv * hd; ++i) k[i] += L.bk[i];
@@ -243,8 +240,13 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             for (int hh = 0; hh < H; ++hh) rms_norm(q + hh * hd, L.q_norm, q + hh * hd, hd, c.eps);
             for (int hh = 0; hh < Hkv; ++hh) rms_norm(k + hh * hd, L.k_norm, k + hh * hd, hd, c.eps);
         }
-        for (int hh = 0; hh < H; ++hh) rope(q + hh * hd, cs, sn, c.rope_dim, c.neox);
-        for (int hh = 0; hh < Hkv; ++hh) rope(k + hh * hd, cs, sn, c.rope_dim, c.neox);
+        if (L.rope >= 0) {
+            const size_t rope_off = static_cast<size_t>(pos) * (c.rope_dim / 2);
+            const float* cs = (L.rope ? m.cos2 : m.cos) + rope_off;
+            const float* sn = (L.rope ? m.sin2 : m.sin) + rope_off;
+            for (int hh = 0; hh < H; ++hh) rope(q + hh * hd, cs, sn, c.rope_dim, c.neox);
+            for (int hh = 0; hh < Hkv; ++hh) rope(k + hh * hd, cs, sn, c.rope_dim, c.neox);
+        }
 
         // Store K/V at pos: row (layer, head, pos) of each part, centered ((x - mu)) and rotated (R^T) as the part
         // says -- the same storage basis kv_cache.py writes.

@@ -236,11 +236,11 @@ KVRow float_row_type(const at::Tensor& t, const char* name) {
 }
 
 // q [1, H*hd], k, v [1, Hkv*hd] -> q_out [H, hd] (bias, per-head norm, RoPE at pos[0]) and the rows k_cache[:, pos],
-// v_cache[:, pos] of one layer's float cache [Hkv, max_seq, hd].
+// v_cache[:, pos] of one layer's float cache [Hkv, max_seq, hd].  cos and sin both None: no RoPE (a NoPE layer).
 void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<at::Tensor> q_bias,
                 std::optional<at::Tensor> k_bias, std::optional<at::Tensor> v_bias, std::optional<at::Tensor> q_norm,
-                std::optional<at::Tensor> k_norm, double eps, const at::Tensor& cos, const at::Tensor& sin,
-                bool neox, const at::Tensor& pos, const at::Tensor& k_cache,
+                std::optional<at::Tensor> k_norm, double eps, std::optional<at::Tensor> cos,
+                std::optional<at::Tensor> sin, bool neox, const at::Tensor& pos, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& q_out) {
     check_tensor(q_out, "q_out", at::kFloat, 2);
     const int64_t H = q_out.size(0), hd = q_out.size(1);
@@ -263,13 +263,17 @@ void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, s
     PYLLM_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), "cuda_rope_store: give q_norm and k_norm, or neither");
     if (q_norm) check_vec(*q_norm, "q_norm", q_out, hd);
     if (k_norm) check_vec(*k_norm, "k_norm", q_out, hd);
-    check_tensor(cos, "cos", at::kFloat, 2);
-    check_tensor(sin, "sin", at::kFloat, 2);
-    PYLLM_CHECK_VALUE(cos.sizes() == sin.sizes() && cos.size(1) >= 1 && 2 * cos.size(1) <= hd && cos.size(0) >= 1,
-                      "cos and sin must be [max_pos, rope_dim / 2] with rope_dim <= ", hd, ", got ", cos.sizes(),
-                      " and ", sin.sizes());
-    check_same_device(q_out, "q_out", cos, "cos");
-    check_same_device(q_out, "q_out", sin, "sin");
+    PYLLM_CHECK_VALUE(cos.has_value() == sin.has_value(), "cuda_rope_store: give cos and sin, or neither (no RoPE)");
+    if (cos) {
+        check_tensor(*cos, "cos", at::kFloat, 2);
+        check_tensor(*sin, "sin", at::kFloat, 2);
+        PYLLM_CHECK_VALUE(cos->sizes() == sin->sizes() && cos->size(1) >= 1 && 2 * cos->size(1) <= hd &&
+                              cos->size(0) >= 1,
+                          "cos and sin must be [max_pos, rope_dim / 2] with rope_dim <= ", hd, ", got ", cos->sizes(),
+                          " and ", sin->sizes());
+        check_same_device(q_out, "q_out", *cos, "cos");
+        check_same_device(q_out, "q_out", *sin, "sin");
+    }
     check_tensor(pos, "pos", at::kLong, 1);
     check_same_device(q_out, "q_out", pos, "pos");
     PYLLM_CHECK_VALUE(pos.numel() == 1, "pos must hold one value, got shape ", pos.sizes());
@@ -283,10 +287,11 @@ void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, s
     args.q_norm = q_norm ? q_norm->data_ptr<float>() : nullptr;
     args.k_norm = k_norm ? k_norm->data_ptr<float>() : nullptr;
     args.eps = static_cast<float>(eps);
-    args.cos = cos.data_ptr<float>();
-    args.sin = sin.data_ptr<float>();
-    args.rope_half = static_cast<int>(cos.size(1));
-    args.max_pos = static_cast<int>(cos.size(0));
+    // without tables, rope_half 0: the kernel rotates no value
+    args.cos = cos ? cos->data_ptr<float>() : nullptr;
+    args.sin = sin ? sin->data_ptr<float>() : nullptr;
+    args.rope_half = cos ? static_cast<int>(cos->size(1)) : 0;
+    args.max_pos = cos ? static_cast<int>(cos->size(0)) : 0;
     args.neox = neox ? 1 : 0;
     args.pos = pos.data_ptr<int64_t>();
     args.H = static_cast<int>(H);
@@ -437,7 +442,8 @@ void register_cuda(pybind11::module& m) {
           py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"),
           py::arg("sin"), py::arg("neox"), py::arg("pos"), py::arg("k_cache"), py::arg("v_cache"),
           py::arg("q_out"),
-          "One token's q [1, H*hd], k, v [1, Hkv*hd]: bias, per-head RMS norm, RoPE at pos[0] -> q_out [H, hd], and "
+          "One token's q [1, H*hd], k, v [1, Hkv*hd]: bias, per-head RMS norm, RoPE at pos[0] (none when cos and sin "
+          "are None) -> q_out [H, hd], and "
           "k, v written at pos[0] into one layer's float cache [Hkv, max_seq, hd].");
     m.def("cuda_dequantize", &dequantize, py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("ids") = py::none(),
           py::arg("half") = true, py::arg("check_ids") = true,

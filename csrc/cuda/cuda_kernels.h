@@ -112,6 +112,7 @@ struct RopeStoreArgs {
     const float* k_norm;
     float eps;
     const float* cos;     // [max_pos, rope_half] tables; RoPE rotates the first 2 * rope_half values of a head
+                          // (rope_half 0, cos and sin nullptr: none)
     const float* sin;
     int rope_half;
     int max_pos;

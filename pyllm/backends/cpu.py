@@ -164,7 +164,8 @@ class CpuBackend:
         Any that stay in checkpoint form (no extension, a group size the layout lacks) are multiplied by their own
         chunked dequantize per call: linear/embed then check each weight's type."""
         if any(hasattr(w, "qzeros") for w in weights.values()):
-            from ..awq import AWQTensor, repack_weights
+            from ..awq.repack import repack_weights
+            from ..awq.unpack import AWQTensor
 
             if repack_weights(weights):
                 fast_linear, fast_embed = self.linear, self.embed

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..awq import AWQRows
+from ..awq.repack import AWQRows, repack
+from ..awq.unpack import AWQTensor
 from ..errors import PyllmError
 from ..gguf import GGMLType
 from ..ops import GEMV_MAX_M  # above it, dequantize + cuBLAS (csrc/common/limits.h)
@@ -105,11 +106,9 @@ def _to_device(w, dev: torch.device, C):
     if isinstance(w, QTensor):
         return QTensor(w.qtype, w.shape, w.data.to(dev).contiguous(), w.name)
     if hasattr(w, "qzeros"):  # AWQTensor: rows for the GEMV when its group size has a layout
-        from .. import awq
-
-        rows = awq.repack(w, C)
+        rows = repack(w, C)
         if rows is None:
-            return awq.AWQTensor(w.qweight.to(dev), w.qzeros.to(dev), w.scales.to(dev), w.group_size, w.name)
+            return AWQTensor(w.qweight.to(dev), w.qzeros.to(dev), w.scales.to(dev), w.group_size, w.name)
         w = rows
     if hasattr(w, "group_size") and hasattr(w, "data"):  # AWQRows
         return CudaAwqRows(w.data.to(dev).contiguous(), w.qtype, w.shape, w.group_size, w.name)
@@ -117,7 +116,7 @@ def _to_device(w, dev: torch.device, C):
 
 
 class CudaAwqRows(AWQRows):
-    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.AWQRows dequantized by the CUDA kernel."""
+    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.repack.AWQRows dequantized by the CUDA kernel."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from .. import _ext
@@ -530,7 +529,7 @@ class CudaDecodeStep:
             if self.store_kernel[i] and not first:
                 kp, vp = self.parts[i]
                 bias, norms = self._qk_extras(i)
-                c_tab, s_tab = self.tables[self.layer_rope[i]]
+                c_tab, s_tab = self.tables[self.layer_rope[i]] if self.layer_rope[i] >= 0 else (None, None)
                 K.cuda_rope_store(q, k, v, *bias, *norms, eps, c_tab, s_tab, neox, self.pos, kp.data, vp.data, B.qr)
                 a = K.cuda_attn_decode(B.qr, kp.data, vp.data, self.len, self.scale, "", "", None, None,
                                        self.layer_window[i], 0.0, B.aq, B.ads).reshape(1, H * hd)  # and a's codes
@@ -573,15 +572,16 @@ class CudaDecodeStep:
         cfg, eps = self.cfg, self.cfg.rms_eps
         H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         bias, norms = self._qk_extras(i)
-        c_tab, s_tab = self.tables[self.layer_rope[i]]
-        c, s = c_tab.index_select(0, self.pos)[0], s_tab.index_select(0, self.pos)[0]
         if self.bias:
             q, k, v = q + bias[0], k + bias[1], v + bias[2]
         q, k, v = q.view(H, hd), k.view(Hkv, hd), v.view(Hkv, hd)
         if self.qk_norm:
             q, k = _rms_norm(q, norms[0], eps), _rms_norm(k, norms[1], eps)
-        q = _rope(q, c, s, cfg.rope_style, cfg.rope_dim)
-        k = _rope(k, c, s, cfg.rope_style, cfg.rope_dim)
+        if self.layer_rope[i] >= 0:  # -1: a layer without rope
+            c_tab, s_tab = self.tables[self.layer_rope[i]]
+            c, s = c_tab.index_select(0, self.pos)[0], s_tab.index_select(0, self.pos)[0]
+            q = _rope(q, c, s, cfg.rope_style, cfg.rope_dim)
+            k = _rope(k, c, s, cfg.rope_style, cfg.rope_dim)
         return self._store_attend(i, q, k, v, first)
 
     def _store_attend(self, i: int, q, k, v, first: bool) -> torch.Tensor:

@@ -158,8 +158,8 @@ def cmd_info(a) -> int:
     confirm_download(a.model)
     path = registry.resolve(a.model, quiet=False)
     problems = []
-    if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq.py)
-        from ..awq import folder_info
+    if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq/)
+        from ..awq.folder import folder_info
         info = folder_info(path, n_ctx=a.ctx, kv_kind=a.kv)
     elif path.is_dir():
         raise PyllmError(f"{path}: is a directory, not a model file")

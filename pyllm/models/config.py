@@ -19,6 +19,7 @@ ROPE_STYLE = {
     "phi3": "neox",
     "gemma3": "neox",
     "nomic-bert": "neox",
+    "smollm3": "norm",
 }
 
 

@@ -30,13 +30,15 @@ class LayerSpec:
     rope_base: float = 10000.0
     rope_scale: float = 1.0  # linear position scaling: positions are divided by it (1: none)
     window: int = 0  # sliding-window attention: each query sees its last ``window`` keys (0: every key)
+    rope: bool = True  # False: q and k are not rotated in this layer (NoPE: positions reach it through the mask)
 
 
 @dataclass(frozen=True)
 class ArchSpec:
     """One architecture's decoder, layer by layer: every body (torch, C++ step, CUDA step) computes, per layer,
 
-        h = norm(x) ; q, k, v = h Wq (+ bq), h Wk (+ bk), h Wv (+ bv) ; q, k = qk_norm(q, k) ; q, k = rope(q, k)
+        h = norm(x) ; q, k, v = h Wq (+ bq), h Wk (+ bk), h Wv (+ bv) ; q, k = qk_norm(q, k)
+        q, k = rope(q, k) where the layer has rope
         a = attention(q, K, V, attn_scale, window) Wo ; x += post_attention_norm(a) if post_norms else a
         h = norm(x) ; m = (act(h Wgate) * h Wup) Wdown ; x += post_ffw_norm(m) if post_norms else m
 
@@ -100,18 +102,21 @@ class ArchSpec:
             if isinstance(layer.window, bool) or not isinstance(layer.window, int) or \
                     not 0 <= layer.window < (1 << 31):
                 bad(f"layers[{i}].window", layer.window, "is not an integer in [0, 2**31)")
+            if not isinstance(layer.rope, bool):
+                bad(f"layers[{i}].rope", layer.rope, "is not true or false")
 
     def rope_keys(self) -> tuple[tuple[tuple[float, float], ...], tuple[int, ...]]:
-        """(the distinct (rope_base, rope_scale) pairs in order of first use, each layer's index into them): the
-        rope tables a body builds once and the table each layer reads."""
+        """(the distinct (rope_base, rope_scale) pairs in order of first use, each layer's index into them, -1 for
+        a layer without rope): the rope tables a body builds once and the table each layer reads.  There is always
+        one table, even where no layer rotates: the steps read the positions they hold from its length."""
         keys: list[tuple[float, float]] = []
         index = []
         for layer in self.layers:
             key = (layer.rope_base, layer.rope_scale)
-            if key not in keys:
+            if layer.rope and key not in keys:
                 keys.append(key)
-            index.append(keys.index(key))
-        return tuple(keys), tuple(index)
+            index.append(keys.index(key) if layer.rope else -1)
+        return tuple(keys) or ((self.layers[0].rope_base, self.layers[0].rope_scale),), tuple(index)
 
     def with_windows(self, window: int, where=None) -> "ArchSpec":
         """This spec with the window of every layer ``where(layer)`` holds (default: every layer) set to
@@ -178,7 +183,15 @@ def _gemma3(cfg: ModelConfig) -> dict:
                 layers=tuple(glob if pattern <= 0 or (i + 1) % pattern == 0 else local for i in range(cfg.n_layer)))
 
 
+def _smollm3(cfg: ModelConfig) -> dict:
+    """SmolLM3: llama's layers, except that every 4th ((i + 1) % 4 == 0) has no rotary embedding (NoPE), as
+    transformers' default no_rope_layers and llama.cpp's smollm3 graph (n_no_rope_layer_step = 4, no metadata key)
+    have it."""
+    return dict(layers=tuple(LayerSpec(cfg.rope_base, 1.0, cfg.sliding_window, rope=(i + 1) % 4 != 0)
+                             for i in range(cfg.n_layer)))
+
+
 # general.architecture -> the family's entries (what differs from the ArchSpec defaults)
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "phi3": _llama,
-             "gemma3": _gemma3}
+             "gemma3": _gemma3, "smollm3": _smollm3}
 ARCHITECTURES = tuple(sorted(_FAMILIES))

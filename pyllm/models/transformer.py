@@ -90,7 +90,8 @@ class Transformer(Decoder):
     ``backend`` (pyllm/backends) runs them.  One-token forwards take the backend's fused step where it has one.
 
     What the fused steps read besides the weights: ``spec`` (ArchSpec), ``rope_tables`` (the distinct (cos, sin)
-    tables, [max_pos, rope_dim/2] each), ``layer_rope`` (each layer's index into them), ``vec`` (1-D float32 tensors)."""
+    tables, [max_pos, rope_dim/2] each), ``layer_rope`` (each layer's index into them, -1 for a layer without rope),
+    ``vec`` (1-D float32 tensors)."""
 
     def __init__(self, cfg: ModelConfig, weights: dict, backend, max_pos: int, spec: ArchSpec | None = None):
         self.cfg = cfg
@@ -134,7 +135,6 @@ class Transformer(Decoder):
         sl = slice(start_pos, start_pos + t)
         for i, layer in enumerate(spec.layers):
             p = f"blk.{i}."
-            cos, sin = self.rope_tables[self.layer_rope[i]]
             h = self.norm(x, vec[p + "attn_norm.weight"], eps)
             q = lin(h, w[p + "attn_q.weight"])
             k = lin(h, w[p + "attn_k.weight"])
@@ -147,8 +147,10 @@ class Transformer(Decoder):
             if spec.qk_norm:
                 q = self.norm(q, vec[p + "attn_q_norm.weight"], eps)
                 k = self.norm(k, vec[p + "attn_k_norm.weight"], eps)
-            q = self.rope(q, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
-            k = self.rope(k, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
+            if layer.rope:
+                cos, sin = self.rope_tables[self.layer_rope[i]]
+                q = self.rope(q, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
+                k = self.rope(k, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
             if start_pos == 0:
                 # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.

@@ -125,7 +125,8 @@ def reference_act(g: torch.Tensor, u: torch.Tensor, act: str) -> torch.Tensor:
 
 def reference_rope_store(q, k, v, hd, q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos, sin, neox, pos):
     """float64 (q [H, hd] after bias, per-head RMS norm and RoPE at pos; k likewise [Hkv, hd]; v [Hkv, hd] after
-    bias): what cuda_rope_store writes to q_out and, before rounding to the cache's dtype, into the rows at pos."""
+    bias): what cuda_rope_store writes to q_out and, before rounding to the cache's dtype, into the rows at pos.
+    cos and sin None: no RoPE."""
     from pyllm.models.decoder import apply_rope
 
     def heads(t, b):
@@ -135,6 +136,8 @@ def reference_rope_store(q, k, v, hd, q_bias, k_bias, v_bias, q_norm, k_norm, ep
     qq, kk, vv = heads(q, q_bias), heads(k, k_bias), heads(v, v_bias)
     if q_norm is not None:
         qq, kk = rms_norm64(qq, q_norm, eps), rms_norm64(kk, k_norm, eps)
+    if cos is None:
+        return qq, kk, vv
     c, s = cos[pos:pos + 1].double(), sin[pos:pos + 1].double()
     style, rope_dim = ("neox" if neox else "norm"), 2 * cos.shape[1]
     return apply_rope(qq[None], c, s, style, rope_dim)[0], apply_rope(kk[None], c, s, style, rope_dim)[0], vv

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyllm import awq
+from pyllm.awq.unpack import AWQTensor
 from pyllm.backends import cuda as cb
 from pyllm.gguf import GGMLType
 from pyllm.quant import QTensor
@@ -72,7 +72,7 @@ def test_linear_awq(backend, g, rows):
 
     k, n = 384, 256
     q, z, s, qw, qz = random_awq(k, n, g, seed=g + rows)
-    t = awq.AWQTensor(qw, qz, s, g, name="w")
+    t = AWQTensor(qw, qz, s, g, name="w")
     w64 = ((q - z.repeat_interleave(g, 0)).double() * s.double().repeat_interleave(g, 0)).T  # [N, K]
     up = backend.prepare_weights({"w": t})["w"]
     assert isinstance(up, cb.CudaAwqRows) == (g != 96)

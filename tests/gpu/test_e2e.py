@@ -1,7 +1,8 @@
 """End to end on CUDA: ``pyllm.load(device="cuda")`` against ``device="cpu"`` on the same GGUF.
 
 Models: the tiny random checkpoints of tests/tiny_models.py (llama-family with tied embeddings and QK norm,
-sliding-window Mistral, Gemma 3 with local/global layers and final softcap), converted to Q8_0, Q4_0 and Q4_K_M.
+sliding-window Mistral, Gemma 3 with local/global layers and final softcap, SmolLM3 with NoPE layers), converted
+to Q8_0, Q4_0 and Q4_K_M.
 References and tolerances:
 - next-token logits after a prompt and over 32 teacher-forced decode steps: the mean KL from the reference
   backend's (float32 torch) within 1e-3 or within 1.25x the CPU backend's own (check_as_accurate_as_cpu);
@@ -16,7 +17,7 @@ import torch
 import pyllm
 from tiny_models import gguf_path
 
-ARCHS = ["qwen3", "mistral", "gemma3"]
+ARCHS = ["qwen3", "mistral", "gemma3", "smollm3"]
 KINDS = ["f16", "bf16", "q8_0", "q4_0", "q8_rot", "q4_rot", "f16/q4_rot", "q8_0/f16"]
 PROMPT = [1, 17, 33, 5, 99, 42, 7, 250, 3, 11, 64, 8, 120, 9]
 KL_SPREAD = 1.25

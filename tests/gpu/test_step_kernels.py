@@ -67,6 +67,7 @@ def test_act_quant(K, n, act):
     (16, 8, 128, 128, True, "norm"),     # Qwen3
     (4, 1, 256, 256, True, "norm"),      # Gemma 3 270M
     (8, 4, 128, 64, False, "bias norm"),  # partial rotary
+    (16, 4, 128, 0, False, ""),          # a NoPE layer (SmolLM3): no tables, no rotation
 ])
 def test_rope_store(K, H, Hkv, hd, rope_dim, neox, extras, dtype):
     g = torch.Generator(device="cuda").manual_seed(H * hd + rope_dim)
@@ -78,7 +79,7 @@ def test_rope_store(K, H, Hkv, hd, rope_dim, neox, extras, dtype):
         if "bias" in extras else [None] * 3
     norms = [torch.rand(hd, device="cuda", generator=g) + 0.5 for _ in range(2)] if "norm" in extras else [None] * 2
     theta = torch.arange(max_seq, device="cuda")[:, None] * 0.37 ** torch.arange(rope_dim // 2, device="cuda")
-    cos, sin = theta.cos().contiguous(), theta.sin().contiguous()
+    cos, sin = (theta.cos().contiguous(), theta.sin().contiguous()) if rope_dim else (None, None)
     kc = torch.randn(Hkv, max_seq, hd, device="cuda", generator=g).to(dtype)
     vc = torch.randn(Hkv, max_seq, hd, device="cuda", generator=g).to(dtype)
     k0, v0 = kc.clone(), vc.clone()
@@ -119,6 +120,9 @@ def test_row_kernel_errors(K):
     with pytest.raises(TypeError, match="k_cache must be Float, Half or BFloat16"):
         K.cuda_rope_store(q, q, q, None, None, None, None, None, 1e-6, cs, cs, False, pos,
                           cache.to(torch.uint8), cache.to(torch.uint8), torch.empty(1, 128, device="cuda"))
+    with pytest.raises(ValueError, match="give cos and sin, or neither"):
+        K.cuda_rope_store(q, q, q, None, None, None, None, None, 1e-6, cs, None, False, pos, cache, cache,
+                          torch.empty(1, 128, device="cuda"))
     with pytest.raises(ValueError, match="head_dim 96"):
         K.cuda_rope_store(q, q, q, None, None, None, None, None, 1e-6, cs, cs, False, pos, cache, cache,
                           torch.empty(1, 96, device="cuda"))
