@@ -3,6 +3,7 @@
     get("fast")       the CPU extension's kernels (backends/cpu.py)
     get("reference")  float32 torch over weights dequantized by the reference code (backends/reference.py)
     get("cuda")       imports pyllm.backends.cuda on first use and calls its ``create(device=...)``
+    split.py          a model's layers split between two of them (--gpu-layers N, as llama.cpp's -ngl)
 
 ``select(device, kernels)`` is what ``pyllm.load`` calls: device "cpu" | "cuda" | "cuda:N" | "auto" (CUDA when
 torch sees a GPU and the CUDA backend can be created, else the CPU), kernels "fast" | "reference" (the CPU kernel
@@ -63,11 +64,18 @@ def check_kernels(kernels: str) -> str:
     return kernels
 
 
-def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = None) -> Backend:
+def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = None,
+           gpu_layers: int | None = None) -> Backend:
     """The backend ``pyllm.load(device=, kernels=)`` runs on; see the module docstring. A device that cannot run
-    raises BackendUnavailable naming why ("auto" never raises: it falls back to the CPU)."""
+    raises BackendUnavailable naming why ("auto" never raises: it falls back to the CPU).  ``gpu_layers`` other than
+    None and 0 (checked by split.check_gpu_layers): the backend of the GPU's layers, which split.place combines with
+    the CPU's once the model's layer count is known."""
     check_device(device)
     check_kernels(kernels)
+    if gpu_layers:
+        from .split import gpu_side
+
+        return gpu_side(device, gpu_layers)
     if device.startswith("cuda"):
         if kernels == "reference":
             raise PyllmError("kernels 'reference' run on the CPU (float32 torch); use device='cpu' with them, or "
