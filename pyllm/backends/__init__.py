@@ -73,8 +73,6 @@ def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = N
     check_device(device)
     check_kernels(kernels)
     if gpu_layers:
-        from .split import gpu_side
-
         return gpu_side(device, gpu_layers)
     if device.startswith("cuda"):
         if kernels == "reference":
@@ -96,3 +94,21 @@ def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = N
             except BackendUnavailable:
                 pass
     return get(kernels, n_threads=n_threads) if kernels == "fast" else get(kernels)
+
+
+def gpu_side(device: str, gpu_layers: int) -> Backend:
+    """The backend that runs a placement's GPU layers: CUDA on ``device`` ("auto" is "cuda"), or the CPU backend
+    PYLLM_GPU_STANDIN names standing in for it (split.py).  BackendUnavailable names gpu_layers and why there is no
+    GPU."""
+    from .split import cpu_backend, gpu_problem, standin
+
+    name = standin()
+    if name:
+        return cpu_backend(name)
+    why = gpu_problem(device)
+    if why is None:
+        try:
+            return get("cuda", device="cuda" if device == "auto" else device)
+        except BackendUnavailable as e:
+            why = str(e)
+    raise BackendUnavailable(f"gpu_layers={gpu_layers} puts layers on a GPU, but {why}; use gpu_layers=0 (the CPU)")

@@ -29,7 +29,6 @@ import sys
 import torch
 
 from ..errors import PyllmError
-from .base import BackendUnavailable
 
 STANDIN_VARIABLE = "PYLLM_GPU_STANDIN"
 STANDINS = ("reference", "fast")
@@ -85,21 +84,16 @@ def gpu_problem(device: str = "cuda") -> str | None:
     return None
 
 
-def gpu_side(device: str, gpu_layers: int):
-    """The backend that runs the GPU's layers: CUDA on ``device`` ("auto" is "cuda"), or the stand-in that
-    PYLLM_GPU_STANDIN names.  BackendUnavailable names gpu_layers and why there is no GPU."""
-    from . import get
+def cpu_backend(kernels: str, n_threads: int | None = None, decode_copies: bool = False):
+    """A CPU backend of ``kernels`` ("fast" or "reference"); the fast one without the C++ step's interleaved copies
+    of the weights unless ``decode_copies`` (no fused step runs a split model's layers)."""
+    if kernels == "fast":
+        from .cpu import CpuBackend
 
-    name = standin()
-    if name:
-        return get(name)
-    why = gpu_problem(device)
-    if why is None:
-        try:
-            return get("cuda", device="cuda" if device == "auto" else device)
-        except BackendUnavailable as e:
-            why = str(e)
-    raise BackendUnavailable(f"gpu_layers={gpu_layers} puts layers on a GPU, but {why}; use gpu_layers=0 (the CPU)")
+        return CpuBackend(n_threads=n_threads, decode_copies=decode_copies)
+    from .reference import ReferenceBackend
+
+    return ReferenceBackend()
 
 
 def gpu_headroom(free: int) -> int:
@@ -150,8 +144,6 @@ def place(backend, cfg, weights: dict, *, device: str, kernels: str, n_threads: 
     the CPU kernels ``kernels`` and it.  With device "auto", no gpu_layers and a model whose weights and KV cache at
     ``n_ctx`` do not fit in the GPU's free memory, the largest N that does (fit_gpu_layers), said on stderr unless
     ``quiet``."""
-    from . import get
-
     n_layer = cfg.n_layer
     n = gpu_layers
     if n is None:
@@ -172,11 +164,10 @@ def place(backend, cfg, weights: dict, *, device: str, kernels: str, n_threads: 
             print(f"pyllm: the model and its KV cache need {need / 2**30:.2f} GiB but the GPU has {free / 2**30:.2f} "
                   f"GiB free: {where} (--gpu-layers {n}; --gpu-layers chooses another split)", file=sys.stderr)
         if n == 0:
-            return get(kernels, n_threads=n_threads) if kernels == "fast" else get(kernels)
+            return cpu_backend(kernels, n_threads, decode_copies=True)
     if n == 0 or n < 0 or n > n_layer:  # the CPU alone, or the whole model on the GPU side
         return backend
-    low = get(kernels, n_threads=n_threads, decode_copies=False) if kernels == "fast" else get(kernels)
-    return SplitBackend(low, backend, n_layer, n)
+    return SplitBackend(cpu_backend(kernels, n_threads), backend, n_layer, n)
 
 
 def _span(a: int, b: int) -> str:
