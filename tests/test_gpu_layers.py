@@ -340,3 +340,28 @@ def test_readme_gpu_layers_example_runs_as_written(monkeypatch, capsys):
     assert res.returncode == 0 and res.stdout.strip(), res.stderr
     plain = cpu_alone_through_the_torch_forward(monkeypatch, cli, *words[len(env) + 1:-2])
     assert words[-2:] == ["-ngl", "15"] and plain.returncode == 0 and plain.stdout == res.stdout
+
+
+def test_split_cache_keeps_the_prefix_state_protocol(monkeypatch, tmp_path):
+    """What server slots and the prompt cache do with a cache (runtime/batch.py): state_layout, prefix_state ->
+    load_prefix_state into a fresh cache, copy_prefix_from; the rows come back bit for bit on each side, and a state
+    from another layout is refused.  Reference: the source cache's own rows."""
+    from pyllm.synthetic import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=4, n_embd=64, n_ff=128, n_head=4, n_kv_head=2,
+                            n_vocab=320, n_ctx=128)
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "reference")
+    llm = pyllm.load(str(path), kernels="reference", gpu_layers=2, n_ctx=64)
+    m, kv = llm.model, llm.kv
+    llm.logits(list(range(5, 25)))
+    fresh = [m.backend.make_kv_cache(kv.kind, 4, kv.n_kv_head, 64, kv.head_dim) for _ in range(2)]
+    assert all(isinstance(c, SplitKVCache) and c.state_layout() == kv.state_layout() for c in fresh)
+    state = kv.prefix_state(16)
+    assert {n.split(".")[0] for n in state} == {"low", "high"}
+    fresh[0].load_prefix_state(state, 16)
+    fresh[1].copy_prefix_from(kv, 16)
+    for c in fresh:
+        for i in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(c.view(i, 16), kv.view(i, 16))), i
+    with pytest.raises(ValueError, match="missing"):
+        fresh[0].load_prefix_state({k: v for k, v in state.items() if k.startswith("low.")}, 16)

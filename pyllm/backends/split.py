@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from ..errors import PyllmError
+from ..errors import PyllmError, shorten
 
 STANDIN_VARIABLE = "PYLLM_GPU_STANDIN"
 STANDINS = ("reference", "fast")
@@ -51,7 +51,7 @@ def check_gpu_layers(gpu_layers, device: str | None) -> tuple[str, int | None]:
     if gpu_layers is not None:
         if isinstance(gpu_layers, bool) or not isinstance(gpu_layers, numbers.Integral) or gpu_layers < -1:
             raise PyllmError(f"gpu_layers must be a number of layers >= 0, or -1 for the whole model, got "
-                             f"{gpu_layers!r}")
+                             f"{shorten(repr(gpu_layers))}")
         gpu_layers = int(gpu_layers)
     if gpu_layers == 0:
         if device is not None and device.startswith("cuda"):
@@ -68,7 +68,8 @@ def standin() -> str | None:
     """The backend PYLLM_GPU_STANDIN names to stand in for the GPU ("reference" or "fast"), or None when unset."""
     name = os.environ.get(STANDIN_VARIABLE, "")
     if name and name not in STANDINS:
-        raise PyllmError(f"{STANDIN_VARIABLE} must be one of {', '.join(STANDINS)} (or unset), got {name!r}")
+        raise PyllmError(f"{STANDIN_VARIABLE} must be one of {', '.join(STANDINS)} (or unset), got "
+                         f"{shorten(repr(name))}")
     return name or None
 
 
@@ -292,6 +293,13 @@ class SplitBackend:
     def fused_decode(self, model, kv):
         """None: each fused step runs a whole model (see the module docstring), so the torch forward runs."""
         return None
+
+    def step(self, model, seqs: list):
+        """The multi-sequence step (base.py): each sequence in turn through the model's forward, every layer on its
+        side (no fused step to batch)."""
+        from .base import step_each
+
+        return step_each(model, seqs, max_rows=0)
 
 
 class SplitKVCache:
