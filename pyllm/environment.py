@@ -41,6 +41,9 @@ VARIABLES = (
     Variable("PYLLM_CUDA_GEMV_ROWS", "4", "1 or 2: fewer weight rows per CTA in the CUDA decode GEMV", user=False),
     Variable("PYLLM_CUDA_PDL", "0", "1: programmatic dependent launches in the CUDA step (not yet measured)",
              user=False),
+    Variable("PYLLM_GPU_STANDIN", "none",
+             "reference or fast: that CPU backend runs the GPU's layers of --gpu-layers / gpu_layers=, to test the "
+             "placement on a host without a GPU", user=False),
 )
 
 # Read by the test suite and its tools only.

@@ -728,13 +728,22 @@ class LLM:
         self.close()
 
 
-def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu", n_ctx: int = 4096,
+def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str | None = None, n_ctx: int = 4096,
          kv_cache: str = "f16", n_threads: int | None = None, kernels: str = "fast", quiet: bool = True,
-         context_policy: str = "stop", verbose: bool = False, draft=None, lora=None, backend: str | None = None) -> LLM:
+         context_policy: str = "stop", verbose: bool = False, draft=None, lora=None, backend: str | None = None,
+         gpu_layers: int | None = None) -> LLM:
     """Load a GGUF file (path), an AWQ checkpoint folder, or a registry model (name, fetched on first use).
 
-    device: "cpu" (default), "cuda" (or "cuda:N"; PyllmError naming why when this machine cannot run it), or
-    "auto" (CUDA when torch sees a GPU and the CUDA kernels build, else the CPU); ``llm.device`` says which ran.
+    device: "cpu" (the default), "cuda" (or "cuda:N"; PyllmError naming why when this machine cannot run it), or
+    "auto" (CUDA when torch sees a GPU and the CUDA kernels build, else the CPU; a model whose weights and KV cache
+    do not fit in the GPU's free memory gets the most layers that fit, the rest on the CPU, said on stderr unless
+    ``quiet``); ``llm.device`` says which ran.
+
+    gpu_layers: llama.cpp's n_gpu_layers: the last N layers and their KV cache on the GPU, the others, the
+    embedding and the output head on the CPU (backends/split.py); more than the model's layers, or -1, the whole
+    model on the GPU (device "cuda"); 0 the CPU.  None (the default): the device decides.  ``llm.info()["runtime"]
+    ["placement"]`` says where each layer runs.  Where no GPU is usable, N > 0 is a PyllmError naming it.
+    PYLLM_GPU_STANDIN=reference (or fast), a testing aid, runs "the GPU's" layers on that CPU backend instead.
 
     kv_cache: f16 (default), bf16, f32, q8_0, q8_rot, q4_0, q4_rot, or "KEY/VALUE" such as "f16/q4_rot" (see
     runtime/kv_cache.py). context_policy: what chat()
@@ -769,11 +778,15 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
             raise PyllmError(f"kernels={kernels!r} and its deprecated alias backend={backend!r} disagree; give "
                              f"kernels only")
         kernels = backend
-    backends.check_device(device)
+    from .backends import split
+
+    if device is not None:
+        backends.check_device(device)
+    device, gpu_layers = split.check_gpu_layers(gpu_layers, device)
     backends.check_kernels(kernels)
     _check_policy(context_policy)
     lora_adapters.parse_spec(lora)  # a malformed argument fails before the model is read
-    runner = backends.select(device, kernels, n_threads)
+    runner = backends.select(device, kernels, n_threads, gpu_layers)
     path = registry.resolve(model, quiet=quiet)
     if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq/)
         from .awq.folder import read_awq
@@ -783,6 +796,12 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str = "cpu",
         raise PyllmError(f"{path}: is a directory, not a model file")
     else:
         ckpt = read_gguf(path)
+    try:  # the layers' placement, now that their number and sizes are known
+        runner = split.place(runner, ckpt.config, ckpt.weights, device=device, kernels=kernels, n_threads=n_threads,
+                             gpu_layers=gpu_layers, n_ctx=n_ctx, kv_cache=kv_cache, quiet=quiet)
+    except BaseException:
+        ckpt.close()
+        raise
     llm = from_checkpoint(ckpt, runner, n_ctx=n_ctx, kv_cache=kv_cache, n_threads=n_threads, quiet=quiet,
                           context_policy=context_policy, verbose=verbose, t0=t0, lora=lora)
     if draft is not None:  # a draft model for speculative decoding (same vocabulary, checked)

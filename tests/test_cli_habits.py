@@ -106,37 +106,39 @@ def recorded_load(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("flags, device", [
-    (["-ngl", "0"], "cpu"), (["-ngl", "99"], "cuda"), (["-ngl", "all"], "cuda"), (["--n-gpu-layers", "-1"], "cuda"),
-    (["-ngl", "2"], "cuda"),  # every layer of the 2-layer model
-    (["-ngl", "99", "--device", "cuda:1"], "cuda:1"), (["-ngl", "0", "--device", "cpu"], "cpu"),
-    ([], "auto")])
-def test_gpu_layers_choose_the_device(tiny, recorded_load, monkeypatch, capsys, flags, device):
+@pytest.mark.parametrize("flags, device, gpu_layers", [
+    (["-ngl", "0"], "cpu", 0), (["-ngl", "99"], "auto", 99), (["-ngl", "all"], "auto", -1),
+    (["--n-gpu-layers", "-1"], "auto", -1), (["-ngl", "1"], "auto", 1),  # pyllm.load places them
+    (["-ngl", "99", "--device", "cuda:1"], "cuda:1", 99), (["-ngl", "0", "--device", "cpu"], "cpu", 0),
+    ([], "auto", None)])
+def test_gpu_layers_reach_pyllm_load(tiny, recorded_load, monkeypatch, capsys, flags, device, gpu_layers):
+    monkeypatch.setenv("PYLLM_GPU_STANDIN", "fast")  # a GPU stands in: the flag's check passes on any host
     for argv in (["run", tiny, "hi", *flags], ["chat", tiny, *flags], ["serve", tiny, "--port", "0", *flags]):
         res = cli_in_process(monkeypatch, capsys, b"hi")(*argv)
         assert res.returncode == 1 and "stand-in load" in res.stderr, res.stderr
-        assert recorded_load[-1]["device"] == device, argv
+        assert (recorded_load[-1]["device"], recorded_load[-1]["gpu_layers"]) == (device, gpu_layers), argv
 
 
 @pytest.mark.parametrize("flags, needle", [
-    (["-ngl", "1"], "-ngl 1: running 1 of its 2 layers on the GPU and the rest on the CPU is not supported yet; "
-                    "use -ngl all"),
-    (["-ngl", "99", "--device", "cpu"], "-ngl 99 puts every layer on the GPU but --device is cpu"),
+    (["-ngl", "99", "--device", "cpu"], "-ngl 99 puts layers on the GPU but --device is cpu"),
+    (["-ngl", "all", "--device", "cpu"], "-ngl all puts layers on the GPU but --device is cpu"),
     (["-ngl", "0", "--device", "cuda"], "-ngl 0 puts no layer on the GPU but --device is cuda"),
 ])
-def test_a_split_or_conflicting_gpu_layer_count_is_refused_before_loading(tiny, recorded_load, monkeypatch, capsys,
-                                                                         flags, needle):
+def test_a_gpu_layer_count_that_contradicts_the_device_is_refused_before_loading(tiny, recorded_load, monkeypatch,
+                                                                                capsys, flags, needle):
     res = cli_in_process(monkeypatch, capsys)("run", tiny, "hi", *flags)
     assert res.returncode == 1 and res.stderr.startswith(f"pyllm: error: {needle}"), res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert recorded_load == []
 
 
-def test_bench_takes_models_from_m_and_checks_gpu_layers_before_loading(tiny, recorded_load, monkeypatch, capsys):
-    res = cli_in_process(monkeypatch, capsys)("bench", "-m", tiny, "-p", "4", "-n", "2", "-r", "1", "-ngl", "1")
-    assert res.returncode == 1 and "not supported yet" in res.stderr and recorded_load == []
+def test_bench_takes_models_from_m_and_gpu_layers_to_pyllm_load(tiny, recorded_load, monkeypatch, capsys):
+    res = cli_in_process(monkeypatch, capsys)("bench", "-m", tiny, "-p", "4", "-n", "2", "-r", "1", "-ngl", "0",
+                                              "--device", "cuda")
+    assert res.returncode == 1 and "-ngl 0 puts no layer on the GPU" in res.stderr and recorded_load == []
     res = cli_in_process(monkeypatch, capsys)("bench", "-m", tiny, "-p", "4", "-n", "2", "-r", "1", "-ngl", "0")
     assert res.returncode == 1 and recorded_load[-1]["model"] == tiny and recorded_load[-1]["device"] == "cpu"
+    assert recorded_load[-1]["gpu_layers"] == 0
 
 
 def test_json_schema_is_a_file_or_inline_as_llama_cpp_takes_it(tmp_path):

@@ -8,7 +8,8 @@
 #   4. GEMV GB/s vs copy bandwidth (1, 2 and 4 rows per CTA), synthetic Llama-3-8B pp512/tg128 and tg after a
 #      long prompt with f16 and q8_0 caches (+ fp16 torch baseline, + the step in torch ops, + the row kernels with
 #      programmatic dependent launches, PYLLM_CUDA_PDL=1), the KL of a real model
-#      cut to its first layers (CUDA and CPU against float32), then `pyllm bench --synthetic ... --device cuda`;
+#      cut to its first layers (CUDA and CPU against float32), then `pyllm bench --synthetic ... --device cuda`,
+#      and the synthetic 8B's pp512 / tg32 with half its layers on the GPU (--gpu-layers 16, the rest on the CPU);
 # and prints a short table last.  Logs and bench.json go to $OUT (the device tool's folder) or /tmp.
 #
 # Missing packages (gguf, maybe prompt_toolkit) travel as wheels in .whl/ (carry ".whl"); prepare them here:
@@ -87,6 +88,10 @@ if [ "${GPU_CHECK_SKIP_BENCH:-0}" != 1 ]; then
     # the CLI's own numbers, shares of the GPU's measured copy bandwidth and fp16 matmul rate
     timeout 150 python3 -m pyllm bench --synthetic llama3-1b:q4_k_m --device cuda -p 512 -n 128 -r 2 2>&1 \
         | tail -8 | tee "$LOG/pyllm_bench.log"
+    # --gpu-layers: the synthetic 8B with half its layers (16 of 32) and their KV cache on the GPU, the other 16,
+    # the embedding and the output head on the CPU's kernels (every token through the per-layer torch forward)
+    timeout 180 python3 -m pyllm bench --synthetic llama3-8b:q4_k_m --device cuda -ngl 16 -p 512 -n 32 -r 1 2>&1 \
+        | tail -4 | tee "$LOG/gpu_layers_bench.log"
 fi
 
 stamp "done"
@@ -99,5 +104,7 @@ if [ "$bench_rc" != skipped ]; then
     sed -n '/^=== GEMV/,$p' "$LOG/bench.log"
     echo "bench rc $bench_rc"
     cat "$LOG/pyllm_bench.log"
+    echo "--gpu-layers 16 of 32 (synthetic Llama-3-8B Q4_K_M):"
+    grep '^| synthetic' "$LOG/gpu_layers_bench.log"
 fi
 [ "$test_rc" = 0 ] && { [ "$bench_rc" = 0 ] || [ "$bench_rc" = skipped ]; }

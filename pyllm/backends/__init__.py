@@ -3,6 +3,7 @@
     get("fast")       the CPU extension's kernels (backends/cpu.py)
     get("reference")  float32 torch over weights dequantized by the reference code (backends/reference.py)
     get("cuda")       imports pyllm.backends.cuda on first use and calls its ``create(device=...)``
+    split.py          a model's layers split between two of them (--gpu-layers N, as llama.cpp's -ngl)
 
 ``select(device, kernels)`` is what ``pyllm.load`` calls: device "cpu" | "cuda" | "cuda:N" | "auto" (CUDA when
 torch sees a GPU and the CUDA backend can be created, else the CPU), kernels "fast" | "reference" (the CPU kernel
@@ -63,11 +64,16 @@ def check_kernels(kernels: str) -> str:
     return kernels
 
 
-def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = None) -> Backend:
+def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = None,
+           gpu_layers: int | None = None) -> Backend:
     """The backend ``pyllm.load(device=, kernels=)`` runs on; see the module docstring. A device that cannot run
-    raises BackendUnavailable naming why ("auto" never raises: it falls back to the CPU)."""
+    raises BackendUnavailable naming why ("auto" never raises: it falls back to the CPU).  ``gpu_layers`` other than
+    None and 0 (checked by split.check_gpu_layers): the backend of the GPU's layers, which split.place combines with
+    the CPU's once the model's layer count is known."""
     check_device(device)
     check_kernels(kernels)
+    if gpu_layers:
+        return gpu_side(device, gpu_layers)
     if device.startswith("cuda"):
         if kernels == "reference":
             raise PyllmError("kernels 'reference' run on the CPU (float32 torch); use device='cpu' with them, or "
@@ -88,3 +94,21 @@ def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = N
             except BackendUnavailable:
                 pass
     return get(kernels, n_threads=n_threads) if kernels == "fast" else get(kernels)
+
+
+def gpu_side(device: str, gpu_layers: int) -> Backend:
+    """The backend that runs a placement's GPU layers: CUDA on ``device`` ("auto" is "cuda"), or the CPU backend
+    PYLLM_GPU_STANDIN names standing in for it (split.py).  BackendUnavailable names gpu_layers and why there is no
+    GPU."""
+    from .split import cpu_backend, gpu_problem, standin
+
+    name = standin()
+    if name:
+        return cpu_backend(name)
+    why = gpu_problem(device)
+    if why is None:
+        try:
+            return get("cuda", device="cuda" if device == "auto" else device)
+        except BackendUnavailable as e:
+            why = str(e)
+    raise BackendUnavailable(f"gpu_layers={gpu_layers} puts layers on a GPU, but {why}; use gpu_layers=0 (the CPU)")

@@ -102,9 +102,12 @@ class CpuBackend:
     name = "fast"
     device = torch.device("cpu")
 
-    def __init__(self, n_threads: int | None = None):
+    def __init__(self, n_threads: int | None = None, decode_copies: bool = True):
+        """``decode_copies`` False: no interleaved copies of the weights, for a backend whose layers never run the
+        C++ step (one side of a split model, backends/split.py)."""
         if n_threads:
             ops.set_num_threads(n_threads)
+        self.decode_copies = decode_copies
         self.linear = ops.qmatmul
         self.linear_output = ops.qmatmul_output
         self.embed = ops.embedding
@@ -189,7 +192,7 @@ class CpuBackend:
             mats.append(out)
         need = sum(w.data.numel() for w in mats if self._rows8_type(w) >= 0)
         free = available_memory()
-        self._repack_fits = free is None or need <= free // 2
+        self._repack_fits = self.decode_copies and (free is None or need <= free // 2)
         for w in mats:
             self.decode_matrix(w)
         return weights

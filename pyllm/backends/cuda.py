@@ -91,11 +91,13 @@ def upload_plan(weights: dict) -> list[tuple[str, int]]:
 def check_fits(need: int, free: int, device_name: str) -> None:
     """PyllmError unless ``need`` bytes of weights leave room (1/16 of the free memory, at least 256 MiB) for the
     KV cache and activations on a GPU with ``free`` bytes free."""
-    headroom = max(256 << 20, free // 16)
+    from .split import gpu_headroom  # the same room --device auto's layer count keeps (split.fit_gpu_layers)
+
+    headroom = gpu_headroom(free)
     if need + headroom > free:
         raise PyllmError(f"the model's weights need {need / 2**30:.2f} GiB of GPU memory, but {device_name} has "
-                         f"{free / 2**30:.2f} GiB free (and the KV cache needs room too); use a smaller quantization "
-                         f"or --device cpu")
+                         f"{free / 2**30:.2f} GiB free (and the KV cache needs room too); put fewer layers on it "
+                         f"(--gpu-layers N, or --device auto: as many as fit), or use a smaller quantization")
 
 
 def _to_device(w, dev: torch.device, C):

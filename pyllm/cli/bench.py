@@ -125,23 +125,29 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
         if lora_from_args(a):
             raise PyllmError("--lora / --lora-scaled apply to model files: a synthetic model has no adapter to fit")
 
-        backend = backends.select(a.device, a.kernels, a.threads)  # a GPU that cannot run says why before 8B of work
+        from ..backends import split
+
+        device, gpu_layers = split.check_gpu_layers(a.gpu_layers, a.device)
+        # a GPU that cannot run says why before 8B of work
+        backend = backends.select(device, a.kernels, a.threads, gpu_layers)
         cfg, weights = synthetic_model(synthetic)
         from ..llm import plan_kv_cache
 
         plan_kv_cache(cfg, n_ctx, a.kv)  # as pyllm.load does: a cache too large for memory is refused, not built
-        mdl = build_model(cfg, weights, backend, max_pos=n_ctx, progress=backend.name == "cuda")
+        backend = split.place(backend, cfg, weights, device=device, kernels=a.kernels, n_threads=a.threads,
+                              gpu_layers=gpu_layers, n_ctx=n_ctx, kv_cache=a.kv, quiet=False)
+        mdl = build_model(cfg, weights, backend, max_pos=n_ctx, progress=backend.name in ("cuda", "split"))
         kv = mdl.backend.make_kv_cache(a.kv, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
         size = sum(w.nbytes for w in weights.values())
         from .. import ops
 
-        rt = dict(backend.describe()) if backend.name == "cuda" else \
+        rt = dict(backend.describe()) if backend.name in ("cuda", "split") else \
             {"device": "cpu", "backend": a.kernels, "isa": ops.get_isa() if a.kernels == "fast" else None}
         return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size, rt)
     import pyllm
 
     llm = pyllm.load(model, device=a.device, n_ctx=n_ctx, kv_cache=a.kv, n_threads=a.threads, kernels=a.kernels,
-                     quiet=False, lora=lora_from_args(a))
+                     quiet=False, lora=lora_from_args(a), gpu_layers=a.gpu_layers)
     llm.check_generates()  # an embedding encoder has no tokens to generate or prompts to score
     p = llm.path
     size = sum(f.stat().st_size for f in p.glob("*.safetensors")) if p.is_dir() else p.stat().st_size  # AWQ folder
@@ -201,7 +207,7 @@ def run_tests(s: Subject, a, roof: dict, on_row=lambda row: None) -> list[dict]:
                    n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, n_depth=depth,
                    test=f"{test}{n}" + (f" @ d{depth}" if depth else ""),
                    avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.kernels,
-                   isa=s.runtime.get("isa"), gpu=s.runtime.get("gpu"))
+                   isa=s.runtime.get("isa"), gpu=s.runtime.get("gpu"), placement=s.runtime.get("placement"))
         if test == "tg":
             # the cache grows from depth to depth + n positions: on average depth + n/2 positions of K and V are read
             kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * kv_elem * (depth + n / 2)
@@ -249,8 +255,9 @@ def format_md_row(r: dict) -> str:
     else:
         share = f"{r['gflops']:.0f} GFLOP/s" + (f" ({100 * r['flops_share']:.0f}% of peak)"
                                                 if r.get("flops_share") else "")
+    where = filter(None, (r['pyllm_backend'], r.get('isa'), r.get('gpu'), r.get('placement')))
     return (f"| {r['model_filename']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e6:.0f} M "
-            f"| {r['backends']} ({', '.join(filter(None, (r['pyllm_backend'], r.get('isa'), r.get('gpu'))))}, "
+            f"| {r['backends']} ({', '.join(where)}, "
             f"kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
             f"| {r['avg_ts']:.2f} ± {r['stddev_ts']:.2f} | {share} |\n")
 
@@ -262,8 +269,7 @@ def cmd_bench(a) -> int:
 
     a.kv = kv_kind_from_args(a)  # --kv with --kv-k/--kv-v applied: "q8_0", "f16/q4_rot", ...
     a.models = a.models + a.model_flags
-    for a.model in a.models or [None]:  # -ngl N: every model must fit wholly on the GPU (or N = 0)
-        apply_gpu_layers(a)
+    apply_gpu_layers(a)  # -ngl N against --device, before any model loads
     a.threads = a.threads or physical_cores()
     torch.set_num_threads(a.threads)
     if a.kernels == "fast":
@@ -358,7 +364,8 @@ def cmd_bench_spec(a) -> int:
     rows = []
     for model in a.models:
         llm = pyllm.load(model, device=a.device, n_ctx=2048, kv_cache=a.kv, n_threads=a.threads, kernels=a.kernels,
-                         quiet=False, draft=a.draft if a.spec == "draft" else None, lora=lora_from_args(a))
+                         quiet=False, draft=a.draft if a.spec == "draft" else None, lora=lora_from_args(a),
+                         gpu_layers=a.gpu_layers)
         for p in spec_prompts():
             ids = llm.chat_ids([{"role": "user", "content": p["prompt"]}])
             schema = p.get("json_schema")

@@ -236,12 +236,13 @@ def gpu_layers_arg(text: str) -> int:
 
 
 def add_llama_cpp_args(g) -> None:
-    """Flags llama.cpp's tools take, accepted under their names: -ngl (whole model on the GPU, or none of it) and
-    -fa (attention is always fused here: nothing to switch)."""
+    """Flags llama.cpp's tools take, accepted under their names: -ngl (layers on the GPU) and -fa (attention is
+    always fused here: nothing to switch)."""
     g.add_argument("--n-gpu-layers", "-ngl", "--gpu-layers", dest="gpu_layers", type=gpu_layers_arg, default=None,
-                   metavar="N", help="layers on the GPU, as llama.cpp's -ngl: 'all' (or -1, or at least the model's "
-                                     "layer count, e.g. 99) is --device cuda, 0 is --device cpu; a model split "
-                                     "between the two is not supported yet")
+                   metavar="N", help="layers on the GPU, as llama.cpp's -ngl: the last N layers and their KV cache "
+                                     "on the GPU, the rest on the CPU; 'all' (or -1, or more than the model's "
+                                     "layers, e.g. 99) is --device cuda, 0 is --device cpu (default: --device "
+                                     "decides; auto puts as many layers as fit)")
     g.add_argument("--flash-attn", "-fa", action="store_true",
                    help="accepted for llama.cpp command lines (with an optional on/off/auto): attention is always "
                         "fused here, so it changes nothing")
@@ -270,38 +271,29 @@ def drop_flash_attn_values(argv: list[str]) -> list[str]:
     return out
 
 
-def model_layer_count(model: str) -> int | None:
-    """The number of repeating layers a GGUF model file (or registry model) declares, from its header alone; None
-    for anything else (an AWQ folder)."""
-    from ..gguf import open_gguf
-
-    path = registry.resolve(model, quiet=False)
-    if not path.is_file():
-        return None
-    with open_gguf(path) as gf:
-        arch = gf.metadata.get("general.architecture")
-        n = gf.metadata.get(f"{arch}.block_count")
-    return n if isinstance(n, int) else None
-
-
 def apply_gpu_layers(a) -> None:
-    """-ngl N as a device: 0 is the CPU, every layer (-1, all, or N at least the model's layer count, so the habitual
-    99 too) is CUDA, as --device cuda; a split is refused with what to do instead. --device, if given, must agree."""
+    """-ngl N checked against --device before the model is read: 0 is the CPU (--device cpu); N > 0 needs a GPU (an
+    error naming the flag where none is usable) and reaches pyllm.load as gpu_layers, which places the layers once it
+    knows their number (the last N on the GPU; all, -1 or more than the model's layers: the whole model, as --device
+    cuda).  --device, if given, must agree."""
     n = getattr(a, "gpu_layers", None)
     if n is None:
         return
     device = a.device or "auto"
-    want = "cpu" if n == 0 else "cuda"
-    layers = model_layer_count(a.model) if n > 0 and getattr(a, "model", None) else None
-    if n > 0 and n < (99 if layers is None else layers):  # 99: llama.cpp's habitual "all", when no count is known
-        of = f"{n} of its {layers} layers" if layers is not None else f"{n} layers"
-        raise PyllmError(f"-ngl {n}: running {of} on the GPU and the rest on the CPU is not supported yet; use "
-                         f"-ngl all (every layer on the GPU, as --device cuda) or -ngl 0 (the CPU)")
-    if device == "auto" or device.split(":")[0] == want:
-        a.device = device if device != "auto" else want
+    flag = f"-ngl {'all' if n == -1 else n}"
+    if n == 0:
+        if device.startswith("cuda"):
+            raise PyllmError(f"{flag} puts no layer on the GPU but --device is {device}; drop one of them")
+        a.device = "cpu"
         return
-    raise PyllmError(f"-ngl {n} puts {'no' if want == 'cpu' else 'every'} layer on the GPU but --device is "
-                     f"{device}; drop one of them")
+    if device == "cpu":
+        raise PyllmError(f"{flag} puts layers on the GPU but --device is cpu; drop one of them")
+    from ..backends.split import gpu_problem
+
+    why = gpu_problem(device)
+    if why:
+        raise PyllmError(f"{flag}: no GPU to put layers on here ({why}); use -ngl 0 (the CPU) or leave it out")
+    a.device = device
 
 
 class _LoraScaled(argparse.Action):
@@ -446,7 +438,7 @@ def load_from_args(a, context_policy: str = "stop"):
     llm = pyllm.load(a.model, device=a.device, n_ctx=a.ctx, kv_cache=kv_kind_from_args(a), n_threads=a.threads,
                      kernels=a.kernels, quiet=False, verbose=getattr(a, "verbose", False),
                      context_policy=getattr(a, "context_policy", None) or context_policy,
-                     draft=getattr(a, "draft", None), lora=lora_from_args(a))
+                     draft=getattr(a, "draft", None), lora=lora_from_args(a), gpu_layers=getattr(a, "gpu_layers", None))
     if template_source is not None:
         llm.use_template(template_source, f"--chat-template-file {shorten(a.chat_template_file)}")
     elif getattr(a, "plain_template", False):

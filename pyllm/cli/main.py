@@ -316,7 +316,7 @@ def serve_replicas_from_args(a) -> int:
         raise PyllmError("--prompt-cache cannot be shared by --replicas (each replica would write the same "
                          "directory); use one or the other")
     require_ray()
-    apply_gpu_layers(a)  # -ngl as --device, as a single process reads it
+    apply_gpu_layers(a)  # -ngl against --device, as a single process checks it
     path = registry.resolve(a.model or registry.DEFAULT_MODEL)  # fetched once here, not by every replica
     threads = a.threads or max(1, (os.cpu_count() or 1) // a.replicas)
     name = a.model if a.model in registry.REGISTRY else path.name
@@ -326,7 +326,7 @@ def serve_replicas_from_args(a) -> int:
                        parallel=a.parallel, plain_template=a.plain_template, cors_origins=cors_origins_from_args(a),
                        host=a.host, allow_hosts=allow_hosts_from_args(a),
                        max_request_memory=None if a.max_request_memory is None else a.max_request_memory << 20,
-                       lora=tuple(lora_from_args(a)))
+                       lora=tuple(lora_from_args(a)), gpu_layers=a.gpu_layers)
 
     def wait_for_interrupt():  # serve_replicas turns Ctrl-C and SIGTERM into KeyboardInterrupt
         threading.Event().wait()

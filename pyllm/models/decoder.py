@@ -71,6 +71,26 @@ class Decoder:
             out = (F.gelu(g, approximate="tanh") if gelu_tanh else F.silu(g)) * u
         return out
 
+    # Where each layer runs: one device, except where a placement splits the layers between two backends
+    # (backends/split.py, --gpu-layers): its backend says which side a layer or a tensor is on.
+    def layer_device(self, i: int) -> torch.device:
+        """The device layer ``i`` runs on (``i`` = n_layer: the output head's)."""
+        side = getattr(self.backend, "layer_device", None)
+        return self.device if side is None else side(i)
+
+    def tensor_device(self, name: str) -> torch.device:
+        """The device the layer that owns tensor ``name`` runs on (the embedding and the head: the first layer's
+        side)."""
+        side = getattr(self.backend, "device_of", None)
+        return self.device if side is None else side(name)
+
+    def enter_layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """x, the activations entering layer ``i`` (``i`` = n_layer: the output head), on that layer's device; the
+        backend then runs the layer's weightless steps (norms, rope, attention) with that side's kernels.  A copy
+        only where the device changes: once per boundary."""
+        enter = getattr(self.backend, "enter_layer", None)
+        return x if enter is None else enter(i, x)
+
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                          attention) -> torch.Tensor:
         """Causal attention of T new positions over S >= T keys, the last T theirs: q [T, H, hd], k / v [S, Hkv, hd]
@@ -92,7 +112,7 @@ class Decoder:
         (x @ a.T) @ bt added, the token embedding's rows a[ids] @ bt.  The hook wraps ``linear``,
         ``output_linear`` and ``embed``, so every forward takes it unchanged; the fused steps read ``lora_terms``
         (the CPU's C++ step adds the terms itself, the CUDA step in torch ops)."""
-        terms = {name: t.to(self.device) for name, t in terms.items()}
+        terms = {name: t.to(self.tensor_device(name)) for name, t in terms.items()}
         self.lora_terms = terms
         self._fused = weakref.WeakKeyDictionary()  # a step built before now would lack the terms
         # by the weight object: the forward passes weights, not names (a tied output is the embedding's object,
@@ -122,8 +142,9 @@ class Decoder:
         return weights
 
     def small_vectors(self, weights: dict) -> dict[str, torch.Tensor]:
-        """Norm weights, biases, rope factors: tiny, so float32 1-D tensors on the backend's device."""
-        return {n: t.dequantize().reshape(-1).to(self.device) for n, t in weights.items() if len(t.shape) == 1}
+        """Norm weights, biases, rope factors: tiny, so float32 1-D tensors on the device of the layer using them."""
+        return {n: t.dequantize().reshape(-1).to(self.tensor_device(n)) for n, t in weights.items()
+                if len(t.shape) == 1}
 
     def fused_step(self, kv):
         """The backend's fused one-token step over ``kv`` (built once per cache), or None where it does not apply

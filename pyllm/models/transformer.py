@@ -115,6 +115,18 @@ class Transformer(Decoder):
         # multiplied as a float32 tensor, as HF multiplies by the scale cast to the activation dtype
         self.embd_scale = torch.tensor(spec.embd_scale, dtype=torch.float32)
 
+    def layer_rope_tables(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s (cos, sin) tables on the device it runs on: a copy per other device, made on first use,
+        where a placement splits the layers between devices (backends/split.py)."""
+        tables, device = self.rope_tables[self.layer_rope[i]], self.layer_device(i)
+        if tables[0].device == device:
+            return tables
+        moved = self.__dict__.setdefault("_tables_on", {})
+        key = (self.layer_rope[i], device)
+        if key not in moved:
+            moved[key] = tuple(t.to(device) for t in tables)
+        return moved[key]
+
     @staticmethod
     def arrange_weights(cfg, weights: dict) -> dict:
         """The file's tensors as the forward names them (Phi-3's fused ones split); others as they are."""
@@ -134,6 +146,7 @@ class Transformer(Decoder):
             x = x * self.embd_scale
         sl = slice(start_pos, start_pos + t)
         for i, layer in enumerate(spec.layers):
+            x = self.enter_layer(i, x)
             p = f"blk.{i}."
             h = self.norm(x, vec[p + "attn_norm.weight"], eps)
             q = lin(h, w[p + "attn_q.weight"])
@@ -148,7 +161,7 @@ class Transformer(Decoder):
                 q = self.norm(q, vec[p + "attn_q_norm.weight"], eps)
                 k = self.norm(k, vec[p + "attn_k_norm.weight"], eps)
             if layer.rope:
-                cos, sin = self.rope_tables[self.layer_rope[i]]
+                cos, sin = self.layer_rope_tables(i)
                 q = self.rope(q, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
                 k = self.rope(k, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
@@ -167,6 +180,7 @@ class Transformer(Decoder):
             x = x + (self.norm(m, vec[p + "post_ffw_norm.weight"], eps) if spec.post_norms else m)
         if not all_logits:
             x = x[-1:]
+        x = self.enter_layer(spec.n_layer, x)
         x = self.norm(x, vec["output_norm.weight"], eps)
         logits = self.output_linear(x, self.output)
         if spec.final_softcap:

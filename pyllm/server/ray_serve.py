@@ -38,6 +38,7 @@ class ReplicaSpec:
     allow_hosts: tuple[str, ...] = ()
     max_request_memory: int | None = None  # bytes, per replica
     lora: tuple[tuple[str, float], ...] = ()  # LoRA adapters (path, scale), as pyllm.load's lora=
+    gpu_layers: int | None = None  # layers on the GPU, as pyllm.load's gpu_layers=
 
 
 def require_ray():
@@ -76,7 +77,8 @@ def build_replica_app(spec: ReplicaSpec):
     from .app import create_app, prepare_for_requests
 
     llm = pyllm.load(spec.path, device=spec.device, n_ctx=spec.n_ctx, kv_cache=spec.kv_cache,
-                     n_threads=spec.n_threads, kernels=spec.kernels, quiet=True, lora=list(spec.lora))
+                     n_threads=spec.n_threads, kernels=spec.kernels, quiet=True, lora=list(spec.lora),
+                     gpu_layers=spec.gpu_layers)
     if spec.plain_template:
         llm.use_fallback_template()
     prepare_for_requests(llm)  # Ray routes to a replica once this returns: not while it compiles

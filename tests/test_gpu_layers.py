@@ -1,0 +1,368 @@
+"""--gpu-layers N / pyllm.load(gpu_layers=N): a model's layers split between two backends (pyllm/backends/split.py).
+
+On this host two CPU backends stand in for the two devices (PYLLM_GPU_STANDIN names the one that runs "the GPU's"
+layers), so the placement code the GPU runs is the code tested here.  References and tolerances:
+- a split over two fast backends against the fast backend alone, both through the torch forward (the split has no
+  fused step): the same kernels on the same rows, so logits equal bit for bit (prompt and decode positions), and the
+  KV rows of each layer equal the single cache's;
+- a split over two reference backends against the reference alone: equal bit for bit;
+- the GPU's layers on the reference backend and the CPU's on the fast one against the reference: mean KL over the
+  decode positions of real text within tests/test_fast_accuracy.py's bound for the fast backend (KL_SPREAD x
+  llama.cpp's own distance), and greedy tokens equal to the reference's (and the fast backend's) on a prompt where
+  those two agree;
+- the choice of N for --device auto: fit_gpu_layers, a pure function, on made-up sizes worked by hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import pyllm
+from conftest import cli_in_process, fixture_path, pyllm_model
+from pyllm.backends import split
+from pyllm.backends.split import SplitBackend, SplitKVCache, check_gpu_layers, fit_gpu_layers, model_bytes
+from pyllm.errors import PyllmError
+from test_fast_accuracy import KL_LLAMA_CPP, KL_SPREAD, real_text
+
+GIB, MIB = 2**30, 2**20
+N_LAYER = {"smollm2": 30, "gemma3": 18}
+
+
+def load(key: str, gpu_layers=None, kernels: str = "fast", **kw):
+    return pyllm.load(fixture_path(key), n_ctx=512, kernels=kernels, gpu_layers=gpu_layers, **kw)
+
+
+def reference(key: str):
+    """The session's reference LLM (its weights dequantized once for every test that uses it)."""
+    return pyllm_model(key, kernels="reference", n_ctx=512)
+
+
+@functools.lru_cache(maxsize=None)
+def placed(key: str, gpu_layers: int, standin: str, kernels: str = "fast"):
+    """An LLM with ``gpu_layers`` of its layers on the ``standin`` backend, shared by this module's tests."""
+    saved = os.environ.get(split.STANDIN_VARIABLE)
+    os.environ[split.STANDIN_VARIABLE] = standin
+    try:
+        return load(key, gpu_layers=gpu_layers, kernels=kernels)
+    finally:
+        if saved is None:
+            del os.environ[split.STANDIN_VARIABLE]
+        else:
+            os.environ[split.STANDIN_VARIABLE] = saved
+
+
+def torch_path(llm):
+    """``llm`` with its one-token forwards through the torch forward, as a split model runs every token."""
+    llm.model.use_cpp_decode = False
+    return llm
+
+
+def decode_logits(llm, ids: list[int]) -> torch.Tensor:
+    """The logits after ids[0], ids[0..1], ...: a prefill of the first token, then one decode step per token."""
+    g = llm.generator
+    g.reset()
+    out = [g._forward([t])[-1] for t in ids]
+    g.reset()
+    return torch.stack(out).double()
+
+
+# ---- the choice of N -------------------------------------------------------------------------------------------
+def test_fit_takes_the_whole_model_when_weights_and_cache_fit():
+    # 16 GiB free keeps 1 GiB (1/16); 32 x 0.25 GiB + 1 GiB outside the layers + 32 x 64 MiB of cache = 11 GiB
+    assert fit_gpu_layers(16 * GIB, [GIB // 4] * 32, GIB, 64 * MIB) == 33
+
+
+def test_fit_takes_the_most_trailing_layers_that_fit():
+    # 10 GiB free keeps 640 MiB: 9600 MiB of room; a layer is 400 MiB of weights + 32 MiB of cache = 432 MiB, so
+    # 22 layers (9504 MiB) fit and 23 (9936 MiB) do not; the whole model (12800 + 1024 + 1024 MiB) does not
+    assert fit_gpu_layers(10 * GIB, [400 * MIB] * 32, GIB, 32 * MIB) == 22
+    # a longer context's cache leaves room for fewer: 400 + 112 MiB a layer -> 18 (9216 MiB; 19 is 9728)
+    assert fit_gpu_layers(10 * GIB, [400 * MIB] * 32, GIB, 112 * MIB) == 18
+
+
+def test_fit_counts_layers_from_the_last_and_stops_at_the_first_that_does_not_fit():
+    # 2 GiB free keeps 256 MiB (more than 1/16): 1792 MiB; from the last layer: 700 + 700 = 1400, + 900 > 1792
+    assert fit_gpu_layers(2 * GIB, [100 * MIB, 900 * MIB, 700 * MIB, 700 * MIB], 0, 0) == 2
+    assert fit_gpu_layers(2 * GIB, [100 * MIB, 100 * MIB, 100 * MIB, 1800 * MIB], 0, 0) == 0
+    assert fit_gpu_layers(200 * MIB, [MIB] * 4, 0, 0) == 0  # not even the headroom fits
+
+
+def test_fit_matches_the_cuda_loaders_headroom():
+    """The whole model is chosen exactly when the CUDA backend's own check (weights + headroom) would pass with the
+    cache counted too: one byte more and it is a split."""
+    from pyllm.backends.cuda import check_fits
+
+    free, layers, other = 8 * GIB, [200 * MIB] * 10, 300 * MIB
+    room = free - split.gpu_headroom(free)
+    kv = (room - sum(layers) - other) // 10
+    assert fit_gpu_layers(free, layers, other, kv) == 11
+    check_fits(sum(layers) + other + 10 * kv, free, "the test GPU")
+    assert fit_gpu_layers(free, layers, other, kv + 1) == 10
+
+
+def test_model_bytes_counts_a_tied_output_once():
+    class W:
+        def __init__(self, n):
+            self.nbytes = n
+
+    embd = W(1000)
+    weights = {"token_embd.weight": embd, "output.weight": embd, "output_norm.weight": W(8),
+               "blk.0.attn_q.weight": W(100), "blk.0.attn_norm.weight": W(4), "blk.1.ffn_up.weight": W(300)}
+    assert model_bytes(weights, 2) == ([104, 300], 1008)
+
+
+@pytest.mark.parametrize("value", [True, 1.5, "3", -2, -100])
+def test_a_bad_gpu_layers_value_is_refused_naming_it(value):
+    with pytest.raises(PyllmError, match=r"^gpu_layers must be a number of layers >= 0, or -1 for the whole model"):
+        check_gpu_layers(value, None)
+    with pytest.raises(PyllmError, match="gpu_layers must be"):
+        pyllm.load("smollm2-135m", gpu_layers=value)
+
+
+@pytest.mark.parametrize("gpu_layers, device, want", [
+    (None, None, ("cpu", None)), (None, "auto", ("auto", None)), (0, None, ("cpu", 0)), (0, "auto", ("cpu", 0)),
+    (12, None, ("cuda", 12)), (12, "auto", ("auto", 12)), (-1, "cuda:1", ("cuda:1", -1))])
+def test_gpu_layers_and_device_resolve(gpu_layers, device, want):
+    assert check_gpu_layers(gpu_layers, device) == want
+
+
+@pytest.mark.parametrize("gpu_layers, device, needle", [
+    (0, "cuda", "gpu_layers=0 puts no layer on the GPU but device is 'cuda'"),
+    (4, "cpu", "gpu_layers=4 puts layers on the GPU but device is 'cpu'")])
+def test_gpu_layers_that_contradict_the_device_are_refused(gpu_layers, device, needle):
+    with pytest.raises(PyllmError, match=needle):
+        check_gpu_layers(gpu_layers, device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a host without a GPU answers")
+def test_layers_on_a_gpu_this_host_lacks_are_an_error_naming_gpu_layers(monkeypatch):
+    monkeypatch.delenv(split.STANDIN_VARIABLE, raising=False)
+    with pytest.raises(PyllmError, match=r"^gpu_layers=4 puts layers on a GPU, but .*; use gpu_layers=0"):
+        pyllm.load("smollm2-135m", gpu_layers=4)
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "cuda")
+    with pytest.raises(PyllmError, match="PYLLM_GPU_STANDIN must be one of reference, fast"):
+        pyllm.load("smollm2-135m", gpu_layers=4)
+
+
+def test_placement_phrase():
+    assert split.placement_phrase(24, 12, "cuda", "cpu") == "layers 12-23 on cuda, 0-11 on cpu"
+    assert split.placement_phrase(24, 1, "cuda", "cpu") == "layer 23 on cuda, 0-22 on cpu"
+    assert split.placement_phrase(24, 23, "cuda", "cpu") == "layers 1-23 on cuda, 0 on cpu"
+    assert split.placement_phrase(24, 24, "cuda", "cpu") == "layers 0-23 on cuda, the output on cpu"
+
+
+# ---- placements on real models, two CPU backends standing in -------------------------------------------------
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_half_the_layers_on_a_second_fast_backend_give_the_same_bits(key):
+    n = N_LAYER[key] // 2
+    one = torch_path(load(key))
+    two = placed(key, n, "fast")
+    b = two.model.backend
+    assert isinstance(b, SplitBackend) and b.low is not b.high and (b.low.name, b.high.name) == ("fast", "fast")
+    assert b.first_high == N_LAYER[key] - n
+    ids = one.tokenize("The quick brown fox jumps over the lazy dog, and the dog sleeps on.")
+    assert torch.equal(one.logits(ids), two.logits(ids))  # prefill, every position
+    # each layer's rows live in its side's cache, equal to the single cache's rows of that layer
+    kv = two.kv
+    assert isinstance(kv, SplitKVCache) and (kv.low.n_layer, kv.high.n_layer) == (N_LAYER[key] - n, n)
+    for i in (0, b.first_high - 1, b.first_high, N_LAYER[key] - 1):
+        side, j = (kv.low, i) if i < b.first_high else (kv.high, i - b.first_high)
+        assert all(torch.equal(x, y) for x, y in zip(side.view(j, len(ids)), one.kv.view(i, len(ids)))), i
+    assert torch.equal(decode_logits(one, ids[:8]), decode_logits(two, ids[:8]))  # one token at a time
+
+
+def test_half_the_layers_on_a_second_reference_backend_give_the_same_bits():
+    one = reference("smollm2")
+    two = placed("smollm2", 15, "reference", kernels="reference")
+    ids = one.tokenize("Once upon a time, in a small village,")
+    assert torch.equal(one.logits(ids), two.logits(ids))
+    assert torch.equal(decode_logits(one, ids), decode_logits(two, ids))
+
+
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_reference_gpu_half_stays_within_the_fast_backends_distance_from_the_reference(key):
+    """The GPU's layers on the reference backend, the CPU's on the fast one, positions 136..199 of real text through
+    the decode path (teacher forcing): mean KL from the reference within the bound the fast backend alone is held
+    to over 200 (measured on SmolLM2: 1.9e-3 over these positions against the bound 6.6e-3; 2.5e-3 over all 200
+    positions, where the fast backend alone measures 4.6e-3)."""
+    ref, mixed = reference(key), placed(key, N_LAYER[key] // 2, "reference")
+    ids = ref.tokenize(real_text())[:200]
+    lr = torch.log_softmax(ref.logits(ids)[136:].double(), -1)
+    g = mixed.generator
+    g.reset()
+    g._forward(ids[:136])
+    lm = torch.log_softmax(torch.stack([g._forward([t])[-1] for t in ids[136:]]).double(), -1)
+    kl = (lr.exp() * (lr - lm)).sum(-1).mean().item()
+    assert kl <= KL_SPREAD * KL_LLAMA_CPP[key], f"{key}: mean KL {kl:.2e}"
+    assert (lr.argmax(-1) == lm.argmax(-1)).double().mean().item() >= 0.9
+
+
+@pytest.mark.parametrize("key", ["smollm2", "gemma3"])
+def test_reference_gpu_half_greedy_tokens_equal_each_backends_alone(key):
+    """On a prompt where the two backends alone agree for 16 greedy tokens (the reference's top-2 gap along them at
+    least 0.14 on SmolLM2, 0.50 on Gemma 3), the split gives those tokens."""
+    ref, fast, mixed = reference(key), pyllm_model(key, n_ctx=512), placed(key, N_LAYER[key] // 2, "reference")
+    ids = fast.tokenize("Q: What is 12 * 7?\nA:")
+    want = list(fast.generate_tokens(ids, max_tokens=16, temperature=0))
+    # the reference's greedy choice at each of those positions, in one pass (teacher forcing): its own greedy tokens
+    along = ref.logits(ids + want)[len(ids) - 1:-1].argmax(-1).tolist()
+    assert along == want, "the reference and fast backends no longer agree on this prompt: choose another"
+    assert list(mixed.generate_tokens(ids, max_tokens=16, temperature=0)) == want
+
+
+def test_placements_at_the_edges(monkeypatch):
+    """N = 0: the CPU backend alone; N = n_layer: every layer on the GPU's side, the output head on the CPU's;
+    N = n_layer + 1 (or -1, or more): the whole model on the GPU's backend."""
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "reference")
+    ref = reference("smollm2")
+    ids = ref.tokenize("The capital of France is")
+    want = ref.logits(ids)
+    llm = load("smollm2", gpu_layers=0)
+    assert llm.kernels == "fast" and llm.device == "cpu" and "placement" not in llm.info()["runtime"]
+    for n in (31, -1, 99):
+        llm = load("smollm2", gpu_layers=n)
+        assert llm.kernels == "reference" and not isinstance(llm.kv, SplitKVCache)
+    assert torch.equal(llm.logits(ids), want)
+    llm = placed("smollm2", 30, "reference")
+    b, kv = llm.model.backend, llm.kv
+    assert isinstance(b, SplitBackend) and b.first_high == 0 and kv.low is None and kv.high.n_layer == 30
+    assert llm.info()["runtime"]["placement"] == "layers 0-29 on cpu (reference), the output on cpu (fast)"
+    out = llm.logits(ids)
+    assert (out - want).abs().max() < 0.05 * want.abs().max()  # only the output head ran on the fast kernels
+    assert int(out[-1].argmax()) == int(want[-1].argmax())
+
+
+def test_info_and_banner_show_the_placement():
+    from pyllm.info import format_runtime
+
+    rt = placed("smollm2", 15, "reference").info()["runtime"]
+    assert rt["placement"] == "layers 15-29 on cpu (reference), 0-14 on cpu (fast)" and rt["gpu_layers"] == 15
+    assert rt["backend"] == "split" and rt["device"] == "cpu+cpu"
+    assert format_runtime(rt).endswith(", layers 15-29 on cpu (reference), 0-14 on cpu (fast))")
+
+
+def test_auto_picks_the_layers_that_fit_and_says_so(monkeypatch, capsys, tmp_path):
+    """--device auto's glue (split.place) with the GPU's backend a stand-in named "cuda" and a made-up free
+    memory: the largest N fit_gpu_layers gives for the model's own sizes, said on stderr; tokens as the reference's."""
+    from pyllm.backends.reference import ReferenceBackend
+    from pyllm.checkpoint import read_gguf
+    from pyllm.synthetic import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=4, n_embd=64, n_ff=128, n_head=4, n_kv_head=2,
+                            n_vocab=320, n_ctx=128)
+
+    class StandInGpu(ReferenceBackend):
+        name = "cuda"
+
+    ckpt = read_gguf(path)
+    cfg = ckpt.config
+    layers, other = model_bytes(ckpt.weights, cfg.n_layer)
+    kv_layer = 2 * cfg.n_kv_head * cfg.head_dim * 2 * 64  # f16 K and V, 64 positions
+    free = 256 * MIB + sum(layers[-3:]) + 3 * kv_layer + 1  # the headroom and exactly the last 3 layers
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 2 * free))
+    assert fit_gpu_layers(free, layers, other, kv_layer) == 3
+    b = split.place(StandInGpu(), cfg, ckpt.weights, device="auto", kernels="fast", n_threads=None, gpu_layers=None,
+                    n_ctx=64, kv_cache="f16", quiet=False)
+    assert isinstance(b, SplitBackend) and b.n_high == 3
+    err = capsys.readouterr().err
+    assert "layers 1-3 on cuda, 0 on cpu (--gpu-layers 3; --gpu-layers chooses another split)" in err, err
+    ckpt.close()
+    # the same placement through pyllm.load (the CPU's kernels the reference too): the reference's logits
+    monkeypatch.setattr("pyllm.backends.select", lambda *a, **k: StandInGpu())
+    llm = pyllm.load(str(path), device="auto", kernels="reference", n_ctx=64, quiet=False)
+    assert llm.info()["runtime"]["placement"] == "layers 1-3 on cpu (cuda), 0 on cpu (reference)"
+    monkeypatch.undo()
+    ref = pyllm.load(str(path), kernels="reference", n_ctx=64)
+    ids = list(range(5, 15))
+    assert torch.equal(llm.logits(ids), ref.logits(ids))
+
+
+# ---- the command line -------------------------------------------------------------------------------------------
+def test_ngl_runs_a_split_model_and_says_where(monkeypatch, capsys):
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "fast")
+    cli = cli_in_process(monkeypatch, capsys)
+    split_run = cli("run", "smollm2-135m", "Once upon a time", "-n", "12", "--temp", "0", "-ngl", "15", "--json")
+    assert split_run.returncode == 0, split_run.stderr
+    import json
+
+    out = json.loads(split_run.stdout)
+    assert out["runtime"]["placement"] == "layers 15-29 on cpu (fast), 0-14 on cpu (fast)"
+    plain = cpu_alone_through_the_torch_forward(monkeypatch, cli, "run", "smollm2-135m", "Once upon a time", "-n",
+                                                "12", "--temp", "0", "--json")
+    assert json.loads(plain.stdout)["text"] == out["text"]
+
+
+def cpu_alone_through_the_torch_forward(monkeypatch, cli, *argv):
+    """The command on the CPU alone with every token through the torch forward, as a split model runs them (the
+    fused C++ step sums in another order: its text may differ in a near tie), speculation off as the split has it."""
+    from pyllm.models.decoder import Decoder
+
+    with monkeypatch.context() as m:
+        m.setattr(Decoder, "use_cpp_decode", False)
+        m.delenv(split.STANDIN_VARIABLE, raising=False)
+        return cli(*argv, "--device", "cpu", "--spec", "none")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a host without a GPU answers")
+@pytest.mark.parametrize("command", [["run", "smollm2-135m", "hi"], ["chat", "smollm2-135m"],
+                                     ["serve", "smollm2-135m", "--port", "0"],
+                                     ["bench", "smollm2-135m", "-p", "4", "-n", "2", "-r", "1"]])
+def test_ngl_without_a_gpu_is_one_error_naming_the_flag(monkeypatch, capsys, command):
+    monkeypatch.delenv(split.STANDIN_VARIABLE, raising=False)
+    res = cli_in_process(monkeypatch, capsys, b"hi")(*command, "-ngl", "12")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith("pyllm: error: -ngl 12: no GPU to put layers on here (") and \
+        res.stderr.strip().endswith("use -ngl 0 (the CPU) or leave it out"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_readme_gpu_layers_example_runs_as_written(monkeypatch, capsys):
+    """The README's block under "Models larger than the GPU", as written: its variable set, the run line gives the
+    text of the same command on the CPU alone through the same forward (greedy; the split's kernels are the CPU's
+    own, so the bits are the same)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text[text.index("**Models larger than the GPU.**"):]
+    line, = re.search(r"```bash\n(.*?)```", section, re.S).group(1).strip().splitlines()
+    words = shlex.split(line)
+    env = dict(w.split("=", 1) for w in words if "=" in w and w.startswith("PYLLM_"))
+    assert env == {split.STANDIN_VARIABLE: "fast"} and words[len(env)] == "pyllm"
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cli = cli_in_process(monkeypatch, capsys)
+    res = cli(*words[len(env) + 1:])
+    assert res.returncode == 0 and res.stdout.strip(), res.stderr
+    plain = cpu_alone_through_the_torch_forward(monkeypatch, cli, *words[len(env) + 1:-2])
+    assert words[-2:] == ["-ngl", "15"] and plain.returncode == 0 and plain.stdout == res.stdout
+
+
+def test_split_cache_keeps_the_prefix_state_protocol(monkeypatch, tmp_path):
+    """What server slots and the prompt cache do with a cache (runtime/batch.py): state_layout, prefix_state ->
+    load_prefix_state into a fresh cache, copy_prefix_from; the rows come back bit for bit on each side, and a state
+    from another layout is refused.  Reference: the source cache's own rows."""
+    from pyllm.synthetic import write_tiny_llama
+
+    path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=4, n_embd=64, n_ff=128, n_head=4, n_kv_head=2,
+                            n_vocab=320, n_ctx=128)
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "reference")
+    llm = pyllm.load(str(path), kernels="reference", gpu_layers=2, n_ctx=64)
+    m, kv = llm.model, llm.kv
+    llm.logits(list(range(5, 25)))
+    fresh = [m.backend.make_kv_cache(kv.kind, 4, kv.n_kv_head, 64, kv.head_dim) for _ in range(2)]
+    assert all(isinstance(c, SplitKVCache) and c.state_layout() == kv.state_layout() for c in fresh)
+    state = kv.prefix_state(16)
+    assert {n.split(".")[0] for n in state} == {"low", "high"}
+    fresh[0].load_prefix_state(state, 16)
+    fresh[1].copy_prefix_from(kv, 16)
+    for c in fresh:
+        for i in range(4):
+            assert all(torch.equal(a, b) for a, b in zip(c.view(i, 16), kv.view(i, 16))), i
+    with pytest.raises(ValueError, match="missing"):
+        fresh[0].load_prefix_state({k: v for k, v in state.items() if k.startswith("low.")}, 16)
