@@ -293,6 +293,8 @@ def fused_decode_problem(model, kv) -> str | None:
     """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
     if not hasattr(kv, "storage_layout") or not hasattr(model, "spec"):
         return "the model or cache predates the backend seam"
+    if getattr(model.spec, "n_expert", 0):
+        return "a mixture-of-experts model (the step has no expert routing)"
     if kv.head_dim not in HEAD_DIMS:
         return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
     for p in kv.storage_layout():
