@@ -101,6 +101,12 @@ struct GemvPart {
 void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x = false,
                     GemvStats* stats = nullptr, RowArgmax* argmax = nullptr);
 
+// One-row GEMVs, each over its own matrix and its own activation row, in one parallel region: parts[p].y [N] =
+// W_p x[p] (x[p]: K floats).  llama.cpp's MUL_MAT_ID for decode: a token's selected experts (their slices of the
+// stacked expert tensors) read in one pass.  Rows given by the same pointer are prepared once (a token's gate and
+// up experts share it).  Each output has gemv_cpu's bits for M = 1.
+void gemv_each_cpu(const GemvPart* parts, const float* const* x, int n_parts, int K);
+
 // ---- Prefill GEMM on bf16 (csrc/cpu/gemm_amx.cpp) ----------------------------------------------------------
 // How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings_kernels.cpp).
 // Avx512Bf16: vdpbf16ps.  AmxBf16: AMX tiles (TDPBF16PS).  Both bf16 kernels round W (dequantized exactly) and

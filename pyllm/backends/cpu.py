@@ -112,6 +112,10 @@ class CpuBackend:
         self._repack_fits = True  # prepare_weights: whether the copies fit in memory
 
     @staticmethod
+    def linear_experts(x: torch.Tensor, ws: list, ids: torch.Tensor) -> list[torch.Tensor] | None:
+        return ops.qmatmul_experts(x, ws, ids)
+
+    @staticmethod
     def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                          window: int) -> torch.Tensor | None:
         return ops.causal_attention(q, k, v, scale, window)
@@ -203,6 +207,8 @@ class CpuBackend:
         (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the
         step does not take."""
         if self.linear is not ops.qmatmul or not hasattr(kv, "storage_layout"):
+            return None
+        if model.spec.n_expert:  # the step has no expert routing: decode runs the torch forward with moe_mul_mat
             return None
         k, v = kv.storage_layout()
         if k.block not in KV_TYPE_IDS or v.block not in KV_TYPE_IDS or k.data.device.type != "cpu":
