@@ -70,6 +70,15 @@ class ModelConfig:
                 "attn_q_norm.weight": (self.head_dim,), "attn_k_norm.weight": (self.head_dim,),
                 "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,), **self.expert_shapes()}
 
+    def active_fraction(self, name: str) -> float:
+        """The share of tensor ``name`` one token reads: n_expert_used / n_expert of a stacked expert tensor
+        (ffn_*_exps: decode reads only the selected experts' rows), all of any other.  What bench's bytes per token
+        and ``pyllm info``'s active parameters count."""
+        ex = self.extra
+        if ex.get("expert_count") and name.endswith("_exps.weight"):
+            return ex["expert_used_count"] / ex["expert_count"]
+        return 1.0
+
     def expert_shapes(self) -> dict[str, tuple[int, ...]]:
         """The mixture-of-experts layer tensors' shapes (none for a dense model): the router [n_expert, n_embd], the
         stacked experts [n_expert, rows, cols] (llama.cpp's ffn_*_exps), the shared expert and its gate."""
