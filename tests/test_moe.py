@@ -574,3 +574,46 @@ def test_cpu_step_rows_match_one_token_steps():
     atol = 0.05 * float(one.abs().max())
     torch.testing.assert_close(rows, one, rtol=0, atol=atol)
     assert torch.equal(rows.argmax(-1), one.argmax(-1))
+
+
+# ---- the CUDA backend's expert path, on the host (torch stand-ins for its kernels) --------------------------------
+def test_cuda_backend_routes_decode_through_the_expert_gemv_on_the_host(monkeypatch):
+    """The CUDA backend (on the CPU, tests/test_cuda_backend_host.py's torch stand-ins) with a stand-in for
+    cuda_gemv_experts that holds its contract (y[t, j] = x row @ W[ids[t, j]]^T, float32): a decoded token's
+    experts go through one launch per stacked tensor, a prompt's through the grouped form; 8 greedy tokens equal the
+    reference backend's, whose logits it matches within 1e-4 relative (both float32)."""
+    import pyllm
+    from pyllm import backends
+    from test_cuda_backend_host import FakeCudaBackend, TorchKernels
+
+    launches = []
+
+    class ExpertKernels(TorchKernels):
+        def cuda_gemv_experts(self, w, qtype, x, ids):
+            from pyllm.quant import QTensor
+
+            t, k = ids.shape
+            rows = (x if x.dim() == 3 else x[:, None].expand(t, k, x.shape[-1])).reshape(t * k, -1)
+            out = torch.stack([rows[a] @ QTensor(qtype, (w.shape[1], rows.shape[1]), w[e]).dequantize().T
+                               for a, e in enumerate(ids.reshape(-1).tolist())])
+            launches.append(t * k)
+            return out.view(t, k, -1)
+
+    class ExpertBackend(FakeCudaBackend):
+        def __init__(self):
+            super().__init__()
+            self.K = ExpertKernels()
+
+    path = str(gguf_path("qwen2moe", "q8_0"))
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    monkeypatch.setattr(backends, "select", lambda *a, **k: ExpertBackend())
+    fake = pyllm.load(path, device="cpu", n_ctx=128, kv_cache="f32")
+    assert fake.model.backend.name == "cuda" and fake.model.fused_step(fake.kv) is None  # the CUDA step declines
+    ref = model("qwen2moe", "q8_0")
+    ids = ref.tokenize(PROMPTS[1])
+    assert rel_per_position(fake.logits(ids).double(), ref.logits(ids).double()) < 1e-4
+    assert launches == []  # the prompt (75 tokens x 2 experts) took the grouped form
+    want = list(ref.generate_tokens(ids, max_tokens=8, temperature=0, speculative="none"))
+    got = list(fake.generate_tokens(ids, max_tokens=8, temperature=0, speculative="none"))
+    assert got == want
+    assert launches and set(launches) == {2}  # each decoded token: its 2 experts, one launch per stacked tensor
