@@ -579,13 +579,18 @@ def test_cpu_step_rows_match_one_token_steps():
 # ---- the CUDA backend's expert path, on the host (torch stand-ins for its kernels) --------------------------------
 def test_cuda_backend_routes_decode_through_the_expert_gemv_on_the_host(monkeypatch):
     """The CUDA backend (on the CPU, tests/test_cuda_backend_host.py's torch stand-ins) with a stand-in for
-    cuda_gemv_experts that holds its contract (y[t, j] = x row @ W[ids[t, j]]^T, float32): a decoded token's
-    experts go through one launch per stacked tensor, a prompt's through the grouped form; 8 greedy tokens equal the
-    reference backend's, whose logits it matches within 1e-4 relative (both float32)."""
+    cuda_gemv_experts that holds its contract (y[t, j] = x row @ W[ids[t, j]]^T, float32): a short prompt's and each
+    decoded token's selections go through one launch per stacked tensor; 8 greedy tokens equal the
+    reference backend's, whose logits it matches within 1e-4 relative (both float32: a 4-token prompt, which the
+    backend's GEMV takes; longer prompts go through its fp16 dequantize + matmul)."""
     import pyllm
     from pyllm import backends
+    from pyllm.backends import cuda as cb
     from test_cuda_backend_host import FakeCudaBackend, TorchKernels
 
+    # as tests/test_cuda_backend_host.py's shadow_codes_value: codes stand for their float rows (fresh shadows)
+    TorchKernels.shadow.clear()
+    monkeypatch.setattr(cb, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
     launches = []
 
     class ExpertKernels(TorchKernels):
@@ -610,10 +615,12 @@ def test_cuda_backend_routes_decode_through_the_expert_gemv_on_the_host(monkeypa
     fake = pyllm.load(path, device="cpu", n_ctx=128, kv_cache="f32")
     assert fake.model.backend.name == "cuda" and fake.model.fused_step(fake.kv) is None  # the CUDA step declines
     ref = model("qwen2moe", "q8_0")
-    ids = ref.tokenize(PROMPTS[1])
+    ids = ref.tokenize(PROMPTS[0])  # 4 tokens: every matrix through the backend's float32 GEMV stand-in
     assert rel_per_position(fake.logits(ids).double(), ref.logits(ids).double()) < 1e-4
-    assert launches == []  # the prompt (75 tokens x 2 experts) took the grouped form
+    assert launches == [8] * 3 * 2  # 4 tokens x 2 experts: gate, up and down of each of 2 layers, a launch each
+    launches.clear()
     want = list(ref.generate_tokens(ids, max_tokens=8, temperature=0, speculative="none"))
     got = list(fake.generate_tokens(ids, max_tokens=8, temperature=0, speculative="none"))
     assert got == want
-    assert launches and set(launches) == {2}  # each decoded token: its 2 experts, one launch per stacked tensor
+    assert launches and set(launches) == {2}  # each decoded token: its 2 experts
+    TorchKernels.shadow.clear()
