@@ -109,6 +109,9 @@ struct DecodeArch {
     std::vector<int64_t> layer_rope, layer_window;  // per layer: its rope table (index into the context's; -1:
                                                     // none, a NoPE layer), window
     int64_t n_rope = 1;                             // rope tables: 1 + the largest layer_rope entry
+    // mixture of experts (n_expert 0: a dense MLP; then n_ff is each expert's hidden size)
+    int64_t n_expert = 0, n_expert_used = 0, n_ff_shexp = 0;
+    bool shexp_gate = false, norm_top_k = false;
 };
 
 constexpr const char* kDA = "DecodeArch";
@@ -117,8 +120,20 @@ DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_
                             int64_t rope_dim, const std::string& rope_style, double rms_eps, double attn_scale,
                             bool qkv_bias, bool qk_norm, bool post_norms, const std::string& act, double embd_scale,
                             double final_softcap, const std::vector<int64_t>& layer_rope,
-                            const std::vector<int64_t>& layer_window) {
+                            const std::vector<int64_t>& layer_window, int64_t n_expert, int64_t n_expert_used,
+                            int64_t n_ff_shexp, bool shexp_gate, bool norm_top_k) {
     DecodeArch a;
+    PYLLM_CHECK_VALUE(n_expert >= 0 && n_expert <= 65536, kDA, ": n_expert must be in [0, 65536], got ", n_expert);
+    PYLLM_CHECK_VALUE(n_expert ? n_expert_used >= 1 && n_expert_used <= n_expert : n_expert_used == 0, kDA,
+                      ": n_expert_used must be in [1, n_expert=", n_expert, "] (0 without experts), got ", n_expert_used);
+    PYLLM_CHECK_VALUE(n_ff_shexp >= 0 && n_ff_shexp <= INT32_MAX && (n_expert || !n_ff_shexp), kDA,
+                      ": n_ff_shexp must be in [0, 2**31) and 0 without experts, got ", n_ff_shexp);
+    PYLLM_CHECK_VALUE(!shexp_gate || n_ff_shexp, kDA, ": shexp_gate needs a shared expert (n_ff_shexp > 0)");
+    a.n_expert = n_expert;
+    a.n_expert_used = n_expert_used;
+    a.n_ff_shexp = n_ff_shexp;
+    a.shexp_gate = shexp_gate;
+    a.norm_top_k = norm_top_k;
     const std::pair<const char*, int64_t> sizes[] = {{"n_embd", n_embd}, {"n_ff", n_ff}, {"n_head", n_head},
                                                      {"n_kv_head", n_kv_head}, {"head_dim", head_dim}};
     for (const auto& [name, v] : sizes)
@@ -187,7 +202,7 @@ std::unique_ptr<DecodeContext> make_decode_context(
     const std::map<std::string, std::vector<Tensor>>& vectors, const Tensor& token_embd, int64_t token_embd_qtype,
     const Tensor& output, int64_t output_qtype, const Tensor& output_norm,
     const std::vector<std::pair<Tensor, Tensor>>& rope, const DecodeCachePart& k_part,
-    const DecodeCachePart& v_part) {
+    const DecodeCachePart& v_part, const std::vector<Tensor>& moe_weights, const std::vector<int64_t>& moe_qtypes) {
     auto ctx = std::make_unique<DecodeContext>();
     pyllm::DecodeConfig& c = ctx->model.cfg;
     const int64_t n_layer = arch.n_layer, n_embd = arch.n_embd, n_ff = arch.n_ff, head_dim = arch.head_dim;
@@ -202,6 +217,12 @@ std::unique_ptr<DecodeContext> make_decode_context(
     if (arch.qkv_bias) want.insert(want.end(), {{"attn_q.bias", qd}, {"attn_k.bias", kvd}, {"attn_v.bias", kvd}});
     if (arch.qk_norm) want.insert(want.end(), {{"attn_q_norm", head_dim}, {"attn_k_norm", head_dim}});
     if (arch.post_norms) want.insert(want.end(), {{"post_attention_norm", n_embd}, {"post_ffw_norm", n_embd}});
+    if (arch.shexp_gate) want.push_back({"ffn_gate_inp_shexp", n_embd});
+    const size_t moe_per_layer = arch.n_expert ? (arch.n_ff_shexp ? 4 : 1) : 0;
+    PYLLM_CHECK_VALUE(moe_weights.size() == moe_per_layer * n_layer && moe_qtypes.size() == moe_weights.size(), kDC,
+                      ": expected ", moe_per_layer, " moe_weights and moe_qtypes per layer (router",
+                      moe_per_layer == 4 ? ", shared gate, up, down" : "", "), got ", moe_weights.size(), " and ",
+                      moe_qtypes.size());
     for (const auto& [name, n] : want) {
         const auto it = vectors.find(name);
         PYLLM_CHECK_VALUE(it != vectors.end(), kDC, ": vectors has no ", name, ", which the arch needs");
@@ -256,6 +277,10 @@ std::unique_ptr<DecodeContext> make_decode_context(
     c.neox = arch.neox;
     c.eps = static_cast<float>(arch.rms_eps);
     c.scale = static_cast<float>(arch.attn_scale);
+    c.n_expert = static_cast<int>(arch.n_expert);
+    c.n_expert_used = static_cast<int>(arch.n_expert_used);
+    c.n_ff_shexp = static_cast<int>(arch.n_ff_shexp);
+    c.norm_top_k = arch.norm_top_k;
 
     DecodeContext& d = *ctx;
     d.keep.insert(d.keep.end(), {k_cache, v_cache});
@@ -293,9 +318,22 @@ std::unique_ptr<DecodeContext> make_decode_context(
         L.wk = decode_weight(d, p + "attn_k", w[1], t[1], kvd, n_embd);
         L.wv = decode_weight(d, p + "attn_v", w[2], t[2], kvd, n_embd);
         L.wo = decode_weight(d, p + "attn_output", w[3], t[3], n_embd, qd);
-        L.wgate = decode_weight(d, p + "ffn_gate", w[4], t[4], n_ff, n_embd);
-        L.wup = decode_weight(d, p + "ffn_up", w[5], t[5], n_ff, n_embd);
-        L.wdown = decode_weight(d, p + "ffn_down", w[6], t[6], n_embd, n_ff);
+        // stacked experts come as [n_expert * rows, row_bytes]: expert e's rows are the e-th slice
+        const int64_t ne = std::max<int64_t>(arch.n_expert, 1);
+        L.wgate = decode_weight(d, p + "ffn_gate", w[4], t[4], ne * n_ff, n_embd);
+        L.wup = decode_weight(d, p + "ffn_up", w[5], t[5], ne * n_ff, n_embd);
+        L.wdown = decode_weight(d, p + "ffn_down", w[6], t[6], ne * n_embd, n_ff);
+        if (arch.n_expert) {
+            const Tensor* mw = &moe_weights[moe_per_layer * i];
+            const int64_t* mt = &moe_qtypes[moe_per_layer * i];
+            L.router = decode_weight(d, p + "ffn_gate_inp", mw[0], mt[0], arch.n_expert, n_embd);
+            if (arch.n_ff_shexp) {
+                L.wgate_sh = decode_weight(d, p + "ffn_gate_shexp", mw[1], mt[1], arch.n_ff_shexp, n_embd);
+                L.wup_sh = decode_weight(d, p + "ffn_up_shexp", mw[2], mt[2], arch.n_ff_shexp, n_embd);
+                L.wdown_sh = decode_weight(d, p + "ffn_down_shexp", mw[3], mt[3], n_embd, arch.n_ff_shexp);
+            }
+            if (arch.shexp_gate) L.shexp_gate = vec("ffn_gate_inp_shexp", i, n_embd);
+        }
         L.attn_norm = vec("attn_norm", i, n_embd);
         L.ffn_norm = vec("ffn_norm", i, n_embd);
         if (arch.qkv_bias) {
@@ -626,7 +664,9 @@ void register_decode(py::module& m) {
         .def(py::init(&make_decode_arch), py::kw_only(), py::arg("n_embd"), py::arg("n_ff"), py::arg("n_head"),
              py::arg("n_kv_head"), py::arg("head_dim"), py::arg("rope_dim"), py::arg("rope_style"), py::arg("rms_eps"),
              py::arg("attn_scale"), py::arg("qkv_bias"), py::arg("qk_norm"), py::arg("post_norms"), py::arg("act"),
-             py::arg("embd_scale"), py::arg("final_softcap"), py::arg("layer_rope"), py::arg("layer_window"))
+             py::arg("embd_scale"), py::arg("final_softcap"), py::arg("layer_rope"), py::arg("layer_window"),
+             py::arg("n_expert") = 0, py::arg("n_expert_used") = 0, py::arg("n_ff_shexp") = 0,
+             py::arg("shexp_gate") = false, py::arg("norm_top_k") = false)
         .def_readonly("n_layer", &DecodeArch::n_layer)
         .def_readonly("n_rope", &DecodeArch::n_rope);
     py::class_<DecodeCachePart>(m, "DecodeCachePart", "one KV cache part (K or V) as the decode step reads it")
@@ -641,7 +681,8 @@ void register_decode(py::module& m) {
                               "decode_step (built once per model and cache)")
         .def(py::init(&make_decode_context), py::arg("arch"), py::arg("weights"), py::arg("qtypes"),
              py::arg("vectors"), py::arg("token_embd"), py::arg("token_embd_qtype"), py::arg("output"),
-             py::arg("output_qtype"), py::arg("output_norm"), py::arg("rope"), py::arg("k_cache"), py::arg("v_cache"))
+             py::arg("output_qtype"), py::arg("output_norm"), py::arg("rope"), py::arg("k_cache"), py::arg("v_cache"),
+             py::arg("moe_weights") = std::vector<Tensor>{}, py::arg("moe_qtypes") = std::vector<int64_t>{})
         .def("set_lora", &decode_set_lora,
              "adds a LoRA term to one matrix: slot 7*layer + j (q, k, v, output, gate, up, down), 7*n_layer the "
              "output projection, 7*n_layer + 1 the token embedding; a f32 [rank, K] (embedding: [vocab, rank]), "

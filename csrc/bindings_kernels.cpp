@@ -172,6 +172,77 @@ Tensor mul_mat(const Tensor& x, const Tensor& w, int64_t qtype, const std::optio
     return out ? *out : y.view(shape);
 }
 
+// Mixture-of-experts matmuls (llama.cpp's MUL_MAT_ID): y_i[t, j] = W_i[ids[t, j]] @ x_t (x f32 [T, K], each
+// token's row shared by its k experts) or @ x[t, j] (x f32 [T, k, K]: a row per selected expert), for each stacked
+// expert tensor w_i u8 [E, N_i, row_bytes_i] of type qtypes[i] -> y_i f32 [T, k, N_i].  One expert is the
+// contiguous slice w_i[e], read in its block form.  Few rows per expert (decode): one gemv_each_cpu pass over the
+// selected slices; more (prefill): tokens grouped by expert, each expert's slice read once by mul_mat.
+std::vector<Tensor> moe_mul_mat(const Tensor& x, const std::vector<Tensor>& ws, const std::vector<int64_t>& qtypes,
+                                const Tensor& ids) {
+    const char* fn = "moe_mul_mat";
+    PYLLM_CHECK_VALUE(!ws.empty() && ws.size() == qtypes.size(), fn, ": give one qtype per weight (", ws.size(),
+                      " weights, ", qtypes.size(), " qtypes), at least one");
+    check_tensor(fn, "ids", ids, at::kLong, 2);
+    const int64_t T = ids.size(0), k = ids.size(1);
+    PYLLM_CHECK_VALUE(x.dim() == 2 || x.dim() == 3, fn, ": x must be [T, K] or [T, k, K], got shape ", x.sizes());
+    check_tensor(fn, "x", x, at::kFloat, x.dim());
+    const bool per_slot = x.dim() == 3;
+    PYLLM_CHECK_VALUE(x.size(0) == T && (!per_slot || x.size(1) == k) && T >= 1 && k >= 1, fn, ": x has shape ",
+                      x.sizes(), " but ids has shape ", ids.sizes());
+    const int64_t K = x.size(-1);
+    const int64_t E = ws[0].dim() == 3 ? ws[0].size(0) : 0;
+    for (size_t i = 0; i < ws.size(); ++i) {
+        const QTypeTraits& tr = check_qtype(fn, qtypes[i]);
+        check_tensor(fn, "w", ws[i], at::kByte, 3);
+        PYLLM_CHECK_VALUE(ws[i].size(0) == E && E >= 1, fn, ": w[", i, "] has ", ws[i].size(0), " experts, w[0] ", E);
+        PYLLM_CHECK_VALUE(!pyllm::is_rows8(static_cast<QType>(qtypes[i])), fn, ": ", tr.name,
+                          " rows interleaved by 8 are not an expert layout");
+        check_weight(fn, ws[i][0], tr, K);
+    }
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t a = 0; a < T * k; ++a)
+        PYLLM_CHECK_INDEX(id[a] >= 0 && id[a] < E, fn, ": ids[", a / k, ", ", a % k, "] = ", id[a],
+                          " is out of range for ", E, " experts");
+    std::vector<Tensor> ys;
+    for (const Tensor& w : ws) ys.push_back(at::empty({T, k, w.size(1)}, at::kFloat));
+    py::gil_scoped_release no_gil;
+    const float* xp = x.data_ptr<float>();
+    if (T == 1 || 2 * T * k <= E) {  // few selections: each expert's slice read for its rows, duplicates unlikely
+        std::vector<pyllm::GemvPart> parts;
+        std::vector<const float*> xs;
+        for (size_t i = 0; i < ws.size(); ++i) {
+            const int64_t N = ws[i].size(1), rb = ws[i].size(2);
+            for (int64_t a = 0; a < T * k; ++a) {
+                parts.push_back({static_cast<QType>(qtypes[i]), ws[i].data_ptr<uint8_t>() + id[a] * N * rb,
+                                 static_cast<size_t>(rb), ys[i].data_ptr<float>() + a * N, static_cast<int>(N)});
+                xs.push_back(xp + (per_slot ? a : a / k) * K);
+            }
+        }
+        pyllm::gemv_each_cpu(parts.data(), xs.data(), static_cast<int>(parts.size()), static_cast<int>(K));
+        return ys;
+    }
+    // Grouped by expert: the selections (t, j) of expert e, in order, as rows of one matmul per weight.
+    std::vector<std::vector<int64_t>> rows(E);
+    for (int64_t a = 0; a < T * k; ++a) rows[id[a]].push_back(a);
+    const Tensor xr = per_slot ? x.view({T * k, K}) : x;
+    for (int64_t e = 0; e < E; ++e) {
+        if (rows[e].empty()) continue;
+        const int64_t n = static_cast<int64_t>(rows[e].size());
+        Tensor src = at::empty({n}, at::kLong);
+        int64_t* sp = src.data_ptr<int64_t>();
+        for (int64_t r = 0; r < n; ++r) sp[r] = per_slot ? rows[e][r] : rows[e][r] / k;
+        const Tensor xe = xr.index_select(0, src);
+        for (size_t i = 0; i < ws.size(); ++i) {
+            const int64_t N = ws[i].size(1);
+            const Tensor ye = mul_mat(xe, ws[i][e], qtypes[i], std::nullopt, false);
+            float* yp = ys[i].data_ptr<float>();
+            const float* ep = ye.data_ptr<float>();
+            for (int64_t r = 0; r < n; ++r) std::copy(ep + r * N, ep + (r + 1) * N, yp + rows[e][r] * N);
+        }
+    }
+    return ys;
+}
+
 // Rows of W as fp32: w u8 [N, row_bytes] -> [N, K], or [len(ids), K] for the rows ids (int64 or int32, 1-D).
 Tensor dequantize(const Tensor& w, int64_t qtype, const std::optional<Tensor>& ids) {
     const QTypeTraits& tr = check_qtype("dequantize", qtype);
@@ -335,6 +406,9 @@ void register_kernels(py::module& m) {
     m.def("mul_mat", &mul_mat, "y[..., N] = x[..., K] @ W.T: gemv (8-row chunks up to 32 rows), else gemm", py::arg("x"),
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("precise_x") = false,
           py::call_guard<py::gil_scoped_release>());
+    m.def("moe_mul_mat", &moe_mul_mat, "mixture-of-experts matmuls: y_i[t, j] = W_i[ids[t, j]] @ x[t] (x [T, K]) or "
+          "@ x[t, j] (x [T, k, K]) for stacked expert tensors w_i u8 [E, N_i, row_bytes] -> [y_i f32 [T, k, N_i]]",
+          py::arg("x"), py::arg("ws"), py::arg("qtypes"), py::arg("ids"));
     m.def("dequantize", &dequantize, "W (or rows ids of W) as fp32 [N or len(ids), K]", py::arg("w"),
           py::arg("qtype"), py::arg("ids") = py::none());
     m.def("awq_qtype", &awq_qtype, "internal type id of AWQ rows with group size G (32, 64, 128, 256)",

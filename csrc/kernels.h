@@ -101,6 +101,12 @@ struct GemvPart {
 void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x = false,
                     GemvStats* stats = nullptr, RowArgmax* argmax = nullptr);
 
+// One-row GEMVs, each over its own matrix and its own activation row, in one parallel region: parts[p].y [N] =
+// W_p x[p] (x[p]: K floats).  llama.cpp's MUL_MAT_ID for decode: a token's selected experts (their slices of the
+// stacked expert tensors) read in one pass.  Rows given by the same pointer are prepared once (a token's gate and
+// up experts share it).  Each output has gemv_cpu's bits for M = 1.
+void gemv_each_cpu(const GemvPart* parts, const float* const* x, int n_parts, int K);
+
 // ---- Prefill GEMM on bf16 (csrc/cpu/gemm_amx.cpp) ----------------------------------------------------------
 // How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings_kernels.cpp).
 // Avx512Bf16: vdpbf16ps.  AmxBf16: AMX tiles (TDPBF16PS).  Both bf16 kernels round W (dequantized exactly) and
@@ -170,6 +176,12 @@ struct DecodeLayer {
     const float *post_attn_norm = nullptr, *post_ffw_norm = nullptr;
     int rope = 0;    // 0: cos/sin, 1: cos2/sin2 (Gemma's local layers have their own RoPE base), -1: none
     int window = 0;  // this layer's sliding window (0 = full attention)
+    // Mixture of experts (DecodeConfig::n_expert > 0): wgate / wup / wdown are the stacked experts, expert e's rows
+    // the slice at data + e * rows * row_bytes (n_ff rows of gate / up, n_embd of down); router [n_expert, n_embd];
+    // the shared expert wgate_sh / wup_sh / wdown_sh (n_ff_shexp; data null: none), scaled by sigmoid(h . shexp_gate)
+    // where shexp_gate is given ([n_embd]).
+    DecodeWeight router, wgate_sh, wup_sh, wdown_sh;
+    const float* shexp_gate = nullptr;
 };
 // ---- KV cache rows for the decode step's attention (csrc/cpu/attention.cpp) ------------------------------------
 // One position of one KV head is a row of head_dim values: fp32, fp16, or head_dim/32 llama.cpp blocks (q8_0:
@@ -230,6 +242,10 @@ struct DecodeConfig {
     float eps = 1e-5f, scale = 1.f;
     float embd_scale = 0.f;     // 0: none; else the embedding row is multiplied by it (Gemma: sqrt(n_embd))
     float final_softcap = 0.f;  // 0: none; else logits = tanh(logits / c) * c
+    // Mixture of experts (0 experts: a dense MLP): each row's n_expert_used experts of the router's softmax (its
+    // top weights renormalised when norm_top_k), each expert's hidden size n_ff; the shared expert's n_ff_shexp.
+    int n_expert = 0, n_expert_used = 0, n_ff_shexp = 0;
+    bool norm_top_k = false;
 };
 struct DecodeModel {
     DecodeConfig cfg;
@@ -250,6 +266,9 @@ struct DecodeScratch {
     std::vector<float> sink;  // [n_head * (head_dim + 3)] per slot: the sink row's output, log-sum-exps, scratch
     std::vector<float> part_o, part_lse;  // a long row's key parts: outputs and log-sum-exps (decode_step.cpp)
     std::vector<float> lora_t;  // [GEMV_MAX_M, the largest LoRA rank]: A x of each row
+    // mixture of experts: router logits [M, n_expert], the selected experts' gate / up [M, k, n_ff] and down
+    // [M, k, n_embd] rows, the shared expert's gate / up [M, n_ff_shexp] and down [M, n_embd] (decode_step.cpp)
+    std::vector<float> moe_logits, moe_g, moe_u, moe_d, sh_g, sh_u, sh_d;
     void resize(const DecodeModel& m);
 };
 // Where the decode steps' time goes (tools/decode_profile.py): every decode_*_cpu call adds to it while `on`

@@ -29,7 +29,7 @@ __all__ = ["ConvertError", "convert"]
 
 # HF model_type -> GGUF architecture. Mistral is written as "llama" (as llama.cpp does) plus its sliding window.
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-        "gemma3_text": "gemma3", "smollm3": "smollm3"}
+        "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 PERMUTE_QK = {"llama", "smollm3"}  # archs whose runtime uses the interleaved ("norm") rotation
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
 BASE_TYPE = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0,
@@ -73,7 +73,9 @@ INT32_MAX = (1 << 31) - 1
 CONFIG_INTS = {"num_hidden_layers": (1, 4096), "hidden_size": (1, INT32_MAX), "num_attention_heads": (1, INT32_MAX),
                "intermediate_size": (1, INT32_MAX), "num_key_value_heads": (1, INT32_MAX), "head_dim": (1, INT32_MAX),
                "vocab_size": (1, INT32_MAX), "max_position_embeddings": (1, INT32_MAX),
-               "sliding_window": (0, INT32_MAX)}  # a window of 0 is none
+               "sliding_window": (0, INT32_MAX),  # a window of 0 is none
+               "num_experts": (1, 1 << 16), "num_local_experts": (1, 1 << 16), "num_experts_per_tok": (1, 1 << 16),
+               "moe_intermediate_size": (1, INT32_MAX), "shared_expert_intermediate_size": (0, INT32_MAX)}
 CONFIG_FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "rope_local_base_freq")
 ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
                "partial_rotary_factor")
@@ -320,7 +322,7 @@ def _merges(merges, source: Path) -> list[str]:
 
 def _tensor_type(name: str, arr_shape: tuple, ftype: str, layer_info: tuple[int, int] | None,
                  tied: bool) -> GGMLType:
-    if len(arr_shape) == 1 or ftype == "f32":
+    if len(arr_shape) == 1 or ftype == "f32" or ".ffn_gate_inp" in name:  # llama.cpp leaves routers unquantized
         return GGMLType.F32
     t = BASE_TYPE[ftype]
     if ftype == "q4_0" and (name == "output.weight" or (tied and name == "token_embd.weight")):
@@ -332,7 +334,7 @@ def _tensor_type(name: str, arr_shape: tuple, ftype: str, layer_info: tuple[int,
         # (first and last eighth, and every third in between). A tied embedding is the output head too.
         if name == "output.weight" or (tied and name == "token_embd.weight"):
             t = GGMLType.Q6_K
-        elif layer_info and (".attn_v." in name or ".ffn_down." in name):
+        elif layer_info and (".attn_v." in name or ".ffn_down" in name):  # ffn_down_exps / _shexp too, as llama.cpp
             i, n = layer_info
             if i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2:
                 t = GGMLType.Q6_K
@@ -427,7 +429,7 @@ LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # HF's per-layer tensor names: m
 
 
 def _check_tensors(d: Path, arch: str, names, tensors: dict, n_layer: int, n_embd: int, n_ff: int, n_head: int,
-                   n_kv: int, head_dim: int, n_vocab: int | None) -> None:
+                   n_kv: int, head_dim: int, n_vocab: int | None, moe: dict | None = None) -> None:
     """ConvertError naming the first tensor that contradicts config.json, before anything is written. The shapes
     expected are the loader's own (ModelConfig.layer_shapes), so a file written here never fails to load on a
     shape; phi3's fused attn_qkv and gate+up ffn_up are checked as its checkpoints store them (split at load)."""
@@ -445,13 +447,16 @@ def _check_tensors(d: Path, arch: str, names, tensors: dict, n_layer: int, n_emb
     if "model.embed_tokens.weight" not in tensors:
         raise ConvertError(f"{d}: the checkpoint has no model.embed_tokens.weight (the token embedding)")
     want = ModelConfig(arch=arch, n_layer=n_layer, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_kv_head=n_kv,
-                       head_dim=head_dim, n_vocab=n_vocab or 0, n_ctx_train=0).layer_shapes()
+                       head_dim=head_dim, n_vocab=n_vocab or 0, n_ctx_train=0, extra=dict(moe or {})).layer_shapes()
     want["attn_qkv.weight"] = ((n_head + 2 * n_kv) * head_dim, n_embd)
     if arch == "phi3":
         want["ffn_up.weight"] = (2 * n_ff, n_embd)
     want["output_norm.weight"] = (n_embd,)
     sizes = (f"hidden_size {n_embd}, num_attention_heads {n_head}, num_key_value_heads {n_kv}, head_dim {head_dim}, "
              f"intermediate_size {n_ff}")
+    if moe:
+        sizes += (f", num_experts {moe['expert_count']}, moe_intermediate_size {moe['expert_ff']}, "
+                  f"shared_expert_intermediate_size {moe['expert_shared_ff']}")
     for hf, t in tensors.items():
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         if name is None:
@@ -481,6 +486,65 @@ def _check_smollm3(d: Path, cfg: dict, n_layer: int) -> None:
         raise ConvertError(f"{d}/config.json: use_sliding_window = true: a smollm3 GGUF file has no sliding window")
 
 
+EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _moe_config(d: Path, cfg: dict) -> dict:
+    """A mixture-of-experts checkpoint's routing fields as ModelConfig.extra names them, checked: every layer a
+    mixture (the files llama.cpp and pyllm run have no dense layers between them), top-k within the experts."""
+    src = f"{d}/config.json"
+    if "num_experts" not in cfg and "num_local_experts" in cfg:  # transformers 5 writes Qwen3-MoE's under this name
+        cfg = {**cfg, "num_experts": cfg["num_local_experts"]}
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        if not isinstance(cfg.get(key), int):
+            raise ConvertError(f"{src}: missing or non-integer {key} (a mixture-of-experts model)")
+    if cfg["num_experts_per_tok"] > cfg["num_experts"]:
+        raise ConvertError(f"{src}: num_experts_per_tok {cfg['num_experts_per_tok']} is more than num_experts "
+                           f"{cfg['num_experts']}")
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ConvertError(f"{src}: mlp_only_layers {cfg.get('mlp_only_layers')!r} / decoder_sparse_step "
+                           f"{cfg.get('decoder_sparse_step')!r}: dense layers between the mixture-of-experts layers "
+                           f"are not supported")
+    norm = cfg.get("norm_topk_prob", cfg["model_type"] == "qwen3_moe")
+    if not isinstance(norm, bool):
+        raise ConvertError(f"{src}: norm_topk_prob = {_short(norm)} is not true or false")
+    return dict(expert_count=cfg["num_experts"], expert_used_count=cfg["num_experts_per_tok"],
+                expert_ff=cfg["moe_intermediate_size"], expert_shared_ff=cfg.get("shared_expert_intermediate_size", 0),
+                expert_weights_norm=norm)
+
+
+def _stack_experts(d: Path, tensors: dict, n_expert: int) -> dict:
+    """Per-expert checkpoint tensors (mlp.experts.E.{gate,up,down}_proj.weight, as save_pretrained writes them)
+    stacked into the [n_expert, rows, cols] tensors llama.cpp's ffn_*_exps are (named mlp.experts.*_proj.weight,
+    which gguf's name map knows); transformers' in-memory fused form (experts.gate_up_proj [E, 2F, D], experts.
+    down_proj) split and renamed likewise; the shared expert's gate [1, D] as the vector it is."""
+    out, parts = {}, {}
+    for name, t in tensors.items():
+        m = EXPERT.match(name)
+        if m:
+            parts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+        elif name.endswith(".mlp.experts.gate_up_proj") and t.dim() == 3:
+            f = t.shape[1] // 2
+            out[name.removesuffix("gate_up_proj") + "gate_proj.weight"] = t[:, :f]
+            out[name.removesuffix("gate_up_proj") + "up_proj.weight"] = t[:, f:]
+        elif name.endswith(".mlp.experts.down_proj") and t.dim() == 3:
+            out[name + ".weight"] = t
+        elif name.endswith(".mlp.shared_expert_gate.weight") and t.dim() == 2 and t.shape[0] == 1:
+            out[name] = t.reshape(-1)
+        else:
+            out[name] = t
+    for (prefix, proj), by_id in parts.items():
+        if sorted(by_id) != list(range(n_expert)):
+            missing = sorted(set(range(n_expert)) - set(by_id)) or sorted(set(by_id) - set(range(n_expert)))
+            raise ConvertError(f"{d}: {prefix}.N.{proj}.weight: config.json has num_experts = {n_expert}, but the "
+                               f"checkpoint's experts are {len(by_id)} (expert {missing[0]} differs)")
+        shapes = {tuple(by_id[e].shape) for e in by_id}
+        if len(shapes) != 1:
+            raise ConvertError(f"{d}: {prefix}.N.{proj}.weight: the experts' shapes differ ({sorted(shapes)[:2]})")
+        out[f"{prefix}.{proj}.weight"] = torch.stack([by_id[e] for e in range(n_expert)])
+    return out
+
+
 def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     n_layer, n_embd = cfg["num_hidden_layers"], cfg["hidden_size"]
     n_head = cfg["num_attention_heads"]
@@ -489,8 +553,11 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     theta, rs = _rope(cfg)
     rope_dim = int(head_dim * cfg.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0)))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
+    moe = _moe_config(d, cfg) if mt in ("qwen2_moe", "qwen3_moe") else {}
+    if moe:
+        tensors = _stack_experts(d, tensors, moe["expert_count"])
     _check_tensors(d, arch, names, tensors, n_layer, n_embd, cfg["intermediate_size"], n_head, n_kv, head_dim,
-                   cfg.get("vocab_size"))
+                   cfg.get("vocab_size"), moe)
     n_vocab = cfg.get("vocab_size") or tensors["model.embed_tokens.weight"].shape[0]
 
     w.add_name(cfg.get("_name_or_path") or d.name)
@@ -508,6 +575,13 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-5))
     w.add_vocab_size(n_vocab)
+    if moe:
+        w.add_expert_count(moe["expert_count"])
+        w.add_expert_used_count(moe["expert_used_count"])
+        w.add_expert_feed_forward_length(moe["expert_ff"])
+        if moe["expert_shared_ff"]:
+            w.add_expert_shared_feed_forward_length(moe["expert_shared_ff"])
+        w.add_expert_weights_norm(moe["expert_weights_norm"])
     if cfg.get("sliding_window") and (mt in ("mistral", "phi3", "gemma3_text")
                                       and cfg.get("use_sliding_window", True) is not False):
         w.add_sliding_window(int(cfg["sliding_window"]))
@@ -571,6 +645,7 @@ def _write_tensors(gguf, w, out: list[tuple[str, torch.Tensor]], ftype: str, n_l
             w.add_tensor(name, a.astype(np.float16))
         else:
             raw = quantize(a.reshape(-1, a.shape[-1]), qt)
+            raw = raw.reshape(*a.shape[:-1], raw.shape[-1])  # stacked experts: [E, N, row bytes]
             w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType(int(qt)))
         if log:
             log(f"{name:32s} {qt.name:5s} {tuple(t.shape)}")

@@ -72,6 +72,17 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         info["embedding"] = embedding
         if embedding.get("positions") == "absolute":
             info["rope"] = "none (learned absolute positions)"
+    ex = cfg.extra
+    if ex.get("expert_count"):
+        active = 0
+        for name, t in gf.tensors.items():
+            n = 1
+            for d in t.shape:
+                n *= d
+            active += int(n * cfg.active_fraction(name))
+        info["experts"] = {"count": ex["expert_count"], "used_per_token": ex["expert_used_count"],
+                           "feed_forward_length": ex["expert_ff"], "shared_feed_forward_length": ex["expert_shared_ff"],
+                           "weights_renormalised": ex["expert_weights_norm"], "active_parameters": active}
     if n_ctx:
         info["n_ctx"] = n_ctx
         info["kv_cache"] = kv_kind
@@ -163,6 +174,13 @@ def format_runtime(rt: dict) -> str:
     return f"{rt.get('device', '?')} ({', '.join(parts)})"
 
 
+def _format_experts(ex: dict) -> str:
+    shared = f", a shared expert (ff {ex['shared_feed_forward_length']})" if ex["shared_feed_forward_length"] else \
+        ", no shared expert"
+    return (f"experts:         {ex['count']}, {ex['used_per_token']} used per token (ff {ex['feed_forward_length']})"
+            f"{shared}; {ex['active_parameters'] / 1e6:.1f} M parameters active per token")
+
+
 def format_info(info: dict) -> str:
     def size(b):
         return f"{b / 2**20:.1f} MiB" if b < 2**30 else f"{b / 2**30:.2f} GiB"
@@ -176,6 +194,7 @@ def format_info(info: dict) -> str:
         f"layers:          {info['n_layer']} (embd {info['n_embd']}, ff {info['n_ff']}, heads {info['n_head']}, "
         f"kv heads {info['n_kv_head']}, head dim {info['head_dim']})",
         f"rope:            {info['rope']}",
+        *([_format_experts(info["experts"])] if "experts" in info else []),
         f"context length:  {info['context_length']} (trained)",
         f"vocabulary:      {info['vocab_size']} tokens, {info['tokenizer']}",
         f"chat template:   {info['chat_template']}",

@@ -81,6 +81,21 @@ def qmatmul_output(x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch
     return qmatmul(x, w, out, precise_x=True)
 
 
+def qmatmul_experts(x: torch.Tensor, ws: list, ids: torch.Tensor) -> list[torch.Tensor] | None:
+    """Mixture-of-experts matmuls over stacked expert tensors ws ([E, N_i, K] QTensors): y_i [T, k, N_i] with
+    y_i[t, j] = W_i[ids[t, j]] @ x[t] (x f32 [T, K]: a token's row shared by its k experts) or @ x[t, j] (x [T, k,
+    K]).  Decode reads only the selected experts' rows in one pass, prefill each used expert's rows once
+    (bindings_kernels.cpp moe_mul_mat).  None where the kernels cannot take them (no extension, a type they lack,
+    tensors off the CPU): the model's grouped torch form runs then."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or any(w.data.device.type != "cpu" for w in ws):
+        return None
+    try:
+        return _C.moe_mul_mat(x.contiguous(), [w.data for w in ws], [int(w.qtype) for w in ws],
+                              ids.to(torch.int64).contiguous())
+    except NotImplementedError:
+        return None
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      window: int = 0) -> torch.Tensor | None:
     """Causal attention of T new positions over S >= T keys, the last T of them theirs, float32: q [T, H, hd], k/v

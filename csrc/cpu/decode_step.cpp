@@ -151,6 +151,16 @@ void DecodeScratch::resize(const DecodeModel& m) {
     att.assign(R * c.n_head * c.head_dim, 0.f);
     g.assign(R * c.n_ff, 0.f);
     u.assign(R * c.n_ff, 0.f);
+    if (c.n_expert) {
+        const size_t k = c.n_expert_used;
+        moe_logits.assign(R * c.n_expert, 0.f);
+        moe_g.assign(R * k * c.n_ff, 0.f);
+        moe_u.assign(R * k * c.n_ff, 0.f);
+        moe_d.assign(R * k * c.n_embd, 0.f);
+        sh_g.assign(R * c.n_ff_shexp, 0.f);
+        sh_u.assign(R * c.n_ff_shexp, 0.f);
+        sh_d.assign(R * c.n_embd, 0.f);
+    }
     // Attention scratch per query head, in a slot per half of a multi-row step's rows or per key part of one row:
     // those attend at once.
     const size_t slots = std::max(2, KEY_PARTS_MAX);
@@ -166,6 +176,92 @@ void DecodeScratch::resize(const DecodeModel& m) {
 }
 
 namespace {
+
+// The mixture-of-experts MLP of layer L on h [M, D] (normed), its output written over h (models/transformer.py
+// Transformer.moe is the reference): per row the router's float32 softmax, its n_expert_used largest (the first
+// of equal values), renormalised when norm_top_k; the selected experts' gate and up in one gemv_each_cpu pass,
+// SwiGLU, their down in another, weighted and summed in selection order; plus the shared expert, gated by
+// sigmoid(h . shexp_gate) where the layer has that gate.
+void moe_mlp(const DecodeConfig& c, const DecodeLayer& L, DecodeScratch& s, float* h, int M) {
+    const int D = c.n_embd, F = c.n_ff, E = c.n_expert, k = c.n_expert_used, FS = c.n_ff_shexp;
+    float* const logits = s.moe_logits.data();
+    const GemvPart router{L.router.qtype, L.router.data, L.router.row_bytes, logits, E};
+    gemv_parts_cpu(&router, 1, h, M, D);
+    thread_local std::vector<int> ids;  // the step's own buffers, grown once (a step allocates nothing after)
+    thread_local std::vector<float> weight;
+    thread_local std::vector<GemvPart> parts;
+    thread_local std::vector<const float*> xs;
+    ids.resize(static_cast<size_t>(M) * k);
+    weight.resize(static_cast<size_t>(M) * k);
+    parts.resize(static_cast<size_t>(2) * M * k);
+    xs.resize(parts.size());
+    for (int r = 0; r < M; ++r) {
+        float* p = logits + static_cast<size_t>(r) * E;
+        float mx = p[0];
+        for (int e = 1; e < E; ++e) mx = std::max(mx, p[e]);
+        float sum = 0.f;
+        for (int e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - mx);
+        for (int e = 0; e < E; ++e) p[e] /= sum;
+        float total = 0.f;
+        for (int j = 0; j < k; ++j) {  // k passes over E values: k and E are small
+            int best = -1;
+            for (int e = 0; e < E; ++e) {
+                bool taken = false;
+                for (int i = 0; i < j; ++i) taken |= ids[static_cast<size_t>(r) * k + i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            ids[static_cast<size_t>(r) * k + j] = best;
+            total += weight[static_cast<size_t>(r) * k + j] = p[best];
+        }
+        if (c.norm_top_k)
+            for (int j = 0; j < k; ++j) weight[static_cast<size_t>(r) * k + j] /= total;
+    }
+    const size_t gate_expert = static_cast<size_t>(F) * L.wgate.row_bytes, up_expert = static_cast<size_t>(F) * L.wup.row_bytes;
+    const size_t down_expert = static_cast<size_t>(D) * L.wdown.row_bytes;
+    for (int a = 0; a < M * k; ++a) {
+        const size_t e = static_cast<size_t>(ids[a]);
+        parts[2 * a] = {L.wgate.qtype, L.wgate.data + e * gate_expert, L.wgate.row_bytes,
+                        s.moe_g.data() + static_cast<size_t>(a) * F, F};
+        parts[2 * a + 1] = {L.wup.qtype, L.wup.data + e * up_expert, L.wup.row_bytes,
+                            s.moe_u.data() + static_cast<size_t>(a) * F, F};
+        xs[2 * a] = xs[2 * a + 1] = h + static_cast<size_t>(a / k) * D;
+    }
+    gemv_each_cpu(parts.data(), xs.data(), 2 * M * k, D);
+    for (int a = 0; a < M * k; ++a)
+        glu_cpu(c.gelu_tanh, s.moe_g.data() + static_cast<size_t>(a) * F, s.moe_u.data() + static_cast<size_t>(a) * F, F);
+    for (int a = 0; a < M * k; ++a) {
+        parts[a] = {L.wdown.qtype, L.wdown.data + static_cast<size_t>(ids[a]) * down_expert, L.wdown.row_bytes,
+                    s.moe_d.data() + static_cast<size_t>(a) * D, D};
+        xs[a] = s.moe_g.data() + static_cast<size_t>(a) * F;
+    }
+    gemv_each_cpu(parts.data(), xs.data(), M * k, F);
+    if (L.wgate_sh.data) {  // the shared expert reads h before h is overwritten below
+        const GemvPart gate_up[2] = {{L.wgate_sh.qtype, L.wgate_sh.data, L.wgate_sh.row_bytes, s.sh_g.data(), FS},
+                                     {L.wup_sh.qtype, L.wup_sh.data, L.wup_sh.row_bytes, s.sh_u.data(), FS}};
+        gemv_parts_cpu(gate_up, 2, h, M, D);
+        for (int r = 0; r < M; ++r)
+            glu_cpu(c.gelu_tanh, s.sh_g.data() + static_cast<size_t>(r) * FS, s.sh_u.data() + static_cast<size_t>(r) * FS, FS);
+        const GemvPart down{L.wdown_sh.qtype, L.wdown_sh.data, L.wdown_sh.row_bytes, s.sh_d.data(), D};
+        gemv_parts_cpu(&down, 1, s.sh_g.data(), M, FS);
+        if (L.shexp_gate)
+            for (int r = 0; r < M; ++r) {
+                const float* hr = h + static_cast<size_t>(r) * D;
+                float dot = 0.f;
+                for (int i = 0; i < D; ++i) dot += hr[i] * L.shexp_gate[i];
+                const float gate = 1.f / (1.f + std::exp(-dot));
+                for (int i = 0; i < D; ++i) s.sh_d[static_cast<size_t>(r) * D + i] *= gate;
+            }
+    }
+    for (int r = 0; r < M; ++r) {
+        float* out = h + static_cast<size_t>(r) * D;
+        for (int i = 0; i < D; ++i) {
+            float acc = 0.f;
+            for (int j = 0; j < k; ++j)
+                acc += s.moe_d[(static_cast<size_t>(r) * k + j) * D + i] * weight[static_cast<size_t>(r) * k + j];
+            out[i] = L.wgate_sh.data ? acc + s.sh_d[static_cast<size_t>(r) * D + i] : acc;
+        }
+    }
+}
 
 // The rows' shared body: row r is tokens[r] at position pos[r] of the cache caches[r] (K/V parts); the weights
 // are read once for all M rows, attention is per row over its own cache.
@@ -467,23 +563,28 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
         for (int r = 0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, L.ffn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         clk.to(prof.norm_ns);
-        {
-            const GemvPart gate_up[2] = {{L.wgate.qtype, L.wgate.data, L.wgate.row_bytes, g0, F},
-                                         {L.wup.qtype, L.wup.data, L.wup.row_bytes, u0, F}};
-            gemv_parts_cpu(gate_up, 2, h0b, M, D, false, st_gate_up);
+        if (c.n_expert) {
+            moe_mlp(c, L, s, h0b, M);
+            clk.skip();
+        } else {
+            {
+                const GemvPart gate_up[2] = {{L.wgate.qtype, L.wgate.data, L.wgate.row_bytes, g0, F},
+                                             {L.wup.qtype, L.wup.data, L.wup.row_bytes, u0, F}};
+                gemv_parts_cpu(gate_up, 2, h0b, M, D, false, st_gate_up);
+            }
+            clk.skip();
+            add_lora(L.lora[4], h0b, M, D, g0, F, lora_t);
+            add_lora(L.lora[5], h0b, M, D, u0, F, lora_t);
+            // Row by row, so that each row's 8-wide part and scalar tail are the same for every M.
+            for (int r = 0; r < M; ++r) glu_cpu(c.gelu_tanh, g0 + static_cast<size_t>(r) * F, u0 + static_cast<size_t>(r) * F, F);
+            clk.to(prof.act_ns);
+            {
+                const GemvPart down{L.wdown.qtype, L.wdown.data, L.wdown.row_bytes, h0b, D};
+                gemv_parts_cpu(&down, 1, g0, M, F, false, st_down);
+            }
+            clk.skip();
+            add_lora(L.lora[6], g0, M, F, h0b, D, lora_t);
         }
-        clk.skip();
-        add_lora(L.lora[4], h0b, M, D, g0, F, lora_t);
-        add_lora(L.lora[5], h0b, M, D, u0, F, lora_t);
-        // Row by row, so that each row's 8-wide part and scalar tail are the same for every M.
-        for (int r = 0; r < M; ++r) glu_cpu(c.gelu_tanh, g0 + static_cast<size_t>(r) * F, u0 + static_cast<size_t>(r) * F, F);
-        clk.to(prof.act_ns);
-        {
-            const GemvPart down{L.wdown.qtype, L.wdown.data, L.wdown.row_bytes, h0b, D};
-            gemv_parts_cpu(&down, 1, g0, M, F, false, st_down);
-        }
-        clk.skip();
-        add_lora(L.lora[6], g0, M, F, h0b, D, lora_t);
         if (L.post_ffw_norm)
             for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_ffw_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];

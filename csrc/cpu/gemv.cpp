@@ -328,6 +328,31 @@ Prepared prepare(Act act, bool simd, const float* x, int M, int K, bool residual
 constexpr int kMaxParts = 4;
 constexpr int kActCount = 4;
 
+// One weight matrix's rows against prepared activations: the unit a GEMV's parallel region hands out in chunks.
+struct Job {
+    cpu::RowDot fn;
+    cpu::RowsDot rows;
+    const uint8_t* w;
+    size_t row_bytes;
+    const uint8_t* xa;
+    size_t xs;
+    float* y;
+    int N;
+    QType t;
+    const Outliers* outl;  // per activation row m (row first[m] of y), or null: none
+    const int* first;
+    int M;
+    void run(int K, int n0, int n1) const {  // rows n0..n1-1
+        if (rows) rows(K, n1 - n0, w + row_bytes * n0, row_bytes, xa, xs, y + n0, N);
+        else
+            for (int n = n0; n < n1; ++n) fn(K, w + row_bytes * n, xa, xs, y + n, N);
+        if (outl)  // the outliers taken out of the Q8_K rows, added back while the chunk's weights are cached
+            for (int m = 0; m < M; ++m)
+                if (outl[m].n)
+                    add_outlier_dots(t, w, row_bytes, K, outl[m], n0, n1, y + static_cast<size_t>(first[m]) * N);
+    }
+};
+
 }  // namespace
 
 int row_top_k_cpu(const float* y, int n, int k, int64_t* ids) {
@@ -492,29 +517,6 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
     thread_local std::vector<uint8_t> act_buf[kActCount];
     bool have[kActCount] = {};
     Prepared prep[kActCount] = {};
-    struct Job {
-        cpu::RowDot fn;
-        cpu::RowsDot rows;
-        const uint8_t* w;
-        size_t row_bytes;
-        const uint8_t* xa;
-        size_t xs;
-        float* y;
-        int N;
-        QType t;
-        const Outliers* outl;  // per activation row m (row first[m] of y), or null: none
-        const int* first;
-        int M;
-        void run(int K, int n0, int n1) const {  // rows n0..n1-1
-            if (rows) rows(K, n1 - n0, w + row_bytes * n0, row_bytes, xa, xs, y + n0, N);
-            else
-                for (int n = n0; n < n1; ++n) fn(K, w + row_bytes * n, xa, xs, y + n, N);
-            if (outl)  // the outliers taken out of the Q8_K rows, added back while the chunk's weights are cached
-                for (int m = 0; m < M; ++m)
-                    if (outl[m].n)
-                        add_outlier_dots(t, w, row_bytes, K, outl[m], n0, n1, y + static_cast<size_t>(first[m]) * N);
-        }
-    };
     Job job[kMaxParts];
     thread_local std::vector<float> y_buf[kMaxParts];
     size_t total_bytes = 0;
@@ -631,6 +633,106 @@ void gemv_cpu(QType t, const uint8_t* w, size_t row_bytes, const float* x, float
               bool precise_x, RowArgmax* argmax) {
     const GemvPart part{t, w, row_bytes, y, N};
     gemv_parts_cpu(&part, 1, x, M, K, precise_x, nullptr, argmax);
+}
+
+void gemv_each_cpu(const GemvPart* parts, const float* const* x, int n_parts, int K) {
+    if (n_parts <= 0) return;
+    const Tables& tab = tables();
+    const Isa isa = cpu_get_isa();
+    const bool simd = cpu_isa_simd(isa);
+    // One prepared activation row per distinct (x row, activation format): a token's experts share its row.
+    struct Src {
+        const float* x;
+        Act act;
+        Outliers outl;
+        bool residual;  // a Q8_K row with more outliers than kMaxSparse: its residual row follows it
+        Prepared prep;
+    };
+    thread_local std::vector<Src> srcs;
+    thread_local std::vector<int> src_of;
+    thread_local std::vector<std::vector<uint8_t>> bufs;
+    thread_local std::vector<float> dense;
+    thread_local std::vector<Job> jobs;
+    thread_local std::vector<std::vector<float>> y_res;  // [2, N] of the parts whose row has a residual row
+    srcs.clear();
+    src_of.assign(n_parts, -1);
+    for (int p = 0; p < n_parts; ++p) {
+        const Act act = tab.k[static_cast<int>(isa)][static_cast<int>(parts[p].t)].act;
+        for (size_t s = 0; s < srcs.size() && src_of[p] < 0; ++s)
+            if (srcs[s].x == x[p] && srcs[s].act == act) src_of[p] = static_cast<int>(s);
+        if (src_of[p] >= 0) continue;
+        src_of[p] = static_cast<int>(srcs.size());
+        srcs.push_back({x[p], act, {}, false, {}});
+    }
+    if (bufs.size() < srcs.size()) bufs.resize(srcs.size());
+    for (size_t s = 0; s < srcs.size(); ++s) {
+        Src& S = srcs[s];
+        const float* xk = S.x;
+        uint8_t needs = 0;
+        if (S.act == Act::Q8_K) {  // as gemv_parts_cpu treats each of its rows (the same bits as a one-row call)
+            const RowKind kind = q8_K_outliers(S.x, K, S.outl);
+            S.residual = needs = kind == RowKind::Residual;
+            if (kind == RowKind::Sparse) {
+                dense.assign(S.x, S.x + K);
+                for (int i = 0; i < S.outl.n; ++i) dense[S.outl.idx[i]] = 0.f;
+                xk = dense.data();
+            }
+        }
+        const int first[2] = {0, 1 + needs};
+        S.prep = prepare(S.act, simd, xk, 1, K, S.residual, &needs, first, first[1], bufs[s]);
+    }
+    jobs.resize(n_parts);
+    if (y_res.size() < static_cast<size_t>(n_parts)) y_res.resize(n_parts);
+    static const int kFirst[2][2] = {{0, 1}, {0, 2}};
+    size_t total_bytes = 0;
+    int total_rows = 0;
+    for (int p = 0; p < n_parts; ++p) {
+        const GemvPart& P = parts[p];
+        const Src& S = srcs[src_of[p]];
+        const RowKernel& kern = tab.k[static_cast<int>(isa)][static_cast<int>(P.t)];
+        const int fm = S.residual ? 1 : 0;
+        float* yo = P.y;
+        if (S.residual) {
+            y_res[p].resize(static_cast<size_t>(2) * P.N);
+            yo = y_res[p].data();
+        }
+        cpu::RowsDot rows = kern.rows[fm];
+        if (rows != nullptr)
+            if (cpu::RowsDot amx = cpu::amx_rows_for(P.t, kern.act, fm + 1, isa)) rows = amx;
+        jobs[p] = {kern.fn[fm], rows, P.w, P.row_bytes, S.prep.xa, S.prep.xs, yo, P.N, P.t,
+                   S.act == Act::Q8_K && S.outl.n ? &S.outl : nullptr, kFirst[fm], 1};
+        total_bytes += P.row_bytes * static_cast<size_t>(P.N);
+        total_rows += P.N;
+    }
+    int nt = std::min(cpu_get_num_threads(), total_rows);
+    if (total_bytes < kMinParallelBytes) nt = 1;
+    const Job* const jb = jobs.data();
+    if (nt <= 1) {
+        for (int p = 0; p < n_parts; ++p) jb[p].run(K, 0, jb[p].N);
+    } else {
+        // Chunks as gemv_parts_cpu cuts them: about equal weight bytes, at most kMaxChunkBytes, one part's rows each.
+        struct Chunk {
+            int p, n0, n1;
+        };
+        thread_local std::vector<Chunk> chunks;
+        chunks.clear();
+        const size_t chunk_bytes = std::clamp<size_t>(total_bytes / (static_cast<size_t>(nt) * 8), 1, kMaxChunkBytes);
+        for (int p = 0; p < n_parts; ++p) {
+            const int g = tab.k[static_cast<int>(isa)][static_cast<int>(parts[p].t)].group;
+            const int rows = (static_cast<int>(std::max<size_t>(1, chunk_bytes / jb[p].row_bytes)) + g - 1) / g * g;
+            for (int n0 = 0; n0 < jb[p].N; n0 += rows) chunks.push_back({p, n0, std::min(jb[p].N, n0 + rows)});
+        }
+        const int n_chunks = static_cast<int>(chunks.size());
+        const Chunk* const ck = chunks.data();
+#pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
+        for (int c = 0; c < n_chunks; ++c) jb[ck[c].p].run(K, ck[c].n0, ck[c].n1);
+    }
+    for (int p = 0; p < n_parts; ++p) {
+        if (!srcs[src_of[p]].residual) continue;
+        const int N = parts[p].N;
+        const float* a = y_res[p].data();
+        for (int n = 0; n < N; ++n) parts[p].y[n] = a[n] + a[N + n];
+    }
 }
 
 uint64_t read_sum_cpu(const uint8_t* p, size_t n, int threads) {

@@ -414,6 +414,39 @@ at::Tensor attn_decode(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     return out;
 }
 
+// Stacked experts w uint8 [E, N, row_bytes] against the selections ids int64 [T, k] (on the GPU, each in [0, E):
+// checked by the caller, which made them with topk): x f32 [T, K] (a token's row shared by its k selections) or
+// [T, k, K] (a row each) -> y f32 [T, k, N], y[t, j] = x_(t or t, j) @ W[ids[t, j]]^T.  One launch.
+at::Tensor gemv_experts(const at::Tensor& w, int64_t qtype, const at::Tensor& x, const at::Tensor& ids) {
+    const QType t = to_qtype(qtype);
+    const char* fn = "cuda_gemv_experts";
+    const bool awq = t >= QType::AWQ_G32 && t <= QType::AWQ_G256;
+    PYLLM_CHECK_VALUE(gemv_cuda_supported(t) && !awq, fn, ": weight type ",
+                      qtype_name(t), " has no CUDA expert GEMV (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K)");
+    check_tensor(w, "w", at::kByte, 3);
+    check_tensor(ids, "ids", at::kLong, 2);
+    PYLLM_CHECK_VALUE(x.dim() == 2 || x.dim() == 3, fn, ": x must be [T, K] or [T, k, K], got shape ", x.sizes());
+    check_tensor(x, "x", at::kFloat, x.dim());
+    check_same_device(w, "w", x, "x");
+    check_same_device(w, "w", ids, "ids");
+    const int64_t T = ids.size(0), k = ids.size(1), K = x.size(-1), E = w.size(0);
+    PYLLM_CHECK_VALUE(x.size(0) == T && (x.dim() == 2 || x.size(1) == k) && T * k >= 1 && T * k <= 65535, fn,
+                      ": x has shape ", x.sizes(), " but ids has shape ", ids.sizes(), " (at most 65535 selections)");
+    const auto [N, row_bytes] = check_weight(w[0], t, K);
+    const int align = gemv_cuda_alignment(t);
+    PYLLM_CHECK_VALUE(reinterpret_cast<uintptr_t>(w.data_ptr()) % align == 0 && (N * row_bytes) % align == 0, fn,
+                      ": ", qtype_name(t), " experts must each start ", align, "-byte aligned");
+    PYLLM_CHECK_VALUE(E >= 1, fn, ": w has no experts");
+    const c10::cuda::CUDAGuard guard(w.device());
+    const auto [xq, xds] = quantize_act(x.reshape({-1, K}), std::nullopt, std::nullopt);
+    at::Tensor y = at::empty({T, k, N}, x.options());
+    gemv_experts_cuda(t, w.data_ptr<uint8_t>(), static_cast<size_t>(N * row_bytes), static_cast<size_t>(row_bytes),
+                      ids.data_ptr<int64_t>(), static_cast<int>(T * k), x.dim() == 2 ? static_cast<int>(k) : 1,
+                      xq.data_ptr<int8_t>(), reinterpret_cast<const float2*>(xds.data_ptr<float>()),
+                      y.data_ptr<float>(), static_cast<int>(N), static_cast<int>(K), stream_of(w));
+    return y;
+}
+
 }  // namespace
 
 void register_cuda(pybind11::module& m) {
@@ -424,6 +457,9 @@ void register_cuda(pybind11::module& m) {
           py::arg("qtype"), "Whether cuda_dequantize handles this GGML type id.");
     m.def("cuda_gemv", &gemv, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("out") = py::none(),
           "y [M, N] f32 = x [M, K] f32 @ W^T for M <= 8, W uint8 [N, row_bytes] raw GGUF blocks on the GPU.");
+    m.def("cuda_gemv_experts", &gemv_experts, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("ids"),
+          "MUL_MAT_ID: stacked experts w uint8 [E, N, row_bytes] on the GPU, ids int64 [T, k] -> y f32 [T, k, N] = "
+          "x[t] (or x[t, j]) @ W[ids[t, j]]^T, one launch, ids read on the device.");
     m.def("cuda_gemv_q", &gemv_q, py::arg("w"), py::arg("qtype"), py::arg("xq"), py::arg("xds"),
           py::arg("out") = py::none(),
           "cuda_gemv from activation codes cuda_quantize_act prepared (xq int8 [M, K], xds f32 [M, K/32, 2]).");

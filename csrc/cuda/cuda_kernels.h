@@ -47,6 +47,15 @@ struct GemvPart {
 void gemv_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* xq, const float2* xds, int M, int K,
                      cudaStream_t stream);
 
+// MUL_MAT_ID for decode: y[a, n] = sum_k x[a / rows_per_x, k] * W_{ids[a]}[n, k] for a < n_sel selections, one
+// launch, the expert ids read on the device (device int64 [n_sel], each in [0, n_expert): the caller checks).  The
+// stacked experts: expert e's N rows of row_bytes at w + e * expert_bytes (alignment as gemv_cuda_alignment(t));
+// xq / xds from quantize_act_cuda (rows_per_x = k: a token's row shared by its k selections; 1: a row each);
+// y: [n_sel, N].  Types: the GGUF block types of gemv_cuda_supported (not AWQ).
+void gemv_experts_cuda(QType t, const uint8_t* w, size_t expert_bytes, size_t row_bytes, const int64_t* ids,
+                       int n_sel, int rows_per_x, const int8_t* xq, const float2* xds, float* y, int N, int K,
+                       cudaStream_t stream);
+
 // ---- dequantize (dequant.cu) -------------------------------------------------------------------------------
 // Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows), and
 // AWQ rows ((q - z) * s, exact as the CPU's).

@@ -67,28 +67,19 @@ struct Parts {
     int prefetch_l2;
 };
 
+// R rows of one matrix from row row0 for this CTA: the body every GEMV kernel of this file shares.  w: N rows of
+// row_bytes; xq / xds: M activation rows of K codes; y: [M, N].
 template <QType T, int M, int R>
-__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Parts parts, const int8_t* __restrict__ xq,
-                                                        const float2* __restrict__ xds, int K) {
-    pdl_trigger();
-    // this CTA's part, by selects (a dynamic index into the parameter struct would copy it to local memory)
-    int pi = 0;
-#pragma unroll
-    for (int i = 0; i + 1 < CUDA_GEMV_MAX_PARTS; ++i) pi += i + 1 < parts.n && blockIdx.x >= parts.cta_end[i];
-    static_assert(CUDA_GEMV_MAX_PARTS == 3, "the selects below name each part");
-    const uint8_t* const w = pi == 0 ? parts.p[0].w : pi == 1 ? parts.p[1].w : parts.p[2].w;
-    const size_t row_bytes = pi == 0 ? parts.p[0].row_bytes : pi == 1 ? parts.p[1].row_bytes : parts.p[2].row_bytes;
-    float* const y = pi == 0 ? parts.p[0].y : pi == 1 ? parts.p[1].y : parts.p[2].y;
-    const int N = pi == 0 ? parts.p[0].N : pi == 1 ? parts.p[1].N : parts.p[2].N;
-    const int cta0 = pi == 0 ? 0 : pi == 1 ? parts.cta_end[0] : parts.cta_end[1];
+__device__ __forceinline__ void gemv_rows(const uint8_t* w, size_t row_bytes, float* y, int N, int row0,
+                                          const int8_t* __restrict__ xq, const float2* __restrict__ xds, int K,
+                                          int prefetch) {
     using Ty = GemvType<T>;
-    const int row0 = (static_cast<int>(blockIdx.x) - cta0) * R;
     const int n_slots = (K / Ty::kElems) * Ty::kSlots;
     const int nds = K / kActBlock;
     const uint8_t* wr[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) wr[r] = w + static_cast<size_t>(min(row0 + r, N - 1)) * row_bytes;  // tail rows read row N-1, never written
-    if (parts.prefetch_l2)  // the weights are constant: nothing to wait for
+    if (prefetch)  // the weights are constant: nothing to wait for
 #pragma unroll
         for (int r = 0; r < R; ++r) prefetch_l2(wr[r], row_bytes);
     pdl_wait();
@@ -129,6 +120,40 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Parts parts, co
         for (int i = 0; i < kWarps; ++i) v += red[i][threadIdx.x];
         if (row0 + r < N) y[static_cast<size_t>(m) * N + row0 + r] = v;
     }
+}
+
+template <QType T, int M, int R>
+__global__ void __launch_bounds__(kThreads, 1) gemv_kernel(const Parts parts, const int8_t* __restrict__ xq,
+                                                        const float2* __restrict__ xds, int K) {
+    pdl_trigger();
+    // this CTA's part, by selects (a dynamic index into the parameter struct would copy it to local memory)
+    int pi = 0;
+#pragma unroll
+    for (int i = 0; i + 1 < CUDA_GEMV_MAX_PARTS; ++i) pi += i + 1 < parts.n && blockIdx.x >= parts.cta_end[i];
+    static_assert(CUDA_GEMV_MAX_PARTS == 3, "the selects below name each part");
+    const uint8_t* const w = pi == 0 ? parts.p[0].w : pi == 1 ? parts.p[1].w : parts.p[2].w;
+    const size_t row_bytes = pi == 0 ? parts.p[0].row_bytes : pi == 1 ? parts.p[1].row_bytes : parts.p[2].row_bytes;
+    float* const y = pi == 0 ? parts.p[0].y : pi == 1 ? parts.p[1].y : parts.p[2].y;
+    const int N = pi == 0 ? parts.p[0].N : pi == 1 ? parts.p[1].N : parts.p[2].N;
+    const int cta0 = pi == 0 ? 0 : pi == 1 ? parts.cta_end[0] : parts.cta_end[1];
+    gemv_rows<T, M, R>(w, row_bytes, y, N, (static_cast<int>(blockIdx.x) - cta0) * R, xq, xds, K,
+                       parts.prefetch_l2);
+}
+
+// MUL_MAT_ID for decode (gemv_experts_cuda): CTA column blockIdx.y is selection a, whose expert ids[a] (read on
+// the device: no host sync, so a captured graph can hold it) is the slice at w + ids[a] * expert_bytes, against
+// activation row a / rows_per_x, into y row a.
+template <QType T, int R>
+__global__ void __launch_bounds__(kThreads, 1) gemv_experts_kernel(const uint8_t* __restrict__ w, size_t expert_bytes,
+                                                                size_t row_bytes, const int64_t* __restrict__ ids,
+                                                                int rows_per_x, const int8_t* __restrict__ xq,
+                                                                const float2* __restrict__ xds, float* __restrict__ y,
+                                                                int N, int K, int prefetch) {
+    pdl_trigger();
+    const int a = static_cast<int>(blockIdx.y), xr = a / rows_per_x;
+    gemv_rows<T, 1, R>(w + static_cast<size_t>(ids[a]) * expert_bytes, row_bytes, y + static_cast<size_t>(a) * N, N,
+                       static_cast<int>(blockIdx.x) * R, xq + static_cast<size_t>(xr) * K,
+                       xds + static_cast<size_t>(xr) * (K / kActBlock), K, prefetch);
 }
 
 // The same shape for AWQ rows (GemvAwq): the row, not a block, is what load() indexes.
@@ -247,8 +272,36 @@ void launch_type(int M, const Parts& parts, const int8_t* xq, const float2* xds,
     }
 }
 
+template <QType T>
+void launch_experts(const uint8_t* w, size_t expert_bytes, size_t row_bytes, const int64_t* ids, int n_sel,
+                    int rows_per_x, const int8_t* xq, const float2* xds, float* y, int N, int K, cudaStream_t stream) {
+    const int R = rows_per_cta_m1();
+    auto* kernel = R == 2 ? gemv_experts_kernel<T, 2> : R == 4 ? gemv_experts_kernel<T, 4> : gemv_experts_kernel<T, 1>;
+    const dim3 grid(static_cast<unsigned>((N + R - 1) / R), static_cast<unsigned>(n_sel));
+    launch_kernel("gemv_experts_cuda", kernel, grid, kThreads, 0, stream, w, expert_bytes, row_bytes, ids,
+                  rows_per_x, xq, xds, y, N, K, static_cast<int>(pdl_requested()));
+}
+
 }  // namespace
 }  // namespace cuda
+
+void gemv_experts_cuda(QType t, const uint8_t* w, size_t expert_bytes, size_t row_bytes, const int64_t* ids,
+                       int n_sel, int rows_per_x, const int8_t* xq, const float2* xds, float* y, int N, int K,
+                       cudaStream_t stream) {
+    using cuda::launch_experts;
+    switch (t) {
+        case QType::Q4_0: launch_experts<QType::Q4_0>(w, expert_bytes, row_bytes, ids, n_sel, rows_per_x, xq, xds, y, N, K, stream); break;
+        case QType::Q4_1: launch_experts<QType::Q4_1>(w, expert_bytes, row_bytes, ids, n_sel, rows_per_x, xq, xds, y, N, K, stream); break;
+        case QType::Q5_0: launch_experts<QType::Q5_0>(w, expert_bytes, row_bytes, ids, n_sel, rows_per_x, xq, xds, y, N, K, stream); break;
+        case QType::Q8_0: launch_experts<QType::Q8_0>(w, expert_bytes, row_bytes, ids, n_sel, rows_per_x, xq, xds, y, N, K, stream); break;
+        case QType::Q4_K: launch_experts<QType::Q4_K>(w, expert_bytes, row_bytes, ids, n_sel, rows_per_x, xq, xds, y, N, K, stream); break;
+        case QType::Q5_K: launch_experts<QType::Q5_K>(w, expert_bytes, row_bytes, ids, n_sel, rows_per_x, xq, xds, y, N, K, stream); break;
+        case QType::Q6_K: launch_experts<QType::Q6_K>(w, expert_bytes, row_bytes, ids, n_sel, rows_per_x, xq, xds, y, N, K, stream); break;
+        default:
+            throw std::invalid_argument(std::string("gemv_experts_cuda: weight type ") + qtype_name(t) +
+                                        " has no CUDA expert GEMV (supported: Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K)");
+    }
+}
 
 bool gemv_cuda_supported(QType t) {
     switch (t) {

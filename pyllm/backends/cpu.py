@@ -49,12 +49,14 @@ EXACT_ROW_TYPES = frozenset(
 def decode_arch(C, spec, layer_rope):
     """``spec`` (models/spec.py ArchSpec) as the extension's DecodeArch: the C++ mirror the decode steps read,
     whose constructor checks every field.  ``layer_rope``: each layer's index into the model's rope tables."""
-    return C.DecodeArch(n_embd=spec.n_embd, n_ff=spec.n_ff, n_head=spec.n_head, n_kv_head=spec.n_kv_head,
+    return C.DecodeArch(n_embd=spec.n_embd, n_ff=spec.n_ff_exp if spec.n_expert else spec.n_ff, n_head=spec.n_head, n_kv_head=spec.n_kv_head,
                         head_dim=spec.head_dim, rope_dim=spec.rope_dim, rope_style=spec.rope_style,
                         rms_eps=spec.rms_eps, attn_scale=spec.attn_scale, qkv_bias=spec.qkv_bias,
                         qk_norm=spec.qk_norm, post_norms=spec.post_norms, act=spec.act, embd_scale=spec.embd_scale,
                         final_softcap=spec.final_softcap, layer_rope=list(layer_rope),
-                        layer_window=[layer.window for layer in spec.layers])
+                        layer_window=[layer.window for layer in spec.layers], n_expert=spec.n_expert,
+                        n_expert_used=spec.n_expert_used, n_ff_shexp=spec.n_ff_shexp, shexp_gate=spec.shexp_gate,
+                        norm_top_k=spec.norm_top_k)
 
 
 class CpuDecodeStep:
@@ -113,6 +115,10 @@ class CpuBackend:
         self.embed = ops.embedding
         self._rows8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(loaded bytes) -> (repacked, loaded)
         self._repack_fits = True  # prepare_weights: whether the copies fit in memory
+
+    @staticmethod
+    def linear_experts(x: torch.Tensor, ws: list, ids: torch.Tensor) -> list[torch.Tensor] | None:
+        return ops.qmatmul_experts(x, ws, ids)
 
     @staticmethod
     def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -212,12 +218,23 @@ class CpuBackend:
         if k.block not in KV_TYPE_IDS or v.block not in KV_TYPE_IDS or k.data.device.type != "cpu":
             return None
         spec, w, vec = model.spec, model.w, model.vec
-        mats = [w[f"blk.{i}.{n}.weight"] for i in range(spec.n_layer) for n in LAYER_MATRICES]
         # the per-layer vectors (norms, biases) by the step's names: the tensor names less ".weight"
-        small = {n.removesuffix(".weight"): n for n in spec.layer_tensors()}
-        small = {name: tensor for name, tensor in small.items() if name not in LAYER_MATRICES}
+        small = {n.removesuffix(".weight"): n for n in spec.layer_tensors() if len(w["blk.0." + n].shape) == 1}
+        moe, moe_names = [], ("ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
         try:
-            packed = [self.decode_matrix(m) for m in mats]
+            if spec.n_expert:
+                # The stacked experts as [n_expert * rows, row_bytes] (expert e's rows the e-th slice), in their file
+                # form: a rows-by-8 copy would double the largest tensors; the router and shared expert likewise.
+                packed = []
+                for i in range(spec.n_layer):
+                    for n in LAYER_MATRICES:
+                        t = w[f"blk.{i}.{n}{'_exps' if n.startswith('ffn_') else ''}.weight"]
+                        packed.append(self.decode_matrix(t) if t.data.dim() == 2 else
+                                      (t.data.reshape(-1, t.data.shape[-1]), int(t.qtype)))
+                    moe += [w[f"blk.{i}.{n}.weight"] for n in moe_names[:4 if spec.n_ff_shexp else 1]]
+            else:
+                packed = [self.decode_matrix(w[f"blk.{i}.{n}.weight"]) for i in range(spec.n_layer)
+                          for n in LAYER_MATRICES]
             out_data, out_type = self.decode_matrix(model.output)
             vectors = {name: [vec[f"blk.{i}.{tensor}"].float().contiguous() for i in range(spec.n_layer)]
                        for name, tensor in small.items()}
@@ -229,10 +246,12 @@ class CpuBackend:
                 ops._C.DecodeCachePart(k.data, KV_TYPE_IDS[k.block], mu=k.mu,
                                        rot=None if k.rot is None else k.rot.contiguous(), scale=k.scale, sink=k.sink),
                 ops._C.DecodeCachePart(v.data, KV_TYPE_IDS[v.block], mu=v.mu,
-                                       rot=None if v.rot is None else v.rot.contiguous(), sink=v.sink))
+                                       rot=None if v.rot is None else v.rot.contiguous(), sink=v.sink),
+                **(dict(moe_weights=[t.data for t in moe], moe_qtypes=[int(t.qtype) for t in moe]) if moe else {}))
             _add_lora(ctx, model)
         except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
             # No extension, a GGML type the CPU kernels lack, or a layout the step does not take (LoRA terms on a
             # matrix outside it, an extension without set_lora): torch path.
             return None
-        return CpuDecodeStep(ctx, rows_exact=all(t in EXACT_ROW_TYPES for _, t in packed + [(out_data, out_type)]))
+        types = [t for _, t in packed] + [out_type] + [int(t.qtype) for t in moe]
+        return CpuDecodeStep(ctx, rows_exact=all(t in EXACT_ROW_TYPES for t in types))

@@ -244,6 +244,18 @@ class CudaBackend:
             return (x.to(torch.float16) @ wd.T).float()
         return x @ w.dequantize(torch.float32).T
 
+    def linear_experts(self, x: torch.Tensor, ws: list, ids: torch.Tensor) -> list[torch.Tensor] | None:
+        """A mixture-of-experts layer's selected experts (Decoder.experts): while the selections are few (decode,
+        at most 4 x GEMV_MAX_M), one cuda_gemv_experts launch per stacked tensor (llama.cpp's MUL_MAT_ID: the ids
+        read on the GPU, only the selected experts' rows read); None otherwise (prefill: the selections grouped by
+        expert, each used expert's slice dequantized once for cuBLAS) or where the kernel lacks the type."""
+        if ids.numel() > 4 * GEMV_MAX_M or x.shape[-1] % 32 or not hasattr(self.K, "cuda_gemv_experts"):
+            return None
+        if any(w.data.dim() != 3 or self.gemv_qtype(w) is None or getattr(w, "group_size", None) for w in ws):
+            return None
+        x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
+        return [self.K.cuda_gemv_experts(w.data, int(w.qtype), x, ids) for w in ws]
+
     def gemv_qtype(self, w) -> int | None:
         """W's GGML type id where the GEMV has a kernel for it (the int8-code path), else None."""
         qt = getattr(w, "qtype", None)
@@ -294,6 +306,8 @@ def fused_decode_problem(model, kv) -> str | None:
     """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
     if not hasattr(kv, "storage_layout") or not hasattr(model, "spec"):
         return "the model or cache predates the backend seam"
+    if getattr(model.spec, "n_expert", 0):
+        return "a mixture-of-experts model (the step has no expert routing)"
     if kv.head_dim not in HEAD_DIMS:
         return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
     for p in kv.storage_layout():

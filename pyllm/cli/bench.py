@@ -88,21 +88,25 @@ class Subject:
         return n
 
     def weight_bytes_per_token(self) -> int:
-        """Bytes a decode step reads: every weight once, except the embedding table (one row), unless tied."""
+        """Bytes a decode step reads: every weight once, except the embedding table (one row), unless tied, and a
+        mixture of experts' stacked experts (only the selected experts' rows: ModelConfig.active_fraction)."""
         total = 0
         for name, w in self.weights.items():
             if name == "token_embd.weight" and not self.cfg.tied_output:
                 total += w.nbytes // w.shape[0]
             else:
-                total += w.nbytes
+                total += int(w.nbytes * self.cfg.active_fraction(name))
         return total
 
     def matmul_params(self) -> int:
-        """Parameters that take part in matmuls per token (all but the embedding lookup)."""
+        """Parameters that take part in matmuls per token (all but the embedding lookup; of stacked experts, the
+        selected ones)."""
         n = 0
         for name, w in self.weights.items():
             if len(w.shape) == 2 and (name != "token_embd.weight" or self.cfg.tied_output):
                 n += w.shape[0] * w.shape[1]
+            elif len(w.shape) == 3:
+                n += int(w.shape[0] * w.shape[1] * w.shape[2] * self.cfg.active_fraction(name))
         return n
 
     def output_params(self) -> int:

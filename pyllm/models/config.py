@@ -20,7 +20,14 @@ ROPE_STYLE = {
     "gemma3": "neox",
     "nomic-bert": "neox",
     "smollm3": "norm",
+    "qwen2moe": "neox",
+    "qwen3moe": "neox",
 }
+
+# Mixture-of-experts architectures and whether their router's top-k weights are renormalised to sum to 1 when the
+# file does not say ({arch}.expert_weights_norm): llama.cpp's graphs hard-code it per family (Qwen3-MoE yes, Qwen2-MoE
+# no), as their checkpoints' norm_topk_prob defaults do.
+MOE_NORM_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 
 
 def _show(v) -> str:
@@ -63,7 +70,27 @@ class ModelConfig:
                 "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d), "ffn_down.weight": (d, ff),
                 "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
                 "attn_q_norm.weight": (self.head_dim,), "attn_k_norm.weight": (self.head_dim,),
-                "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,)}
+                "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,), **self.expert_shapes()}
+
+    def active_fraction(self, name: str) -> float:
+        """The share of tensor ``name`` one token reads: n_expert_used / n_expert of a stacked expert tensor
+        (ffn_*_exps: decode reads only the selected experts' rows), all of any other.  What bench's bytes per token
+        and ``pyllm info``'s active parameters count."""
+        ex = self.extra
+        if ex.get("expert_count") and name.endswith("_exps.weight"):
+            return ex["expert_used_count"] / ex["expert_count"]
+        return 1.0
+
+    def expert_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The mixture-of-experts layer tensors' shapes (none for a dense model): the router [n_expert, n_embd], the
+        stacked experts [n_expert, rows, cols] (llama.cpp's ffn_*_exps), the shared expert and its gate."""
+        ex = self.extra
+        if not ex.get("expert_count"):
+            return {}
+        d, e, f, fs = self.n_embd, ex["expert_count"], ex["expert_ff"], ex.get("expert_shared_ff", 0)
+        return {"ffn_gate_inp.weight": (e, d), "ffn_gate_exps.weight": (e, f, d), "ffn_up_exps.weight": (e, f, d),
+                "ffn_down_exps.weight": (e, d, f), "ffn_gate_shexp.weight": (fs, d), "ffn_up_shexp.weight": (fs, d),
+                "ffn_down_shexp.weight": (d, fs), "ffn_gate_inp_shexp.weight": (d,)}
 
     def shape_mismatch(self, weights: dict) -> tuple[str, tuple, tuple] | None:
         """(name, shape, the shape the hyperparameters need) of the first tensor of ``weights`` that contradicts
@@ -223,6 +250,19 @@ class ModelConfig:
             if not isinstance(causal, bool):
                 raise ModelError(f"{source}: {arch}.attention.causal = {_show(causal)} is not true or false")
             cfg.extra["causal"] = causal
+        if arch in MOE_NORM_TOP_K:
+            n_expert = get_int("expert_count", required=True, hi=1 << 16)
+            norm = get("expert_weights_norm", MOE_NORM_TOP_K[arch])
+            if not isinstance(norm, bool):
+                raise ModelError(f"{source}: {arch}.expert_weights_norm = {_show(norm)} is not true or false")
+            shared = "blk.0.ffn_up_shexp.weight" in tensor_names
+            cfg.extra.update(expert_count=n_expert, expert_used_count=get_int("expert_used_count", required=True,
+                                                                               hi=n_expert),
+                             expert_ff=get_int("expert_feed_forward_length", required=True),
+                             expert_shared_ff=get_int("expert_shared_feed_forward_length", required=shared)
+                             if shared else 0,
+                             expert_shared_gate="blk.0.ffn_gate_inp_shexp.weight" in tensor_names,
+                             expert_weights_norm=norm)
         if arch == "gemma3":
             # llama.cpp hard-codes these for gemma3 (no metadata keys): local RoPE base 10000, a global layer every
             # 6th, and queries scaled by head_dim**-0.5 except for 27B (62 layers), which uses n_embd / n_head.

@@ -91,6 +91,36 @@ class Decoder:
         enter = getattr(self.backend, "enter_layer", None)
         return x if enter is None else enter(i, x)
 
+    def experts(self, x: torch.Tensor, ws: list, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Stacked expert matrices ws ([E, N_i, K] QTensors) over the experts ``ids`` [T, k] selects: y_i [T, k, N_i],
+        y_i[t, j] = W_i[ids[t, j]] @ x[t] (x [T, K]) or @ x[t, j] (x [T, k, K]).  The backend's kernel where it has
+        one (CPU: MUL_MAT_ID over the expert slices, csrc/bindings_kernels.cpp), else the selections grouped by
+        expert and each used expert's slice (a view of its rows, still quantized) through ``linear`` once."""
+        kernel = getattr(self.backend, "linear_experts", None)
+        out = kernel(x, ws, ids) if kernel is not None else None
+        if out is not None:
+            return out
+        t, k = ids.shape
+        rows = (x if x.dim() == 3 else x[:, None, :].expand(t, k, x.shape[-1])).reshape(t * k, x.shape[-1])
+        flat = ids.reshape(-1)
+        ys = [x.new_empty(t * k, w.shape[1]) for w in ws]
+        for e in torch.unique(flat).tolist():
+            sel = (flat == e).nonzero().squeeze(1)
+            xe = rows.index_select(0, sel)
+            for y, w in zip(ys, ws):
+                y[sel] = self.linear(xe, self.expert_slice(w, e))
+        return [y.view(t, k, -1) for y in ys]
+
+    def expert_slice(self, w, e: int):
+        """Expert ``e`` of a stacked expert tensor w [E, N, K] as a matrix [N, K]: a view of its rows' blocks, made
+        once per (tensor, expert) so a backend that caches per weight object (the reference's dequantized copies)
+        sees the same object every time."""
+        views = self.__dict__.setdefault("_expert_views", {})
+        key = (id(w), e)
+        if key not in views:
+            views[key] = type(w)(w.qtype, tuple(w.shape[1:]), w.data[e], f"{w.name}[{e}]")
+        return views[key]
+
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int,
                          attention) -> torch.Tensor:
         """Causal attention of T new positions over S >= T keys, the last T theirs: q [T, H, hd], k / v [S, Hkv, hd]

@@ -42,7 +42,12 @@ class ArchSpec:
         a = attention(q, K, V, attn_scale, window) Wo ; x += post_attention_norm(a) if post_norms else a
         h = norm(x) ; m = (act(h Wgate) * h Wup) Wdown ; x += post_ffw_norm(m) if post_norms else m
 
-    with x = embedding * embd_scale (0: none) first and logits = softcap(norm(x) Woutput) last."""
+    with x = embedding * embd_scale (0: none) first and logits = softcap(norm(x) Woutput) last.
+
+    A mixture-of-experts layer (n_expert > 0) replaces the MLP: p = softmax(h Wrouter) ; the n_expert_used largest
+    p_e (renormalised to sum 1 when norm_top_k) weigh the selected experts' MLPs, m = sum_e p_e (silu(h Wgate_e) *
+    h Wup_e) Wdown_e ; plus, where n_ff_shexp > 0, a shared expert's MLP, scaled by sigmoid(h . w_shexp_gate) when
+    shexp_gate.  The experts' matrices are stacked: ffn_{gate,up,down}_exps [n_expert, rows, cols]."""
 
     arch: str
     n_layer: int
@@ -65,6 +70,12 @@ class ArchSpec:
     tied_output: bool = False  # the output projection is the token embedding
     rope_freq_factors: bool = False  # llama3 rope scaling: the file's rope_freqs divide the frequencies
     fused_qkv: bool = False  # the file keeps attn_qkv ([q; k; v] rows) and ffn_up ([gate; up]) fused (Phi-3)
+    n_expert: int = 0  # mixture of experts: experts per layer (0: a dense MLP)
+    n_expert_used: int = 0  # experts each token is routed to (the router's top k)
+    n_ff_exp: int = 0  # each expert's hidden size
+    n_ff_shexp: int = 0  # the shared expert's hidden size (0: none)
+    shexp_gate: bool = False  # the shared expert's output is scaled by sigmoid(h . ffn_gate_inp_shexp)
+    norm_top_k: bool = False  # the selected experts' weights are renormalised to sum to 1
     layers: tuple[LayerSpec, ...] = field(default=())
 
     def __post_init__(self):
@@ -88,6 +99,16 @@ class ArchSpec:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
                     (name == "rms_eps" and v == 0):
                 bad(name, v, "is not a finite number >= 0" + (" and > 0" if name == "rms_eps" else ""))
+        if self.n_expert:
+            for name, lo, hi in (("n_expert", 1, 1 << 16), ("n_expert_used", 1, self.n_expert), ("n_ff_exp", 1, 1 << 31),
+                                 ("n_ff_shexp", 0, 1 << 31)):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                    bad(name, v, f"is not an integer in [{lo}, {hi}]")
+            if self.shexp_gate and not self.n_ff_shexp:
+                bad("shexp_gate", True, "needs a shared expert (n_ff_shexp > 0)")
+        elif self.n_expert_used or self.n_ff_exp or self.n_ff_shexp or self.shexp_gate:
+            bad("n_expert", self.n_expert, "is 0 (a dense MLP) but expert fields are set")
         if self.attn_scale == 0:
             object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
         if len(self.layers) != self.n_layer:
@@ -126,8 +147,15 @@ class ArchSpec:
 
     def layer_tensors(self) -> tuple[str, ...]:
         """The tensor names (without "blk.N.") every layer of this architecture must have."""
-        names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
-                 "ffn_down"]
+        names = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"]
+        if self.n_expert:
+            names += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+            if self.n_ff_shexp:
+                names += ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"]
+            if self.shexp_gate:
+                names.append("ffn_gate_inp_shexp")
+        else:
+            names += ["ffn_gate", "ffn_up", "ffn_down"]
         if self.qk_norm:
             names += ["attn_q_norm", "attn_k_norm"]
         if self.post_norms:
@@ -191,7 +219,23 @@ def _smollm3(cfg: ModelConfig) -> dict:
                              for i in range(cfg.n_layer)))
 
 
+def _moe(cfg: ModelConfig) -> dict:
+    """Qwen2-MoE and Qwen3-MoE (checked against transformers' Qwen2MoeForCausalLM / Qwen3MoeForCausalLM and
+    llama.cpp's build_moe_ffn): the llama layer with the MLP replaced by softmax top-k routing over stacked experts;
+    Qwen2-MoE adds a shared expert gated by a sigmoid, Qwen3-MoE has QK-norm and no shared expert.  Whether the
+    top-k weights are renormalised: the file's expert_weights_norm, else the family's default (config.py)."""
+    ex = cfg.extra
+    for key, meta in (("expert_count", "expert_count"), ("expert_used_count", "expert_used_count"),
+                      ("expert_ff", "expert_feed_forward_length")):
+        if key not in ex:
+            raise ModelError(f"{cfg.arch}: metadata key {cfg.arch}.{meta} is missing (a mixture-of-experts model)")
+    return dict(layers=(LayerSpec(cfg.rope_base, 1.0, cfg.sliding_window),) * cfg.n_layer,
+                n_expert=ex["expert_count"], n_expert_used=ex["expert_used_count"], n_ff_exp=ex["expert_ff"],
+                n_ff_shexp=ex.get("expert_shared_ff", 0), shexp_gate=bool(ex.get("expert_shared_gate")),
+                norm_top_k=bool(ex.get("expert_weights_norm")))
+
+
 # general.architecture -> the family's entries (what differs from the ArchSpec defaults)
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "phi3": _llama,
-             "gemma3": _gemma3, "smollm3": _smollm3}
+             "gemma3": _gemma3, "smollm3": _smollm3, "qwen2moe": _moe, "qwen3moe": _moe}
 ARCHITECTURES = tuple(sorted(_FAMILIES))

@@ -26,7 +26,11 @@ SHAPES = {
     "llama3-1b": (16, 2048, 8192, 32, 8, 64, 128256, 500000.0, "llama", True),
     "qwen2.5-7b": (28, 3584, 18944, 28, 4, 128, 152064, 1000000.0, "qwen2", False),
     "smollm2-135m": (30, 576, 1536, 9, 3, 64, 49152, 100000.0, "llama", True),
+    "qwen3-30b-a3b": (48, 2048, 6144, 32, 4, 128, 151936, 1000000.0, "qwen3moe", False),
 }
+# Mixture-of-experts shapes: (experts, experts used per token, each expert's hidden size).  Their layers have
+# QK-norm and no dense MLP; about 17 GiB at q4_k_m, of which a token reads ~1.6 GiB.
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 768)}
 
 # Block type of each tensor role per file type, as llama.cpp's quantizer picks them (Q4_K_M: Q6_K for the output,
 # and for attn_v / ffn_down of the "use_more_bits" layers).
@@ -60,6 +64,12 @@ def random_qtensor(qtype: GGMLType, n: int, k: int, name: str = "w", seed: int =
             blocks[:, off:off + 2] = scale
     shape = (n, k)
     return QTensor(qtype, shape, data.contiguous(), name=name)
+
+
+def random_experts(qtype: GGMLType, e: int, n: int, k: int, name: str, seed: int = 0) -> QTensor:
+    """Stacked experts [e, n, k] of ``qtype`` (llama.cpp's ffn_*_exps), random as random_qtensor's."""
+    t = random_qtensor(qtype, e * n, k, name, seed)
+    return QTensor(qtype, (e, n, k), t.data.view(e, n, -1), name=name)
 
 
 def _pool_bytes(total: int, seed: int) -> torch.Tensor:
@@ -111,6 +121,9 @@ def check_synthetic_spec(spec: str) -> tuple[str, str]:
         raise PyllmError(f"unknown synthetic shape {shorten(shape)!r}; known: {', '.join(SHAPES)}")
     if ftype not in FTYPES and ftype not in AWQ_FTYPES:
         raise PyllmError(f"unknown synthetic file type {shorten(ftype)!r}; known: {', '.join([*FTYPES, *AWQ_FTYPES])}")
+    if ftype in AWQ_FTYPES and shape in MOE_SHAPES:
+        raise PyllmError(f"synthetic {shape} is a mixture of experts, which AWQ checkpoints do not hold; known file "
+                         f"types for it: {', '.join(FTYPES)}")
     return shape, ftype
 
 
@@ -125,6 +138,11 @@ def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
     cfg = ModelConfig(arch=arch, n_layer=L, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD, n_vocab=V,
                       n_ctx_train=8192, rope_base=base, rope_dim=HD, rope_style="neox" if arch == "qwen2" else "norm",
                       rms_eps=1e-5, qkv_bias=arch == "qwen2", tied_output=tied)
+    moe = MOE_SHAPES.get(shape)
+    if moe:
+        cfg.rope_style, cfg.qk_norm = "neox", True
+        cfg.extra.update(expert_count=moe[0], expert_used_count=moe[1], expert_ff=moe[2], expert_shared_ff=0,
+                         expert_shared_gate=False, expert_weights_norm=True)
 
     def pick(t: GGMLType, k: int) -> GGMLType:
         # K-quants need rows that are multiples of 256; llama.cpp falls back to a 32-block type there
@@ -151,6 +169,18 @@ def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
         w[p + "attn_v.weight"] = random_qtensor(pick(vt, D), HKV * HD, D, p + "attn_v.weight", seed=3)
         w[p + "attn_output.weight"] = random_qtensor(pick(ft["default"], H * HD), D, H * HD, p + "attn_output.weight",
                                                      seed=4)
+        if moe:
+            E, FE = moe[0], moe[2]
+            w[p + "attn_q_norm.weight"] = vec(HD)
+            w[p + "attn_k_norm.weight"] = vec(HD)
+            # the router stays float32, as llama.cpp keeps it; small values so the softmax spreads over experts
+            w[p + "ffn_gate_inp.weight"] = random_qtensor(GGMLType.F32, E, D, p + "ffn_gate_inp.weight")
+            w[p + "ffn_gate_exps.weight"] = random_experts(pick(ft["default"], D), E, FE, D, p + "ffn_gate_exps.weight",
+                                                           seed=5)
+            w[p + "ffn_up_exps.weight"] = random_experts(pick(ft["default"], D), E, FE, D, p + "ffn_up_exps.weight",
+                                                         seed=6)
+            w[p + "ffn_down_exps.weight"] = random_experts(pick(vt, FE), E, D, FE, p + "ffn_down_exps.weight", seed=7)
+            continue
         w[p + "ffn_gate.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_gate.weight", seed=5)
         w[p + "ffn_up.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_up.weight", seed=6)
         w[p + "ffn_down.weight"] = random_qtensor(pick(vt, FF), D, FF, p + "ffn_down.weight", seed=7)

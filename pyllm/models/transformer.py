@@ -129,8 +129,37 @@ class Transformer(Decoder):
 
     @staticmethod
     def arrange_weights(cfg, weights: dict) -> dict:
-        """The file's tensors as the forward names them (Phi-3's fused ones split); others as they are."""
-        return split_fused(cfg, weights) if ArchSpec.from_config(cfg).fused_qkv else weights
+        """The file's tensors as the forward names them (Phi-3's fused ones split, a shared-expert gate stored as a
+        [1, n_embd] matrix as the vector it is); others as they are."""
+        spec = ArchSpec.from_config(cfg)
+        if spec.shexp_gate:
+            weights = dict(weights)
+            for i in range(cfg.n_layer):
+                name = f"blk.{i}.ffn_gate_inp_shexp.weight"
+                t = weights.get(name)
+                if t is not None and len(t.shape) == 2 and t.shape[0] == 1:
+                    weights[name] = QTensor(t.qtype, (t.shape[1],), t.data.reshape(-1), name)
+        return split_fused(cfg, weights) if spec.fused_qkv else weights
+
+    def moe(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        """The mixture-of-experts MLP of the layer named ``p`` ("blk.N.") on h [T, D] (ArchSpec says what it is):
+        the router's softmax in float32, its top k (renormalised when norm_top_k), the selected experts' SwiGLU
+        weighted and summed, plus the shared expert (sigmoid-gated where the family gates it)."""
+        spec, w, vec = self.spec, self.w, self.vec
+        probs = torch.softmax(self.linear(h, w[p + "ffn_gate_inp.weight"]), dim=-1)
+        top, ids = torch.topk(probs, spec.n_expert_used, dim=-1)  # [T, k]
+        if spec.norm_top_k:
+            top = top / top.sum(-1, keepdim=True)
+        g, u = self.experts(h, [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], ids)
+        (d,) = self.experts(self.glu(g, u), [w[p + "ffn_down_exps.weight"]], ids)  # [T, k, D]
+        m = (d * top.unsqueeze(-1)).sum(1)
+        if spec.n_ff_shexp:
+            s = self.linear(self.glu(self.linear(h, w[p + "ffn_gate_shexp.weight"]),
+                                     self.linear(h, w[p + "ffn_up_shexp.weight"])), w[p + "ffn_down_shexp.weight"])
+            if spec.shexp_gate:
+                s = s * torch.sigmoid(h @ vec[p + "ffn_gate_inp_shexp.weight"]).unsqueeze(-1)
+            m = m + s
+        return m
 
     def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32."""
@@ -174,9 +203,12 @@ class Transformer(Decoder):
             a = lin(a, w[p + "attn_output.weight"])
             x = x + (self.norm(a, vec[p + "post_attention_norm.weight"], eps) if spec.post_norms else a)
             h = self.norm(x, vec[p + "ffn_norm.weight"], eps)
-            g = lin(h, w[p + "ffn_gate.weight"])
-            u = lin(h, w[p + "ffn_up.weight"])
-            m = lin(self.glu(g, u, gelu_tanh=spec.act == "gelu_tanh"), w[p + "ffn_down.weight"])
+            if spec.n_expert:
+                m = self.moe(h, p)
+            else:
+                g = lin(h, w[p + "ffn_gate.weight"])
+                u = lin(h, w[p + "ffn_up.weight"])
+                m = lin(self.glu(g, u, gelu_tanh=spec.act == "gelu_tanh"), w[p + "ffn_down.weight"])
             x = x + (self.norm(m, vec[p + "post_ffw_norm.weight"], eps) if spec.post_norms else m)
         if not all_logits:
             x = x[-1:]
