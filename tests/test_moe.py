@@ -451,7 +451,7 @@ def test_bench_counts_the_active_bytes_of_a_synthetic_moe(monkeypatch):
 
     monkeypatch.setitem(syn.SHAPES, "tiny-moe", (3, 256, 512, 4, 2, 64, 1000, 1e6, "qwen3moe", False))
     monkeypatch.setitem(syn.MOE_SHAPES, "tiny-moe", (16, 4, 256))
-    a = SimpleNamespace(n_depth=0, n_prompt=8, n_gen=4, device="cpu", kernels="fast", threads=None, kv="f16",
+    a = SimpleNamespace(n_depth=0, n_prompt=8, n_gen=4, device="cpu", gpu_layers=None, kernels="fast", threads=None, kv="f16",
                         lora=[], lora_scaled=[])
     s = load_subject(None, "tiny-moe:q4_k_m", a)
     exps = sum(w.nbytes for n, w in s.weights.items() if n.endswith("_exps.weight"))
