@@ -1,7 +1,8 @@
 """Several sequences generated at once over one model: KV slots, a batched decode step, a prompt cache.
 
-Decode is bandwidth-bound: one token of B sequences through the extension's ``decode_batch`` reads every weight
-once for all B rows (csrc/cpu/decode_step.cpp), so B streams cost about what one does. ``BatchEngine`` runs one
+Decode is bandwidth-bound: one token of B sequences in one step of the model (backends/base.py; the CPU backend
+runs them through its batched decode, csrc/cpu/decode_step.cpp) reads every weight once for all B rows, so B
+streams cost about what one does. ``BatchEngine`` runs one
 thread that owns the model: it admits requests into free ``Slot``s (each its own KV cache), prefills them in
 chunks interleaved with batched decode steps of the running ones (streams keep flowing while a long prompt is
 read), samples every row with that request's own sampler, and frees the slot when a request ends or is cancelled.
@@ -33,12 +34,13 @@ import numpy as np
 import torch
 
 from .. import ops
+from ..backends.base import SeqStep
 from ..errors import ContextFullError, ModelError, PyllmError
 from ..safe_io import private_tempfile
 from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
-MAX_BATCH = ops.GEMV_MAX_M  # rows of one decode_batch call (the GEMV kernels' limit)
+MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels' limit)
 # Seconds of prefill the running streams may wait for their next token while new prompts are read: long enough
 # that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
 # short enough that a long prompt does not freeze the other streams.
@@ -74,8 +76,9 @@ class Slot:
         self.last_used = 0.0
 
     def context(self, model):
-        """The extension's DecodeContext for this slot's cache (built once), or None where the C++ step does not
-        apply (another backend or device, or a centered cache whose means are not estimated yet)."""
+        """The CPU extension's DecodeContext for this slot's cache (built once), or None where the C++ step does not
+        apply (another backend or device, or a centered cache whose means are not estimated yet).  The engine
+        never calls it (its forwards go through ``model.step``); tests reach the C++ step through it."""
         return model.decode_context(self.kv)
 
     def copy_prefix(self, src: "Slot", n: int) -> None:
@@ -87,33 +90,18 @@ class Slot:
 
 def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
     """Logits [B, n_vocab] of tokens[b] appended to slots[b] (K/V stored at len(slots[b].tokens)); the slots'
-    token lists are extended. One decode_batch call per MAX_BATCH rows where every slot has a C++ context; a row
-    without one runs model.forward alone."""
+    token lists are extended. One step of the model over all of them (the backend batches what it can)."""
     return decode_rows_with_argmax(model, slots, tokens)[0]
 
 
 def decode_rows_with_argmax(model, slots: list[Slot], tokens: list[int]) -> tuple[torch.Tensor, list[int | None]]:
-    """decode_rows' logits and each row's argmax where decode_batch found it (-1: a logit is NaN or infinite),
+    """decode_rows' logits and each row's argmax where the fused step found it (-1: a logit is NaN or infinite),
     else None (what Sampler.sample_known_argmax and the non-finite check take)."""
-    out, tops = [], []
-    with torch.inference_mode():
-        for i in range(0, len(slots), MAX_BATCH):
-            group, toks = slots[i:i + MAX_BATCH], tokens[i:i + MAX_BATCH]
-            ctxs = [s.context(model) for s in group]
-            for s in group:
-                s.kv.check_room(len(s.tokens), 1)
-            if all(c is not None for c in ctxs):
-                logits = torch.empty(len(group), ctxs[0].n_vocab)
-                tops += ops._C.decode_batch(ctxs, torch.tensor(toks, dtype=torch.int64),
-                                            torch.tensor([len(s.tokens) for s in group], dtype=torch.int64), logits)
-                out.append(logits)
-            else:
-                out += [model.forward(torch.tensor([t], dtype=torch.int64), len(s.tokens), s.kv)[-1:].float()
-                        for s, t in zip(group, toks)]
-                tops += [None] * len(group)
-            for s, t in zip(group, toks):
-                s.tokens.append(t)
-    return (out[0] if len(out) == 1 else torch.cat(out)), tops
+    rows = model.step([SeqStep(s.kv, [t], len(s.tokens)) for s, t in zip(slots, tokens)])
+    for s, t in zip(slots, tokens):
+        s.tokens.append(t)
+    logits = rows[0].logits if len(rows) == 1 else torch.cat([r.logits for r in rows])
+    return logits, [r.argmax[0] if r.argmax else None for r in rows]
 
 
 def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
@@ -123,9 +111,7 @@ def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
     pos = len(slot.tokens)
     end = min(len(ids), (pos // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
     chunk = ids[pos:end]
-    slot.kv.check_room(pos, len(chunk))
-    with torch.inference_mode():
-        logits = model.forward(torch.tensor(chunk, dtype=torch.int64), pos, slot.kv)
+    logits = model.step([SeqStep(slot.kv, chunk, pos, prefill=True)])[0].logits
     slot.tokens.extend(chunk)
     if end % PREFILL_CHUNK == 0 and slot.exact == pos:
         slot.exact = end

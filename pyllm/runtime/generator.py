@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..backends.base import SeqStep
 from ..errors import ContextFullError
 
 
@@ -116,30 +117,23 @@ class Generator:
             raise ContextFullError(f"context full: {pos} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
 
     def _forward(self, toks: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Prompt tokens (a chunk) through the model's step: logits [len(toks) or 1, n_vocab]."""
         if len(toks) == 1:
             return self._decode(toks[0])[0].view(1, -1)
         pos = len(self.tokens)
         self.check_room(len(toks))
-        with torch.inference_mode():
-            logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
+        logits = self.model.step([SeqStep(self.kv, toks, pos, all_logits=all_logits, prefill=True)])[0].logits
         self.tokens.extend(toks)
         return logits
 
     def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
         """One token: the logits [n_vocab] after it and, from the fused step, their argmax (-1: a logit is NaN or
-        infinite), else None: what ``sample`` and ``check`` take so as not to read the row again.  The fused step
-        needs no inference mode (it fills a tensor it allocates) and its row no slicing: right after a step each
-        torch call costs 10-50 us, cold."""
+        infinite), else None: what ``sample`` and ``check`` take so as not to read the row again."""
         pos = len(self.tokens)
         self.check_room(1)
-        fused = self.model.fused_logits(tok, pos, self.kv)
-        if fused is None:
-            with torch.inference_mode():
-                logits, top = self.model.forward(torch.tensor([tok], dtype=torch.int64), pos, self.kv)[-1], None
-        else:
-            logits, top = fused
+        logits, top = self.model.step([SeqStep(self.kv, [tok], pos)])[0]
         self.tokens.append(tok)
-        return logits, top
+        return logits[0], (top[0] if top else None)
 
     def common_prefix(self, ids: list[int]) -> int:
         n = 0
