@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
 import torch
 
 from . import lora as lora_adapters
 from . import registry
 from .errors import ContextFullError, KVCacheMemoryError, ModelError, PyllmError, in_file
+from .runtime.engine import check_finite, forced_end
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import stop_list
@@ -424,37 +424,37 @@ class LLM:
         drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). Under a grammar,
         lookup drafts the tokens the grammar forces where it forces some; a draft model does not speculate there.
         """
+        ids, max_tokens, sampler = self.generation_request(
+            ids, max_tokens, sampler=sampler, json_schema=json_schema, grammar=grammar, constraint=constraint,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
+        spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
+        return self._token_stream(ids, max_tokens, sampler, spec)
+
+    def generation_request(self, ids, max_tokens=256, sampler: Sampler | None = None, json_schema=None,
+                           grammar: str | None = None, constraint=None, **sampling) -> tuple[list[int], int, Sampler]:
+        """(ids, max_tokens, sampler) of one generation, checked as generate_tokens checks them (PyllmError): the
+        prompt's ids, max_tokens (None or -1: n_ctx), and ``sampler`` or a new one from ``sampling`` (temperature,
+        top_k, ...), with the structured-output constraint set and the prompt's tail in its penalty window.  What
+        every caller that generates tokens (this LLM, the server's batched engine) starts from."""
         from .runtime.constraint import make_constraint
 
         ids = self._check_ids(ids)
         max_tokens = self.check_max_tokens(max_tokens)
         constraint = make_constraint(lambda: self.grammar_vocab, json_schema, grammar, constraint)
         if sampler is None:
-            kw = check_sampling(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                     **sampling), self.n_vocab)
-            sampler = Sampler(SamplerSettings(**kw))
+            sampler = Sampler(SamplerSettings(**check_sampling(dict(sampling), self.n_vocab)))
         if constraint is not None:
             sampler.constraint = constraint
-        spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
-        return self._token_stream(ids, max_tokens, sampler, spec)
+        return ids, max_tokens, sampler
 
     def _token_stream(self, ids: list[int], max_tokens: int, sampler: Sampler, spec) -> Iterator[int]:
         """generate_tokens' iterator, over checked arguments: holds the LLM's lock from its first ``next()`` to its
         end or ``close()``."""
 
         def check(logits, argmax=None):
-            # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage.  An argmax >= 0
-            # from the fused step says every logit is finite.  Else the sum is non-finite whenever an element is
-            # (one pass: ~10 us for Qwen's 151,936 logits); only then is each element checked. In numpy, not torch:
-            # torch spreads the sum over its thread pool, whose wake-up on cores busy with the step or other work
-            # cost milliseconds per token.
-            if argmax is not None and argmax >= 0:
-                return
-            if not math.isfinite(float(logits.detach().cpu().float().numpy().sum(dtype=np.float64))) \
-                    and not bool(torch.isfinite(logits).all()):
-                raise self._nonfinite_error(logits)
+            check_finite(logits, argmax, self._nonfinite_error)
 
         def sample(logits, argmax=None):
             check(logits, argmax)
@@ -465,7 +465,7 @@ class LLM:
             mine = self._epoch
             self._check_file()
             inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog,
-                                            forced_end=sampler.constraint.end_token if sampler.constraint else None,
+                                            forced_end=(lambda: forced_end(sampler)) if sampler.constraint else None,
                                             spec=spec, sampler=sampler, check=check)
             try:
                 while True:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import queue
 import stat
@@ -30,13 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .. import ops
 from ..backends.base import SeqStep
 from ..errors import ContextFullError, ModelError, PyllmError
 from ..safe_io import private_tempfile
+from .engine import check_finite, chunk_end, common_prefix, finish_reason, forced_end
 from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
@@ -45,15 +44,6 @@ MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels'
 # that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
 # short enough that a long prompt does not freeze the other streams.
 PREFILL_STALL = 0.25
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def reusable(common: int, n_ids: int, exact: int) -> int:
@@ -109,7 +99,7 @@ def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
     next multiple of PREFILL_CHUNK or at the end of ids. Returns the logits [n_vocab] after the last prompt token
     once it is evaluated, else None."""
     pos = len(slot.tokens)
-    end = min(len(ids), (pos // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+    end = chunk_end(pos, len(ids), PREFILL_CHUNK, aligned=True)
     chunk = ids[pos:end]
     logits = model.step([SeqStep(slot.kv, chunk, pos, prefill=True)])[0].logits
     slot.tokens.extend(chunk)
@@ -508,7 +498,7 @@ class BatchEngine:
     def _decode_step(self) -> None:
         feed = []
         for r in list(self._decoding):
-            forced = self._forced(r)
+            forced = forced_end(r.sampler)
             if forced is not None:  # the grammar is complete: its end token follows without a forward pass
                 self._emit(r, None, forced)
             else:
@@ -524,20 +514,12 @@ class BatchEngine:
         for r, lg, top in zip(feed, logits, tops):
             self._emit(r, lg, top=top)
 
-    @staticmethod
-    def _forced(r: Request):
-        c = getattr(r.sampler, "constraint", None)
-        return c.end_token() if c is not None else None
-
     def _emit(self, r: Request, logits: torch.Tensor | None, tok: int | None = None, top: int | None = None) -> None:
         """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops.  top: the
         logits' argmax from the fused step (>= 0: every logit is finite), else None."""
         try:
             if tok is None:
-                if top is None or top < 0:
-                    a = logits.numpy()  # numpy, not torch: see Sampler.candidates
-                    if not math.isfinite(float(a.sum())) and not bool(np.isfinite(a).all()):
-                        raise self.nonfinite(logits)
+                check_finite(logits, top, self.nonfinite)
                 tok = r.sampler.sample_known_argmax(logits, top)
                 lp = r.sampler.last_logprobs if getattr(r.sampler, "logprobs", None) is not None else None
             else:
@@ -551,15 +533,7 @@ class BatchEngine:
             st.ttft = now - r.t0
             r.t1 = now
         st.generated_tokens += 1
-        if self.is_eog(tok):
-            reason = "eog"
-        elif r.n + 1 == r.max_tokens:
-            reason = "length"
-        elif len(r.ids) + r.n + 1 > self.n_ctx:  # tok would be cached at position len(ids) + n
-            reason = "context"
-        else:
-            reason = "interrupted"
-        st.finish_reason = reason
+        st.finish_reason = reason = finish_reason(r.n, tok, len(r.ids), r.max_tokens, self.n_ctx, self.is_eog)
         st.decode_seconds = now - r.t1
         r.n += 1
         r.last = tok

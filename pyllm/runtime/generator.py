@@ -16,6 +16,7 @@ import torch
 
 from ..backends.base import SeqStep
 from ..errors import ContextFullError
+from .engine import chunk_end, common_prefix, finish_reason
 
 
 def _find_malloc_trim():
@@ -136,12 +137,7 @@ class Generator:
         return logits[0], (top[0] if top else None)
 
     def common_prefix(self, ids: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Brings the cache to exactly ``ids`` and returns the logits [n_vocab] after the last one."""
@@ -159,9 +155,10 @@ class Generator:
         keep = min(common, len(ids) - 1)  # re-evaluate at least one token to get logits
         self.truncate(keep)
         self.stats.prompt_scored, self.scored = min(keep, self.scored), 0
-        logits = None
-        for i in range(keep, len(ids), self.n_batch):
-            logits = self._forward(ids[i:i + self.n_batch])
+        logits, i = None, keep
+        while i < len(ids):
+            end = chunk_end(i, len(ids), self.n_batch, aligned=False)
+            logits, i = self._forward(ids[i:end]), end
         self.stats.prompt_evaluated = len(ids) - keep
         if len(ids) - keep >= TRIM_AFTER_TOKENS:
             release_free_heap()
@@ -177,18 +174,14 @@ class Generator:
         caller that reduces each chunk before the next never holds [len(ids), n_vocab] (2.4 GB for 4096 tokens
         of a 151k vocabulary). The cache then holds ``ids``."""
         self.reset()
-        for i in range(0, len(ids), self.n_batch):
-            yield self._forward(ids[i:i + self.n_batch], all_logits=True)
+        i = 0
+        while i < len(ids):
+            end = chunk_end(i, len(ids), self.n_batch, aligned=False)
+            yield self._forward(ids[i:end], all_logits=True)
+            i = end
 
     def _reason(self, n: int, tok: int, n_prompt: int, max_tokens: int, is_eog) -> str:
-        """Why generation ends after the n-th generated token ``tok`` ("interrupted": it goes on)."""
-        if is_eog(tok):
-            return "eog"
-        if n + 1 == max_tokens:
-            return "length"
-        if n_prompt + n + 1 > self.n_ctx:  # tok would be cached at position n_prompt + n
-            return "context"
-        return "interrupted"
+        return finish_reason(n, tok, n_prompt, max_tokens, self.n_ctx, is_eog)
 
     def generate(self, ids: list[int], sample: Callable[[torch.Tensor, int | None], int], max_tokens: int,
                  is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None, spec=None,

@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..llm import check_int, check_sampling
 from ..runtime.batch import BatchEngine, Request
 from ..runtime.generator import GenerationStats
-from ..runtime.sampler import Sampler, SamplerSettings
+from ..runtime.sampler import Sampler
 
 DONE = object()  # end of a job's items
 
@@ -142,19 +141,9 @@ class EngineLLM:
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
                         constraint=None, **sampling):
         """As LLM.generate_tokens (without speculation: the batch is the speedup here)."""
-        from ..runtime.constraint import make_constraint
-
-        llm = self._llm
-        ids = llm._check_ids(ids)
-        max_tokens = check_int("max_tokens", max_tokens, 0)
-        constraint = make_constraint(lambda: llm.grammar_vocab, json_schema, grammar, constraint)
-        if sampler is None:
-            sampler = Sampler(SamplerSettings(**check_sampling(dict(
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling))))
-        if constraint is not None:
-            sampler.constraint = constraint
-        for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
-            sampler.accept(t)
+        ids, max_tokens, sampler = self._llm.generation_request(
+            ids, max_tokens, sampler=sampler, json_schema=json_schema, grammar=grammar, constraint=constraint,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
         # The engine samples with a shallow copy (same RNG, penalty window and grammar state): its
         # last_logprobs is then its own, and this thread hands each token's to ``sampler`` as it yields it.
         req = self._req = Request(list(ids), max_tokens, copy.copy(sampler), also_cancel=self._cancel)
