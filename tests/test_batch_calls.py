@@ -87,6 +87,38 @@ def test_bad_batches_are_refused_naming_what(llm):
         llm.generate_batch(["Hi", [1] * 256], max_tokens=1)
 
 
+def test_choices_of_a_cancelled_or_failed_prompt_end_with_it(llm):
+    """A request's forks start from its prefill; one that never completes it ends them too, and frees every slot
+    (else their readers would wait forever)."""
+    from pyllm.runtime.batch import BatchEngine, make_requests
+    from pyllm.runtime.sampler import Sampler, SamplerSettings
+
+    ids = llm.tokenize(PROMPTS[0])
+    engine = BatchEngine(llm.model, "f16", 64, 3, llm.tokenizer.is_eog, thread=False)
+    calls = [(ids, 4, Sampler(SamplerSettings(temperature=0))) for _ in range(3)]
+    reqs, top = make_requests(calls)
+    assert len(top) == 1 and top[0].forks == reqs[1:]
+    engine.submit(top[0])
+    top[0].cancel.set()
+    for r in reqs:
+        assert [item[0] for item in engine.tokens(r)] == ["end"]
+    assert not any(s.busy for s in engine.slots)
+    # a prompt the slots' caches cannot hold fails in its prefill: its forks get the same error
+    reqs, top = make_requests([(list(range(1, 70)), 4, Sampler(SamplerSettings(temperature=0)))] * 2)
+    with pytest.raises(Exception, match="context holds"):
+        engine.submit(top[0])
+    engine.n_ctx = 128  # past the check at submit: the prefill itself runs out of cache rows
+    engine.submit(top[0])
+    for r in reqs:
+        items = list(engine.tokens(r))
+        assert [i[0] for i in items] == ["error"] and "KV cache holds 64" in str(items[0][1])
+    assert not any(s.busy for s in engine.slots)
+    # and a fork group larger than the engine's slots is refused when submitted, not left waiting
+    reqs, top = make_requests(calls * 2, group=8)
+    with pytest.raises(Exception, match="parallel sequences"):
+        engine.submit(top[0])
+
+
 def test_readme_example(llm):
     """README's "Several prompts at once", as written there."""
     both = ["The capital of France is", "Water boils at"]
