@@ -464,9 +464,13 @@ class LLM:
             return []
         reqs, top = make_requests(prepared)
         slots = min(len(reqs), max(MAX_BATCH, max(1 + len(r.forks) for r in top)))
+        rows = min(self.n_ctx, max(len(r.ids) + r.max_tokens for r in reqs))
+        try:  # the caches are this call's own: refused before they are allocated where they cannot fit
+            plan_kv_cache(self.config, max(8, slots * rows), self.kv.kind, check_memory=self.device == "cpu")
+        except KVCacheMemoryError as e:
+            raise KVCacheMemoryError(f"{slots} sequences of {rows} positions at once: {e}") from None
         engine = BatchEngine(self.model, self.kv.kind, self.n_ctx, slots, self.tokenizer.is_eog,
-                             nonfinite=self._nonfinite_error, thread=False,
-                             max_seq=max(len(r.ids) + r.max_tokens for r in reqs))
+                             nonfinite=self._nonfinite_error, thread=False, max_seq=rows)
         engine.guard = self._lock
         self.generator.stats = BatchStats(reqs, top)
         for r in top:

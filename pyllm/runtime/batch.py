@@ -414,6 +414,19 @@ class BatchStats:
     decode_tps = property(lambda self: self._parents[0].stats.decode_tps if self._parents else 0.0)
     ttft = property(lambda self: min((r.stats.ttft for r in self._reqs if r.stats.generated_tokens), default=0.0))
     finish_reason = property(lambda self: self._reqs[-1].stats.finish_reason if self._reqs else "")
+    prompt_seconds = property(lambda self: max((r.stats.prompt_seconds for r in self._parents), default=0.0))
+    decode_seconds = property(lambda self: max((r.stats.decode_seconds for r in self._reqs), default=0.0))
+    spec = None  # no speculation in a batch
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_evaluated / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, prompt_evaluated=self.prompt_evaluated,
+                    prompt_seconds=self.prompt_seconds, generated_tokens=self.generated_tokens,
+                    decode_seconds=self.decode_seconds, finish_reason=self.finish_reason, ttft=self.ttft,
+                    prompt_tps=self.prompt_tps, decode_tps=self.decode_tps, spec=None)
 
 
 class BatchEngine:
