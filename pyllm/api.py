@@ -111,6 +111,7 @@ class Run:
     sampler: Sampler
     constraint: dict
     cancel: Any = None  # a threading.Event: set, the generation stops at its next token
+    gen: Any = None  # its token iterator where start_runs started it with others, else made by pieces()
     finish_reason: str | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -143,7 +144,13 @@ class Run:
         self.finish_reason = "length"
         if self.max_tokens == 0:
             return
-        gen = llm.generate_tokens(self.ids, max_tokens=self.max_tokens, sampler=self.sampler, **self.constraint)
+        gen = self.gen
+        if gen is None:
+            gen = llm.generate_tokens(self.ids, max_tokens=self.max_tokens, sampler=self.sampler, **self.constraint)
+
+        def stats():  # the run's own generation statistics: a batched stream carries them
+            return getattr(gen, "stats", None) or llm.stats
+
         try:
             for t in gen:
                 if self.cancel is not None and self.cancel.is_set():
@@ -151,8 +158,7 @@ class Run:
                     break
                 self.completion_tokens += 1
                 if self.completion_tokens == 1:
-                    st = llm.stats
-                    self.cached_tokens = st.prompt_cached
+                    self.cached_tokens = stats().prompt_cached
                 if tok.is_eog(t):
                     self.finish_reason = "stop"
                     break
@@ -170,7 +176,7 @@ class Run:
                 self.finish_reason = "stop"
                 infos = ready(len(self.text) + len(tail))  # the rest start in or after the stop string
             else:
-                if llm.stats.finish_reason == "context":
+                if stats().finish_reason == "context":
                     self.finish_reason = "length"
                 infos = list(queued)
             if tail or infos:
@@ -242,7 +248,48 @@ def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, prese
 
 def _check_n(n):
     if n not in (None, 1):
-        raise BadRequest(f"n={shorten(repr(n), 60)}: only one choice per request is supported", "n")
+        raise BadRequest(f"n={shorten(repr(n), 60)}: a chat request gets one choice (completions take n)", "n")
+
+
+MAX_CHOICES = 64  # prompts x n of one completion request: each is a sequence with a KV cache of its own
+
+
+def _choices(n, echo: bool) -> int:
+    """The number of choices per prompt, ``n`` (None: 1), checked."""
+    if n is None:
+        return 1
+    check_number("n", n, 1, MAX_CHOICES, integer=True)
+    if n > 1 and echo:  # each choice would repeat the prompt (and with logprobs score it again)
+        raise BadRequest(f"n={n}: several choices cannot be combined with echo", "n")
+    return n
+
+
+def _prompt_list(prompt) -> list:
+    """OpenAI's prompt: a string, token ids, or a batch (a list) of strings or of token-id lists."""
+    def ids(p):
+        return isinstance(p, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in p)
+
+    if isinstance(prompt, str) or ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and all(isinstance(p, str) or ids(p) for p in prompt):
+        if len(prompt) > MAX_CHOICES:
+            raise BadRequest(f"the prompt is a batch of {len(prompt)} prompts; at most {MAX_CHOICES} are served "
+                             f"per request", "prompt")
+        return list(prompt)
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of those", "prompt")
+
+
+def start_runs(llm, runs: list["Run"]) -> None:
+    """Starts several runs' generations together where ``llm`` can batch them (``generate_tokens_batch``: the
+    engine runs them side by side, choices of one prompt forked from one prefill), so that reading one run's
+    tokens after another's costs no more than the longest.  A single run starts when its tokens are first read."""
+    batch = getattr(llm, "generate_tokens_batch", None)
+    runs = [r for r in runs if r.max_tokens > 0]
+    if batch is None or len(runs) < 2:
+        return
+    streams = batch([dict(ids=r.ids, max_tokens=r.max_tokens, sampler=r.sampler, **r.constraint) for r in runs])
+    for r, st in zip(runs, streams):
+        r.gen = st
 
 
 def _check_text_output(modalities, audio) -> None:
@@ -287,7 +334,6 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
     fill-in-the-middle tokens (pyllm/infill.py); a BadRequest for a model without them."""
     llm.check_generates()
     refuse_unknown(create_completion, ignored)
-    _check_n(n)
     if best_of is not None:
         # OpenAI generates best_of candidates and returns the n most likely; answering one of one as if it were the
         # best of several would pass off an ordinary sample as a selected one
@@ -296,39 +342,64 @@ def create_completion(llm, prompt: str | list[int], suffix: str | None = None, m
             raise BadRequest(f"best_of={best_of}: one candidate is generated per request, so best_of must be 1 "
                              f"(or left out)", "best_of")
     stream, echo = _flag("stream", stream), _flag("echo", echo)
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # OpenAI's batch of prompts, holding one (a string, or token ids)
+    n = _choices(n, echo)
+    prompts = _prompt_list(prompt)
+    if logprobs is not None:
+        check_number("logprobs", logprobs, 0, 20, integer=True)
+    sampling = _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty,
+                         frequency_penalty, logit_bias, seed)
+    runs, prefixes = [], []
+    for p in prompts:
+        ids = _completion_ids(llm, p, suffix, echo)
+        prefix = (p if isinstance(p, str) else llm.detokenize(ids)) if echo else ""
+        for j in range(n):
+            # each choice its own seed (seed + j): choice 0 is what the request with n=1 gives
+            sj = sampling if j == 0 or seed is None or seed == -1 else {**sampling, "seed": seed + j}
+            runs.append(_new_run(llm, ids, max_tokens, stop, sj, logprobs,
+                                 structured_output_kwargs(llm, response_format, grammar, json_schema), cancel))
+            prefixes.append(prefix)
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": _model_name(llm, model), "system_fingerprint": llm.system_fingerprint}
+    start_runs(llm, runs)
+    if stream:
+        return _completion_chunks(runs, n, prefixes, head, echo, logprobs is not None, _include_usage(stream_options))
+    choices = []
+    for index, (run, prefix) in enumerate(zip(runs, prefixes)):
+        lp = _completion_logprobs(run.prompt_infos(prefix), 0) if echo and logprobs is not None else None
+        infos = []
+        for _, inf in run.pieces():
+            infos += inf
+        if logprobs is not None:
+            completion = _completion_logprobs(infos, len(prefix))
+            lp = completion if lp is None else {k: v + completion[k] for k, v in lp.items()}
+        choices.append({"text": prefix + run.text, "index": index, "logprobs": lp,
+                        "finish_reason": run.finish_reason})
+    return {**head, "choices": choices, "usage": _usage(runs, n)}
+
+
+def _completion_ids(llm, prompt, suffix, echo: bool) -> list[int]:
+    """The ids of one completion prompt (text or token ids), or of its fill-in-the-middle prompt with ``suffix``."""
     if isinstance(prompt, str):
         llm.check_prompt_fits(prompt + (suffix if isinstance(suffix, str) else ""))
         ids = llm.tokenize(prompt)
-    elif isinstance(prompt, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
-        ids = list(prompt)
     else:
-        raise BadRequest("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+        ids = list(prompt)
     if suffix is not None and suffix != "":  # fill in the middle, between the prompt and the suffix
         if echo:
             raise BadRequest("echo cannot be combined with suffix (the prompt is the text before the middle)",
                              "echo")
         ids = suffix_ids(llm.tokenizer, prompt, suffix)
-    if logprobs is not None:
-        check_number("logprobs", logprobs, 0, 20, integer=True)
-    run = _new_run(llm, ids, max_tokens, stop, _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty,
-                                                         presence_penalty, frequency_penalty, logit_bias, seed),
-                   logprobs, structured_output_kwargs(llm, response_format, grammar, json_schema), cancel)
-    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": _model_name(llm, model), "system_fingerprint": llm.system_fingerprint}
-    prefix = (prompt if isinstance(prompt, str) else llm.detokenize(ids)) if echo else ""
-    if stream:
-        return _completion_chunks(run, head, prefix, echo, logprobs is not None, _include_usage(stream_options))
-    lp = _completion_logprobs(run.prompt_infos(prefix), 0) if echo and logprobs is not None else None
-    infos = []
-    for _, inf in run.pieces():
-        infos += inf
-    if logprobs is not None:
-        completion = _completion_logprobs(infos, len(prefix))
-        lp = completion if lp is None else {k: v + completion[k] for k, v in lp.items()}
-    choice = {"text": prefix + run.text, "index": 0, "logprobs": lp, "finish_reason": run.finish_reason}
-    return {**head, "choices": [choice], "usage": run.usage()}
+    return ids
+
+
+def _usage(runs: list["Run"], n: int) -> dict:
+    """One response's usage over its runs (n choices per prompt): each prompt counted once, as OpenAI counts it."""
+    if len(runs) == 1:
+        return runs[0].usage()
+    prompt = sum(len(r.ids) for r in runs[::n])
+    completion = sum(r.completion_tokens for r in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for r in runs[::n])}}
 
 
 def _include_usage(stream_options) -> bool:
@@ -337,23 +408,27 @@ def _include_usage(stream_options) -> bool:
     return _flag("stream_options.include_usage", (stream_options or {}).get("include_usage"), "stream_options")
 
 
-def _completion_chunks(run: Run, head: dict, prefix: str, echo: bool, want_lp: bool,
+def _completion_chunks(runs: list[Run], n: int, prefixes: list[str], head: dict, echo: bool, want_lp: bool,
                        include_usage: bool) -> Iterator[dict]:
-    def chunk(text, lp, finish):
-        c = {**head, "choices": [{"text": text, "index": 0, "logprobs": lp, "finish_reason": finish}]}
+    """The chunks of every choice, one choice after another (each chunk names its choice's index): choices that
+    were started together (start_runs) generate side by side, so the later ones' tokens are waiting when their
+    turn comes."""
+    def chunk(index, text, lp, finish):
+        c = {**head, "choices": [{"text": text, "index": index, "logprobs": lp, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
         return c
 
-    if echo:
-        lp = _completion_logprobs(run.prompt_infos(prefix), 0) if want_lp else None
-        if prefix or lp:
-            yield chunk(prefix, lp, None)
-    for text, infos in run.pieces():
-        yield chunk(text, _completion_logprobs(infos, len(prefix)) if want_lp else None, None)
-    yield chunk("", None, run.finish_reason)
+    for index, (run, prefix) in enumerate(zip(runs, prefixes)):
+        if echo:
+            lp = _completion_logprobs(run.prompt_infos(prefix), 0) if want_lp else None
+            if prefix or lp:
+                yield chunk(index, prefix, lp, None)
+        for text, infos in run.pieces():
+            yield chunk(index, text, _completion_logprobs(infos, len(prefix)) if want_lp else None, None)
+        yield chunk(index, "", None, run.finish_reason)
     if include_usage:
-        yield {**head, "choices": [], "usage": run.usage()}
+        yield {**head, "choices": [], "usage": _usage(runs, n)}
 
 
 # --------------------------------------------------------------------------------------------------------- chat

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
 import torch
 
 from . import lora as lora_adapters
 from . import registry
 from .errors import ContextFullError, KVCacheMemoryError, ModelError, PyllmError, in_file
+from .runtime.engine import check_finite, forced_end
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import stop_list
@@ -439,6 +439,18 @@ class LLM:
         drafted per step (1..7); spec_ngram: longest suffix looked up (runtime/speculative.py). Under a grammar,
         lookup drafts the tokens the grammar forces where it forces some; a draft model does not speculate there.
         """
+        ids, max_tokens, sampler = self.generation_request(
+            ids, max_tokens, sampler=sampler, json_schema=json_schema, grammar=grammar, constraint=constraint,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
+        spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
+        return self._token_stream(ids, max_tokens, sampler, spec)
+
+    def generation_request(self, ids, max_tokens=256, sampler: Sampler | None = None, json_schema=None,
+                           grammar: str | None = None, constraint=None, **sampling) -> tuple[list[int], int, Sampler]:
+        """(ids, max_tokens, sampler) of one generation, checked as generate_tokens checks them (PyllmError): the
+        prompt's ids, max_tokens (None or -1: n_ctx), and ``sampler`` or a new one from ``sampling`` (temperature,
+        top_k, ...), with the structured-output constraint set and the prompt's tail in its penalty window.  What
+        every caller that generates tokens (this LLM, the server's batched engine) starts from."""
         self.check_generates()
         from .runtime.constraint import make_constraint
 
@@ -446,31 +458,80 @@ class LLM:
         max_tokens = self.check_max_tokens(max_tokens)
         constraint = make_constraint(lambda: self.grammar_vocab, json_schema, grammar, constraint)
         if sampler is None:
-            kw = check_sampling(dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                                     **sampling), self.n_vocab)
-            sampler = Sampler(SamplerSettings(**kw))
+            sampler = Sampler(SamplerSettings(**check_sampling(dict(sampling), self.n_vocab)))
         if constraint is not None:
             sampler.constraint = constraint
-        spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
         for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
             sampler.accept(t)
-        return self._token_stream(ids, max_tokens, sampler, spec)
+        return ids, max_tokens, sampler
+
+    def generate_tokens_batch(self, calls: list[dict]) -> list:
+        """Several generations at once: ``calls`` holds generate_tokens' keyword arguments for each (ids,
+        max_tokens, sampling settings or a sampler, a constraint; no speculation).  Returns one iterator of ids per
+        call, each with its own ``stats``.  They run in one engine (runtime/batch.py BatchEngine) in this thread:
+        reading any of them steps every running one, their decode tokens batched into one step of the model
+        (greedy tokens as each call's alone), calls with the same prompt forked from one prefill.  Each sequence
+        has a KV cache of its own, of its prompt + max_tokens positions, for the duration of the call; the LLM's
+        own cache (what generate reuses between calls) is left as it was."""
+        from .runtime.batch import MAX_BATCH, BatchEngine, BatchStats, TokenStream, make_requests
+
+        prepared = [self.generation_request(**c) for c in calls]
+        if not prepared:
+            return []
+        reqs, top = make_requests(prepared)
+        slots = min(len(reqs), max(MAX_BATCH, max(1 + len(r.forks) for r in top)))
+        rows = min(self.n_ctx, max(len(r.ids) + r.max_tokens for r in reqs))
+        try:  # the caches are this call's own: refused before they are allocated where they cannot fit
+            plan_kv_cache(self.config, max(8, slots * rows), self.kv.kind, check_memory=self.device == "cpu")
+        except KVCacheMemoryError as e:
+            raise KVCacheMemoryError(f"{slots} sequences of {rows} positions at once: {e}") from None
+        engine = BatchEngine(self.model, self.kv.kind, self.n_ctx, slots, self.tokenizer.is_eog,
+                             nonfinite=self._nonfinite_error, thread=False, max_seq=rows)
+        engine.guard = self._lock
+        self.generator.stats = BatchStats(reqs, top)
+        for r in top:
+            engine.submit(r)
+        return [TokenStream(r, engine.tokens(r), sampler) for r, (_, _, sampler) in zip(reqs, prepared)]
+
+    def generate_batch(self, prompts: list, max_tokens: int = 256, stop: str | list[str] | None = None,
+                       **sampling) -> list[str]:
+        """Completions of several ``prompts`` (texts or token-id lists) at once: generate's text for each, the
+        sequences decoded together (generate_tokens_batch).  A greedy prompt gets the text it gets alone from
+        generate_batch([prompt]); a seeded one draws from its own sampler.  No speculation (``speculative`` is
+        ignored): the batch is the speedup."""
+        from .api import Run, start_runs
+
+        if not isinstance(prompts, (list, tuple)):
+            raise PyllmError(f"generate_batch takes a list of prompts, got {type(prompts).__name__}")
+        max_tokens = self.check_max_tokens(max_tokens)
+        sampling = check_sampling(sampling, self.n_vocab)
+        if "sampler" in sampling or "constraint" in sampling:
+            raise PyllmError("generate_batch takes sampling settings (each prompt gets a sampler of its own), not a "
+                             "sampler or a constraint")
+        stop = stop_list(stop)
+        runs = []
+        for p in prompts:
+            ids = self._prompt_ids(p)
+            if len(ids) >= self.n_ctx:
+                raise ContextFullError(f"the prompt has {len(ids)} tokens but the context holds {self.n_ctx}; use "
+                                       f"a larger n_ctx (--ctx) or a shorter prompt")
+            sampler = Sampler(SamplerSettings(**{**DEFAULT_SAMPLING, **{k: v for k, v in sampling.items()
+                                                                      if k not in _GENERATION_KEYWORDS}}))
+            constraint = {k: sampling[k] for k in ("json_schema", "grammar") if k in sampling}
+            runs.append(Run(self, ids, min(max_tokens, self.n_ctx - len(ids)), stop, sampler,
+                            {"constraint": self.make_constraint(**constraint)} if constraint else {}))
+        start_runs(self, runs)
+        for r in runs:
+            for _ in r.pieces():
+                pass
+        return [r.text for r in runs]
 
     def _token_stream(self, ids: list[int], max_tokens: int, sampler: Sampler, spec) -> Iterator[int]:
         """generate_tokens' iterator, over checked arguments: holds the LLM's lock from its first ``next()`` to its
         end or ``close()``."""
 
         def check(logits, argmax=None):
-            # NaN/Inf in the weights or hyper-parameters would otherwise come out as fluent garbage.  An argmax >= 0
-            # from the fused step says every logit is finite.  Else the sum is non-finite whenever an element is
-            # (one pass: ~10 us for Qwen's 151,936 logits); only then is each element checked. In numpy, not torch:
-            # torch spreads the sum over its thread pool, whose wake-up on cores busy with the step or other work
-            # cost milliseconds per token.
-            if argmax is not None and argmax >= 0:
-                return
-            if not math.isfinite(float(logits.detach().cpu().float().numpy().sum(dtype=np.float64))) \
-                    and not bool(torch.isfinite(logits).all()):
-                raise self._nonfinite_error(logits)
+            check_finite(logits, argmax, self._nonfinite_error)
 
         def sample(logits, argmax=None):
             check(logits, argmax)
@@ -481,7 +542,7 @@ class LLM:
             mine = self._epoch
             self._check_file()
             inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog,
-                                            forced_end=sampler.constraint.end_token if sampler.constraint else None,
+                                            forced_end=(lambda: forced_end(sampler)) if sampler.constraint else None,
                                             spec=spec, sampler=sampler, check=check)
             try:
                 while True:

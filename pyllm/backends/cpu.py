@@ -18,6 +18,7 @@ import torch
 
 from .. import ops
 from ..gguf import GGMLType
+from .base import SeqStep, StepRows, check_seqs, step_one
 
 # csrc/kernels.h KVType: how a cache part's rows are encoded (the rotated kinds store q8_0 / q4_0 blocks)
 KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
@@ -207,6 +208,34 @@ class CpuBackend:
         from ..runtime.kv_cache import KVCache
 
         return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
+
+    def step(self, model, seqs: list[SeqStep]) -> list[StepRows]:
+        """The multi-sequence step (backends/base.py): the decode tokens of sequences whose caches have a C++ step
+        go through ``decode_batch``, up to ops.GEMV_MAX_M rows per call, every weight read once for all of them
+        (each row bit for bit its sequence's one-token step: tests/test_decode_batch.py); a lone decode token
+        takes the one-token step, decode rows of one sequence its multi-row pass, prompt chunks the forward."""
+        check_seqs(seqs)
+        out: list[StepRows | None] = [None] * len(seqs)
+        batched = []  # (index, its C++ context) of the single decode tokens with a C++ step
+        for i, s in enumerate(seqs):
+            if len(s.tokens) == 1 and not s.prefill and model.use_cpp_decode:
+                ctx = getattr(model.fused_step(s.kv), "ctx", None)
+                if ctx is not None:
+                    batched.append((i, ctx))
+        if len(batched) < 2:
+            batched = []
+        for start in range(0, len(batched), ops.GEMV_MAX_M):
+            group = batched[start:start + ops.GEMV_MAX_M]
+            if len(group) == 1:  # the last of several groups: the one-token step, which has the same bits
+                continue
+            for i, _ in group:
+                seqs[i].kv.check_room(seqs[i].pos, 1)
+            logits = torch.empty(len(group), group[0][1].n_vocab)
+            tops = ops._C.decode_batch([c for _, c in group], torch.tensor([seqs[i].tokens[0] for i, _ in group]),
+                                       torch.tensor([seqs[i].pos for i, _ in group], dtype=torch.int64), logits)
+            for r, ((i, _), top) in enumerate(zip(group, tops)):
+                out[i] = StepRows(logits[r:r + 1], [top])
+        return [o if o is not None else step_one(model, s, ops.GEMV_MAX_M) for o, s in zip(out, seqs)]
 
     def fused_decode(self, model, kv) -> CpuDecodeStep | None:
         """The C++ step for ``model`` over ``kv``, or None where it does not apply: a cache part it does not store

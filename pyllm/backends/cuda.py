@@ -30,7 +30,7 @@ from ..awq.unpack import AWQTensor
 from ..errors import PyllmError
 from ..gguf import GGMLType
 from ..ops import GEMV_MAX_M  # above it, dequantize + cuBLAS (csrc/common/limits.h)
-from .base import BackendUnavailable
+from .base import BackendUnavailable, SeqStep, StepRows, step_each
 
 HEAD_DIMS = (64, 128, 256)  # head sizes csrc/cuda/attention.cu is instantiated for
 _FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
@@ -293,6 +293,12 @@ class CudaBackend:
         from ..runtime.kv_cache import KVCache
 
         return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
+
+    def step(self, model, seqs: list[SeqStep]) -> list[StepRows]:
+        """The multi-sequence step as a loop over its sequences: each decode token through its cache's captured
+        step, anything longer through the model's forward on the GPU.  Correct, not yet batched: running B decode
+        tokens as one M-row GEMV pass (and a graph per batch-size bucket) is the next step for this backend."""
+        return step_each(model, seqs, max_rows=0)
 
     def fused_decode(self, model, kv) -> "CudaDecodeStep | None":
         """The graph-captured step for ``model`` over ``kv``, or None where it does not apply (then the model's

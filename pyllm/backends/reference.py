@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from .base import SeqStep, StepRows, step_each
+
 
 class ReferenceBackend:
     name = "reference"
@@ -38,3 +40,7 @@ class ReferenceBackend:
 
     def fused_decode(self, model, kv):
         return None
+
+    def step(self, model, seqs: list[SeqStep]) -> list[StepRows]:
+        """The multi-sequence step as the plain torch forward of each sequence in turn: the oracle."""
+        return step_each(model, seqs, max_rows=0)

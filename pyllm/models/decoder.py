@@ -187,6 +187,12 @@ class Decoder:
             self._fused[kv] = hit
         return hit[1] if hit[1] is not None and kv.means_ready() else None
 
+    def step(self, seqs: list) -> list:
+        """The multi-sequence step (backends/base.py SeqStep -> StepRows): each sequence's new tokens against its
+        own cache, in one call to the backend, which batches what it can.  What the runtime runs every forward
+        through."""
+        return self.backend.step(self, seqs)
+
     def decode_context(self, kv):
         """The CPU backend's DecodeContext for ``kv`` (what ops._C's batched steps take), or None."""
         return getattr(self.fused_step(kv), "ctx", None)

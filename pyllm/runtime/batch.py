@@ -1,7 +1,8 @@
 """Several sequences generated at once over one model: KV slots, a batched decode step, a prompt cache.
 
-Decode is bandwidth-bound: one token of B sequences through the extension's ``decode_batch`` reads every weight
-once for all B rows (csrc/cpu/decode_step.cpp), so B streams cost about what one does. ``BatchEngine`` runs one
+Decode is bandwidth-bound: one token of B sequences in one step of the model (backends/base.py; the CPU backend
+runs them through its batched decode, csrc/cpu/decode_step.cpp) reads every weight once for all B rows, so B
+streams cost about what one does. ``BatchEngine`` runs one
 thread that owns the model: it admits requests into free ``Slot``s (each its own KV cache), prefills them in
 chunks interleaved with batched decode steps of the running ones (streams keep flowing while a long prompt is
 read), samples every row with that request's own sampler, and frees the slot when a request ends or is cancelled.
@@ -18,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 import os
 import queue
 import stat
@@ -29,29 +29,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from .. import ops
+from ..backends.base import SeqStep
 from ..errors import ContextFullError, ModelError, PyllmError
 from ..safe_io import private_tempfile
+from .engine import check_finite, chunk_end, common_prefix, finish_reason, forced_end
 from .generator import GenerationStats
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
-MAX_BATCH = ops.GEMV_MAX_M  # rows of one decode_batch call (the GEMV kernels' limit)
+MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels' limit)
 # Seconds of prefill the running streams may wait for their next token while new prompts are read: long enough
 # that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
 # short enough that a long prompt does not freeze the other streams.
 PREFILL_STALL = 0.25
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def reusable(common: int, n_ids: int, exact: int) -> int:
@@ -74,8 +66,9 @@ class Slot:
         self.last_used = 0.0
 
     def context(self, model):
-        """The extension's DecodeContext for this slot's cache (built once), or None where the C++ step does not
-        apply (another backend or device, or a centered cache whose means are not estimated yet)."""
+        """The CPU extension's DecodeContext for this slot's cache (built once), or None where the C++ step does not
+        apply (another backend or device, or a centered cache whose means are not estimated yet).  The engine
+        never calls it (its forwards go through ``model.step``); tests reach the C++ step through it."""
         return model.decode_context(self.kv)
 
     def copy_prefix(self, src: "Slot", n: int) -> None:
@@ -87,33 +80,18 @@ class Slot:
 
 def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
     """Logits [B, n_vocab] of tokens[b] appended to slots[b] (K/V stored at len(slots[b].tokens)); the slots'
-    token lists are extended. One decode_batch call per MAX_BATCH rows where every slot has a C++ context; a row
-    without one runs model.forward alone."""
+    token lists are extended. One step of the model over all of them (the backend batches what it can)."""
     return decode_rows_with_argmax(model, slots, tokens)[0]
 
 
 def decode_rows_with_argmax(model, slots: list[Slot], tokens: list[int]) -> tuple[torch.Tensor, list[int | None]]:
-    """decode_rows' logits and each row's argmax where decode_batch found it (-1: a logit is NaN or infinite),
+    """decode_rows' logits and each row's argmax where the fused step found it (-1: a logit is NaN or infinite),
     else None (what Sampler.sample_known_argmax and the non-finite check take)."""
-    out, tops = [], []
-    with torch.inference_mode():
-        for i in range(0, len(slots), MAX_BATCH):
-            group, toks = slots[i:i + MAX_BATCH], tokens[i:i + MAX_BATCH]
-            ctxs = [s.context(model) for s in group]
-            for s in group:
-                s.kv.check_room(len(s.tokens), 1)
-            if all(c is not None for c in ctxs):
-                logits = torch.empty(len(group), ctxs[0].n_vocab)
-                tops += ops._C.decode_batch(ctxs, torch.tensor(toks, dtype=torch.int64),
-                                            torch.tensor([len(s.tokens) for s in group], dtype=torch.int64), logits)
-                out.append(logits)
-            else:
-                out += [model.forward(torch.tensor([t], dtype=torch.int64), len(s.tokens), s.kv)[-1:].float()
-                        for s, t in zip(group, toks)]
-                tops += [None] * len(group)
-            for s, t in zip(group, toks):
-                s.tokens.append(t)
-    return (out[0] if len(out) == 1 else torch.cat(out)), tops
+    rows = model.step([SeqStep(s.kv, [t], len(s.tokens)) for s, t in zip(slots, tokens)])
+    for s, t in zip(slots, tokens):
+        s.tokens.append(t)
+    logits = rows[0].logits if len(rows) == 1 else torch.cat([r.logits for r in rows])
+    return logits, [r.argmax[0] if r.argmax else None for r in rows]
 
 
 def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
@@ -121,11 +99,9 @@ def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
     next multiple of PREFILL_CHUNK or at the end of ids. Returns the logits [n_vocab] after the last prompt token
     once it is evaluated, else None."""
     pos = len(slot.tokens)
-    end = min(len(ids), (pos // PREFILL_CHUNK + 1) * PREFILL_CHUNK)
+    end = chunk_end(pos, len(ids), PREFILL_CHUNK, aligned=True)
     chunk = ids[pos:end]
-    slot.kv.check_room(pos, len(chunk))
-    with torch.inference_mode():
-        logits = model.forward(torch.tensor(chunk, dtype=torch.int64), pos, slot.kv)
+    logits = model.step([SeqStep(slot.kv, chunk, pos, prefill=True)])[0].logits
     slot.tokens.extend(chunk)
     if end % PREFILL_CHUNK == 0 and slot.exact == pos:
         slot.exact = end
@@ -348,23 +324,130 @@ class Request:
     last: int | None = None  # the last generated token, not yet in the cache
     t0: float = field(default_factory=time.perf_counter)
     t1: float = 0.0
+    # Other choices of the same prompt (OpenAI's ``n``): each gets a slot of its own when this request is admitted,
+    # and the prompt's rows are copied into it once this request has read them: one prefill for all the choices.
+    forks: list["Request"] = field(default_factory=list)
 
     def cancelled(self) -> bool:
         return self.cancel.is_set() or (self.also_cancel is not None and self.also_cancel.is_set())
 
 
+class TokenStream:
+    """One request's generated ids as an iterator, read from ``items`` (its queue's items: BatchEngine.tokens, or
+    the engine thread's queue).  ``sampler``: the caller's, which gets each token's logprobs as it is yielded (the
+    engine samples with its own shallow copy).  ``stats``: the request's.  close() (a consumer that stops early,
+    at a stop string) cancels the request: its slot is freed at the engine's next step."""
+
+    def __init__(self, req: Request, items, sampler=None):
+        self.req, self._items, self._sampler = req, items, sampler
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self.req.stats
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> int:
+        kind, *value = next(self._items)
+        if kind == "token":
+            if self._sampler is not None:
+                self._sampler.last_logprobs = value[1]
+            return value[0]
+        if kind == "error":
+            raise value[0]
+        raise StopIteration
+
+    def close(self) -> None:
+        self.req.cancel.set()
+        close = getattr(self._items, "close", None)
+        if close is not None:
+            close()
+
+    def __del__(self):  # dropped unread: the engine stops generating for nobody
+        self.req.cancel.set()
+
+
+def queue_items(req: Request):
+    """The items of ``req`` as the engine thread puts them, up to its "end" or "error"."""
+    while True:
+        item = req.out.get()
+        yield item
+        if item[0] != "token":
+            return
+
+
+def make_requests(calls: list[tuple[list[int], int, object]], also_cancel=None,
+                  group: int = MAX_BATCH) -> tuple[list[Request], list[Request]]:
+    """Requests for ``calls`` ((ids, max_tokens, sampler) each, checked): (every request, in order of calls; those
+    to submit).  A call whose prompt an earlier call has too becomes that one's fork: one prefill for both (at most
+    ``group`` requests share one, the slots an engine can give them at once).  Each
+    request samples with a shallow copy of its sampler (same RNG, penalty window and grammar state), so that its
+    last_logprobs is its own."""
+    import copy
+
+    out, top, first = [], [], {}
+    for ids, max_tokens, sampler in calls:
+        r = Request(list(ids), max_tokens, copy.copy(sampler), also_cancel=also_cancel)
+        parent = first.get(tuple(ids))
+        if parent is not None and 1 + len(parent.forks) < group:
+            parent.forks.append(r)
+        else:
+            first[tuple(ids)] = r
+            top.append(r)
+        out.append(r)
+    return out, top
+
+
+class BatchStats:
+    """GenerationStats summed over the requests of one batched call, read as they progress: every prompt counted
+    once (its forks share its prefill), every generated token."""
+
+    def __init__(self, reqs: list[Request], parents: list[Request]):
+        self._reqs, self._parents = reqs, parents
+
+    prompt_tokens = property(lambda self: sum(r.stats.prompt_tokens for r in self._parents))
+    prompt_evaluated = property(lambda self: sum(r.stats.prompt_evaluated for r in self._parents))
+    prompt_scored = 0
+    prompt_cached = property(lambda self: self.prompt_tokens - self.prompt_evaluated)
+    generated_tokens = property(lambda self: sum(r.stats.generated_tokens for r in self._reqs))
+    decode_tps = property(lambda self: self._parents[0].stats.decode_tps if self._parents else 0.0)
+    ttft = property(lambda self: min((r.stats.ttft for r in self._reqs if r.stats.generated_tokens), default=0.0))
+    finish_reason = property(lambda self: self._reqs[-1].stats.finish_reason if self._reqs else "")
+    prompt_seconds = property(lambda self: max((r.stats.prompt_seconds for r in self._parents), default=0.0))
+    decode_seconds = property(lambda self: max((r.stats.decode_seconds for r in self._reqs), default=0.0))
+    spec = None  # no speculation in a batch
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_evaluated / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return dict(prompt_tokens=self.prompt_tokens, prompt_evaluated=self.prompt_evaluated,
+                    prompt_seconds=self.prompt_seconds, generated_tokens=self.generated_tokens,
+                    decode_seconds=self.decode_seconds, finish_reason=self.finish_reason, ttft=self.ttft,
+                    prompt_tps=self.prompt_tps, decode_tps=self.decode_tps, spec=None)
+
+
 class BatchEngine:
     """Up to ``n_slots`` generations at once over ``model`` (see the module docstring). is_eog(id) ends one;
-    nonfinite(logits) makes the error for logits with NaN/Inf. ``prompt_cache``: a PromptCache or None."""
+    nonfinite(logits) makes the error for logits with NaN/Inf. ``prompt_cache``: a PromptCache or None.
+
+    ``thread``: True (the server) runs the engine on a thread of its own, which submit() feeds; False runs it in
+    the caller's thread: ``tokens(request)`` steps the engine until that request has its next item, so a library
+    call that generates several sequences batches them without a thread.  ``max_seq``: positions per slot's cache
+    (default n_ctx; a caller that knows its longest prompt + max_tokens reserves no more)."""
 
     def __init__(self, model, kv_kind: str, n_ctx: int, n_slots: int, is_eog: Callable[[int], bool],
                  prompt_cache: PromptCache | None = None,
-                 nonfinite: Callable[[torch.Tensor], Exception] | None = None):
+                 nonfinite: Callable[[torch.Tensor], Exception] | None = None, thread: bool = True,
+                 max_seq: int | None = None):
         if n_slots < 1:
             raise PyllmError(f"the number of parallel sequences must be >= 1, got {n_slots}")
         cfg = model.cfg
         self.model, self.n_ctx, self.is_eog = model, n_ctx, is_eog
-        self.slots = [Slot(i, model.backend.make_kv_cache(kv_kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim))
+        rows = n_ctx if max_seq is None else min(max_seq, n_ctx)
+        self.slots = [Slot(i, model.backend.make_kv_cache(kv_kind, cfg.n_layer, cfg.n_kv_head, rows, cfg.head_dim))
                       for i in range(n_slots)]
         self.disk = prompt_cache
         self.nonfinite = nonfinite or (lambda lg: ModelError("the model produced non-finite logits"))
@@ -375,16 +458,39 @@ class BatchEngine:
         self._decoding: list[Request] = []
         self._last_decode = 0.0  # when the last decode step ended (perf_counter)
         self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="pyllm-batch", daemon=True)
-        self._thread.start()
+        self.guard = contextlib.nullcontext()  # held around each step that tokens() runs (the LLM's lock)
+        self._thread = None
+        if thread:
+            self._thread = threading.Thread(target=self._loop, name="pyllm-batch", daemon=True)
+            self._thread.start()
 
     # ---- called from other threads ----------------------------------------------------------------------------
     def submit(self, req: Request) -> Request:
         if len(req.ids) >= self.n_ctx:
             raise ContextFullError(f"the prompt has {len(req.ids)} tokens but the context holds {self.n_ctx}; "
                                    f"use a larger n_ctx (--ctx) or a shorter prompt")
+        if 1 + len(req.forks) > len(self.slots):
+            raise PyllmError(f"{1 + len(req.forks)} choices of one prompt need as many parallel sequences; this "
+                             f"engine runs {len(self.slots)} (--parallel)")
         self._inbox.put(req)
         return req
+
+    def tokens(self, req: Request):
+        """The items of ``req`` (see Request), stepping the engine in this thread while none is ready (an engine
+        made with thread=False); the iterator ends after "end" or raises the "error" item's exception.  Items of
+        the other requests wait in their own queues meanwhile."""
+        while True:
+            try:
+                item = req.out.get_nowait()
+            except queue.Empty:
+                if not (self.active or self._waiting or self._inbox.qsize()):
+                    raise PyllmError("the engine has nothing to run for this request") from None
+                with self.guard:
+                    self.step()
+                continue
+            yield item
+            if item[0] != "token":
+                return
 
     def call(self, fn: Callable[[], object]):
         """Runs fn() on the engine thread between steps (anything else that uses the model) and returns its
@@ -407,23 +513,29 @@ class BatchEngine:
     def close(self) -> None:
         self._stop = True
         self._inbox.put(None)
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
 
-    # ---- the engine thread -------------------------------------------------------------------------------------
+    # ---- the engine thread (or the caller's, thread=False) ------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
-            try:
-                self._take(block=not (self.active or self._waiting))
-                self._drop_cancelled()
-                self._admit()
-                if self._prefilling:
-                    self._prefill()
-                if self._decoding:
-                    self._decode_step()
-                    self._last_decode = time.perf_counter()
-            except Exception as e:  # a bug must not kill the engine silently: fail what runs, keep serving
-                for r in self._prefilling + self._decoding:
-                    self._finish(r, error=e)
+            self.step(block=not (self.active or self._waiting))
+
+    def step(self, block: bool = False) -> None:
+        """One round: take what was submitted (waiting for it with ``block``), drop cancelled requests, admit
+        waiting ones into free slots, read prompt chunks, and run one decode step of every running request."""
+        try:
+            self._take(block=block)
+            self._drop_cancelled()
+            self._admit()
+            if self._prefilling:
+                self._prefill()
+            if self._decoding:
+                self._decode_step()
+                self._last_decode = time.perf_counter()
+        except Exception as e:  # a bug must not kill the engine silently: fail what runs, keep serving
+            for r in self._prefilling + self._decoding:
+                self._finish(r, error=e)
 
     def _take(self, block: bool) -> None:
         while True:
@@ -447,15 +559,16 @@ class BatchEngine:
     def _drop_cancelled(self) -> None:
         for r in [r for r in self._waiting if r.cancelled()]:
             self._waiting.remove(r)
-            r.stats.finish_reason = "interrupted"
-            r.out.put(("end", None))
+            for f in [r] + r.forks:
+                f.stats.finish_reason = "interrupted"
+                f.out.put(("end", None))
         for r in [r for r in self._prefilling + self._decoding if r.cancelled()]:
             self._finish(r)
 
     def _admit(self) -> None:
         while self._waiting:
             free = [s for s in self.slots if not s.busy]
-            if not free:
+            if len(free) < 1 + len(self._waiting[0].forks):
                 return
             r = self._waiting.pop(0)
             ids = r.ids
@@ -480,6 +593,9 @@ class BatchEngine:
             del slot.tokens[keep:]
             slot.exact = min(slot.exact, keep)
             r.slot = slot
+            for f in r.forks:  # the least recently used slots: their rows are the least likely to be reused
+                f.slot = min((s for s in self.slots if not s.busy), key=lambda s: s.last_used)
+                f.slot.busy, f.slot.tokens, f.slot.exact = True, [], 0
             r.stats = GenerationStats(prompt_tokens=len(ids), prompt_evaluated=len(ids) - keep)
             r.stats.finish_reason = "interrupted"
             if keep:
@@ -510,6 +626,30 @@ class BatchEngine:
             return
         self._prefilling.remove(r)
         r.stats.prompt_seconds = time.perf_counter() - r.t0
+        forks, r.forks = r.forks, []
+        for f in forks:  # before r samples: a sampler may edit the logits in place
+            self._start_fork(r, f, logits)
+        self._start_decoding(r, logits)
+
+    def _start_fork(self, r: Request, f: Request, logits: torch.Tensor) -> None:
+        """Starts choice ``f`` of r's prompt from r's prefill: its rows copied into f's slot, its first token
+        sampled from the same logits."""
+        if f.cancelled():
+            self._finish(f)
+            return
+        s = f.slot
+        try:
+            s.kv.copy_prefix_from(r.slot.kv, len(r.ids))
+        except Exception as e:
+            self._finish(f, error=e)
+            return
+        s.tokens, s.exact = list(r.ids), r.slot.exact
+        s.last_used = time.monotonic()
+        f.stats = GenerationStats(prompt_tokens=len(f.ids), prompt_seconds=r.stats.prompt_seconds)
+        f.stats.finish_reason = "interrupted"
+        self._start_decoding(f, logits.clone())
+
+    def _start_decoding(self, r: Request, logits: torch.Tensor) -> None:
         if r.max_tokens == 0:
             r.stats.finish_reason = "length"
             self._finish(r)
@@ -522,7 +662,7 @@ class BatchEngine:
     def _decode_step(self) -> None:
         feed = []
         for r in list(self._decoding):
-            forced = self._forced(r)
+            forced = forced_end(r.sampler)
             if forced is not None:  # the grammar is complete: its end token follows without a forward pass
                 self._emit(r, None, forced)
             else:
@@ -538,20 +678,12 @@ class BatchEngine:
         for r, lg, top in zip(feed, logits, tops):
             self._emit(r, lg, top=top)
 
-    @staticmethod
-    def _forced(r: Request):
-        c = getattr(r.sampler, "constraint", None)
-        return c.end_token() if c is not None else None
-
     def _emit(self, r: Request, logits: torch.Tensor | None, tok: int | None = None, top: int | None = None) -> None:
         """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops.  top: the
         logits' argmax from the fused step (>= 0: every logit is finite), else None."""
         try:
             if tok is None:
-                if top is None or top < 0:
-                    a = logits.numpy()  # numpy, not torch: see Sampler.candidates
-                    if not math.isfinite(float(a.sum())) and not bool(np.isfinite(a).all()):
-                        raise self.nonfinite(logits)
+                check_finite(logits, top, self.nonfinite)
                 tok = r.sampler.sample_known_argmax(logits, top)
                 lp = r.sampler.last_logprobs if getattr(r.sampler, "logprobs", None) is not None else None
             else:
@@ -565,15 +697,7 @@ class BatchEngine:
             st.ttft = now - r.t0
             r.t1 = now
         st.generated_tokens += 1
-        if self.is_eog(tok):
-            reason = "eog"
-        elif r.n + 1 == r.max_tokens:
-            reason = "length"
-        elif len(r.ids) + r.n + 1 > self.n_ctx:  # tok would be cached at position len(ids) + n
-            reason = "context"
-        else:
-            reason = "interrupted"
-        st.finish_reason = reason
+        st.finish_reason = reason = finish_reason(r.n, tok, len(r.ids), r.max_tokens, self.n_ctx, self.is_eog)
         st.decode_seconds = now - r.t1
         r.n += 1
         r.last = tok
@@ -585,6 +709,10 @@ class BatchEngine:
         for lst in (self._prefilling, self._decoding):
             if r in lst:
                 lst.remove(r)
+        forks, r.forks = r.forks, []  # choices of a prompt that was never read: they end with it
+        for f in forks:
+            f.stats.finish_reason = "interrupted"
+            self._finish(f, error=error)
         s = r.slot
         if s is not None and s.busy:
             s.busy = False

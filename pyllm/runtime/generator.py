@@ -14,7 +14,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..backends.base import SeqStep
 from ..errors import ContextFullError
+from .engine import chunk_end, common_prefix, finish_reason
 
 
 def _find_malloc_trim():
@@ -116,38 +118,26 @@ class Generator:
             raise ContextFullError(f"context full: {pos} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
 
     def _forward(self, toks: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Prompt tokens (a chunk) through the model's step: logits [len(toks) or 1, n_vocab]."""
         if len(toks) == 1:
             return self._decode(toks[0])[0].view(1, -1)
         pos = len(self.tokens)
         self.check_room(len(toks))
-        with torch.inference_mode():
-            logits = self.model.forward(torch.tensor(toks, dtype=torch.int64), pos, self.kv, all_logits=all_logits)
+        logits = self.model.step([SeqStep(self.kv, toks, pos, all_logits=all_logits, prefill=True)])[0].logits
         self.tokens.extend(toks)
         return logits
 
     def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
         """One token: the logits [n_vocab] after it and, from the fused step, their argmax (-1: a logit is NaN or
-        infinite), else None: what ``sample`` and ``check`` take so as not to read the row again.  The fused step
-        needs no inference mode (it fills a tensor it allocates) and its row no slicing: right after a step each
-        torch call costs 10-50 us, cold."""
+        infinite), else None: what ``sample`` and ``check`` take so as not to read the row again."""
         pos = len(self.tokens)
         self.check_room(1)
-        fused = self.model.fused_logits(tok, pos, self.kv)
-        if fused is None:
-            with torch.inference_mode():
-                logits, top = self.model.forward(torch.tensor([tok], dtype=torch.int64), pos, self.kv)[-1], None
-        else:
-            logits, top = fused
+        logits, top = self.model.step([SeqStep(self.kv, [tok], pos)])[0]
         self.tokens.append(tok)
-        return logits, top
+        return logits[0], (top[0] if top else None)
 
     def common_prefix(self, ids: list[int]) -> int:
-        n = 0
-        for a, b in zip(self.tokens, ids):
-            if a != b:
-                break
-            n += 1
-        return n
+        return common_prefix(self.tokens, ids)
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Brings the cache to exactly ``ids`` and returns the logits [n_vocab] after the last one."""
@@ -165,9 +155,10 @@ class Generator:
         keep = min(common, len(ids) - 1)  # re-evaluate at least one token to get logits
         self.truncate(keep)
         self.stats.prompt_scored, self.scored = min(keep, self.scored), 0
-        logits = None
-        for i in range(keep, len(ids), self.n_batch):
-            logits = self._forward(ids[i:i + self.n_batch])
+        logits, i = None, keep
+        while i < len(ids):
+            end = chunk_end(i, len(ids), self.n_batch, aligned=False)
+            logits, i = self._forward(ids[i:end]), end
         self.stats.prompt_evaluated = len(ids) - keep
         if len(ids) - keep >= TRIM_AFTER_TOKENS:
             release_free_heap()
@@ -183,18 +174,14 @@ class Generator:
         caller that reduces each chunk before the next never holds [len(ids), n_vocab] (2.4 GB for 4096 tokens
         of a 151k vocabulary). The cache then holds ``ids``."""
         self.reset()
-        for i in range(0, len(ids), self.n_batch):
-            yield self._forward(ids[i:i + self.n_batch], all_logits=True)
+        i = 0
+        while i < len(ids):
+            end = chunk_end(i, len(ids), self.n_batch, aligned=False)
+            yield self._forward(ids[i:end], all_logits=True)
+            i = end
 
     def _reason(self, n: int, tok: int, n_prompt: int, max_tokens: int, is_eog) -> str:
-        """Why generation ends after the n-th generated token ``tok`` ("interrupted": it goes on)."""
-        if is_eog(tok):
-            return "eog"
-        if n + 1 == max_tokens:
-            return "length"
-        if n_prompt + n + 1 > self.n_ctx:  # tok would be cached at position n_prompt + n
-            return "context"
-        return "interrupted"
+        return finish_reason(n, tok, n_prompt, max_tokens, self.n_ctx, is_eog)
 
     def generate(self, ids: list[int], sample: Callable[[torch.Tensor, int | None], int], max_tokens: int,
                  is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None, spec=None,

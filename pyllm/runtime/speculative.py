@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..backends.base import SeqStep
 from ..errors import PyllmError
 from ..ops import GEMV_MAX_M
 
@@ -234,21 +235,18 @@ def _last_row(rows_and_argmax) -> tuple[torch.Tensor, int | None]:
 def forward_rows(gen, toks: list[int], all_logits: bool = True) -> tuple[torch.Tensor, list[int] | None]:
     """Runs ``toks`` (1..MAX_ROWS) at the generator's next positions and appends them to its tokens.
 
-    Uses the fused step's multi-row pass where the model's backend has one (CPU: ops._C.decode_steps, the weights
-    read once for all rows, each row otherwise the one-token step), else the model's forward. Returns logits
-    [len(toks) or 1, n_vocab] f32 and, from the fused pass, each row's argmax (-1: a logit is NaN or infinite),
-    else None.
+    Decode rows of the model's step (backends/base.py): the fused step's multi-row pass where the backend has one
+    (CPU: the weights read once for all rows, each row otherwise the one-token step), else the model's forward.
+    Returns logits [len(toks) or 1, n_vocab] f32 and, from the fused pass, each row's argmax (-1: a logit is NaN
+    or infinite), else None.
     """
-    model, kv = gen.model, gen.kv
-    step = model.fused_step(kv) if getattr(model, "use_cpp_decode", False) else None
-    if step is None or not hasattr(step, "rows_with_argmax") or len(toks) > MAX_ROWS:
+    if len(toks) > MAX_ROWS:
         return gen._forward(toks, all_logits=all_logits), None
     pos = len(gen.tokens)
     gen.check_room(len(toks))
-    kv.check_room(pos, len(toks))
-    out = step.rows_with_argmax(torch.tensor(toks, dtype=torch.int64), pos, all_logits)
+    out = gen.model.step([SeqStep(gen.kv, list(toks), pos, all_logits=all_logits)])[0]
     gen.tokens.extend(toks)
-    return out
+    return out.logits, out.argmax
 
 
 # ---- acceptance ----------------------------------------------------------------------------------------------------

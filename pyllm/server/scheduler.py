@@ -19,10 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..llm import check_int, check_sampling
-from ..runtime.batch import BatchEngine, Request
+from ..runtime.batch import BatchEngine, BatchStats, Request, TokenStream, make_requests, queue_items
 from ..runtime.generator import GenerationStats
-from ..runtime.sampler import Sampler, SamplerSettings
+from ..runtime.sampler import Sampler
 
 DONE = object()  # end of a job's items
 
@@ -121,17 +120,20 @@ class EngineLLM:
     def __init__(self, llm, engine: BatchEngine, cancel: threading.Event):
         self._llm, self._engine, self._cancel = llm, engine, cancel
         self._req: Request | None = None
+        self._batch: BatchStats | None = None  # a generate_tokens_batch call's
 
     def __getattr__(self, name):
         return getattr(self._llm, name)
 
     @property
     def stats(self) -> GenerationStats:
+        if self._batch is not None:
+            return self._batch
         return self._req.stats if self._req is not None else GenerationStats()
 
     @property
     def generated(self) -> bool:
-        return self._req is not None
+        return self._req is not None or self._batch is not None
 
     def prompt_logprobs(self, ids: list[int], n_top: int = 0):
         """As LLM.prompt_logprobs, on the engine's thread between its steps: one thread runs the model."""
@@ -142,32 +144,20 @@ class EngineLLM:
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
                         constraint=None, **sampling):
         """As LLM.generate_tokens (without speculation: the batch is the speedup here)."""
-        from ..runtime.constraint import make_constraint
-
-        llm = self._llm
-        ids = llm._check_ids(ids)
-        max_tokens = check_int("max_tokens", max_tokens, 0)
-        constraint = make_constraint(lambda: llm.grammar_vocab, json_schema, grammar, constraint)
-        if sampler is None:
-            sampler = Sampler(SamplerSettings(**check_sampling(dict(
-                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling))))
-        if constraint is not None:
-            sampler.constraint = constraint
-        for t in ids[-sampler.s.penalty_last_n:] if sampler.s.penalty_last_n else ():
-            sampler.accept(t)
-        # The engine samples with a shallow copy (same RNG, penalty window and grammar state): its
-        # last_logprobs is then its own, and this thread hands each token's to ``sampler`` as it yields it.
+        ids, max_tokens, sampler = self._llm.generation_request(
+            ids, max_tokens, sampler=sampler, json_schema=json_schema, grammar=grammar, constraint=constraint,
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
         req = self._req = Request(list(ids), max_tokens, copy.copy(sampler), also_cancel=self._cancel)
         self._engine.submit(req)
-        try:
-            while True:
-                kind, *value = req.out.get()
-                if kind == "token":
-                    sampler.last_logprobs = value[1]
-                    yield value[0]
-                elif kind == "error":
-                    raise value[0]
-                else:
-                    return
-        finally:
-            req.cancel.set()  # a consumer that stopped early (a stop string) frees the slot at the next step
+        return TokenStream(req, queue_items(req), sampler)
+
+    def generate_tokens_batch(self, calls: list[dict]) -> list[TokenStream]:
+        """Several generations at once (LLM.generate_tokens_batch), in the engine beside every other request; their
+        ``stats`` together are this view's."""
+        prepared = [self._llm.generation_request(**c) for c in calls]
+        reqs, top = make_requests(prepared, also_cancel=self._cancel, group=len(self._engine.slots))
+        self._req = None
+        self._batch = BatchStats(reqs, top)
+        for r in top:
+            self._engine.submit(r)
+        return [TokenStream(r, queue_items(r), sampler) for r, (_, _, sampler) in zip(reqs, prepared)]
