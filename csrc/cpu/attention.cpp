@@ -560,7 +560,8 @@ void attend_group_avx2(KVType kt, const KVRows& k_rows, KVType vt, const KVRows&
 #endif
 
 template <float (*Dot)(KVType, const uint8_t*, const float*, int), void (*Axpy)(KVType, const uint8_t*, float, float*, int)>
-void attend(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q, int hd, int n, float scale, float* sc, float* o, float* lse) {
+void attend(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q, int hd, int n, float scale,
+            float* sc, float* o, float* lse) {
     float mx = -INFINITY;
     for (int j = 0; j < n; ++j) {
         sc[j] = Dot(kt, k_rows.at(j), q, hd) * scale;

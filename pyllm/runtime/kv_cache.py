@@ -1,5 +1,7 @@
 """The KV cache: one preallocated buffer per model, written at a position and read up to a length.
 
+(The server's slots use ``PagedKVCache``, this interface over a shared pool of blocks: runtime/kv_pool.py.)
+
 Kinds (``make_kv_cache(kind, ...)``, ``pyllm.load(kv_cache=kind)``, ``--kv kind``; ``"K/V"`` such as
 ``"f16/q8_0"`` picks the key and value types separately, like llama.cpp's -ctk/-ctv; ``--kv-k``/``--kv-v``):
 
