@@ -198,10 +198,25 @@ def test_step_checks_the_block_table(_extension):
     kv.seq.table[0] = kv.seq.blocks[0]
 
 
+def _tokens(r, n=None):
+    """The tokens request r streams (n of them, or until it ends)."""
+    toks = []
+    while n is None or len(toks) < n:
+        item = r.out.get(timeout=120)
+        if item[0] != "token":
+            assert item[0] == "end", item
+            break
+        toks.append(item[1])
+    return toks
+
+
 def test_engine_slots_share_one_pool(_extension):
     """The server's slots take blocks from one pool as they grow: 32 slots of 8192 positions reserve nothing up
-    front, a request takes the blocks of its rows, a finished one keeps only its reusable prompt rows, and a
-    second request with the same prompt prefix shares them."""
+    front, a request takes the blocks of its rows, a finished one keeps only its reusable prompt rows, a request
+    whose prompt starts like a running one's shares that one's blocks, and a cancelled one gives its blocks back.
+    Reference for the tokens: the same greedy request alone (batch invariance)."""
+    from pyllm.runtime.sampler import Sampler
+
     llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
     cfg = llm.config
     eng = batch.BatchEngine(llm.model, "f16", 8192, 32, llm.tokenizer.is_eog)
@@ -210,22 +225,30 @@ def test_engine_slots_share_one_pool(_extension):
         assert all(s.kv.pool is pool for s in eng.slots)
         full = 32 * KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "f16") * 8192
         assert pool.capacity_bytes == full and pool.reserved_bytes == 0
-        from pyllm.runtime.sampler import Sampler
-
         ids = llm.tokenize("The history of the printing press begins in the fifteenth century. " * 8)[:100]
-        outs = []
-        for _ in range(2):
-            r = eng.submit(batch.Request(ids=list(ids), max_tokens=4, sampler=Sampler(temperature=0)))
-            toks = []
-            while (item := r.out.get(timeout=60))[0] == "token":
-                toks.append(item[1])
-            assert item[0] == "end"
-            outs.append(toks)
-        assert outs[0] == outs[1]
-        assert eng.cache_hits == 1 and eng.cached_tokens == 64
-        per_block = pool.block_bytes
+
+        def request(prompt, n):
+            return eng.submit(batch.Request(ids=list(prompt), max_tokens=n, sampler=Sampler(temperature=0)))
+
+        alone = _tokens(request(ids, 4))
         assert pool.used_blocks == 64 // pool.block_rows  # the finished slot kept its reusable 64 rows
-        assert pool.reserved_bytes <= 8 * per_block < full / 1000
+        # a long request holds the slot with those rows; the next one lands in another slot and shares them
+        long = request(ids, 4000)
+        assert _tokens(long, 4) == alone
+        other = ids[:70] + llm.tokenize(" Gutenberg")
+        shared = _tokens(request(other, 4))
+
+        def blocks():
+            return [list(s.kv.seq.blocks) for s in eng.slots if s.kv.seq.blocks]
+
+        a, b = sorted(eng.call(blocks), key=len, reverse=True)
+        assert b == a[:4] and all(pool.refs[x] == 2 for x in b), "the second slot copied the prefix"
+        long.cancel.set()
+        _tokens(long)
+        assert eng.call(lambda: pool.used_blocks) == 4  # the cancelled slot kept its reusable rows only
+        r = request(other, 4)
+        assert _tokens(r) == shared and eng.cache_hits == 3
+        assert pool.reserved_bytes <= 16 * pool.block_bytes < full / 1000
     finally:
         eng.close()
 
