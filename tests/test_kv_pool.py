@@ -158,6 +158,10 @@ def test_copy_on_write_keeps_the_other_sequence(_extension):
     model.forward(torch.tensor(ids), 0, ref)
     for pos, t in enumerate((9, 10, 11), start=20):
         assert torch.equal(model.forward(torch.tensor([t]), pos, a), model.forward(torch.tensor([t]), pos, ref))
+    back = _contiguous(model, "q8_0", 64)  # and a paged prefix copies into a contiguous cache
+    back.copy_prefix_from(b, 21)
+    for layer in range(model.cfg.n_layer):
+        assert all(torch.equal(x, y) for x, y in zip(back.view(layer, 21), b.view(layer, 21)))
     a.release()
     b.release()
     assert pool.used_blocks == 0 and pool.free_blocks == pool.n_blocks

@@ -441,6 +441,9 @@ class KVCache:
 
     def copy_prefix_from(self, src: "KVCache", n: int) -> None:
         """Positions 0..n-1 and the statistics of ``src`` (same layout) into this cache."""
+        if not all(isinstance(p.rows, _Rows) for p in src.parts):  # a paged cache: its rows come gathered
+            self.load_prefix_state(src.prefix_state(n), n)
+            return
         for (_, d, rows), (_, b, _) in zip(self._buffers(), src._buffers()):
             if rows:
                 d[:, :, :n].copy_(b[:, :, :n])
