@@ -187,10 +187,14 @@ DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_
 
 // A KV cache part as the step reads it (kernels.h KVPart): rows (n_layer, n_kv_head, max_seq, row) of `type`
 // (0 f32, 1 f16, 2 q8_0, 3 q4_0; -1: f32 / f16 from the dtype) and the storage transform's tensors, if any.
+// Paged (pyllm/runtime/kv_pool.py): data is the pool, (n_blocks, n_layer, n_kv_head, block_rows, row), and
+// block_table int32 [max_seq / block_rows] the sequence's blocks (kernels.h KVPart), read live: the Python side
+// fills its entries as the sequence grows, and every step checks those it will touch.
 struct DecodeCachePart {
     Tensor data;
     int64_t type = -1;
-    std::optional<Tensor> mu, rot, scale, sink;
+    std::optional<Tensor> mu, rot, scale, sink, block_table;
+    int64_t block_rows = 0;
 };
 
 // weights / qtypes: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]).
@@ -243,14 +247,42 @@ std::unique_ptr<DecodeContext> make_decode_context(
     const Tensor& v_cache = v_part.data;
     const int64_t k_type = k_part.type >= 0 ? k_part.type : k_cache.scalar_type() == at::kHalf ? 1 : 0;
     const int64_t v_type = v_part.type >= 0 ? v_part.type : v_cache.scalar_type() == at::kHalf ? 1 : 0;
-    const size_t k_row = check_kv_rows(kDC, "k_cache", k_cache, k_type, head_dim, 3);
-    const size_t v_row = check_kv_rows(kDC, "v_cache", v_cache, v_type, head_dim, 3);
-    PYLLM_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(2) >= 1, kDC,
-                      ": k_cache has shape ", k_cache.sizes(), ", expected (", n_layer, ", ", n_kv_head,
-                      ", max_seq, row)");
-    PYLLM_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kDC, ": v_cache has shape ",
-                      v_cache.sizes(), " but k_cache has ", k_cache.sizes());
-    PYLLM_CHECK_VALUE(k_cache.size(2) <= INT32_MAX, kDC, ": max_seq too large");
+    const bool paged = k_part.block_table.has_value();
+    PYLLM_CHECK_VALUE(paged == v_part.block_table.has_value(), kDC, ": k_cache and v_cache must both be paged or "
+                      "neither");
+    int64_t max_seq = 0, block_shift = 0;
+    if (!paged) {
+        check_kv_rows(kDC, "k_cache", k_cache, k_type, head_dim, 3);
+        check_kv_rows(kDC, "v_cache", v_cache, v_type, head_dim, 3);
+        PYLLM_CHECK_VALUE(k_cache.size(0) == n_layer && k_cache.size(1) == n_kv_head && k_cache.size(2) >= 1, kDC,
+                          ": k_cache has shape ", k_cache.sizes(), ", expected (", n_layer, ", ", n_kv_head,
+                          ", max_seq, row)");
+        PYLLM_CHECK_VALUE(v_cache.sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), kDC, ": v_cache has shape ",
+                          v_cache.sizes(), " but k_cache has ", k_cache.sizes());
+        max_seq = k_cache.size(2);
+    } else {
+        check_kv_rows(kDC, "k_cache", k_cache, k_type, head_dim, 4);
+        check_kv_rows(kDC, "v_cache", v_cache, v_type, head_dim, 4);
+        const int64_t B = k_part.block_rows;
+        PYLLM_CHECK_VALUE(B >= 1 && B <= (1 << 20) && (B & (B - 1)) == 0 && v_part.block_rows == B, kDC,
+                          ": block_rows must be a power of two, the same for K and V, got ", B, " and ",
+                          v_part.block_rows);
+        while ((int64_t{1} << block_shift) < B) ++block_shift;
+        PYLLM_CHECK_VALUE(k_cache.size(0) >= 1 && k_cache.size(0) <= INT32_MAX && k_cache.size(1) == n_layer &&
+                              k_cache.size(2) == n_kv_head && k_cache.size(3) == B,
+                          kDC, ": paged k_cache has shape ", k_cache.sizes(), ", expected (n_blocks, ", n_layer, ", ",
+                          n_kv_head, ", ", B, ", row)");
+        PYLLM_CHECK_VALUE(v_cache.sizes().slice(0, 4) == k_cache.sizes().slice(0, 4), kDC, ": v_cache has shape ",
+                          v_cache.sizes(), " but k_cache has ", k_cache.sizes());
+        for (const DecodeCachePart* p : {&k_part, &v_part}) {
+            const Tensor& t = *p->block_table;
+            check_tensor(kDC, "block_table", t, at::kInt, 1);
+            PYLLM_CHECK_VALUE(t.size(0) >= 1 && t.size(0) * B <= INT32_MAX && t.size(0) == k_part.block_table->size(0),
+                              kDC, ": block_table has ", t.size(0), " entries; K and V need the same number >= 1");
+        }
+        max_seq = k_part.block_table->size(0) * B;
+    }
+    PYLLM_CHECK_VALUE(max_seq <= INT32_MAX, kDC, ": max_seq too large");
     for (size_t t = 0; t < rope.size(); ++t) {
         const std::string cn = "rope[" + std::to_string(t) + "] cos", sn = "rope[" + std::to_string(t) + "] sin";
         check_tensor(kDC, cn.c_str(), rope[t].first, at::kFloat, 2);
@@ -270,7 +302,7 @@ std::unique_ptr<DecodeContext> make_decode_context(
     c.head_dim = static_cast<int>(head_dim);
     c.rope_dim = static_cast<int>(rope_dim);
     c.max_pos = static_cast<int>(std::min<int64_t>(rope[0].first.size(0), INT32_MAX));
-    c.max_seq = static_cast<int>(k_cache.size(2));
+    c.max_seq = static_cast<int>(max_seq);
     c.gelu_tanh = arch.gelu_tanh;
     c.embd_scale = static_cast<float>(arch.embd_scale);
     c.final_softcap = static_cast<float>(arch.final_softcap);
@@ -300,10 +332,18 @@ std::unique_ptr<DecodeContext> make_decode_context(
         kp.scale = check_kv_extra(kDC, (w + "_scale").c_str(), p.scale, mu_n, d.keep);
         // the sinks are written by the step (position 0); check_kv_extra checked they are contiguous float32
         kp.sink = const_cast<float*>(check_kv_extra(kDC, (w + "_sink").c_str(), p.sink, mu_n, d.keep));
+        if (paged) {
+            d.keep.push_back(*p.block_table);
+            kp.table = p.block_table->data_ptr<int32_t>();
+            kp.block_shift = static_cast<int>(block_shift);
+            kp.n_blocks = static_cast<int>(p.data.size(0));
+        }
         return kp;
     };
-    d.model.k_cache = part("k", k_part, k_type, k_row);
-    d.model.v_cache = part("v", v_part, v_type, v_row);
+    d.model.k_cache = part("k", k_part, k_type, pyllm::kv_row_bytes(static_cast<pyllm::KVType>(k_type),
+                                                                    static_cast<int>(head_dim)));
+    d.model.v_cache = part("v", v_part, v_type, pyllm::kv_row_bytes(static_cast<pyllm::KVType>(v_type),
+                                                                    static_cast<int>(head_dim)));
     PYLLM_CHECK_VALUE(!v_part.scale, kDC, ": v_scale is not supported (only keys are scaled)");
     d.model.layers.resize(n_layer);
     auto vec = [&](const std::string& name, int64_t i, int64_t n) {
@@ -401,6 +441,18 @@ void decode_set_lora(DecodeContext& d, int64_t slot, const Tensor& a, const Tens
     d.scratch.resize(d.model);
 }
 
+// A paged cache's blocks for positions 0..upto-1 must lie in its pool: the Python side fills the table, so each
+// step checks the entries it will read or write (upto / block_rows of them: nothing next to the attention).
+void check_block_table(const char* fn, const pyllm::DecodeModel& m, int64_t upto) {
+    for (const pyllm::KVPart* p : {&m.k_cache, &m.v_cache}) {
+        if (!p->table) continue;
+        const int64_t n = (upto + (int64_t{1} << p->block_shift) - 1) >> p->block_shift;
+        for (int64_t i = 0; i < n; ++i)
+            PYLLM_CHECK_INDEX(p->table[i] >= 0 && p->table[i] < p->n_blocks, fn, ": block table entry ", i, " is ",
+                              p->table[i], ", outside the pool's ", p->n_blocks, " blocks");
+    }
+}
+
 // logits_out: f32 [n_vocab] (or [1, n_vocab]) filled with the logits of `token` at position `pos`.  Returns their
 // argmax (the first of ties), or -1 where a logit is NaN or infinite.
 int64_t decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
@@ -415,6 +467,7 @@ int64_t decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor
     PYLLM_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == c.n_vocab,
                       "decode_step: logits_out must be a contiguous CPU tensor of ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
+    check_block_table("decode_step", ctx.model, pos + 1);
     pybind11::gil_scoped_release nogil;
     pyllm::RowArgmax top;
     pyllm::decode_step_cpu(ctx.model, ctx.scratch, token, static_cast<int>(pos), logits_out.data_ptr<float>(), &top);
@@ -445,6 +498,7 @@ std::vector<int64_t> decode_steps(DecodeContext& ctx, const Tensor& tokens, int6
                           logits_out.numel() == rows * c.n_vocab,
                       "decode_steps: logits_out must be a contiguous CPU tensor of ", rows, " x ", c.n_vocab,
                       " values, got shape ", logits_out.sizes());
+    check_block_table("decode_steps", ctx.model, pos + M);
     pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
     {
         pybind11::gil_scoped_release nogil;
@@ -492,15 +546,19 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
         }
         same = same && m.output_lora.a == m0.output_lora.a && m.token_embd_lora.a == m0.token_embd_lora.a;
         PYLLM_CHECK_VALUE(same, fn, ": context ", b, " was built over other weights or sizes than context 0");
-        for (int64_t j = 0; j < b; ++j)
-            PYLLM_CHECK_VALUE(m.k_cache.data != ctxs[j]->model.k_cache.data &&
-                                  m.v_cache.data != ctxs[j]->model.v_cache.data,
+        // Caches of one pool differ in their block tables (the pool hands a block being written to one sequence).
+        for (int64_t j = 0; j < b; ++j) {
+            const pyllm::DecodeModel& o = ctxs[j]->model;
+            PYLLM_CHECK_VALUE((m.k_cache.data != o.k_cache.data || m.k_cache.table != o.k_cache.table) &&
+                                  (m.v_cache.data != o.v_cache.data || m.v_cache.table != o.v_cache.table),
                               fn, ": contexts ", j, " and ", b, " share a KV cache (one token per sequence)");
+        }
         PYLLM_CHECK_INDEX(tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows, fn, ": token ", tk[b], " (row ", b,
                           ") is out of range for ", ctxs[b]->vocab_rows, " embedding rows");
         PYLLM_CHECK_INDEX(ps[b] >= 0 && ps[b] < limit, fn, ": pos ", ps[b], " (row ", b,
                           ") is out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ",
                           c.max_pos);
+        check_block_table(fn, m, ps[b] + 1);
         seqs[b] = &m;
         pos[b] = static_cast<int>(ps[b]);
     }
@@ -537,9 +595,9 @@ Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k
     if (!scalar) {  // the decode step's kernel: one call per KV head for its group of query heads
         for (int64_t kh = 0; kh < k.size(0); ++kh)
             pyllm::kv_attend_group(static_cast<pyllm::KVType>(k_type),
-                                   static_cast<const uint8_t*>(k.data_ptr()) + kh * S * kr, kr,
+                                   pyllm::kv_rows_flat(static_cast<const uint8_t*>(k.data_ptr()) + kh * S * kr, kr),
                                    static_cast<pyllm::KVType>(v_type),
-                                   static_cast<const uint8_t*>(v.data_ptr()) + kh * S * vr, vr,
+                                   pyllm::kv_rows_flat(static_cast<const uint8_t*>(v.data_ptr()) + kh * S * vr, vr),
                                    q.data_ptr<float>() + kh * group * hd, hd, static_cast<int>(group),
                                    static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale), sc.data(),
                                    S, out.data_ptr<float>() + kh * group * hd, hd);
@@ -549,7 +607,8 @@ Tensor kv_attention(const Tensor& q, const Tensor& k, const Tensor& v, int64_t k
         const auto* kp = static_cast<const uint8_t*>(k.data_ptr()) + (h / group) * S * kr;
         const auto* vp = static_cast<const uint8_t*>(v.data_ptr()) + (h / group) * S * vr;
         pyllm::kv_attend_head_scalar(
-            static_cast<pyllm::KVType>(k_type), kp, kr, static_cast<pyllm::KVType>(v_type), vp, vr,
+            static_cast<pyllm::KVType>(k_type), pyllm::kv_rows_flat(kp, kr), static_cast<pyllm::KVType>(v_type),
+            pyllm::kv_rows_flat(vp, vr),
             q.data_ptr<float>() + h * hd, static_cast<int>(hd), static_cast<int>(S), static_cast<float>(scale),
             sc.data(), out.data_ptr<float>() + h * hd);
     }
@@ -671,12 +730,14 @@ void register_decode(py::module& m) {
         .def_readonly("n_rope", &DecodeArch::n_rope);
     py::class_<DecodeCachePart>(m, "DecodeCachePart", "one KV cache part (K or V) as the decode step reads it")
         .def(py::init([](Tensor data, int64_t type, std::optional<Tensor> mu, std::optional<Tensor> rot,
-                         std::optional<Tensor> scale, std::optional<Tensor> sink) {
-                 return DecodeCachePart{std::move(data), type, std::move(mu), std::move(rot), std::move(scale),
-                                        std::move(sink)};
+                         std::optional<Tensor> scale, std::optional<Tensor> sink, std::optional<Tensor> block_table,
+                         int64_t block_rows) {
+                 return DecodeCachePart{std::move(data), type,           std::move(mu),          std::move(rot),
+                                        std::move(scale), std::move(sink), std::move(block_table), block_rows};
              }),
              py::arg("data"), py::arg("type") = -1, py::arg("mu") = py::none(), py::arg("rot") = py::none(),
-             py::arg("scale") = py::none(), py::arg("sink") = py::none());
+             py::arg("scale") = py::none(), py::arg("sink") = py::none(), py::arg("block_table") = py::none(),
+             py::arg("block_rows") = 0);
     py::class_<DecodeContext>(m, "DecodeContext", "a model (DecodeArch + weights) + KV cache + scratch for "
                               "decode_step (built once per model and cache)")
         .def(py::init(&make_decode_context), py::arg("arch"), py::arg("weights"), py::arg("qtypes"),

@@ -193,6 +193,10 @@ size_t kv_row_bytes(KVType t, int hd);
 // same shape or nullptr (keys only: queries then attend as (q * s) R^T), R [hd, hd] row-major (orthogonal) or
 // nullptr (not rotated).  sink: [n_layer, n_kv_head, hd] float rows holding position 0 exactly (storage basis),
 // read by attention instead of the stored row 0, or nullptr.  Why each exists: pyllm/runtime/kv_cache.py.
+// Paged (table set): the rows live in a pool of blocks of 2^block_shift positions, (n_blocks, n_layer, n_kv_head,
+// 2^block_shift) rows, and position pos of a sequence is row pos % 2^block_shift of block table[pos >> block_shift]
+// (pyllm/runtime/kv_pool.py): row (layer, head, pos) at data + (((table[pos >> block_shift] * n_layer + layer) *
+// n_kv_head + head) << block_shift) + (pos & (2^block_shift - 1))) * row_bytes.
 struct KVPart {
     KVType type = KVType::F16;
     void* data = nullptr;
@@ -201,25 +205,72 @@ struct KVPart {
     const float* rot = nullptr;
     const float* scale = nullptr;
     float* sink = nullptr;
+    const int32_t* table = nullptr;  // paged: the sequence's block table (entries < n_blocks), else nullptr
+    int block_shift = 0;
+    int n_blocks = 0;
 };
+// Rows of one (layer, head) of a KV part as attention reads them: row j (0-based from the first row read) at
+// base + j * stride (contiguous), or, paged, position p = first + j at base + table[p >> shift] * block_stride +
+// (p & (2^shift - 1)) * stride, base then pointing at the (layer, head)'s rows in block 0.
+struct KVRows {
+    const uint8_t* base = nullptr;
+    size_t stride = 0;
+    const int32_t* table = nullptr;
+    size_t block_stride = 0;
+    int shift = 0;
+    int first = 0;
+    inline const uint8_t* at(int j) const {
+        if (!table) return base + static_cast<size_t>(j) * stride;
+        const int p = first + j;
+        return base + static_cast<size_t>(table[p >> shift]) * block_stride +
+               static_cast<size_t>(p & ((1 << shift) - 1)) * stride;
+    }
+};
+// Row `pos` of (layer, head) `lh` (= layer * n_kv_head + head, n_lh of them) of part P whose contiguous rows hold
+// max_seq positions per (layer, head); and the rows from `pos` on as attention reads them.
+inline uint8_t* kv_row(const KVPart& P, size_t lh, size_t n_lh, int max_seq, int pos) {
+    uint8_t* d = static_cast<uint8_t*>(P.data);
+    if (!P.table) return d + (lh * max_seq + pos) * P.row_bytes;
+    const size_t blk = static_cast<size_t>(P.table[pos >> P.block_shift]);
+    return d + (((blk * n_lh + lh) << P.block_shift) + (pos & ((1 << P.block_shift) - 1))) * P.row_bytes;
+}
+inline KVRows kv_rows(const KVPart& P, size_t lh, size_t n_lh, int max_seq, int pos) {
+    KVRows r;
+    r.stride = P.row_bytes;
+    if (!P.table) {
+        r.base = kv_row(P, lh, n_lh, max_seq, pos);
+        return r;
+    }
+    r.base = static_cast<const uint8_t*>(P.data) + (lh << P.block_shift) * P.row_bytes;
+    r.table = P.table;
+    r.block_stride = (n_lh << P.block_shift) * P.row_bytes;
+    r.shift = P.block_shift;
+    r.first = pos;
+    return r;
+}
+inline KVRows kv_rows_flat(const uint8_t* base, size_t stride) {
+    KVRows r;
+    r.base = base;
+    r.stride = stride;
+    return r;
+}
 // x [hd] (already centered/rotated) -> one stored row; quantization bit-identical to kv_cache.py's.
 void kv_store_row(KVType t, const float* x, int hd, void* row);
 // y = x R^T (rotate) or y = x R (unrotate); x, y: [hd], distinct.
 void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose);
-// One query head over n keys: o[hd] = sum_j softmax_j(scale * q . k_j) v_j, with k_j / v_j the rows at
-// k_rows + j * k_stride / v_rows + j * v_stride bytes, all in the storage basis (the caller rotates q and
+// One query head over n keys: o[hd] = sum_j softmax_j(scale * q . k_j) v_j, with k_j / v_j the rows
+// k_rows.at(j) / v_rows.at(j), all in the storage basis (the caller rotates q and
 // un-rotates o).  sc: n floats of scratch.  lse (or nullptr): log sum_j exp(scale * q . k_j), so that the caller
 // can merge this softmax with one over other keys.  The scalar reference of kv_attend_group.
-void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o,
-                           float* lse = nullptr);
+void kv_attend_head_scalar(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q, int hd,
+                           int n, float scale, float* sc, float* o, float* lse = nullptr);
 // G query heads sharing one KV head (GQA): q rows q_stride apart, scores sc rows sc_stride apart (n each),
 // outputs o rows o_stride apart; each stored row is read once for the group.  lse: G floats (or nullptr), as
 // kv_attend_head_scalar's.  AVX2: q8_0 / q4_0 keys are dotted in integers against the query rounded to q8 blocks
 // (llama.cpp's vec_dot_q4_0_q8_0), which the float64 reference in tests/test_decode_step.py reproduces.
-void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                     size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
-                     size_t sc_stride, float* o, size_t o_stride, float* lse = nullptr);
+void kv_attend_group(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q,
+                     size_t q_stride, int G, int hd, int n, float scale, float* sc, size_t sc_stride, float* o,
+                     size_t o_stride, float* lse = nullptr);
 
 // The MLP's gate times up: g[i] = act(g[i]) * u[i], act SiLU or (gelu_tanh) torch's tanh-approximated GELU.
 // AVX2: exp from the softmax's polynomial (within 2 ulp of expf), ~8x the scalar libm loop, which was ~4% of a

@@ -213,14 +213,14 @@ KV_INLINE void scores_rows8(const uint8_t* const* rows, const float* q, size_t q
 }
 
 template <bool F16>
-void scores_float(const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd, int n,
+void scores_float(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
                   float scale, float* sc, size_t sc_stride) {
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int j0 = 0; j0 < n; j0 += RB) {
         const int nr = std::min(RB, n - j0);
         const uint8_t* rows[RB];
-        for (int r = 0; r < RB; ++r) rows[r] = k_rows + (j0 + std::min(r, nr - 1)) * k_stride;  // tail: repeats
-        prefetch_rows(rows[0], RB * k_stride);
+        for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
+        prefetch_rows(rows[0], RB * k_rows.stride);
         int g = 0;
         if constexpr (SCORE_HEADS == 3) {
             for (; g + 3 <= G; g += 3)
@@ -237,10 +237,10 @@ void scores_float(const uint8_t* k_rows, size_t k_stride, const float* q, size_t
     }
 }
 
-void scores_f_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd,
-                   int n, float scale, float* sc, size_t sc_stride) {
-    if (kt == KVType::F16) scores_float<true>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
-    else scores_float<false>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
+void scores_f_avx2(KVType kt, const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
+                   float scale, float* sc, size_t sc_stride) {
+    if (kt == KVType::F16) scores_float<true>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
+    else scores_float<false>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
 }
 
 // ---- integer scores for q8_0 / q4_0 keys ----------------------------------------------------------------------
@@ -351,7 +351,7 @@ struct IntScratch {
 // q4_0 rows enter as their unsigned codes c (maddubs' unsigned operand, no sign trick), and a block's
 // sum (c - 8) q is completed exactly in integers as sum c q - 8 sum q.
 template <KVType KT>
-void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, size_t q_stride, int G, int hd, int n,
+void scores_int_avx2(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
                      float scale, float* sc, size_t sc_stride) {
     constexpr bool Q4 = KT == KVType::Q4_0;
     constexpr size_t bsz = Q4 ? sizeof(block_q4_0) : sizeof(block_q8_0);
@@ -374,8 +374,8 @@ void scores_int_avx2(const uint8_t* k_rows, size_t k_stride, const float* q, siz
     for (int j0 = 0; j0 < n; j0 += RB) {
         const int nr = std::min(RB, n - j0);
         const uint8_t* rows[RB];
-        for (int r = 0; r < RB; ++r) rows[r] = k_rows + (j0 + std::min(r, nr - 1)) * k_stride;  // tail: repeats
-        prefetch_rows(rows[0], RB * k_stride);
+        for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
+        prefetch_rows(rows[0], RB * k_rows.stride);
         for (int b = 0; b < nb; ++b) _mm256_storeu_ps(dk + b * RB, scales8(rows, b * bsz));
         if constexpr (Q4) {
             // per block, rows r and r + 4 side by side (128-bit halves), as the low nibbles (elements 0..15)
@@ -468,16 +468,17 @@ void softmax_avx2(float* sc, size_t sc_stride, int G, int n, float* lse) {
 // rows into scratch and adding each into outputs in memory cost a load and a store of the output per row and
 // head.)  Every output element is the same sequence of FMAs over the rows whatever the tiling.
 template <KVType T, int H, int W>
-void values_tile(const uint8_t* v_rows, size_t v_stride, const float* const* p, int n, int t, float* const* o) {
+void values_tile(const KVRows& v_rows, const float* const* p, int n, int t, float* const* o) {
     constexpr bool BLOCK = T == KVType::Q8_0 || T == KVType::Q4_0;
     __m256 acc[H][4 * W];
     for (int h = 0; h < H; ++h)
         for (int k = 0; k < 4 * W; ++k) acc[h][k] = _mm256_setzero_ps();
     for (int j = 0; j < n; ++j) {
-        if (t == 0) prefetch_rows(v_rows + j * v_stride, v_stride);  // the first of the passes over the rows
+        const uint8_t* row = v_rows.at(j);
+        if (t == 0) prefetch_rows(row, v_rows.stride);  // the first of the passes over the rows
         __m256 x[W][4];
         float d[W];
-        for (int w = 0; w < W; ++w) d[w] = tile32<T>(v_rows + j * v_stride, t + w, x[w]);
+        for (int w = 0; w < W; ++w) d[w] = tile32<T>(row, t + w, x[w]);
         for (int h = 0; h < H; ++h)
             for (int w = 0; w < W; ++w) {
                 const __m256 pw = _mm256_set1_ps(BLOCK ? p[h][j] * d[w] : p[h][j]);
@@ -498,7 +499,7 @@ constexpr int VALUE_HEADS = 2;
 #endif
 
 template <KVType T>
-void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t sc_stride, int G, int hd, int n,
+void values_avx2(const KVRows& v_rows, const float* sc, size_t sc_stride, int G, int hd, int n,
                  float* o, size_t o_stride) {
     for (int g0 = 0; g0 < G;) {
         const int H = std::min(VALUE_HEADS, G - g0);
@@ -509,12 +510,12 @@ void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t
         int t = 0;
         if (H == 3) {
             if constexpr (VALUE_HEADS == 3)
-                for (; t < hd / 32; ++t) values_tile<T, 3, 1>(v_rows, v_stride, p, n, t, out);
+                for (; t < hd / 32; ++t) values_tile<T, 3, 1>(v_rows, p, n, t, out);
         } else if (H == 2) {
-            for (; t < hd / 32; ++t) values_tile<T, 2, 1>(v_rows, v_stride, p, n, t, out);
+            for (; t < hd / 32; ++t) values_tile<T, 2, 1>(v_rows, p, n, t, out);
         } else {
-            for (; t + 2 <= hd / 32; t += 2) values_tile<T, 1, 2>(v_rows, v_stride, p, n, t, out);
-            if (t < hd / 32) values_tile<T, 1, 1>(v_rows, v_stride, p, n, t, out);
+            for (; t + 2 <= hd / 32; t += 2) values_tile<T, 1, 2>(v_rows, p, n, t, out);
+            if (t < hd / 32) values_tile<T, 1, 1>(v_rows, p, n, t, out);
         }
     }
     if constexpr (T == KVType::F32 || T == KVType::F16) {  // float rows: hd is a multiple of 8, maybe not of 32
@@ -523,7 +524,7 @@ void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t
                 const float* p = sc + g * sc_stride;
                 __m256 acc = _mm256_setzero_ps();
                 for (int j = 0; j < n; ++j) {
-                    const uint8_t* row = v_rows + j * v_stride;
+                    const uint8_t* row = v_rows.at(j);
                     const __m256 x = T == KVType::F32 ? _mm256_loadu_ps(reinterpret_cast<const float*>(row) + i)
                                                       : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
                                                             reinterpret_cast<const uint16_t*>(row) + i)));
@@ -535,35 +536,35 @@ void values_avx2(const uint8_t* v_rows, size_t v_stride, const float* sc, size_t
 }
 
 // G query heads of one KV head.
-void attend_group_avx2(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                       size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale,
+void attend_group_avx2(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q,
+                       size_t q_stride, int G, int hd, int n, float scale,
                        float* sc, size_t sc_stride, float* o, size_t o_stride, float* lse) {
     switch (kt) {
         case KVType::F32:
-        case KVType::F16: scores_f_avx2(kt, k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride); break;
+        case KVType::F16: scores_f_avx2(kt, k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride); break;
         case KVType::Q8_0:
-            scores_int_avx2<KVType::Q8_0>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
+            scores_int_avx2<KVType::Q8_0>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
             break;
         case KVType::Q4_0:
-            scores_int_avx2<KVType::Q4_0>(k_rows, k_stride, q, q_stride, G, hd, n, scale, sc, sc_stride);
+            scores_int_avx2<KVType::Q4_0>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
             break;
     }
     softmax_avx2(sc, sc_stride, G, n, lse);
     switch (vt) {
-        case KVType::F32: values_avx2<KVType::F32>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
-        case KVType::F16: values_avx2<KVType::F16>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
-        case KVType::Q8_0: values_avx2<KVType::Q8_0>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
-        case KVType::Q4_0: values_avx2<KVType::Q4_0>(v_rows, v_stride, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::F32: values_avx2<KVType::F32>(v_rows, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::F16: values_avx2<KVType::F16>(v_rows, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::Q8_0: values_avx2<KVType::Q8_0>(v_rows, sc, sc_stride, G, hd, n, o, o_stride); return;
+        case KVType::Q4_0: values_avx2<KVType::Q4_0>(v_rows, sc, sc_stride, G, hd, n, o, o_stride); return;
     }
 }
 #endif
 
 template <float (*Dot)(KVType, const uint8_t*, const float*, int), void (*Axpy)(KVType, const uint8_t*, float, float*, int)>
-void attend(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows, size_t v_stride,
-            const float* q, int hd, int n, float scale, float* sc, float* o, float* lse) {
+void attend(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q, int hd, int n, float scale,
+            float* sc, float* o, float* lse) {
     float mx = -INFINITY;
     for (int j = 0; j < n; ++j) {
-        sc[j] = Dot(kt, k_rows + j * k_stride, q, hd) * scale;
+        sc[j] = Dot(kt, k_rows.at(j), q, hd) * scale;
         mx = std::max(mx, sc[j]);
     }
     float sum = 0.f;
@@ -574,7 +575,7 @@ void attend(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const 
     const float inv = 1.0f / sum;
     if (lse) *lse = mx + std::log(sum);
     std::fill(o, o + hd, 0.f);
-    for (int j = 0; j < n; ++j) Axpy(vt, v_rows + j * v_stride, sc[j] * inv, o, hd);
+    for (int j = 0; j < n; ++j) Axpy(vt, v_rows.at(j), sc[j] * inv, o, hd);
 }
 
 #if PYLLM_KV_AVX2
@@ -718,24 +719,23 @@ void kv_rotate(const float* R, const float* x, float* y, int hd, bool transpose)
     }
 }
 
-void kv_attend_head_scalar(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                           size_t v_stride, const float* q, int hd, int n, float scale, float* sc, float* o,
-                           float* lse) {
-    attend<dot_row_scalar, axpy_row_scalar>(kt, k_rows, k_stride, vt, v_rows, v_stride, q, hd, n, scale, sc, o, lse);
+void kv_attend_head_scalar(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q, int hd,
+                           int n, float scale, float* sc, float* o, float* lse) {
+    attend<dot_row_scalar, axpy_row_scalar>(kt, k_rows, vt, v_rows, q, hd, n, scale, sc, o, lse);
 }
 
-void kv_attend_group(KVType kt, const uint8_t* k_rows, size_t k_stride, KVType vt, const uint8_t* v_rows,
-                     size_t v_stride, const float* q, size_t q_stride, int G, int hd, int n, float scale, float* sc,
-                     size_t sc_stride, float* o, size_t o_stride, float* lse) {
+void kv_attend_group(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q,
+                     size_t q_stride, int G, int hd, int n, float scale, float* sc, size_t sc_stride, float* o,
+                     size_t o_stride, float* lse) {
 #if PYLLM_KV_AVX2
     if (cpu_isa_simd(cpu_get_isa()) && hd % 8 == 0) {
-        attend_group_avx2(kt, k_rows, k_stride, vt, v_rows, v_stride, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
+        attend_group_avx2(kt, k_rows, vt, v_rows, q, q_stride, G, hd, n, scale, sc, sc_stride, o,
                           o_stride, lse);
         return;
     }
 #endif
     for (int g = 0; g < G; ++g)
-        kv_attend_head_scalar(kt, k_rows, k_stride, vt, v_rows, v_stride, q + g * q_stride, hd, n, scale,
+        kv_attend_head_scalar(kt, k_rows, vt, v_rows, q + g * q_stride, hd, n, scale,
                               sc + g * sc_stride, o + g * o_stride, lse ? lse + g : nullptr);
 }
 

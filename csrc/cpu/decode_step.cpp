@@ -317,7 +317,8 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         add_lora(L.lora[0], h0b, M, D, q0, H * hd, lora_t);
         add_lora(L.lora[1], h0b, M, D, k0, Hkv * hd, lora_t);
         add_lora(L.lora[2], h0b, M, D, v0, Hkv * hd, lora_t);
-        const size_t lrow = static_cast<size_t>(il) * Hkv;  // first row index of this layer, in units of max_seq
+        const size_t lrow = static_cast<size_t>(il) * Hkv;  // first (layer, head) index of this layer
+        const size_t n_lh = static_cast<size_t>(c.n_layer) * Hkv;
       // First every row's K/V is stored (row r at pos_of[r]), then every row attends over its cache's keys up to
       // its own position: rows stored after row r lie beyond its keys, or in another sequence's cache.
       for (int r = 0; r < M; ++r) {
@@ -348,7 +349,6 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         // says -- the same storage basis kv_cache.py writes.
         float* tmp = s.tmp.data();
         for (int hh = 0; hh < Hkv; ++hh) {
-            const size_t row = (lrow + hh) * c.max_seq + pos;
             for (int part = 0; part < 2; ++part) {
                 const KVPart& P = *kvp[part];
                 const float* x = (part ? v : k) + static_cast<size_t>(hh) * hd;
@@ -367,7 +367,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                     x = tmp + hd;
                 }
                 if (P.sink && pos == 0) std::memcpy(P.sink + (lrow + hh) * hd, x, sizeof(float) * hd);
-                kv_store_row(P.type, x, hd, static_cast<uint8_t*>(P.data) + row * P.row_bytes);
+                kv_store_row(P.type, x, hd, kv_row(P, lrow + hh, n_lh, c.max_seq, pos));
             }
         }
 
@@ -430,7 +430,6 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             float* const tmp_s = s.tmp.data() + static_cast<size_t>(slot) * H * 2 * hd;
             float* const scores_s = s.scores.data() + static_cast<size_t>(slot) * H * c.max_seq;
             float* const sink_s = s.sink.data() + static_cast<size_t>(slot) * H * (hd + 3);
-            const size_t r0 = (lrow + kh) * c.max_seq + rk.j0;
             float* tq = tmp_s + static_cast<size_t>(h0) * 2 * hd;  // rotated q / pre-rotation o, per head
             const float* qg = q + static_cast<size_t>(h0) * hd;
             size_t q_stride = hd;
@@ -456,10 +455,10 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             float* sc = scores_s + static_cast<size_t>(h0) * c.max_seq;
             const bool sink = rk.sink && part == 0;
             float* lse = !whole ? part_lse + part_at(r, part, h0) : sink ? sink_s + static_cast<size_t>(H) * hd + h0 : nullptr;
-            const size_t first = r0 + rk.r_first + b0;
-            kv_attend_group(KP.type, static_cast<const uint8_t*>(KP.data) + first * KP.row_bytes, KP.row_bytes, VP.type,
-                            static_cast<const uint8_t*>(VP.data) + first * VP.row_bytes, VP.row_bytes, qg, q_stride, G,
-                            hd, b1 - b0, c.scale, sc, c.max_seq, og, o_stride, lse);
+            const int first = rk.j0 + rk.r_first + b0;
+            kv_attend_group(KP.type, kv_rows(KP, lrow + kh, n_lh, c.max_seq, first), VP.type,
+                            kv_rows(VP, lrow + kh, n_lh, c.max_seq, first), qg, q_stride, G, hd, b1 - b0, c.scale, sc,
+                            c.max_seq, og, o_stride, lse);
             if (sink) {
                 float* o0 = sink_s + static_cast<size_t>(h0) * hd;               // [G, hd] row 0's output (its v)
                 float* lse0 = sink_s + static_cast<size_t>(H) * hd + H + h0;     // [G]
@@ -467,12 +466,12 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                 const bool ks = KP.sink != nullptr, vs = VP.sink != nullptr;
                 const size_t f32row = sizeof(float) * hd;
                 kv_attend_group(ks ? KVType::F32 : KP.type,
-                                ks ? reinterpret_cast<const uint8_t*>(KP.sink + (lrow + kh) * hd)
-                                   : static_cast<const uint8_t*>(KP.data) + r0 * KP.row_bytes,
-                                ks ? f32row : KP.row_bytes, vs ? KVType::F32 : VP.type,
-                                vs ? reinterpret_cast<const uint8_t*>(VP.sink + (lrow + kh) * hd)
-                                   : static_cast<const uint8_t*>(VP.data) + r0 * VP.row_bytes,
-                                vs ? f32row : VP.row_bytes, qg, q_stride, G, hd, 1, c.scale, sc0, 1, o0, hd, lse0);
+                                ks ? kv_rows_flat(reinterpret_cast<const uint8_t*>(KP.sink + (lrow + kh) * hd), f32row)
+                                   : kv_rows(KP, lrow + kh, n_lh, c.max_seq, rk.j0),
+                                vs ? KVType::F32 : VP.type,
+                                vs ? kv_rows_flat(reinterpret_cast<const uint8_t*>(VP.sink + (lrow + kh) * hd), f32row)
+                                   : kv_rows(VP, lrow + kh, n_lh, c.max_seq, rk.j0),
+                                qg, q_stride, G, hd, 1, c.scale, sc0, 1, o0, hd, lse0);
                 for (int g = 0; g < G; ++g) {
                     const float mx = std::max(lse[g], lse0[g]);
                     const float w1 = std::exp(lse[g] - mx), w0 = std::exp(lse0[g] - mx), inv = 1.0f / (w0 + w1);

@@ -88,6 +88,12 @@ class CpuDecodeStep:
         return out, ops._C.decode_steps(self.ctx, tokens, pos, out, all_logits)
 
 
+def _paged(part) -> dict:
+    """A paged part's block table for DecodeCachePart (the step reads the live table), or nothing."""
+    table = getattr(part, "table", None)
+    return {} if table is None else {"block_table": table, "block_rows": part.block_rows}
+
+
 def _add_lora(ctx, model) -> None:
     """The model's LoRA terms (Decoder.attach_lora) into the step, which adds each after its matrix's GEMV
     (csrc/cpu/decode_step.cpp); KeyError for a term on a matrix the step does not run."""
@@ -237,6 +243,13 @@ class CpuBackend:
                 out[i] = StepRows(logits[r:r + 1], [top])
         return [o if o is not None else step_one(model, s, ops.GEMV_MAX_M) for o, s in zip(out, seqs)]
 
+    def make_kv_pool(self, kind: str, n_layer: int, n_kv_head: int, head_dim: int, n_blocks: int,
+                     block_rows: int):
+        """A BlockPool (runtime/kv_pool.py) whose caches the C++ steps read through their block tables."""
+        from ..runtime.kv_pool import BlockPool
+
+        return BlockPool(kind, n_layer, n_kv_head, head_dim, n_blocks, block_rows, device=self.device)
+
     def fused_decode(self, model, kv) -> CpuDecodeStep | None:
         """The C++ step for ``model`` over ``kv``, or None where it does not apply: a cache part it does not store
         (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the
@@ -273,9 +286,10 @@ class CpuBackend:
                 vec["output_norm.weight"].float().contiguous(),
                 [(c.contiguous(), s.contiguous()) for c, s in model.rope_tables],
                 ops._C.DecodeCachePart(k.data, KV_TYPE_IDS[k.block], mu=k.mu,
-                                       rot=None if k.rot is None else k.rot.contiguous(), scale=k.scale, sink=k.sink),
+                                       rot=None if k.rot is None else k.rot.contiguous(), scale=k.scale, sink=k.sink,
+                                       **_paged(k)),
                 ops._C.DecodeCachePart(v.data, KV_TYPE_IDS[v.block], mu=v.mu,
-                                       rot=None if v.rot is None else v.rot.contiguous(), sink=v.sink),
+                                       rot=None if v.rot is None else v.rot.contiguous(), sink=v.sink, **_paged(v)),
                 **(dict(moe_weights=[t.data for t in moe], moe_qtypes=[int(t.qtype) for t in moe]) if moe else {}))
             _add_lora(ctx, model)
         except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):

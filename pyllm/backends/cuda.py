@@ -319,6 +319,8 @@ def fused_decode_problem(model, kv) -> str | None:
     for p in kv.storage_layout():
         if p.block not in _FLOAT_KINDS + _BLOCK_KINDS:
             return f"cache rows {p.block!r}"
+        if getattr(p, "table", None) is not None:
+            return "a paged cache (the CUDA kernels read contiguous rows)"
     return None
 
 

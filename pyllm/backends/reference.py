@@ -38,6 +38,12 @@ class ReferenceBackend:
 
         return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
 
+    def make_kv_pool(self, kind: str, n_layer: int, n_kv_head: int, head_dim: int, n_blocks: int,
+                     block_rows: int):
+        from ..runtime.kv_pool import BlockPool
+
+        return BlockPool(kind, n_layer, n_kv_head, head_dim, n_blocks, block_rows, device=self.device)
+
     def fused_decode(self, model, kv):
         return None
 

@@ -37,6 +37,7 @@ from ..errors import ContextFullError, ModelError, PyllmError
 from ..safe_io import private_tempfile
 from .engine import check_finite, chunk_end, common_prefix, finish_reason, forced_end
 from .generator import GenerationStats
+from .kv_pool import slot_caches
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
 MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels' limit)
@@ -447,8 +448,9 @@ class BatchEngine:
         cfg = model.cfg
         self.model, self.n_ctx, self.is_eog = model, n_ctx, is_eog
         rows = n_ctx if max_seq is None else min(max_seq, n_ctx)
-        self.slots = [Slot(i, model.backend.make_kv_cache(kv_kind, cfg.n_layer, cfg.n_kv_head, rows, cfg.head_dim))
-                      for i in range(n_slots)]
+        # one pool of KV blocks for every slot where the backend has one (runtime/kv_pool.py)
+        self.slots = [Slot(i, kv) for i, kv in enumerate(slot_caches(model.backend, kv_kind, cfg.n_layer, cfg.n_kv_head,
+                                                                      cfg.head_dim, rows, n_slots))]
         self.disk = prompt_cache
         self.nonfinite = nonfinite or (lambda lg: ModelError("the model produced non-finite logits"))
         self.cache_hits = self.cached_tokens = self.disk_hits = 0
@@ -724,4 +726,5 @@ class BatchEngine:
                     self.disk.save(s)
                 except Exception as e:
                     _log(f"not saved: {type(e).__name__}: {e}")
+            s.kv.trim(s.exact)  # only the reusable rows are read again: a paged cache gives the rest back
         r.out.put(("error", error) if error is not None else ("end", None))

@@ -1,5 +1,7 @@
 """The KV cache: one preallocated buffer per model, written at a position and read up to a length.
 
+(The server's slots use ``PagedKVCache``, this interface over a shared pool of blocks: runtime/kv_pool.py.)
+
 Kinds (``make_kv_cache(kind, ...)``, ``pyllm.load(kv_cache=kind)``, ``--kv kind``; ``"K/V"`` such as
 ``"f16/q8_0"`` picks the key and value types separately, like llama.cpp's -ctk/-ctv; ``--kv-k``/``--kv-v``):
 
@@ -198,6 +200,30 @@ class PartLayout(NamedTuple):
     scale: torch.Tensor | None   # float32 [n_layer, Hkv, 1, hd] (keys)
     rot: torch.Tensor | None     # float32 [hd, hd]: R
     sink: torch.Tensor | None    # float32 [n_layer, Hkv, 1, hd]: position 0, exact, in the storage basis
+    # Paged (runtime/kv_pool.py): data is the pool, [n_blocks, n_layer, Hkv, block_rows, row], and position p of
+    # this sequence is row p % block_rows of block table[p // block_rows] (int32, live: filled as it grows).
+    table: torch.Tensor | None = None
+    block_rows: int = 0
+
+
+class _Rows:
+    """Where a part's rows live: here one tensor (n_layer, n_kv_head, max_seq, row) of the cache's own; a paged
+    cache's parts read and write the rows of a shared pool of blocks instead (runtime/kv_pool.py)."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+        self.buffers = [data]  # what the cache's prefix state holds per position
+
+    def put(self, layer: int, pos: int, x: torch.Tensor) -> None:
+        """Rows x [Hkv, T, row] at positions pos..pos+T-1 of ``layer``."""
+        self.data[layer, :, pos:pos + x.shape[1]] = x
+
+    def get(self, layer: int, upto: int) -> torch.Tensor:
+        """Rows of positions 0..upto-1 of ``layer``: [Hkv, upto, row]."""
+        return self.data[layer, :, :upto]
+
+    def layout(self, lay: PartLayout) -> PartLayout:
+        return lay
 
 
 class _FloatPart:
@@ -206,22 +232,24 @@ class _FloatPart:
     rot = None
     centered = False
 
-    def __init__(self, kind, n_layer, n_kv_head, max_seq, head_dim, device, is_key):
+    def __init__(self, kind, n_layer, n_kv_head, max_seq, head_dim, device, is_key, rows=None):
         self.kind, self.dtype = kind, KV_DTYPES[kind]
-        self.data = torch.zeros((n_layer, n_kv_head, max_seq, head_dim), dtype=self.dtype, device=device)
-        self.buffers = [self.data]
+        self.rows = rows or _Rows(torch.zeros((n_layer, n_kv_head, max_seq, head_dim), dtype=self.dtype,
+                                              device=device))
+        self.data = self.rows.data
+        self.buffers = self.rows.buffers
 
     def write(self, layer: int, pos: int, x: torch.Tensor) -> None:  # x: [Hkv, T, hd]
-        self.data[layer, :, pos:pos + x.shape[1]] = x.to(self.dtype)
+        self.rows.put(layer, pos, x.to(self.dtype))
 
     def layout(self) -> PartLayout:
-        return PartLayout(self.kind, self.kind, self.data, None, None, None, None)
+        return self.rows.layout(PartLayout(self.kind, self.kind, self.data, None, None, None, None))
 
     def stored(self, layer: int, upto: int, sink: bool = True) -> torch.Tensor:
-        return self.data[layer, :, :upto]
+        return self.rows.get(layer, upto)
 
     def view(self, layer: int, upto: int) -> torch.Tensor:
-        return self.data[layer, :, :upto]
+        return self.rows.get(layer, upto)
 
 
 class _BlockPart:
@@ -231,10 +259,12 @@ class _BlockPart:
     mu: (n_layer, n_kv_head, 1, head_dim) float32 (zeros where not centered).
     """
 
-    def __init__(self, kind, n_layer, n_kv_head, max_seq, head_dim, device, is_key):
+    def __init__(self, kind, n_layer, n_kv_head, max_seq, head_dim, device, is_key, rows=None):
         self.kind, self.hd, self.hkv = kind, head_dim, n_kv_head
         self.nb, self.bb = head_dim // QK, BLOCK_BYTES[kind]
-        self.data = torch.zeros((n_layer, n_kv_head, max_seq, self.nb * self.bb), dtype=torch.uint8, device=device)
+        self.rows = rows or _Rows(torch.zeros((n_layer, n_kv_head, max_seq, self.nb * self.bb), dtype=torch.uint8,
+                                              device=device))
+        self.data = self.rows.data
         self.q8 = kind in ("q8_0", "q8_rot")
         self.quantize, self.dequantize = (quantize_q8_0, dequantize_q8_0) if self.q8 else (quantize_q4_0,
                                                                                              dequantize_q4_0)
@@ -245,12 +275,13 @@ class _BlockPart:
         self.scaled = is_key
         self.scale = torch.ones(n_layer, n_kv_head, 1, head_dim, device=device)  # s: stored keys are k / s
         self.sink = torch.zeros(n_layer, n_kv_head, 1, head_dim, device=device)  # position 0, exact (storage basis)
-        self.buffers = ([self.data, self.sink] + ([self.mu] if self.centered else [])
+        self.buffers = (self.rows.buffers + [self.sink] + ([self.mu] if self.centered else [])
                         + ([self.scale] if self.scaled else []))
 
     def layout(self) -> PartLayout:
-        return PartLayout(self.kind, "q8_0" if self.q8 else "q4_0", self.data, self.mu if self.centered else None,
-                          self.scale if self.scaled else None, self.rot, self.sink)
+        return self.rows.layout(PartLayout(self.kind, "q8_0" if self.q8 else "q4_0", self.data,
+                                           self.mu if self.centered else None, self.scale if self.scaled else None,
+                                           self.rot, self.sink))
 
     def to_storage(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Model basis -> storage basis: ((x - mu) / s) [R^T]. x: [Hkv, T, hd] f32. The one definition of the
@@ -267,14 +298,14 @@ class _BlockPart:
         y = self.to_storage(layer, x)
         c, d = self.quantize(y.reshape(self.hkv, t, self.nb, QK))
         blk = torch.cat((d.unsqueeze(-1).view(torch.uint8), c.view(torch.uint8)), -1)  # [Hkv, T, nb, bb]
-        self.data[layer, :, pos:pos + t] = blk.flatten(-2)
+        self.rows.put(layer, pos, blk.flatten(-2))
         if pos == 0:
             self.sink[layer] = y[:, :1]
 
     def stored(self, layer: int, upto: int, sink: bool = True) -> torch.Tensor:
         """Dequantized, in the storage basis, position 0 exact (its stored row where ``sink`` is False):
         [Hkv, upto, hd] f32."""
-        b = self.data[layer, :, :upto].view(self.hkv, upto, self.nb, self.bb)
+        b = self.rows.get(layer, upto).reshape(self.hkv, upto, self.nb, self.bb)
         d = b[..., :2].view(torch.float16)[..., 0]
         c = b[..., 2:].view(torch.int8) if self.q8 else b[..., 2:]
         x = self.dequantize(c, d).view(self.hkv, upto, self.hd)
@@ -310,8 +341,8 @@ def balanced_key_scale(k: torch.Tensor, q: torch.Tensor | None) -> torch.Tensor:
     return (s / s.pow(2).mean(-1, keepdim=True).sqrt()).float().unsqueeze(1)
 
 
-def _make_part(kind, *args, is_key):
-    return (_FloatPart if kind in KV_DTYPES else _BlockPart)(kind, *args, is_key=is_key)
+def _make_part(kind, *args, is_key, rows=None):
+    return (_FloatPart if kind in KV_DTYPES else _BlockPart)(kind, *args, is_key=is_key, rows=rows)
 
 
 class KVCache:
@@ -329,8 +360,8 @@ class KVCache:
         self.k_kind, self.v_kind = split_kind(kind)
         self.kind = join_kind(self.k_kind, self.v_kind)
         args = (n_layer, n_kv_head, max_seq, head_dim, device)
-        self.k_part = _make_part(self.k_kind, *args, is_key=True)
-        self.v_part = _make_part(self.v_kind, *args, is_key=False)
+        self.k_part = _make_part(self.k_kind, *args, is_key=True, rows=self._part_rows(0))
+        self.v_part = _make_part(self.v_kind, *args, is_key=False, rows=self._part_rows(1))
         self.parts = (self.k_part, self.v_part)
         # a plain float cache of one dtype: the tensors and dtype the C++ decode step and older callers read
         same_float = self.k_kind == self.v_kind and self.k_kind in KV_DTYPES
@@ -339,6 +370,13 @@ class KVCache:
         self.v = self.v_part.data if self.v_kind in KV_DTYPES else None
         self.mu_set = [False] * n_layer  # False while the layer holds position 0 alone (or nothing)
         self.centered = any(p.centered for p in self.parts)
+
+    def _part_rows(self, index: int):
+        """Where part ``index`` (0 keys, 1 values) keeps its rows: None, a tensor of its own."""
+        return None
+
+    def trim(self, n: int) -> None:
+        """Rows n.. will not be read again: a paged cache gives their blocks back; this one keeps its buffer."""
 
     @staticmethod
     def bytes_per_token(n_layer: int, n_kv_head: int, head_dim: int, kind: str = "f16") -> float:
@@ -403,6 +441,9 @@ class KVCache:
 
     def copy_prefix_from(self, src: "KVCache", n: int) -> None:
         """Positions 0..n-1 and the statistics of ``src`` (same layout) into this cache."""
+        if not all(isinstance(p.rows, _Rows) for p in src.parts):  # a paged cache: its rows come gathered
+            self.load_prefix_state(src.prefix_state(n), n)
+            return
         for (_, d, rows), (_, b, _) in zip(self._buffers(), src._buffers()):
             if rows:
                 d[:, :, :n].copy_(b[:, :, :n])
@@ -440,6 +481,7 @@ class KVCache:
                                                          None if q is None else q[skip:].float())
                 self.mu_set[layer] = True
                 if old is not None:
+                    self.check_room(0, 1)  # a paged cache's block 0 may be shared: it is copied before the write
                     self.k_part.write(layer, 0, old[0])
                     self.v_part.write(layer, 0, old[1])
         self.k_part.write(layer, pos, k)

@@ -1,0 +1,337 @@
+"""The paged KV cache (runtime/kv_pool.py): a pool of blocks, block tables, shared prefixes, copy on write.
+
+References.  Logits: a contiguous KVCache of the same kind fed the same tokens; the paged cache stores the same
+bytes and every path (the torch forward's prefill and cached attention, the C++ one-token step, its multi-row
+pass, the batched step) reads the same values in the same order through the block table, so the tolerance is 0
+(torch.equal) for every kind, the sliding window included.  Pool bookkeeping: a model of it kept in plain Python
+beside random operation sequences (hypothesis), whose rows must read back exactly what each sequence wrote.
+"""
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import pyllm
+from pyllm import ops
+from pyllm.errors import PyllmError
+from pyllm.runtime import batch
+from pyllm.runtime.kv_cache import KV_KINDS, KVCache
+from pyllm.runtime.kv_pool import BlockPool, PagedKVCache, PoolFullError, slot_caches
+
+from conftest import pyllm_model
+
+
+@pytest.fixture(scope="module")
+def _extension():
+    """The C++ step's tests are about the extension: a build that fails is a failure, never a skip."""
+    pyllm._ext.load()
+
+
+def _pool_for(model, kind, n_blocks=64, block_rows=4):
+    c = model.cfg
+    return BlockPool(kind, c.n_layer, c.n_kv_head, c.head_dim, n_blocks, block_rows)
+
+
+def _contiguous(model, kind, n_ctx):
+    c = model.cfg
+    return KVCache(c.n_layer, c.n_kv_head, n_ctx, c.head_dim, kind)
+
+
+def _run(model, kv, prompt, steps, cpp):
+    """Logits of a prompt prefilled in two chunks (the second attends over the cache), then greedy steps: the C++
+    step where ``cpp`` (and the multi-row pass for two tokens at the end), else the torch forward one token at a
+    time."""
+    assert len(prompt) > 9
+    out = [model.forward(torch.tensor(prompt[:9]), 0, kv)[0], model.forward(torch.tensor(prompt[9:]), 9, kv)[0]]
+    pos, tok = len(prompt), int(out[-1].argmax())
+    model.use_cpp_decode = cpp
+    try:
+        for _ in range(steps):
+            lg = model.forward(torch.tensor([tok]), pos, kv)[0]
+            out.append(lg)
+            pos, tok = pos + 1, int(lg.argmax())
+        if cpp:
+            step = model.fused_step(kv)
+            assert step is not None, "the C++ step does not apply"
+            kv.check_room(pos, 2)
+            out += list(step.rows(torch.tensor([tok, 7]), pos))
+    finally:
+        model.use_cpp_decode = True
+    return torch.stack(out)
+
+
+CASES = [("smollm2", list(KV_KINDS) + ["f16/q8_0", "q4_rot/f16"]), ("qwen2", ["f16", "q4_0"]),
+         ("gemma3", ["f16", "q8_0/q4_rot"])]
+
+
+@pytest.mark.parametrize("key,kinds", CASES)
+def test_paged_logits_equal_contiguous(_extension, key, kinds):
+    llm = pyllm_model(key, n_ctx=256, n_threads=1)
+    model = llm.model
+    saved = model.spec
+    if key == "gemma3":  # keys leave the local layers' window within the prompt and the steps below
+        model.spec = model.spec.with_windows(6, where=lambda layer: layer.window)
+    try:
+        prompt = llm.tokenize("The quick brown fox jumps over the lazy dog. " * 2)[:21]
+        for kind in kinds:
+            cpp = kind.split("/")[0] != "bf16" and kind.split("/")[-1] != "bf16"  # bf16: no C++ step
+            ref = _run(model, _contiguous(model, kind, 64), prompt, 6, cpp)
+            paged = _run(model, _pool_for(model, kind).cache(64), prompt, 6, cpp)
+            assert torch.equal(paged, ref), f"{key} {kind}: paged logits differ from the contiguous cache's"
+            if cpp:  # and the torch forward's own one-token path
+                ref = _run(model, _contiguous(model, kind, 64), prompt, 3, False)
+                paged = _run(model, _pool_for(model, kind).cache(64), prompt, 3, False)
+                assert torch.equal(paged, ref), f"{key} {kind}: torch path"
+    finally:
+        model.spec = saved
+
+
+def test_paged_logits_equal_reference_backend():
+    """The reference backend (plain torch forward, the oracle) over a paged cache of its own pool."""
+    llm = pyllm.load(pyllm_model("smollm2", n_ctx=64).path, n_ctx=64, kernels="reference")
+    model = llm.model
+    prompt = llm.tokenize("Paris is the capital of France, and Berlin is the capital of Germany.")[:14]
+    for kind in ("f16", "q4_rot"):
+        c = model.cfg
+        pool = model.backend.make_kv_pool(kind, c.n_layer, c.n_kv_head, c.head_dim, 32, 4)
+        ref = _run(model, _contiguous(model, kind, 64), prompt, 3, False)
+        assert torch.equal(_run(model, pool.cache(64), prompt, 3, False), ref), kind
+
+
+def _prefill(model, slot, ids):
+    while batch.prefill_chunk(model, slot, ids) is None:
+        pass
+
+
+def test_batched_step_over_one_pool(_extension):
+    """decode_batch over caches of one pool, two of them sharing a prompt's blocks: every row equals its sequence
+    alone on a contiguous cache, bit for bit, and the shared blocks are copied only where a sequence writes."""
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+    model = llm.model
+    for kind in ("f16", "q8_0", "q4_rot/f16"):
+        pool = _pool_for(model, kind, n_blocks=256, block_rows=16)
+        long = llm.tokenize("Once upon a time, in a small village by the sea, there lived an old fisherman. " * 8)
+        assert len(long) >= 75
+        prompts = [long[:70], long[:75], llm.tokenize("def fibonacci(n):\n    ")]
+        alone = [batch.Slot(i, _contiguous(model, kind, 160)) for i in range(3)]
+        paged = [batch.Slot(i, pool.cache(160)) for i in range(3)]
+        for s, ids in zip(alone, prompts):
+            _prefill(model, s, ids)
+        _prefill(model, paged[0], prompts[0])
+        paged[1].copy_prefix(paged[0], 64)  # the first whole chunk, by reference
+        assert paged[1].kv.seq.blocks == paged[0].kv.seq.blocks[:4]
+        assert all(pool.refs[b] == 2 for b in paged[0].kv.seq.blocks[:4])
+        _prefill(model, paged[1], prompts[1])
+        _prefill(model, paged[2], prompts[2])
+        assert paged[1].kv.seq.blocks[:4] == paged[0].kv.seq.blocks[:4], "a read copied a shared block"
+        toks = [11, 12, 13]
+        for step in range(4):
+            ref = []
+            for s, t in zip(alone, toks):
+                lg = torch.empty(model.cfg.n_vocab)
+                s.kv.check_room(len(s.tokens), 1)
+                ops._C.decode_step(s.context(model), t, len(s.tokens), lg)
+                s.tokens.append(t)
+                ref.append(lg)
+            got, _ = batch.decode_rows_with_argmax(model, paged, toks)
+            for b in range(3):
+                assert torch.equal(got[b], ref[b]), f"{kind} step {step} row {b}"
+            toks = [int(r.argmax()) for r in ref]
+
+
+def test_copy_on_write_keeps_the_other_sequence(_extension):
+    """A sequence that rewrites a shared block (its prompt diverges inside it) gets its own copy; the other's
+    logits stay those of a cache nobody shared."""
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+    model = llm.model
+    pool = _pool_for(model, "q8_0", n_blocks=64, block_rows=8)
+    a, b = pool.cache(64), pool.cache(64)
+    ids = llm.tokenize("The capital of France is Paris. The capital of Italy is Rome. " * 3)[:20]
+    model.forward(torch.tensor(ids), 0, a)
+    b.copy_prefix_from(a, 20)  # shares blocks 0..2, the last one partly filled
+    shared = list(b.seq.blocks)
+    assert shared == a.seq.blocks and all(pool.refs[x] == 2 for x in shared)
+    model.forward(torch.tensor([5, 6, 7]), 18, b)  # b diverges inside block 2
+    assert b.seq.blocks[:2] == shared[:2] and b.seq.blocks[2] != shared[2] and pool.refs[shared[2]] == 1
+    ref = _contiguous(model, "q8_0", 64)
+    model.forward(torch.tensor(ids), 0, ref)
+    for pos, t in enumerate((9, 10, 11), start=20):
+        assert torch.equal(model.forward(torch.tensor([t]), pos, a), model.forward(torch.tensor([t]), pos, ref))
+    back = _contiguous(model, "q8_0", 64)  # and a paged prefix copies into a contiguous cache
+    back.copy_prefix_from(b, 21)
+    for layer in range(model.cfg.n_layer):
+        assert all(torch.equal(x, y) for x, y in zip(back.view(layer, 21), b.view(layer, 21)))
+    a.release()
+    b.release()
+    assert pool.used_blocks == 0 and pool.free_blocks == pool.n_blocks
+
+
+def test_pool_bounds_and_errors(_extension):
+    pool = BlockPool("f16", 2, 2, 64, n_blocks=3, block_rows=4)
+    assert pool.block_bytes == 2 * 2 * 2 * 4 * 64 * 2 and pool.capacity_bytes == 3 * pool.block_bytes
+    a = pool.cache(32)
+    a.check_room(0, 12)
+    assert pool.used_blocks == 3 and pool.reserved_bytes == pool.capacity_bytes
+    with pytest.raises(PoolFullError, match="pool is full: all 3 blocks"):
+        pool.cache(32).check_room(0, 1)
+    with pytest.raises(PyllmError, match="holds 32 positions"):
+        a.check_room(30, 3)
+    a.trim(5)  # positions 0..4 stay: blocks 0 and 1
+    assert a.seq.blocks == [0, 1] and pool.free_blocks == 1
+    a.release()
+    assert pool.free_blocks == 3 and pool.reserved_bytes == pool.capacity_bytes  # high-water mark
+    for bad in (0, 3, 6):
+        with pytest.raises(PyllmError, match="power of two" if bad else "at least one"):
+            BlockPool("f16", 2, 2, 64, n_blocks=0 if not bad else 4, block_rows=bad or 4)
+    with pytest.raises(PyllmError, match="unknown KV cache type"):
+        BlockPool("q5_0", 2, 2, 64, 4)
+
+
+def test_step_checks_the_block_table(_extension):
+    """A table entry outside the pool is refused by the step (IndexError), never read."""
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+    model = llm.model
+    kv = _pool_for(model, "f16", n_blocks=8).cache(32)
+    model.forward(torch.tensor([1, 2, 3]), 0, kv)
+    step = model.fused_step(kv)
+    assert step is not None
+    kv.seq.table[0] = 8
+    with pytest.raises(IndexError, match="block table entry 0 is 8, outside the pool's 8 blocks"):
+        step(4, 3)
+    kv.seq.table[0] = kv.seq.blocks[0]
+
+
+def _tokens(r, n=None):
+    """The tokens request r streams (n of them, or until it ends)."""
+    toks = []
+    while n is None or len(toks) < n:
+        item = r.out.get(timeout=120)
+        if item[0] != "token":
+            assert item[0] == "end", item
+            break
+        toks.append(item[1])
+    return toks
+
+
+def test_engine_slots_share_one_pool(_extension):
+    """The server's slots take blocks from one pool as they grow: 32 slots of 8192 positions reserve nothing up
+    front, a request takes the blocks of its rows, a finished one keeps only its reusable prompt rows, a request
+    whose prompt starts like a running one's shares that one's blocks, and a cancelled one gives its blocks back.
+    Reference for the tokens: the same greedy request alone (batch invariance)."""
+    from pyllm.runtime.sampler import Sampler
+
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+    cfg = llm.config
+    eng = batch.BatchEngine(llm.model, "f16", 8192, 32, llm.tokenizer.is_eog)
+    try:
+        pool = eng.slots[0].kv.pool
+        assert all(s.kv.pool is pool for s in eng.slots)
+        full = 32 * KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "f16") * 8192
+        assert pool.capacity_bytes == full and pool.reserved_bytes == 0
+        ids = llm.tokenize("The history of the printing press begins in the fifteenth century. " * 8)[:100]
+
+        def request(prompt, n):
+            return eng.submit(batch.Request(ids=list(prompt), max_tokens=n, sampler=Sampler(temperature=0)))
+
+        alone = _tokens(request(ids, 4))
+        assert pool.used_blocks == 64 // pool.block_rows  # the finished slot kept its reusable 64 rows
+        # a long request holds the slot with those rows; the next one lands in another slot and shares them
+        long = request(ids, 4000)
+        assert _tokens(long, 4) == alone
+        other = ids[:70] + llm.tokenize(" Gutenberg")
+        shared = _tokens(request(other, 4))
+
+        def blocks():
+            return [list(s.kv.seq.blocks) for s in eng.slots if s.kv.seq.blocks]
+
+        a, b = sorted(eng.call(blocks), key=len, reverse=True)
+        assert b == a[:4] and all(pool.refs[x] == 2 for x in b), "the second slot copied the prefix"
+        long.cancel.set()
+        _tokens(long)
+        assert eng.call(lambda: pool.used_blocks) == 4  # the cancelled slot kept its reusable rows only
+        r = request(other, 4)
+        assert _tokens(r) == shared and eng.cache_hits == 3
+        assert pool.reserved_bytes <= 16 * pool.block_bytes < full / 1000
+    finally:
+        eng.close()
+
+
+# ---- the pool's bookkeeping under random operations --------------------------------------------------------------
+# appends and forks weigh more: a wrong share shows once two holders of one block both write after it
+OPS = st.lists(st.tuples(st.sampled_from(["admit", "append", "append", "append", "fork", "fork", "share", "finish",
+                                          "cancel", "trim"]),
+                         st.integers(0, 3), st.integers(0, 3), st.integers(1, 6)), max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(OPS, st.sampled_from(list(KV_KINDS) + ["q8_rot/f32"]))
+@example([("admit", 0, 0, 5), ("fork", 0, 1, 1), ("append", 0, 0, 2), ("append", 1, 0, 2)], "q4_rot")
+@example([("admit", 0, 0, 9), ("admit", 1, 0, 3), ("share", 0, 1, 2), ("append", 1, 0, 3), ("append", 0, 0, 1),
+          ("finish", 0, 0, 1), ("admit", 2, 0, 9)], "q8_0")
+def test_no_block_leaked_or_shared_wrongly(ops_, kind):
+    """Random admit / append / finish / cancel / fork / prefix-share / trim over a small pool, each sequence
+    mirrored by a contiguous cache given the same writes.  After every operation: each block's reference count is
+    the number of sequences holding it, the free blocks are exactly those of count 0, every sequence reads back
+    exactly its mirror's rows (a block shared wrongly, or written without its copy, shows another sequence's
+    rows), and once every sequence is gone every block is free."""
+    pool = BlockPool(kind, 1, 1, 32, n_blocks=24, block_rows=4)
+    seqs: dict[int, tuple[PagedKVCache, KVCache, list[int]]] = {}  # id -> (cache, mirror, [its length])
+    gen = torch.Generator().manual_seed(0)
+
+    def write(kv, mirror, n, t):
+        try:
+            kv.check_room(n[0], t)
+        except PoolFullError:
+            return
+        k, v = torch.randn(t, 1, 32, generator=gen) * 4, torch.randn(t, 1, 32, generator=gen)
+        kv.update(0, n[0], k, v)
+        mirror.update(0, n[0], k, v)
+        n[0] += t
+
+    for op, i, j, t in ops_:
+        if op == "admit" and i not in seqs:
+            seqs[i] = (pool.cache(40), KVCache(1, 1, 40, 32, kind), [0])
+            write(*seqs[i], t)
+        elif op == "append" and i in seqs and seqs[i][2][0] + t <= 40:
+            write(*seqs[i], t)
+        elif op in ("finish", "cancel") and i in seqs:
+            seqs.pop(i)[0].release()
+        elif op == "fork" and i in seqs and j not in seqs:
+            kv, mirror, n = seqs[i]
+            twin = KVCache(1, 1, 40, 32, kind)
+            twin.copy_prefix_from(mirror, n[0])
+            seqs[j] = (kv.fork(), twin, [n[0]])
+        elif op == "share" and i in seqs and j in seqs and i != j:
+            (src, smirror, sn), (dst, dmirror, dn) = seqs[i], seqs[j]
+            dn[0] = min(sn[0], t * 4)
+            dst.copy_prefix_from(src, dn[0])
+            dmirror.copy_prefix_from(smirror, dn[0])
+        elif op == "trim" and i in seqs:
+            kv, _, n = seqs[i]
+            n[0] = min(n[0], t)
+            kv.trim(n[0])
+        held: dict[int, int] = {}
+        for kv, mirror, (n,) in seqs.values():
+            assert len(kv.seq.blocks) * 4 >= n
+            assert kv.seq.table[:len(kv.seq.blocks)].tolist() == kv.seq.blocks
+            for b in kv.seq.blocks:
+                held[b] = held.get(b, 0) + 1
+            if n:
+                got, want = kv.view(0, n), mirror.view(0, n)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(pool.refs[b] == held.get(b, 0) for b in range(pool.n_blocks))
+        assert sorted(pool._free) == [b for b in range(pool.n_blocks) if b not in held]
+    for kv, _, _ in seqs.values():
+        kv.release()
+    assert pool.used_blocks == 0 and all(r == 0 for r in pool.refs)
+
+
+def test_slot_caches_without_pools():
+    """A backend without pools (CUDA) gives each slot a contiguous cache of its own."""
+    class NoPool:
+        def make_kv_cache(self, kind, n_layer, n_kv_head, max_seq, head_dim):
+            return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind)
+
+    caches = slot_caches(NoPool(), "f16", 2, 2, 64, 32, 3)
+    assert len(caches) == 3 and all(type(c) is KVCache and c.max_seq == 32 for c in caches)
