@@ -221,6 +221,8 @@ class CpuBackend:
         (each row bit for bit its sequence's one-token step: tests/test_decode_batch.py); a lone decode token
         takes the one-token step, decode rows of one sequence its multi-row pass, prompt chunks the forward."""
         check_seqs(seqs)
+        if len(seqs) == 1:  # nothing to batch
+            return [step_one(model, seqs[0], ops.GEMV_MAX_M)]
         out: list[StepRows | None] = [None] * len(seqs)
         batched = []  # (index, its C++ context) of the single decode tokens with a C++ step
         for i, s in enumerate(seqs):
