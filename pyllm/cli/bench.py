@@ -324,6 +324,9 @@ def cmd_bench(a) -> int:
             header_printed = True
         with torch.inference_mode():
             rows += run_tests(s, a, roof if on_gpu or s.runtime["device"] == "cpu" else {}, print_row)
+    note = stale_roofline_note(rows, roof)
+    if note:
+        print(note, file=sys.stderr)
     if a.output == "json":
         print(json.dumps(rows, indent=2))
     elif a.output == "csv":
@@ -334,6 +337,22 @@ def cmd_bench(a) -> int:
         w.writerows(rows)
         print(buf.getvalue(), end="")
     return 0
+
+
+STALE_ROOFLINE_SHARE = 1.5  # a GEMV pass reads at most ~1.1x what the probe's one summing loop reads
+
+
+def stale_roofline_note(rows: list[dict], roof: dict) -> str | None:
+    """A warning when a run read weights far faster than the cached roofline says the machine can: the roofline was
+    then measured while something else loaded the machine (it is cached per CPU and thread count), and every
+    share printed against it is inflated."""
+    share = max((r.get("bw_share") or 0.0 for r in rows), default=0.0)
+    if share <= STALE_ROOFLINE_SHARE:
+        return None
+    when = f" on {roof['date']}" if roof.get("date") else ""
+    return (f"pyllm bench: a run read {100 * share:.0f}% of the cached read bandwidth "
+            f"({roof.get('read_gbs', 0):.1f} GB/s, measured{when}): that figure was probably taken on a busy "
+            f"machine; re-measure it on a quiet one with `pyllm bench --probe -t THREADS`")
 
 
 # ---- speculative decoding test (--spec) ------------------------------------------------------------------------------
