@@ -353,6 +353,27 @@ struct Job {
     }
 };
 
+// A parallel GEMV's units of work: runs of one job's rows of about equal weight bytes (~8 per thread, at most
+// kMaxChunkBytes), each a multiple of that job's kernel row group, taken dynamically so a thread slowed by another
+// process does not hold the others up; a run is contiguous rows for the hardware prefetcher.  The cap: the last chunk
+// is the other threads' wait, and Gemma 3's 178 MB output projection in 11 MB chunks left a core idle ~0.25 ms per
+// token (1 MB: 0.03 ms).  group_of(p): job p's row group (its N is a multiple of it: the bindings check).
+struct Chunk {
+    int p, n0, n1;
+};
+
+template <class GroupOf>
+void cut_chunks(std::vector<Chunk>& chunks, const Job* jobs, int n_parts, size_t total_bytes, int nt,
+                GroupOf group_of) {
+    chunks.clear();
+    const size_t chunk_bytes = std::clamp<size_t>(total_bytes / (static_cast<size_t>(nt) * 8), 1, kMaxChunkBytes);
+    for (int p = 0; p < n_parts; ++p) {
+        const int g = group_of(p);
+        const int rows = (static_cast<int>(std::max<size_t>(1, chunk_bytes / jobs[p].row_bytes)) + g - 1) / g * g;
+        for (int n0 = 0; n0 < jobs[p].N; n0 += rows) chunks.push_back({p, n0, std::min(jobs[p].N, n0 + rows)});
+    }
+}
+
 }  // namespace
 
 int row_top_k_cpu(const float* y, int n, int k, int64_t* ids) {
@@ -556,21 +577,8 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         for (int p = 0; p < n_parts; ++p) job[p].run(K, 0, job[p].N);
         busy = stats ? now_ns() - t1 : 0;
     } else {
-        // Chunks of about equal weight bytes (~8 per thread, at most kMaxChunkBytes), taken dynamically so a thread
-        // slowed by another process does not hold the others up; each chunk is a contiguous run of one part's rows
-        // for the hardware prefetcher.  The cap: the last chunk is the other threads' wait, and Gemma 3's 178 MB
-        // output projection in 11 MB chunks left a core idle ~0.25 ms per token (1 MB: 0.03 ms).
-        struct Chunk {
-            int p, n0, n1;
-        };
         thread_local std::vector<Chunk> chunks;
-        chunks.clear();
-        const size_t chunk_bytes = std::clamp<size_t>(total_bytes / (static_cast<size_t>(nt) * 8), 1, kMaxChunkBytes);
-        for (int p = 0; p < n_parts; ++p) {
-            const int g = kern[p]->group;  // N is a multiple of it (bindings check)
-            const int rows = (static_cast<int>(std::max<size_t>(1, chunk_bytes / job[p].row_bytes)) + g - 1) / g * g;
-            for (int n0 = 0; n0 < job[p].N; n0 += rows) chunks.push_back({p, n0, std::min(job[p].N, n0 + rows)});
-        }
+        cut_chunks(chunks, job, n_parts, total_bytes, nt, [&](int p) { return kern[p]->group; });
         const int n_chunks = static_cast<int>(chunks.size());
         const Chunk* const ck = chunks.data();  // chunks is this thread's: the team reads it through a pointer
         const bool timed = stats != nullptr;
@@ -710,18 +718,9 @@ void gemv_each_cpu(const GemvPart* parts, const float* const* x, int n_parts, in
     if (nt <= 1) {
         for (int p = 0; p < n_parts; ++p) jb[p].run(K, 0, jb[p].N);
     } else {
-        // Chunks as gemv_parts_cpu cuts them: about equal weight bytes, at most kMaxChunkBytes, one part's rows each.
-        struct Chunk {
-            int p, n0, n1;
-        };
         thread_local std::vector<Chunk> chunks;
-        chunks.clear();
-        const size_t chunk_bytes = std::clamp<size_t>(total_bytes / (static_cast<size_t>(nt) * 8), 1, kMaxChunkBytes);
-        for (int p = 0; p < n_parts; ++p) {
-            const int g = tab.k[static_cast<int>(isa)][static_cast<int>(parts[p].t)].group;
-            const int rows = (static_cast<int>(std::max<size_t>(1, chunk_bytes / jb[p].row_bytes)) + g - 1) / g * g;
-            for (int n0 = 0; n0 < jb[p].N; n0 += rows) chunks.push_back({p, n0, std::min(jb[p].N, n0 + rows)});
-        }
+        cut_chunks(chunks, jb, n_parts, total_bytes, nt,
+                   [&](int p) { return tab.k[static_cast<int>(isa)][static_cast<int>(parts[p].t)].group; });
         const int n_chunks = static_cast<int>(chunks.size());
         const Chunk* const ck = chunks.data();
 #pragma omp parallel for num_threads(nt) schedule(dynamic, 1)
