@@ -26,7 +26,7 @@ from conftest import cli_in_process, fixture_path, pyllm_model
 from pyllm.backends import split
 from pyllm.backends.split import SplitBackend, SplitKVCache, check_gpu_layers, fit_gpu_layers, model_bytes
 from pyllm.errors import PyllmError
-from test_fast_accuracy import KL_LLAMA_CPP, KL_SPREAD, real_text
+from test_fast_accuracy import KL_LLAMA_CPP, KL_SPREAD, decode_logits, real_text
 
 GIB, MIB = 2**30, 2**20
 N_LAYER = {"smollm2": 30, "gemma3": 18}
@@ -59,15 +59,6 @@ def torch_path(llm):
     """``llm`` with its one-token forwards through the torch forward, as a split model runs every token."""
     llm.model.use_cpp_decode = False
     return llm
-
-
-def decode_logits(llm, ids: list[int]) -> torch.Tensor:
-    """The logits after ids[0], ids[0..1], ...: a prefill of the first token, then one decode step per token."""
-    g = llm.generator
-    g.reset()
-    out = [g._forward([t])[-1] for t in ids]
-    g.reset()
-    return torch.stack(out).double()
 
 
 # ---- the choice of N -------------------------------------------------------------------------------------------
