@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import DownloadError, GGUFError, shorten
-from .gguf import GGUF_MAGIC, NeedMoreBytes, expected_file_size
+from .formats.gguf import GGUF_MAGIC, NeedMoreBytes, expected_file_size
 from .safe_io import open_private, open_regular, parse_json
 
 HF_REF = re.compile(r"^(?:https?://)?(?:hf\.co|huggingface\.co)/([A-Za-z0-9][\w.-]*)/([A-Za-z0-9][\w.-]*)"

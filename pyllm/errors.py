@@ -18,7 +18,7 @@ class ModelError(PyllmError):
 
 
 class AWQError(ModelError):
-    """An AWQ folder is incomplete, inconsistent or uses a layout pyllm does not support (pyllm/awq/)."""
+    """An AWQ folder is incomplete, inconsistent or uses a layout pyllm does not support (pyllm/formats/awq/)."""
 
 
 class TokenizerError(PyllmError):
@@ -34,7 +34,7 @@ class DownloadError(PyllmError):
 
 
 class ConvertError(PyllmError):
-    """A checkpoint cannot be converted to GGUF (pyllm/convert.py)."""
+    """A checkpoint cannot be converted to GGUF (pyllm/formats/convert.py)."""
 
 
 class ContextFullError(PyllmError):

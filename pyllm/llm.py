@@ -821,7 +821,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str | None =
     a (path, scale) pair, or a list of them (scale 1.0 for a bare path); ``llm.lora`` lists them.
     """
     from . import backends
-    from .checkpoint import read_gguf
+    from .formats.checkpoint import read_gguf
 
     t0 = time.perf_counter()
     if not isinstance(model, (str, os.PathLike)) or not os.fspath(model):
@@ -849,8 +849,8 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str | None =
     lora_adapters.parse_spec(lora)  # a malformed argument fails before the model is read
     runner = backends.select(device, kernels, n_threads, gpu_layers)
     path = registry.resolve(model, quiet=quiet)
-    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/awq/)
-        from .awq.folder import read_awq
+    if path.is_dir() and (path / "config.json").is_file():  # a Hugging Face folder: AWQ (pyllm/formats/awq/)
+        from .formats.awq.folder import read_awq
 
         ckpt = read_awq(path, quiet=quiet)
     elif path.is_dir():
@@ -877,7 +877,7 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str | None =
 def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_threads: int | None = None,
                     quiet: bool = True, context_policy: str = "stop", verbose: bool = False,
                     t0: float | None = None, lora=None) -> LLM:
-    """The LLM for a file reader's Checkpoint (pyllm/checkpoint.py), run by ``backend`` (pyllm.backends.select):
+    """The LLM for a file reader's Checkpoint (pyllm/formats/checkpoint.py), run by ``backend`` (pyllm.backends.select):
     plans the KV cache, prepares the weights (CUDA: uploads them), builds the model and its cache. Closes the
     checkpoint if anything fails."""
     from .models import ENCODERS, build_model

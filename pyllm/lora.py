@@ -87,8 +87,8 @@ def parse_spec(spec) -> list[tuple[str, float]]:
 def read_adapter(path: str | os.PathLike, scale: float = 1.0) -> LoraAdapter:
     """An adapter file's pairs as float32 tensors; LoraError (one line, naming the file and the key or tensor) for
     a file that is not a LoRA adapter in llama.cpp's format."""
-    from .gguf import open_gguf
-    from .quant import qtensor_from_gguf
+    from .formats.gguf import open_gguf
+    from .formats.quant import qtensor_from_gguf
 
     p = Path(path)
     if not p.is_file():

@@ -411,7 +411,7 @@ def _pull_registry(m: RegistryModel, final: Path, quiet: bool) -> None:
 def _convert_zipped_checkpoint(m: RegistryModel, zipped: Path, tmpdir: Path, quiet: bool) -> Path:
     """The GGUF pyllm convert makes of the Hugging Face folder in ``zipped`` (already checked against the
     registry's digest), written in ``tmpdir``."""
-    from .convert import convert
+    from .formats.convert import convert
 
     folder = tmpdir / "checkpoint"
     try:
@@ -452,7 +452,7 @@ def _check_gguf(path: Path, ref: str) -> bool:
     """A downloaded file must open as a GGUF (header and tensor table inside the file): a server that lied about
     the length, or an HTML error page, is caught here. Returns whether it carries a chat template."""
     from .errors import GGUFError
-    from .gguf import open_gguf
+    from .formats.gguf import open_gguf
 
     try:
         with open_gguf(path) as gf:

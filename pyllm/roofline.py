@@ -99,7 +99,7 @@ def measure_prefill_flops(threads: int, m: int = 512, n: int = 4096, k: int = 40
     """(kernel name, FLOP/s) of the prefill GEMM that mul_mat uses above the GEMV rows, on a 512-token batch
     against a 4096 x 4096 Q4_0 weight (one Llama-3-8B projection): dequantization included, as in prefill."""
     from ._ext import load
-    from .gguf import GGMLType
+    from .formats.gguf import GGMLType
 
     C = load()
     old = C.get_num_threads()

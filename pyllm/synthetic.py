@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pyllm.gguf import BLOCK_INFO, COMPUTE_TYPES, DEFAULT_ALIGNMENT, GGMLType, ValueType
+from pyllm.formats.gguf import BLOCK_INFO, COMPUTE_TYPES, DEFAULT_ALIGNMENT, GGMLType, ValueType
 
 # Byte offsets of the fp16 scale/min fields inside one block: random bytes there could be inf/NaN.
 SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {

@@ -104,7 +104,7 @@ def _hf_with_file_weights(arch: str, llm):
     """transformers' model with each matrix rounded to the type the GGUF holds it in (dequantized by gguf.quants)."""
     import gguf
 
-    from pyllm.quantize import quantize
+    from pyllm.formats.quantize import quantize
 
     m = copy.deepcopy(tm.hf_model(arch))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[llm.config.arch.upper()], llm.config.n_layer)
@@ -119,7 +119,7 @@ def _hf_with_file_weights(arch: str, llm):
 
 @pytest.mark.parametrize("arch", tm.ARCHS)
 def test_q8_0_logits(arch):
-    from pyllm.gguf import GGMLType
+    from pyllm.formats.gguf import GGMLType
 
     llm = tm.pyllm_model(arch, "q8_0")
     assert {w.qtype for n, w in llm.weights.items() if len(w.shape) == 2} == {GGMLType.Q8_0}
@@ -134,7 +134,7 @@ def test_q8_0_logits(arch):
 
 @pytest.mark.parametrize("arch", ["llama3", "gemma3", "smollm3"])
 def test_q4_k_m_logits(arch):
-    from pyllm.gguf import GGMLType
+    from pyllm.formats.gguf import GGMLType
 
     llm = tm.pyllm_model(arch, "q4_k_m")
     types = {n: w.qtype for n, w in llm.weights.items() if len(w.shape) == 2}

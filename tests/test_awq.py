@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from conftest import unblock_fifo_later
-from pyllm.awq.folder import open_awq
-from pyllm.awq.shards import open_shards
-from pyllm.awq.tokenizer import chat_template_source, tokenizer_from_hf
-from pyllm.awq.unpack import AWQTensor
+from pyllm.formats.awq.folder import open_awq
+from pyllm.formats.awq.shards import open_shards
+from pyllm.formats.awq.tokenizer import chat_template_source, tokenizer_from_hf
+from pyllm.formats.awq.unpack import AWQTensor
 from pyllm.errors import PyllmError
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyllm.awq.folder import open_awq
-from pyllm.awq.unpack import AWQTensor
+from pyllm.formats.awq.folder import open_awq
+from pyllm.formats.awq.unpack import AWQTensor
 from test_awq import dequantize_gemm
 
 PROMPTS = [

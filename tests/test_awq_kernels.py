@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from pyllm import _ext
-from pyllm.awq.repack import AWQRows, repack, repack_weights
-from pyllm.awq.unpack import AWQTensor
+from pyllm.formats.awq.repack import AWQRows, repack, repack_weights
+from pyllm.formats.awq.unpack import AWQTensor
 from test_awq import HAVE_AUTO_ROUND, dequantize_gemm, fixtures, needs_writer, random_awq  # noqa: F401 (fixture)
 from test_kernels import C, C_all_isas, SEED, gemv_on_every_isa, quantize_like_kernels, rel_err, rng_for, why  # noqa: F401 (fixture)
 

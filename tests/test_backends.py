@@ -146,7 +146,7 @@ def test_missing_cuda_backend_module(monkeypatch):
 # ---- loaders -------------------------------------------------------------------------------------------------
 def test_readers_do_not_import_the_llm():
     """Data flows file -> Checkpoint -> LLM: neither reader imports pyllm.llm (no hidden cycle)."""
-    code = ("import sys, pyllm.awq.folder, pyllm.checkpoint, pyllm.backends.cpu, pyllm.models; "
+    code = ("import sys, pyllm.formats.awq.folder, pyllm.formats.checkpoint, pyllm.backends.cpu, pyllm.models; "
             "assert 'pyllm.llm' not in sys.modules, sorted(m for m in sys.modules if m.startswith('pyllm'))")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -154,7 +154,7 @@ def test_readers_do_not_import_the_llm():
 def test_from_checkpoint_closes_on_failure(smollm2_path, monkeypatch):
     from pathlib import Path
 
-    from pyllm.checkpoint import read_gguf
+    from pyllm.formats.checkpoint import read_gguf
     from pyllm.llm import from_checkpoint
 
     ckpt = read_gguf(Path(smollm2_path))
@@ -171,7 +171,7 @@ def test_cpu_backend_repacks_only_what_fits_in_half_the_free_memory(monkeypatch)
     without the layout and other tensors (an untied model's token embedding) are never copied.  Reference: the byte
     counts of the random matrices themselves."""
     from pyllm.backends import cpu
-    from pyllm.gguf import GGMLType
+    from pyllm.formats.gguf import GGMLType
     from pyllm.models.synthetic import random_qtensor
 
     weights = {"blk.0.attn_q.weight": random_qtensor(GGMLType.Q4_0, 64, 256, "q"),

@@ -157,7 +157,7 @@ def test_info_names_the_quantization_from_general_file_type(tmp_path, monkeypatc
 
     write_tiny_llama(tmp_path / "m.gguf", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_kv_head=1, n_vocab=320,
                      n_ctx=64, metadata={} if file_type is None else {"general.file_type": file_type})
-    from pyllm.gguf import open_gguf
+    from pyllm.formats.gguf import open_gguf
     from pyllm.info import format_info, model_info
     from pyllm.models.config import ModelConfig
 

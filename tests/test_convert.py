@@ -15,10 +15,10 @@ import pytest
 import tiny_models as tm
 from conftest import fixture_path, unblock_fifo_later
 from pyllm.cli.main import main
-from pyllm.convert import convert
-from pyllm.gguf import GGMLType, open_gguf
-from pyllm.quant import qtensor_from_gguf
-from pyllm.quantize import quantize
+from pyllm.formats.convert import convert
+from pyllm.formats.gguf import GGMLType, open_gguf
+from pyllm.formats.quant import qtensor_from_gguf
+from pyllm.formats.quantize import quantize
 
 gq = pytest.importorskip("gguf")
 BLOCK_BYTES = {GGMLType.Q4_K: 144, GGMLType.Q6_K: 210}

@@ -365,8 +365,8 @@ def test_awq_weights_go_up_as_rows():
     """AWQ tensors are repacked once into the CPU's row layout (which the CUDA GEMV reads) before upload; a group
     size without a layout stays in AutoAWQ form (multiplied through its own dequantize)."""
     from pyllm import _ext
-    from pyllm.awq.repack import repack
-    from pyllm.awq.unpack import AWQTensor
+    from pyllm.formats.awq.repack import repack
+    from pyllm.formats.awq.unpack import AWQTensor
     from test_awq import random_awq
 
     C = _ext.load()
@@ -422,7 +422,7 @@ def _adapter_for(arch: str, path, tmp_path) -> str:
     the output projection and the token embedding included where the model has its own output."""
     from test_lora import ALL, make_pairs, write_adapter
 
-    from pyllm.gguf import open_gguf
+    from pyllm.formats.gguf import open_gguf
 
     gf = open_gguf(path)
     file_arch, names = gf.metadata["general.architecture"], set(gf.tensors)

@@ -120,7 +120,7 @@ def test_step_argmax_is_minus_one_for_a_non_finite_logit(smollm2_path, monkeypat
     """One block scale of the Q8_0 output projection set to NaN / +inf: one logit (row 30000, in a later chunk of
     the threads' split) is not finite, and the step reports argmax -1 (the caller then checks the row itself), not
     the index of the largest finite logit.  A model of its own: the backend keeps what it repacks."""
-    from pyllm.quant import QTensor
+    from pyllm.formats.quant import QTensor
 
     model = pyllm.load(smollm2_path, n_ctx=32).model
     out = model.output
@@ -154,7 +154,7 @@ def test_decode_from_position_zero(smollm2):
 
 @pytest.fixture(scope="module", params=["F32", "Q8_0"])
 def tiny_qwen2(request, tmp_path_factory):
-    from pyllm.quant import GGMLType
+    from pyllm.formats.quant import GGMLType
     from pyllm.synthetic import write_tiny_llama
 
     path = write_tiny_llama(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2.gguf", arch="qwen2", n_layer=3,
@@ -176,7 +176,7 @@ def test_tiny_qwen2_with_bias(tiny_qwen2, monkeypatch, window, dtype):
 
 @pytest.fixture(scope="module")
 def tiny_qwen2_long(tmp_path_factory):
-    from pyllm.quant import GGMLType
+    from pyllm.formats.quant import GGMLType
     from pyllm.synthetic import write_tiny_llama
 
     path = write_tiny_llama(tmp_path_factory.mktemp("qwen2-long") / "tiny-qwen2.gguf", arch="qwen2", n_layer=2,

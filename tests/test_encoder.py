@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import pyllm
-from pyllm.convert import convert
+from pyllm.formats.convert import convert
 from pyllm.errors import BadRequest, ConvertError, ModelError
 
 transformers = pytest.importorskip("transformers")  # the test extra installs it; skipped only without it
@@ -292,7 +292,7 @@ def test_a_missing_or_misshapen_tensor_is_named(tmp_path, bert):
     """A file that lacks a layer tensor, or holds one of the wrong shape, fails at load naming it."""
     from pyllm.models.config import ModelConfig
     from pyllm.models.encoder import Encoder
-    from pyllm.quant import QTensor
+    from pyllm.formats.quant import QTensor
 
     llm = pyllm.load(str(bert[2]))
     weights = dict(llm.weights)
@@ -361,7 +361,7 @@ def test_readme_embedding_example_runs_as_written(capsys):
 
 def _rewrite(src, dst, changes: dict, drop: tuple = ()):
     """``src`` GGUF written again as ``dst`` with metadata ``changes`` (None: key removed) and tensors ``drop``ped."""
-    from pyllm.gguf import open_gguf
+    from pyllm.formats.gguf import open_gguf
     from pyllm.synthetic import write_gguf
 
     with open_gguf(src) as gf:
@@ -390,7 +390,7 @@ def _rewrite(src, dst, changes: dict, drop: tuple = ()):
 def test_a_lying_encoder_file_is_refused_naming_what(tmp_path, bert, changes, drop, words):
     """Metadata of the wrong type or range, a position table the context contradicts, a missing tensor or a
     vocabulary without the tokens WordPiece needs: one PyllmError naming it, at load."""
-    from pyllm.gguf import open_gguf
+    from pyllm.formats.gguf import open_gguf
 
     if changes.get("tokenizer.ggml.tokens") in ("no-unk", "no-cls"):
         with open_gguf(bert[2]) as gf:

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from pyllm import _ext  # noqa: E402
-from pyllm.gguf import BLOCK_INFO, GGMLType  # noqa: E402
+from pyllm.formats.gguf import BLOCK_INFO, GGMLType  # noqa: E402
 
 ALLOWED = (ValueError, TypeError, IndexError, NotImplementedError, RuntimeError, OverflowError)
 TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1,

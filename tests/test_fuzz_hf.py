@@ -53,11 +53,11 @@ def test_cases_are_deterministic_and_valid_seeds_pass(fz, tmp_path):
 
 
 def test_the_harness_reports_a_foreign_exception(fz, monkeypatch):
-    import pyllm.convert
+    import pyllm.formats.convert
 
     def broken(*a, **k):
         raise KeyError("factor")
 
-    monkeypatch.setattr(pyllm.convert, "convert", broken)
+    monkeypatch.setattr(pyllm.formats.convert, "convert", broken)
     rep = fz.fuzz(20, seed=0)
     assert any("KeyError" in f[3] for f in rep.failures) and rep.cases == 20

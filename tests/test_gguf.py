@@ -1,4 +1,4 @@
-"""pyllm.gguf: the real fixture files parse, views are zero-copy, and every kind of bad file fails cleanly.
+"""pyllm.formats.gguf: the real fixture files parse, views are zero-copy, and every kind of bad file fails cleanly.
 
 Bad inputs are built with pyllm.synthetic (gguf_bytes writes whatever header it is told) or by byte-patching
 a small valid file. Each check asserts the message names the problem, and the huge-count cases must fail fast
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pyllm.errors import GGUFError, ModelError
-from pyllm.gguf import COMPUTE_TYPES, GGMLType, TensorInfo, ValueType, open_gguf
+from pyllm.formats.gguf import COMPUTE_TYPES, GGMLType, TensorInfo, ValueType, open_gguf
 from pyllm.synthetic import Typed, gguf_bytes, random_blocks, write_gguf, write_tiny_llama
 
 REAL = [
@@ -142,7 +142,7 @@ def test_compute_type_check(tmp_path):
     gf.check_supported(["ok"])
     with pytest.raises(GGUFError, match=r"'iq' \(IQ2_XXS\)"):
         gf.check_supported()
-    from pyllm.quant import qtensor_from_gguf
+    from pyllm.formats.quant import qtensor_from_gguf
 
     with pytest.raises(ModelError, match="'iq'.*IQ2_XXS"):
         qtensor_from_gguf(gf, "iq")

@@ -240,7 +240,7 @@ def test_auto_picks_the_layers_that_fit_and_says_so(monkeypatch, capsys, tmp_pat
     """--device auto's glue (split.place) with the GPU's backend a stand-in named "cuda" and a made-up free
     memory: the largest N fit_gpu_layers gives for the model's own sizes, said on stderr; tokens as the reference's."""
     from pyllm.backends.reference import ReferenceBackend
-    from pyllm.checkpoint import read_gguf
+    from pyllm.formats.checkpoint import read_gguf
     from pyllm.synthetic import write_tiny_llama
 
     path = write_tiny_llama(tmp_path / "tiny.gguf", n_layer=4, n_embd=64, n_ff=128, n_head=4, n_kv_head=2,

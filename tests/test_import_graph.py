@@ -217,8 +217,8 @@ def test_file_readers_do_not_import_the_llm():
     """The GGUF and AWQ readers produce values that pyllm/llm.py turns into an LLM; they never import it back
     (directly, or through `import pyllm`, whose lazy `load` is pyllm/llm.py)."""
     _, graph = build_graph()
-    sources = [m for m in graph if m == "pyllm.gguf" or _under(m, "pyllm.awq", "pyllm.formats")]
-    assert "pyllm.gguf" in sources and "pyllm.awq.folder" in sources
+    sources = [m for m in graph if m == "pyllm.formats.gguf" or _under(m, "pyllm.formats.awq", "pyllm.formats")]
+    assert "pyllm.formats.gguf" in sources and "pyllm.formats.awq.folder" in sources
     bad = _reach(graph, sources, lambda m: m == "pyllm.llm")
     assert not bad, "\n  ".join(["a reader imports the LLM:"] + bad)
 

@@ -35,7 +35,7 @@ import torch
 
 from pyllm import _ext, ops
 from pyllm.errors import PyllmError
-from pyllm.gguf import GGMLType
+from pyllm.formats.gguf import GGMLType
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as GT  # noqa: E402
@@ -753,7 +753,7 @@ Q4_0 = int(GGMLType.Q4_0)
 # ---- pyllm.ops on QTensors ---------------------------------------------------------------------------------
 
 def qtensor(name, N, K):
-    from pyllm.quant import QTensor
+    from pyllm.formats.quant import QTensor
 
     return QTensor(GGMLType[name], (N, K), make_weight(name, N, K).raw, name=f"test.{name}")
 
@@ -818,7 +818,7 @@ def test_ops_fall_back_for_types_the_kernels_lack(C):
     N, K = 7, 64
     raw = rng.integers(0, 256, (N * K // 32, 18), dtype=np.uint8)
     raw[:, 0:2] = rng.uniform(0.002, 0.02, (N * K // 32, 1)).astype(np.float16).view(np.uint8)
-    from pyllm.quant import QTensor
+    from pyllm.formats.quant import QTensor
 
     w = QTensor(GGMLType.IQ4_NL, (N, K), torch.from_numpy(raw.reshape(N, -1)))
     x = torch.from_numpy(rng.standard_normal((2, K), dtype=np.float32))

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 import pyllm
-from pyllm.gguf import open_gguf
+from pyllm.formats.gguf import open_gguf
 from pyllm.lora import LoraError, parse_spec
-from pyllm.quant import qtensor_from_gguf
+from pyllm.formats.quant import qtensor_from_gguf
 from tiny_models import gguf_path
 
 REL_TOL = 1e-4

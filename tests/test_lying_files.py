@@ -23,7 +23,7 @@ import pytest
 import pyllm
 from pyllm.errors import ModelError, PyllmError, TemplateError, TokenizerError
 from pyllm.synthetic import Typed, tiny_vocab, write_tiny_llama
-from pyllm.gguf import ValueType, open_gguf
+from pyllm.formats.gguf import ValueType, open_gguf
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])]))

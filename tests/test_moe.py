@@ -72,7 +72,7 @@ def hf_model(arch: str):
 
 @functools.lru_cache(maxsize=None)
 def gguf_path(arch: str, ftype: str):
-    from pyllm.convert import convert
+    from pyllm.formats.convert import convert
 
     return convert(hf_dir(arch), tm.root() / f"{arch}-{ftype}.gguf", ftype, log=None)
 
@@ -133,8 +133,8 @@ def _hf_with_file_weights(arch: str, llm):
 
     import gguf
 
-    from pyllm.gguf import GGMLType
-    from pyllm.quantize import quantize
+    from pyllm.formats.gguf import GGMLType
+    from pyllm.formats.quantize import quantize
 
     m = copy.deepcopy(hf_model(arch))
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], llm.config.n_layer)
@@ -163,7 +163,7 @@ def _hf_with_file_weights(arch: str, llm):
 @pytest.mark.parametrize("ftype", ["q8_0", "q4_k_m"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_quantized_logits_match_transformers_on_the_same_weights(arch, ftype):
-    from pyllm.gguf import GGMLType
+    from pyllm.formats.gguf import GGMLType
 
     llm = model(arch, ftype)
     types = {n: w.qtype for n, w in llm.weights.items() if len(w.shape) >= 2}
@@ -257,7 +257,7 @@ KERNEL_TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "F16"]
 
 
 def _experts(qtype: str, e: int, n: int, k: int, seed: int = 0) -> torch.Tensor:
-    from pyllm.gguf import BLOCK_INFO, GGMLType
+    from pyllm.formats.gguf import BLOCK_INFO, GGMLType
     from pyllm.synthetic import random_blocks
 
     t = GGMLType[qtype]
@@ -274,7 +274,7 @@ def test_moe_mul_mat_is_the_gemv_on_each_selected_expert(qtype, tokens):
     bit for bit where the path is the one-row GEMV, and mul_mat on each expert's gathered rows for the grouped path
     (the same kernels), also bit for bit.  Unselected experts' blocks hold NaN scales: the outputs never see them."""
     from pyllm import ops
-    from pyllm.gguf import GGMLType
+    from pyllm.formats.gguf import GGMLType
 
     C = ops._C
     qt = int(GGMLType[qtype])
@@ -303,7 +303,7 @@ def test_moe_mul_mat_is_the_gemv_on_each_selected_expert(qtype, tokens):
 
 def test_moe_mul_mat_refuses_bad_input_naming_it():
     from pyllm import ops
-    from pyllm.gguf import GGMLType
+    from pyllm.formats.gguf import GGMLType
 
     C = ops._C
     qt = int(GGMLType.Q8_0)
@@ -383,7 +383,7 @@ def test_bad_expert_metadata_is_named_at_load(tmp_path, key, value, needle):
 
     import pyllm
     from pyllm.errors import ModelError
-    from pyllm.gguf import GGUFFile
+    from pyllm.formats.gguf import GGUFFile
     from pyllm.synthetic import write_gguf
 
     src = GGUFFile(str(gguf_path("qwen3moe", "q8_0")))
@@ -407,7 +407,7 @@ def test_convert_refuses_bad_expert_config_in_one_line(tmp_path, changes, needle
     import json
     import shutil
 
-    from pyllm.convert import ConvertError, convert
+    from pyllm.formats.convert import ConvertError, convert
 
     d = tmp_path / "ckpt"
     shutil.copytree(hf_dir("qwen3moe"), d)
@@ -595,7 +595,7 @@ def test_cuda_backend_routes_decode_through_the_expert_gemv_on_the_host(monkeypa
 
     class ExpertKernels(TorchKernels):
         def cuda_gemv_experts(self, w, qtype, x, ids):
-            from pyllm.quant import QTensor
+            from pyllm.formats.quant import QTensor
 
             t, k = ids.shape
             rows = (x if x.dim() == 3 else x[:, None].expand(t, k, x.shape[-1])).reshape(t * k, -1)

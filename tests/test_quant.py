@@ -1,4 +1,4 @@
-"""pyllm.quant reference dequantization.
+"""pyllm.formats.quant reference dequantization.
 
 Oracle: gguf-py's ``gguf.quants.dequantize`` (numpy ports of ggml's ``dequantize_row_*``). pyllm's torch
 dequantizers do the same float32 operations in the same order, so results must be bit-identical
@@ -12,10 +12,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 import gguf.quants  # noqa: E402
 
-from pyllm import quant  # noqa: E402
+from pyllm.formats import quant  # noqa: E402
 from pyllm.errors import GGUFError, ModelError  # noqa: E402
-from pyllm.gguf import BLOCK_INFO, COMPUTE_TYPES, GGMLType, open_gguf  # noqa: E402
-from pyllm.quant import DEQUANTIZERS, QTensor, dequantize_blocks, qtensor_from_gguf  # noqa: E402
+from pyllm.formats.gguf import BLOCK_INFO, COMPUTE_TYPES, GGMLType, open_gguf  # noqa: E402
+from pyllm.formats.quant import DEQUANTIZERS, QTensor, dequantize_blocks, qtensor_from_gguf  # noqa: E402
 from pyllm.synthetic import SCALE_OFFSETS, random_blocks, write_tiny_llama  # noqa: E402
 
 TYPES = sorted(DEQUANTIZERS, key=int)

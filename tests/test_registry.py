@@ -338,7 +338,7 @@ def test_a_server_that_stops_sending_is_aborted(liar, gguf_bytes):
 
 
 def test_an_endless_body_is_capped_at_the_size_the_gguf_header_gives(liar, gguf_bytes):
-    from pyllm.gguf import expected_file_size
+    from pyllm.formats.gguf import expected_file_size
 
     assert expected_file_size(gguf_bytes) == len(gguf_bytes)  # the reference for the cap
 

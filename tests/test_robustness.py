@@ -462,8 +462,8 @@ def test_float_tensor_at_an_odd_offset_reads_correctly():
     """Alignment 1 or 2 can place an F32 tensor at an odd byte offset; typed()/dequantize() still work."""
     import torch
 
-    from pyllm.gguf import GGMLType
-    from pyllm.quant import QTensor
+    from pyllm.formats.gguf import GGMLType
+    from pyllm.formats.quant import QTensor
 
     vals = torch.tensor([1.5, -2.0, 3.25, 4.0])
     buf = torch.cat([torch.zeros(1, dtype=torch.uint8), vals.view(torch.uint8)])

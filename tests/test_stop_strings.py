@@ -83,7 +83,7 @@ def test_stop_list_reads_one_string_as_one_stop_string():
 def _tokenizer(key):
     from conftest import fixture_path
 
-    from pyllm.gguf import open_gguf
+    from pyllm.formats.gguf import open_gguf
     from pyllm.tokenizer import Tokenizer
 
     with open_gguf(fixture_path(key)) as gf:

@@ -848,7 +848,7 @@ def test_grammars_and_schemas_deep_in_rules_are_errors_not_crashes(smollm2_path)
     code = textwrap.dedent(f"""
         import json
         from pyllm.errors import PyllmError
-        from pyllm.gguf import open_gguf
+        from pyllm.formats.gguf import open_gguf
         from pyllm.runtime.constraint import Constraint, GrammarVocab
         from pyllm.tokenizer import Tokenizer
 

@@ -115,7 +115,7 @@ def ref_cases(key: str):
 
 @functools.lru_cache(maxsize=None)
 def gguf_metadata(key: str) -> dict:
-    from pyllm.gguf import open_gguf
+    from pyllm.formats.gguf import open_gguf
 
     gf = open_gguf(fixture_path(key))
     try:

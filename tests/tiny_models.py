@@ -111,7 +111,7 @@ def hf_model(arch: str):
 
 @functools.lru_cache(maxsize=None)
 def gguf_path(arch: str, ftype: str) -> Path:
-    from pyllm.convert import convert
+    from pyllm.formats.convert import convert
 
     return convert(hf_dir(arch), root() / f"{arch}-{ftype}.gguf", ftype, log=None)
 

@@ -3,7 +3,7 @@
 
     python tools/bench_kernels.py                      # default types, 1 and all-core threads, markdown table
     python tools/bench_kernels.py --types Q4_0,Q4_K --threads 1,2 --m 1,8 --repeat 3
-    python tools/bench_kernels.py --types Q4_0,AWQ_G128 --cpu-time    # AWQ int4 rows (pyllm/awq/repack.py AWQRows)
+    python tools/bench_kernels.py --types Q4_0,AWQ_G128 --cpu-time    # AWQ int4 rows (pyllm/formats/awq/repack.py AWQRows)
     python tools/bench_kernels.py --isa avx2,avx512 --cpu-time        # A/B: kernel paths interleaved per point
     python tools/bench_kernels.py --types Q8_0 --shapes 49152x576 --m 1,4 --precise-x   # the output projection
     python tools/bench_kernels.py --rows8 --isa avx2,avx512 --m 1,4,8 --cpu-time   # the decode step's layout

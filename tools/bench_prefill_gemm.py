@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from pyllm import _ext  # noqa: E402
-from pyllm.gguf import GGMLType  # noqa: E402
+from pyllm.formats.gguf import GGMLType  # noqa: E402
 from pyllm.roofline import _random_q4_0  # noqa: E402
 
 # (N, K): Llama-3-8B q/o (4096 x 4096) and down (4096 x 14336 -> here 1024 x 8192 to keep it short), SmolLM2

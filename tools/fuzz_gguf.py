@@ -5,7 +5,7 @@ Every case is a byte string derived deterministically from (seed, case index): a
 synthetic file, mutated by bit flips, byte writes, targeted writes to header fields (counts, string and array
 lengths, value/element/tensor types, n_dims, dimensions, offsets) with "interesting" values, truncations, inserted,
 deleted and duplicated ranges, or a tensor table generated at random from scratch. Each case is written to a file
-and opened through ``pyllm.gguf.open_gguf``; for files that open, every tensor is read through ``raw()`` (first
+and opened through ``pyllm.formats.gguf.open_gguf``; for files that open, every tensor is read through ``raw()`` (first
 and last byte, the whole view when small) and the reader's promises are re-checked (data inside the file, aligned,
 sizes consistent with type and shape, no overlaps).
 
@@ -64,7 +64,7 @@ STRING, ARRAY = 8, 9
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# A trusted walker and writer for GGUF bytes (independent of pyllm.gguf, so a bug there can't hide itself here).
+# A trusted walker and writer for GGUF bytes (independent of pyllm.formats.gguf, so a bug there can't hide itself here).
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -192,7 +192,7 @@ def build(kvs, tinfos, data: bytes, *, version=3, alignment=32, n_tensors=None, 
 
 
 def _block_info():
-    from pyllm.gguf import BLOCK_INFO
+    from pyllm.formats.gguf import BLOCK_INFO
 
     return {int(k): v for k, v in BLOCK_INFO.items()}
 
@@ -691,7 +691,7 @@ class Broken(Exception):
 
 
 def _check_opened(gf, size: int) -> None:
-    from pyllm.gguf import BLOCK_INFO
+    from pyllm.formats.gguf import BLOCK_INFO
 
     spans = []
     for name, t in gf.tensors.items():
@@ -736,8 +736,8 @@ def _deep(gf, path: str, reached: set) -> None:
         reached.add("config")
     except PyllmError:
         pass
-    from pyllm.gguf import COMPUTE_TYPES
-    from pyllm.quant import qtensor_from_gguf
+    from pyllm.formats.gguf import COMPUTE_TYPES
+    from pyllm.formats.quant import qtensor_from_gguf
 
     for name, t in gf.tensors.items():
         if t.ggml_type in COMPUTE_TYPES and t.nbytes <= 1 << 16:
@@ -799,7 +799,7 @@ def run_one(data: bytes, path: str, deep: bool, reached: set | None = None) -> t
     """Returns ("opened", "") or ("rejected", reason); raises anything else (the worker reports it as a failure).
     ``reached``: with ``deep``, collects the deep stages that completed."""
     from pyllm.errors import PyllmError
-    from pyllm.gguf import open_gguf
+    from pyllm.formats.gguf import open_gguf
 
     try:
         os.unlink(path)  # a fresh inode: never rewrite a file some stale mapping may still point at

@@ -9,7 +9,7 @@ added tokens, pre-tokenizer, model type), tokenizer_config fields (special token
 the wrong type or with bytes that are not UTF-8), a safetensors header entry (dtype, shape, offsets, the header's
 length itself), a whole file replaced (truncated, not UTF-8, nested 100,000 deep, empty, not an object), or a
 file that is not a file (a FIFO, a directory, a link to /dev/zero). The case then goes through
-``pyllm.convert.convert`` (and the written file through ``open_gguf``) or ``pyllm.awq.folder.read_awq`` (config,
+``pyllm.formats.convert.convert`` (and the written file through ``open_gguf``) or ``pyllm.formats.awq.folder.read_awq`` (config,
 weights, tokenizer, chat template) and one template render.
 
 Only ``PyllmError`` may escape. Any other exception is a failure (saved to ``--out`` as the folder); a case that
@@ -270,13 +270,13 @@ def run_case(d: Path, awq: bool) -> str:
 
     try:
         if awq:
-            from pyllm.awq.folder import read_awq
+            from pyllm.formats.awq.folder import read_awq
 
             ck = read_awq(d)
             ck.template.render([{"role": "user", "content": "hi"}])
         else:
-            from pyllm.convert import convert
-            from pyllm.gguf import open_gguf
+            from pyllm.formats.convert import convert
+            from pyllm.formats.gguf import open_gguf
 
             out = convert(d, d.parent / "out.gguf", "f16", log=None)
             with open_gguf(out):

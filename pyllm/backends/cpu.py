@@ -17,7 +17,7 @@ import os
 import torch
 
 from .. import ops
-from ..gguf import GGMLType
+from ..formats.gguf import GGMLType
 from .base import SeqStep, StepRows, check_seqs, step_one
 
 # csrc/kernels.h KVType: how a cache part's rows are encoded (the rotated kinds store q8_0 / q4_0 blocks)
@@ -180,8 +180,8 @@ class CpuBackend:
         Any that stay in checkpoint form (no extension, a group size the layout lacks) are multiplied by their own
         chunked dequantize per call: linear/embed then check each weight's type."""
         if any(hasattr(w, "qzeros") for w in weights.values()):
-            from ..awq.repack import repack_weights
-            from ..awq.unpack import AWQTensor
+            from ..formats.awq.repack import repack_weights
+            from ..formats.awq.unpack import AWQTensor
 
             if repack_weights(weights):
                 fast_linear, fast_embed = self.linear, self.embed

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..awq.repack import AWQRows, repack
-from ..awq.unpack import AWQTensor
+from ..formats.awq.repack import AWQRows, repack
+from ..formats.awq.unpack import AWQTensor
 from ..errors import PyllmError
-from ..gguf import GGMLType
+from ..formats.gguf import GGMLType
 from ..ops import GEMV_MAX_M  # above it, dequantize + cuBLAS (csrc/common/limits.h)
 from .base import BackendUnavailable, SeqStep, StepRows, step_each
 
@@ -103,7 +103,7 @@ def check_fits(need: int, free: int, device_name: str) -> None:
 def _to_device(w, dev: torch.device, C):
     """One weight on ``dev`` in its quantized form: QTensor (raw GGUF blocks), AWQ repacked to the CPU's row layout
     (AWQRows) where it has one, else the AutoAWQ tensors as they are (multiplied through their own dequantize)."""
-    from ..quant import QTensor
+    from ..formats.quant import QTensor
 
     if isinstance(w, QTensor):
         return QTensor(w.qtype, w.shape, w.data.to(dev).contiguous(), w.name)
@@ -118,7 +118,7 @@ def _to_device(w, dev: torch.device, C):
 
 
 class CudaAwqRows(AWQRows):
-    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.awq.repack.AWQRows dequantized by the CUDA kernel."""
+    """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.formats.awq.repack.AWQRows dequantized by the CUDA kernel."""
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from .. import _ext

@@ -6,7 +6,7 @@ import sys
 
 
 def cmd_convert(a) -> int:
-    from ..convert import convert
+    from ..formats.convert import convert
 
     log = None if a.quiet else (lambda s: print(s, file=sys.stderr))
     out = convert(a.hf_dir, a.out, a.type, log=log)

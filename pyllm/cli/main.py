@@ -149,7 +149,7 @@ def confirm_download(model: str) -> None:
 
 
 def cmd_info(a) -> int:
-    from ..gguf import open_gguf
+    from ..formats.gguf import open_gguf
     from ..info import format_info, metadata_problems, model_info
     from ..models import ARCHITECTURES
     from ..models.config import ModelConfig
@@ -158,8 +158,8 @@ def cmd_info(a) -> int:
     confirm_download(a.model)
     path = registry.resolve(a.model, quiet=False)
     problems = []
-    if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/awq/)
-        from ..awq.folder import folder_info
+    if path.is_dir() and (path / "config.json").is_file():  # an AWQ folder (pyllm/formats/awq/)
+        from ..formats.awq.folder import folder_info
         info = folder_info(path, n_ctx=a.ctx, kv_kind=a.kv)
     elif path.is_dir():
         raise PyllmError(f"{path}: is a directory, not a model file")

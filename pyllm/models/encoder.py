@@ -199,7 +199,7 @@ class Encoder:
     def arrange_weights(cfg: ModelConfig, weights: dict) -> dict:
         """The file's tensors as the forward names them: a fused attn_qkv split into attn_q/k/v (zero-copy row
         slices: the weights stay quantized), its bias likewise."""
-        from ..quant import QTensor
+        from ..formats.quant import QTensor
 
         if "blk.0.attn_qkv.weight" not in weights:
             return weights

@@ -7,7 +7,7 @@ meets NaNs or untouched zero pages.
 
 File type "awq" (or awq_g32 / awq_g64 / awq_g256; "awq" is G = 128) is an AutoAWQ "gemm" checkpoint of that shape:
 random qweight / qzeros words and small fp16 scales, repacked by the same C++ repacker a loaded AWQ folder goes
-through (pyllm/awq/), with fp16 embeddings and lm_head as AutoAWQ leaves them.
+through (pyllm/formats/awq/), with fp16 embeddings and lm_head as AutoAWQ leaves them.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import PyllmError, shorten
-from ..gguf import BLOCK_INFO, GGMLType
-from ..quant import QTensor
+from ..formats.gguf import BLOCK_INFO, GGMLType
+from ..formats.quant import QTensor
 from ..synthetic import SCALE_OFFSETS
 from .config import ModelConfig
 
@@ -94,9 +94,9 @@ def random_f16(n: int, k: int, name: str, seed: int = 8) -> QTensor:
 
 def random_awq(n: int, k: int, g: int, name: str = "w", seed: int = 0):
     """An AWQ weight [n, k] (group size g): random AutoAWQ qweight/qzeros words and fp16 scales in [0.002, 0.004],
-    repacked for the CPU kernels (pyllm.awq.repack.AWQRows)."""
+    repacked for the CPU kernels (pyllm.formats.awq.repack.AWQRows)."""
     from .. import _ext
-    from ..awq.repack import AWQRows
+    from ..formats.awq.repack import AWQRows
 
     if k % g or n % 8:
         raise PyllmError(f"{name}: AWQ needs K % group_size == 0 and N % 8 == 0, got K={k}, N={n}, "
@@ -194,7 +194,7 @@ def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
 def _synthetic_awq(shape: tuple, g: int) -> tuple[ModelConfig, dict]:
     """An AutoAWQ-style model: every linear AWQ int4 (group size g), embeddings / lm_head / norms float."""
     L, D, FF, H, HKV, HD, V, base, arch, tied = shape
-    # HF checkpoints (the only source of AWQ models) use the half-split rotation: pyllm/awq/config.py config_from_hf
+    # HF checkpoints (the only source of AWQ models) use the half-split rotation: pyllm/formats/awq/config.py config_from_hf
     cfg = ModelConfig(arch=arch, n_layer=L, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD, n_vocab=V,
                       n_ctx_train=8192, rope_base=base, rope_dim=HD, rope_style="neox", rms_eps=1e-5,
                       qkv_bias=arch == "qwen2", tied_output=tied)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from ..quant import QTensor
+from ..formats.quant import QTensor
 from .config import ModelConfig
 from .decoder import Decoder
 from .spec import ArchSpec

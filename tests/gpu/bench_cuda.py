@@ -23,8 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pyllm.backends import cuda as cuda_backend  # noqa: E402
-from pyllm.gguf import BLOCK_INFO, GGMLType  # noqa: E402
-from pyllm.quant import QTensor  # noqa: E402
+from pyllm.formats.gguf import BLOCK_INFO, GGMLType  # noqa: E402
+from pyllm.formats.quant import QTensor  # noqa: E402
 
 SCALE_OFFSETS = {GGMLType.Q4_0: (0,), GGMLType.Q4_1: (0, 2), GGMLType.Q5_0: (0,), GGMLType.Q8_0: (0,),
                  GGMLType.Q4_K: (0, 2), GGMLType.Q5_K: (0, 2), GGMLType.Q6_K: (208,)}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pyllm.gguf import BLOCK_INFO, GGMLType
+from pyllm.formats.gguf import BLOCK_INFO, GGMLType
 
 # (byte offset, magnitude factor) of each fp16 scale field; value ~ factor / sqrt(K) keeps weights ~ 1/sqrt(K)
 SCALES = {

@@ -1,4 +1,4 @@
-"""CUDA AWQ int4 GEMV and dequantize over pyllm's AWQ rows (csrc/common/blocks.h AwqRow, what pyllm/awq/repack.py
+"""CUDA AWQ int4 GEMV and dequantize over pyllm's AWQ rows (csrc/common/blocks.h AwqRow, what pyllm/formats/awq/repack.py
 repacks AutoAWQ tensors into), against a float64 reference decoded here from the layout's definition
 (value = (q - z) * s, codes in the Q4_0 element order) and against the CPU extension's exact dequantizer.
 Bounds as tests/gpu/test_gemv.py: exact-activation reference 2e-5 relative, float NMSE 5e-4; dequantize bit-exact.

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from pyllm.awq.unpack import AWQTensor
+from pyllm.formats.awq.unpack import AWQTensor
 from pyllm.backends import cuda as cb
-from pyllm.gguf import GGMLType
-from pyllm.quant import QTensor
+from pyllm.formats.gguf import GGMLType
+from pyllm.formats.quant import QTensor
 from .cuda_testutil import SCALES, random_blocks, reference
 
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyllm.gguf import GGMLType
+from pyllm.formats.gguf import GGMLType
 from .cuda_testutil import SCALES, random_blocks, reference, to_cuda
 
 TYPES = list(SCALES)

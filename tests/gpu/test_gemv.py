@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from pyllm.gguf import BLOCK_INFO, GGMLType
+from pyllm.formats.gguf import BLOCK_INFO, GGMLType
 from .cuda_testutil import random_blocks, reference, to_cuda
 
 TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]

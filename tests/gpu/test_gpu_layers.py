@@ -52,7 +52,7 @@ def test_half_the_layers_on_cuda_match_the_cpu(arch):
 
 def test_auto_splits_a_model_larger_than_free_memory(monkeypatch, capsys):
     from pyllm.backends.split import fit_gpu_layers, gpu_headroom, model_bytes
-    from pyllm.checkpoint import read_gguf
+    from pyllm.formats.checkpoint import read_gguf
     from pyllm.runtime.kv_cache import KVCache
 
     path = str(gguf_path("gemma3", "q4_k_m"))

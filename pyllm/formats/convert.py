@@ -3,7 +3,7 @@
 The output follows llama.cpp's convert_hf_to_gguf.py where it matters for loading: tensor names from gguf's
 TensorNameMap, llama-arch Q/K rows permuted for the interleaved rotation, llama3 rope scaling as a ``rope_freqs``
 tensor, Gemma norms stored as (1 + w), byte-level BPE vocabularies with merges and the pre-tokenizer name.
-Weights are quantized by pyllm.quantize (1-D tensors stay float32, as llama.cpp keeps them); as llama.cpp's
+Weights are quantized by pyllm.formats.quantize (1-D tensors stay float32, as llama.cpp keeps them); as llama.cpp's
 quantizer does, the output head is Q6_K under q4_0 and q4_k_m, and ``general.quantization_version`` is 2.
 """
 
@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from . import convert_encoder
-from .errors import ConvertError
+from ..errors import ConvertError
 from .gguf import GGMLType
 from .quantize import QUANTIZERS, quantize
-from .safe_io import check_regular, private_tempfile, read_json, read_regular
+from ..safe_io import check_regular, private_tempfile, read_json, read_regular
 
 __all__ = ["ConvertError", "convert"]
 
@@ -433,7 +433,7 @@ def _check_tensors(d: Path, arch: str, names, tensors: dict, n_layer: int, n_emb
     """ConvertError naming the first tensor that contradicts config.json, before anything is written. The shapes
     expected are the loader's own (ModelConfig.layer_shapes), so a file written here never fails to load on a
     shape; phi3's fused attn_qkv and gate+up ffn_up are checked as its checkpoints store them (split at load)."""
-    from .models.config import ModelConfig
+    from ..models.config import ModelConfig
 
     layers = {int(m.group(1)): hf for hf in tensors if (m := LAYER.search(hf))}
     beyond = [i for i in sorted(layers) if i >= n_layer]

@@ -8,8 +8,8 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import AWQError, TokenizerError
-from ..safe_io import read_json, read_regular
+from ...errors import AWQError, TokenizerError
+from ...safe_io import read_json, read_regular
 from .config import read_folder_json, short
 
 
@@ -23,7 +23,7 @@ def tokenizer_from_hf(root: Path, n_vocab_model: int):
     """pyllm's Tokenizer over tokenizer.json (tokenizers library), with tokenizer_config / generation_config ids."""
     from tokenizers import Tokenizer as HFTok
 
-    from ..tokenizer import BYTE, CONTROL, NORMAL, UNUSED, USER_DEFINED, _EOG_TEXTS, Tokenizer
+    from ...tokenizer import BYTE, CONTROL, NORMAL, UNUSED, USER_DEFINED, _EOG_TEXTS, Tokenizer
 
     path = root / "tokenizer.json"
     if not os.path.lexists(path):

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from pyllm.errors import ModelError
-from pyllm.gguf import BLOCK_INFO, COMPUTE_TYPES, QK_K, GGMLType, GGUFFile
+from pyllm.formats.gguf import BLOCK_INFO, COMPUTE_TYPES, QK_K, GGMLType, GGUFFile
 
 F32 = torch.float32
 # Blocks per dequantization step: bounds the temporaries (a few x the output) when a whole embedding table is

@@ -109,7 +109,7 @@ BLOCK_INFO: dict[GGMLType, tuple[int, int]] = {
     GGMLType.MXFP4: (32, 17),
 }
 
-# Types pyllm can compute with: exactly those with a reference dequantizer in pyllm.quant (a test keeps the two
+# Types pyllm can compute with: exactly those with a reference dequantizer in pyllm.formats.quant (a test keeps the two
 # in step). Lives here, not in quant.py, so that loaders can check a file before building any QTensor.
 COMPUTE_TYPES: frozenset[GGMLType] = frozenset(
     {

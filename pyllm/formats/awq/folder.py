@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AWQError
+from ...errors import AWQError
 from ..gguf import GGMLType
-from ..models.config import ModelConfig
+from ...models.config import ModelConfig
 from ..quant import QTensor
 from .config import config_from_hf, llama3_rope_factors, read_folder_json, read_quant_config
 from .tokenizer import chat_template_source, tokenizer_from_hf
@@ -65,13 +65,13 @@ def open_awq(path) -> tuple[AWQInfo, ModelConfig, dict]:
 
 
 def read_awq(path, quiet: bool = True):
-    """An AWQ folder as a Checkpoint (pyllm/checkpoint.py): what pyllm.load turns into the same LLM and the same
+    """An AWQ folder as a Checkpoint (pyllm/formats/checkpoint.py): what pyllm.load turns into the same LLM and the same
     decoder as a GGUF file. Its int4 tensors stay in checkpoint form here; the backend lays them out."""
     import sys
 
-    from ..chat_template import ChatTemplate
+    from ...chat_template import ChatTemplate
     from ..checkpoint import Checkpoint
-    from ..models import model_class
+    from ...models import model_class
 
     info, cfg, weights = open_awq(path)
     model_class(cfg)
@@ -87,7 +87,7 @@ def read_awq(path, quiet: bool = True):
 
 def folder_info(path, n_ctx: int | None = None, kv_kind: str = "f16") -> dict:
     """`pyllm info DIR` for an AWQ folder: the GGUF info dict, from config.json and the shard headers only."""
-    from ..info import model_info
+    from ...info import model_info
 
     info, cfg, _ = open_awq(path)
     out = model_info(info, cfg, n_ctx=n_ctx, kv_kind=kv_kind)

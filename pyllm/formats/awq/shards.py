@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import AWQError
-from ..safe_io import open_regular, parse_json
+from ...errors import AWQError
+from ...safe_io import open_regular, parse_json
 from .config import read_folder_json, short
 
 

@@ -1,6 +1,6 @@
 """Hugging Face embedding encoders (BERT, nomic-bert) -> GGUF, in llama.cpp's convert_hf_to_gguf layout: the
 metadata keys and tensor names its bert graph reads, the WordPiece vocabulary in its U+2581 form, and the pooling
-a sentence-transformers folder names (modules.json -> 1_Pooling/config.json).  pyllm/convert.py writes the file;
+a sentence-transformers folder names (modules.json -> 1_Pooling/config.json).  pyllm/formats/convert.py writes the file;
 this module says what goes in it.
 
 nomic-bert comes in two spellings, both read here: the original checkpoint (encoder.layers.N.attn.Wqkv,
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConvertError
-from .safe_io import read_json
-from .tokenizer import CONTROL, NORMAL, UNUSED, USER_DEFINED, wordpiece_cased, wordpiece_vocab
+from ..errors import ConvertError
+from ..safe_io import read_json
+from ..tokenizer import CONTROL, NORMAL, UNUSED, USER_DEFINED, wordpiece_cased, wordpiece_vocab
 
 ENCODER_TYPES = {"bert": "bert", "nomic_bert": "nomic-bert"}  # config.json model_type -> GGUF architecture
 POOLING = {"pooling_mode_mean_tokens": 1, "pooling_mode_cls_token": 2, "pooling_mode_lasttoken": 3}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..errors import AWQError
+from ...errors import AWQError
 from ..gguf import GGMLType
 from ..quant import QTensor
 from .shards import open_shards

@@ -1,11 +1,11 @@
-"""AWQTensor: one linear's int4 weight as an AutoAWQ "gemm" checkpoint packs it (pyllm/awq/__init__.py describes
+"""AWQTensor: one linear's int4 weight as an AutoAWQ "gemm" checkpoint packs it (pyllm/formats/awq/__init__.py describes
 the packing), unpacked to its codes and dequantized, whole or a few rows, chunk by chunk."""
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import AWQError, ModelError
+from ...errors import AWQError, ModelError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)

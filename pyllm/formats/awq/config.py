@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import AWQError, PyllmError
-from ..models.config import ModelConfig
-from ..safe_io import read_json
+from ...errors import AWQError, PyllmError
+from ...models.config import ModelConfig
+from ...safe_io import read_json
 
 SUPPORTED_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 OTHER_VERSIONS = ("gemv", "gemv_fast", "marlin", "exllama", "ipex")

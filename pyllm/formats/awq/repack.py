@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PyllmError
+from ...errors import PyllmError
 from .unpack import AWQTensor
 
 
@@ -31,12 +31,12 @@ class AWQRows:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K]: (q - z) * s in fp32 (exact), by the extension (equal to AWQTensor.dequantize bit for bit)."""
-        from .. import _ext
+        from ... import _ext
 
         return _ext.load().dequantize(self.data, self.qtype).to(dtype)
 
     def rows(self, idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .. import _ext
+        from ... import _ext
 
         idx = torch.as_tensor(idx)
         return _ext.load().dequantize(self.data, self.qtype, idx.reshape(-1)).to(dtype).reshape(*idx.shape, -1)
@@ -49,7 +49,7 @@ def repack(w: AWQTensor, C=None) -> AWQRows | None:
     """``w`` in the CPU row layout (the C++ repacker), or None where it has none: a group size other than
     32/64/128/256, scales that fp16 cannot hold exactly (the layout stores fp16), or a non-CPU tensor."""
     if C is None:
-        from .. import _ext
+        from ... import _ext
 
         C = _ext.load()
     try:
@@ -70,7 +70,7 @@ def repack(w: AWQTensor, C=None) -> AWQRows | None:
 def repack_weights(weights: dict) -> int:
     """Replace every AWQTensor of ``weights`` (in place) that has a CPU row layout by its AWQRows; returns how
     many stay AWQTensor (all of them when the extension is unavailable)."""
-    from .. import _ext
+    from ... import _ext
 
     todo = [n for n, w in weights.items() if isinstance(w, AWQTensor)]
     try:

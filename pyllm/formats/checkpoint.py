@@ -1,6 +1,6 @@
 """What a model file reader produces: one value that ``pyllm.llm.from_checkpoint`` turns into an LLM.
 
-Readers (each a file format): ``read_gguf`` here, ``pyllm.awq.folder.read_awq`` for AWQ folders. They know nothing of
+Readers (each a file format): ``read_gguf`` here, ``pyllm.formats.awq.folder.read_awq`` for AWQ folders. They know nothing of
 backends, caches or generation, and nothing below them imports the LLM: data flows file -> Checkpoint -> LLM.
 """
 
@@ -29,13 +29,13 @@ class Checkpoint:
 def read_gguf(path: Path) -> Checkpoint:
     """A GGUF file as a Checkpoint; GGUFError / ModelError / TokenizerError (one line) for anything wrong with it.
     An unsupported architecture fails before the tensors are touched."""
-    from .chat_template import ChatTemplate
-    from .errors import ModelError, TokenizerError, in_file
+    from ..chat_template import ChatTemplate
+    from ..errors import ModelError, TokenizerError, in_file
     from .gguf import open_gguf
-    from .models import ARCHITECTURES, model_class
-    from .models.config import ModelConfig
+    from ..models import ARCHITECTURES, model_class
+    from ..models.config import ModelConfig
     from .quant import qtensor_from_gguf
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     gf = open_gguf(path)
     try:
@@ -61,7 +61,7 @@ def check_small_float_tensors(gf, weights: dict, source: str) -> None:
     """ModelError naming the first small float tensor (norms, biases, rope factors: up to 1M elements each, a
     fraction of a millisecond to check) that holds NaN or Inf. Why at load: the fast kernels quantize activations
     to int8, where a NaN from a norm turns into finite garbage that no check on the logits can see."""
-    from .errors import ModelError
+    from ..errors import ModelError
     from .gguf import GGMLType
 
     for name, info in gf.tensors.items():
