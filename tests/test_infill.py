@@ -20,7 +20,7 @@ import pytest
 from conftest import pyllm_model
 from pyllm.errors import BadRequest
 from pyllm.infill import INFILL_BATCH, infill_ids, suffix_ids
-from pyllm.tokenizer import _fim_ids
+from pyllm.vocabulary import fim_ids as _fim_ids
 from server_harness import served_in_thread
 
 # Qwen2.5-Coder's vocabulary: <|fim_prefix|> <|fim_middle|> <|fim_suffix|> <|repo_name|> <|file_sep|>

@@ -62,7 +62,7 @@ DOCS = {
 
 def vocab_bytes(tok, n_vocab):
     """Token bytes per id; special (control/unknown) tokens as None."""
-    from pyllm.tokenizer import CONTROL, UNKNOWN
+    from pyllm.vocabulary import CONTROL, UNKNOWN
 
     out = [None if tok._types[i] in (CONTROL, UNKNOWN) else tok.token_bytes(i) for i in range(tok.n_vocab)]
     return out + [None] * (n_vocab - len(out))

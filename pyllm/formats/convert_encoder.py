@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConvertError
 from ..safe_io import read_json
-from ..tokenizer import CONTROL, NORMAL, UNUSED, USER_DEFINED, wordpiece_cased, wordpiece_vocab
+from ..vocabulary import CONTROL, NORMAL, UNUSED, USER_DEFINED, wordpiece_cased, wordpiece_vocab
 
 ENCODER_TYPES = {"bert": "bert", "nomic_bert": "nomic-bert"}  # config.json model_type -> GGUF architecture
 POOLING = {"pooling_mode_mean_tokens": 1, "pooling_mode_cls_token": 2, "pooling_mode_lasttoken": 3}

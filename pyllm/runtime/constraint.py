@@ -112,7 +112,7 @@ class GrammarVocab:
     """
 
     def __init__(self, tokenizer, n_vocab: int | None = None):
-        from ..tokenizer import CONTROL, UNKNOWN
+        from ..vocabulary import CONTROL, UNKNOWN
 
         llg = _llguidance()
         n_vocab = max(int(n_vocab or 0), tokenizer.n_vocab)

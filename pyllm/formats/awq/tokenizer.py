@@ -23,7 +23,8 @@ def tokenizer_from_hf(root: Path, n_vocab_model: int):
     """pyllm's Tokenizer over tokenizer.json (tokenizers library), with tokenizer_config / generation_config ids."""
     from tokenizers import Tokenizer as HFTok
 
-    from ...tokenizer import BYTE, CONTROL, NORMAL, UNUSED, USER_DEFINED, _EOG_TEXTS, Tokenizer
+    from ...tokenizer import Tokenizer
+    from ...vocabulary import BYTE, CONTROL, EOG_TEXTS, NORMAL, UNUSED, USER_DEFINED
 
     path = root / "tokenizer.json"
     if not os.path.lexists(path):
@@ -71,7 +72,7 @@ def tokenizer_from_hf(root: Path, n_vocab_model: int):
         eos_id = min(eog)
     if eos_id is not None:
         eog.add(eos_id)
-    for t in _EOG_TEXTS:
+    for t in EOG_TEXTS:
         i = backend.token_to_id(t)
         if i is not None and types[i] == CONTROL:
             eog.add(i)
