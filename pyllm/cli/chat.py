@@ -8,9 +8,7 @@ epilog and must stay fast.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import stat
 import sys
 import tempfile
@@ -19,7 +17,9 @@ from pathlib import Path
 from typing import Callable, TextIO
 
 from ..errors import ContextFullError, PyllmError, shorten
-from ..safe_io import json_depth, kind_of, open_regular, read_regular
+from ..conversation import (MAX_CONVERSATION_BYTES, dump_conversation, load_conversation_json,
+                            parse_conversation)
+from ..safe_io import kind_of, open_regular, read_regular
 from .common import (Settings, SettingError, canonical_setting, check_numeric_args, load_from_args,
                      read_stdin_lines, read_stdin_text, runtime_label)
 
@@ -89,31 +89,6 @@ def help_text() -> str:
 
 # ---- conversation files --------------------------------------------------------------------------------------------
 
-ROLES = ("system", "user", "assistant")
-
-
-def parse_conversation(data, source: str = "conversation") -> tuple[str | None, list[dict]]:
-    """(system prompt, turns) from what /save writes or from a plain [{"role", "content"}] list."""
-    if isinstance(data, dict):
-        if "messages" not in data:
-            raise PyllmError(f"{source}: no 'messages' list (expected what /save writes)")
-        data = data["messages"]
-    if not isinstance(data, list):
-        raise PyllmError(f"{source}: expected a list of messages, got {type(data).__name__}")
-    system, turns = None, []
-    for i, m in enumerate(data):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
-            raise PyllmError(f"{source}: message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
-                             f"\"content\": text}}, got {str(m)[:80]}")
-        if m["role"] == "system":
-            if i != 0:
-                raise PyllmError(f"{source}: message {i} is a system message; only the first may be one")
-            system = m["content"]
-        else:
-            turns.append({"role": m["role"], "content": m["content"]})
-    return system, turns
-
-
 def saved_settings(data, current: Settings, source: str) -> Settings | None:
     """The settings a /save file holds (its "settings" object) applied over ``current``, each checked as /set checks
     it; None when the file has none (a plain message list). A name this version does not know is skipped: a newer
@@ -133,29 +108,6 @@ def saved_settings(data, current: Settings, source: str) -> Settings | None:
         except SettingError as e:
             raise PyllmError(f"{source}: settings: {e}") from None
     return out
-
-
-MAX_CONVERSATION_BYTES = 64 << 20
-MAX_JSON_DEPTH = 32  # a saved conversation nests 3 deep; deeper is not a conversation
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def dump_conversation(data) -> str:
-    """JSON text for /save. Readable UTF-8, except that lone surrogates (text from bytes that were not UTF-8 has
-    them) are written as \\uXXXX escapes: they have no UTF-8 form, and json.loads restores them exactly."""
-    text = json.dumps(data, ensure_ascii=False, indent=1) + "\n"
-    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
-
-
-def load_conversation_json(raw: bytes):
-    """Parsed JSON of a conversation file: UTF-8, nesting bounded (ValueError otherwise)."""
-    text = raw.decode("utf-8")
-    if json_depth(raw, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise ValueError(f"it nests deeper than {MAX_JSON_DEPTH} levels")
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("it nests too deeply") from None
 
 
 def _sanitize_for_terminal(text: str) -> str:
