@@ -325,6 +325,17 @@ def cmd_bench(a) -> int:
         with torch.inference_mode():
             rows += run_tests(s, a, roof if on_gpu or s.runtime["device"] == "cpu" else {}, print_row)
     note = stale_roofline_note(rows, roof)
+    if note and roof.get("cpu") and not a.probe:  # a figure cached on a busy machine: measure it again now
+        from ..roofline import remeasure_read_bandwidth
+
+        fresh = remeasure_read_bandwidth(roof)
+        if fresh is not None:
+            for r in rows:
+                if r.get("bw_share") is not None:
+                    r["bw_share"] = r["gbs"] / fresh["read_gbs"]
+            note = (f"pyllm bench: a run read faster than the cached read bandwidth ({roof['read_gbs']:.1f} GB/s) "
+                    f"allows; re-measured now: {fresh['read_gbs']:.1f} GB/s, cached for later runs"
+                    + (" (the table above used the old figure)" if a.output == "md" else ""))
     if note:
         print(note, file=sys.stderr)
     if a.output == "json":
