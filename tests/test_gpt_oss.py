@@ -291,3 +291,88 @@ def test_convert_refuses_what_the_file_format_cannot_hold(tmp_path):
         (d / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ConvertError, match=needle):
             convert(d, tmp_path / "out.gguf", "f16", log=None)
+
+
+# A template in gpt-oss's harmony format, written here with the constructs its published template relies on: a
+# namespace() whose attributes are set in loops, macros (one recursive), strftime_now, raise_exception, `in` tests
+# on messages, a slice from loop.index, tojson, dict items() and optional keyword variables (reasoning_effort).
+HARMONY_TEMPLATE = """
+{%- macro ts_type(spec) -%}
+  {%- if spec.type == "array" -%}{{ ts_type(spec["items"]) + "[]" }}
+  {%- elif spec.type == "integer" or spec.type == "number" -%}number
+  {%- elif spec.enum is defined -%}{{ '"' + spec.enum | join('" | "') + '"' }}
+  {%- else -%}{{ spec.type }}{%- endif -%}
+{%- endmacro -%}
+{{- "<|start|>system<|message|>Knowledge cutoff: 2024-06\\nCurrent date: " + strftime_now("%Y-%m-%d") }}
+{{- "\\n\\nReasoning: " + (reasoning_effort if reasoning_effort is defined else "medium") + "\\n\\n" }}
+{{- "# Valid channels: analysis, commentary, final.<|end|>" }}
+{%- if messages[0].role in ("system", "developer") %}
+  {%- set instructions, loop_messages = messages[0].content, messages[1:] %}
+{%- else %}{%- set instructions, loop_messages = "", messages %}{%- endif %}
+{%- if instructions or tools %}
+  {{- "<|start|>developer<|message|>" }}
+  {%- if instructions %}{{ "# Instructions\\n\\n" + instructions + "\\n\\n" }}{% endif %}
+  {%- for tool in tools or [] %}{%- set f = tool.function %}
+    {{- "type " + f.name + " = (_: {" }}
+    {%- for name, spec in f.parameters.properties.items() %}
+      {{- name + ("" if name in f.parameters.required else "?") + ": " + ts_type(spec) + ", " }}
+    {%- endfor %}{{ "}) => any;\\n" }}
+  {%- endfor %}{{- "<|end|>" }}
+{%- endif %}
+{%- set last_call = namespace(name=none) %}
+{%- for message in loop_messages %}
+  {%- if message.role == "assistant" and "tool_calls" in message %}
+    {%- set later = namespace(final=false) %}
+    {%- for m in loop_messages[loop.index:] %}
+      {%- if m.role == "assistant" and "tool_calls" not in m %}{% set later.final = true %}{% endif %}
+    {%- endfor %}
+    {%- if "thinking" in message and not later.final %}
+      {{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}
+    {%- endif %}
+    {%- set call = message.tool_calls[0].function %}
+    {{- "<|start|>assistant to=functions." + call.name + "<|channel|>commentary json<|message|>" }}
+    {{- call.arguments | tojson + "<|call|>" }}{%- set last_call.name = call.name %}
+  {%- elif message.role == "assistant" %}
+    {%- if "<|channel|>" in message.content %}{{ raise_exception("put the analysis in 'thinking'") }}{% endif %}
+    {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
+  {%- elif message.role == "tool" %}
+    {%- if last_call.name is none %}{{ raise_exception("a tool message without a tool call before it") }}{% endif %}
+    {{- "<|start|>functions." + last_call.name + " to=assistant<|channel|>commentary<|message|>" }}
+    {{- message.content | tojson + "<|end|>" }}
+  {%- else %}{{- "<|start|>user<|message|>" + message.content + "<|end|>" }}{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|start|>assistant{% endif %}"""
+
+
+def test_harmony_template_renders_in_the_sandbox_as_transformers_renders_it():
+    """Reference: transformers' own renderer (render_jinja_template, a jinja2 sandbox with the same globals); a chat
+    with a system prompt, tools, a tool call, its result, reasoning_effort; and the template's own refusal as a
+    TemplateError naming it."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from pyllm.chat_template import ChatTemplate
+    from pyllm.errors import TemplateError
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": {
+        "type": "object", "required": ["city"], "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                              "units": {"type": "string", "enum": ["c", "f"]},
+                                                              "hours": {"type": "array", "items": {"type": "number"}}}}}}]
+    chats = [
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}], {}),
+        ([{"role": "user", "content": "Weather in Paris?"},
+          {"role": "assistant", "content": "", "thinking": "call the tool",
+           "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+          {"role": "tool", "content": "sunny"}, {"role": "user", "content": "thanks"}],
+         {"tools": tools, "reasoning_effort": "high"}),
+    ]
+    template = ChatTemplate(HARMONY_TEMPLATE)
+    for messages, kwargs in chats:
+        ours = template.render(messages, **kwargs)
+        theirs, _ = render_jinja_template([messages], chat_template=HARMONY_TEMPLATE, add_generation_prompt=True,
+                                          **kwargs)
+        assert ours == theirs[0]
+        assert ours.endswith(f"<|start|>user<|message|>{messages[-1]['content']}<|end|><|start|>assistant")
+    assert "Reasoning: high" in template.render(*chats[1][:1], **chats[1][1])
+    with pytest.raises(TemplateError, match="a tool message without a tool call"):
+        template.render([{"role": "tool", "content": "x"}, {"role": "user", "content": "u"}])
