@@ -259,7 +259,7 @@ class CpuBackend:
         biases, activation and routing run in the torch forward)."""
         if self.linear is not ops.qmatmul or not hasattr(kv, "storage_layout"):
             return None
-        if getattr(model, "spec", None) is not None and model.spec.fused_step_gaps():
+        if getattr(getattr(model, "spec", None), "fused_step_gaps", tuple)():
             return None
         k, v = kv.storage_layout()
         if k.block not in KV_TYPE_IDS or v.block not in KV_TYPE_IDS or k.data.device.type != "cpu":
