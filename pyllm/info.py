@@ -67,6 +67,9 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         "kv_bytes_per_token_by_kind": {k: KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, k)
                                        for k in KV_KINDS if _fits(k, cfg.head_dim)},
     }
+    yarn = cfg.extra.get("rope_yarn")
+    if yarn:
+        info["rope"] += f", YaRN x{yarn['factor']:g} (trained context {yarn['orig_ctx']})"
     embedding = _embedding_info(cfg)
     if embedding is not None:
         info["embedding"] = embedding

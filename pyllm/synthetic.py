@@ -34,6 +34,7 @@ SCALE_OFFSETS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q6_K: (208,),
     GGMLType.IQ4_NL: (0,),
     GGMLType.IQ4_XS: (0,),
+    GGMLType.MXFP4: (),  # its scale is an E8M0 byte (random_blocks sets it), not an fp16 field
 }
 # Largest |code x sub-scale| a block can hold, so a scale of amplitude / MAX_CODE keeps values within amplitude.
 MAX_CODE: dict[GGMLType, float] = {
@@ -66,6 +67,10 @@ def random_blocks(qtype: GGMLType, n_blocks: int, rng: np.random.Generator | Non
             return (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(n_blocks, ts)
         return v.astype(_FLOAT_NP[qtype]).view(np.uint8).reshape(n_blocks, ts)
     b = rng.integers(0, 256, size=(n_blocks, ts), dtype=np.uint8)
+    if qtype == GGMLType.MXFP4:  # an E8M0 exponent: values kvalue (|.| <= 12) * 2^(e - 128), within +-amplitude
+        top = int(np.floor(np.log2(amplitude / 12.0))) + 128
+        b[:, 0] = rng.integers(max(top - 4, 2), max(top, 2) + 1, size=n_blocks)
+        return b
     for off in SCALE_OFFSETS[qtype]:
         s = rng.uniform(-1.0, 1.0, n_blocks) * (amplitude / MAX_CODE[qtype])
         b[:, off : off + 2] = s.astype(np.float16).view(np.uint8).reshape(n_blocks, 2)

@@ -45,6 +45,15 @@ struct block_q8_0 {
 };
 static_assert(sizeof(block_q8_0) == 34, "wrong q8_0 block size");
 
+// MXFP4 (OCP microscaling FP4, gpt-oss's experts): an E8M0 exponent shared by 32 E2M1 codes.  Code c (4 bits:
+// sign, 2-bit exponent, 1-bit mantissa) is ggml's doubled value kvalues_mxfp4[c] in {0, 1, 2, 3, 4, 6, 8, 12}
+// (negated when bit 3 is set), and value = kvalue * 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF).
+struct block_mxfp4 {
+    uint8_t e;           // shared exponent, bias 127 (the value halves it once more: codes are doubled)
+    uint8_t qs[QK / 2];  // element j < 16 in the low nibble of qs[j], j + 16 in the high nibble
+};
+static_assert(sizeof(block_mxfp4) == 17, "wrong mxfp4 block size");
+
 // ---- 32-element blocks of 8 rows interleaved (QType::Q4_0_R8 ... Q5_1_R8; in memory only, see qtype.h)
 // Rows 8g..8g+7 of a [N, K] tensor become K/32 group blocks, block b holding block b of each of the 8 rows:
 // their scales (and mins) side by side, so one vcvtph2ps converts all 8, and their codes arranged so that one

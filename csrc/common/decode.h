@@ -114,6 +114,21 @@ PYLLM_HD inline int q6_k_code(const block_q6_K& b, int e) {  // -32..31, scale i
     return (lo | (hi << 4)) - 32;
 }
 
+// MXFP4: the E8M0 exponent as the float 2^(e - 128) (ggml's GGML_E8M0_TO_FP32_HALF; e < 2 are subnormals), and
+// code c's doubled E2M1 value kvalues_mxfp4[c] (0, 1, 2, 3, 4, 6, 8, 12, negated by bit 3), computed rather than
+// looked up so that device code needs no table in constant memory.
+PYLLM_HD inline float e8m0_to_fp32_half(uint8_t e) {
+    return bits_to_f32(e < 2 ? 0x00200000u << e : static_cast<uint32_t>(e - 1) << 23);
+}
+PYLLM_HD inline int mxfp4_value(int c) {
+    const int m = c & 7;
+    const int v = m < 4 ? m : ((m & 1) ? 6 : 4) << ((m - 4) >> 1);
+    return (c & 8) ? -v : v;
+}
+PYLLM_HD inline int mxfp4_code(const block_mxfp4& b, int j) {  // the 4-bit code of element j
+    return j < 16 ? (b.qs[j] & 0xF) : (b.qs[j - 16] >> 4);
+}
+
 // ---- AWQ rows (blocks.h AwqRow): the three parts of a row, the code of element e (0..15), the scale of group g
 PYLLM_HD inline AwqRow awq_row(const uint8_t* w, int K, int G) {
     return {w + 3 * (K / G), w, w + 2 * (K / G)};  // {qs, s, z}: s | z | qs
@@ -157,6 +172,10 @@ PYLLM_HD inline void dequant_block(const block_q5_1& b, float* y) {
 PYLLM_HD inline void dequant_block(const block_q8_0& b, float* y) {
     const float d = fp16_to_fp32(b.d);
     for (int j = 0; j < QK; ++j) y[j] = static_cast<float>(b.qs[j]) * d;
+}
+PYLLM_HD inline void dequant_block(const block_mxfp4& b, float* y) {
+    const float d = e8m0_to_fp32_half(b.e);
+    for (int j = 0; j < QK; ++j) y[j] = d * static_cast<float>(mxfp4_value(mxfp4_code(b, j)));
 }
 PYLLM_HD inline void dequant_block(const block_q2_K& b, float* y) {
     const float d = fp16_to_fp32(b.d), dmin = fp16_to_fp32(b.dmin);

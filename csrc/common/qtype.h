@@ -27,7 +27,7 @@ enum class QType : int {
     F32 = 0, F16 = 1, Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q8_1 = 9,
     Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, Q8_K = 15,
     IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ4_NL = 20, IQ3_S = 21, IQ2_S = 22, IQ4_XS = 23,
-    I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30,
+    I8 = 24, I16 = 25, I32 = 26, I64 = 27, F64 = 28, IQ1_M = 29, BF16 = 30, MXFP4 = 39,
     AWQ_G32 = 56, AWQ_G64 = 57, AWQ_G128 = 58, AWQ_G256 = 59,  // pyllm-internal (see above)
     Q4_0_R8 = 60, Q4_1_R8 = 61, Q5_0_R8 = 62, Q5_1_R8 = 63,    // pyllm-internal (see above)
     Q4_K_R8 = 64, Q5_K_R8 = 65, Q6_K_R8 = 66, Q8_0_R8 = 67,    // reserved for the same layout of these types
@@ -103,7 +103,7 @@ inline const QTypeTraits* qtype_traits(int id) {
         Q4_0_R8_{"Q4_0_R8", QK, 18, true}, Q4_1_R8_{"Q4_1_R8", QK, 20, true}, Q5_0_R8_{"Q5_0_R8", QK, 22, true},
         Q5_1_R8_{"Q5_1_R8", QK, 24, true}, Q4_K_R8_{"Q4_K_R8", QK_K, 144, true},
         Q5_K_R8_{"Q5_K_R8", QK_K, 176, true}, Q6_K_R8_{"Q6_K_R8", QK_K, 210, true};
-    static const QTypeTraits Q8_0_R8_{"Q8_0_R8", QK, 34, true};
+    static const QTypeTraits Q8_0_R8_{"Q8_0_R8", QK, 34, true}, MXFP4_{"MXFP4", QK, 17, true};
     switch (static_cast<QType>(id)) {
         case QType::F32: return &F32_;
         case QType::F16: return &F16_;
@@ -134,6 +134,7 @@ inline const QTypeTraits* qtype_traits(int id) {
         case QType::I64: return &I64_;
         case QType::F64: return &F64_;
         case QType::IQ1_M: return &IQ1_M_;
+        case QType::MXFP4: return &MXFP4_;
         case QType::AWQ_G32: return &AWQ_G32_;
         case QType::AWQ_G64: return &AWQ_G64_;
         case QType::AWQ_G128: return &AWQ_G128_;

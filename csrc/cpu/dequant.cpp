@@ -41,6 +41,7 @@ void dequant_row_any(QType t, const uint8_t* w, int K, float* out, bool simd) {
         case QType::Q5_0: return dequant_row<block_q5_0, QK>(w, K, out);
         case QType::Q5_1: return dequant_row<block_q5_1, QK>(w, K, out);
         case QType::Q8_0: return dequant_row<block_q8_0, QK>(w, K, out);
+        case QType::MXFP4: return dequant_row<block_mxfp4, QK>(w, K, out);
         case QType::Q2_K: return dequant_row<block_q2_K, QK_K>(w, K, out);
         case QType::Q3_K: return dequant_row<block_q3_K, QK_K>(w, K, out);
         case QType::Q4_K: return dequant_row<block_q4_K, QK_K>(w, K, out);

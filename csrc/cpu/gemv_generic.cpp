@@ -12,6 +12,7 @@
 //     value), exact int32 block dot products, fp32 scaling and accumulation per block.
 //   Q8_0 asked for 16-bit activations (gemv_cpu's precise_x, the output projection): x rounded to int16
 //     (|error| <= max|x|/65534 per value), see Q16Row in cpu_impl.h.
+//   MXFP4: as Q4_0, with the codes' doubled E2M1 values offset by 12 (0..24) and the E8M0 scale.
 //   K-quants: x rounded to int8 per 256 values (ggml's Q8_K), exact int32 sums per super-block, fp32 after.
 //   AWQ rows (AWQ_G32 ... AWQ_G256): as Q4_1 -- x rounded to int8 per 32 values (|error| <= max|x|/254 per
 //     value), exact int32 block sums sum(q * xq) and sum(xq), then per block s_g * (dx * sum(q * xq) - z_g * s_b)
@@ -105,6 +106,17 @@ struct Legacy<block_q8_0> {
     static float min(const block_q8_0&) { return 0.f; }
 };
 
+template <>
+struct Legacy<block_mxfp4> {  // value = (code - 12) * d with code = kvalue + 12 in 0..24, as the SIMD kernels take it
+    static constexpr int offset = 12;
+    static int code(const block_mxfp4& b, int j) { return mxfp4_value(mxfp4_code(b, j)) + 12; }
+    static float min(const block_mxfp4&) { return 0.f; }
+};
+
+inline float block_scale(const block_mxfp4& b) { return e8m0_to_fp32_half(b.e); }
+template <class B>
+inline float block_scale(const B& b) { return fp16_to_fp32(b.d); }
+
 template <class B, int M>
 void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
     const B* blk = reinterpret_cast<const B*>(w);
@@ -112,7 +124,7 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
     for (int i = 0; i < K / QK; ++i) {
         int q[QK];
         for (int j = 0; j < QK; ++j) q[j] = Legacy<B>::code(blk[i], j);
-        const float d = fp16_to_fp32(blk[i].d), mn = Legacy<B>::min(blk[i]);
+        const float d = block_scale(blk[i]), mn = Legacy<B>::min(blk[i]);
         for (int m = 0; m < M; ++m) {
             const Q8RowC a = q8_row(xa + xs * m, K);
             int isum = 0;
@@ -237,6 +249,7 @@ template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_
 template <int M> void dot_q5_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_1, M>(K, w, xa, xs, y, ldy); }
 // Q8_0 against int16 activations: per block d_w * d_x * sum(code * xq), the int32 sum exact.
+template <int M> void dot_mxfp4(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_mxfp4, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q8_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q8_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_awq32(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_awq<32, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_awq64(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_awq<64, M>(K, w, xa, xs, y, ldy); }
@@ -273,6 +286,7 @@ RowKernel row_kernel_generic(QType t) {
         case QType::Q5_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_0)};
         case QType::Q5_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_1)};
         case QType::Q8_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q8_0)};
+        case QType::MXFP4: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_mxfp4)};
         case QType::Q2_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q2_k)};
         case QType::Q3_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q3_k)};
         case QType::Q4_K: return {Act::Q8_K, PYLLM_ROWDOT_TABLE(dot_q4_k)};

@@ -1,4 +1,4 @@
-// The 32-element block row dots (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 against Q8Row activations, and Q8_0 against the
+// The 32-element block row dots (Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q8_0 against Q8Row activations, and Q8_0 against the
 // output projection's Q16Row ones), written once and compiled twice: by gemv_avx2_legacy.cpp for AVX2 and by
 // gemv_avx512.cpp for AVX-512 VNNI, where avx2_util.h's dot_u8s8 is one vpdpbusd.  Both builds compute the same
 // integer block sums and accumulate them in the same fp32 order, so they agree bit for bit.  Include after
@@ -7,6 +7,7 @@
 
 #include <cstddef>
 
+#include "../common/decode.h"
 #include "avx2_util.h"
 #include "cpu_impl.h"
 
@@ -113,6 +114,36 @@ struct Legacy<block_q5_1> {
         d = low_f16x8(h), c = high_f16x8(h);
     }
 };
+// MXFP4: the doubled E2M1 values plus 12 (0..24, unsigned like the codes above: 8 maddubs products <= 8 * 24 *
+// 127 fit int16) looked up from the nibbles with one vpshufb; c = -12 d; the E8M0 scales 2^(e - 128) formed as
+// float bits from the 8 exponent bytes (e < 2: the subnormal 2^-127, 2^-126 as ggml has them).
+PYLLM_INLINE __m256 e8m0_half_x8(const block_mxfp4* b, int n) {
+    alignas(32) int32_t e[8];
+    for (int j = 0; j < 8; ++j) e[j] = j < n ? b[j].e : -1;  // -1: a zero scale past block n
+    const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(e));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), _mm256_max_epi32(v, _mm256_setzero_si256()));
+    const __m256i lt2 = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), v), absent = _mm256_cmpgt_epi32(_mm256_setzero_si256(), v);
+    const __m256i bits = _mm256_andnot_si256(absent, _mm256_blendv_epi8(normal, sub, lt2));
+    return _mm256_castsi256_ps(bits);
+}
+template <>
+struct Legacy<block_mxfp4> {
+    static constexpr bool is_signed = false;
+    static PYLLM_INLINE __m256i codes(const block_mxfp4& b) {
+        const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                             12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+        return _mm256_shuffle_epi8(lut, nibbles_32(b.qs));
+    }
+    static PYLLM_INLINE float c(const block_mxfp4&, float d) { return -12.f * d; }
+    static PYLLM_INLINE void scales8(const block_mxfp4* b, int n, __m256& d, __m256& c) {
+        d = e8m0_half_x8(b, n);
+        c = _mm256_mul_ps(d, _mm256_set1_ps(-12.f));
+    }
+};
+PYLLM_INLINE float block_scale(const block_mxfp4& b) { return e8m0_to_fp32_half(b.e); }
+template <class B>
+PYLLM_INLINE float block_scale(const B& b) { return f16(b.d); }
 
 template <>
 struct Legacy<block_q8_0> {
@@ -199,7 +230,7 @@ void dot_legacy(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y,
     }
     for (; i < nb; ++i) {  // the last K/32 % 4 blocks
         const __m256i q = Legacy<B>::codes(blk[i]);
-        const float d = f16(blk[i].d), c = Legacy<B>::c(blk[i], d);
+        const float d = block_scale(blk[i]), c = Legacy<B>::c(blk[i], d);
         for (int m = 0; m < M; ++m) {
             const __m256 p = _mm256_cvtepi32_ps(block_isum<B>(q, a[m].qs + QK * i));
             acc[0][m] = _mm256_fmadd_ps(_mm256_set1_ps(d * a[m].d[i]), p, acc[0][m]);
@@ -309,6 +340,7 @@ template <int M> void dot_q4_0(int K, const uint8_t* w, const uint8_t* xa, size_
 template <int M> void dot_q4_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q4_1, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_0(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_0, M>(K, w, xa, xs, y, ldy); }
 template <int M> void dot_q5_1(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_q5_1, M>(K, w, xa, xs, y, ldy); }
+template <int M> void dot_mxfp4(int K, const uint8_t* w, const uint8_t* xa, size_t xs, float* y, size_t ldy) { dot_legacy<block_mxfp4, M>(K, w, xa, xs, y, ldy); }
 
 // ---- Rows interleaved by 8 (Q4_0_R8 ... Q5_1_R8, blocks.h) ------------------------------------------------
 // Per group block b (block b of 8 rows) and activation row m, lane j of the vectors is row j:
@@ -580,6 +612,7 @@ inline RowKernel row_kernel_legacy_blocks(QType t) {
         case QType::Q5_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_0), PYLLM_ROWSDOT_TABLE(dot_q5_0)};
         case QType::Q5_1: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q5_1), PYLLM_ROWSDOT_TABLE(dot_q5_1)};
         case QType::Q8_0: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_q8_0), PYLLM_ROWSDOT_TABLE(dot_q8_0)};
+        case QType::MXFP4: return {Act::Q8_32, PYLLM_ROWDOT_TABLE(dot_mxfp4), PYLLM_ROWSDOT_TABLE(dot_mxfp4)};
         case QType::Q4_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q4_0x8), 8};
         case QType::Q4_1_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q4_1x8), 8};
         case QType::Q5_0_R8: return {Act::Q8_32, {}, PYLLM_ROWS8_TABLE(block_q5_0x8), 8};

@@ -255,8 +255,11 @@ class CpuBackend:
     def fused_decode(self, model, kv) -> CpuDecodeStep | None:
         """The C++ step for ``model`` over ``kv``, or None where it does not apply: a cache part it does not store
         (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the
-        step does not take."""
+        step does not take, or an architecture field it does not compute (ArchSpec.fused_step_gaps: gpt-oss's sinks,
+        biases, activation and routing run in the torch forward)."""
         if self.linear is not ops.qmatmul or not hasattr(kv, "storage_layout"):
+            return None
+        if getattr(getattr(model, "spec", None), "fused_step_gaps", tuple)():
             return None
         k, v = kv.storage_layout()
         if k.block not in KV_TYPE_IDS or v.block not in KV_TYPE_IDS or k.data.device.type != "cpu":

@@ -314,6 +314,9 @@ def fused_decode_problem(model, kv) -> str | None:
         return "the model or cache predates the backend seam"
     if getattr(model.spec, "n_expert", 0):
         return "a mixture-of-experts model (the step has no expert routing)"
+    gaps = getattr(model.spec, "fused_step_gaps", tuple)()
+    if gaps:
+        return f"architecture fields the step does not compute: {', '.join(gaps)}"
     if kv.head_dim not in HEAD_DIMS:
         return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
     for p in kv.storage_layout():

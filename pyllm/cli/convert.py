@@ -20,7 +20,7 @@ def add_convert_parser(sub) -> None:
                                    "tokenizer.json) to a GGUF file.")
     s.add_argument("hf_dir", metavar="HF_DIR", help="checkpoint directory")
     s.add_argument("out", metavar="OUT.gguf", help="output file")
-    s.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0", "q4_0", "q4_k_m"],
+    s.add_argument("--type", default="f16", choices=["f32", "f16", "q8_0", "q4_0", "q4_k_m", "mxfp4_moe"],
                    help="weight type (default f16; 1-D tensors stay f32)")
     s.add_argument("--quiet", "-q", action="store_true", help="do not list the tensors")
     s.set_defaults(func=cmd_convert)

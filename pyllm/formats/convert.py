@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import convert_encoder
+from . import convert_encoder, convert_gpt_oss
 from ..errors import ConvertError
 from .gguf import GGMLType
 from .quantize import QUANTIZERS, quantize
@@ -29,11 +29,13 @@ __all__ = ["ConvertError", "convert"]
 
 # HF model_type -> GGUF architecture. Mistral is written as "llama" (as llama.cpp does) plus its sliding window.
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-        "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+        "gemma3_text": "gemma3", "smollm3": "smollm3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
+        "gpt_oss": "gpt-oss"}
 PERMUTE_QK = {"llama", "smollm3"}  # archs whose runtime uses the interleaved ("norm") rotation
-FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15}
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "q4_k_m": 15, "mxfp4_moe": 38}
+# mxfp4_moe (llama.cpp's MOSTLY_MXFP4_MOE): the stacked experts MXFP4, the other matrices Q8_0
 BASE_TYPE = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0,
-             "q4_k_m": GGMLType.Q4_K}
+             "q4_k_m": GGMLType.Q4_K, "mxfp4_moe": GGMLType.Q8_0}
 
 
 def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -78,7 +80,7 @@ CONFIG_INTS = {"num_hidden_layers": (1, 4096), "hidden_size": (1, INT32_MAX), "n
                "moe_intermediate_size": (1, INT32_MAX), "shared_expert_intermediate_size": (0, INT32_MAX)}
 CONFIG_FLOATS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "rope_local_base_freq")
 ROPE_FLOATS = ("rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-               "partial_rotary_factor")
+               "partial_rotary_factor", "beta_fast", "beta_slow")
 
 
 def _check_config_values(cfg: dict, source: str) -> None:
@@ -322,9 +324,12 @@ def _merges(merges, source: Path) -> list[str]:
 
 def _tensor_type(name: str, arr_shape: tuple, ftype: str, layer_info: tuple[int, int] | None,
                  tied: bool) -> GGMLType:
-    if len(arr_shape) == 1 or ftype == "f32" or ".ffn_gate_inp" in name:  # llama.cpp leaves routers unquantized
+    if len(arr_shape) == 1 or ftype == "f32" or ".ffn_gate_inp" in name or name.endswith(".bias"):
+        # llama.cpp leaves routers and biases (gpt-oss's experts' are [E, rows]) unquantized
         return GGMLType.F32
     t = BASE_TYPE[ftype]
+    if ftype == "mxfp4_moe" and "_exps.weight" in name:
+        t = GGMLType.MXFP4
     if ftype == "q4_0" and (name == "output.weight" or (tied and name == "token_embd.weight")):
         # llama.cpp's quantizer (llama_tensor_get_type) gives the output head Q6_K for every type below Q8_0,
         # or Q8_0 when its rows are not whole 256-blocks
@@ -552,10 +557,13 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
     head_dim = cfg.get("head_dim") or n_embd // n_head
     theta, rs = _rope(cfg)
     rope_dim = int(head_dim * cfg.get("partial_rotary_factor", rs.get("partial_rotary_factor", 1.0)))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layer)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], n_layer)
     moe = _moe_config(d, cfg) if mt in ("qwen2_moe", "qwen3_moe") else {}
     if moe:
         tensors = _stack_experts(d, tensors, moe["expert_count"])
+    if mt == convert_gpt_oss.MODEL_TYPE:
+        moe = convert_gpt_oss.moe_config(d, cfg)
+        tensors = convert_gpt_oss.tensors(d, tensors)
     _check_tensors(d, arch, names, tensors, n_layer, n_embd, cfg["intermediate_size"], n_head, n_kv, head_dim,
                    cfg.get("vocab_size"), moe)
     n_vocab = cfg.get("vocab_size") or tensors["model.embed_tokens.weight"].shape[0]
@@ -594,6 +602,8 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
             raise ConvertError(f"{d}/config.json: linear rope scaling without a factor")
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rs["factor"]))
+    elif mt == convert_gpt_oss.MODEL_TYPE:
+        convert_gpt_oss.write_metadata(gguf, w, cfg, rs, d)  # the window and YaRN
     elif kind != "default":
         raise ConvertError(f"{d}/config.json: rope scaling {kind!r} is not supported (default, linear, llama3)")
     if mt == "gemma3_text":
@@ -618,6 +628,9 @@ def _write(gguf, w, d, cfg, arch, mt, tensors, ftype, log) -> None:
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise ConvertError(f"{d}: tensor {hf_name} has no GGUF name for architecture {arch}")
+        if isinstance(t, convert_gpt_oss.Mxfp4Blocks):  # kept as the checkpoint's blocks, whatever --type says
+            out.append((name, t))
+            continue
         if t.dim() == 0:
             raise ConvertError(f"{d}: tensor {hf_name} is a scalar; weights have at least one dimension")
         t = t.float()
@@ -637,6 +650,11 @@ def _write_tensors(gguf, w, out: list[tuple[str, torch.Tensor]], ftype: str, n_l
     """The tensors (GGUF name, float32 tensor) quantized to ``ftype``'s mix, then the whole file written."""
     for name, t in out:
         m = re.match(r"blk\.(\d+)\.", name)
+        if isinstance(t, convert_gpt_oss.Mxfp4Blocks):
+            w.add_tensor(name, t.data, raw_shape=t.data.shape, raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+            if log:
+                log(f"{name:32s} MXFP4 {t.shape}")
+            continue
         qt = _tensor_type(name, tuple(t.shape), ftype, (int(m.group(1)), n_layer) if m else None, tied)
         a = t.numpy()
         if qt == GGMLType.F32:

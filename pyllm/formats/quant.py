@@ -176,6 +176,23 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * _iq4_table(dev)[q.long()]).reshape(nb, QK_K)
 
 
+# MXFP4's E2M1 codes as ggml stores their values, doubled (ggml-common.h kvalues_mxfp4): the scale halves them back.
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponents (uint8) -> float32 2^(e - 128), ggml's GGML_E8M0_TO_FP32_HALF (e < 2: the subnormals)."""
+    ei = e.to(torch.int32)
+    sub = torch.bitwise_left_shift(torch.full_like(ei, 0x00200000), ei.clamp(max=1))
+    return torch.where(ei < 2, sub, (ei - 1) << 23).view(torch.float32)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # e | qs[16]
+    d = e8m0_to_fp32_half(b[:, 0:1])
+    return d * torch.tensor(MXFP4_VALUES, dtype=F32, device=b.device)[_nibbles(b[:, 1:17]).long()]
+
+
 def _float_blocks(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     def f(b: torch.Tensor) -> torch.Tensor:
         return b.contiguous().view(dtype).to(F32)
@@ -200,6 +217,7 @@ DEQUANTIZERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.Q6_K: _q6_k,
     GGMLType.IQ4_NL: _iq4_nl,
     GGMLType.IQ4_XS: _iq4_xs,
+    GGMLType.MXFP4: _mxfp4,
 }
 assert set(DEQUANTIZERS) == COMPUTE_TYPES, "gguf.COMPUTE_TYPES must list exactly the types dequantized here"
 

@@ -184,11 +184,33 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return out.reshape(n, -1)
 
 
+_MXFP4_VALUES = np.array((0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12), dtype=_F32)
+
+
+def quantize_mxfp4(x: np.ndarray) -> np.ndarray:
+    """quantize_row_mxfp4_ref: per 32 values the E8M0 exponent e = floor(log2(max|x|)) - 2 + 127 (0 for an all-zero
+    block; clamped to 0..255 where C's cast of an out-of-range float is undefined), then each value's nearest
+    doubled E2M1 value times 2^(e - 128), the first of equals on a tie (best_index_mxfp4)."""
+    n, k = x.shape
+    b = x.reshape(-1, 32).astype(_F32)
+    amax = np.abs(b).max(axis=1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        e = np.where(amax > 0, np.floor(np.log2(amax)) - 2 + 127, 0)
+    e = np.clip(e, 0, 255).astype(np.uint8)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e.astype(np.uint32), (e.astype(np.uint32) - 1) << np.uint32(23))
+    d = bits.astype(np.uint32).view(_F32)  # [NB, 1]
+    err = np.abs(d[:, :, None] * _MXFP4_VALUES[None, None, :] - b[:, :, None])  # [NB, 32, 16]
+    q = err.argmin(axis=2).astype(np.uint8)
+    qs = q[:, :16] | (q[:, 16:] << 4)
+    return np.concatenate([e, qs], axis=1).reshape(n, -1)
+
+
 QUANTIZERS = {
     GGMLType.Q8_0: (32, quantize_q8_0),
     GGMLType.Q4_0: (32, quantize_q4_0),
     GGMLType.Q4_K: (QK_K, quantize_q4_k),
     GGMLType.Q6_K: (QK_K, quantize_q6_k),
+    GGMLType.MXFP4: (32, quantize_mxfp4),
 }
 
 

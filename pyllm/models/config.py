@@ -22,12 +22,17 @@ ROPE_STYLE = {
     "smollm3": "norm",
     "qwen2moe": "neox",
     "qwen3moe": "neox",
+    "gpt-oss": "neox",
 }
 
 # Mixture-of-experts architectures and whether their router's top-k weights are renormalised to sum to 1 when the
 # file does not say ({arch}.expert_weights_norm): llama.cpp's graphs hard-code it per family (Qwen3-MoE yes, Qwen2-MoE
 # no), as their checkpoints' norm_topk_prob defaults do.
-MOE_NORM_TOP_K = {"qwen2moe": False, "qwen3moe": True}
+# Architectures whose rope may be YaRN-scaled ({arch}.rope.scaling.type = "yarn"): the spec builds its tables
+# (models/spec.py YarnSpec); any other architecture's file that says yarn is refused rather than run unscaled.
+YARN_ARCHS = ("gpt-oss",)
+
+MOE_NORM_TOP_K = {"qwen2moe": False, "qwen3moe": True, "gpt-oss": False}  # gpt-oss: softmax over the top k (spec.py)
 
 
 def _show(v) -> str:
@@ -70,14 +75,15 @@ class ModelConfig:
                 "ffn_gate.weight": (ff, d), "ffn_up.weight": (ff, d), "ffn_down.weight": (d, ff),
                 "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
                 "attn_q_norm.weight": (self.head_dim,), "attn_k_norm.weight": (self.head_dim,),
-                "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,), **self.expert_shapes()}
+                "post_attention_norm.weight": (d,), "post_ffw_norm.weight": (d,), "attn_output.bias": (d,),
+                "attn_sinks.weight": (self.n_head,), **self.expert_shapes()}
 
     def active_fraction(self, name: str) -> float:
         """The share of tensor ``name`` one token reads: n_expert_used / n_expert of a stacked expert tensor
         (ffn_*_exps: decode reads only the selected experts' rows), all of any other.  What bench's bytes per token
         and ``pyllm info``'s active parameters count."""
         ex = self.extra
-        if ex.get("expert_count") and name.endswith("_exps.weight"):
+        if ex.get("expert_count") and name.endswith(("_exps.weight", "_exps.bias")):
             return ex["expert_used_count"] / ex["expert_count"]
         return 1.0
 
@@ -90,7 +96,8 @@ class ModelConfig:
         d, e, f, fs = self.n_embd, ex["expert_count"], ex["expert_ff"], ex.get("expert_shared_ff", 0)
         return {"ffn_gate_inp.weight": (e, d), "ffn_gate_exps.weight": (e, f, d), "ffn_up_exps.weight": (e, f, d),
                 "ffn_down_exps.weight": (e, d, f), "ffn_gate_shexp.weight": (fs, d), "ffn_up_shexp.weight": (fs, d),
-                "ffn_down_shexp.weight": (d, fs), "ffn_gate_inp_shexp.weight": (d,)}
+                "ffn_down_shexp.weight": (d, fs), "ffn_gate_inp_shexp.weight": (d,), "ffn_gate_inp.bias": (e,),
+                "ffn_gate_exps.bias": (e, f), "ffn_up_exps.bias": (e, f), "ffn_down_exps.bias": (e, d)}
 
     def shape_mismatch(self, weights: dict) -> tuple[str, tuple, tuple] | None:
         """(name, shape, the shape the hyperparameters need) of the first tensor of ``weights`` that contradicts
@@ -234,8 +241,17 @@ class ModelConfig:
         cls._check_optional_layer_tensors(cfg, tensor_names, source)
         scaling = get("rope.scaling.type")
         factor = get_float("rope.scaling.factor", 1.0)
-        if not isinstance(scaling, (str, type(None))) or scaling not in (None, "none", "linear", "llama3"):  # llama3 scaling travels as the rope_freqs tensor
-            raise ModelError(f"{source}: {arch}.rope.scaling.type = {scaling!r} is not supported")
+        yarn_ok = arch in YARN_ARCHS and scaling == "yarn"
+        if not isinstance(scaling, (str, type(None))) or scaling not in (None, "none", "linear", "llama3") and \
+                not yarn_ok:  # llama3 scaling travels as the rope_freqs tensor
+            raise ModelError(f"{source}: {arch}.rope.scaling.type = {scaling!r} is not supported"
+                             + (f" (YaRN: only for {', '.join(YARN_ARCHS)})" if scaling == "yarn" else ""))
+        if yarn_ok:
+            cfg.extra["rope_yarn"] = dict(
+                factor=get_float("rope.scaling.factor", 1.0), orig_ctx=get_int("rope.scaling.original_context_length",
+                                                                              cfg.n_ctx_train),
+                beta_fast=get_float("rope.scaling.yarn_beta_fast", 32.0),
+                beta_slow=get_float("rope.scaling.yarn_beta_slow", 1.0))
         if scaling == "linear" and factor != 1.0:
             if arch != "gemma3":
                 raise ModelError(f"{source}: linear rope scaling (factor {factor!r}) is not supported for {arch}")

@@ -20,7 +20,28 @@ from ..errors import ModelError
 from .config import ModelConfig
 
 ROPE_STYLES = ("norm", "neox")  # adjacent pairs (llama-converted Q/K rows) / the two halves of each head
-ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP gate's activation: SiLU (llama) or tanh-approximated GELU (Gemma)
+# the MLP gate's activation: SiLU (llama), tanh-approximated GELU (Gemma), or gpt-oss's clamped SwiGLU
+# (swiglu_oai: g = min(g, limit), u = clamp(u, -limit, limit), g * sigmoid(alpha * g) * (u + 1))
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+# How the router's logits weigh the experts: "softmax" over all experts, then the top k (Qwen-MoE); "softmax_weight"
+# the top k logits, then a softmax over those (gpt-oss; llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)
+EXPERT_GATINGS = ("softmax", "softmax_weight")
+# Where a family's file keeps the FFN's pre-norm: llama.cpp names gpt-oss's "post_attention_norm"
+FFN_NORM_TENSORS = ("ffn_norm", "post_attention_norm")
+
+
+@dataclass(frozen=True)
+class YarnSpec:
+    """YaRN rope scaling (transformers' _compute_yarn_parameters; ggml's rope_yarn): each frequency blends its
+    interpolated (divided by ``factor``) and original value by a linear ramp over the dimensions between the
+    correction dims of ``beta_fast`` and ``beta_slow`` rotations in ``orig_ctx`` positions (floored / ceiled when
+    ``truncate``), and cos / sin are multiplied by 0.1 ln(factor) + 1."""
+
+    factor: float
+    orig_ctx: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,12 +63,18 @@ class ArchSpec:
         a = attention(q, K, V, attn_scale, window) Wo ; x += post_attention_norm(a) if post_norms else a
         h = norm(x) ; m = (act(h Wgate) * h Wup) Wdown ; x += post_ffw_norm(m) if post_norms else m
 
+    (with attn_out_bias, a gets bo after Wo; with attn_sinks, each head's softmax has one more logit, its sink, in
+    its denominator: p_j = exp(s_j) / (sum_i exp(s_i) + exp(sink_h)))
+
     with x = embedding * embd_scale (0: none) first and logits = softcap(norm(x) Woutput) last.
 
     A mixture-of-experts layer (n_expert > 0) replaces the MLP: p = softmax(h Wrouter) ; the n_expert_used largest
     p_e (renormalised to sum 1 when norm_top_k) weigh the selected experts' MLPs, m = sum_e p_e (silu(h Wgate_e) *
     h Wup_e) Wdown_e ; plus, where n_ff_shexp > 0, a shared expert's MLP, scaled by sigmoid(h . w_shexp_gate) when
-    shexp_gate.  The experts' matrices are stacked: ffn_{gate,up,down}_exps [n_expert, rows, cols]."""
+    shexp_gate.  The experts' matrices are stacked: ffn_{gate,up,down}_exps [n_expert, rows, cols].  With
+    expert_gating "softmax_weight" the top k are taken of the logits and p is their softmax; with expert_bias the
+    router and every expert matrix have a bias (ffn_gate_inp.bias, ffn_{gate,up,down}_exps.bias [n_expert, rows]),
+    and act (swiglu_oai) replaces silu(g) * u."""
 
     arch: str
     n_layer: int
@@ -76,6 +103,14 @@ class ArchSpec:
     n_ff_shexp: int = 0  # the shared expert's hidden size (0: none)
     shexp_gate: bool = False  # the shared expert's output is scaled by sigmoid(h . ffn_gate_inp_shexp)
     norm_top_k: bool = False  # the selected experts' weights are renormalised to sum to 1
+    expert_gating: str = "softmax"  # one of EXPERT_GATINGS
+    expert_bias: bool = False  # the router and the experts' matrices have biases
+    swiglu_alpha: float = 1.702  # act swiglu_oai's constants (llama.cpp and transformers hard-code these values)
+    swiglu_limit: float = 7.0
+    attn_sinks: bool = False  # attn_sinks.weight [n_head]: a learned logit per head in each softmax's denominator
+    attn_out_bias: bool = False  # attn_output.bias
+    ffn_norm_tensor: str = "ffn_norm"  # the file's name of the FFN pre-norm (renamed to ffn_norm at load)
+    yarn: YarnSpec | None = None  # YaRN-scaled rope tables (every rotating layer)
     layers: tuple[LayerSpec, ...] = field(default=())
 
     def __post_init__(self):
@@ -92,8 +127,25 @@ class ArchSpec:
             bad("rope_dim", self.rope_dim, f"is not even and <= head_dim {self.head_dim}")
         if self.rope_style not in ROPE_STYLES:
             bad("rope_style", self.rope_style, f"is not one of {', '.join(ROPE_STYLES)}")
-        if self.act not in ACTIVATIONS:
-            bad("act", self.act, f"is not one of {', '.join(ACTIVATIONS)}")
+        for name, allowed in (("act", ACTIVATIONS), ("expert_gating", EXPERT_GATINGS),
+                              ("ffn_norm_tensor", FFN_NORM_TENSORS)):
+            if getattr(self, name) not in allowed:
+                bad(name, getattr(self, name), f"is not one of {', '.join(allowed)}")
+        for name in ("expert_bias", "attn_sinks", "attn_out_bias"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, getattr(self, name), "is not true or false")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                bad(name, v, "is not a finite number > 0")
+        if self.ffn_norm_tensor != "ffn_norm" and self.post_norms:
+            bad("ffn_norm_tensor", self.ffn_norm_tensor, "names a tensor the post norms (post_norms) use")
+        y = self.yarn
+        if y is not None and not (isinstance(y, YarnSpec) and all(
+                not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+                for v in (y.factor, y.beta_fast, y.beta_slow)) and y.factor >= 1 and isinstance(y.orig_ctx, int)
+                and not isinstance(y.orig_ctx, bool) and 1 <= y.orig_ctx < (1 << 31) and isinstance(y.truncate, bool)):
+            bad("yarn", y, "is not a YarnSpec with factor >= 1, betas > 0 and orig_ctx in [1, 2**31)")
         for name in ("rms_eps", "embd_scale", "final_softcap", "attn_scale"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or \
@@ -107,7 +159,8 @@ class ArchSpec:
                     bad(name, v, f"is not an integer in [{lo}, {hi}]")
             if self.shexp_gate and not self.n_ff_shexp:
                 bad("shexp_gate", True, "needs a shared expert (n_ff_shexp > 0)")
-        elif self.n_expert_used or self.n_ff_exp or self.n_ff_shexp or self.shexp_gate:
+        elif self.n_expert_used or self.n_ff_exp or self.n_ff_shexp or self.shexp_gate or self.expert_bias or \
+                self.expert_gating != "softmax":
             bad("n_expert", self.n_expert, "is 0 (a dense MLP) but expert fields are set")
         if self.attn_scale == 0:
             object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
@@ -139,6 +192,16 @@ class ArchSpec:
             index.append(keys.index(key) if layer.rope else -1)
         return tuple(keys) or ((self.layers[0].rope_base, self.layers[0].rope_scale),), tuple(index)
 
+    def fused_step_gaps(self) -> tuple[str, ...]:
+        """The fields set here that the fused one-token steps (the C++ CPU step, the CUDA step) do not compute:
+        where any is, the backends give no fused step and the torch forward runs every token."""
+        gaps = [n for n in ("attn_sinks", "attn_out_bias", "expert_bias") if getattr(self, n)]
+        if self.act == "swiglu_oai":
+            gaps.append("act")
+        if self.expert_gating != "softmax":
+            gaps.append("expert_gating")
+        return tuple(gaps)
+
     def with_windows(self, window: int, where=None) -> "ArchSpec":
         """This spec with the window of every layer ``where(layer)`` holds (default: every layer) set to
         ``window`` (tests: a short window on a short prompt)."""
@@ -156,6 +219,8 @@ class ArchSpec:
                 names.append("ffn_gate_inp_shexp")
         else:
             names += ["ffn_gate", "ffn_up", "ffn_down"]
+        if self.attn_sinks:
+            names.append("attn_sinks")
         if self.qk_norm:
             names += ["attn_q_norm", "attn_k_norm"]
         if self.post_norms:
@@ -163,6 +228,10 @@ class ArchSpec:
         out = [f"{n}.weight" for n in names]
         if self.qkv_bias:
             out += ["attn_q.bias", "attn_k.bias", "attn_v.bias"]
+        if self.attn_out_bias:
+            out.append("attn_output.bias")
+        if self.expert_bias:
+            out += ["ffn_gate_inp.bias", "ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"]
         return tuple(out)
 
     @classmethod
@@ -235,7 +304,24 @@ def _moe(cfg: ModelConfig) -> dict:
                 norm_top_k=bool(ex.get("expert_weights_norm")))
 
 
+def _gpt_oss(cfg: ModelConfig) -> dict:
+    """gpt-oss (checked against transformers' GptOssForCausalLM and llama.cpp's openai-moe graph): Qwen-MoE's
+    layer with biases on q, k, v, the attention output, the router and every expert matrix; a learned sink logit
+    per head in each attention softmax; softmax over the top k router logits (not top k of the softmax); the
+    clamped SwiGLU (alpha 1.702, limit 7); sliding-window attention in the even layers (llama.cpp's swa pattern 2,
+    transformers' layer_types), full attention in the odd ones; YaRN rope (truncate off, as gpt-oss's config has
+    it); the FFN pre-norm kept as post_attention_norm in llama.cpp's files."""
+    moe = _moe(cfg)
+    y = cfg.extra.get("rope_yarn")
+    return dict(moe, layers=tuple(LayerSpec(cfg.rope_base, 1.0, cfg.sliding_window if i % 2 == 0 else 0)
+                                  for i in range(cfg.n_layer)),
+                norm_top_k=False, expert_gating="softmax_weight", expert_bias=True, act="swiglu_oai",
+                attn_sinks=True, attn_out_bias=True, ffn_norm_tensor="post_attention_norm",
+                yarn=YarnSpec(y["factor"], y["orig_ctx"], y["beta_fast"], y["beta_slow"]) if y else None)
+
+
 # general.architecture -> the family's entries (what differs from the ArchSpec defaults)
 _FAMILIES = {"llama": _llama, "mistral": _llama, "qwen2": _llama, "qwen3": _llama, "phi3": _llama,
-             "gemma3": _gemma3, "smollm3": _smollm3, "qwen2moe": _moe, "qwen3moe": _moe}
+             "gemma3": _gemma3, "smollm3": _smollm3, "qwen2moe": _moe, "qwen3moe": _moe,
+             "gpt-oss": _gpt_oss}
 ARCHITECTURES = tuple(sorted(_FAMILIES))

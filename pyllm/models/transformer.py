@@ -10,6 +10,8 @@ the CUDA step) are tested against.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -17,21 +19,71 @@ from ..errors import ModelError
 from ..formats.quant import QTensor
 from .config import ModelConfig
 from .decoder import Decoder
-from .spec import ArchSpec
+from .spec import ArchSpec, YarnSpec
+
+
+def yarn_frequencies(yarn: YarnSpec, base: float, rope_dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rope_dim/2] float64, the cos / sin factor) of YaRN rope scaling, as transformers'
+    _compute_yarn_parameters computes them (spec.py YarnSpec says what)."""
+    half = rope_dim // 2
+    pos_freqs = base ** (torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+
+    def correction_dim(rotations: float) -> float:
+        return rope_dim * math.log(yarn.orig_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(yarn.beta_fast), correction_dim(yarn.beta_slow)
+    if yarn.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rope_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp
+    extrapolate = 1 - ((torch.arange(half, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    inv = (1 / (yarn.factor * pos_freqs)) * (1 - extrapolate) + (1 / pos_freqs) * extrapolate
+    return inv, (0.1 * math.log(yarn.factor) + 1.0 if yarn.factor > 1 else 1.0)
 
 
 def rope_tables(cfg: ModelConfig, n_pos: int, base: float | None = None, freq_factors: torch.Tensor | None = None,
-                scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float = 1.0, yarn: YarnSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [n_pos, rope_dim/2] float32. freq_factors (llama3 rope_freqs) divide the frequencies; ``scale``
-    (linear rope scaling) divides the positions."""
+    (linear rope scaling) divides the positions; ``yarn`` replaces the frequencies and scales cos and sin."""
     base = cfg.rope_base if base is None else base
     half = cfg.rope_dim // 2
     inv = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float64) * 2.0 / cfg.rope_dim))
+    mscale = 1.0
+    if yarn is not None:
+        inv, mscale = yarn_frequencies(yarn, base, cfg.rope_dim)
     if freq_factors is not None:
         inv = inv / freq_factors.double()[:half]
     pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
     ang = (pos if scale == 1.0 else pos / scale) * inv[None, :]
+    if mscale != 1.0:
+        return (ang.cos() * mscale).float(), (ang.sin() * mscale).float()
     return ang.cos().float(), ang.sin().float()
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float, window: int,
+                   sinks: torch.Tensor) -> torch.Tensor:
+    """``attention`` with a sink logit per head (sinks [H]) in each softmax's denominator (gpt-oss): the sink takes
+    its share of the probability and contributes no value.  q [T, H, hd]; k, v [Hkv, S, hd] -> [T, H*hd]."""
+    t, h, hd = q.shape
+    s, g = k.shape[1], h // k.shape[0]
+    k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)  # [H, S, hd]
+    scores = torch.einsum("thd,hsd->hts", q, k) * scale
+    qpos = torch.arange(start_pos, start_pos + t, device=q.device)[:, None]
+    kpos = torch.arange(s, device=q.device)[None, :]
+    mask = kpos <= qpos
+    if window:
+        mask &= kpos > qpos - window
+    scores = scores.masked_fill(~mask, float("-inf"))
+    logits = torch.cat((scores, sinks.reshape(h, 1, 1).expand(h, t, 1).to(scores.dtype)), dim=-1)
+    p = torch.softmax(logits, dim=-1)[..., :-1]
+    return (p @ v).transpose(0, 1).reshape(t, h * v.shape[-1])
+
+
+def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (spec.py ACTIVATIONS), in transformers' order of operations."""
+    g = g.clamp(max=limit)
+    return (u.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
@@ -110,8 +162,12 @@ class Transformer(Decoder):
         self.vec = self.small_vectors(weights)
         factors = self.vec["rope_freqs.weight"].cpu() if spec.rope_freq_factors else None
         keys, self.layer_rope = spec.rope_keys()
-        self.rope_tables = [tuple(t.to(self.device) for t in rope_tables(cfg, max_pos, base, factors, scale))
+        self.rope_tables = [tuple(t.to(self.device) for t in rope_tables(cfg, max_pos, base, factors, scale,
+                                                                       spec.yarn))
                             for base, scale in keys]
+        # the experts' biases [n_expert, rows] (2-D, so not among the small vectors), as float32 on their layer's device
+        self.expert_bias = {n: t.dequantize().to(self.tensor_device(n)) for n, t in weights.items()
+                            if spec.expert_bias and n.endswith("_exps.bias")}
         # multiplied as a float32 tensor, as HF multiplies by the scale cast to the activation dtype
         self.embd_scale = torch.tensor(spec.embd_scale, dtype=torch.float32)
 
@@ -132,6 +188,9 @@ class Transformer(Decoder):
         """The file's tensors as the forward names them (Phi-3's fused ones split, a shared-expert gate stored as a
         [1, n_embd] matrix as the vector it is); others as they are."""
         spec = ArchSpec.from_config(cfg)
+        if spec.ffn_norm_tensor != "ffn_norm":
+            weights = {n.replace(f".{spec.ffn_norm_tensor}.", ".ffn_norm.") if n.startswith("blk.") else n: t
+                       for n, t in weights.items()}
         if spec.shexp_gate:
             weights = dict(weights)
             for i in range(cfg.n_layer):
@@ -146,12 +205,23 @@ class Transformer(Decoder):
         the router's softmax in float32, its top k (renormalised when norm_top_k), the selected experts' SwiGLU
         weighted and summed, plus the shared expert (sigmoid-gated where the family gates it)."""
         spec, w, vec = self.spec, self.w, self.vec
-        probs = torch.softmax(self.linear(h, w[p + "ffn_gate_inp.weight"]), dim=-1)
-        top, ids = torch.topk(probs, spec.n_expert_used, dim=-1)  # [T, k]
+        logits = self.linear(h, w[p + "ffn_gate_inp.weight"])
+        if spec.expert_bias:
+            logits = logits + vec[p + "ffn_gate_inp.bias"]
+        if spec.expert_gating == "softmax_weight":
+            top, ids = torch.topk(logits, spec.n_expert_used, dim=-1)
+            top = torch.softmax(top, dim=-1)
+        else:
+            top, ids = torch.topk(torch.softmax(logits, dim=-1), spec.n_expert_used, dim=-1)  # [T, k]
         if spec.norm_top_k:
             top = top / top.sum(-1, keepdim=True)
         g, u = self.experts(h, [w[p + "ffn_gate_exps.weight"], w[p + "ffn_up_exps.weight"]], ids)
-        (d,) = self.experts(self.glu(g, u), [w[p + "ffn_down_exps.weight"]], ids)  # [T, k, D]
+        if spec.expert_bias:
+            g, u = g + self.expert_bias[p + "ffn_gate_exps.bias"][ids], u + self.expert_bias[p + "ffn_up_exps.bias"][ids]
+        a = swiglu_oai(g, u, spec.swiglu_alpha, spec.swiglu_limit) if spec.act == "swiglu_oai" else self.glu(g, u)
+        (d,) = self.experts(a, [w[p + "ffn_down_exps.weight"]], ids)  # [T, k, D]
+        if spec.expert_bias:
+            d = d + self.expert_bias[p + "ffn_down_exps.bias"][ids]
         m = (d * top.unsqueeze(-1)).sum(1)
         if spec.n_ff_shexp:
             s = self.linear(self.glu(self.linear(h, w[p + "ffn_gate_shexp.weight"]),
@@ -194,13 +264,25 @@ class Transformer(Decoder):
                 q = self.rope(q, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
                 k = self.rope(k, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
-            if start_pos == 0:
+            if spec.attn_sinks:
+                # in the model's basis: a sink logit is not shifted with the scores, so the storage basis of a
+                # centered cache (which relies on softmax ignoring a per-query shift) would not give these weights
+                sinks = vec[p + "attn_sinks.weight"]
+                if start_pos == 0:
+                    a = sink_attention(q, k.transpose(0, 1), v.transpose(0, 1), 0, spec.attn_scale, layer.window, sinks)
+                else:
+                    upto = start_pos + t
+                    a = sink_attention(q, kv.k_part.view(i, upto).float(), kv.v_part.view(i, upto).float(), start_pos,
+                                       spec.attn_scale, layer.window, sinks)
+            elif start_pos == 0:
                 # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
                 a = self.causal_attention(q, k, v, spec.attn_scale, layer.window, attention)
             else:
                 # The cache runs attention over its own storage (a rotated cache attends in its rotated basis).
                 a = kv.attend(i, q, start_pos, self.cache_attention(spec.attn_scale, layer.window, attention))
             a = lin(a, w[p + "attn_output.weight"])
+            if spec.attn_out_bias:
+                a = a + vec[p + "attn_output.bias"]
             x = x + (self.norm(a, vec[p + "post_attention_norm.weight"], eps) if spec.post_norms else a)
             h = self.norm(x, vec[p + "ffn_norm.weight"], eps)
             if spec.n_expert:
