@@ -77,7 +77,7 @@ struct U4 {
 PYLLM_HD inline U4 ld_weights16(const uint8_t* p) {
     U4 v;
 #if defined(__CUDA_ARCH__)
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "l"(p));
 #else
@@ -88,7 +88,7 @@ PYLLM_HD inline U4 ld_weights16(const uint8_t* p) {
 PYLLM_HD inline uint32_t ld_weights4(const uint8_t* p) {  // 4-byte aligned
     uint32_t v;
 #if defined(__CUDA_ARCH__)
-    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
 #else
     std::memcpy(&v, p, 4);
 #endif
@@ -97,7 +97,7 @@ PYLLM_HD inline uint32_t ld_weights4(const uint8_t* p) {  // 4-byte aligned
 PYLLM_HD inline uint16_t ld_weights2(const uint8_t* p) {  // 2-byte aligned
     uint16_t v;
 #if defined(__CUDA_ARCH__)
-    asm volatile("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+    asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
 #else
     std::memcpy(&v, p, 2);
 #endif
@@ -170,6 +170,14 @@ PYLLM_HD inline float sub_rn(float a, float b) {
 
 constexpr uint32_t kLo = 0x0F0F0F0Fu;
 
+// "#pragma unroll" in the __host__ __device__ loops below (g++ would warn about it in the host pass): their arrays
+// must stay in registers on the device.
+#if defined(__CUDA_ARCH__)
+#define PYLLM_TILED_UNROLL _Pragma("unroll")
+#else
+#define PYLLM_TILED_UNROLL
+#endif
+
 // ---- geometry ---------------------------------------------------------------------------------------------------
 // Byte offset in its tile of plane p of unit u of tile row r; NU units per row, P planes per unit.
 PYLLM_HD inline size_t plane_offset(int NU, int P, int u, int r, int p) {
@@ -218,6 +226,7 @@ struct Tiled<QType::Q4_0> {
         const uint32_t w[4] = {f.q.x, f.q.y, f.q.z, f.q.w};
         const uint32_t lo[4] = {x.a.x, x.a.y, x.a.z, x.a.w}, hi[4] = {x.b.x, x.b.y, x.b.z, x.b.w};
         int s = 0;
+        PYLLM_TILED_UNROLL
         for (int j = 0; j < 4; ++j) {
             s = dot4(w[j] & kLo, lo[j], s);
             s = dot4((w[j] >> 4) & kLo, hi[j], s);
@@ -228,6 +237,7 @@ struct Tiled<QType::Q4_0> {
         const Frag f = load(tile, NU, u, r);
         uint8_t q[16];
         memcpy(q, &f.q, 16);
+        PYLLM_TILED_UNROLL
         for (int j = 0; j < 16; ++j) {
             y[j] = mul_rn(f.d, static_cast<float>((q[j] & 0xF) - 8));
             y[j + 16] = mul_rn(f.d, static_cast<float>((q[j] >> 4) - 8));
@@ -277,6 +287,7 @@ struct Tiled<QType::Q8_0> {
         int8_t q[32];
         memcpy(q, &f.q0, 16);
         memcpy(q + 16, &f.q1, 16);
+        PYLLM_TILED_UNROLL
         for (int j = 0; j < 32; ++j) y[j] = mul_rn(static_cast<float>(q[j]), f.d);
     }
     static void tile_block(const uint8_t* blk, uint8_t* tile, int NU, int b, int r) {
@@ -326,6 +337,7 @@ struct Tiled<QType::Q4_K> {
     // (sc, m) of sub-blocks 2c and 2c + 1 from the head's scales (words y, z, w = scales[0..12)), as
     // get_scale_min_k4 decodes them, by shifts (c varies by lane: an indexed byte array would go to local memory)
     PYLLM_HD static void scales(const U4& h, int c, int* sc, int* m) {
+        PYLLM_TILED_UNROLL
         for (int i = 0; i < 2; ++i) {
             const int j = 2 * c + i;
             if (j < 4) {
@@ -344,6 +356,7 @@ struct Tiled<QType::Q4_K> {
         const uint32_t a0[4] = {x.a0.x, x.a0.y, x.a0.z, x.a0.w}, a1[4] = {x.a1.x, x.a1.y, x.a1.z, x.a1.w};
         const uint32_t b0[4] = {x.b0.x, x.b0.y, x.b0.z, x.b0.w}, b1[4] = {x.b1.x, x.b1.y, x.b1.z, x.b1.w};
         int sa = 0, sb = 0;
+        PYLLM_TILED_UNROLL
         for (int j = 0; j < 4; ++j) {
             sa = dot4(w0[j] & kLo, a0[j], sa);
             sa = dot4(w1[j] & kLo, a1[j], sa);
@@ -368,6 +381,7 @@ struct Tiled<QType::Q4_K> {
         const float d = half_to_float(static_cast<uint16_t>(f.h.x)), dmin = half_to_float(static_cast<uint16_t>(f.h.x >> 16));
         const float dl0 = mul_rn(d, static_cast<float>(sc[0])), ml0 = mul_rn(dmin, static_cast<float>(m[0]));
         const float dl1 = mul_rn(d, static_cast<float>(sc[1])), ml1 = mul_rn(dmin, static_cast<float>(m[1]));
+        PYLLM_TILED_UNROLL
         for (int l = 0; l < 32; ++l) {
             y[l] = sub_rn(mul_rn(dl0, static_cast<float>(q[l] & 0xF)), ml0);
             y[32 + l] = sub_rn(mul_rn(dl1, static_cast<float>(q[l] >> 4)), ml1);
@@ -441,6 +455,7 @@ struct Tiled<QType::Q6_K> {
         const uint32_t xa0[4] = {x.v.a0.x, x.v.a0.y, x.v.a0.z, x.v.a0.w}, xa1[4] = {x.v.a1.x, x.v.a1.y, x.v.a1.z, x.v.a1.w};
         const uint32_t xb0[4] = {x.v.b0.x, x.v.b0.y, x.v.b0.z, x.v.b0.w}, xb1[4] = {x.v.b1.x, x.v.b1.y, x.v.b1.z, x.v.b1.w};
         int s[4] = {0, 0, 0, 0};
+        PYLLM_TILED_UNROLL
         for (int j = 0; j < 4; ++j) {
             uint32_t a0, b0, a1, b1;
             codes(w0[j], w1[j], hh[j], &a0, &b0, &a1, &b1);
@@ -450,6 +465,7 @@ struct Tiled<QType::Q6_K> {
             s[3] = dot4(b1, xb1[j], s[3]);
         }
         int sc[4];
+        PYLLM_TILED_UNROLL
         for (int i = 0; i < 4; ++i) sc[i] = static_cast<int8_t>(f.sc >> (8 * i));
         // codes are 0..63: the -32 comes off as 32 * the activations' 16-value sums (exact in int32)
         const int ia = sc[0] * (s[0] - 32 * x.s[0]) + sc[1] * (s[1] - 32 * x.s[1]);
@@ -463,8 +479,10 @@ struct Tiled<QType::Q6_K> {
         memcpy(w1, &f.q1, 16);
         memcpy(hh, &f.h, 16);
         float dl[4];
+        PYLLM_TILED_UNROLL
         for (int i = 0; i < 4; ++i) dl[i] = mul_rn(f.d, static_cast<float>(static_cast<int8_t>(f.sc >> (8 * i))));
         // y[0..32): group k0, y[32..64): group k0 + 2
+        PYLLM_TILED_UNROLL
         for (int j = 0; j < 4; ++j) {
             uint32_t a0, b0, a1, b1;
             codes(w0[j], w1[j], hh[j], &a0, &b0, &a1, &b1);
