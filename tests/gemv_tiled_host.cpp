@@ -38,6 +38,10 @@ void emulate_all(const uint8_t* w, int64_t N, int K, const int8_t* xq, const flo
 
 extern "C" {
 
+int tiled_qtype(int base) { return tiled_qtype_id(base); }
+
+int tiled_tileable(int base, int64_t N, int64_t K) { return tileable(base, N, K) ? 1 : 0; }
+
 int tiled_relayout(int base, int inverse, const uint8_t* src, uint8_t* dst, int64_t N, int K) {
     return tile_matrix(base, inverse != 0, src, dst, K, 0, N / kTileRows) ? 0 : -1;
 }

@@ -26,7 +26,7 @@ import torch
 
 from pyllm.formats.gguf import BLOCK_INFO, GGMLType
 from pyllm.formats.quant import dequantize_blocks
-from tests.gpu.cuda_testutil import random_blocks
+from gpu.cuda_testutil import random_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = int(os.environ.get("PYLLM_TEST_SEED") or time.time_ns() % 2**31)
@@ -49,11 +49,11 @@ def _shapes(qtype):
     return [(n, k) for n, k in SHAPES if k % bs == 0]
 
 
-@pytest.fixture(scope="module")
-def lib(tmp_path_factory):
+def build_host_lib(directory: Path) -> ctypes.CDLL:
+    """tests/gemv_tiled_host.cpp built with g++ into ``directory`` and loaded (also used by tests/gpu)."""
     cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     assert cxx, "no C++ compiler (g++) to build the tiled layout's host library"
-    so = tmp_path_factory.mktemp("gemv_tiled") / "gemv_tiled_host.so"
+    so = directory / "gemv_tiled_host.so"
     r = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-ffp-contract=off", "-Wall", "-Wextra",
                         "-Werror", f"-I{ROOT / 'csrc'}", str(ROOT / "tests/gemv_tiled_host.cpp"), "-o", str(so)],
                        capture_output=True, text=True, timeout=300)
@@ -63,12 +63,27 @@ def lib(tmp_path_factory):
     L.tiled_relayout.argtypes = [ctypes.c_int, ctypes.c_int, p, p, ctypes.c_int64, ctypes.c_int]
     L.tiled_dequantize.argtypes = [ctypes.c_int, p, ctypes.c_int64, ctypes.c_int, p]
     L.tiled_emulate.argtypes = [ctypes.c_int, p, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int, ctypes.c_int, p]
+    L.tiled_tileable.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     return L
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return build_host_lib(tmp_path_factory.mktemp("gemv_tiled"))
 
 
 def _ptr(a: np.ndarray):
     assert a.flags.c_contiguous
     return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def emulate(lib, qtype, tiled: np.ndarray, k: int, xq: np.ndarray, xds: np.ndarray, split: int) -> np.ndarray:
+    """The kernel's y [M, N] for tiled weights and activation codes (xq int8 [M, K], xds float32 [M, K/32, 2])."""
+    m, n = xq.shape[0], tiled.shape[0]
+    xq, xds = np.ascontiguousarray(xq), np.ascontiguousarray(xds, dtype=np.float32)
+    y = np.empty((m, n), dtype=np.float32)
+    assert lib.tiled_emulate(int(qtype), _ptr(tiled), n, k, _ptr(xq), _ptr(xds), m, split, _ptr(y)) == 0
+    return y
 
 
 def relayout(lib, qtype, blocks: np.ndarray, k: int, inverse: bool = False) -> np.ndarray:
@@ -129,8 +144,7 @@ def test_kernel_arithmetic_matches_float64(lib, qtype, split):
         m = 3
         x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, size=(m, 1))).astype(np.float32)
         xq, xds = quantize_act(x)
-        y = np.empty((m, n), dtype=np.float32)
-        assert lib.tiled_emulate(int(qtype), _ptr(tiled), n, k, _ptr(xq), _ptr(xds), m, split, _ptr(y)) == 0
+        y = emulate(lib, qtype, tiled, k, xq, xds, split)
         xdeq = (xq.astype(np.float64).reshape(m, k // 32, 32) * xds[..., :1].astype(np.float64)).reshape(m, k)
         ref = xdeq @ w64.T
         rel = np.linalg.norm(y - ref) / np.linalg.norm(ref)
@@ -138,3 +152,46 @@ def test_kernel_arithmetic_matches_float64(lib, qtype, split):
         # and per output, relative to the size of its terms: no row or unit is dropped or doubled
         worst = np.max(np.abs(y - ref) / (np.abs(xdeq) @ np.abs(w64).T + 1e-30))
         assert worst <= 1e-5, _why(qtype.name, n, k, f"split {split}", f"worst per-output error {worst:.3g}")
+
+
+class _TilingEntryPoints:
+    """The extension's tiling entry points (csrc/cuda/bindings_cuda.cpp: cuda_tiled_qtype, cuda_tileable,
+    cuda_tile_weight), over the same header functions, for the upload code on a host without the CUDA build."""
+
+    def __init__(self, lib):
+        self.lib = lib
+
+    def cuda_tiled_qtype(self, qtype):
+        return self.lib.tiled_qtype(int(qtype))
+
+    def cuda_tileable(self, qtype, n, k):
+        return bool(self.lib.tiled_tileable(int(qtype), n, k))
+
+    def cuda_tile_weight(self, w, qtype, k):
+        assert w.device.type == "cpu"
+        return torch.from_numpy(relayout(self.lib, GGMLType(qtype), np.ascontiguousarray(w.numpy()), k))
+
+
+def test_upload_tiles_the_gemv_matrices(lib, monkeypatch):
+    """pyllm/backends/cuda.py _to_device: a matrix a GEMV reads goes up tiled where its type and shape have the layout
+    (the tiled id, the relayout's bytes, the file's size); anything else, or everything under PYLLM_CUDA_TILED=0, as
+    GGUF rows."""
+    from pyllm.backends import cuda as cb
+    from pyllm.formats.quant import QTensor
+
+    C, cpu = _TilingEntryPoints(lib), torch.device("cpu")
+
+    def weight(qtype, n, k):
+        return QTensor(qtype, (n, k), torch.from_numpy(random_blocks(qtype, n, k, _rng("up", qtype, n, k))), "w")
+
+    for qtype, tid in ((GGMLType.Q4_0, 68), (GGMLType.Q8_0, 69), (GGMLType.Q4_K, 70), (GGMLType.Q6_K, 71)):
+        w = weight(qtype, 16, 512)
+        up = cb._to_device(w, cpu, C, gemv=True)
+        assert isinstance(up, cb.CudaTiledTensor) and up.qtype == tid and up.base == qtype, qtype.name
+        assert up.shape == w.shape and up.nbytes == w.nbytes
+        assert np.array_equal(up.data.numpy(), relayout(lib, qtype, w.data.numpy(), 512))
+        assert isinstance(cb._to_device(w, cpu, C), QTensor)  # not a GEMV operand (an embedding table)
+    for w in (weight(GGMLType.Q4_K, 12, 512), weight(GGMLType.Q4_1, 16, 512)):  # rows not whole tiles; no layout
+        assert isinstance(cb._to_device(w, cpu, C, gemv=True), QTensor)
+    monkeypatch.setenv("PYLLM_CUDA_TILED", "0")
+    assert isinstance(cb._to_device(weight(GGMLType.Q4_K, 16, 512), cpu, C, gemv=True), QTensor)
