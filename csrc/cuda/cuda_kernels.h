@@ -58,7 +58,9 @@ void gemv_experts_cuda(QType t, const uint8_t* w, size_t expert_bytes, size_t ro
 
 // ---- decode GEMV over the tiled layout (gemv_tiled.cu) ----------------------------------------------------------
 // gemv_parts_cuda for the tiled types (QType::*_TILED, csrc/common/gemv_tiled.h: made at upload from Q4_0 / Q8_0 /
-// Q4_K / Q6_K rows); gemv_parts_cuda forwards those types here.  Each part's N % 8 == 0, w 16-byte aligned.
+// Q4_K / Q6_K rows); gemv_parts_cuda forwards those types here.  Each part's N % 8 == 0, w 16-byte aligned.  A
+// part's sums depend on the K split the launch takes (gemv_tiled_split, from all parts' rows), not otherwise on the
+// other parts.
 void gemv_tiled_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* xq, const float2* xds, int M,
                            int K, cudaStream_t stream);
 // K slices per row group the tiled GEMV takes for `rows` rows in all at M (1, 2 or 4: see gemv_tiled.cu), and a

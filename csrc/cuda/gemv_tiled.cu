@@ -1,10 +1,11 @@
 // Decode GEMV over the tiled weight layout (csrc/common/gemv_tiled.h): y[M, N] = x[M, K] @ W[N, K]^T for 1..8
 // activation rows, W made at upload from Q4_0 / Q8_0 / Q4_K / Q6_K blocks (QType::*_TILED).
 //
-// Shape of the work: a warp owns RW rows of one tile (4 at M <= 2, else 2) and a slice of their K: lane l takes
-// unit 32 g + l of groups g = s, s + W, ... (slice s of W).  Per group it issues RW * P 16-byte plane loads and the
-// scales of its rows first, each load contiguous across the warp (512 bytes), then the activations of its unit once
-// for all RW rows, then the dp4a dots.  A CTA is 4 warps: 4 / W row groups of W slices; the slices' sums meet in
+// Shape of the work: a warp owns RW rows of one tile (rows_per_warp: 4 at M <= 2, else 2) and a slice of their K:
+// lane l takes unit 32 g + l of groups g = s, s + W, ... (slice s of W).  Per group it issues RW * P 16-byte plane
+// loads and the scales of its rows first (the first group's before griddepcontrol.wait), each load contiguous across
+// the warp (512 bytes), then the activations of its unit once for all RW rows, then the dp4a dots.  A CTA is 4 warps:
+// 4 / W row groups of W slices; the slices' sums meet in
 // shared memory.  W (1, 2, 4) is picked per launch so the grid has at least ~24 warps per SM (the short-K shapes
 // split K, the long-N ones do not); gemv_tiled_set_split forces it (tests, benchmarks).
 //
@@ -37,8 +38,20 @@ struct TiledParts {
     int n;
 };
 
+// Rows per warp: 4 while the M activation rows' dots fit beside 4 rows' planes (M = 1, and M = 2 but for Q6_K's
+// 3-plane units: the output projection's two halves), else 2.
+__host__ __device__ constexpr int rows_per_warp(QType t, int M) {
+    return M == 1 || (M == 2 && t != QType::Q6_K) ? 4 : 2;
+}
+
+// At M <= 2 at least 4 / 3 CTAs (16 / 12 warps) per SM: register room for a group's loads in flight with enough warps
+// to hide their latency (left to itself the compiler double-buffers the planes at ~180 registers, 8 warps per SM).
+__host__ __device__ constexpr int min_ctas(int M) {
+    return M == 1 ? 4 : M == 2 ? 3 : 1;
+}
+
 template <QType T, int M, int RW, int W>
-__global__ void __launch_bounds__(kTiledThreads, 1) gemv_tiled_kernel(const TiledParts parts, const int8_t* __restrict__ xq,
+__global__ void __launch_bounds__(kTiledThreads, min_ctas(M)) gemv_tiled_kernel(const TiledParts parts, const int8_t* __restrict__ xq,
                                                                    const float2* __restrict__ xds, int K) {
     using Ty = Tiled<T>;
     constexpr int kGroupsPerCta = kTiledWarps / W;  // row groups of RW rows
@@ -63,6 +76,12 @@ __global__ void __launch_bounds__(kTiledThreads, 1) gemv_tiled_kernel(const Tile
     const int r0 = row0 % kTileRows;
     const int NU = K / Ty::kE, NG = (NU + kLanes - 1) / kLanes;
     const float* ds = reinterpret_cast<const float*>(xds);
+    // The first group's weights are loaded before the wait: they are constant, so under a programmatic launch
+    // (PYLLM_CUDA_PDL=1) they stream in while the kernel before this one drains.
+    typename Ty::Frag f[RW] = {};
+    if (slice < NG && kLanes * slice + lane < NU)
+#pragma unroll
+        for (int r = 0; r < RW; ++r) f[r] = Ty::load(tile, NU, kLanes * slice + lane, r0 + r);
     pdl_wait();
 
     float acc[M][RW];
@@ -74,9 +93,9 @@ __global__ void __launch_bounds__(kTiledThreads, 1) gemv_tiled_kernel(const Tile
     for (int g = slice; g < NG; g += W) {
         const int u = kLanes * g + lane;
         if (u < NU) {
-            typename Ty::Frag f[RW];
+            if (g != slice)
 #pragma unroll
-            for (int r = 0; r < RW; ++r) f[r] = Ty::load(tile, NU, u, r0 + r);
+                for (int r = 0; r < RW; ++r) f[r] = Ty::load(tile, NU, u, r0 + r);
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 const typename Ty::X x = Ty::act(Act{xq + static_cast<size_t>(m) * K, ds + static_cast<size_t>(m) * (K / 16)}, u);
@@ -120,9 +139,13 @@ int forced_split = 0;  // gemv_tiled_set_split: 0 = pick_split's choice
 // Weight slices per row group (see the file comment).
 int pick_split(int64_t row_groups, int NG) {
     if (forced_split) return forced_split;
-    int dev = 0, sms = 132;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-        sms = 132;
+    static const int sms = [] {  // the first device's count: a launch (or a graph capture) asks no driver query
+        int dev = 0, n = 0;
+        return cudaGetDevice(&dev) == cudaSuccess &&
+                       cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess && n > 0
+                   ? n
+                   : 132;
+    }();
     int W = 1;
     while (W < 4 && 2 * W <= NG && row_groups * W < static_cast<int64_t>(sms) * 24) W *= 2;
     return W;
@@ -130,7 +153,7 @@ int pick_split(int64_t row_groups, int NG) {
 
 template <QType T, int M, int W>
 void launch_split(TiledParts P, const int8_t* xq, const float2* xds, int K, cudaStream_t stream) {
-    constexpr int RW = M <= 2 ? 4 : 2;
+    constexpr int RW = rows_per_warp(T, M);
     constexpr int rows_per_cta = kTiledWarps / W * RW;
     int ctas = 0;
     for (int i = 0; i < P.n; ++i) P.cta_end[i] = ctas += (P.p[i].N + rows_per_cta - 1) / rows_per_cta;
@@ -140,7 +163,7 @@ void launch_split(TiledParts P, const int8_t* xq, const float2* xds, int K, cuda
 template <QType T>
 int split_of(int64_t rows, int K, int M) {
     const int NU = K / Tiled<T>::kE;
-    return pick_split(rows / (M <= 2 ? 4 : 2), (NU + kLanes - 1) / kLanes);
+    return pick_split(rows / rows_per_warp(T, M), (NU + kLanes - 1) / kLanes);
 }
 
 template <QType T, int M>

@@ -7,7 +7,8 @@ References and tolerances:
   (as tests/gpu/test_gemv.py for the GGUF-order kernel), and NMSE <= 5e-4 against the unquantized x;
 - the tiled dequantizer (prefill, embedding rows) equals cuda_dequantize on the GGUF rows bit for bit.
 Shapes: the 8B's (N, K) cut to 64-256 rows (every lane and group path; the full sizes run in tools/gpu_check.sh's
-benchmark), a last group of fewer lanes (K = 576 / 768), and q/k/v-like parts of different row counts.
+benchmark; 136 rows: a last CTA with spare row groups), a last group of fewer lanes (K = 576 / 768), and q/k/v-like
+parts of different row counts.
 """
 
 import functools
@@ -20,7 +21,7 @@ from pyllm.formats.gguf import GGMLType
 from .cuda_testutil import random_blocks, reference, to_cuda
 
 TYPES = [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]
-SHAPES = [(64, 4096), (256, 14336), (8, 576), (136, 768), (1000, 4096)]
+SHAPES = [(64, 4096), (256, 14336), (8, 576), (136, 768)]
 
 
 def _shapes(qtype):
@@ -148,10 +149,10 @@ def test_backend_uploads_gemv_matrices_tiled(K, monkeypatch):
     assert not isinstance(plain, cb.CudaTiledTensor)
     tiled = up["blk.0.attn_q.weight"]
     x = torch.randn(3, 512, device="cuda")
-    torch.testing.assert_close(b.linear(x, tiled), b.linear(x, plain), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(b.linear(x, tiled), b.linear(x, plain), rtol=1e-4, atol=1e-4)  # summation order only
     torch.testing.assert_close(b.linear_output(x, tiled), b.linear_output(x, plain), rtol=1e-4, atol=1e-4)
     x40 = torch.randn(40, 512, device="cuda")
     assert torch.equal(b.linear(x40, tiled), b.linear(x40, plain))  # the same fp16 weights through cuBLAS
     ids = torch.tensor([95, 0, 7])
     assert torch.equal(b.embed(tiled, ids), b.embed(plain, ids))
-    assert torch.equal(tiled.dequantize(), plain.dequantize())
+    assert torch.equal(tiled.dequantize(), K.cuda_dequantize(plain.data, int(GGMLType.Q4_K), 512, None, False))
