@@ -38,10 +38,11 @@ struct TiledParts {
     int n;
 };
 
-// Rows per warp: 4 while the M activation rows' dots fit beside 4 rows' planes (M = 1, and M = 2 but for Q6_K's
-// 3-plane units: the output projection's two halves), else 2.
+// Rows per warp: 4 while the M activation rows' dots fit beside 4 rows' planes without spilling (M = 1, and M = 2
+// for the 32-value units of Q4_0 / Q8_0), else 2 (the K-quants' 64-value units at M = 2: the output projection's
+// two halves).
 __host__ __device__ constexpr int rows_per_warp(QType t, int M) {
-    return M == 1 || (M == 2 && t != QType::Q6_K) ? 4 : 2;
+    return M == 1 || (M == 2 && (t == QType::Q4_0 || t == QType::Q8_0)) ? 4 : 2;
 }
 
 // At M <= 2 at least 4 / 3 CTAs (16 / 12 warps) per SM: register room for a group's loads in flight with enough warps
