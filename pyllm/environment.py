@@ -39,6 +39,9 @@ VARIABLES = (
     Variable("PYLLM_CUDA_ROW_KERNELS", "1", "0: the CUDA decode step in torch ops instead of its row kernels",
              user=False),
     Variable("PYLLM_CUDA_GEMV_ROWS", "4", "1 or 2: fewer weight rows per CTA in the CUDA decode GEMV", user=False),
+    Variable("PYLLM_CUDA_TILED", "1",
+             "0: weights stay in GGUF order on the GPU and decode through the row-per-CTA GEMV, not the tiled one "
+             "(A/B)", user=False),
     Variable("PYLLM_CUDA_PDL", "0", "1: programmatic dependent launches in the CUDA step (not yet measured)",
              user=False),
     Variable("PYLLM_GPU_STANDIN", "none",

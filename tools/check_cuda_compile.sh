@@ -57,18 +57,20 @@ done
 
 # ptxas -v prints per kernel "Function properties for NAME", then "N bytes stack frame, N bytes spill stores,
 # N bytes spill loads", then "Used N registers, ...".  NAME mangles the template arguments: QTypeE<id>E,
-# Li<M>ELi<R>.  Summarize the GEMV kernels and fail on any spill in them.
+# Li<M>ELi<R>.  Summarize the GEMV kernels (gemv.cu's and gemv_tiled.cu's, the latter as tQ4_0 ...) and fail on any
+# spill in them.
 summary=$(for a in "${ARCHS[@]}"; do
     awk -v arch="sm_$a" '
         BEGIN { split("F32 F16 Q4_0 Q4_1 - - Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K", tn, " ") }
         /Function properties for/ { name = $NF; getline; st = $5; ld = $9; getline;
-            if (name !~ /gemv_(awq_)?kernel/) next
+            if (name !~ /gemv_(awq_|tiled_)?kernel/) next
             t = "?"; m = "?"
             if (match(name, /QTypeE[0-9]+E/)) { id = substr(name, RSTART + 6, RLENGTH - 7); t = tn[id + 1] }
             if (match(name, /ELi[0-9]+ELi/)) { m = substr(name, RSTART + 3, RLENGTH - 6) }
             if (name ~ /gemv_awq_kernel/) { t = "AWQ"; if (match(name, /ILi[0-9]+ELi/)) m = substr(name, RSTART + 3, RLENGTH - 6) }
+            if (name ~ /gemv_tiled_kernel/) t = "t" t  # the tiled layout (gemv_tiled.cu), one line per split W
             printf "%s %-4s M=%s regs=%s spill_st=%s spill_ld=%s\n", arch, t, m, $5, st, ld }
-    ' "$OUT/gemv_sm_$a.log"
+    ' "$OUT/gemv_sm_$a.log" "$OUT/gemv_tiled_sm_$a.log"
 done)
 echo "$summary" >"$OUT/gemv_ptxas_summary.txt"
 n_kernels=$(echo "$summary" | grep -c . || true)

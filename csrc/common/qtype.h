@@ -16,6 +16,10 @@
 // 8: the tensor's row count must be a multiple of 8, and kernels take them in whole groups.  Ids 64..66 are the
 // same for Q4_K, Q5_K and Q6_K (Q4_K_R8 ... Q6_K_R8), 256-element super-blocks of 8 rows; id 67 (Q8_0_R8) is
 // Q8_0's: the layer matrices' and the output projection's copy, same rules.
+//
+// Ids 68..71 (Q4_0_TILED, Q8_0_TILED, Q4_K_TILED, Q6_K_TILED) are the CUDA decode GEMV's layout of those types, made
+// at upload in place of the GGUF rows (csrc/common/gemv_tiled.h): tiles of 8 rows, same bytes per row, the row
+// count a multiple of 8; only the CUDA kernels read them.
 #pragma once
 
 #include <cstddef>
@@ -31,6 +35,7 @@ enum class QType : int {
     AWQ_G32 = 56, AWQ_G64 = 57, AWQ_G128 = 58, AWQ_G256 = 59,  // pyllm-internal (see above)
     Q4_0_R8 = 60, Q4_1_R8 = 61, Q5_0_R8 = 62, Q5_1_R8 = 63,    // pyllm-internal (see above)
     Q4_K_R8 = 64, Q5_K_R8 = 65, Q6_K_R8 = 66, Q8_0_R8 = 67,    // reserved for the same layout of these types
+    Q4_0_TILED = 68, Q8_0_TILED = 69, Q4_K_TILED = 70, Q6_K_TILED = 71,  // pyllm-internal, CUDA only (see above)
 };
 
 // Every type id (GGML's and pyllm's) is below this: the size of the tables indexed by id.
@@ -104,6 +109,8 @@ inline const QTypeTraits* qtype_traits(int id) {
         Q5_1_R8_{"Q5_1_R8", QK, 24, true}, Q4_K_R8_{"Q4_K_R8", QK_K, 144, true},
         Q5_K_R8_{"Q5_K_R8", QK_K, 176, true}, Q6_K_R8_{"Q6_K_R8", QK_K, 210, true};
     static const QTypeTraits Q8_0_R8_{"Q8_0_R8", QK, 34, true}, MXFP4_{"MXFP4", QK, 17, true};
+    static const QTypeTraits Q4_0_TILED_{"Q4_0_TILED", QK, 18, false}, Q8_0_TILED_{"Q8_0_TILED", QK, 34, false},
+        Q4_K_TILED_{"Q4_K_TILED", QK_K, 144, false}, Q6_K_TILED_{"Q6_K_TILED", QK_K, 210, false};
     switch (static_cast<QType>(id)) {
         case QType::F32: return &F32_;
         case QType::F16: return &F16_;
@@ -147,6 +154,10 @@ inline const QTypeTraits* qtype_traits(int id) {
         case QType::Q4_K_R8: return &Q4_K_R8_;
         case QType::Q5_K_R8: return &Q5_K_R8_;
         case QType::Q6_K_R8: return &Q6_K_R8_;
+        case QType::Q4_0_TILED: return &Q4_0_TILED_;
+        case QType::Q8_0_TILED: return &Q8_0_TILED_;
+        case QType::Q4_K_TILED: return &Q4_K_TILED_;
+        case QType::Q6_K_TILED: return &Q6_K_TILED_;
     }
     return nullptr;
 }

@@ -4,6 +4,7 @@
 //
 // register_cuda(m) adds the cuda_* functions to the one extension module: csrc/bindings.cpp calls it under
 // #ifdef PYLLM_CUDA (pyllm/_ext.py defines it when it compiles these files).
+#include <ATen/Parallel.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
@@ -13,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/gemv_tiled.h"
 #include "bindings_format.h"
 #include "cuda_kernels.h"
 
@@ -51,6 +53,8 @@ std::pair<int64_t, int64_t> check_weight(const at::Tensor& w, QType t, int64_t K
     PYLLM_CHECK_VALUE(w.size(0) >= 1 && w.size(0) < (int64_t{1} << 31), name, " has ", w.size(0),
                       " rows; 1 .. 2^31-1 supported");
     PYLLM_CHECK_VALUE(K < (int64_t{1} << 30), "K=", K, " is too large");
+    PYLLM_CHECK_VALUE(!tiled::is_tiled(t) || w.size(0) % tiled::kTileRows == 0, name, " has ", w.size(0), " rows; ",
+                      tr->name, " holds tiles of ", tiled::kTileRows);
     return {w.size(0), row_bytes};
 }
 
@@ -447,6 +451,32 @@ at::Tensor gemv_experts(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
     return y;
 }
 
+// The tiled layout of GGUF rows w (uint8 [N, row_bytes] of type qtype, on the CPU), made on the host before
+// upload (csrc/common/gemv_tiled.h); inverse: tiled rows back to GGUF rows.  A new CPU tensor.
+at::Tensor tile_weight(const at::Tensor& w, int64_t qtype, int64_t K, bool inverse) {
+    PYLLM_CHECK_VALUE(w.device().is_cpu(), "cuda_tile_weight: w must be a CPU tensor (it is tiled before upload), got "
+                      "one on ", w.device());
+    PYLLM_CHECK_TYPE(w.scalar_type() == at::kByte, "cuda_tile_weight: w must be Byte, got ", w.scalar_type());
+    PYLLM_CHECK_VALUE(w.dim() == 2, "cuda_tile_weight: w must be [N, row_bytes], got shape ", w.sizes());
+    const int tid = tiled::tiled_qtype_id(static_cast<int>(qtype));
+    PYLLM_CHECK_VALUE(tid >= 0, "cuda_tile_weight: type ", qtype_name(to_qtype(qtype)),
+                      " has no tiled layout (Q4_0 Q8_0 Q4_K Q6_K)");
+    PYLLM_CHECK_VALUE(tiled::tileable(static_cast<int>(qtype), w.size(0), K), "cuda_tile_weight: a [", w.size(0), ", ",
+                      K, "] ", qtype_name(to_qtype(qtype)), " matrix cannot be tiled (rows a multiple of ",
+                      tiled::kTileRows, ", whole blocks)");
+    const int64_t row_bytes = static_cast<int64_t>(qtype_row_bytes(to_qtype(qtype), K));
+    PYLLM_CHECK_VALUE(w.size(1) == row_bytes, "cuda_tile_weight: w has rows of ", w.size(1), " bytes; ",
+                      qtype_name(to_qtype(qtype)), " with K=", K, " needs ", row_bytes);
+    const at::Tensor src = w.contiguous();
+    at::Tensor out = at::empty_like(src);
+    const uint8_t* sp = src.data_ptr<uint8_t>();
+    uint8_t* dp = out.data_ptr<uint8_t>();
+    at::parallel_for(0, w.size(0) / tiled::kTileRows, 16, [&](int64_t t0, int64_t t1) {
+        tiled::tile_matrix(static_cast<int>(qtype), inverse, sp, dp, static_cast<int>(K), t0, t1);
+    });
+    return out;
+}
+
 }  // namespace
 
 void register_cuda(pybind11::module& m) {
@@ -455,6 +485,23 @@ void register_cuda(pybind11::module& m) {
           "Whether the fused CUDA GEMV handles this GGML type id.");
     m.def("cuda_dequant_supported", [](int64_t qtype) { return dequant_cuda_supported(to_qtype(qtype)); },
           py::arg("qtype"), "Whether cuda_dequantize handles this GGML type id.");
+    m.def("cuda_tiled_qtype", [](int64_t qtype) { return tiled::tiled_qtype_id(static_cast<int>(qtype)); },
+          py::arg("qtype"), "The type id of qtype's tiled GEMV layout (Q4_0_TILED ...), or -1 where it has none.");
+    m.def(
+        "cuda_tileable",
+        [](int64_t qtype, int64_t N, int64_t K) { return tiled::tileable(static_cast<int>(qtype), N, K); },
+        py::arg("qtype"), py::arg("N"), py::arg("K"), "Whether an [N, K] matrix of qtype has a tiled layout.");
+    m.def("cuda_gemv_tiled_split", [](int64_t qtype, int64_t rows, int64_t K, int64_t M) {
+              const QType t = to_qtype(qtype);
+              PYLLM_CHECK_VALUE(tiled::is_tiled(t), "cuda_gemv_tiled_split: ", qtype_name(t), " is not a tiled layout");
+              return gemv_tiled_split(t, rows, static_cast<int>(K), static_cast<int>(M));
+          }, py::arg("qtype"), py::arg("rows"), py::arg("K"), py::arg("M") = 1,
+          "K slices per row group the tiled GEMV takes for `rows` output rows in all (1, 2 or 4).");
+    m.def("cuda_set_gemv_tiled_split", [](int64_t split) { gemv_tiled_set_split(static_cast<int>(split)); },
+          py::arg("split"), "Force the tiled GEMV's K slices (1, 2, 4) for every later launch; 0: automatic.");
+    m.def("cuda_tile_weight", &tile_weight, py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("inverse") = false,
+          "GGUF rows w (CPU uint8 [N, row_bytes] of GGUF type qtype) -> the tiled GEMV layout (same shape; its type "
+          "is cuda_tiled_qtype(qtype)); inverse=True: tiled rows back to GGUF rows.");
     m.def("cuda_gemv", &gemv, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("out") = py::none(),
           "y [M, N] f32 = x [M, K] f32 @ W^T for M <= 8, W uint8 [N, row_bytes] raw GGUF blocks on the GPU.");
     m.def("cuda_gemv_experts", &gemv_experts, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("ids"),

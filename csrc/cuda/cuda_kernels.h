@@ -56,6 +56,21 @@ void gemv_experts_cuda(QType t, const uint8_t* w, size_t expert_bytes, size_t ro
                        int n_sel, int rows_per_x, const int8_t* xq, const float2* xds, float* y, int N, int K,
                        cudaStream_t stream);
 
+// ---- decode GEMV over the tiled layout (gemv_tiled.cu) ----------------------------------------------------------
+// gemv_parts_cuda for the tiled types (QType::*_TILED, csrc/common/gemv_tiled.h: made at upload from Q4_0 / Q8_0 /
+// Q4_K / Q6_K rows); gemv_parts_cuda forwards those types here.  Each part's N % 8 == 0, w 16-byte aligned.  A
+// part's sums depend on the K split the launch takes (gemv_tiled_split, from all parts' rows), not otherwise on the
+// other parts.
+void gemv_tiled_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* xq, const float2* xds, int M,
+                           int K, cudaStream_t stream);
+// K slices per row group the tiled GEMV takes for `rows` rows in all at M (1, 2 or 4: see gemv_tiled.cu), and a
+// process-wide override of that choice (0: back to the automatic one) for tests and benchmarks.
+int gemv_tiled_split(QType t, int64_t rows, int K, int M);
+void gemv_tiled_set_split(int split);
+// dequantize_cuda for the tiled types (rows ids of the tensor, or all), the GGUF values bit for bit.
+void dequantize_tiled_cuda(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_out, int K,
+                           __half* out_f16, float* out_f32, cudaStream_t stream);
+
 // ---- dequantize (dequant.cu) -------------------------------------------------------------------------------
 // Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows), and
 // AWQ rows ((q - z) * s, exact as the CPU's).

@@ -100,12 +100,16 @@ def check_fits(need: int, free: int, device_name: str) -> None:
                          f"(--gpu-layers N, or --device auto: as many as fit), or use a smaller quantization")
 
 
-def _to_device(w, dev: torch.device, C):
-    """One weight on ``dev`` in its quantized form: QTensor (raw GGUF blocks), AWQ repacked to the CPU's row layout
+def _to_device(w, dev: torch.device, C, gemv: bool = False):
+    """One weight on ``dev`` in its quantized form: a matrix the decode GEMV reads (``gemv``) in the tiled layout where
+    its type has one (CudaTiledTensor), other QTensors as raw GGUF blocks, AWQ repacked to the CPU's row layout
     (AWQRows) where it has one, else the AutoAWQ tensors as they are (multiplied through their own dequantize)."""
     from ..formats.quant import QTensor
 
     if isinstance(w, QTensor):
+        if gemv and tiled_upload_wanted(w, C):
+            data = C.cuda_tile_weight(w.data.cpu().contiguous(), int(w.qtype), w.shape[1])
+            return CudaTiledTensor(C.cuda_tiled_qtype(int(w.qtype)), w.qtype, w.shape, data.to(dev), w.name)
         return QTensor(w.qtype, w.shape, w.data.to(dev).contiguous(), w.name)
     if hasattr(w, "qzeros"):  # AWQTensor: rows for the GEMV when its group size has a layout
         rows = repack(w, C)
@@ -115,6 +119,48 @@ def _to_device(w, dev: torch.device, C):
     if hasattr(w, "group_size") and hasattr(w, "data"):  # AWQRows
         return CudaAwqRows(w.data.to(dev).contiguous(), w.qtype, w.shape, w.group_size, w.name)
     raise PyllmError(f"{getattr(w, 'name', '?')!r}: weights of type {type(w).__name__} cannot go to the GPU")
+
+
+def tiled_upload_wanted(w, C) -> bool:
+    """Whether matrix w goes to the GPU in the tiled GEMV layout (csrc/common/gemv_tiled.h: Q4_0, Q8_0, Q4_K, Q6_K
+    with a multiple of 8 rows); PYLLM_CUDA_TILED=0 keeps every weight in GGUF order (the row-per-CTA GEMV, for A/B)."""
+    if os.environ.get("PYLLM_CUDA_TILED", "1") == "0" or not hasattr(C, "cuda_tile_weight"):
+        return False
+    return len(w.shape) == 2 and w.data.dim() == 2 and bool(C.cuda_tileable(int(w.qtype), w.shape[0], w.shape[1]))
+
+
+class CudaTiledTensor:
+    """A matrix in VRAM in the CUDA decode GEMV's tiled layout (csrc/common/gemv_tiled.h), made at upload in place of
+    its GGUF rows: same bytes, in tiles of 8 rows.  ``qtype`` is the layout's own id (Q4_0_TILED ...), which every
+    cuda_* kernel that takes a type id dispatches on (GEMV, parts, dequantize for prefill and embedding rows);
+    ``base`` is the file's type."""
+
+    __slots__ = ("qtype", "base", "shape", "data", "name")
+    is_float = False
+
+    def __init__(self, qtype: int, base: GGMLType, shape: tuple[int, ...], data: torch.Tensor, name: str):
+        self.qtype, self.base, self.shape, self.data, self.name = int(qtype), GGMLType(base), tuple(shape), data, name
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .. import _ext
+
+        return _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], None, False).to(dtype)
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .. import _ext
+
+        idx = torch.as_tensor(idx)
+        ids = idx.reshape(-1).to(self.data.device, torch.long)
+        out = _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], ids, False)
+        return out.to(dtype).reshape(*idx.shape, self.shape[1])
 
 
 class CudaAwqRows(AWQRows):
@@ -215,8 +261,12 @@ class CudaBackend:
         check_fits(total, free, torch.cuda.get_device_name(self.device))
         show = progress and sys.stderr.isatty()
         done, last, moved = 0, -1, {}
+        # matrices some GEMV reads: all but embedding tables (a tied output is the embedding too: tiled, its rows
+        # still dequantize)
+        gemv = {id(w) for n, w in weights.items() if not n.endswith("embd.weight")}
         for name, nbytes in plan:
-            moved[id(weights[name])] = _to_device(weights[name], self.device, self.K)
+            w = weights[name]
+            moved[id(w)] = _to_device(w, self.device, self.K, gemv=id(w) in gemv)
             done += nbytes
             if show:
                 last = _progress(done, total, last)

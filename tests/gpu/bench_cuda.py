@@ -1,6 +1,8 @@
-"""GPU benchmarks for tools/gpu_check.sh (not a pytest file): GEMV GB/s against the measured copy bandwidth, and
-synthetic Llama-3-8B decode/prefill through the CUDA backend (pyllm/backends/cuda.py: the model's prefill, the
-graph-captured decode step, f16 and q8_0 caches) with a torch fp16 baseline. Prints a table last.
+"""GPU benchmarks for tools/gpu_check.sh (not a pytest file): GEMV GB/s against the measured copy bandwidth (the
+GGUF-order kernel and the tiled one, csrc/cuda/gemv_tiled.cu, on the same weights), and synthetic Llama-3-8B
+decode/prefill through the CUDA backend (pyllm/backends/cuda.py: the model's prefill, the graph-captured decode step,
+f16 and q8_0 caches; the weights tiled at upload, and with PYLLM_CUDA_TILED=0 in GGUF order) with a torch fp16
+baseline. Prints a table last.
 
 Timing follows /work/.library/device/METHOD.md: warm-up first, CUDA events, the GEMV calls captured in a graph
 (20 calls rotating over weight copies that together exceed the L2, so launch gaps and cache hits stay out),
@@ -68,11 +70,32 @@ def copy_bandwidth() -> float:
     return 2 * n / ms / 1e6
 
 
-ROWS_PER_CTA = ("1", "2", "4")  # PYLLM_CUDA_GEMV_ROWS (csrc/cuda/gemv.cu): weight rows per CTA at M = 1
+TILED_TYPES = [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]  # csrc/common/gemv_tiled.h
+# the GEMV variants measured per (type, shape): the GGUF-order kernel (gemv.cu, 4 rows per CTA), and the tiled one
+# (gemv_tiled.cu) with its automatic K split, with programmatic launches (PYLLM_CUDA_PDL=1), and each split forced
+VARIANTS = ("gguf", "tiled", "tiled pdl", "tiled W1", "tiled W2", "tiled W4")
+
+
+def tiled_copy(K, w: QTensor) -> torch.Tensor:
+    """w's blocks in the tiled layout, on the GPU (tiled on the host, as the backend's upload does)."""
+    return K.cuda_tile_weight(w.data.cpu(), int(w.qtype), w.shape[1]).cuda()
+
+
+def time_gemv(K, datas: list, qt: int, xq, xds, out, calls: int = 20) -> float:
+    """ms per call of cuda_gemv_q over ``datas`` in turn, captured in a graph (launch settings read at capture)."""
+    for d in datas:  # warm-up outside capture
+        K.cuda_gemv_q(d, qt, xq, xds, out)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            K.cuda_gemv_q(datas[i % len(datas)], qt, xq, xds, out)
+    ms = median_ms(g.replay) / calls
+    del g
+    return ms
 
 
 def bench_gemv(K, bw: float) -> list[dict]:
-    """The GEMV alone (cuda_gemv_q on prepared codes, as the step calls it), for each rows-per-CTA choice."""
+    """The GEMV alone (cuda_gemv_q on prepared codes, as the step calls it): each VARIANTS entry the type has."""
     rows = []
     for t in TYPES:
         for n, k in SHAPES:
@@ -81,23 +104,25 @@ def bench_gemv(K, bw: float) -> list[dict]:
             ws = [w0] + [random_weight(t, n, k) for _ in range(copies - 1)]
             xq, xds = K.cuda_quantize_act(torch.randn(1, k, device="cuda"))
             out = torch.empty(1, n, device="cuda")
-            calls = 20
-            for r in ROWS_PER_CTA:
-                os.environ["PYLLM_CUDA_GEMV_ROWS"] = r  # read at each launch, so baked into this graph
-                for w in ws:  # warm-up outside capture
-                    K.cuda_gemv_q(w.data, int(t), xq, xds, out)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    for i in range(calls):
-                        K.cuda_gemv_q(ws[i % copies].data, int(t), xq, xds, out)
-                ms = median_ms(g.replay) / calls
+            tiled = [tiled_copy(K, w) for w in ws] if t in TILED_TYPES else None
+            tid = K.cuda_tiled_qtype(int(t)) if tiled else -1
+            for v in VARIANTS:
+                if v != "gguf" and tiled is None:
+                    continue
+                if v == "tiled pdl":
+                    os.environ["PYLLM_CUDA_PDL"] = "1"
+                K.cuda_set_gemv_tiled_split(int(v[-1]) if v.startswith("tiled W") else 0)
+                ms = time_gemv(K, [w.data for w in ws] if v == "gguf" else tiled, int(t) if v == "gguf" else tid,
+                               xq, xds, out)
+                os.environ.pop("PYLLM_CUDA_PDL", None)
+                K.cuda_set_gemv_tiled_split(0)
                 gbs = w0.nbytes / ms / 1e6
-                rows.append(dict(type=t.name, N=n, K=k, rows=int(r), us=ms * 1e3, GBs=gbs, pct=100 * gbs / bw))
-                print(f"gemv {t.name:5s} {n:6d}x{k:<6d} rows {r} {ms * 1e3:8.2f} us {gbs:7.0f} GB/s "
-                      f"{100 * gbs / bw:5.1f}%", flush=True)
-                del g
-            del ws
-    os.environ.pop("PYLLM_CUDA_GEMV_ROWS", None)
+                split = K.cuda_gemv_tiled_split(tid, n, k, 1) if v in ("tiled", "tiled pdl") else None
+                rows.append(dict(type=t.name, N=n, K=k, variant=v, us=ms * 1e3, GBs=gbs, pct=100 * gbs / bw,
+                                 split=split))
+                print(f"gemv {t.name:5s} {n:6d}x{k:<6d} {v:10s} {ms * 1e3:8.2f} us {gbs:7.0f} GB/s "
+                      f"{100 * gbs / bw:5.1f}%" + (f" (split {split})" if split else ""), flush=True)
+            del ws, tiled
     return rows
 
 
@@ -137,14 +162,29 @@ def to_fp16(K, w: dict) -> dict:
     return out
 
 
+def tile_weights(K, w: dict) -> dict:
+    """The weights as CudaBackend.prepare_weights uploads them: every matrix a GEMV reads in the tiled layout where
+    its type and shape have one."""
+    out = {}
+    for name, t in w.items():
+        if len(t.shape) == 2 and not name.endswith("embd.weight") and K.cuda_tileable(int(t.qtype), *t.shape):
+            out[name] = cuda_backend.CudaTiledTensor(K.cuda_tiled_qtype(int(t.qtype)), t.qtype, t.shape,
+                                                     tiled_copy(K, t), name)
+        else:
+            out[name] = t
+    return out
+
+
 def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) -> list[dict]:
     from pyllm.models.transformer import Transformer
 
     K = backend.K
     cfg, w = llama3_8b(ftype)
     rows = []
-    variants = [(ftype, w)] + ([("fp16 torch", None)] if fp16_baseline else [])
+    variants = [(ftype, w), (f"{ftype} tiled", "tiled")] + ([("fp16 torch", None)] if fp16_baseline else [])
     for label, weights in variants:
+        if weights == "tiled":
+            weights = tile_weights(K, w)
         if weights is None:
             weights = to_fp16(K, w)
             del w
@@ -160,7 +200,8 @@ def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) 
                 res["pp512"] = 512 / pp_ms * 1e3
             # "pdl": the row kernels launched programmatically (PYLLM_CUDA_PDL=1, csrc/cuda/common.cuh), read at
             # each launch, so baked into the graph the first call captures
-            bodies = ["row kernels", "torch", "pdl"] if kind == "f16" and label == ftype else ["row kernels"]
+            bodies = (["row kernels", "torch", "pdl"] if label == ftype else ["row kernels", "pdl"]
+                      if label.endswith("tiled") else ["row kernels"]) if kind == "f16" else ["row kernels"]
             for body in bodies:
                 if body == "pdl":
                     os.environ["PYLLM_CUDA_PDL"] = "1"
@@ -253,12 +294,14 @@ def main() -> int:
             except Exception as e:  # report and keep the GEMV table
                 print(f"decode bench {ft} failed: {type(e).__name__}: {e}", flush=True)
     Path(args.out, "bench.json").write_text(json.dumps(dict(copy_GBs=bw, gemv=gemv, decode=dec, kl=kl), indent=1))
-    print(f"\n=== GEMV (M=1), % of copy bandwidth {bw:.0f} GB/s ===")
-    print("type rows " + "".join(f"{n}x{k:<8}" for n, k in SHAPES))
+    print(f"\n=== GEMV (M=1): GB/s and % of copy bandwidth {bw:.0f} GB/s; gguf = gemv.cu (GGUF order), tiled = "
+          f"gemv_tiled.cu (auto split; pdl: PYLLM_CUDA_PDL=1; W1/W2/W4: split forced) ===")
+    print(f"{'type':6s} {'kernel':10s} " + "".join(f"{f'{n}x{k}':>16s}" for n, k in SHAPES))
     for t in TYPES:
-        for rpc in ROWS_PER_CTA:
-            cells = [r for r in gemv if r["type"] == t.name and r["rows"] == int(rpc)]
-            print(f"{t.name:6s} {rpc}  " + "".join(f"{r['GBs']:5.0f} {r['pct']:4.0f}%   " for r in cells))
+        for v in VARIANTS:
+            cells = [r for r in gemv if r["type"] == t.name and r["variant"] == v]
+            if cells:
+                print(f"{t.name:6s} {v:10s} " + "".join(f"{r['GBs']:9.0f} {r['pct']:4.0f}%" for r in cells))
     if dec:
         print("=== synthetic Llama-3-8B (tok/s) ===")
         for r in dec:
