@@ -110,3 +110,23 @@ def test_refusals_name_what_is_wrong(tiny_shapes, tokenizer_file, tmp_path):
     with pytest.raises(PyllmError, match="cannot read its tokenizer"):
         synthetic.write_synthetic_gguf("tiny-qwen2:q8_0", tmp_path / "c.gguf", not_gguf)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.gguf", "tok.gguf", "x.gguf"]  # no half file left
+
+
+def test_cli_writes_the_readme_line(tiny_shapes, tokenizer_file, tmp_path, capsys):
+    """README: `pyllm bench --synthetic SHAPE:TYPE --write-gguf FILE.gguf` (here with --tokenizer-from, the tiny shape
+    having fewer tokens than the default tokenizers); its refusals exit 1 naming the flag."""
+    from pyllm.cli.main import main
+
+    out = tmp_path / "cli.gguf"
+    assert main(["bench", "--synthetic", "tiny-qwen3moe:q4_k_m", "--write-gguf", str(out), "--tokenizer-from",
+                 str(tokenizer_file)]) == 0
+    res = capsys.readouterr()
+    assert res.out.strip() == str(out) and "wrote" in res.err
+    assert GGUFFile(out).metadata["general.name"] == "synthetic tiny-qwen3moe:q4_k_m"
+    for argv, needle in (
+            (["--synthetic", "tiny-qwen2:q8_0", "--write-gguf", str(tmp_path / "x.gguf")], "fewer than any default"),
+            (["--synthetic", "tiny-qwen2:q8_0", "--synthetic", "tiny-qwen2:q8_0", "--write-gguf", str(out)],
+             "exactly one --synthetic"),
+            (["--synthetic", "tiny-qwen2:q8_0", "--tokenizer-from", str(tokenizer_file)], "goes with --write-gguf")):
+        assert main(["bench", *argv]) == 1
+        assert needle in capsys.readouterr().err, argv
