@@ -1,4 +1,5 @@
 """Models of real shapes with random weights, built in memory (no file): for speed work on any machine.
+write_synthetic_gguf writes one out as a GGUF file, so other runtimes (llama.cpp) can run the very same model.
 
 Speed does not depend on weight values, but it does depend on every byte being real memory: the blocks are
 filled with random bytes (tiled from one random buffer, so building an 8B model takes seconds, where
