@@ -10,12 +10,21 @@ per prefill GEMM kernel (f32, avx512-bf16, amx-bf16: pyllm._C.prefill_kernels())
     python tools/bench_vs_llamacpp.py smollm2-135m qwen2.5-coder-0.5b -t 2 -p 512 -n 128 -r 5
     python tools/bench_vs_llamacpp.py smollm2-135m -p 512 -n 0 --kernels f32,amx-bf16
     python tools/bench_vs_llamacpp.py smollm2-135m -p 0 -n 128 -d 1024      # decode with 1024 tokens cached
+    python tools/bench_vs_llamacpp.py ~/.cache/pyllm/synthetic/qwen3-30b-a3b-q4_k_m.gguf -p 512 -n 128 -r 3
+
+A model too large for both sides to hold at once (the 17 GB qwen3-30b-a3b:q4_k_m synthetic from
+`pyllm bench --synthetic qwen3-30b-a3b:q4_k_m --write-gguf PATH`: llama.cpp repacks its Q4_K experts into memory
+of its own, pyllm reads them from the mapped file) runs each side in a process of its own, the sides alternating
+once per repetition, each process warming up with one untimed round first (--separate forces this for any model).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -68,6 +77,60 @@ def pyllm_runner(path: str, threads: int, n_ctx: int, depth: int = 0):
     return (lambda n: time_pp(s, n, depth)), (lambda n: time_tg(s, n, depth))
 
 
+def fits_twice(path: str) -> bool:
+    """Whether two copies of the file fit in the memory available now (both sides loaded in one process)."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return True
+    return 2 * os.path.getsize(path) < 0.8 * avail
+
+
+def one_side(a, path: str, kernels: list[str]) -> dict[str, float]:
+    """--side: this process loads one side, runs one untimed round, then one timed round: {test: t/s}."""
+    n_ctx = a.depth + max(a.n_prompt, a.n_gen) + 16
+    if a.side == "pyllm":
+        from pyllm import _ext
+
+        C = _ext.load()
+        default = C.prefill_kernel()
+        pp, tg = pyllm_runner(path, a.threads, n_ctx, a.depth)
+    else:
+        C, default, kernels = None, None, [None]
+        pp, tg = llamacpp_runner(path, a.threads, n_ctx, a.depth)
+    out = {}
+    for rep in range(2):
+        for kern in kernels:
+            if C is not None:
+                C.set_prefill_kernel(kern)
+            if a.n_prompt > 0:
+                dt = pp(a.n_prompt)
+                if rep:
+                    out["pp" if kern is None else f"pp {kern}"] = a.n_prompt / dt
+        if C is not None:
+            C.set_prefill_kernel(default)
+        if a.n_gen > 0:
+            dt = tg(a.n_gen)
+            if rep:
+                out["tg"] = a.n_gen / dt
+    return out
+
+
+def separate_rounds(a, path: str, kernels: list[str]) -> tuple[dict, list]:
+    """The sides in alternating processes: ({kernel: [pp t/s]} | {"tg": ...}, [llama.cpp rounds])."""
+    ours, theirs = [], []
+    for _ in range(a.repetitions):
+        for side, into in (("pyllm", ours), ("llama.cpp", theirs)):
+            cmd = [sys.executable, os.path.abspath(__file__), path, "--side", side, "-t", str(a.threads),
+                   "-p", str(a.n_prompt), "-n", str(a.n_gen), "-d", str(a.depth), "--kernels", ",".join(kernels)]
+            res = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            if res.returncode:
+                sys.exit(f"bench_vs_llamacpp: the {side} process failed on {path} (exit {res.returncode})")
+            into.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return ours, theirs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+", help="GGUF paths or registry names")
@@ -78,6 +141,10 @@ def main() -> int:
     ap.add_argument("-d", "--depth", type=int, default=0, help="tokens cached before each test (llama-bench's -d)")
     ap.add_argument("--kernels", default="", help="comma-separated pyllm prefill kernels for pp (default: the one "
                     "pyllm picks)")
+    ap.add_argument("--separate", action="store_true",
+                    help="each side in a process of its own, alternating per repetition (automatic for a model "
+                         "whose file does not fit twice in the memory available)")
+    ap.add_argument("--side", choices=["pyllm", "llama.cpp"], help=argparse.SUPPRESS)  # a --separate child
     a = ap.parse_args()
 
     import torch
@@ -89,10 +156,24 @@ def main() -> int:
     default = C.prefill_kernel()
 
     torch.set_num_threads(a.threads)
+    if a.side:
+        print(json.dumps(one_side(a, str(registry.resolve(a.models[0])), kernels)))
+        return 0
     print(f"| model | test | pyllm t/s | llama.cpp t/s | ratio |")
     print(f"| --- | --- | ---: | ---: | ---: |")
     for m in a.models:
         path = str(registry.resolve(m))
+        name = path.rsplit("/", 1)[-1]
+        if a.separate or not fits_twice(path):
+            ours, theirs = separate_rounds(a, path, kernels)
+            for test, n in (("pp", a.n_prompt), ("tg", a.n_gen)):
+                if n <= 0:
+                    continue
+                st = [r[test] for r in theirs]
+                for kern in (kernels if test == "pp" else [None]):
+                    so = [r[f"pp {kern}" if test == "pp" else "tg"] for r in ours]
+                    print_row(name, test, n, a.depth, kern, so, st)
+            continue
         n_ctx = a.depth + max(a.n_prompt, a.n_gen) + 16
         ours = pyllm_runner(path, a.threads, n_ctx, a.depth)
         theirs = llamacpp_runner(path, a.threads, n_ctx, a.depth)
@@ -112,15 +193,17 @@ def main() -> int:
                 if rep:
                     st.append(n / dt)
             C.set_prefill_kernel(default)
-            mt = statistics.fmean(st)
-            sdt = statistics.stdev(st) if len(st) > 1 else 0
-            name = path.rsplit("/", 1)[-1]
             for kern in sides:
-                mo = statistics.fmean(so[kern])
-                sdo = statistics.stdev(so[kern]) if len(so[kern]) > 1 else 0
-                label = f"{test}{n}" + (f" @ d{a.depth}" if a.depth else "") + (f" ({kern})" if test == "pp" else "")
-                print(f"| {name} | {label} | {mo:.1f} ± {sdo:.1f} | {mt:.1f} ± {sdt:.1f} | {mo / mt:.2f} |", flush=True)
+                print_row(name, test, n, a.depth, kern if test == "pp" else None, so[kern], st)
     return 0
+
+
+def print_row(name: str, test: str, n: int, depth: int, kern: str | None, so: list[float], st: list[float]) -> None:
+    mo, mt = statistics.fmean(so), statistics.fmean(st)
+    sdo = statistics.stdev(so) if len(so) > 1 else 0
+    sdt = statistics.stdev(st) if len(st) > 1 else 0
+    label = f"{test}{n}" + (f" @ d{depth}" if depth else "") + (f" ({kern})" if kern else "")
+    print(f"| {name} | {label} | {mo:.1f} ± {sdo:.1f} | {mt:.1f} ± {sdt:.1f} | {mo / mt:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

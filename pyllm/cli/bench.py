@@ -40,6 +40,13 @@ def add_bench_parser(sub) -> None:
     s.add_argument("--synthetic", action="append", default=[], metavar="SHAPE:TYPE",
                    help="a random-weight model built in memory, e.g. llama3-8b:q4_k_m, llama3-1b:q4_0, "
                         "qwen2.5-7b:q4_k_m, llama3-8b:awq (AWQ int4, group size 128) (repeatable)")
+    s.add_argument("--write-gguf", default=None, metavar="PATH",
+                   help="write the one --synthetic model as a GGUF file at PATH (for llama.cpp and other runtimes) "
+                        "instead of measuring it")
+    s.add_argument("--tokenizer-from", default=None, metavar="MODEL",
+                   help="with --write-gguf: the model file or registry name whose tokenizer the file gets (default: "
+                        "qwen2.5-coder-0.5b for vocabularies of 151936 tokens or more, else smollm2-135m; padded to "
+                        "the shape's vocabulary)")
     s.add_argument("-p", "--n-prompt", type=int, default=512,
                    help="prompt tokens for pp, 0..1048576 (0 = skip; default 512)")
     s.add_argument("-n", "--n-gen", type=int, default=128,
@@ -115,6 +122,44 @@ class Subject:
         if w is None and self.cfg.tied_output:
             w = self.weights.get("token_embd.weight")
         return w.shape[0] * w.shape[1] if w is not None and len(w.shape) == 2 else 0
+
+
+# Tokenizers a written synthetic model takes by default: (registry name, its token count), largest first; the first
+# that fits the shape's vocabulary is padded up to it.
+SYNTHETIC_TOKENIZERS = (("qwen2.5-coder-0.5b", 151936), ("smollm2-135m", 49152))
+
+
+def cmd_write_synthetic(a) -> int:
+    """--write-gguf: the one --synthetic model written as a GGUF file, one tensor at a time."""
+    from ..models.synthetic import synthetic_plan, write_synthetic_gguf
+    from ..registry import resolve
+
+    if a.write_gguf is None:
+        raise PyllmError("--tokenizer-from goes with --write-gguf PATH")
+    if len(a.synthetic) != 1 or a.models:
+        raise PyllmError("--write-gguf writes one synthetic model: give exactly one --synthetic SHAPE:TYPE and no "
+                         "model files")
+    spec = a.synthetic[0]
+    cfg, _ = synthetic_plan(spec)
+    name = a.tokenizer_from or next((n for n, v in SYNTHETIC_TOKENIZERS if v <= cfg.n_vocab), None)
+    if name is None:
+        raise PyllmError(f"synthetic {spec} has {cfg.n_vocab} tokens, fewer than any default tokenizer; give "
+                         f"--tokenizer-from MODEL")
+    tokenizer = resolve(name)
+    started, shown = time.perf_counter(), [0]
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:  # a log (not a terminal) gets a line per GB written
+        if tty or done == total or done // 10**9 > shown[0]:
+            shown[0] = done // 10**9
+            end = "\n" if done == total or not tty else ""
+            sys.stderr.write(f"\rpyllm: wrote {done / 1e9:.2f} / {total / 1e9:.2f} GB "
+                             f"({time.perf_counter() - started:.0f} s){end}")
+            sys.stderr.flush()
+
+    out = write_synthetic_gguf(spec, a.write_gguf, tokenizer, progress)
+    print(out)
+    return 0
 
 
 def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
@@ -290,6 +335,8 @@ def cmd_bench(a) -> int:
 
         for spec in a.synthetic:  # a typo in the last one must not wait for every model before it to be measured
             check_synthetic_spec(spec)
+    if a.write_gguf is not None or a.tokenizer_from is not None:
+        return cmd_write_synthetic(a)
     if a.spec:
         return cmd_bench_spec(a)
     rows = []

@@ -1,4 +1,5 @@
 """Models of real shapes with random weights, built in memory (no file): for speed work on any machine.
+write_synthetic_gguf writes one out as a GGUF file, so other runtimes (llama.cpp) can run the very same model.
 
 Speed does not depend on weight values, but it does depend on every byte being real memory: the blocks are
 filled with random bytes (tiled from one random buffer, so building an 8B model takes seconds, where
@@ -12,11 +13,18 @@ through (pyllm/formats/awq/), with fp16 embeddings and lm_head as AutoAWQ leaves
 
 from __future__ import annotations
 
+import os
+from functools import partial
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import numpy as np
 import torch
 
 from ..errors import PyllmError, shorten
 from ..formats.gguf import BLOCK_INFO, GGMLType
 from ..formats.quant import QTensor
+from ..safe_io import private_tempfile
 from ..synthetic import SCALE_OFFSETS
 from .config import ModelConfig
 
@@ -51,13 +59,13 @@ def random_qtensor(qtype: GGMLType, n: int, k: int, name: str = "w", seed: int =
     if k % bs:
         raise PyllmError(f"{name}: K={k} is not a multiple of the {qtype.name} block size {bs}")
     row_bytes = k // bs * ts
-    data = _pool_bytes(n * row_bytes, seed).view(n, row_bytes)
-    if qtype in (GGMLType.F16, GGMLType.BF16):
-        vals = (torch.rand(n, k) - 0.5) * 0.1
-        data = vals.to(torch.float16 if qtype == GGMLType.F16 else torch.bfloat16).view(torch.uint8).view(n, -1)
-    elif qtype == GGMLType.F32:
-        data = ((torch.rand(n, k) - 0.5) * 0.1).view(torch.uint8).view(n, -1)
+    if qtype in (GGMLType.F16, GGMLType.BF16, GGMLType.F32):
+        # seeded: a model written as GGUF (write_synthetic_gguf) must hold what the in-memory build holds
+        vals = (torch.rand(n, k, generator=torch.Generator().manual_seed(seed)) - 0.5) * 0.1
+        dtype = {GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}.get(qtype, torch.float32)
+        data = vals.to(dtype).view(torch.uint8).view(n, -1)
     else:
+        data = _pool_bytes(n * row_bytes, seed).view(n, row_bytes)
         blocks = data.view(-1, ts)
         scale = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
         for off in SCALE_OFFSETS[qtype]:
@@ -127,13 +135,32 @@ def check_synthetic_spec(spec: str) -> tuple[str, str]:
     return shape, ftype
 
 
+class PlannedTensor(NamedTuple):
+    """One tensor of a synthetic model before it is built: what a GGUF header needs, and how to make the data."""
+
+    qtype: GGMLType
+    shape: tuple[int, ...]
+    build: Callable[[], QTensor]
+
+
 def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
     """spec 'SHAPE:FTYPE' (e.g. 'llama3-8b:q4_k_m', 'llama3-8b:awq') -> (ModelConfig, weights dict of QTensors /
     AWQRows)."""
     shape, ftype = check_synthetic_spec(spec)
-    L, D, FF, H, HKV, HD, V, base, arch, tied = SHAPES[shape]
     if ftype in AWQ_FTYPES:
         return _synthetic_awq(SHAPES[shape], AWQ_FTYPES[ftype])
+    cfg, plan = synthetic_plan(spec)
+    return cfg, {name: t.build() for name, t in plan.items()}
+
+
+def synthetic_plan(spec: str) -> tuple[ModelConfig, dict[str, PlannedTensor]]:
+    """spec 'SHAPE:FTYPE' of a GGUF file type -> (ModelConfig, name -> PlannedTensor in llama.cpp's tensor order).
+    Nothing is built: a writer makes one tensor at a time, so a 17 GB model never sits in memory whole."""
+    shape, ftype = check_synthetic_spec(spec)
+    if ftype not in FTYPES:
+        raise PyllmError(f"synthetic {ftype} models are AutoAWQ checkpoints, not GGUF files; GGUF file types: "
+                         f"{', '.join(FTYPES)}")
+    L, D, FF, H, HKV, HD, V, base, arch, tied = SHAPES[shape]
     ft = FTYPES[ftype]
     cfg = ModelConfig(arch=arch, n_layer=L, n_embd=D, n_ff=FF, n_head=H, n_kv_head=HKV, head_dim=HD, n_vocab=V,
                       n_ctx_train=8192, rope_base=base, rope_dim=HD, rope_style="neox" if arch == "qwen2" else "norm",
@@ -150,45 +177,55 @@ def synthetic_model(spec: str) -> tuple[ModelConfig, dict]:
             return GGMLType.Q5_0 if t != GGMLType.Q6_K else GGMLType.Q8_0
         return t
 
-    def vec(n):
-        return QTensor(GGMLType.F32, (n,), torch.ones(n).view(torch.uint8), name="norm")
+    plan: dict[str, PlannedTensor] = {}
 
-    w: dict[str, QTensor] = {}
-    w["token_embd.weight"] = random_qtensor(pick(ft["embd"], D), V, D, "token_embd.weight")
+    def vec(name: str, n: int) -> None:
+        plan[name] = PlannedTensor(GGMLType.F32, (n,), partial(_ones, n))
+
+    def mat(name: str, qtype: GGMLType, n: int, k: int, seed: int = 0) -> None:
+        qtype = pick(qtype, k)
+        plan[name] = PlannedTensor(qtype, (n, k), partial(random_qtensor, qtype, n, k, name, seed))
+
+    def experts(name: str, qtype: GGMLType, e: int, n: int, k: int, seed: int) -> None:
+        qtype = pick(qtype, k)
+        plan[name] = PlannedTensor(qtype, (e, n, k), partial(random_experts, qtype, e, n, k, name, seed))
+
+    mat("token_embd.weight", ft["embd"], V, D)
     if not tied:
-        w["output.weight"] = random_qtensor(pick(ft["output"], D), V, D, "output.weight")
-    w["output_norm.weight"] = vec(D)
+        mat("output.weight", ft["output"], V, D)
+    vec("output_norm.weight", D)
     for i in range(L):
         p = f"blk.{i}."
         more = i < L // 8 or i >= 7 * L // 8 or (i - L // 8) % 3 == 2  # llama.cpp's use_more_bits
-        w[p + "attn_norm.weight"] = vec(D)
-        w[p + "ffn_norm.weight"] = vec(D)
-        w[p + "attn_q.weight"] = random_qtensor(pick(ft["default"], D), H * HD, D, p + "attn_q.weight", seed=1)
-        w[p + "attn_k.weight"] = random_qtensor(pick(ft["default"], D), HKV * HD, D, p + "attn_k.weight", seed=2)
         vt = ft["more"] if more else ft["default"]
-        w[p + "attn_v.weight"] = random_qtensor(pick(vt, D), HKV * HD, D, p + "attn_v.weight", seed=3)
-        w[p + "attn_output.weight"] = random_qtensor(pick(ft["default"], H * HD), D, H * HD, p + "attn_output.weight",
-                                                     seed=4)
+        vec(p + "attn_norm.weight", D)
+        vec(p + "ffn_norm.weight", D)
+        mat(p + "attn_q.weight", ft["default"], H * HD, D, seed=1)
+        mat(p + "attn_k.weight", ft["default"], HKV * HD, D, seed=2)
+        mat(p + "attn_v.weight", vt, HKV * HD, D, seed=3)
+        mat(p + "attn_output.weight", ft["default"], D, H * HD, seed=4)
         if moe:
             E, FE = moe[0], moe[2]
-            w[p + "attn_q_norm.weight"] = vec(HD)
-            w[p + "attn_k_norm.weight"] = vec(HD)
+            vec(p + "attn_q_norm.weight", HD)
+            vec(p + "attn_k_norm.weight", HD)
             # the router stays float32, as llama.cpp keeps it; small values so the softmax spreads over experts
-            w[p + "ffn_gate_inp.weight"] = random_qtensor(GGMLType.F32, E, D, p + "ffn_gate_inp.weight")
-            w[p + "ffn_gate_exps.weight"] = random_experts(pick(ft["default"], D), E, FE, D, p + "ffn_gate_exps.weight",
-                                                           seed=5)
-            w[p + "ffn_up_exps.weight"] = random_experts(pick(ft["default"], D), E, FE, D, p + "ffn_up_exps.weight",
-                                                         seed=6)
-            w[p + "ffn_down_exps.weight"] = random_experts(pick(vt, FE), E, D, FE, p + "ffn_down_exps.weight", seed=7)
+            mat(p + "ffn_gate_inp.weight", GGMLType.F32, E, D)
+            experts(p + "ffn_gate_exps.weight", ft["default"], E, FE, D, seed=5)
+            experts(p + "ffn_up_exps.weight", ft["default"], E, FE, D, seed=6)
+            experts(p + "ffn_down_exps.weight", vt, E, D, FE, seed=7)
             continue
-        w[p + "ffn_gate.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_gate.weight", seed=5)
-        w[p + "ffn_up.weight"] = random_qtensor(pick(ft["default"], D), FF, D, p + "ffn_up.weight", seed=6)
-        w[p + "ffn_down.weight"] = random_qtensor(pick(vt, FF), D, FF, p + "ffn_down.weight", seed=7)
+        mat(p + "ffn_gate.weight", ft["default"], FF, D, seed=5)
+        mat(p + "ffn_up.weight", ft["default"], FF, D, seed=6)
+        mat(p + "ffn_down.weight", vt, D, FF, seed=7)
         if cfg.qkv_bias:
-            w[p + "attn_q.bias"] = vec(H * HD)
-            w[p + "attn_k.bias"] = vec(HKV * HD)
-            w[p + "attn_v.bias"] = vec(HKV * HD)
-    return cfg, w
+            vec(p + "attn_q.bias", H * HD)
+            vec(p + "attn_k.bias", HKV * HD)
+            vec(p + "attn_v.bias", HKV * HD)
+    return cfg, plan
+
+
+def _ones(n: int) -> QTensor:
+    return QTensor(GGMLType.F32, (n,), torch.ones(n).view(torch.uint8), name="norm")
 
 
 def _synthetic_awq(shape: tuple, g: int) -> tuple[ModelConfig, dict]:
@@ -219,3 +256,123 @@ def _synthetic_awq(shape: tuple, g: int) -> tuple[ModelConfig, dict]:
             w[p + "attn_k.bias"] = vec(HKV * HD)
             w[p + "attn_v.bias"] = vec(HKV * HD)
     return cfg, w
+
+
+# llama.cpp's llama_ftype of each file type (general.file_type), as its quantizer writes it
+FILE_TYPE_IDS = {"q4_k_m": 15, "q4_0": 2, "q8_0": 7, "q6_k": 18, "f16": 1}
+# Token lists that may grow to a shape's vocabulary: convert_hf_to_gguf.py pads a vocabulary smaller than the
+# embedding table with "[PADi]" tokens of type UNUSED (5), and a score of 0 where the tokenizer has scores.
+_PADDED = {"tokenizer.ggml.tokens": lambda i: f"[PAD{i}]", "tokenizer.ggml.token_type": lambda i: 5,
+           "tokenizer.ggml.scores": lambda i: 0.0}
+
+
+def write_synthetic_gguf(spec: str, path: str | os.PathLike, tokenizer_gguf: str | os.PathLike,
+                         progress: Callable[[int, int], None] | None = None) -> Path:
+    """Writes the synthetic model ``spec`` as a GGUF file llama.cpp loads: its metadata, the tokenizer.* metadata of
+    ``tokenizer_gguf`` (a model file with at most the shape's vocabulary; its token list is padded up to it), and
+    the tensors synthetic_model builds, byte for byte. One tensor is in memory at a time (17 GB for
+    qwen3-30b-a3b:q4_k_m); the file is written beside ``path`` and renamed when complete. ``progress(done, total)``
+    gets the bytes written after each tensor."""
+    import gguf
+
+    cfg, plan = synthetic_plan(spec)
+    _, ftype = check_synthetic_spec(spec)
+    out = Path(path)
+    if out.is_dir() or (out.exists() and not out.is_file()):  # renaming over /dev/null would replace the device
+        raise PyllmError(f"{out}: is a directory or not a regular file; give the name of a .gguf file to write")
+    if not out.parent.is_dir():
+        raise PyllmError(f"{out}: the folder {out.parent} does not exist")
+    tok = _tokenizer_fields(gguf, tokenizer_gguf, cfg.n_vocab)
+    total = sum(_nbytes(t) for t in plan.values())
+    tmp = None
+    try:
+        fd, tmp = private_tempfile(out.parent, f".{out.name}.", ".part")
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would make the model readable by its owner only
+        os.close(fd)
+        w = gguf.GGUFWriter(str(tmp), cfg.arch)
+        _add_metadata(gguf, w, cfg, spec, FILE_TYPE_IDS[ftype])
+        for key, (value, vtype, sub) in tok.items():
+            w.add_key_value(key, value, vtype, sub_type=sub)
+        for name, t in plan.items():
+            bs, ts = BLOCK_INFO[t.qtype]
+            byte_shape = (*t.shape[:-1], t.shape[-1] // bs * ts)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), _nbytes(t), raw_dtype=gguf.GGMLQuantizationType(
+                int(t.qtype)))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        done = 0
+        for t in plan.values():
+            q = t.build()
+            w.write_tensor_data(q.data.numpy())
+            done += q.data.numel()
+            del q
+            if progress:
+                progress(done, total)
+        w.close()
+        tmp.replace(out)
+        tmp = None
+    except OSError as e:  # a full disk, a folder that is not writable
+        raise PyllmError(f"{out}: cannot write the synthetic model: {e.strerror or e}") from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+    return out
+
+
+def _nbytes(t: PlannedTensor) -> int:
+    bs, ts = BLOCK_INFO[t.qtype]
+    n = t.shape[-1] // bs * ts
+    for d in t.shape[:-1]:
+        n *= d
+    return n
+
+
+def _add_metadata(gguf, w, cfg: ModelConfig, spec: str, file_type: int) -> None:
+    """The keys llama.cpp's loader reads for the shape's architecture (and pyllm's ModelConfig.from_metadata)."""
+    w.add_name(f"synthetic {spec}")
+    w.add_file_type(file_type)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_context_length(cfg.n_ctx_train)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layer)
+    w.add_feed_forward_length(cfg.n_ff)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_kv_head)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_dimension_count(cfg.rope_dim)
+    w.add_rope_freq_base(cfg.rope_base)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_vocab_size(cfg.n_vocab)
+    ex = cfg.extra
+    if ex.get("expert_count"):
+        w.add_expert_count(ex["expert_count"])
+        w.add_expert_used_count(ex["expert_used_count"])
+        w.add_expert_feed_forward_length(ex["expert_ff"])
+        w.add_expert_weights_norm(ex["expert_weights_norm"])
+
+
+def _tokenizer_fields(gguf, src: str | os.PathLike, n_vocab: int) -> dict:
+    """key -> (value, GGUF type, array element type) of every tokenizer.* field of GGUF file ``src``, the token
+    lists padded to ``n_vocab``."""
+    try:
+        reader = gguf.GGUFReader(str(src))
+    except (OSError, ValueError) as e:  # gguf-py's reader says ValueError for a file that is not GGUF
+        raise PyllmError(f"{src}: cannot read its tokenizer: {e}") from None
+    fields = {}
+    for f in reader.fields.values():
+        if f.name.startswith("tokenizer."):
+            vtype = f.types[0]
+            fields[f.name] = [f.contents(), vtype, f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None]
+    tokens = fields.get("tokenizer.ggml.tokens", [None])[0]
+    if not isinstance(tokens, list) or not tokens:
+        raise PyllmError(f"{src}: has no tokenizer.ggml.tokens to give the synthetic model a tokenizer")
+    if len(tokens) > n_vocab:
+        raise PyllmError(f"{src}: its tokenizer has {len(tokens)} tokens, more than the synthetic model's vocabulary "
+                         f"of {n_vocab}; give a model file with at most {n_vocab} tokens")
+    for key, pad in _PADDED.items():
+        if key in fields:
+            have = fields[key][0]
+            fields[key][0] = have + [pad(i) for i in range(len(have), n_vocab)]
+    return {k: tuple(v) for k, v in fields.items()}
