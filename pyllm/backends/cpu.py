@@ -334,7 +334,9 @@ class CpuBackend:
                 decode_arch(ops._C, spec, model.layer_rope, layers), [d for d, _ in packed], [t for _, t in packed],
                 vectors, embd.data if ends else None, int(embd.qtype), out_data, out_type,
                 vec["output_norm.weight"].float().contiguous() if ends else None,
-                [(c.contiguous(), s.contiguous()) for c, s in model.rope_tables],
+                # the tables the run's layers use (a DecodeArch counts them from its layers' entries)
+                [(c.contiguous(), s.contiguous())
+                 for c, s in model.rope_tables[:1 + max((model.layer_rope[i] for i in layers), default=0)]],
                 ops._C.DecodeCachePart(k.data, KV_TYPE_IDS[k.block], mu=k.mu,
                                        rot=None if k.rot is None else k.rot.contiguous(), scale=k.scale, sink=k.sink,
                                        **_paged(k)),
