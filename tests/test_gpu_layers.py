@@ -186,11 +186,12 @@ def test_half_the_layers_on_a_second_fast_backend_give_the_same_bits(key):
     assert torch.equal(decode_logits(one, ids[:8]), decode_logits(two, ids[:8]))  # from position 0 (sink rows)
 
 
-@pytest.mark.parametrize("key, n", [("smollm2", 30), ("smollm2", 1), ("gemma3", 7)])
+@pytest.mark.parametrize("key, n", [("gemma3", 18), ("smollm2", 1), ("gemma3", 7)])
 def test_split_decode_rows_equal_the_whole_models_c_step(key, n, monkeypatch):
     """Decode rows through the split's fused step -- one token, k + 1 rows (speculation's check), and one token of
     each of several sequences (the server's step) -- against the whole model's C++ step: logits and argmaxes bit for
-    bit.  n = n_layer: the CPU side holds no layer, only the embedding and the head; n = 1: the GPU side one."""
+    bit.  n = n_layer: the CPU side holds no layer, only the embedding and the head (and needs neither of Gemma 3's
+    rope tables); n = 1: the GPU side one."""
     one, two = whole(key), placed(key, n, "fast")
     ids = one.tokenize("Once upon a time, in a small village, there lived an old clockmaker who")
     assert torch.equal(prompt_then_decode(one, ids, 5), prompt_then_decode(two, ids, 5))
@@ -443,3 +444,41 @@ def test_split_cache_keeps_the_prefix_state_protocol(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="missing"):
         fresh[0].load_prefix_state({k: v for k, v in state.items() if k.startswith("low.")}, 16)
 
+
+@pytest.mark.parametrize("arch, n", [("qwen3", 1), ("qwen3", 2), ("gemma3", 3)])
+def test_cuda_part_of_a_split_on_the_host(arch, n, monkeypatch):
+    """The CUDA step over the GPU's run of layers (CudaBackend.fused_part), on the CPU with
+    tests/test_cuda_backend_host.py's torch stand-ins for its kernels, chained with the CPU side's C++ step: decode
+    logits against the same split's torch forward (the CPU side's matrices through the same row kernels, the GPU
+    side's through the stand-ins' float32 products), within 5e-4 relative (test_cuda_backend_host's bound for the
+    whole step over a float cache); k + 1 rows, which the CUDA part runs one at a time, equal one-token steps."""
+    from pyllm import backends
+    from pyllm.backends import cuda as cb
+    from test_cuda_backend_host import FakeCudaBackend, TorchKernels
+    from tiny_models import gguf_path
+
+    monkeypatch.setattr(cb, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    try:
+        llm = pyllm.load(str(gguf_path(arch, "q8_0")), gpu_layers=n, n_ctx=64, kv_cache="f32")
+        n_layer = llm.model.cfg.n_layer
+        step = llm.model.fused_step(llm.kv)
+        assert isinstance(step, split.SplitDecodeStep) and isinstance(step.high, cb.CudaDecodeStep)
+        assert step.high.layers == range(n_layer - n, n_layer) and step.high.row_kernels_problem is None
+        ids = [1, 17, 33, 5, 99, 42, 7, 250, 3, 11, 12, 200, 64, 3, 77, 150]
+        got = prompt_then_decode(llm, ids, 10)
+        llm.model.use_cpp_decode = False
+        want = prompt_then_decode(llm, ids, 10)
+        llm.model.use_cpp_decode = True
+        err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+        assert err <= 5e-4, f"{arch}: relative error {err:.3g}"
+        llm.generator.reset()
+        llm.generator._forward(ids[:10])
+        rows, tops = step.rows_with_argmax(torch.tensor(ids[10:13]), 10)
+        llm.generator.reset()
+        llm.generator._forward(ids[:10])
+        one = torch.stack([step.with_argmax(t, 10 + i)[0] for i, t in enumerate(ids[10:13])])
+        assert torch.equal(rows, one) and list(tops) == one.argmax(-1).tolist()
+    finally:
+        TorchKernels.shadow.clear()
