@@ -445,6 +445,53 @@ def test_split_cache_keeps_the_prefix_state_protocol(monkeypatch, tmp_path):
         fresh[0].load_prefix_state({k: v for k, v in state.items() if k.startswith("low.")}, 16)
 
 
+def test_auto_on_a_stand_in_too_small_for_the_model_runs_the_layers_that_fit(monkeypatch, capsys):
+    """--device auto with the stand-in GPU and a made-up free memory (PYLLM_GPU_STANDIN_FREE) room for exactly the
+    last 10 of SmolLM2's layers and their cache at -c 512: -ngl 10, said on stderr, the placement in --json, and the
+    greedy text of the CPU alone (two fast sides: the same bits)."""
+    import json
+    from pathlib import Path
+
+    from pyllm.formats.checkpoint import read_gguf
+    from pyllm.runtime.kv_cache import KVCache
+
+    ckpt = read_gguf(Path(fixture_path("smollm2")))
+    cfg = ckpt.config
+    layers, _ = model_bytes(ckpt.weights, cfg.n_layer)
+    ckpt.close()
+    kv_layer = int(KVCache.bytes_per_token(1, cfg.n_kv_head, cfg.head_dim, "f16") * 512)
+    free = 256 * MIB + sum(layers[-10:]) + 10 * kv_layer
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "fast")
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, str(free))
+    cli = cli_in_process(monkeypatch, capsys)
+    argv = ("run", "smollm2-135m", "Once upon a time", "-n", "8", "--temp", "0", "-c", "512", "--json")
+    res = cli(*argv, "--device", "auto")
+    assert res.returncode == 0, res.stderr
+    assert ("GiB free: layers 20-29 on cpu (fast, standing in for the GPU), 0-19 on cpu (--gpu-layers 10; "
+            "--gpu-layers chooses another split)") in res.stderr, res.stderr
+    out = json.loads(res.stdout)
+    assert out["runtime"]["placement"] == "layers 20-29 on cpu (fast), 0-19 on cpu (fast)"
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, str(free - 1))  # a byte less: one layer less
+    assert "layers 21-29 on cpu (fast, standing in" in cli(*argv, "--device", "auto").stderr
+    plain = cpu_alone(monkeypatch, cli, *argv)
+    assert json.loads(plain.stdout)["text"] == out["text"]
+
+
+@pytest.mark.parametrize("text, want", [("512M", 512 * MIB), ("2G", 2 * GIB), ("2GiB", 2 * GIB), ("1000", 1000),
+                                        ("64 kb", 64 << 10)])
+def test_stand_in_free_memory_sizes(monkeypatch, text, want):
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, text)
+    assert split.standin_free() == want
+
+
+def test_a_bad_stand_in_free_memory_is_one_error_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "fast")
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, "lots")
+    res = cli_in_process(monkeypatch, capsys)("run", "smollm2-135m", "hi", "-n", "1", "--device", "auto")
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "PYLLM_GPU_STANDIN_FREE must be a size such as 512M, 2G or a byte count, got 'lots'" in res.stderr
+
+
 @pytest.mark.parametrize("arch, n", [("qwen3", 1), ("qwen3", 2), ("gemma3", 3)])
 def test_cuda_part_of_a_split_on_the_host(arch, n, monkeypatch):
     """The CUDA step over the GPU's run of layers (CudaBackend.fused_part), on the CPU with

@@ -33,7 +33,9 @@ import torch
 from ..errors import PyllmError, shorten
 
 STANDIN_VARIABLE = "PYLLM_GPU_STANDIN"
+STANDIN_FREE_VARIABLE = "PYLLM_GPU_STANDIN_FREE"
 STANDINS = ("reference", "fast")
+_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.I)
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
@@ -73,6 +75,29 @@ def standin() -> str | None:
         raise PyllmError(f"{STANDIN_VARIABLE} must be one of {', '.join(STANDINS)} (or unset), got "
                          f"{shorten(repr(name))}")
     return name or None
+
+
+def standin_backend(name: str):
+    """The CPU backend ``name`` standing in for the GPU: --device auto then places layers on it as on a GPU, with
+    standin_free() as its free memory."""
+    b = cpu_backend(name)
+    b.stands_in_for_gpu = True
+    return b
+
+
+def standin_free() -> int:
+    """The stand-in GPU's free memory in bytes: PYLLM_GPU_STANDIN_FREE ("512M", "2G", "2GiB" or a byte count, K/M/G
+    binary), else what the host has available; PyllmError naming a value that is none of those."""
+    text = os.environ.get(STANDIN_FREE_VARIABLE, "").strip()
+    if not text:
+        from .cpu import available_memory
+
+        return available_memory() or 0
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise PyllmError(f"{STANDIN_FREE_VARIABLE} must be a size such as 512M, 2G or a byte count, got "
+                         f"{shorten(repr(text))}")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
 
 
 def gpu_problem(device: str = "cuda") -> str | None:
@@ -149,20 +174,22 @@ def place(backend, cfg, weights: dict, *, device: str, kernels: str, n_threads: 
     n_layer = cfg.n_layer
     n = gpu_layers
     if n is None:
-        if device != "auto" or backend.name != "cuda":
+        stand_in = getattr(backend, "stands_in_for_gpu", False)
+        if device != "auto" or (backend.name != "cuda" and not stand_in):
             return backend
         from ..runtime.kv_cache import KVCache, check_kind
 
         check_kind(kv_cache, cfg.head_dim)
         kv_layer = int(KVCache.bytes_per_token(1, cfg.n_kv_head, cfg.head_dim, kv_cache) * (n_ctx or cfg.n_ctx_train))
         layer_bytes, other = model_bytes(weights, n_layer)
-        free, _ = torch.cuda.mem_get_info(backend.device)
+        free = standin_free() if stand_in else torch.cuda.mem_get_info(backend.device)[0]
         n = fit_gpu_layers(free, layer_bytes, other, kv_layer)
         if n > n_layer:
             return backend
         if not quiet:
             need = sum(layer_bytes) + other + n_layer * kv_layer
-            where = "every layer on the CPU" if n == 0 else placement_phrase(n_layer, n, "cuda", "cpu")
+            gpu = f"cpu ({backend.name}, standing in for the GPU)" if stand_in else "cuda"
+            where = "every layer on the CPU" if n == 0 else placement_phrase(n_layer, n, gpu, "cpu")
             print(f"pyllm: the model and its KV cache need {need / 2**30:.2f} GiB but the GPU has {free / 2**30:.2f} "
                   f"GiB free: {where} (--gpu-layers {n}; --gpu-layers chooses another split)", file=sys.stderr)
         if n == 0:
