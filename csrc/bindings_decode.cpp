@@ -153,8 +153,9 @@ DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_
                       "none), got ", embd_scale);
     PYLLM_CHECK_VALUE(std::isfinite(final_softcap) && final_softcap >= 0, kDA, ": final_softcap must be finite and "
                       ">= 0 (0: none), got ", final_softcap);
-    PYLLM_CHECK_VALUE(!layer_window.empty() && layer_window.size() <= 4096, kDA,
-                      ": layer_window must have one entry per layer (1..4096), got ", layer_window.size());
+    // no layers: a context holding only a split model's embedding and head (csrc/kernels.h DecodeModel)
+    PYLLM_CHECK_VALUE(layer_window.size() <= 4096, kDA, ": layer_window must have one entry per layer (0..4096), got ",
+                      layer_window.size());
     PYLLM_CHECK_VALUE(layer_rope.size() == layer_window.size(), kDA, ": layer_rope has ", layer_rope.size(),
                       " entries but layer_window ", layer_window.size(), ": one each per layer");
     for (int64_t w : layer_window)
@@ -198,20 +199,27 @@ struct DecodeCachePart {
 };
 
 // weights / qtypes: 7 per layer in the order q, k, v, output, gate, up, down (uint8 [N, row_bytes]).
+// token_embd None: the layers are not the model's first (the passes take a hidden state); output and output_norm
+// None: they stop before the head (the passes leave the hidden state).  Either way the context holds a run of a
+// model's layers, the arch and the cache the run's own (kernels.h DecodeModel).
 // vectors: name -> one float32 tensor per layer: attn_norm and ffn_norm always; attn_q.bias, attn_k.bias and
 // attn_v.bias with qkv_bias; attn_q_norm and attn_k_norm with qk_norm; post_attention_norm and post_ffw_norm with
 // post_norms (no other names).  rope: arch.n_rope (cos, sin) tables [max_pos, rope_dim/2].
 std::unique_ptr<DecodeContext> make_decode_context(
     const DecodeArch& arch, const std::vector<Tensor>& weights, const std::vector<int64_t>& qtypes,
-    const std::map<std::string, std::vector<Tensor>>& vectors, const Tensor& token_embd, int64_t token_embd_qtype,
-    const Tensor& output, int64_t output_qtype, const Tensor& output_norm,
+    const std::map<std::string, std::vector<Tensor>>& vectors,
+    const std::optional<Tensor>& token_embd, int64_t token_embd_qtype, const std::optional<Tensor>& output,
+    int64_t output_qtype, const std::optional<Tensor>& output_norm,
     const std::vector<std::pair<Tensor, Tensor>>& rope, const DecodeCachePart& k_part,
     const DecodeCachePart& v_part, const std::vector<Tensor>& moe_weights, const std::vector<int64_t>& moe_qtypes) {
     auto ctx = std::make_unique<DecodeContext>();
     pyllm::DecodeConfig& c = ctx->model.cfg;
     const int64_t n_layer = arch.n_layer, n_embd = arch.n_embd, n_ff = arch.n_ff, head_dim = arch.head_dim;
     const int64_t n_kv_head = arch.n_kv_head, rope_dim = arch.rope_dim;
-    PYLLM_CHECK_VALUE(n_layer >= 1, kDC, ": arch has no layers (a DecodeArch from its constructor has)");
+    PYLLM_CHECK_VALUE(n_layer >= 1 || (token_embd && output), kDC, ": a context without layers holds a model's "
+                      "embedding and head: token_embd and output are needed");
+    PYLLM_CHECK_VALUE(output.has_value() == output_norm.has_value(), kDC, ": output and output_norm go together (the "
+                      "head), got only ", output ? "output" : "output_norm");
     PYLLM_CHECK_VALUE(weights.size() == 7 * static_cast<size_t>(n_layer) && qtypes.size() == weights.size(), kDC,
                       ": expected 7 weights and qtypes per layer (", 7 * n_layer, "), got ", weights.size(), " and ",
                       qtypes.size());
@@ -392,12 +400,16 @@ std::unique_ptr<DecodeContext> make_decode_context(
         L.rope = static_cast<int>(arch.layer_rope[i]);
         L.window = static_cast<int>(arch.layer_window[i]);
     }
-    d.model.token_embd = decode_weight(d, "token_embd", token_embd, token_embd_qtype, -1, n_embd);
-    d.vocab_rows = token_embd.size(0);
-    d.model.output = decode_weight(d, "output", output, output_qtype, -1, n_embd);
-    PYLLM_CHECK_VALUE(output.size(0) <= INT32_MAX, kDC, ": output has too many rows");
-    c.n_vocab = static_cast<int>(output.size(0));
-    d.model.output_norm = decode_vec(d, "output_norm", output_norm, n_embd);
+    if (token_embd) {
+        d.model.token_embd = decode_weight(d, "token_embd", *token_embd, token_embd_qtype, -1, n_embd);
+        d.vocab_rows = token_embd->size(0);
+    }
+    if (output) {
+        d.model.output = decode_weight(d, "output", *output, output_qtype, -1, n_embd);
+        PYLLM_CHECK_VALUE(output->size(0) <= INT32_MAX, kDC, ": output has too many rows");
+        c.n_vocab = static_cast<int>(output->size(0));
+        d.model.output_norm = decode_vec(d, "output_norm", *output_norm, n_embd);
+    }
     d.scratch.resize(d.model);
     return ctx;
 }
@@ -425,9 +437,13 @@ void decode_set_lora(DecodeContext& d, int64_t slot, const Tensor& a, const Tens
         N = Ns[j];
         l = &d.model.layers[slot / 7].lora[j];
     } else if (!embd) {
+        PYLLM_CHECK_VALUE(d.model.output.data, fn, ": slot ", slot, " is the output projection, which this context "
+                          "does not hold");
         N = c.n_vocab;
         l = &d.model.output_lora;
     } else {
+        PYLLM_CHECK_VALUE(d.model.token_embd.data, fn, ": slot ", slot, " is the token embedding, which this "
+                          "context does not hold");
         K = d.vocab_rows;  // a's rows: one per token
         l = &d.model.token_embd_lora;
     }
@@ -457,6 +473,8 @@ void check_block_table(const char* fn, const pyllm::DecodeModel& m, int64_t upto
 // argmax (the first of ties), or -1 where a logit is NaN or infinite.
 int64_t decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor& logits_out) {
     const pyllm::DecodeConfig& c = ctx.model.cfg;
+    PYLLM_CHECK_VALUE(ctx.model.token_embd.data && ctx.model.output.data, "decode_step: the context holds part of a "
+                      "model (no embedding or no head): decode_steps runs its layers");
     PYLLM_CHECK_INDEX(token >= 0 && token < ctx.vocab_rows, "decode_step: token ", token, " is out of range for ",
                       ctx.vocab_rows, " embedding rows");
     const int64_t limit = std::min(c.max_seq, c.max_pos);
@@ -477,36 +495,74 @@ int64_t decode_step(DecodeContext& ctx, int64_t token, int64_t pos, const Tensor
 // tokens: int64 [M], 1 <= M <= GEMV_MAX_M, at positions pos..pos+M-1; logits_out: f32 [M, n_vocab] (all_logits)
 // or [n_vocab] / [1, n_vocab] (the last token's).  K/V are stored at every position.  Returns each row of logits'
 // argmax, as decode_step's.
-std::vector<int64_t> decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const Tensor& logits_out,
-                                  bool all_logits) {
-    const pyllm::DecodeConfig& c = ctx.model.cfg;
-    check_tensor("decode_steps", "tokens", tokens, at::kLong, 1);
-    const int64_t M = tokens.size(0);
-    PYLLM_CHECK_VALUE(M >= 1 && M <= pyllm::GEMV_MAX_M, "decode_steps: ", M, " tokens; it takes 1..",
-                      pyllm::GEMV_MAX_M);
-    const int64_t* tk = tokens.data_ptr<int64_t>();
-    for (int64_t i = 0; i < M; ++i)
-        PYLLM_CHECK_INDEX(tk[i] >= 0 && tk[i] < ctx.vocab_rows, "decode_steps: token ", tk[i],
+// The rows a pass enters with and the part of the model it runs (kernels.h DecodeRange), checked against the
+// context: `tokens` int64 [M] (embedded: the context's embedding, from its first layer) or float32 [M, n_embd]
+// (the hidden state entering layer first_layer); layers [first_layer, last_layer) (-1: to the last); head: the
+// final norm and logits after them (the context's head, after its last layer), else the hidden state.
+struct PassRows {
+    pyllm::DecodeRange range;
+    const int64_t* tokens = nullptr;
+    int64_t M = 0;
+};
+
+PassRows check_pass(const char* fn, const DecodeContext& ctx, const Tensor& tokens, int64_t first_layer,
+                    int64_t last_layer, bool head) {
+    const pyllm::DecodeModel& m = ctx.model;
+    const int64_t n_layer = m.cfg.n_layer, D = m.cfg.n_embd;
+    PassRows p;
+    if (last_layer < 0) last_layer = n_layer;
+    PYLLM_CHECK_INDEX(first_layer >= 0 && first_layer <= last_layer && last_layer <= n_layer, fn, ": layers ",
+                      first_layer, "..", last_layer, " are not a range of the context's ", n_layer);
+    PYLLM_CHECK_VALUE(!head || (m.output.data && last_layer == n_layer), fn, ": head=True needs the context's head ",
+                      m.output.data ? "after its last layer" : "(it holds none)");
+    if (tokens.scalar_type() == at::kFloat) {
+        check_tensor(fn, "hidden state", tokens, at::kFloat, 2);
+        PYLLM_CHECK_VALUE(tokens.size(1) == D, fn, ": the hidden state has ", tokens.size(1), " values a row, the "
+                          "model ", D);
+        p.range.x_in = tokens.data_ptr<float>();
+    } else {
+        check_tensor(fn, "tokens", tokens, at::kLong, 1);
+        PYLLM_CHECK_VALUE(m.token_embd.data && first_layer == 0, fn, ": tokens enter at the embedding, ",
+                          m.token_embd.data ? "before layer 0" : "which this context does not hold",
+                          ": give the hidden state (float32 [rows, n_embd])");
+        p.tokens = tokens.data_ptr<int64_t>();
+    }
+    p.M = tokens.size(0);
+    PYLLM_CHECK_VALUE(p.M >= 1 && p.M <= pyllm::GEMV_MAX_M, fn, ": ", p.M, " rows; it takes 1..", pyllm::GEMV_MAX_M);
+    for (int64_t i = 0; p.tokens && i < p.M; ++i)
+        PYLLM_CHECK_INDEX(p.tokens[i] >= 0 && p.tokens[i] < ctx.vocab_rows, fn, ": token ", p.tokens[i],
                           " is out of range for ", ctx.vocab_rows, " embedding rows");
+    p.range.first_layer = static_cast<int>(first_layer);
+    p.range.last_layer = static_cast<int>(last_layer);
+    p.range.head = head;
+    return p;
+}
+
+std::vector<int64_t> decode_steps(DecodeContext& ctx, const Tensor& tokens, int64_t pos, const Tensor& logits_out,
+                                  bool all_logits, int64_t first_layer, int64_t last_layer, bool head) {
+    const pyllm::DecodeConfig& c = ctx.model.cfg;
+    const PassRows pass = check_pass("decode_steps", ctx, tokens, first_layer, last_layer, head);
+    const int64_t M = pass.M;
+    const int64_t* tk = pass.tokens;
     const int64_t limit = std::min(c.max_seq, c.max_pos);
     PYLLM_CHECK_INDEX(pos >= 0 && pos + M <= limit, "decode_steps: positions ", pos, "..", pos + M - 1,
                       " are out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ", c.max_pos);
     PYLLM_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, "decode_steps: logits_out must be float32, got ",
                      c10::toString(logits_out.scalar_type()));
-    const int64_t rows = all_logits ? M : 1;
+    const int64_t rows = all_logits || !head ? M : 1, width = head ? c.n_vocab : c.n_embd;
     PYLLM_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() &&
-                          logits_out.numel() == rows * c.n_vocab,
-                      "decode_steps: logits_out must be a contiguous CPU tensor of ", rows, " x ", c.n_vocab,
-                      " values, got shape ", logits_out.sizes());
+                          logits_out.numel() == rows * width,
+                      "decode_steps: logits_out must be a contiguous CPU tensor of ", rows, " x ", width,
+                      head ? " values" : " values (the hidden state)", ", got shape ", logits_out.sizes());
     check_block_table("decode_steps", ctx.model, pos + M);
     pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
     {
         pybind11::gil_scoped_release nogil;
         pyllm::decode_steps_cpu(ctx.model, ctx.scratch, tk, static_cast<int>(M), static_cast<int>(pos),
-                                logits_out.data_ptr<float>(), all_logits, top);
+                                logits_out.data_ptr<float>(), all_logits, top, pass.range);
     }
-    std::vector<int64_t> out(rows);
-    for (int64_t r = 0; r < rows; ++r) out[r] = top[r].index;
+    std::vector<int64_t> out(head ? rows : 0);
+    for (size_t r = 0; r < out.size(); ++r) out[r] = top[r].index;
     return out;
 }
 
@@ -514,17 +570,19 @@ std::vector<int64_t> decode_steps(DecodeContext& ctx, const Tensor& tokens, int6
 // One token of each of B sequences, each with its own DecodeContext (its KV cache) built over the same weights:
 // tokens/positions int64 [B], 1 <= B <= GEMV_MAX_M; logits_out f32 [B, n_vocab].  Runs on ctxs[0]'s scratch.
 std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const Tensor& tokens,
-                                  const Tensor& positions, const Tensor& logits_out) {
+                                  const Tensor& positions, const Tensor& logits_out, int64_t first_layer,
+                                  int64_t last_layer, bool head) {
     const char* fn = "decode_batch";
     const int64_t B = static_cast<int64_t>(ctxs.size());
     PYLLM_CHECK_VALUE(B >= 1 && B <= pyllm::GEMV_MAX_M, fn, ": ", B, " sequences; it takes 1..", pyllm::GEMV_MAX_M);
-    check_tensor(fn, "tokens", tokens, at::kLong, 1);
+    PYLLM_CHECK_VALUE(ctxs[0] != nullptr, fn, ": context 0 is None");
+    const PassRows pass = check_pass(fn, *ctxs[0], tokens, first_layer, last_layer, head);
     check_tensor(fn, "positions", positions, at::kLong, 1);
     PYLLM_CHECK_VALUE(tokens.size(0) == B && positions.size(0) == B, fn, ": tokens and positions need ", B,
                       " entries (one per context), got ", tokens.size(0), " and ", positions.size(0));
     const pyllm::DecodeModel& m0 = ctxs[0]->model;
     const pyllm::DecodeConfig& c = m0.cfg;
-    const int64_t* tk = tokens.data_ptr<int64_t>();
+    const int64_t* tk = pass.tokens;
     const int64_t* ps = positions.data_ptr<int64_t>();
     std::vector<const pyllm::DecodeModel*> seqs(B);
     int pos[pyllm::GEMV_MAX_M];
@@ -553,8 +611,8 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
                                   (m.v_cache.data != o.v_cache.data || m.v_cache.table != o.v_cache.table),
                               fn, ": contexts ", j, " and ", b, " share a KV cache (one token per sequence)");
         }
-        PYLLM_CHECK_INDEX(tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows, fn, ": token ", tk[b], " (row ", b,
-                          ") is out of range for ", ctxs[b]->vocab_rows, " embedding rows");
+        PYLLM_CHECK_INDEX(!tk || (tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows), fn, ": token ", tk ? tk[b] : 0,
+                          " (row ", b, ") is out of range for ", ctxs[b]->vocab_rows, " embedding rows");
         PYLLM_CHECK_INDEX(ps[b] >= 0 && ps[b] < limit, fn, ": pos ", ps[b], " (row ", b,
                           ") is out of range: the KV cache holds ", c.max_seq, " positions and the rope tables ",
                           c.max_pos);
@@ -564,17 +622,18 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
     }
     PYLLM_CHECK_TYPE(logits_out.scalar_type() == at::kFloat, fn, ": logits_out must be float32, got ",
                      c10::toString(logits_out.scalar_type()));
-    PYLLM_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == B * c.n_vocab,
-                      fn, ": logits_out must be a contiguous CPU tensor of ", B, " x ", c.n_vocab,
-                      " values, got shape ", logits_out.sizes());
+    const int64_t width = head ? c.n_vocab : c.n_embd;
+    PYLLM_CHECK_VALUE(logits_out.device().is_cpu() && logits_out.is_contiguous() && logits_out.numel() == B * width,
+                      fn, ": logits_out must be a contiguous CPU tensor of ", B, " x ", width,
+                      head ? " values" : " values (the hidden state)", ", got shape ", logits_out.sizes());
     pyllm::RowArgmax top[pyllm::GEMV_MAX_M];
     {
         pybind11::gil_scoped_release nogil;
         pyllm::decode_batch_cpu(seqs.data(), ctxs[0]->scratch, tk, pos, static_cast<int>(B),
-                                logits_out.data_ptr<float>(), top);
+                                logits_out.data_ptr<float>(), top, pass.range);
     }
-    std::vector<int64_t> out(B);
-    for (int64_t b = 0; b < B; ++b) out[b] = top[b].index;
+    std::vector<int64_t> out(head ? B : 0);
+    for (size_t b = 0; b < out.size(); ++b) out[b] = top[b].index;
     return out;
 }
 
@@ -750,7 +809,11 @@ void register_decode(py::module& m) {
              "bt f32 [rank, N] with the scales in it",
              py::arg("slot"), py::arg("a"), py::arg("bt"))
         .def_property_readonly("n_vocab", [](const DecodeContext& c) { return c.model.cfg.n_vocab; })
-        .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; });
+        .def_property_readonly("max_seq", [](const DecodeContext& c) { return c.model.cfg.max_seq; })
+        .def_property_readonly("n_layer", [](const DecodeContext& c) { return c.model.cfg.n_layer; })
+        .def_property_readonly("n_embd", [](const DecodeContext& c) { return c.model.cfg.n_embd; })
+        .def_property_readonly("has_embedding", [](const DecodeContext& c) { return c.model.token_embd.data != nullptr; })
+        .def_property_readonly("has_head", [](const DecodeContext& c) { return c.model.output.data != nullptr; });
     m.def("decode_profile", [](bool on) { pyllm::decode_profile_cpu() = pyllm::DecodeProfile{on}; },
           "zero the decode steps' phase timers and switch them on or off", py::arg("on"));
     m.def("decode_profile_read", &decode_profile_read,
@@ -760,12 +823,16 @@ void register_decode(py::module& m) {
           py::arg("ctx"), py::arg("token"), py::arg("pos"), py::arg("logits_out"));
     m.def("decode_steps", &decode_steps,
           "1..GEMV_MAX_M tokens at pos.. through all layers in one pass (K/V stored at each) -> logits_out; returns "
-          "each row's argmax (-1: not finite)",
-          py::arg("ctx"), py::arg("tokens"), py::arg("pos"), py::arg("logits_out"), py::arg("all_logits") = true);
+          "each row's argmax (-1: not finite).  Part of a model: tokens the hidden state f32 [M, n_embd] entering "
+          "layer first_layer, layers up to last_layer (-1: the last), head=False: logits_out [M, n_embd] gets the "
+          "hidden state after them (and no argmax is returned)",
+          py::arg("ctx"), py::arg("tokens"), py::arg("pos"), py::arg("logits_out"), py::arg("all_logits") = true,
+          py::arg("first_layer") = 0, py::arg("last_layer") = -1, py::arg("head") = true);
     m.def("decode_batch", &decode_batch,
           "one token of each of 1..GEMV_MAX_M sequences (own DecodeContext / KV cache each) in one pass -> logits_out; "
           "returns each row's argmax (-1: not finite)",
-          py::arg("ctxs"), py::arg("tokens"), py::arg("positions"), py::arg("logits_out"));
+          py::arg("ctxs"), py::arg("tokens"), py::arg("positions"), py::arg("logits_out"), py::arg("first_layer") = 0,
+          py::arg("last_layer") = -1, py::arg("head") = true);
     m.def("kv_attention", &kv_attention, "decode attention of q [H, hd] over KV rows k/v [Hkv, S, row] (tests)",
           py::arg("q"), py::arg("k"), py::arg("v"), py::arg("k_type"), py::arg("v_type"), py::arg("scale"),
           py::arg("scalar") = false);

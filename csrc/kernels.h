@@ -307,6 +307,19 @@ struct DecodeModel {
     const float *cos = nullptr, *sin = nullptr;    // [max_pos, rope_dim/2]
     const float *cos2 = nullptr, *sin2 = nullptr;  // second table (layers with rope == 1), same shape, or nullptr
     KVPart k_cache, v_cache;  // rows (n_layer, n_kv_head, max_seq) of any KVType each
+    // A context may hold a contiguous run of a model's layers (one side of a model split between two devices,
+    // pyllm/backends/split.py): token_embd.data null where the run starts past the model's first layer, output.data
+    // null where it stops before the head; layers and K/V rows are the run's own, numbered from 0.
+};
+// The part of a model one decode pass runs (DecodeRange{} : the whole context): layers [first_layer, last_layer)
+// of the context's (last_layer -1: to its last), entered with the hidden state x_in [M, n_embd] instead of the
+// tokens' embedding where x_in is given, and, where !head, leaving the hidden state after last_layer [M, n_embd]
+// (every row) in the output instead of the final norm and logits.  A split model crosses each boundary once:
+// the hidden state one side leaves is the next side's x_in, bit for bit what the whole model's loop carries.
+struct DecodeRange {
+    int first_layer = 0, last_layer = -1;
+    const float* x_in = nullptr;
+    bool head = true;
 };
 // A decode row's stored keys are attended in up to this many parts, merged by their log-sum-exps.
 constexpr int KEY_PARTS_MAX = 4;
@@ -343,15 +356,16 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
 // M (1..GEMV_MAX_M) consecutive tokens at positions pos..pos+M-1 in one pass (each GEMV reads its weights once
 // for all rows; K/V stored at every position).  logits: [M, n_vocab] when all_logits, else [n_vocab] (last row).
 // Caller checked the tokens and pos + M <= min(max_seq, max_pos).
+// range: the layers and ends of the pass (DecodeRange); tokens unused where range.x_in is given.
 void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos, float* logits,
-                      bool all_logits, RowArgmax* argmax = nullptr);
+                      bool all_logits, RowArgmax* argmax = nullptr, const DecodeRange& range = {});
 
 // One token of each of B (1..GEMV_MAX_M) sequences in one pass: seqs[b] supplies row b's KV cache (k_cache,
 // v_cache; every other field is read from seqs[0], whose weights and config all share), tokens[b] goes to
 // position pos[b] of it.  logits: [B, n_vocab].  Caller checked the tokens, positions and that the seqs share
 // weights, config and max_seq, and that no cache appears twice.
 void decode_batch_cpu(const DecodeModel* const* seqs, DecodeScratch& s, const int64_t* tokens, const int* pos, int B,
-                      float* logits, RowArgmax* argmax = nullptr);
+                      float* logits, RowArgmax* argmax = nullptr, const DecodeRange& range = {});
 
 // ---- CUDA ------------------------------------------------------------------------------------------------
 // The CUDA launchers live in csrc/cuda/cuda_kernels.h (they need cuda_runtime.h for cudaStream_t); their

@@ -47,6 +47,9 @@ VARIABLES = (
     Variable("PYLLM_GPU_STANDIN", "none",
              "reference or fast: that CPU backend runs the GPU's layers of --gpu-layers / gpu_layers=, to test the "
              "placement on a host without a GPU", user=False),
+    Variable("PYLLM_GPU_STANDIN_FREE", "the host's available memory",
+             "the free memory --device auto sees on PYLLM_GPU_STANDIN's stand-in GPU (512M, 2G, bytes), to test "
+             "how it places a model larger than the GPU", user=False),
 )
 
 # Read by the test suite and its tools only.

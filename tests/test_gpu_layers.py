@@ -2,9 +2,10 @@
 
 On this host two CPU backends stand in for the two devices (PYLLM_GPU_STANDIN names the one that runs "the GPU's"
 layers), so the placement code the GPU runs is the code tested here.  References and tolerances:
-- a split over two fast backends against the fast backend alone, both through the torch forward (the split has no
-  fused step): the same kernels on the same rows, so logits equal bit for bit (prompt and decode positions), and the
-  KV rows of each layer equal the single cache's;
+- a split over two fast backends against the fast backend alone: prompts through the torch forward, decode rows
+  through each side's C++ step over its layers (one token, k + 1 rows, several sequences) against the whole
+  model's C++ step: the same loop over the same rows, so logits and argmaxes equal bit for bit, and the KV rows of
+  each layer equal the single cache's;
 - a split over two reference backends against the reference alone: equal bit for bit;
 - the GPU's layers on the reference backend and the CPU's on the fast one against the reference: mean KL over the
   decode positions of real text within tests/test_fast_accuracy.py's bound for the fast backend (KL_SPREAD x
@@ -55,10 +56,21 @@ def placed(key: str, gpu_layers: int, standin: str, kernels: str = "fast"):
             os.environ[split.STANDIN_VARIABLE] = saved
 
 
-def torch_path(llm):
-    """``llm`` with its one-token forwards through the torch forward, as a split model runs every token."""
-    llm.model.use_cpp_decode = False
-    return llm
+def prompt_then_decode(llm, ids: list[int], n_prompt: int) -> torch.Tensor:
+    """Logits [len(ids) - n_prompt, n_vocab] after each of ids[n_prompt:], the prompt ids[:n_prompt] through the
+    forward, the rest one token at a time through the decode path; the rows stay in llm.kv."""
+    g = llm.generator
+    g.reset()
+    g._forward(ids[:n_prompt])
+    return torch.stack([g._forward([t])[-1] for t in ids[n_prompt:]])
+
+
+def same_rows(split_llm, one, n_pos: int, layers) -> None:
+    """Each of ``layers``' first n_pos K/V rows in its side's cache equal the single cache's, bit for bit."""
+    kv, first_high = split_llm.kv, split_llm.model.backend.first_high
+    for i in layers:
+        side, j = (kv.low, i) if i < first_high else (kv.high, i - first_high)
+        assert all(torch.equal(x, y) for x, y in zip(side.view(j, n_pos), one.kv.view(i, n_pos))), i
 
 
 # ---- the choice of N -------------------------------------------------------------------------------------------
@@ -147,23 +159,100 @@ def test_placement_phrase():
 
 
 # ---- placements on real models, two CPU backends standing in -------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def whole(key: str):
+    """The fast backend alone (its C++ step over the whole model), shared by this module's tests."""
+    return load(key)
+
+
 @pytest.mark.parametrize("key", ["smollm2", "gemma3"])
 def test_half_the_layers_on_a_second_fast_backend_give_the_same_bits(key):
     n = N_LAYER[key] // 2
-    one = torch_path(load(key))
-    two = placed(key, n, "fast")
+    one, two = whole(key), placed(key, n, "fast")
     b = two.model.backend
     assert isinstance(b, SplitBackend) and b.low is not b.high and (b.low.name, b.high.name) == ("fast", "fast")
     assert b.first_high == N_LAYER[key] - n
+    assert isinstance(two.model.fused_step(two.kv), split.SplitDecodeStep)  # decode rows run fused on both sides
     ids = one.tokenize("The quick brown fox jumps over the lazy dog, and the dog sleeps on.")
     assert torch.equal(one.logits(ids), two.logits(ids))  # prefill, every position
     # each layer's rows live in its side's cache, equal to the single cache's rows of that layer
     kv = two.kv
     assert isinstance(kv, SplitKVCache) and (kv.low.n_layer, kv.high.n_layer) == (N_LAYER[key] - n, n)
-    for i in (0, b.first_high - 1, b.first_high, N_LAYER[key] - 1):
-        side, j = (kv.low, i) if i < b.first_high else (kv.high, i - b.first_high)
-        assert all(torch.equal(x, y) for x, y in zip(side.view(j, len(ids)), one.kv.view(i, len(ids)))), i
-    assert torch.equal(decode_logits(one, ids[:8]), decode_logits(two, ids[:8]))  # one token at a time
+    edges = (0, b.first_high - 1, b.first_high, N_LAYER[key] - 1)
+    same_rows(two, one, len(ids), edges)
+    # a prompt, then one token at a time through each side's C++ step against the whole model's
+    assert torch.equal(prompt_then_decode(one, ids, 6), prompt_then_decode(two, ids, 6))
+    same_rows(two, one, len(ids), edges)
+    assert torch.equal(decode_logits(one, ids[:8]), decode_logits(two, ids[:8]))  # from position 0 (sink rows)
+
+
+@pytest.mark.parametrize("key, n", [("gemma3", 18), ("smollm2", 1), ("gemma3", 7)])
+def test_split_decode_rows_equal_the_whole_models_c_step(key, n, monkeypatch):
+    """Decode rows through the split's fused step -- one token, k + 1 rows (speculation's check), and one token of
+    each of several sequences (the server's step) -- against the whole model's C++ step: logits and argmaxes bit for
+    bit.  n = n_layer: the CPU side holds no layer, only the embedding and the head (and needs neither of Gemma 3's
+    rope tables); n = 1: the GPU side one."""
+    one, two = whole(key), placed(key, n, "fast")
+    ids = one.tokenize("Once upon a time, in a small village, there lived an old clockmaker who")
+    assert torch.equal(prompt_then_decode(one, ids, 5), prompt_then_decode(two, ids, 5))
+    same_rows(two, one, len(ids), range(N_LAYER[key]))
+    steps = [llm.model.fused_step(llm.kv) for llm in (one, two)]
+    assert steps[1].rows_exact and steps[0].rows_exact
+    for step, llm in zip(steps, (one, two)):  # rewrite positions 10..13 as one pass of 4 rows
+        llm.generator.reset()
+        llm.generator._forward(ids[:10])
+    rows = [s.rows_with_argmax(torch.tensor(ids[10:14]), 10) for s in steps]
+    assert torch.equal(rows[0][0], rows[1][0]) and list(rows[0][1]) == list(rows[1][1])
+    last = [s.rows_with_argmax(torch.tensor(ids[14:17]), 14, False) for s in steps]  # the last row's logits only
+    assert last[0][0].shape == (1, one.n_vocab) and torch.equal(last[0][0], last[1][0])
+    same_rows(two, one, 17, range(N_LAYER[key]))
+    # three sequences of different lengths, each on its own cache, in one step: one pass per side
+    passes = []
+    batch = split.SplitDecodeStep.batch
+    monkeypatch.setattr(split.SplitDecodeStep, "batch", staticmethod(lambda *a: passes.append(1) or batch(*a)))
+    outs = [run_three(llm, ids) for llm in (one, two)]
+    assert passes == [1]
+    for a, c in zip(*outs):
+        assert torch.equal(a.logits, c.logits) and a.argmax == c.argmax
+
+
+def run_three(llm, ids):
+    """One decode token of each of three sequences (prompts of 3, 7 and 11 tokens on caches of their own) in one
+    model.step, after the prompts went through it."""
+    from pyllm.backends.base import SeqStep
+
+    m, kv = llm.model, llm.kv
+    caches = [m.backend.make_kv_cache(kv.kind, kv.n_layer, kv.n_kv_head, 64, kv.head_dim) for _ in range(3)]
+    for c, n in zip(caches, (3, 7, 11)):
+        m.step([SeqStep(c, ids[:n], 0, prefill=True)])
+    return m.step([SeqStep(c, [ids[n]], n) for c, n in zip(caches, (3, 7, 11))])
+
+
+def test_part_steps_refuse_what_their_context_does_not_hold():
+    """Each side's context (csrc/bindings_decode.cpp): tokens where it has no embedding, a head it does not hold, a
+    layer range outside it, a hidden state of another width -- one error each, naming it."""
+    from pyllm import ops
+
+    llm = placed("smollm2", 15, "fast")
+    step = llm.model.fused_step(llm.kv)
+    low, high = step.low.ctx, step.high.ctx
+    assert (low.n_layer, low.has_embedding, low.has_head) == (15, True, True)
+    assert (high.n_layer, high.has_embedding, high.has_head) == (15, False, False)
+    d = high.n_embd
+    with pytest.raises(ValueError, match="tokens enter at the embedding, which this context does not hold"):
+        ops._C.decode_steps(high, torch.tensor([1]), 0, torch.empty(1, d), True, 0, -1, False)
+    with pytest.raises(ValueError, match="head=True needs the context's head"):
+        ops._C.decode_steps(high, torch.zeros(1, d), 0, torch.empty(1, d), True, 0, -1, True)
+    with pytest.raises(ValueError, match="head=True needs the context's head after its last layer"):
+        ops._C.decode_steps(low, torch.tensor([1]), 0, torch.empty(1, step.n_vocab), True, 0, 5, True)
+    with pytest.raises(IndexError, match="layers 3..16 are not a range of the context's 15"):
+        ops._C.decode_steps(high, torch.zeros(1, d), 0, torch.empty(1, d), True, 3, 16, False)
+    with pytest.raises(ValueError, match="the hidden state has 7 values a row, the model 576"):
+        ops._C.decode_steps(high, torch.zeros(1, 7), 0, torch.empty(1, d), True, 0, -1, False)
+    with pytest.raises(ValueError, match=r"logits_out must be a contiguous CPU tensor of 1 x 576 values \(the hidden"):
+        ops._C.decode_steps(high, torch.zeros(1, d), 0, torch.empty(1, 5), True, 0, -1, False)
+    with pytest.raises(ValueError, match="the context holds part of a model"):
+        ops._C.decode_step(high, 1, 0, torch.empty(d))
 
 
 def test_half_the_layers_on_a_second_reference_backend_give_the_same_bits():
@@ -274,6 +363,7 @@ def test_auto_picks_the_layers_that_fit_and_says_so(monkeypatch, capsys, tmp_pat
 
 # ---- the command line -------------------------------------------------------------------------------------------
 def test_ngl_runs_a_split_model_and_says_where(monkeypatch, capsys):
+    same_layouts(monkeypatch)
     monkeypatch.setenv(split.STANDIN_VARIABLE, "fast")
     cli = cli_in_process(monkeypatch, capsys)
     split_run = cli("run", "smollm2-135m", "Once upon a time", "-n", "12", "--temp", "0", "-ngl", "15", "--json")
@@ -282,20 +372,24 @@ def test_ngl_runs_a_split_model_and_says_where(monkeypatch, capsys):
 
     out = json.loads(split_run.stdout)
     assert out["runtime"]["placement"] == "layers 15-29 on cpu (fast), 0-14 on cpu (fast)"
-    plain = cpu_alone_through_the_torch_forward(monkeypatch, cli, "run", "smollm2-135m", "Once upon a time", "-n",
-                                                "12", "--temp", "0", "--json")
+    plain = cpu_alone(monkeypatch, cli, "run", "smollm2-135m", "Once upon a time", "-n", "12", "--temp", "0",
+                      "--json")
     assert json.loads(plain.stdout)["text"] == out["text"]
 
 
-def cpu_alone_through_the_torch_forward(monkeypatch, cli, *argv):
-    """The command on the CPU alone with every token through the torch forward, as a split model runs them (the
-    fused C++ step sums in another order: its text may differ in a near tie), speculation off as the split has it."""
-    from pyllm.models.decoder import Decoder
+def same_layouts(monkeypatch):
+    """Both runs of a comparison without the decode step's rows-by-8 copies: each backend makes them only where the
+    machine's free memory allows at load, and they sum in another order than the loaded rows (SmolLM2's "Once upon a
+    time" meets a near tie at its 5th token), so with them the texts could differ by what else ran on the machine."""
+    monkeypatch.setenv("PYLLM_REPACK", "0")
 
+
+def cpu_alone(monkeypatch, cli, *argv):
+    """The command on the CPU alone: a split over two fast backends runs its decode rows through the same C++ step
+    loop, so its greedy text is this one's."""
     with monkeypatch.context() as m:
-        m.setattr(Decoder, "use_cpp_decode", False)
         m.delenv(split.STANDIN_VARIABLE, raising=False)
-        return cli(*argv, "--device", "cpu", "--spec", "none")
+        return cli(*argv, "--device", "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a host without a GPU answers")
@@ -313,8 +407,8 @@ def test_ngl_without_a_gpu_is_one_error_naming_the_flag(monkeypatch, capsys, com
 
 def test_readme_gpu_layers_example_runs_as_written(monkeypatch, capsys):
     """The README's block under "Models larger than the GPU", as written: its variable set, the run line gives the
-    text of the same command on the CPU alone through the same forward (greedy; the split's kernels are the CPU's
-    own, so the bits are the same)."""
+    text of the same command on the CPU alone (greedy; the split's kernels and step loop are the CPU's own, so the
+    bits are the same)."""
     import re
     import shlex
     from pathlib import Path
@@ -327,10 +421,11 @@ def test_readme_gpu_layers_example_runs_as_written(monkeypatch, capsys):
     assert env == {split.STANDIN_VARIABLE: "fast"} and words[len(env)] == "pyllm"
     for k, v in env.items():
         monkeypatch.setenv(k, v)
+    same_layouts(monkeypatch)
     cli = cli_in_process(monkeypatch, capsys)
     res = cli(*words[len(env) + 1:])
     assert res.returncode == 0 and res.stdout.strip(), res.stderr
-    plain = cpu_alone_through_the_torch_forward(monkeypatch, cli, *words[len(env) + 1:-2])
+    plain = cpu_alone(monkeypatch, cli, *words[len(env) + 1:-2])
     assert words[-2:] == ["-ngl", "15"] and plain.returncode == 0 and plain.stdout == res.stdout
 
 
@@ -357,3 +452,90 @@ def test_split_cache_keeps_the_prefix_state_protocol(monkeypatch, tmp_path):
             assert all(torch.equal(a, b) for a, b in zip(c.view(i, 16), kv.view(i, 16))), i
     with pytest.raises(ValueError, match="missing"):
         fresh[0].load_prefix_state({k: v for k, v in state.items() if k.startswith("low.")}, 16)
+
+
+def test_auto_on_a_stand_in_too_small_for_the_model_runs_the_layers_that_fit(monkeypatch, capsys):
+    """--device auto with the stand-in GPU and a made-up free memory (PYLLM_GPU_STANDIN_FREE) room for exactly the
+    last 10 of SmolLM2's layers and their cache at -c 512: -ngl 10, said on stderr, the placement in --json, and the
+    greedy text of the CPU alone (two fast sides: the same bits)."""
+    import json
+    from pathlib import Path
+
+    from pyllm.formats.checkpoint import read_gguf
+    from pyllm.runtime.kv_cache import KVCache
+
+    ckpt = read_gguf(Path(fixture_path("smollm2")))
+    cfg = ckpt.config
+    layers, _ = model_bytes(ckpt.weights, cfg.n_layer)
+    ckpt.close()
+    kv_layer = int(KVCache.bytes_per_token(1, cfg.n_kv_head, cfg.head_dim, "f16") * 512)
+    free = 256 * MIB + sum(layers[-10:]) + 10 * kv_layer
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "fast")
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, str(free))
+    same_layouts(monkeypatch)
+    cli = cli_in_process(monkeypatch, capsys)
+    argv = ("run", "smollm2-135m", "Once upon a time", "-n", "8", "--temp", "0", "-c", "512", "--json")
+    res = cli(*argv, "--device", "auto")
+    assert res.returncode == 0, res.stderr
+    assert ("GiB free: layers 20-29 on cpu (fast, standing in for the GPU), 0-19 on cpu (--gpu-layers 10; "
+            "--gpu-layers chooses another split)") in res.stderr, res.stderr
+    out = json.loads(res.stdout)
+    assert out["runtime"]["placement"] == "layers 20-29 on cpu (fast), 0-19 on cpu (fast)"
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, str(free - 1))  # a byte less: one layer less
+    assert "layers 21-29 on cpu (fast, standing in" in cli(*argv, "--device", "auto").stderr
+    plain = cpu_alone(monkeypatch, cli, *argv)
+    assert json.loads(plain.stdout)["text"] == out["text"]
+
+
+@pytest.mark.parametrize("text, want", [("512M", 512 * MIB), ("2G", 2 * GIB), ("2GiB", 2 * GIB), ("1000", 1000),
+                                        ("64 kb", 64 << 10)])
+def test_stand_in_free_memory_sizes(monkeypatch, text, want):
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, text)
+    assert split.standin_free() == want
+
+
+def test_a_bad_stand_in_free_memory_is_one_error_naming_it(monkeypatch, capsys):
+    monkeypatch.setenv(split.STANDIN_VARIABLE, "fast")
+    monkeypatch.setenv(split.STANDIN_FREE_VARIABLE, "lots")
+    res = cli_in_process(monkeypatch, capsys)("run", "smollm2-135m", "hi", "-n", "1", "--device", "auto")
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "PYLLM_GPU_STANDIN_FREE must be a size such as 512M, 2G or a byte count, got 'lots'" in res.stderr
+
+
+@pytest.mark.parametrize("arch, n", [("qwen3", 1), ("qwen3", 2), ("gemma3", 3)])
+def test_cuda_part_of_a_split_on_the_host(arch, n, monkeypatch):
+    """The CUDA step over the GPU's run of layers (CudaBackend.fused_part), on the CPU with
+    tests/test_cuda_backend_host.py's torch stand-ins for its kernels, chained with the CPU side's C++ step: decode
+    logits against the same split's torch forward (the CPU side's matrices through the same row kernels, the GPU
+    side's through the stand-ins' float32 products), within 5e-4 relative (test_cuda_backend_host's bound for the
+    whole step over a float cache); k + 1 rows, which the CUDA part runs one at a time, equal one-token steps."""
+    from pyllm import backends
+    from pyllm.backends import cuda as cb
+    from test_cuda_backend_host import FakeCudaBackend, TorchKernels
+    from tiny_models import gguf_path
+
+    monkeypatch.setattr(cb, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    try:
+        llm = pyllm.load(str(gguf_path(arch, "q8_0")), gpu_layers=n, n_ctx=64, kv_cache="f32")
+        n_layer = llm.model.cfg.n_layer
+        step = llm.model.fused_step(llm.kv)
+        assert isinstance(step, split.SplitDecodeStep) and isinstance(step.high, cb.CudaDecodeStep)
+        assert step.high.layers == range(n_layer - n, n_layer) and step.high.row_kernels_problem is None
+        ids = [1, 17, 33, 5, 99, 42, 7, 250, 3, 11, 12, 200, 64, 3, 77, 150]
+        got = prompt_then_decode(llm, ids, 10)
+        llm.model.use_cpp_decode = False
+        want = prompt_then_decode(llm, ids, 10)
+        llm.model.use_cpp_decode = True
+        err = ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+        assert err <= 5e-4, f"{arch}: relative error {err:.3g}"
+        llm.generator.reset()
+        llm.generator._forward(ids[:10])
+        rows, tops = step.rows_with_argmax(torch.tensor(ids[10:13]), 10)
+        llm.generator.reset()
+        llm.generator._forward(ids[:10])
+        one = torch.stack([step.with_argmax(t, 10 + i)[0] for i, t in enumerate(ids[10:13])])
+        assert torch.equal(rows, one) and list(tops) == one.argmax(-1).tolist()
+    finally:
+        TorchKernels.shadow.clear()

@@ -17,6 +17,10 @@
 // requests) the same way: one GEMV pass over the weights for all rows, attention of each row over its own cache.
 // The GEMV row kernels give each row the same bits for every M, so a row's logits equal its sequence's one-token
 // step's (tests/test_decode_batch.py).
+//
+// Each of them may run part of a model (kernels.h DecodeRange): a run of layers entered with a hidden state and/or
+// left before the head, which is how a model split between two devices runs each side's layers fused
+// (pyllm/backends/split.py); the layer loop is the same, so the parts chain to the whole model's bits.
 #include <omp.h>
 
 #include <algorithm>
@@ -266,7 +270,8 @@ void moe_mlp(const DecodeConfig& c, const DecodeLayer& L, DecodeScratch& s, floa
 // The rows' shared body: row r is tokens[r] at position pos[r] of the cache caches[r] (K/V parts); the weights
 // are read once for all M rows, attention is per row over its own cache.
 void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, const int* pos_of,
-                 const KVPart* const* caches, float* logits, bool all_logits, RowArgmax* argmax) {
+                 const KVPart* const* caches, float* logits, bool all_logits, RowArgmax* argmax,
+                 const DecodeRange& range) {
     const DecodeConfig& c = m.cfg;
     const int D = c.n_embd, H = c.n_head, Hkv = c.n_kv_head, hd = c.head_dim, F = c.n_ff;
     const int group = H / Hkv;
@@ -288,9 +293,12 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
     GemvStats* const st_down = prof.on ? &prof.down : nullptr;
     GemvStats* const st_output = prof.on ? &prof.output : nullptr;
 
-    dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, tokens, M, D, x0);
+    if (range.x_in)  // the hidden state the layers before this range left (a split model's other side)
+        std::memcpy(x0, range.x_in, sizeof(float) * M * D);
+    else
+        dequantize_rows_cpu(m.token_embd.qtype, m.token_embd.data, m.token_embd.row_bytes, tokens, M, D, x0);
     float* const lora_t = s.lora_t.data();  // [M, rank] A x of the LoRA term being added
-    if (const DecodeLora& el = m.token_embd_lora; el.rank)  // the embedding's term is a row lookup
+    if (const DecodeLora& el = m.token_embd_lora; el.rank && !range.x_in)  // the embedding's term is a row lookup
         for (int r = 0; r < M; ++r)
             for (int j = 0; j < el.rank; ++j) {
                 const float a = el.a[tokens[r] * el.rank + j];
@@ -298,12 +306,13 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                 float* xr = x0 + static_cast<size_t>(r) * D;
                 for (int n = 0; n < D; ++n) xr[n] += a * b[n];
             }
-    if (c.embd_scale != 0.f)
+    if (c.embd_scale != 0.f && !range.x_in)
         for (size_t i = 0; i < static_cast<size_t>(M) * D; ++i) x0[i] *= c.embd_scale;
     const int nt = std::min(cpu_get_num_threads(), H);
     clk.to(prof.embed_ns);
 
-    for (int il = 0; il < c.n_layer; ++il) {
+    const int last_layer = range.last_layer < 0 ? c.n_layer : range.last_layer;
+    for (int il = range.first_layer; il < last_layer; ++il) {
         const DecodeLayer& L = m.layers[il];
         for (int r = 0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, L.attn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         clk.to(prof.norm_ns);
@@ -589,6 +598,14 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];
         clk.to(prof.norm_ns);
     }
+    if (!range.head) {  // every row's hidden state, for the layers after this range
+        std::memcpy(logits, x0, sizeof(float) * M * D);
+        if (prof.on) {
+            prof.steps += 1;
+            prof.step_ns += PhaseClock::now() - step_t0;
+        }
+        return;
+    }
     // Only the last row's logits unless all are asked for: the output GEMV is the largest in small models.
     const int r0 = all_logits ? 0 : M - 1, n_out = M - r0;
     for (int r = r0; r < M; ++r) rms_norm(x0 + static_cast<size_t>(r) * D, m.output_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
@@ -619,7 +636,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
 }  // namespace
 
 void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos0, float* logits,
-                      bool all_logits, RowArgmax* argmax) {
+                      bool all_logits, RowArgmax* argmax, const DecodeRange& range) {
     int pos[GEMV_MAX_M];
     const KVPart* caches[2 * GEMV_MAX_M];
     for (int r = 0; r < M; ++r) {
@@ -627,17 +644,17 @@ void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tok
         caches[2 * r] = &m.k_cache;
         caches[2 * r + 1] = &m.v_cache;
     }
-    decode_rows(m, s, tokens, M, pos, caches, logits, all_logits, argmax);
+    decode_rows(m, s, tokens, M, pos, caches, logits, all_logits, argmax, range);
 }
 
 void decode_batch_cpu(const DecodeModel* const* seqs, DecodeScratch& s, const int64_t* tokens, const int* pos, int B,
-                      float* logits, RowArgmax* argmax) {
+                      float* logits, RowArgmax* argmax, const DecodeRange& range) {
     const KVPart* caches[2 * GEMV_MAX_M];
     for (int b = 0; b < B; ++b) {
         caches[2 * b] = &seqs[b]->k_cache;
         caches[2 * b + 1] = &seqs[b]->v_cache;
     }
-    decode_rows(*seqs[0], s, tokens, B, pos, caches, logits, true, argmax);
+    decode_rows(*seqs[0], s, tokens, B, pos, caches, logits, true, argmax, range);
 }
 
 void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int pos, float* logits,

@@ -88,6 +88,10 @@ def select(device: str = "cpu", kernels: str = "fast", n_threads: int | None = N
     if device == "auto" and kernels == "fast":
         import torch
 
+        from .split import standin
+
+        if standin():  # the GPU's stand-in (split.py), which split.place fills as it would a GPU
+            return gpu_side(device, -1)
         if torch.cuda.is_available():
             try:
                 return get("cuda", device="cuda")
@@ -100,11 +104,11 @@ def gpu_side(device: str, gpu_layers: int) -> Backend:
     """The backend that runs a placement's GPU layers: CUDA on ``device`` ("auto" is "cuda"), or the CPU backend
     PYLLM_GPU_STANDIN names standing in for it (split.py).  BackendUnavailable names gpu_layers and why there is no
     GPU."""
-    from .split import cpu_backend, gpu_problem, standin
+    from .split import gpu_problem, standin, standin_backend
 
     name = standin()
     if name:
-        return cpu_backend(name)
+        return standin_backend(name)
     why = gpu_problem(device)
     if why is None:
         try:

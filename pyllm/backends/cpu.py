@@ -47,15 +47,17 @@ EXACT_ROW_TYPES = frozenset(
     + list(range(60, 68)))
 
 
-def decode_arch(C, spec, layer_rope):
+def decode_arch(C, spec, layer_rope, layers: range | None = None):
     """``spec`` (models/spec.py ArchSpec) as the extension's DecodeArch: the C++ mirror the decode steps read,
-    whose constructor checks every field.  ``layer_rope``: each layer's index into the model's rope tables."""
+    whose constructor checks every field.  ``layer_rope``: each layer's index into the model's rope tables.
+    ``layers``: the run of the model's layers a context holds (all by default)."""
+    layers = range(spec.n_layer) if layers is None else layers
     return C.DecodeArch(n_embd=spec.n_embd, n_ff=spec.n_ff_exp if spec.n_expert else spec.n_ff, n_head=spec.n_head, n_kv_head=spec.n_kv_head,
                         head_dim=spec.head_dim, rope_dim=spec.rope_dim, rope_style=spec.rope_style,
                         rms_eps=spec.rms_eps, attn_scale=spec.attn_scale, qkv_bias=spec.qkv_bias,
                         qk_norm=spec.qk_norm, post_norms=spec.post_norms, act=spec.act, embd_scale=spec.embd_scale,
-                        final_softcap=spec.final_softcap, layer_rope=list(layer_rope),
-                        layer_window=[layer.window for layer in spec.layers], n_expert=spec.n_expert,
+                        final_softcap=spec.final_softcap, layer_rope=[layer_rope[i] for i in layers],
+                        layer_window=[spec.layers[i].window for i in layers], n_expert=spec.n_expert,
                         n_expert_used=spec.n_expert_used, n_ff_shexp=spec.n_ff_shexp, shexp_gate=spec.shexp_gate,
                         norm_top_k=spec.norm_top_k)
 
@@ -87,6 +89,37 @@ class CpuDecodeStep:
         out = torch.empty(tokens.shape[0] if all_logits else 1, self.n_vocab)
         return out, ops._C.decode_steps(self.ctx, tokens, pos, out, all_logits)
 
+    # -- part of a model (a context over a run of its layers: CpuBackend.fused_part) ---------------------------
+    def hidden(self, x: torch.Tensor, pos: int, first: int = 0, last: int = -1) -> torch.Tensor:
+        """The hidden state [M, n_embd] after the context's layers [first, last) (-1: to its last) of rows ``x``
+        at positions pos..: token ids int64 [M] (embedded) or the hidden state float32 [M, n_embd] entering layer
+        ``first``.  Their K/V land in the bound cache."""
+        out = torch.empty(x.shape[0], self.ctx.n_embd)
+        ops._C.decode_steps(self.ctx, x, pos, out, True, first, last, False)
+        return out
+
+    def head(self, x: torch.Tensor, pos: int, all_logits: bool = True) -> tuple[torch.Tensor, list[int]]:
+        """(logits, each row's argmax) after the context's last layer, from rows ``x`` as ``hidden`` takes them: the
+        context's head on the hidden state its other layers' side left (no layer runs where it holds none)."""
+        out = torch.empty(x.shape[0] if all_logits else 1, self.n_vocab)
+        return out, ops._C.decode_steps(self.ctx, x, pos, out, all_logits, self.ctx.n_layer, -1, True)
+
+    @staticmethod
+    def batch(steps: list["CpuDecodeStep"], x: torch.Tensor, positions: list[int], head: bool
+              ) -> tuple[torch.Tensor, list[int]]:
+        """Row b of ``x`` (a token id or a hidden state, as ``hidden`` takes them) through steps[b]'s context at
+        positions[b], every context built over the same run of one model's layers, in one decode_batch pass:
+        (the hidden state [B, n_embd] after their layers, []), or with ``head`` (the head's logits after the last
+        layer, each row's argmax).  Contexts without layers store no rows: their pass is one context's rows."""
+        ctx0 = steps[0].ctx
+        first = ctx0.n_layer if head else 0
+        out = torch.empty(x.shape[0], steps[0].n_vocab if head else ctx0.n_embd)
+        if ctx0.n_layer == 0:
+            return out, ops._C.decode_steps(ctx0, x, 0, out, True, 0, -1, head)
+        tops = ops._C.decode_batch([s.ctx for s in steps], x, torch.tensor(positions, dtype=torch.int64), out,
+                                   first, -1, head)
+        return out, tops
+
 
 def _paged(part) -> dict:
     """A paged part's block table for DecodeCachePart (the step reads the live table), or nothing."""
@@ -94,16 +127,21 @@ def _paged(part) -> dict:
     return {} if table is None else {"block_table": table, "block_rows": part.block_rows}
 
 
-def _add_lora(ctx, model) -> None:
-    """The model's LoRA terms (Decoder.attach_lora) into the step, which adds each after its matrix's GEMV
-    (csrc/cpu/decode_step.cpp); KeyError for a term on a matrix the step does not run."""
+def _add_lora(ctx, model, layers: range, ends: bool) -> None:
+    """The model's LoRA terms (Decoder.attach_lora) into the step over ``layers`` (and the embedding and head where
+    ``ends``), which adds each after its matrix's GEMV (csrc/cpu/decode_step.cpp); terms of the other layers are
+    the other side's (a split model); KeyError for a term on a matrix the step does not run."""
     terms = getattr(model, "lora_terms", None)
     if not terms:
         return
-    n_layer = model.cfg.n_layer
-    slots = {f"blk.{i}.{n}.weight": 7 * i + j for i in range(n_layer) for j, n in enumerate(LAYER_MATRICES)}
-    slots.update({"output.weight": 7 * n_layer, "token_embd.weight": 7 * n_layer + 1})
+    n = len(layers)
+    slots = {f"blk.{i}.{m}.weight": 7 * k + j for k, i in enumerate(layers) for j, m in enumerate(LAYER_MATRICES)}
+    if ends:
+        slots.update({"output.weight": 7 * n, "token_embd.weight": 7 * n + 1})
     for name, t in terms.items():
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else None
+        if (layer not in layers) if layer is not None else not ends:
+            continue
         ctx.set_lora(slots[name], t.a, t.bt)
 
 
@@ -113,7 +151,7 @@ class CpuBackend:
 
     def __init__(self, n_threads: int | None = None, decode_copies: bool = True):
         """``decode_copies`` False: no interleaved copies of the weights, for a backend whose layers never run the
-        C++ step (one side of a split model, backends/split.py)."""
+        C++ step."""
         if n_threads:
             ops.set_num_threads(n_threads)
         self.decode_copies = decode_copies
@@ -257,11 +295,21 @@ class CpuBackend:
         (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the
         step does not take, or an architecture field it does not compute (ArchSpec.fused_step_gaps: gpt-oss's sinks,
         biases, activation and routing run in the torch forward)."""
-        if self.linear is not ops.qmatmul or not hasattr(kv, "storage_layout"):
+        return self.fused_part(model, kv, range(model.spec.n_layer), True)
+
+    def fused_part(self, model, kv, layers: range, ends: bool, max_seq: int = 0) -> CpuDecodeStep | None:
+        """fused_decode over a run of the model's ``layers`` (one side of a split model, backends/split.py): a
+        context holding their weights, ``kv`` a cache of theirs alone (None where the run is empty: then
+        ``max_seq`` is the positions the model's other caches hold), and the token embedding and output head
+        where ``ends``.  Its ``hidden`` and ``head`` run the parts; None where fused_decode's would be."""
+        if self.linear is not ops.qmatmul or (kv is not None and not hasattr(kv, "storage_layout")):
             return None
         if getattr(getattr(model, "spec", None), "fused_step_gaps", tuple)():
             return None
-        k, v = kv.storage_layout()
+        if kv is None:  # no layers, no rows: empty parts, as long as the other sides' caches
+            k = v = _NoRows(torch.empty(0, model.spec.n_kv_head, max_seq, model.spec.head_dim, dtype=torch.float16))
+        else:
+            k, v = kv.storage_layout()
         if k.block not in KV_TYPE_IDS or v.block not in KV_TYPE_IDS or k.data.device.type != "cpu":
             return None
         spec, w, vec = model.spec, model.w, model.vec
@@ -273,33 +321,44 @@ class CpuBackend:
                 # The stacked experts as [n_expert * rows, row_bytes] (expert e's rows the e-th slice), in their file
                 # form: a rows-by-8 copy would double the largest tensors; the router and shared expert likewise.
                 packed = []
-                for i in range(spec.n_layer):
+                for i in layers:
                     for n in LAYER_MATRICES:
                         t = w[f"blk.{i}.{n}{'_exps' if n.startswith('ffn_') else ''}.weight"]
                         packed.append(self.decode_matrix(t) if t.data.dim() == 2 else
                                       (t.data.reshape(-1, t.data.shape[-1]), int(t.qtype)))
                     moe += [w[f"blk.{i}.{n}.weight"] for n in moe_names[:4 if spec.n_ff_shexp else 1]]
             else:
-                packed = [self.decode_matrix(w[f"blk.{i}.{n}.weight"]) for i in range(spec.n_layer)
-                          for n in LAYER_MATRICES]
-            out_data, out_type = self.decode_matrix(model.output)
-            vectors = {name: [vec[f"blk.{i}.{tensor}"].float().contiguous() for i in range(spec.n_layer)]
+                packed = [self.decode_matrix(w[f"blk.{i}.{n}.weight"]) for i in layers for n in LAYER_MATRICES]
+            out_data, out_type = self.decode_matrix(model.output) if ends else (None, 0)
+            vectors = {name: [vec[f"blk.{i}.{tensor}"].float().contiguous() for i in layers]
                        for name, tensor in small.items()}
+            embd = w["token_embd.weight"]
             ctx = ops._C.DecodeContext(
-                decode_arch(ops._C, spec, model.layer_rope), [d for d, _ in packed], [t for _, t in packed],
-                vectors, w["token_embd.weight"].data, int(w["token_embd.weight"].qtype), out_data, out_type,
-                vec["output_norm.weight"].float().contiguous(),
-                [(c.contiguous(), s.contiguous()) for c, s in model.rope_tables],
+                decode_arch(ops._C, spec, model.layer_rope, layers), [d for d, _ in packed], [t for _, t in packed],
+                vectors, embd.data if ends else None, int(embd.qtype), out_data, out_type,
+                vec["output_norm.weight"].float().contiguous() if ends else None,
+                # the tables the run's layers use (a DecodeArch counts them from its layers' entries)
+                [(c.contiguous(), s.contiguous())
+                 for c, s in model.rope_tables[:1 + max((model.layer_rope[i] for i in layers), default=0)]],
                 ops._C.DecodeCachePart(k.data, KV_TYPE_IDS[k.block], mu=k.mu,
                                        rot=None if k.rot is None else k.rot.contiguous(), scale=k.scale, sink=k.sink,
                                        **_paged(k)),
                 ops._C.DecodeCachePart(v.data, KV_TYPE_IDS[v.block], mu=v.mu,
                                        rot=None if v.rot is None else v.rot.contiguous(), sink=v.sink, **_paged(v)),
                 **(dict(moe_weights=[t.data for t in moe], moe_qtypes=[int(t.qtype) for t in moe]) if moe else {}))
-            _add_lora(ctx, model)
+            _add_lora(ctx, model, layers, ends)
         except (NotImplementedError, AttributeError, ValueError, TypeError, KeyError):
             # No extension, a GGML type the CPU kernels lack, or a layout the step does not take (LoRA terms on a
             # matrix outside it, an extension without set_lora): torch path.
             return None
-        types = [t for _, t in packed] + [out_type] + [int(t.qtype) for t in moe]
+        types = [t for _, t in packed] + ([out_type] if ends else []) + [int(t.qtype) for t in moe]
         return CpuDecodeStep(ctx, rows_exact=all(t in EXACT_ROW_TYPES for t in types))
+
+
+class _NoRows:
+    """The K or V part of a run of no layers, as KVCache.storage_layout describes a part: f16 rows, none stored."""
+
+    block, mu, rot, scale, sink = "f16", None, None, None, None
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data

@@ -357,6 +357,14 @@ class CudaBackend:
         why = fused_decode_problem(model, kv)
         return None if why else CudaDecodeStep(self, model, kv)
 
+    def fused_part(self, model, kv, layers: range, ends: bool, max_seq: int = 0) -> "CudaDecodeStep | None":
+        """The captured step over a run of the model's ``layers`` (the GPU side of a split model, backends/split.py),
+        ``kv`` a cache of theirs alone; its ``hidden`` takes and returns the hidden state on the CPU.  None where
+        fused_decode's would be, and for the embedding and head (``ends``: the CPU side holds them)."""
+        if ends or kv is None or fused_decode_problem(model, kv):
+            return None
+        return CudaDecodeStep(self, model, kv, layers)
+
 
 def fused_decode_problem(model, kv) -> str | None:
     """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
@@ -497,7 +505,9 @@ class GraphPolicy:
 class CudaDecodeStep:
     """One token through the model on the GPU, bound to one KV cache; see the module docstring."""
 
-    def __init__(self, backend: CudaBackend, model, kv):
+    def __init__(self, backend: CudaBackend, model, kv, layers: range | None = None):
+        """``layers``: a run of the model's layers (a split model's GPU side, ``kv`` holding theirs alone): the step
+        then enters with a hidden state and leaves one (``hidden``), no embedding, no head."""
         self.b, self.K, self.kv = backend, backend.K, kv
         cfg = model.cfg
         self.cfg, self.w, self.vec, self.out_w = cfg, model.w, model.vec, model.output
@@ -511,17 +521,21 @@ class CudaDecodeStep:
         dev = backend.device
         self.tables = [(c.to(dev).contiguous(), s.to(dev).contiguous()) for c, s in model.rope_tables]
         n = cfg.n_layer
+        self.layers = range(n) if layers is None else layers
+        self.whole = layers is None  # embedding to logits; else a run's hidden state in and out
         self.layer_rope = list(model.layer_rope)
         self.layer_window = [layer.window for layer in spec.layers]
         self.scale = spec.attn_scale
         k_lay, v_lay = kv.storage_layout()
         self.k_dtype = k_lay.data.dtype
         self.v_dtype = v_lay.data.dtype
-        self.parts = [(attn_part(k_lay, i), attn_part(v_lay, i)) for i in range(n)]
+        # by the model's layer number; the cache's own layers are numbered from 0
+        self.parts = {i: (attn_part(k_lay, j), attn_part(v_lay, j)) for j, i in enumerate(self.layers)}
         self.group = cfg.n_head // cfg.n_kv_head
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.len = torch.ones(1, dtype=torch.int32, device=dev)
+        self.x_in = torch.zeros(1, cfg.n_embd, dtype=torch.float32, device=dev)  # a run's entering hidden state
         self.policy = GraphPolicy()
         self.graph = None
         self.g_logits = self.g_top = None
@@ -529,7 +543,7 @@ class CudaDecodeStep:
         if self.row_kernels_problem is None:
             self.buf = StepBuffers(cfg, model.w["blk.0.ffn_gate.weight"].shape[0], self.n_vocab, dev)
             # Layers whose new K/V rows one kernel writes: plain float rows with no storage transform or sink row.
-            self.store_kernel = [all(_plain_float(part) for part in pair) for pair in self.parts]
+            self.store_kernel = {i: all(_plain_float(part) for part in pair) for i, pair in self.parts.items()}
 
     # -- the step's math (device tensors only: capturable) --------------------------------------------------
     def _body(self, first: bool) -> torch.Tensor:
@@ -590,12 +604,15 @@ class CudaDecodeStep:
         cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
-        B.x.copy_(self._embed())
-        if self.embd_scale:
-            B.x.mul_(self.embd_scale)
+        if not self.whole:
+            B.x.copy_(self.x_in)
+        else:
+            B.x.copy_(self._embed())
+            if self.embd_scale:
+                B.x.mul_(self.embd_scale)
         branch, post = None, None  # the block output not yet added to x, and its post-norm weights
         neox = cfg.rope_style == "neox"
-        for i in range(cfg.n_layer):
+        for i in self.layers:
             p = f"blk.{i}."
             K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "attn_norm.weight"], eps, B.h, B.hq, B.hds)
             hc = (B.hq, B.hds)
@@ -623,6 +640,9 @@ class CudaDecodeStep:
             branch = self._lora(p + "ffn_down.weight", B.f, self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds),
                                                                         B.m))
             post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None
+        if not self.whole:  # the last block's output into x by the same kernel (its norm of x goes unused)
+            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)
+            return B.x
         qt = self.b.gemv_qtype(self.out_w)
         if qt is None:
             K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.hq, B.hds)
@@ -693,10 +713,10 @@ class CudaDecodeStep:
         cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self._linear
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
-        x = self._embed()  # [1, D]
-        if self.embd_scale:
+        x = self._embed() if self.whole else self.x_in  # [1, D]
+        if self.embd_scale and self.whole:
             x = x * self.embd_scale
-        for i in range(cfg.n_layer):
+        for i in self.layers:
             p = f"blk.{i}."
             h = _rms_norm(x, vec[p + "attn_norm.weight"], eps)
             q, k, v = lin(h, w[p + "attn_q.weight"]), lin(h, w[p + "attn_k.weight"]), lin(h, w[p + "attn_v.weight"])
@@ -709,6 +729,8 @@ class CudaDecodeStep:
                 torch.nn.functional.silu(g)
             m = lin(act * u, w[p + "ffn_down.weight"])
             x = x + (_rms_norm(m, vec[p + "post_ffw_norm.weight"], eps) if self.post_norms else m)
+        if not self.whole:
+            return x
         x = _rms_norm(x, vec["output_norm.weight"], eps)
         logits = self._linear(x, self.out_w, output=True)
         if self.final_softcap:
@@ -726,7 +748,7 @@ class CudaDecodeStep:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             self.g_logits = self._body(False)
-            self.g_top = argmax_or_minus1(self.g_logits)
+            self.g_top = argmax_or_minus1(self.g_logits) if self.whole else None
         self.graph = g
 
     def _step(self, token: int, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -743,7 +765,7 @@ class CudaDecodeStep:
                 self.policy.record(action, e)
                 print(f"pyllm: CUDA graph capture failed, decoding without it ({e})", file=sys.stderr)
                 logits = self._body(False)
-                return logits, argmax_or_minus1(logits)
+                return logits, argmax_or_minus1(logits) if self.whole else None
             self.policy.record(action)
             action = "replay"
         if action == "replay":
@@ -752,7 +774,17 @@ class CudaDecodeStep:
             return self.g_logits, self.g_top
         self.policy.record(action)
         logits = self._body(pos == 0)
-        return logits, argmax_or_minus1(logits)
+        return logits, argmax_or_minus1(logits) if self.whole else None
+
+    def hidden(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """A run's step (``layers``): the hidden state float32 [M, n_embd] on the CPU after its layers, from rows
+        ``x`` (the same shape, entering its first layer) at positions pos..pos+M-1, one row at a time (a row reads
+        only the rows before it); their K/V land in the bound cache."""
+        out = torch.empty_like(x)
+        for r in range(x.shape[0]):
+            self.x_in.copy_(x[r:r + 1])
+            out[r:r + 1].copy_(self._step(0, pos + r)[0])
+        return out
 
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         """Logits [1, n_vocab] float32 on the CPU for ``token`` at ``pos``; its K/V land in the bound cache."""

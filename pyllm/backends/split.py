@@ -13,10 +13,12 @@ prepared them and its norms, rope and attention with that side's kernels.  Nothi
 without a GPU the same code runs with the reference backend (or a second fast backend) standing in for the GPU
 (PYLLM_GPU_STANDIN, a testing aid), which is how the tests hold it.
 
-No fused step runs a split model: the C++ step and the CUDA graph each run a whole model, embedding to logits,
-so every token goes through the torch forward, each side's matrices through its own kernels (the CPU side's
-dequantize-in-GEMV at decode, as the C++ step reads them; the GPU side's GEMV kernels).  What that costs is the
-torch forward's per-operation overhead (docs/DESIGN.md, "Layers on two devices").
+Decode rows run fused where both sides have a step over a run of layers (``fused_part``: the CPU's C++ step
+today): the CPU side embeds the tokens and runs its layers, the GPU side its layers, the CPU side the output head,
+the hidden state crossing each boundary once (SplitDecodeStep).  Each side's step is the whole model's loop over
+fewer layers, so with two fast backends the split gives the whole fast model's logits and KV rows bit for bit.
+Prompts (and a side without such a step) go through the model's torch forward, each side's matrices through its
+own kernels (docs/DESIGN.md, "Layers on two devices").
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import torch
 from ..errors import PyllmError, shorten
 
 STANDIN_VARIABLE = "PYLLM_GPU_STANDIN"
+STANDIN_FREE_VARIABLE = "PYLLM_GPU_STANDIN_FREE"
 STANDINS = ("reference", "fast")
+_SIZE = re.compile(r"(\d+)\s*([kmg]?)(?:i?b)?", re.I)
 _LAYER = re.compile(r"blk\.(\d+)\.")
 
 
@@ -73,6 +77,29 @@ def standin() -> str | None:
     return name or None
 
 
+def standin_backend(name: str):
+    """The CPU backend ``name`` standing in for the GPU: --device auto then places layers on it as on a GPU, with
+    standin_free() as its free memory."""
+    b = cpu_backend(name)
+    b.stands_in_for_gpu = True
+    return b
+
+
+def standin_free() -> int:
+    """The stand-in GPU's free memory in bytes: PYLLM_GPU_STANDIN_FREE ("512M", "2G", "2GiB" or a byte count, K/M/G
+    binary), else what the host has available; PyllmError naming a value that is none of those."""
+    text = os.environ.get(STANDIN_FREE_VARIABLE, "").strip()
+    if not text:
+        from .cpu import available_memory
+
+        return available_memory() or 0
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise PyllmError(f"{STANDIN_FREE_VARIABLE} must be a size such as 512M, 2G or a byte count, got "
+                         f"{shorten(repr(text))}")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
 def gpu_problem(device: str = "cuda") -> str | None:
     """Why no layer can go to a GPU here, in one line, or None where one can (or a stand-in is set).  Cheap: what
     torch sees; the CUDA backend's own start may still fail later, naming its reason."""
@@ -85,13 +112,12 @@ def gpu_problem(device: str = "cuda") -> str | None:
     return None
 
 
-def cpu_backend(kernels: str, n_threads: int | None = None, decode_copies: bool = False):
-    """A CPU backend of ``kernels`` ("fast" or "reference"); the fast one without the C++ step's interleaved copies
-    of the weights unless ``decode_copies`` (no fused step runs a split model's layers)."""
+def cpu_backend(kernels: str, n_threads: int | None = None):
+    """A CPU backend of ``kernels`` ("fast" or "reference")."""
     if kernels == "fast":
         from .cpu import CpuBackend
 
-        return CpuBackend(n_threads=n_threads, decode_copies=decode_copies)
+        return CpuBackend(n_threads=n_threads)
     from .reference import ReferenceBackend
 
     return ReferenceBackend()
@@ -148,24 +174,26 @@ def place(backend, cfg, weights: dict, *, device: str, kernels: str, n_threads: 
     n_layer = cfg.n_layer
     n = gpu_layers
     if n is None:
-        if device != "auto" or backend.name != "cuda":
+        stand_in = getattr(backend, "stands_in_for_gpu", False)
+        if device != "auto" or (backend.name != "cuda" and not stand_in):
             return backend
         from ..runtime.kv_cache import KVCache, check_kind
 
         check_kind(kv_cache, cfg.head_dim)
         kv_layer = int(KVCache.bytes_per_token(1, cfg.n_kv_head, cfg.head_dim, kv_cache) * (n_ctx or cfg.n_ctx_train))
         layer_bytes, other = model_bytes(weights, n_layer)
-        free, _ = torch.cuda.mem_get_info(backend.device)
+        free = standin_free() if stand_in else torch.cuda.mem_get_info(backend.device)[0]
         n = fit_gpu_layers(free, layer_bytes, other, kv_layer)
         if n > n_layer:
             return backend
         if not quiet:
             need = sum(layer_bytes) + other + n_layer * kv_layer
-            where = "every layer on the CPU" if n == 0 else placement_phrase(n_layer, n, "cuda", "cpu")
+            gpu = f"cpu ({backend.name}, standing in for the GPU)" if stand_in else "cuda"
+            where = "every layer on the CPU" if n == 0 else placement_phrase(n_layer, n, gpu, "cpu")
             print(f"pyllm: the model and its KV cache need {need / 2**30:.2f} GiB but the GPU has {free / 2**30:.2f} "
                   f"GiB free: {where} (--gpu-layers {n}; --gpu-layers chooses another split)", file=sys.stderr)
         if n == 0:
-            return cpu_backend(kernels, n_threads, decode_copies=True)
+            return cpu_backend(kernels, n_threads)
     if n == 0 or n < 0 or n > n_layer:  # the CPU alone, or the whole model on the GPU side
         return backend
     return SplitBackend(cpu_backend(kernels, n_threads), backend, n_layer, n)
@@ -290,16 +318,82 @@ class SplitBackend:
                else None)
         return SplitKVCache(low, self.high.make_kv_cache(kind, self.n_high, n_kv_head, max_seq, head_dim))
 
-    def fused_decode(self, model, kv):
-        """None: each fused step runs a whole model (see the module docstring), so the torch forward runs."""
-        return None
+    def fused_decode(self, model, kv) -> "SplitDecodeStep | None":
+        """Each side's step over its layers (``fused_part``) chained, or None where a side has none for them (the
+        reference backend; then the torch forward runs)."""
+        if not isinstance(kv, SplitKVCache):
+            return None
+        parts = []
+        for side, cache, layers, ends in ((self.low, kv.low, range(self.first_high), True),
+                                          (self.high, kv.high, range(self.first_high, self.n_layer), False)):
+            part = getattr(side, "fused_part", None)
+            step = None if part is None else part(model, cache, layers, ends, max_seq=kv.max_seq)
+            if step is None:
+                return None
+            parts.append(step)
+        return SplitDecodeStep(*parts)
 
     def step(self, model, seqs: list):
-        """The multi-sequence step (base.py): each sequence in turn through the model's forward, every layer on its
-        side (no fused step to batch)."""
-        from .base import step_each
+        """The multi-sequence step (base.py): the single decode tokens of several sequences whose split steps batch
+        (both sides CPU steps) in one pass per side, up to GEMV_MAX_M rows, each row bit for bit its sequence's
+        one-token step; other decode rows through their sequence's fused step, prompts through the forward."""
+        from .. import ops
+        from .base import StepRows, check_seqs, step_one
 
-        return step_each(model, seqs, max_rows=0)
+        check_seqs(seqs)
+        out = [None] * len(seqs)
+        if len(seqs) > 1 and model.use_cpp_decode:
+            steps = {i: model.fused_step(s.kv) for i, s in enumerate(seqs) if len(s.tokens) == 1 and not s.prefill}
+            group = [i for i, st in steps.items() if isinstance(st, SplitDecodeStep) and st.batches]
+            for start in range(0, len(group), ops.GEMV_MAX_M):
+                rows = group[start:start + ops.GEMV_MAX_M]
+                if len(rows) < 2:
+                    continue
+                for i in rows:
+                    seqs[i].kv.check_room(seqs[i].pos, 1)
+                logits, tops = SplitDecodeStep.batch([steps[i] for i in rows], [seqs[i].tokens[0] for i in rows],
+                                                     [seqs[i].pos for i in rows])
+                for r, (i, top) in enumerate(zip(rows, tops)):
+                    out[i] = StepRows(logits[r:r + 1], [top])
+        return [o if o is not None else step_one(model, s, ops.GEMV_MAX_M) for o, s in zip(out, seqs)]
+
+
+class SplitDecodeStep:
+    """A split model's fused decode rows (base.py DecodeStep, with ``rows``): the low side's step embeds the tokens
+    and runs layers [0, first_high), the high side's the rest, the low side's head turns the hidden state into
+    logits; each side's ``hidden`` / ``head`` take and return CPU tensors, so the hidden state crosses each boundary
+    once per pass.  ``rows_exact`` where both sides' are."""
+
+    def __init__(self, low, high):
+        self.low, self.high = low, high
+        self.n_vocab = low.n_vocab
+        self.rows_exact = bool(getattr(low, "rows_exact", False) and getattr(high, "rows_exact", False))
+        self.batches = hasattr(low, "batch") and hasattr(high, "batch")  # several sequences' rows in one pass
+
+    @staticmethod
+    def batch(steps: list["SplitDecodeStep"], tokens: list[int], positions: list[int]
+              ) -> tuple[torch.Tensor, list[int]]:
+        """(logits [B, n_vocab], each row's argmax) of tokens[b] at positions[b] through steps[b] (steps of one
+        model over caches of their own, ``batches``): one pass per side, as the whole model's decode_batch."""
+        lows, highs = [s.low for s in steps], [s.high for s in steps]
+        x, _ = lows[0].batch(lows, torch.tensor(tokens, dtype=torch.int64), positions, False)
+        x, _ = highs[0].batch(highs, x, positions, False)
+        return lows[0].batch(lows, x, positions, True)
+
+    def rows_with_argmax(self, tokens: torch.Tensor, pos: int, all_logits: bool = True
+                         ) -> tuple[torch.Tensor, list[int]]:
+        x = self.high.hidden(self.low.hidden(tokens, pos), pos)
+        return self.low.head(x, pos, all_logits)
+
+    def rows(self, tokens: torch.Tensor, pos: int, all_logits: bool = True) -> torch.Tensor:
+        return self.rows_with_argmax(tokens, pos, all_logits)[0]
+
+    def with_argmax(self, token: int, pos: int) -> tuple[torch.Tensor, int]:
+        logits, top = self.rows_with_argmax(torch.tensor([token], dtype=torch.int64), pos)
+        return logits[0], top[0]
+
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        return self.with_argmax(token, pos)[0].view(1, -1)
 
 
 class SplitKVCache:

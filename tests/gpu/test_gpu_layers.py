@@ -2,8 +2,9 @@
 
 Models: tests/tiny_models.py's random checkpoints (Qwen3 and Mistral with 2 layers, Gemma 3 with 6, local and
 global), Q4_K_M.  References and tolerances, as tests/gpu/test_e2e.py's for the whole model on CUDA:
-- logits after a prompt and over teacher-forced decode steps: mean KL from the float32 reference within 1e-3 or
-  1.25x the CPU backend's own;
+- logits after a prompt and over teacher-forced decode steps, through the forward and through the split's fused step
+  (the CPU's C++ step over its layers and head, the CUDA step over the GPU's layers, graph-captured): mean KL from
+  the float32 reference within 1e-3 or 1.25x the CPU backend's own;
 - greedy tokens equal to the CPU backend's except after a near-tie (top-2 gap below 1% of the logits' spread);
 - each layer's weights and KV rows on its side's device; --device auto with a made-up free memory picks the split
   fit_gpu_layers gives (tests/test_gpu_layers.py holds the function itself).
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 import pyllm
-from pyllm.backends.split import SplitBackend, SplitKVCache
+from pyllm.backends.cuda import CudaDecodeStep
+from pyllm.backends.split import SplitBackend, SplitDecodeStep, SplitKVCache
 from tiny_models import gguf_path
 
 from .test_e2e import PROMPT, cache_logits, check_as_accurate_as_cpu
@@ -48,6 +50,21 @@ def test_half_the_layers_on_cuda_match_the_cpu(arch):
             break
     flt = cache_logits(pyllm.load(path, device="cpu", kernels="reference", n_ctx=128), "f16", tokens, len(PROMPT))
     check_as_accurate_as_cpu(flt, ref, cache_logits(split, "f16", tokens, len(PROMPT)), f"{arch} split")
+    fused, step = fused_logits(split, tokens, len(PROMPT))
+    assert isinstance(step, SplitDecodeStep) and isinstance(step.high, CudaDecodeStep)
+    assert step.high.row_kernels_problem is None and step.high.policy.captured, "the CUDA part ran without its graph"
+    check_as_accurate_as_cpu(flt, ref, fused, f"{arch} split, fused step")
+
+
+def fused_logits(llm, tokens: list[int], n_prompt: int):
+    """cache_logits with the decode positions through the model's fused step (and that step)."""
+    m = llm.model
+    kv = m.backend.make_kv_cache("f16", m.cfg.n_layer, m.cfg.n_kv_head, 128, m.cfg.head_dim)
+    out = [m.forward(torch.tensor(tokens[:n_prompt]), 0, kv)[-1]]
+    step = m.fused_step(kv)
+    for pos in range(n_prompt, len(tokens)):
+        out.append(step.with_argmax(tokens[pos], pos)[0])
+    return out, step
 
 
 def test_auto_splits_a_model_larger_than_free_memory(monkeypatch, capsys):
