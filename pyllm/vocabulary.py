@@ -53,7 +53,8 @@ _QWEN2_RE = (
 # tokenizer.ggml.pre -> (regexes applied in turn, each isolating its matches; ignore_merges)
 _PRE_SPLITS: dict[str, tuple[tuple[str, ...], bool]] = {
     "default": ((r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"), False),
-    "gpt2": ((_GPT2_RE,), False),
+    "gpt-2": ((_GPT2_RE,), False),
+    "gpt2": ((_GPT2_RE,), False),  # what pyllm's converter wrote before it used llama.cpp's name
     "mpt": ((_GPT2_RE,), False),
     "olmo": ((_GPT2_RE,), False),
     "jais": ((_GPT2_RE,), False),

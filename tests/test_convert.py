@@ -74,7 +74,7 @@ def test_cli_convert_writes_a_loadable_gguf(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(out)
     gf = open_gguf(out)
     assert gf.metadata["general.architecture"] == "qwen3"
-    assert gf.metadata["general.file_type"] == 7 and gf.metadata["tokenizer.ggml.pre"] == "gpt2"
+    assert gf.metadata["general.file_type"] == 7 and gf.metadata["tokenizer.ggml.pre"] == "gpt-2"  # llama.cpp's name
     assert gf.tensors["blk.0.attn_q.weight"].ggml_type == GGMLType.Q8_0
     assert gf.tensors["blk.0.attn_q_norm.weight"].ggml_type == GGMLType.F32
     assert "output.weight" not in gf.tensors  # tied embedding

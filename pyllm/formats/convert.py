@@ -211,7 +211,7 @@ def _pretokenizer_name(tj: dict) -> str:
     if "[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?\\\\p{L}+|\\\\p{N}|" in text or "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|" in text:
         return "qwen2"
     if len(parts) == 1 and parts[0].get("type") == "ByteLevel" and parts[0].get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (llama-vocab.cpp): it refuses "gpt2" as an unknown pre-tokenizer
     raise ConvertError(f"unrecognised pre-tokenizer in tokenizer.json: {text[:200]}")
 
 
