@@ -18,6 +18,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from pyllm.backends import cuda as cb
 from pyllm.backends.base import BackendUnavailable
@@ -220,17 +221,26 @@ def shadow_codes_value(monkeypatch):
     TorchKernels.shadow.clear()
 
 
+def _load_on_fake_cuda(monkeypatch, path, **kw):
+    """pyllm.load on FakeCudaBackend (the CUDA backend's logic, torch kernels on the CPU): the step's torch body is
+    the model's own forward, so the model must run on the backend whose step it is."""
+    import pyllm
+    from pyllm import backends
+
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    return pyllm.load(str(path), device="cpu", **kw)
+
+
 @needs_seam
 @pytest.mark.parametrize("body", ["row kernels", "torch"])
 @pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot", "f16/q8_rot", "bf16/q4_0", "f32"])
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma3", "smollm3"])
-def test_step_matches_model_torch_path(arch, kind, body):
-    import pyllm
+def test_step_matches_model_torch_path(arch, kind, body, monkeypatch):
     from tiny_models import gguf_path
 
-    llm = pyllm.load(str(gguf_path(arch, "q8_0")), kernels="reference", n_ctx=64, kv_cache="f32")
+    llm = _load_on_fake_cuda(monkeypatch, gguf_path(arch, "q8_0"), n_ctx=64, kv_cache="f32")
     model = llm.model
-    backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))
+    backend = model.backend
     prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
     ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, kind)
                   for _ in range(2))
@@ -267,6 +277,72 @@ def test_step_matches_model_torch_path(arch, kind, body):
     assert not math.isnan(err)
     if body == "row kernels":  # Q8_0 everywhere: q/k/v in one launch, gate/up in one
         assert sorted(set(backend.K.parts_calls)) == [2, 3]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor calls that read a value back to the host: on a GPU each one waits for the device, and a
+    CUDA graph can capture none of them."""
+
+    READS = frozenset(["__bool__", "item", "__int__", "__float__", "__index__", "tolist", "numpy", "cpu"])
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@needs_seam
+@pytest.mark.parametrize("arch,kind", [("qwen3", "f16"), ("gemma3", "q8_0"), ("smollm3", "q4_rot"),
+                                       ("qwen3", "bf16/q4_0")])
+def test_forward_with_held_positions(arch, kind):
+    """models/transformer.py forward_rows with the position in a device tensor (what the CUDA step captures in a
+    graph): it reads nothing back to the host, and its logits are the host-position forward's (reference: the
+    forward with an int position, teacher-forced from the same cache; tolerance as
+    test_step_matches_model_torch_path's: the held form attends over the whole cache under a mask, which sums in
+    another order, and a quantized cache may round one of those values to the next code)."""
+    import pyllm
+    from tiny_models import gguf_path
+
+    llm = pyllm.load(str(gguf_path(arch, "q8_0")), kernels="reference", n_ctx=64, kv_cache="f32")
+    model = llm.model
+    # an embedding that reads nothing back, as the CUDA kernel's (the reference backend's rows() checks the ids)
+    tables = {}
+
+    def embed(w, ids, check_ids=True):
+        if id(w) not in tables:
+            tables[id(w)] = w.dequantize(torch.float32)
+        return tables[id(w)].index_select(0, ids)
+
+    model.embed = embed
+    prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
+    ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, kind)
+                  for _ in range(2))
+    bound = 5e-4 if kind == "f16" else 1e-3
+    tok, pos = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        model.forward_rows(prompt, 0, ref_kv)
+        for i, t in enumerate([12, 200, 64, 3, 77, 150]):  # past the sliding window (8) of gemma3
+            at = prompt.numel() + i
+            _restore(kv, _snapshot(ref_kv))
+            with HostReads() as host:  # forward reads the token as an int (to offer it to a fused step)
+                want = model.forward(torch.tensor([t]), at, ref_kv)
+            assert "__int__" in host.calls, "the counter sees nothing: the check below would prove nothing"
+            tok.fill_(t)
+            pos.fill_(at)
+            with HostReads() as held:
+                got = model.forward_rows(tok, pos, kv)
+            assert held.calls == [], f"the held-position forward read {held.calls} back to the host"
+            err = ((got - want).norm() / want.norm()).item()
+            assert err <= bound, f"{arch} {kind} pos {at}: relative error {err:.3g}"
+            k_want, v_want = ref_kv.view(model.cfg.n_layer - 1, at + 1)
+            k_got, v_got = kv.view(model.cfg.n_layer - 1, at + 1)
+            assert torch.allclose(k_got, k_want, rtol=1e-2, atol=1e-2) and torch.allclose(v_got, v_want, rtol=1e-2,
+                                                                                           atol=1e-2)
+    llm.close()
 
 
 class CodeKernels:
@@ -436,19 +512,18 @@ def _adapter_for(arch: str, path, tmp_path) -> str:
 @needs_seam
 @pytest.mark.parametrize("body", ["row kernels", "torch"])
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
-def test_step_adds_lora_terms(arch, body, tmp_path):
+def test_step_adds_lora_terms(arch, body, tmp_path, monkeypatch):
     """LoRA adapters (pyllm/lora.py) in the step, both bodies: its logits equal the model's own torch forward with
     the same adapters (Decoder.attach_lora's hook, which tests/test_lora.py ties to the adapters merged into the
     weights); tolerance as test_step_matches_model_torch_path's."""
-    import pyllm
     from tiny_models import gguf_path
 
     path = gguf_path(arch, "q8_0")
     adapter = _adapter_for(arch, path, tmp_path)
-    llm = pyllm.load(str(path), kernels="reference", n_ctx=64, kv_cache="f32", lora=[(adapter, 0.7)])
+    llm = _load_on_fake_cuda(monkeypatch, path, n_ctx=64, kv_cache="f32", lora=[(adapter, 0.7)])
     model = llm.model
     assert model.lora_terms
-    backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))
+    backend = model.backend
     prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
     ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, "f16")
                   for _ in range(2))
@@ -465,6 +540,8 @@ def test_step_adds_lora_terms(arch, body, tmp_path):
         err = ((step(tok, pos) - want).norm() / want.norm()).item()
         assert err <= 5e-4, f"{arch} {body} pos {pos}: relative error {err:.3g}"
     llm.close()
+    if body == "torch":  # the model's own forward: its hook is the model's (tests/test_lora.py)
+        return
     # without the terms the step is far from the adapted forward: the terms are what the comparison measures
     step.lora, step.lora_names = {}, {}
     want = model.forward(torch.tensor([5]), pos + 1, ref_kv)

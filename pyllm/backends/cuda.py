@@ -12,8 +12,9 @@ Paths, as the physics dictates:
 - decode attention: csrc/cuda/attention.cu over the cache's stored rows (the CPU step's semantics: storage basis,
   exact sink row, sliding window); prefill attention: the model's torch path (SDPA) over the cache.
 
-The fused step (``CudaDecodeStep``) is the CPU step's decoder (csrc/cpu/decode_step.cpp) in torch ops on device
-tensors: token and position live in device buffers, so one captured graph serves every position.  Logits come
+The fused step (``CudaDecodeStep``) runs csrc/cuda/step.cu's row kernels between the GEMVs, or, for a model they
+do not take, the model's own torch forward (models/transformer.py forward_rows) with the position held on the
+device: token and position live in device buffers, so one captured graph serves every position.  Logits come
 back as float32 CPU tensors, so the runtime's sampler chain, stop strings, prefix reuse and Ctrl-C are the CPU's.
 """
 
@@ -193,6 +194,51 @@ def encode_rows(block: str, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.cat((d.unsqueeze(-1).view(torch.uint8), c.view(torch.uint8)), -1).reshape(hkv, -1)
 
 
+def attend_parts(K, q: torch.Tensor, kp: AttnPart, vp: AttnPart, length: torch.Tensor, scale: float,
+                 window: int) -> torch.Tensor:
+    """One query row q [H, hd] (model basis) over a layer's stored rows 0..length-1 (length: device int32 [1]):
+    the query mapped into the keys' storage basis, csrc/cuda/attention.cu, the output mapped back ([H, hd])."""
+    group = q.shape[0] // kp.data.shape[0]
+    qs = q
+    if kp.scale is not None:
+        qs = qs * kp.scale.repeat_interleave(group, 0)
+    if kp.rot is not None:
+        qs = qs @ kp.rot_t
+    a = K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, length, scale, kp.block, vp.block, kp.sink, vp.sink,
+                           window, 0.0)
+    if vp.rot is not None:
+        a = a @ vp.rot
+    if vp.mu is not None:
+        a = a + vp.mu.repeat_interleave(group, 0)
+    return a
+
+
+def cache_problem(kv) -> str | None:
+    """Why csrc/cuda/attention.cu cannot read ``kv``'s rows (then the torch forms do), or None."""
+    if not hasattr(kv, "storage_layout"):
+        return "the cache predates the backend seam"
+    if kv.head_dim not in HEAD_DIMS:
+        return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
+    for p in kv.storage_layout():
+        if p.block not in _FLOAT_KINDS + _BLOCK_KINDS:
+            return f"cache rows {p.block!r}"
+        if getattr(p, "table", None) is not None:
+            return "a paged cache (the CUDA kernels read contiguous rows)"
+    return None
+
+
+def cache_parts(kv) -> list[tuple[AttnPart, AttnPart]]:
+    """Every layer's (keys, values) of ``kv`` as the attention kernel reads them: views of the cache's live tensors,
+    made once per cache storage."""
+    key = kv.storage_layout()[0].data
+    hit = getattr(kv, "_cuda_parts", None)
+    if hit is None or hit[0] is not key:
+        k_lay, v_lay = kv.storage_layout()
+        hit = (key, [(attn_part(k_lay, i), attn_part(v_lay, i)) for i in range(kv.n_layer)])
+        kv._cuda_parts = hit
+    return hit[1]
+
+
 # ---- the backend ---------------------------------------------------------------------------------------------
 class CudaBackend:
     name = "cuda"
@@ -294,6 +340,16 @@ class CudaBackend:
 
         return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
 
+    def attend_at(self, kv, layer: int, q: torch.Tensor, pos: torch.Tensor, scale: float,
+                  window: int) -> torch.Tensor | None:
+        """Decoder.attend_at's kernel: one query row q [1, H, hd] at the device-held position pos over ``kv``'s
+        stored rows (the length read on the device: capturable) -> [1, H*hd]; None for several rows or a cache
+        the kernel does not read."""
+        if q.shape[0] != 1 or cache_problem(kv):
+            return None
+        kp, vp = cache_parts(kv)[layer]
+        return attend_parts(self.K, q[0], kp, vp, (pos + 1).to(torch.int32), scale, window).reshape(1, -1)
+
     def step(self, model, seqs: list[SeqStep]) -> list[StepRows]:
         """The multi-sequence step as a loop over its sequences: each decode token through its cache's captured
         step, anything longer through the model's forward on the GPU.  Correct, not yet batched: running B decode
@@ -310,18 +366,11 @@ class CudaBackend:
 
 def fused_decode_problem(model, kv) -> str | None:
     """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
-    if not hasattr(kv, "storage_layout") or not hasattr(model, "spec"):
-        return "the model or cache predates the backend seam"
+    if not hasattr(model, "spec") or not hasattr(model, "forward_rows"):
+        return "the model predates the backend seam"
     if getattr(model.spec, "n_expert", 0):
         return "a mixture-of-experts model (the step has no expert routing)"
-    if kv.head_dim not in HEAD_DIMS:
-        return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
-    for p in kv.storage_layout():
-        if p.block not in _FLOAT_KINDS + _BLOCK_KINDS:
-            return f"cache rows {p.block!r}"
-        if getattr(p, "table", None) is not None:
-            return "a paged cache (the CUDA kernels read contiguous rows)"
-    return None
+    return cache_problem(kv)
 
 
 ROW_KERNELS = ("cuda_gemv_q", "cuda_gemv_q_parts", "cuda_quantize_act", "cuda_residual_norm_quant", "cuda_act_quant",
@@ -329,9 +378,9 @@ ROW_KERNELS = ("cuda_gemv_q", "cuda_gemv_q_parts", "cuda_quantize_act", "cuda_re
 
 
 def row_kernels_problem(kernels, model, act: str) -> str | None:
-    """Why CudaDecodeStep cannot use csrc/cuda/step.cu's row kernels for ``model`` (then its torch body runs), or
+    """Why CudaDecodeStep cannot use csrc/cuda/step.cu's row kernels for ``model`` (then the model's forward runs), or
     None: they need every row length a multiple of 32 (the int8 codes' blocks) and a SiLU or tanh-GELU MLP.
-    PYLLM_CUDA_ROW_KERNELS=0 asks for the torch body."""
+    PYLLM_CUDA_ROW_KERNELS=0 asks for the model's forward."""
     if os.environ.get("PYLLM_CUDA_ROW_KERNELS", "1") == "0":
         return "PYLLM_CUDA_ROW_KERNELS=0"
     missing = [n for n in ROW_KERNELS if not hasattr(kernels, n)]
@@ -445,7 +494,7 @@ class CudaDecodeStep:
     """One token through the model on the GPU, bound to one KV cache; see the module docstring."""
 
     def __init__(self, backend: CudaBackend, model, kv):
-        self.b, self.K, self.kv = backend, backend.K, kv
+        self.b, self.K, self.kv, self.model = backend, backend.K, kv, model
         cfg = model.cfg
         self.cfg, self.w, self.vec, self.out_w = cfg, model.w, model.vec, model.output
         # LoRA terms by tensor name (Decoder.attach_lora), each added after its matrix's GEMV in torch ops
@@ -457,14 +506,13 @@ class CudaDecodeStep:
         self.embd_scale, self.act, self.final_softcap = spec.embd_scale, spec.act, spec.final_softcap
         dev = backend.device
         self.tables = [(c.to(dev).contiguous(), s.to(dev).contiguous()) for c, s in model.rope_tables]
-        n = cfg.n_layer
         self.layer_rope = list(model.layer_rope)
         self.layer_window = [layer.window for layer in spec.layers]
         self.scale = spec.attn_scale
         k_lay, v_lay = kv.storage_layout()
         self.k_dtype = k_lay.data.dtype
         self.v_dtype = v_lay.data.dtype
-        self.parts = [(attn_part(k_lay, i), attn_part(v_lay, i)) for i in range(n)]
+        self.parts = cache_parts(kv)
         self.group = cfg.n_head // cfg.n_kv_head
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -480,7 +528,13 @@ class CudaDecodeStep:
 
     # -- the step's math (device tensors only: capturable) --------------------------------------------------
     def _body(self, first: bool) -> torch.Tensor:
-        return self._body_torch(first) if self.row_kernels_problem else self._body_kernels(first)
+        """The step's logits [1, n_vocab] on the GPU: the row kernels, or the model's own forward with the position
+        held on the device (models/transformer.py forward_rows: the definition the row kernels follow, and the
+        path for a model they do not take, row_kernels_problem).  Position 0 goes through the forward's host
+        form, which attends to the fresh row as a prompt does."""
+        if self.row_kernels_problem:
+            return self.model.forward_rows(self.tok, 0 if first else self.pos, self.kv)
+        return self._body_kernels(first)
 
     def _gemv(self, wt, rows: torch.Tensor, codes: tuple, out: torch.Tensor) -> torch.Tensor:
         """out [1, N] = rows @ W^T: from rows' int8 codes (xq, xds) where W's type has a GEMV kernel, else through
@@ -504,12 +558,6 @@ class CudaDecodeStep:
         x = self.b.embed(self.w["token_embd.weight"], self.tok, check_ids=False)
         t = self.lora.get("token_embd.weight")
         return x if t is None else x + t.a.index_select(0, self.tok) @ t.bt
-
-    def _linear(self, x: torch.Tensor, wt, output: bool = False) -> torch.Tensor:
-        """The backend's linear (linear_output when ``output``) plus wt's LoRA term: the torch body's products."""
-        y = (self.b.linear_output if output else self.b.linear)(x, wt)
-        name = self.lora_names.get(id(wt))
-        return y if name is None else self._lora(name, x, y)
 
     def _gemvs(self, pairs, rows: torch.Tensor, codes: tuple) -> list[torch.Tensor]:
         """_gemv over (weight, out) pairs that read the same codes: consecutive weights of one type with a GEMV
@@ -591,8 +639,7 @@ class CudaDecodeStep:
 
     def _attend_torch(self, i: int, q, k, v, first: bool) -> torch.Tensor:
         """Layer i's bias, QK norm, RoPE, cache write and attention in torch ops from the q, k, v projections: the
-        torch body's, and the row-kernel body's for block or transformed cache rows and for position 0 (which
-        writes the sink rows)."""
+        row-kernel body's for block or transformed cache rows and for position 0 (which writes the sink rows)."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         bias, norms = self._qk_extras(i)
@@ -621,46 +668,7 @@ class CudaDecodeStep:
             if vp.sink is not None:
                 vp.sink.copy_(vs)
             return v.repeat_interleave(self.group, 0)
-        qs = q
-        if kp.scale is not None:
-            qs = qs * kp.scale.repeat_interleave(self.group, 0)
-        if kp.rot is not None:
-            qs = qs @ kp.rot_t
-        a = self.K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, self.len, self.scale, kp.block, vp.block,
-                                    kp.sink, vp.sink, self.layer_window[i], 0.0)
-        if vp.rot is not None:
-            a = a @ vp.rot
-        if vp.mu is not None:
-            a = a + vp.mu.repeat_interleave(self.group, 0)
-        return a
-
-    def _body_torch(self, first: bool) -> torch.Tensor:
-        """The step in torch ops around the GEMV and attention kernels: the definition the row kernels follow, and
-        the path for a model they do not take (row_kernels_problem)."""
-        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self._linear
-        H, hd = cfg.n_head, cfg.head_dim
-        self.len.copy_(self.pos + 1)
-        x = self._embed()  # [1, D]
-        if self.embd_scale:
-            x = x * self.embd_scale
-        for i in range(cfg.n_layer):
-            p = f"blk.{i}."
-            h = _rms_norm(x, vec[p + "attn_norm.weight"], eps)
-            q, k, v = lin(h, w[p + "attn_q.weight"]), lin(h, w[p + "attn_k.weight"]), lin(h, w[p + "attn_v.weight"])
-            a = self._attend_torch(i, q, k, v, first)
-            a = lin(a.reshape(1, H * hd), w[p + "attn_output.weight"])
-            x = x + (_rms_norm(a, vec[p + "post_attention_norm.weight"], eps) if self.post_norms else a)
-            h = _rms_norm(x, vec[p + "ffn_norm.weight"], eps)
-            g, u = lin(h, w[p + "ffn_gate.weight"]), lin(h, w[p + "ffn_up.weight"])
-            act = torch.nn.functional.gelu(g, approximate="tanh") if self.act == "gelu_tanh" else \
-                torch.nn.functional.silu(g)
-            m = lin(act * u, w[p + "ffn_down.weight"])
-            x = x + (_rms_norm(m, vec[p + "post_ffw_norm.weight"], eps) if self.post_norms else m)
-        x = _rms_norm(x, vec["output_norm.weight"], eps)
-        logits = self._linear(x, self.out_w, output=True)
-        if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return attend_parts(self.K, q, kp, vp, self.len, self.scale, self.layer_window[i])
 
     def _capture(self) -> None:
         dev = self.b.device
