@@ -142,6 +142,7 @@ class TorchKernels:
         from pyllm import _ext
 
         self.C = _ext.load()
+        self.DecodeArch = self.C.DecodeArch  # the row kernels' struct: the real one, checked by its constructor
         self.parts_calls: list[int] = []  # matrices per cuda_gemv_q_parts launch
 
     def _codes(self, x, xq, xds):
@@ -170,21 +171,24 @@ class TorchKernels:
         self.parts_calls.append(len(ws))
         return [self.cuda_gemv_q(w, qt, xq, xds, o) for w, o in zip(ws, outs)]
 
-    def cuda_residual_norm_quant(self, x, a, post_w, w, eps, h, xq, xds):
-        xn, hn = reference_residual_norm(x, a, post_w, w, eps)
+    def cuda_residual_norm_quant(self, arch, x, a, post_w, w, h, xq, xds):
+        assert x.shape[1] == arch.n_embd
+        xn, hn = reference_residual_norm(x, a, post_w, w, arch.rms_eps)
         x.copy_(xn.float())
         h.copy_(hn.float())
         self._codes(h, xq, xds)
 
-    def cuda_act_quant(self, g, u, act, h, xq, xds):
-        h.copy_(reference_act(g, u, act).float())
+    def cuda_act_quant(self, arch, g, u, h, xq, xds):
+        assert g.shape[1] == arch.n_ff
+        h.copy_(reference_act(g, u, "gelu_tanh" if arch.gelu_tanh else "silu").float())
         self._codes(h, xq, xds)
 
-    def cuda_rope_store(self, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos, sin, neox, pos, k_cache,
+    def cuda_rope_store(self, arch, layer, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, cos, sin, pos, k_cache,
                         v_cache, q_out):
         p = int(pos[0])
-        qq, kk, vv = reference_rope_store(q, k, v, q_out.shape[1], q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos,
-                                          sin, neox, p)
+        assert (cos is not None) == (arch.layer_rope[layer] >= 0) and (q_bias is not None) == arch.qkv_bias
+        qq, kk, vv = reference_rope_store(q, k, v, arch.head_dim, q_bias, k_bias, v_bias, q_norm, k_norm,
+                                          arch.rms_eps, cos, sin, arch.neox, p)
         q_out.copy_(qq.float())
         k_cache[:, p] = kk.float().to(k_cache.dtype)
         v_cache[:, p] = vv.float().to(v_cache.dtype)

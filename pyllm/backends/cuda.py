@@ -522,6 +522,9 @@ class CudaDecodeStep:
         self.g_logits = self.g_top = None
         self.row_kernels_problem = row_kernels_problem(self.K, model, self.act)
         if self.row_kernels_problem is None:
+            from .cpu import decode_arch
+
+            self.arch = decode_arch(self.K, spec, self.layer_rope)  # the row kernels' one struct (common/arch.h)
             self.buf = StepBuffers(cfg, model.w["blk.0.ffn_gate.weight"].shape[0], self.n_vocab, dev)
             # Layers whose new K/V rows one kernel writes: plain float rows with no storage transform or sink row.
             self.store_kernel = [all(_plain_float(part) for part in pair) for pair in self.parts]
@@ -582,17 +585,16 @@ class CudaDecodeStep:
         the next GEMV reads (the attention's merge writes its output's), q/k/v and gate/up one GEMV launch each
         where their types match (~10 launches per layer).  The residual branch of each block is added by the next
         norm's kernel, so x is touched once per block."""
-        cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
+        cfg, w, vec, K, B, arch = self.cfg, self.w, self.vec, self.K, self.buf, self.arch
         H, hd = cfg.n_head, cfg.head_dim
         self.len.copy_(self.pos + 1)
         B.x.copy_(self._embed())
         if self.embd_scale:
             B.x.mul_(self.embd_scale)
         branch, post = None, None  # the block output not yet added to x, and its post-norm weights
-        neox = cfg.rope_style == "neox"
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
-            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "attn_norm.weight"], eps, B.h, B.hq, B.hds)
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, vec[p + "attn_norm.weight"], B.h, B.hq, B.hds)
             hc = (B.hq, B.hds)
             q, k, v = self._gemvs([(w[p + "attn_q.weight"], B.q), (w[p + "attn_k.weight"], B.k),
                                    (w[p + "attn_v.weight"], B.v)], B.h, hc)
@@ -602,7 +604,7 @@ class CudaDecodeStep:
                 kp, vp = self.parts[i]
                 bias, norms = self._qk_extras(i)
                 c_tab, s_tab = self.tables[self.layer_rope[i]] if self.layer_rope[i] >= 0 else (None, None)
-                K.cuda_rope_store(q, k, v, *bias, *norms, eps, c_tab, s_tab, neox, self.pos, kp.data, vp.data, B.qr)
+                K.cuda_rope_store(arch, i, q, k, v, *bias, *norms, c_tab, s_tab, self.pos, kp.data, vp.data, B.qr)
                 a = K.cuda_attn_decode(B.qr, kp.data, vp.data, self.len, self.scale, "", "", None, None,
                                        self.layer_window[i], 0.0, B.aq, B.ads).reshape(1, H * hd)  # and a's codes
             else:
@@ -611,19 +613,19 @@ class CudaDecodeStep:
             branch = self._gemv(w[p + "attn_output.weight"], a, (B.aq, B.ads), B.o)
             branch = self._lora(p + "attn_output.weight", a, branch)
             post = vec[p + "post_attention_norm.weight"] if self.post_norms else None
-            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, vec[p + "ffn_norm.weight"], B.h, B.hq, B.hds)
             g, u = self._gemvs([(w[p + "ffn_gate.weight"], B.g), (w[p + "ffn_up.weight"], B.u)], B.h, (B.hq, B.hds))
             g, u = self._lora(p + "ffn_gate.weight", B.h, g), self._lora(p + "ffn_up.weight", B.h, u)
-            K.cuda_act_quant(g, u, self.act, B.f, B.fq, B.fds)
+            K.cuda_act_quant(arch, g, u, B.f, B.fq, B.fds)
             branch = self._lora(p + "ffn_down.weight", B.f, self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds),
                                                                         B.m))
             post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None
         qt = self.b.gemv_qtype(self.out_w)
         if qt is None:
-            K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.hq, B.hds)
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, vec["output_norm.weight"], B.h, B.hq, B.hds)
             logits = self._gemv(self.out_w, B.h, (B.hq, B.hds), B.logits)
         else:
-            K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.oq[:1], B.ods[:1])
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, vec["output_norm.weight"], B.h, B.oq[:1], B.ods[:1])
             logits = output_gemv(K, self.out_w.data, qt, B.h, B.oq, B.ods, B.logits2, B.logits)
         logits = self._lora("output.weight", B.h, logits)
         if self.final_softcap:
