@@ -10,7 +10,10 @@
 - the whole step: CudaDecodeStep's decoder, run on the CPU with torch stand-ins for the CUDA kernels, gives the
   model's own torch forward's logits on llama-family and Gemma 3 models over every cache kind (reference: the
   model's torch path; tolerance 1e-4 relative: both are float32, the kernels' int8 activations are not in play).
-What only a GPU run can prove (tests/gpu): the kernels themselves, graph capture, and speed.
+- the forward with device-held positions (what the step captures for a model the row kernels do not take) reads
+  nothing back to the host and gives the host-position forward's logits;
+- the batched step: several sequences' decode rows in one pass give what each sequence's step gives alone.
+What only a GPU run can prove (tests/gpu): the kernels themselves, graph capture, bit-exact batched rows, speed.
 """
 
 import math
@@ -144,6 +147,7 @@ class TorchKernels:
         self.C = _ext.load()
         self.DecodeArch = self.C.DecodeArch  # the row kernels' struct: the real one, checked by its constructor
         self.parts_calls: list[int] = []  # matrices per cuda_gemv_q_parts launch
+        self.gemv_rows: list[int] = []  # rows per cuda_gemv_q launch
 
     def _codes(self, x, xq, xds):
         q, d = reference_quantize_act(x.reshape(xq.shape))
@@ -164,6 +168,7 @@ class TorchKernels:
         return xq, xds
 
     def cuda_gemv_q(self, w, qt, xq, xds, out=None):
+        self.gemv_rows.append(xq.shape[0])
         y = self.rows(xq) @ self.C.dequantize(w, qt).T
         return y if out is None else out.copy_(y)
 
@@ -346,6 +351,57 @@ def test_forward_with_held_positions(arch, kind):
             k_got, v_got = kv.view(model.cfg.n_layer - 1, at + 1)
             assert torch.allclose(k_got, k_want, rtol=1e-2, atol=1e-2) and torch.allclose(v_got, v_want, rtol=1e-2,
                                                                                            atol=1e-2)
+    llm.close()
+
+
+@needs_seam
+@pytest.mark.parametrize("arch,kind", [("qwen3", "f16"), ("gemma3", "q8_0")])
+def test_step_batches_decode_rows(arch, kind, monkeypatch):
+    """CudaBackend.step over several sequences: their decode tokens run as one pass (every stand-in GEMV sees all
+    the rows), each row's attention over its own cache, a prefill chunk beside them through the forward; each
+    sequence's logits, argmax and cache rows are what stepping it alone gives (reference: the same sequences
+    stepped one at a time on twin caches; tolerance 1e-4 relative: the stand-ins' float32 matmuls may sum three
+    rows in another order than one (~1e-6 a step, carried on through the cache rows), where the GPU's GEMV does
+    not: tests/gpu/test_batch_step.py asserts equality)."""
+    from tiny_models import gguf_path
+
+    from pyllm.backends.base import SeqStep
+
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    llm = _load_on_fake_cuda(monkeypatch, gguf_path(arch, "q8_0"), n_ctx=64, kv_cache=kind)
+    model, backend = llm.model, llm.model.backend
+    cfg = model.cfg
+    prompts = [[1, 17, 33, 5, 99], [7, 250, 3, 11, 42, 8, 9], [64, 3]]
+
+    def caches(n):
+        return [backend.make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, 64, cfg.head_dim) for _ in range(n)]
+
+    alone, together = caches(4), caches(4)
+    for kvs in (alone, together):
+        model.step([SeqStep(kv, p, 0, prefill=True) for kv, p in zip(kvs, prompts)])
+    toks, pos = [12, 200, 77], [len(p) for p in prompts]
+    for n in range(4):
+        seqs = [SeqStep(kv, [t], p) for kv, t, p in zip(together, toks, pos)]
+        if n == 3:  # a prompt joins: its chunk goes through the forward, beside the decode rows
+            seqs.insert(1, SeqStep(together[3], [5, 6, 7], 0, prefill=True))
+        backend.K.gemv_rows.clear()
+        got = backend.step(model, seqs)
+        assert backend.K.gemv_rows.count(3) >= cfg.n_layer, "the decode rows did not run as one pass"
+        want = [backend.step(model, [SeqStep(kv, [t], p)])[0] for kv, t, p in zip(alone, toks, pos)]
+        if n == 3:
+            want.insert(1, backend.step(model, [SeqStep(alone[3], [5, 6, 7], 0, prefill=True)])[0])
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.logits.shape == w.logits.shape
+            err = ((g.logits - w.logits).norm() / w.logits.norm()).item()
+            assert err <= 1e-4, f"{arch} {kind} step {n}: relative error {err:.3g}"
+            assert (g.argmax is None) == (w.argmax is None) and (g.argmax is None or g.argmax == w.argmax)
+        for kv_a, kv_t, p in zip(alone, together, pos):
+            for layer in range(cfg.n_layer):
+                for x, y in zip(kv_t.view(layer, p + 1), kv_a.view(layer, p + 1)):
+                    torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+        toks = [int(w.argmax[0]) for w in (want[:1] + want[2:] if n == 3 else want)]
+        pos = [p + 1 for p in pos]
     llm.close()
 
 
