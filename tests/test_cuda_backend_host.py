@@ -308,7 +308,7 @@ class HostReads(TorchFunctionMode):
 @pytest.mark.parametrize("arch,kind", [("qwen3", "f16"), ("gemma3", "q8_0"), ("smollm3", "q4_rot"),
                                        ("qwen3", "bf16/q4_0")])
 def test_forward_with_held_positions(arch, kind):
-    """models/transformer.py forward_rows with the position in a device tensor (what the CUDA step captures in a
+    """models/transformer.py forward_on_device with the position in a device tensor (what the CUDA step captures in a
     graph): it reads nothing back to the host, and its logits are the host-position forward's (reference: the
     forward with an int position, teacher-forced from the same cache; tolerance as
     test_step_matches_model_torch_path's: the held form attends over the whole cache under a mask, which sums in
@@ -333,7 +333,7 @@ def test_forward_with_held_positions(arch, kind):
     bound = 5e-4 if kind == "f16" else 1e-3
     tok, pos = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
     with torch.inference_mode():
-        model.forward_rows(prompt, 0, ref_kv)
+        model.forward_on_device(prompt, 0, ref_kv)
         for i, t in enumerate([12, 200, 64, 3, 77, 150]):  # past the sliding window (8) of gemma3
             at = prompt.numel() + i
             _restore(kv, _snapshot(ref_kv))
@@ -343,7 +343,7 @@ def test_forward_with_held_positions(arch, kind):
             tok.fill_(t)
             pos.fill_(at)
             with HostReads() as held:
-                got = model.forward_rows(tok, pos, kv)
+                got = model.forward_on_device(tok, pos, kv)
             assert held.calls == [], f"the held-position forward read {held.calls} back to the host"
             err = ((got - want).norm() / want.norm()).item()
             assert err <= bound, f"{arch} {kind} pos {at}: relative error {err:.3g}"

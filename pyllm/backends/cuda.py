@@ -14,7 +14,7 @@ Paths, as the physics dictates:
   exact sink row, sliding window); prefill attention: the model's torch path (SDPA) over the cache.
 
 The fused step (``CudaDecodeStep``) runs csrc/cuda/step.cu's row kernels between the GEMVs, or, for a model they
-do not take, the model's own torch forward (models/transformer.py forward_rows) with the position held on the
+do not take, the model's own torch forward (models/transformer.py forward_on_device) with the position held on the
 device: token and position live in device buffers, so one captured graph serves every position.  Logits come
 back as float32 CPU tensors, so the runtime's sampler chain, stop strings, prefix reuse and Ctrl-C are the CPU's.
 """
@@ -409,7 +409,7 @@ class CudaBackend:
 
 def fused_decode_problem(model, kv) -> str | None:
     """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
-    if not hasattr(model, "spec") or not hasattr(model, "forward_rows"):
+    if not hasattr(model, "spec") or not hasattr(model, "forward_on_device"):
         return "the model predates the backend seam"
     if getattr(model.spec, "n_expert", 0):
         return "a mixture-of-experts model (the step has no expert routing)"
@@ -588,11 +588,11 @@ class CudaDecodeStep:
     # -- the step's math (device tensors only: capturable) --------------------------------------------------
     def _body(self, first: bool) -> torch.Tensor:
         """The step's logits [1, n_vocab] on the GPU: the row kernels, or the model's own forward with the position
-        held on the device (models/transformer.py forward_rows: the definition the row kernels follow, and the
+        held on the device (models/transformer.py forward_on_device: the definition the row kernels follow, and the
         path for a model they do not take, row_kernels_problem).  Position 0 goes through the forward's host
         form, which attends to the fresh row as a prompt does."""
         if self.row_kernels_problem:
-            return self.model.forward_rows(self.tok, 0 if first else self.pos, self.kv)
+            return self.model.forward_on_device(self.tok, 0 if first else self.pos, self.kv)
         return self._body_kernels(first)
 
     def _gemv(self, wt, rows: torch.Tensor, codes: tuple, out: torch.Tensor) -> torch.Tensor:

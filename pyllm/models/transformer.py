@@ -165,14 +165,14 @@ class Transformer(Decoder):
 
     def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
         """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32 on the
-        CPU: one token through the fused step where it applies, else forward_rows."""
+        CPU: one token through the fused step where it applies, else forward_on_device."""
         if tokens.shape[0] == 1:  # the fused step where it applies (fused_logits says None where not)
             fused = self.fused_logits(int(tokens[0]), start_pos, kv)
             if fused is not None:
                 return fused[0].view(1, -1)
-        return self.to_cpu(self.forward_rows(tokens, start_pos, kv, all_logits))
+        return self.to_cpu(self.forward_on_device(tokens, start_pos, kv, all_logits))
 
-    def forward_rows(self, tokens: torch.Tensor, start_pos: int | torch.Tensor, kv,
+    def forward_on_device(self, tokens: torch.Tensor, start_pos: int | torch.Tensor, kv,
                      all_logits: bool = False) -> torch.Tensor:
         """The forward itself: logits [T or 1, n_vocab] f32 on the device of the output head, never the fused step.
 
