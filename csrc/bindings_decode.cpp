@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bindings_checks.h"
+#include "common/arch.h"
 
 namespace pyllm {
 namespace bind {
@@ -98,22 +99,10 @@ const float* check_kv_extra(const char* fn, const char* name, const std::optiona
     return t->data_ptr<float>();
 }
 
-// ---- DecodeArch: pyllm.models.spec.ArchSpec as the decode step reads it ---------------------------------------
-// The one description of a layer the Python side hands the step, built by its checked constructor: every field
-// named as ArchSpec names it, each checked here with an error naming it.  The kernels' own copy is DecodeConfig
-// (plus each DecodeLayer's rope table and window), filled from it when a context is built.
-struct DecodeArch {
-    int64_t n_layer = 0, n_embd = 0, n_ff = 0, n_head = 0, n_kv_head = 0, head_dim = 0, rope_dim = 0;
-    bool neox = false, qkv_bias = false, qk_norm = false, post_norms = false, gelu_tanh = false;
-    double rms_eps = 0, attn_scale = 0, embd_scale = 0, final_softcap = 0;
-    std::vector<int64_t> layer_rope, layer_window;  // per layer: its rope table (index into the context's; -1:
-                                                    // none, a NoPE layer), window
-    int64_t n_rope = 1;                             // rope tables: 1 + the largest layer_rope entry
-    // mixture of experts (n_expert 0: a dense MLP; then n_ff is each expert's hidden size)
-    int64_t n_expert = 0, n_expert_used = 0, n_ff_shexp = 0;
-    bool shexp_gate = false, norm_top_k = false;
-};
-
+// ---- DecodeArch (csrc/common/arch.h): pyllm.models.spec.ArchSpec as the decode steps read it -----------------
+// Built by its checked constructor below: every field named as ArchSpec names it, each checked here with an error
+// naming it.  The kernels' own copy is DecodeConfig (plus each DecodeLayer's rope table and window), filled from it
+// when a context is built; the CUDA row kernels read it as it is (csrc/cuda/bindings_cuda.cpp).
 constexpr const char* kDA = "DecodeArch";
 
 DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_t n_kv_head, int64_t head_dim,
@@ -786,7 +775,20 @@ void register_decode(py::module& m) {
              py::arg("n_expert") = 0, py::arg("n_expert_used") = 0, py::arg("n_ff_shexp") = 0,
              py::arg("shexp_gate") = false, py::arg("norm_top_k") = false)
         .def_readonly("n_layer", &DecodeArch::n_layer)
-        .def_readonly("n_rope", &DecodeArch::n_rope);
+        .def_readonly("n_rope", &DecodeArch::n_rope)
+        // the fields the CUDA row kernels read (csrc/common/arch.h), readable for their stand-ins and errors
+        .def_readonly("n_embd", &DecodeArch::n_embd)
+        .def_readonly("n_ff", &DecodeArch::n_ff)
+        .def_readonly("n_head", &DecodeArch::n_head)
+        .def_readonly("n_kv_head", &DecodeArch::n_kv_head)
+        .def_readonly("head_dim", &DecodeArch::head_dim)
+        .def_readonly("rope_dim", &DecodeArch::rope_dim)
+        .def_readonly("neox", &DecodeArch::neox)
+        .def_readonly("qkv_bias", &DecodeArch::qkv_bias)
+        .def_readonly("qk_norm", &DecodeArch::qk_norm)
+        .def_readonly("gelu_tanh", &DecodeArch::gelu_tanh)
+        .def_readonly("rms_eps", &DecodeArch::rms_eps)
+        .def_readonly("layer_rope", &DecodeArch::layer_rope);
     py::class_<DecodeCachePart>(m, "DecodeCachePart", "one KV cache part (K or V) as the decode step reads it")
         .def(py::init([](Tensor data, int64_t type, std::optional<Tensor> mu, std::optional<Tensor> rot,
                          std::optional<Tensor> scale, std::optional<Tensor> sink, std::optional<Tensor> block_table,

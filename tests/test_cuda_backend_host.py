@@ -10,7 +10,10 @@
 - the whole step: CudaDecodeStep's decoder, run on the CPU with torch stand-ins for the CUDA kernels, gives the
   model's own torch forward's logits on llama-family and Gemma 3 models over every cache kind (reference: the
   model's torch path; tolerance 1e-4 relative: both are float32, the kernels' int8 activations are not in play).
-What only a GPU run can prove (tests/gpu): the kernels themselves, graph capture, and speed.
+- the forward with device-held positions (what the step captures for a model the row kernels do not take) reads
+  nothing back to the host and gives the host-position forward's logits;
+- the batched step: several sequences' decode rows in one pass give what each sequence's step gives alone.
+What only a GPU run can prove (tests/gpu): the kernels themselves, graph capture, bit-exact batched rows, speed.
 """
 
 import math
@@ -18,6 +21,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from pyllm.backends import cuda as cb
 from pyllm.backends.base import BackendUnavailable
@@ -141,7 +145,9 @@ class TorchKernels:
         from pyllm import _ext
 
         self.C = _ext.load()
+        self.DecodeArch = self.C.DecodeArch  # the row kernels' struct: the real one, checked by its constructor
         self.parts_calls: list[int] = []  # matrices per cuda_gemv_q_parts launch
+        self.gemv_rows: list[int] = []  # rows per cuda_gemv_q launch
 
     def _codes(self, x, xq, xds):
         q, d = reference_quantize_act(x.reshape(xq.shape))
@@ -162,6 +168,7 @@ class TorchKernels:
         return xq, xds
 
     def cuda_gemv_q(self, w, qt, xq, xds, out=None):
+        self.gemv_rows.append(xq.shape[0])
         y = self.rows(xq) @ self.C.dequantize(w, qt).T
         return y if out is None else out.copy_(y)
 
@@ -169,21 +176,24 @@ class TorchKernels:
         self.parts_calls.append(len(ws))
         return [self.cuda_gemv_q(w, qt, xq, xds, o) for w, o in zip(ws, outs)]
 
-    def cuda_residual_norm_quant(self, x, a, post_w, w, eps, h, xq, xds):
-        xn, hn = reference_residual_norm(x, a, post_w, w, eps)
+    def cuda_residual_norm_quant(self, arch, x, a, post_w, w, h, xq, xds):
+        assert x.shape[1] == arch.n_embd
+        xn, hn = reference_residual_norm(x, a, post_w, w, arch.rms_eps)
         x.copy_(xn.float())
         h.copy_(hn.float())
         self._codes(h, xq, xds)
 
-    def cuda_act_quant(self, g, u, act, h, xq, xds):
-        h.copy_(reference_act(g, u, act).float())
+    def cuda_act_quant(self, arch, g, u, h, xq, xds):
+        assert g.shape[1] == arch.n_ff
+        h.copy_(reference_act(g, u, "gelu_tanh" if arch.gelu_tanh else "silu").float())
         self._codes(h, xq, xds)
 
-    def cuda_rope_store(self, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos, sin, neox, pos, k_cache,
+    def cuda_rope_store(self, arch, layer, q, k, v, q_bias, k_bias, v_bias, q_norm, k_norm, cos, sin, pos, k_cache,
                         v_cache, q_out):
         p = int(pos[0])
-        qq, kk, vv = reference_rope_store(q, k, v, q_out.shape[1], q_bias, k_bias, v_bias, q_norm, k_norm, eps, cos,
-                                          sin, neox, p)
+        assert (cos is not None) == (arch.layer_rope[layer] >= 0) and (q_bias is not None) == arch.qkv_bias
+        qq, kk, vv = reference_rope_store(q, k, v, arch.head_dim, q_bias, k_bias, v_bias, q_norm, k_norm,
+                                          arch.rms_eps, cos, sin, arch.neox, p)
         q_out.copy_(qq.float())
         k_cache[:, p] = kk.float().to(k_cache.dtype)
         v_cache[:, p] = vv.float().to(v_cache.dtype)
@@ -220,17 +230,26 @@ def shadow_codes_value(monkeypatch):
     TorchKernels.shadow.clear()
 
 
+def _load_on_fake_cuda(monkeypatch, path, **kw):
+    """pyllm.load on FakeCudaBackend (the CUDA backend's logic, torch kernels on the CPU): the step's torch body is
+    the model's own forward, so the model must run on the backend whose step it is."""
+    import pyllm
+    from pyllm import backends
+
+    monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
+    return pyllm.load(str(path), device="cpu", **kw)
+
+
 @needs_seam
 @pytest.mark.parametrize("body", ["row kernels", "torch"])
 @pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot", "f16/q8_rot", "bf16/q4_0", "f32"])
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma3", "smollm3"])
-def test_step_matches_model_torch_path(arch, kind, body):
-    import pyllm
+def test_step_matches_model_torch_path(arch, kind, body, monkeypatch):
     from tiny_models import gguf_path
 
-    llm = pyllm.load(str(gguf_path(arch, "q8_0")), kernels="reference", n_ctx=64, kv_cache="f32")
+    llm = _load_on_fake_cuda(monkeypatch, gguf_path(arch, "q8_0"), n_ctx=64, kv_cache="f32")
     model = llm.model
-    backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))
+    backend = model.backend
     prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
     ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, kind)
                   for _ in range(2))
@@ -267,6 +286,123 @@ def test_step_matches_model_torch_path(arch, kind, body):
     assert not math.isnan(err)
     if body == "row kernels":  # Q8_0 everywhere: q/k/v in one launch, gate/up in one
         assert sorted(set(backend.K.parts_calls)) == [2, 3]
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensor calls that read a value back to the host: on a GPU each one waits for the device, and a
+    CUDA graph can capture none of them."""
+
+    READS = frozenset(["__bool__", "item", "__int__", "__float__", "__index__", "tolist", "numpy", "cpu"])
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.READS:
+            self.calls.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@needs_seam
+@pytest.mark.parametrize("arch,kind", [("qwen3", "f16"), ("gemma3", "q8_0"), ("smollm3", "q4_rot"),
+                                       ("qwen3", "bf16/q4_0")])
+def test_forward_with_held_positions(arch, kind):
+    """models/transformer.py forward_on_device with the position in a device tensor (what the CUDA step captures in a
+    graph): it reads nothing back to the host, and its logits are the host-position forward's (reference: the
+    forward with an int position, teacher-forced from the same cache; tolerance as
+    test_step_matches_model_torch_path's: the held form attends over the whole cache under a mask, which sums in
+    another order, and a quantized cache may round one of those values to the next code)."""
+    import pyllm
+    from tiny_models import gguf_path
+
+    llm = pyllm.load(str(gguf_path(arch, "q8_0")), kernels="reference", n_ctx=64, kv_cache="f32")
+    model = llm.model
+    # an embedding that reads nothing back, as the CUDA kernel's (the reference backend's rows() checks the ids)
+    tables = {}
+
+    def embed(w, ids, check_ids=True):
+        if id(w) not in tables:
+            tables[id(w)] = w.dequantize(torch.float32)
+        return tables[id(w)].index_select(0, ids)
+
+    model.embed = embed
+    prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
+    ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, kind)
+                  for _ in range(2))
+    bound = 5e-4 if kind == "f16" else 1e-3
+    tok, pos = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    with torch.inference_mode():
+        model.forward_on_device(prompt, 0, ref_kv)
+        for i, t in enumerate([12, 200, 64, 3, 77, 150]):  # past the sliding window (8) of gemma3
+            at = prompt.numel() + i
+            _restore(kv, _snapshot(ref_kv))
+            with HostReads() as host:  # forward reads the token as an int (to offer it to a fused step)
+                want = model.forward(torch.tensor([t]), at, ref_kv)
+            assert "__int__" in host.calls, "the counter sees nothing: the check below would prove nothing"
+            tok.fill_(t)
+            pos.fill_(at)
+            with HostReads() as held:
+                got = model.forward_on_device(tok, pos, kv)
+            assert held.calls == [], f"the held-position forward read {held.calls} back to the host"
+            err = ((got - want).norm() / want.norm()).item()
+            assert err <= bound, f"{arch} {kind} pos {at}: relative error {err:.3g}"
+            k_want, v_want = ref_kv.view(model.cfg.n_layer - 1, at + 1)
+            k_got, v_got = kv.view(model.cfg.n_layer - 1, at + 1)
+            assert torch.allclose(k_got, k_want, rtol=1e-2, atol=1e-2) and torch.allclose(v_got, v_want, rtol=1e-2,
+                                                                                           atol=1e-2)
+    llm.close()
+
+
+@needs_seam
+@pytest.mark.parametrize("arch,kind", [("qwen3", "f16"), ("gemma3", "q8_0")])
+def test_step_batches_decode_rows(arch, kind, monkeypatch):
+    """CudaBackend.step over several sequences: their decode tokens run as one pass (every stand-in GEMV sees all
+    the rows), each row's attention over its own cache, a prefill chunk beside them through the forward; each
+    sequence's logits, argmax and cache rows are what stepping it alone gives (reference: the same sequences
+    stepped one at a time on twin caches; tolerance 1e-4 relative: the stand-ins' float32 matmuls may sum three
+    rows in another order than one (~1e-6 a step, carried on through the cache rows), where the GPU's GEMV does
+    not: tests/gpu/test_batch_step.py asserts equality)."""
+    from tiny_models import gguf_path
+
+    from pyllm.backends.base import SeqStep
+
+    monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
+    llm = _load_on_fake_cuda(monkeypatch, gguf_path(arch, "q8_0"), n_ctx=64, kv_cache=kind)
+    model, backend = llm.model, llm.model.backend
+    cfg = model.cfg
+    prompts = [[1, 17, 33, 5, 99], [7, 250, 3, 11, 42, 8, 9], [64, 3]]
+
+    def caches(n):
+        return [backend.make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, 64, cfg.head_dim) for _ in range(n)]
+
+    alone, together = caches(4), caches(4)
+    for kvs in (alone, together):
+        model.step([SeqStep(kv, p, 0, prefill=True) for kv, p in zip(kvs, prompts)])
+    toks, pos = [12, 200, 77], [len(p) for p in prompts]
+    for n in range(4):
+        seqs = [SeqStep(kv, [t], p) for kv, t, p in zip(together, toks, pos)]
+        if n == 3:  # a prompt joins: its chunk goes through the forward, beside the decode rows
+            seqs.insert(1, SeqStep(together[3], [5, 6, 7], 0, prefill=True))
+        backend.K.gemv_rows.clear()
+        got = backend.step(model, seqs)
+        assert backend.K.gemv_rows.count(3) >= cfg.n_layer, "the decode rows did not run as one pass"
+        want = [backend.step(model, [SeqStep(kv, [t], p)])[0] for kv, t, p in zip(alone, toks, pos)]
+        if n == 3:
+            want.insert(1, backend.step(model, [SeqStep(alone[3], [5, 6, 7], 0, prefill=True)])[0])
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.logits.shape == w.logits.shape
+            err = ((g.logits - w.logits).norm() / w.logits.norm()).item()
+            assert err <= 1e-4, f"{arch} {kind} step {n}: relative error {err:.3g}"
+            assert (g.argmax is None) == (w.argmax is None) and (g.argmax is None or g.argmax == w.argmax)
+        for kv_a, kv_t, p in zip(alone, together, pos):
+            for layer in range(cfg.n_layer):
+                for x, y in zip(kv_t.view(layer, p + 1), kv_a.view(layer, p + 1)):
+                    torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
+        toks = [int(w.argmax[0]) for w in (want[:1] + want[2:] if n == 3 else want)]
+        pos = [p + 1 for p in pos]
+    llm.close()
 
 
 class CodeKernels:
@@ -436,19 +572,18 @@ def _adapter_for(arch: str, path, tmp_path) -> str:
 @needs_seam
 @pytest.mark.parametrize("body", ["row kernels", "torch"])
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
-def test_step_adds_lora_terms(arch, body, tmp_path):
+def test_step_adds_lora_terms(arch, body, tmp_path, monkeypatch):
     """LoRA adapters (pyllm/lora.py) in the step, both bodies: its logits equal the model's own torch forward with
     the same adapters (Decoder.attach_lora's hook, which tests/test_lora.py ties to the adapters merged into the
     weights); tolerance as test_step_matches_model_torch_path's."""
-    import pyllm
     from tiny_models import gguf_path
 
     path = gguf_path(arch, "q8_0")
     adapter = _adapter_for(arch, path, tmp_path)
-    llm = pyllm.load(str(path), kernels="reference", n_ctx=64, kv_cache="f32", lora=[(adapter, 0.7)])
+    llm = _load_on_fake_cuda(monkeypatch, path, n_ctx=64, kv_cache="f32", lora=[(adapter, 0.7)])
     model = llm.model
     assert model.lora_terms
-    backend = cb.CudaBackend(TorchKernels(), torch.device("cpu"))
+    backend = model.backend
     prompt = torch.tensor([1, 17, 33, 5, 99, 42, 7, 250, 3, 11])
     ref_kv, kv = (kv_cache.KVCache(model.cfg.n_layer, model.cfg.n_kv_head, 64, model.cfg.head_dim, "f16")
                   for _ in range(2))
@@ -465,6 +600,8 @@ def test_step_adds_lora_terms(arch, body, tmp_path):
         err = ((step(tok, pos) - want).norm() / want.norm()).item()
         assert err <= 5e-4, f"{arch} {body} pos {pos}: relative error {err:.3g}"
     llm.close()
+    if body == "torch":  # the model's own forward: its hook is the model's (tests/test_lora.py)
+        return
     # without the terms the step is far from the adapted forward: the terms are what the comparison measures
     step.lora, step.lora_names = {}, {}
     want = model.forward(torch.tensor([5]), pos + 1, ref_kv)

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # One-shot GPU validation for a fresh device machine (H200: torch 2.11 cu130, nvcc 13.0), within 8 minutes:
 #   1. build the one extension with its CUDA kernels (pyllm/_ext.py), sm_90 only;
-#   2. pytest tests/gpu (float64 references, gguf.quants oracle, every KV cache kind, AWQ, Gemma 3, and
-#      device="cuda" against device="cpu" end to end: logits KL and 32 greedy tokens), the host-compiled row
+#   2. pytest tests/gpu (float64 references, gguf.quants oracle, every KV cache kind, AWQ, Gemma 3,
+#      device="cuda" against device="cpu" end to end: logits KL and 32 greedy tokens, and the batched step's rows
+#      equal to each sequence alone, bit for bit: test_batch_step.py), the host-compiled row
 #      reader and the build lock (tests/test_cuda_backend_host.py is CPU-only and runs with the CPU suite);
 #   3. pyllm run and a piped pyllm chat on --device cuda (a tiny converted model);
 #   4. GEMV GB/s vs copy bandwidth per type and 8B shape, in one run: the GGUF-order kernel (gemv.cu) and the tiled
 #      one (gemv_tiled.cu: its automatic K split, with PYLLM_CUDA_PDL=1, each split forced), synthetic Llama-3-8B
 #      pp512/tg128 and tg after a long prompt with f16 and q8_0 caches, weights in GGUF order and tiled (+ fp16 torch
-#      baseline, + the step in torch ops, + the row kernels with programmatic dependent launches, PYLLM_CUDA_PDL=1),
-#      the KL of a real model
+#      baseline, + the step in torch ops, + the row kernels with programmatic dependent launches, PYLLM_CUDA_PDL=1;
+#      + aggregate tok/s of 1, 4 and 8 streams through the batched step, CudaBackend.step, one table row), the KL
+#      of a real model
 #      cut to its first layers (CUDA and CPU against float32), then `pyllm bench --synthetic ... --device cuda`,
 #      and the synthetic 8B's pp512 / tg32 with half its layers on the GPU (--gpu-layers 16, the rest on the CPU);
 # and prints a short table last.  Logs and bench.json go to $OUT (the device tool's folder) or /tmp.

@@ -191,45 +191,43 @@ void check_vec(const at::Tensor& t, const char* name, const at::Tensor& like, in
     check_same_device(like, "x", t, name);
 }
 
-// x [1, D] += a (+ rms_norm(a) * post_w); h = rms_norm(x) * w; (xq, xds) = h's codes.  All written in place.
-void residual_norm_quant(const at::Tensor& x, std::optional<at::Tensor> a, std::optional<at::Tensor> post_w,
-                         const at::Tensor& w, double eps, const at::Tensor& h, const at::Tensor& xq,
-                         const at::Tensor& xds) {
-    check_tensor(x, "x", at::kFloat, 2);
-    const int64_t D = x.size(1);
-    PYLLM_CHECK_VALUE(x.size(0) == 1 && D > 0 && D % 32 == 0, "cuda_residual_norm_quant: x has shape ", x.sizes(),
-                      "; one row of a positive multiple of 32 values");
-    PYLLM_CHECK_VALUE(!post_w || a, "cuda_residual_norm_quant: post_w needs a");
-    if (a) check_vec(*a, "a", x, D);
-    if (post_w) check_vec(*post_w, "post_w", x, D);
-    check_vec(w, "w", x, D);
-    check_vec(h, "h", x, D);
-    check_codes(xq, xds, x, "x", D);
-    PYLLM_CHECK_VALUE(xq.size(0) == 1, "xq has ", xq.size(0), " rows, x has 1");
-    const c10::cuda::CUDAGuard guard(x.device());
-    residual_norm_quant_cuda(x.data_ptr<float>(), a ? a->data_ptr<float>() : nullptr,
-                             post_w ? post_w->data_ptr<float>() : nullptr, w.data_ptr<float>(),
-                             static_cast<float>(eps), static_cast<int>(D), h.data_ptr<float>(), xq.data_ptr<int8_t>(),
-                             reinterpret_cast<float2*>(xds.data_ptr<float>()), stream_of(x));
+// The rows x of a row kernel: [M, n] f32, M in 1..CUDA_GEMV_MAX_M, n the arch's size `what` (a multiple of 32).
+int64_t checked_rows(const char* fn, const at::Tensor& x, const char* name, int64_t n, const char* what) {
+    check_tensor(x, name, at::kFloat, 2);
+    PYLLM_CHECK_VALUE(n > 0 && n % 32 == 0, fn, ": arch.", what, " = ", n, " is not a positive multiple of 32");
+    const int64_t M = x.size(0);
+    PYLLM_CHECK_VALUE(x.size(1) == n && M >= 1 && M <= CUDA_GEMV_MAX_M, fn, ": ", name, " has shape ", x.sizes(),
+                      "; 1..", CUDA_GEMV_MAX_M, " rows of arch.", what, " = ", n, " values");
+    return M;
 }
 
-// h [1, n] = act(g) * u (act "silu" or "gelu_tanh"); (xq, xds) = h's codes.
-void act_quant(const at::Tensor& g, const at::Tensor& u, const std::string& act, const at::Tensor& h,
+// x [M, n_embd] += a (+ rms_norm(a) * post_w); h = rms_norm(x) * w; (xq, xds) = h's codes.  All written in place.
+void residual_norm_quant(const DecodeArch& arch, const at::Tensor& x, std::optional<at::Tensor> a,
+                         std::optional<at::Tensor> post_w, const at::Tensor& w, const at::Tensor& h,
+                         const at::Tensor& xq, const at::Tensor& xds) {
+    const int64_t D = arch.n_embd, M = checked_rows("cuda_residual_norm_quant", x, "x", D, "n_embd");
+    PYLLM_CHECK_VALUE(!post_w || a, "cuda_residual_norm_quant: post_w needs a");
+    if (a) check_vec(*a, "a", x, M * D);
+    if (post_w) check_vec(*post_w, "post_w", x, D);
+    check_vec(w, "w", x, D);
+    check_vec(h, "h", x, M * D);
+    PYLLM_CHECK_VALUE(check_codes(xq, xds, x, "x", D) == M, "xq has ", xq.size(0), " rows, x has ", M);
+    const c10::cuda::CUDAGuard guard(x.device());
+    residual_norm_quant_cuda(arch, static_cast<int>(M), x.data_ptr<float>(), a ? a->data_ptr<float>() : nullptr,
+                             post_w ? post_w->data_ptr<float>() : nullptr, w.data_ptr<float>(), h.data_ptr<float>(),
+                             xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()), stream_of(x));
+}
+
+// h [M, n_ff] = act(g) * u (the arch's activation); (xq, xds) = h's codes.
+void act_quant(const DecodeArch& arch, const at::Tensor& g, const at::Tensor& u, const at::Tensor& h,
                const at::Tensor& xq, const at::Tensor& xds) {
-    check_tensor(g, "g", at::kFloat, 2);
-    const int64_t n = g.size(1);
-    PYLLM_CHECK_VALUE(g.size(0) == 1 && n > 0 && n % 32 == 0, "cuda_act_quant: g has shape ", g.sizes(),
-                      "; one row of a positive multiple of 32 values");
-    PYLLM_CHECK_VALUE(act == "silu" || act == "gelu_tanh", "cuda_act_quant: act must be 'silu' or 'gelu_tanh', got '",
-                      act, "'");
-    check_vec(u, "u", g, n);
-    check_vec(h, "h", g, n);
-    check_codes(xq, xds, g, "g", n);
-    PYLLM_CHECK_VALUE(xq.size(0) == 1, "xq has ", xq.size(0), " rows, g has 1");
+    const int64_t n = arch.n_ff, M = checked_rows("cuda_act_quant", g, "g", n, "n_ff");
+    check_vec(u, "u", g, M * n);
+    check_vec(h, "h", g, M * n);
+    PYLLM_CHECK_VALUE(check_codes(xq, xds, g, "g", n) == M, "xq has ", xq.size(0), " rows, g has ", M);
     const c10::cuda::CUDAGuard guard(g.device());
-    act_quant_cuda(act == "silu" ? 0 : 1, g.data_ptr<float>(), u.data_ptr<float>(), static_cast<int>(n),
-                   h.data_ptr<float>(), xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()),
-                   stream_of(g));
+    act_quant_cuda(arch, static_cast<int>(M), g.data_ptr<float>(), u.data_ptr<float>(), h.data_ptr<float>(),
+                   xq.data_ptr<int8_t>(), reinterpret_cast<float2*>(xds.data_ptr<float>()), stream_of(g));
 }
 
 KVRow float_row_type(const at::Tensor& t, const char* name) {
@@ -239,42 +237,55 @@ KVRow float_row_type(const at::Tensor& t, const char* name) {
     return dt == at::kFloat ? KVRow::F32 : dt == at::kHalf ? KVRow::F16 : KVRow::BF16;
 }
 
-// q [1, H*hd], k, v [1, Hkv*hd] -> q_out [H, hd] (bias, per-head norm, RoPE at pos[0]) and the rows k_cache[:, pos],
-// v_cache[:, pos] of one layer's float cache [Hkv, max_seq, hd].  cos and sin both None: no RoPE (a NoPE layer).
-void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<at::Tensor> q_bias,
-                std::optional<at::Tensor> k_bias, std::optional<at::Tensor> v_bias, std::optional<at::Tensor> q_norm,
-                std::optional<at::Tensor> k_norm, double eps, std::optional<at::Tensor> cos,
-                std::optional<at::Tensor> sin, bool neox, const at::Tensor& pos, const at::Tensor& k_cache,
+// Layer `layer`'s q [1, H*hd], k, v [1, Hkv*hd] -> q_out [H, hd] (bias, per-head norm, RoPE at pos[0], as the arch
+// says) and the rows k_cache[:, pos], v_cache[:, pos] of its float cache [Hkv, max_seq, hd].  The biases are given
+// exactly where arch.qkv_bias, the norms where arch.qk_norm, cos and sin where the layer has rope tables.
+void rope_store(const DecodeArch& arch, int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                std::optional<at::Tensor> q_bias, std::optional<at::Tensor> k_bias, std::optional<at::Tensor> v_bias,
+                std::optional<at::Tensor> q_norm, std::optional<at::Tensor> k_norm, std::optional<at::Tensor> cos,
+                std::optional<at::Tensor> sin, const at::Tensor& pos, const at::Tensor& k_cache,
                 const at::Tensor& v_cache, const at::Tensor& q_out) {
-    check_tensor(q_out, "q_out", at::kFloat, 2);
-    const int64_t H = q_out.size(0), hd = q_out.size(1);
+    const int64_t H = arch.n_head, Hkv = arch.n_kv_head, hd = arch.head_dim;
+    PYLLM_CHECK_VALUE(layer >= 0 && layer < arch.n_layer, "cuda_rope_store: layer ", layer, " is outside 0..",
+                      arch.n_layer - 1);
     PYLLM_CHECK_VALUE(hd == 64 || hd == 128 || hd == 256, "cuda_rope_store: head_dim ", hd,
                       " is not supported (64, 128, 256)");
+    check_tensor(q_out, "q_out", at::kFloat, 2);
+    PYLLM_CHECK_VALUE(q_out.size(0) == H && q_out.size(1) == hd, "cuda_rope_store: q_out has shape ", q_out.sizes(),
+                      ", expected [arch.n_head=", H, ", arch.head_dim=", hd, "]");
     PYLLM_CHECK_VALUE(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must both be "
                       "[Hkv, max_seq, head_dim], got ", k_cache.sizes(), " and ", v_cache.sizes());
-    const int64_t Hkv = k_cache.size(0), max_seq = k_cache.size(1);
-    PYLLM_CHECK_VALUE(k_cache.size(2) == hd && Hkv >= 1 && H % Hkv == 0, "cuda_rope_store: k_cache has shape ",
-                      k_cache.sizes(), " for ", H, " query heads of ", hd, " values");
+    const int64_t max_seq = k_cache.size(1);
+    PYLLM_CHECK_VALUE(k_cache.size(0) == Hkv && k_cache.size(2) == hd, "cuda_rope_store: k_cache has shape ",
+                      k_cache.sizes(), " for arch.n_kv_head=", Hkv, " heads of ", hd, " values");
     PYLLM_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
     check_same_device(q_out, "q_out", k_cache, "k_cache");
     check_same_device(q_out, "q_out", v_cache, "v_cache");
     check_vec(q, "q", q_out, H * hd);
     check_vec(k, "k", q_out, Hkv * hd);
     check_vec(v, "v", q_out, Hkv * hd);
-    if (q_bias) check_vec(*q_bias, "q_bias", q_out, H * hd);
-    if (k_bias) check_vec(*k_bias, "k_bias", q_out, Hkv * hd);
-    if (v_bias) check_vec(*v_bias, "v_bias", q_out, Hkv * hd);
-    PYLLM_CHECK_VALUE(q_norm.has_value() == k_norm.has_value(), "cuda_rope_store: give q_norm and k_norm, or neither");
+    const bool bias = q_bias || k_bias || v_bias;
+    PYLLM_CHECK_VALUE(bias == arch.qkv_bias && (!bias || (q_bias && k_bias && v_bias)), "cuda_rope_store: give q, k "
+                      "and v biases exactly where arch.qkv_bias (", arch.qkv_bias, ")");
+    if (bias) {
+        check_vec(*q_bias, "q_bias", q_out, H * hd);
+        check_vec(*k_bias, "k_bias", q_out, Hkv * hd);
+        check_vec(*v_bias, "v_bias", q_out, Hkv * hd);
+    }
+    PYLLM_CHECK_VALUE(q_norm.has_value() == arch.qk_norm && k_norm.has_value() == arch.qk_norm,
+                      "cuda_rope_store: give q_norm and k_norm exactly where arch.qk_norm (", arch.qk_norm, ")");
     if (q_norm) check_vec(*q_norm, "q_norm", q_out, hd);
     if (k_norm) check_vec(*k_norm, "k_norm", q_out, hd);
-    PYLLM_CHECK_VALUE(cos.has_value() == sin.has_value(), "cuda_rope_store: give cos and sin, or neither (no RoPE)");
-    if (cos) {
+    const bool rope = arch.layer_rope[static_cast<size_t>(layer)] >= 0;
+    PYLLM_CHECK_VALUE(cos.has_value() == rope && sin.has_value() == rope, "cuda_rope_store: give cos and sin exactly "
+                      "where the layer has rope tables (arch.layer_rope[", layer, "] = ",
+                      arch.layer_rope[static_cast<size_t>(layer)], ")");
+    if (rope) {
         check_tensor(*cos, "cos", at::kFloat, 2);
         check_tensor(*sin, "sin", at::kFloat, 2);
-        PYLLM_CHECK_VALUE(cos->sizes() == sin->sizes() && cos->size(1) >= 1 && 2 * cos->size(1) <= hd &&
-                              cos->size(0) >= 1,
-                          "cos and sin must be [max_pos, rope_dim / 2] with rope_dim <= ", hd, ", got ", cos->sizes(),
-                          " and ", sin->sizes());
+        PYLLM_CHECK_VALUE(cos->sizes() == sin->sizes() && 2 * cos->size(1) == arch.rope_dim && cos->size(0) >= 1,
+                          "cos and sin must be [max_pos, arch.rope_dim / 2 = ", arch.rope_dim / 2, "], got ",
+                          cos->sizes(), " and ", sin->sizes());
         check_same_device(q_out, "q_out", *cos, "cos");
         check_same_device(q_out, "q_out", *sin, "sin");
     }
@@ -290,17 +301,10 @@ void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, s
     args.v_bias = v_bias ? v_bias->data_ptr<float>() : nullptr;
     args.q_norm = q_norm ? q_norm->data_ptr<float>() : nullptr;
     args.k_norm = k_norm ? k_norm->data_ptr<float>() : nullptr;
-    args.eps = static_cast<float>(eps);
-    // without tables, rope_half 0: the kernel rotates no value
-    args.cos = cos ? cos->data_ptr<float>() : nullptr;
-    args.sin = sin ? sin->data_ptr<float>() : nullptr;
-    args.rope_half = cos ? static_cast<int>(cos->size(1)) : 0;
-    args.max_pos = cos ? static_cast<int>(cos->size(0)) : 0;
-    args.neox = neox ? 1 : 0;
+    args.cos = rope ? cos->data_ptr<float>() : nullptr;  // without tables the kernel rotates no value
+    args.sin = rope ? sin->data_ptr<float>() : nullptr;
+    args.max_pos = rope ? static_cast<int>(cos->size(0)) : 0;
     args.pos = pos.data_ptr<int64_t>();
-    args.H = static_cast<int>(H);
-    args.Hkv = static_cast<int>(Hkv);
-    args.hd = static_cast<int>(hd);
     args.max_seq = static_cast<int>(max_seq);
     args.k_type = float_row_type(k_cache, "k_cache");
     args.v_type = float_row_type(v_cache, "v_cache");
@@ -308,7 +312,7 @@ void rope_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, s
     args.v_cache = static_cast<uint8_t*>(v_cache.data_ptr());
     args.q_out = q_out.data_ptr<float>();
     const c10::cuda::CUDAGuard guard(q_out.device());
-    rope_store_cuda(args, stream_of(q_out));
+    rope_store_cuda(arch, args, stream_of(q_out));
 }
 
 // Rows of W (all, or ids) as fp16 (half=True) or fp32.  check_ids=False skips the range check, which needs a
@@ -516,18 +520,20 @@ void register_cuda(pybind11::module& m) {
           "N_i] = x @ ws[i]^T.");
     m.def("cuda_quantize_act", &quantize_act, py::arg("x"), py::arg("xq") = py::none(), py::arg("xds") = py::none(),
           "The int8 activation codes and (d, d*sum) scales cuda_gemv computes from x [M, K] (into xq, xds if given).");
-    m.def("cuda_residual_norm_quant", &residual_norm_quant, py::arg("x"), py::arg("a"), py::arg("post_w"),
-          py::arg("w"), py::arg("eps"), py::arg("h"), py::arg("xq"), py::arg("xds"),
-          "In place: x [1, D] += a (or rms_norm(a) * post_w), h = rms_norm(x) * w, (xq, xds) = h's int8 codes.");
-    m.def("cuda_act_quant", &act_quant, py::arg("g"), py::arg("u"), py::arg("act"), py::arg("h"), py::arg("xq"),
-          py::arg("xds"), "In place: h [1, n] = act(g) * u (act 'silu' or 'gelu_tanh'), (xq, xds) = h's int8 codes.");
-    m.def("cuda_rope_store", &rope_store, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("q_bias"),
-          py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"), py::arg("k_norm"), py::arg("eps"), py::arg("cos"),
-          py::arg("sin"), py::arg("neox"), py::arg("pos"), py::arg("k_cache"), py::arg("v_cache"),
-          py::arg("q_out"),
-          "One token's q [1, H*hd], k, v [1, Hkv*hd]: bias, per-head RMS norm, RoPE at pos[0] (none when cos and sin "
-          "are None) -> q_out [H, hd], and "
-          "k, v written at pos[0] into one layer's float cache [Hkv, max_seq, hd].");
+    m.def("cuda_residual_norm_quant", &residual_norm_quant, py::arg("arch"), py::arg("x"), py::arg("a"),
+          py::arg("post_w"), py::arg("w"), py::arg("h"), py::arg("xq"), py::arg("xds"),
+          "In place, for M <= 8 rows of arch.n_embd values (arch: DecodeArch): x [M, D] += a (or rms_norm(a) * post_w), "
+          "h = rms_norm(x) * w (eps arch.rms_eps), (xq, xds) = h's int8 codes; each row as alone.");
+    m.def("cuda_act_quant", &act_quant, py::arg("arch"), py::arg("g"), py::arg("u"), py::arg("h"), py::arg("xq"),
+          py::arg("xds"),
+          "In place: h [M, arch.n_ff] = act(g) * u (SiLU, or tanh-GELU where arch's act is), (xq, xds) = h's int8 "
+          "codes.");
+    m.def("cuda_rope_store", &rope_store, py::arg("arch"), py::arg("layer"), py::arg("q"), py::arg("k"), py::arg("v"),
+          py::arg("q_bias"), py::arg("k_bias"), py::arg("v_bias"), py::arg("q_norm"), py::arg("k_norm"),
+          py::arg("cos"), py::arg("sin"), py::arg("pos"), py::arg("k_cache"), py::arg("v_cache"), py::arg("q_out"),
+          "One token's q [1, H*hd], k, v [1, Hkv*hd] of layer `layer` (arch: DecodeArch): bias, per-head RMS norm, "
+          "RoPE at pos[0] (none for a layer without rope tables: cos and sin None) -> q_out [H, hd], and k, v "
+          "written at pos[0] into the layer's float cache [Hkv, max_seq, hd].");
     m.def("cuda_dequantize", &dequantize, py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("ids") = py::none(),
           py::arg("half") = true, py::arg("check_ids") = true,
           "Rows of W (all, or ids int64 [n]) -> [n, K] fp16 (half) or fp32, equal to gguf.quants in fp32.");

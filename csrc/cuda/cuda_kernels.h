@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../common/arch.h"
 #include "../common/limits.h"
 #include "../common/qtype.h"
 #include "kv_rows.cuh"
@@ -115,39 +116,42 @@ void attn_decode_cuda(const float* q, const AttnRows& k, const AttnRows& v, cons
                       float scale, cudaStream_t stream, int8_t* xq = nullptr, float2* xds = nullptr);
 
 // ---- the decode step's row operations (step.cu) -------------------------------------------------------------
-// x [D] += a (a given: plus rms_norm(a) * post_w where post_w is given), then h = rms_norm(x) * w [D] and h's
-// int8 codes (xq [D], xds [D/32], as quantize_act_cuda).  D % 32 == 0; x updated in place; one CTA.
-void residual_norm_quant_cuda(float* x, const float* a, const float* post_w, const float* w, float eps, int D,
-                              float* h, int8_t* xq, float2* xds, cudaStream_t stream);
+// Each takes the model's ArchDims (csrc/common/arch.h, checked when it was built) for its sizes and constants, and
+// runs on M rows at once (1 <= M <= CUDA_GEMV_MAX_M: the decode rows of several sequences), each row computed
+// exactly as it would be alone.
+//
+// x [M, n_embd] += a (a given: plus rms_norm(a) * post_w where post_w is given), then h = rms_norm(x) * w and h's
+// int8 codes (xq [M, n_embd], xds [M, n_embd/32], as quantize_act_cuda); eps = rms_eps.  n_embd % 32 == 0; x
+// updated in place; one CTA per row.
+void residual_norm_quant_cuda(const ArchDims& arch, int M, float* x, const float* a, const float* post_w,
+                              const float* w, float* h, int8_t* xq, float2* xds, cudaStream_t stream);
 
-// h = act(g) * u over n values (act 0: SiLU, 1: GELU tanh approximation) and h's int8 codes; n % 32 == 0.
-void act_quant_cuda(int act, const float* g, const float* u, int n, float* h, int8_t* xq, float2* xds,
+// h [M, n_ff] = act(g) * u (SiLU, or the tanh-approximated GELU where gelu_tanh) and h's int8 codes; n_ff % 32 == 0.
+void act_quant_cuda(const ArchDims& arch, int M, const float* g, const float* u, float* h, int8_t* xq, float2* xds,
                     cudaStream_t stream);
 
-// One token's q, k, v (GEMV outputs) -> RoPE'd q_out [H, hd] and the k, v rows at position *pos of a float cache.
+// One token's q, k, v (GEMV outputs) of one layer -> RoPE'd q_out [n_head, head_dim] and the k, v rows at
+// position *pos of a float cache.  Bias where qkv_bias, per-head RMS norm where qk_norm (eps = rms_eps), RoPE of
+// the first rope_dim values of a head (neox pairs or adjacent pairs) where the layer has tables.
 struct RopeStoreArgs {
-    const float* q;       // [H * hd]
-    const float* k;       // [Hkv * hd]
-    const float* v;       // [Hkv * hd]
-    const float* q_bias;  // [H * hd], [Hkv * hd], [Hkv * hd] or nullptr
+    const float* q;       // [n_head * head_dim]
+    const float* k;       // [n_kv_head * head_dim]
+    const float* v;       // [n_kv_head * head_dim]
+    const float* q_bias;  // as q, k, v, or nullptr (qkv_bias false)
     const float* k_bias;
     const float* v_bias;
-    const float* q_norm;  // [hd] per-head RMS norm weights of q and k, or nullptr
+    const float* q_norm;  // [head_dim] per-head RMS norm weights of q and k, or nullptr (qk_norm false)
     const float* k_norm;
-    float eps;
-    const float* cos;     // [max_pos, rope_half] tables; RoPE rotates the first 2 * rope_half values of a head
-                          // (rope_half 0, cos and sin nullptr: none)
+    const float* cos;     // [max_pos, rope_dim / 2] tables of this layer, or nullptr: a layer without RoPE
     const float* sin;
-    int rope_half;
     int max_pos;
-    int neox;             // 1: pairs (i, i + rope_half); 0: pairs (2i, 2i + 1)
     const int64_t* pos;   // device: the token's position
-    int H, Hkv, hd, max_seq;
+    int max_seq;
     KVRow k_type, v_type;  // F32, F16 or BF16 rows
-    uint8_t* k_cache;     // [Hkv, max_seq, hd] rows of one layer
+    uint8_t* k_cache;     // [n_kv_head, max_seq, head_dim] rows of one layer
     uint8_t* v_cache;
-    float* q_out;         // [H, hd]
+    float* q_out;         // [n_head, head_dim]
 };
-void rope_store_cuda(const RopeStoreArgs& args, cudaStream_t stream);
+void rope_store_cuda(const ArchDims& arch, const RopeStoreArgs& args, cudaStream_t stream);
 
 }  // namespace pyllm

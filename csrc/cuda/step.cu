@@ -8,7 +8,9 @@
 // - rope_store: bias, per-head RMS norm, RoPE of q and k at the device-held position, and the new K/V rows
 //   written into a float cache (f32 / f16 / bf16) at that position.
 // Every value is float32 and computed in the order of the torch code it replaces, so the step's logits stay
-// within float rounding of the torch path (tests/gpu/test_step_kernels.py).
+// within float rounding of the torch path (tests/gpu/test_step_kernels.py).  Sizes and constants come from the
+// model's ArchDims (csrc/common/arch.h), taken by value; the row kernels run M rows (one CTA, or one stretch of
+// threads, per row), each exactly as alone, so a batched step's row is its sequence's own step bit for bit.
 #include <cuda_bf16.h>
 
 #include <cfloat>
@@ -36,16 +38,25 @@ __device__ float block_sum(float v, float* red) {
 // kernel waits for memory once, not once per loop and element (the loop form below took 5.7 us per call on an
 // H200 for D = 4096); the sums run in the loop form's order, so both give the same bits.
 template <int P>
-__global__ void __launch_bounds__(1024) residual_norm_quant_regs_kernel(float* __restrict__ x,
+__global__ void __launch_bounds__(1024) residual_norm_quant_regs_kernel(ArchDims arch, float* __restrict__ x,
                                                                         const float* __restrict__ a,
                                                                         const float* __restrict__ post_w,
-                                                                        const float* __restrict__ w, float eps, int D,
+                                                                        const float* __restrict__ w,
                                                                         float* __restrict__ h,
                                                                         int8_t* __restrict__ xq,
                                                                         float2* __restrict__ xds) {
     pdl_trigger();
     pdl_wait();
     __shared__ float red[32];
+    const int D = static_cast<int>(arch.n_embd);
+    const float eps = static_cast<float>(arch.rms_eps);
+    // this CTA's row (blockIdx.x) of x, a, h and the codes: D values each, D / 32 scales
+    const size_t row0 = static_cast<size_t>(blockIdx.x) * D;
+    x += row0;
+    if (a != nullptr) a += row0;
+    h += row0;
+    xq += row0;
+    xds += row0 / 32;
     const int t = threadIdx.x, nt = blockDim.x;
     float xv[P], av[P], pv[P], wv[P];
 #pragma unroll
@@ -90,14 +101,24 @@ __global__ void __launch_bounds__(1024) residual_norm_quant_regs_kernel(float* _
 }
 
 // The same for any D (rows longer than the register form's 8 x 1024 values: 64 registers a thread at most).
-__global__ void __launch_bounds__(1024) residual_norm_quant_kernel(float* __restrict__ x, const float* __restrict__ a,
+__global__ void __launch_bounds__(1024) residual_norm_quant_kernel(ArchDims arch, float* __restrict__ x,
+                                                                   const float* __restrict__ a,
                                                                    const float* __restrict__ post_w,
-                                                                   const float* __restrict__ w, float eps, int D,
+                                                                   const float* __restrict__ w,
                                                                    float* __restrict__ h, int8_t* __restrict__ xq,
                                                                    float2* __restrict__ xds) {
     pdl_trigger();
     pdl_wait();
     __shared__ float red[32];
+    const int D = static_cast<int>(arch.n_embd);
+    const float eps = static_cast<float>(arch.rms_eps);
+    // this CTA's row (blockIdx.x) of x, a, h and the codes: D values each, D / 32 scales
+    const size_t row0 = static_cast<size_t>(blockIdx.x) * D;
+    x += row0;
+    if (a != nullptr) a += row0;
+    h += row0;
+    xq += row0;
+    xds += row0 / 32;
     // Each thread touches elements threadIdx.x + k * blockDim.x in every loop, so x needs no barrier between them.
     if (a != nullptr) {
         float ra = 1.f;
@@ -120,12 +141,15 @@ __global__ void __launch_bounds__(1024) residual_norm_quant_kernel(float* __rest
     }
 }
 
+// M rows of n_ff values back to back: n_ff % 32 == 0, so a warp's 32 values are one block of one row, and the
+// codes' scales of all rows are one array ([M, n_ff / 32]).
 template <int Act>  // 0: SiLU, 1: GELU (tanh approximation)
-__global__ void __launch_bounds__(256) act_quant_kernel(const float* __restrict__ g, const float* __restrict__ u,
-                                                        int n, float* __restrict__ h, int8_t* __restrict__ xq,
-                                                        float2* __restrict__ xds) {
+__global__ void __launch_bounds__(256) act_quant_kernel(ArchDims arch, int M, const float* __restrict__ g,
+                                                        const float* __restrict__ u, float* __restrict__ h,
+                                                        int8_t* __restrict__ xq, float2* __restrict__ xds) {
     pdl_trigger();
     pdl_wait();
+    const int n = M * static_cast<int>(arch.n_ff);
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     const int base = i & ~31;
     if (base >= n) return;  // the whole warp: n % 32 == 0
@@ -147,14 +171,18 @@ __device__ __forceinline__ void store_row_value(KVRow t, uint8_t* row, int j, fl
 }
 
 // One CTA per head: H query heads, then Hkv key heads, then Hkv value heads; one thread per value.
-__global__ void rope_store_kernel(RopeStoreArgs p) {
+__global__ void rope_store_kernel(ArchDims arch, RopeStoreArgs p) {
     pdl_trigger();
     pdl_wait();
     extern __shared__ float row[];  // the head's values before RoPE: each output reads its pair partner
     __shared__ float red[32];
-    const int b = blockIdx.x, j = threadIdx.x, hd = p.hd;
-    const bool is_q = b < p.H, is_k = !is_q && b < p.H + p.Hkv;
-    const int head = is_q ? b : is_k ? b - p.H : b - p.H - p.Hkv;
+    const int H = static_cast<int>(arch.n_head), Hkv = static_cast<int>(arch.n_kv_head);
+    const int hd = static_cast<int>(arch.head_dim);
+    const int rope_half = p.cos != nullptr ? static_cast<int>(arch.rope_dim / 2) : 0;
+    const float eps = static_cast<float>(arch.rms_eps);
+    const int b = blockIdx.x, j = threadIdx.x;
+    const bool is_q = b < H, is_k = !is_q && b < H + Hkv;
+    const int head = is_q ? b : is_k ? b - H : b - H - Hkv;
     const float* src = is_q ? p.q : is_k ? p.k : p.v;
     const float* bias = is_q ? p.q_bias : is_k ? p.k_bias : p.v_bias;
     const int64_t pos = *p.pos;
@@ -162,16 +190,16 @@ __global__ void rope_store_kernel(RopeStoreArgs p) {
     if (bias != nullptr) x += bias[head * hd + j];
     if (is_q || is_k) {
         const float* nw = is_q ? p.q_norm : p.k_norm;
-        if (nw != nullptr) x = x * rsqrtf(block_sum(x * x, red) / static_cast<float>(hd) + p.eps) * nw[j];
+        if (nw != nullptr) x = x * rsqrtf(block_sum(x * x, red) / static_cast<float>(hd) + eps) * nw[j];
         row[j] = x;
         __syncthreads();
-        if (j < 2 * p.rope_half && pos < p.max_pos) {
-            const float* cs = p.cos + pos * p.rope_half;
-            const float* sn = p.sin + pos * p.rope_half;
-            if (p.neox) {  // pairs (i, i + half)
-                const int i = j < p.rope_half ? j : j - p.rope_half;
-                x = j < p.rope_half ? row[j] * cs[i] - row[j + p.rope_half] * sn[i]
-                                    : row[j] * cs[i] + row[j - p.rope_half] * sn[i];
+        if (j < 2 * rope_half && pos < p.max_pos) {
+            const float* cs = p.cos + pos * rope_half;
+            const float* sn = p.sin + pos * rope_half;
+            if (arch.neox) {  // pairs (i, i + half)
+                const int i = j < rope_half ? j : j - rope_half;
+                x = j < rope_half ? row[j] * cs[i] - row[j + rope_half] * sn[i]
+                                  : row[j] * cs[i] + row[j - rope_half] * sn[i];
             } else {  // pairs (2i, 2i + 1)
                 const int i = j >> 1;
                 x = (j & 1) == 0 ? row[j] * cs[i] - row[j + 1] * sn[i] : row[j] * cs[i] + row[j - 1] * sn[i];
@@ -190,8 +218,9 @@ __global__ void rope_store_kernel(RopeStoreArgs p) {
 }  // namespace
 }  // namespace cuda
 
-void residual_norm_quant_cuda(float* x, const float* a, const float* post_w, const float* w, float eps, int D,
-                              float* h, int8_t* xq, float2* xds, cudaStream_t stream) {
+void residual_norm_quant_cuda(const ArchDims& arch, int M, float* x, const float* a, const float* post_w,
+                              const float* w, float* h, int8_t* xq, float2* xds, cudaStream_t stream) {
+    const int D = static_cast<int>(arch.n_embd);
     const int threads = D < 1024 ? D : 1024;  // D % 32 == 0
     const int per = (D + threads - 1) / threads;
     auto* kernel = per == 1   ? cuda::residual_norm_quant_regs_kernel<1>
@@ -199,20 +228,22 @@ void residual_norm_quant_cuda(float* x, const float* a, const float* post_w, con
                    : per <= 4 ? cuda::residual_norm_quant_regs_kernel<4>
                    : per <= 8 ? cuda::residual_norm_quant_regs_kernel<8>
                               : cuda::residual_norm_quant_kernel;
-    cuda::launch_kernel("residual_norm_quant_cuda", kernel, 1, threads, 0, stream, x, a, post_w, w, eps, D, h, xq,
-                        xds);
+    cuda::launch_kernel("residual_norm_quant_cuda", kernel, static_cast<unsigned>(M), threads, 0, stream, arch, x, a,
+                        post_w, w, h, xq, xds);
 }
 
-void act_quant_cuda(int act, const float* g, const float* u, int n, float* h, int8_t* xq, float2* xds,
+void act_quant_cuda(const ArchDims& arch, int M, const float* g, const float* u, float* h, int8_t* xq, float2* xds,
                     cudaStream_t stream) {
+    const int64_t n = M * arch.n_ff;
     const unsigned grid = static_cast<unsigned>((n + 255) / 256);
-    cuda::launch_kernel("act_quant_cuda", act == 0 ? cuda::act_quant_kernel<0> : cuda::act_quant_kernel<1>, grid, 256,
-                        0, stream, g, u, n, h, xq, xds);
+    cuda::launch_kernel("act_quant_cuda", arch.gelu_tanh ? cuda::act_quant_kernel<1> : cuda::act_quant_kernel<0>,
+                        grid, 256, 0, stream, arch, M, g, u, h, xq, xds);
 }
 
-void rope_store_cuda(const RopeStoreArgs& args, cudaStream_t stream) {
-    const unsigned grid = static_cast<unsigned>(args.H + 2 * args.Hkv);
-    cuda::launch_kernel("rope_store_cuda", cuda::rope_store_kernel, grid, args.hd, args.hd * sizeof(float), stream,
+void rope_store_cuda(const ArchDims& arch, const RopeStoreArgs& args, cudaStream_t stream) {
+    const unsigned grid = static_cast<unsigned>(arch.n_head + 2 * arch.n_kv_head);
+    const int hd = static_cast<int>(arch.head_dim);
+    cuda::launch_kernel("rope_store_cuda", cuda::rope_store_kernel, grid, hd, hd * sizeof(float), stream, arch,
                         args);
 }
 

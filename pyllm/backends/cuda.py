@@ -6,14 +6,16 @@ block type and AWQ; decode attention over every KV cache kind), compiled into th
 when nvcc and a CUDA torch are present.  ``create()`` raises BackendUnavailable naming what is missing.
 
 Paths, as the physics dictates:
-- decode (<= GEMV_MAX_M rows): the fused GEMV reads each weight once per token, still quantized;
+- decode (<= GEMV_MAX_M rows): the fused GEMV reads each weight once per token, still quantized; the decode
+  tokens of several sequences (CudaBackend.step) share one pass, each weight read once for all of them;
 - prefill: a weight dequantized to fp16 (one layer's worth at a time) and cuBLAS on the tensor cores;
 - types without a GEMV kernel (Q2_K, Q3_K, Q5_1) take the dequantize path at decode too;
 - decode attention: csrc/cuda/attention.cu over the cache's stored rows (the CPU step's semantics: storage basis,
   exact sink row, sliding window); prefill attention: the model's torch path (SDPA) over the cache.
 
-The fused step (``CudaDecodeStep``) is the CPU step's decoder (csrc/cpu/decode_step.cpp) in torch ops on device
-tensors: token and position live in device buffers, so one captured graph serves every position.  Logits come
+The fused step (``CudaDecodeStep``) runs csrc/cuda/step.cu's row kernels between the GEMVs, or, for a model they
+do not take, the model's own torch forward (models/transformer.py forward_on_device) with the position held on the
+device: token and position live in device buffers, so one captured graph serves every position.  Logits come
 back as float32 CPU tensors, so the runtime's sampler chain, stop strings, prefix reuse and Ctrl-C are the CPU's.
 """
 
@@ -30,7 +32,7 @@ from ..formats.awq.unpack import AWQTensor
 from ..errors import PyllmError
 from ..formats.gguf import GGMLType
 from ..ops import GEMV_MAX_M  # above it, dequantize + cuBLAS (csrc/common/limits.h)
-from .base import BackendUnavailable, SeqStep, StepRows, step_each
+from .base import BackendUnavailable, SeqStep, StepRows, check_seqs, step_one
 
 HEAD_DIMS = (64, 128, 256)  # head sizes csrc/cuda/attention.cu is instantiated for
 _FLOAT = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
@@ -239,6 +241,51 @@ def encode_rows(block: str, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.cat((d.unsqueeze(-1).view(torch.uint8), c.view(torch.uint8)), -1).reshape(hkv, -1)
 
 
+def attend_parts(K, q: torch.Tensor, kp: AttnPart, vp: AttnPart, length: torch.Tensor, scale: float,
+                 window: int) -> torch.Tensor:
+    """One query row q [H, hd] (model basis) over a layer's stored rows 0..length-1 (length: device int32 [1]):
+    the query mapped into the keys' storage basis, csrc/cuda/attention.cu, the output mapped back ([H, hd])."""
+    group = q.shape[0] // kp.data.shape[0]
+    qs = q
+    if kp.scale is not None:
+        qs = qs * kp.scale.repeat_interleave(group, 0)
+    if kp.rot is not None:
+        qs = qs @ kp.rot_t
+    a = K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, length, scale, kp.block, vp.block, kp.sink, vp.sink,
+                           window, 0.0)
+    if vp.rot is not None:
+        a = a @ vp.rot
+    if vp.mu is not None:
+        a = a + vp.mu.repeat_interleave(group, 0)
+    return a
+
+
+def cache_problem(kv) -> str | None:
+    """Why csrc/cuda/attention.cu cannot read ``kv``'s rows (then the torch forms do), or None."""
+    if not hasattr(kv, "storage_layout"):
+        return "the cache predates the backend seam"
+    if kv.head_dim not in HEAD_DIMS:
+        return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
+    for p in kv.storage_layout():
+        if p.block not in _FLOAT_KINDS + _BLOCK_KINDS:
+            return f"cache rows {p.block!r}"
+        if getattr(p, "table", None) is not None:
+            return "a paged cache (the CUDA kernels read contiguous rows)"
+    return None
+
+
+def cache_parts(kv) -> list[tuple[AttnPart, AttnPart]]:
+    """Every layer's (keys, values) of ``kv`` as the attention kernel reads them: views of the cache's live tensors,
+    made once per cache storage."""
+    key = kv.storage_layout()[0].data
+    hit = getattr(kv, "_cuda_parts", None)
+    if hit is None or hit[0] is not key:
+        k_lay, v_lay = kv.storage_layout()
+        hit = (key, [(attn_part(k_lay, i), attn_part(v_lay, i)) for i in range(kv.n_layer)])
+        kv._cuda_parts = hit
+    return hit[1]
+
+
 # ---- the backend ---------------------------------------------------------------------------------------------
 class CudaBackend:
     name = "cuda"
@@ -344,11 +391,63 @@ class CudaBackend:
 
         return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
 
+    def attend_at(self, kv, layer: int, q: torch.Tensor, pos: torch.Tensor, scale: float,
+                  window: int) -> torch.Tensor | None:
+        """Decoder.attend_at's kernel: one query row q [1, H, hd] at the device-held position pos over ``kv``'s
+        stored rows (the length read on the device: capturable) -> [1, H*hd]; None for several rows or a cache
+        the kernel does not read."""
+        if q.shape[0] != 1 or cache_problem(kv):
+            return None
+        kp, vp = cache_parts(kv)[layer]
+        return attend_parts(self.K, q[0], kp, vp, (pos + 1).to(torch.int32), scale, window).reshape(1, -1)
+
     def step(self, model, seqs: list[SeqStep]) -> list[StepRows]:
-        """The multi-sequence step as a loop over its sequences: each decode token through its cache's captured
-        step, anything longer through the model's forward on the GPU.  Correct, not yet batched: running B decode
-        tokens as one M-row GEMV pass (and a graph per batch-size bucket) is the next step for this backend."""
-        return step_each(model, seqs, max_rows=0)
+        """The multi-sequence step: the decode tokens of sequences whose steps give exact rows (rows_exact) run
+        together, up to GEMV_MAX_M rows a pass (CudaDecodeStep.decode_rows: each weight read once for all of them,
+        each row's attention over its own cache); a lone decode token through its cache's captured step; anything
+        else (prefill chunks, position 0, speculative rows) through step_one, one sequence at a time.  Every row is
+        what its sequence alone gives, bit for bit."""
+        check_seqs(seqs)
+        out: list[StepRows | None] = [None] * len(seqs)
+        batch = []
+        for n, s in enumerate(seqs):
+            st = self._batch_step(model, s)
+            if st is None:
+                out[n] = step_one(model, s, max_rows=0)
+            else:
+                batch.append((n, st, s))
+        for a in range(0, len(batch), GEMV_MAX_M):
+            part = batch[a:a + GEMV_MAX_M]
+            if len(part) == 1:
+                n, _, s = part[0]
+                out[n] = step_one(model, s, max_rows=0)
+                continue
+            logits, top = part[0][1].decode_rows([st for _, st, _ in part], [s.tokens[0] for *_, s in part],
+                                                 [s.pos for *_, s in part])
+            logits, top = logits.float().cpu(), top.tolist()
+            for r, (n, _, _) in enumerate(part):
+                out[n] = StepRows(logits[r:r + 1], [top[r]])
+        return out
+
+    def _batch_step(self, model, s: SeqStep) -> "CudaDecodeStep | None":
+        """The step of ``s``'s cache where its decode token can join a batched pass, else None."""
+        if s.prefill or len(s.tokens) != 1 or s.pos == 0 or not getattr(model, "use_cpp_decode", False):
+            return None
+        st = model.fused_step(s.kv)
+        if not isinstance(st, CudaDecodeStep) or not st.rows_exact:
+            return None
+        s.kv.check_room(s.pos, 1)
+        return st
+
+    def batch_buffers(self, step: "CudaDecodeStep", rows: int) -> StepBuffers:
+        """StepBuffers for ``rows`` sequences of ``step``'s model, made once per (model, rows) and shared by its
+        caches' steps (a batched pass runs eagerly, one at a time)."""
+        bufs = self.__dict__.setdefault("_batch_buffers", {})
+        key = (id(step.w), rows)
+        if key not in bufs:
+            bufs[key] = StepBuffers(step.cfg, step.w["blk.0.ffn_gate.weight"].shape[0], step.n_vocab, self.device,
+                                    rows)
+        return bufs[key]
 
     def fused_decode(self, model, kv) -> "CudaDecodeStep | None":
         """The graph-captured step for ``model`` over ``kv``, or None where it does not apply (then the model's
@@ -360,29 +459,24 @@ class CudaBackend:
     def fused_part(self, model, kv, layers: range, ends: bool, max_seq: int = 0) -> "CudaDecodeStep | None":
         """The captured step over a run of the model's ``layers`` (the GPU side of a split model, backends/split.py),
         ``kv`` a cache of theirs alone; its ``hidden`` takes and returns the hidden state on the CPU.  None where
-        fused_decode's would be, and for the embedding and head (``ends``: the CPU side holds them)."""
+        fused_decode's would be, and for the embedding and head (``ends``: the CPU side holds them); None too where
+        the row kernels do not take the model (the forward it would fall back on runs whole models only)."""
         if ends or kv is None or fused_decode_problem(model, kv):
             return None
-        return CudaDecodeStep(self, model, kv, layers)
+        step = CudaDecodeStep(self, model, kv, layers)
+        return None if step.row_kernels_problem else step
 
 
 def fused_decode_problem(model, kv) -> str | None:
     """Why the CUDA step cannot run ``model`` over ``kv`` (then the torch path does), or None."""
-    if not hasattr(kv, "storage_layout") or not hasattr(model, "spec"):
-        return "the model or cache predates the backend seam"
+    if not hasattr(model, "spec") or not hasattr(model, "forward_on_device"):
+        return "the model predates the backend seam"
     if getattr(model.spec, "n_expert", 0):
         return "a mixture-of-experts model (the step has no expert routing)"
     gaps = getattr(model.spec, "fused_step_gaps", tuple)()
     if gaps:
         return f"architecture fields the step does not compute: {', '.join(gaps)}"
-    if kv.head_dim not in HEAD_DIMS:
-        return f"head_dim {kv.head_dim} (the attention kernel has {HEAD_DIMS})"
-    for p in kv.storage_layout():
-        if p.block not in _FLOAT_KINDS + _BLOCK_KINDS:
-            return f"cache rows {p.block!r}"
-        if getattr(p, "table", None) is not None:
-            return "a paged cache (the CUDA kernels read contiguous rows)"
-    return None
+    return cache_problem(kv)
 
 
 ROW_KERNELS = ("cuda_gemv_q", "cuda_gemv_q_parts", "cuda_quantize_act", "cuda_residual_norm_quant", "cuda_act_quant",
@@ -390,9 +484,9 @@ ROW_KERNELS = ("cuda_gemv_q", "cuda_gemv_q_parts", "cuda_quantize_act", "cuda_re
 
 
 def row_kernels_problem(kernels, model, act: str) -> str | None:
-    """Why CudaDecodeStep cannot use csrc/cuda/step.cu's row kernels for ``model`` (then its torch body runs), or
+    """Why CudaDecodeStep cannot use csrc/cuda/step.cu's row kernels for ``model`` (then the model's forward runs), or
     None: they need every row length a multiple of 32 (the int8 codes' blocks) and a SiLU or tanh-GELU MLP.
-    PYLLM_CUDA_ROW_KERNELS=0 asks for the torch body."""
+    PYLLM_CUDA_ROW_KERNELS=0 asks for the model's forward."""
     if os.environ.get("PYLLM_CUDA_ROW_KERNELS", "1") == "0":
         return "PYLLM_CUDA_ROW_KERNELS=0"
     missing = [n for n in ROW_KERNELS if not hasattr(kernels, n)]
@@ -434,29 +528,35 @@ def output_gemv(K, w: torch.Tensor, qt: int, x: torch.Tensor, xq: torch.Tensor, 
 
 
 class StepBuffers:
-    """The fused step's activations, allocated once (a captured graph replays into the same memory): each row and
-    the int8 codes (xq, xds) the GEMV reads of the rows that feed one."""
+    """The fused step's activations for ``rows`` decode rows (one per sequence), allocated once (a captured graph
+    replays into the same memory): each row and the int8 codes (xq, xds) the GEMV reads of the rows that feed one.
+    The output projection runs in chunks of up to GEMV_MAX_M / 2 rows (output_gemv: each with the codes of what
+    its rows' codes miss): oq / ods / logits2 hold one chunk's 2 x chunk rows each."""
 
-    def __init__(self, cfg, n_ff: int, n_vocab: int, dev: torch.device):
+    def __init__(self, cfg, n_ff: int, n_vocab: int, dev: torch.device, rows: int = 1):
         def f(n):
-            return torch.zeros(1, n, dtype=torch.float32, device=dev)
+            return torch.zeros(rows, n, dtype=torch.float32, device=dev)
 
         def codes(n):
-            return (torch.zeros(1, n, dtype=torch.int8, device=dev),
-                    torch.zeros(1, n // 32, 2, dtype=torch.float32, device=dev))
+            return (torch.zeros(rows, n, dtype=torch.int8, device=dev),
+                    torch.zeros(rows, n // 32, 2, dtype=torch.float32, device=dev))
 
         d, qd, kvd = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_kv_head * cfg.head_dim
+        self.rows = rows
         self.x, self.h, self.o, self.m = f(d), f(d), f(d), f(d)
         self.q, self.k, self.v, self.g, self.u, self.f = f(qd), f(kvd), f(kvd), f(n_ff), f(n_ff), f(n_ff)
-        self.qr = torch.zeros(cfg.n_head, cfg.head_dim, dtype=torch.float32, device=dev)
+        self.a = f(qd)  # the attention rows, gathered (several sequences)
+        self.qr = torch.zeros(rows, cfg.n_head, cfg.head_dim, dtype=torch.float32, device=dev)
         self.logits = f(n_vocab)
-        self.logits2 = torch.zeros(2, n_vocab, dtype=torch.float32, device=dev)  # output_gemv's two halves
         self.hq, self.hds = codes(d)
-        # the final norm's codes, then those of what they miss (output_gemv)
-        self.oq = torch.zeros(2, d, dtype=torch.int8, device=dev)
-        self.ods = torch.zeros(2, d // 32, 2, dtype=torch.float32, device=dev)
         self.aq, self.ads = codes(qd)
         self.fq, self.fds = codes(n_ff)
+        self.chunk = min(rows, GEMV_MAX_M // 2)
+        n = -(-rows // self.chunk)
+        # per chunk: the final norm's codes, then those of what they miss (output_gemv), and its two halves' logits
+        self.oq = torch.zeros(n, 2 * self.chunk, d, dtype=torch.int8, device=dev)
+        self.ods = torch.zeros(n, 2 * self.chunk, d // 32, 2, dtype=torch.float32, device=dev)
+        self.logits2 = torch.zeros(n, 2 * self.chunk, n_vocab, dtype=torch.float32, device=dev)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -508,7 +608,7 @@ class CudaDecodeStep:
     def __init__(self, backend: CudaBackend, model, kv, layers: range | None = None):
         """``layers``: a run of the model's layers (a split model's GPU side, ``kv`` holding theirs alone): the step
         then enters with a hidden state and leaves one (``hidden``), no embedding, no head."""
-        self.b, self.K, self.kv = backend, backend.K, kv
+        self.b, self.K, self.kv, self.model = backend, backend.K, kv, model
         cfg = model.cfg
         self.cfg, self.w, self.vec, self.out_w = cfg, model.w, model.vec, model.output
         # LoRA terms by tensor name (Decoder.attach_lora), each added after its matrix's GEMV in torch ops
@@ -530,7 +630,7 @@ class CudaDecodeStep:
         self.k_dtype = k_lay.data.dtype
         self.v_dtype = v_lay.data.dtype
         # by the model's layer number; the cache's own layers are numbered from 0
-        self.parts = {i: (attn_part(k_lay, j), attn_part(v_lay, j)) for j, i in enumerate(self.layers)}
+        self.parts = dict(zip(self.layers, cache_parts(kv)))
         self.group = cfg.n_head // cfg.n_kv_head
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.zeros(1, dtype=torch.long, device=dev)
@@ -541,13 +641,29 @@ class CudaDecodeStep:
         self.g_logits = self.g_top = None
         self.row_kernels_problem = row_kernels_problem(self.K, model, self.act)
         if self.row_kernels_problem is None:
+            from .cpu import decode_arch
+
+            self.arch = decode_arch(self.K, spec, self.layer_rope)  # the row kernels' one struct (common/arch.h)
             self.buf = StepBuffers(cfg, model.w["blk.0.ffn_gate.weight"].shape[0], self.n_vocab, dev)
             # Layers whose new K/V rows one kernel writes: plain float rows with no storage transform or sink row.
             self.store_kernel = {i: all(_plain_float(part) for part in pair) for i, pair in self.parts.items()}
+        # Rows of a batched pass (decode_rows) are this step's own bit for bit where every product is an int8-code
+        # GEMV, whose row sums do not depend on the number of rows; cuBLAS (a type without a GEMV kernel) and the
+        # LoRA terms' matmuls may pick other kernels for other row counts, so those models decode one at a time.
+        self.rows_exact = (self.row_kernels_problem is None and not self.lora
+                           and all(backend.gemv_qtype(t) is not None for n, t in model.w.items()
+                                   if n.startswith("blk.") and n.endswith(".weight") and len(t.shape) == 2)
+                           and backend.gemv_qtype(self.out_w) is not None)
 
     # -- the step's math (device tensors only: capturable) --------------------------------------------------
     def _body(self, first: bool) -> torch.Tensor:
-        return self._body_torch(first) if self.row_kernels_problem else self._body_kernels(first)
+        """The step's logits [1, n_vocab] on the GPU: the row kernels, or the model's own forward with the position
+        held on the device (models/transformer.py forward_on_device: the definition the row kernels follow, and the
+        path for a model they do not take, row_kernels_problem).  Position 0 goes through the forward's host
+        form, which attends to the fresh row as a prompt does."""
+        if self.row_kernels_problem:
+            return self.model.forward_on_device(self.tok, 0 if first else self.pos, self.kv)
+        return self._body_kernels(first)
 
     def _gemv(self, wt, rows: torch.Tensor, codes: tuple, out: torch.Tensor) -> torch.Tensor:
         """out [1, N] = rows @ W^T: from rows' int8 codes (xq, xds) where W's type has a GEMV kernel, else through
@@ -566,17 +682,11 @@ class CudaDecodeStep:
             out.add_((x @ t.a.T) @ t.bt)
         return out
 
-    def _embed(self) -> torch.Tensor:
-        """The token's embedding row [1, D] with its LoRA term."""
-        x = self.b.embed(self.w["token_embd.weight"], self.tok, check_ids=False)
+    def _embed(self, tok: torch.Tensor) -> torch.Tensor:
+        """The tokens' embedding rows [M, D] with their LoRA term (tok: device int64 [M])."""
+        x = self.b.embed(self.w["token_embd.weight"], tok, check_ids=False)
         t = self.lora.get("token_embd.weight")
-        return x if t is None else x + t.a.index_select(0, self.tok) @ t.bt
-
-    def _linear(self, x: torch.Tensor, wt, output: bool = False) -> torch.Tensor:
-        """The backend's linear (linear_output when ``output``) plus wt's LoRA term: the torch body's products."""
-        y = (self.b.linear_output if output else self.b.linear)(x, wt)
-        name = self.lora_names.get(id(wt))
-        return y if name is None else self._lora(name, x, y)
+        return x if t is None else x + t.a.index_select(0, tok) @ t.bt
 
     def _gemvs(self, pairs, rows: torch.Tensor, codes: tuple) -> list[torch.Tensor]:
         """_gemv over (weight, out) pairs that read the same codes: consecutive weights of one type with a GEMV
@@ -596,60 +706,84 @@ class CudaDecodeStep:
             i = j
         return outs
 
-    def _body_kernels(self, first: bool) -> torch.Tensor:
+    def _body_kernels(self, first: bool, seqs: list | None = None) -> torch.Tensor:
         """The step through csrc/cuda/step.cu's row kernels: norms, activations and RoPE fused with the int8 codes
         the next GEMV reads (the attention's merge writes its output's), q/k/v and gate/up one GEMV launch each
         where their types match (~10 launches per layer).  The residual branch of each block is added by the next
-        norm's kernel, so x is touched once per block."""
-        cfg, w, vec, eps, K, B = self.cfg, self.w, self.vec, self.cfg.rms_eps, self.K, self.buf
-        H, hd = cfg.n_head, cfg.head_dim
-        self.len.copy_(self.pos + 1)
-        if not self.whole:
+        norm's kernel, so x is touched once per block.
+
+        ``seqs``: the steps (this one first) whose decode rows run together, one row each (at most GEMV_MAX_M):
+        every GEMV reads its weights once for all of them, and each row's attention runs over its own sequence's
+        cache with its own position.  Each row is what its sequence's step alone computes, bit for bit: the GEMV
+        and row kernels sum a row in one order whatever the number of rows (csrc/cuda/gemv.cu, step.cu)."""
+        seqs = seqs or [self]
+        w, vec, K, arch = self.w, self.vec, self.K, self.arch
+        B = self.buf if len(seqs) == 1 else self.b.batch_buffers(self, len(seqs))
+        H, hd = self.cfg.n_head, self.cfg.head_dim
+        for st in seqs:
+            st.len.copy_(st.pos + 1)
+        if not self.whole:  # a run of layers (one sequence): the hidden state it enters with
             B.x.copy_(self.x_in)
         else:
-            B.x.copy_(self._embed())
+            B.x.copy_(self._embed(self.tok if len(seqs) == 1 else torch.cat([st.tok for st in seqs])))
             if self.embd_scale:
                 B.x.mul_(self.embd_scale)
         branch, post = None, None  # the block output not yet added to x, and its post-norm weights
-        neox = cfg.rope_style == "neox"
         for i in self.layers:
             p = f"blk.{i}."
-            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "attn_norm.weight"], eps, B.h, B.hq, B.hds)
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, vec[p + "attn_norm.weight"], B.h, B.hq, B.hds)
             hc = (B.hq, B.hds)
             q, k, v = self._gemvs([(w[p + "attn_q.weight"], B.q), (w[p + "attn_k.weight"], B.k),
                                    (w[p + "attn_v.weight"], B.v)], B.h, hc)
             q, k, v = (self._lora(p + n, B.h, o) for n, o in (("attn_q.weight", q), ("attn_k.weight", k),
                                                                ("attn_v.weight", v)))
-            if self.store_kernel[i] and not first:
-                kp, vp = self.parts[i]
-                bias, norms = self._qk_extras(i)
-                c_tab, s_tab = self.tables[self.layer_rope[i]] if self.layer_rope[i] >= 0 else (None, None)
-                K.cuda_rope_store(q, k, v, *bias, *norms, eps, c_tab, s_tab, neox, self.pos, kp.data, vp.data, B.qr)
-                a = K.cuda_attn_decode(B.qr, kp.data, vp.data, self.len, self.scale, "", "", None, None,
-                                       self.layer_window[i], 0.0, B.aq, B.ads).reshape(1, H * hd)  # and a's codes
-            else:
-                a = self._attend_torch(i, q, k, v, first).reshape(1, H * hd)
-                K.cuda_quantize_act(a, B.aq, B.ads)
+            rows = []
+            for r, st in enumerate(seqs):  # attention: each row over its own cache (and the codes of its output)
+                qr, kr, vr, aq, ads = q[r:r + 1], k[r:r + 1], v[r:r + 1], B.aq[r:r + 1], B.ads[r:r + 1]
+                if st.store_kernel[i] and not first:
+                    kp, vp = st.parts[i]
+                    bias, norms = self._qk_extras(i)
+                    c_tab, s_tab = self.tables[self.layer_rope[i]] if self.layer_rope[i] >= 0 else (None, None)
+                    K.cuda_rope_store(arch, i, qr, kr, vr, *bias, *norms, c_tab, s_tab, st.pos, kp.data, vp.data,
+                                      B.qr[r])
+                    rows.append(K.cuda_attn_decode(B.qr[r], kp.data, vp.data, st.len, self.scale, "", "", None, None,
+                                                   self.layer_window[i], 0.0, aq, ads).reshape(1, H * hd))
+                else:
+                    rows.append(st._attend_torch(i, qr, kr, vr, first).reshape(1, H * hd))
+                    K.cuda_quantize_act(rows[-1], aq, ads)
+            a = rows[0] if len(rows) == 1 else torch.cat(rows, out=B.a)
             branch = self._gemv(w[p + "attn_output.weight"], a, (B.aq, B.ads), B.o)
             branch = self._lora(p + "attn_output.weight", a, branch)
             post = vec[p + "post_attention_norm.weight"] if self.post_norms else None
-            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, vec[p + "ffn_norm.weight"], B.h, B.hq, B.hds)
             g, u = self._gemvs([(w[p + "ffn_gate.weight"], B.g), (w[p + "ffn_up.weight"], B.u)], B.h, (B.hq, B.hds))
             g, u = self._lora(p + "ffn_gate.weight", B.h, g), self._lora(p + "ffn_up.weight", B.h, u)
-            K.cuda_act_quant(g, u, self.act, B.f, B.fq, B.fds)
+            K.cuda_act_quant(arch, g, u, B.f, B.fq, B.fds)
             branch = self._lora(p + "ffn_down.weight", B.f, self._gemv(w[p + "ffn_down.weight"], B.f, (B.fq, B.fds),
                                                                         B.m))
             post = vec[p + "post_ffw_norm.weight"] if self.post_norms else None
         if not self.whole:  # the last block's output into x by the same kernel (its norm of x goes unused)
-            K.cuda_residual_norm_quant(B.x, branch, post, vec[p + "ffn_norm.weight"], eps, B.h, B.hq, B.hds)
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, vec[p + "ffn_norm.weight"], B.h, B.hq, B.hds)
             return B.x
         qt = self.b.gemv_qtype(self.out_w)
+        out_norm = vec["output_norm.weight"]
         if qt is None:
-            K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.hq, B.hds)
+            K.cuda_residual_norm_quant(arch, B.x, branch, post, out_norm, B.h, B.hq, B.hds)
             logits = self._gemv(self.out_w, B.h, (B.hq, B.hds), B.logits)
         else:
-            K.cuda_residual_norm_quant(B.x, branch, post, vec["output_norm.weight"], eps, B.h, B.oq[:1], B.ods[:1])
-            logits = output_gemv(K, self.out_w.data, qt, B.h, B.oq, B.ods, B.logits2, B.logits)
+            m, c = B.rows, B.chunk
+            if m <= c:  # one chunk: the norm writes its codes where output_gemv reads them
+                K.cuda_residual_norm_quant(arch, B.x, branch, post, out_norm, B.h, B.oq[0, :m], B.ods[0, :m])
+            else:
+                K.cuda_residual_norm_quant(arch, B.x, branch, post, out_norm, B.h, B.hq, B.hds)
+            for n, a in enumerate(range(0, m, c)):
+                t = min(c, m - a)
+                if m > c:
+                    B.oq[n, :t].copy_(B.hq[a:a + t])
+                    B.ods[n, :t].copy_(B.hds[a:a + t])
+                output_gemv(K, self.out_w.data, qt, B.h[a:a + t], B.oq[n, :2 * t], B.ods[n, :2 * t],
+                            B.logits2[n, :2 * t], B.logits[a:a + t])
+            logits = B.logits
         logits = self._lora("output.weight", B.h, logits)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
@@ -664,8 +798,7 @@ class CudaDecodeStep:
 
     def _attend_torch(self, i: int, q, k, v, first: bool) -> torch.Tensor:
         """Layer i's bias, QK norm, RoPE, cache write and attention in torch ops from the q, k, v projections: the
-        torch body's, and the row-kernel body's for block or transformed cache rows and for position 0 (which
-        writes the sink rows)."""
+        row-kernel body's for block or transformed cache rows and for position 0 (which writes the sink rows)."""
         cfg, eps = self.cfg, self.cfg.rms_eps
         H, Hkv, hd = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         bias, norms = self._qk_extras(i)
@@ -694,48 +827,7 @@ class CudaDecodeStep:
             if vp.sink is not None:
                 vp.sink.copy_(vs)
             return v.repeat_interleave(self.group, 0)
-        qs = q
-        if kp.scale is not None:
-            qs = qs * kp.scale.repeat_interleave(self.group, 0)
-        if kp.rot is not None:
-            qs = qs @ kp.rot_t
-        a = self.K.cuda_attn_decode(qs.contiguous(), kp.data, vp.data, self.len, self.scale, kp.block, vp.block,
-                                    kp.sink, vp.sink, self.layer_window[i], 0.0)
-        if vp.rot is not None:
-            a = a @ vp.rot
-        if vp.mu is not None:
-            a = a + vp.mu.repeat_interleave(self.group, 0)
-        return a
-
-    def _body_torch(self, first: bool) -> torch.Tensor:
-        """The step in torch ops around the GEMV and attention kernels: the definition the row kernels follow, and
-        the path for a model they do not take (row_kernels_problem)."""
-        cfg, w, vec, eps, lin = self.cfg, self.w, self.vec, self.cfg.rms_eps, self._linear
-        H, hd = cfg.n_head, cfg.head_dim
-        self.len.copy_(self.pos + 1)
-        x = self._embed() if self.whole else self.x_in  # [1, D]
-        if self.embd_scale and self.whole:
-            x = x * self.embd_scale
-        for i in self.layers:
-            p = f"blk.{i}."
-            h = _rms_norm(x, vec[p + "attn_norm.weight"], eps)
-            q, k, v = lin(h, w[p + "attn_q.weight"]), lin(h, w[p + "attn_k.weight"]), lin(h, w[p + "attn_v.weight"])
-            a = self._attend_torch(i, q, k, v, first)
-            a = lin(a.reshape(1, H * hd), w[p + "attn_output.weight"])
-            x = x + (_rms_norm(a, vec[p + "post_attention_norm.weight"], eps) if self.post_norms else a)
-            h = _rms_norm(x, vec[p + "ffn_norm.weight"], eps)
-            g, u = lin(h, w[p + "ffn_gate.weight"]), lin(h, w[p + "ffn_up.weight"])
-            act = torch.nn.functional.gelu(g, approximate="tanh") if self.act == "gelu_tanh" else \
-                torch.nn.functional.silu(g)
-            m = lin(act * u, w[p + "ffn_down.weight"])
-            x = x + (_rms_norm(m, vec[p + "post_ffw_norm.weight"], eps) if self.post_norms else m)
-        if not self.whole:
-            return x
-        x = _rms_norm(x, vec["output_norm.weight"], eps)
-        logits = self._linear(x, self.out_w, output=True)
-        if self.final_softcap:
-            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return attend_parts(self.K, q, kp, vp, self.len, self.scale, self.layer_window[i])
 
     def _capture(self) -> None:
         dev = self.b.device
@@ -786,6 +878,17 @@ class CudaDecodeStep:
             out[r:r + 1].copy_(self._step(0, pos + r)[0])
         return out
 
+    def decode_rows(self, steps: list["CudaDecodeStep"], tokens: list[int],
+                    positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode token per step (this one first; each bound to its own cache of this model, rows_exact, at a
+        position past 0), up to GEMV_MAX_M, in one pass: (logits [M, n_vocab] float32, their argmax or -1) on the
+        GPU.  Eager (no graph): which caches run together changes from step to step."""
+        for st, t, p in zip(steps, tokens, positions):
+            st.tok.fill_(int(t))
+            st.pos.fill_(int(p))
+        logits = self._body_kernels(False, steps)
+        return logits, argmax_or_minus1(logits)
+
     def __call__(self, token: int, pos: int) -> torch.Tensor:
         """Logits [1, n_vocab] float32 on the CPU for ``token`` at ``pos``; its K/V land in the bound cache."""
         return self._step(token, pos)[0].float().cpu()
@@ -799,10 +902,10 @@ class CudaDecodeStep:
 
 
 def argmax_or_minus1(logits: torch.Tensor) -> torch.Tensor:
-    """The first index of the maximum of logits [1, n] (torch.argmax's tie rule, as np.argmax's), or -1 where any
-    logit is NaN or infinite: a device scalar, no host sync (capturable)."""
-    top = logits[0].argmax()
-    return top.masked_fill(~torch.isfinite(logits).all(), -1)
+    """Each row's first index of its maximum of logits [M, n] (torch.argmax's tie rule, as np.argmax's), or -1 where
+    any of the row's logits is NaN or infinite: device int64 [M], no host sync (capturable)."""
+    top = logits.argmax(-1)
+    return top.masked_fill(~torch.isfinite(logits).all(-1), -1)
 
 
 def measure_copy_bandwidth(device: torch.device | str = "cuda", nbytes: int = 1 << 30, repeats: int = 10) -> float:

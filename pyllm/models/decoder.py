@@ -136,6 +136,18 @@ class Decoder:
         """causal_attention in the form a KV cache's ``attend`` calls: (q [T, H, hd], k / v [Hkv, S, hd])."""
         return lambda q, k, v: self.causal_attention(q, k.transpose(0, 1), v.transpose(0, 1), scale, window, attention)
 
+    def attend_at(self, kv, layer: int, q: torch.Tensor, pos: torch.Tensor, scale: float, window: int,
+                  attention) -> torch.Tensor:
+        """Attention of q [T, H, hd] at device-held positions pos.. (int64 [1]) over the cache's rows up to them,
+        reading nothing back to the host: the backend's kernel where it has one (CUDA: csrc/cuda/attention.cu over
+        the stored rows), else ``attention`` (the model's torch form) over every row of the cache, masked by
+        position."""
+        kernel = getattr(self.backend, "attend_at", None)
+        out = kernel(kv, layer, q, pos, scale, window) if kernel is not None else None
+        if out is None:
+            out = kv.attend(layer, q, pos, lambda qq, k, v: attention(qq, k, v, pos, scale, window))
+        return out
+
     def attach_lora(self, terms: dict) -> None:
         """Adds LoRA terms at run time, unmerged: ``terms`` maps a matrix's tensor name to its low-rank term
         (pyllm/lora.py LowRank: a, bt), already checked against the weights.  A matrix's product then gets

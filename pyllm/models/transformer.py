@@ -86,19 +86,21 @@ def swiglu_oai(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> 
     return (u.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float,
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor, scale: float,
               window: int = 0) -> torch.Tensor:
     """Causal grouped-query attention.
 
     q: [T, H, hd] for positions start_pos..start_pos+T-1; k, v: [Hkv, S, hd] for positions 0..S-1.
     window > 0 limits each query to the last ``window`` positions (sliding-window layers). Returns [T, H*hd].
+    start_pos may be a device-held int64 [1] tensor: then k, v may hold rows past the queries' positions (a whole
+    cache), which the mask leaves out.
     """
     t, h, hd = q.shape
     s = k.shape[1]
     qh = q.transpose(0, 1)  # [H, T, hd]
     mask = None
-    if t > 1 or window:
-        qpos = torch.arange(start_pos, start_pos + t, device=q.device)[:, None]
+    if t > 1 or window or isinstance(start_pos, torch.Tensor):
+        qpos = (start_pos + torch.arange(t, device=q.device))[:, None]
         kpos = torch.arange(s, device=q.device)[None, :]
         mask = kpos <= qpos
         if window:
@@ -232,18 +234,34 @@ class Transformer(Decoder):
         return m
 
     def forward(self, tokens: torch.Tensor, start_pos: int, kv, all_logits: bool = False) -> torch.Tensor:
-        """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32."""
-        spec, w, vec, lin, eps = self.spec, self.w, self.vec, self.linear, self.spec.rms_eps
-        H, Hkv, hd = spec.n_head, spec.n_kv_head, spec.head_dim
-        t = tokens.shape[0]
-        if t == 1:  # the fused step where it applies (fused_logits says None where not)
+        """tokens: [T] int64 at positions start_pos.. ; kv: KVCache. Returns logits [T or 1, n_vocab] f32 on the
+        CPU: one token through the fused step where it applies, else forward_on_device."""
+        if tokens.shape[0] == 1:  # the fused step where it applies (fused_logits says None where not)
             fused = self.fused_logits(int(tokens[0]), start_pos, kv)
             if fused is not None:
                 return fused[0].view(1, -1)
-        x = self.embed(w["token_embd.weight"], tokens)  # [T, D]
+        return self.to_cpu(self.forward_on_device(tokens, start_pos, kv, all_logits))
+
+    def forward_on_device(self, tokens: torch.Tensor, start_pos: int | torch.Tensor, kv,
+                     all_logits: bool = False) -> torch.Tensor:
+        """The forward itself: logits [T or 1, n_vocab] f32 on the device of the output head, never the fused step.
+
+        ``start_pos`` is an int, or a device-held int64 [1] tensor: then nothing here reads a value back to the host
+        (no Python integer changes between calls), so a CUDA graph captures it once and replays it at every position
+        (backends/cuda.py).  That form writes the new rows at those positions and attends over the whole cache,
+        masked by position (or the backend's kernel, Decoder.attend_at); it takes a cache whose means are fixed and
+        tokens already checked against the vocabulary (no range check: that would read back)."""
+        spec, w, vec, lin, eps = self.spec, self.w, self.vec, self.linear, self.spec.rms_eps
+        H, Hkv, hd = spec.n_head, spec.n_kv_head, spec.head_dim
+        t = tokens.shape[0]
+        held = isinstance(start_pos, torch.Tensor)  # positions held on the device
+        if held:
+            x = self.embed(w["token_embd.weight"], tokens, check_ids=False)  # [T, D]
+        else:
+            x = self.embed(w["token_embd.weight"], tokens)
         if spec.embd_scale:
             x = x * self.embd_scale
-        sl = slice(start_pos, start_pos + t)
+        sl = start_pos + torch.arange(t, device=start_pos.device) if held else slice(start_pos, start_pos + t)
         for i, layer in enumerate(spec.layers):
             x = self.enter_layer(i, x)
             p = f"blk.{i}."
@@ -261,10 +279,16 @@ class Transformer(Decoder):
                 k = self.norm(k, vec[p + "attn_k_norm.weight"], eps)
             if layer.rope:
                 cos, sin = self.layer_rope_tables(i)
-                q = self.rope(q, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
-                k = self.rope(k, cos[sl], sin[sl], spec.rope_style, spec.rope_dim)
+                if held:
+                    cos, sin = cos.index_select(0, sl), sin.index_select(0, sl)
+                else:
+                    cos, sin = cos[sl], sin[sl]
+                q = self.rope(q, cos, sin, spec.rope_style, spec.rope_dim)
+                k = self.rope(k, cos, sin, spec.rope_style, spec.rope_dim)
             kv.update(i, start_pos, k, v, q=q)
             if spec.attn_sinks:
+                if held:  # the sink softmax reads the cache up to a host position
+                    raise ValueError("attention sinks take a host position: this forward is not captured for them")
                 # in the model's basis: a sink logit is not shifted with the scores, so the storage basis of a
                 # centered cache (which relies on softmax ignoring a per-query shift) would not give these weights
                 sinks = vec[p + "attn_sinks.weight"]
@@ -274,6 +298,8 @@ class Transformer(Decoder):
                     upto = start_pos + t
                     a = sink_attention(q, kv.k_part.view(i, upto).float(), kv.v_part.view(i, upto).float(), start_pos,
                                        spec.attn_scale, layer.window, sinks)
+            elif held:
+                a = self.attend_at(kv, i, q, start_pos, spec.attn_scale, layer.window, attention)
             elif start_pos == 0:
                 # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
                 a = self.causal_attention(q, k, v, spec.attn_scale, layer.window, attention)
@@ -299,4 +325,4 @@ class Transformer(Decoder):
         logits = self.output_linear(x, self.output)
         if spec.final_softcap:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
-        return self.to_cpu(logits)
+        return logits

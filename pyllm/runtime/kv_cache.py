@@ -222,6 +222,10 @@ class _Rows:
         """Rows of positions 0..upto-1 of ``layer``: [Hkv, upto, row]."""
         return self.data[layer, :, :upto]
 
+    def put_at(self, layer: int, pos: torch.Tensor, x: torch.Tensor) -> None:
+        """Rows x [Hkv, T, row] at the device-held positions pos [T] (int64) of ``layer``: no host sync."""
+        self.data[layer].index_copy_(1, pos, x)
+
     def layout(self, lay: PartLayout) -> PartLayout:
         return lay
 
@@ -241,6 +245,9 @@ class _FloatPart:
 
     def write(self, layer: int, pos: int, x: torch.Tensor) -> None:  # x: [Hkv, T, hd]
         self.rows.put(layer, pos, x.to(self.dtype))
+
+    def write_at(self, layer: int, pos: torch.Tensor, x: torch.Tensor) -> None:  # pos: int64 [T] on the device
+        self.rows.put_at(layer, pos, x.to(self.dtype))
 
     def layout(self) -> PartLayout:
         return self.rows.layout(PartLayout(self.kind, self.kind, self.data, None, None, None, None))
@@ -293,14 +300,25 @@ class _BlockPart:
             x = x / self.scale[layer]
         return x if self.rot is None else x @ self.rot_t
 
-    def write(self, layer: int, pos: int, x: torch.Tensor) -> None:
+    def encode(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [Hkv, T, hd] (model basis) -> (its storage-basis rows, their blocks [Hkv, T, nb * bb])."""
         t = x.shape[1]
         y = self.to_storage(layer, x)
         c, d = self.quantize(y.reshape(self.hkv, t, self.nb, QK))
         blk = torch.cat((d.unsqueeze(-1).view(torch.uint8), c.view(torch.uint8)), -1)  # [Hkv, T, nb, bb]
-        self.rows.put(layer, pos, blk.flatten(-2))
+        return y, blk.flatten(-2)
+
+    def write(self, layer: int, pos: int, x: torch.Tensor) -> None:
+        y, blk = self.encode(layer, x)
+        self.rows.put(layer, pos, blk)
         if pos == 0:
             self.sink[layer] = y[:, :1]
+
+    def write_at(self, layer: int, pos: torch.Tensor, x: torch.Tensor) -> None:
+        """write at device-held positions pos [T]: the sink row taken where pos[0] is 0, chosen on the device."""
+        y, blk = self.encode(layer, x)
+        self.rows.put_at(layer, pos, blk)
+        self.sink[layer].copy_(torch.where(pos[0] == 0, y[:, :1], self.sink[layer]))
 
     def stored(self, layer: int, upto: int, sink: bool = True) -> torch.Tensor:
         """Dequantized, in the storage basis, position 0 exact (its stored row where ``sink`` is False):
@@ -457,8 +475,14 @@ class KVCache:
 
     def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None) -> None:
         """Store k, v: (T, n_kv_head, head_dim) at positions pos..pos+T-1 of ``layer``. q: the same positions'
-        queries (T, n_head, head_dim), used only to estimate the balanced key scales (block kinds)."""
+        queries (T, n_head, head_dim), used only to estimate the balanced key scales (block kinds).
+
+        pos may be a device-held int64 [1] tensor (a forward a CUDA graph captures, models/transformer.py): then
+        nothing is read back to the host, so the caller has checked the room and the means must be fixed."""
         t = k.shape[0]
+        if isinstance(pos, torch.Tensor):
+            self._update_at(layer, pos, k, v)
+            return
         self.check_room(pos, t)
         k, v = k.transpose(0, 1).float(), v.transpose(0, 1).float()  # [Hkv, T, hd]
         if self.centered:
@@ -487,6 +511,16 @@ class KVCache:
         self.k_part.write(layer, pos, k)
         self.v_part.write(layer, pos, v)
 
+    def _update_at(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.means_ready():
+            raise PyllmError("a KV cache takes device-held positions only once its means are fixed (its first "
+                             "prompt chunk sets them)")
+        if not all(isinstance(p.rows, _Rows) for p in self.parts):
+            raise PyllmError("a paged KV cache takes host positions only")
+        at = pos + torch.arange(k.shape[0], device=pos.device)
+        self.k_part.write_at(layer, at, k.transpose(0, 1).float())
+        self.v_part.write_at(layer, at, v.transpose(0, 1).float())
+
     def view(self, layer: int, upto: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of positions 0..upto-1 as (n_kv_head, upto, head_dim) in ``dtype`` (model basis)."""
         return self.k_part.view(layer, upto).to(dtype), self.v_part.view(layer, upto).to(dtype)
@@ -496,10 +530,11 @@ class KVCache:
 
         ``attn(q, k, v)`` is the model's attention (mask, scale and window bound in) and returns [T, H*hd]. It runs
         in the storage basis: centered keys need nothing (softmax ignores a per-query shift); scaled and rotated
-        keys take (q * s) R^T; rotated/centered values give (o - mu_v) R^T, mapped back here.
+        keys take (q * s) R^T; rotated/centered values give (o - mu_v) R^T, mapped back here.  A device-held
+        start_pos (int64 [1]) hands ``attn`` every row of the cache (its mask leaves out those past the queries).
         """
         t, h, hd = q.shape
-        upto = start_pos + t
+        upto = self.max_seq if isinstance(start_pos, torch.Tensor) else start_pos + t
         k = self.k_part.stored(layer, upto).float()
         v = self.v_part.stored(layer, upto).float()
         kp, vp = self.k_part, self.v_part

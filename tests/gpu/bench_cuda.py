@@ -151,6 +151,34 @@ def llama3_8b(ftype: str):
     return cfg, w
 
 
+BATCHES = (1, 4, 8)
+
+
+def bench_batched(backend, model, cfg, steps: int = 32) -> dict:
+    """Aggregate decode tok/s of B streams (f16 caches, 64-token prompts) through CudaBackend.step, B in BATCHES:
+    B decode rows a pass (M-row GEMVs, eager); B = 1 is the captured one-token step."""
+    from pyllm.backends.base import SeqStep
+
+    out = {}
+    prompt = torch.randint(0, cfg.n_vocab, (64,)).tolist()
+    for bsz in BATCHES:
+        kvs = [backend.make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 64 + steps + 8, cfg.head_dim)
+               for _ in range(bsz)]
+        model.step([SeqStep(kv, prompt, 0, prefill=True) for kv in kvs])
+
+        def run(first: int, n: int):
+            for i in range(n):
+                model.step([SeqStep(kv, [1], first + i) for kv in kvs])
+
+        run(64, 4)  # warm: graphs captured, buffers made
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run(68, steps)
+        out[f"batch{bsz} tok/s"] = bsz * steps / (time.perf_counter() - t0)
+        del kvs
+    return out
+
+
 def to_fp16(K, w: dict) -> dict:
     out = {}
     for name, t in w.items():
@@ -223,6 +251,8 @@ def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) 
                 os.environ.pop("PYLLM_CUDA_PDL", None)
                 del step
             del kv
+        if label == ftype:
+            res.update(bench_batched(backend, model, cfg))
         res["roofline_pct"] = 100 * res["tg128 f16"] * per_token / (bw * 1e9)
         rows.append(res)
         print(json.dumps(res), flush=True)
@@ -310,6 +340,9 @@ def main() -> int:
             if "tg128 f16 pdl" in r:
                 print(f"{r['model']:22s} programmatic launches (PYLLM_CUDA_PDL=1): tg128 {r['tg128 f16 pdl']:6.1f}  "
                       f"tg128@{args.ctx} {r[f'tg128@{args.ctx} f16 pdl']:6.1f}")
+            if "batch1 tok/s" in r:
+                print(f"{r['model']:22s} batched decode, aggregate tok/s at " +
+                      "  ".join(f"{b} streams {r[f'batch{b} tok/s']:7.1f}" for b in BATCHES))
             print(f"{r['model']:22s} pp512 {r['pp512']:7.0f}  tg128 {r['tg128 f16']:6.1f}  "
                   f"tg128@{args.ctx} f16 {r[f'tg128@{args.ctx} f16']:6.1f} q8_0 {r[f'tg128@{args.ctx} q8_0']:6.1f}  "
                   f"{r['GB_per_token']:.2f} GB/tok  {r['roofline_pct']:.0f}% of copy-BW roofline")

@@ -141,3 +141,13 @@ def reference_rope_store(q, k, v, hd, q_bias, k_bias, v_bias, q_norm, k_norm, ep
     c, s = cos[pos:pos + 1].double(), sin[pos:pos + 1].double()
     style, rope_dim = ("neox" if neox else "norm"), 2 * cos.shape[1]
     return apply_rope(qq[None], c, s, style, rope_dim)[0], apply_rope(kk[None], c, s, style, rope_dim)[0], vv
+
+
+def arch_for(K, n_embd=64, n_ff=64, n_head=1, n_kv_head=1, head_dim=64, rope_dim=None, neox=False, qkv_bias=False,
+             qk_norm=False, act="silu", eps=1e-6, rope=True):
+    """A one-layer DecodeArch (csrc/common/arch.h, the struct the row kernels take) with these sizes; ``rope``
+    False: the layer has no rope tables (a NoPE layer)."""
+    return K.DecodeArch(n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_kv_head=n_kv_head, head_dim=head_dim,
+                        rope_dim=rope_dim or head_dim, rope_style="neox" if neox else "norm", rms_eps=eps,
+                        attn_scale=head_dim ** -0.5, qkv_bias=qkv_bias, qk_norm=qk_norm, post_norms=False, act=act,
+                        embd_scale=0.0, final_softcap=0.0, layer_rope=[0 if rope else -1], layer_window=[0])
