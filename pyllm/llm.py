@@ -19,7 +19,7 @@ import torch
 from . import lora as lora_adapters
 from . import registry
 from .errors import ContextFullError, KVCacheMemoryError, ModelError, PyllmError, in_file
-from .runtime.engine import check_finite, forced_end
+from .runtime.engine import check_finite
 from .runtime.generator import GenerationStats, Generator
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import stop_list
@@ -526,9 +526,23 @@ class LLM:
                 pass
         return [r.text for r in runs]
 
+    @property
+    def engine(self):
+        """The engine (runtime/batch.py BatchEngine) that runs this LLM's own generations, in the caller's thread:
+        each a request on ``generator``, the sequence whose cache is kept between calls."""
+        engine = self.__dict__.get("_engine")
+        if engine is None:
+            from .runtime.batch import BatchEngine
+
+            engine = self._engine = BatchEngine(self.model, self.kv.kind, self.n_ctx, 0, self.tokenizer.is_eog,
+                                                nonfinite=self._nonfinite_error, thread=False)
+        return engine
+
     def _token_stream(self, ids: list[int], max_tokens: int, sampler: Sampler, spec) -> Iterator[int]:
-        """generate_tokens' iterator, over checked arguments: holds the LLM's lock from its first ``next()`` to its
-        end or ``close()``."""
+        """generate_tokens' iterator, over checked arguments: one request on this LLM's sequence (``generator``)
+        through the engine, stepped in this thread; holds the LLM's lock from its first ``next()`` to its end or
+        ``close()``."""
+        from .runtime.batch import Request
 
         def check(logits, argmax=None):
             check_finite(logits, argmax, self._nonfinite_error)
@@ -541,23 +555,40 @@ class LLM:
             self._epoch += 1
             mine = self._epoch
             self._check_file()
-            inner = self.generator.generate(ids, sample, max_tokens, self.tokenizer.is_eog,
-                                            forced_end=(lambda: forced_end(sampler)) if sampler.constraint else None,
-                                            spec=spec, sampler=sampler, check=check)
+            engine = self.engine
+            req = Request(ids, max_tokens, sampler, seq=self.generator)
+            if spec is not None and max_tokens > 0:
+                from .runtime.speculative import SpecDecoder
+
+                req.spec = SpecDecoder(self.generator, ids, spec, sampler, sample, check, max_tokens)
+            items = engine.tokens(engine.submit(req))
+            read, ended = 0, False
             try:
                 while True:
                     self._check_file()  # the next forward pass reads the mapped weights
-                    try:
-                        tok = next(inner)
-                    except StopIteration:
+                    kind, *value = next(items)
+                    if kind != "token":
+                        ended = True
+                        if kind == "error":
+                            raise value[0]
                         return
-                    yield tok
+                    read += 1
+                    if sampler.logprobs is not None:
+                        sampler.last_logprobs = value[1]
+                    yield value[0]
                     self._lock.adopt()  # this next() may come from another thread than the last one
                     if self._epoch != mine:
                         raise PyllmError("this generation was superseded: another call on the same LLM (in this "
                                          "thread, while the stream was unfinished) replaced its cache; start it again")
             finally:
-                inner.close()
+                items.close()
+                if self._epoch == mine:
+                    engine.end(req)
+                    if req.spec is not None and not ended and read:
+                        # A reader that stops (a stop string) leaves the cache as plain decoding does: without the
+                        # last token it read and what the verification accepted after it; otherwise a chat reusing
+                        # this prefix would evaluate one row fewer than after plain decoding.
+                        self.generator.truncate(min(len(self.generator.tokens), len(ids) + read - 1))
 
     def _check_file(self) -> None:
         check = getattr(self.gguf, "check_unchanged", None)
