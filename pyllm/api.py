@@ -478,6 +478,7 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     # null is the default, true; false promises the client at most one call, which it may act on without a loop
     max_calls = 1 if legacy or (parallel_tool_calls is not None and not _flag("parallel_tool_calls",
                                                                                parallel_tool_calls)) else None
+
     def make_constraint():  # each choice's own: a grammar's state is its sampler's
         c, p = structured_output_kwargs(llm, response_format, grammar, json_schema), ""
         if tools and forced is not None:

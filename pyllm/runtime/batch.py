@@ -730,7 +730,7 @@ class BatchEngine:
         try:
             if len(feed) == 1:  # a batch of one: the fused step's own entry (generator.decode_one)
                 r = feed[0]
-                logits, top = decode_one(self.model, r.seq or r.slot, r.last)
+                logits, top = r.seq._decode(r.last) if r.seq is not None else decode_one(self.model, r.slot, r.last)
                 rows = [(r, logits, top)]
             else:
                 logits, tops = decode_rows_with_argmax(self.model, [r.seq or r.slot for r in feed],
