@@ -57,6 +57,26 @@ def test_seeded_choices_are_the_requests_with_seed_plus_j(llm):
     assert len(set(want)) > 1  # different seeds, different draws (a 49k-token vocabulary at temperature 1)
 
 
+def test_a_library_call_is_a_request_of_the_llms_engine(llm):
+    """A single call runs as a batch of one in the LLM's own engine, on the LLM's sequence: a stream left
+    unfinished is ended by the next call (which gets what it gets alone), a speculating stream stopped after k
+    tokens leaves the cache holding the prompt and k - 1 of them (as plain decoding leaves it), and nothing stays
+    in the engine after either.  Reference: the same call on a reset LLM, and the token counts."""
+    ids = llm.tokenize(PROMPTS[3])
+    llm.reset()
+    alone = list(llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="none"))
+    left = llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="none")
+    next(left)  # started, then left unfinished
+    assert list(llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="none")) == alone
+    assert llm.engine.active == 0 and llm.engine.waiting == 0
+    left.close()
+    stream = llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="lookup", spec_k=4)
+    got = [next(stream) for _ in range(5)]
+    stream.close()
+    assert llm.generator.tokens == ids + got[:4]
+    assert llm.engine.active == 0
+
+
 def test_chat_n_choices_are_the_requests_with_seed_plus_j(llm):
     """Chat's n, as completions': choice j is the request with n=1 and seed + j (one prefill for them all),
     greedy choices are the greedy reply, and a stream names each chunk's choice."""
