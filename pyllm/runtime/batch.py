@@ -50,6 +50,9 @@ MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels'
 # that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
 # short enough that a long prompt does not freeze the other streams.
 PREFILL_STALL = 0.25
+# Prompt tokens one step reads at most: the chunks of several prompts, first come first served, go to the backend
+# in one step (one pass over the weights where it batches them); the first prompt's chunk always goes.
+STEP_TOKENS = 4 * PREFILL_CHUNK
 
 
 def reusable(common: int, n_ids: int, exact: int) -> int:
@@ -104,12 +107,21 @@ def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
     """Evaluates the next chunk of ``ids`` past the slot's tokens (it must hold a prefix of ids), ending at the
     next multiple of PREFILL_CHUNK or at the end of ids. Returns the logits [n_vocab] after the last prompt token
     once it is evaluated, else None."""
+    part = prefill_part(slot, ids)
+    return prefill_done(slot, ids, part, model.step([part])[0].logits)
+
+
+def prefill_part(slot: Slot, ids: list[int]) -> SeqStep:
+    """The slot's next prompt chunk of ``ids`` as a part of a step (see prefill_chunk)."""
     pos = len(slot.tokens)
-    end = chunk_end(pos, len(ids), PREFILL_CHUNK, aligned=True)
-    chunk = ids[pos:end]
-    logits = model.step([SeqStep(slot.kv, chunk, pos, prefill=True)])[0].logits
-    slot.tokens.extend(chunk)
-    if end % PREFILL_CHUNK == 0 and slot.exact == pos:
+    return SeqStep(slot.kv, ids[pos:chunk_end(pos, len(ids), PREFILL_CHUNK, aligned=True)], pos, prefill=True)
+
+
+def prefill_done(slot: Slot, ids: list[int], part: SeqStep, logits: torch.Tensor) -> torch.Tensor | None:
+    """Records that ``part`` (prefill_part's) ran, its rows' ``logits``: prefill_chunk's result."""
+    end = part.pos + len(part.tokens)
+    slot.tokens.extend(part.tokens)
+    if end % PREFILL_CHUNK == 0 and slot.exact == part.pos:
         slot.exact = end
     return logits[-1].float() if end == len(ids) else None
 
@@ -643,17 +655,51 @@ class BatchEngine:
             self._prefilled(r, logits)
 
     def _prefill(self) -> None:
-        """Prefill chunks, first come first served, until every admitted prompt is read or, while other requests
-        are decoding, until they have waited PREFILL_STALL seconds for their next token. A prompt read whole
+        """Steps of prompt chunks (several prompts' in one step, first come first served: _prefill_slots) until
+        every admitted prompt is read or, while other requests are decoding, until they have waited PREFILL_STALL
+        seconds for their next token. A prompt read whole
         before the next decode step gives the lowest time to first token over all requests (the batch is the
         same size either way); the bound keeps the running streams flowing."""
         while self._prefilling:
             r = self._prefilling[0]
             if r.cancelled():
                 return  # dropped by the loop
-            self._prefill_step(r)
+            if r.seq is not None:  # the caller's own sequence reads its prompt its own way
+                self._prefill_step(r)
+            elif not self._prefill_slots():
+                return
             if self._decoding and time.perf_counter() - self._last_decode >= PREFILL_STALL:
                 return
+
+    def _prefill_slots(self) -> bool:
+        """One step of prompt chunks on slots: the next chunk of each prompt being read, first come first served,
+        up to STEP_TOKENS tokens.  A step that fails is run again a prompt at a time, so that only the prompt whose
+        chunk cannot run (a full block pool) fails.  False when there was nothing to read."""
+        parts, budget = [], STEP_TOKENS
+        for r in self._prefilling:
+            if r.seq is not None or r.cancelled():
+                continue
+            part = prefill_part(r.slot, r.ids)
+            if parts and len(part.tokens) > budget:
+                break
+            parts.append((r, part))
+            budget -= len(part.tokens)
+        if not parts:
+            return False
+        if len(parts) == 1:
+            self._prefill_step(parts[0][0])
+            return True
+        try:
+            rows = self.model.step([p for _, p in parts])
+        except Exception:
+            for r, _ in parts:
+                self._prefill_step(r)
+            return True
+        for (r, part), row in zip(parts, rows):
+            logits = prefill_done(r.slot, r.ids, part, row.logits)
+            if logits is not None:
+                self._prefilled(r, logits)
+        return True
 
     def _prefill_step(self, r: Request) -> None:
         try:
