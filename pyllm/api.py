@@ -246,11 +246,6 @@ def _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, prese
 
 
 
-def _check_n(n):
-    if n not in (None, 1):
-        raise BadRequest(f"n={shorten(repr(n), 60)}: a chat request gets one choice (completions take n)", "n")
-
-
 MAX_CHOICES = 64  # prompts x n of one completion request: each is a sequence with a KV cache of its own
 
 
@@ -456,11 +451,12 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     back as ``message.tool_calls`` with finish_reason "tool_calls" (only the first with ``parallel_tool_calls``
     false, as OpenAI promises at most one); OpenAI's deprecated ``functions`` / ``function_call`` are tools under
     their old names, and a call comes back as ``message.function_call``, finish_reason "function_call".
-    ``max_tokens`` None = until the context is full. Returns the response dict, or with ``stream=True`` an iterator
-    of ``chat.completion.chunk`` dicts."""
+    ``max_tokens`` None = until the context is full. ``n``: that many choices, generated side by side from one
+    prefill of the prompt (choice j seeded ``seed + j``: choice 0 is what n=1 gives). Returns the response dict, or
+    with ``stream=True`` an iterator of ``chat.completion.chunk`` dicts (each names its choice's index)."""
     llm.check_generates()
     refuse_unknown(create_chat_completion, ignored)
-    _check_n(n)
+    n = _choices(n, echo=False)
     _check_text_output(modalities, audio)
     if web_search_options is not None:  # answered from the model's weights alone, as if it had searched
         raise BadRequest("web search is not supported: the model answers from its weights alone",
@@ -482,17 +478,22 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     # null is the default, true; false promises the client at most one call, which it may act on without a loop
     max_calls = 1 if legacy or (parallel_tool_calls is not None and not _flag("parallel_tool_calls",
                                                                                parallel_tool_calls)) else None
-    constraint = structured_output_kwargs(llm, response_format, grammar, json_schema)
-    template_kw, prefix, constrained_call = {}, "", False
+
+    def make_constraint():  # each choice's own: a grammar's state is its sampler's
+        c, p = structured_output_kwargs(llm, response_format, grammar, json_schema), ""
+        if tools and forced is not None:
+            p, c = forced_call(llm, tools, forced, c)
+        return c, p
+
+    constraint, prefix = make_constraint()
+    constrained_call = bool(tools and forced is not None and constraint)
+    template_kw = {}
     if tools:
         if "tools" in llm.template.source:
             template_kw["tools"] = tools
         else:
             desc = "\n".join(json.dumps(t) for t in tools)
             msgs = [{"role": "system", "content": TOOL_SYSTEM_FALLBACK.format(tools=desc)}] + msgs
-        if forced is not None:
-            prefix, constraint = forced_call(llm, tools, forced, constraint)
-            constrained_call = bool(constraint)
     try:
         ids = llm.chat_ids(msgs, suffix=prefix, must_fit=True, **template_kw)
     except ContextFullError:
@@ -500,40 +501,62 @@ def create_chat_completion(llm, messages: list[dict], tools: list[dict] | None =
     except PyllmError as e:
         raise BadRequest(str(e), "messages") from None
     n_lp = (top_logprobs or 0) if logprobs else None
-    run = _new_run(llm, ids, max_completion_tokens if max_completion_tokens is not None else max_tokens, stop,
-                   _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty,
-                             frequency_penalty, logit_bias, seed), n_lp, constraint, cancel)
+    sampling = _sampling(temperature, top_p, top_k, min_p, typical_p, repeat_penalty, presence_penalty,
+                         frequency_penalty, logit_bias, seed)
+    limit = max_completion_tokens if max_completion_tokens is not None else max_tokens
+    runs = []
+    for j in range(n):
+        # each choice its own seed (seed + j) and constraint, as completions' choices
+        sj = sampling if j == 0 or seed is None or seed == -1 else {**sampling, "seed": seed + j}
+        runs.append(_new_run(llm, ids, limit, stop, sj, n_lp, constraint if j == 0 else make_constraint()[0],
+                             cancel))
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": _model_name(llm, model),
             "system_fingerprint": llm.system_fingerprint}
+    start_runs(llm, runs)
+    names = [t["function"]["name"] for t in tools]
     if stream:
-        return _chat_chunks(run, head, [t["function"]["name"] for t in tools], prefix, logprobs,
-                            _include_usage(stream_options), constrained_call, max_calls, legacy)
-    infos = []
-    for _, inf in run.pieces():
-        infos += inf
-    message = {"role": "assistant", "content": run.text}
-    finish = run.finish_reason
-    if tools:
-        content, calls = parse_tool_calls(prefix + run.text, [t["function"]["name"] for t in tools],
-                                          constrained_call)
-        calls = calls[:max_calls]
-        if calls and legacy:
-            message = {"role": "assistant", "content": content, "function_call": calls[0]["function"]}
-            finish = "function_call"
-        elif calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
-            finish = "tool_calls"
-    choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(infos) if logprobs else None,
-              "finish_reason": finish}
-    return {**head, "object": "chat.completion", "choices": [choice], "usage": run.usage()}
+        return _chat_choices_chunks(runs, n, head, names, prefix, logprobs, _include_usage(stream_options),
+                                    constrained_call, max_calls, legacy)
+    choices = []
+    for index, run in enumerate(runs):
+        infos = []
+        for _, inf in run.pieces():
+            infos += inf
+        message = {"role": "assistant", "content": run.text}
+        finish = run.finish_reason
+        if tools:
+            content, calls = parse_tool_calls(prefix + run.text, names, constrained_call)
+            calls = calls[:max_calls]
+            if calls and legacy:
+                message = {"role": "assistant", "content": content, "function_call": calls[0]["function"]}
+                finish = "function_call"
+            elif calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls"
+        choices.append({"index": index, "message": message, "logprobs": _chat_logprobs(infos) if logprobs else None,
+                        "finish_reason": finish})
+    return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(runs, n)}
+
+
+def _chat_choices_chunks(runs: list[Run], n: int, head: dict, tools: list[str], prefix: str, want_lp: bool,
+                         include_usage: bool, constrained_call: bool, max_calls: int | None, legacy: bool):
+    """The chunks of every choice, one choice after another (each chunk names its index; choices started together
+    generate side by side), then the usage of them all."""
+    for index, run in enumerate(runs):
+        yield from _chat_chunks(run, head, tools, prefix, want_lp, include_usage, constrained_call, max_calls,
+                                legacy, index=index)
+    if include_usage:
+        yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(runs, n)}
 
 
 def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: bool, include_usage: bool,
-                 constrained_call: bool = False, max_calls: int | None = None, legacy: bool = False):
+                 constrained_call: bool = False, max_calls: int | None = None, legacy: bool = False,
+                 index: int = 0):
+    """One choice's chunks (its usage is sent after every choice's, _chat_choices_chunks)."""
     head = {**head, "object": "chat.completion.chunk"}
 
     def chunk(delta, finish=None, lp=None):
-        c = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
+        c = {**head, "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
         if include_usage:
             c["usage"] = None
         return c
@@ -588,5 +611,3 @@ def _chat_chunks(run: Run, head: dict, tools: list[str], prefix: str, want_lp: b
         elif len(full) > sent:
             yield chunk({"content": full[sent:]}, lp=lp_of_waiting())
     yield chunk({}, finish, lp=lp_of_waiting())
-    if include_usage:
-        yield {**head, "choices": [], "usage": run.usage()}

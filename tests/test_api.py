@@ -345,7 +345,7 @@ def test_seed_minus_one_is_random(llm):
 
 def test_bad_arguments_raise_before_generating(llm):
     msgs = [{"role": "user", "content": "Hi"}]
-    for kw, param in [({"top_p": 2}, "top_p"), ({"n": 2}, "n"), ({"stop": 3}, "stop"),
+    for kw, param in [({"top_p": 2}, "top_p"), ({"n": 0}, "n"), ({"stop": 3}, "stop"),
                       ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"max_tokens": -1.5}, "max_tokens"),
                       ({"temperature": "hot"}, "temperature"), ({"tool_choice": "required"}, "tool_choice")]:
         with pytest.raises(BadRequest) as e:

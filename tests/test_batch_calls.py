@@ -57,6 +57,50 @@ def test_seeded_choices_are_the_requests_with_seed_plus_j(llm):
     assert len(set(want)) > 1  # different seeds, different draws (a 49k-token vocabulary at temperature 1)
 
 
+def test_a_library_call_is_a_request_of_the_llms_engine(llm):
+    """A single call runs as a batch of one in the LLM's own engine, on the LLM's sequence: a stream left
+    unfinished is ended by the next call (which gets what it gets alone), a speculating stream stopped after k
+    tokens leaves the cache holding the prompt and k - 1 of them (as plain decoding leaves it), and nothing stays
+    in the engine after either.  Reference: the same call on a reset LLM, and the token counts."""
+    ids = llm.tokenize(PROMPTS[3])
+    llm.reset()
+    alone = list(llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="none"))
+    left = llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="none")
+    next(left)  # started, then left unfinished
+    assert list(llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="none")) == alone
+    assert llm.engine.active == 0 and llm.engine.waiting == 0
+    left.close()
+    stream = llm.generate_tokens(ids, max_tokens=12, temperature=0, speculative="lookup", spec_k=4)
+    got = [next(stream) for _ in range(5)]
+    stream.close()
+    assert llm.generator.tokens == ids + got[:4]
+    assert llm.engine.active == 0
+
+
+def test_chat_n_choices_are_the_requests_with_seed_plus_j(llm):
+    """Chat's n, as completions': choice j is the request with n=1 and seed + j (one prefill for them all),
+    greedy choices are the greedy reply, and a stream names each chunk's choice."""
+    msgs = [{"role": "user", "content": "Name a fruit."}]
+    kw = dict(max_tokens=10, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    r = llm.create_chat_completion(msgs, n=3, seed=11, **kw)
+    solo = [llm.create_chat_completion(msgs, seed=11 + j, **kw) for j in range(3)]
+    want = [x["choices"][0]["message"]["content"] for x in solo]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in r["choices"]] == want
+    assert len(set(want)) > 1  # different seeds, different draws
+    assert r["usage"]["prompt_tokens"] == solo[0]["usage"]["prompt_tokens"]  # the prompt counted once
+    assert r["usage"]["completion_tokens"] == sum(x["usage"]["completion_tokens"] for x in solo)
+    greedy = llm.create_chat_completion(msgs, max_tokens=10, temperature=0)["choices"][0]["message"]["content"]
+    texts, usage = {}, None
+    for ch in llm.create_chat_completion(msgs, n=2, max_tokens=10, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}):
+        for c in ch["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+        usage = ch.get("usage") or usage
+    assert texts == {0: greedy, 1: greedy}
+    assert usage["prompt_tokens"] == solo[0]["usage"]["prompt_tokens"]
+
+
 def test_streamed_choices_carry_their_index(llm):
     r = llm.create_completion([PROMPTS[0], PROMPTS[3]], max_tokens=8, temperature=0)
     chunks = list(llm.create_completion([PROMPTS[0], PROMPTS[3]], max_tokens=8, temperature=0, stream=True))
@@ -151,6 +195,25 @@ def test_eight_concurrent_greedy_clients_each_get_their_text_alone(par):
     assert together == alone
     m = par.metrics()
     assert m["pyllm_slots_busy"] == 0 and m["pyllm_queue_depth"] == 0
+
+
+def test_server_chat_n(par):
+    """/v1/chat/completions with n through the official client: greedy choices are the reply alone, seeded choice
+    j is the request with seed + j, a stream names each chunk's choice."""
+    msgs = [{"role": "user", "content": "Name a color."}]
+    chat = par.client().chat.completions.create
+    alone = chat(model="smollm2", messages=msgs, max_tokens=8, temperature=0).choices[0].message.content
+    r = chat(model="smollm2", messages=msgs, max_tokens=8, temperature=0, n=2)
+    assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == [alone] * 2
+    kw = dict(model="smollm2", messages=msgs, max_tokens=8, temperature=1.0, top_p=1.0)
+    r = chat(n=2, seed=3, **kw)
+    want = [chat(seed=3 + j, **kw).choices[0].message.content for j in range(2)]
+    assert [c.message.content for c in sorted(r.choices, key=lambda c: c.index)] == want
+    texts = {}
+    for ch in chat(model="smollm2", messages=msgs, max_tokens=8, temperature=0, n=2, stream=True):
+        for c in ch.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert texts == {0: alone, 1: alone}
 
 
 def test_server_n_and_list_prompts(par):

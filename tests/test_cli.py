@@ -382,10 +382,10 @@ def test_bench_synthetic_refuses_a_kv_cache_larger_than_memory(capsys, monkeypat
     """-d/-p/-n within their bounds can still ask for a cache larger than memory (-d 1048576 on llama3-8b is
     128 GiB). Reference: pyllm.load's check (plan_kv_cache), which a model file gets; a synthetic model was built
     without it. Here memory is made to look small (32 MiB) so a 2048-token cache (45 MiB) does not fit."""
-    from pyllm import llm
+    from pyllm import llm_args
     from pyllm.cli.main import main
 
-    monkeypatch.setattr(llm, "_available_memory", lambda: 32 << 20)
+    monkeypatch.setattr(llm_args, "_available_memory", lambda: 32 << 20)
     assert main(["bench", "--synthetic", "smollm2-135m:q4_0", "-p", "0", "-n", "1", "-d", "2048", "-r", "1"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("pyllm: error: a f16 KV cache for n_ctx=2065 needs") and err.count("\n") == 1, err

@@ -1,4 +1,4 @@
-"""Speculative decoding (pyllm/runtime/speculative.py, Generator._generate_speculative, ops._C.decode_steps).
+"""Speculative decoding (pyllm/runtime/speculative.py, SpecDecoder, run by the engine, ops._C.decode_steps).
 
 References:
 - the multi-row C++ step against M one-token steps: bit-identical logits and cache rows (every quantized row

@@ -180,7 +180,7 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
         # a GPU that cannot run says why before 8B of work
         backend = backends.select(device, a.kernels, a.threads, gpu_layers)
         cfg, weights = synthetic_model(synthetic)
-        from ..llm import plan_kv_cache
+        from ..llm_args import plan_kv_cache
 
         plan_kv_cache(cfg, n_ctx, a.kv)  # as pyllm.load does: a cache too large for memory is refused, not built
         backend = split.place(backend, cfg, weights, device=device, kernels=a.kernels, n_threads=a.threads,

@@ -1,13 +1,18 @@
-"""Several sequences generated at once over one model: KV slots, a batched decode step, a prompt cache.
+"""The engine: every generation, the library's and the server's, is a request that it schedules and steps.
+
+A request runs on a sequence: one of the engine's ``Slot``s (the server's, a batched library call's) or the
+caller's own (``Request.seq``: the LLM's Generator, whose cache a library call reuses from any cached prefix; a
+single call is a batch of one).  Each step admits waiting requests, reads prompt chunks, and runs one decode step
+of every running request: plain ones together in one step of the model (a lone one through the fused step's own
+entry), speculative ones (``Request.spec``, speculative.SpecDecoder) each a plain step or a verification pass.
 
 Decode is bandwidth-bound: one token of B sequences in one step of the model (backends/base.py; the CPU backend
 runs them through its batched decode, csrc/cpu/decode_step.cpp) reads every weight once for all B rows, so B
-streams cost about what one does. ``BatchEngine`` runs one
-thread that owns the model: it admits requests into free ``Slot``s (each its own KV cache), prefills them in
+streams cost about what one does. The server's ``BatchEngine`` runs one thread that owns the model: it admits requests into free ``Slot``s (each its own KV cache), prefills them in
 chunks interleaved with batched decode steps of the running ones (streams keep flowing while a long prompt is
 read), samples every row with that request's own sampler, and frees the slot when a request ends or is cancelled.
 
-Prompt reuse never changes a result. A prompt is prefilled in chunks that start at multiples of PREFILL_CHUNK,
+On slots, prompt reuse never changes a result. A prompt is prefilled in chunks that start at multiples of PREFILL_CHUNK,
 and only rows of such whole chunks are ever reused (from the slot itself, copied from another slot, or read from
 the on-disk ``PromptCache``), so the last partial chunk is always recomputed exactly as a fresh prefill would
 compute it: a request's logits are bit-identical whether its prefix came from a cache or not, and whatever else
@@ -36,7 +41,7 @@ from ..backends.base import SeqStep
 from ..errors import ContextFullError, ModelError, PyllmError
 from ..safe_io import private_tempfile
 from .engine import check_finite, chunk_end, common_prefix, finish_reason, forced_end
-from .generator import GenerationStats
+from .generator import GenerationStats, decode_one
 from .kv_pool import slot_caches
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
@@ -45,6 +50,9 @@ MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels'
 # that a few 200-token prompts on a small model are read in one go (their first tokens come soonest that way),
 # short enough that a long prompt does not freeze the other streams.
 PREFILL_STALL = 0.25
+# Prompt tokens one step reads at most: the chunks of several prompts, first come first served, go to the backend
+# in one step (one pass over the weights where it batches them); the first prompt's chunk always goes.
+STEP_TOKENS = 4 * PREFILL_CHUNK
 
 
 def reusable(common: int, n_ids: int, exact: int) -> int:
@@ -99,12 +107,21 @@ def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
     """Evaluates the next chunk of ``ids`` past the slot's tokens (it must hold a prefix of ids), ending at the
     next multiple of PREFILL_CHUNK or at the end of ids. Returns the logits [n_vocab] after the last prompt token
     once it is evaluated, else None."""
+    part = prefill_part(slot, ids)
+    return prefill_done(slot, ids, part, model.step([part])[0].logits)
+
+
+def prefill_part(slot: Slot, ids: list[int]) -> SeqStep:
+    """The slot's next prompt chunk of ``ids`` as a part of a step (see prefill_chunk)."""
     pos = len(slot.tokens)
-    end = chunk_end(pos, len(ids), PREFILL_CHUNK, aligned=True)
-    chunk = ids[pos:end]
-    logits = model.step([SeqStep(slot.kv, chunk, pos, prefill=True)])[0].logits
-    slot.tokens.extend(chunk)
-    if end % PREFILL_CHUNK == 0 and slot.exact == pos:
+    return SeqStep(slot.kv, ids[pos:chunk_end(pos, len(ids), PREFILL_CHUNK, aligned=True)], pos, prefill=True)
+
+
+def prefill_done(slot: Slot, ids: list[int], part: SeqStep, logits: torch.Tensor) -> torch.Tensor | None:
+    """Records that ``part`` (prefill_part's) ran, its rows' ``logits``: prefill_chunk's result."""
+    end = part.pos + len(part.tokens)
+    slot.tokens.extend(part.tokens)
+    if end % PREFILL_CHUNK == 0 and slot.exact == part.pos:
         slot.exact = end
     return logits[-1].float() if end == len(ids) else None
 
@@ -328,6 +345,10 @@ class Request:
     # Other choices of the same prompt (OpenAI's ``n``): each gets a slot of its own when this request is admitted,
     # and the prompt's rows are copied into it once this request has read them: one prefill for all the choices.
     forks: list["Request"] = field(default_factory=list)
+    # The caller's own sequence (a runtime.generator.Generator: a library call's cache, kept between its calls and
+    # reused from any cached prefix) instead of a slot of the engine's.
+    seq: object = None
+    spec: object = None  # a speculative.SpecDecoder where the request speculates
 
     def cancelled(self) -> bool:
         return self.cancel.is_set() or (self.also_cancel is not None and self.also_cancel.is_set())
@@ -437,20 +458,21 @@ class BatchEngine:
     ``thread``: True (the server) runs the engine on a thread of its own, which submit() feeds; False runs it in
     the caller's thread: ``tokens(request)`` steps the engine until that request has its next item, so a library
     call that generates several sequences batches them without a thread.  ``max_seq``: positions per slot's cache
-    (default n_ctx; a caller that knows its longest prompt + max_tokens reserves no more)."""
+    (default n_ctx; a caller that knows its longest prompt + max_tokens reserves no more).  ``n_slots`` 0 (with
+    thread=False): an engine for requests that bring their own sequence (Request.seq) only: the LLM's own."""
 
     def __init__(self, model, kv_kind: str, n_ctx: int, n_slots: int, is_eog: Callable[[int], bool],
                  prompt_cache: PromptCache | None = None,
                  nonfinite: Callable[[torch.Tensor], Exception] | None = None, thread: bool = True,
                  max_seq: int | None = None):
-        if n_slots < 1:
+        if n_slots < (0 if not thread else 1):
             raise PyllmError(f"the number of parallel sequences must be >= 1, got {n_slots}")
         cfg = model.cfg
         self.model, self.n_ctx, self.is_eog = model, n_ctx, is_eog
         rows = n_ctx if max_seq is None else min(max_seq, n_ctx)
         # one pool of KV blocks for every slot where the backend has one (runtime/kv_pool.py)
         self.slots = [Slot(i, kv) for i, kv in enumerate(slot_caches(model.backend, kv_kind, cfg.n_layer, cfg.n_kv_head,
-                                                                      cfg.head_dim, rows, n_slots))]
+                                                                      cfg.head_dim, rows, n_slots))] if n_slots else []
         self.disk = prompt_cache
         self.nonfinite = nonfinite or (lambda lg: ModelError("the model produced non-finite logits"))
         self.cache_hits = self.cached_tokens = self.disk_hits = 0
@@ -471,7 +493,7 @@ class BatchEngine:
         if len(req.ids) >= self.n_ctx:
             raise ContextFullError(f"the prompt has {len(req.ids)} tokens but the context holds {self.n_ctx}; "
                                    f"use a larger n_ctx (--ctx) or a shorter prompt")
-        if 1 + len(req.forks) > len(self.slots):
+        if req.seq is None and 1 + len(req.forks) > len(self.slots):
             raise PyllmError(f"{1 + len(req.forks)} choices of one prompt need as many parallel sequences; this "
                              f"engine runs {len(self.slots)} (--parallel)")
         self._inbox.put(req)
@@ -493,6 +515,14 @@ class BatchEngine:
             yield item
             if item[0] != "token":
                 return
+
+    def end(self, req: Request) -> None:
+        """Ends ``req`` now, between steps (a thread=False engine's request whose reader stopped): its sequence is
+        free for the next request at once, not at the next step."""
+        if req in self._waiting:
+            self._waiting.remove(req)
+        if req in self._prefilling or req in self._decoding:
+            self._finish(req)
 
     def call(self, fn: Callable[[], object]):
         """Runs fn() on the engine thread between steps (anything else that uses the model) and returns its
@@ -568,6 +598,9 @@ class BatchEngine:
             self._finish(r)
 
     def _admit(self) -> None:
+        for r in [r for r in self._waiting if r.seq is not None]:
+            self._waiting.remove(r)
+            self._admit_own(r)
         while self._waiting:
             free = [s for s in self.slots if not s.busy]
             if len(free) < 1 + len(self._waiting[0].forks):
@@ -605,27 +638,79 @@ class BatchEngine:
                 self.cached_tokens += keep
             self._prefilling.append(r)
 
+    def _admit_own(self, r: Request) -> None:
+        """Starts a request on its own sequence: a request still running on that sequence (a stream its reader
+        left unfinished) ends first; the sequence keeps the cached prefix it shares with the prompt."""
+        for old in [o for o in self._prefilling + self._decoding if o.seq is r.seq]:
+            self._finish(old)
+        r.stats = r.seq.stats = GenerationStats(prompt_tokens=len(r.ids))
+        r.stats.finish_reason = "interrupted"
+        try:
+            logits = r.seq.start(r.ids)
+        except Exception as e:
+            self._finish(r, error=e)
+            return
+        self._prefilling.append(r)
+        if logits is not None:  # the prompt and its logits were cached: nothing to read
+            self._prefilled(r, logits)
+
     def _prefill(self) -> None:
-        """Prefill chunks, first come first served, until every admitted prompt is read or, while other requests
-        are decoding, until they have waited PREFILL_STALL seconds for their next token. A prompt read whole
+        """Steps of prompt chunks (several prompts' in one step, first come first served: _prefill_slots) until
+        every admitted prompt is read or, while other requests are decoding, until they have waited PREFILL_STALL
+        seconds for their next token. A prompt read whole
         before the next decode step gives the lowest time to first token over all requests (the batch is the
         same size either way); the bound keeps the running streams flowing."""
         while self._prefilling:
             r = self._prefilling[0]
             if r.cancelled():
                 return  # dropped by the loop
-            self._prefill_step(r)
+            if r.seq is not None:  # the caller's own sequence reads its prompt its own way
+                self._prefill_step(r)
+            elif not self._prefill_slots():
+                return
             if self._decoding and time.perf_counter() - self._last_decode >= PREFILL_STALL:
                 return
 
+    def _prefill_slots(self) -> bool:
+        """One step of prompt chunks on slots: the next chunk of each prompt being read, first come first served,
+        up to STEP_TOKENS tokens.  A step that fails is run again a prompt at a time, so that only the prompt whose
+        chunk cannot run (a full block pool) fails.  False when there was nothing to read."""
+        parts, budget = [], STEP_TOKENS
+        for r in self._prefilling:
+            if r.seq is not None or r.cancelled():
+                continue
+            part = prefill_part(r.slot, r.ids)
+            if parts and len(part.tokens) > budget:
+                break
+            parts.append((r, part))
+            budget -= len(part.tokens)
+        if not parts:
+            return False
+        if len(parts) == 1:
+            self._prefill_step(parts[0][0])
+            return True
+        try:
+            rows = self.model.step([p for _, p in parts])
+        except Exception:
+            for r, _ in parts:
+                self._prefill_step(r)
+            return True
+        for (r, part), row in zip(parts, rows):
+            logits = prefill_done(r.slot, r.ids, part, row.logits)
+            if logits is not None:
+                self._prefilled(r, logits)
+        return True
+
     def _prefill_step(self, r: Request) -> None:
         try:
-            logits = prefill_chunk(self.model, r.slot, r.ids)
+            logits = r.seq.prefill_next(r.ids) if r.seq is not None else prefill_chunk(self.model, r.slot, r.ids)
         except Exception as e:
             self._finish(r, error=e)
             return
-        if logits is None:
-            return
+        if logits is not None:
+            self._prefilled(r, logits)
+
+    def _prefilled(self, r: Request, logits: torch.Tensor) -> None:
         self._prefilling.remove(r)
         r.stats.prompt_seconds = time.perf_counter() - r.t0
         forks, r.forks = r.forks, []
@@ -656,28 +741,52 @@ class BatchEngine:
             r.stats.finish_reason = "length"
             self._finish(r)
             return
+        if r.spec is not None:
+            try:
+                r.spec.start(r.stats)
+            except Exception as e:
+                self._finish(r, error=e)
+                return
         self._decoding.append(r)
         if len(self._decoding) == 1:  # no stream was waiting before this one's first token, which goes out now
             self._last_decode = time.perf_counter()
         self._emit(r, logits)
 
     def _decode_step(self) -> None:
-        feed = []
+        feed, spec = [], []
         for r in list(self._decoding):
             forced = forced_end(r.sampler)
             if forced is not None:  # the grammar is complete: its end token follows without a forward pass
                 self._emit(r, None, forced)
+            elif r.spec is not None:
+                spec.append(r)
             else:
                 feed.append(r)
+        for r in spec:  # each its own plain step or verification pass (speculative.SpecDecoder)
+            try:
+                queue, lps = r.spec.advance(r.last, r.n)
+            except Exception as e:
+                self._finish(r, error=e)
+                continue
+            for i, tok in enumerate(queue):
+                if not self._send(r, tok, lps[i] if lps is not None else None):
+                    break
         if not feed:
             return
         try:
-            logits, tops = decode_rows_with_argmax(self.model, [r.slot for r in feed], [r.last for r in feed])
+            if len(feed) == 1:  # a batch of one: the fused step's own entry (generator.decode_one)
+                r = feed[0]
+                logits, top = r.seq._decode(r.last) if r.seq is not None else decode_one(self.model, r.slot, r.last)
+                rows = [(r, logits, top)]
+            else:
+                logits, tops = decode_rows_with_argmax(self.model, [r.seq or r.slot for r in feed],
+                                                       [r.last for r in feed])
+                rows = zip(feed, logits, tops)
         except Exception as e:
             for r in feed:
                 self._finish(r, error=e)
             return
-        for r, lg, top in zip(feed, logits, tops):
+        for r, lg, top in rows:
             self._emit(r, lg, top=top)
 
     def _emit(self, r: Request, logits: torch.Tensor | None, tok: int | None = None, top: int | None = None) -> None:
@@ -693,6 +802,10 @@ class BatchEngine:
         except Exception as e:
             self._finish(r, error=e)
             return
+        self._send(r, tok, lp)
+
+    def _send(self, r: Request, tok: int, lp) -> bool:
+        """Sends r's next token ``tok`` (its logprobs ``lp``) and ends r where it stops; True while r goes on."""
         st = r.stats
         now = time.perf_counter()
         if r.n == 0:
@@ -706,6 +819,10 @@ class BatchEngine:
         r.out.put(("token", tok, lp))
         if reason != "interrupted":
             self._finish(r)
+            return False
+        if r.spec is not None:
+            r.spec.ctx.append(tok)
+        return True
 
     def _finish(self, r: Request, error: Exception | None = None) -> None:
         for lst in (self._prefilling, self._decoding):
@@ -716,7 +833,9 @@ class BatchEngine:
             f.stats.finish_reason = "interrupted"
             self._finish(f, error=error)
         s = r.slot
-        if s is not None and s.busy:
+        if r.seq is not None:  # the caller's own sequence: its tokens list exactly what its cache holds
+            pass
+        elif s is not None and s.busy:
             s.busy = False
             s.last_used = time.monotonic()
             if error is not None:  # the cache may be half-written: nothing in it is trusted

@@ -1,5 +1,6 @@
-"""What every generation loop decides the same way: the library's (generator.py Generator: one sequence, in the
-caller's thread) and the server's (batch.py BatchEngine: many sequences, one engine thread).
+"""What the engine (batch.py BatchEngine) decides the same way for every request: a library call's (a request on the
+LLM's own sequence, generator.py Generator, stepped in the caller's thread) and the server's (requests on the
+engine's slots, stepped by its thread).
 
 Each rule is here once, so a change to when a generation ends, how broken logits are caught, which cached rows a
 prompt reuses, when a grammar ends the output or how a prompt is cut into forward passes reaches every caller.

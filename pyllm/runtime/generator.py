@@ -1,6 +1,8 @@
-"""The generation loop: prefill a prompt (reusing the cached prefix), then decode one token at a time.
+"""One caller's sequence: a KV cache kept between calls, its prompts read from any cached prefix.
 
-``Generator`` owns the KV cache's bookkeeping: ``tokens`` lists exactly the tokens whose keys and values are in
+``Generator`` is what the engine (runtime/batch.py BatchEngine) runs a library call's request on: ``start`` and
+``prefill_next`` read a prompt in n_batch-token chunks from where the cached prefix ends, ``_decode`` runs one
+token through the fused step.  It owns the KV cache's bookkeeping: ``tokens`` lists exactly the tokens whose keys and values are in
 the cache, in order. It is extended only after a forward pass completes, so an interrupt (Ctrl-C, a closed
 iterator, an exception) between or inside steps leaves the cache consistent and the next call reuses it.
 """
@@ -8,15 +10,14 @@ iterator, an exception) between or inside steps leaves the cache consistent and 
 from __future__ import annotations
 
 import ctypes
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from ..backends.base import SeqStep
 from ..errors import ContextFullError
-from .engine import chunk_end, common_prefix, finish_reason
+from .engine import chunk_end, common_prefix
 
 
 def _find_malloc_trim():
@@ -31,8 +32,6 @@ def _find_malloc_trim():
 _malloc_trim = _find_malloc_trim()
 # Prompt tokens from which a prefill's scratch is worth handing back (below it the buffers are small).
 TRIM_AFTER_TOKENS = 64
-PROBE_EVERY = 16  # plain steps before a draft model that stopped paying is tried again; doubles per failed probe
-MAX_PROBE_EVERY = 256
 
 
 def release_free_heap() -> None:
@@ -85,6 +84,22 @@ class GenerationStats:
                     spec=self.spec.as_dict() if self.spec is not None else None)
 
 
+def decode_one(model, seq, tok: int) -> tuple[torch.Tensor, int | None]:
+    """``tok`` appended to sequence ``seq`` (its ``kv`` and ``tokens``, which is extended): the logits [n_vocab]
+    after it and, from the fused step, their argmax (-1: a logit is NaN or infinite), else None.
+
+    A lone decode token takes the fused step's own entry (what the step protocol runs for it, step_one) without the
+    protocol's lists and row views: each torch call right after a step runs cold (Decoder.fused_logits), and SmolLM2
+    decoded 3-9% slower through them (interleaved bench, depth 1024).  What the engine runs for a batch of one."""
+    pos = len(seq.tokens)
+    fused = model.fused_logits(tok, pos, seq.kv)
+    if fused is None:
+        logits, top = model.step([SeqStep(seq.kv, [tok], pos)])[0]
+        fused = logits[0], (top[0] if top else None)
+    seq.tokens.append(tok)
+    return fused
+
+
 @dataclass
 class Generator:
     model: object  # has forward(tokens [T] int64, start_pos, kv, all_logits=False) -> logits
@@ -98,6 +113,7 @@ class Generator:
     # prefill's in the last bits -- enough to flip a near-tie, so a repeated greedy call would not repeat itself.
     _prompt_logits: tuple[int, torch.Tensor] | None = None
     scored: int = 0  # leading cached tokens a prompt-scoring pass wrote and no generation has used yet
+    _keep: int = 0  # cached tokens the prompt being read kept (start)
 
     def reset(self) -> None:
         self.tokens = []
@@ -130,23 +146,24 @@ class Generator:
     def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
         """One token: the logits [n_vocab] after it and, from the fused step, their argmax (-1: a logit is NaN or
         infinite), else None: what ``sample`` and ``check`` take so as not to read the row again."""
-        pos = len(self.tokens)
         self.check_room(1)
-        # A lone decode token takes the fused step's own entry (what the step protocol runs for it, step_one) without
-        # the protocol's lists and row views: each torch call right after a step runs cold (Decoder.fused_logits),
-        # and SmolLM2 decoded 3-9% slower through them (interleaved bench, depth 1024).
-        fused = self.model.fused_logits(tok, pos, self.kv)
-        if fused is None:
-            logits, top = self.model.step([SeqStep(self.kv, [tok], pos)])[0]
-            fused = logits[0], (top[0] if top else None)
-        self.tokens.append(tok)
-        return fused
+        return decode_one(self.model, self, tok)
 
     def common_prefix(self, ids: list[int]) -> int:
         return common_prefix(self.tokens, ids)
 
     def prefill(self, ids: list[int]) -> torch.Tensor:
         """Brings the cache to exactly ``ids`` and returns the logits [n_vocab] after the last one."""
+        logits = self.start(ids)
+        while logits is None:
+            logits = self.prefill_next(ids)
+        return logits
+
+    def start(self, ids: list[int]) -> torch.Tensor | None:
+        """Begins prompt ``ids``: keeps the longest cached prefix (any length: this cache serves one caller, whose
+        next prompt usually extends its last), leaving at least one token to evaluate.  Returns the logits after
+        the prompt where it is the last prefill's own (nothing to evaluate), else None: ``prefill_next`` then reads
+        it a chunk at a time."""
         if not ids:
             raise ValueError("cannot generate from an empty prompt")
         if len(ids) >= self.n_ctx:
@@ -161,12 +178,19 @@ class Generator:
         keep = min(common, len(ids) - 1)  # re-evaluate at least one token to get logits
         self.truncate(keep)
         self.stats.prompt_scored, self.scored = min(keep, self.scored), 0
-        logits, i = None, keep
-        while i < len(ids):
-            end = chunk_end(i, len(ids), self.n_batch, aligned=False)
-            logits, i = self._forward(ids[i:end]), end
-        self.stats.prompt_evaluated = len(ids) - keep
-        if len(ids) - keep >= TRIM_AFTER_TOKENS:
+        self._keep = keep
+        return None
+
+    def prefill_next(self, ids: list[int]) -> torch.Tensor | None:
+        """Evaluates the next chunk of ``ids`` (n_batch tokens from where the cache ends; ``start`` began it):
+        the logits [n_vocab] after the last prompt token once it is read, else None."""
+        i = len(self.tokens)
+        end = chunk_end(i, len(ids), self.n_batch, aligned=False)
+        logits = self._forward(ids[i:end])
+        if end < len(ids):
+            return None
+        self.stats.prompt_evaluated = len(ids) - self._keep
+        if len(ids) - self._keep >= TRIM_AFTER_TOKENS:
             release_free_heap()
         self._prompt_logits = (len(ids), logits[-1].clone())
         return logits[-1]
@@ -185,171 +209,3 @@ class Generator:
             end = chunk_end(i, len(ids), self.n_batch, aligned=False)
             yield self._forward(ids[i:end], all_logits=True)
             i = end
-
-    def _reason(self, n: int, tok: int, n_prompt: int, max_tokens: int, is_eog) -> str:
-        return finish_reason(n, tok, n_prompt, max_tokens, self.n_ctx, is_eog)
-
-    def generate(self, ids: list[int], sample: Callable[[torch.Tensor, int | None], int], max_tokens: int,
-                 is_eog: Callable[[int], bool], forced_end: Callable[[], int | None] | None = None, spec=None,
-                 sampler=None, check: Callable[[torch.Tensor, int | None], None] | None = None) -> Iterator[int]:
-        """Yields generated ids; stops after an end-of-generation id (yielded), max_tokens, or a full context.
-
-        ``forced_end`` (a grammar constraint's ``end_token``): asked after each token; an id means the structured
-        output is complete and only that end id can follow, so it is yielded next without a decode step (the
-        same tokens the masked sampler would give, one forward pass sooner).
-        spec: speculative.SpecSettings to speculate (then ``sampler``, the Sampler behind ``sample``, is needed
-        for verification: its grammar, if any, is ``forced_end``'s), or None for one token per step.
-        check: raises on logits that must not be sampled (``sample`` runs it on its own); a verification pass runs
-        it on each row of logits it uses, and only those: a row after a rejected draft is one plain decoding never
-        computes, so it cannot end the generation.  Both take the row and its argmax where the fused step found it
-        (-1: a logit is NaN or infinite), else None.
-        """
-        st = self.stats = GenerationStats(prompt_tokens=len(ids))
-        t0 = time.perf_counter()
-        st.finish_reason = "interrupted"
-        logits = self.prefill(ids)
-        st.prompt_seconds = time.perf_counter() - t0
-        if spec is not None and max_tokens > 0:
-            yield from self._generate_speculative(ids, logits, sample, sampler, max_tokens, is_eog, forced_end,
-                                                  spec, t0, check)
-            return
-        t1 = time.perf_counter()
-        forced, top = None, None
-        for n in range(max_tokens):
-            tok = sample(logits, top) if forced is None else forced
-            st.generated_tokens += 1
-            if n == 0:
-                st.ttft = time.perf_counter() - t0
-                t1 = time.perf_counter()
-            # the reason is set before the yield: a consumer that stops at this token never resumes us
-            st.finish_reason = self._reason(n, tok, len(ids), max_tokens, is_eog)
-            st.decode_seconds = time.perf_counter() - t1
-            yield tok
-            if st.finish_reason != "interrupted":
-                break
-            forced = forced_end() if forced_end is not None else None
-            if forced is None:
-                logits, top = self._decode(tok)
-        else:
-            st.finish_reason = "length"
-        st.decode_seconds = time.perf_counter() - t1
-
-    def _generate_speculative(self, ids, logits, sample, sampler, max_tokens, is_eog, forced_end, spec,
-                              t0, check=None) -> Iterator[int]:
-        """generate() with speculation: after each emitted token, a proposal of k tokens is verified in one
-        multi-row forward and the accepted ones (plus the model's own next token) are emitted together.
-
-        Under a grammar (``sampler.constraint``) the tokens it forces are the draft where it forces any, and a
-        lookup draft is cut where the grammar would refuse it; a reply that completes the grammar gets its end
-        token without a forward pass, as in plain decoding. A sampler that reports logprobs gets each emitted
-        token's own (``sampler.last_logprobs`` is set before the token is yielded).
-
-        The cache is rolled back to the accepted tokens by truncating ``tokens``: rows past it are stale and get
-        overwritten, and the quantized caches' statistics were fixed by the prompt (speculation waits until
-        ``kv.means_ready()``), so nothing else needs undoing.
-        """
-        from . import speculative as sp
-
-        st = self.stats
-        sst = st.spec = sp.SpecStats()
-        ctrl = sp.SpecController(max_k=spec.k, adaptive=spec.adaptive)
-        draft = spec.mode == "draft"
-        prop = sp.DraftProposer(spec.draft) if draft else sp.LookupProposer(spec.ngram)
-        ctx = list(ids)  # prompt + generated: what lookup searches
-        since_probe, probe_every = 0, PROBE_EVERY
-        if draft:
-            tp = time.perf_counter()
-            with torch.inference_mode():
-                prop.prefill(ids)
-            ctrl.draft_cost = prop.step_seconds
-            st.prompt_seconds += time.perf_counter() - tp
-        constraint = sampler.constraint
-        lps = [] if sampler.logprobs is not None else None  # per queued token: its (logprob, top)
-        queue = [sample(logits, None)]
-        if lps is not None:
-            lps.append(sampler.last_logprobs)
-        st.ttft = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        n = 0
-        while True:
-            for qi, tok in enumerate(queue):
-                if lps is not None:
-                    sampler.last_logprobs = lps[qi]
-                st.generated_tokens += 1
-                st.finish_reason = self._reason(n, tok, len(ids), max_tokens, is_eog)
-                st.decode_seconds = time.perf_counter() - t1
-                try:
-                    yield tok
-                except GeneratorExit:
-                    # A consumer stopping here (a stop string) leaves the cache as plain decoding does: without
-                    # tok and what follows it.  queue[:-1] (the accepted drafts) are cached, its last token not;
-                    # otherwise a chat reusing this prefix would evaluate one row fewer than after plain decoding.
-                    self.truncate(len(self.tokens) - (len(queue) - 1 - qi))
-                    raise
-                if st.finish_reason != "interrupted":
-                    st.decode_seconds = time.perf_counter() - t1
-                    return
-                n += 1
-                ctx.append(tok)
-            forced = forced_end() if forced_end is not None else None
-            if forced is not None:  # the grammar is complete: its end token, without a forward pass
-                queue = [forced]
-                if lps is not None:
-                    lps = [None]
-                continue
-            # tok (the last emitted) is not cached yet; room: drafts that fit after it in the context
-            room = min(max_tokens - n - 1, self.n_ctx - len(self.tokens) - 1)
-            ready = getattr(self.kv, "means_ready", lambda: True)()
-            drafts, q, mlen, k = [], None, 0, 0
-            if ready and room > 0:
-                if draft:
-                    k = ctrl.choose_k(0, room)
-                    if k:
-                        since_probe, probe_every = 0, PROBE_EVERY
-                    else:
-                        since_probe += 1
-                        # re-measure the draft's acceptance now and then, less often each time it does not pay,
-                        # and never once its measured cost rules out any gain (a probe pays the draft's catch-up)
-                        if since_probe >= probe_every and ctrl.can_pay():
-                            k, since_probe, probe_every = 1, 0, min(2 * probe_every, MAX_PROBE_EVERY)
-                    if k:
-                        with torch.inference_mode():
-                            drafts, q = prop.propose(ctx, k, sampler)
-                        # seconds per drafted token: a one-token draft step (measured where the proposal took
-                        # more than one), plus this proposal's catch-up pass when it covered only what one
-                        # verification emits (a probe's long catch-up is not the steady cost)
-                        if drafts:
-                            step = prop.step_seconds / (len(drafts) - 1) if len(drafts) > 1 else ctrl.draft_cost
-                            steady = prop.catchup_seconds if prop.catchup_rows <= spec.k + 1 else 0.0
-                            ctrl.draft_cost = step + steady / len(drafts)
-                        k = len(drafts)
-                else:
-                    drafts, mlen = prop.propose(ctx, spec.k)
-                    if constraint is not None:
-                        drafts, mlen = sp.grammar_drafts(constraint, drafts, mlen, spec.k)
-                    k = ctrl.choose_k(mlen, min(len(drafts), room))
-            ts = time.perf_counter()
-            if k == 0:
-                logits, top = self._decode(tok)
-                ctrl.time(1, time.perf_counter() - ts)
-                nxt = sample(logits, top)
-                if drafts:  # free evidence: would the first drafted token have been accepted?
-                    ctrl.observe(mlen, int(drafts[0] == nxt), 1)
-                sst.plain_steps += 1
-                queue = [nxt]
-                if lps is not None:
-                    lps = [sampler.last_logprobs]
-                continue
-            d = drafts[:k]
-            with torch.inference_mode():
-                rows, tops = sp.forward_rows(self, [tok] + d)
-            ctrl.time(k + 1, time.perf_counter() - ts)
-            if lps is not None:
-                lps = []
-            queue = sp.accept(sampler, rows, d, q, logprobs=lps, check=check, argmax=tops)
-            a = len(queue) - 1  # accepted drafts
-            self.truncate(len(self.tokens) - (k - a))  # keep tok and the accepted drafts
-            ctrl.observe(mlen, a, min(a + 1, k))
-            sst.drafted += k
-            sst.accepted += a
-            sst.verifies += 1

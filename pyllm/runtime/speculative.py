@@ -41,6 +41,8 @@ DEFAULT_NGRAM = 4  # longest suffix looked up; shorter ones are tried down to 1
 MATCH_CAP = 8  # a lookup's matched length (its evidence for the controller) is counted up to this
 SELECT_CAP = 32  # agreement counted up to this when choosing between a suffix's two latest occurrences
 FORCED = MATCH_CAP + 1  # the evidence of a draft a grammar forces (prior acceptance FORCED / (FORCED + 1))
+PROBE_EVERY = 16  # plain steps before a draft model that stopped paying is tried again; doubles per failed probe
+MAX_PROBE_EVERY = 256
 
 
 @dataclass
@@ -229,6 +231,109 @@ class DraftProposer:
 def _last_row(rows_and_argmax) -> tuple[torch.Tensor, int | None]:
     rows, tops = rows_and_argmax
     return rows[-1], (tops[-1] if tops else None)
+
+
+# ---- one sequence's speculative steps ------------------------------------------------------------------------------
+class SpecDecoder:
+    """Speculative decoding of one request in the engine (runtime/batch.py): after each emitted token, a proposal
+    of k tokens is verified in one multi-row forward, and the accepted ones (plus the model's own next token) are
+    emitted together.
+
+    ``gen``: the request's sequence (a runtime.generator.Generator); ``sample(logits, argmax)`` and ``check(logits,
+    argmax)`` as the engine's (``check`` raises on logits that must not be sampled; a verification pass runs it on
+    each row it uses, and only those: a row after a rejected draft is one plain decoding never computes, so it
+    cannot end the generation).  ``sampler``: the Sampler behind ``sample``, needed for verification.
+
+    Under a grammar (``sampler.constraint``) the tokens it forces are the draft where it forces any, and a lookup
+    draft is cut where the grammar would refuse it.  A sampler that reports logprobs gets each emitted token's own.
+
+    The cache is rolled back to the accepted tokens by truncating ``gen.tokens``: rows past it are stale and get
+    overwritten, and the quantized caches' statistics were fixed by the prompt (speculation waits until
+    ``kv.means_ready()``), so nothing else needs undoing.
+    """
+
+    def __init__(self, gen, ids: list[int], spec: SpecSettings, sampler, sample, check, max_tokens: int):
+        self.gen, self.spec, self.sampler, self.sample, self.check = gen, spec, sampler, sample, check
+        self.max_tokens = max_tokens
+        self.stats = SpecStats()
+        self.ctrl = SpecController(max_k=spec.k, adaptive=spec.adaptive)
+        self.draft = spec.mode == "draft"
+        self.prop = DraftProposer(spec.draft) if self.draft else LookupProposer(spec.ngram)
+        self.ids = ids
+        self.ctx = list(ids)  # prompt + emitted tokens: what lookup searches (the engine appends each one)
+        self.since_probe, self.probe_every = 0, PROBE_EVERY
+
+    def start(self, stats) -> None:
+        """After the prompt is read: brings a draft model's cache to it (its seconds count as the prompt's)."""
+        stats.spec = self.stats
+        if self.draft:
+            tp = time.perf_counter()
+            with torch.inference_mode():
+                self.prop.prefill(self.ids)
+            self.ctrl.draft_cost = self.prop.step_seconds
+            stats.prompt_seconds += time.perf_counter() - tp
+
+    def advance(self, tok: int, n: int) -> tuple[list[int], list | None]:
+        """The tokens that follow ``tok`` (the last emitted, the n-th; not cached yet), from one plain step or one
+        verification, and each one's logprobs where the sampler reports them (else None).  ``gen.tokens`` then
+        holds ``tok`` and the accepted drafts."""
+        gen, sampler, ctrl, spec, sst = self.gen, self.sampler, self.ctrl, self.spec, self.stats
+        want_lp = sampler.logprobs is not None
+        # room: drafts that fit after tok in the context
+        room = min(self.max_tokens - n - 1, gen.n_ctx - len(gen.tokens) - 1)
+        ready = getattr(gen.kv, "means_ready", lambda: True)()
+        drafts, q, mlen, k = [], None, 0, 0
+        if ready and room > 0:
+            if self.draft:
+                k = ctrl.choose_k(0, room)
+                if k:
+                    self.since_probe, self.probe_every = 0, PROBE_EVERY
+                else:
+                    self.since_probe += 1
+                    # re-measure the draft's acceptance now and then, less often each time it does not pay, and
+                    # never once its measured cost rules out any gain (a probe pays the draft's catch-up)
+                    if self.since_probe >= self.probe_every and ctrl.can_pay():
+                        k, self.since_probe = 1, 0
+                        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+                if k:
+                    with torch.inference_mode():
+                        drafts, q = self.prop.propose(self.ctx, k, sampler)
+                    # seconds per drafted token: a one-token draft step (measured where the proposal took more
+                    # than one), plus this proposal's catch-up pass when it covered only what one verification
+                    # emits (a probe's long catch-up is not the steady cost)
+                    if drafts:
+                        prop = self.prop
+                        step = prop.step_seconds / (len(drafts) - 1) if len(drafts) > 1 else ctrl.draft_cost
+                        steady = prop.catchup_seconds if prop.catchup_rows <= spec.k + 1 else 0.0
+                        ctrl.draft_cost = step + steady / len(drafts)
+                    k = len(drafts)
+            else:
+                drafts, mlen = self.prop.propose(self.ctx, spec.k)
+                if sampler.constraint is not None:
+                    drafts, mlen = grammar_drafts(sampler.constraint, drafts, mlen, spec.k)
+                k = ctrl.choose_k(mlen, min(len(drafts), room))
+        ts = time.perf_counter()
+        if k == 0:
+            logits, top = gen._decode(tok)
+            ctrl.time(1, time.perf_counter() - ts)
+            nxt = self.sample(logits, top)
+            if drafts:  # free evidence: would the first drafted token have been accepted?
+                ctrl.observe(mlen, int(drafts[0] == nxt), 1)
+            sst.plain_steps += 1
+            return [nxt], ([sampler.last_logprobs] if want_lp else None)
+        d = drafts[:k]
+        with torch.inference_mode():
+            rows, tops = forward_rows(gen, [tok] + d)
+        ctrl.time(k + 1, time.perf_counter() - ts)
+        lps = [] if want_lp else None
+        queue = accept(sampler, rows, d, q, logprobs=lps, check=self.check, argmax=tops)
+        a = len(queue) - 1  # accepted drafts
+        gen.truncate(len(gen.tokens) - (k - a))  # keep tok and the accepted drafts
+        ctrl.observe(mlen, a, min(a + 1, k))
+        sst.drafted += k
+        sst.accepted += a
+        sst.verifies += 1
+        return queue, lps
 
 
 # ---- the model's multi-row forward -------------------------------------------------------------------------------
