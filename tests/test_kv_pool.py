@@ -280,10 +280,14 @@ def test_no_block_leaked_or_shared_wrongly(ops_, kind):
     gen = torch.Generator().manual_seed(0)
 
     def write(kv, mirror, n, t):
-        try:
-            kv.check_room(n[0], t)
-        except PoolFullError:
+        need, free = kv.blocks_to_write(n[0], t), pool.free_blocks
+        if not kv.reserve(n[0], t):  # all the blocks it needs, or none
+            assert need > free == pool.free_blocks
+            with pytest.raises(PoolFullError):
+                kv.check_room(n[0], t)
+            kv.trim(n[0])  # what check_room took before it ran out
             return
+        assert free - pool.free_blocks == need and kv.blocks_to_write(n[0], t) == 0
         k, v = torch.randn(t, 1, 32, generator=gen) * 4, torch.randn(t, 1, 32, generator=gen)
         kv.update(0, n[0], k, v)
         mirror.update(0, n[0], k, v)
@@ -325,6 +329,49 @@ def test_no_block_leaked_or_shared_wrongly(ops_, kind):
     for kv, _, _ in seqs.values():
         kv.release()
     assert pool.used_blocks == 0 and all(r == 0 for r in pool.refs)
+
+
+def _engine_tokens(eng, reqs):
+    """Each request's streamed tokens, the engine stepped in this thread (thread=False) until all have ended."""
+    out = []
+    for r in reqs:
+        toks = []
+        for item in eng.tokens(r):
+            if item[0] == "token":
+                toks.append(item[1])
+        out.append(toks)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_small_pool_admits_waits_and_preempts(_extension, kind):
+    """Four greedy requests over a pool of one context (64 positions, 4 blocks) with three slots: a request waits
+    in the queue until its prompt's blocks are free, and a running one that cannot grow is preempted and resumed
+    (its prompt read again, its generated tokens' rows rewritten as decode rows).  Reference: the same requests in
+    an engine whose pool holds every slot's context, which never waits nor preempts; every request's tokens must
+    be the same, bit for bit the same logits being what makes greedy tokens equal.  Afterwards no block is held
+    but the idle slots' kept rows."""
+    from pyllm.runtime.sampler import Sampler
+
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+    prompts = [llm.tokenize(t) for t in ("The river ran past the old mill and", "def add(a, b):\n",
+                                         "Paris is the capital of", "One, two, three,")]
+
+    def run(pool_tokens):
+        eng = batch.BatchEngine(llm.model, kind, 64, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=pool_tokens)
+        reqs = [eng.submit(batch.Request(ids=list(p), max_tokens=40, sampler=Sampler(temperature=0)))
+                for p in prompts]
+        return eng, _engine_tokens(eng, reqs)
+
+    big, want = run(None)
+    small, got = run(64)
+    assert big.preemptions == 0 and small.preemptions > 0
+    assert small.pool.n_blocks == 4
+    assert got == want
+    kept = sum(len(s.kv.seq.blocks) for s in small.slots if not s.busy)
+    assert small.pool.used_blocks == kept
+    with pytest.raises(PyllmError, match="cannot hold one context"):
+        batch.BatchEngine(llm.model, kind, 64, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=63)
 
 
 def test_slot_caches_without_pools():
