@@ -374,6 +374,81 @@ def test_small_pool_admits_waits_and_preempts(_extension, kind):
         batch.BatchEngine(llm.model, kind, 64, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=63)
 
 
+class _HistoryModel:
+    """A model for the scheduler: a token's K/V row holds the token; the next token is a function of every row the
+    cache holds (read back through the block table), so a row lost, misplaced or rewritten wrongly by a
+    preemption changes the output.  _history_tokens is the same function without a cache: the reference."""
+
+    VOCAB = 16
+    use_cpp_decode = False
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from pyllm.backends.cpu import CpuBackend
+
+        self.cfg = SimpleNamespace(n_layer=1, n_kv_head=1, head_dim=32)
+        self.backend = CpuBackend()
+
+    def fused_step(self, kv):
+        return None
+
+    def step(self, seqs):
+        from pyllm.backends.base import StepRows
+
+        out = []
+        for sq in seqs:
+            sq.kv.check_room(sq.pos, len(sq.tokens))
+            rows = torch.tensor(sq.tokens, dtype=torch.float32).view(-1, 1, 1).expand(-1, 1, 32)
+            sq.kv.update(0, sq.pos, rows, rows)
+            k, _ = sq.kv.view(0, sq.pos + len(sq.tokens))
+            stored = k[0, :, 0].round().long().tolist()
+            ends = range(sq.pos + 1, sq.pos + len(sq.tokens) + 1) if sq.all_logits else [sq.pos + len(sq.tokens)]
+            logits = torch.zeros(len(ends), self.VOCAB)
+            for r, n in enumerate(ends):
+                logits[r, _next_token(stored[:n])] = 1.0
+            out.append(StepRows(logits, None))
+        return out
+
+
+def _next_token(history: list[int]) -> int:
+    return (sum((i + 3) * t for i, t in enumerate(history)) * 7 + len(history)) % _HistoryModel.VOCAB
+
+
+def _history_tokens(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(_next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+REQUESTS = st.lists(st.tuples(st.lists(st.integers(0, 15), min_size=1, max_size=70), st.integers(1, 60)),
+                    min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(REQUESTS, st.integers(1, 4), st.integers(0, 6))
+@example([([1] * 70, 60), ([1] * 70 + [2], 60), ([3], 60)], 3, 0)
+def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_slots, extra_blocks):
+    """Random prompts (some sharing prefixes longer than a reused chunk) and lengths over a pool of one context
+    plus a few blocks: every request ends with exactly the tokens it gives alone (no error, whatever waits or is
+    preempted and resumed), and afterwards the pool holds only the idle slots' kept rows."""
+    from pyllm.runtime.sampler import Sampler
+
+    n_ctx = 160
+    model = _HistoryModel()
+    eng = batch.BatchEngine(model, "f16", n_ctx, n_slots, lambda t: False, thread=False,
+                            pool_tokens=n_ctx + 16 * extra_blocks)
+    reqs = [eng.submit(batch.Request(ids=list(p), max_tokens=min(n, n_ctx - len(p)), sampler=Sampler(temperature=0)))
+            for p, n in requests]
+    got = _engine_tokens(eng, reqs)
+    for (p, n), toks, r in zip(requests, got, reqs):
+        assert toks == _history_tokens(p, min(n, n_ctx - len(p))), (p, n, r.stats.finish_reason)
+    held = sum(len(s.kv.seq.blocks) for s in eng.slots)
+    assert not any(s.busy for s in eng.slots) and eng.pool.used_blocks <= held
+
+
 def test_slot_caches_without_pools():
     """A backend without pools (CUDA) gives each slot a contiguous cache of its own."""
     class NoPool:
