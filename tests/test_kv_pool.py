@@ -449,6 +449,27 @@ def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_
     assert not any(s.busy for s in eng.slots) and eng.pool.used_blocks <= held
 
 
+def test_a_request_preempted_at_its_first_token_goes_on_from_it():
+    """The request admitted last is the one preempted, typically right after its prompt, when it has sent one token
+    and written no row of its own yet: it must go on from that token, not sample a first token again.  Reference:
+    each request's tokens alone (_history_tokens)."""
+    from pyllm.runtime.sampler import Sampler
+
+    eng = batch.BatchEngine(_HistoryModel(), "f16", 160, 2, lambda t: False, thread=False, pool_tokens=160)
+
+    def submit(prompt, n):
+        return eng.submit(batch.Request(ids=prompt, max_tokens=n, sampler=Sampler(temperature=0)))
+
+    a = submit([1], 100)
+    while a.slot is None or len(a.slot.tokens) < 16:  # a's next row opens its second block
+        eng.step()
+    b = submit([2] * 143, 10)  # its prompt's 9 blocks are the last free ones
+    eng.step()
+    assert eng.preemptions == 1 and b.slot is None and b.n == 1 and b.resume == []
+    assert _engine_tokens(eng, [a, b]) == [_history_tokens([1], 100), _history_tokens([2] * 143, 10)]
+    assert b.stats.generated_tokens == 10 and b.stats.finish_reason == "length"
+
+
 def test_slot_caches_without_pools():
     """A backend without pools (CUDA) gives each slot a contiguous cache of its own."""
     class NoPool:

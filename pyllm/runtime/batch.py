@@ -338,7 +338,8 @@ class Request:
     # Other choices of the same prompt (OpenAI's ``n``): each gets a slot of its own when this request is admitted,
     # and the prompt's rows are copied into it once this request has read them: one prefill for all the choices.
     forks: list["Request"] = field(default_factory=list)
-    resume: list[int] = field(default_factory=list)  # generated tokens whose rows a preemption gave back
+    resume: list[int] = field(default_factory=list)  # generated tokens whose rows a preemption gave back (all but
+    # the last, which the next decode step feeds)
 
     def cancelled(self) -> bool:
         return self.cancel.is_set() or (self.also_cancel is not None and self.also_cancel.is_set())
@@ -614,7 +615,7 @@ class BatchEngine:
                 f.slot.busy, f.slot.tokens, f.slot.exact = True, [], 0
             if self.pool is not None:  # the prompt's blocks (and a resumed request's) taken now
                 slot.kv.reserve(keep, min(slot.kv.max_seq, len(ids) + len(r.resume) + 1) - keep)
-            if r.resume:  # preempted before: its stats go on
+            if r.n:  # preempted after its first tokens: its stats go on
                 self._prefilling.append(r)
                 continue
             r.stats = GenerationStats(prompt_tokens=len(ids), prompt_evaluated=len(ids) - keep)
@@ -646,7 +647,7 @@ class BatchEngine:
         if logits is None:
             return
         self._prefilling.remove(r)
-        if r.resume:  # preempted: its generated tokens' rows again, then on from its last token
+        if r.n:  # preempted: its generated tokens' rows again (all but the last), then on from its last token
             try:
                 replay_rows(self.model, r.slot, r.resume)
             except Exception as e:
