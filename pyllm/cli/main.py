@@ -456,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
                    help="KV cache positions the --parallel slots share, at least --ctx (default: every slot's "
                         "whole context); when they are all in use a new request waits, and a running one that "
-                        "cannot grow is paused and resumed later with the same output")
+                        "cannot grow is paused and resumed later where it stopped")
     s.add_argument("--prompt-cache", default=None, metavar="DIR",
                    help="keep prompt prefixes' KV in DIR across restarts (at most 1 GiB, least recently used go)")
     s.add_argument("--replicas", type=int, default=1,
