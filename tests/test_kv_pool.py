@@ -428,44 +428,61 @@ REQUESTS = st.lists(st.tuples(st.lists(st.integers(0, 15), min_size=1, max_size=
 
 
 @settings(max_examples=60, deadline=None)
-@given(REQUESTS, st.integers(1, 4), st.integers(0, 6))
-@example([([1] * 70, 60), ([1] * 70 + [2], 60), ([3], 60)], 3, 0)
-def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_slots, extra_blocks):
-    """Random prompts (some sharing prefixes longer than a reused chunk) and lengths over a pool of one context
-    plus a few blocks: every request ends with exactly the tokens it gives alone (no error, whatever waits or is
-    preempted and resumed), and afterwards the pool holds only the idle slots' kept rows."""
+@given(REQUESTS, st.integers(1, 4), st.integers(0, 6), st.booleans(), st.booleans())
+@example([([1] * 70, 60), ([1] * 70 + [2], 60), ([3], 60)], 3, 0, False, False)
+@example([([1], 100), ([2] * 143, 10), ([2] * 143, 10)], 3, 0, True, False)
+def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_slots, extra_blocks, fork, stall):
+    """Random prompts (some sharing prefixes longer than a reused chunk; with ``fork`` the first one twice: n = 2
+    choices of one prefill) and lengths over a pool of one context plus a few blocks, prompts read whole or (with
+    ``stall``) a chunk a step beside the decoding ones: every request ends with exactly the tokens it gives alone
+    (no error, whatever waits or is preempted, while decoding or reading its prompt, and resumed), and afterwards
+    the pool holds only the idle slots' kept rows."""
     from pyllm.runtime.sampler import Sampler
 
     n_ctx = 160
+    if fork and n_slots > 1:
+        requests = requests[:1] + requests
     model = _HistoryModel()
     eng = batch.BatchEngine(model, "f16", n_ctx, n_slots, lambda t: False, thread=False,
                             pool_tokens=n_ctx + 16 * extra_blocks)
-    reqs = [eng.submit(batch.Request(ids=list(p), max_tokens=min(n, n_ctx - len(p)), sampler=Sampler(temperature=0)))
-            for p, n in requests]
-    got = _engine_tokens(eng, reqs)
+    reqs, top = batch.make_requests([(p, min(n, n_ctx - len(p)), Sampler(temperature=0)) for p, n in requests],
+                                    group=n_slots)
+    stall, batch.PREFILL_STALL = batch.PREFILL_STALL, 0.0 if stall else batch.PREFILL_STALL
+    try:
+        for r in top:
+            eng.submit(r)
+        got = _engine_tokens(eng, reqs)
+    finally:
+        batch.PREFILL_STALL = stall
     for (p, n), toks, r in zip(requests, got, reqs):
         assert toks == _history_tokens(p, min(n, n_ctx - len(p))), (p, n, r.stats.finish_reason)
     held = sum(len(s.kv.seq.blocks) for s in eng.slots)
     assert not any(s.busy for s in eng.slots) and eng.pool.used_blocks <= held
 
 
-def test_a_request_preempted_at_its_first_token_goes_on_from_it():
-    """The request admitted last is the one preempted, typically right after its prompt, when it has sent one token
-    and written no row of its own yet: it must go on from that token, not sample a first token again.  Reference:
-    each request's tokens alone (_history_tokens)."""
+@pytest.mark.parametrize("reading", [False, True])
+def test_the_request_admitted_last_is_preempted_and_goes_on(reading, monkeypatch):
+    """The request admitted last is the one preempted when the oldest needs a block: right after its prompt, when
+    it has sent one token and written no row of its own yet (it must go on from that token, not sample a first
+    token again), or (``reading``: prompts read a chunk a step beside decoding requests) while it reads its prompt
+    (it starts over).  Reference: each request's tokens alone (_history_tokens)."""
     from pyllm.runtime.sampler import Sampler
 
+    if reading:
+        monkeypatch.setattr(batch, "PREFILL_STALL", 0.0)
     eng = batch.BatchEngine(_HistoryModel(), "f16", 160, 2, lambda t: False, thread=False, pool_tokens=160)
 
     def submit(prompt, n):
         return eng.submit(batch.Request(ids=prompt, max_tokens=n, sampler=Sampler(temperature=0)))
 
     a = submit([1], 100)
-    while a.slot is None or len(a.slot.tokens) < 16:  # a's next row opens its second block
+    while a.slot is None or len(a.slot.tokens) < 16 - reading:  # then a's next row but one opens its second block
         eng.step()
-    b = submit([2] * 143, 10)  # its prompt's 9 blocks are the last free ones
+    b = submit([2] * 143, 10)  # its prompt's 9 blocks are the last free ones; 3 chunks
     eng.step()
-    assert eng.preemptions == 1 and b.slot is None and b.n == 1 and b.resume == []
+    if reading:
+        eng.step()
+    assert eng.preemptions == 1 and b.slot is None and b.n == (0 if reading else 1) and b.resume == []
     assert _engine_tokens(eng, [a, b]) == [_history_tokens([1], 100), _history_tokens([2] * 143, 10)]
     assert b.stats.generated_tokens == 10 and b.stats.finish_reason == "length"
 

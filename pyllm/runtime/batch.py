@@ -733,8 +733,9 @@ class BatchEngine:
 
     def _make_room(self, feed: list[Request]) -> list[Request]:
         """The requests of ``feed`` whose next rows the pool has blocks for: when short, idle slots' rows go first,
-        then the most recently submitted request of feed is preempted, until the rest fit (the oldest always
-        goes on: a pool holds at least one whole context)."""
+        then the most recently submitted running request (decoding or reading its prompt) is preempted, until the
+        rest fit.  The oldest is never the one while another runs, and alone it always fits: a pool holds at least
+        one whole context."""
         if self.pool is None:
             return feed
         while feed:
@@ -742,17 +743,24 @@ class BatchEngine:
             if need <= self.pool.free_blocks:
                 break
             if not self._drop_idle_rows():
-                victim = max(feed, key=lambda r: r.t0)
-                feed.remove(victim)
+                victim = max(self._prefilling + self._decoding, key=lambda r: r.t0)
+                if victim in feed:
+                    feed.remove(victim)
                 self._preempt(victim)
         return feed
 
     def _preempt(self, r: Request) -> None:
-        """Frees r's blocks and queues it again, first: once re-admitted its prompt is read again and its generated
-        tokens' rows rewritten as decode rows (replay_rows), so it goes on with the same rows and sampler state."""
-        self._decoding.remove(r)
+        """Frees r's blocks (and its forks' slots) and queues it again, first: once re-admitted its prompt is read
+        again and its generated tokens' rows rewritten as decode rows (replay_rows), so it goes on with the same
+        rows and sampler state."""
         s = r.slot
-        r.resume = s.tokens[len(r.ids):]
+        if r in self._decoding:
+            self._decoding.remove(r)
+            r.resume = s.tokens[len(r.ids):]
+        else:  # reading its prompt (again, after an earlier preemption: r.resume holds what it had generated)
+            self._prefilling.remove(r)
+        for f in r.forks:  # not started: their slots hold nothing yet
+            f.slot.busy, f.slot = False, None
         s.kv.trim(0)
         s.tokens, s.exact, s.busy, s.last_used = [], 0, False, time.monotonic()
         r.slot = None
