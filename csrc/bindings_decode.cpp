@@ -556,8 +556,10 @@ std::vector<int64_t> decode_steps(DecodeContext& ctx, const Tensor& tokens, int6
 }
 
 
-// One token of each of B sequences, each with its own DecodeContext (its KV cache) built over the same weights:
-// tokens/positions int64 [B], 1 <= B <= GEMV_MAX_M; logits_out f32 [B, n_vocab].  Runs on ctxs[0]'s scratch.
+// Rows of up to GEMV_MAX_M sequences, each with its own DecodeContext (its KV cache) built over the same weights:
+// row b is tokens[b] at positions[b] of ctxs[b]'s cache, a sequence's rows consecutive (one token per sequence
+// at decode, k + 1 of a speculative check); tokens/positions int64 [B], 1 <= B <= GEMV_MAX_M; logits_out f32
+// [B, n_vocab].  Runs on ctxs[0]'s scratch.
 std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const Tensor& tokens,
                                   const Tensor& positions, const Tensor& logits_out, int64_t first_layer,
                                   int64_t last_layer, bool head) {
@@ -594,12 +596,18 @@ std::vector<int64_t> decode_batch(const std::vector<DecodeContext*>& ctxs, const
         same = same && m.output_lora.a == m0.output_lora.a && m.token_embd_lora.a == m0.token_embd_lora.a;
         PYLLM_CHECK_VALUE(same, fn, ": context ", b, " was built over other weights or sizes than context 0");
         // Caches of one pool differ in their block tables (the pool hands a block being written to one sequence).
-        for (int64_t j = 0; j < b; ++j) {
+        // A sequence may have several rows (a speculative check): the same cache in consecutive rows at
+        // consecutive positions, each row attending up to its own position as in decode_steps.
+        auto shares = [&](int64_t j) {
             const pyllm::DecodeModel& o = ctxs[j]->model;
-            PYLLM_CHECK_VALUE((m.k_cache.data != o.k_cache.data || m.k_cache.table != o.k_cache.table) &&
-                                  (m.v_cache.data != o.v_cache.data || m.v_cache.table != o.v_cache.table),
-                              fn, ": contexts ", j, " and ", b, " share a KV cache (one token per sequence)");
-        }
+            return (m.k_cache.data == o.k_cache.data && m.k_cache.table == o.k_cache.table) ||
+                   (m.v_cache.data == o.v_cache.data && m.v_cache.table == o.v_cache.table);
+        };
+        const bool next_row = b > 0 && shares(b - 1) && ps[b] == ps[b - 1] + 1;
+        for (int64_t j = 0; j < b; ++j)
+            PYLLM_CHECK_VALUE(!shares(j) || next_row, fn, ": contexts ", j, " and ", b,
+                              " share a KV cache (a sequence's rows must be consecutive rows at consecutive "
+                              "positions)");
         PYLLM_CHECK_INDEX(!tk || (tk[b] >= 0 && tk[b] < ctxs[b]->vocab_rows), fn, ": token ", tk ? tk[b] : 0,
                           " (row ", b, ") is out of range for ", ctxs[b]->vocab_rows, " embedding rows");
         PYLLM_CHECK_INDEX(ps[b] >= 0 && ps[b] < limit, fn, ": pos ", ps[b], " (row ", b,
@@ -831,7 +839,8 @@ void register_decode(py::module& m) {
           py::arg("ctx"), py::arg("tokens"), py::arg("pos"), py::arg("logits_out"), py::arg("all_logits") = true,
           py::arg("first_layer") = 0, py::arg("last_layer") = -1, py::arg("head") = true);
     m.def("decode_batch", &decode_batch,
-          "one token of each of 1..GEMV_MAX_M sequences (own DecodeContext / KV cache each) in one pass -> logits_out; "
+          "1..GEMV_MAX_M rows of one or more sequences (own DecodeContext / KV cache each, a sequence's rows "
+          "consecutive at consecutive positions) in one pass -> logits_out; "
           "returns each row's argmax (-1: not finite)",
           py::arg("ctxs"), py::arg("tokens"), py::arg("positions"), py::arg("logits_out"), py::arg("first_layer") = 0,
           py::arg("last_layer") = -1, py::arg("head") = true);

@@ -360,10 +360,11 @@ void decode_step_cpu(const DecodeModel& m, DecodeScratch& s, int64_t token, int 
 void decode_steps_cpu(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, int M, int pos, float* logits,
                       bool all_logits, RowArgmax* argmax = nullptr, const DecodeRange& range = {});
 
-// One token of each of B (1..GEMV_MAX_M) sequences in one pass: seqs[b] supplies row b's KV cache (k_cache,
+// B (1..GEMV_MAX_M) rows of one or more sequences in one pass: seqs[b] supplies row b's KV cache (k_cache,
 // v_cache; every other field is read from seqs[0], whose weights and config all share), tokens[b] goes to
 // position pos[b] of it.  logits: [B, n_vocab].  Caller checked the tokens, positions and that the seqs share
-// weights, config and max_seq, and that no cache appears twice.
+// weights, config and max_seq, and that a cache's rows are consecutive rows at consecutive positions (each row
+// attends up to its own position, as in decode_steps_cpu).
 void decode_batch_cpu(const DecodeModel* const* seqs, DecodeScratch& s, const int64_t* tokens, const int* pos, int B,
                       float* logits, RowArgmax* argmax = nullptr, const DecodeRange& range = {});
 

@@ -310,6 +310,7 @@ def test_bench_counts_are_bounded_before_anything_loads(capsys, args, needle):
     (["serve", "m.gguf", "--port", "70000"], "--port", "70000"),
     (["serve", "m.gguf", "--parallel", "0"], "--parallel", "got 0"),
     (["serve", "m.gguf", "--replicas", "0"], "--replicas", "got 0"),
+    (["serve", "m.gguf", "--kv-pool-tokens", "0"], "--kv-pool-tokens", "got 0"),
     (["serve", "m.gguf", "--max-body", "1MB"], "--max-body", "'1MB'"),
     (["serve", "m.gguf", "--max-body", "0"], "--max-body", "got 0"),
     (["info", "m.gguf", "--ctx", "4k"], "--ctx/-c", "'4k'"),

@@ -280,10 +280,14 @@ def test_no_block_leaked_or_shared_wrongly(ops_, kind):
     gen = torch.Generator().manual_seed(0)
 
     def write(kv, mirror, n, t):
-        try:
-            kv.check_room(n[0], t)
-        except PoolFullError:
+        need, free = kv.blocks_to_write(n[0], t), pool.free_blocks
+        if not kv.reserve(n[0], t):  # all the blocks it needs, or none
+            assert need > free == pool.free_blocks
+            with pytest.raises(PoolFullError):
+                kv.check_room(n[0], t)
+            kv.trim(n[0])  # what check_room took before it ran out
             return
+        assert free - pool.free_blocks == need and kv.blocks_to_write(n[0], t) == 0
         k, v = torch.randn(t, 1, 32, generator=gen) * 4, torch.randn(t, 1, 32, generator=gen)
         kv.update(0, n[0], k, v)
         mirror.update(0, n[0], k, v)
@@ -325,6 +329,162 @@ def test_no_block_leaked_or_shared_wrongly(ops_, kind):
     for kv, _, _ in seqs.values():
         kv.release()
     assert pool.used_blocks == 0 and all(r == 0 for r in pool.refs)
+
+
+def _engine_tokens(eng, reqs):
+    """Each request's streamed tokens, the engine stepped in this thread (thread=False) until all have ended."""
+    out = []
+    for r in reqs:
+        toks = []
+        for item in eng.tokens(r):
+            if item[0] == "token":
+                toks.append(item[1])
+        out.append(toks)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_small_pool_admits_waits_and_preempts(_extension, kind):
+    """Four greedy requests over a pool of one context (64 positions, 4 blocks) with three slots: a request waits
+    in the queue until its prompt's blocks are free, and a running one that cannot grow is preempted and resumed
+    (its prompt read again, its generated tokens' rows rewritten as decode rows).  Reference: the same requests in
+    an engine whose pool holds every slot's context, which never waits nor preempts; every request's tokens must
+    be the same, bit for bit the same logits being what makes greedy tokens equal.  Afterwards no block is held
+    but the idle slots' kept rows."""
+    from pyllm.runtime.sampler import Sampler
+
+    llm = pyllm_model("smollm2", n_ctx=256, n_threads=1)
+    prompts = [llm.tokenize(t) for t in ("The river ran past the old mill and", "def add(a, b):\n",
+                                         "Paris is the capital of", "One, two, three,")]
+
+    def run(pool_tokens):
+        eng = batch.BatchEngine(llm.model, kind, 64, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=pool_tokens)
+        reqs = [eng.submit(batch.Request(ids=list(p), max_tokens=40, sampler=Sampler(temperature=0)))
+                for p in prompts]
+        return eng, _engine_tokens(eng, reqs)
+
+    big, want = run(None)
+    small, got = run(64)
+    assert big.preemptions == 0 and small.preemptions > 0
+    assert small.pool.n_blocks == 4
+    assert got == want
+    kept = sum(len(s.kv.seq.blocks) for s in small.slots if not s.busy)
+    assert small.pool.used_blocks == kept
+    with pytest.raises(PyllmError, match="cannot hold one context"):
+        batch.BatchEngine(llm.model, kind, 64, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=63)
+
+
+class _HistoryModel:
+    """A model for the scheduler: a token's K/V row holds the token; the next token is a function of every row the
+    cache holds (read back through the block table), so a row lost, misplaced or rewritten wrongly by a
+    preemption changes the output.  _history_tokens is the same function without a cache: the reference."""
+
+    VOCAB = 16
+    use_cpp_decode = False
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        from pyllm.backends.cpu import CpuBackend
+
+        self.cfg = SimpleNamespace(n_layer=1, n_kv_head=1, head_dim=32)
+        self.backend = CpuBackend()
+
+    def fused_step(self, kv):
+        return None
+
+    def step(self, seqs):
+        from pyllm.backends.base import StepRows
+
+        out = []
+        for sq in seqs:
+            sq.kv.check_room(sq.pos, len(sq.tokens))
+            rows = torch.tensor(sq.tokens, dtype=torch.float32).view(-1, 1, 1).expand(-1, 1, 32)
+            sq.kv.update(0, sq.pos, rows, rows)
+            k, _ = sq.kv.view(0, sq.pos + len(sq.tokens))
+            stored = k[0, :, 0].round().long().tolist()
+            ends = range(sq.pos + 1, sq.pos + len(sq.tokens) + 1) if sq.all_logits else [sq.pos + len(sq.tokens)]
+            logits = torch.zeros(len(ends), self.VOCAB)
+            for r, n in enumerate(ends):
+                logits[r, _next_token(stored[:n])] = 1.0
+            out.append(StepRows(logits, None))
+        return out
+
+
+def _next_token(history: list[int]) -> int:
+    return (sum((i + 3) * t for i, t in enumerate(history)) * 7 + len(history)) % _HistoryModel.VOCAB
+
+
+def _history_tokens(prompt: list[int], n: int) -> list[int]:
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(_next_token(seq))
+        seq.append(out[-1])
+    return out
+
+
+REQUESTS = st.lists(st.tuples(st.lists(st.integers(0, 15), min_size=1, max_size=70), st.integers(1, 60)),
+                    min_size=1, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(REQUESTS, st.integers(1, 4), st.integers(0, 6), st.booleans(), st.booleans())
+@example([([1] * 70, 60), ([1] * 70 + [2], 60), ([3], 60)], 3, 0, False, False)
+@example([([1], 100), ([2] * 143, 10), ([2] * 143, 10)], 3, 0, True, False)
+def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_slots, extra_blocks, fork, stall):
+    """Random prompts (some sharing prefixes longer than a reused chunk; with ``fork`` the first one twice: n = 2
+    choices of one prefill) and lengths over a pool of one context plus a few blocks, prompts read whole or (with
+    ``stall``) a chunk a step beside the decoding ones: every request ends with exactly the tokens it gives alone
+    (no error, whatever waits or is preempted, while decoding or reading its prompt, and resumed), and afterwards
+    the pool holds only the idle slots' kept rows."""
+    from pyllm.runtime.sampler import Sampler
+
+    n_ctx = 160
+    if fork and n_slots > 1:
+        requests = requests[:1] + requests
+    model = _HistoryModel()
+    eng = batch.BatchEngine(model, "f16", n_ctx, n_slots, lambda t: False, thread=False,
+                            pool_tokens=n_ctx + 16 * extra_blocks)
+    reqs, top = batch.make_requests([(p, min(n, n_ctx - len(p)), Sampler(temperature=0)) for p, n in requests],
+                                    group=n_slots)
+    stall, batch.PREFILL_STALL = batch.PREFILL_STALL, 0.0 if stall else batch.PREFILL_STALL
+    try:
+        for r in top:
+            eng.submit(r)
+        got = _engine_tokens(eng, reqs)
+    finally:
+        batch.PREFILL_STALL = stall
+    for (p, n), toks, r in zip(requests, got, reqs):
+        assert toks == _history_tokens(p, min(n, n_ctx - len(p))), (p, n, r.stats.finish_reason)
+    held = sum(len(s.kv.seq.blocks) for s in eng.slots)
+    assert not any(s.busy for s in eng.slots) and eng.pool.used_blocks <= held
+
+
+@pytest.mark.parametrize("reading", [False, True])
+def test_the_request_admitted_last_is_preempted_and_goes_on(reading, monkeypatch):
+    """The request admitted last is the one preempted when the oldest needs a block: right after its prompt, when
+    it has sent one token and written no row of its own yet (it must go on from that token, not sample a first
+    token again), or (``reading``: prompts read a chunk a step beside decoding requests) while it reads its prompt
+    (it starts over).  Reference: each request's tokens alone (_history_tokens)."""
+    from pyllm.runtime.sampler import Sampler
+
+    if reading:
+        monkeypatch.setattr(batch, "PREFILL_STALL", 0.0)
+    eng = batch.BatchEngine(_HistoryModel(), "f16", 160, 2, lambda t: False, thread=False, pool_tokens=160)
+
+    def submit(prompt, n):
+        return eng.submit(batch.Request(ids=prompt, max_tokens=n, sampler=Sampler(temperature=0)))
+
+    a = submit([1], 100)
+    while a.slot is None or len(a.slot.tokens) < 16 - reading:  # then a's next row but one opens its second block
+        eng.step()
+    b = submit([2] * 143, 10)  # its prompt's 9 blocks are the last free ones; 3 chunks
+    eng.step()
+    if reading:
+        eng.step()
+    assert eng.preemptions == 1 and b.slot is None and b.n == (0 if reading else 1) and b.resume == []
+    assert _engine_tokens(eng, [a, b]) == [_history_tokens([1], 100), _history_tokens([2] * 143, 10)]
+    assert b.stats.generated_tokens == 10 and b.stats.finish_reason == "length"
 
 
 def test_slot_caches_without_pools():

@@ -419,7 +419,10 @@ def test_serve_cli_errors_are_one_line():
                                      "pyllm serve: error: "),
                                     (["--cors-origin", "https://ui.example/chat"], "is not an origin", 1,
                                      "pyllm: error: "),
-                                    (["--log-format", "xml"], "--log-format", 2, "pyllm serve: error: ")):
+                                    (["--log-format", "xml"], "--log-format", 2, "pyllm serve: error: "),
+                                    (["--kv-pool-tokens", "1024"], "give --parallel > 1", 1, "pyllm: error: "),
+                                    (["--port", "0", "--parallel", "2", "--ctx", "512", "--kv-pool-tokens", "100"],
+                                     "cannot hold one context of 512", 1, "pyllm: error: ")):
             r = subprocess.run([sys.executable, "-m", "pyllm.cli.main", "serve", "smollm2-135m", *args], cwd=ROOT,
                                env=env, capture_output=True, text=True, timeout=120)
             assert r.returncode == rc and r.stderr.startswith(head) and msg in r.stderr, r.stderr

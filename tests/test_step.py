@@ -105,6 +105,61 @@ def test_more_decode_rows_than_one_batched_pass():
         assert torch.equal(got.logits, want.logits), f"row {i}"
 
 
+def test_decode_rows_of_every_sequence_share_the_passes(monkeypatch):
+    """Decode tokens and two speculative checks (one with every row's logits, one with the last only), 16 rows
+    beside a prompt chunk: two passes over the weights, the second check straddling them (its later rows read the
+    K/V rows the first pass wrote), every sequence's rows and K/V bit for bit its own step's."""
+    from pyllm import ops
+
+    llm = pyllm_model("smollm2", n_ctx=N_CTX, n_threads=1)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,", "Water boils at"]
+    ids = [llm.tokenize(t) for t in texts]
+    caches = [_cache(llm) for _ in texts]
+    for kv, t in zip(caches[:4], ids):
+        llm.model.step([SeqStep(kv, t, 0, prefill=True)])
+    parts = [SeqStep(caches[0], [42], len(ids[0])), SeqStep(caches[2], [1000], len(ids[2])),
+             SeqStep(caches[1], [11, 12, 13, 14, 15, 16, 17], len(ids[1]), all_logits=True),  # rows 2..8
+             SeqStep(caches[4], ids[4], 0, prefill=True),
+             SeqStep(caches[3], [5, 6, 7, 8, 9, 10, 11], len(ids[3]))]
+    alone = _alone(llm, parts)
+    calls = []
+    batch_fn = ops._C.decode_batch
+
+    def counted(ctxs, *a):
+        calls.append(len(ctxs))
+        return batch_fn(ctxs, *a)
+
+    monkeypatch.setattr(ops._C, "decode_batch", counted)
+    together = llm.model.step(parts)
+    monkeypatch.undo()
+    assert calls == [8, 8], "the decode rows did not share their passes"
+    for i, (p, got, (want, kv)) in enumerate(zip(parts, together, alone)):
+        assert got.logits.shape == want.logits.shape
+        assert torch.equal(got.logits, want.logits), f"sequence {i}: its rows changed when batched"
+        if not p.prefill:
+            assert got.argmax == want.argmax == got.logits.argmax(-1).tolist()
+        nxt = p.pos + len(p.tokens)
+        after = llm.model.step([SeqStep(p.kv, [5], nxt)])[0]
+        assert torch.equal(after.logits, llm.model.step([SeqStep(kv, [5], nxt)])[0].logits), f"sequence {i}: K/V"
+
+
+def test_batch_binding_takes_a_sequences_rows_in_order():
+    """decode_batch takes several rows of one cache at consecutive positions (a check beside other sequences),
+    and refuses a cache's rows out of order or apart: their K/V rows would land in one another's places."""
+    from pyllm import ops
+
+    llm = pyllm_model("smollm2", n_ctx=N_CTX, n_threads=1)
+    a, b = _cache(llm), _cache(llm)
+    for kv in (a, b):
+        kv.check_room(0, 4)
+    ca, cb = llm.model.decode_context(a), llm.model.decode_context(b)
+    out = torch.empty(3, llm.n_vocab)
+    ops._C.decode_batch([ca, ca, cb], torch.tensor([1, 2, 3]), torch.tensor([0, 1, 0]), out)
+    for ctxs, pos in (([ca, ca, cb], [1, 0, 0]), ([ca, cb, ca], [0, 0, 1]), ([ca, ca, cb], [0, 2, 0])):
+        with pytest.raises(ValueError, match="share a KV cache"):
+            ops._C.decode_batch(ctxs, torch.tensor([1, 2, 3]), torch.tensor(pos), out)
+
+
 def test_reference_step_is_the_torch_forward_and_the_fast_step_follows_it():
     fast = pyllm_model("smollm2", n_ctx=N_CTX, n_threads=1)
     ref = pyllm_model("smollm2", kernels="reference", n_ctx=N_CTX)

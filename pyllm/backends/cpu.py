@@ -254,33 +254,47 @@ class CpuBackend:
         return KVCache(n_layer, n_kv_head, max_seq, head_dim, kind, device=self.device)
 
     def step(self, model, seqs: list[SeqStep]) -> list[StepRows]:
-        """The multi-sequence step (backends/base.py): the decode tokens of sequences whose caches have a C++ step
-        go through ``decode_batch``, up to ops.GEMV_MAX_M rows per call, every weight read once for all of them
-        (each row bit for bit its sequence's one-token step: tests/test_decode_batch.py); a lone decode token
-        takes the one-token step, decode rows of one sequence its multi-row pass, prompt chunks the forward."""
+        """The multi-sequence step (backends/base.py): the decode rows of every sequence whose cache has a C++ step
+        (a decode token, or the k + 1 rows of a speculative check) go through ``decode_batch`` together, packed
+        GEMV_MAX_M rows a pass, every weight read once per pass for all of them.  Each row is bit for bit what its
+        sequence's own one-token step or multi-row pass gives (the row kernels sum a row in one order whatever the
+        number of rows; tests/test_step.py): a sequence's rows may straddle two passes, the later pass reading the
+        K/V rows the earlier one wrote.  Prompt chunks take the forward, one sequence at a time: their K/V rows are
+        the forward's, which prompt reuse matches across requests.  A single sequence takes step_one."""
         check_seqs(seqs)
         if len(seqs) == 1:  # nothing to batch
             return [step_one(model, seqs[0], ops.GEMV_MAX_M)]
+        batched = []  # (index, its C++ context) of the decode parts the passes take
+        if model.use_cpp_decode:
+            for i, s in enumerate(seqs):
+                if not s.prefill and len(s.tokens) <= ops.GEMV_MAX_M:
+                    ctx = getattr(model.fused_step(s.kv), "ctx", None)
+                    if ctx is not None:
+                        batched.append((i, ctx))
+        if len(batched) < 2:  # one sequence's rows: its own step has the same bits
+            return [step_one(model, s, ops.GEMV_MAX_M) for s in seqs]
+        for i, _ in batched:  # every block taken before any row is written: a full pool stops the step whole
+            seqs[i].kv.check_room(seqs[i].pos, len(seqs[i].tokens))
+        ctxs, tokens, positions, first = [], [], [], []
+        for i, ctx in batched:
+            s = seqs[i]
+            first.append(len(tokens))
+            ctxs += [ctx] * len(s.tokens)
+            tokens += s.tokens
+            positions += range(s.pos, s.pos + len(s.tokens))
+        n = len(tokens)
+        logits = torch.empty(n, ctxs[0].n_vocab)
+        tokens_t, positions_t = torch.tensor(tokens), torch.tensor(positions)
+        tops: list[int] = []
+        for r0 in range(0, n, ops.GEMV_MAX_M):
+            r1 = min(n, r0 + ops.GEMV_MAX_M)
+            tops += ops._C.decode_batch(ctxs[r0:r1], tokens_t[r0:r1], positions_t[r0:r1], logits[r0:r1])
         out: list[StepRows | None] = [None] * len(seqs)
-        batched = []  # (index, its C++ context) of the single decode tokens with a C++ step
-        for i, s in enumerate(seqs):
-            if len(s.tokens) == 1 and not s.prefill and model.use_cpp_decode:
-                ctx = getattr(model.fused_step(s.kv), "ctx", None)
-                if ctx is not None:
-                    batched.append((i, ctx))
-        if len(batched) < 2:
-            batched = []
-        for start in range(0, len(batched), ops.GEMV_MAX_M):
-            group = batched[start:start + ops.GEMV_MAX_M]
-            if len(group) == 1:  # the last of several groups: the one-token step, which has the same bits
-                continue
-            for i, _ in group:
-                seqs[i].kv.check_room(seqs[i].pos, 1)
-            logits = torch.empty(len(group), group[0][1].n_vocab)
-            tops = ops._C.decode_batch([c for _, c in group], torch.tensor([seqs[i].tokens[0] for i, _ in group]),
-                                       torch.tensor([seqs[i].pos for i, _ in group], dtype=torch.int64), logits)
-            for r, ((i, _), top) in enumerate(zip(group, tops)):
-                out[i] = StepRows(logits[r:r + 1], [top])
+        for (i, _), r in zip(batched, first):
+            s = seqs[i]
+            r1 = r + len(s.tokens)
+            r0 = r if s.all_logits else r1 - 1
+            out[i] = StepRows(logits[r0:r1], tops[r0:r1])
         return [o if o is not None else step_one(model, s, ops.GEMV_MAX_M) for o, s in zip(out, seqs)]
 
     def make_kv_pool(self, kind: str, n_layer: int, n_kv_head: int, head_dim: int, n_blocks: int,

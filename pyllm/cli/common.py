@@ -564,6 +564,7 @@ NUMERIC_FLAGS = {
     "port": ("--port", 0, 65535),
     "parallel": ("--parallel", 1, 64),  # sequences decoded together, each with a context-sized KV slot
     "replicas": ("--replicas", 1, 64),
+    "kv_pool_tokens": ("--kv-pool-tokens", 1, 1 << 30),  # at least --ctx: checked where the pool is made
     "max_body": ("--max-body", 1, None),  # bytes; below 1 every request would be refused as too large
     "max_request_memory": ("--max-request-memory", 1, None),  # MiB
     "client_timeout": ("--client-timeout", 1, 1 << 31),  # seconds; a deadline beyond a float's range cannot be set

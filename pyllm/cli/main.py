@@ -288,6 +288,9 @@ def cmd_serve(a) -> int:
 
     memory = request_memory(a.max_body, None if a.max_request_memory is None else a.max_request_memory << 20)
     allow_hosts = allow_hosts_from_args(a)
+    if a.kv_pool_tokens is not None and (a.parallel == 1 or a.replicas != 1):
+        raise PyllmError("--kv-pool-tokens sizes the KV pool of --parallel slots: give --parallel > 1 (and no "
+                         "--replicas)")
 
     try:  # fail before the model loads, in one line, rather than in uvicorn's log after it
         sock = listen_socket(a.host, a.port)
@@ -302,7 +305,7 @@ def cmd_serve(a) -> int:
         serve(llm, a.alias or name, host=a.host, port=a.port, api_key=api_key,
               max_body=a.max_body, parallel=a.parallel, prompt_cache=a.prompt_cache, sock=sock,
               cors_origins=cors_origins, client_timeout=a.client_timeout, log_format=a.log_format,
-              allow_hosts=allow_hosts, max_request_memory=memory)
+              allow_hosts=allow_hosts, max_request_memory=memory, kv_pool_tokens=a.kv_pool_tokens)
     return 0
 
 
@@ -450,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parallel", "-np", type=int, default=1,
                    help="requests decoded together in one batched step, each with its own KV slot (default 1: one "
                         "at a time, with speculative decoding)")
+    s.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
+                   help="KV cache positions the --parallel slots share, at least --ctx (default: every slot's "
+                        "whole context); when they are all in use a new request waits, and a running one that "
+                        "cannot grow is paused and resumed later where it stopped")
     s.add_argument("--prompt-cache", default=None, metavar="DIR",
                    help="keep prompt prefixes' KV in DIR across restarts (at most 1 GiB, least recently used go)")
     s.add_argument("--replicas", type=int, default=1,

@@ -126,6 +126,16 @@ def prefill_done(slot: Slot, ids: list[int], part: SeqStep, logits: torch.Tensor
     return logits[-1].float() if end == len(ids) else None
 
 
+def replay_rows(model, slot: Slot, tokens: list[int]) -> None:
+    """Writes the K/V rows of ``tokens``, decoded before, past the slot's tokens as decode rows (what a preempted
+    request's resumption runs): GEMV_MAX_M rows a pass where the step's rows are exact, each then the bits of the
+    one-token step that first wrote it, else one token a step."""
+    n = ops.GEMV_MAX_M if getattr(model.fused_step(slot.kv), "rows_exact", False) else 1
+    for i in range(0, len(tokens), n):
+        model.step([SeqStep(slot.kv, tokens[i:i + n], len(slot.tokens))])
+        slot.tokens.extend(tokens[i:i + n])
+
+
 # ------------------------------------------------------------------------------------------------ disk cache
 MAX_CACHED_TOKENS = 1 << 24  # the largest --ctx
 FORMAT = "pyllm-prompt-cache/2"  # /2: the header holds the tensors' sha256 (/1 files are ignored as another format)
@@ -349,6 +359,8 @@ class Request:
     # reused from any cached prefix) instead of a slot of the engine's.
     seq: object = None
     spec: object = None  # a speculative.SpecDecoder where the request speculates
+    resume: list[int] = field(default_factory=list)  # generated tokens whose rows a preemption gave back (all but
+    # the last, which the next decode step feeds)
 
     def cancelled(self) -> bool:
         return self.cancel.is_set() or (self.also_cancel is not None and self.also_cancel.is_set())
@@ -464,7 +476,7 @@ class BatchEngine:
     def __init__(self, model, kv_kind: str, n_ctx: int, n_slots: int, is_eog: Callable[[int], bool],
                  prompt_cache: PromptCache | None = None,
                  nonfinite: Callable[[torch.Tensor], Exception] | None = None, thread: bool = True,
-                 max_seq: int | None = None):
+                 max_seq: int | None = None, pool_tokens: int | None = None):
         if n_slots < (0 if not thread else 1):
             raise PyllmError(f"the number of parallel sequences must be >= 1, got {n_slots}")
         cfg = model.cfg
@@ -472,7 +484,11 @@ class BatchEngine:
         rows = n_ctx if max_seq is None else min(max_seq, n_ctx)
         # one pool of KV blocks for every slot where the backend has one (runtime/kv_pool.py)
         self.slots = [Slot(i, kv) for i, kv in enumerate(slot_caches(model.backend, kv_kind, cfg.n_layer, cfg.n_kv_head,
-                                                                      cfg.head_dim, rows, n_slots))] if n_slots else []
+                                                                      cfg.head_dim, rows, n_slots,
+                                                                      pool_tokens=pool_tokens))] if n_slots else []
+        # the BlockPool, whose free blocks admission reads (none without slots: a library call's own sequence)
+        self.pool = getattr(self.slots[0].kv, "pool", None) if self.slots else None
+        self.preemptions = 0
         self.disk = prompt_cache
         self.nonfinite = nonfinite or (lambda lg: ModelError("the model produced non-finite logits"))
         self.cache_hits = self.cached_tokens = self.disk_hits = 0
@@ -603,8 +619,8 @@ class BatchEngine:
             self._admit_own(r)
         while self._waiting:
             free = [s for s in self.slots if not s.busy]
-            if len(free) < 1 + len(self._waiting[0].forks):
-                return
+            if len(free) < 1 + len(self._waiting[0].forks) or not self._room_for(self._waiting[0]):
+                return  # it waits, first come first served
             r = self._waiting.pop(0)
             ids = r.ids
             # the free slot with the longest reusable prefix (ties: the least recently used keeps its rows)
@@ -631,6 +647,11 @@ class BatchEngine:
             for f in r.forks:  # the least recently used slots: their rows are the least likely to be reused
                 f.slot = min((s for s in self.slots if not s.busy), key=lambda s: s.last_used)
                 f.slot.busy, f.slot.tokens, f.slot.exact = True, [], 0
+            if self.pool is not None:  # the prompt's blocks (and a resumed request's) taken now
+                slot.kv.reserve(keep, min(slot.kv.max_seq, len(ids) + len(r.resume) + 1) - keep)
+            if r.n:  # preempted after its first tokens: its stats go on
+                self._prefilling.append(r)
+                continue
             r.stats = GenerationStats(prompt_tokens=len(ids), prompt_evaluated=len(ids) - keep)
             r.stats.finish_reason = "interrupted"
             if keep:
@@ -712,6 +733,15 @@ class BatchEngine:
 
     def _prefilled(self, r: Request, logits: torch.Tensor) -> None:
         self._prefilling.remove(r)
+        if r.n:  # preempted: its generated tokens' rows again (all but the last), then on from its last token
+            try:
+                replay_rows(self.model, r.slot, r.resume)
+            except Exception as e:
+                self._finish(r, error=e)
+                return
+            r.resume = []
+            self._decoding.append(r)
+            return
         r.stats.prompt_seconds = time.perf_counter() - r.t0
         forks, r.forks = r.forks, []
         for f in forks:  # before r samples: a sampler may edit the logits in place
@@ -771,6 +801,7 @@ class BatchEngine:
             for i, tok in enumerate(queue):
                 if not self._send(r, tok, lps[i] if lps is not None else None):
                     break
+        feed = self._make_room(feed)
         if not feed:
             return
         try:
@@ -788,6 +819,63 @@ class BatchEngine:
             return
         for r, lg, top in rows:
             self._emit(r, lg, top=top)
+
+    # ---- a KV pool smaller than every slot's context (runtime/kv_pool.py, "Admission") -------------------------
+    def _drop_idle_rows(self) -> bool:
+        """Gives back the kept prompt rows of the least recently used idle slot; False when no idle slot holds any."""
+        idle = [s for s in self.slots if not s.busy and s.kv.seq.blocks]
+        if not idle:
+            return False
+        s = min(idle, key=lambda s: s.last_used)
+        s.kv.trim(0)
+        s.tokens, s.exact = [], 0
+        return True
+
+    def _room_for(self, r: Request) -> bool:
+        """Whether the pool has the blocks r's prompt (and a resumed request's tokens) need, idle slots' rows given
+        back when short."""
+        if self.pool is None:
+            return True
+        need = self.pool.blocks_for(min(self.n_ctx, len(r.ids) + len(r.resume) + 1))
+        while self.pool.free_blocks < need and self._drop_idle_rows():
+            pass
+        return self.pool.free_blocks >= need
+
+    def _make_room(self, feed: list[Request]) -> list[Request]:
+        """The requests of ``feed`` whose next rows the pool has blocks for: when short, idle slots' rows go first,
+        then the most recently submitted running request (decoding or reading its prompt) is preempted, until the
+        rest fit.  The oldest is never the one while another runs, and alone it always fits: a pool holds at least
+        one whole context."""
+        if self.pool is None:
+            return feed
+        while feed:
+            need = sum(r.slot.kv.blocks_to_write(len(r.slot.tokens), 1) for r in feed)
+            if need <= self.pool.free_blocks:
+                break
+            if not self._drop_idle_rows():
+                victim = max(self._prefilling + self._decoding, key=lambda r: r.t0)
+                if victim in feed:
+                    feed.remove(victim)
+                self._preempt(victim)
+        return feed
+
+    def _preempt(self, r: Request) -> None:
+        """Frees r's blocks (and its forks' slots) and queues it again, first: once re-admitted its prompt is read
+        again and its generated tokens' rows rewritten as decode rows (replay_rows), so it goes on with the same
+        rows and sampler state."""
+        s = r.slot
+        if r in self._decoding:
+            self._decoding.remove(r)
+            r.resume = s.tokens[len(r.ids):]
+        else:  # reading its prompt (again, after an earlier preemption: r.resume holds what it had generated)
+            self._prefilling.remove(r)
+        for f in r.forks:  # not started: their slots hold nothing yet
+            f.slot.busy, f.slot = False, None
+        s.kv.trim(0)
+        s.tokens, s.exact, s.busy, s.last_used = [], 0, False, time.monotonic()
+        r.slot = None
+        self._waiting.insert(0, r)
+        self.preemptions += 1
 
     def _emit(self, r: Request, logits: torch.Tensor | None, tok: int | None = None, top: int | None = None) -> None:
         """Samples r's next token from ``logits`` (or takes ``tok``), sends it, and ends r where it stops.  top: the

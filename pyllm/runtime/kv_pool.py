@@ -19,6 +19,15 @@ blocks are handed out lowest id first, so the resident part is the high-water ma
 (``reserved_bytes``), not the cap: ``serve --parallel 32 --ctx 8192`` costs what its sequences hold.  When every
 block is taken, the next one asked for raises ``PoolFullError`` (memory stays bounded by the cap).
 
+Admission.  By default a server's pool holds every slot's whole context, so it never runs out.  A smaller cap
+(``serve --kv-pool-tokens N``, ``slot_caches(pool_tokens=)``) overcommits: the scheduler asks before it writes.
+``blocks_to_write(pos, t)`` says how many blocks a cache's next write takes (new ones and copies of shared ones),
+``free_blocks`` how many are left, and ``reserve`` takes a sequence's blocks up front (a prompt's, when it is
+admitted), so a prompt being read never runs out halfway.  The engine (runtime/batch.py) admits a request only
+when its blocks are free (it waits in the queue meanwhile), gives back idle slots' kept prompt rows first when
+short, and preempts the most recently admitted running sequence when a running one cannot grow: the victim's
+blocks are freed and it is re-read later from its prompt and its generated tokens, its output unchanged.
+
 Per-sequence statistics of the block kinds (means, key scales, exact sink rows: kv_cache.py) are a few KiB and
 stay with each cache; a shared prefix shares them by copy (they are fixed by the prefix's first chunk).
 Gemma 3's sliding window changes nothing here: every position is kept (its global layers read them all), and the
@@ -115,6 +124,10 @@ class BlockPool:
         self.refs[b] -= 1
         if self.refs[b] == 0:
             heapq.heappush(self._free, b)
+
+    def blocks_for(self, n: int) -> int:
+        """Blocks that hold ``n`` positions."""
+        return -(-n // self.block_rows)
 
     def copy(self, b: int) -> int:
         """A new block holding block ``b``'s rows (copy on write)."""
@@ -260,6 +273,22 @@ class PagedKVCache(KVCache):
         self.seq.ensure(pos + t)
         self.seq.writable(pos, pos + t)
 
+    def blocks_to_write(self, pos: int, t: int) -> int:
+        """Blocks that check_room(pos, t) takes from the pool: those past this sequence's last block, and a copy of
+        each shared block among positions pos..pos+t-1."""
+        seq, B = self.seq, self.pool.block_rows
+        end = -(-(pos + t) // B)
+        shared = sum(1 for b in seq.blocks[pos // B:end] if self.pool.refs[b] > 1)
+        return max(0, end - len(seq.blocks)) + shared
+
+    def reserve(self, pos: int, t: int) -> bool:
+        """Takes the blocks for writing positions pos..pos+t-1 now (check_room's), when the pool has them all;
+        False, taking none, when it does not."""
+        if self.blocks_to_write(pos, t) > self.pool.free_blocks:
+            return False
+        self.check_room(pos, t)
+        return True
+
     def trim(self, n: int) -> None:
         self.seq.trim(n)
 
@@ -335,11 +364,18 @@ class PagedKVCache(KVCache):
 
 
 def slot_caches(backend, kind: str, n_layer: int, n_kv_head: int, head_dim: int, n_ctx: int,
-                n_slots: int, block_rows: int = BLOCK_ROWS) -> list[KVCache]:
-    """``n_slots`` KV caches of ``n_ctx`` positions for one server: paged over one BlockPool sized for them all
-    where the backend offers pools (``make_kv_pool``), else a contiguous cache each."""
+                n_slots: int, block_rows: int = BLOCK_ROWS, pool_tokens: int | None = None) -> list[KVCache]:
+    """``n_slots`` KV caches of ``n_ctx`` positions for one server: paged over one BlockPool where the backend
+    offers pools (``make_kv_pool``), else a contiguous cache each.  The pool holds ``pool_tokens`` positions
+    (rounded up to whole blocks; None: every slot's whole context), at least one whole context: a sequence alone
+    must be able to reach n_ctx."""
+    if pool_tokens is not None and pool_tokens < n_ctx:
+        raise PyllmError(f"a KV pool of {pool_tokens} tokens cannot hold one context of {n_ctx}; give at least "
+                         f"--ctx tokens (--kv-pool-tokens)")
     make_pool = getattr(backend, "make_kv_pool", None)
     if make_pool is None:
         return [backend.make_kv_cache(kind, n_layer, n_kv_head, n_ctx, head_dim) for _ in range(n_slots)]
-    pool = make_pool(kind, n_layer, n_kv_head, head_dim, n_slots * -(-n_ctx // block_rows), block_rows)
+    whole = n_slots * -(-n_ctx // block_rows)
+    n_blocks = whole if pool_tokens is None else min(whole, -(-pool_tokens // block_rows))
+    pool = make_pool(kind, n_layer, n_kv_head, head_dim, n_blocks, block_rows)
     return [pool.cache(n_ctx) for _ in range(n_slots)]

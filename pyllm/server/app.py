@@ -252,9 +252,11 @@ class BodyDeadline:
         await self.app(scope, timed_receive, send)
 
 
-def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30):
+def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int = 1 << 30,
+                kv_pool_tokens: int | None = None):
     """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
-    directory ``prompt_cache`` (or None)."""
+    directory ``prompt_cache`` (or None), its slots' KV pool holding ``kv_pool_tokens`` positions (None: every
+    slot's context)."""
     from ..runtime.batch import BatchEngine, PromptCache, file_sha256
 
     cfg = llm.config
@@ -267,12 +269,13 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
         except OSError as e:
             raise PyllmError(f"--prompt-cache {prompt_cache}: {e.strerror or e}") from None
     return BatchEngine(llm.model, llm.kv.kind, llm.n_ctx, parallel, llm.tokenizer.is_eog,
-                       prompt_cache=disk, nonfinite=llm._nonfinite_error)
+                       prompt_cache=disk, nonfinite=llm._nonfinite_error, pool_tokens=kv_pool_tokens)
 
 
 def create_app(llm, model_name: str, api_key: str | None = None, max_body: int = MAX_BODY_BYTES, parallel: int = 1,
                prompt_cache=None, cors_origins=(), client_timeout: float = CLIENT_TIMEOUT_S, host: str = "127.0.0.1",
-               allow_hosts=(), max_request_memory: int | None = None, log_format: str | None = None) -> Starlette:
+               allow_hosts=(), max_request_memory: int | None = None, log_format: str | None = None,
+               kv_pool_tokens: int | None = None) -> Starlette:
     """The ASGI app serving ``llm`` under the model id ``model_name``. ``parallel`` > 1 or a ``prompt_cache``
     directory: requests run in a BatchEngine of that many KV slots (pyllm/runtime/batch.py); else one at a time
     through the LLM itself (which speculates on greedy requests). ``cors_origins``: origins whose pages may call
@@ -280,13 +283,15 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
     address it listens on; bound to loopback, it answers only Host headers naming this machine and
     ``allow_hosts`` (AccessControl). ``max_request_memory``: the MemoryBudget of request bodies in bytes (default:
     default_request_memory); PyllmError if one request within ``max_body`` could not fit in it. ``log_format``:
-    "text" or "json", one line per request on stderr (request_log.py); None: no request log."""
+    "text" or "json", one line per request on stderr (request_log.py); None: no request log.
+    ``kv_pool_tokens``: make_engine's."""
     budget = MemoryBudget(request_memory(max_body, max_request_memory))
     metrics = Metrics()
     metrics.budget = budget
     # an embedding encoder generates nothing: its requests run one at a time on the LLM, with no KV slots to batch
     batched = (parallel > 1 or prompt_cache) and not getattr(llm, "is_encoder", False)
-    engine = metrics.engine = make_engine(llm, parallel, prompt_cache) if batched else None
+    engine = metrics.engine = (make_engine(llm, parallel, prompt_cache, kv_pool_tokens=kv_pool_tokens) if batched
+                               else None)
 
     last_stats = [llm.stats]
 
@@ -666,7 +671,7 @@ def head_deadline_protocol(timeout: float):
 def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           max_body: int = MAX_BODY_BYTES, parallel: int = 1, prompt_cache=None, sock=None, cors_origins=(),
           client_timeout: float = CLIENT_TIMEOUT_S, allow_hosts=(), max_request_memory: int | None = None,
-          log_format: str | None = "text") -> None:
+          log_format: str | None = "text", kv_pool_tokens: int | None = None) -> None:
     """``sock``: a socket from listen_socket, already bound (else one is bound here). ``client_timeout``: the
     deadline of a request's head (head_deadline_protocol) and body (BodyDeadline). ``allow_hosts``,
     ``max_request_memory``, ``log_format``: create_app's."""
@@ -677,7 +682,8 @@ def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8080, api_k
     prepare_for_requests(llm)
     app = create_app(llm, model_name, api_key=api_key, max_body=max_body, parallel=parallel,
                      prompt_cache=prompt_cache, cors_origins=cors_origins, client_timeout=client_timeout, host=host,
-                     allow_hosts=allow_hosts, max_request_memory=max_request_memory, log_format=log_format)
+                     allow_hosts=allow_hosts, max_request_memory=max_request_memory, log_format=log_format,
+                     kv_pool_tokens=kv_pool_tokens)
     sock = sock or listen_socket(host, port)
     # h11, not httptools (uvicorn's pick when it is installed): httptools keeps a request's header lines however
     # long they grow, so one client sending an endless header took the server's memory (256 MiB of header, +376
