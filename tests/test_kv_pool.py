@@ -393,6 +393,9 @@ class _HistoryModel:
     def fused_step(self, kv):
         return None
 
+    def fused_logits(self, token, pos, kv):
+        return None  # no fused step: a lone decode token goes through step, as every other row
+
     def step(self, seqs):
         from pyllm.backends.base import StepRows
 
