@@ -693,9 +693,10 @@ class BatchEngine:
                 return
 
     def _prefill_slots(self) -> bool:
-        """One step of prompt chunks on slots: the next chunk of each prompt being read, first come first served,
-        up to STEP_TOKENS tokens.  A step that fails is run again a prompt at a time, so that only the prompt whose
-        chunk cannot run (a full block pool) fails.  False when there was nothing to read."""
+        """One step of prompt chunks on slots: the next chunk of the oldest prompt being read, and of the next ones
+        where the chunks before theirs end their prompts (first come first served), up to STEP_TOKENS tokens.  A
+        step that fails is run again a prompt at a time, so that only the prompt whose chunk cannot run (a full
+        block pool) fails.  False when there was nothing to read."""
         parts, budget = [], STEP_TOKENS
         for r in self._prefilling:
             if r.seq is not None or r.cancelled():
@@ -705,6 +706,11 @@ class BatchEngine:
                 break
             parts.append((r, part))
             budget -= len(part.tokens)
+            if part.pos + len(part.tokens) < len(r.ids):
+                # strictly first come first served: a later prompt starts only in the step that ends the ones
+                # before it (a chunk of each prompt a step read them all side by side and moved every first
+                # token to the end: 4 streams' TTFT p50 0.66-0.72 s against 0.41 s prompt after prompt)
+                break
         if not parts:
             return False
         if len(parts) == 1:
