@@ -131,7 +131,26 @@ def tiled_upload_wanted(w, C) -> bool:
     return len(w.shape) == 2 and w.data.dim() == 2 and bool(C.cuda_tileable(int(w.qtype), w.shape[0], w.shape[1]))
 
 
-class CudaTiledTensor:
+class _CudaDequantized:
+    """dequantize / rows of a matrix in VRAM through the CUDA dequantizer, for any layout whose ``qtype`` it takes."""
+
+    __slots__ = ()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .. import _ext
+
+        return _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], None, False).to(dtype)
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from .. import _ext
+
+        idx = torch.as_tensor(idx)
+        ids = idx.reshape(-1).to(self.data.device, torch.long)
+        out = _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], ids, False)
+        return out.to(dtype).reshape(*idx.shape, self.shape[1])
+
+
+class CudaTiledTensor(_CudaDequantized):
     """A matrix in VRAM in the CUDA decode GEMV's tiled layout (csrc/common/gemv_tiled.h), made at upload in place of
     its GGUF rows: same bytes, in tiles of 8 rows.  ``qtype`` is the layout's own id (Q4_0_TILED ...), which every
     cuda_* kernel that takes a type id dispatches on (GEMV, parts, dequantize for prefill and embedding rows);
@@ -151,35 +170,9 @@ class CudaTiledTensor:
     def device(self) -> torch.device:
         return self.data.device
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .. import _ext
 
-        return _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], None, False).to(dtype)
-
-    def rows(self, idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .. import _ext
-
-        idx = torch.as_tensor(idx)
-        ids = idx.reshape(-1).to(self.data.device, torch.long)
-        out = _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], ids, False)
-        return out.to(dtype).reshape(*idx.shape, self.shape[1])
-
-
-class CudaAwqRows(AWQRows):
+class CudaAwqRows(_CudaDequantized, AWQRows):
     """AWQ rows (csrc/common/blocks.h AwqRow) in VRAM: pyllm.formats.awq.repack.AWQRows dequantized by the CUDA kernel."""
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .. import _ext
-
-        return _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], None, False).to(dtype)
-
-    def rows(self, idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .. import _ext
-
-        idx = torch.as_tensor(idx)
-        ids = idx.reshape(-1).to(self.data.device, torch.long)
-        out = _ext.load().cuda_dequantize(self.data, self.qtype, self.shape[1], ids, False)
-        return out.to(dtype).reshape(*idx.shape, self.shape[1])
 
 
 def _progress(done: int, total: int, last: int) -> int:
