@@ -12,7 +12,7 @@ import torch
 
 import pyllm
 from pyllm import ops
-from pyllm.runtime import batch
+from pyllm.runtime import batch, prompt_cache
 from pyllm.runtime.kv_cache import make_kv_cache
 
 from conftest import pyllm_model
@@ -137,7 +137,7 @@ def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
         return s, ids
 
     template = make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
-    cache = batch.PromptCache(tmp_path, "ab" * 32, template)
+    cache = prompt_cache.PromptCache(tmp_path, "ab" * 32, template)
     a, ids_a = slot_for("Rivers run to the sea. ")
     cache.save(a)
     size = next(iter(cache.entries.values())).size
@@ -149,7 +149,7 @@ def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
 
     # a reload reads the headers; a hit restores the rows and statistics exactly (means, scales, sink rows)
     b, ids_b = slot_for("Stones sit by the road. ")
-    again = batch.PromptCache(tmp_path, "ab" * 32, template)
+    again = prompt_cache.PromptCache(tmp_path, "ab" * 32, template)
     e, n = again.best(ids_b)
     assert n == batch.reusable(len(ids_b), len(ids_b), len(e.tokens)) and n >= batch.PREFILL_CHUNK
     fresh = batch.Slot(1, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
@@ -160,9 +160,9 @@ def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
 
     # another model's file, another cache kind, a damaged file: one log line each, then ignored
     capsys.readouterr()
-    assert batch.PromptCache(tmp_path, "cd" * 32, template).entries == {}
+    assert prompt_cache.PromptCache(tmp_path, "cd" * 32, template).entries == {}
     other_kind = make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
-    assert batch.PromptCache(tmp_path, "ab" * 32, other_kind).entries == {}
+    assert prompt_cache.PromptCache(tmp_path, "ab" * 32, other_kind).entries == {}
     err = capsys.readouterr().err
     assert err.count("another model") == 2 and err.count("another KV cache type") == 2
     victim = e.path
@@ -256,7 +256,7 @@ def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsy
     while batch.prefill_chunk(llm.model, s, ids) is None:
         pass
     good = tmp_path / "good"
-    batch.PromptCache(good, "ab" * 32, kv(1)).save(s)
+    prompt_cache.PromptCache(good, "ab" * 32, kv(1)).save(s)
     (src,) = good.glob("*.safetensors")
     raw = src.read_bytes()
     meta = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])["__metadata__"]
@@ -269,7 +269,7 @@ def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsy
     flipped[-5000] ^= 0x10
     (bad / "flipped.safetensors").write_bytes(bytes(flipped))
     nan = {k: v.clone().fill_(float("nan")) if v.is_floating_point() else v for k, v in state.items()}
-    save_file(nan, str(bad / "nan.safetensors"), metadata=dict(meta, sha256=batch.tensors_sha256(nan)))
+    save_file(nan, str(bad / "nan.safetensors"), metadata=dict(meta, sha256=prompt_cache.tensors_sha256(nan)))
     header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
     off = 0
     for name in sorted(k for k in header if k != "__metadata__"):  # every tensor 20,000 times longer, in place
@@ -285,7 +285,7 @@ def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsy
     # more tokens than any context holds, over the real tensors: refused from the text, before it is parsed
     save_file(state, str(bad / "tokens.safetensors"), metadata=dict(meta, tokens="[" + "1," * (1 << 24) + "1]"))
     capsys.readouterr()
-    cache = batch.PromptCache(bad, "ab" * 32, kv(1))  # the FIFO made this hang forever
+    cache = prompt_cache.PromptCache(bad, "ab" * 32, kv(1))  # the FIFO made this hang forever
     err = capsys.readouterr().err
     assert "fifo.safetensors: ValueError: not a regular file" in err and "huge.safetensors: ValueError: tensor" in err
     assert "tokens.safetensors: ValueError: bad token count 16777217" in err
@@ -299,7 +299,7 @@ def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsy
     # a full disk while saving: one log line, nothing left behind, the cache goes on
     old = resource.getrlimit(resource.RLIMIT_FSIZE)
     handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    full = batch.PromptCache(tmp_path / "full", "ab" * 32, kv(1))
+    full = prompt_cache.PromptCache(tmp_path / "full", "ab" * 32, kv(1))
     try:
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, old[1]))
         full.save(s)

@@ -257,7 +257,8 @@ def make_engine(llm, parallel: int, prompt_cache=None, prompt_cache_bytes: int =
     """The BatchEngine serving ``parallel`` requests at once over ``llm``'s model, with the prompt cache in the
     directory ``prompt_cache`` (or None), its slots' KV pool holding ``kv_pool_tokens`` positions (None: every
     slot's context)."""
-    from ..runtime.batch import BatchEngine, PromptCache, file_sha256
+    from ..runtime.batch import BatchEngine
+    from ..runtime.prompt_cache import PromptCache, file_sha256
 
     cfg = llm.config
     disk = None
