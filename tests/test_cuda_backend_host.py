@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from pyllm.backends import cuda as cb
+from pyllm.backends import cuda_step as cs
 from pyllm.backends.base import BackendUnavailable
 from pyllm.errors import PyllmError
 from pyllm.runtime import kv_cache
@@ -32,7 +33,7 @@ from gpu.cuda_testutil import (reference_act, reference_attn_decode, reference_q
 from test_decode_step_gemma3 import _restore, _snapshot
 
 SEAM = hasattr(kv_cache.KVCache, "storage_layout")
-CODES_VALUE = cb.codes_value  # the real one (the fixture below stands a shadow in for it)
+CODES_VALUE = cs.codes_value  # the real one (the fixture below stands a shadow in for it)
 needs_seam = pytest.mark.skipif(not SEAM, reason="needs the backend seam (KVCache.storage_layout)")
 
 KINDS = ["f16", "bf16", "f32", "q8_0", "q4_0", "q8_rot", "q4_rot", "f16/q4_rot", "q8_0/f16", "q4_rot/q8_0"]
@@ -72,7 +73,7 @@ def test_check_fits():
 
 
 def test_graph_policy():
-    p = cb.GraphPolicy(enabled=True)
+    p = cs.GraphPolicy(enabled=True)
     assert p.action(0) == "eager"
     assert p.action(5) == "capture"
     p.record("capture")
@@ -81,7 +82,7 @@ def test_graph_policy():
     assert p.replays == 1
     p.record("replay", RuntimeError("operation not permitted when stream is capturing"))
     assert p.action(7) == "eager" and "not permitted" in p.failed
-    assert cb.GraphPolicy(enabled=False).action(9) == "eager"
+    assert cs.GraphPolicy(enabled=False).action(9) == "eager"
 
 
 def _filled_cache(kind, hkv=2, h=4, hd=64, n=11, seed=0):
@@ -104,8 +105,8 @@ def test_row_writer_matches_kv_cache(kind):
     x_k, x_v = torch.randn(1, 2, 64, generator=g) * 2, torch.randn(1, 2, 64, generator=g)
     kv.update(1, 11, x_k, x_v)
     for lay, x in ((k_lay, x_k), (v_lay, x_v)):
-        part = cb.attn_part(lay, 1)
-        row = cb.encode_rows(part.block, cb.to_storage(part, x[0]), lay.data.dtype)
+        part = cs.attn_part(lay, 1)
+        row = cs.encode_rows(part.block, cs.to_storage(part, x[0]), lay.data.dtype)
         assert torch.equal(row, lay.data[1, :, 11]), f"{kind}: the step's row differs from kv_cache.py's"
 
 
@@ -119,7 +120,7 @@ def test_attention_definition_matches_kv_cache(kind, window):
     q = torch.randn(1, 4, 64, generator=g)
     layer, length, scale = 1, 11, 1 / 8
     want = kv.attend(layer, q, length - 1, lambda qq, k, v: attention(qq, k, v, length - 1, scale, window))
-    kp, vp = (cb.attn_part(p, layer) for p in kv.storage_layout())
+    kp, vp = (cs.attn_part(p, layer) for p in kv.storage_layout())
     qs = q[0]
     if kp.scale is not None:
         qs = qs * kp.scale.repeat_interleave(2, 0)
@@ -212,8 +213,8 @@ class TorchKernels:
 
     def cuda_attn_decode(self, q, k, v, length, scale, k_block, v_block, k_sink, v_sink, window, softcap, xq=None,
                          xds=None):
-        kp = cb.AttnPart(k, k_block, k_sink, None, None, None)
-        vp = cb.AttnPart(v, v_block, v_sink, None, None, None)
+        kp = cs.AttnPart(k, k_block, k_sink, None, None, None)
+        vp = cs.AttnPart(v, v_block, v_sink, None, None, None)
         out = reference_attn_decode(q, kp, vp, int(length[0]), scale, window, softcap).float()
         if xq is not None:
             self._codes(out.reshape(1, -1), xq, xds)
@@ -225,7 +226,7 @@ def shadow_codes_value(monkeypatch):
     """With TorchKernels' float shadows standing for codes, what codes stand for is the shadow itself: so
     output_gemv's residual rows are zeros and the step's logits stay float32-exact for these wiring tests (the
     residual's own arithmetic: test_output_gemv_residual_codes)."""
-    monkeypatch.setattr(cb, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
+    monkeypatch.setattr(cs, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
     yield
     TorchKernels.shadow.clear()
 
@@ -265,7 +266,7 @@ def test_step_matches_model_torch_path(arch, kind, body, monkeypatch):
     try:
         model.forward(prompt, 0, ref_kv)
         model.forward(prompt, 0, kv)
-        step = cb.CudaDecodeStep(backend, model, kv)
+        step = cs.CudaDecodeStep(backend, model, kv)
         assert step.row_kernels_problem is None
         if body == "torch":
             step.row_kernels_problem = "the test asks for the torch body"
@@ -438,7 +439,7 @@ def test_output_gemv_residual_codes(t, monkeypatch):
     CudaBackend.linear_output: one [2T]-row launch for T <= 4, T = 6 in parts) against float64 x @ W^T: the error
     of two 8-bit roundings, the second of the first's residual, is ~1/100 of one rounding's.  Rows carry outliers
     (a few values 30x the rest), where one scale per 32 values rounds the others coarsely."""
-    monkeypatch.setattr(cb, "codes_value", CODES_VALUE)
+    monkeypatch.setattr(cs, "codes_value", CODES_VALUE)
     g = torch.Generator().manual_seed(t)
     x = torch.randn(t, 256, generator=g)
     x[:, ::37] *= 30
@@ -475,7 +476,7 @@ def test_gemvs_group_consecutive_weights_of_one_type():
     me = types.SimpleNamespace(K=kern, b=cb.CudaBackend(kern, torch.device("cpu")),
                                _gemv=lambda wt, rows, codes, out: single.append(wt.qtype) or out)
     pairs = [(w(12), "q"), (w(12), "k"), (w(14), "v"), (w(99), "x"), (w(12, True), "f"), (w(12), "g"), (w(12), "u")]
-    assert cb.CudaDecodeStep._gemvs(me, pairs, None, (None, None)) == ["q", "k", "v", "x", "f", "g", "u"]
+    assert cs.CudaDecodeStep._gemvs(me, pairs, None, (None, None)) == ["q", "k", "v", "x", "f", "g", "u"]
     assert launches == [(12, 2), (14, 1), (12, 2)]
     assert single == [99, 12]
 
@@ -486,15 +487,15 @@ def test_argmax_or_minus1_is_numpys_argmax_or_minus1():
     g = torch.Generator().manual_seed(7)
     for n in (1, 31, 1000, 49152):
         x = torch.randn(1, n, generator=g)
-        assert int(cb.argmax_or_minus1(x)) == int(np.argmax(x.numpy()))
+        assert int(cs.argmax_or_minus1(x)) == int(np.argmax(x.numpy()))
     x = torch.zeros(1, 100)
     x[0, [17, 3, 90]] = 2.0
-    assert int(cb.argmax_or_minus1(x)) == 3
+    assert int(cs.argmax_or_minus1(x)) == 3
     for bad in (float("nan"), float("inf"), -float("inf")):
         for at in (0, 50, 99):
             y = x.clone()
             y[0, at] = bad
-            assert int(cb.argmax_or_minus1(y)) == -1, (bad, at)
+            assert int(cs.argmax_or_minus1(y)) == -1, (bad, at)
 
 
 def test_awq_weights_go_up_as_rows():
@@ -550,7 +551,7 @@ def test_runtime_through_the_cuda_step_matches_cpu(arch, monkeypatch):
     got = list(fake.generate_tokens(prompt, max_tokens=32, temperature=0, speculative="none"))
     assert got == want
     step = fake.model.fused_step(fake.kv)
-    assert isinstance(step, cb.CudaDecodeStep) and step.policy.eager_calls >= len(want) - 1
+    assert isinstance(step, cs.CudaDecodeStep) and step.policy.eager_calls >= len(want) - 1
 
 
 def _adapter_for(arch: str, path, tmp_path) -> str:
@@ -590,7 +591,7 @@ def test_step_adds_lora_terms(arch, body, tmp_path, monkeypatch):
     model.use_cpp_decode = False
     model.forward(prompt, 0, ref_kv)
     model.forward(prompt, 0, kv)
-    step = cb.CudaDecodeStep(backend, model, kv)
+    step = cs.CudaDecodeStep(backend, model, kv)
     if body == "torch":
         step.row_kernels_problem = "the test asks for the torch body"
     step.policy.enabled = False
@@ -628,4 +629,4 @@ def test_runtime_with_lora_through_the_cuda_step_matches_cpu(monkeypatch, tmp_pa
     got = list(fake.generate_tokens(prompt, max_tokens=16, temperature=0, speculative="none"))
     assert got == want
     step = fake.model.fused_step(fake.kv)
-    assert isinstance(step, cb.CudaDecodeStep) and step.lora and step.policy.eager_calls >= len(want) - 1
+    assert isinstance(step, cs.CudaDecodeStep) and step.lora and step.policy.eager_calls >= len(want) - 1

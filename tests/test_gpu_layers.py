@@ -511,17 +511,18 @@ def test_cuda_part_of_a_split_on_the_host(arch, n, monkeypatch):
     whole step over a float cache); k + 1 rows, which the CUDA part runs one at a time, equal one-token steps."""
     from pyllm import backends
     from pyllm.backends import cuda as cb
+    from pyllm.backends import cuda_step as cs
     from test_cuda_backend_host import FakeCudaBackend, TorchKernels
     from tiny_models import gguf_path
 
-    monkeypatch.setattr(cb, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
+    monkeypatch.setattr(cs, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
     monkeypatch.setenv("PYLLM_CUDA_GRAPH", "0")
     monkeypatch.setattr(backends, "select", lambda *a, **k: FakeCudaBackend())
     try:
         llm = pyllm.load(str(gguf_path(arch, "q8_0")), gpu_layers=n, n_ctx=64, kv_cache="f32")
         n_layer = llm.model.cfg.n_layer
         step = llm.model.fused_step(llm.kv)
-        assert isinstance(step, split.SplitDecodeStep) and isinstance(step.high, cb.CudaDecodeStep)
+        assert isinstance(step, split.SplitDecodeStep) and isinstance(step.high, cs.CudaDecodeStep)
         assert step.high.layers == range(n_layer - n, n_layer) and step.high.row_kernels_problem is None
         ids = [1, 17, 33, 5, 99, 42, 7, 250, 3, 11, 12, 200, 64, 3, 77, 150]
         got = prompt_then_decode(llm, ids, 10)

@@ -586,11 +586,12 @@ def test_cuda_backend_routes_decode_through_the_expert_gemv_on_the_host(monkeypa
     import pyllm
     from pyllm import backends
     from pyllm.backends import cuda as cb
+    from pyllm.backends import cuda_step as cs
     from test_cuda_backend_host import FakeCudaBackend, TorchKernels
 
     # as tests/test_cuda_backend_host.py's shadow_codes_value: codes stand for their float rows (fresh shadows)
     TorchKernels.shadow.clear()
-    monkeypatch.setattr(cb, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
+    monkeypatch.setattr(cs, "codes_value", lambda xq, xds: TorchKernels.rows(xq))
     launches = []
 
     class ExpertKernels(TorchKernels):

@@ -30,6 +30,7 @@ import test_cuda_backend_host as host  # noqa: E402
 from bench_cuda import KL_TEXT  # noqa: E402
 from pyllm import backends  # noqa: E402
 from pyllm.backends import cuda as cb  # noqa: E402
+from pyllm.backends import cuda_step  # noqa: E402
 
 
 class CodeExactKernels(host.TorchKernels):
@@ -73,7 +74,8 @@ def main() -> int:
     cpu = pyllm.load(a.model, device="cpu", n_ctx=256)
     kl_cpu = kl(logits(cpu))
     if a.int8_output:
-        cb.output_gemv = lambda K, w, qt, x, xq, xds, out2=None, out=None: K.cuda_gemv_q(
+        # the backend's linear_output and the step each call their own imported name
+        cb.output_gemv = cuda_step.output_gemv = lambda K, w, qt, x, xq, xds, out2=None, out=None: K.cuda_gemv_q(
             w, qt, xq[:x.shape[0]], xds[:x.shape[0]], out)
     real_select = backends.select
     backends.select = lambda *args, **kw: HostCudaBackend()

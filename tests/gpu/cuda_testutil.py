@@ -66,7 +66,7 @@ def stored_rows(data: torch.Tensor, block: str) -> torch.Tensor:
 def reference_attn_decode(q: torch.Tensor, k, v, length: int, scale: float, window: int = 0,
                           softcap: float = 0.0) -> torch.Tensor:
     """float64 definition of csrc/cuda/attention.cu: q [H, hd] (keys' storage basis) over one layer's parts k, v
-    (pyllm.backends.cuda.AttnPart), positions max(0, length - window) .. length - 1, position 0 from the sink
+    (pyllm.backends.cuda_step.AttnPart), positions max(0, length - window) .. length - 1, position 0 from the sink
     rows where a part has them, scores softcapped when softcap > 0.  Returns [H, hd] float64 (values' basis)."""
     kk = stored_rows(k.data, k.block)[:, :length].clone()
     vv = stored_rows(v.data, v.block)[:, :length].clone()

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pyllm.backends.cuda import AttnPart
+from pyllm.backends.cuda_step import AttnPart
 from pyllm.runtime import kv_cache
 from .cuda_testutil import reference_attn_decode
 

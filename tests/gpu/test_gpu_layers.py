@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pyllm
-from pyllm.backends.cuda import CudaDecodeStep
+from pyllm.backends.cuda_step import CudaDecodeStep
 from pyllm.backends.split import SplitBackend, SplitDecodeStep, SplitKVCache
 from tiny_models import gguf_path
 
