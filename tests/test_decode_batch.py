@@ -125,6 +125,49 @@ def test_reused_prefix_gives_a_fresh_prefill_bits():
     assert torch.equal(b.lg, c.lg)
 
 
+@pytest.mark.parametrize("key,kinds", [("smollm2", ["f16", "q8_0", "f16/q4_0"]), ("qwen2", ["f16"]),
+                                       ("gemma3", ["f16", "q4_rot"])])
+def test_prompt_spans_give_the_bits_of_chunks(key, kinds):
+    """Where the backend claims that a prompt forward of at least ``least`` rows gives every row the same bits
+    (Decoder.prefill_exact_rows), prompts are read in spans: their last logits and every stored K/V row equal a
+    prefill a PREFILL_CHUNK chunk at a time (tolerance 0), for prompts whose last partial chunk is shorter and
+    longer than ``least``, fresh and after a reused prefix.  Where it makes no claim, parts are chunks."""
+    llm = pyllm_model(key, n_ctx=512, n_threads=1)
+    model, cfg = llm.model, llm.config
+    base = llm.tokenize("Once upon a time, in a small village by the sea, there lived an old fisherman. " * 20)
+    assert len(base) > 4 * batch.PREFILL_CHUNK
+    for kind in kinds:
+        def slot():
+            return batch.Slot(0, make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+
+        least = model.prefill_exact_rows(slot().kv)
+        if least is None:  # no claim (the fp32 GEMM of a host without bf16 kernels): chunks only
+            s = slot()
+            assert len(batch.prefill_part(model, s, base[:300]).tokens) == batch.PREFILL_CHUNK
+            continue
+        for n in (3 * batch.PREFILL_CHUNK + least - 1, 3 * batch.PREFILL_CHUNK + least, 4 * batch.PREFILL_CHUNK):
+            ids = base[:n]
+            chunked = slot()
+            for p in range(0, n, batch.PREFILL_CHUNK):
+                rows = model.step([batch.SeqStep(chunked.kv, ids[p:p + batch.PREFILL_CHUNK], p, prefill=True)])
+            want = rows[0].logits[-1].float()
+            spans, lens = slot(), []
+            while True:
+                lens.append(len(batch.prefill_part(model, spans, ids).tokens))
+                if (got := batch.prefill_chunk(model, spans, ids)) is not None:
+                    break
+            assert len(lens) < n // batch.PREFILL_CHUNK + 1, lens  # fewer forwards than chunks
+            assert torch.equal(got, want), (kind, n, lens)
+            assert spans.exact == n - n % batch.PREFILL_CHUNK
+            a, b = chunked.kv.prefix_state(n), spans.kv.prefix_state(n)
+            assert all(torch.equal(a[k], b[k]) for k in a), (kind, n)
+            reused = slot()  # a prefix of whole chunks from the spans' slot, the rest read in spans
+            reused.copy_prefix(spans, batch.PREFILL_CHUNK * 2)
+            while (got := batch.prefill_chunk(model, reused, ids)) is None:
+                pass
+            assert torch.equal(got, want), (kind, n, "reused")
+
+
 def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
     llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
     model, cfg = llm.model, llm.config

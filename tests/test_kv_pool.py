@@ -382,12 +382,13 @@ class _HistoryModel:
     VOCAB = 16
     use_cpp_decode = False
 
-    def __init__(self):
+    def __init__(self, exact_rows: int | None = None):
         from types import SimpleNamespace
 
         from pyllm.backends.cpu import CpuBackend
 
         self.cfg = SimpleNamespace(n_layer=1, n_kv_head=1, head_dim=32)
+        self.exact_rows = exact_rows
         self.backend = CpuBackend()
 
     def fused_step(self, kv):
@@ -395,6 +396,9 @@ class _HistoryModel:
 
     def fused_logits(self, token, pos, kv):
         return None  # no fused step: a lone decode token goes through step, as every other row
+
+    def prefill_exact_rows(self, kv):
+        return self.exact_rows  # a row is its token whatever the forward; None: prompts are read a chunk a step
 
     def step(self, seqs):
         from pyllm.backends.base import StepRows
@@ -431,13 +435,15 @@ REQUESTS = st.lists(st.tuples(st.lists(st.integers(0, 15), min_size=1, max_size=
 
 
 @settings(max_examples=60, deadline=None)
-@given(REQUESTS, st.integers(1, 4), st.integers(0, 6), st.booleans(), st.booleans())
-@example([([1] * 70, 60), ([1] * 70 + [2], 60), ([3], 60)], 3, 0, False, False)
-@example([([1], 100), ([2] * 143, 10), ([2] * 143, 10)], 3, 0, True, False)
-def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_slots, extra_blocks, fork, stall):
+@given(REQUESTS, st.integers(1, 4), st.integers(0, 6), st.booleans(), st.booleans(), st.sampled_from([None, 1, 9]))
+@example([([1] * 70, 60), ([1] * 70 + [2], 60), ([3], 60)], 3, 0, False, False, None)
+@example([([1], 100), ([2] * 143, 10), ([2] * 143, 10)], 3, 0, True, False, None)
+@example([([1], 100), ([2] * 143, 10), ([2] * 130, 10)], 3, 0, False, True, 9)
+def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_slots, extra_blocks, fork, stall,
+                                                                    exact_rows):
     """Random prompts (some sharing prefixes longer than a reused chunk; with ``fork`` the first one twice: n = 2
     choices of one prefill) and lengths over a pool of one context plus a few blocks, prompts read whole or (with
-    ``stall``) a chunk a step beside the decoding ones: every request ends with exactly the tokens it gives alone
+    ``stall``) a part a step beside the decoding ones, in chunks or (``exact_rows``) spans: every request ends with exactly the tokens it gives alone
     (no error, whatever waits or is preempted, while decoding or reading its prompt, and resumed), and afterwards
     the pool holds only the idle slots' kept rows."""
     from pyllm.runtime.sampler import Sampler
@@ -445,7 +451,7 @@ def test_any_load_on_a_small_pool_gives_each_request_its_own_output(requests, n_
     n_ctx = 160
     if fork and n_slots > 1:
         requests = requests[:1] + requests
-    model = _HistoryModel()
+    model = _HistoryModel(exact_rows)
     eng = batch.BatchEngine(model, "f16", n_ctx, n_slots, lambda t: False, thread=False,
                             pool_tokens=n_ctx + 16 * extra_blocks)
     reqs, top = batch.make_requests([(p, min(n, n_ctx - len(p)), Sampler(temperature=0)) for p, n in requests],

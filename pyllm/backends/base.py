@@ -142,6 +142,8 @@ class Backend(Protocol):
     #     rope_dim) -> x rotated (possibly in place); glu(g, u, gelu_tanh) -> act(g) * u (possibly into g).
     #   linear_experts(x [T, K] or [T, k, K], ws [E, N_i, K] stacked experts, ids [T, k]) -> [y_i [T, k, N_i]]:
     #     a mixture-of-experts layer's selected experts (models/decoder.py Decoder.experts).
+    #   prefill_exact_rows(model, kv) -> int | None: the fewest rows from which a prompt forward gives each row
+    #     the bits any other forward of at least that many rows gives it (models/decoder.py); none: no such claim.
 
     def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
         """A KV cache (pyllm.runtime.kv_cache.KVCache interface) of ``kind`` ("f16", "q8_0", "f16/q4_rot", ...)

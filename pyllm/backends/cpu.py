@@ -304,6 +304,21 @@ class CpuBackend:
 
         return BlockPool(kind, n_layer, n_kv_head, head_dim, n_blocks, block_rows, device=self.device)
 
+    def prefill_exact_rows(self, model, kv) -> int | None:
+        """The fewest rows from which a prompt forward gives each row the bits it gets in any other forward of at
+        least that many rows (Decoder.prefill_exact_rows): the bf16 prefill GEMMs sum a row in one order whatever
+        rows share the call, and attention, norms and RoPE run row by row over the cache; None where that does
+        not hold: the fp32 GEMM (torch's matmul blocks by row count), the reference kernels, experts (a token's
+        expert rows are grouped with the other tokens'), LoRA terms (torch matmuls)."""
+        if self.linear is not ops.qmatmul or model.spec.n_expert or getattr(model, "lora_terms", None):
+            return None
+        try:
+            if ops._C.prefill_kernel() == "f32":
+                return None
+            return int(ops._C.gemm_min_rows(False))
+        except (AttributeError, NotImplementedError):  # no extension
+            return None
+
     def fused_decode(self, model, kv) -> CpuDecodeStep | None:
         """The C++ step for ``model`` over ``kv``, or None where it does not apply: a cache part it does not store
         (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the

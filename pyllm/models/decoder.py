@@ -199,6 +199,13 @@ class Decoder:
             self._fused[kv] = hit
         return hit[1] if hit[1] is not None and kv.means_ready() else None
 
+    def prefill_exact_rows(self, kv) -> int | None:
+        """The fewest rows from which one prompt forward over ``kv`` gives each row the same bits as any other
+        forward of at least that many rows that holds it (the backend's claim, None where it makes none): a prompt
+        may then be read in spans of any length without changing a bit of its rows or logits."""
+        fn = getattr(self.backend, "prefill_exact_rows", None)
+        return fn(self, kv) if fn is not None else None
+
     def step(self, seqs: list) -> list:
         """The multi-sequence step (backends/base.py SeqStep -> StepRows): each sequence's new tokens against its
         own cache, in one call to the backend, which batches what it can.  What the runtime runs every forward
