@@ -164,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nice", type=int, default=10, help="lower this process's priority by N (default 10; the "
                                                          "spawned server keeps its own)")
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--repeat", type=int, default=1, help="runs per level, each with prompts of its own; every "
+                                                           "figure is the median over them (default 1)")
     ap.add_argument("--json", action="store_true", help="one JSON object per level")
     a = ap.parse_args(argv)
     proc = None
@@ -184,8 +186,9 @@ def main(argv=None) -> int:
                   f"{'per-stream':>11} {'TTFT p50':>9} {'TTFT p95':>9} {'TTFT max':>9} {'client CPU':>10}")
         base = None
         for i, c in enumerate(int(x) for x in a.streams.split(",")):
-            r = level(client, a.url, a.model, c, n_words, a.max_tokens, a.api_key, i)
-            r.pop("texts")
+            runs = [level(client, a.url, a.model, c, n_words, a.max_tokens, a.api_key, i + 10 * k)
+                    for k in range(max(1, a.repeat))]
+            r = {key: statistics.median(x[key] for x in runs) for key in runs[0] if key != "texts"}
             base = base or r
             r["ratio"] = r["aggregate_tps"] / base["aggregate_tps"] if base["aggregate_tps"] else 0.0
             r["steady_ratio"] = r["steady_tps"] / base["steady_tps"] if base["steady_tps"] else 0.0
