@@ -437,6 +437,61 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r], accc[r]));
 }
 
+#if defined(PYLLM_VNNI) && !defined(PYLLM_VNNI_EMULATED)
+#define PYLLM_ROWS8_PAIRS 1
+// AVX-512: two groups' blocks side by side in one zmm (lanes 0-7 group g's rows, 8-15 group g + 1's), for the
+// 4-bit types.  Every activation broadcast, vpdpbusd and fp32 step then serves 16 weight rows instead of 8, which
+// is what a pass of several rows spends its time on (each row's work per block is that loop; decoding is shared):
+// per activation row and 16 rows, 4 x (2 broadcasts + 2 vpdpbusd) + 6 fp32 operations against twice that in ymm.
+// Lane for lane the same exact int32 sums and the same fp32 operations as rows8_group: the same bits.
+template <class G, int R>
+PYLLM_INLINE void rows8_pair(const G* g0, const G* g1, int nb, const Q8RowC* a, float* y, size_t ldy) {
+    using T = Rows8<G>;
+    static_assert(!T::five, "the pairs take 4-bit codes");
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[R], accc[R];
+    for (int r = 0; r < R; ++r) acc[r] = accc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const G& B0 = g0[b];
+        const G& B1 = g1[b];
+        prefetch_ahead<sizeof(G)>(&B0);
+        prefetch_ahead<sizeof(G)>(&B1);
+        __m512i ps[R];
+        for (int r = 0; r < R; ++r) ps[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+            const __m512i v = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B0.qs + 32 * k))),
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B1.qs + 32 * k)), 1);
+            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            for (int r = 0; r < R; ++r) {
+                const int8_t* x = a[r].qs + QK * b;
+                int32_t xl, xh;
+                memcpy(&xl, x + 4 * k, 4);
+                memcpy(&xh, x + 16 + 4 * k, 4);
+                ps[r] = _mm512_dpbusd_epi32(ps[r], lo, _mm512_set1_epi32(xl));
+                ps[r] = _mm512_dpbusd_epi32(ps[r], hi, _mm512_set1_epi32(xh));
+            }
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B0.d))),
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(B1.d)), 1));
+        __m512 cw;
+        if constexpr (T::has_min)
+            cw = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B0.m))),
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(B1.m)), 1));
+        else
+            cw = _mm512_mul_ps(dw, _mm512_set1_ps(T::offset));
+        for (int r = 0; r < R; ++r) {
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a[r].d[b])), _mm512_cvtepi32_ps(ps[r]), acc[r]);
+            accc[r] = _mm512_fmadd_ps(cw, _mm512_set1_ps(a[r].s[b]), accc[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_add_ps(acc[r], accc[r]));
+}
+#endif
+
 // n rows (a multiple of 8, from a group start) against M activation rows: y[m * ldy + r].  Activation rows go
 // rows8_chunk at a time over a group (its blocks stay in L1 for the next chunk); each row's fp32 operations are
 // the same whatever chunk it is in, so a row's result does not depend on M.  AVX2 has 16 vector registers: 4 rows
@@ -457,7 +512,18 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
     Q8RowC a[M];
     for (int m = 0; m < M; ++m) a[m] = q8_row(xa + xs * m, K);
     constexpr int C = M < rows8_chunk ? M : rows8_chunk, full = M / C * C;
-    for (int g = 0; g < n; g += 8) {
+    int g = 0;
+#ifdef PYLLM_ROWS8_PAIRS
+    if constexpr (!Rows8<G>::five) {
+        for (; g + 16 <= n; g += 16) {
+            const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
+            const G* g1 = reinterpret_cast<const G*>(w + row_bytes * (g + 8));
+            for (int m = 0; m < full; m += C) rows8_pair<G, C>(g0, g1, nb, a + m, y + m * ldy + g, ldy);
+            if constexpr (M % C != 0) rows8_pair<G, M % C>(g0, g1, nb, a + full, y + full * ldy + g, ldy);
+        }
+    }
+#endif
+    for (; g < n; g += 8) {
         const G* gb = reinterpret_cast<const G*>(w + row_bytes * g);
         for (int m = 0; m < full; m += C) rows8_group<G, C>(gb, nb, a + m, y + m * ldy + g, ldy);
         if constexpr (M % C != 0) rows8_group<G, M % C>(gb, nb, a + full, y + full * ldy + g, ldy);
@@ -541,6 +607,60 @@ PYLLM_INLINE void rows8_q16_chunk(const block_q8_0x8& B, const Q16RowC* a, int b
     }
 }
 
+#ifdef PYLLM_ROWS8_PAIRS
+// The two chunk kernels above over two groups at once (rows8_pair's idea: lanes 0-7 group g, 8-15 group g + 1),
+// lane for lane the same integer operations.
+PYLLM_INLINE __m512i pair_of(const void* p0, const void* p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
+}
+PYLLM_INLINE __m512i pair_i16(const void* p0, const void* p1) {  // 16 int8 each, sign-extended
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0)))),
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p1))), 1);
+}
+template <int C>
+PYLLM_INLINE void rows8_q8_pair_chunk(const block_q8_0x8& B0, const block_q8_0x8& B1, const Q8RowC* a, int b,
+                                      __m512i* is) {
+    for (int m = 0; m < C; ++m) is[m] = _mm512_set1_epi32(-128 * a[m].sum[b]);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+        const __m512i qu = _mm512_xor_si512(pair_of(B0.qs + 32 * k, B1.qs + 32 * k),
+                                            _mm512_set1_epi8(static_cast<char>(0x80)));
+#pragma GCC unroll 4
+        for (int m = 0; m < C; ++m) {
+            int32_t v;
+            memcpy(&v, a[m].qs + QK * b + 4 * k, 4);
+            is[m] = _mm512_dpbusd_epi32(is[m], qu, _mm512_set1_epi32(v));
+        }
+    }
+}
+template <int C>
+PYLLM_INLINE void rows8_q16_pair_chunk(const block_q8_0x8& B0, const block_q8_0x8& B1, const Q16RowC* a, int b,
+                                       __m512i* is) {
+    __m512i lo[C], hi[C];
+    for (int m = 0; m < C; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) {
+        const __m512i w0 = pair_i16(B0.qs + 32 * k, B1.qs + 32 * k);
+        const __m512i w1 = pair_i16(B0.qs + 32 * k + 16, B1.qs + 32 * k + 16);
+#pragma GCC unroll 4
+        for (int m = 0; m < C; ++m) {
+            int64_t v;
+            memcpy(&v, a[m].qs + QK * b + 4 * k, 8);
+            const __m512i x = _mm512_set1_epi64(v);
+            lo[m] = _mm512_dpwssd_epi32(lo[m], w0, x);
+            hi[m] = _mm512_dpwssd_epi32(hi[m], w1, x);
+        }
+    }
+    for (int m = 0; m < C; ++m) {
+        const __m512 l = _mm512_castsi512_ps(lo[m]), h = _mm512_castsi512_ps(hi[m]);
+        is[m] = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(l, h, 0x88)),
+                                 _mm512_castps_si512(_mm512_shuffle_ps(l, h, 0xDD)));
+    }
+}
+#endif
+
 template <class A>
 struct Rows8Q8;
 template <>
@@ -551,6 +671,14 @@ struct Rows8Q8<Q8RowC> {
     static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q8RowC* a, int b, __m256i* is) {
         rows8_q8_chunk<C>(B, a, b, is);
     }
+#ifdef PYLLM_ROWS8_PAIRS
+    static PYLLM_INLINE __m512 order(__m512 v) { return v; }
+    template <int C>
+    static PYLLM_INLINE void pair_chunk(const block_q8_0x8& B0, const block_q8_0x8& B1, const Q8RowC* a, int b,
+                                        __m512i* is) {
+        rows8_q8_pair_chunk<C>(B0, B1, a, b, is);
+    }
+#endif
 };
 template <>
 struct Rows8Q8<Q16RowC> {
@@ -562,6 +690,16 @@ struct Rows8Q8<Q16RowC> {
     static PYLLM_INLINE void chunk(const block_q8_0x8& B, const Q16RowC* a, int b, __m256i* is) {
         rows8_q16_chunk<C>(B, a, b, is);
     }
+#ifdef PYLLM_ROWS8_PAIRS
+    static PYLLM_INLINE __m512 order(__m512 v) {  // the same in each 256-bit half
+        return _mm512_castpd_ps(_mm512_permutex_pd(_mm512_castps_pd(v), 0xD8));
+    }
+    template <int C>
+    static PYLLM_INLINE void pair_chunk(const block_q8_0x8& B0, const block_q8_0x8& B1, const Q16RowC* a, int b,
+                                        __m512i* is) {
+        rows8_q16_pair_chunk<C>(B0, B1, a, b, is);
+    }
+#endif
 };
 
 // Block b of a group against C <= 4 activation rows: acc[m] += (dw * dx_m) * isum_m.
@@ -574,6 +712,18 @@ PYLLM_INLINE void rows8_q8_rows(const block_q8_0x8& B, const R* a, int b, __m256
         acc[m] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[m].d[b])), _mm256_cvtepi32_ps(is[m]), acc[m]);
 }
 
+#ifdef PYLLM_ROWS8_PAIRS
+template <class T, int C, class R>
+PYLLM_INLINE void rows8_q8_pair_rows(const block_q8_0x8& B0, const block_q8_0x8& B1, const R* a, int b, __m512 dw,
+                                     __m512* acc) {
+    __m512i is[C];
+    T::template pair_chunk<C>(B0, B1, a, b, is);
+#pragma GCC unroll 4
+    for (int m = 0; m < C; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(a[m].d[b])), _mm512_cvtepi32_ps(is[m]), acc[m]);
+}
+#endif
+
 // n rows (a multiple of 8, from a group start) against M activation rows of type R: y[m * ldy + r].
 template <class R, int M>
 void rows8_q8_0(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y, size_t ldy) {
@@ -581,7 +731,32 @@ void rows8_q8_0(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t*
     const int nb = K / QK;
     R a[M];
     for (int m = 0; m < M; ++m) a[m] = T::row(xa + xs * m, K);
-    for (int g = 0; g < n; g += 8) {
+    int g = 0;
+#ifdef PYLLM_ROWS8_PAIRS
+    for (; g + 16 <= n; g += 16) {
+        const block_q8_0x8* g0 = reinterpret_cast<const block_q8_0x8*>(w + row_bytes * g);
+        const block_q8_0x8* g1 = reinterpret_cast<const block_q8_0x8*>(w + row_bytes * (g + 8));
+        __m512 acc[M];
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; ++b) {
+            const block_q8_0x8& B0 = g0[b];
+            const block_q8_0x8& B1 = g1[b];
+            prefetch_ahead<sizeof(block_q8_0x8)>(&B0);
+            prefetch_ahead<sizeof(block_q8_0x8)>(&B1);
+            const __m512 dw = T::order(_mm512_cvtph_ps(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B0.d))),
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(B1.d)), 1)));
+            if constexpr (M <= 4) {
+                rows8_q8_pair_rows<T, M>(B0, B1, a, b, dw, acc);
+            } else {
+                rows8_q8_pair_rows<T, 4>(B0, B1, a, b, dw, acc);
+                rows8_q8_pair_rows<T, M - 4>(B0, B1, a + 4, b, dw, acc + 4);
+            }
+        }
+        for (int m = 0; m < M; ++m) _mm512_storeu_ps(y + m * ldy + g, T::order(acc[m]));
+    }
+#endif
+    for (; g < n; g += 8) {
         const block_q8_0x8* gb = reinterpret_cast<const block_q8_0x8*>(w + row_bytes * g);
         __m256 acc[M];
         for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
