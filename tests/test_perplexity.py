@@ -9,7 +9,6 @@ import torch
 from conftest import fixture_path, pyllm_model
 from pyllm.errors import PyllmError
 from pyllm.perplexity import Stats, chunk_tokens, evaluate
-from pyllm.runtime.kv_cache import make_kv_cache
 
 TEXT_FILE = "/usr/share/common-licenses/GPL-3"
 
@@ -36,7 +35,7 @@ def test_stats_formulas_match_llama_cpp():
 
 
 def test_f16_perplexity_equals_single_pass_logits():
-    """The two-pass chunk evaluation (second half read back from the cache) scores what one pass scores."""
+    """The two-pass chunk evaluation (second half read back from the cache) scores what llm.logits scores."""
     llm, n_ctx = ref_llm(), 64
     text = _text()
     stats = evaluate(llm, text, n_ctx=n_ctx, kinds=["f32"], n_chunks=2)
@@ -46,11 +45,7 @@ def test_f16_perplexity_equals_single_pass_logits():
         chunk = ids[i * n_ctx:(i + 1) * n_ctx]
         if bos is not None:
             chunk[0] = bos
-        cfg = llm.config  # one pass over a float32 cache, as the f32 kind's two passes read it
-        with torch.inference_mode():
-            logits = llm.model.forward(torch.tensor(chunk), 0, make_kv_cache("f32", cfg.n_layer, cfg.n_kv_head,
-                                                                              n_ctx, cfg.head_dim), all_logits=True)
-        lp = torch.log_softmax(logits.double(), -1)
+        lp = torch.log_softmax(llm.logits(chunk).double(), -1)
         nll += [-lp[j, chunk[j + 1]].item() for j in range(first, n_ctx - 1)]
     assert stats["f32"].count == len(nll) == 2 * (n_ctx - 1 - first)
     assert stats["f32"].ppl == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-4)

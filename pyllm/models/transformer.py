@@ -300,14 +300,11 @@ class Transformer(Decoder):
                                        spec.attn_scale, layer.window, sinks)
             elif held:
                 a = self.attend_at(kv, i, q, start_pos, spec.attn_scale, layer.window, attention)
-            elif start_pos == 0 and getattr(kv, "centered", False):
-                # A quantized cache's first chunk (which fixes its means) attends to its own float32 keys, not to
-                # their 4- or 8-bit copies.
+            elif start_pos == 0:
+                # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
                 a = self.causal_attention(q, k, v, spec.attn_scale, layer.window, attention)
             else:
-                # The cache runs attention over its own storage (a rotated cache attends in its rotated basis); a
-                # float cache's first chunk too (as llama.cpp does): a row's bits are then the same whatever part
-                # of the prompt it was read in, so a prompt may be read in spans of any length (runtime/batch.py).
+                # The cache runs attention over its own storage (a rotated cache attends in its rotated basis).
                 a = kv.attend(i, q, start_pos, self.cache_attention(spec.attn_scale, layer.window, attention))
             a = lin(a, w[p + "attn_output.weight"])
             if spec.attn_out_bias:
