@@ -10,7 +10,7 @@
 #      one (gemv_tiled.cu: its automatic K split, with PYLLM_CUDA_PDL=1, each split forced), synthetic Llama-3-8B
 #      pp512/tg128 and tg after a long prompt with f16 and q8_0 caches, weights in GGUF order and tiled (+ fp16 torch
 #      baseline, + the step in torch ops, + the row kernels with programmatic dependent launches, PYLLM_CUDA_PDL=1;
-#      + aggregate tok/s of 1, 4 and 8 streams through the batched step, CudaBackend.step, one table row), the KL
+#      + aggregate tok/s of 1, 4, 8, 16 and 64 streams through the batched step, CudaBackend.step, one table row), the KL
 #      of a real model
 #      cut to its first layers (CUDA and CPU against float32), then `pyllm bench --synthetic ... --device cuda`,
 #      and the synthetic 8B's pp512 / tg32 with half its layers on the GPU (--gpu-layers 16, the rest on the CPU);

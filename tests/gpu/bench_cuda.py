@@ -151,7 +151,7 @@ def llama3_8b(ftype: str):
     return cfg, w
 
 
-BATCHES = (1, 4, 8)
+BATCHES = (1, 4, 8, 16, 64)  # 8: the most rows one GEMV pass takes; 16 and 64 take several passes
 
 
 def bench_batched(backend, model, cfg, steps: int = 32) -> dict:
