@@ -309,8 +309,7 @@ class CpuBackend:
     def fused_decode(self, model, kv) -> CpuDecodeStep | None:
         """The C++ step for ``model`` over ``kv``, or None where it does not apply: a cache part it does not store
         (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the
-        step does not take, or an architecture field it does not compute (ArchSpec.fused_step_gaps: gpt-oss's sinks,
-        biases, activation and routing run in the torch forward)."""
+        step does not take, or an architecture field it does not compute (ArchSpec.fused_step_gaps("cpu"))."""
         return self.fused_part(model, kv, range(model.spec.n_layer), True)
 
     def fused_part(self, model, kv, layers: range, ends: bool, max_seq: int = 0) -> CpuDecodeStep | None:
@@ -320,7 +319,7 @@ class CpuBackend:
         where ``ends``.  Its ``hidden`` and ``head`` run the parts; None where fused_decode's would be."""
         if self.linear is not ops.qmatmul or (kv is not None and not hasattr(kv, "storage_layout")):
             return None
-        if getattr(getattr(model, "spec", None), "fused_step_gaps", tuple)():
+        if model.spec.fused_step_gaps("cpu"):
             return None
         if kv is None:  # no layers, no rows: empty parts, as long as the other sides' caches
             k = v = _NoRows(torch.empty(0, model.spec.n_kv_head, max_seq, model.spec.head_dim, dtype=torch.float16))
