@@ -110,7 +110,9 @@ DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_
                             bool qkv_bias, bool qk_norm, bool post_norms, const std::string& act, double embd_scale,
                             double final_softcap, const std::vector<int64_t>& layer_rope,
                             const std::vector<int64_t>& layer_window, int64_t n_expert, int64_t n_expert_used,
-                            int64_t n_ff_shexp, bool shexp_gate, bool norm_top_k) {
+                            int64_t n_ff_shexp, bool shexp_gate, bool norm_top_k, bool attn_sinks,
+                            bool attn_out_bias, bool expert_bias, const std::string& expert_gating,
+                            double swiglu_alpha, double swiglu_limit) {
     DecodeArch a;
     PYLLM_CHECK_VALUE(n_expert >= 0 && n_expert <= 65536, kDA, ": n_expert must be in [0, 65536], got ", n_expert);
     PYLLM_CHECK_VALUE(n_expert ? n_expert_used >= 1 && n_expert_used <= n_expert : n_expert_used == 0, kDA,
@@ -133,8 +135,18 @@ DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_
                       " must be even and in [2, head_dim=", head_dim, "]");
     PYLLM_CHECK_VALUE(rope_style == "norm" || rope_style == "neox", kDA, ": rope_style must be 'norm' or 'neox', got '",
                       rope_style, "'");
-    PYLLM_CHECK_VALUE(act == "silu" || act == "gelu_tanh", kDA, ": act must be 'silu' or 'gelu_tanh', got '", act,
-                      "'");
+    PYLLM_CHECK_VALUE(act == "silu" || act == "gelu_tanh" || act == "swiglu_oai", kDA,
+                      ": act must be 'silu', 'gelu_tanh' or 'swiglu_oai', got '", act, "'");
+    PYLLM_CHECK_VALUE(act != "swiglu_oai" || n_expert, kDA, ": act 'swiglu_oai' needs experts (n_expert > 0): the "
+                      "routed experts' MLPs take it");
+    PYLLM_CHECK_VALUE(expert_gating == "softmax" || expert_gating == "softmax_weight", kDA,
+                      ": expert_gating must be 'softmax' or 'softmax_weight', got '", expert_gating, "'");
+    PYLLM_CHECK_VALUE(n_expert || (expert_gating == "softmax" && !expert_bias), kDA, ": expert_gating '",
+                      expert_gating, "' and expert_bias ", expert_bias, " are expert fields, but n_expert is 0");
+    PYLLM_CHECK_VALUE(std::isfinite(swiglu_alpha) && swiglu_alpha > 0, kDA, ": swiglu_alpha must be finite and > 0, "
+                      "got ", swiglu_alpha);
+    PYLLM_CHECK_VALUE(std::isfinite(swiglu_limit) && swiglu_limit > 0, kDA, ": swiglu_limit must be finite and > 0, "
+                      "got ", swiglu_limit);
     PYLLM_CHECK_VALUE(std::isfinite(rms_eps) && rms_eps > 0, kDA, ": rms_eps must be finite and > 0, got ", rms_eps);
     PYLLM_CHECK_VALUE(std::isfinite(attn_scale) && attn_scale > 0, kDA, ": attn_scale must be finite and > 0, got ",
                       attn_scale);
@@ -166,6 +178,13 @@ DecodeArch make_decode_arch(int64_t n_embd, int64_t n_ff, int64_t n_head, int64_
     a.qk_norm = qk_norm;
     a.post_norms = post_norms;
     a.gelu_tanh = act == "gelu_tanh";
+    a.swiglu_oai = act == "swiglu_oai";
+    a.swiglu_alpha = swiglu_alpha;
+    a.swiglu_limit = swiglu_limit;
+    a.attn_sinks = attn_sinks;
+    a.attn_out_bias = attn_out_bias;
+    a.expert_bias = expert_bias;
+    a.softmax_weight = expert_gating == "softmax_weight";
     a.rms_eps = rms_eps;
     a.attn_scale = attn_scale;
     a.embd_scale = embd_scale;
@@ -193,7 +212,10 @@ struct DecodeCachePart {
 // model's layers, the arch and the cache the run's own (kernels.h DecodeModel).
 // vectors: name -> one float32 tensor per layer: attn_norm and ffn_norm always; attn_q.bias, attn_k.bias and
 // attn_v.bias with qkv_bias; attn_q_norm and attn_k_norm with qk_norm; post_attention_norm and post_ffw_norm with
-// post_norms (no other names).  rope: arch.n_rope (cos, sin) tables [max_pos, rope_dim/2].
+// post_norms; ffn_gate_inp_shexp with shexp_gate; attn_sinks [n_head] with attn_sinks; attn_output.bias with
+// attn_out_bias; ffn_gate_inp.bias [n_expert] and the stacked experts' ffn_gate_exps.bias / ffn_up_exps.bias
+// [n_expert * n_ff] and ffn_down_exps.bias [n_expert * n_embd] (expert e's at e * rows) with expert_bias (no other
+// names).  rope: arch.n_rope (cos, sin) tables [max_pos, rope_dim/2].
 std::unique_ptr<DecodeContext> make_decode_context(
     const DecodeArch& arch, const std::vector<Tensor>& weights, const std::vector<int64_t>& qtypes,
     const std::map<std::string, std::vector<Tensor>>& vectors,
@@ -219,6 +241,12 @@ std::unique_ptr<DecodeContext> make_decode_context(
     if (arch.qk_norm) want.insert(want.end(), {{"attn_q_norm", head_dim}, {"attn_k_norm", head_dim}});
     if (arch.post_norms) want.insert(want.end(), {{"post_attention_norm", n_embd}, {"post_ffw_norm", n_embd}});
     if (arch.shexp_gate) want.push_back({"ffn_gate_inp_shexp", n_embd});
+    if (arch.attn_sinks) want.push_back({"attn_sinks", arch.n_head});
+    if (arch.attn_out_bias) want.push_back({"attn_output.bias", n_embd});
+    if (arch.expert_bias)
+        want.insert(want.end(), {{"ffn_gate_inp.bias", arch.n_expert}, {"ffn_gate_exps.bias", arch.n_expert * n_ff},
+                                 {"ffn_up_exps.bias", arch.n_expert * n_ff},
+                                 {"ffn_down_exps.bias", arch.n_expert * n_embd}});
     const size_t moe_per_layer = arch.n_expert ? (arch.n_ff_shexp ? 4 : 1) : 0;
     PYLLM_CHECK_VALUE(moe_weights.size() == moe_per_layer * n_layer && moe_qtypes.size() == moe_weights.size(), kDC,
                       ": expected ", moe_per_layer, " moe_weights and moe_qtypes per layer (router",
@@ -234,7 +262,8 @@ std::unique_ptr<DecodeContext> make_decode_context(
         bool known = false;
         for (const auto& w : want) known = known || w.first == name;
         PYLLM_CHECK_VALUE(known, kDC, ": vectors has ", name, ", which the arch does not use (qkv_bias=", arch.qkv_bias,
-                          " qk_norm=", arch.qk_norm, " post_norms=", arch.post_norms, ")");
+                          " qk_norm=", arch.qk_norm, " post_norms=", arch.post_norms, " attn_sinks=", arch.attn_sinks,
+                          " attn_out_bias=", arch.attn_out_bias, " expert_bias=", arch.expert_bias, ")");
     }
     PYLLM_CHECK_VALUE(rope.size() == static_cast<size_t>(arch.n_rope), kDC, ": rope has ", rope.size(),
                       " (cos, sin) tables, but the arch's layer_rope uses ", arch.n_rope);
@@ -310,6 +339,10 @@ std::unique_ptr<DecodeContext> make_decode_context(
     c.n_expert_used = static_cast<int>(arch.n_expert_used);
     c.n_ff_shexp = static_cast<int>(arch.n_ff_shexp);
     c.norm_top_k = arch.norm_top_k;
+    c.softmax_weight = arch.softmax_weight;
+    c.swiglu_oai = arch.swiglu_oai;
+    c.swiglu_alpha = static_cast<float>(arch.swiglu_alpha);
+    c.swiglu_limit = static_cast<float>(arch.swiglu_limit);
 
     DecodeContext& d = *ctx;
     d.keep.insert(d.keep.end(), {k_cache, v_cache});
@@ -370,7 +403,15 @@ std::unique_ptr<DecodeContext> make_decode_context(
                 L.wdown_sh = decode_weight(d, p + "ffn_down_shexp", mw[3], mt[3], n_embd, arch.n_ff_shexp);
             }
             if (arch.shexp_gate) L.shexp_gate = vec("ffn_gate_inp_shexp", i, n_embd);
+            if (arch.expert_bias) {
+                L.b_router = vec("ffn_gate_inp.bias", i, arch.n_expert);
+                L.b_gate_exps = vec("ffn_gate_exps.bias", i, arch.n_expert * n_ff);
+                L.b_up_exps = vec("ffn_up_exps.bias", i, arch.n_expert * n_ff);
+                L.b_down_exps = vec("ffn_down_exps.bias", i, arch.n_expert * n_embd);
+            }
         }
+        if (arch.attn_sinks) L.attn_sinks = vec("attn_sinks", i, arch.n_head);
+        if (arch.attn_out_bias) L.bo = vec("attn_output.bias", i, n_embd);
         L.attn_norm = vec("attn_norm", i, n_embd);
         L.ffn_norm = vec("ffn_norm", i, n_embd);
         if (arch.qkv_bias) {
@@ -781,7 +822,9 @@ void register_decode(py::module& m) {
              py::arg("attn_scale"), py::arg("qkv_bias"), py::arg("qk_norm"), py::arg("post_norms"), py::arg("act"),
              py::arg("embd_scale"), py::arg("final_softcap"), py::arg("layer_rope"), py::arg("layer_window"),
              py::arg("n_expert") = 0, py::arg("n_expert_used") = 0, py::arg("n_ff_shexp") = 0,
-             py::arg("shexp_gate") = false, py::arg("norm_top_k") = false)
+             py::arg("shexp_gate") = false, py::arg("norm_top_k") = false, py::arg("attn_sinks") = false,
+             py::arg("attn_out_bias") = false, py::arg("expert_bias") = false, py::arg("expert_gating") = "softmax",
+             py::arg("swiglu_alpha") = 1.702, py::arg("swiglu_limit") = 7.0)
         .def_readonly("n_layer", &DecodeArch::n_layer)
         .def_readonly("n_rope", &DecodeArch::n_rope)
         // the fields the CUDA row kernels read (csrc/common/arch.h), readable for their stand-ins and errors
@@ -795,6 +838,9 @@ void register_decode(py::module& m) {
         .def_readonly("qkv_bias", &DecodeArch::qkv_bias)
         .def_readonly("qk_norm", &DecodeArch::qk_norm)
         .def_readonly("gelu_tanh", &DecodeArch::gelu_tanh)
+        .def_readonly("swiglu_oai", &DecodeArch::swiglu_oai)
+        .def_readonly("attn_sinks", &DecodeArch::attn_sinks)
+        .def_readonly("softmax_weight", &DecodeArch::softmax_weight)
         .def_readonly("rms_eps", &DecodeArch::rms_eps)
         .def_readonly("layer_rope", &DecodeArch::layer_rope);
     py::class_<DecodeCachePart>(m, "DecodeCachePart", "one KV cache part (K or V) as the decode step reads it")

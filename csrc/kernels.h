@@ -182,6 +182,12 @@ struct DecodeLayer {
     // where shexp_gate is given ([n_embd]).
     DecodeWeight router, wgate_sh, wup_sh, wdown_sh;
     const float* shexp_gate = nullptr;
+    // gpt-oss (nullptr: none): attn_sinks [n_head] each head's sink logit, one more term in its softmax's
+    // denominator that carries no value; bo [n_embd] the attention output's bias; the router's bias [n_expert] and
+    // the stacked experts' biases, expert e's at e * rows: gate / up [n_expert, n_ff], down [n_expert, n_embd].
+    const float* attn_sinks = nullptr;
+    const float* bo = nullptr;
+    const float *b_router = nullptr, *b_gate_exps = nullptr, *b_up_exps = nullptr, *b_down_exps = nullptr;
 };
 // ---- KV cache rows for the decode step's attention (csrc/cpu/attention.cpp) ------------------------------------
 // One position of one KV head is a row of head_dim values: fp32, fp16, or head_dim/32 llama.cpp blocks (q8_0:
@@ -297,6 +303,11 @@ struct DecodeConfig {
     // top weights renormalised when norm_top_k), each expert's hidden size n_ff; the shared expert's n_ff_shexp.
     int n_expert = 0, n_expert_used = 0, n_ff_shexp = 0;
     bool norm_top_k = false;
+    // softmax_weight: the router's top k logits first, then their softmax (gpt-oss), instead of the top k of the
+    // softmax.  swiglu_oai: the routed experts' act(g) * u is gpt-oss's clamped SwiGLU, (min(g, limit) *
+    // sigmoid(alpha * min(g, limit))) * (clamp(u, -limit, limit) + 1).
+    bool softmax_weight = false, swiglu_oai = false;
+    float swiglu_alpha = 0.f, swiglu_limit = 0.f;
 };
 struct DecodeModel {
     DecodeConfig cfg;

@@ -81,6 +81,7 @@ def test_spec_is_frozen():
 @pytest.mark.parametrize("field,value,match", [
     ("rope_style", "yarn", "rope_style"),
     ("act", "relu", "act"),
+    ("act", "swiglu_oai", "act = 'swiglu_oai' needs a mixture of experts"),
     ("rms_eps", 0.0, "rms_eps"),
     ("final_softcap", float("nan"), "final_softcap"),
     ("embd_scale", -1.0, "embd_scale"),

@@ -7,7 +7,8 @@ The CUDA step is held to the same reference on a GPU by tests/gpu (its host-side
 tests/test_cuda_backend_host.py).
 
 Reference: the torch forward's one-token step from the same cache state (teacher-forced: each step starts from the
-torch path's cache and is fed its greedy token), on tiny random checkpoints of each family converted to Q8_0.
+torch path's cache and is fed its greedy token), on tiny random checkpoints of each family converted to Q8_0 (gpt-oss:
+mxfp4_moe, its experts MXFP4 as OpenAI releases them, the other matrices Q8_0; tests/test_gpt_oss.py builds it).
 Tolerance, as tests/test_decode_step.py's for quantized matrices: 5% of the largest |logit| for 16- and 8-bit
 caches (the step rounds GEMV activations to int8 per 32 values where the torch path multiplies in float32; that is
 the whole difference), 4x that with a 4-bit cache, where the step dots keys with the query rounded to 8 bits (see
@@ -16,14 +17,20 @@ tolerance.  A missing or misplaced spec entry (a norm, a bias, a rope table, a w
 logits by far more than this.
 """
 
+import functools
+
 import pytest
 import torch
 
 import pyllm
 import tiny_models as tm
+import test_gpt_oss
 from test_decode_step_gemma3 import _restore, _snapshot
 
 KV_KINDS = ["f16", "q8_0", "q4_rot"]
+# family -> its tiny converted file
+FAMILIES = {**{arch: functools.partial(tm.gguf_path, arch, "q8_0") for arch in tm.ARCHS},
+            "gpt-oss": functools.partial(test_gpt_oss.gguf_path, "mxfp4_moe")}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -32,9 +39,9 @@ def _extension():
     pyllm._ext.load()
 
 
-@pytest.fixture(scope="module", params=tm.ARCHS)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def llm(request):
-    llm = pyllm.load(str(tm.gguf_path(request.param, "q8_0")), n_ctx=64, n_threads=2)
+    llm = pyllm.load(str(FAMILIES[request.param]()), n_ctx=64, n_threads=2)
     yield llm
     llm.close()
 
@@ -45,7 +52,7 @@ def test_cpu_step_conforms_to_the_torch_forward(llm, kind):
 
     model, c = llm.model, llm.config
     tol = 0.05 * (4.0 if "q4" in kind else 1.0)
-    # past the tiny mistral / gemma3 windows (8): keys leave the windowed layers within these positions
+    # past the tiny mistral / gemma3 / gpt-oss windows (8): keys leave the windowed layers within these positions
     prompt, n = [5, 17, 42, 99, 7, 3, 250, 11, 64, 30], 6
     kv = make_kv_cache(kind, c.n_layer, c.n_kv_head, 32, c.head_dim)
     lg_py, lg_c = [], []

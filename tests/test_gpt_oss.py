@@ -132,7 +132,10 @@ def test_the_spec_is_gpt_oss():
         ("swiglu_oai", "softmax_weight", True, True, True, True)
     assert [la.window for la in spec.layers] == [WINDOW, 0]
     assert spec.rope_style == "neox" and spec.yarn == YarnSpec(32.0, 4096, 32.0, 1.0)
-    assert set(spec.fused_step_gaps()) == {"attn_sinks", "attn_out_bias", "expert_bias", "act", "expert_gating"}
+    assert spec.fused_step_gaps("cpu") == ()  # the C++ step computes every field
+    assert set(spec.fused_step_gaps("cuda")) == {"attn_sinks", "attn_out_bias", "expert_bias", "act", "expert_gating"}
+    with pytest.raises(ValueError, match="backend must be"):
+        spec.fused_step_gaps("gpu")
 
 
 @pytest.mark.parametrize("ftype", ["f32", "f16"])
@@ -146,13 +149,14 @@ def test_decode_through_the_cache_matches_transformers():
 
 
 def test_f32_greedy_on_the_fast_backend_matches_transformers(fp32_prefill):  # noqa: F811
-    """The CPU backend: no fused C++ step for these fields (ArchSpec.fused_step_gaps), so every token runs the torch
-    forward with the expert kernels (moe_mul_mat); 24 greedy tokens equal transformers' generate (the fp32 prefill
-    GEMM: the bf16 one's rounding moves these random logits by ~0.2%, bounded by tests/test_prefill_gemm.py)."""
+    """The CPU backend: the prompt through the torch forward with the expert kernels (moe_mul_mat), every decoded
+    token through the C++ step (sinks, biases, swiglu_oai, the top-k softmax, the window: csrc/cpu/decode_step.cpp);
+    24 greedy tokens equal transformers' generate (the fp32 prefill GEMM: the bf16 one's rounding moves these random
+    logits by ~0.2%, bounded by tests/test_prefill_gemm.py)."""
     import pyllm
 
     llm = pyllm.load(str(gguf_path("f32")), kernels="fast", n_ctx=256, kv_cache="f32")
-    assert llm.model.fused_step(llm.kv) is None  # the torch forward decodes
+    assert llm.model.fused_step(llm.kv) is not None  # the C++ step decodes
     ids = llm.tokenize(PROMPTS[1])
     ours = list(llm.generate_tokens(ids, max_tokens=24, temperature=0))
     with torch.no_grad():
@@ -161,6 +165,89 @@ def test_f32_greedy_on_the_fast_backend_matches_transformers(fp32_prefill):  # n
     theirs = out[0, len(ids):].tolist()
     n = min(len(ours), len(theirs))
     assert n and ours[:n] == theirs[:n] and (n == len(theirs) or llm.tokenizer.is_eog(ours[-1]))
+
+
+# ---- the C++ step (csrc/cpu/decode_step.cpp) against the torch forward on the same cache ------------------------
+# Tolerances.  With an f16 cache both bodies run the same GEMV kernels on the same activations and attend over the
+# same rows in float32, so only summation order differs: TOL_FLOAT of the largest |logit| (seen ~4e-6).  With 8-bit
+# keys the step dots them with the query rounded to 8 bits (the torch forward reads them dequantized): 5% of the
+# largest |logit|, and 4x that with 4-bit keys, as tests/test_conformance.py derives them (seen ~1% / 5%; with the
+# scalar kernels, which dot in float, ~7e-6 for every kind: the centered keys' shift before the sink is exact).  And
+# the same greedy token wherever the reference's top-2 margin exceeds the bound.  Measured effect of a missing field
+# on these logits: the sinks ~29%, the attention-output bias ~26%, the experts' down bias ~4%.
+CONFORMANCE_TOL = {"f16": TOL_FLOAT, "q8_0": 0.05, "q4_rot": 0.2}
+
+
+@functools.lru_cache(maxsize=None)
+def fast_model(ftype: str):
+    import pyllm
+
+    return pyllm.load(str(gguf_path(ftype)), kernels="fast", n_ctx=640, kv_cache="f16", n_threads=2)
+
+
+def assert_conforms(ours: torch.Tensor, ref: torch.Tensor, label: str, tol: float) -> None:
+    atol = tol * float(ref.abs().max())
+    print(f"{label}: max|diff| {float((ours - ref).abs().max()):.3e}, atol {atol:.3e}")
+    torch.testing.assert_close(ours, ref, rtol=0, atol=atol, msg=lambda m: f"{label}: {m}")
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > atol
+    assert bool((ours.argmax(-1) == ref.argmax(-1))[clear].all()), label
+
+
+def torch_steps(model, kv, tokens: list[int], pos: int) -> torch.Tensor:
+    """The torch forward's logits of ``tokens`` fed one at a time from ``pos`` on ``kv`` (the reference)."""
+    model.use_cpp_decode = False
+    try:
+        return torch.stack([model.forward(torch.tensor([t]), pos + i, kv)[0] for i, t in enumerate(tokens)])
+    finally:
+        model.use_cpp_decode = True
+
+
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_rot"])
+def test_cpu_step_rows_and_batch_match_the_torch_forward(kind):
+    """The mxfp4_moe file (experts MXFP4 through the CPU GEMV, the rest Q8_0) after a 530-token prompt: the
+    full-attention layer's rows attend in two key parts (csrc/cpu/decode_step.cpp key_parts), merged before the sink
+    takes its share; the windowed layer sees 8 keys.  The one-token step, a 4-row pass (speculation's) and a
+    decode_batch pass over two sequences (the other one's rows from position 0: the sink against a single key) each
+    against the torch forward fed the same tokens from the same cache state.  Quantized caches store centered keys,
+    whose scores the step shifts back before the sink joins them (bounds: CONFORMANCE_TOL)."""
+    from pyllm import ops
+    from pyllm.runtime.kv_cache import make_kv_cache
+    from test_decode_step_gemma3 import _restore, _snapshot
+
+    llm = fast_model("mxfp4_moe")
+    model, c = llm.model, llm.config
+    tol = CONFORMANCE_TOL[kind]
+    g = torch.Generator().manual_seed(49)
+    prompt = torch.randint(3, c.n_vocab, (530,), generator=g)
+    tokens = torch.randint(3, c.n_vocab, (4,), generator=g).tolist()
+    kv = make_kv_cache(kind, c.n_layer, c.n_kv_head, 600, c.head_dim)
+    model.use_cpp_decode = False
+    model.forward(prompt, 0, kv)
+    model.use_cpp_decode = True
+    pos = len(prompt)
+    start = _snapshot(kv)
+
+    ref = torch_steps(model, kv, tokens, pos)
+    _restore(kv, start)
+    step = model.fused_step(kv)
+    assert step is not None, "no C++ step for gpt-oss"
+    assert_conforms(torch.stack([step(t, pos + i)[0] for i, t in enumerate(tokens)]), ref,
+                    f"gpt-oss {kind} one-token steps", tol)
+    _restore(kv, start)
+    assert_conforms(step.rows(torch.tensor(tokens), pos), ref, f"gpt-oss {kind} 4-row pass", tol)
+
+    # one decode_batch pass: rows 0-1 this sequence at pos, pos + 1; rows 2-4 a fresh f16 sequence at 0, 1, 2
+    fresh = tokens[:3]
+    ref_fresh = torch_steps(model, make_kv_cache("f16", c.n_layer, c.n_kv_head, 600, c.head_dim), fresh, 0)
+    other = make_kv_cache("f16", c.n_layer, c.n_kv_head, 600, c.head_dim)
+    _restore(kv, start)
+    ctx_a, ctx_b = model.fused_step(kv).ctx, model.fused_step(other).ctx
+    out = torch.empty(5, c.n_vocab)
+    ops._C.decode_batch([ctx_a, ctx_a, ctx_b, ctx_b, ctx_b], torch.tensor(tokens[:2] + fresh),
+                        torch.tensor([pos, pos + 1, 0, 1, 2]), out)
+    assert_conforms(out[:2], ref[:2], f"gpt-oss {kind} batch rows", tol)
+    assert_conforms(out[2:], ref_fresh, "gpt-oss f16 batch rows from position 0", CONFORMANCE_TOL["f16"])
 
 
 def _hf_with_file_weights(llm):

@@ -20,6 +20,12 @@ struct ArchDims {
     // mixture of experts (n_expert 0: a dense MLP; then n_ff is each expert's hidden size)
     int64_t n_expert = 0, n_expert_used = 0, n_ff_shexp = 0;
     bool shexp_gate = false, norm_top_k = false;
+    // gpt-oss: a learned sink logit per head in each attention softmax; a bias after the attention output and on
+    // the router and every expert matrix; the routed experts' clamped SwiGLU (swiglu_oai, with its alpha and
+    // limit); the router's softmax over its top k logits (ArchSpec expert_gating "softmax_weight").  Read by the
+    // C++ step; the CUDA step refuses such models (ArchSpec.fused_step_gaps("cuda")).
+    bool attn_sinks = false, attn_out_bias = false, expert_bias = false, swiglu_oai = false, softmax_weight = false;
+    double swiglu_alpha = 0, swiglu_limit = 0;
 };
 
 // Host and device code see one layout (kernel arguments are copied as bytes): a field added, removed or moved
@@ -29,7 +35,8 @@ static_assert(std::is_trivially_copyable<ArchDims>::value && std::is_standard_la
 static_assert(offsetof(ArchDims, rope_dim) == 48 && offsetof(ArchDims, neox) == 56 &&
                   offsetof(ArchDims, rms_eps) == 64 && offsetof(ArchDims, final_softcap) == 88 &&
                   offsetof(ArchDims, n_rope) == 96 && offsetof(ArchDims, n_ff_shexp) == 120 &&
-                  offsetof(ArchDims, norm_top_k) == 129 && sizeof(ArchDims) == 136,
+                  offsetof(ArchDims, norm_top_k) == 129 && offsetof(ArchDims, softmax_weight) == 134 &&
+                  offsetof(ArchDims, swiglu_alpha) == 136 && sizeof(ArchDims) == 152,
               "ArchDims layout changed: update the offsets here and every reader of the struct");
 
 // The whole spec: the scalars plus what varies per layer.

@@ -1,7 +1,8 @@
-// One decode token (M = 1) through every layer of a llama-family or Gemma 3 model in a single call: the per-token work
-// outside the GEMVs (RMSNorm, bias, QK-norm, RoPE, KV store, attention, SiLU, residuals) is a few microseconds
-// of arithmetic, but as ~50 torch ops per layer it cost ~25 ms per token in dispatch.  Semantics follow
-// LlamaModel.forward (pyllm/models/llama.py) and Gemma3Model.forward (gemma3.py) for t == 1; the GEMVs run the
+// One decode token (M = 1) through every layer of a model ArchSpec describes (the llama family, Gemma 3, the
+// mixture-of-experts families, gpt-oss) in a single call: the per-token work outside the GEMVs (RMSNorm, bias,
+// QK-norm, RoPE, KV store, attention, SiLU, residuals) is a few microseconds of arithmetic, but as ~50 torch ops
+// per layer it cost ~25 ms per token in dispatch.  Semantics follow Transformer.forward_on_device
+// (pyllm/models/transformer.py) for t == 1; the GEMVs run the
 // same row kernels as the gemv_cpu calls qmatmul makes, so only summation order in the small ops differs.  q/k/v
 // and gate/up each go through one gemv_parts_cpu call: their shared input is quantized once per format and
 // their rows share one parallel region (a region's start and end barrier cost microseconds, ~7 per layer).  The KV cache may hold any KVType per part (K and V apart):
@@ -83,6 +84,17 @@ void add_lora(const DecodeLora& l, const float* x, int M, int K, float* y, int N
                 for (int n = n0; n < n1; ++n) ym[n] += tj * b[n];
             }
         }
+    }
+}
+
+// gpt-oss's clamped SwiGLU, in place on g (models/transformer.py swiglu_oai, in its order of operations):
+// g = min(g, limit), u = clamp(u, -limit, limit), g = (u + 1) * (g * sigmoid(alpha * g)).  std::min / max keep a
+// NaN where torch's clamp keeps it (the NaN is their first argument).
+inline void swiglu_oai(float* g, const float* u, int n, float alpha, float limit) {
+    for (int i = 0; i < n; ++i) {
+        const float a = std::min(g[i], limit);
+        const float b = std::max(std::min(u[i], limit), -limit);
+        g[i] = (b + 1.0f) * (a * (1.0f / (1.0f + std::exp(-(a * alpha)))));
     }
 }
 
@@ -183,14 +195,19 @@ namespace {
 
 // The mixture-of-experts MLP of layer L on h [M, D] (normed), its output written over h (models/transformer.py
 // Transformer.moe is the reference): per row the router's float32 softmax, its n_expert_used largest (the first
-// of equal values), renormalised when norm_top_k; the selected experts' gate and up in one gemv_each_cpu pass,
-// SwiGLU, their down in another, weighted and summed in selection order; plus the shared expert, gated by
-// sigmoid(h . shexp_gate) where the layer has that gate.
+// of equal values), renormalised when norm_top_k -- or, with softmax_weight, the largest logits and a softmax over
+// those; the selected experts' gate and up in one gemv_each_cpu pass, SwiGLU (or swiglu_oai), their down in
+// another, weighted and summed in selection order; plus the shared expert, gated by sigmoid(h . shexp_gate) where
+// the layer has that gate.  Where the layer has biases (gpt-oss) the router's is added to its logits and each
+// selected expert's to its gate, up and down rows.
 void moe_mlp(const DecodeConfig& c, const DecodeLayer& L, DecodeScratch& s, float* h, int M) {
     const int D = c.n_embd, F = c.n_ff, E = c.n_expert, k = c.n_expert_used, FS = c.n_ff_shexp;
     float* const logits = s.moe_logits.data();
     const GemvPart router{L.router.qtype, L.router.data, L.router.row_bytes, logits, E};
     gemv_parts_cpu(&router, 1, h, M, D);
+    if (L.b_router)
+        for (int r = 0; r < M; ++r)
+            for (int e = 0; e < E; ++e) logits[static_cast<size_t>(r) * E + e] += L.b_router[e];
     thread_local std::vector<int> ids;  // the step's own buffers, grown once (a step allocates nothing after)
     thread_local std::vector<float> weight;
     thread_local std::vector<GemvPart> parts;
@@ -201,11 +218,13 @@ void moe_mlp(const DecodeConfig& c, const DecodeLayer& L, DecodeScratch& s, floa
     xs.resize(parts.size());
     for (int r = 0; r < M; ++r) {
         float* p = logits + static_cast<size_t>(r) * E;
-        float mx = p[0];
-        for (int e = 1; e < E; ++e) mx = std::max(mx, p[e]);
-        float sum = 0.f;
-        for (int e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - mx);
-        for (int e = 0; e < E; ++e) p[e] /= sum;
+        if (!c.softmax_weight) {  // the top k of the softmax: the softmax first
+            float mx = p[0];
+            for (int e = 1; e < E; ++e) mx = std::max(mx, p[e]);
+            float sum = 0.f;
+            for (int e = 0; e < E; ++e) sum += p[e] = std::exp(p[e] - mx);
+            for (int e = 0; e < E; ++e) p[e] /= sum;
+        }
         float total = 0.f;
         for (int j = 0; j < k; ++j) {  // k passes over E values: k and E are small
             int best = -1;
@@ -216,6 +235,14 @@ void moe_mlp(const DecodeConfig& c, const DecodeLayer& L, DecodeScratch& s, floa
             }
             ids[static_cast<size_t>(r) * k + j] = best;
             total += weight[static_cast<size_t>(r) * k + j] = p[best];
+        }
+        if (c.softmax_weight) {  // the softmax of the k logits, the largest first
+            float* wr = weight.data() + static_cast<size_t>(r) * k;
+            const float mx = wr[0];
+            total = 0.f;
+            for (int j = 0; j < k; ++j) total += wr[j] = std::exp(wr[j] - mx);
+            for (int j = 0; j < k; ++j) wr[j] /= total;
+            total = 1.f;
         }
         if (c.norm_top_k)
             for (int j = 0; j < k; ++j) weight[static_cast<size_t>(r) * k + j] /= total;
@@ -231,14 +258,31 @@ void moe_mlp(const DecodeConfig& c, const DecodeLayer& L, DecodeScratch& s, floa
         xs[2 * a] = xs[2 * a + 1] = h + static_cast<size_t>(a / k) * D;
     }
     gemv_each_cpu(parts.data(), xs.data(), 2 * M * k, D);
-    for (int a = 0; a < M * k; ++a)
-        glu_cpu(c.gelu_tanh, s.moe_g.data() + static_cast<size_t>(a) * F, s.moe_u.data() + static_cast<size_t>(a) * F, F);
+    for (int a = 0; a < M * k; ++a) {
+        float* g = s.moe_g.data() + static_cast<size_t>(a) * F;
+        float* u = s.moe_u.data() + static_cast<size_t>(a) * F;
+        if (L.b_gate_exps) {
+            const size_t e = static_cast<size_t>(ids[a]) * F;
+            for (int i = 0; i < F; ++i) g[i] += L.b_gate_exps[e + i];
+            for (int i = 0; i < F; ++i) u[i] += L.b_up_exps[e + i];
+        }
+        if (c.swiglu_oai)
+            swiglu_oai(g, u, F, c.swiglu_alpha, c.swiglu_limit);
+        else
+            glu_cpu(c.gelu_tanh, g, u, F);
+    }
     for (int a = 0; a < M * k; ++a) {
         parts[a] = {L.wdown.qtype, L.wdown.data + static_cast<size_t>(ids[a]) * down_expert, L.wdown.row_bytes,
                     s.moe_d.data() + static_cast<size_t>(a) * D, D};
         xs[a] = s.moe_g.data() + static_cast<size_t>(a) * F;
     }
     gemv_each_cpu(parts.data(), xs.data(), M * k, F);
+    if (L.b_down_exps)
+        for (int a = 0; a < M * k; ++a) {
+            float* d = s.moe_d.data() + static_cast<size_t>(a) * D;
+            const float* b = L.b_down_exps + static_cast<size_t>(ids[a]) * D;
+            for (int i = 0; i < D; ++i) d[i] += b[i];
+        }
     if (L.wgate_sh.data) {  // the shared expert reads h before h is overwritten below
         const GemvPart gate_up[2] = {{L.wgate_sh.qtype, L.wgate_sh.data, L.wgate_sh.row_bytes, s.sh_g.data(), FS},
                                      {L.wup_sh.qtype, L.wup_sh.data, L.wup_sh.row_bytes, s.sh_u.data(), FS}};
@@ -407,8 +451,13 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         float* const part_o = s.part_o.data();      // [GEMV_MAX_M, KEY_PARTS_MAX, H, hd] a part's output
         float* const part_lse = s.part_lse.data();  // [GEMV_MAX_M, KEY_PARTS_MAX, H] and its log-sum-exp
         auto part_at = [&](int r, int part, int hh) { return (static_cast<size_t>(r) * KEY_PARTS_MAX + part) * H + hh; };
-        // Output rows of heads h0..h1-1 (storage basis, `o_stride` apart) -> att in the model's basis.
-        auto finish = [&](int r, int kh, int h0, int h1, const float* og, size_t o_stride) {
+        // Output rows of heads h0..h1-1 (storage basis, `o_stride` apart) -> att in the model's basis.  With
+        // attention sinks, lse holds each head's log-sum-exp over its keys' scores (storage basis, h1 - h0 of them):
+        // the sink's term in the denominator scales the whole output (values included: the sink carries none) by
+        // e^lse / (e^lse + e^sink).  Centered keys scored q . (k - mu_k), so the true scores are the stored ones
+        // plus scale * q . mu_k: the sink is compared with lse shifted by that.
+        auto finish = [&](int r, int kh, int h0, int h1, const float* og, size_t o_stride, const float* lse) {
+            const KVPart& KP = *caches[2 * r];
             const KVPart& VP = *caches[2 * r + 1];
             float* att = att0 + static_cast<size_t>(r) * H * hd;
             for (int hh = h0; hh < h1; ++hh) {
@@ -417,6 +466,13 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                 if (VP.mu) {
                     const float* mu = VP.mu + (lrow + kh) * hd;
                     for (int d = 0; d < hd; ++d) o[d] += mu[d];
+                }
+                if (L.attn_sinks) {
+                    float total = lse[hh - h0];
+                    if (KP.mu)
+                        total += c.scale * dot8(q0 + (static_cast<size_t>(r) * H + hh) * hd, KP.mu + (lrow + kh) * hd, hd);
+                    const float keep = 1.0f / (1.0f + std::exp(L.attn_sinks[hh] - total));
+                    for (int d = 0; d < hd; ++d) o[d] *= keep;
                 }
             }
         };
@@ -430,8 +486,17 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             const float* q = q0 + static_cast<size_t>(r) * H * hd;
             const float* v = v0 + static_cast<size_t>(r) * Hkv * hd;
             float* att = att0 + static_cast<size_t>(r) * H * hd;
-            if (pos == 0) {
-                for (int hh = h0; hh < h1; ++hh) std::memcpy(att + static_cast<size_t>(hh) * hd, v + kh * hd, sizeof(float) * hd);
+            if (pos == 0) {  // one key, the row's own: the output is its value (times the sink's share)
+                for (int hh = h0; hh < h1; ++hh) {
+                    float* o = att + static_cast<size_t>(hh) * hd;
+                    std::memcpy(o, v + kh * hd, sizeof(float) * hd);
+                    if (L.attn_sinks) {
+                        const float score = c.scale * dot8(q + static_cast<size_t>(hh) * hd,
+                                                           k0 + (static_cast<size_t>(r) * Hkv + kh) * hd, hd);
+                        const float keep = 1.0f / (1.0f + std::exp(L.attn_sinks[hh] - score));
+                        for (int d = 0; d < hd; ++d) o[d] *= keep;
+                    }
+                }
                 return;
             }
             const RowKeys rk = row_keys(r);
@@ -463,7 +528,8 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             const int G = h1 - h0;
             float* sc = scores_s + static_cast<size_t>(h0) * c.max_seq;
             const bool sink = rk.sink && part == 0;
-            float* lse = !whole ? part_lse + part_at(r, part, h0) : sink ? sink_s + static_cast<size_t>(H) * hd + h0 : nullptr;
+            float* lse = !whole ? part_lse + part_at(r, part, h0)
+                         : sink || L.attn_sinks ? sink_s + static_cast<size_t>(H) * hd + h0 : nullptr;
             const int first = rk.j0 + rk.r_first + b0;
             kv_attend_group(KP.type, kv_rows(KP, lrow + kh, n_lh, c.max_seq, first), VP.type,
                             kv_rows(VP, lrow + kh, n_lh, c.max_seq, first), qg, q_stride, G, hd, b1 - b0, c.scale, sc,
@@ -487,10 +553,10 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                     float* o = og + g * o_stride;
                     const float* a = o0 + static_cast<size_t>(g) * hd;
                     for (int d = 0; d < hd; ++d) o[d] = (w1 * o[d] + w0 * a[d]) * inv;
-                    if (!whole) lse[g] = mx + std::log(w0 + w1);  // the part now covers row 0 too
+                    lse[g] = mx + std::log(w0 + w1);  // the part (or the row) now covers row 0 too
                 }
             }
-            if (whole) finish(r, kh, h0, h1, og, o_stride);
+            if (whole) finish(r, kh, h0, h1, og, o_stride, lse);
         };
         // A row's parts -> one output per query head of kv head kh: weights e^(lse_p - max), in part order.
         auto merge = [&](int r, int kh) {
@@ -511,7 +577,8 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                     for (int d = 0; d < hd; ++d) dst[d] += w[p] * op[d];
                 }
                 for (int d = 0; d < hd; ++d) dst[d] *= inv;
-                finish(r, kh, hh, hh + 1, dst, hd);
+                const float lse = mx + std::log(sum);  // over every key of the row (the sinks' finish reads it)
+                finish(r, kh, hh, hh + 1, dst, hd, &lse);
             }
         };
         // Tasks.  One row: (kv head, key part) with the whole group when the row has several parts, else (kv head,
@@ -566,6 +633,9 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
         }
         clk.skip();
         add_lora(L.lora[3], att0, M, H * hd, h0b, D, lora_t);
+        if (L.bo)
+            for (int r = 0; r < M; ++r)
+                for (int i = 0; i < D; ++i) h0b[static_cast<size_t>(r) * D + i] += L.bo[i];
         if (L.post_attn_norm)
             for (int r = 0; r < M; ++r) rms_norm(h0b + static_cast<size_t>(r) * D, L.post_attn_norm, h0b + static_cast<size_t>(r) * D, D, c.eps);
         for (size_t i = 0; i < MD; ++i) x0[i] += h0b[i];

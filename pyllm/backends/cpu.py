@@ -59,7 +59,9 @@ def decode_arch(C, spec, layer_rope, layers: range | None = None):
                         final_softcap=spec.final_softcap, layer_rope=[layer_rope[i] for i in layers],
                         layer_window=[spec.layers[i].window for i in layers], n_expert=spec.n_expert,
                         n_expert_used=spec.n_expert_used, n_ff_shexp=spec.n_ff_shexp, shexp_gate=spec.shexp_gate,
-                        norm_top_k=spec.norm_top_k)
+                        norm_top_k=spec.norm_top_k, attn_sinks=spec.attn_sinks, attn_out_bias=spec.attn_out_bias,
+                        expert_bias=spec.expert_bias, expert_gating=spec.expert_gating,
+                        swiglu_alpha=spec.swiglu_alpha, swiglu_limit=spec.swiglu_limit)
 
 
 class CpuDecodeStep:
@@ -322,8 +324,7 @@ class CpuBackend:
     def fused_decode(self, model, kv) -> CpuDecodeStep | None:
         """The C++ step for ``model`` over ``kv``, or None where it does not apply: a cache part it does not store
         (bf16), a cache off the CPU, weights in checkpoint form, no extension, or a weight type / layout the
-        step does not take, or an architecture field it does not compute (ArchSpec.fused_step_gaps: gpt-oss's sinks,
-        biases, activation and routing run in the torch forward)."""
+        step does not take, or an architecture field it does not compute (ArchSpec.fused_step_gaps("cpu"))."""
         return self.fused_part(model, kv, range(model.spec.n_layer), True)
 
     def fused_part(self, model, kv, layers: range, ends: bool, max_seq: int = 0) -> CpuDecodeStep | None:
@@ -333,7 +334,7 @@ class CpuBackend:
         where ``ends``.  Its ``hidden`` and ``head`` run the parts; None where fused_decode's would be."""
         if self.linear is not ops.qmatmul or (kv is not None and not hasattr(kv, "storage_layout")):
             return None
-        if getattr(getattr(model, "spec", None), "fused_step_gaps", tuple)():
+        if model.spec.fused_step_gaps("cpu"):
             return None
         if kv is None:  # no layers, no rows: empty parts, as long as the other sides' caches
             k = v = _NoRows(torch.empty(0, model.spec.n_kv_head, max_seq, model.spec.head_dim, dtype=torch.float16))
@@ -361,6 +362,10 @@ class CpuBackend:
             out_data, out_type = self.decode_matrix(model.output) if ends else (None, 0)
             vectors = {name: [vec[f"blk.{i}.{tensor}"].float().contiguous() for i in layers]
                        for name, tensor in small.items()}
+            if spec.expert_bias:  # the stacked experts' biases [n_expert, rows], flat: expert e's at e * rows
+                for name in ("ffn_gate_exps.bias", "ffn_up_exps.bias", "ffn_down_exps.bias"):
+                    vectors[name] = [model.expert_bias[f"blk.{i}.{name}"].float().reshape(-1).contiguous()
+                                     for i in layers]
             embd = w["token_embd.weight"]
             ctx = ops._C.DecodeContext(
                 decode_arch(ops._C, spec, model.layer_rope, layers), [d for d, _ in packed], [t for _, t in packed],

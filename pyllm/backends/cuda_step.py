@@ -128,7 +128,7 @@ def fused_decode_problem(model, kv) -> str | None:
         return "the model predates the backend seam"
     if getattr(model.spec, "n_expert", 0):
         return "a mixture-of-experts model (the step has no expert routing)"
-    gaps = getattr(model.spec, "fused_step_gaps", tuple)()
+    gaps = model.spec.fused_step_gaps("cuda") if hasattr(model.spec, "fused_step_gaps") else ()
     if gaps:
         return f"architecture fields the step does not compute: {', '.join(gaps)}"
     return cache_problem(kv)

@@ -162,6 +162,8 @@ class ArchSpec:
         elif self.n_expert_used or self.n_ff_exp or self.n_ff_shexp or self.shexp_gate or self.expert_bias or \
                 self.expert_gating != "softmax":
             bad("n_expert", self.n_expert, "is 0 (a dense MLP) but expert fields are set")
+        elif self.act == "swiglu_oai":  # every body applies it to the routed experts' MLPs only
+            bad("act", self.act, "needs a mixture of experts (n_expert > 0)")
         if self.attn_scale == 0:
             object.__setattr__(self, "attn_scale", 1.0 / math.sqrt(self.head_dim))
         if len(self.layers) != self.n_layer:
@@ -192,9 +194,15 @@ class ArchSpec:
             index.append(keys.index(key) if layer.rope else -1)
         return tuple(keys) or ((self.layers[0].rope_base, self.layers[0].rope_scale),), tuple(index)
 
-    def fused_step_gaps(self) -> tuple[str, ...]:
-        """The fields set here that the fused one-token steps (the C++ CPU step, the CUDA step) do not compute:
-        where any is, the backends give no fused step and the torch forward runs every token."""
+    def fused_step_gaps(self, backend: str) -> tuple[str, ...]:
+        """The fields set here that ``backend``'s fused one-token step ("cpu": the C++ step, csrc/cpu/decode_step.cpp;
+        "cuda": the CUDA step, backends/cuda_step.py) does not compute: where any is, that backend gives no fused
+        step and the torch forward runs every token.  The C++ step computes every field; the CUDA step lacks
+        gpt-oss's (it also refuses any mixture of experts, cuda_step.fused_decode_problem)."""
+        if backend == "cpu":
+            return ()
+        if backend != "cuda":
+            raise ValueError(f"fused_step_gaps: backend must be 'cpu' or 'cuda', got {backend!r}")
         gaps = [n for n in ("attn_sinks", "attn_out_bias", "expert_bias") if getattr(self, n)]
         if self.act == "swiglu_oai":
             gaps.append("act")
