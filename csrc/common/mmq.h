@@ -143,8 +143,10 @@ struct Mmq<QType::Q4_K> {
         const float d = tiled::half_to_float(static_cast<uint16_t>(f.h.x));
         const float dmin = tiled::half_to_float(static_cast<uint16_t>(f.h.x >> 16));
         // the dequantizer's own products (Tiled<Q4_K>::dequant), so d_w and m_w are the GGUF block's sub-scales
-        meta[2 * c] = Meta{tiled::mul_rn(d, static_cast<float>(sc[0])), float_bits(tiled::mul_rn(dmin, static_cast<float>(m[0])))};
-        meta[2 * c + 1] = Meta{tiled::mul_rn(d, static_cast<float>(sc[1])), float_bits(tiled::mul_rn(dmin, static_cast<float>(m[1])))};
+        PYLLM_TILED_UNROLL
+        for (int i = 0; i < 2; ++i)
+            meta[2 * c + i] = Meta{tiled::mul_rn(d, static_cast<float>(sc[i])),
+                                   float_bits(tiled::mul_rn(dmin, static_cast<float>(m[i])))};
     }
     // value = d_w * q - m_w:  sum_j value_j * d_x * x_j = d_w * d_x * c - m_w * (d_x * sum_j x_j); |c| <= 32 * 15 * 127
     PYLLM_HD static float combine(const Meta& w, float xd, float xs, int c_lo, int c_hi, float acc) {
@@ -243,8 +245,8 @@ void stage_row(const uint8_t* w, int K, int64_t n, int8_t* codes, Meta* meta) {
     const uint8_t* tile = w + static_cast<size_t>(n / tiled::kTileRows) * tiled::kTileRows * row_bytes;
     for (int u = 0; u < NU; ++u) {
         const int kt = u / Mm::kUnitsPerTile;
-        Mm::unpack(Ty::load(tile, NU, u, static_cast<int>(n % tiled::kTileRows)), u, codes + static_cast<size_t>(kt) * kTileK,
-                   meta + static_cast<size_t>(kt) * kBlocksPerTile);
+        Mm::unpack(Ty::load(tile, NU, u, static_cast<int>(n % tiled::kTileRows)), u,
+                   codes + static_cast<size_t>(kt) * kTileK, meta + static_cast<size_t>(kt) * kBlocksPerTile);
     }
 }
 
