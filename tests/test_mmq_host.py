@@ -1,6 +1,6 @@
 """The prefill MMQ kernel's arithmetic (csrc/common/mmq.h, which csrc/cuda/mmq.cu runs) on the host: the header's
 staging and per-block scaling built with g++ (tests/gemv_tiled_host.cpp) and called through ctypes, on weights tiled
-by the production relayout.
+by the production relayout; and the CUDA backend's choice of prefill path.
 
 References and tolerances:
 - staging: each row's int8 codes times its per-block scales, in float64 and then rounded to float32, equal the tiled
@@ -13,14 +13,20 @@ References and tolerances:
       of its terms (no block dropped or counted twice);
     * against the unquantized x: ||y - x W^T|| / ||x W^T|| <= 1.5e-2, the int8 rounding of x (half a step of max|x|/127
       per 32 values: ~0.6% relative for Gaussian x) being what bounds it;
+- dispatch: prompt chunks (more than GEMV_MAX_M rows) of a tiled weight go to cuda_mmq where the device takes the type,
+  to dequantize + cuBLAS under PYLLM_CUDA_MMQ=0, for weights in GGUF order, and where it does not; decode rows to the
+  GEMV.
 Inputs are fresh each run (PYLLM_TEST_SEED replays one; each failure prints it).
 """
+
+import types
 
 import numpy as np
 import pytest
 import torch
 
 from pyllm.formats.gguf import GGMLType
+from pyllm.formats.quant import QTensor
 from gpu.cuda_testutil import random_blocks
 from test_gemv_tiled_host import _ptr, _rng, _why, build_host_lib, quantize_act, relayout
 
@@ -110,3 +116,72 @@ def test_emulation_rejects_a_type_without_kernel(lib):
     y = np.empty((9, 8), dtype=np.float32)
     assert lib.mmq_emulate(int(GGMLType.Q4_1), _ptr(w), 8, 32, _ptr(xq), _ptr(xds), 9, _ptr(y)) == -1
 
+
+class _Kernels:
+    """The few cuda_* entry points CudaBackend.linear calls, recording which path each call took."""
+
+    def __init__(self, mmq_types=(68, 69, 70, 71)):
+        self.calls: list[str] = []
+        self.mmq_types = set(mmq_types)
+        self.mmq_asked: list[tuple[int, int]] = []  # (type id, device index) per cuda_mmq_supported call
+
+    def cuda_gemv_supported(self, qt):
+        return True
+
+    cuda_dequant_supported = cuda_gemv_supported
+
+    def cuda_gemv(self, w, qt, x):
+        self.calls.append("gemv")
+        return torch.zeros(x.shape[0], w.shape[0])
+
+    def cuda_mmq_supported(self, qt, device):
+        self.mmq_asked.append((qt, device))
+        return qt in self.mmq_types
+
+    def cuda_quantize_act(self, x):
+        assert x.dtype == torch.float32 and x.is_contiguous()
+        return torch.zeros(x.shape, dtype=torch.int8), torch.zeros(x.shape[0], x.shape[1] // 32, 2)
+
+    def cuda_mmq(self, w, qt, xq, xds):
+        self.calls.append("mmq")
+        return torch.zeros(xq.shape[0], w.shape[0])
+
+    def cuda_dequantize(self, w, qt, k, ids, half, check_ids=True):
+        self.calls.append("cublas")
+        return torch.zeros(w.shape[0], k, dtype=torch.float16 if half else torch.float32)
+
+
+def test_prompt_chunks_of_tiled_weights_take_mmq(monkeypatch):
+    """CudaBackend.linear: above GEMV_MAX_M rows a tiled weight goes to cuda_mmq (asked once per type, with the
+    backend's device); PYLLM_CUDA_MMQ=0, a weight in GGUF order, or a type the device's kernel does not take go to
+    dequantize + cuBLAS; up to GEMV_MAX_M rows the GEMV."""
+    from pyllm.backends import cuda as cb
+    from pyllm.ops import GEMV_MAX_M
+
+    monkeypatch.delenv("PYLLM_CUDA_MMQ", raising=False)
+    n, k = 16, 256
+    tiled = cb.CudaTiledTensor(70, GGMLType.Q4_K, (n, k), torch.zeros(n, 144, dtype=torch.uint8), "w")
+    gguf = QTensor(GGMLType.Q4_K, (n, k), torch.zeros(n, 144, dtype=torch.uint8), "w")
+    chunk, decode = torch.randn(GEMV_MAX_M + 1, k), torch.randn(GEMV_MAX_M, k)
+
+    kern = _Kernels()
+    b = cb.CudaBackend(kern, torch.device("cpu"))
+    for x, w in ((chunk, tiled), (chunk, tiled), (decode, tiled), (chunk, gguf)):
+        assert b.linear(x, w).shape == (x.shape[0], n)
+    assert kern.calls == ["mmq", "mmq", "gemv", "cublas"]
+    assert kern.mmq_asked == [(70, 0), (12, 0)]  # each type once (then remembered), with the backend's device
+
+    monkeypatch.setenv("PYLLM_CUDA_MMQ", "0")
+    kern.calls.clear()
+    b.linear(chunk, tiled)
+    assert kern.calls == ["cublas"]
+
+    monkeypatch.delenv("PYLLM_CUDA_MMQ")
+    old_gpu = _Kernels(mmq_types=())  # compute capability below 8.0: the kernel takes no type there
+    cb.CudaBackend(old_gpu, torch.device("cpu")).linear(chunk, tiled)
+    assert old_gpu.calls == ["cublas"]
+    no_kernel = types.SimpleNamespace(**{a: getattr(kern, a) for a in ("cuda_gemv_supported", "cuda_dequant_supported",
+                                                                        "cuda_dequantize")})
+    kern.calls.clear()
+    cb.CudaBackend(no_kernel, torch.device("cpu")).linear(chunk, tiled)  # an extension built before MMQ
+    assert kern.calls == ["cublas"]
