@@ -54,8 +54,8 @@ CPU_SOURCES = [
 # CUDA files (.cu, and cuda/bindings_cuda.cpp which defines pyllm::register_cuda) go here; they are compiled
 # only when torch has CUDA (torch.version.cuda) and nvcc exists, with -DPYLLM_CUDA defined for every file so
 # bindings.cpp calls register_cuda(m).
-CUDA_SOURCES: list[str] = ["cuda/gemv.cu", "cuda/gemv_tiled.cu", "cuda/dequant.cu", "cuda/attention.cu",
-                             "cuda/step.cu", "cuda/bindings_cuda.cpp"]
+CUDA_SOURCES: list[str] = ["cuda/gemv.cu", "cuda/gemv_tiled.cu", "cuda/mmq.cu", "cuda/dequant.cu",
+                             "cuda/attention.cu", "cuda/step.cu", "cuda/bindings_cuda.cpp"]
 
 # -march=native: build for this machine (the cache key includes the CPU).  -ffp-contract=off: gcc would
 # otherwise fuse a*b-c into FMAs, and dequantize() must match gguf.quants bit for bit; the SIMD kernels

@@ -42,6 +42,9 @@ VARIABLES = (
     Variable("PYLLM_CUDA_TILED", "1",
              "0: weights stay in GGUF order on the GPU and decode through the row-per-CTA GEMV, not the tiled one "
              "(A/B)", user=False),
+    Variable("PYLLM_CUDA_MMQ", "1",
+             "0: CUDA prompt chunks dequantize the weights to fp16 for cuBLAS instead of the int8 tensor-core kernel "
+             "(A/B)", user=False),
     Variable("PYLLM_CUDA_PDL", "0", "1: programmatic dependent launches in the CUDA step (not yet measured)",
              user=False),
     Variable("PYLLM_GPU_STANDIN", "none",

@@ -1,9 +1,11 @@
-// C entry points over csrc/common/gemv_tiled.h for tests/test_gemv_tiled_host.py (built with g++ into a shared
-// library and called through ctypes): the relayout and its inverse, the tiled dequantizer, and the host emulation of
-// the CUDA kernel's arithmetic.  Each returns 0, or -1 for a type without a tiled layout.
+// C entry points over csrc/common/gemv_tiled.h and csrc/common/mmq.h for tests/test_gemv_tiled_host.py and
+// tests/test_mmq_host.py (built with g++ into a shared library and called through ctypes): the relayout and its
+// inverse, the tiled dequantizer, and the host emulations of the CUDA kernels' arithmetic (the decode GEMV's and the
+// prefill MMQ's).  Each returns 0, or -1 for a type without a tiled layout.
 #include <cstdint>
 
 #include "common/gemv_tiled.h"
+#include "common/mmq.h"
 
 using namespace pyllm;
 using namespace pyllm::tiled;
@@ -63,6 +65,30 @@ int tiled_emulate(int base, const uint8_t* w, int64_t N, int K, const int8_t* xq
         case QType::Q8_0: emulate_all<QType::Q8_0>(w, N, K, xq, xds, M, split, y); return 0;
         case QType::Q4_K: emulate_all<QType::Q4_K>(w, N, K, xq, xds, M, split, y); return 0;
         case QType::Q6_K: emulate_all<QType::Q6_K>(w, N, K, xq, xds, M, split, y); return 0;
+        default: return -1;
+    }
+}
+
+// The MMQ kernel's y [M, N] (csrc/cuda/mmq.cu) for tiled weights and activation codes (xds: [M, K/32, 2]).
+int mmq_emulate(int base, const uint8_t* w, int64_t N, int K, const int8_t* xq, const float* xds, int M, float* y) {
+    switch (static_cast<QType>(base)) {
+        case QType::Q4_0: mmq::emulate<QType::Q4_0>(w, N, K, xq, xds, M, y); return 0;
+        case QType::Q8_0: mmq::emulate<QType::Q8_0>(w, N, K, xq, xds, M, y); return 0;
+        case QType::Q4_K: mmq::emulate<QType::Q4_K>(w, N, K, xq, xds, M, y); return 0;
+        case QType::Q6_K: mmq::emulate<QType::Q6_K>(w, N, K, xq, xds, M, y); return 0;
+        default: return -1;
+    }
+}
+
+// Row n's staged int8 codes (K) and Metas (K/32 pairs of 4-byte words: d as float, aux as uint32) as the MMQ kernel
+// puts them in shared memory.
+int mmq_stage_row(int base, const uint8_t* w, int K, int64_t n, int8_t* codes, void* meta) {
+    mmq::Meta* m = static_cast<mmq::Meta*>(meta);
+    switch (static_cast<QType>(base)) {
+        case QType::Q4_0: mmq::stage_row<QType::Q4_0>(w, K, n, codes, m); return 0;
+        case QType::Q8_0: mmq::stage_row<QType::Q8_0>(w, K, n, codes, m); return 0;
+        case QType::Q4_K: mmq::stage_row<QType::Q4_K>(w, K, n, codes, m); return 0;
+        case QType::Q6_K: mmq::stage_row<QType::Q6_K>(w, K, n, codes, m); return 0;
         default: return -1;
     }
 }

@@ -50,7 +50,8 @@ def _shapes(qtype):
 
 
 def build_host_lib(directory: Path) -> ctypes.CDLL:
-    """tests/gemv_tiled_host.cpp built with g++ into ``directory`` and loaded (also used by tests/gpu)."""
+    """tests/gemv_tiled_host.cpp built with g++ into ``directory`` and loaded (also used by tests/test_mmq_host.py and
+    tests/gpu)."""
     cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     assert cxx, "no C++ compiler (g++) to build the tiled layout's host library"
     so = directory / "gemv_tiled_host.so"
@@ -64,6 +65,8 @@ def build_host_lib(directory: Path) -> ctypes.CDLL:
     L.tiled_dequantize.argtypes = [ctypes.c_int, p, ctypes.c_int64, ctypes.c_int, p]
     L.tiled_emulate.argtypes = [ctypes.c_int, p, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int, ctypes.c_int, p]
     L.tiled_tileable.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    L.mmq_emulate.argtypes = [ctypes.c_int, p, ctypes.c_int64, ctypes.c_int, p, p, ctypes.c_int, p]
+    L.mmq_stage_row.argtypes = [ctypes.c_int, p, ctypes.c_int, ctypes.c_int64, p, p]
     return L
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of the CUDA sources, for CI machines without a GPU:
 #   1. every csrc/cuda/*.cu with nvcc for sm_80, sm_86, sm_89 and sm_90 (warnings are errors), with
-#      -Xptxas -v; fails if any GEMV kernel spills registers;
+#      -Xptxas -v; fails if any GEMV or MMQ kernel spills registers;
 #   2. tests/gpu/gemv_host_selftest.cu built with nvcc and RUN on the CPU (the GEMV's per-type slot math,
 #      AWQ rows included, against the shared block decoders);
 #   3. csrc/cuda/bindings_cuda.cpp syntax-checked against torch's headers, when torch is importable.
@@ -88,6 +88,28 @@ if [ "$n_kernels" -eq 0 ]; then echo "FAIL: no GEMV kernels found in the ptxas o
 if [ -n "$spilling" ]; then
     echo "FAIL: GEMV kernels spill registers:" >&2
     echo "$spilling" >&2
+    exit 1
+fi
+# The prefill MMQ kernels (mmq.cu: type x token tile BM): a spill there fails too (two CTAs of 256 threads per SM
+# leave 128 registers a thread).
+mmq=$(for a in "${ARCHS[@]}"; do
+    awk -v arch="sm_$a" '
+        BEGIN { split("F32 F16 Q4_0 Q4_1 - - Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K", tn, " ") }
+        /Function properties for/ { name = $NF; getline; st = $5; ld = $9; getline;
+            if (name !~ /mmq_kernel/) next
+            t = "?"; bm = "?"
+            if (match(name, /QTypeE[0-9]+E/)) { id = substr(name, RSTART + 6, RLENGTH - 7); t = tn[id + 1] }
+            if (match(name, /ELi[0-9]+E/)) bm = substr(name, RSTART + 3, RLENGTH - 4)
+            printf "%s %-4s BM=%s regs=%s spill_st=%s spill_ld=%s\n", arch, t, bm, $5, st, ld }
+    ' "$OUT/mmq_sm_$a.log"
+done)
+echo "MMQ kernels (type x token tile x target): $(echo "$mmq" | grep -c . || true)"
+echo "$mmq" | awk '$1 == "sm_90"' | sed 's/^/  /'
+if [ "$(echo "$mmq" | grep -c . || true)" -eq 0 ]; then echo "FAIL: no MMQ kernels found in the ptxas output" >&2; exit 1; fi
+mmq_spilling=$(echo "$mmq" | awk '$5 != "spill_st=0" || $6 != "spill_ld=0"')
+if [ -n "$mmq_spilling" ]; then
+    echo "FAIL: MMQ kernels spill registers:" >&2
+    echo "$mmq_spilling" >&2
     exit 1
 fi
 other=$(cat "$OUT"/*_sm_*.log | grep "spill stores" | grep -vc " 0 bytes spill stores, 0 bytes spill loads" || true)

@@ -7,8 +7,10 @@
 #      reader and the build lock (tests/test_cuda_backend_host.py is CPU-only and runs with the CPU suite);
 #   3. pyllm run and a piped pyllm chat on --device cuda (a tiny converted model);
 #   4. GEMV GB/s vs copy bandwidth per type and 8B shape, in one run: the GGUF-order kernel (gemv.cu) and the tiled
-#      one (gemv_tiled.cu: its automatic K split, with PYLLM_CUDA_PDL=1, each split forced), synthetic Llama-3-8B
-#      pp512/tg128 and tg after a long prompt with f16 and q8_0 caches, weights in GGUF order and tiled (+ fp16 torch
+#      one (gemv_tiled.cu: its automatic K split, with PYLLM_CUDA_PDL=1, each split forced), a 512-token chunk's
+#      matrix product per tiled type and 8B shape through MMQ (mmq.cu) and through dequantize + fp16 cuBLAS, synthetic
+#      Llama-3-8B pp512 (tiled: MMQ beside dequantize + fp16 cuBLAS, PYLLM_CUDA_MMQ=0, on the same weights)/tg128 and
+#      tg after a long prompt with f16 and q8_0 caches, weights in GGUF order and tiled (+ fp16 torch
 #      baseline, + the step in torch ops, + the row kernels with programmatic dependent launches, PYLLM_CUDA_PDL=1;
 #      + aggregate tok/s of 1, 4, 8, 16 and 64 streams through the batched step, CudaBackend.step, one table row), the KL
 #      of a real model

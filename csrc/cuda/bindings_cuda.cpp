@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "../common/gemv_tiled.h"
+#include "../common/mmq.h"
 #include "bindings_format.h"
 #include "cuda_kernels.h"
 
@@ -180,6 +181,30 @@ std::vector<at::Tensor> gemv_q_parts(const std::vector<at::Tensor>& ws, int64_t 
                     reinterpret_cast<const float2*>(xds.data_ptr<float>()), static_cast<int>(M), static_cast<int>(K),
                     stream_of(ws[0]));
     return ys;
+}
+
+// y [M, N] f32 = x @ W^T on int8 tensor cores (csrc/cuda/mmq.cu) from x's codes (cuda_quantize_act: xq int8 [M, K],
+// xds f32 [M, K/32, 2]), W in a tiled layout; out when given, else a new tensor.
+at::Tensor mmq_matmul(const at::Tensor& w, int64_t qtype, const at::Tensor& xq, const at::Tensor& xds,
+                      std::optional<at::Tensor> out) {
+    const QType t = to_qtype(qtype);
+    PYLLM_CHECK_VALUE(mmq::mmq_type(t), "cuda_mmq: weight type ", qtype_name(t), " has no MMQ kernel (the tiled "
+                      "layouts: Q4_0_TILED Q8_0_TILED Q4_K_TILED Q6_K_TILED)");
+    const int64_t K = xq.dim() == 2 ? xq.size(1) : 0;
+    const int64_t M = check_codes(xq, xds, w, "w", K);
+    PYLLM_CHECK_VALUE(M >= 1 && M < (int64_t{1} << 31), "cuda_mmq: xq has ", M, " rows; 1 .. 2^31-1 supported");
+    PYLLM_CHECK_VALUE(reinterpret_cast<uintptr_t>(xq.data_ptr()) % 16 == 0, "cuda_mmq: xq must be 16-byte aligned "
+                      "(a fresh tensor, or whole rows of one)");
+    const auto [part, y] = checked_part(w, t, M, K, out, xds);
+    PYLLM_CHECK_VALUE(static_cast<int64_t>(part.N) <= int64_t{65535} * mmq::kRows, "cuda_mmq: w has ", part.N,
+                      " rows; at most ", int64_t{65535} * mmq::kRows);
+    PYLLM_CHECK_VALUE(mmq_cuda_supported(t, w.device().index()), "cuda_mmq: ", w.device(), " is below compute "
+                      "capability 8.0 (int8 mma.sync)");
+    const c10::cuda::CUDAGuard guard(w.device());
+    mmq_cuda(t, part.w, part.row_bytes, part.N, xq.data_ptr<int8_t>(),
+             reinterpret_cast<const float2*>(xds.data_ptr<float>()), static_cast<int>(M), static_cast<int>(K),
+             part.y, stream_of(w));
+    return y;
 }
 
 // A float vector [1, n] (or [n]) on the device of `like`: n values, contiguous f32.
@@ -518,6 +543,15 @@ void register_cuda(pybind11::module& m) {
           py::arg("outs"),
           "cuda_gemv_q for 1..3 weights of one type and row length reading the same codes, one launch: outs[i] [M, "
           "N_i] = x @ ws[i]^T.");
+    m.def("cuda_mmq_supported", [](int64_t qtype, int64_t device) {
+              return mmq_cuda_supported(to_qtype(qtype), static_cast<int>(device));
+          }, py::arg("qtype"), py::arg("device"),
+          "Whether cuda_mmq takes this weight type id on CUDA device `device` (the tiled layouts, compute "
+          "capability 8.0+).");
+    m.def("cuda_mmq", &mmq_matmul, py::arg("w"), py::arg("qtype"), py::arg("xq"), py::arg("xds"),
+          py::arg("out") = py::none(),
+          "y [M, N] f32 = x @ W^T on int8 tensor cores (prompt chunks), from x's codes as cuda_quantize_act makes them "
+          "(xq int8 [M, K], xds f32 [M, K/32, 2]); W uint8 [N, row_bytes] in a tiled layout on the GPU.");
     m.def("cuda_quantize_act", &quantize_act, py::arg("x"), py::arg("xq") = py::none(), py::arg("xds") = py::none(),
           "The int8 activation codes and (d, d*sum) scales cuda_gemv computes from x [M, K] (into xq, xds if given).");
     m.def("cuda_residual_norm_quant", &residual_norm_quant, py::arg("arch"), py::arg("x"), py::arg("a"),

@@ -72,6 +72,16 @@ void gemv_tiled_set_split(int split);
 void dequantize_tiled_cuda(QType t, const uint8_t* w, size_t row_bytes, const int64_t* ids, int64_t n_out, int K,
                            __half* out_f16, float* out_f32, cudaStream_t stream);
 
+// ---- prefill on int8 tensor cores (mmq.cu) ---------------------------------------------------------------------
+// Whether mmq_cuda takes weight type t on CUDA device `device`: the tiled layouts (QType::*_TILED) on compute
+// capability 8.0 and later (mma.sync s8, cp.async, ldmatrix).
+bool mmq_cuda_supported(QType t, int device);
+// y [M, N] = x @ W^T for any M >= 1 (meant for prompt chunks, M > CUDA_GEMV_MAX_M), from activations prepared by
+// quantize_act_cuda (xq int8 [M, K] 16-byte aligned, xds [M, K/32]); W: N rows (N % 8 == 0, N <= 65535 * 128) of
+// row_bytes in a tiled layout, 16-byte aligned; K % 32 == 0.  Arithmetic as csrc/common/mmq.h emulates it.
+void mmq_cuda(QType t, const uint8_t* w, size_t row_bytes, int N, const int8_t* xq, const float2* xds, int M, int K,
+              float* y, cudaStream_t stream);
+
 // ---- dequantize (dequant.cu) -------------------------------------------------------------------------------
 // Types dequantize handles: every GGUF block type the CPU handles (Q4_0 ... Q6_K, plus F16/BF16/F32 rows), and
 // AWQ rows ((q - z) * s, exact as the CPU's).

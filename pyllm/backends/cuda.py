@@ -1,5 +1,6 @@
 """The CUDA backend: weights in VRAM in their quantized block form, the fused dequantize-in-GEMV kernels for
-decode, dequantize-to-fp16 + cuBLAS (torch.matmul) for prefill, and a one-token step captured in a CUDA graph.
+decode, int8 tensor-core MMA (or dequantize-to-fp16 + cuBLAS) for prefill, and a one-token step captured in a CUDA
+graph.
 
 Kernels: csrc/cuda (GEMV for Q4_0 Q4_1 Q5_0 Q8_0 Q4_K Q5_K Q6_K and AWQ int4 rows; dequantize for every GGUF
 block type and AWQ; decode attention over every KV cache kind), compiled into the one extension by pyllm/_ext.py
@@ -8,7 +9,9 @@ when nvcc and a CUDA torch are present.  ``create()`` raises BackendUnavailable 
 Paths, as the physics dictates:
 - decode (<= GEMV_MAX_M rows): the fused GEMV reads each weight once per token, still quantized; the decode
   tokens of several sequences (CudaBackend.step) share one pass, each weight read once for all of them;
-- prefill: a weight dequantized to fp16 (one layer's worth at a time) and cuBLAS on the tensor cores;
+- prefill: the tiled weights (Q4_0 Q8_0 Q4_K Q6_K) through int8 MMA on the tensor cores, read in their quantized
+  bytes with the activations as int8 codes (csrc/cuda/mmq.cu, compute capability 8.0+); other types dequantized to
+  fp16 (one matrix at a time) for cuBLAS, as every type under PYLLM_CUDA_MMQ=0;
 - types without a GEMV kernel (Q2_K, Q3_K, Q5_1) take the dequantize path at decode too;
 - decode attention: csrc/cuda/attention.cu over the cache's stored rows (the CPU step's semantics: storage basis,
   exact sink row, sliding window); prefill attention: the model's torch path (SDPA) over the cache.
@@ -187,6 +190,7 @@ class CudaBackend:
         self.K = kernels
         self.device = device
         self.weight_bytes = 0
+        self._mmq_types: dict[int, bool] = {}  # weight type id -> whether cuda_mmq takes it on this device
 
     def describe(self) -> dict:
         p = torch.cuda.get_device_properties(self.device)
@@ -229,10 +233,24 @@ class CudaBackend:
         x = x.contiguous()
         if x.shape[0] <= GEMV_MAX_M and self.K.cuda_gemv_supported(qt):
             return self.K.cuda_gemv(w.data, qt, x)
+        if self.mmq_wanted(qt):
+            xq, xds = self.K.cuda_quantize_act(x)
+            return self.K.cuda_mmq(w.data, qt, xq, xds)
         if self.K.cuda_dequant_supported(qt) and w.shape[1] % 8 == 0:
             wd = self.K.cuda_dequantize(w.data, qt, w.shape[1], None, True, True)  # [N, K] fp16, then cuBLAS
             return (x.to(torch.float16) @ wd.T).float()
         return x @ w.dequantize(torch.float32).T
+
+    def mmq_wanted(self, qt: int) -> bool:
+        """Whether prompt chunks of weight type ``qt`` go through the int8 tensor-core kernel (cuda_mmq,
+        csrc/cuda/mmq.cu): the tiled layouts on a GPU of compute capability 8.0 or later; other types, and every type
+        under PYLLM_CUDA_MMQ=0 (the A/B), dequantize to fp16 for cuBLAS."""
+        if os.environ.get("PYLLM_CUDA_MMQ", "1") == "0" or not hasattr(self.K, "cuda_mmq"):
+            return False
+        ok = self._mmq_types.get(qt)
+        if ok is None:
+            ok = self._mmq_types[qt] = bool(self.K.cuda_mmq_supported(qt, self.device.index or 0))
+        return ok
 
     def linear_experts(self, x: torch.Tensor, ws: list, ids: torch.Tensor) -> list[torch.Tensor] | None:
         """A mixture-of-experts layer's selected experts (Decoder.experts): while the selections are few (decode,
@@ -398,8 +416,11 @@ def measure_matmul_flops(device: torch.device | str = "cuda", n: int = 8192, rep
 
 def roofline(device: torch.device | str = "cuda") -> dict:
     """The GPU's ceilings for `pyllm bench` rows (the CPU's come from pyllm.roofline.probe): copy bandwidth, read
-    + write counted, as tg's GB/s roofline, and the fp16 matmul rate as pp's."""
-    return {"gpu": torch.cuda.get_device_name(torch.device(device)),
+    + write counted, as tg's GB/s roofline, and the fp16 matmul rate as pp's (also where the tiled types' prompt
+    chunks run on int8 MMA, whose rate is twice that: the share then says how far MMQ gets past fp16's ceiling)."""
+    dev = torch.device(device)
+    mmq = os.environ.get("PYLLM_CUDA_MMQ", "1") != "0" and torch.cuda.get_device_capability(dev) >= (8, 0)
+    return {"gpu": torch.cuda.get_device_name(dev),
             "read_gbs": measure_copy_bandwidth(device) / 1e9,
             "matmul_gflops": measure_matmul_flops(device) / 1e9,
-            "prefill_kernel": "fp16 cuBLAS"}
+            "prefill_kernel": "int8 MMQ (Q4_0 Q8_0 Q4_K Q6_K), else fp16 cuBLAS" if mmq else "fp16 cuBLAS"}

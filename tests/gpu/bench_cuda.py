@@ -1,5 +1,6 @@
 """GPU benchmarks for tools/gpu_check.sh (not a pytest file): GEMV GB/s against the measured copy bandwidth (the
-GGUF-order kernel and the tiled one, csrc/cuda/gemv_tiled.cu, on the same weights), and synthetic Llama-3-8B
+GGUF-order kernel and the tiled one, csrc/cuda/gemv_tiled.cu, on the same weights), a 512-token prompt chunk's matrix
+product through MMQ (csrc/cuda/mmq.cu) and through dequantize + fp16 cuBLAS, and synthetic Llama-3-8B
 decode/prefill through the CUDA backend (pyllm/backends/cuda.py: the model's prefill, the graph-captured decode step,
 f16 and q8_0 caches; the weights tiled at upload, and with PYLLM_CUDA_TILED=0 in GGUF order) with a torch fp16
 baseline. Prints a table last.
@@ -126,6 +127,44 @@ def bench_gemv(K, bw: float) -> list[dict]:
     return rows
 
 
+PREFILL_SHAPES = SHAPES[:3]  # the layer matrices (the output projection takes one row per prompt)
+
+
+def bench_prefill_gemm(K, tokens: int = 512) -> list[dict]:
+    """One prompt chunk's matrix product alone, per tiled type and 8B layer shape, on the same weights: MMQ
+    (cuda_quantize_act + cuda_mmq, csrc/cuda/mmq.cu) against the backend's other prefill path, dequantize to fp16 +
+    cuBLAS (cuda_dequantize + torch.matmul); TOPS count 2 M N K."""
+    rows = []
+    dev = torch.cuda.current_device()
+    for t in TILED_TYPES:
+        for n, k in PREFILL_SHAPES:
+            w = random_weight(t, n, k)
+            wt, tid = tiled_copy(K, w), K.cuda_tiled_qtype(int(t))
+            x = torch.randn(tokens, k, device="cuda")
+            if not K.cuda_mmq_supported(tid, dev):
+                print(f"prefill gemm {t.name}: no MMQ on this GPU", flush=True)
+                continue
+
+            def mmq():
+                xq, xds = K.cuda_quantize_act(x)
+                return K.cuda_mmq(wt, tid, xq, xds)
+
+            def cublas():
+                wd = K.cuda_dequantize(wt, tid, k, None, True, True)
+                return (x.to(torch.float16) @ wd.T).float()
+
+            res = dict(type=t.name, N=n, K=k, M=tokens)
+            for name, fn in (("mmq", mmq), ("cublas", cublas)):
+                ms = median_ms(fn)
+                res[f"{name} us"], res[f"{name} TOPS"] = ms * 1e3, 2 * tokens * n * k / ms / 1e9
+            rows.append(res)
+            print(f"prefill gemm {t.name:5s} {n:6d}x{k:<6d} M={tokens}: mmq {res['mmq us']:8.1f} us "
+                  f"{res['mmq TOPS']:6.1f} TOPS, dequantize + fp16 cuBLAS {res['cublas us']:8.1f} us "
+                  f"{res['cublas TOPS']:6.1f} TOPS, {res['cublas us'] / res['mmq us']:.2f}x", flush=True)
+            del w, wt, x
+    return rows
+
+
 def llama3_8b(ftype: str):
     from pyllm.models.config import ModelConfig
 
@@ -203,6 +242,27 @@ def tile_weights(K, w: dict) -> dict:
     return out
 
 
+def pp512_mmq(backend, model, cfg, prompt, ftype: str, pp512_cublas: float) -> dict:
+    """pp512 with the tiled layer matrices through MMQ (csrc/cuda/mmq.cu), beside the same weights' pp512 through
+    dequantize + fp16 cuBLAS measured just before (bench_decode runs under PYLLM_CUDA_MMQ=0): the prefill target's
+    ratio, from one run.  Last for its model, and a failure is recorded, not raised, so a kernel fault leaves the
+    other numbers."""
+    out = {"pp512 cublas": pp512_cublas}
+    base = GGMLType.Q4_K if ftype == "q4_k_m" else GGMLType.Q4_0
+    os.environ.pop("PYLLM_CUDA_MMQ", None)
+    try:
+        out["mmq"] = "yes" if backend.mmq_wanted(backend.K.cuda_tiled_qtype(int(base))) else "no (dequantize + cuBLAS)"
+        kv = backend.make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 640, cfg.head_dim)
+        out["pp512 mmq"] = 512 / median_ms(lambda: model.forward(prompt, 0, kv), reps=3, warmup=1) * 1e3
+    except Exception as e:  # noqa: BLE001 -- reported in the table
+        out["pp512 mmq"] = None
+        out["mmq"] = f"failed: {type(e).__name__}: {str(e)[:160]}"
+    finally:
+        os.environ["PYLLM_CUDA_MMQ"] = "0"
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) -> list[dict]:
     from pyllm.models.transformer import Transformer
 
@@ -254,6 +314,8 @@ def bench_decode(backend, ftype: str, bw: float, ctx: int, fp16_baseline: bool) 
         if label == ftype:
             res.update(bench_batched(backend, model, cfg))
         res["roofline_pct"] = 100 * res["tg128 f16"] * per_token / (bw * 1e9)
+        if label.endswith("tiled"):
+            res.update(pp512_mmq(backend, model, cfg, prompt, ftype, res["pp512"]))
         rows.append(res)
         print(json.dumps(res), flush=True)
         del model, weights
@@ -318,12 +380,21 @@ def main() -> int:
     gemv = bench_gemv(K, bw)
     dec = []
     if not args.no_decode:
+        # every model's pp512 through dequantize + fp16 cuBLAS, as before MMQ; pp512_mmq lifts this for its own run
+        os.environ["PYLLM_CUDA_MMQ"] = "0"
         for i, ft in enumerate(("q4_k_m", "q4_0")):
             try:
                 dec += bench_decode(backend, ft, bw, args.ctx, fp16_baseline=i == 0)
             except Exception as e:  # report and keep the GEMV table
                 print(f"decode bench {ft} failed: {type(e).__name__}: {e}", flush=True)
-    Path(args.out, "bench.json").write_text(json.dumps(dict(copy_GBs=bw, gemv=gemv, decode=dec, kl=kl), indent=1))
+        os.environ.pop("PYLLM_CUDA_MMQ", None)
+    try:  # last: a kernel fault here leaves the numbers above
+        prefill = bench_prefill_gemm(K)
+    except Exception as e:  # noqa: BLE001 -- reported
+        print(f"prefill matmul bench failed: {type(e).__name__}: {e}", flush=True)
+        prefill = []
+    Path(args.out, "bench.json").write_text(json.dumps(dict(copy_GBs=bw, gemv=gemv, prefill_gemm=prefill, decode=dec,
+                                                            kl=kl), indent=1))
     print(f"\n=== GEMV (M=1): GB/s and % of copy bandwidth {bw:.0f} GB/s; gguf = gemv.cu (GGUF order), tiled = "
           f"gemv_tiled.cu (auto split; pdl: PYLLM_CUDA_PDL=1; W1/W2/W4: split forced) ===")
     print(f"{'type':6s} {'kernel':10s} " + "".join(f"{f'{n}x{k}':>16s}" for n, k in SHAPES))
@@ -332,9 +403,19 @@ def main() -> int:
             cells = [r for r in gemv if r["type"] == t.name and r["variant"] == v]
             if cells:
                 print(f"{t.name:6s} {v:10s} " + "".join(f"{r['GBs']:9.0f} {r['pct']:4.0f}%" for r in cells))
+    if prefill:
+        print("=== prefill matmul, M=512 (us; MMQ = csrc/cuda/mmq.cu int8 MMA vs dequantize + fp16 cuBLAS) ===")
+        for r in prefill:
+            print(f"{r['type']:6s} {r['N']:6d}x{r['K']:<6d} mmq {r['mmq us']:8.1f} ({r['mmq TOPS']:5.0f} TOPS)  "
+                  f"cublas {r['cublas us']:8.1f} ({r['cublas TOPS']:5.0f} TFLOPS)  {r['cublas us'] / r['mmq us']:.2f}x")
     if dec:
         print("=== synthetic Llama-3-8B (tok/s) ===")
         for r in dec:
+            if "pp512 mmq" in r:
+                mmq = r["pp512 mmq"]
+                print(f"{r['model']:22s} pp512 MMQ " + (f"{mmq:7.0f}" if mmq else "   n/a") + f" (mmq: {r['mmq']})  "
+                      f"dequantize + fp16 cuBLAS {r['pp512 cublas']:7.0f}" +
+                      (f"  {mmq / r['pp512 cublas']:.2f}x (target 1.5x)" if mmq else ""))
             if "tg128 f16 torch body" in r:
                 print(f"{r['model']:22s} torch body: tg128 {r['tg128 f16 torch body']:6.1f}")
             if "tg128 f16 pdl" in r:
