@@ -1,7 +1,6 @@
-// The CPU bindings' checks (csrc/bindings_kernels.cpp, csrc/bindings_decode.cpp): every tensor is checked here
-// (dtype, device, rank, shape, contiguity, block divisibility, bytes per row) before a raw pointer goes to a
-// launcher in kernels.h.  Bad calls raise Python exceptions that name the function, the argument and the
-// offending values:
+// The CPU bindings' checks (csrc/bindings_*.cpp): every tensor is checked here (dtype, device, rank, shape,
+// contiguity, block divisibility, bytes per row) before a raw pointer goes to a launcher in kernels.h.  Bad calls
+// raise Python exceptions that name the function, the argument and the offending values:
 //   TypeError (wrong dtype), ValueError (device / shape / layout / unknown type id),
 //   NotImplementedError (a real GGML type the kernels do not handle; ops.py falls back to torch on it).
 // Only the binding files include this header: it is the one place that sees torch and the kernels both.
@@ -60,6 +59,24 @@ inline void check_rows8(const char* fn, const char* name, const Tensor& w, int64
     const QType t = static_cast<QType>(qtype);
     PYLLM_CHECK_VALUE(!pyllm::is_rows8(t) || w.size(0) % 8 == 0, fn, ": ", name, " is ", pyllm::qtype_name(t),
                       " (rows interleaved by 8) but has ", w.size(0), " rows, not a multiple of 8");
+}
+
+// A KV cache part: kv_type 0 f32, 1 f16, 2 q8_0, 3 q4_0 (pyllm.runtime.kv_cache's storage); t has `lead` dims then
+// head_dim values (float types) or head_dim/32 blocks as bytes (uint8).  Returns the row bytes.
+inline size_t check_kv_rows(const char* fn, const char* name, const Tensor& t, int64_t kv_type, int64_t head_dim,
+                            int64_t lead) {
+    PYLLM_CHECK_VALUE(kv_type >= 0 && kv_type <= 3, fn, ": ", name, " type must be 0 (f32), 1 (f16), 2 (q8_0) or 3 "
+                      "(q4_0), got ", kv_type);
+    const auto kt = static_cast<pyllm::KVType>(kv_type);
+    const bool block = kt == pyllm::KVType::Q8_0 || kt == pyllm::KVType::Q4_0;
+    PYLLM_CHECK_VALUE(!block || head_dim % 32 == 0, fn, ": ", name, ": block types need head_dim % 32 == 0, got ",
+                      head_dim);
+    const at::ScalarType want = block ? at::kByte : kt == pyllm::KVType::F16 ? at::kHalf : at::kFloat;
+    check_tensor(fn, name, t, want, lead + 1);
+    const int64_t row = static_cast<int64_t>(pyllm::kv_row_bytes(kt, static_cast<int>(head_dim)));
+    const int64_t last = block ? row : head_dim;
+    PYLLM_CHECK_VALUE(t.size(lead) == last, fn, ": ", name, " rows have ", t.size(lead), " entries, expected ", last);
+    return static_cast<size_t>(row);
 }
 
 inline Tensor make_out(const char* fn, const std::optional<Tensor>& out, int64_t M, int64_t N) {

@@ -2,8 +2,8 @@
 // kernels build and test without torch headers and the CUDA launchers can sit beside them unchanged.
 //
 // Shapes use torch order: a weight is N rows of K values, each row = K / block_size blocks (row_bytes bytes),
-// x is [M, K] fp32 row-major, y is [M, N] fp32 row-major.  Callers (bindings_kernels.cpp, bindings_decode.cpp)
-// have already checked every size; the launchers assume valid input.
+// x is [M, K] fp32 row-major, y is [M, N] fp32 row-major.  Callers (the bindings_*.cpp files) have already
+// checked every size; the launchers assume valid input.
 #pragma once
 
 #include <cstddef>

@@ -33,7 +33,9 @@ from .errors import PyllmError
 CPU_SOURCES = [
     "bindings.cpp",
     "bindings_kernels.cpp",
+    "bindings_decode_context.cpp",
     "bindings_decode.cpp",
+    "bindings_rows.cpp",
     "cpu/gemv.cpp",
     "cpu/isa.cpp",
     "cpu/gemv_generic.cpp",

@@ -25,7 +25,7 @@ KL_LLAMA_CPP = {"smollm2": 5.31e-3, "qwen2": 2.14e-3, "gemma3": 7.18e-3}
 # Int8 activation rounding amplifies any fp32-level difference: two equally accurate builds (the same GEMVs, the
 # decode attention's summation order changed) measured 1.96e-3 and 2.41e-3 on Qwen2.5's 200 positions, and the
 # C++ step and pyllm's own torch path differ by ~2.7% of the max logit per position although both are int8 paths.
-# So a 200-position mean is one draw with ~+-20% spread; the test allows that spread, and the 800-position
+# So a 200-position mean is one draw with ~+-20% spread; the test allows that spread, and the held-out-prompt
 # comparison in docs/BENCHMARKS.md (tools/kl_vs_llamacpp.py) is where "at least as good" is shown.
 KL_SPREAD = 1.25
 N_POSITIONS = 200
@@ -90,7 +90,7 @@ def cached_decode_kl(key):
 @pytest.mark.parametrize("key", ["smollm2", "qwen2", "gemma3"])
 def test_mean_kl_of_decode_path_at_most_llama_cpp(key):
     # measured 4.55e-3 (SmolLM2) and 1.96e-3 / 2.41e-3 (Qwen2.5, two builds) on 2026-11-29; Gemma 3 (llama.cpp's
-    # 7.18e-3 from docs/BENCHMARKS.md, same protocol) 6.12e-3 / 6.90e-3 then.  With residual Q8_K rows for
+    # 7.18e-3, same protocol) 6.12e-3 / 6.90e-3 then.  With residual Q8_K rows for
     # activations with outliers (csrc/cpu/gemv.cpp), 2026-12-01: Qwen2.5 6.69e-4, Gemma 3 1.79e-3; with the outliers
     # taken out of the Q8_K rows and added back exactly instead, 2026-12-02: 1.06e-3 and 3.42e-3
     if not os.path.exists(GPL3):

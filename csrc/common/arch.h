@@ -1,7 +1,8 @@
 // ArchSpec (pyllm/models/spec.py) as the fused steps read it: the C++ step (csrc/cpu/decode_step.cpp, through
-// csrc/bindings_decode.cpp) and the CUDA step's row kernels (csrc/cuda/step.cu).  Defined once, here; filled once,
-// by the binding's checked constructor (make_decode_arch in csrc/bindings_decode.cpp, pyllm's ``C.DecodeArch``),
-// which checks every field with an error naming it, so neither side re-reads a loose argument or a string.
+// csrc/bindings_decode_context.cpp) and the CUDA step's row kernels (csrc/cuda/step.cu).  Defined once, here;
+// filled once, by the binding's checked constructor (make_decode_arch in csrc/bindings_decode_context.cpp,
+// pyllm's ``C.DecodeArch``), which checks every field with an error naming it, so neither side re-reads a loose
+// argument or a string.
 #pragma once
 
 #include <cstddef>

@@ -8,7 +8,8 @@
 // SmolLM2 at 5.4 t/s there, an 8-wide one 33 t/s (load ~8).
 // Quantization (kv_store_row) matches pyllm/runtime/kv_cache.py bit for bit: q8_0 d = absmax/127 stored fp16,
 // q = roundf(x / d); q4_0 d = m/-8 (m: the first value of largest magnitude), q = min(15, floor(x / d + 8.5)).
-// No torch here: bindings_decode.cpp checked every size.
+// No torch here: the bindings (bindings_decode_context.cpp, bindings_decode.cpp, bindings_rows.cpp) checked
+// every size.
 #include <algorithm>
 #include <cmath>
 #include <cstring>

@@ -1,5 +1,5 @@
 // Prefill's attention: T new positions over S >= T keys, float32 (kernels.h causal_attention_cpu).  No torch
-// here: bindings_decode.cpp checked every size.
+// here: bindings_rows.cpp checked every size.
 #include <omp.h>
 
 #include <algorithm>

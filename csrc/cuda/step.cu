@@ -1,4 +1,4 @@
-// The row operations of the graph-captured decode step (pyllm/backends/cuda.py CudaDecodeStep) between its
+// The row operations of the graph-captured decode step (pyllm/backends/cuda_step.py CudaDecodeStep) between its
 // GEMVs, each one kernel where torch takes several: a step of an 8B model is ~14 launches per layer instead of
 // ~50, and at batch 1 on a GPU every launch costs microseconds the weights' stream does not hide.
 //

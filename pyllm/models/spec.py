@@ -1,9 +1,9 @@
 """ArchSpec: what a decoder layer is, for every architecture pyllm runs, as one typed, frozen value.
 
 The torch forward (models/transformer.py), the C++ decode step (csrc/cpu/decode_step.cpp, through the
-``DecodeArch`` struct bound in csrc/bindings_decode.cpp) and the CUDA step (backends/cuda.py) all read this one
-description; none of them branches on an architecture name.  A family is added here (one ``_family`` entry), in
-the converter's tensor mapping, and nowhere else.
+``DecodeArch`` struct bound in csrc/bindings_decode_context.cpp) and the CUDA step (backends/cuda_step.py) all read
+this one description; none of them branches on an architecture name.  A family is added here (one ``_family``
+entry), in the converter's tensor mapping, and nowhere else.
 
 The spec is derived from a ModelConfig (itself read from GGUF metadata or an AWQ folder's config.json, and checked
 there) and validated once, in ``__post_init__``: a value no body can run fails at load with a ModelError naming

@@ -248,7 +248,7 @@ class Transformer(Decoder):
 
         ``start_pos`` is an int, or a device-held int64 [1] tensor: then nothing here reads a value back to the host
         (no Python integer changes between calls), so a CUDA graph captures it once and replays it at every position
-        (backends/cuda.py).  That form writes the new rows at those positions and attends over the whole cache,
+        (backends/cuda_step.py).  That form writes the new rows at those positions and attends over the whole cache,
         masked by position (or the backend's kernel, Decoder.attend_at); it takes a cache whose means are fixed and
         tokens already checked against the vocabulary (no range check: that would read back)."""
         spec, w, vec, lin, eps = self.spec, self.w, self.vec, self.linear, self.spec.rms_eps

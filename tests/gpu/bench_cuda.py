@@ -337,7 +337,7 @@ KL_TEXT = ("The committee met on Tuesday to review the budget for the coming yea
 
 def kl_real_model(path: str, n_ctx: int = 256) -> dict:
     """Mean KL from the float32 reference backend's next-token distribution, token by token over KL_TEXT (teacher
-    forcing: every position through the decode step), of the CUDA backend and of the CPU backend (the issue's
+    forcing: every position through the decode step), of the CUDA backend and of the CPU backend (the
     target: CUDA <= 1e-3)."""
     import pyllm
 

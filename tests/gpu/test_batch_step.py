@@ -4,7 +4,7 @@ GEMVs, each row's attention over its own cache) against each sequence stepped al
 Reference: the same sequences on twin caches, each stepped alone (its captured one-token step).  Tolerance: none.
 Each batched row is its sequence's own step bit for bit (logits, argmax and the cache rows it writes): the GEMV and
 the row kernels sum a row in one order whatever the number of rows, and each row's attention runs alone over its
-own cache (backends/cuda.py CudaDecodeStep._body_kernels).  Nine sequences: a pass of GEMV_MAX_M = 8 rows (the
+own cache (backends/cuda_step.py CudaDecodeStep._body_kernels).  Nine sequences: a pass of GEMV_MAX_M = 8 rows (the
 output projection in two chunks of 4) and one alone.
 """
 

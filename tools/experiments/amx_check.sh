@@ -2,7 +2,7 @@
 # The AMX-INT8 rows kernels (csrc/cpu/rows8_amx.cpp, off by default) checked and measured in one go, on a CPU with
 # AMX-INT8 (Sapphire Rapids and later):
 #
-#     bash tools/amx_check.sh [THREADS]        # ~10 minutes on 2 cores; run it on a quiet machine
+#     bash tools/experiments/amx_check.sh [THREADS]        # ~10 minutes on 2 cores; run it on a quiet machine
 #
 # 1. the tests that run the native tiles there (every rows-by-8 type and M against the VNNI kernels' bits; the
 #    multi-row decode step against one-row steps);
@@ -10,10 +10,10 @@
 #    activations);
 # 3. SmolLM2's 8-row verification pass profiled, and `pyllm bench --spec`, each with PYLLM_AMX_ROWS=1 and without,
 #    alternated three times.
-# Record the results in docs/BENCHMARKS.md; if the tiles win, make them the default for the amx ISA (gemv.cpp
-# amx_rows_mode).
+# What it found is in docs/BENCHMARKS.md ("AMX-INT8 rows kernels"): the tiles are slower than VNNI, so they stay off
+# (isa.cpp amx_rows_mode).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 T=${1:-2}
 
 python - <<'EOF'
