@@ -8,11 +8,11 @@ chunk. PPL = exp(mean NLL); its standard error, as llama.cpp prints it, is ppl *
 (count - 1)). KL divergence is KL(base || kind) = sum_v p_base (log p_base - log p_kind) per scored token, its mean
 ± standard error, plus how often the top-1 token agrees.
 
-Reading the cache. ``Transformer.forward`` at start_pos == 0 attends to the fresh float32 keys and values, not the
-cache, so a chunk evaluated in one pass would never read the KV cache and every cache type would score the same.
-Each chunk is therefore evaluated in two passes: the context half (positions 0..first-1, stored into the cache;
-its own attention is float32, as in pyllm's prefill) and then the scored half (positions first..n_ctx-2) in one
-batch at start_pos = first, which reads every key and value -- the context half's and its own -- back from the
+Reading the cache. ``Transformer.forward`` attends a fresh prompt's first rows to their own float32 keys, so a chunk
+evaluated in one pass would read the cache little, and every cache type would score alike there.  Each chunk is
+therefore evaluated in two passes: the context half (positions 0..first-1, stored into every cache being compared;
+its own attention runs over a float32 cache, so that it is the same for all of them) and then the scored half
+(positions first..n_ctx-2) in one batch at start_pos = first, which reads every key and value -- the context half's and its own -- back from the
 cache. All scored logits thus come from attention over the cache type being measured, as in llama.cpp where
 attention always reads the (quantized) cache. The context half is computed once and stored into every cache
 type being compared (its result does not depend on the cache), which saves a third of the work for 4 types.
@@ -79,7 +79,8 @@ class Stats:
 
 
 class _Tee:
-    """Stores a context half into several caches at once (forward at start_pos 0 only calls update)."""
+    """Stores a context half into several caches at once; its own attention runs over the first of them, a float32
+    cache (what the half's result must not depend on: the caches being compared)."""
 
     def __init__(self, caches: list[KVCache]):
         self.caches = caches
@@ -87,6 +88,9 @@ class _Tee:
     def update(self, layer, pos, k, v, q=None) -> None:
         for c in self.caches:
             c.update(layer, pos, k, v, q=q)
+
+    def attend(self, *args):
+        return self.caches[0].attend(*args)
 
 
 MAX_TEXT_BYTES = 64 << 20  # the most text `pyllm perplexity -f` reads (~16M tokens: far more than any run scores)
@@ -128,6 +132,7 @@ def evaluate(llm, text: str, n_ctx: int = 512, kinds: list[str] | tuple[str, ...
     cfg = llm.config
     # on the model's device: the backend places its caches
     caches = {k: llm.model.backend.make_kv_cache(k, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim) for k in order}
+    exact = llm.model.backend.make_kv_cache("f32", cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim)
     stats = {k: Stats(k) for k in order}
     first = n_ctx // 2
     model = llm.model
@@ -137,7 +142,7 @@ def evaluate(llm, text: str, n_ctx: int = 512, kinds: list[str] | tuple[str, ...
             if bos is not None:
                 chunk[0] = bos
             target = torch.tensor(chunk[first + 1:], dtype=torch.int64)  # [n_ctx - 1 - first]
-            model.forward(torch.tensor(chunk[:first], dtype=torch.int64), 0, _Tee(list(caches.values())))
+            model.forward(torch.tensor(chunk[:first], dtype=torch.int64), 0, _Tee([exact] + list(caches.values())))
             base_lp = None
             for kind in order:
                 logits = model.forward(torch.tensor(chunk[first:-1], dtype=torch.int64), first, caches[kind],

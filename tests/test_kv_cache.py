@@ -198,11 +198,17 @@ def swap_kv():
 
 
 class _Recorder:
-    def __init__(self):
-        self.kv = {}
+    """Records each layer's K/V/Q of a forward; attention runs over a float32 cache of them (exact values)."""
+
+    def __init__(self, cache):
+        self.kv, self.cache = {}, cache
 
     def update(self, layer, pos, k, v, q=None):
         self.kv[layer] = (k.clone(), v.clone(), q.clone())
+        self.cache.update(layer, pos, k, v, q=q)
+
+    def attend(self, *args):
+        return self.cache.attend(*args)
 
 
 @functools.lru_cache(maxsize=None)
@@ -210,7 +216,8 @@ def _real_kv():
     llm = ref_llm()
     ids = llm.tokenize("The GNU General Public License is a free, copyleft license for software and other kinds "
                        "of works. The licenses for most software are designed to take away your freedom.")
-    rec = _Recorder()
+    cfg = llm.config
+    rec = _Recorder(make_kv_cache("f32", cfg.n_layer, cfg.n_kv_head, len(ids), cfg.head_dim))
     with torch.inference_mode():
         llm.model.forward(torch.tensor(ids), 0, rec)
     return rec.kv

@@ -139,6 +139,11 @@ def split_fused(cfg: ModelConfig, weights: dict) -> dict:
     return w
 
 
+# Rows of a fresh prompt that attend to their own float32 keys (Transformer.forward_on_device): the first chunk the
+# server's engine reads (runtime/prompt_cache.py PREFILL_CHUNK), the rows that also fix a quantized cache's means.
+FRESH_ROWS = 64
+
+
 class Transformer(Decoder):
     """The decoder for every architecture.  ``weights`` maps GGUF tensor names to QTensors (still quantized);
     ``backend`` (pyllm/backends) runs them.  One-token forwards take the backend's fused step where it has one.
@@ -301,8 +306,15 @@ class Transformer(Decoder):
             elif held:
                 a = self.attend_at(kv, i, q, start_pos, spec.attn_scale, layer.window, attention)
             elif start_pos == 0:
-                # A fresh prompt attends to its own float32 keys, not to their rounded cache copies.
-                a = self.causal_attention(q, k, v, spec.attn_scale, layer.window, attention)
+                # A fresh prompt's first FRESH_ROWS rows attend to their own float32 keys, not to their rounded
+                # cache copies; the rows after them through the cache, as every later chunk does, so that a row
+                # has the same bits however the prompt was cut into forwards (runtime/batch.py reads prompts in
+                # spans).
+                f = min(t, FRESH_ROWS)
+                a = self.causal_attention(q[:f], k[:f], v[:f], spec.attn_scale, layer.window, attention)
+                if t > f:
+                    rest = kv.attend(i, q[f:], f, self.cache_attention(spec.attn_scale, layer.window, attention))
+                    a = torch.cat([a, rest])
             else:
                 # The cache runs attention over its own storage (a rotated cache attends in its rotated basis).
                 a = kv.attend(i, q, start_pos, self.cache_attention(spec.attn_scale, layer.window, attention))

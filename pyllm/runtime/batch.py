@@ -102,13 +102,12 @@ def prefill_part(model, slot: Slot, ids: list[int], limit: int = STEP_TOKENS) ->
     (Decoder.prefill_exact_rows), a span of whole chunks up to ``limit`` tokens, the prompt's last partial chunk
     with them unless it is shorter than ``least`` (a prompt reused up to there reads it alone, so a fresh one does
     too).  A forward costs a pass over the weights whatever its rows: a 244-token prompt on Qwen2.5-0.5B read in one
-    span took 211 ms against 435 ms in four chunks.  A prompt's first chunk stays a chunk: it attends to its own
-    float32 keys (models/transformer.py) and fixes a quantized cache's means, neither of which may depend on the
-    span."""
+    span took 211 ms against 435 ms in four chunks.  A centered (quantized) cache's first chunk stays a chunk: it
+    fixes the cache's means, which must not depend on the span."""
     pos, n = len(slot.tokens), len(ids)
     end = chunk_end(pos, n, PREFILL_CHUNK, aligned=True)
     least = model.prefill_exact_rows(slot.kv)
-    if least is not None and pos:
+    if least is not None and (pos or not getattr(slot.kv, "centered", False)):
         body = n - n % PREFILL_CHUNK
         far = pos + limit
         if end < body:
