@@ -68,8 +68,9 @@ def fp32_prefill():
 def test_fast_backend_prefill_matches_transformers(arch, monkeypatch, fp32_prefill):
     """The CPU backend's prefill, whose attention is its own kernel (csrc/cpu/causal_attention.cpp; the second
     prompt runs past Mistral's and Gemma 3's window of 8), against transformers on the f16 file: the same 1e-3
-    bound, with the matmuls on the fp32 GEMM.  Then in chunks of 16 tokens: every chunk after the first attends
-    over the (f32) cache, through the kernel too."""
+    bound, with the matmuls on the fp32 GEMM (a fresh prompt's first FRESH_ROWS rows over their own keys, the rest
+    over the cache).  Then in chunks of 16 tokens: every chunk after the first attends over the (f32) cache, through
+    the kernel too."""
     import pyllm
     from pyllm.backends.cpu import CpuBackend
 
@@ -80,7 +81,8 @@ def test_fast_backend_prefill_matches_transformers(arch, monkeypatch, fp32_prefi
     llm = pyllm.load(str(tm.gguf_path(arch, "f16")), kernels="fast", n_ctx=256, kv_cache="f32")
     hf = tm.hf_model(arch)
     assert_logits_match(llm, hf, f"{arch} fast f16")
-    assert calls and all(t > 1 and s == t for t, s in calls), "the prefill did not go through the kernel"
+    assert calls and calls[0][0] == calls[0][1] > 1 and all(s >= t for t, s in calls), \
+        "the prefill did not go through the kernel"
     calls.clear()
     llm.generator.n_batch = 16
     assert_logits_match(llm, hf, f"{arch} fast f16, 16-token chunks")

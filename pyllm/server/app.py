@@ -41,6 +41,7 @@ from .webui import routes as web_routes
 MAX_BODY_BYTES = 8 * 2**20  # a request body above this is refused with 413 before it is read whole
 SHUTDOWN_GRACE_S = 10  # on SIGTERM, requests in flight get this long to finish before their connections close
 MAX_HEAD_BYTES = 64 * 2**10  # request line and headers; a larger head is a 400 and the connection is closed
+DISCONNECT_POLL_S = 0.1  # how often a request waiting for its next item checks that its client is still there
 # --client-timeout: a request head must arrive whole within this many seconds of the server waiting for it, and a
 # body may pause this long at most (nginx's client_header_timeout and client_body_timeout, there 60 s each)
 CLIENT_TIMEOUT_S = 30
@@ -393,10 +394,11 @@ def create_app(llm, model_name: str, api_key: str | None = None, max_body: int =
         return submit_held(request, lambda cancel: engine.call(lambda: call(llm, cancel)))
 
     async def next_item(request: Request, job: Job):
-        """The job's next item; cancels the job if the client disconnects while it waits."""
+        """The job's next item; cancels the job if the client disconnects while it waits (checked every
+        DISCONNECT_POLL_S: a small model makes a few hundred tokens a second for nobody until then)."""
         while True:
             try:
-                return await asyncio.wait_for(job.out.get(), timeout=0.5)
+                return await asyncio.wait_for(job.out.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     job.cancel.set()
