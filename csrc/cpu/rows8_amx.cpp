@@ -1,6 +1,6 @@
 // AMX-INT8 row kernels for several activation rows (a speculative verification pass, a few batched sequences)
 // against the decode step's rows interleaved by 8 (every Q*_R8 type).  At M = 8 the VNNI rows kernels spend 8
-// vpdpbusd per activation row, group block and 8 weight rows (gemv_legacy_impl.h rows8_group); here one TDPBSSD
+// vpdpbusd per activation row, group block and 8 weight rows (gemv_rows8_impl.h rows8_group); here one TDPBSSD
 // takes all M rows of a block against 16 weight rows, and what is left per row is the fp32 scaling.
 //
 // Per group block b (the K-quants: per sub-block), two groups side by side (16 weight rows):
@@ -451,7 +451,7 @@ void rows8_amx_q6k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8
     }
 }
 
-// ---- Q8_0_R8 against int16 activations (precise_x: the output projection; gemv_legacy_impl.h rows8_q16_chunk).
+// ---- Q8_0_R8 against int16 activations (precise_x: the output projection; gemv_rows8_impl.h rows8_q16_chunk).
 // AMX has no int16 product, but x = 256 hi + lo with hi = x >> 8 (signed) and lo = x & 255 (unsigned), so per
 // block TDPBSSD (hi x codes) and TDPBUSD (lo x codes) against one B tile give sum(x * code) = 256 c_hi + c_lo
 // exactly in int32 (|.| <= 32 * 32767 * 128 < 2^31): the integer vpdpwssd sums, then the same fp32 step per row
