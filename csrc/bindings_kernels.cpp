@@ -360,6 +360,8 @@ void set_num_threads(int64_t n) {
     pyllm::cpu_set_num_threads(static_cast<int>(n));
 }
 
+bool release_thread_pool() { return pyllm::cpu_release_thread_pool(); }
+
 std::vector<int64_t> supported_types() {
     std::vector<int64_t> r;
     for (int id = 0; id < pyllm::QTYPE_ID_LIMIT; ++id)
@@ -455,6 +457,8 @@ void register_kernels(py::module& m) {
     });
     m.def("amx_int8_usable", &pyllm::cpu_amx_int8_usable);
     m.def("set_num_threads", &set_num_threads, "threads for pyllm's CPU kernels (torch's own setting untouched)");
+    m.def("release_thread_pool", &release_thread_pool, "the calling thread's OpenMP workers exit (a thread done with the "
+          "kernels for a while: another thread's regions then keep their spin-waits); false where the runtime cannot");
     m.def("get_num_threads", &pyllm::cpu_get_num_threads);
     m.def("physical_cores", &pyllm::cpu_physical_cores);
     m.def("supported_types", &supported_types, "GGML type ids the CPU kernels handle");

@@ -50,6 +50,14 @@ inline bool cpu_isa_simd(Isa isa) { return isa != Isa::Scalar; }
 void cpu_set_num_threads(int n);       // n >= 1
 int cpu_get_num_threads();
 int cpu_physical_cores();              // cores (not SMT siblings) this process may run on
+// Hands the calling thread's OpenMP worker threads back (they exit; the next parallel region of this thread starts
+// new ones).  Why: libgomp keeps a pool of workers for every thread that has opened a parallel region, and once
+// its threads outnumber the CPUs it throttles every barrier's spin-wait to ~100 iterations before sleeping.  A
+// model loaded on one thread and run on another (the server's engine thread, a library caller's worker thread)
+// then sleeps and wakes its workers at each of a step's ~200 regions: SmolLM2 decoded at 165 tok/s on a
+// second thread against 310 on the loading thread (2 cores).  A thread that is done with the kernels for a while
+// calls this.  Returns false where the OpenMP runtime has no omp_pause_resource_all (OpenMP < 5.0).
+bool cpu_release_thread_pool();
 
 // What greedy sampling and the non-finite check need from a row of logits: read again by the Python sampler after
 // the step, a row of 49k-262k logits cost ~2-4% of a small model's token, mostly misses on what the other thread

@@ -18,6 +18,7 @@ from typing import Iterable
 import torch
 
 from . import lora as lora_adapters
+from . import ops
 from . import registry
 from .errors import ContextFullError, ModelError, PyllmError, in_file
 from .llm_args import (DEFAULT_SAMPLING, DEFAULT_SPECULATIVE, _check_policy, check_int,  # noqa: F401 (re-exported)
@@ -191,8 +192,6 @@ class LLM(GenerationCalls, BatchCalls, ChatCalls):
             return torch.cuda.get_device_name(self.model.backend.device)
         if self.kernels == "reference":
             return "torch"
-        from . import ops
-
         return ops.get_isa() or "none"
 
     def reset(self) -> None:
@@ -316,6 +315,9 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str | None =
         except BaseException:
             llm.close()
             raise
+    # the model may run on another thread than the one that loaded it (the server's engine): this thread's OpenMP
+    # workers, started by the loading's parallel regions, would throttle that thread's kernels (ops.release_thread_pool)
+    ops.release_thread_pool()
     return llm
 
 

@@ -189,6 +189,16 @@ def set_num_threads(n: int) -> None:
         _C.set_num_threads(n)
 
 
+def release_thread_pool() -> None:
+    """The calling thread's OpenMP workers exit (the extension's and torch's: one runtime).  For a thread that is done
+    with the kernels while another runs them: libgomp throttles every thread's spin-waits once its pools' threads
+    outnumber the cores, and a decode step then sleeps and wakes its workers ~200 times (csrc/kernels.h
+    cpu_release_thread_pool).  Costs the next parallel region of this thread its workers' start (~0.1 ms).  A no-op
+    before the extension is loaded (no kernel has run) and where it could not be built."""
+    if not isinstance(_C, _LazyExtension):
+        _C.release_thread_pool()
+
+
 def get_num_threads() -> int:
     try:
         return _C.get_num_threads()

@@ -1,6 +1,7 @@
 // CPU features and the kernels' instruction set: what this CPU and its OS run (CPUID, XCR0, Linux's AMX tile
 // permission), the ISA in use (the best by default, PYLLM_ISA or set_isa to force; AVX-512 emulated on AVX2 for
 // tests), the AMX rows mode (PYLLM_AMX_ROWS), and the thread count (physical cores by default).
+#include <omp.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -194,6 +195,14 @@ int cpu_physical_cores() {
         cores.insert({pkg, core});
     }
     return std::max(1, cores.empty() ? n_cpus : static_cast<int>(cores.size()));
+}
+
+// Weak: the runtime the extension meets at load (torch's libgomp) may predate OpenMP 5.0.
+#pragma weak omp_pause_resource_all
+
+bool cpu_release_thread_pool() {
+    if (&omp_pause_resource_all == nullptr) return false;
+    return omp_pause_resource_all(omp_pause_soft) == 0;
 }
 
 void cpu_set_num_threads(int n) { g_threads = n; }

@@ -370,7 +370,10 @@ class BatchEngine:
     # ---- the engine thread (or the caller's, thread=False) ------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
-            self.step(block=not (self.active or self._waiting))
+            idle = not (self.active or self._waiting)
+            if idle:  # until work comes, other threads may run kernels: this one's OpenMP workers must not count
+                ops.release_thread_pool()
+            self.step(block=idle)
 
     def step(self, block: bool = False) -> None:
         """One round: take what was submitted (waiting for it with ``block``), drop cancelled requests, admit

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .. import ops
 from ..runtime.batch import BatchEngine, BatchStats, Request, TokenStream, make_requests, queue_items
 from ..runtime.generator import GenerationStats
 from ..runtime.sampler import Sampler
@@ -93,6 +94,9 @@ class Scheduler:
             del job
             if release is not None:
                 release()
+            # Until its next job this thread runs no kernels; the thread that does (the engine's, another worker)
+            # keeps its OpenMP spin-waits only while no other thread holds workers (ops.release_thread_pool).
+            ops.release_thread_pool()
 
     @staticmethod
     def _run(job: Job) -> None:
