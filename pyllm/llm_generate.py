@@ -91,7 +91,9 @@ class GenerationCalls:
 
         return make_constraint(lambda: self.grammar_vocab, json_schema=json_schema, grammar=grammar)
 
-    def _spec_settings(self, speculative, spec_k, spec_ngram, sampler):
+    def spec_settings(self, speculative, spec_k, spec_ngram, sampler):
+        """What a generation with ``sampler`` speculates with (speculative.SpecSettings), or None: the arguments as
+        generate_tokens takes them, "auto" resolved by ``spec_options`` and DEFAULT_SPECULATIVE."""
         from .runtime.speculative import parse_speculative
 
         o = self.spec_options
@@ -136,7 +138,7 @@ class GenerationCalls:
         ids, max_tokens, sampler = self.generation_request(
             ids, max_tokens, sampler=sampler, json_schema=json_schema, grammar=grammar, constraint=constraint,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
-        spec = self._spec_settings(speculative, spec_k, spec_ngram, sampler)
+        spec = self.spec_settings(speculative, spec_k, spec_ngram, sampler)
         return self._token_stream(ids, max_tokens, sampler, spec)
 
     def generation_request(self, ids, max_tokens=256, sampler: Sampler | None = None, json_schema=None,

@@ -385,6 +385,44 @@ def test_greedy_lookup_equals_plain(key, kind, n):
     assert st.verifies > 0 and st.accepted > 0, st  # speculation really ran, and copied something
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0"])
+def test_slot_requests_speculate_alone_and_batch_beside_others(kind):
+    """Reference: each prompt's plain greedy decoding (no speculation) alone on a fresh engine's slot.  On an
+    engine's slots (serve --parallel) a greedy request speculates by lookup on the steps where it decodes alone and
+    joins the batched pass beside others (BatchEngine.speculate, _decode_step); its tokens are plain decoding's
+    either way: alone, beside two others that end sooner, and on a pool too small for every slot's whole context."""
+    from pyllm.runtime.batch import BatchEngine, Request
+
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512, kv_cache=kind)
+    prompts = [llm.chat_ids(EDIT), llm.chat_ids([{"role": "user", "content": "Count from 1 to 40: 1, 2, 3,"}]),
+               llm.chat_ids([{"role": "user", "content": "Name three rivers."}])]
+    lengths = [64, 24, 16]
+
+    def run(engine, which, speculate=True):
+        reqs = []
+        for i in which:
+            r = Request(list(prompts[i]), lengths[i], Sampler(SamplerSettings(temperature=0)))
+            # not "auto" (what the server asks for): its controller times passes, and a loaded machine's timings
+            # would decide how often it drafts
+            reqs.append(engine.speculate(r, _spec(4)) if speculate else r)
+            engine.submit(r)
+        return [[v[0] for k, *v in engine.tokens(r) if k == "token"] for r in reqs], reqs
+
+    def engine(pool=None):
+        return BatchEngine(llm.model, kind, 512, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=pool)
+
+    ref = [run(engine(), [i], speculate=False)[0][0] for i in range(3)]
+    for pool in (None, 2 * 512):
+        e = engine(pool)
+        alone, (r0,) = run(e, [0])
+        assert alone == ref[:1]
+        assert r0.stats.spec.verifies > 0 and r0.stats.spec.accepted > 0  # it speculated
+        together, reqs = run(e, [0, 1, 2])
+        assert together == ref
+        # the longest speculated once the others had ended, not before: while three decoded, one pass for all
+        assert 0 < reqs[0].stats.spec.verifies < r0.stats.spec.verifies
+
+
 def test_greedy_decoding_speculates_by_default_where_the_check_is_exact():
     """Reference: plain decoding (speculative="none").  Greedy generation with the default speculative="auto"
     drafts by lookup on the CPU's C++ step over quantized matrices (rows_exact) and gives the same tokens; it does

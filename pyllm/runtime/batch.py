@@ -37,6 +37,7 @@ from .engine import check_finite, chunk_end, common_prefix, finish_reason, force
 from .generator import GenerationStats, decode_one
 from .kv_pool import slot_caches
 from .prompt_cache import PREFILL_CHUNK, PromptCache, log as cache_log, reusable
+from .speculative import SpecDecoder
 
 MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels' limit)
 # Seconds of prefill the running streams may wait for their next token while new prompts are read: long enough
@@ -71,6 +72,28 @@ class Slot:
         self.kv.copy_prefix_from(src.kv, n)
         self.tokens = src.tokens[:n]
         self.exact = n
+
+
+class SlotSequence:
+    """A slot as the sequence a speculating request's SpecDecoder steps (what it uses of a Generator): one token
+    through the fused step, or k + 1 rows in one verification pass; ``truncate`` forgets rejected rows (overwritten
+    later; the reusable prompt rows, ``exact``, never reach past what is kept)."""
+
+    def __init__(self, model, slot: Slot, n_ctx: int):
+        self.model, self.slot, self.n_ctx = model, slot, n_ctx
+        self.kv, self.tokens = slot.kv, slot.tokens
+
+    def check_room(self, n: int) -> None:
+        if len(self.tokens) + n > self.n_ctx:
+            raise ContextFullError(f"context full: {len(self.tokens)} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
+
+    def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
+        self.check_room(1)
+        return decode_one(self.model, self.slot, tok)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+        self.slot.exact = min(self.slot.exact, n)
 
 
 def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:
@@ -316,6 +339,20 @@ class BatchEngine:
             raise PyllmError(f"{1 + len(req.forks)} choices of one prompt need as many parallel sequences; this "
                              f"engine runs {len(self.slots)} (--parallel)")
         self._inbox.put(req)
+        return req
+
+    def speculate(self, req: Request, spec) -> Request:
+        """``req`` (before submit, on a slot) speculates with ``spec`` (speculative.SpecSettings, lookup) on the steps
+        where it decodes alone (_decode_step): verification gives greedy decoding's tokens bit for bit where the
+        step's rows are exact, so only the speed differs."""
+        def check(logits, argmax=None):
+            check_finite(logits, argmax, self.nonfinite)
+
+        def sample(logits, argmax=None):
+            check(logits, argmax)
+            return req.sampler.sample_known_argmax(logits, argmax)
+
+        req.spec = SpecDecoder(None, req.ids, spec, req.sampler, sample, check, req.max_tokens)
         return req
 
     def tokens(self, req: Request):
@@ -596,13 +633,14 @@ class BatchEngine:
 
     def _decode_step(self) -> None:
         feed, spec = [], []
+        alone = len(self._decoding) == 1
         for r in list(self._decoding):
             forced = forced_end(r.sampler)
             if forced is not None:  # the grammar is complete: its end token follows without a forward pass
                 self._emit(r, None, forced)
-            elif r.spec is not None:
+            elif r.spec is not None and (r.seq is not None or (alone and self._may_verify(r))):
                 spec.append(r)
-            else:
+            else:  # a slot's speculating request beside others: the batched pass is its speedup (one weight pass)
                 feed.append(r)
         for r in spec:  # each its own plain step or verification pass (speculative.SpecDecoder)
             try:
@@ -631,6 +669,15 @@ class BatchEngine:
             return
         for r, lg, top in rows:
             self._emit(r, lg, top=top)
+
+    def _may_verify(self, r: Request) -> bool:
+        """Whether r, on a slot, may speculate this step: its SpecDecoder bound to the slot it holds now (a preempted
+        request comes back on another), and room in the pool for a whole verification pass."""
+        if r.spec.gen is None or r.spec.gen.slot is not r.slot:
+            r.spec.gen = SlotSequence(self.model, r.slot, self.n_ctx)
+        if self.pool is None:
+            return True
+        return r.slot.kv.blocks_to_write(len(r.slot.tokens), r.spec.spec.k + 1) <= self.pool.free_blocks
 
     # ---- a KV pool smaller than every slot's context (runtime/kv_pool.py, "Admission") -------------------------
     def _drop_idle_rows(self) -> bool:

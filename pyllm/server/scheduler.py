@@ -147,11 +147,16 @@ class EngineLLM:
                         top_p: float = 0.95, min_p: float = 0.05, seed: int | None = None,
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
                         constraint=None, **sampling):
-        """As LLM.generate_tokens (without speculation: the batch is the speedup here)."""
+        """As LLM.generate_tokens.  Greedy requests speculate as the LLM's own would (prompt lookup where the
+        step's rows are exact; a draft model has one cache, so not here) on the steps where they decode alone:
+        beside other streams the batched pass is the speedup."""
         ids, max_tokens, sampler = self._llm.generation_request(
             ids, max_tokens, sampler=sampler, json_schema=json_schema, grammar=grammar, constraint=constraint,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
         req = self._req = Request(list(ids), max_tokens, copy.copy(sampler), also_cancel=self._cancel)
+        spec = self._llm.spec_settings("auto", None, None, sampler)
+        if spec is not None and spec.mode == "lookup" and max_tokens > 0:
+            self._engine.speculate(req, spec)
         self._engine.submit(req)
         return TokenStream(req, queue_items(req), sampler)
 
