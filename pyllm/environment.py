@@ -40,8 +40,8 @@ VARIABLES = (
              user=False),
     Variable("PYLLM_CUDA_GEMV_ROWS", "4", "1 or 2: fewer weight rows per CTA in the CUDA decode GEMV", user=False),
     Variable("PYLLM_CUDA_TILED", "1",
-             "0: weights stay in GGUF order on the GPU and decode through the row-per-CTA GEMV, not the tiled one "
-             "(A/B)", user=False),
+             "0: weights stay in GGUF order (AWQ: its rows) on the GPU and decode through the row-per-CTA GEMV, not "
+             "the tiled one (A/B)", user=False),
     Variable("PYLLM_CUDA_MMQ", "1",
              "0: CUDA prompt chunks dequantize the weights to fp16 for cuBLAS instead of the int8 tensor-core kernel "
              "(A/B)", user=False),

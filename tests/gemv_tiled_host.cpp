@@ -1,7 +1,7 @@
 // C entry points over csrc/common/gemv_tiled.h and csrc/common/mmq.h for tests/test_gemv_tiled_host.py and
 // tests/test_mmq_host.py (built with g++ into a shared library and called through ctypes): the relayout and its
 // inverse, the tiled dequantizer, and the host emulations of the CUDA kernels' arithmetic (the decode GEMV's and the
-// prefill MMQ's).  Each returns 0, or -1 for a type without a tiled layout.
+// prefill MMQ's).  Each returns 0, or -1 for a type without a tiled layout.  Types are the rows' (GGUF or AWQ_G*).
 #include <cstdint>
 
 #include "common/gemv_tiled.h"
@@ -20,7 +20,7 @@ void dequant_all(const uint8_t* w, int64_t N, int K, float* y) {
     float v[64];
     for (int64_t n = 0; n < N; ++n)
         for (int u = 0; u < NU; ++u) {
-            Ty::dequant(w + static_cast<size_t>(n / kTileRows) * kTileRows * row_bytes, NU, u, static_cast<int>(n % kTileRows), v);
+            Ty::dequant(tile_at<T>(w, row_bytes, n / kTileRows), NU, u, static_cast<int>(n % kTileRows), v);
             int first, second;
             unit_value_spans<T>(u, &first, &second);
             for (int j = 0; j < Ty::kE; ++j) y[n * K + (j < 32 ? first + j : second + j - 32)] = v[j];
@@ -42,6 +42,8 @@ extern "C" {
 
 int tiled_qtype(int base) { return tiled_qtype_id(base); }
 
+int awq_qtype(int G) { return awq_qtype_id(G); }  // the AWQ rows' type id for group size G, or -1
+
 int tiled_tileable(int base, int64_t N, int64_t K) { return tileable(base, N, K) ? 1 : 0; }
 
 int tiled_relayout(int base, int inverse, const uint8_t* src, uint8_t* dst, int64_t N, int K) {
@@ -54,6 +56,10 @@ int tiled_dequantize(int base, const uint8_t* w, int64_t N, int K, float* y) {
         case QType::Q8_0: dequant_all<QType::Q8_0>(w, N, K, y); return 0;
         case QType::Q4_K: dequant_all<QType::Q4_K>(w, N, K, y); return 0;
         case QType::Q6_K: dequant_all<QType::Q6_K>(w, N, K, y); return 0;
+        case QType::AWQ_G32: dequant_all<QType::AWQ_G32>(w, N, K, y); return 0;
+        case QType::AWQ_G64: dequant_all<QType::AWQ_G64>(w, N, K, y); return 0;
+        case QType::AWQ_G128: dequant_all<QType::AWQ_G128>(w, N, K, y); return 0;
+        case QType::AWQ_G256: dequant_all<QType::AWQ_G256>(w, N, K, y); return 0;
         default: return -1;
     }
 }
@@ -65,9 +71,16 @@ int tiled_emulate(int base, const uint8_t* w, int64_t N, int K, const int8_t* xq
         case QType::Q8_0: emulate_all<QType::Q8_0>(w, N, K, xq, xds, M, split, y); return 0;
         case QType::Q4_K: emulate_all<QType::Q4_K>(w, N, K, xq, xds, M, split, y); return 0;
         case QType::Q6_K: emulate_all<QType::Q6_K>(w, N, K, xq, xds, M, split, y); return 0;
+        case QType::AWQ_G32: emulate_all<QType::AWQ_G32>(w, N, K, xq, xds, M, split, y); return 0;
+        case QType::AWQ_G64: emulate_all<QType::AWQ_G64>(w, N, K, xq, xds, M, split, y); return 0;
+        case QType::AWQ_G128: emulate_all<QType::AWQ_G128>(w, N, K, xq, xds, M, split, y); return 0;
+        case QType::AWQ_G256: emulate_all<QType::AWQ_G256>(w, N, K, xq, xds, M, split, y); return 0;
         default: return -1;
     }
 }
+
+// Whether the MMQ kernel takes weight type id `qtype` (mmq::mmq_type: the kernel's and cuda_mmq_supported's test).
+int mmq_takes(int qtype) { return mmq::mmq_type(static_cast<QType>(qtype)) ? 1 : 0; }
 
 // The MMQ kernel's y [M, N] (csrc/cuda/mmq.cu) for tiled weights and activation codes (xds: [M, K/32, 2]).
 int mmq_emulate(int base, const uint8_t* w, int64_t N, int K, const int8_t* xq, const float* xds, int M, float* y) {

@@ -15,7 +15,8 @@ References and tolerances:
       per 32 values: ~0.6% relative for Gaussian x) being what bounds it;
 - dispatch: prompt chunks (more than GEMV_MAX_M rows) of a tiled weight go to cuda_mmq where the device takes the type,
   to dequantize + cuBLAS under PYLLM_CUDA_MMQ=0, for weights in GGUF order, and where it does not; decode rows to the
-  GEMV.
+  GEMV.  The kernel takes the GGUF types' tiled layouts and no other (mmq::mmq_type, which cuda_mmq_supported asks):
+  tiled AWQ's chunks dequantize.
 Inputs are fresh each run (PYLLM_TEST_SEED replays one; each failure prints it).
 """
 
@@ -185,3 +186,33 @@ def test_prompt_chunks_of_tiled_weights_take_mmq(monkeypatch):
     kern.calls.clear()
     cb.CudaBackend(no_kernel, torch.device("cpu")).linear(chunk, tiled)  # an extension built before MMQ
     assert kern.calls == ["cublas"]
+
+
+def test_mmq_takes_the_gguf_tiled_types_only(lib):
+    """mmq::mmq_type (cuda_mmq_supported's and the kernel's test): Q4_0 / Q8_0 / Q4_K / Q6_K tiled, not their GGUF
+    rows, not AWQ rows or AWQ's tiled layout (the kernel has no AWQ unpack)."""
+    for qt in (68, 69, 70, 71):
+        assert lib.mmq_takes(qt) == 1, qt
+    awq_rows = [lib.awq_qtype(g) for g in (32, 64, 128, 256)]
+    awq_tiled = [lib.tiled_qtype(qt) for qt in awq_rows]
+    assert sorted(awq_tiled) == [72, 73, 74, 75]
+    for qt in [int(t) for t in TYPES] + awq_rows + awq_tiled:
+        assert lib.mmq_takes(qt) == 0, qt
+
+
+def test_prompt_chunks_of_tiled_awq_dequantize(lib, monkeypatch):
+    """CudaBackend.linear on a tiled AWQ weight: decode rows through the GEMV, prompt chunks through dequantize +
+    cuBLAS (the device kernel's answer stood in for by mmq::mmq_type)."""
+    from pyllm.backends import cuda as cb
+    from pyllm.ops import GEMV_MAX_M
+
+    monkeypatch.delenv("PYLLM_CUDA_MMQ", raising=False)
+    n, k = 16, 256
+    tid = lib.tiled_qtype(lib.awq_qtype(128))
+    w = cb.CudaTiledTensor(tid, lib.awq_qtype(128), (n, k), torch.zeros(n, 134, dtype=torch.uint8), "w")
+    kern = _Kernels(mmq_types=[qt for qt in range(80) if lib.mmq_takes(qt)])
+    b = cb.CudaBackend(kern, torch.device("cpu"))
+    for x in (torch.randn(GEMV_MAX_M + 1, k), torch.randn(GEMV_MAX_M, k), torch.randn(70, k)):
+        assert b.linear(x, w).shape == (x.shape[0], n)
+    assert kern.calls == ["cublas", "gemv", "cublas"]
+    assert kern.mmq_asked == [(tid, 0)]

@@ -57,11 +57,12 @@ done
 
 # ptxas -v prints per kernel "Function properties for NAME", then "N bytes stack frame, N bytes spill stores,
 # N bytes spill loads", then "Used N registers, ...".  NAME mangles the template arguments: QTypeE<id>E,
-# Li<M>ELi<R>.  Summarize the GEMV kernels (gemv.cu's and gemv_tiled.cu's, the latter as tQ4_0 ...) and fail on any
-# spill in them.
+# Li<M>ELi<R>.  Summarize the GEMV kernels (gemv.cu's and gemv_tiled.cu's, the latter as tQ4_0 ... tAWQ128, AWQ rows
+# of group size 128 tiled) and fail on any spill in them.
 summary=$(for a in "${ARCHS[@]}"; do
     awk -v arch="sm_$a" '
-        BEGIN { split("F32 F16 Q4_0 Q4_1 - - Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K", tn, " ") }
+        BEGIN { split("F32 F16 Q4_0 Q4_1 - - Q5_0 Q5_1 Q8_0 Q8_1 Q2_K Q3_K Q4_K Q5_K Q6_K", tn, " ")
+                tn[57] = "AWQ32"; tn[58] = "AWQ64"; tn[59] = "AWQ128"; tn[60] = "AWQ256" }
         /Function properties for/ { name = $NF; getline; st = $5; ld = $9; getline;
             if (name !~ /gemv_(awq_|tiled_)?kernel/) next
             t = "?"; m = "?"
@@ -83,7 +84,7 @@ for a in "${ARCHS[@]}"; do
 done
 echo "  sm_90 registers by type (M=1..8):"
 echo "$summary" | awk '$1 == "sm_90" { split($3, m, "="); split($4, r, "="); regs[$2, m[2]] = r[2]; seen[$2] = 1 }
-    END { for (t in seen) { line = sprintf("    %-4s", t); for (i = 1; i <= 8; i++) line = line sprintf(" %3s", regs[t, i]); print line } }' | sort
+    END { for (t in seen) { line = sprintf("    %-7s", t); for (i = 1; i <= 8; i++) line = line sprintf(" %3s", regs[t, i]); print line } }' | sort
 if [ "$n_kernels" -eq 0 ]; then echo "FAIL: no GEMV kernels found in the ptxas output" >&2; exit 1; fi
 if [ -n "$spilling" ]; then
     echo "FAIL: GEMV kernels spill registers:" >&2

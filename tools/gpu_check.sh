@@ -6,8 +6,9 @@
 #      equal to each sequence alone, bit for bit: test_batch_step.py), the host-compiled row
 #      reader and the build lock (tests/test_cuda_backend_host.py is CPU-only and runs with the CPU suite);
 #   3. pyllm run and a piped pyllm chat on --device cuda (a tiny converted model);
-#   4. GEMV GB/s vs copy bandwidth per type and 8B shape, in one run: the GGUF-order kernel (gemv.cu) and the tiled
-#      one (gemv_tiled.cu: its automatic K split, with PYLLM_CUDA_PDL=1, each split forced), a 512-token chunk's
+#   4. GEMV GB/s vs copy bandwidth per type (AWQ int4 at group size 128 too) and 8B shape, in one run: the GGUF-order
+#      kernel (gemv.cu; for AWQ its row kernel) and the tiled one (gemv_tiled.cu: its automatic K split, with
+#      PYLLM_CUDA_PDL=1, each split forced), a 512-token chunk's
 #      matrix product per tiled type and 8B shape through MMQ (mmq.cu) and through dequantize + fp16 cuBLAS, synthetic
 #      Llama-3-8B pp512 (tiled: MMQ beside dequantize + fp16 cuBLAS, PYLLM_CUDA_MMQ=0, on the same weights)/tg128 and
 #      tg after a long prompt with f16 and q8_0 caches, weights in GGUF order and tiled (+ fp16 torch

@@ -1,7 +1,7 @@
-// The CUDA decode GEMV's weight layout ("tiled"), made once at upload from GGUF blocks, and the per-thread math
-// of the kernel over it (csrc/cuda/gemv_tiled.cu).  Plain C++ with PYLLM_HD functions: the host relayout, its
-// inverse and a host emulation of the kernel's arithmetic (tests/test_gemv_tiled_host.py) run the very code the
-// kernel runs.
+// The CUDA decode GEMV's weight layout ("tiled"), made once at upload from GGUF blocks or AWQ rows, and the
+// per-thread math of the kernel over it (csrc/cuda/gemv_tiled.cu).  Plain C++ with PYLLM_HD functions: the host
+// relayout, its inverse and a host emulation of the kernel's arithmetic (tests/test_gemv_tiled_host.py) run the very
+// code the kernel runs.
 //
 // Why a new layout: read in GGUF order, a warp's 16-byte loads start at blocks of 18/34/144/210 bytes, so they are
 // 2-byte loads (Q4_0, Q8_0, Q6_K) or need a row per CTA to stay coalesced, and the scales sit between the codes.  The
@@ -29,7 +29,11 @@
 //       those 64 values, byte l (l < 16) = bits 0-1: group k0 value l, 2-3: group k0+2 value l, 4-5: group k0
 //       value l + 16, 6-7: group k0+2 value l + 16 (so a shift and one mask put them at bits 4-5 of each code);
 //       meta: the unit's 4 int8 scales (scales[8h + 2k0 + {0, 1, 4, 5}]) [row][unit], then d (fp16) [row][sb].
-// Every tile starts 16-byte aligned (8 * row_bytes is a multiple of 16 for each type), so every plane load is.
+//   AWQ_G<G> (E 32, P 1; blocks.h AwqRow, ng = K / G groups): plane 0 = the unit's qs[16] (Q4_0's element order);
+//       meta: the scales (fp16) [row][group], then the zeros (u8) [row][group], a group's shared by its G / 32 units.
+// Every GGUF tile starts 16-byte aligned (8 * row_bytes is a multiple of 16 for each type), so every plane load is.
+// An AWQ tile is 8 * (3 ng + K / 2) bytes, 8 mod 16 where ng is odd: an odd-numbered AWQ tile puts its meta region
+// first and its codes after, so that its codes start 16-byte aligned whatever ng is.
 #pragma once
 
 #include <cstddef>
@@ -51,18 +55,31 @@ inline int tiled_qtype_id(int base) {
         case QType::Q8_0: return static_cast<int>(QType::Q8_0_TILED);
         case QType::Q4_K: return static_cast<int>(QType::Q4_K_TILED);
         case QType::Q6_K: return static_cast<int>(QType::Q6_K_TILED);
+        case QType::AWQ_G32: return static_cast<int>(QType::AWQ_G32_TILED);
+        case QType::AWQ_G64: return static_cast<int>(QType::AWQ_G64_TILED);
+        case QType::AWQ_G128: return static_cast<int>(QType::AWQ_G128_TILED);
+        case QType::AWQ_G256: return static_cast<int>(QType::AWQ_G256_TILED);
         default: return -1;
     }
 }
+// The tiled layouts of AWQ rows (csrc/cuda/mmq.cu has no kernel for them: their prompt chunks dequantize).
+PYLLM_HD inline bool is_awq_tiled(QType t) { return t >= QType::AWQ_G32_TILED && t <= QType::AWQ_G256_TILED; }
 PYLLM_HD inline bool is_tiled(QType t) {
-    return t == QType::Q4_0_TILED || t == QType::Q8_0_TILED || t == QType::Q4_K_TILED || t == QType::Q6_K_TILED;
+    return t == QType::Q4_0_TILED || t == QType::Q8_0_TILED || t == QType::Q4_K_TILED || t == QType::Q6_K_TILED ||
+           is_awq_tiled(t);
 }
+// AWQ rows (QType::AWQ_G*): the types whose rows are not runs of blocks (a row's scales and zeros lead it).
+PYLLM_HD constexpr bool is_awq_rows(QType t) { return t >= QType::AWQ_G32 && t <= QType::AWQ_G256; }
 inline QType tiled_base(QType t) {
     switch (t) {
         case QType::Q4_0_TILED: return QType::Q4_0;
         case QType::Q8_0_TILED: return QType::Q8_0;
         case QType::Q4_K_TILED: return QType::Q4_K;
         case QType::Q6_K_TILED: return QType::Q6_K;
+        case QType::AWQ_G32_TILED: return QType::AWQ_G32;
+        case QType::AWQ_G64_TILED: return QType::AWQ_G64;
+        case QType::AWQ_G128_TILED: return QType::AWQ_G128;
+        case QType::AWQ_G256_TILED: return QType::AWQ_G256;
         default: return t;
     }
 }
@@ -91,6 +108,15 @@ PYLLM_HD inline uint32_t ld_weights4(const uint8_t* p) {  // 4-byte aligned
     asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
 #else
     std::memcpy(&v, p, 4);
+#endif
+    return v;
+}
+PYLLM_HD inline uint32_t ld_weights1(const uint8_t* p) {
+    uint32_t v;
+#if defined(__CUDA_ARCH__)
+    asm("ld.global.nc.L1::no_allocate.u8 %0, [%1];" : "=r"(v) : "l"(p));
+#else
+    v = *p;
 #endif
     return v;
 }
@@ -222,8 +248,9 @@ struct Tiled<QType::Q4_0> {
         ld_act_scale(x.ds + 2 * u, v.d, v.s);
         return v;
     }
-    PYLLM_HD static float dot(const Frag& f, int, const X& x, float acc) {
-        const uint32_t w[4] = {f.q.x, f.q.y, f.q.z, f.q.w};
+    // sum of the unit's 4-bit codes q (element j < 16 in the low nibble of byte j, j + 16 in the high) times x's
+    PYLLM_HD static int dot_nibbles(const U4& q, const X& x) {
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
         const uint32_t lo[4] = {x.a.x, x.a.y, x.a.z, x.a.w}, hi[4] = {x.b.x, x.b.y, x.b.z, x.b.w};
         int s = 0;
         PYLLM_TILED_UNROLL
@@ -231,7 +258,10 @@ struct Tiled<QType::Q4_0> {
             s = dot4(w[j] & kLo, lo[j], s);
             s = dot4((w[j] >> 4) & kLo, hi[j], s);
         }
-        return fma_rn(f.d, fma_rn(x.d, static_cast<float>(s), -8.0f * x.s), acc);
+        return s;
+    }
+    PYLLM_HD static float dot(const Frag& f, int, const X& x, float acc) {
+        return fma_rn(f.d, fma_rn(x.d, static_cast<float>(dot_nibbles(f.q, x)), -8.0f * x.s), acc);
     }
     PYLLM_HD static void dequant(const uint8_t* tile, int NU, int u, int r, float* y) {
         const Frag f = load(tile, NU, u, r);
@@ -540,6 +570,99 @@ struct Tiled<QType::Q6_K> {
     }
 };
 
+// AWQ rows, group size G (QType::AWQ_G<G>, blocks.h AwqRow: s [ng] fp16 | z [ng] u8 | qs [K/2]): value = (q - z) * s.
+// Units are Q4_0's (32 values, 16 bytes of codes in its element order); a group's scale and zero serve its G / 32
+// units.  A "block" (the traits' unit of size) is one group: G / 2 + 3 bytes.
+struct AwqTile {
+    const uint8_t* codes;  // the codes region (plane_offset from here)
+    const uint8_t* meta;   // the scales, then the zeros
+};
+template <int G>
+struct TiledAwq {
+    static constexpr int kE = 32, kP = 1, kBlockElems = G, kBlockBytes = G / 2 + 3, kUnitsPerBlock = G / 32;
+    struct Frag {
+        U4 q;
+        float s, c;  // the group's scale, and -s * z (exact: an 11-bit s times a 4-bit z)
+    };
+    // Where tile t's regions start in it (rows of row_bytes): codes first in even tiles, meta first in odd ones.
+    PYLLM_HD static size_t codes_offset(size_t row_bytes, int64_t t) {
+        return t & 1 ? row_bytes / kBlockBytes * 3 * kTileRows : 0;
+    }
+    PYLLM_HD static size_t meta_offset(size_t row_bytes, int64_t t) {
+        return t & 1 ? 0 : row_bytes / kBlockBytes * (G / 2) * kTileRows;
+    }
+    PYLLM_HD static AwqTile tile(const uint8_t* w, size_t row_bytes, int64_t t) {
+        const uint8_t* p = w + static_cast<size_t>(t) * kTileRows * row_bytes;
+        return {p + codes_offset(row_bytes, t), p + meta_offset(row_bytes, t)};
+    }
+    // byte offsets in the meta region of the scale / zero of unit u's group in tile row r (NU = K / 32 units)
+    PYLLM_HD static size_t scale_at(int NU, int u, int r) {
+        return (static_cast<size_t>(r) * (NU / kUnitsPerBlock) + u / kUnitsPerBlock) * 2;
+    }
+    PYLLM_HD static size_t zero_at(int NU, int u, int r) {
+        const size_t ng = NU / kUnitsPerBlock;
+        return ng * 2 * kTileRows + r * ng + u / kUnitsPerBlock;
+    }
+    PYLLM_HD static Frag load(const AwqTile& tile, int NU, int u, int r) {
+        const float s = half_to_float(ld_weights2(tile.meta + scale_at(NU, u, r)));
+        const float z = static_cast<float>(ld_weights1(tile.meta + zero_at(NU, u, r)));
+        return {ld_weights16(tile.codes + plane_offset(NU, kP, u, r, 0)), s, mul_rn(-s, z)};
+    }
+    using X = Tiled<QType::Q4_0>::X;
+    PYLLM_HD static X act(const Act& x, int u) { return Tiled<QType::Q4_0>::act(x, u); }
+    // sum_j (q_j - z) s dx xq_j = (s dx) sum(q xq) + (-s z) (dx sum(xq)): the CPU kernel's (gemv_awq_impl.h) terms
+    PYLLM_HD static float dot(const Frag& f, int, const X& x, float acc) {
+        const int q = Tiled<QType::Q4_0>::dot_nibbles(f.q, x);
+        return fma_rn(mul_rn(f.s, x.d), static_cast<float>(q), fma_rn(f.c, x.s, acc));
+    }
+    PYLLM_HD static void dequant(const AwqTile& tile, int NU, int u, int r, float* y) {
+        const U4 codes = ld_weights16(tile.codes + plane_offset(NU, kP, u, r, 0));
+        const float s = half_to_float(ld_weights2(tile.meta + scale_at(NU, u, r)));
+        const int z = static_cast<int>(ld_weights1(tile.meta + zero_at(NU, u, r)));
+        uint8_t q[16];
+        memcpy(q, &codes, 16);
+        PYLLM_TILED_UNROLL
+        for (int j = 0; j < 16; ++j) {  // (q - z) * s is exact in fp32, as the CPU's dequant_awq_row
+            y[j] = mul_rn(static_cast<float>((q[j] & 0xF) - z), s);
+            y[j + 16] = mul_rn(static_cast<float>((q[j] >> 4) - z), s);
+        }
+    }
+    // AWQ row r of tile t (at `tile`, rows of row_bytes, K values) <-> the tile
+    static void tile_row(const uint8_t* row, uint8_t* tile, size_t row_bytes, int64_t t, int K, int r) {
+        const AwqRow a = awq_row(row, K, G);
+        const int NU = K / kE, ng = K / G;
+        uint8_t *codes = tile + codes_offset(row_bytes, t), *meta = tile + meta_offset(row_bytes, t);
+        for (int u = 0; u < NU; ++u) std::memcpy(codes + plane_offset(NU, kP, u, r, 0), a.qs + 16 * u, 16);
+        std::memcpy(meta + scale_at(NU, 0, r), a.s, 2 * static_cast<size_t>(ng));
+        std::memcpy(meta + zero_at(NU, 0, r), a.z, ng);
+    }
+    static void untile_row(const uint8_t* tile, size_t row_bytes, int64_t t, int K, int r, uint8_t* row) {
+        const int NU = K / kE, ng = K / G;
+        const uint8_t *codes = tile + codes_offset(row_bytes, t), *meta = tile + meta_offset(row_bytes, t);
+        uint8_t* qs = row + 3 * ng;  // awq_row's layout: s | z | qs
+        for (int u = 0; u < NU; ++u) std::memcpy(qs + 16 * u, codes + plane_offset(NU, kP, u, r, 0), 16);
+        std::memcpy(row, meta + scale_at(NU, 0, r), 2 * static_cast<size_t>(ng));
+        std::memcpy(row + 2 * ng, meta + zero_at(NU, 0, r), ng);
+    }
+};
+template <>
+struct Tiled<QType::AWQ_G32> : TiledAwq<32> {};
+template <>
+struct Tiled<QType::AWQ_G64> : TiledAwq<64> {};
+template <>
+struct Tiled<QType::AWQ_G128> : TiledAwq<128> {};
+template <>
+struct Tiled<QType::AWQ_G256> : TiledAwq<256> {};
+
+// Tile t of a matrix of T (rows of row_bytes) as Tiled<T>::load takes it: its address, or AWQ's two regions.
+template <QType T>
+PYLLM_HD inline auto tile_at(const uint8_t* w, size_t row_bytes, int64_t t) {
+    if constexpr (is_awq_rows(T))
+        return Tiled<T>::tile(w, row_bytes, t);
+    else
+        return w + static_cast<size_t>(t) * kTileRows * row_bytes;
+}
+
 // Where unit u's E dequantized values go in its row: Q6_K's unit holds two 32-value groups 64 apart.
 template <QType T>
 PYLLM_HD inline void unit_value_spans(int u, int* first, int* second) {
@@ -560,10 +683,14 @@ void tile_rows(const uint8_t* src, uint8_t* dst, int K, int64_t tile0, int64_t t
     const int nb = K / Ty::kBlockElems, NU = K / Ty::kE;
     const size_t row_bytes = static_cast<size_t>(nb) * Ty::kBlockBytes, tile_bytes = row_bytes * kTileRows;
     for (int64_t t = tile0; t < tile1; ++t)
-        for (int r = 0; r < kTileRows; ++r)
-            for (int b = 0; b < nb; ++b)
-                Ty::tile_block(src + (t * kTileRows + r) * row_bytes + static_cast<size_t>(b) * Ty::kBlockBytes,
-                               dst + t * tile_bytes, NU, b, r);
+        for (int r = 0; r < kTileRows; ++r) {
+            const uint8_t* row = src + (t * kTileRows + r) * row_bytes;
+            if constexpr (is_awq_rows(T))
+                Ty::tile_row(row, dst + t * tile_bytes, row_bytes, t, K, r);
+            else
+                for (int b = 0; b < nb; ++b)
+                    Ty::tile_block(row + static_cast<size_t>(b) * Ty::kBlockBytes, dst + t * tile_bytes, NU, b, r);
+        }
 }
 template <QType T>
 void untile_rows(const uint8_t* src, uint8_t* dst, int K, int64_t tile0, int64_t tile1) {
@@ -571,20 +698,23 @@ void untile_rows(const uint8_t* src, uint8_t* dst, int K, int64_t tile0, int64_t
     const int nb = K / Ty::kBlockElems, NU = K / Ty::kE;
     const size_t row_bytes = static_cast<size_t>(nb) * Ty::kBlockBytes, tile_bytes = row_bytes * kTileRows;
     for (int64_t t = tile0; t < tile1; ++t)
-        for (int r = 0; r < kTileRows; ++r)
-            for (int b = 0; b < nb; ++b)
-                Ty::untile_block(src + t * tile_bytes, NU, b, r,
-                                 dst + (t * kTileRows + r) * row_bytes + static_cast<size_t>(b) * Ty::kBlockBytes);
+        for (int r = 0; r < kTileRows; ++r) {
+            uint8_t* row = dst + (t * kTileRows + r) * row_bytes;
+            if constexpr (is_awq_rows(T))
+                Ty::untile_row(src + t * tile_bytes, row_bytes, t, K, r, row);
+            else
+                for (int b = 0; b < nb; ++b)
+                    Ty::untile_block(src + t * tile_bytes, NU, b, r, row + static_cast<size_t>(b) * Ty::kBlockBytes);
+        }
 }
 
-// Whether a [N, K] matrix of GGUF type `base` can be tiled (the type has a layout, whole tiles and units).
+// Whether a [N, K] matrix of type `base` can be tiled (the type has a layout, whole tiles, blocks and units).
 inline bool tileable(int base, int64_t N, int64_t K) {
     if (tiled_qtype_id(base) < 0 || N <= 0 || N % kTileRows || K <= 0) return false;
-    const int unit = base == static_cast<int>(QType::Q4_K) || base == static_cast<int>(QType::Q6_K) ? 256 : 32;
-    return K % unit == 0;
+    return K % qtype_traits(base)->block_size == 0 && K % 32 == 0;
 }
 
-// Tiles [tile0, tile1) of `base` rows; false where the type has no tiled layout.
+// Tiles [tile0, tile1) of `base` rows (GGUF blocks or AWQ rows); false where the type has no tiled layout.
 inline bool tile_matrix(int base, bool inverse, const uint8_t* src, uint8_t* dst, int K, int64_t tile0,
                         int64_t tile1) {
     switch (static_cast<QType>(base)) {
@@ -594,6 +724,10 @@ inline bool tile_matrix(int base, bool inverse, const uint8_t* src, uint8_t* dst
         PYLLM_TILE_CASE(Q8_0)
         PYLLM_TILE_CASE(Q4_K)
         PYLLM_TILE_CASE(Q6_K)
+        PYLLM_TILE_CASE(AWQ_G32)
+        PYLLM_TILE_CASE(AWQ_G64)
+        PYLLM_TILE_CASE(AWQ_G128)
+        PYLLM_TILE_CASE(AWQ_G256)
 #undef PYLLM_TILE_CASE
         default: return false;
     }
@@ -608,7 +742,7 @@ template <QType T>
 float emulate_row(const uint8_t* w, size_t row_bytes, int n, const Act& x, int K, int split) {
     using Ty = Tiled<T>;
     const int NU = K / Ty::kE, NG = (NU + kLanes - 1) / kLanes;
-    const uint8_t* tile = w + static_cast<size_t>(n / kTileRows) * kTileRows * row_bytes;
+    const auto tile = tile_at<T>(w, row_bytes, n / kTileRows);
     const int r = n % kTileRows;
     float total = 0.f;
     for (int s = 0; s < split; ++s) {

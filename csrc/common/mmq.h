@@ -190,8 +190,9 @@ struct Mmq<QType::Q6_K> {
     }
 };
 
-// Whether the MMQ kernel takes this weight type id (the tiled layouts; their GGUF types stay on the dequantize path).
-PYLLM_HD inline bool mmq_type(QType t) { return tiled::is_tiled(t); }
+// Whether the MMQ kernel takes this weight type id: the tiled layouts of GGUF types (their GGUF types, and AWQ in
+// either layout, stay on the dequantize path).
+PYLLM_HD inline bool mmq_type(QType t) { return tiled::is_tiled(t) && !tiled::is_awq_tiled(t); }
 
 // ---- the kernel's arithmetic on the host ----------------------------------------------------------------------
 // Row n of a tiled matrix (N % 8 == 0) against M activation rows (xq int8 [M, K], xds float [M, K/32, 2]): each

@@ -19,7 +19,8 @@
 //
 // Ids 68..71 (Q4_0_TILED, Q8_0_TILED, Q4_K_TILED, Q6_K_TILED) are the CUDA decode GEMV's layout of those types, made
 // at upload in place of the GGUF rows (csrc/common/gemv_tiled.h): tiles of 8 rows, same bytes per row, the row
-// count a multiple of 8; only the CUDA kernels read them.
+// count a multiple of 8; only the CUDA kernels read them.  Ids 72..75 (AWQ_G32_TILED ... AWQ_G256_TILED) are the
+// same layout made from AWQ rows, one id per group size, with the AWQ type's traits.
 #pragma once
 
 #include <cstddef>
@@ -36,10 +37,11 @@ enum class QType : int {
     Q4_0_R8 = 60, Q4_1_R8 = 61, Q5_0_R8 = 62, Q5_1_R8 = 63,    // pyllm-internal (see above)
     Q4_K_R8 = 64, Q5_K_R8 = 65, Q6_K_R8 = 66, Q8_0_R8 = 67,    // reserved for the same layout of these types
     Q4_0_TILED = 68, Q8_0_TILED = 69, Q4_K_TILED = 70, Q6_K_TILED = 71,  // pyllm-internal, CUDA only (see above)
+    AWQ_G32_TILED = 72, AWQ_G64_TILED = 73, AWQ_G128_TILED = 74, AWQ_G256_TILED = 75,  // likewise
 };
 
 // Every type id (GGML's and pyllm's) is below this: the size of the tables indexed by id.
-constexpr int QTYPE_ID_LIMIT = 72;
+constexpr int QTYPE_ID_LIMIT = 76;
 
 // The AWQ type id for group size G, or -1 when G has no CPU layout.
 inline int awq_qtype_id(int G) {
@@ -111,6 +113,9 @@ inline const QTypeTraits* qtype_traits(int id) {
     static const QTypeTraits Q8_0_R8_{"Q8_0_R8", QK, 34, true}, MXFP4_{"MXFP4", QK, 17, true};
     static const QTypeTraits Q4_0_TILED_{"Q4_0_TILED", QK, 18, false}, Q8_0_TILED_{"Q8_0_TILED", QK, 34, false},
         Q4_K_TILED_{"Q4_K_TILED", QK_K, 144, false}, Q6_K_TILED_{"Q6_K_TILED", QK_K, 210, false};
+    static const QTypeTraits AWQ_G32_TILED_{"AWQ_G32_TILED", 32, 19, false},
+        AWQ_G64_TILED_{"AWQ_G64_TILED", 64, 35, false}, AWQ_G128_TILED_{"AWQ_G128_TILED", 128, 67, false},
+        AWQ_G256_TILED_{"AWQ_G256_TILED", 256, 131, false};
     switch (static_cast<QType>(id)) {
         case QType::F32: return &F32_;
         case QType::F16: return &F16_;
@@ -158,6 +163,10 @@ inline const QTypeTraits* qtype_traits(int id) {
         case QType::Q8_0_TILED: return &Q8_0_TILED_;
         case QType::Q4_K_TILED: return &Q4_K_TILED_;
         case QType::Q6_K_TILED: return &Q6_K_TILED_;
+        case QType::AWQ_G32_TILED: return &AWQ_G32_TILED_;
+        case QType::AWQ_G64_TILED: return &AWQ_G64_TILED_;
+        case QType::AWQ_G128_TILED: return &AWQ_G128_TILED_;
+        case QType::AWQ_G256_TILED: return &AWQ_G256_TILED_;
     }
     return nullptr;
 }

@@ -348,6 +348,8 @@ at::Tensor dequantize(const at::Tensor& w, int64_t qtype, int64_t K, std::option
     PYLLM_CHECK_VALUE(dequant_cuda_supported(t), "cuda_dequantize: type ", qtype_name(t), " has no CUDA kernel");
     const auto [N, row_bytes] = check_weight(w, t, K);
     PYLLM_CHECK_VALUE(K % 8 == 0, "cuda_dequantize: K=", K, " must be a multiple of 8");
+    PYLLM_CHECK_VALUE(!tiled::is_tiled(t) || reinterpret_cast<uintptr_t>(w.data_ptr()) % 16 == 0, "cuda_dequantize: ",
+                      qtype_name(t), " weights must be 16-byte aligned (use a fresh copy, not a byte-offset view)");
     int64_t n_out = N;
     const int64_t* idp = nullptr;
     if (ids) {
@@ -480,8 +482,8 @@ at::Tensor gemv_experts(const at::Tensor& w, int64_t qtype, const at::Tensor& x,
     return y;
 }
 
-// The tiled layout of GGUF rows w (uint8 [N, row_bytes] of type qtype, on the CPU), made on the host before
-// upload (csrc/common/gemv_tiled.h); inverse: tiled rows back to GGUF rows.  A new CPU tensor.
+// The tiled layout of GGUF or AWQ rows w (uint8 [N, row_bytes] of type qtype, on the CPU), made on the host before
+// upload (csrc/common/gemv_tiled.h); inverse: tiled rows back to the type's rows.  A new CPU tensor.
 at::Tensor tile_weight(const at::Tensor& w, int64_t qtype, int64_t K, bool inverse) {
     PYLLM_CHECK_VALUE(w.device().is_cpu(), "cuda_tile_weight: w must be a CPU tensor (it is tiled before upload), got "
                       "one on ", w.device());
@@ -489,7 +491,7 @@ at::Tensor tile_weight(const at::Tensor& w, int64_t qtype, int64_t K, bool inver
     PYLLM_CHECK_VALUE(w.dim() == 2, "cuda_tile_weight: w must be [N, row_bytes], got shape ", w.sizes());
     const int tid = tiled::tiled_qtype_id(static_cast<int>(qtype));
     PYLLM_CHECK_VALUE(tid >= 0, "cuda_tile_weight: type ", qtype_name(to_qtype(qtype)),
-                      " has no tiled layout (Q4_0 Q8_0 Q4_K Q6_K)");
+                      " has no tiled layout (Q4_0 Q8_0 Q4_K Q6_K AWQ_G*)");
     PYLLM_CHECK_VALUE(tiled::tileable(static_cast<int>(qtype), w.size(0), K), "cuda_tile_weight: a [", w.size(0), ", ",
                       K, "] ", qtype_name(to_qtype(qtype)), " matrix cannot be tiled (rows a multiple of ",
                       tiled::kTileRows, ", whole blocks)");
@@ -529,8 +531,8 @@ void register_cuda(pybind11::module& m) {
     m.def("cuda_set_gemv_tiled_split", [](int64_t split) { gemv_tiled_set_split(static_cast<int>(split)); },
           py::arg("split"), "Force the tiled GEMV's K slices (1, 2, 4) for every later launch; 0: automatic.");
     m.def("cuda_tile_weight", &tile_weight, py::arg("w"), py::arg("qtype"), py::arg("K"), py::arg("inverse") = false,
-          "GGUF rows w (CPU uint8 [N, row_bytes] of GGUF type qtype) -> the tiled GEMV layout (same shape; its type "
-          "is cuda_tiled_qtype(qtype)); inverse=True: tiled rows back to GGUF rows.");
+          "GGUF or AWQ rows w (CPU uint8 [N, row_bytes] of type qtype) -> the tiled GEMV layout (same shape; its type "
+          "is cuda_tiled_qtype(qtype)); inverse=True: tiled rows back to the type's rows.");
     m.def("cuda_gemv", &gemv, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("out") = py::none(),
           "y [M, N] f32 = x [M, K] f32 @ W^T for M <= 8, W uint8 [N, row_bytes] raw GGUF blocks on the GPU.");
     m.def("cuda_gemv_experts", &gemv_experts, py::arg("w"), py::arg("qtype"), py::arg("x"), py::arg("ids"),

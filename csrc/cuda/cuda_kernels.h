@@ -59,9 +59,9 @@ void gemv_experts_cuda(QType t, const uint8_t* w, size_t expert_bytes, size_t ro
 
 // ---- decode GEMV over the tiled layout (gemv_tiled.cu) ----------------------------------------------------------
 // gemv_parts_cuda for the tiled types (QType::*_TILED, csrc/common/gemv_tiled.h: made at upload from Q4_0 / Q8_0 /
-// Q4_K / Q6_K rows); gemv_parts_cuda forwards those types here.  Each part's N % 8 == 0, w 16-byte aligned.  A
-// part's sums depend on the K split the launch takes (gemv_tiled_split, from all parts' rows), not otherwise on the
-// other parts.
+// Q4_K / Q6_K rows or AWQ rows); gemv_parts_cuda forwards those types here.  Each part's N % 8 == 0, w 16-byte
+// aligned.  A part's sums depend on the K split the launch takes (gemv_tiled_split, from all parts' rows), not
+// otherwise on the other parts.
 void gemv_tiled_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* xq, const float2* xds, int M,
                            int K, cudaStream_t stream);
 // K slices per row group the tiled GEMV takes for `rows` rows in all at M (1, 2 or 4: see gemv_tiled.cu), and a
@@ -73,8 +73,8 @@ void dequantize_tiled_cuda(QType t, const uint8_t* w, size_t row_bytes, const in
                            __half* out_f16, float* out_f32, cudaStream_t stream);
 
 // ---- prefill on int8 tensor cores (mmq.cu) ---------------------------------------------------------------------
-// Whether mmq_cuda takes weight type t on CUDA device `device`: the tiled layouts (QType::*_TILED) on compute
-// capability 8.0 and later (mma.sync s8, cp.async, ldmatrix).
+// Whether mmq_cuda takes weight type t on CUDA device `device`: the GGUF types' tiled layouts (QType::*_TILED, not
+// AWQ's) on compute capability 8.0 and later (mma.sync s8, cp.async, ldmatrix).
 bool mmq_cuda_supported(QType t, int device);
 // y [M, N] = x @ W^T for any M >= 1 (meant for prompt chunks, M > CUDA_GEMV_MAX_M), from activations prepared by
 // quantize_act_cuda (xq int8 [M, K] 16-byte aligned, xds [M, K/32]); W: N rows (N % 8 == 0, N <= 65535 * 128) of

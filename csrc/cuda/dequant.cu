@@ -212,6 +212,7 @@ bool dequant_cuda_supported(QType t) {
         case QType::Q2_K: case QType::Q3_K: case QType::Q4_K: case QType::Q5_K: case QType::Q6_K:
         case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256:
         case QType::Q4_0_TILED: case QType::Q8_0_TILED: case QType::Q4_K_TILED: case QType::Q6_K_TILED:
+        case QType::AWQ_G32_TILED: case QType::AWQ_G64_TILED: case QType::AWQ_G128_TILED: case QType::AWQ_G256_TILED:
             return true;
         default:
             return false;
@@ -242,6 +243,7 @@ void dequantize_cuda(QType t, const uint8_t* w, size_t row_bytes, const int64_t*
                              out_f32, stream);
             break;
         case QType::Q4_0_TILED: case QType::Q8_0_TILED: case QType::Q4_K_TILED: case QType::Q6_K_TILED:
+        case QType::AWQ_G32_TILED: case QType::AWQ_G64_TILED: case QType::AWQ_G128_TILED: case QType::AWQ_G256_TILED:
             dequantize_tiled_cuda(t, w, row_bytes, ids, n_out, K, out_f16, out_f32, stream);  // gemv_tiled.cu
             break;
         default:

@@ -309,6 +309,7 @@ bool gemv_cuda_supported(QType t) {
         case QType::Q4_K: case QType::Q5_K: case QType::Q6_K:
         case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256:
         case QType::Q4_0_TILED: case QType::Q8_0_TILED: case QType::Q4_K_TILED: case QType::Q6_K_TILED:
+        case QType::AWQ_G32_TILED: case QType::AWQ_G64_TILED: case QType::AWQ_G128_TILED: case QType::AWQ_G256_TILED:
             return true;
         default:
             return false;
@@ -319,6 +320,8 @@ int gemv_cuda_alignment(QType t) {
     switch (t) {
         case QType::Q4_K: case QType::Q5_K: return 16;
         case QType::Q4_0_TILED: case QType::Q8_0_TILED: case QType::Q4_K_TILED: case QType::Q6_K_TILED: return 16;
+        case QType::AWQ_G32_TILED: case QType::AWQ_G64_TILED: case QType::AWQ_G128_TILED: case QType::AWQ_G256_TILED:
+            return 16;
         case QType::Q4_1: return 4;
         case QType::AWQ_G32: case QType::AWQ_G64: case QType::AWQ_G128: case QType::AWQ_G256: return 1;
         default: return 2;
@@ -355,6 +358,7 @@ void gemv_parts_cuda(QType t, const GemvPart* parts, int n_parts, const int8_t* 
                                  qtype_traits(static_cast<int>(t))->block_size, stream);
             break;
         case QType::Q4_0_TILED: case QType::Q8_0_TILED: case QType::Q4_K_TILED: case QType::Q6_K_TILED:
+        case QType::AWQ_G32_TILED: case QType::AWQ_G64_TILED: case QType::AWQ_G128_TILED: case QType::AWQ_G256_TILED:
             gemv_tiled_parts_cuda(t, parts, n_parts, xq, xds, M, K, stream);  // gemv_tiled.cu
             break;
         default:

@@ -1,5 +1,5 @@
 // Decode GEMV over the tiled weight layout (csrc/common/gemv_tiled.h): y[M, N] = x[M, K] @ W[N, K]^T for 1..8
-// activation rows, W made at upload from Q4_0 / Q8_0 / Q4_K / Q6_K blocks (QType::*_TILED).
+// activation rows, W made at upload from Q4_0 / Q8_0 / Q4_K / Q6_K blocks or AWQ rows (QType::*_TILED).
 //
 // Shape of the work: a warp owns RW rows of one tile (rows_per_warp: 4 at M <= 2, else 2) and a slice of their K:
 // lane l takes unit 32 g + l of groups g = s, s + W, ... (slice s of W).  Per group it issues RW * P 16-byte plane
@@ -39,10 +39,10 @@ struct TiledParts {
 };
 
 // Rows per warp: 4 while the M activation rows' dots fit beside 4 rows' planes without spilling (M = 1, and M = 2
-// for the 32-value units of Q4_0 / Q8_0), else 2 (the K-quants' 64-value units at M = 2: the output projection's
-// two halves).
+// for the 32-value units of Q4_0 / Q8_0 / AWQ), else 2 (the K-quants' 64-value units at M = 2: the output
+// projection's two halves).
 __host__ __device__ constexpr int rows_per_warp(QType t, int M) {
-    return M == 1 || (M == 2 && (t == QType::Q4_0 || t == QType::Q8_0)) ? 4 : 2;
+    return M == 1 || (M == 2 && (t == QType::Q4_0 || t == QType::Q8_0 || tiled::is_awq_rows(t))) ? 4 : 2;
 }
 
 // At M <= 2 at least 4 / 3 CTAs (16 / 12 warps) per SM: register room for a group's loads in flight with enough warps
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kTiledThreads, min_ctas(M)) gemv_tiled_kernel(
     int row0 = ((static_cast<int>(blockIdx.x) - cta0) * kGroupsPerCta + warp / W) * RW;
     const bool live = row0 < N;
     if (!live) row0 = N - RW;  // a last CTA's spare row groups redo the last rows and write nothing (N % 8 == 0)
-    const uint8_t* tile = w + static_cast<size_t>(row0 / kTileRows) * kTileRows * row_bytes;
+    const auto tile = tiled::tile_at<T>(w, row_bytes, row0 / kTileRows);
     const int r0 = row0 % kTileRows;
     const int NU = K / Ty::kE, NG = (NU + kLanes - 1) / kLanes;
     const float* ds = reinterpret_cast<const float*>(xds);
@@ -208,8 +208,7 @@ __global__ void __launch_bounds__(256) dequant_tiled_kernel(const uint8_t* __res
     const int u = static_cast<int>(t % NU);
     const int64_t src = ids ? ids[i] : i;
     float v[Ty::kE];
-    Ty::dequant(w + static_cast<size_t>(src / kTileRows) * kTileRows * row_bytes, NU, u,
-                static_cast<int>(src % kTileRows), v);
+    Ty::dequant(tiled::tile_at<T>(w, row_bytes, src / kTileRows), NU, u, static_cast<int>(src % kTileRows), v);
     int first, second;
     tiled::unit_value_spans<T>(u, &first, &second);
 #pragma unroll
@@ -261,9 +260,14 @@ void gemv_tiled_parts_cuda(QType t, const GemvPart* parts, int n_parts, const in
         case QType::Q8_0_TILED: launch_type<QType::Q8_0>(M, P, xq, xds, K, stream); break;
         case QType::Q4_K_TILED: launch_type<QType::Q4_K>(M, P, xq, xds, K, stream); break;
         case QType::Q6_K_TILED: launch_type<QType::Q6_K>(M, P, xq, xds, K, stream); break;
+        case QType::AWQ_G32_TILED: launch_type<QType::AWQ_G32>(M, P, xq, xds, K, stream); break;
+        case QType::AWQ_G64_TILED: launch_type<QType::AWQ_G64>(M, P, xq, xds, K, stream); break;
+        case QType::AWQ_G128_TILED: launch_type<QType::AWQ_G128>(M, P, xq, xds, K, stream); break;
+        case QType::AWQ_G256_TILED: launch_type<QType::AWQ_G256>(M, P, xq, xds, K, stream); break;
         default:
             throw std::invalid_argument(std::string("gemv_tiled_cuda: weight type ") + qtype_name(t) +
-                                        " is not a tiled layout (Q4_0_TILED Q8_0_TILED Q4_K_TILED Q6_K_TILED)");
+                                        " is not a tiled layout (Q4_0_TILED Q8_0_TILED Q4_K_TILED Q6_K_TILED "
+                                        "AWQ_G*_TILED)");
     }
 }
 
@@ -279,6 +283,10 @@ int gemv_tiled_split(QType t, int64_t rows, int K, int M) {
         case QType::Q8_0_TILED: return cuda::split_of<QType::Q8_0>(rows, K, M);
         case QType::Q4_K_TILED: return cuda::split_of<QType::Q4_K>(rows, K, M);
         case QType::Q6_K_TILED: return cuda::split_of<QType::Q6_K>(rows, K, M);
+        case QType::AWQ_G32_TILED: return cuda::split_of<QType::AWQ_G32>(rows, K, M);
+        case QType::AWQ_G64_TILED: return cuda::split_of<QType::AWQ_G64>(rows, K, M);
+        case QType::AWQ_G128_TILED: return cuda::split_of<QType::AWQ_G128>(rows, K, M);
+        case QType::AWQ_G256_TILED: return cuda::split_of<QType::AWQ_G256>(rows, K, M);
         default: throw std::invalid_argument(std::string("gemv_tiled_split: ") + qtype_name(t) + " is not a tiled layout");
     }
 }
@@ -291,6 +299,10 @@ void dequantize_tiled_cuda(QType t, const uint8_t* w, size_t row_bytes, const in
         case QType::Q8_0_TILED: launch_dequant<QType::Q8_0>(w, row_bytes, ids, n_out, K, out_f16, out_f32, stream); break;
         case QType::Q4_K_TILED: launch_dequant<QType::Q4_K>(w, row_bytes, ids, n_out, K, out_f16, out_f32, stream); break;
         case QType::Q6_K_TILED: launch_dequant<QType::Q6_K>(w, row_bytes, ids, n_out, K, out_f16, out_f32, stream); break;
+        case QType::AWQ_G32_TILED: launch_dequant<QType::AWQ_G32>(w, row_bytes, ids, n_out, K, out_f16, out_f32, stream); break;
+        case QType::AWQ_G64_TILED: launch_dequant<QType::AWQ_G64>(w, row_bytes, ids, n_out, K, out_f16, out_f32, stream); break;
+        case QType::AWQ_G128_TILED: launch_dequant<QType::AWQ_G128>(w, row_bytes, ids, n_out, K, out_f16, out_f32, stream); break;
+        case QType::AWQ_G256_TILED: launch_dequant<QType::AWQ_G256>(w, row_bytes, ids, n_out, K, out_f16, out_f32, stream); break;
         default:
             throw std::invalid_argument(std::string("dequantize_tiled_cuda: type ") + qtype_name(t) +
                                         " is not a tiled layout");

@@ -9,9 +9,9 @@ when nvcc and a CUDA torch are present.  ``create()`` raises BackendUnavailable 
 Paths, as the physics dictates:
 - decode (<= GEMV_MAX_M rows): the fused GEMV reads each weight once per token, still quantized; the decode
   tokens of several sequences (CudaBackend.step) share one pass, each weight read once for all of them;
-- prefill: the tiled weights (Q4_0 Q8_0 Q4_K Q6_K) through int8 MMA on the tensor cores, read in their quantized
-  bytes with the activations as int8 codes (csrc/cuda/mmq.cu, compute capability 8.0+); other types dequantized to
-  fp16 (one matrix at a time) for cuBLAS, as every type under PYLLM_CUDA_MMQ=0;
+- prefill: the tiled weights of Q4_0 Q8_0 Q4_K Q6_K through int8 MMA on the tensor cores, read in their quantized
+  bytes with the activations as int8 codes (csrc/cuda/mmq.cu, compute capability 8.0+); other types (tiled AWQ
+  included) dequantized to fp16 (one matrix at a time) for cuBLAS, as every type under PYLLM_CUDA_MMQ=0;
 - types without a GEMV kernel (Q2_K, Q3_K, Q5_1) take the dequantize path at decode too;
 - decode attention: csrc/cuda/attention.cu over the cache's stored rows (the CPU step's semantics: storage basis,
   exact sink row, sliding window); prefill attention: the model's torch path (SDPA) over the cache.
@@ -103,14 +103,14 @@ def check_fits(need: int, free: int, device_name: str) -> None:
 
 def _to_device(w, dev: torch.device, C, gemv: bool = False):
     """One weight on ``dev`` in its quantized form: a matrix the decode GEMV reads (``gemv``) in the tiled layout where
-    its type has one (CudaTiledTensor), other QTensors as raw GGUF blocks, AWQ repacked to the CPU's row layout
-    (AWQRows) where it has one, else the AutoAWQ tensors as they are (multiplied through their own dequantize)."""
+    its type has one (CudaTiledTensor: GGUF blocks and AWQ rows), other QTensors as raw GGUF blocks, AWQ repacked to
+    the CPU's row layout (AWQRows) where it has one, else the AutoAWQ tensors as they are (multiplied through their own
+    dequantize)."""
     from ..formats.quant import QTensor
 
     if isinstance(w, QTensor):
         if gemv and tiled_upload_wanted(w, C):
-            data = C.cuda_tile_weight(w.data.cpu().contiguous(), int(w.qtype), w.shape[1])
-            return CudaTiledTensor(C.cuda_tiled_qtype(int(w.qtype)), w.qtype, w.shape, data.to(dev), w.name)
+            return _tiled(w, dev, C)
         return QTensor(w.qtype, w.shape, w.data.to(dev).contiguous(), w.name)
     if hasattr(w, "qzeros"):  # AWQTensor: rows for the GEMV when its group size has a layout
         rows = repack(w, C)
@@ -118,16 +118,25 @@ def _to_device(w, dev: torch.device, C, gemv: bool = False):
             return AWQTensor(w.qweight.to(dev), w.qzeros.to(dev), w.scales.to(dev), w.group_size, w.name)
         w = rows
     if hasattr(w, "group_size") and hasattr(w, "data"):  # AWQRows
+        if gemv and tiled_upload_wanted(w, C):
+            return _tiled(w, dev, C)
         return CudaAwqRows(w.data.to(dev).contiguous(), w.qtype, w.shape, w.group_size, w.name)
     raise PyllmError(f"{getattr(w, 'name', '?')!r}: weights of type {type(w).__name__} cannot go to the GPU")
 
 
 def tiled_upload_wanted(w, C) -> bool:
-    """Whether matrix w goes to the GPU in the tiled GEMV layout (csrc/common/gemv_tiled.h: Q4_0, Q8_0, Q4_K, Q6_K
-    with a multiple of 8 rows); PYLLM_CUDA_TILED=0 keeps every weight in GGUF order (the row-per-CTA GEMV, for A/B)."""
+    """Whether matrix w goes to the GPU in the tiled GEMV layout (csrc/common/gemv_tiled.h: Q4_0, Q8_0, Q4_K, Q6_K and
+    AWQ rows, with a multiple of 8 rows); PYLLM_CUDA_TILED=0 keeps every weight in GGUF order or AWQ rows (the
+    row-per-CTA GEMV, for A/B)."""
     if os.environ.get("PYLLM_CUDA_TILED", "1") == "0" or not hasattr(C, "cuda_tile_weight"):
         return False
     return len(w.shape) == 2 and w.data.dim() == 2 and bool(C.cuda_tileable(int(w.qtype), w.shape[0], w.shape[1]))
+
+
+def _tiled(w, dev: torch.device, C) -> "CudaTiledTensor":
+    """w (a QTensor or AWQRows that tiled_upload_wanted) re-laid on the host, then on ``dev``."""
+    data = C.cuda_tile_weight(w.data.cpu().contiguous(), int(w.qtype), w.shape[1])
+    return CudaTiledTensor(C.cuda_tiled_qtype(int(w.qtype)), w.qtype, w.shape, data.to(dev), w.name)
 
 
 class _CudaDequantized:
@@ -151,15 +160,19 @@ class _CudaDequantized:
 
 class CudaTiledTensor(_CudaDequantized):
     """A matrix in VRAM in the CUDA decode GEMV's tiled layout (csrc/common/gemv_tiled.h), made at upload in place of
-    its GGUF rows: same bytes, in tiles of 8 rows.  ``qtype`` is the layout's own id (Q4_0_TILED ...), which every
-    cuda_* kernel that takes a type id dispatches on (GEMV, parts, dequantize for prefill and embedding rows);
-    ``base`` is the file's type."""
+    its GGUF rows or AWQ rows: same bytes, in tiles of 8 rows.  ``qtype`` is the layout's own id (Q4_0_TILED ...,
+    AWQ_G128_TILED ...), which every cuda_* kernel that takes a type id dispatches on (GEMV, parts, dequantize for
+    prefill and embedding rows); ``base`` is the rows' type (a GGMLType, or the extension's AWQ_G* id)."""
 
     __slots__ = ("qtype", "base", "shape", "data", "name")
     is_float = False
 
-    def __init__(self, qtype: int, base: GGMLType, shape: tuple[int, ...], data: torch.Tensor, name: str):
-        self.qtype, self.base, self.shape, self.data, self.name = int(qtype), GGMLType(base), tuple(shape), data, name
+    def __init__(self, qtype: int, base: int, shape: tuple[int, ...], data: torch.Tensor, name: str):
+        try:
+            base = GGMLType(base)
+        except ValueError:  # AWQ rows: the extension's own id
+            base = int(base)
+        self.qtype, self.base, self.shape, self.data, self.name = int(qtype), base, tuple(shape), data, name
 
     @property
     def nbytes(self) -> int:
@@ -243,8 +256,9 @@ class CudaBackend:
 
     def mmq_wanted(self, qt: int) -> bool:
         """Whether prompt chunks of weight type ``qt`` go through the int8 tensor-core kernel (cuda_mmq,
-        csrc/cuda/mmq.cu): the tiled layouts on a GPU of compute capability 8.0 or later; other types, and every type
-        under PYLLM_CUDA_MMQ=0 (the A/B), dequantize to fp16 for cuBLAS."""
+        csrc/cuda/mmq.cu): the GGUF types' tiled layouts on a GPU of compute capability 8.0 or later (as
+        cuda_mmq_supported says); other types (AWQ's tiled layout too), and every type under PYLLM_CUDA_MMQ=0 (the
+        A/B), dequantize to fp16 for cuBLAS."""
         if os.environ.get("PYLLM_CUDA_MMQ", "1") == "0" or not hasattr(self.K, "cuda_mmq"):
             return False
         ok = self._mmq_types.get(qt)

@@ -1,5 +1,6 @@
 """GPU benchmarks for tools/gpu_check.sh (not a pytest file): GEMV GB/s against the measured copy bandwidth (the
-GGUF-order kernel and the tiled one, csrc/cuda/gemv_tiled.cu, on the same weights), a 512-token prompt chunk's matrix
+GGUF-order kernel and the tiled one, csrc/cuda/gemv_tiled.cu, on the same weights; AWQ int4 at group size 128: the AWQ
+row kernel and the tiled one), a 512-token prompt chunk's matrix
 product through MMQ (csrc/cuda/mmq.cu) and through dequantize + fp16 cuBLAS, and synthetic Llama-3-8B
 decode/prefill through the CUDA backend (pyllm/backends/cuda.py: the model's prefill, the graph-captured decode step,
 f16 and q8_0 caches; the weights tiled at upload, and with PYLLM_CUDA_TILED=0 in GGUF order) with a torch fp16
@@ -26,6 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pyllm.backends import cuda as cuda_backend  # noqa: E402
+from pyllm.formats.awq.repack import AWQRows  # noqa: E402
 from pyllm.formats.gguf import BLOCK_INFO, GGMLType  # noqa: E402
 from pyllm.formats.quant import QTensor  # noqa: E402
 
@@ -71,14 +73,27 @@ def copy_bandwidth() -> float:
     return 2 * n / ms / 1e6
 
 
-TILED_TYPES = [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]  # csrc/common/gemv_tiled.h
+TILED_TYPES = [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K]  # csrc/common/gemv_tiled.h, and AWQ rows
+AWQ_GROUP = 128  # AutoAWQ checkpoints' usual group size
+GEMV_TYPES = TYPES + [f"AWQ_G{AWQ_GROUP}"]  # the GEMV table's rows: the GGUF types, then AWQ int4
+
+
+def random_awq(K, n: int, k: int, g: int = AWQ_GROUP, name: str = "w") -> AWQRows:
+    """Random AWQ rows (csrc/common/blocks.h AwqRow) made on the GPU: fp16 scales set to a small finite value, zeros
+    0..15."""
+    ng = k // g
+    data = torch.randint(0, 256, (n, 3 * ng + k // 2), dtype=torch.uint8, device="cuda")
+    data[:, :2 * ng] = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8).cuda().repeat(ng)
+    data[:, 2 * ng:3 * ng] &= 15
+    return AWQRows(data, int(K.awq_qtype(g)), (n, k), g, name)
 # the GEMV variants measured per (type, shape): the GGUF-order kernel (gemv.cu, 4 rows per CTA), and the tiled one
 # (gemv_tiled.cu) with its automatic K split, with programmatic launches (PYLLM_CUDA_PDL=1), and each split forced
 VARIANTS = ("gguf", "tiled", "tiled pdl", "tiled W1", "tiled W2", "tiled W4")
 
 
-def tiled_copy(K, w: QTensor) -> torch.Tensor:
-    """w's blocks in the tiled layout, on the GPU (tiled on the host, as the backend's upload does)."""
+def tiled_copy(K, w) -> torch.Tensor:
+    """w's blocks (a QTensor) or AWQ rows (AWQRows) in the tiled layout, on the GPU (tiled on the host, as the
+    backend's upload does)."""
     return K.cuda_tile_weight(w.data.cpu(), int(w.qtype), w.shape[1]).cuda()
 
 
@@ -96,32 +111,38 @@ def time_gemv(K, datas: list, qt: int, xq, xds, out, calls: int = 20) -> float:
 
 
 def bench_gemv(K, bw: float) -> list[dict]:
-    """The GEMV alone (cuda_gemv_q on prepared codes, as the step calls it): each VARIANTS entry the type has."""
+    """The GEMV alone (cuda_gemv_q on prepared codes, as the step calls it): each VARIANTS entry the type has ("gguf":
+    the weights as the file has them, for AWQ its rows through gemv.cu's AWQ kernel)."""
     rows = []
-    for t in TYPES:
+    for t in GEMV_TYPES:
+        awq = isinstance(t, str)
+        name = t if awq else t.name
         for n, k in SHAPES:
-            w0 = random_weight(t, n, k)
+            def make():
+                return random_awq(K, n, k) if awq else random_weight(t, n, k)
+
+            w0 = make()
             copies = max(2, min(8, math.ceil(3 * L2_BYTES / w0.nbytes)))
-            ws = [w0] + [random_weight(t, n, k) for _ in range(copies - 1)]
+            ws = [w0] + [make() for _ in range(copies - 1)]
             xq, xds = K.cuda_quantize_act(torch.randn(1, k, device="cuda"))
             out = torch.empty(1, n, device="cuda")
-            tiled = [tiled_copy(K, w) for w in ws] if t in TILED_TYPES else None
-            tid = K.cuda_tiled_qtype(int(t)) if tiled else -1
+            tiled = [tiled_copy(K, w) for w in ws] if awq or t in TILED_TYPES else None
+            tid = K.cuda_tiled_qtype(int(w0.qtype)) if tiled else -1
             for v in VARIANTS:
                 if v != "gguf" and tiled is None:
                     continue
                 if v == "tiled pdl":
                     os.environ["PYLLM_CUDA_PDL"] = "1"
                 K.cuda_set_gemv_tiled_split(int(v[-1]) if v.startswith("tiled W") else 0)
-                ms = time_gemv(K, [w.data for w in ws] if v == "gguf" else tiled, int(t) if v == "gguf" else tid,
-                               xq, xds, out)
+                ms = time_gemv(K, [w.data for w in ws] if v == "gguf" else tiled,
+                               int(w0.qtype) if v == "gguf" else tid, xq, xds, out)
                 os.environ.pop("PYLLM_CUDA_PDL", None)
                 K.cuda_set_gemv_tiled_split(0)
                 gbs = w0.nbytes / ms / 1e6
                 split = K.cuda_gemv_tiled_split(tid, n, k, 1) if v in ("tiled", "tiled pdl") else None
-                rows.append(dict(type=t.name, N=n, K=k, variant=v, us=ms * 1e3, GBs=gbs, pct=100 * gbs / bw,
+                rows.append(dict(type=name, N=n, K=k, variant=v, us=ms * 1e3, GBs=gbs, pct=100 * gbs / bw,
                                  split=split))
-                print(f"gemv {t.name:5s} {n:6d}x{k:<6d} {v:10s} {ms * 1e3:8.2f} us {gbs:7.0f} GB/s "
+                print(f"gemv {name:8s} {n:6d}x{k:<6d} {v:10s} {ms * 1e3:8.2f} us {gbs:7.0f} GB/s "
                       f"{100 * gbs / bw:5.1f}%" + (f" (split {split})" if split else ""), flush=True)
             del ws, tiled
     return rows
@@ -395,14 +416,15 @@ def main() -> int:
         prefill = []
     Path(args.out, "bench.json").write_text(json.dumps(dict(copy_GBs=bw, gemv=gemv, prefill_gemm=prefill, decode=dec,
                                                             kl=kl), indent=1))
-    print(f"\n=== GEMV (M=1): GB/s and % of copy bandwidth {bw:.0f} GB/s; gguf = gemv.cu (GGUF order), tiled = "
-          f"gemv_tiled.cu (auto split; pdl: PYLLM_CUDA_PDL=1; W1/W2/W4: split forced) ===")
-    print(f"{'type':6s} {'kernel':10s} " + "".join(f"{f'{n}x{k}':>16s}" for n, k in SHAPES))
-    for t in TYPES:
+    print(f"\n=== GEMV (M=1): GB/s and % of copy bandwidth {bw:.0f} GB/s; gguf = gemv.cu (GGUF order; AWQ: its row "
+          f"kernel), tiled = gemv_tiled.cu (auto split; pdl: PYLLM_CUDA_PDL=1; W1/W2/W4: split forced) ===")
+    print(f"{'type':8s} {'kernel':10s} " + "".join(f"{f'{n}x{k}':>16s}" for n, k in SHAPES))
+    for t in GEMV_TYPES:
+        name = getattr(t, "name", t)
         for v in VARIANTS:
-            cells = [r for r in gemv if r["type"] == t.name and r["variant"] == v]
+            cells = [r for r in gemv if r["type"] == name and r["variant"] == v]
             if cells:
-                print(f"{t.name:6s} {v:10s} " + "".join(f"{r['GBs']:9.0f} {r['pct']:4.0f}%" for r in cells))
+                print(f"{name:8s} {v:10s} " + "".join(f"{r['GBs']:9.0f} {r['pct']:4.0f}%" for r in cells))
     if prefill:
         print("=== prefill matmul, M=512 (us; MMQ = csrc/cuda/mmq.cu int8 MMA vs dequantize + fp16 cuBLAS) ===")
         for r in prefill:

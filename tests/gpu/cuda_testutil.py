@@ -1,6 +1,7 @@
 """Random GGUF weights for the CUDA tests: random quant bytes with finite fp16 scales sized so a row's values
-have roughly unit-variance dot products with unit inputs, plus the gguf.quants float64 reference; and the float64
-definition of the decode attention over a KV cache's stored rows (also used by the CPU-side tests)."""
+have roughly unit-variance dot products with unit inputs, plus the gguf.quants float64 reference; random AWQ rows
+with their float64 values; and the float64 definition of the decode attention over a KV cache's stored rows (also
+used by the CPU-side tests)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,20 @@ def random_blocks(qtype: GGMLType, n: int, k: int, rng: np.random.Generator) -> 
         vals = (f / np.sqrt(k)) * rng.uniform(0.5, 1.5, size=raw.shape[0]) * rng.choice([-1, 1], size=raw.shape[0])
         raw[:, off:off + 2] = vals.astype(np.float16).view(np.uint8).reshape(-1, 2)
     return raw.reshape(n, -1)
+
+
+def random_awq_rows(n: int, k: int, g: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """AWQ rows (csrc/common/blocks.h AwqRow: per row k/g fp16 scales, k/g u8 zeros 0..15, the 4-bit codes in the Q4_0
+    element order) of group size g: (uint8 [n, 3k/g + k/2], their float64 values (q - z) * s [n, k])."""
+    ng = k // g
+    s = (rng.uniform(0.5, 1.5, (n, ng)) * rng.choice([-1, 1], (n, ng)) / (8 * np.sqrt(k))).astype(np.float16)
+    z = rng.integers(0, 16, (n, ng), dtype=np.uint8)
+    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    qb = q.reshape(n, k // 32, 32)
+    packed = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2)
+    rows = np.concatenate([s.view(np.uint8).reshape(n, 2 * ng), z, packed], axis=1)
+    vals = (q.astype(np.float64) - np.repeat(z, g, axis=1)) * np.repeat(s.astype(np.float64), g, axis=1)
+    return np.ascontiguousarray(rows), vals
 
 
 def reference(qtype: GGMLType, blocks: np.ndarray) -> np.ndarray:

@@ -1,6 +1,6 @@
 """CUDA AWQ int4 GEMV and dequantize over pyllm's AWQ rows (csrc/common/blocks.h AwqRow, what pyllm/formats/awq/repack.py
-repacks AutoAWQ tensors into), against a float64 reference decoded here from the layout's definition
-(value = (q - z) * s, codes in the Q4_0 element order) and against the CPU extension's exact dequantizer.
+repacks AutoAWQ tensors into), against a float64 reference from the layout's definition (cuda_testutil.random_awq_rows:
+value = (q - z) * s, codes in the Q4_0 element order) and against the CPU extension's exact dequantizer.
 Bounds as tests/gpu/test_gemv.py: exact-activation reference 2e-5 relative, float NMSE 5e-4; dequantize bit-exact.
 Odd K/G gives rows of an odd byte count, so most rows start unaligned."""
 
@@ -9,20 +9,7 @@ import pytest
 import torch
 
 from pyllm import _ext
-
-
-def awq_rows(n: int, k: int, g: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """(uint8 rows [n, 3k/g + k/2], their float64 values [n, k])."""
-    ng = k // g
-    s = (rng.uniform(0.5, 1.5, (n, ng)) * rng.choice([-1, 1], (n, ng)) / (8 * np.sqrt(k))).astype(np.float16)
-    z = rng.integers(0, 16, (n, ng), dtype=np.uint8)
-    q = rng.integers(0, 16, (n, k), dtype=np.uint8)
-    qb = q.reshape(n, k // 32, 32)
-    packed = (qb[..., :16] | (qb[..., 16:] << 4)).reshape(n, k // 2)
-    rows = np.concatenate([s.view(np.uint8).reshape(n, 2 * ng), z, packed], axis=1)
-    vals = (q.astype(np.float64) - np.repeat(z, g, axis=1)) * np.repeat(s.astype(np.float64), g, axis=1)
-    return np.ascontiguousarray(rows), vals
-
+from .cuda_testutil import random_awq_rows as awq_rows
 
 CASES = [(64, 896, 128), (1000, 4096, 128), (37, 2048, 64), (130, 1024, 32), (9, 1280, 256)]  # 896/128 = 7: odd
 
