@@ -199,7 +199,9 @@ def _make_weight(name, N, K):
     bs, ts = gguf.GGML_QUANT_SIZES[qt]
     nb = N * K // bs
     raw = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
-    for off in F16_FIELDS[name]:
+    if name == "MXFP4":  # byte 0 the E8M0 exponent: scales 2^-10 .. 2^-3, as the fp16 ones below
+        raw[:, 0] = rng.integers(118, 126, nb)
+    for off in F16_FIELDS.get(name, []):
         d = rng.uniform(0.002, 0.02, nb) * rng.choice([-1.0, 1.0], nb)
         raw[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
     raw = raw.reshape(N, K // bs * ts)
@@ -355,13 +357,14 @@ def test_k_quant_gemv_rows_do_not_depend_on_each_other(C, name, layout):
                 assert torch.equal(y[i], alone[m]), f"{name} {isa}: row {m} of rows {rows} differs from the row alone"
 
 
-@pytest.mark.parametrize("name", LEGACY_TYPES + K_TYPES)
+@pytest.mark.parametrize("name", LEGACY_TYPES + ["MXFP4"] + K_TYPES)
 def test_gemv_rows_do_not_depend_on_m(C, name):
     """Each row of an M-row call (M = 2..8) gives bit for bit what it gives alone, on every ISA path: the row
     kernels sum a row in one fp32 order whatever M is, which speculative verification (greedy equality) and
-    batched decoding rely on.  K covers whole 8-block groups, a tail of 2 blocks, and a tail alone (legacy);
-    the Q8_0 output projection's int16-activation kernel (precise_x) is checked the same way."""
-    Ks = [576, 160] if name in LEGACY_TYPES else [768, 256]
+    batched decoding rely on (pyllm/backends/cpu.py EXACT_ROW_TYPES lists these types).  K covers whole 8-block
+    groups, a tail of 2 blocks, and a tail alone (the 32-element types, MXFP4 among them: gpt-oss's experts); the Q8_0
+    output projection's int16-activation kernel (precise_x) is checked the same way."""
+    Ks = [768, 256] if name in K_TYPES else [576, 160]
     for K in Ks:
         N = 40
         wt = make_weight(name, N, K)

@@ -458,11 +458,11 @@ def test_sampling_under_a_grammar_speculates_within_it():
 
 def test_exact_row_types_are_the_kernels_row_order_independent_ones():
     # pyllm/backends/cpu.py EXACT_ROW_TYPES lists the GGUF types tests/test_kernels.py holds to one summation order
-    # per row whatever M is (legacy and K-quants), and their rows-by-8 copies; no float type
+    # per row whatever M is (legacy, MXFP4 and K-quants), and their rows-by-8 copies; no float type
     from pyllm.backends.cpu import EXACT_ROW_TYPES
     from pyllm.formats.gguf import GGMLType
 
-    names = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    names = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
     base = {int(GGMLType[n]) for n in names}
     rows8 = {int(ops._C.rows8_qtype(t)) for t in base} - {-1}
     assert EXACT_ROW_TYPES == base | rows8

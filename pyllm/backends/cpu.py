@@ -39,11 +39,12 @@ def available_memory() -> int | None:
 
 
 # Matrix types whose row kernels sum a row in one order whatever the number of rows (tests/test_kernels.py
-# test_gemv_rows_do_not_depend_on_m): the GGUF legacy and K-quant types, and their rows-by-8 copies (ids 60..67,
-# csrc/common/qtype.h).  A multi-row pass over them gives each row a one-token step's logits bit for bit; float
-# matrices unroll by M.
+# test_gemv_rows_do_not_depend_on_m): the GGUF legacy and K-quant types, MXFP4 (gpt-oss's experts: the legacy
+# block kernel), and the rows-by-8 copies (ids 60..67, csrc/common/qtype.h).  A multi-row pass over them gives
+# each row a one-token step's logits bit for bit; float matrices unroll by M.
 EXACT_ROW_TYPES = frozenset(
-    [int(GGMLType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")]
+    [int(GGMLType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                "Q6_K")]
     + list(range(60, 68)))
 
 
