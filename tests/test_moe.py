@@ -500,21 +500,30 @@ def test_chat_and_serve_run_the_converted_moe(tmp_path):
         srv.close()
 
 
-def test_cpu_step_rows_match_one_token_steps():
-    """decode_steps (several tokens in one pass: speculative verification) routes every row by its own router: each
-    row's logits match the one-token steps' from the same cache state within the conformance tolerance (5% of the
-    largest |logit|; the router's float32 GEMV unrolls by rows, so the bits may differ), with the same argmax."""
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cpu_step_rows_equal_one_token_steps(arch):
+    """decode_steps (several tokens in one pass: speculative verification, batched decoding) routes every row by its
+    own router: on every kernel path this CPU has, each row of a 3- and an 8-row pass gives the one-token step's
+    logits bit for bit (the float32 router runs a row at a time, the experts a GEMV per row and selection, the
+    attention and shared-expert matrices are exact row types), so the step says rows_exact."""
     import pyllm
+    from pyllm import ops
 
-    llm = pyllm.load(str(gguf_path("qwen2moe", "q8_0")), n_ctx=64, n_threads=2, kv_cache="f32")
+    llm = pyllm.load(str(gguf_path(arch, "q8_0")), n_ctx=64, n_threads=2, kv_cache="f32")
     step = llm.model.fused_step(llm.kv)
-    assert step is not None and not step.rows_exact  # the float32 router is not one of the exact row types
-    toks = torch.tensor([5, 17, 42, 99])
-    rows = step.rows(toks, 0).clone()
-    one = torch.stack([step(int(t), i)[0] for i, t in enumerate(toks.tolist())])
-    atol = 0.05 * float(one.abs().max())
-    torch.testing.assert_close(rows, one, rtol=0, atol=atol)
-    assert torch.equal(rows.argmax(-1), one.argmax(-1))
+    assert step is not None and step.rows_exact
+    toks = torch.tensor([5, 17, 42, 99, 7, 3, 250, 11])
+    before = ops.get_isa()
+    try:
+        for isa in ops._C.available_isas():
+            ops.set_isa(isa)
+            one = torch.stack([step(int(t), i)[0] for i, t in enumerate(toks.tolist())])
+            for m in (3, 8):
+                rows = step.rows(toks[:m], 0).clone()
+                assert torch.equal(rows, one[:m]), (arch, isa, m, (rows - one[:m]).abs().max())
+    finally:
+        ops.set_isa(before)
+    llm.close()
 
 
 # ---- the CUDA backend's expert path, on the host (torch stand-ins for its kernels) --------------------------------
