@@ -434,28 +434,6 @@ void register_kernels(py::module& m) {
           "tests only: on a CPU without AVX-512, offer 'avx512' as its VNNI kernels compiled as AVX2 code; returns "
           "whether that is on");
     m.def("avx512_emulated", &pyllm::cpu_avx512_emulated);
-    m.def(
-        "set_amx_rows",
-        [](const std::string& mode) {
-            using pyllm::AmxRows;
-            const char* names[] = {"off", "native", "emulated"};
-            for (int i = 0; i < 3; ++i)
-                if (mode == names[i]) {
-                    if (!pyllm::cpu_set_amx_rows(static_cast<AmxRows>(i)))
-                        throw py::value_error("set_amx_rows: '" + mode + "' cannot run on this CPU (native needs "
-                                              "AMX-INT8 and the tile permission, emulated needs AVX-512)");
-                    return;
-                }
-            throw py::value_error("set_amx_rows: mode must be 'off', 'native' or 'emulated', got '" + mode + "'");
-        },
-        py::arg("mode"),
-        "AMX-INT8 tiles for 2..8-row GEMVs against Q4_0/Q4_1/Q8_0 rows interleaved by 8: 'off' (the default unless "
-        "PYLLM_AMX_ROWS=1), 'native' (amx ISA only) or 'emulated' (tiles computed in C++; tests)");
-    m.def("amx_rows", [] {
-        const char* names[] = {"off", "native", "emulated"};
-        return std::string(names[static_cast<int>(pyllm::cpu_get_amx_rows())]);
-    });
-    m.def("amx_int8_usable", &pyllm::cpu_amx_int8_usable);
     m.def("set_num_threads", &set_num_threads, "threads for pyllm's CPU kernels (torch's own setting untouched)");
     m.def("release_thread_pool", &release_thread_pool, "the calling thread's OpenMP workers exit (a thread done with the "
           "kernels for a while: another thread's regions then keep their spin-waits); false where the runtime cannot");

@@ -35,15 +35,6 @@ bool cpu_isa_from_name(const char* name, Isa* isa);  // false for an unknown nam
 // where the CPU has AVX-512 itself, or lacks AVX2).  Turning it off while avx512 is selected selects the default.
 bool cpu_emulate_avx512(bool on);
 bool cpu_avx512_emulated();
-// AMX-INT8 tiles for GEMVs of 2..8 activation rows against the rows interleaved by 8 (Q4_0_R8, Q4_1_R8,
-// Q8_0_R8: a speculative verification pass), bit for bit the VNNI rows kernels.  Not run on an AMX CPU yet, so
-// off by default: PYLLM_AMX_ROWS=1 turns them on where the CPU has AMX-INT8 and the amx ISA is selected.
-// Modes: Off; Native (needs cpu_amx_int8_usable()); Emulated (tiles computed in C++, any CPU with AVX-512: tests).
-// cpu_set_amx_rows returns false (mode unchanged) where the mode cannot run here.
-enum class AmxRows : int { Off = 0, Native = 1, Emulated = 2 };
-bool cpu_amx_int8_usable();
-bool cpu_set_amx_rows(AmxRows mode);
-AmxRows cpu_get_amx_rows();
 // The AVX2 code paths (everything but the GEMV row kernels: quantizers, dequant, attention) serve every ISA
 // above Scalar.
 inline bool cpu_isa_simd(Isa isa) { return isa != Isa::Scalar; }

@@ -44,7 +44,6 @@ CPU_SOURCES = [
     "cpu/gemv_avx2_awq.cpp",
     "cpu/gemv_avx512.cpp",
     "cpu/gemv_vnni_emulated.cpp",
-    "cpu/rows8_amx.cpp",
     "cpu/awq_repack.cpp",
     "cpu/rows8.cpp",
     "cpu/dequant.cpp",
@@ -441,7 +440,5 @@ def build_info() -> str:
     cuda = "with CUDA" if _cuda_built else "CPU only"
     if m.avx512_emulated():
         cuda += "; avx512 emulated on AVX2 for tests"
-    if m.amx_rows() != "off":
-        cuda += f"; AMX-INT8 rows kernels for verification passes ({m.amx_rows()})"
     return (f"{m.__name__} ({cuda}; cpu kernels {m.get_isa()} of {'/'.join(m.available_isas())}, "
             f"{m.get_num_threads()} threads) in {Path(m.__file__).parent}")

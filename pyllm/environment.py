@@ -30,9 +30,6 @@ VARIABLES = (
     Variable("PYLLM_ISA", "the best this CPU runs",
              "force the CPU kernels' instruction set: scalar, avx2, avx512 or amx (an error where it cannot run)"),
     Variable("PYLLM_REPACK", "1", "0: no rows-by-8 copy of the weights for decoding (saves their size in RAM)"),
-    Variable("PYLLM_AMX_ROWS", "0",
-             "1: AMX-INT8 tiles take the 2-8-row GEMVs (speculative verification, batched decoding) on CPUs with "
-             "AMX; slower than the default VNNI kernels where measured"),
     Variable("PYLLM_VERBOSE_BUILD", "0", "1: show the compiler's own output while the extension builds"),
     Variable("PYLLM_NO_EXT", "0", "1: never build or load the extension (torch reference kernels only)", user=False),
     Variable("PYLLM_CUDA_GRAPH", "1", "0: run the CUDA decode step eagerly, without CUDA graphs", user=False),

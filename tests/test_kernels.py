@@ -199,7 +199,9 @@ def _make_weight(name, N, K):
     bs, ts = gguf.GGML_QUANT_SIZES[qt]
     nb = N * K // bs
     raw = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
-    for off in F16_FIELDS[name]:
+    if name == "MXFP4":  # byte 0 the E8M0 exponent: scales 2^-10 .. 2^-3, as the fp16 ones below
+        raw[:, 0] = rng.integers(118, 126, nb)
+    for off in F16_FIELDS.get(name, []):
         d = rng.uniform(0.002, 0.02, nb) * rng.choice([-1.0, 1.0], nb)
         raw[:, off:off + 2] = d.astype(np.float16).view(np.uint8).reshape(nb, 2)
     raw = raw.reshape(N, K // bs * ts)
@@ -355,13 +357,14 @@ def test_k_quant_gemv_rows_do_not_depend_on_each_other(C, name, layout):
                 assert torch.equal(y[i], alone[m]), f"{name} {isa}: row {m} of rows {rows} differs from the row alone"
 
 
-@pytest.mark.parametrize("name", LEGACY_TYPES + K_TYPES)
+@pytest.mark.parametrize("name", LEGACY_TYPES + ["MXFP4"] + K_TYPES)
 def test_gemv_rows_do_not_depend_on_m(C, name):
     """Each row of an M-row call (M = 2..8) gives bit for bit what it gives alone, on every ISA path: the row
     kernels sum a row in one fp32 order whatever M is, which speculative verification (greedy equality) and
-    batched decoding rely on.  K covers whole 8-block groups, a tail of 2 blocks, and a tail alone (legacy);
-    the Q8_0 output projection's int16-activation kernel (precise_x) is checked the same way."""
-    Ks = [576, 160] if name in LEGACY_TYPES else [768, 256]
+    batched decoding rely on (pyllm/backends/cpu.py EXACT_ROW_TYPES lists these types).  K covers whole 8-block
+    groups, a tail of 2 blocks, and a tail alone (the 32-element types, MXFP4 among them: gpt-oss's experts); the Q8_0
+    output projection's int16-activation kernel (precise_x) is checked the same way."""
+    Ks = [768, 256] if name in K_TYPES else [576, 160]
     for K in Ks:
         N = 40
         wt = make_weight(name, N, K)
@@ -377,77 +380,6 @@ def test_gemv_rows_do_not_depend_on_m(C, name):
                     y = f(x[:M].contiguous())
                     for m in range(M):
                         assert torch.equal(y[m], alone[m]), f"{name} {isa} K={K}: row {m} of {M} differs from alone"
-
-
-# the rows-by-8 types with AMX-INT8 kernels for 2..8 activation rows
-AMX_ROWS_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-
-
-def amx_rows_paths(C) -> list[tuple[str, str]]:
-    """(isa, mode) pairs the AMX rows kernels run on here: tiles emulated in C++ on an AVX-512 CPU, native tiles
-    on a CPU with AMX-INT8.  Skips (naming what the CPU lacks) where neither runs."""
-    paths = []
-    if C.amx_int8_usable():
-        paths.append(("amx", "native"))
-    if "avx512" in C.available_isas() and not C.avx512_emulated():
-        paths.append(("avx512", "emulated"))
-    if not paths:
-        pytest.skip("AMX rows kernels not run: this CPU has neither AVX-512 (emulated tiles) nor AMX-INT8")
-    return paths
-
-
-@pytest.mark.parametrize("name", AMX_ROWS_TYPES)
-def test_amx_rows_give_the_vnni_rows_bits(C, name):
-    """The AMX-INT8 rows kernels (C = A B per 32-element block or sub-block: activation codes x 16 weight rows'
-    codes; the K-quants' sub-block scales applied in int32; then the VNNI kernels' fp32 steps lane for lane) give,
-    for every row of every M = 2..8, the bits of the VNNI rows kernels they replace (references checked against
-    float64 by test_rows8_gemv_matches_oracle_and_isas_agree), so a verification pass with them stays greedy-exact
-    against the one-row step.  Also against the int8-x float64 oracle (TOL_EXACT).  Q8_0 also under the output
-    projection's int16 activations (precise_x: their high and low bytes through TDPBSSD and TDPBUSD), against the
-    VNNI int16 kernel's bits and the int16-x float64 oracle.  Shapes: a lone last group of 8 rows
-    (N = 40, 24), whole pairs (48, 1536, 896), K of 1 to 28 blocks (1 to 8 super-blocks).  The emulated tiles are
-    TDPBSSD's definition in C++: they check the layouts, not the instructions."""
-    paths = amx_rows_paths(C)
-    k_quant = name in ROWS8_K_TYPES
-    shapes = [(40, 256), (48, 768), (896, 2048), (8, 256), (24, 1024)] if k_quant else \
-        [(40, 160), (48, 576), (1536, 576), (8, 32), (24, 896)]
-    try:
-        for N, K in shapes:
-            wt = make_weight(name, N, K)
-            r, rid = rows8(C, name, wt)
-            x = torch.from_numpy(rng_for("xamx", name, N, K).standard_normal((8, K), dtype=np.float32))
-            for isa, mode in paths:
-                C.set_isa(isa)
-                for M in range(2, 9):
-                    xm = x[:M].contiguous()
-                    C.set_amx_rows("off")
-                    ref = C.gemv(xm, r, rid)
-                    ref16 = C.gemv(xm, r, rid, None, True) if name == "Q8_0" else None
-                    C.set_amx_rows(mode)
-                    assert C.amx_rows() == mode
-                    got = C.gemv(xm, r, rid)
-                    assert torch.equal(got, ref), f"{name} {mode} tiles: M={M} differs from the VNNI rows " + why(N, K)
-                    err = rel_err(got, quantize_like_kernels(xm, 256 if k_quant else 32) @ wt.W64.T, xm, wt)
-                    assert err < TOL_EXACT, f"{name} {mode} tiles vs int8-x float64: {err:.3g} " + why(N, K, M)
-                    if ref16 is not None:
-                        got16 = C.gemv(xm, r, rid, None, True)
-                        assert torch.equal(got16, ref16), f"Q8_0 precise_x {mode}: M={M} differs " + why(N, K)
-                        err = rel_err(got16, quantize_like_kernels(xm, 32, 32767) @ wt.W64.T, xm, wt)
-                        assert err < TOL_EXACT, f"Q8_0 precise_x {mode} vs int16-x float64: {err:.3g} " + why(N, K, M)
-    finally:
-        C.set_amx_rows("off")
-
-
-def test_amx_rows_modes_are_checked(C):
-    """set_amx_rows refuses an unknown mode and one the CPU cannot run, naming it; the default is off (the native
-    kernels have not run on an AMX CPU yet) unless PYLLM_AMX_ROWS=1 asked for them."""
-    with pytest.raises(ValueError, match="must be 'off', 'native' or 'emulated'"):
-        C.set_amx_rows("fast")
-    if not C.amx_int8_usable():
-        with pytest.raises(ValueError, match="'native' cannot run on this CPU"):
-            C.set_amx_rows("native")
-    expected = "native" if os.environ.get("PYLLM_AMX_ROWS") == "1" and C.amx_int8_usable() else "off"
-    assert C.amx_rows() == expected
 
 
 def numpy_argmax_or_not_finite(y: np.ndarray) -> int:
@@ -918,17 +850,6 @@ def test_pyllm_isa_env_forces_the_kernels_and_rejects_what_the_cpu_lacks(C):
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pyllm: error:") and f"PYLLM_ISA={bad}" in lines[0], r.stderr
-
-
-def test_pyllm_amx_rows_env_is_named_by_version_where_it_applies(C):
-    """README: `PYLLM_AMX_ROWS=1` turns on the AMX-INT8 rows kernels on a CPU with AMX-INT8, and `pyllm --version`
-    says so; elsewhere it changes nothing (the kernels stay off) and the line does not mention them."""
-    r = _pyllm(["--version"], PYLLM_AMX_ROWS="1")
-    assert r.returncode == 0, r.stdout + r.stderr
-    named = "AMX-INT8 rows kernels for verification passes (native)" in r.stdout
-    assert named == C.amx_int8_usable(), r.stdout
-    r = _pyllm(["--version"])
-    assert "AMX-INT8 rows" not in r.stdout, r.stdout
 
 
 def test_pyllm_repack_env_switches_the_decode_copy(C):

@@ -252,18 +252,6 @@ def test_speculative_sampling_keeps_the_distribution(mode):
 
 
 # ---- the multi-row C++ step -------------------------------------------------------------------------------------------
-def kernel_paths_with_amx_rows() -> list[tuple[str, str]]:
-    """(isa, AMX rows mode) for every kernel path here: each ISA with the AMX rows off, then avx512 with emulated
-    tiles (a CPU with AVX-512 of its own) and amx with native ones (AMX-INT8)."""
-    isas = ops._C.available_isas()
-    paths = [(isa, "off") for isa in isas]
-    if "avx512" in isas and not ops._C.avx512_emulated():
-        paths.append(("avx512", "emulated"))
-    if ops._C.amx_int8_usable():
-        paths.append(("amx", "native"))
-    return paths
-
-
 @pytest.mark.parametrize("key,kind", [("smollm2", "f16"), ("smollm2", "q8_0"), ("smollm2", "q4_rot"),
                                       ("gemma3", "f16")])
 def test_decode_steps_rows_equal_one_token_steps(key, kind):
@@ -278,16 +266,13 @@ def test_decode_steps_rows_equal_one_token_steps(key, kind):
     before = ops.get_isa()
     ops._C.emulate_avx512(True)  # where the CPU lacks AVX-512, its VNNI kernels as AVX2 code join the paths
     try:
-        # every kernel path this CPU has, every row count: each row sums in the same order whatever M is; the
-        # AMX-INT8 rows kernels (every GEMV of a 2..8-row pass) with emulated tiles on AVX-512, native on AMX
-        for isa, amx_rows in kernel_paths_with_amx_rows():
+        # every kernel path this CPU has, every row count: each row sums in the same order whatever M is
+        for isa in ops._C.available_isas():
             for M in (1, 2, 3, 8):
                 ops.set_isa(before)  # the prompt's rows are the same for both paths: prefill them fast
-                ops._C.set_amx_rows("off")
                 g.reset()
                 g.prefill(prompt)
                 ops.set_isa(isa)
-                ops._C.set_amx_rows(amx_rows)
                 ctx = m.decode_context(kv)
                 assert ctx is not None, "the C++ step must apply to this cache"
                 pos = len(g.tokens)
@@ -297,14 +282,13 @@ def test_decode_steps_rows_equal_one_token_steps(key, kind):
                 rows_seq = [p.data[:, :, pos:pos + M].clone() for p in kv.parts]
                 bat = torch.empty(M, ctx.n_vocab)
                 ops._C.decode_steps(ctx, toks[:M].contiguous(), pos, bat, True)
-                assert torch.equal(seq, bat), (isa, amx_rows, M, (seq - bat).abs().max())
+                assert torch.equal(seq, bat), (isa, M, (seq - bat).abs().max())
                 for a, p in zip(rows_seq, kv.parts):
-                    assert torch.equal(a, p.data[:, :, pos:pos + M]), (isa, amx_rows, M)
+                    assert torch.equal(a, p.data[:, :, pos:pos + M]), (isa, M)
                 last = torch.empty(1, ctx.n_vocab)
                 ops._C.decode_steps(ctx, toks[:M].contiguous(), pos, last, False)
                 assert torch.equal(last[0], seq[-1])
     finally:
-        ops._C.set_amx_rows("off")
         ops._C.emulate_avx512(False)
         ops.set_isa(before)
     with pytest.raises(ValueError, match="1..8"):
@@ -512,11 +496,11 @@ def test_sampling_under_a_grammar_speculates_within_it():
 
 def test_exact_row_types_are_the_kernels_row_order_independent_ones():
     # pyllm/backends/cpu.py EXACT_ROW_TYPES lists the GGUF types tests/test_kernels.py holds to one summation order
-    # per row whatever M is (legacy and K-quants), and their rows-by-8 copies; no float type
+    # per row whatever M is (legacy, MXFP4 and K-quants), and their rows-by-8 copies; no float type
     from pyllm.backends.cpu import EXACT_ROW_TYPES
     from pyllm.formats.gguf import GGMLType
 
-    names = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    names = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
     base = {int(GGMLType[n]) for n in names}
     rows8 = {int(ops._C.rows8_qtype(t)) for t in base} - {-1}
     assert EXACT_ROW_TYPES == base | rows8

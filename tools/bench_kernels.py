@@ -7,8 +7,6 @@
     python tools/bench_kernels.py --isa avx2,avx512 --cpu-time        # A/B: kernel paths interleaved per point
     python tools/bench_kernels.py --types Q8_0 --shapes 49152x576 --m 1,4 --precise-x   # the output projection
     python tools/bench_kernels.py --rows8 --isa avx2,avx512 --m 1,4,8 --cpu-time   # the decode step's layout
-    python tools/bench_kernels.py --rows8 --isa amx --amx-rows off,native --types Q4_1,Q4_K,Q6_K --m 2,4,8
-                                                        # AMX-INT8 rows kernels vs the VNNI ones (an AMX CPU)
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
 compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
@@ -134,27 +132,13 @@ def main() -> int:
     ap.add_argument("--rows8", action="store_true",
                     help="weights with their rows interleaved by 8 (_C.repack_rows8), the copy the decode step and "
                          "a speculative verification pass read")
-    ap.add_argument("--amx-rows", default=None,
-                    help="off | native | emulated, or a comma list to compare (_C.set_amx_rows: the AMX-INT8 rows "
-                         "kernels for 2..8 rows against the rows-by-8 layout; native needs an AMX CPU and --isa amx)")
     a = ap.parse_args()
     if a.rows8 and max(a.m) > 8:
         ap.error("--rows8: the interleaved layout has GEMV kernels only, for up to 8 rows (--m)")
 
     C = _ext.load()
-    modes = a.amx_rows.split(",") if a.amx_rows else [C.amx_rows()]
-    # the paths compared: each ISA, crossed with each AMX rows mode; named "isa" or "isa+tiles MODE"
-    isas = [(i, m) for i in (a.isa.split(",") if a.isa else [C.get_isa()]) for m in modes]
-    label = {p: p[0] + ("" if p[1] == "off" else f"+tiles {p[1]}") for p in isas}
-
-    def use(path):
-        C.set_isa(path[0])
-        try:
-            C.set_amx_rows(path[1])
-        except ValueError as e:
-            sys.exit(f"bench_kernels: --amx-rows: {e}")
-
-    use(isas[0])
+    isas = a.isa.split(",") if a.isa else [C.get_isa()]
+    C.set_isa(isas[0])
     threads = a.threads or sorted({1, C.physical_cores()})
     shapes = a.shapes or SHAPES
     ms = a.m
@@ -167,7 +151,7 @@ def main() -> int:
     for t in threads:
         bw[t] = read_bandwidth(C, t, a.repeat, clock)
     unit = "GB per CPU-second" if a.cpu_time else "GB/s"
-    print(f"# pyllm kernel bench: isa={','.join(label[p] for p in isas)}, {'CPU time' if a.cpu_time else 'wall time'}, "
+    print(f"# pyllm kernel bench: isa={','.join(isas)}, {'CPU time' if a.cpu_time else 'wall time'}, "
           f"{'int16 activations (precise_x), ' if a.precise_x else ''}"
           f"{'rows interleaved by 8, ' if a.rows8 else ''}load average "
           f"{os.getloadavg()[0]:.1f} (other processes share these cores: numbers are noisy)")
@@ -194,16 +178,15 @@ def main() -> int:
                     best = {i: math.inf for i in isas}
                     for _ in range(a.repeat):  # interleaved, so load changes hit every path alike
                         for i in isas:
-                            use(i)
+                            C.set_isa(i)
                             best[i] = min(best[i], bench_gemv(C, ws, wid, M, 1, gemm=M > 8, clock=clock,
                                                                   precise_x=a.precise_x, K=K))
                     for i in isas:
                         s = best[i]
                         gbs = w0.numel() / s / 1e9
-                        print(f"| {name} | {N}x{K} | {M} | {t} | {label[i]} | {w0.numel() / 1e6:.1f} | {s * 1e6:.0f} | "
+                        print(f"| {name} | {N}x{K} | {M} | {t} | {i} | {w0.numel() / 1e6:.1f} | {s * 1e6:.0f} | "
                               f"{gbs:.1f} | {100 * gbs * 1e9 / bw[t]:.0f}% | {best[isas[0]] / s:.2f} |", flush=True)
             del ws, w0
-    C.set_amx_rows("off")
     return 0
 
 

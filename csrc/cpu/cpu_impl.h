@@ -114,17 +114,9 @@ RowKernel row_kernel_avx512_x16(QType t);     // precise_x Q8_0 rows, each int16
 RowKernel row_kernel_vnni_emulated_x16(QType t);  // the same kernels as AVX2 code, for tests
 RowKernel row_kernel_generic_rows8(QType t);  // Q*_R8 without SIMD: each row unpacked, then the generic row dot
 RowKernel row_kernel_generic_rows8_x16(QType t);  // Q8_0_R8 against 16-bit activations, likewise
-// AMX-INT8 rows for 2 <= M <= 8 activation rows against every rows-by-8 type (Q4_0_R8 ... Q6_K_R8; x16: Q8_0_R8
-// against int16 activations), bit for bit the VNNI rows kernels (rows8_amx.cpp): native tiles, or tiles emulated
-// in C++ for tests.  nullptr for other types and M.  Call only where avx512_runs_natively() (the file is built
-// for AVX-512), and native only where cpu_amx_int8_usable().
-RowsDot rows8_amx_kernel(QType t, int M, bool emulated, bool x16);
 bool avx2_compiled();
 // Built with the AVX-512 kernels, and this CPU and its OS run them (isa.cpp).
 bool avx512_runs_natively();
-// The AMX rows kernel that replaces a rows kernel of M activation rows (of kind act) against type t under the
-// current AMX rows mode and ISA, or nullptr (isa.cpp).
-RowsDot amx_rows_for(QType t, Act act, int M, Isa isa);
 bool avx512_compiled();
 // AMX-BF16 tiles usable by this process: CPUID (AMX-TILE, AMX-BF16, AVX512_BF16 for the packing), OS state
 // (XCR0) and Linux's tile-data permission, which this call requests once (gemm_amx.cpp).  For the prefill GEMM;

@@ -203,8 +203,13 @@ namespace {
 void moe_mlp(const DecodeConfig& c, const DecodeLayer& L, DecodeScratch& s, float* h, int M) {
     const int D = c.n_embd, F = c.n_ff, E = c.n_expert, k = c.n_expert_used, FS = c.n_ff_shexp;
     float* const logits = s.moe_logits.data();
-    const GemvPart router{L.router.qtype, L.router.data, L.router.row_bytes, logits, E};
-    gemv_parts_cpu(&router, 1, h, M, D);
+    // The router a row at a time: its float32 kernels unroll by rows (dot_float), and each row's route must be its
+    // one-token step's bit for bit for a multi-row pass to be exact (backends/cpu.py rows_exact).  It is n_expert
+    // rows, so reading it M times costs next to nothing.
+    for (int r = 0; r < M; ++r) {
+        const GemvPart router{L.router.qtype, L.router.data, L.router.row_bytes, logits + static_cast<size_t>(r) * E, E};
+        gemv_parts_cpu(&router, 1, h + static_cast<size_t>(r) * D, 1, D);
+    }
     if (L.b_router)
         for (int r = 0; r < M; ++r)
             for (int e = 0; e < E; ++e) logits[static_cast<size_t>(r) * E + e] += L.b_router[e];

@@ -558,10 +558,7 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
         }
         const int fm = (res ? first[M] : M) - 1;
         const bool q8k = kern[p]->act == Act::Q8_K;
-        cpu::RowsDot rows = kern[p]->rows[fm];
-        if (rows != nullptr)
-            if (cpu::RowsDot amx = cpu::amx_rows_for(P.t, kern[p]->act, fm + 1, isa)) rows = amx;
-        job[p] = {kern[p]->fn[fm], rows, P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
+        job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
                   P.t, sparse && q8k ? outl : nullptr, first, M};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);
         total_rows += P.N;
@@ -704,10 +701,7 @@ void gemv_each_cpu(const GemvPart* parts, const float* const* x, int n_parts, in
             y_res[p].resize(static_cast<size_t>(2) * P.N);
             yo = y_res[p].data();
         }
-        cpu::RowsDot rows = kern.rows[fm];
-        if (rows != nullptr)
-            if (cpu::RowsDot amx = cpu::amx_rows_for(P.t, kern.act, fm + 1, isa)) rows = amx;
-        jobs[p] = {kern.fn[fm], rows, P.w, P.row_bytes, S.prep.xa, S.prep.xs, yo, P.N, P.t,
+        jobs[p] = {kern.fn[fm], kern.rows[fm], P.w, P.row_bytes, S.prep.xa, S.prep.xs, yo, P.N, P.t,
                    S.act == Act::Q8_K && S.outl.n ? &S.outl : nullptr, kFirst[fm], 1};
         total_bytes += P.row_bytes * static_cast<size_t>(P.N);
         total_rows += P.N;

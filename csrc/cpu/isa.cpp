@@ -1,6 +1,6 @@
 // CPU features and the kernels' instruction set: what this CPU and its OS run (CPUID, XCR0, Linux's AMX tile
 // permission), the ISA in use (the best by default, PYLLM_ISA or set_isa to force; AVX-512 emulated on AVX2 for
-// tests), the AMX rows mode (PYLLM_AMX_ROWS), and the thread count (physical cores by default).
+// tests), and the thread count (physical cores by default).
 #include <omp.h>
 #include <sched.h>
 #include <unistd.h>
@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <set>
 #include <thread>
@@ -17,8 +16,6 @@
 #include "cpu_impl.h"
 
 namespace pyllm {
-
-using cpu::Act;
 
 namespace {
 
@@ -97,58 +94,12 @@ bool cpu_emulate_avx512(bool on) {
 }
 bool cpu_avx512_emulated() { return g_emulate_avx512.load(); }
 
-bool cpu_amx_int8_usable() {
-#if defined(__x86_64__)
-    static const bool ok = [] {
-        if (!cpu_isa_available(Isa::Amx)) return false;  // AMX-TILE and the tile permission (cpu::amx_usable)
-        unsigned r[4];
-        cpuid(7, 0, r);
-        return (r[3] & (1u << 25)) != 0;  // AMX-INT8
-    }();
-    return ok;
-#else
-    return false;
-#endif
-}
-
-namespace {
-std::atomic<int> g_amx_rows{-1};  // -1: not read from PYLLM_AMX_ROWS yet
-
-AmxRows amx_rows_mode() {
-    int m = g_amx_rows.load(std::memory_order_relaxed);
-    if (m < 0) {
-        const char* env = std::getenv("PYLLM_AMX_ROWS");
-        m = env && std::strcmp(env, "1") == 0 && cpu_amx_int8_usable() ? static_cast<int>(AmxRows::Native) : 0;
-        g_amx_rows.store(m);
-    }
-    return static_cast<AmxRows>(m);
-}
-
-}  // namespace
-
 namespace cpu {
 bool avx512_runs_natively() {
     static const bool ok = avx2_compiled() && avx512_compiled() && cpu_runs_avx512();
     return ok;
 }
-
-// Native tiles serve only the amx ISA (PYLLM_ISA and the tests' ISA loops keep meaning what they say), emulated
-// ones avx512 too.
-RowsDot amx_rows_for(QType t, Act act, int M, Isa isa) {
-    const AmxRows mode = amx_rows_mode();
-    if (mode == AmxRows::Off || M < 2 || isa < Isa::Avx512 || (mode == AmxRows::Native && isa != Isa::Amx))
-        return nullptr;
-    return rows8_amx_kernel(t, M, mode == AmxRows::Emulated, act == Act::Q16_32);
-}
 }  // namespace cpu
-
-bool cpu_set_amx_rows(AmxRows mode) {
-    const bool ok = mode == AmxRows::Off || (mode == AmxRows::Native && cpu_amx_int8_usable()) ||
-                    (mode == AmxRows::Emulated && cpu::avx512_runs_natively());
-    if (ok) g_amx_rows.store(static_cast<int>(mode));
-    return ok;
-}
-AmxRows cpu_get_amx_rows() { return amx_rows_mode(); }
 
 Isa cpu_best_isa() {
     static const Isa best = pick_default();

@@ -39,11 +39,12 @@ def available_memory() -> int | None:
 
 
 # Matrix types whose row kernels sum a row in one order whatever the number of rows (tests/test_kernels.py
-# test_gemv_rows_do_not_depend_on_m): the GGUF legacy and K-quant types, and their rows-by-8 copies (ids 60..67,
-# csrc/common/qtype.h).  A multi-row pass over them gives each row a one-token step's logits bit for bit; float
-# matrices unroll by M.
+# test_gemv_rows_do_not_depend_on_m): the GGUF legacy and K-quant types, MXFP4 (gpt-oss's experts: the legacy
+# block kernel), and the rows-by-8 copies (ids 60..67, csrc/common/qtype.h).  A multi-row pass over them gives
+# each row a one-token step's logits bit for bit; float matrices unroll by M.
 EXACT_ROW_TYPES = frozenset(
-    [int(GGMLType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")]
+    [int(GGMLType[n]) for n in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                                "Q6_K")]
     + list(range(60, 68)))
 
 
@@ -346,6 +347,7 @@ class CpuBackend:
         # the per-layer vectors (norms, biases) by the step's names: the tensor names less ".weight"
         small = {n.removesuffix(".weight"): n for n in spec.layer_tensors() if len(w["blk.0." + n].shape) == 1}
         moe, moe_names = [], ("ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+        n_moe = 4 if spec.n_ff_shexp else 1  # each layer's: the router, then the shared expert's matrices
         try:
             if spec.n_expert:
                 # The stacked experts as [n_expert * rows, row_bytes] (expert e's rows the e-th slice), in their file
@@ -356,7 +358,7 @@ class CpuBackend:
                         t = w[f"blk.{i}.{n}{'_exps' if n.startswith('ffn_') else ''}.weight"]
                         packed.append(self.decode_matrix(t) if t.data.dim() == 2 else
                                       (t.data.reshape(-1, t.data.shape[-1]), int(t.qtype)))
-                    moe += [w[f"blk.{i}.{n}.weight"] for n in moe_names[:4 if spec.n_ff_shexp else 1]]
+                    moe += [w[f"blk.{i}.{n}.weight"] for n in moe_names[:n_moe]]
             else:
                 packed = [self.decode_matrix(w[f"blk.{i}.{n}.weight"]) for i in layers for n in LAYER_MATRICES]
             out_data, out_type = self.decode_matrix(model.output) if ends else (None, 0)
@@ -385,7 +387,10 @@ class CpuBackend:
             # No extension, a GGML type the CPU kernels lack, or a layout the step does not take (LoRA terms on a
             # matrix outside it, an extension without set_lora): torch path.
             return None
-        types = [t for _, t in packed] + ([out_type] if ends else []) + [int(t.qtype) for t in moe]
+        # the routers (the first of each layer's n_moe) run a row at a time in the step (decode_step.cpp moe_mlp),
+        # exact whatever their type
+        shared_expert = [int(t.qtype) for j, t in enumerate(moe) if j % n_moe]
+        types = [t for _, t in packed] + ([out_type] if ends else []) + shared_expert
         return CpuDecodeStep(ctx, rows_exact=all(t in EXACT_ROW_TYPES for t in types))
 
 
