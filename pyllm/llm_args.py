@@ -9,8 +9,8 @@ from .runtime.sampler import SamplerSettings
 DEFAULT_SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 # What greedy decoding speculates with when the caller does not say (speculative="auto"), where the model's fused
 # step verifies rows exactly (CpuDecodeStep.rows_exact: the tokens are then plain decoding's).  Prompt lookup
-# measured 1.03-2.4x plain decoding on every fixture and shipped prompt, open-ended ones included (the controller
-# falls back to plain steps when drafts fail; docs/BENCHMARKS.md, "Speculative decoding").
+# measured 0.99-3.5x plain decoding on the dense fixtures over seven prompt kinds, open-ended ones included (the
+# controller falls back to plain steps when drafts fail; docs/BENCHMARKS.md, "Speculative decoding").
 DEFAULT_SPECULATIVE = "lookup"
 
 

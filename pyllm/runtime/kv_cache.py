@@ -30,8 +30,8 @@ q.(k_j - mu_k) = q.k_j - q.mu_k shifts every score of that query by the same con
 (masking keeps only keys of the same query, so it is still one constant per row): attention over centered keys
 needs no correction at all. It matters: RoPE leaves the slow channels of K with a large common component --
 Qwen2's K bias puts values of 100-200 there -- which otherwise sets the step of every block that holds one. On
-Qwen2.5-0.5B a plain q8_0 key cache costs +5.6% perplexity (llama.cpp's own q8_0 K: +2.6%, KLD 0.019 on the same
-text and GGUF); centered keys bring that to the numbers in docs/BENCHMARKS.md.
+Qwen2.5-0.5B a plain q8_0 key cache cost +5.6% perplexity when centering came in; llama.cpp's own q8_0 cache costs
++3.64% (KLD 0.0196) on the same text and GGUF, pyllm's centered one +0.10% (docs/BENCHMARKS.md, "KV cache").
 
 Why the rotation works (q4_rot). Let R = H D / sqrt(n), with H the n x n Sylvester-Hadamard matrix (entries +-1,
 n = head_dim, a power of two) and D a fixed diagonal of random signs; R R^T = I. Vectors are rows here, so a head
@@ -62,8 +62,9 @@ goes from +2.1% to +0.1% (docs/BENCHMARKS.md). The scales come from the same bat
 Exact sink row (every block kind). Position 0 (BOS, or the first token) is where most heads park their
 attention -- it holds a large share of every softmax -- so its rounding error reaches every later query with a
 large weight. Each block part also keeps position 0's row exactly (float32, in the storage basis, one row per
-layer and head: a few KiB); attention reads that row instead of the quantized one. It halved SmolLM2's q4_0 KL
-divergence against f16 (0.095 -> 0.043) and cut Qwen2.5's by a fifth (0.103 -> 0.081; docs/BENCHMARKS.md).
+layer and head: a few KiB); attention reads that row instead of the quantized one. When it came in it halved
+SmolLM2's q4_0 KL divergence against f16 (0.095 -> 0.043) and cut Qwen2.5's by a fifth (0.103 -> 0.081); the
+current figures are in docs/BENCHMARKS.md, "KV cache".
 
 The means (and scales) are estimated from the first batch written at position 0 (without position 0 itself, often
 an attention-sink outlier) and then fixed until the cache is rewritten from position 0.
