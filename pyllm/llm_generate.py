@@ -8,7 +8,6 @@ from typing import Iterator
 
 import torch
 
-from . import ops
 from .errors import ModelError, PyllmError
 from .llm_args import DEFAULT_SPECULATIVE, check_int, check_sampling
 from .runtime.engine import check_finite
@@ -216,10 +215,7 @@ class GenerationCalls:
                         raise PyllmError("this generation was superseded: another call on the same LLM (in this "
                                          "thread, while the stream was unfinished) replaced its cache; start it again")
             finally:
-                items.close()
-                # the caller may go on in another thread (a server's worker, a web framework's pool): this one's
-                # OpenMP workers would throttle that thread's kernels (ops.release_thread_pool)
-                ops.release_thread_pool()
+                items.close()  # which hands this thread's OpenMP workers back (BatchEngine.tokens)
                 if self._epoch == mine:
                     engine.end(req)
                     if req.spec is not None and not ended and read:

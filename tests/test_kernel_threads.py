@@ -77,6 +77,21 @@ def test_generations_on_pool_threads_leave_no_workers(llm):
         assert _settles_at(base) <= base
 
 
+def test_batch_calls_on_pool_threads_leave_no_workers(llm):
+    """generate_batch steps its own engine in the calling thread: that thread keeps no workers afterwards either."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        barrier = threading.Barrier(2)
+        list(pool.map(lambda _: barrier.wait(), range(2)))
+        base = _threads()
+
+        def generate(i):
+            barrier.wait()
+            return llm.generate_batch([f"Count to {i + 3}:", "Name a river."], max_tokens=6, temperature=0)
+
+        assert all(len(o) == 2 for o in pool.map(generate, range(2)))
+        assert _settles_at(base) <= base
+
+
 def test_load_leaves_no_workers_on_the_loading_thread(smollm2_path):
     """A live thread that loads a model (its weights interleaved and checked in parallel regions) keeps no workers
     (the server loads on its main thread and decodes on the engine's)."""

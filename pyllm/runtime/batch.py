@@ -358,19 +358,24 @@ class BatchEngine:
     def tokens(self, req: Request):
         """The items of ``req`` (see Request), stepping the engine in this thread while none is ready (an engine
         made with thread=False); the iterator ends after "end" or raises the "error" item's exception.  Items of
-        the other requests wait in their own queues meanwhile."""
-        while True:
-            try:
-                item = req.out.get_nowait()
-            except queue.Empty:
-                if not (self.active or self._waiting or self._inbox.qsize()):
-                    raise PyllmError("the engine has nothing to run for this request") from None
-                with self.guard:
-                    self.step()
-                continue
-            yield item
-            if item[0] != "token":
-                return
+        the other requests wait in their own queues meanwhile.  When it ends (or is closed) this thread hands its
+        OpenMP workers back: the caller may go on in another thread (a server's worker, a web framework's pool),
+        whose kernels this thread's workers would throttle (ops.release_thread_pool)."""
+        try:
+            while True:
+                try:
+                    item = req.out.get_nowait()
+                except queue.Empty:
+                    if not (self.active or self._waiting or self._inbox.qsize()):
+                        raise PyllmError("the engine has nothing to run for this request") from None
+                    with self.guard:
+                        self.step()
+                    continue
+                yield item
+                if item[0] != "token":
+                    return
+        finally:
+            ops.release_thread_pool()
 
     def end(self, req: Request) -> None:
         """Ends ``req`` now, between steps (a thread=False engine's request whose reader stopped): its sequence is
