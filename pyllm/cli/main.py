@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--alias", default=None, help="model id clients use (default: the registry name or file name)")
     s.add_argument("--parallel", "-np", type=int, default=1,
                    help="requests decoded together in one batched step, each with its own KV slot (default 1: one "
-                        "at a time, with speculative decoding)")
+                        "at a time); a greedy request speculates on the steps where it decodes alone")
     s.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
                    help="KV cache positions the --parallel slots share, at least --ctx (default: every slot's "
                         "whole context); when they are all in use a new request waits, and a running one that "
