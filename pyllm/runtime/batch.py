@@ -37,7 +37,7 @@ from .engine import check_finite, chunk_end, common_prefix, finish_reason, force
 from .generator import GenerationStats, decode_one
 from .kv_pool import slot_caches
 from .prompt_cache import PREFILL_CHUNK, PromptCache, log as cache_log, reusable
-from .speculative import SpecDecoder
+from .speculative import SlotSequence, SpecDecoder
 
 MAX_BATCH = ops.GEMV_MAX_M  # rows of one batched decode pass (the GEMV kernels' limit)
 # Seconds of prefill the running streams may wait for their next token while new prompts are read: long enough
@@ -72,28 +72,6 @@ class Slot:
         self.kv.copy_prefix_from(src.kv, n)
         self.tokens = src.tokens[:n]
         self.exact = n
-
-
-class SlotSequence:
-    """A slot as the sequence a speculating request's SpecDecoder steps (what it uses of a Generator): one token
-    through the fused step, or k + 1 rows in one verification pass; ``truncate`` forgets rejected rows (overwritten
-    later; the reusable prompt rows, ``exact``, never reach past what is kept)."""
-
-    def __init__(self, model, slot: Slot, n_ctx: int):
-        self.model, self.slot, self.n_ctx = model, slot, n_ctx
-        self.kv, self.tokens = slot.kv, slot.tokens
-
-    def check_room(self, n: int) -> None:
-        if len(self.tokens) + n > self.n_ctx:
-            raise ContextFullError(f"context full: {len(self.tokens)} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
-
-    def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
-        self.check_room(1)
-        return decode_one(self.model, self.slot, tok)
-
-    def truncate(self, n: int) -> None:
-        del self.tokens[n:]
-        self.slot.exact = min(self.slot.exact, n)
 
 
 def decode_rows(model, slots: list[Slot], tokens: list[int]) -> torch.Tensor:

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from ..backends.base import SeqStep
-from ..errors import PyllmError
+from ..errors import ContextFullError, PyllmError
 from ..ops import GEMV_MAX_M
+from .generator import decode_one
 
 SPEC_MODES = ("none", "lookup", "draft")
 MAX_ROWS = GEMV_MAX_M  # rows of one verification forward: the fused GEMV's limit
@@ -334,6 +335,29 @@ class SpecDecoder:
         sst.accepted += a
         sst.verifies += 1
         return queue, lps
+
+
+class SlotSequence:
+    """A slot of the engine (runtime/batch.py Slot: its ``kv``, ``tokens`` and ``exact``) as the sequence a
+    speculating request's SpecDecoder steps (what it uses of a Generator): one token through the fused step, or
+    k + 1 rows in one verification pass; ``truncate`` forgets rejected rows (overwritten later; the reusable prompt
+    rows, ``exact``, never reach past what is kept)."""
+
+    def __init__(self, model, slot, n_ctx: int):
+        self.model, self.slot, self.n_ctx = model, slot, n_ctx
+        self.kv, self.tokens = slot.kv, slot.tokens
+
+    def check_room(self, n: int) -> None:
+        if len(self.tokens) + n > self.n_ctx:
+            raise ContextFullError(f"context full: {len(self.tokens)} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
+
+    def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
+        self.check_room(1)
+        return decode_one(self.model, self.slot, tok)
+
+    def truncate(self, n: int) -> None:
+        del self.tokens[n:]
+        self.slot.exact = min(self.slot.exact, n)
 
 
 # ---- the model's multi-row forward -------------------------------------------------------------------------------
