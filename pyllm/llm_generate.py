@@ -10,7 +10,6 @@ import torch
 
 from .errors import ModelError, PyllmError
 from .llm_args import DEFAULT_SPECULATIVE, check_int, check_sampling
-from .runtime.engine import check_finite
 from .runtime.sampler import Sampler, SamplerSettings
 from .runtime.stop_strings import stop_list
 
@@ -178,13 +177,6 @@ class GenerationCalls:
         ``close()``."""
         from .runtime.batch import Request
 
-        def check(logits, argmax=None):
-            check_finite(logits, argmax, self._nonfinite_error)
-
-        def sample(logits, argmax=None):
-            check(logits, argmax)
-            return sampler.sample_known_argmax(logits, argmax)
-
         with self._lock:
             self._epoch += 1
             mine = self._epoch
@@ -192,9 +184,7 @@ class GenerationCalls:
             engine = self.engine
             req = Request(ids, max_tokens, sampler, seq=self.generator)
             if spec is not None and max_tokens > 0:
-                from .runtime.speculative import SpecDecoder
-
-                req.spec = SpecDecoder(self.generator, ids, spec, sampler, sample, check, max_tokens)
+                engine.speculate(req, spec)
             items = engine.tokens(engine.submit(req))
             read, ended = 0, False
             try:

@@ -320,9 +320,9 @@ class BatchEngine:
         return req
 
     def speculate(self, req: Request, spec) -> Request:
-        """``req`` (before submit, on a slot) speculates with ``spec`` (speculative.SpecSettings, lookup) on the steps
-        where it decodes alone (_decode_step): verification gives greedy decoding's tokens bit for bit where the
-        step's rows are exact, so only the speed differs."""
+        """``req`` (before submit) speculates with ``spec`` (speculative.SpecSettings): on its own sequence
+        (``req.seq``) every step, on a slot (lookup) the steps where it decodes alone (_decode_step).  Samples and
+        checks its logits as a plain request's (``_emit``)."""
         def check(logits, argmax=None):
             check_finite(logits, argmax, self.nonfinite)
 
@@ -330,7 +330,7 @@ class BatchEngine:
             check(logits, argmax)
             return req.sampler.sample_known_argmax(logits, argmax)
 
-        req.spec = SpecDecoder(None, req.ids, spec, req.sampler, sample, check, req.max_tokens)
+        req.spec = SpecDecoder(req.seq, req.ids, spec, req.sampler, sample, check, req.max_tokens)
         return req
 
     def tokens(self, req: Request):

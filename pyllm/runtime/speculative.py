@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from ..backends.base import SeqStep
-from ..errors import ContextFullError, PyllmError
+from ..errors import PyllmError
 from ..ops import GEMV_MAX_M
-from .generator import decode_one
+from .generator import Generator, decode_one
 
 SPEC_MODES = ("none", "lookup", "draft")
 MAX_ROWS = GEMV_MAX_M  # rows of one verification forward: the fused GEMV's limit
@@ -347,9 +347,7 @@ class SlotSequence:
         self.model, self.slot, self.n_ctx = model, slot, n_ctx
         self.kv, self.tokens = slot.kv, slot.tokens
 
-    def check_room(self, n: int) -> None:
-        if len(self.tokens) + n > self.n_ctx:
-            raise ContextFullError(f"context full: {len(self.tokens)} cached + {n} new tokens exceed n_ctx={self.n_ctx}")
+    check_room = Generator.check_room  # what it reads: tokens, n_ctx
 
     def _decode(self, tok: int) -> tuple[torch.Tensor, int | None]:
         self.check_room(1)
