@@ -12,8 +12,10 @@ import torch
 
 import pyllm
 from pyllm import ops
+from pyllm.backends.base import SeqStep
 from pyllm.runtime import batch, prompt_cache
 from pyllm.runtime.kv_cache import make_kv_cache
+from pyllm.runtime.slots import Slot, decode_rows_with_argmax, prefill_chunk, prefill_part
 
 from conftest import pyllm_model
 
@@ -32,9 +34,9 @@ def _slots(llm, kind, n, n_ctx=160):
     cfg, model = llm.config, llm.model
     slots = []
     for i in range(n):
-        s = batch.Slot(i, make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim))
+        s = Slot(i, make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, n_ctx, cfg.head_dim))
         ids = llm.tokenize(PROMPTS[i % len(PROMPTS)] * (1 + i % 3))  # different lengths: different positions
-        while batch.prefill_chunk(model, s, ids) is None:
+        while prefill_chunk(model, s, ids) is None:
             pass
         slots.append(s)
     return slots
@@ -43,7 +45,7 @@ def _slots(llm, kind, n, n_ctx=160):
 def _clone(slots):
     out = []
     for s in slots:
-        c = batch.Slot(s.index, make_kv_cache(s.kv.kind, s.kv.n_layer, s.kv.n_kv_head, s.kv.max_seq, s.kv.head_dim))
+        c = Slot(s.index, make_kv_cache(s.kv.kind, s.kv.n_layer, s.kv.n_kv_head, s.kv.max_seq, s.kv.head_dim))
         c.copy_prefix(s, len(s.tokens))
         out.append(c)
     return out
@@ -67,7 +69,7 @@ def test_batch_rows_equal_single_steps(key, kinds):
                     ops._C.decode_step(s.context(model), t, len(s.tokens), lg)
                     s.tokens.append(t)
                     ref.append(lg)
-                got, tops = batch.decode_rows_with_argmax(model, together, toks)
+                got, tops = decode_rows_with_argmax(model, together, toks)
                 assert got.shape == (n, model.cfg.n_vocab)
                 for b in range(n):
                     assert torch.equal(got[b], ref[b]), f"{key} {kind} B={n} step {step} row {b} differs"
@@ -104,22 +106,22 @@ def test_reused_prefix_gives_a_fresh_prefill_bits():
     llm = pyllm_model("smollm2", n_ctx=512, n_threads=1)
     model, cfg = llm.model, llm.config
     ids = llm.tokenize("Once upon a time, in a small village by the sea, there lived an old fisherman. " * 8)
-    assert len(ids) > 2 * batch.PREFILL_CHUNK
+    assert len(ids) > 2 * prompt_cache.PREFILL_CHUNK
 
     def fresh_slot():
-        return batch.Slot(0, make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+        return Slot(0, make_kv_cache("f16", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
 
     a = fresh_slot()
-    while (ref := batch.prefill_chunk(model, a, ids)) is None:
+    while (ref := prefill_chunk(model, a, ids)) is None:
         pass
-    other = ids[:batch.PREFILL_CHUNK * 2 + 5] + llm.tokenize(" and a dog")
+    other = ids[:prompt_cache.PREFILL_CHUNK * 2 + 5] + llm.tokenize(" and a dog")
     b = fresh_slot()
     n = batch.reusable(batch.common_prefix(a.tokens, other), len(other), a.exact)
-    assert n == 2 * batch.PREFILL_CHUNK
+    assert n == 2 * prompt_cache.PREFILL_CHUNK
     b.copy_prefix(a, n)
     c = fresh_slot()
     for s in (b, c):
-        while (lg := batch.prefill_chunk(model, s, other)) is None:
+        while (lg := prefill_chunk(model, s, other)) is None:
             pass
         s.lg = lg
     assert torch.equal(b.lg, c.lg)
@@ -135,35 +137,35 @@ def test_prompt_spans_give_the_bits_of_chunks(key, kinds):
     llm = pyllm_model(key, n_ctx=512, n_threads=1)
     model, cfg = llm.model, llm.config
     base = llm.tokenize("Once upon a time, in a small village by the sea, there lived an old fisherman. " * 20)
-    assert len(base) > 5 * batch.PREFILL_CHUNK
+    assert len(base) > 5 * prompt_cache.PREFILL_CHUNK
     for kind in kinds:
         def slot():
-            return batch.Slot(0, make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+            return Slot(0, make_kv_cache(kind, cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
 
         least = model.prefill_exact_rows(slot().kv)
         if least is None:  # no claim (the fp32 GEMM of a host without bf16 kernels): chunks only
             s = slot()
-            assert len(batch.prefill_part(model, s, base[:300]).tokens) == batch.PREFILL_CHUNK
+            assert len(prefill_part(model, s, base[:300]).tokens) == prompt_cache.PREFILL_CHUNK
             continue
-        for n in (3 * batch.PREFILL_CHUNK + least - 1, 3 * batch.PREFILL_CHUNK + least, 5 * batch.PREFILL_CHUNK):
+        for n in (3 * prompt_cache.PREFILL_CHUNK + least - 1, 3 * prompt_cache.PREFILL_CHUNK + least, 5 * prompt_cache.PREFILL_CHUNK):
             ids = base[:n]
             chunked = slot()
-            for p in range(0, n, batch.PREFILL_CHUNK):
-                rows = model.step([batch.SeqStep(chunked.kv, ids[p:p + batch.PREFILL_CHUNK], p, prefill=True)])
+            for p in range(0, n, prompt_cache.PREFILL_CHUNK):
+                rows = model.step([SeqStep(chunked.kv, ids[p:p + prompt_cache.PREFILL_CHUNK], p, prefill=True)])
             want = rows[0].logits[-1].float()
             spans, lens = slot(), []
             while True:
-                lens.append(len(batch.prefill_part(model, spans, ids).tokens))
-                if (got := batch.prefill_chunk(model, spans, ids)) is not None:
+                lens.append(len(prefill_part(model, spans, ids).tokens))
+                if (got := prefill_chunk(model, spans, ids)) is not None:
                     break
-            assert len(lens) < n // batch.PREFILL_CHUNK + 1, lens  # fewer forwards than chunks
+            assert len(lens) < n // prompt_cache.PREFILL_CHUNK + 1, lens  # fewer forwards than chunks
             assert torch.equal(got, want), (kind, n, lens)
-            assert spans.exact == n - n % batch.PREFILL_CHUNK
+            assert spans.exact == n - n % prompt_cache.PREFILL_CHUNK
             a, b = chunked.kv.prefix_state(n), spans.kv.prefix_state(n)
             assert all(torch.equal(a[k], b[k]) for k in a), (kind, n)
             reused = slot()  # a prefix of whole chunks from the spans' slot, the rest read in spans
-            reused.copy_prefix(spans, batch.PREFILL_CHUNK * 2)
-            while (got := batch.prefill_chunk(model, reused, ids)) is None:
+            reused.copy_prefix(spans, prompt_cache.PREFILL_CHUNK * 2)
+            while (got := prefill_chunk(model, reused, ids)) is None:
                 pass
             assert torch.equal(got, want), (kind, n, "reused")
 
@@ -173,9 +175,9 @@ def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
     model, cfg = llm.model, llm.config
 
     def slot_for(text):
-        s = batch.Slot(0, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+        s = Slot(0, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
         ids = llm.tokenize(text * 12)
-        while batch.prefill_chunk(model, s, ids) is None:
+        while prefill_chunk(model, s, ids) is None:
             pass
         return s, ids
 
@@ -194,8 +196,8 @@ def test_prompt_cache_files_are_bounded_and_checked(tmp_path, capsys):
     b, ids_b = slot_for("Stones sit by the road. ")
     again = prompt_cache.PromptCache(tmp_path, "ab" * 32, template)
     e, n = again.best(ids_b)
-    assert n == batch.reusable(len(ids_b), len(ids_b), len(e.tokens)) and n >= batch.PREFILL_CHUNK
-    fresh = batch.Slot(1, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
+    assert n == batch.reusable(len(ids_b), len(ids_b), len(e.tokens)) and n >= prompt_cache.PREFILL_CHUNK
+    fresh = Slot(1, make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, 512, cfg.head_dim))
     assert again.load_into(e, fresh, n)
     want, got = b.kv.prefix_state(n), fresh.kv.prefix_state(n)  # rows 0..n-1, means, key scales, sink rows
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
@@ -237,7 +239,7 @@ def test_engine_reads_waiting_prompts_before_decoding_further(monkeypatch):
             return super().sample(logits)
 
     prompts = {"a": llm.tokenize(PROMPTS[2] * 12), "b": llm.tokenize(PROMPTS[0] * 30)}
-    assert all(len(p) > 2 * batch.PREFILL_CHUNK for p in prompts.values())  # several chunks each
+    assert all(len(p) > 2 * prompt_cache.PREFILL_CHUNK for p in prompts.values())  # several chunks each
     engine = batch.BatchEngine(llm.model, "f16", 512, 2, llm.tokenizer.is_eog)
     try:
         def run(reqs):
@@ -294,9 +296,9 @@ def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsy
     def kv(n):
         return make_kv_cache("q8_0", cfg.n_layer, cfg.n_kv_head, n, cfg.head_dim)
 
-    s = batch.Slot(0, kv(512))
+    s = Slot(0, kv(512))
     ids = llm.tokenize("Rivers run to the sea. " * 12)
-    while batch.prefill_chunk(llm.model, s, ids) is None:
+    while prefill_chunk(llm.model, s, ids) is None:
         pass
     good = tmp_path / "good"
     prompt_cache.PromptCache(good, "ab" * 32, kv(1)).save(s)
@@ -335,7 +337,7 @@ def test_prompt_cache_ignores_files_that_are_not_what_they_claim(tmp_path, capsy
     assert {p.name for p in cache.entries} == {"flipped.safetensors", "nan.safetensors"}
     for name, why in (("flipped", "do not match its digest"), ("nan", "holds NaN/Inf")):
         e = cache.entries[bad / f"{name}.safetensors"]
-        slot = batch.Slot(1, kv(512))
+        slot = Slot(1, kv(512))
         assert not cache.load_into(e, slot, 64) and slot.tokens == []
         assert why in capsys.readouterr().err
 

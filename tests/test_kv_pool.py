@@ -16,6 +16,7 @@ import pyllm
 from pyllm import ops
 from pyllm.errors import PyllmError
 from pyllm.runtime import batch
+from pyllm.runtime.slots import Slot, decode_rows_with_argmax, prefill_chunk
 from pyllm.runtime.kv_cache import KV_KINDS, KVCache
 from pyllm.runtime.kv_pool import BlockPool, PagedKVCache, PoolFullError, slot_caches
 
@@ -100,7 +101,7 @@ def test_paged_logits_equal_reference_backend():
 
 
 def _prefill(model, slot, ids):
-    while batch.prefill_chunk(model, slot, ids) is None:
+    while prefill_chunk(model, slot, ids) is None:
         pass
 
 
@@ -114,8 +115,8 @@ def test_batched_step_over_one_pool(_extension):
         long = llm.tokenize("Once upon a time, in a small village by the sea, there lived an old fisherman. " * 8)
         assert len(long) >= 75
         prompts = [long[:70], long[:75], llm.tokenize("def fibonacci(n):\n    ")]
-        alone = [batch.Slot(i, _contiguous(model, kind, 160)) for i in range(3)]
-        paged = [batch.Slot(i, pool.cache(160)) for i in range(3)]
+        alone = [Slot(i, _contiguous(model, kind, 160)) for i in range(3)]
+        paged = [Slot(i, pool.cache(160)) for i in range(3)]
         for s, ids in zip(alone, prompts):
             _prefill(model, s, ids)
         _prefill(model, paged[0], prompts[0])
@@ -134,7 +135,7 @@ def test_batched_step_over_one_pool(_extension):
                 ops._C.decode_step(s.context(model), t, len(s.tokens), lg)
                 s.tokens.append(t)
                 ref.append(lg)
-            got, _ = batch.decode_rows_with_argmax(model, paged, toks)
+            got, _ = decode_rows_with_argmax(model, paged, toks)
             for b in range(3):
                 assert torch.equal(got[b], ref[b]), f"{kind} step {step} row {b}"
             toks = [int(r.argmax()) for r in ref]

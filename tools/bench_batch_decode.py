@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def main(argv=None) -> int:
     import pyllm
     from pyllm import ops
-    from pyllm.runtime import batch
+    from pyllm.runtime.slots import Slot, decode_rows, prefill_chunk
     from pyllm.runtime.kv_cache import make_kv_cache
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -42,10 +42,10 @@ def main(argv=None) -> int:
     cfg, model = llm.config, llm.model
     text = "The river ran past the old stone mill and on to the sea. "
     ids = llm.tokenize(text * (a.prompt_tokens // 8 + 1))[:a.prompt_tokens]
-    slots = [batch.Slot(i, make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, llm.n_ctx, cfg.head_dim))
+    slots = [Slot(i, make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, llm.n_ctx, cfg.head_dim))
              for i in range(max(rows))]
     for s in slots:
-        while batch.prefill_chunk(model, s, ids) is None:
+        while prefill_chunk(model, s, ids) is None:
             pass
     best = {b: float("inf") for b in rows}
     phases: dict[int, dict[str, float]] = {b: {} for b in rows}  # B -> phase -> its least ms per step
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                 ops._C.decode_profile(True)
             t, c = time.perf_counter(), time.thread_time()
             for _ in range(a.steps):
-                batch.decode_rows(model, slots[:b], [ids[-1]] * b)
+                decode_rows(model, slots[:b], [ids[-1]] * b)
             dt = (time.perf_counter() - t) / a.steps
             best[b] = min(best[b], dt)
             if a.profile:

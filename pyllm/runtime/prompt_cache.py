@@ -25,7 +25,7 @@ from ..safe_io import private_tempfile
 from .engine import common_prefix
 
 if TYPE_CHECKING:
-    from .batch import Slot
+    from .slots import Slot
 
 PREFILL_CHUNK = 64  # prompt tokens per forward pass of a slot's prefill; also the unit of prompt reuse
 
