@@ -221,7 +221,8 @@ def test_run_refuses_an_empty_prompt_before_loading(argv, stdin, where, monkeypa
 @pytest.mark.parametrize("argv, spec", [
     (["run", "smollm2-135m", "hi", "--spec", "none", "--draft", "smollm2-135m"], "none"),
     (["chat", "smollm2-135m", "--spec", "lookup", "--draft", "smollm2-135m"], "lookup"),
-    (["bench", "smollm2-135m", "--draft", "smollm2-135m"], "not given")])
+    (["bench", "smollm2-135m", "--draft", "smollm2-135m"], "not given"),
+    (["serve", "smollm2-135m", "--spec", "lookup", "--draft", "smollm2-135m"], "lookup")])
 def test_a_draft_model_that_would_go_unused_is_refused(argv, spec, monkeypatch, capsys):
     """--draft with --spec none or lookup (or, in bench, without --spec draft) loaded a second model and never used
     it. Reference: argparse's own conflicting-flag errors, a usage error (exit 2) naming --draft, before any model
@@ -232,6 +233,18 @@ def test_a_draft_model_that_would_go_unused_is_refused(argv, spec, monkeypatch, 
     assert res.returncode == 2, res.stderr
     assert f"argument --draft: only --spec draft uses a draft model, and --spec is {spec}" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("spec", [["--spec", "draft", "--draft", "smollm2-135m"], ["--draft", "smollm2-135m"]])
+def test_serve_refuses_a_draft_model_its_parallel_slots_cannot_use(spec, monkeypatch, capsys):
+    """`serve --parallel 4 --draft M` loaded a draft model that no request used: a draft model keeps one cache, and
+    the slots of --parallel speculate by prompt lookup.  Reference: the --draft refusal above, a usage error (exit 2)
+    naming the flag and the way out, before any model loads."""
+    monkeypatch.setattr("pyllm.llm.load", lambda *a, **kw: pytest.fail("the model was loaded"))
+    res = cli_in_process(monkeypatch, capsys)("serve", "smollm2-135m", "--parallel", "4", *spec)
+    assert res.returncode == 2, res.stderr
+    assert "argument --spec: a draft model drafts for one request at a time, and --parallel is 4" in res.stderr
+    assert "--spec lookup, or --parallel 1" in res.stderr
 
 
 def test_version():

@@ -598,6 +598,10 @@ def check_numeric_args(a) -> None:
     if draft and (spec not in (None, "draft") or (spec is None and getattr(a, "command", None) == "bench")):
         raise SettingError(f"argument --draft: only --spec draft uses a draft model, and --spec is "
                            f"{spec or 'not given'}; drop one of them")
+    if getattr(a, "command", None) == "serve" and (spec == "draft" or draft) and (a.parallel or 1) > 1:
+        # a draft model keeps one cache, so the batch engine's slots speculate by lookup only
+        raise SettingError(f"argument --spec: a draft model drafts for one request at a time, and --parallel is "
+                           f"{a.parallel}; use --spec lookup, or --parallel 1")
     if getattr(a, "command", None) in ("run", "chat") and hasattr(a, "temp"):
         Settings.from_args(a)  # names the flag; same rules as /set
         if a.seed is not None and a.seed == -1:

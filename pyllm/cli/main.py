@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--alias", default=None, help="model id clients use (default: the registry name or file name)")
     s.add_argument("--parallel", "-np", type=int, default=1,
                    help="requests decoded together in one batched step, each with its own KV slot (default 1: one "
-                        "at a time); a greedy request speculates on the steps where it decodes alone")
+                        "at a time); greedy requests speculate (--spec), beside others in the batched step's spare rows")
     s.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
                    help="KV cache positions the --parallel slots share, at least --ctx (default: every slot's "
                         "whole context); when they are all in use a new request waits, and a running one that "
@@ -478,6 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one line per request on stderr (method, path, status, prompt and generated tokens, ms), "
                         "as text or as JSON objects (default text; not with --replicas)")
     add_runtime_args(s)
+    add_spec_args(s)
     s.set_defaults(func=cmd_serve)
 
     s = sub.add_parser("info", help="describe a model file", description="Describe a model file.")
