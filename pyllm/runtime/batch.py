@@ -4,7 +4,8 @@ A request runs on a sequence: one of the engine's ``Slot``s (the server's, a bat
 caller's own (``Request.seq``: the LLM's Generator, whose cache a library call reuses from any cached prefix; a
 single call is a batch of one).  Each step admits waiting requests, reads prompt chunks, and runs one decode step
 of every running request: plain ones together in one step of the model (a lone one through the fused step's own
-entry), speculative ones (``Request.spec``, speculative.SpecDecoder) each a plain step or a verification pass.
+entry), speculative ones (``Request.spec``, speculative.SpecDecoder) each a plain step or a verification pass of
+its own, or, on a slot beside other requests, their drafts in the same step.
 
 Decode is bandwidth-bound: one token of B sequences in one step of the model (backends/base.py; the CPU backend
 runs them through its batched decode, csrc/cpu/decode_step.cpp) reads every weight once for all B rows, so B
@@ -31,6 +32,7 @@ from typing import Callable
 import torch
 
 from .. import ops
+from ..backends.base import SeqStep
 from ..errors import ContextFullError, ModelError, PyllmError
 from .engine import check_finite, common_prefix, finish_reason, forced_end
 from .generator import GenerationStats, decode_one
@@ -229,8 +231,9 @@ class BatchEngine:
 
     def speculate(self, req: Request, spec) -> Request:
         """``req`` (before submit) speculates with ``spec`` (speculative.SpecSettings): on its own sequence
-        (``req.seq``) every step, on a slot (lookup) the steps where it decodes alone (_decode_step).  Samples and
-        checks its logits as a plain request's (``_emit``)."""
+        (``req.seq``) every step; on a slot (lookup) by its own passes where it decodes alone, and beside other
+        requests with its drafts in their batched pass (_decode_step).  Samples and checks its logits as a plain
+        request's (``_emit``)."""
         def check(logits, argmax=None):
             check_finite(logits, argmax, self.nonfinite)
 
@@ -531,22 +534,18 @@ class BatchEngine:
                 self._emit(r, None, forced)
             elif r.spec is not None and (r.seq is not None or (alone and self._may_verify(r))):
                 spec.append(r)
-            else:  # a slot's speculating request beside others: the batched pass is its speedup (one weight pass)
+            else:  # a slot's speculating request beside others: its drafts ride in the batched pass (_drafts_beside)
                 feed.append(r)
         for r in spec:  # each its own plain step or verification pass (speculative.SpecDecoder)
-            try:
-                queue, lps = r.spec.advance(r.last, r.n)
-            except Exception as e:
-                self._finish(r, error=e)
-                continue
-            for i, tok in enumerate(queue):
-                if not self._send(r, tok, lps[i] if lps is not None else None):
-                    break
+            self._send_spec(r, lambda: r.spec.advance(r.last, r.n))
         feed = self._make_room(feed)
         if not feed:
             return
+        drafts, proposals = self._drafts_beside(feed)
         try:
-            if len(feed) == 1:  # a batch of one: the fused step's own entry (generator.decode_one)
+            if drafts:
+                rows = self._step_beside(feed, drafts)
+            elif len(feed) == 1:  # a batch of one: the fused step's own entry (generator.decode_one)
                 r = feed[0]
                 logits, top = r.seq._decode(r.last) if r.seq is not None else decode_one(self.model, r.slot, r.last)
                 rows = [(r, logits, top)]
@@ -559,13 +558,89 @@ class BatchEngine:
                 self._finish(r, error=e)
             return
         for r, lg, top in rows:
+            d, mlen = drafts.get(id(r), ([], 0))
+            if d:  # its verification rows: the accepted drafts and the model's own token go out together
+                self._send_spec(r, lambda: r.spec.settle(d, None, mlen, lg, top))
+                continue
+            n = r.n
             self._emit(r, lg, top=top)
+            if r.spec is not None and r.n > n:
+                r.spec.plain_step(*proposals.get(id(r), ([], 0)), r.last)
 
-    def _may_verify(self, r: Request) -> bool:
-        """Whether r, on a slot, may speculate this step: its SpecDecoder bound to the slot it holds now (a preempted
-        request comes back on another), and room in the pool for a whole verification pass."""
+    def _send_spec(self, r: Request, tokens: Callable[[], tuple[list[int], list | None]]) -> None:
+        """Sends the tokens a speculative step of r gives (``tokens()``: SpecDecoder.advance's or .settle's result)
+        until r ends; an error in the step ends r."""
+        try:
+            queue, lps = tokens()
+        except Exception as e:
+            self._finish(r, error=e)
+            return
+        for i, tok in enumerate(queue):
+            if not self._send(r, tok, lps[i] if lps is not None else None):
+                break
+
+    def _drafts_beside(self, feed: list[Request]) -> tuple[dict, dict]:
+        """({id(request): (drafts, evidence)} to verify, {id(request): (proposal, evidence)} left for a plain step)
+        for the speculating requests of a batched pass (lookup, on slots): the pass's rows up to the next multiple
+        of MAX_BATCH cost no extra weight read, so each may fill some of them with drafts to verify, as its
+        controller expects to pay (first come first served), where the pool has the blocks."""
+        spec = [r for r in feed if r.spec is not None and r.seq is None]
+        if not spec or len(feed) < 2:
+            return {}, {}
+        rows = len(feed)
+        free = None if self.pool is None else self.pool.free_blocks - sum(
+            r.slot.kv.blocks_to_write(len(r.slot.tokens), 1) for r in feed)
+        out, left = {}, {}
+        for r in spec:
+            self._bind_spec(r)
+            d, mlen = r.spec.propose_beside(r.n, (-rows) % MAX_BATCH, rows)
+            if d and free is not None:
+                n = len(r.slot.tokens)
+                while d and r.slot.kv.blocks_to_write(n, 1 + len(d)) - r.slot.kv.blocks_to_write(n, 1) > free:
+                    d = d[:-1]
+                if d:
+                    free -= r.slot.kv.blocks_to_write(n, 1 + len(d)) - r.slot.kv.blocks_to_write(n, 1)
+            if d:
+                out[id(r)] = (d, mlen)
+                rows += len(d)
+            else:
+                left[id(r)] = (d, mlen)
+        return out, left
+
+    def _step_beside(self, feed: list[Request], drafts: dict) -> list:
+        """One step of the model over ``feed``'s rows: each request's last token, followed by its drafts where
+        ``drafts`` has some (every row's logits then).  [(request, logits, argmaxes)]: a plain request's row and
+        its argmax, a drafting one's rows and theirs.  Each pass's time is its speculating requests' measure of
+        a pass of that many rows."""
+        steps = []
+        for r in feed:
+            seq = r.seq or r.slot
+            d = drafts.get(id(r), ([], 0))[0]
+            steps.append(SeqStep(seq.kv, [r.last] + d, len(seq.tokens), all_logits=bool(d)))
+        t0 = time.perf_counter()
+        out = self.model.step(steps)
+        seconds = time.perf_counter() - t0
+        rows = sum(len(s.tokens) for s in steps)
+        res = []
+        for r, s, o in zip(feed, steps, out):
+            (r.seq or r.slot).tokens.extend(s.tokens)
+            if r.spec is not None and r.seq is None:
+                r.spec.ctrl.time(rows, seconds)
+            if len(s.tokens) > 1:
+                res.append((r, o.logits, o.argmax))
+            else:
+                res.append((r, o.logits[0], o.argmax[0] if o.argmax else None))
+        return res
+
+    def _bind_spec(self, r: Request) -> None:
+        """r's SpecDecoder bound to the slot r holds now (a preempted request comes back on another)."""
         if r.spec.gen is None or r.spec.gen.slot is not r.slot:
             r.spec.gen = SlotSequence(self.model, r.slot, self.n_ctx)
+
+    def _may_verify(self, r: Request) -> bool:
+        """Whether r, on a slot, may speculate this step on its own (bound to its slot): room in the pool for a
+        whole verification pass."""
+        self._bind_spec(r)
         if self.pool is None:
             return True
         return r.slot.kv.blocks_to_write(len(r.slot.tokens), r.spec.spec.k + 1) <= self.pool.free_blocks

@@ -278,59 +278,95 @@ class SpecDecoder:
         """The tokens that follow ``tok`` (the last emitted, the n-th; not cached yet), from one plain step or one
         verification, and each one's logprobs where the sampler reports them (else None).  ``gen.tokens`` then
         holds ``tok`` and the accepted drafts."""
-        gen, sampler, ctrl, spec, sst = self.gen, self.sampler, self.ctrl, self.spec, self.stats
-        want_lp = sampler.logprobs is not None
-        # room: drafts that fit after tok in the context
-        room = min(self.max_tokens - n - 1, gen.n_ctx - len(gen.tokens) - 1)
-        ready = getattr(gen.kv, "means_ready", lambda: True)()
-        drafts, q, mlen, k = [], None, 0, 0
-        if ready and room > 0:
-            if self.draft:
-                k = ctrl.choose_k(0, room)
-                if k:
-                    self.since_probe, self.probe_every = 0, PROBE_EVERY
-                else:
-                    self.since_probe += 1
-                    # re-measure the draft's acceptance now and then, less often each time it does not pay, and
-                    # never once its measured cost rules out any gain (a probe pays the draft's catch-up)
-                    if self.since_probe >= self.probe_every and ctrl.can_pay():
-                        k, self.since_probe = 1, 0
-                        self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
-                if k:
-                    with torch.inference_mode():
-                        drafts, q = self.prop.propose(self.ctx, k, sampler)
-                    # seconds per drafted token: a one-token draft step (measured where the proposal took more
-                    # than one), plus this proposal's catch-up pass when it covered only what one verification
-                    # emits (a probe's long catch-up is not the steady cost)
-                    if drafts:
-                        prop = self.prop
-                        step = prop.step_seconds / (len(drafts) - 1) if len(drafts) > 1 else ctrl.draft_cost
-                        steady = prop.catchup_seconds if prop.catchup_rows <= spec.k + 1 else 0.0
-                        ctrl.draft_cost = step + steady / len(drafts)
-                    k = len(drafts)
-            else:
-                drafts, mlen = self.prop.propose(self.ctx, spec.k)
-                if sampler.constraint is not None:
-                    drafts, mlen = grammar_drafts(sampler.constraint, drafts, mlen, spec.k)
-                k = ctrl.choose_k(mlen, min(len(drafts), room))
+        gen, ctrl = self.gen, self.ctrl
+        drafts, q, mlen, k = self._draft_model_proposal(n) if self.draft else self._lookup(n, MAX_ROWS - 1, 1)
         ts = time.perf_counter()
         if k == 0:
             logits, top = gen._decode(tok)
             ctrl.time(1, time.perf_counter() - ts)
             nxt = self.sample(logits, top)
-            if drafts:  # free evidence: would the first drafted token have been accepted?
-                ctrl.observe(mlen, int(drafts[0] == nxt), 1)
-            sst.plain_steps += 1
-            return [nxt], ([sampler.last_logprobs] if want_lp else None)
+            return [nxt], self.plain_step(drafts, mlen, nxt)
         d = drafts[:k]
         with torch.inference_mode():
             rows, tops = forward_rows(gen, [tok] + d)
         ctrl.time(k + 1, time.perf_counter() - ts)
-        lps = [] if want_lp else None
-        queue = accept(sampler, rows, d, q, logprobs=lps, check=self.check, argmax=tops)
+        return self.settle(d, q, mlen, rows, tops)
+
+    def propose_beside(self, n: int, spare: int, rows: int) -> tuple[list[int], int]:
+        """(lookup drafts to verify after the n-th token, their evidence) for a step whose pass also carries ``rows``
+        rows (this sequence's own token among them) and has ``spare`` rows left before it would cost another
+        weight read: k as the controller expects the most tokens per second of that pass (SpecController.choose_k
+        with ``rows``).  No drafts: the sequence takes its plain row (then ``plain_step``)."""
+        if self.draft:  # a draft model's cache follows one sequence: it drafts alone (advance)
+            return [], 0
+        drafts, _, mlen, k = self._lookup(n, spare, rows)
+        return drafts[:k], mlen
+
+    def _room(self, n: int) -> int:
+        """Drafts that fit after the n-th token: in max_tokens and in the context."""
+        return min(self.max_tokens - n - 1, self.gen.n_ctx - len(self.gen.tokens) - 1)
+
+    def _lookup(self, n: int, spare: int, rows: int) -> tuple[list[int], None, int, int]:
+        """(proposal, None, its evidence, k to verify) by prompt lookup, k <= ``spare`` (see propose_beside)."""
+        room = min(self._room(n), spare)
+        if room <= 0 or not getattr(self.gen.kv, "means_ready", lambda: True)():
+            return [], None, 0, 0
+        drafts, mlen = self.prop.propose(self.ctx, self.spec.k)
+        if self.sampler.constraint is not None:
+            drafts, mlen = grammar_drafts(self.sampler.constraint, drafts, mlen, self.spec.k)
+        return drafts, None, mlen, self.ctrl.choose_k(mlen, min(len(drafts), room), rows)
+
+    def _draft_model_proposal(self, n: int) -> tuple[list[int], list | None, int, int]:
+        """(the draft model's proposal, its distributions, 0, k): k as the controller chooses, with a probe now and
+        then once drafting stopped paying."""
+        ctrl, spec = self.ctrl, self.spec
+        room = self._room(n)
+        if room <= 0 or not getattr(self.gen.kv, "means_ready", lambda: True)():
+            return [], None, 0, 0
+        k = ctrl.choose_k(0, room)
+        if k:
+            self.since_probe, self.probe_every = 0, PROBE_EVERY
+        else:
+            self.since_probe += 1
+            # re-measure the draft's acceptance now and then, less often each time it does not pay, and never once
+            # its measured cost rules out any gain (a probe pays the draft's catch-up)
+            if self.since_probe >= self.probe_every and ctrl.can_pay():
+                k, self.since_probe = 1, 0
+                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+        if not k:
+            return [], None, 0, 0
+        with torch.inference_mode():
+            drafts, q = self.prop.propose(self.ctx, k, self.sampler)
+        # seconds per drafted token: a one-token draft step (measured where the proposal took more than one), plus
+        # this proposal's catch-up pass when it covered only what one verification emits (a probe's long catch-up
+        # is not the steady cost)
+        if drafts:
+            prop = self.prop
+            step = prop.step_seconds / (len(drafts) - 1) if len(drafts) > 1 else ctrl.draft_cost
+            steady = prop.catchup_seconds if prop.catchup_rows <= spec.k + 1 else 0.0
+            ctrl.draft_cost = step + steady / len(drafts)
+        return drafts, q, 0, len(drafts)
+
+    def plain_step(self, drafts: list[int], mlen: int, nxt: int) -> list | None:
+        """Records a plain step that gave ``nxt`` (its proposal ``drafts`` of evidence ``mlen`` left unverified:
+        whether the first would have been accepted is free evidence); the token's logprobs where the sampler
+        reports them."""
+        if drafts:
+            self.ctrl.observe(mlen, int(drafts[0] == nxt), 1)
+        self.stats.plain_steps += 1
+        return [self.sampler.last_logprobs] if self.sampler.logprobs is not None else None
+
+    def settle(self, d: list[int], q, mlen: int, rows: torch.Tensor, tops) -> tuple[list[int], list | None]:
+        """After the verification pass over the last token and drafts ``d`` (its logits ``rows`` [len(d) + 1,
+        n_vocab] and argmaxes ``tops``; ``gen.tokens`` extended by all of them): the tokens to emit and their
+        logprobs (advance's result).  The rows of rejected drafts are dropped from ``gen``."""
+        k = len(d)
+        lps = [] if self.sampler.logprobs is not None else None
+        queue = accept(self.sampler, rows, d, q, logprobs=lps, check=self.check, argmax=tops)
         a = len(queue) - 1  # accepted drafts
-        gen.truncate(len(gen.tokens) - (k - a))  # keep tok and the accepted drafts
-        ctrl.observe(mlen, a, min(a + 1, k))
+        self.gen.truncate(len(self.gen.tokens) - (k - a))  # keep tok and the accepted drafts
+        self.ctrl.observe(mlen, a, min(a + 1, k))
+        sst = self.stats
         sst.drafted += k
         sst.accepted += a
         sst.verifies += 1
@@ -338,14 +374,18 @@ class SpecDecoder:
 
 
 class SlotSequence:
-    """A slot of the engine (runtime/batch.py Slot: its ``kv``, ``tokens`` and ``exact``) as the sequence a
+    """A slot of the engine (runtime/slots.py Slot: its ``kv``, ``tokens`` and ``exact``) as the sequence a
     speculating request's SpecDecoder steps (what it uses of a Generator): one token through the fused step, or
     k + 1 rows in one verification pass; ``truncate`` forgets rejected rows (overwritten later; the reusable prompt
     rows, ``exact``, never reach past what is kept)."""
 
     def __init__(self, model, slot, n_ctx: int):
         self.model, self.slot, self.n_ctx = model, slot, n_ctx
-        self.kv, self.tokens = slot.kv, slot.tokens
+        self.kv = slot.kv
+
+    @property
+    def tokens(self) -> list[int]:  # the slot's list of the moment: admission and preemption replace it
+        return self.slot.tokens
 
     check_room = Generator.check_room  # what it reads: tokens, n_ctx
 
@@ -578,23 +618,25 @@ class SpecController:
         drafted token costs a draft step plus a verification row): then probing its acceptance is wasted."""
         return self._best_k(1.0, self.max_k) > 0
 
-    def choose_k(self, n: int, available: int) -> int:
-        """Drafted tokens to verify (0: take a plain step) for a proposal of ``available`` tokens."""
+    def choose_k(self, n: int, available: int, rows: int = 1) -> int:
+        """Drafted tokens to verify (0: take a plain step) for a proposal of ``available`` tokens, in a pass of
+        ``rows`` rows without them (1: the sequence alone; more: the other sequences' rows of a batched pass too)."""
         kmax = min(self.max_k, available)
         if kmax <= 0:
             return 0
         if not self.adaptive:
             return kmax
-        return self._best_k(min(self.rate(n), 0.999), kmax)
+        return self._best_k(min(self.rate(n), 0.999), kmax, rows)
 
-    def _best_k(self, a: float, kmax: int) -> int:
-        """The k <= kmax with the most expected tokens per second at acceptance rate a, if it beats plain decoding
-        by ``gain``; else 0."""
-        best, best_k = self.gain / self.cost(1), 0
+    def _best_k(self, a: float, kmax: int, rows: int = 1) -> int:
+        """The k <= kmax with the most expected tokens per second at acceptance rate a, if it beats the pass of
+        ``rows`` rows without drafts (each row one token) by ``gain``; else 0.  A pass of several sequences' rows
+        costs what one sequence's pass of as many rows does: the weights are read once for all of them."""
+        best, best_k = self.gain * rows / self.cost(rows), 0
         for k in range(1, kmax + 1):
-            # tokens per pass: the accepted prefix (geometric in a) + the model's own token
+            # tokens per pass: the accepted prefix (geometric in a) + the model's own token, and the other rows'
             expect = k + 1.0 if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-            speed = expect / (self.cost(k + 1) + self.draft_cost * k)
+            speed = (rows - 1 + expect) / (self.cost(rows + k) + self.draft_cost * k)
             if speed > best:
                 best, best_k = speed, k
         return best_k

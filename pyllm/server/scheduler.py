@@ -148,8 +148,8 @@ class EngineLLM:
                         sampler: Sampler | None = None, json_schema=None, grammar: str | None = None,
                         constraint=None, **sampling):
         """As LLM.generate_tokens.  Greedy requests speculate as the LLM's own would (prompt lookup where the
-        step's rows are exact; a draft model has one cache, so not here) on the steps where they decode alone:
-        beside other streams the batched pass is the speedup."""
+        step's rows are exact; a draft model has one cache, so not here): alone by their own verification passes,
+        beside other streams with their drafts in the batched pass (BatchEngine._drafts_beside)."""
         ids, max_tokens, sampler = self._llm.generation_request(
             ids, max_tokens, sampler=sampler, json_schema=json_schema, grammar=grammar, constraint=constraint,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
