@@ -161,12 +161,12 @@ KV_INLINE float tile32(const uint8_t* row, int t, __m256* x) {
     }
 }
 
-// Software prefetch of the n stored bytes PYLLM_PREFETCH past p.  A step's cache rows come from DRAM (each
+// Software prefetch of the n stored bytes PYLLM_KV_PREFETCH past p.  A step's cache rows come from DRAM (each
 // layer's weight sweep evicts them), and between loads the dot loops leave too few misses in flight for the
 // hardware prefetcher alone: one cold kv head (3 query heads, 1500 f16 keys) took 2.1x its time from L2, and
 // in SmolLM2's step at 600-1500 cached tokens the prefetch cut attention by 25-30%.
 KV_INLINE void prefetch_rows(const uint8_t* p, size_t n) {
-    for (size_t l = 0; l < n; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PYLLM_PREFETCH + l), _MM_HINT_T0);
+    for (size_t l = 0; l < n; l += 64) _mm_prefetch(reinterpret_cast<const char*>(p + PYLLM_KV_PREFETCH + l), _MM_HINT_T0);
 }
 
 // ---- scores: sc[g * sc_stride + j] = scale * q_g . k_j ------------------------------------------------------

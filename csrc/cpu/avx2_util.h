@@ -73,15 +73,20 @@ PYLLM_INLINE float hmax(__m256 v) {
 
 PYLLM_INLINE float f16(uint16_t h) { return _cvtsh_ss(h); }
 
-// Software prefetch of the weight stream, PYLLM_PREFETCH bytes ahead (cpu_impl.h) of the bytes being decoded.
+// Software prefetch of the weight stream, WEIGHT_PREFETCH bytes ahead of the bytes being decoded (cpu_impl.h).
+#if defined(PYLLM_VNNI) && !defined(PYLLM_VNNI_EMULATED)
+constexpr int WEIGHT_PREFETCH = PYLLM_PREFETCH_VNNI;
+#else
+constexpr int WEIGHT_PREFETCH = PYLLM_PREFETCH;
+#endif
 template <int Bytes>
 PYLLM_INLINE void prefetch_ahead(const void* p) {
-#if PYLLM_PREFETCH > 0
-    const char* c = static_cast<const char*>(p) + PYLLM_PREFETCH;
-    for (int l = 0; l < Bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T0);
-#else
-    (void)p;
-#endif
+    if constexpr (WEIGHT_PREFETCH > 0) {
+        const char* c = static_cast<const char*>(p) + WEIGHT_PREFETCH;
+        for (int l = 0; l < Bytes; l += 64) _mm_prefetch(c + l, _MM_HINT_T0);
+    } else {
+        (void)p;
+    }
 }
 
 // 16 packed bytes of nibbles -> 32 bytes: low nibbles in bytes 0..15, high nibbles in 16..31 (the element

@@ -10,8 +10,21 @@
 
 // Software prefetch distance of the weight streams in the row kernels.  One core keeps only a limited number of L1
 // misses in flight; the decode math between loads otherwise starves the hardware prefetcher of issue slots.
+// PYLLM_PREFETCH: the AVX2 kernels; PYLLM_PREFETCH_VNNI: the AVX-512 VNNI ones (Isa::Avx512 and Amx's GEMVs), whose
+// faster block loops need the lines sooner.  Swept on a Xeon VM (AVX-512 + AMX, 2 cores; docs/BENCHMARKS.md, "Weight
+// prefetch distance"): VNNI 1536 -> 8192 took SmolLM2's tg from ~195 to ~260 tok/s and Gemma 3's from ~74 to ~83;
+// the AVX2 kernels gained on SmolLM2 but lost 10% on Gemma 3 there, so they keep 1536.  DRAM-bound 8B shapes
+// moved within noise either way.
 #ifndef PYLLM_PREFETCH
 #define PYLLM_PREFETCH 1536
+#endif
+#ifndef PYLLM_PREFETCH_VNNI
+#define PYLLM_PREFETCH_VNNI 8192
+#endif
+// The same for the KV cache rows attention reads (attention.cpp): a shorter stream per (row, kv head), read by
+// dot loops with less math per byte.
+#ifndef PYLLM_KV_PREFETCH
+#define PYLLM_KV_PREFETCH 1536
 #endif
 
 namespace pyllm {
