@@ -417,6 +417,30 @@ def test_slot_requests_speculate_alone_and_batch_beside_others(kind):
         assert reqs[0].stats.spec.accepted > 0
 
 
+def test_plain_steps_beside_others_teach_the_controller():
+    """A slot request whose controller declines to draft beside other streams takes plain rows in their pass; each
+    such step still checks the lookup's first proposed token against the token the model chose (free evidence, as
+    a plain step alone does), so a controller that stopped drafting can learn that drafting would pay again.
+    Reference: the controller's observations, which stay empty if the proposals are dropped."""
+    from pyllm.runtime.batch import BatchEngine, Request
+
+    llm = pyllm.load(fixture_path("smollm2"), n_ctx=512)
+    e = BatchEngine(llm.model, "f16", 512, 2, llm.tokenizer.is_eog, thread=False)
+    reqs = []
+    # the second runs longer, so the first never decodes alone (where advance's plain steps observe anyway)
+    for ids, n in ((llm.chat_ids(EDIT), 24),
+                   (llm.chat_ids([{"role": "user", "content": "Count from 1 to 40: 1, 2, 3,"}]), 64)):
+        r = Request(list(ids), n, Sampler(SamplerSettings(temperature=0)))
+        e.speculate(r, sp.SpecSettings(mode="lookup", k=4))
+        r.spec.ctrl.choose_k = lambda n, available, rows=1: 0  # never drafts
+        reqs.append(e.submit(r))
+    for r in reqs:
+        list(e.tokens(r))
+    st, ctrl = reqs[0].stats.spec, reqs[0].spec.ctrl
+    assert st.verifies == 0 and st.plain_steps > 0 and reqs[1].n > reqs[0].n
+    assert sum(m for _, m in ctrl.hits.values()) > 0, ctrl.hits  # observed trials of unverified proposals
+
+
 def test_greedy_decoding_speculates_by_default_where_the_check_is_exact():
     """Reference: plain decoding (speculative="none").  Greedy generation with the default speculative="auto"
     drafts by lookup on the CPU's C++ step over quantized matrices (rows_exact) and gives the same tokens; it does

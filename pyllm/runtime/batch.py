@@ -593,7 +593,8 @@ class BatchEngine:
         out, left = {}, {}
         for r in spec:
             self._bind_spec(r)
-            d, mlen = r.spec.propose_beside(r.n, (-rows) % MAX_BATCH, rows)
+            proposal, mlen, k = r.spec.propose_beside(r.n, (-rows) % MAX_BATCH, rows)
+            d = proposal[:k]
             if d and free is not None:
                 n = len(r.slot.tokens)
                 while d and r.slot.kv.blocks_to_write(n, 1 + len(d)) - r.slot.kv.blocks_to_write(n, 1) > free:
@@ -603,8 +604,8 @@ class BatchEngine:
             if d:
                 out[id(r)] = (d, mlen)
                 rows += len(d)
-            else:
-                left[id(r)] = (d, mlen)
+            else:  # unverified: whether its first token was right is the controller's evidence
+                left[id(r)] = (proposal, mlen)
         return out, left
 
     def _step_beside(self, feed: list[Request], drafts: dict) -> list:

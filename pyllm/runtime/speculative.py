@@ -292,24 +292,28 @@ class SpecDecoder:
         ctrl.time(k + 1, time.perf_counter() - ts)
         return self.settle(d, q, mlen, rows, tops)
 
-    def propose_beside(self, n: int, spare: int, rows: int) -> tuple[list[int], int]:
-        """(lookup drafts to verify after the n-th token, their evidence) for a step whose pass also carries ``rows``
-        rows (this sequence's own token among them) and has ``spare`` rows left before it would cost another
-        weight read: k as the controller expects the most tokens per second of that pass (SpecController.choose_k
-        with ``rows``).  No drafts: the sequence takes its plain row (then ``plain_step``)."""
+    def propose_beside(self, n: int, spare: int, rows: int) -> tuple[list[int], int, int]:
+        """(the lookup proposal after the n-th token, its evidence, k of it to verify) for a step whose pass also
+        carries ``rows`` rows (this sequence's own token among them) and has ``spare`` rows left before it would
+        cost another weight read: k as the controller expects the most tokens per second of that pass
+        (SpecController.choose_k with ``rows``).  k = 0: the sequence takes its plain row, and ``plain_step`` gets
+        the proposal as evidence."""
         if self.draft:  # a draft model's cache follows one sequence: it drafts alone (advance)
-            return [], 0
+            return [], 0, 0
         drafts, _, mlen, k = self._lookup(n, spare, rows)
-        return drafts[:k], mlen
+        return drafts, mlen, k
 
     def _room(self, n: int) -> int:
-        """Drafts that fit after the n-th token: in max_tokens and in the context."""
+        """Drafts that fit after the n-th token: in max_tokens and in the context; none while a quantized cache's
+        means are still being estimated (its first steps run in torch)."""
+        if not getattr(self.gen.kv, "means_ready", lambda: True)():
+            return 0
         return min(self.max_tokens - n - 1, self.gen.n_ctx - len(self.gen.tokens) - 1)
 
     def _lookup(self, n: int, spare: int, rows: int) -> tuple[list[int], None, int, int]:
         """(proposal, None, its evidence, k to verify) by prompt lookup, k <= ``spare`` (see propose_beside)."""
         room = min(self._room(n), spare)
-        if room <= 0 or not getattr(self.gen.kv, "means_ready", lambda: True)():
+        if room <= 0:
             return [], None, 0, 0
         drafts, mlen = self.prop.propose(self.ctx, self.spec.k)
         if self.sampler.constraint is not None:
@@ -321,7 +325,7 @@ class SpecDecoder:
         then once drafting stopped paying."""
         ctrl, spec = self.ctrl, self.spec
         room = self._room(n)
-        if room <= 0 or not getattr(self.gen.kv, "means_ready", lambda: True)():
+        if room <= 0:
             return [], None, 0, 0
         k = ctrl.choose_k(0, room)
         if k:
