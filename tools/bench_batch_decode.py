@@ -36,14 +36,21 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help="steps per timing (the best of --repeat is kept)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="each B's step by phase (see the module docstring)")
+    ap.add_argument("--paged", action="store_true", help="caches from one block pool, as the server's slots")
     a = ap.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",")]
     llm = pyllm.load(a.model, n_ctx=a.prompt_tokens + a.steps + 8, n_threads=a.threads or None, quiet=True)
     cfg, model = llm.config, llm.model
     text = "The river ran past the old stone mill and on to the sea. "
     ids = llm.tokenize(text * (a.prompt_tokens // 8 + 1))[:a.prompt_tokens]
-    slots = [Slot(i, make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, llm.n_ctx, cfg.head_dim))
-             for i in range(max(rows))]
+    if a.paged:  # the server's: one pool from the backend, 16-row blocks
+        pool = model.backend.make_kv_pool(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, cfg.head_dim,
+                                          max(rows) * (llm.n_ctx // 16 + 1), 16)
+        caches = [pool.cache(llm.n_ctx) for _ in range(max(rows))]
+    else:
+        caches = [make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, llm.n_ctx, cfg.head_dim)
+                  for _ in range(max(rows))]
+    slots = [Slot(i, kv) for i, kv in enumerate(caches)]
     for s in slots:
         while prefill_chunk(model, s, ids) is None:
             pass
