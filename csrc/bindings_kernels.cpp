@@ -313,7 +313,7 @@ int64_t rows8_qtype(int64_t qtype) {
     return qtype >= 0 && qtype < pyllm::QTYPE_ID_LIMIT ? pyllm::rows8_qtype_id(static_cast<int>(qtype)) : -1;
 }
 
-Tensor repack_rows8(const Tensor& w, int64_t qtype) {
+Tensor repack_rows8(const Tensor& w, int64_t qtype, const std::optional<Tensor>& out_) {
     const char* fn = "repack_rows8";
     const QTypeTraits& tr = check_qtype(fn, qtype);
     PYLLM_CHECK_VALUE(rows8_qtype(qtype) >= 0, fn, ": ", tr.name, " has no rows-by-8 layout (Q4_0, Q4_1, Q5_0, ",
@@ -324,7 +324,19 @@ Tensor repack_rows8(const Tensor& w, int64_t qtype) {
     const int64_t K = w.size(1) / tr.type_size * tr.block_size;
     check_weight(fn, w, tr, K);
     PYLLM_CHECK_VALUE(w.size(0) % 8 == 0, fn, ": w has ", w.size(0), " rows, not a multiple of 8");
-    Tensor out = at::empty_like(w);
+    Tensor out;
+    if (out_) {
+        out = *out_;
+        check_tensor(fn, "out", out, at::kByte, 2);
+        PYLLM_CHECK_VALUE(out.sizes() == w.sizes(), fn, ": out has shape ", out.sizes(), ", w ", w.sizes());
+        const auto* o = out.data_ptr<uint8_t>();
+        const auto* i = w.data_ptr<uint8_t>();
+        PYLLM_CHECK_VALUE(o + out.numel() <= i || i + w.numel() <= o, fn,
+                          ": out overlaps w (w's rows are read while the copy is written)");
+    } else {
+        out = at::empty_like(w);
+        pyllm::cpu_advise_huge_pages(out.data_ptr(), static_cast<size_t>(out.numel()));  // before the first write
+    }
     pyllm::repack_rows8_cpu(static_cast<QType>(qtype), w.data_ptr<uint8_t>(), w.size(0), static_cast<int>(K),
                             out.data_ptr<uint8_t>());
     return out;
@@ -424,8 +436,12 @@ void register_kernels(py::module& m) {
     m.def("repack_rows8", &repack_rows8,
           "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K rows u8 [N, row_bytes] (N % 8 == 0) -> the same rows interleaved "
           "by 8, of type "
-          "rows8_qtype(qtype) (the decode step's layout)",
-          py::arg("w"), py::arg("qtype"));
+          "rows8_qtype(qtype) (the decode step's layout), written to out (u8, w's shape) where given",
+          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none());
+    m.def("advise_huge_pages", [](const Tensor& t) {
+        check_tensor("advise_huge_pages", "t", t, t.scalar_type(), t.dim());
+        return pyllm::cpu_advise_huge_pages(t.data_ptr(), static_cast<size_t>(t.numel() * t.element_size()));
+    }, "asks for huge pages under a CPU tensor not yet written (Linux); returns the bytes advised", py::arg("t"));
     m.def("set_isa", &set_isa, "CPU kernels to use: 'scalar', 'avx2', 'avx512' or 'amx' (default: the best available)");
     m.def("get_isa", [] { return std::string(pyllm::cpu_isa_name(pyllm::cpu_get_isa())); });
     m.def("available_isas", &available_isas);

@@ -14,7 +14,7 @@ import torch
 
 import pyllm
 import pyllm._ext
-from pyllm import backends
+from pyllm import backends, ops
 from pyllm.backends import Backend, BackendUnavailable, DecodeStep
 from pyllm.errors import PyllmError
 
@@ -189,6 +189,14 @@ def test_cpu_backend_repacks_only_what_fits_in_half_the_free_memory(monkeypatch)
         assert b.describe().get("repacked_mb") == (round(need / 2**20, 1) if copied else None), free
         data, qtype = b.decode_matrix(weights["blk.0.attn_q.weight"])
         assert (qtype == 60) == copied and (data is weights["blk.0.attn_q.weight"].data) != copied
+        if copied:  # one allocation for every copy, from a 2 MiB boundary (huge pages), each repack_rows8's bytes
+            names = ("blk.0.attn_q.weight", "blk.0.ffn_down.weight", "blk.0.ffn_up.weight", "output.weight")
+            copies = [b.decode_matrix(weights[n])[0] for n in names]
+            assert len({c.untyped_storage().data_ptr() for c in copies}) == 1
+            assert min(c.data_ptr() for c in copies) % (1 << 21) == 0
+            for n, c in zip(names, copies):
+                w = weights[n]
+                assert torch.equal(c, ops._C.repack_rows8(w.data, int(w.qtype))), n
     assert b.decode_matrix(weights["blk.0.attn_k.weight"])[1] == int(GGMLType.F16)
     assert id(weights["token_embd.weight"].data) not in b._rows8
 

@@ -668,6 +668,45 @@ def test_rows8_errors(C):
         C.dequantize(make_weight("Q4_1", 12, 64).raw, 61)
 
 
+def test_rows8_repack_into_out(C):
+    """Reference: the copy repack_rows8 allocates itself.  Written into ``out`` (a view of a larger buffer, as the
+    CPU backend's one allocation for every copy), the bytes are the same; an out of another shape or dtype, or one
+    that overlaps w, is refused by name."""
+    wt = make_weight("Q4_K", 16, 512)
+    own = C.repack_rows8(wt.raw, int(GT["Q4_K"]))
+    buf = torch.full((wt.raw.numel() + 128,), 0xA5, dtype=torch.uint8)
+    out = buf[64:64 + wt.raw.numel()].view(wt.raw.shape)
+    got = C.repack_rows8(wt.raw, int(GT["Q4_K"]), out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(out, own)
+    assert (buf[:64] == 0xA5).all() and (buf[64 + wt.raw.numel():] == 0xA5).all()  # nothing outside out written
+    with pytest.raises(ValueError, match=r"repack_rows8: out has shape \[8, \d+\], w \[16, \d+\]"):
+        C.repack_rows8(wt.raw, int(GT["Q4_K"]), out[:8])
+    with pytest.raises(TypeError, match=r"repack_rows8: out must be Byte"):
+        C.repack_rows8(wt.raw, int(GT["Q4_K"]), torch.zeros(wt.raw.shape, dtype=torch.int16))
+    raw = torch.cat([wt.raw.reshape(-1), torch.zeros(wt.raw.shape[1], dtype=torch.uint8)])
+    with pytest.raises(ValueError, match=r"repack_rows8: out overlaps w"):
+        C.repack_rows8(raw[:wt.raw.numel()].view(wt.raw.shape), int(GT["Q4_K"]),
+                       raw[wt.raw.shape[1]:].view(wt.raw.shape))
+
+
+def test_advise_huge_pages(C):
+    """madvise(MADV_HUGEPAGE) over the 2 MiB pages that lie whole inside the tensor: their bytes on Linux (0 for a
+    tensor too small to hold one), 0 elsewhere; a tensor not on the CPU is refused by name."""
+    import sys
+
+    small = torch.empty(1 << 20, dtype=torch.uint8)
+    assert C.advise_huge_pages(small) == 0
+    big = torch.empty(8 << 20, dtype=torch.uint8)
+    got = C.advise_huge_pages(big)
+    if sys.platform == "linux":
+        lo = -big.data_ptr() % (1 << 21)
+        assert got == (big.numel() - lo) // (1 << 21) * (1 << 21) and got >= 6 << 20
+    else:
+        assert got == 0
+    with pytest.raises(ValueError, match=r"advise_huge_pages: t must be contiguous"):
+        C.advise_huge_pages(big.view(2048, 4096).t())
+
+
 @pytest.mark.parametrize("name", ALL_TYPES)
 @pytest.mark.parametrize("M", [9, 40])
 def test_gemm_prefill(C, name, M):

@@ -4,6 +4,9 @@
 #include <omp.h>
 #include <sched.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -154,6 +157,20 @@ int cpu_physical_cores() {
 bool cpu_release_thread_pool() {
     if (&omp_pause_resource_all == nullptr) return false;
     return omp_pause_resource_all(omp_pause_soft) == 0;
+}
+
+size_t cpu_advise_huge_pages(void* p, size_t n) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    constexpr uintptr_t HUGE = uintptr_t{1} << 21;
+    const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + HUGE - 1) & ~(HUGE - 1);
+    const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + n) & ~(HUGE - 1);
+    if (e <= a || madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE) != 0) return 0;
+    return e - a;
+#else
+    (void)p;
+    (void)n;
+    return 0;
+#endif
 }
 
 void cpu_set_num_threads(int n) { g_threads = n; }
