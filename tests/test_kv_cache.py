@@ -351,3 +351,32 @@ def test_prefix_state_moves_rows_and_statistics_between_caches(kind):
     with pytest.raises(ValueError, match="at least|>="):
         KVCache(2, 2, 16, 64, kind).load_prefix_state(src.prefix_state(4), n)
     assert all(torch.equal(before[k], moved.prefix_state(n)[k]) for k in before)
+
+
+def test_cpu_cache_memory_is_advised_onto_huge_pages_before_its_first_write(monkeypatch):
+    """Every CPU cache's rows (contiguous caches of each kind and a block pool) are asked onto huge pages while
+    still untouched, through ops.advise_huge_pages; contiguous rows then read as zeros, a pool's stay unwritten
+    (its memory is committed block by block as sequences grow).  Reference: the calls recorded, and torch.zeros."""
+    from pyllm import ops
+    from pyllm.runtime import kv_cache
+    from pyllm.runtime.kv_pool import BlockPool
+
+    advised = []
+    monkeypatch.setattr(ops, "advise_huge_pages", lambda t: advised.append((t.data_ptr(), t.numel())) or 0)
+    for kind in ("f16", "q8_0", "q4_rot"):
+        advised.clear()
+        kv = make_kv_cache(kind, 2, 2, 64, 64)
+        rows = [p.data for p in (kv.k_part, kv.v_part)]
+        assert sorted(advised) == sorted((r.data_ptr(), r.numel()) for r in rows), kind
+        assert all(torch.equal(r, torch.zeros_like(r)) for r in rows), kind
+    advised.clear()
+    pool = BlockPool("f16", 2, 2, 64, 8)
+    assert sorted(advised) == sorted((d.data_ptr(), d.numel()) for d in pool.data)
+    zeroed = []
+    monkeypatch.setattr(torch.Tensor, "zero_", lambda self: zeroed.append(self) or self)
+    BlockPool("f16", 2, 2, 64, 8)
+    assert zeroed == []
+    if torch.cuda.is_available():  # device memory is not the OS's to page
+        advised.clear()
+        kv_cache.cache_memory((4, 4), torch.float16, "cuda")
+        assert advised == []

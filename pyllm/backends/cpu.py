@@ -327,14 +327,10 @@ class CpuBackend:
 
     def make_kv_pool(self, kind: str, n_layer: int, n_kv_head: int, head_dim: int, n_blocks: int,
                      block_rows: int):
-        """A BlockPool (runtime/kv_pool.py) whose caches the C++ steps read through their block tables, on huge
-        pages where the OS gives them: one (layer, head)'s blocks lie a block's whole size apart."""
+        """A BlockPool (runtime/kv_pool.py) whose caches the C++ steps read through their block tables."""
         from ..runtime.kv_pool import BlockPool
 
-        pool = BlockPool(kind, n_layer, n_kv_head, head_dim, n_blocks, block_rows, device=self.device)
-        for part in pool.data:
-            ops.advise_huge_pages(part)
-        return pool
+        return BlockPool(kind, n_layer, n_kv_head, head_dim, n_blocks, block_rows, device=self.device)
 
     def prefill_exact_rows(self, model, kv) -> int | None:
         """The fewest rows from which a prompt forward gives each row the bits it gets in any other forward of at

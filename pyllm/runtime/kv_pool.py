@@ -42,7 +42,7 @@ import json
 import torch
 
 from ..errors import PyllmError
-from .kv_cache import BLOCK_BYTES, KV_DTYPES, QK, KVCache, PartLayout, check_kind, split_kind
+from .kv_cache import BLOCK_BYTES, KV_DTYPES, QK, KVCache, PartLayout, cache_memory, check_kind, split_kind
 
 BLOCK_ROWS = 16  # positions per block (a power of two: the C++ step finds a row with a shift and a mask)
 
@@ -74,8 +74,8 @@ class BlockPool:
         self.data = []  # per part (keys, values): [n_blocks, n_layer, Hkv, block_rows, row], committed as written
         for part_kind in (self.k_kind, self.v_kind):
             dtype, row = _row_spec(part_kind, head_dim)
-            self.data.append(torch.empty((n_blocks, n_layer, n_kv_head, block_rows, row), dtype=dtype,
-                                         device=device))
+            self.data.append(cache_memory((n_blocks, n_layer, n_kv_head, block_rows, row), dtype, device,
+                                          zero=False))
         self.block_bytes = sum(d[0].numel() * d.element_size() for d in self.data)
         self.refs = [0] * n_blocks
         self._free = list(range(n_blocks))  # a heap: the lowest free id first keeps the touched blocks compact
