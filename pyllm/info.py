@@ -166,7 +166,8 @@ def _fits(kind: str, head_dim: int) -> bool:
 def format_runtime(rt: dict) -> str:
     """Where a model runs, as one phrase: 'cpu (fast, avx2 kernels)', 'cuda (cuda, NVIDIA H200)', 'cuda+cpu (split,
     avx2 kernels, NVIDIA H200, layers 12-23 on cuda, 0-11 on cpu)'. ``rt`` is a backend's description: "device" and
-    "backend", with "isa" (CPU kernels), "gpu" (the GPU's name) and "placement" (a split model's layers)."""
+    "backend", with "isa" (CPU kernels), "gpu" (the GPU's name), "placement" (a split model's layers) and
+    "huge_pages" False (the OS gives a CPU backend none)."""
     parts = [str(rt.get("backend", "?"))]
     if rt.get("isa"):
         parts.append(f"{rt['isa']} kernels")
@@ -174,6 +175,8 @@ def format_runtime(rt: dict) -> str:
         parts.append(str(rt["gpu"]))
     if rt.get("placement"):  # a model split between devices (backends/split.py): which layers run where
         parts.append(str(rt["placement"]))
+    if rt.get("huge_pages") is False:  # the OS gives none (transparent huge pages "never"): decode runs slower
+        parts.append("no huge pages")
     return f"{rt.get('device', '?')} ({', '.join(parts)})"
 
 

@@ -209,6 +209,18 @@ def advise_huge_pages(t: torch.Tensor) -> int:
         return 0
 
 
+def huge_pages_mode() -> str | None:
+    """Linux's transparent huge page mode ("always", "madvise" or "never"; advise_huge_pages needs one of the first
+    two), or None where the OS has none to report."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
 def get_num_threads() -> int:
     try:
         return _C.get_num_threads()

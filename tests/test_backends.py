@@ -210,3 +210,34 @@ def test_backend_keyword_is_a_deprecated_alias_of_kernels(smollm2_path):
     llm.close()
     with pytest.warns(DeprecationWarning), pytest.raises(pyllm.PyllmError, match="disagree"):
         pyllm.load(smollm2_path, n_ctx=32, kernels="reference", backend="fast")
+
+
+def test_cpu_backend_says_when_the_os_gives_no_huge_pages(monkeypatch):
+    """Transparent huge pages switched off ("never") are named in the CPU backend's description and in the runtime
+    phrase the CLI prints (decode then streams 4 KiB pages); "always" or "madvise" add nothing.  Reference: the
+    mode as Linux reports it, bracketed in /sys/kernel/mm/transparent_hugepage/enabled."""
+    from pyllm.backends import cpu
+    from pyllm.info import format_runtime
+
+    for mode, off in (("never", True), ("madvise", False), ("always", False), (None, False)):
+        monkeypatch.setattr(ops, "huge_pages_mode", lambda mode=mode: mode)
+        rt = cpu.CpuBackend().describe()
+        assert (rt.get("huge_pages") is False) == off, mode
+        assert format_runtime(rt).endswith("no huge pages)") == off, mode
+    monkeypatch.undo()
+    assert ops.huge_pages_mode() in ("always", "madvise", "never", None)
+    import builtins
+
+    real_open = builtins.open
+    for text, want in (("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                       ("garbled\n", None)):
+        def fake_open(path, *a, text=text, **k):
+            if str(path).startswith("/sys/kernel/mm/transparent_hugepage"):
+                import io
+
+                return io.StringIO(text)
+            return real_open(path, *a, **k)
+
+        monkeypatch.setattr(builtins, "open", fake_open)
+        assert ops.huge_pages_mode() == want, text
+        monkeypatch.undo()

@@ -289,6 +289,24 @@ def test_bench_at_depth(smollm2_path):
     assert all(r["n_depth"] == 40 and r["avg_ts"] > 0 and r["kv_type"] == "q4_rot" for r in rows)
 
 
+def test_bench_rows_say_when_the_os_gives_no_huge_pages(smollm2_path, monkeypatch, capsys):
+    """With transparent huge pages "never", bench's markdown rows name it beside the kernels (decode streams 4 KiB
+    pages then) and its JSON rows carry huge_pages false; otherwise true and nothing in the row's text."""
+    from pyllm import ops
+
+    run = cli_in_process(monkeypatch, capsys)
+    for mode, on in (("never", False), ("madvise", True)):
+        monkeypatch.setattr(ops, "huge_pages_mode", lambda mode=mode: mode)
+        for fmt in ("md", "json"):
+            res = run("bench", smollm2_path, "-p", "0", "-n", "2", "-r", "1", "-t", "1", "-o", fmt)
+            assert res.returncode == 0, res.stderr
+            out = res.stdout
+            if fmt == "json":
+                assert [r["huge_pages"] for r in json.loads(out)] == [on], mode
+            else:
+                assert ("no huge pages" in out) != on, (mode, out)
+
+
 @pytest.mark.parametrize("args, needle", [
     (["-r", str(10**21)], "argument -r/--repetitions: must be in [1, 1000], got 1000000000000000000000"),
     (["-r", "0"], "argument -r/--repetitions: must be in [1, 1000], got 0"),

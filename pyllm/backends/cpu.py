@@ -190,6 +190,8 @@ class CpuBackend:
         out = {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
         if self._rows8:
             out["repacked_mb"] = round(sum(t.numel() for t, _ in self._rows8.values()) / 2**20, 1)
+        if ops.huge_pages_mode() == "never":  # the decode step's memory on 4 KiB pages: docs/DESIGN.md "Huge pages"
+            out["huge_pages"] = False
         return out
 
     def decode_matrix(self, w) -> tuple[torch.Tensor, int]:

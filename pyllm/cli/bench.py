@@ -191,7 +191,8 @@ def load_subject(model: str | None, synthetic: str | None, a) -> Subject:
         from .. import ops
 
         rt = dict(backend.describe()) if backend.name in ("cuda", "split") else \
-            {"device": "cpu", "backend": a.kernels, "isa": ops.get_isa() if a.kernels == "fast" else None}
+            {"device": "cpu", "backend": a.kernels, "isa": ops.get_isa() if a.kernels == "fast" else None,
+             **({"huge_pages": False} if ops.huge_pages_mode() == "never" else {})}
         return Subject(f"synthetic {synthetic}", cfg, weights, mdl, kv, Generator(mdl, kv, n_ctx), size, rt)
     import pyllm
 
@@ -256,7 +257,8 @@ def run_tests(s: Subject, a, roof: dict, on_row=lambda row: None) -> list[dict]:
                    n_prompt=n if test == "pp" else 0, n_gen=n if test == "tg" else 0, n_depth=depth,
                    test=f"{test}{n}" + (f" @ d{depth}" if depth else ""),
                    avg_ts=mean, stddev_ts=std, samples_ts=samples, kv_type=a.kv, pyllm_backend=a.kernels,
-                   isa=s.runtime.get("isa"), gpu=s.runtime.get("gpu"), placement=s.runtime.get("placement"))
+                   isa=s.runtime.get("isa"), gpu=s.runtime.get("gpu"), placement=s.runtime.get("placement"),
+                   huge_pages=s.runtime.get("huge_pages", True))
         if test == "tg":
             # the cache grows from depth to depth + n positions: on average depth + n/2 positions of K and V are read
             kv_bytes = 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * kv_elem * (depth + n / 2)
@@ -304,7 +306,8 @@ def format_md_row(r: dict) -> str:
     else:
         share = f"{r['gflops']:.0f} GFLOP/s" + (f" ({100 * r['flops_share']:.0f}% of peak)"
                                                 if r.get("flops_share") else "")
-    where = filter(None, (r['pyllm_backend'], r.get('isa'), r.get('gpu'), r.get('placement')))
+    where = filter(None, (r['pyllm_backend'], r.get('isa'), r.get('gpu'), r.get('placement'),
+                          "no huge pages" if r.get("huge_pages") is False else None))
     return (f"| {r['model_filename']} | {r['model_size'] / 2**30:.2f} GiB | {r['model_n_params'] / 1e6:.0f} M "
             f"| {r['backends']} ({', '.join(where)}, "
             f"kv {r['kv_type']}) | {r['n_threads']} | {r['test']} "
