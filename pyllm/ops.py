@@ -201,8 +201,9 @@ def release_thread_pool() -> None:
 
 def advise_huge_pages(t: torch.Tensor) -> int:
     """Asks for huge pages under the CPU tensor ``t`` before anything is written to it (csrc/kernels.h
-    cpu_advise_huge_pages: a paged KV cache's blocks are read 4 KiB page by 4 KiB page otherwise).  Returns the
-    bytes advised: 0 off Linux, for a small tensor, or where the extension could not be built."""
+    cpu_advise_huge_pages: a decode step streams the weights' copies and the KV rows, and every 4 KiB page costs a
+    TLB miss).  Returns the bytes advised: 0 off Linux, for a tensor too small to hold a 2 MiB page, or where the
+    extension could not be built."""
     try:
         return _C.advise_huge_pages(t)
     except NotImplementedError:
