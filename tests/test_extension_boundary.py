@@ -72,3 +72,43 @@ def test_random_arguments_raise_python_exceptions_only(C, args):
             assert y.dtype == torch.float32 and y.shape[-1] == w.shape[0]
     except ALLOWED:
         pass
+
+
+@st.composite
+def repack_args(draw):
+    qtype = draw(st.sampled_from(TYPES + [-1, 999]))
+    _, ts = BLOCK_INFO.get(qtype, (32, 18)) if qtype in BLOCK_INFO else (32, 18)
+    n = draw(st.sampled_from([0, 8, 12, 16]))
+    row_bytes = max(draw(st.integers(0, 3)) * ts + draw(st.sampled_from([0, 0, 1, -2])), 0)
+    buf = torch.randint(0, 60, (3 * n * row_bytes + 64,), dtype=torch.uint8)  # finite fp16 scales
+    w = buf[:n * row_bytes].view(n, row_bytes)
+    kind = draw(st.sampled_from(["none", "fresh", "dtype", "shape", "transposed", "overlap", "beside"]))
+    out = {"none": None,
+           "fresh": torch.empty(n, row_bytes, dtype=torch.uint8),
+           "dtype": torch.empty(n, row_bytes, dtype=torch.int16),
+           "shape": torch.empty(n + 8, row_bytes, dtype=torch.uint8),
+           "transposed": torch.empty(row_bytes, n, dtype=torch.uint8).t(),
+           "overlap": buf[row_bytes:row_bytes + n * row_bytes].view(n, row_bytes),
+           "beside": buf[n * row_bytes + 64:2 * n * row_bytes + 64].view(n, row_bytes)}[kind]
+    return int(qtype), w, out
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(repack_args())
+def test_repack_into_out_and_huge_page_advice_raise_python_exceptions_only(C, args):
+    """repack_rows8 with an ``out`` of any dtype, shape, layout or overlap with w, and advise_huge_pages on the same
+    tensors: a result of w's shape written into out where it is valid, a Python exception otherwise."""
+    qtype, w, out = args
+    try:
+        y = C.repack_rows8(w, qtype, out)
+        assert y.shape == w.shape and y.dtype == torch.uint8
+        assert out is None or y.data_ptr() == out.data_ptr()
+    except ALLOWED:
+        pass
+    for t in (w, out):
+        if t is None:
+            continue
+        try:
+            assert 0 <= C.advise_huge_pages(t) <= t.numel() * t.element_size()
+        except ALLOWED:
+            assert not t.is_contiguous()
