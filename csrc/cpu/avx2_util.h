@@ -89,6 +89,20 @@ PYLLM_INLINE void prefetch_ahead(const void* p) {
     }
 }
 
+#if defined(PYLLM_VNNI) && !defined(PYLLM_VNNI_EMULATED)
+// Two 8-row groups side by side in one zmm register (lanes 0-7 group g's rows, 8-15 group g + 1's), as the rows
+// kernels' pairs read them: 32 bytes of each group, and each group's 8 fp16 scales as 16 floats.
+PYLLM_INLINE __m512i pair_of(const void* p0, const void* p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
+                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
+}
+PYLLM_INLINE __m512 pair_f16x8(const void* p0, const void* p1) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1));
+}
+#endif
+
 // 16 packed bytes of nibbles -> 32 bytes: low nibbles in bytes 0..15, high nibbles in 16..31 (the element
 // order of every 32-block and of each Q4_K 64-chunk's two halves).
 // (broadcast load + per-lane variable shift: 2 vector ALU uops, where srli + vinserti128 + and take 3)

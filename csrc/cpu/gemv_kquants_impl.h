@@ -451,17 +451,6 @@ PYLLM_INLINE void rows8_q45_k_group(const G* gb, int nb, const block_q8_K* const
 // weight rows instead of 8, half the instructions per weight byte, so one core keeps more of its loads in flight
 // (synthetic Llama-3-8B Q4_K_M decode on a Xeon VM: 19 -> 22-24 GB/s).  Lane for lane the same exact integer sums
 // and the same fp32 operations as rows8_q45_k_group: the same bits.
-PYLLM_INLINE __m512i load_2x256(const void* a, const void* b) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-PYLLM_INLINE __m512 halves_2x8(const void* a, const void* b) {  // 8 fp16 at a, then 8 at b, as 16 floats
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-
 PYLLM_INLINE __m512i rows8_pick16_x2(__m512i bytes, int e0, int e1) {  // rows8_pick16 in each 256-bit half
     const __m512i ctl = _mm512_set1_epi32(static_cast<int>(0x80008000u | static_cast<unsigned>(e0) |
                                                            (static_cast<unsigned>(e1) << 16)));
@@ -481,8 +470,8 @@ PYLLM_INLINE void rows8_q4_k_pair(const G* g0, const G* g1, int nb, const block_
         const G& B1 = g1[b];
         rows8_prefetch<sizeof(G)>(&B0);
         rows8_prefetch<sizeof(G)>(&B1);
-        const __m512i u0 = load_2x256(B0.scales, B1.scales);
-        const __m512i u2 = load_2x256(B0.scales + 64, B1.scales + 64);
+        const __m512i u0 = pair_of(B0.scales, B1.scales);
+        const __m512i u2 = pair_of(B0.scales + 64, B1.scales + 64);
         const __m512i sc03 = _mm512_and_si512(u0, k1);
         const __m512i sc47 = _mm512_or_si512(_mm512_and_si512(u2, k2),
                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4));
@@ -494,7 +483,7 @@ PYLLM_INLINE void rows8_q4_k_pair(const G* g0, const G* g1, int nb, const block_
             for (int r = 0; r < R; ++r) pl[r] = ph[r] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int k = 0; k < 8; ++k) {
-                const __m512i v = load_2x256(B0.qs + 32 * (8 * c8 + k), B1.qs + 32 * (8 * c8 + k));
+                const __m512i v = pair_of(B0.qs + 32 * (8 * c8 + k), B1.qs + 32 * (8 * c8 + k));
                 const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
                 for (int r = 0; r < R; ++r) {
                     const int8_t* x = xr[r][b].qs + 64 * c8;
@@ -512,14 +501,14 @@ PYLLM_INLINE void rows8_q4_k_pair(const G* g0, const G* g1, int nb, const block_
                 sumi[r] = _mm512_add_epi32(sumi[r],
                                            _mm512_dpwssd_epi32(_mm512_madd_epi16(pl[r], sc_l), ph[r], sc_h));
         }
-        const __m512i u1 = load_2x256(B0.scales + 32, B1.scales + 32);
+        const __m512i u1 = pair_of(B0.scales + 32, B1.scales + 32);
         const __m512i mn03 = _mm512_and_si512(u1, k1);
         const __m512i mn47 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 4), k2),
                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 6), k3), 4));
         const __m512i mp[4] = {rows8_pick16_x2(mn03, 0, 1), rows8_pick16_x2(mn03, 2, 3),
                                rows8_pick16_x2(mn47, 0, 1), rows8_pick16_x2(mn47, 2, 3)};
-        const __m512 dw = halves_2x8(B0.d, B1.d);
-        const __m512 dmw = halves_2x8(B0.dmin, B1.dmin);
+        const __m512 dw = pair_f16x8(B0.d, B1.d);
+        const __m512 dmw = pair_f16x8(B0.dmin, B1.dmin);
         for (int r = 0; r < R; ++r) {
             const int32_t* w4 = bw[r] + 4 * b;
             const __m512i summ = _mm512_add_epi32(

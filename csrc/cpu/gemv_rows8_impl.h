@@ -132,9 +132,7 @@ PYLLM_INLINE void rows8_pair(const G* g0, const G* g1, int nb, const Q8RowC* a, 
         for (int r = 0; r < R; ++r) ps[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) {
-            const __m512i v = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(B0.qs + 32 * k))),
-                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B1.qs + 32 * k)), 1);
+            const __m512i v = pair_of(B0.qs + 32 * k, B1.qs + 32 * k);
             const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
             for (int r = 0; r < R; ++r) {
                 const int8_t* x = a[r].qs + QK * b;
@@ -145,14 +143,10 @@ PYLLM_INLINE void rows8_pair(const G* g0, const G* g1, int nb, const Q8RowC* a, 
                 ps[r] = _mm512_dpbusd_epi32(ps[r], hi, _mm512_set1_epi32(xh));
             }
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B0.d))),
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(B1.d)), 1));
+        const __m512 dw = pair_f16x8(B0.d, B1.d);
         __m512 cw;
         if constexpr (T::has_min)
-            cw = _mm512_cvtph_ps(_mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B0.m))),
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(B1.m)), 1));
+            cw = pair_f16x8(B0.m, B1.m);
         else
             cw = _mm512_mul_ps(dw, _mm512_set1_ps(T::offset));
         for (int r = 0; r < R; ++r) {
@@ -282,10 +276,6 @@ PYLLM_INLINE void rows8_q16_chunk(const block_q8_0x8& B, const Q16RowC* a, int b
 #ifdef PYLLM_ROWS8_PAIRS
 // The two chunk kernels above over two groups at once (rows8_pair's idea: lanes 0-7 group g, 8-15 group g + 1),
 // lane for lane the same integer operations.
-PYLLM_INLINE __m512i pair_of(const void* p0, const void* p1) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0))),
-                              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1)), 1);
-}
 PYLLM_INLINE __m512i pair_i16(const void* p0, const void* p1) {  // 16 int8 each, sign-extended
     return _mm512_inserti64x4(
         _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0)))),
@@ -415,9 +405,7 @@ void rows8_q8_0(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t*
             const block_q8_0x8& B1 = g1[b];
             prefetch_ahead<sizeof(block_q8_0x8)>(&B0);
             prefetch_ahead<sizeof(block_q8_0x8)>(&B1);
-            const __m512 dw = T::order(_mm512_cvtph_ps(_mm256_inserti128_si256(
-                _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(B0.d))),
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(B1.d)), 1)));
+            const __m512 dw = T::order(pair_f16x8(B0.d, B1.d));
             if constexpr (M <= 4) {
                 rows8_q8_pair_rows<T, M>(B0, B1, a, b, dw, acc);
             } else {
