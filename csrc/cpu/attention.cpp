@@ -165,12 +165,13 @@ KV_INLINE float tile32(const uint8_t* row, int t, __m256* x) {
 // layer's weight sweep evicts them), and between loads the dot loops leave too few misses in flight for the
 // hardware prefetcher alone: one cold kv head (3 query heads, 1500 f16 keys) took 2.1x its time from L2, and
 // in SmolLM2's step at 600-1500 cached tokens the prefetch cut attention by 25-30%.
-// The rows prefetched are those PYLLM_KV_PREFETCH bytes of rows past j (nr of them, those below n), each found through
-// KVRows::at: in a paged cache a block holds 16 rows of one (layer, head), so the bytes past a row are mostly
-// another head's or another layer's, and a prefetch by address fetched those (4 sequences of SmolLM2 from a pool at
-// 320 cached tokens: attention 3.1-3.4 ms, against 2.1-2.4 ms through the table).
-KV_INLINE void prefetch_rows(const KVRows& R, int j, int nr, int n) {
-    const int ahead = std::max(1, static_cast<int>(PYLLM_KV_PREFETCH / R.stride));
+// The rows prefetched are rows j + ahead .. j + ahead + nr - 1 (those below n; ahead = rows_ahead(R), PYLLM_KV_PREFETCH
+// bytes of rows, computed once per pass), each found through KVRows::at: in a paged cache a block holds 16 rows of
+// one (layer, head), so the bytes past a row are mostly another head's or another layer's, and a prefetch by address
+// fetched those (4 sequences of SmolLM2 from a pool at 320 cached tokens: attention 3.1-3.4 ms, against 2.1-2.4 ms
+// through the table).
+KV_INLINE int rows_ahead(const KVRows& R) { return std::max(1, static_cast<int>(PYLLM_KV_PREFETCH / R.stride)); }
+KV_INLINE void prefetch_rows(const KVRows& R, int ahead, int j, int nr, int n) {
     const int j1 = std::min(n, j + ahead + nr);
     for (int i = j + ahead; i < j1;) {
         int m = j1 - i;  // rows from i on that are contiguous: the rest of i's block, or all
@@ -229,11 +230,12 @@ template <bool F16>
 void scores_float(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
                   float scale, float* sc, size_t sc_stride) {
     const __m256 vscale = _mm256_set1_ps(scale);
+    const int ahead = rows_ahead(k_rows);
     for (int j0 = 0; j0 < n; j0 += RB) {
         const int nr = std::min(RB, n - j0);
         const uint8_t* rows[RB];
         for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
-        prefetch_rows(k_rows, j0, RB, n);
+        prefetch_rows(k_rows, ahead, j0, RB, n);
         int g = 0;
         if constexpr (SCORE_HEADS == 3) {
             for (; g + 3 <= G; g += 3)
@@ -384,11 +386,12 @@ void scores_int_avx2(const KVRows& k_rows, const float* q, size_t q_stride, int 
     else quantize_q16(q, q_stride, G, hd, S.q16.data(), S.dq.data());
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
     const __m256 vscale = _mm256_set1_ps(scale);
+    const int ahead = rows_ahead(k_rows);
     for (int j0 = 0; j0 < n; j0 += RB) {
         const int nr = std::min(RB, n - j0);
         const uint8_t* rows[RB];
         for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
-        prefetch_rows(k_rows, j0, RB, n);
+        prefetch_rows(k_rows, ahead, j0, RB, n);
         for (int b = 0; b < nb; ++b) _mm256_storeu_ps(dk + b * RB, scales8(rows, b * bsz));
         if constexpr (Q4) {
             // per block, rows r and r + 4 side by side (128-bit halves), as the low nibbles (elements 0..15)
@@ -486,9 +489,10 @@ void values_tile(const KVRows& v_rows, const float* const* p, int n, int t, floa
     __m256 acc[H][4 * W];
     for (int h = 0; h < H; ++h)
         for (int k = 0; k < 4 * W; ++k) acc[h][k] = _mm256_setzero_ps();
+    const int ahead = rows_ahead(v_rows);
     for (int j = 0; j < n; ++j) {
         const uint8_t* row = v_rows.at(j);
-        if (t == 0) prefetch_rows(v_rows, j, 1, n);  // the first of the passes over the rows
+        if (t == 0) prefetch_rows(v_rows, ahead, j, 1, n);  // the first of the passes over the rows
         __m256 x[W][4];
         float d[W];
         for (int w = 0; w < W; ++w) d[w] = tile32<T>(row, t + w, x[w]);
