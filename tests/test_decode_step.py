@@ -362,22 +362,24 @@ def _q8_blocks(q, levels=127):
 
 
 # (query heads per KV head, head dim): the kernel takes heads 3 at a time with 32 vector registers (2 at a time for
-# values, 1 for scores with 16), then the rest; float rows may have a head dim that is not a multiple of 32.
-ATTN_SHAPES = [(3, 64), (1, 64), (2, 64), (4, 64), (7, 64), (5, 40)]
+# values, 1 for scores with 16), then the rest; float rows may have a head dim that is not a multiple of 32. With the
+# AVX-512 kernels float rows whose head dim is a multiple of 16 take the 16-wide loops (values 64 at a time, then
+# 16: hd 48 and 128 cover both); hd 40 stays on the 8-wide ones.
+ATTN_SHAPES = [(3, 64), (1, 64), (2, 64), (4, 64), (7, 64), (5, 40), (3, 48), (2, 128)]
 ATTN_CASES = [(kind, group, hd) for kind in KV_IDS for group, hd in ATTN_SHAPES
               if hd % 32 == 0 or kind in ("f32", "f16")]  # block rows hold whole 32-value blocks
 
 
 @pytest.mark.parametrize("kind,group,hd", ATTN_CASES)
-@pytest.mark.parametrize("isa", ["simd", "scalar"])
-def test_kv_attention_matches_float64_on_dequantized_rows(kind, group, hd, isa):
+def test_kv_attention_matches_float64_on_dequantized_rows(kind, group, hd):
     """Reference: float64 softmax attention over the rows kv_cache.py dequantizes (same stored bytes), with the
-    query the kernel dots: the AVX2 kernel takes q8_0 / q4_0 keys with an integer dot (int16 query blocks against
-    q8_0 keys; llama.cpp's vec_dot_q4_0_q8_0 against q4_0), each query head rounded to blocks first, so for those
-    kinds its reference query is that rounded q (_q8_blocks); the scalar loop and float keys use q itself. The rounding is
-    the kernel's one approximation (half a step of 1/127 of a block's absmax per query value, next to the key's
-    own 1/254 (q8_0) or 1/8 (q4_0) of its block's absmax); its effect on the logits is bounded by
-    test_smollm2_cpp_decode_quantized_cache. Tolerance: float32 accumulation over <= 77 keys x 64 dims, 2e-5 of
+    query the kernel dots, for the scalar reference loop and the kernels of every ISA this CPU runs (set_isa):
+    the SIMD kernels take q8_0 / q4_0 keys with an integer dot (int16 query blocks against q8_0 keys; llama.cpp's
+    vec_dot_q4_0_q8_0 against q4_0), each query head rounded to blocks first, so for those kinds their reference
+    query is that rounded q (_q8_blocks); the scalar loops and float keys use q itself. The rounding is the
+    kernel's one approximation (half a step of 1/127 of a block's absmax per query value, next to the key's own
+    1/254 (q8_0) or 1/8 (q4_0) of its block's absmax); its effect on the logits is bounded by
+    test_smollm2_cpp_decode_quantized_cache. Tolerance: float32 accumulation over <= 77 keys x 128 dims, 2e-5 of
     the output's max."""
     from pyllm.runtime.kv_cache import make_kv_cache
 
@@ -390,14 +392,21 @@ def test_kv_attention_matches_float64_on_dequantized_rows(kind, group, hd, isa):
     q = torch.randn(hkv * group, hd, generator=g) * 2
     # storage basis, the stored row 0 (the kernel reads rows; the step's exact sink row is tested apart)
     kd, vd = (p.stored(0, s, sink=False).double().repeat_interleave(group, 0) for p in c.parts)
-    int_dot = isa == "simd" and kind in ("q8_0", "q4_0") and ops._C.get_isa() != "scalar"
-    qr = _q8_blocks(q, 32767 if kind == "q8_0" else 127) if int_dot else q.double()
-    p = torch.softmax(torch.einsum("hd,hsd->hs", qr, kd) * hd ** -0.5, -1)
-    want = torch.einsum("hs,hsd->hd", p, vd)
-    got = ops._C.kv_attention(q, c.k_part.data[0], c.v_part.data[0], KV_IDS[kind], KV_IDS[kind], hd ** -0.5,
-                              isa == "scalar")
-    err = ((got.double() - want).abs().max() / want.abs().max()).item()
-    assert err < 2e-5, f"{kind} {isa} group {group} hd {hd}: {err:.2e}"
+    was = ops._C.get_isa()
+    try:
+        for isa in ["reference", *ops._C.available_isas()]:
+            if isa != "reference":
+                ops._C.set_isa(isa)
+            int_dot = isa not in ("reference", "scalar") and kind in ("q8_0", "q4_0")
+            qr = _q8_blocks(q, 32767 if kind == "q8_0" else 127) if int_dot else q.double()
+            p = torch.softmax(torch.einsum("hd,hsd->hs", qr, kd) * hd ** -0.5, -1)
+            want = torch.einsum("hs,hsd->hd", p, vd)
+            got = ops._C.kv_attention(q, c.k_part.data[0], c.v_part.data[0], KV_IDS[kind], KV_IDS[kind],
+                                      hd ** -0.5, isa == "reference")
+            err = ((got.double() - want).abs().max() / want.abs().max()).item()
+            assert err < 2e-5, f"{kind} {isa} group {group} hd {hd}: {err:.2e}"
+    finally:
+        ops._C.set_isa(was)
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0"])
