@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "common/blocks.h"
@@ -227,29 +228,83 @@ KV_INLINE void scores_rows8(const uint8_t* const* rows, const float* q, size_t q
     for (int g = 0; g < GH; ++g) store_scores(out + g * sc_stride, _mm256_mul_ps(hsum8x8(acc[g]), vscale), nr);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+// ---- float keys and values, 16 at a time (an AVX-512 build where the AVX-512 kernels are in use) -------------
+// The same loops as above in zmm registers: each key (value) vector is converted once per 16 values instead of 8,
+// and a row of 64 values is 4 loads and 4 conversions.  A score's lanes are folded 16 -> 8 before the transpose-add
+// tree (its order differs from the 8-wide loop's; each ISA sums a row in one order whatever the step's rows).
+// Each output element of the values is the same sequence of FMAs over the rows as in the 8-wide loop.  (One thread,
+// 3 heads of SmolLM2's shape over 320 f16 rows: 16.3 -> 13.4 ns per key and value row in L2, 25.7 -> 19.6 from
+// DRAM after a 100 MiB sweep.)
+KV_INLINE bool wide_float_rows(int hd) {
+    const Isa isa = cpu_get_isa();
+    return hd % 16 == 0 && (isa == Isa::Avx512 || isa == Isa::Amx) && cpu::avx512_runs_natively();
+}
+
 template <bool F16>
+KV_INLINE __m512 load16(const uint8_t* row, int i) {
+    if constexpr (F16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i)));
+    else return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
+}
+
+template <bool F16, int GH>
+KV_INLINE void scores_rows8_x16(const uint8_t* const* rows, const float* q, size_t q_stride, int hd, __m256 vscale,
+                                float* out, size_t sc_stride, int nr) {
+    __m512 acc[GH][RB];
+    for (int g = 0; g < GH; ++g)
+        for (int r = 0; r < RB; ++r) acc[g][r] = _mm512_setzero_ps();
+    for (int i = 0; i < hd; i += 16) {
+        __m512 qv[GH];
+        for (int g = 0; g < GH; ++g) qv[g] = _mm512_loadu_ps(q + g * q_stride + i);
+        for (int r = 0; r < RB; ++r) {
+            const __m512 kv = load16<F16>(rows[r], i);
+            for (int g = 0; g < GH; ++g) acc[g][r] = _mm512_fmadd_ps(kv, qv[g], acc[g][r]);
+        }
+    }
+    for (int g = 0; g < GH; ++g) {
+        __m256 a8[RB];
+        for (int r = 0; r < RB; ++r)
+            a8[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[g][r]), _mm512_extractf32x8_ps(acc[g][r], 1));
+        store_scores(out + g * sc_stride, _mm256_mul_ps(hsum8x8(a8), vscale), nr);
+    }
+}
+
+#define PYLLM_KV_X16 1
+#else
+#define PYLLM_KV_X16 0
+#endif
+
+// WIDE: the 16-wide rows kernel (an AVX-512 build; 3 heads per key vector), else the 8-wide one.
+template <bool F16, bool WIDE = false>
 void scores_float(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
                   float scale, float* sc, size_t sc_stride) {
     const __m256 vscale = _mm256_set1_ps(scale);
     const int ahead = rows_ahead(k_rows);
+    auto rows8 = [&](auto heads, const uint8_t* const* rows, int g, int j0, int nr) {
+        constexpr int GH = decltype(heads)::value;
+#if PYLLM_KV_X16
+        if constexpr (WIDE) {
+            scores_rows8_x16<F16, GH>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0,
+                                      sc_stride, nr);
+            return;
+        }
+#endif
+        scores_rows8<F16, GH>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride, nr);
+    };
     for (int j0 = 0; j0 < n; j0 += RB) {
         const int nr = std::min(RB, n - j0);
         const uint8_t* rows[RB];
         for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
         prefetch_rows(k_rows, ahead, j0, RB, n);
         int g = 0;
-        if constexpr (SCORE_HEADS == 3) {
-            for (; g + 3 <= G; g += 3)
-                scores_rows8<F16, 3>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride,
-                                       nr);
+        if constexpr (WIDE || SCORE_HEADS == 3) {
+            for (; g + 3 <= G; g += 3) rows8(std::integral_constant<int, 3>{}, rows, g, j0, nr);
             if (G - g == 2) {
-                scores_rows8<F16, 2>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride,
-                                       nr);
+                rows8(std::integral_constant<int, 2>{}, rows, g, j0, nr);
                 g += 2;
             }
         }
-        for (; g < G; ++g)
-            scores_rows8<F16, 1>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride, nr);
+        for (; g < G; ++g) rows8(std::integral_constant<int, 1>{}, rows, g, j0, nr);
     }
 }
 
@@ -554,72 +609,7 @@ void values_avx2(const KVRows& v_rows, const float* sc, size_t sc_stride, int G,
 }
 
 
-#if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-// ---- float keys and values, 16 at a time (an AVX-512 build where the AVX-512 kernels are in use) -------------
-// The same loops as above in zmm registers: each key (value) vector is converted once per 16 values instead of 8,
-// and a row of 64 values is 4 loads and 4 conversions.  A score's lanes are folded 16 -> 8 before the transpose-add
-// tree (its order differs from the 8-wide loop's; each ISA sums a row in one order whatever the step's rows).
-// Each output element of the values is the same sequence of FMAs over the rows as in the 8-wide loop.  (One thread,
-// 3 heads of SmolLM2's shape over 320 f16 rows: 16.3 -> 13.4 ns per key and value row in L2, 25.7 -> 19.6 from
-// DRAM after a 100 MiB sweep.)
-KV_INLINE bool wide_float_rows(int hd) {
-    const Isa isa = cpu_get_isa();
-    return hd % 16 == 0 && (isa == Isa::Avx512 || isa == Isa::Amx) && cpu::avx512_runs_natively();
-}
-
-template <bool F16>
-KV_INLINE __m512 load16(const uint8_t* row, int i) {
-    if constexpr (F16) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * i)));
-    else return _mm512_loadu_ps(reinterpret_cast<const float*>(row) + i);
-}
-
-template <bool F16, int GH>
-KV_INLINE void scores_rows8_x16(const uint8_t* const* rows, const float* q, size_t q_stride, int hd, __m256 vscale,
-                                float* out, size_t sc_stride, int nr) {
-    __m512 acc[GH][RB];
-    for (int g = 0; g < GH; ++g)
-        for (int r = 0; r < RB; ++r) acc[g][r] = _mm512_setzero_ps();
-    for (int i = 0; i < hd; i += 16) {
-        __m512 qv[GH];
-        for (int g = 0; g < GH; ++g) qv[g] = _mm512_loadu_ps(q + g * q_stride + i);
-        for (int r = 0; r < RB; ++r) {
-            const __m512 kv = load16<F16>(rows[r], i);
-            for (int g = 0; g < GH; ++g) acc[g][r] = _mm512_fmadd_ps(kv, qv[g], acc[g][r]);
-        }
-    }
-    for (int g = 0; g < GH; ++g) {
-        __m256 a8[RB];
-        for (int r = 0; r < RB; ++r)
-            a8[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[g][r]), _mm512_extractf32x8_ps(acc[g][r], 1));
-        store_scores(out + g * sc_stride, _mm256_mul_ps(hsum8x8(a8), vscale), nr);
-    }
-}
-
-template <bool F16>
-void scores_float_x16(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n, float scale,
-                      float* sc, size_t sc_stride) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    const int ahead = rows_ahead(k_rows);
-    for (int j0 = 0; j0 < n; j0 += RB) {
-        const int nr = std::min(RB, n - j0);
-        const uint8_t* rows[RB];
-        for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
-        prefetch_rows(k_rows, ahead, j0, RB, n);
-        int g = 0;
-        for (; g + 3 <= G; g += 3)
-            scores_rows8_x16<F16, 3>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride,
-                                     nr);
-        if (G - g == 2) {
-            scores_rows8_x16<F16, 2>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride,
-                                     nr);
-            g += 2;
-        }
-        for (; g < G; ++g)
-            scores_rows8_x16<F16, 1>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride,
-                                     nr);
-    }
-}
-
+#if PYLLM_KV_X16
 // Values e0..e0 + 16W - 1 of H heads' outputs over all rows: H x W accumulators (3 x 4 + the row's 4: 17 registers,
 // so a 64-value row is read once for 3 heads).
 template <bool F16, int H, int W>
@@ -663,10 +653,7 @@ void values_float_x16(const KVRows& v_rows, const float* sc, size_t sc_stride, i
         g0 += H;
     }
 }
-#define PYLLM_KV_X16 1
-#else
-#define PYLLM_KV_X16 0
-#endif
+#endif  // PYLLM_KV_X16
 
 // G query heads of one KV head.
 void attend_group_avx2(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v_rows, const float* q,
@@ -682,8 +669,8 @@ void attend_group_avx2(KVType kt, const KVRows& k_rows, KVType vt, const KVRows&
         case KVType::F16:
 #if PYLLM_KV_X16
             if (wide) {
-                if (kt == KVType::F16) scores_float_x16<true>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
-                else scores_float_x16<false>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
+                if (kt == KVType::F16) scores_float<true, true>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
+                else scores_float<false, true>(k_rows, q, q_stride, G, hd, n, scale, sc, sc_stride);
                 break;
             }
 #endif
