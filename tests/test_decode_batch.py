@@ -15,7 +15,7 @@ from pyllm import ops
 from pyllm.backends.base import SeqStep
 from pyllm.runtime import batch, prompt_cache
 from pyllm.runtime.kv_cache import make_kv_cache
-from pyllm.runtime.slots import Slot, decode_rows_with_argmax, prefill_chunk, prefill_part
+from pyllm.runtime.slots import Slot, decode_rows_with_argmax, prefill_chunk, prefill_part, stacked_logits
 
 from conftest import pyllm_model
 
@@ -76,6 +76,26 @@ def test_batch_rows_equal_single_steps(key, kinds):
                 # each row's argmax as the step reports it: numpy's on the row (finite here)
                 assert tops == [int(np.argmax(r.numpy())) for r in ref], f"{key} {kind} B={n} step {step}"
                 toks = [int(r.argmax()) for r in ref]
+
+
+def test_stacked_logits_views_consecutive_rows_and_copies_the_rest():
+    """Reference: torch.cat of the rows.  Consecutive [1, V] rows of one tensor (a batched pass's) come back as a
+    view of it; rows out of order, with a gap, from two tensors or of another shape are copied, so a caller never
+    reads a neighbour's row."""
+    base = torch.randn(5, 7)
+    rows = [base[i:i + 1] for i in range(4)]
+    got = stacked_logits(rows)
+    assert torch.equal(got, torch.cat(rows)) and got.data_ptr() == base.data_ptr()
+    base[2, 3] = 42.0  # a view: the pass's own rows
+    assert got[2, 3] == 42.0
+    other = torch.randn(1, 7)
+    for bad in ([rows[1], rows[0]], [rows[0], rows[2]], [rows[0], other], [base[0:2], base[2:3]],
+                [base[0:1, :6], base[1:2, :6]]):
+        want = torch.cat(bad)
+        got = stacked_logits(bad)
+        assert torch.equal(got, want)
+        assert all(got.data_ptr() != r.data_ptr() for r in bad), "copied, not a view"
+    assert stacked_logits([rows[3]]) is rows[3]
 
 
 def test_batch_binding_checks():

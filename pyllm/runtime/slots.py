@@ -54,8 +54,23 @@ def decode_rows_with_argmax(model, slots: list[Slot], tokens: list[int]) -> tupl
     rows = model.step([SeqStep(s.kv, [t], len(s.tokens)) for s, t in zip(slots, tokens)])
     for s, t in zip(slots, tokens):
         s.tokens.append(t)
-    logits = rows[0].logits if len(rows) == 1 else torch.cat([r.logits for r in rows])
-    return logits, [r.argmax[0] if r.argmax else None for r in rows]
+    return stacked_logits([r.logits for r in rows]), [r.argmax[0] if r.argmax else None for r in rows]
+
+
+def stacked_logits(rows: list[torch.Tensor]) -> torch.Tensor:
+    """Rows [1, n_vocab] as one [B, n_vocab] tensor: a view where they are consecutive rows of one tensor (what a
+    batched pass of the CPU backend returns: no copy of B x n_vocab floats a step, 0.1 ms at 4 rows of SmolLM2),
+    else their copy."""
+    first = rows[0]
+    if len(rows) == 1:
+        return first
+    n = first.shape[-1]
+    base, step = first.untyped_storage().data_ptr(), n * first.element_size()
+    if all(r.shape == (1, n) and r.dtype == first.dtype and r.is_contiguous()
+           and r.untyped_storage().data_ptr() == base and r.data_ptr() == first.data_ptr() + i * step
+           for i, r in enumerate(rows)):
+        return first.as_strided((len(rows), n), (n, 1))
+    return torch.cat(rows)
 
 
 def prefill_chunk(model, slot: Slot, ids: list[int]) -> torch.Tensor | None:
