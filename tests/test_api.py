@@ -237,6 +237,26 @@ def _offsets_of(token_bytes: list[bytes], start: int = 0) -> list[int]:
     return [start + len(b"".join(token_bytes[:i]).decode("utf-8", errors="ignore")) for i in range(len(token_bytes))]
 
 
+@pytest.mark.parametrize("key", ["smollm2", "qwen2", "gemma3"])
+def test_a_scored_prompt_goes_on_as_a_plain_one(key):
+    """Reference: the same prompt read by a plain prefill.  A prompt scored with every row's logits (echo with
+    logprobs: prompt_logprobs) leaves the cache holding it; the generation that follows starts from the logits of
+    its last row bit for bit as after the plain prefill (the head of an all-rows forward gives its last row the
+    one-row head's sums), and its greedy tokens are the plain ones."""
+    llm = pyllm_model(key, n_ctx=512, n_threads=1)
+    ids = llm.tokenize("The old lighthouse keeper counted the ships that passed each night, and wrote " * 6)
+    llm.reset()
+    plain = llm.generator.prefill(ids).clone()
+    llm.reset()
+    want = list(llm.generate_tokens(ids, max_tokens=12, temperature=0))
+    llm.reset()
+    llm.prompt_logprobs(ids, 2)
+    assert torch.equal(llm.generator.prefill(ids), plain), key
+    llm.reset()
+    llm.prompt_logprobs(ids, 2)
+    assert list(llm.generate_tokens(ids, max_tokens=12, temperature=0)) == want, key
+
+
 @pytest.mark.parametrize("key", ["smollm2", "qwen2"])
 def test_text_offsets_index_the_text_where_tokens_split_characters(key):
     """text_offset counted each token's own text, in which a token holding part of a UTF-8 character is U+FFFD:

@@ -334,7 +334,13 @@ class Transformer(Decoder):
             x = x[-1:]
         x = self.enter_layer(spec.n_layer, x)
         x = self.norm(x, vec["output_norm.weight"], eps)
-        logits = self.output_linear(x, self.output)
+        if all_logits and x.shape[0] > 1:
+            # The last row through the head alone, as a forward without all_logits takes it: over many rows the head
+            # is a GEMM, which sums in another order than the one-row GEMV, and a prompt scored with every row's
+            # logits (echo with logprobs) must go on as the same prompt read plainly does.
+            logits = torch.cat([self.output_linear(x[:-1], self.output), self.output_linear(x[-1:], self.output)])
+        else:
+            logits = self.output_linear(x, self.output)
         if spec.final_softcap:
             logits = torch.tanh(logits / spec.final_softcap) * spec.final_softcap
         return logits

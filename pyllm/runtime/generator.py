@@ -202,10 +202,15 @@ class Generator:
     def evaluate_chunks(self, ids: list[int]) -> Iterator[torch.Tensor]:
         """Fresh evaluation from position 0, as logits [<= n_batch, n_vocab] for each n_batch tokens in turn: a
         caller that reduces each chunk before the next never holds [len(ids), n_vocab] (2.4 GB for 4096 tokens
-        of a 151k vocabulary). The cache then holds ``ids``."""
+        of a 151k vocabulary). The cache then holds ``ids``, and a generation from them goes on from the last row's
+        logits as after ``prefill(ids)``."""
         self.reset()
         i = 0
         while i < len(ids):
             end = chunk_end(i, len(ids), self.n_batch, aligned=False)
-            yield self._forward(ids[i:end], all_logits=True)
+            logits = self._forward(ids[i:end], all_logits=True)
+            if end == len(ids):  # the chunks are prefill's and the last row is its (the model's forward): a
+                # generation from ids goes on from these logits, as from a plain prefill of them
+                self._prompt_logits = (len(ids), logits[-1].clone())
+            yield logits
             i = end
