@@ -228,7 +228,9 @@ def test_engine_slots_share_one_pool(_extension):
     try:
         pool = eng.slots[0].kv.pool
         assert all(s.kv.pool is pool for s in eng.slots)
-        full = 32 * KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "f16") * 8192
+        per_token = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "f16")
+        full = 32 * per_token * 8192
+        reusable = 64 // pool.block_rows  # blocks of the prompt's reusable rows: one 64-token chunk
         assert pool.capacity_bytes == full and pool.reserved_bytes == 0
         ids = llm.tokenize("The history of the printing press begins in the fifteenth century. " * 8)[:100]
 
@@ -236,7 +238,7 @@ def test_engine_slots_share_one_pool(_extension):
             return eng.submit(batch.Request(ids=list(prompt), max_tokens=n, sampler=Sampler(temperature=0)))
 
         alone = _tokens(request(ids, 4))
-        assert pool.used_blocks == 64 // pool.block_rows  # the finished slot kept its reusable 64 rows
+        assert pool.used_blocks == reusable  # the finished slot kept its reusable 64 rows
         # a long request holds the slot with those rows; the next one lands in another slot and shares them
         long = request(ids, 4000)
         assert _tokens(long, 4) == alone
@@ -247,13 +249,13 @@ def test_engine_slots_share_one_pool(_extension):
             return [list(s.kv.seq.blocks) for s in eng.slots if s.kv.seq.blocks]
 
         a, b = sorted(eng.call(blocks), key=len, reverse=True)
-        assert b == a[:4] and all(pool.refs[x] == 2 for x in b), "the second slot copied the prefix"
+        assert b == a[:reusable] and all(pool.refs[x] == 2 for x in b), "the second slot copied the prefix"
         long.cancel.set()
         _tokens(long)
-        assert eng.call(lambda: pool.used_blocks) == 4  # the cancelled slot kept its reusable rows only
+        assert eng.call(lambda: pool.used_blocks) == reusable  # the cancelled slot kept its reusable rows only
         r = request(other, 4)
         assert _tokens(r) == shared and eng.cache_hits == 3
-        assert pool.reserved_bytes <= 16 * pool.block_bytes < full / 1000
+        assert pool.reserved_bytes <= 512 * per_token < full / 100
     finally:
         eng.close()
 
@@ -346,7 +348,7 @@ def _engine_tokens(eng, reqs):
 
 @pytest.mark.parametrize("kind", ["f16", "q8_0"])
 def test_small_pool_admits_waits_and_preempts(_extension, kind):
-    """Four greedy requests over a pool of one context (64 positions, 4 blocks) with three slots: a request waits
+    """Four greedy requests over a pool of one context (64 positions, 4 blocks of 16) with three slots: a request waits
     in the queue until its prompt's blocks are free, and a running one that cannot grow is preempted and resumed
     (its prompt read again, its generated tokens' rows rewritten as decode rows).  Reference: the same requests in
     an engine whose pool holds every slot's context, which never waits nor preempts; every request's tokens must
@@ -359,7 +361,8 @@ def test_small_pool_admits_waits_and_preempts(_extension, kind):
                                          "Paris is the capital of", "One, two, three,")]
 
     def run(pool_tokens):
-        eng = batch.BatchEngine(llm.model, kind, 64, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=pool_tokens)
+        eng = batch.BatchEngine(llm.model, kind, 64, 3, llm.tokenizer.is_eog, thread=False, pool_tokens=pool_tokens,
+                                block_rows=16)
         reqs = [eng.submit(batch.Request(ids=list(p), max_tokens=40, sampler=Sampler(temperature=0)))
                 for p in prompts]
         return eng, _engine_tokens(eng, reqs)
@@ -480,7 +483,8 @@ def test_the_request_admitted_last_is_preempted_and_goes_on(reading, monkeypatch
 
     if reading:
         monkeypatch.setattr(batch, "PREFILL_STALL", 0.0)
-    eng = batch.BatchEngine(_HistoryModel(), "f16", 160, 2, lambda t: False, thread=False, pool_tokens=160)
+    eng = batch.BatchEngine(_HistoryModel(), "f16", 160, 2, lambda t: False, thread=False, pool_tokens=160,
+                            block_rows=16)
 
     def submit(prompt, n):
         return eng.submit(batch.Request(ids=prompt, max_tokens=n, sampler=Sampler(temperature=0)))

@@ -27,6 +27,7 @@ def main(argv=None) -> int:
     from pyllm import ops
     from pyllm.runtime.slots import Slot, decode_rows, prefill_chunk
     from pyllm.runtime.kv_cache import make_kv_cache
+    from pyllm.runtime.kv_pool import BLOCK_ROWS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
@@ -43,9 +44,9 @@ def main(argv=None) -> int:
     cfg, model = llm.config, llm.model
     text = "The river ran past the old stone mill and on to the sea. "
     ids = llm.tokenize(text * (a.prompt_tokens // 8 + 1))[:a.prompt_tokens]
-    if a.paged:  # the server's: one pool from the backend, 16-row blocks
+    if a.paged:  # the server's: one pool from the backend, blocks of BLOCK_ROWS positions
         pool = model.backend.make_kv_pool(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, cfg.head_dim,
-                                          max(rows) * (llm.n_ctx // 16 + 1), 16)
+                                          max(rows) * (llm.n_ctx // BLOCK_ROWS + 1), BLOCK_ROWS)
         caches = [pool.cache(llm.n_ctx) for _ in range(max(rows))]
     else:
         caches = [make_kv_cache(llm.kv.kind, cfg.n_layer, cfg.n_kv_head, llm.n_ctx, cfg.head_dim)

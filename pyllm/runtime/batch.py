@@ -36,7 +36,7 @@ from ..backends.base import SeqStep
 from ..errors import ContextFullError, ModelError, PyllmError
 from .engine import check_finite, common_prefix, finish_reason, forced_end
 from .generator import GenerationStats, decode_one
-from .kv_pool import slot_caches
+from .kv_pool import BLOCK_ROWS, slot_caches
 from .prompt_cache import PromptCache, log as cache_log, reusable
 from .slots import (STEP_TOKENS, Slot, decode_rows_with_argmax, prefill_chunk, prefill_done, prefill_part,
                     replay_rows)
@@ -185,12 +185,13 @@ class BatchEngine:
     the caller's thread: ``tokens(request)`` steps the engine until that request has its next item, so a library
     call that generates several sequences batches them without a thread.  ``max_seq``: positions per slot's cache
     (default n_ctx; a caller that knows its longest prompt + max_tokens reserves no more).  ``n_slots`` 0 (with
-    thread=False): an engine for requests that bring their own sequence (Request.seq) only: the LLM's own."""
+    thread=False): an engine for requests that bring their own sequence (Request.seq) only: the LLM's own.
+    ``pool_tokens``, ``block_rows``: the slots' block pool's cap and positions per block (slot_caches)."""
 
     def __init__(self, model, kv_kind: str, n_ctx: int, n_slots: int, is_eog: Callable[[int], bool],
                  prompt_cache: PromptCache | None = None,
                  nonfinite: Callable[[torch.Tensor], Exception] | None = None, thread: bool = True,
-                 max_seq: int | None = None, pool_tokens: int | None = None):
+                 max_seq: int | None = None, pool_tokens: int | None = None, block_rows: int = BLOCK_ROWS):
         if n_slots < (0 if not thread else 1):
             raise PyllmError(f"the number of parallel sequences must be >= 1, got {n_slots}")
         cfg = model.cfg
@@ -199,7 +200,7 @@ class BatchEngine:
         # one pool of KV blocks for every slot where the backend has one (runtime/kv_pool.py)
         self.slots = [Slot(i, kv) for i, kv in enumerate(slot_caches(model.backend, kv_kind, cfg.n_layer, cfg.n_kv_head,
                                                                       cfg.head_dim, rows, n_slots,
-                                                                      pool_tokens=pool_tokens))] if n_slots else []
+                                                                      block_rows, pool_tokens))] if n_slots else []
         # the BlockPool, whose free blocks admission reads (none without slots: a library call's own sequence)
         self.pool = getattr(self.slots[0].kv, "pool", None) if self.slots else None
         self.preemptions = 0
