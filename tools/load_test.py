@@ -14,6 +14,13 @@ a correctness check of the stream, not a measurement of the server).
 
     python tools/load_test.py --spawn smollm2-135m --serve-args "--parallel 8 --threads 2" --streams 1,2,4,8
     python tools/load_test.py --url http://127.0.0.1:8080 --model smollm2-135m     # a server already running
+
+``--in-process MODEL`` runs the same requests through the server's engine in this process (runtime/batch.py's
+BatchEngine on its own thread, the chat template, greedy, no speculation: a server's ``--spec none``), each client a
+thread that reads its request's tokens as they come: the figures without HTTP, to set beside a spawned server's
+(its "client CPU" is then the engine's too).
+
+    python tools/load_test.py --in-process smollm2-135m --threads 2 --streams 1,4 -n 256 --repeat 3
 """
 
 from __future__ import annotations
@@ -133,6 +140,35 @@ def level(client, url: str, model: str, streams: int, n_words: int, max_tokens: 
                 texts=[r.get("text") for r in results])
 
 
+def engine_client(model: str, slots: int, threads: int, n_ctx: int):
+    """A client (raw_stream's signature and result) whose requests run in this process through the server's engine:
+    greedy, no speculation, the model's chat template.  The url and key are not used."""
+    sys.path.insert(0, str(ROOT))
+    import pyllm
+    from pyllm.runtime import batch
+    from pyllm.runtime.sampler import Sampler
+
+    llm = pyllm.load(model, n_ctx=n_ctx, n_threads=threads, quiet=True)
+    engine = batch.BatchEngine(llm.model, llm.kv.kind, n_ctx, slots, llm.tokenizer.is_eog)
+
+    def run(url: str, model: str, prompt: str, max_tokens: int, key: str | None) -> dict:
+        ids = llm.chat_ids([{"role": "user", "content": prompt}])
+        t0 = time.perf_counter()
+        req = engine.submit(batch.Request(ids=list(ids), max_tokens=max_tokens, sampler=Sampler(temperature=0)))
+        times, toks = [], []
+        for item in batch.queue_items(req):
+            if item[0] == "error":
+                raise item[1]
+            if item[0] == "token":
+                toks.append(item[1])
+                if not llm.tokenizer.is_eog(item[1]):  # what a stream sends as content
+                    times.append(time.perf_counter())
+        usage = {"prompt_tokens": len(ids), "completion_tokens": len(toks)}
+        return dict(start=t0, times=times, end=time.perf_counter(), usage=usage, text=llm.detokenize(toks))
+
+    return run, engine
+
+
 def spawn(model: str, port: int, extra: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.Popen([sys.executable, "-m", "pyllm.cli.main", "serve", model, "--port", str(port), *extra],
@@ -167,9 +203,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs per level, each with prompts of its own; every "
                                                            "figure is the median over them (default 1)")
     ap.add_argument("--json", action="store_true", help="one JSON object per level")
+    ap.add_argument("--in-process", metavar="MODEL", default=None,
+                    help="no server: the requests run through the server's engine in this process")
+    ap.add_argument("--threads", type=int, default=2, help="kernel threads with --in-process (default 2)")
     a = ap.parse_args(argv)
-    proc = None
-    if a.spawn:
+    proc = engine = None
+    levels = [int(x) for x in a.streams.split(",")]
+    if a.in_process:
+        client, engine = engine_client(a.in_process, max(levels), a.threads,
+                                       a.prompt_tokens + a.max_tokens + 128)
+        a.model, a.nice = a.in_process, 0  # the engine's threads are this process's: they keep their priority
+    elif a.spawn:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -177,7 +221,8 @@ def main(argv=None) -> int:
         a.url, a.model = f"http://127.0.0.1:{port}", a.spawn
     if a.nice:
         os.nice(a.nice)  # after the spawn: the server must not inherit it; threads started below do
-    client = raw_stream if a.client == "raw" else openai_stream
+    if engine is None:
+        client = raw_stream if a.client == "raw" else openai_stream
     try:
         n_words = max(1, int(a.prompt_tokens / 1.3) - 20)  # about 1.3 tokens per word, ~20 for the template
         level(client, a.url, a.model, 1, n_words, 4, a.api_key, 99)  # warm-up: extension, caches
@@ -185,7 +230,7 @@ def main(argv=None) -> int:
             print(f"{'streams':>7} {'prompt':>7} {'agg tok/s':>10} {'ratio':>6} {'steady':>8} {'ratio':>6} "
                   f"{'per-stream':>11} {'TTFT p50':>9} {'TTFT p95':>9} {'TTFT max':>9} {'client CPU':>10}")
         base = None
-        for i, c in enumerate(int(x) for x in a.streams.split(",")):
+        for i, c in enumerate(levels):
             runs = [level(client, a.url, a.model, c, n_words, a.max_tokens, a.api_key, i + 10 * k)
                     for k in range(max(1, a.repeat))]
             r = {key: statistics.median(x[key] for x in runs) for key in runs[0] if key != "texts"}
@@ -203,6 +248,8 @@ def main(argv=None) -> int:
         if proc:
             proc.terminate()
             proc.wait(timeout=30)
+        if engine is not None:
+            engine.close()
     return 0
 
 
