@@ -660,9 +660,7 @@ void attend_group_avx2(KVType kt, const KVRows& k_rows, KVType vt, const KVRows&
                        size_t q_stride, int G, int hd, int n, float scale,
                        float* sc, size_t sc_stride, float* o, size_t o_stride, float* lse) {
 #if PYLLM_KV_X16
-    const bool wide = wide_float_rows(hd);
-#else
-    const bool wide = false;
+    const bool wide = wide_float_rows(hd);  // float rows through the 16-wide loops
 #endif
     switch (kt) {
         case KVType::F32:
