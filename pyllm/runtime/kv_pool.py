@@ -47,8 +47,9 @@ from .prompt_cache import PREFILL_CHUNK
 
 # Positions per block: one prefill chunk, the unit of prompt reuse, so a shared prefix is whole blocks and never
 # copied on write (a power of two: the C++ step finds a row with a shift and a mask).  Each (layer, head) then has
-# 64 consecutive rows in a block (8 KiB of f16 rows of 64 values): 4 sequences of SmolLM2 at 1000 cached tokens took
-# 5.3 ms of attention a step against 5.8-6.2 with 16-row blocks (2 KiB runs; contiguous caches 5.0), the same at 320.
+# 64 consecutive rows in a block (8 KiB of f16 rows of 64 values), runs the hardware prefetcher follows: with 16-row
+# blocks (2 KiB runs) 4 sequences of SmolLM2 at 1000 cached tokens spent 13% more time in attention
+# (docs/BENCHMARKS.md, "Decode attention").
 BLOCK_ROWS = PREFILL_CHUNK
 
 
