@@ -38,9 +38,11 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="each B's step by phase (see the module docstring)")
     ap.add_argument("--paged", action="store_true", help="caches from one block pool, as the server's slots")
+    ap.add_argument("--kv", default=None, help="KV cache kind (f16, q8_0, q4_0, ...; default: pyllm.load's)")
     a = ap.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",")]
-    llm = pyllm.load(a.model, n_ctx=a.prompt_tokens + a.steps + 8, n_threads=a.threads or None, quiet=True)
+    llm = pyllm.load(a.model, n_ctx=a.prompt_tokens + a.steps + 8, n_threads=a.threads or None, quiet=True,
+                     **({"kv_cache": a.kv} if a.kv else {}))
     cfg, model = llm.config, llm.model
     text = "The river ran past the old stone mill and on to the sea. "
     ids = llm.tokenize(text * (a.prompt_tokens // 8 + 1))[:a.prompt_tokens]
