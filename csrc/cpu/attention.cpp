@@ -274,13 +274,12 @@ KV_INLINE void scores_rows8_x16(const uint8_t* const* rows, const float* q, size
 #define PYLLM_KV_X16 0
 #endif
 
-// WIDE: the 16-wide rows kernel (an AVX-512 build; 3 heads per key vector), else the 8-wide one.
-template <bool F16, bool WIDE = false>
-void scores_float(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
-                  float scale, float* sc, size_t sc_stride) {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    const int ahead = rows_ahead(k_rows);
-    auto rows8 = [&](auto heads, const uint8_t* const* rows, int g, int j0, int nr) {
+// Scores of rows j0..j0 + 7 (those below n) for the G heads.  WIDE: the 16-wide rows kernel (an AVX-512 build; 3
+// heads per key vector), else the 8-wide one.
+template <bool F16, bool WIDE>
+KV_INLINE void scores_block(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
+                            __m256 vscale, int ahead, float* sc, size_t sc_stride, int j0) {
+    auto rows8 = [&](auto heads, const uint8_t* const* rows, int g, int nr) {
         constexpr int GH = decltype(heads)::value;
 #if PYLLM_KV_X16
         if constexpr (WIDE) {
@@ -291,21 +290,27 @@ void scores_float(const KVRows& k_rows, const float* q, size_t q_stride, int G, 
 #endif
         scores_rows8<F16, GH>(rows, q + g * q_stride, q_stride, hd, vscale, sc + g * sc_stride + j0, sc_stride, nr);
     };
-    for (int j0 = 0; j0 < n; j0 += RB) {
-        const int nr = std::min(RB, n - j0);
-        const uint8_t* rows[RB];
-        for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
-        prefetch_rows(k_rows, ahead, j0, RB, n);
-        int g = 0;
-        if constexpr (WIDE || SCORE_HEADS == 3) {
-            for (; g + 3 <= G; g += 3) rows8(std::integral_constant<int, 3>{}, rows, g, j0, nr);
-            if (G - g == 2) {
-                rows8(std::integral_constant<int, 2>{}, rows, g, j0, nr);
-                g += 2;
-            }
+    const int nr = std::min(RB, n - j0);
+    const uint8_t* rows[RB];
+    for (int r = 0; r < RB; ++r) rows[r] = k_rows.at(j0 + std::min(r, nr - 1));  // tail: repeats
+    prefetch_rows(k_rows, ahead, j0, RB, n);
+    int g = 0;
+    if constexpr (WIDE || SCORE_HEADS == 3) {
+        for (; g + 3 <= G; g += 3) rows8(std::integral_constant<int, 3>{}, rows, g, nr);
+        if (G - g == 2) {
+            rows8(std::integral_constant<int, 2>{}, rows, g, nr);
+            g += 2;
         }
-        for (; g < G; ++g) rows8(std::integral_constant<int, 1>{}, rows, g, j0, nr);
     }
+    for (; g < G; ++g) rows8(std::integral_constant<int, 1>{}, rows, g, nr);
+}
+
+template <bool F16, bool WIDE = false>
+void scores_float(const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
+                  float scale, float* sc, size_t sc_stride) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const int ahead = rows_ahead(k_rows);
+    for (int j0 = 0; j0 < n; j0 += RB) scores_block<F16, WIDE>(k_rows, q, q_stride, G, hd, n, vscale, ahead, sc, sc_stride, j0);
 }
 
 void scores_f_avx2(KVType kt, const KVRows& k_rows, const float* q, size_t q_stride, int G, int hd, int n,
@@ -653,6 +658,82 @@ void values_float_x16(const KVRows& v_rows, const float* sc, size_t sc_stride, i
         g0 += H;
     }
 }
+
+// ---- two calls' rows interleaved (kv_attend_group_pair) ------------------------------------------------------
+// Each stream's scores, softmax and value sums are those of its own call (the same per-block and per-row
+// operations in the same order); only the two streams' instructions alternate, so their misses overlap.
+template <bool F16, int H, int W>
+KV_INLINE void values_row_x16(__m512 (&acc)[H][W], const uint8_t* row, const float* const* p, int j, int e0) {
+    __m512 x[W];
+    for (int k = 0; k < W; ++k) x[k] = load16<F16>(row, e0 + 16 * k);
+    for (int h = 0; h < H; ++h) {
+        const __m512 pw = _mm512_set1_ps(p[h][j]);
+        for (int k = 0; k < W; ++k) acc[h][k] = _mm512_fmadd_ps(pw, x[k], acc[h][k]);
+    }
+}
+
+template <bool F16, int H, int W>
+void values_tile_x16_pair(const KVRows* v, const float* const (*p)[3], const int* n, int e0, float* const (*o)[3]) {
+    __m512 acc0[H][W], acc1[H][W];
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < W; ++k) acc0[h][k] = acc1[h][k] = _mm512_setzero_ps();
+    const int ahead0 = rows_ahead(v[0]), ahead1 = rows_ahead(v[1]), nmax = std::max(n[0], n[1]);
+    for (int j = 0; j < nmax; ++j) {
+        if (j < n[0]) {
+            if (e0 == 0) prefetch_rows(v[0], ahead0, j, 1, n[0]);
+            values_row_x16<F16, H, W>(acc0, v[0].at(j), p[0], j, e0);
+        }
+        if (j < n[1]) {
+            if (e0 == 0) prefetch_rows(v[1], ahead1, j, 1, n[1]);
+            values_row_x16<F16, H, W>(acc1, v[1].at(j), p[1], j, e0);
+        }
+    }
+    for (int h = 0; h < H; ++h)
+        for (int k = 0; k < W; ++k) {
+            _mm512_storeu_ps(o[0][h] + e0 + 16 * k, acc0[h][k]);
+            _mm512_storeu_ps(o[1][h] + e0 + 16 * k, acc1[h][k]);
+        }
+}
+
+template <bool F16, int H>
+void values_heads_x16_pair(const KVRows* v, const float* const (*p)[3], const int* n, int hd, float* const (*o)[3]) {
+    int e = 0;
+    for (; e + 64 <= hd; e += 64) values_tile_x16_pair<F16, H, 4>(v, p, n, e, o);
+    for (; e < hd; e += 16) values_tile_x16_pair<F16, H, 1>(v, p, n, e, o);
+}
+
+template <bool F16>
+void attend_pair_x16(const KVAttendRows* ab, int G, int hd, float scale, size_t sc_stride) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    const int ahead0 = rows_ahead(ab[0].k), ahead1 = rows_ahead(ab[1].k), nmax = std::max(ab[0].n, ab[1].n);
+    for (int j0 = 0; j0 < nmax; j0 += RB) {
+        if (j0 < ab[0].n)
+            scores_block<F16, true>(ab[0].k, ab[0].q, ab[0].q_stride, G, hd, ab[0].n, vscale, ahead0, ab[0].sc,
+                                    sc_stride, j0);
+        if (j0 < ab[1].n)
+            scores_block<F16, true>(ab[1].k, ab[1].q, ab[1].q_stride, G, hd, ab[1].n, vscale, ahead1, ab[1].sc,
+                                    sc_stride, j0);
+    }
+    for (int s = 0; s < 2; ++s) softmax_avx2(ab[s].sc, sc_stride, G, ab[s].n, ab[s].lse);
+    const KVRows v[2] = {ab[0].v, ab[1].v};
+    const int n[2] = {ab[0].n, ab[1].n};
+    for (int g0 = 0; g0 < G;) {  // heads as values_float_x16 groups them
+        const int H = std::min(3, G - g0);
+        const int g1 = g0 + std::min(1, H - 1), g2 = g0 + H - 1;
+        const float* p[2][3];
+        float* o[2][3];
+        for (int s = 0; s < 2; ++s) {
+            const float* sc = ab[s].sc;
+            p[s][0] = sc + g0 * sc_stride, p[s][1] = sc + g1 * sc_stride, p[s][2] = sc + g2 * sc_stride;
+            o[s][0] = ab[s].o + g0 * ab[s].o_stride, o[s][1] = ab[s].o + g1 * ab[s].o_stride;
+            o[s][2] = ab[s].o + g2 * ab[s].o_stride;
+        }
+        if (H == 3) values_heads_x16_pair<F16, 3>(v, p, n, hd, o);
+        else if (H == 2) values_heads_x16_pair<F16, 2>(v, p, n, hd, o);
+        else values_heads_x16_pair<F16, 1>(v, p, n, hd, o);
+        g0 += H;
+    }
+}
 #endif  // PYLLM_KV_X16
 
 // G query heads of one KV head.
@@ -876,6 +957,21 @@ void kv_attend_group(KVType kt, const KVRows& k_rows, KVType vt, const KVRows& v
     for (int g = 0; g < G; ++g)
         kv_attend_head_scalar(kt, k_rows, vt, v_rows, q + g * q_stride, hd, n, scale,
                               sc + g * sc_stride, o + g * o_stride, lse ? lse + g : nullptr);
+}
+
+void kv_attend_group_pair(KVType kt, KVType vt, const KVAttendRows& a, const KVAttendRows& b, int G, int hd,
+                          float scale, size_t sc_stride) {
+#if PYLLM_KV_AVX2 && PYLLM_KV_X16
+    if (kt == vt && (kt == KVType::F16 || kt == KVType::F32) && a.n > 0 && b.n > 0 && wide_float_rows(hd)) {
+        const KVAttendRows ab[2] = {a, b};
+        if (kt == KVType::F16) attend_pair_x16<true>(ab, G, hd, scale, sc_stride);
+        else attend_pair_x16<false>(ab, G, hd, scale, sc_stride);
+        return;
+    }
+#endif
+    for (const KVAttendRows* r : {&a, &b})
+        kv_attend_group(kt, r->k, vt, r->v, r->q, r->q_stride, G, hd, r->n, scale, r->sc, sc_stride, r->o,
+                        r->o_stride, r->lse);
 }
 
 }  // namespace pyllm

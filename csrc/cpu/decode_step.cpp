@@ -177,9 +177,9 @@ void DecodeScratch::resize(const DecodeModel& m) {
         sh_u.assign(R * c.n_ff_shexp, 0.f);
         sh_d.assign(R * c.n_embd, 0.f);
     }
-    // Attention scratch per query head, in a slot per half of a multi-row step's rows or per key part of one row:
-    // those attend at once.
-    const size_t slots = std::max(2, KEY_PARTS_MAX);
+    // Attention scratch per query head, in a slot per key part of one row, or per half of a multi-row step's rows
+    // and per row of a half's pairs (slots sub and sub + 2): those attend at once.
+    const size_t slots = std::max(4, KEY_PARTS_MAX);
     scores.assign(slots * c.n_head * c.max_seq, 0.f);
     tmp.assign(slots * std::max(c.n_head, 1) * 2 * c.head_dim, 0.f);
     sink.assign(slots * c.n_head * (c.head_dim + 3), 0.f);
@@ -482,9 +482,11 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             }
         };
         // Row r, query heads h0..h1-1 of kv head kh, keys of part `part` of the row's parts, on scratch slot `slot`
-        // (tasks running at once use distinct (slot, head) regions).
-        auto attend = [&](int r, int kh, int h0, int h1, int part, int slot) {
-            if (h1 <= h0) return;
+        // (tasks running at once use distinct (slot, head) regions).  With `defer`, a whole row without an exact
+        // sink row is not attended here: its kernel call goes into *defer (true returned) for the caller to run
+        // beside another row's (kv_attend_group_pair), then finish(r, kh, h0, h1, o, o_stride, lse) as below.
+        auto attend = [&](int r, int kh, int h0, int h1, int part, int slot, KVAttendRows* defer = nullptr) -> bool {
+            if (h1 <= h0) return false;
             const int pos = pos_of[r];
             const KVPart& KP = *caches[2 * r];
             const KVPart& VP = *caches[2 * r + 1];
@@ -502,7 +504,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                         for (int d = 0; d < hd; ++d) o[d] *= keep;
                     }
                 }
-                return;
+                return false;
             }
             const RowKeys rk = row_keys(r);
             const int b0 = part_begin(rk.n, rk.parts, part), b1 = part_begin(rk.n, rk.parts, part + 1);
@@ -536,6 +538,11 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             float* lse = !whole ? part_lse + part_at(r, part, h0)
                          : sink || L.attn_sinks ? sink_s + static_cast<size_t>(H) * hd + h0 : nullptr;
             const int first = rk.j0 + rk.r_first + b0;
+            if (defer && whole && !sink) {
+                *defer = {kv_rows(KP, lrow + kh, n_lh, c.max_seq, first), kv_rows(VP, lrow + kh, n_lh, c.max_seq, first),
+                          qg, q_stride, b1 - b0, sc, og, o_stride, lse};
+                return true;
+            }
             kv_attend_group(KP.type, kv_rows(KP, lrow + kh, n_lh, c.max_seq, first), VP.type,
                             kv_rows(VP, lrow + kh, n_lh, c.max_seq, first), qg, q_stride, G, hd, b1 - b0, c.scale, sc,
                             c.max_seq, og, o_stride, lse);
@@ -562,6 +569,7 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
                 }
             }
             if (whole) finish(r, kh, h0, h1, og, o_stride, lse);
+            return false;
         };
         // A row's parts -> one output per query head of kv head kh: weights e^(lse_p - max), in part order.
         auto merge = [&](int r, int kh) {
@@ -604,9 +612,33 @@ void decode_rows(const DecodeModel& m, DecodeScratch& s, const int64_t* tokens, 
             } else if (M == 1) {
                 attend(0, kh, kh * group + group * sub / split, kh * group + group * (sub + 1) / split, 0, 0);
             } else {
-                for (int r = M * sub / split; r < M * (sub + 1) / split; ++r) {
+                const int r_end = M * (sub + 1) / split;
+                for (int r = M * sub / split; r < r_end; ++r) {
+                    // Two whole rows of one kv type go through the kernels together, their rows interleaved: one
+                    // thread then has both sequences' rows in flight.  The second's scratch is slot sub + 2.
+                    const int h0 = kh * group, h1 = (kh + 1) * group;
+                    if (r + 1 < r_end && row_keys(r).parts == 1 && row_keys(r + 1).parts == 1 &&
+                        caches[2 * r]->type == caches[2 * r + 2]->type &&
+                        caches[2 * r + 1]->type == caches[2 * r + 3]->type) {
+                        KVAttendRows d[2];
+                        bool deferred[2];  // else attend ran the row (a first position, an exact sink row)
+                        for (int i = 0; i < 2; ++i) deferred[i] = attend(r + i, kh, h0, h1, 0, sub + 2 * i, &d[i]);
+                        if (deferred[0] && deferred[1])
+                            kv_attend_group_pair(caches[2 * r]->type, caches[2 * r + 1]->type, d[0], d[1], group, hd,
+                                                 c.scale, c.max_seq);
+                        for (int i = 0; i < 2; ++i) {
+                            if (!deferred[i]) continue;
+                            if (!deferred[1 - i])
+                                kv_attend_group(caches[2 * r]->type, d[i].k, caches[2 * r + 1]->type, d[i].v, d[i].q,
+                                                d[i].q_stride, group, hd, d[i].n, c.scale, d[i].sc, c.max_seq, d[i].o,
+                                                d[i].o_stride, d[i].lse);
+                            finish(r + i, kh, h0, h1, d[i].o, d[i].o_stride, d[i].lse);
+                        }
+                        ++r;
+                        continue;
+                    }
                     const int parts = row_keys(r).parts;
-                    for (int part = 0; part < parts; ++part) attend(r, kh, kh * group, (kh + 1) * group, part, sub);
+                    for (int part = 0; part < parts; ++part) attend(r, kh, h0, h1, part, sub);
                     merge(r, kh);
                 }
             }
