@@ -613,8 +613,18 @@ void values_avx2(const KVRows& v_rows, const float* sc, size_t sc_stride, int G,
     }
 }
 
-
 #if PYLLM_KV_X16
+// One value row into H heads' accumulators of values e0..e0 + 16W - 1 (weights p[h][j]).
+template <bool F16, int H, int W>
+KV_INLINE void values_row_x16(__m512 (&acc)[H][W], const uint8_t* row, const float* const* p, int j, int e0) {
+    __m512 x[W];
+    for (int k = 0; k < W; ++k) x[k] = load16<F16>(row, e0 + 16 * k);
+    for (int h = 0; h < H; ++h) {
+        const __m512 pw = _mm512_set1_ps(p[h][j]);
+        for (int k = 0; k < W; ++k) acc[h][k] = _mm512_fmadd_ps(pw, x[k], acc[h][k]);
+    }
+}
+
 // Values e0..e0 + 16W - 1 of H heads' outputs over all rows: H x W accumulators (3 x 4 + the row's 4: 17 registers,
 // so a 64-value row is read once for 3 heads).
 template <bool F16, int H, int W>
@@ -624,14 +634,8 @@ void values_tile_x16(const KVRows& v_rows, const float* const* p, int n, int e0,
         for (int k = 0; k < W; ++k) acc[h][k] = _mm512_setzero_ps();
     const int ahead = rows_ahead(v_rows);
     for (int j = 0; j < n; ++j) {
-        const uint8_t* row = v_rows.at(j);
         if (e0 == 0) prefetch_rows(v_rows, ahead, j, 1, n);  // the first of the passes over the rows
-        __m512 x[W];
-        for (int k = 0; k < W; ++k) x[k] = load16<F16>(row, e0 + 16 * k);
-        for (int h = 0; h < H; ++h) {
-            const __m512 pw = _mm512_set1_ps(p[h][j]);
-            for (int k = 0; k < W; ++k) acc[h][k] = _mm512_fmadd_ps(pw, x[k], acc[h][k]);
-        }
+        values_row_x16<F16, H, W>(acc, v_rows.at(j), p, j, e0);
     }
     for (int h = 0; h < H; ++h)
         for (int k = 0; k < W; ++k) _mm512_storeu_ps(o[h] + e0 + 16 * k, acc[h][k]);
@@ -662,15 +666,6 @@ void values_float_x16(const KVRows& v_rows, const float* sc, size_t sc_stride, i
 // ---- two calls' rows interleaved (kv_attend_group_pair) ------------------------------------------------------
 // Each stream's scores, softmax and value sums are those of its own call (the same per-block and per-row
 // operations in the same order); only the two streams' instructions alternate, so their misses overlap.
-template <bool F16, int H, int W>
-KV_INLINE void values_row_x16(__m512 (&acc)[H][W], const uint8_t* row, const float* const* p, int j, int e0) {
-    __m512 x[W];
-    for (int k = 0; k < W; ++k) x[k] = load16<F16>(row, e0 + 16 * k);
-    for (int h = 0; h < H; ++h) {
-        const __m512 pw = _mm512_set1_ps(p[h][j]);
-        for (int k = 0; k < W; ++k) acc[h][k] = _mm512_fmadd_ps(pw, x[k], acc[h][k]);
-    }
-}
 
 template <bool F16, int H, int W>
 void values_tile_x16_pair(const KVRows* v, const float* const (*p)[3], const int* n, int e0, float* const (*o)[3]) {
