@@ -111,15 +111,22 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
 
 #if defined(PYLLM_VNNI) && !defined(PYLLM_VNNI_EMULATED)
 #define PYLLM_ROWS8_PAIRS 1
-// AVX-512: two groups' blocks side by side in one zmm (lanes 0-7 group g's rows, 8-15 group g + 1's), for the
-// 4-bit types.  Every activation broadcast, vpdpbusd and fp32 step then serves 16 weight rows instead of 8, which
-// is what a pass of several rows spends its time on (each row's work per block is that loop; decoding is shared):
-// per activation row and 16 rows, 4 x (2 broadcasts + 2 vpdpbusd) + 6 fp32 operations against twice that in ymm.
-// Lane for lane the same exact int32 sums and the same fp32 operations as rows8_group: the same bits.
+// AVX-512: two groups' blocks side by side in one zmm (lanes 0-7 group g's rows, 8-15 group g + 1's).  Every
+// activation broadcast, vpdpbusd and fp32 step then serves 16 weight rows instead of 8, which is what a pass of
+// several rows spends its time on (each row's work per block is that loop; decoding is shared): per activation row
+// and 16 rows, 4 x (2 broadcasts + 2 vpdpbusd) + 6 fp32 operations against twice that in ymm.  For the 5-bit
+// types too (Qwen2.5's Q4_K_M files are mostly Q5_0), where it took 0.8-0.9x the time of the 8-row groups at
+// M = 1, 4 and 8 and the same at M = 2 (docs/BENCHMARKS.md, "Q5_0 rows kernels").
+// Lane for lane the same exact int32 sums and the same fp32 operations as rows8_group: the same bits (5-bit codes
+// sum their four code vectors in one int32 accumulator where rows8_group keeps two and adds them: exact either way).
+template <int c>
+PYLLM_INLINE __m512i fifth_bits(__m512i qh) {
+    const __m512i at4 = c < 4 ? _mm512_slli_epi16(qh, 4 - c) : c > 4 ? _mm512_srli_epi16(qh, c - 4) : qh;
+    return _mm512_and_si512(at4, _mm512_set1_epi8(0x10));
+}
 template <class G, int R>
 PYLLM_INLINE void rows8_pair(const G* g0, const G* g1, int nb, const Q8RowC* a, float* y, size_t ldy) {
     using T = Rows8<G>;
-    static_assert(!T::five, "the pairs take 4-bit codes");
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     __m512 acc[R], accc[R];
     for (int r = 0; r < R; ++r) acc[r] = accc[r] = _mm512_setzero_ps();
@@ -128,12 +135,25 @@ PYLLM_INLINE void rows8_pair(const G* g0, const G* g1, int nb, const Q8RowC* a, 
         const G& B1 = g1[b];
         prefetch_ahead<sizeof(G)>(&B0);
         prefetch_ahead<sizeof(G)>(&B1);
+        __m512i qh;
+        if constexpr (T::five) qh = pair_of(B0.qh, B1.qh);
         __m512i ps[R];
         for (int r = 0; r < R; ++r) ps[r] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) {
             const __m512i v = pair_of(B0.qs + 32 * k, B1.qs + 32 * k);
-            const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if constexpr (T::five) {
+                __m512i fl, fh;  // as rows8_group's
+                switch (k) {
+                    case 0: fl = fifth_bits<0>(qh), fh = fifth_bits<4>(qh); break;
+                    case 1: fl = fifth_bits<1>(qh), fh = fifth_bits<5>(qh); break;
+                    case 2: fl = fifth_bits<2>(qh), fh = fifth_bits<6>(qh); break;
+                    default: fl = fifth_bits<3>(qh), fh = fifth_bits<7>(qh); break;
+                }
+                lo = _mm512_or_si512(lo, fl);
+                hi = _mm512_or_si512(hi, fh);
+            }
             for (int r = 0; r < R; ++r) {
                 const int8_t* x = a[r].qs + QK * b;
                 int32_t xl, xh;
@@ -180,13 +200,11 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
     constexpr int C = M < rows8_chunk ? M : rows8_chunk, full = M / C * C;
     int g = 0;
 #ifdef PYLLM_ROWS8_PAIRS
-    if constexpr (!Rows8<G>::five) {
-        for (; g + 16 <= n; g += 16) {
-            const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
-            const G* g1 = reinterpret_cast<const G*>(w + row_bytes * (g + 8));
-            for (int m = 0; m < full; m += C) rows8_pair<G, C>(g0, g1, nb, a + m, y + m * ldy + g, ldy);
-            if constexpr (M % C != 0) rows8_pair<G, M % C>(g0, g1, nb, a + full, y + full * ldy + g, ldy);
-        }
+    for (; g + 16 <= n; g += 16) {
+        const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
+        const G* g1 = reinterpret_cast<const G*>(w + row_bytes * (g + 8));
+        for (int m = 0; m < full; m += C) rows8_pair<G, C>(g0, g1, nb, a + m, y + m * ldy + g, ldy);
+        if constexpr (M % C != 0) rows8_pair<G, M % C>(g0, g1, nb, a + full, y + full * ldy + g, ldy);
     }
 #endif
     for (; g < n; g += 8) {
