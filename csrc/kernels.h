@@ -196,7 +196,7 @@ struct DecodeLayer {
     const float* bo = nullptr;
     const float *b_router = nullptr, *b_gate_exps = nullptr, *b_up_exps = nullptr, *b_down_exps = nullptr;
 };
-// ---- KV cache rows for the decode step's attention (csrc/cpu/attention.cpp) ------------------------------------
+// ---- KV cache rows (csrc/cpu/kv_rows.cpp) and the decode step's attention over them (csrc/cpu/attention.cpp) ---
 // One position of one KV head is a row of head_dim values: fp32, fp16, or head_dim/32 llama.cpp blocks (q8_0:
 // fp16 d + 32 int8; q4_0: fp16 d + 16 bytes of nibbles, value = (code - 8) d), as pyllm/runtime/kv_cache.py stores.
 enum class KVType : int { F32 = 0, F16 = 1, Q8_0 = 2, Q4_0 = 3 };
@@ -302,9 +302,9 @@ struct KVAttendRows {
 void kv_attend_group_pair(KVType kt, KVType vt, const KVAttendRows& a, const KVAttendRows& b, int G, int hd,
                           float scale, size_t sc_stride);
 
-// The MLP's gate times up: g[i] = act(g[i]) * u[i], act SiLU or (gelu_tanh) torch's tanh-approximated GELU.
-// AVX2: exp from the softmax's polynomial (within 2 ulp of expf), ~8x the scalar libm loop, which was ~4% of a
-// small model's decode step.
+// The MLP's gate times up (csrc/cpu/glu.cpp): g[i] = act(g[i]) * u[i], act SiLU or (gelu_tanh) torch's
+// tanh-approximated GELU.  AVX2: exp from the softmax's polynomial (within 2 ulp of expf), ~8x the scalar libm
+// loop, which was ~4% of a small model's decode step.
 void glu_cpu(bool gelu_tanh, float* g, const float* u, size_t n);
 
 // Prefill's row operations (csrc/cpu/decode_step.cpp), each row by the decode step's own code, rows split among

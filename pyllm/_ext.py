@@ -50,6 +50,9 @@ CPU_SOURCES = [
     "cpu/gemm_amx.cpp",
     "cpu/decode_step.cpp",
     "cpu/attention.cpp",
+    "cpu/attention_int.cpp",
+    "cpu/kv_rows.cpp",
+    "cpu/glu.cpp",
     "cpu/causal_attention.cpp",
 ]
 # CUDA files (.cu, and cuda/bindings_cuda.cpp which defines pyllm::register_cuda) go here; they are compiled

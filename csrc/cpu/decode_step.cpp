@@ -6,7 +6,7 @@
 // same row kernels as the gemv_cpu calls qmatmul makes, so only summation order in the small ops differs.  q/k/v
 // and gate/up each go through one gemv_parts_cpu call: their shared input is quantized once per format and
 // their rows share one parallel region (a region's start and end barrier cost microseconds, ~7 per layer).  The KV cache may hold any KVType per part (K and V apart):
-// attention.cpp stores the new row and attends over the stored rows directly.  No torch here: the decode bindings
+// kv_rows.cpp stores the new row and attention.cpp attends over the stored rows directly.  No torch here: the decode bindings
 // (bindings_decode_context.cpp, bindings_decode.cpp) checked every size.
 //
 // decode_steps_cpu runs M <= GEMV_MAX_M consecutive tokens in one pass (speculative decoding verifies drafted
