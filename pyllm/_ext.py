@@ -49,6 +49,7 @@ CPU_SOURCES = [
     "cpu/dequant.cpp",
     "cpu/gemm_amx.cpp",
     "cpu/decode_step.cpp",
+    "cpu/decode_attention.cpp",
     "cpu/attention.cpp",
     "cpu/attention_int.cpp",
     "cpu/kv_rows.cpp",
