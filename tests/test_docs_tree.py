@@ -54,6 +54,38 @@ def test_every_package_module_is_in_the_design_table():
     assert not unnamed, f"modules missing from docs/DESIGN.md's module table: {unnamed}"
 
 
+SOURCE = r"\b(\w+\.(?:cpp|cu|cuh|h))\b"
+
+
+def _named_sources(table: str) -> set[str]:
+    """csrc files the table names: the file names on a line that starts with a csrc/ folder and on the continuation
+    lines under it, each in that folder."""
+    named: set[str] = set()
+    folder = None
+    for line in table.splitlines():
+        if line.startswith("csrc/"):
+            folder = line.split()[0].rstrip("/")
+            rest = line[len(folder) + 1:]
+        elif line.startswith(" ") and folder:
+            rest = line
+        else:
+            folder, rest = None, ""
+        if folder:
+            named.update(f"{folder}/{name}" for name in re.findall(SOURCE, rest))
+    return named
+
+
+def test_every_source_file_the_design_table_names_exists_and_every_one_is_named():
+    """The same for the extension's sources: the table's csrc/ lines name every C++ / CUDA file, and only real ones."""
+    named = _named_sources(_module_table())
+    missing = sorted(p for p in named if not (ROOT / p).is_file())
+    assert not missing, f"docs/DESIGN.md's module table names source files that do not exist: {missing}"
+    sources = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*")
+                     if p.is_file() and re.fullmatch(SOURCE, p.name))
+    unnamed = [p for p in sources if p not in named]
+    assert not unnamed, f"source files missing from docs/DESIGN.md's module table: {unnamed}"
+
+
 def test_every_experiment_script_is_described():
     folder = ROOT / "tools" / "experiments"
     readme = (folder / "README.md").read_text()
