@@ -261,12 +261,100 @@ PYLLM_INLINE __m256i rows8_pairs_i8(const int8_t* s) {
 // time in int16 (<= 2 * 2 * 63 * 127 = 32004) and multiplied by row j's scale through vpmaddwd.  The -32 offset
 // is -32 * sum_s sc_s * bsum_s: sub-blocks s, s + 1 as one vpmaddwd of (-32 sc_s, -32 sc_s+1) (|.| <= 4096)
 // against the activation's (bsum_s, bsum_s+1).
+
+#if defined(PYLLM_VNNI) && !defined(PYLLM_VNNI_EMULATED)
+#define PYLLM_ROWS8_K_PAIRS 1
+// AVX-512: rows8_q6_k over two groups at once for one activation row, lanes 0-7 group g0's rows and 8-15 group g1's
+// (the idea of gemv_rows8_impl.h's rows8_pair): each code vector's assembly (two loads, four masks and shifts),
+// broadcast, maddubs, scale multiply and fp32 step serves 16 weight rows.  Q6_K's codes cost more ALU work per
+// byte than Q4_K's, so its one-row GEMV was compute-bound below the read bandwidth (docs/BENCHMARKS.md, "Q6_K
+// pair").  Lane for lane the same exact integer sums and fp32 operations as rows8_q6_k: the same bits.
+PYLLM_INLINE __m512i rows8_pairs_i8_x2(const int8_t* s0, const int8_t* s1) {  // rows8_pairs_i8 of each half
+    int64_t v0, v1;
+    memcpy(&v0, s0, 8);
+    memcpy(&v1, s1, 8);
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x(v0)), _mm256_set1_epi64x(v1), 1);
+    const __m512i ctl = _mm512_broadcast_i64x4(_mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1,
+                                                                3, -1, 4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7,
+                                                                -1, 7));
+    return _mm512_srai_epi16(_mm512_shuffle_epi8(v, ctl), 8);
+}
+
+PYLLM_INLINE void rows8_q6_k_pair(const block_q6_kx8* g0, const block_q6_kx8* g1, int nb, const uint8_t* xa,
+                                  float* y) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    __m512 acc = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+        const block_q6_kx8& B0 = g0[b];
+        const block_q6_kx8& B1 = g1[b];
+        rows8_prefetch<sizeof(block_q6_kx8)>(&B0);
+        rows8_prefetch<sizeof(block_q6_kx8)>(&B1);
+        const block_q8_K& X = reinterpret_cast<const block_q8_K*>(xa)[b];
+        __m512i sumi = _mm512_setzero_si512();
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) {
+                const int s0 = 8 * h + 2 * i;  // sub-blocks s0 (k = 0..3) and s0 + 1 (k = 4..7)
+                const __m512i sc0 = rows8_pairs_i8_x2(B0.scales + 8 * s0, B1.scales + 8 * s0);
+                const __m512i sc1 = rows8_pairs_i8_x2(B0.scales + 8 * s0 + 8, B1.scales + 8 * s0 + 8);
+                const __m512i off = _mm512_sub_epi16(_mm512_setzero_si512(),
+                                                     _mm512_slli_epi16(_mm512_mask_blend_epi16(0xAAAAAAAAu, sc0, sc1),
+                                                                       5));
+                int32_t bs;
+                memcpy(&bs, X.bsums + s0, 4);
+                sumi = _mm512_dpwssd_epi32(sumi, off, _mm512_set1_epi32(bs));
+#pragma GCC unroll 2
+                for (int kk = 0; kk < 2; ++kk) {
+                    const __m512i sc = kk ? sc1 : sc0;
+                    __m512i q[4];
+                    for (int k = 0; k < 4; ++k) {
+                        const int c = 4 * kk + k;
+                        const int lo_at = 32 * (16 * h + c + (i & 1 ? 8 : 0)), hi_at = 32 * (8 * h + c);
+                        const __m512i l = pair_of(B0.ql + lo_at, B1.ql + lo_at);
+                        const __m512i hb = pair_of(B0.qh + hi_at, B1.qh + hi_at);
+                        const __m512i lo = i < 2 ? _mm512_and_si512(l, m4)
+                                                 : _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
+                        __m512i hi;
+                        switch (i) {
+                            case 0: hi = _mm512_slli_epi16(hb, 4); break;
+                            case 1: hi = _mm512_slli_epi16(hb, 2); break;
+                            case 2: hi = hb; break;
+                            default: hi = _mm512_srli_epi16(hb, 2); break;
+                        }
+                        q[k] = _mm512_or_si512(lo, _mm512_and_si512(hi, m30));
+                    }
+                    const int8_t* x = X.qs + 128 * h + 32 * i + 16 * kk;
+                    int32_t x4[4];
+                    memcpy(x4, x, 16);
+                    const __m512i p0 = _mm512_add_epi16(_mm512_maddubs_epi16(q[0], _mm512_set1_epi32(x4[0])),
+                                                        _mm512_maddubs_epi16(q[1], _mm512_set1_epi32(x4[1])));
+                    const __m512i p1 = _mm512_add_epi16(_mm512_maddubs_epi16(q[2], _mm512_set1_epi32(x4[2])),
+                                                        _mm512_maddubs_epi16(q[3], _mm512_set1_epi32(x4[3])));
+                    sumi = _mm512_add_epi32(sumi, _mm512_dpwssd_epi32(_mm512_madd_epi16(p0, sc), p1, sc));
+                }
+            }
+        }
+        const __m512 dw = pair_f16x8(B0.d, B1.d);
+        acc = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(X.d)), _mm512_cvtepi32_ps(sumi), acc);
+    }
+    _mm512_storeu_ps(y, acc);
+}
+#endif
+
 template <int M>
 void rows8_q6_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* xa, size_t xs, float* y,
                 size_t ldy) {
     const int nb = K / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    for (int g = 0; g < n; g += 8) {
+    int g0 = 0;
+#ifdef PYLLM_ROWS8_K_PAIRS
+    if constexpr (M == 1)  // the single-stream decode; several rows share each assembled code vector in the groups
+        for (; g0 + 16 <= n; g0 += 16)
+            rows8_q6_k_pair(reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g0),
+                            reinterpret_cast<const block_q6_kx8*>(w + row_bytes * (g0 + 8)), nb, xa, y + g0);
+#endif
+    for (int g = g0; g < n; g += 8) {
         const block_q6_kx8* gb = reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g);
         __m256 acc[M];
         for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
@@ -444,8 +532,7 @@ PYLLM_INLINE void rows8_q45_k_group(const G* gb, int nb, const block_q8_K* const
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + r * ldy, acc[r]);
 }
 
-#if defined(PYLLM_VNNI) && !defined(PYLLM_VNNI_EMULATED)
-#define PYLLM_ROWS8_K_PAIRS 1
+#ifdef PYLLM_ROWS8_K_PAIRS
 // AVX-512: Q4_K's rows8_q45_k_group over two groups at once, lanes 0-7 group g0's rows and 8-15 group g1's (the idea
 // of gemv_rows8_impl.h's rows8_pair): every activation broadcast, maddubs, scale multiply and fp32 step serves 16
 // weight rows instead of 8, half the instructions per weight byte, so one core keeps more of its loads in flight
