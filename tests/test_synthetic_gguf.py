@@ -38,7 +38,7 @@ def tokenizer_file(tmp_path):
     return write_tiny_llama(tmp_path / "tok.gguf", n_vocab=320)
 
 
-@pytest.mark.parametrize("spec", ["tiny-qwen3moe:q4_k_m", "tiny-qwen2:q8_0"])
+@pytest.mark.parametrize("spec", ["tiny-qwen3moe:q4_k_m", "tiny-qwen2:q8_0", "tiny-qwen2:q5_k_m"])
 def test_written_file_holds_the_in_memory_model(tiny_shapes, tokenizer_file, tmp_path, spec):
     out = tmp_path / "synthetic.gguf"
     seen = []

@@ -533,11 +533,11 @@ PYLLM_INLINE void rows8_q45_k_group(const G* gb, int nb, const block_q8_K* const
 }
 
 #ifdef PYLLM_ROWS8_K_PAIRS
-// AVX-512: Q4_K's rows8_q45_k_group over two groups at once, lanes 0-7 group g0's rows and 8-15 group g1's (the idea
+// AVX-512: rows8_q45_k_group over two groups at once, lanes 0-7 group g0's rows and 8-15 group g1's (the idea
 // of gemv_rows8_impl.h's rows8_pair): every activation broadcast, maddubs, scale multiply and fp32 step serves 16
 // weight rows instead of 8, half the instructions per weight byte, so one core keeps more of its loads in flight
-// (synthetic Llama-3-8B Q4_K_M decode on a Xeon VM: 19 -> 22-24 GB/s).  Lane for lane the same exact integer sums
-// and the same fp32 operations as rows8_q45_k_group: the same bits.
+// (synthetic Llama-3-8B Q4_K_M decode on a Xeon VM: 19 -> 22-24 GB/s; Q5_K from DRAM 0.75-0.77x the groups' time).
+// Lane for lane the same exact integer sums and the same fp32 operations as rows8_q45_k_group: the same bits.
 PYLLM_INLINE __m512i rows8_pick16_x2(__m512i bytes, int e0, int e1) {  // rows8_pick16 in each 256-bit half
     const __m512i ctl = _mm512_set1_epi32(static_cast<int>(0x80008000u | static_cast<unsigned>(e0) |
                                                            (static_cast<unsigned>(e1) << 16)));
@@ -545,11 +545,11 @@ PYLLM_INLINE __m512i rows8_pick16_x2(__m512i bytes, int e0, int e1) {  // rows8_
     return _mm512_shuffle_epi8(bytes, _mm512_add_epi8(ctl, lane));
 }
 
-template <class G, int R>
-PYLLM_INLINE void rows8_q4_k_pair(const G* g0, const G* g1, int nb, const block_q8_K* const* xr,
+template <class G, bool Five, int R>
+PYLLM_INLINE void rows8_q45_k_pair(const G* g0, const G* g1, int nb, const block_q8_K* const* xr,
                                   const int32_t* const* bw, float* y, size_t ldy) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), k1 = _mm512_set1_epi8(0x3F), k2 = _mm512_set1_epi8(0x0F),
-                  k3 = _mm512_set1_epi8(0x03);
+                  k3 = _mm512_set1_epi8(0x03), bit4 = _mm512_set1_epi8(0x10);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < nb; ++b) {
@@ -564,29 +564,43 @@ PYLLM_INLINE void rows8_q4_k_pair(const G* g0, const G* g1, int nb, const block_
                                              _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 6), k3), 4));
         __m512i sumi[R];
         for (int r = 0; r < R; ++r) sumi[r] = _mm512_setzero_si512();
-#pragma GCC unroll 4
+#pragma GCC unroll 4  // the fifth bits' shifts become constants
         for (int c8 = 0; c8 < 4; ++c8) {
-            __m512i pl[R], ph[R];
-            for (int r = 0; r < R; ++r) pl[r] = ph[r] = _mm512_setzero_si512();
+            constexpr int H = Five ? 2 : 1;  // as rows8_q45_k_group's int16 pair sums
+            __m512i pl[R][H], ph[R][H];
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < H; ++h) pl[r][h] = ph[r][h] = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int k = 0; k < 8; ++k) {
                 const __m512i v = pair_of(B0.qs + 32 * (8 * c8 + k), B1.qs + 32 * (8 * c8 + k));
-                const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                if constexpr (Five) {  // as rows8_q45_k_group's
+                    const __m512i h = pair_of(B0.qh + 32 * k, B1.qh + 32 * k);
+                    const int sl = 4 - 2 * c8;
+                    const __m512i hl = sl >= 0 ? _mm512_slli_epi16(h, sl) : _mm512_srli_epi16(h, -sl);
+                    const __m512i hh = sl - 1 >= 0 ? _mm512_slli_epi16(h, sl - 1) : _mm512_srli_epi16(h, 1 - sl);
+                    lo = _mm512_or_si512(lo, _mm512_and_si512(hl, bit4));
+                    hi = _mm512_or_si512(hi, _mm512_and_si512(hh, bit4));
+                }
                 for (int r = 0; r < R; ++r) {
                     const int8_t* x = xr[r][b].qs + 64 * c8;
+                    const int h = Five ? k / 4 : 0;
                     int32_t xl, xh;
                     memcpy(&xl, x + 4 * k, 4);
                     memcpy(&xh, x + 32 + 4 * k, 4);
-                    pl[r] = _mm512_add_epi16(pl[r], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(xl)));
-                    ph[r] = _mm512_add_epi16(ph[r], _mm512_maddubs_epi16(hi, _mm512_set1_epi32(xh)));
+                    pl[r][h] = _mm512_add_epi16(pl[r][h], _mm512_maddubs_epi16(lo, _mm512_set1_epi32(xl)));
+                    ph[r][h] = _mm512_add_epi16(ph[r][h], _mm512_maddubs_epi16(hi, _mm512_set1_epi32(xh)));
                 }
             }
             const __m512i scs = c8 < 2 ? sc03 : sc47;
             const __m512i sc_l = rows8_pick16_x2(scs, 2 * (c8 & 1), 2 * (c8 & 1));
             const __m512i sc_h = rows8_pick16_x2(scs, 2 * (c8 & 1) + 1, 2 * (c8 & 1) + 1);
-            for (int r = 0; r < R; ++r)
-                sumi[r] = _mm512_add_epi32(sumi[r],
-                                           _mm512_dpwssd_epi32(_mm512_madd_epi16(pl[r], sc_l), ph[r], sc_h));
+            for (int r = 0; r < R; ++r) {
+                __m512i t = _mm512_dpwssd_epi32(_mm512_madd_epi16(pl[r][0], sc_l), ph[r][0], sc_h);
+                if constexpr (Five)
+                    t = _mm512_add_epi32(t, _mm512_dpwssd_epi32(_mm512_madd_epi16(pl[r][1], sc_l), ph[r][1], sc_h));
+                sumi[r] = _mm512_add_epi32(sumi[r], t);
+            }
         }
         const __m512i u1 = pair_of(B0.scales + 32, B1.scales + 32);
         const __m512i mn03 = _mm512_and_si512(u1, k1);
@@ -622,15 +636,15 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
     constexpr int C = M < rows8_k_chunk ? M : rows8_k_chunk, full = M / C * C;
     int g = 0;
 #ifdef PYLLM_ROWS8_K_PAIRS
-    // One row only (the single-stream decode): from DRAM (Llama-3-8B's 14336 x 4096) it took 0.82-0.92x the
+    // One row only (the single-stream decode): from DRAM (Llama-3-8B's 14336 x 4096) Q4_K took 0.82-0.92x the
     // groups' time at M = 1 and 0.89-0.94x at M = 2, but on cache-resident matrices (Qwen- and Gemma-sized) 1.0-1.1x
     // at M = 1 and 1.15-1.2x at M = 2, and with 4 rows its per-row vectors outgrow the registers (1.3x); the groups
     // decode each code vector once for all the rows of a batch or a speculative check.
-    if constexpr (!Five && M == 1) {
+    if constexpr (M == 1) {
         for (; g + 16 <= n; g += 16) {
             const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
             const G* g1 = reinterpret_cast<const G*>(w + row_bytes * (g + 8));
-            rows8_q4_k_pair<G, 1>(g0, g1, nb, xr, bw, y + g, ldy);
+            rows8_q45_k_pair<G, Five, 1>(g0, g1, nb, xr, bw, y + g, ldy);
         }
     }
 #endif

@@ -40,10 +40,11 @@ SHAPES = {
 # QK-norm and no dense MLP; about 17 GiB at q4_k_m, of which a token reads ~1.6 GiB.
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 768)}
 
-# Block type of each tensor role per file type, as llama.cpp's quantizer picks them (Q4_K_M: Q6_K for the output,
-# and for attn_v / ffn_down of the "use_more_bits" layers).
+# Block type of each tensor role per file type, as llama.cpp's quantizer picks them (Q4_K_M and Q5_K_M: Q6_K for the
+# output, and for attn_v / ffn_down of the "use_more_bits" layers).
 FTYPES = {
     "q4_k_m": dict(default=GGMLType.Q4_K, output=GGMLType.Q6_K, embd=GGMLType.Q4_K, more=GGMLType.Q6_K),
+    "q5_k_m": dict(default=GGMLType.Q5_K, output=GGMLType.Q6_K, embd=GGMLType.Q5_K, more=GGMLType.Q6_K),
     "q4_0": dict(default=GGMLType.Q4_0, output=GGMLType.Q6_K, embd=GGMLType.Q4_0, more=GGMLType.Q4_0),
     "q8_0": dict(default=GGMLType.Q8_0, output=GGMLType.Q8_0, embd=GGMLType.Q8_0, more=GGMLType.Q8_0),
     "q6_k": dict(default=GGMLType.Q6_K, output=GGMLType.Q6_K, embd=GGMLType.Q6_K, more=GGMLType.Q6_K),
@@ -259,7 +260,7 @@ def _synthetic_awq(shape: tuple, g: int) -> tuple[ModelConfig, dict]:
 
 
 # llama.cpp's llama_ftype of each file type (general.file_type), as its quantizer writes it
-FILE_TYPE_IDS = {"q4_k_m": 15, "q4_0": 2, "q8_0": 7, "q6_k": 18, "f16": 1}
+FILE_TYPE_IDS = {"q4_k_m": 15, "q5_k_m": 17, "q4_0": 2, "q8_0": 7, "q6_k": 18, "f16": 1}
 # Token lists that may grow to a shape's vocabulary: convert_hf_to_gguf.py pads a vocabulary smaller than the
 # embedding table with "[PADi]" tokens of type UNUSED (5), and a score of 0 where the tokenizer has scores.
 _PADDED = {"tokenizer.ggml.tokens": lambda i: f"[PAD{i}]", "tokenizer.ggml.token_type": lambda i: 5,
