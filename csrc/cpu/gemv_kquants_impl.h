@@ -267,8 +267,9 @@ PYLLM_INLINE __m256i rows8_pairs_i8(const int8_t* s) {
 // AVX-512: rows8_q6_k over two groups at once for one activation row, lanes 0-7 group g0's rows and 8-15 group g1's
 // (the idea of gemv_rows8_impl.h's rows8_pair): each code vector's assembly (two loads, four masks and shifts),
 // broadcast, maddubs, scale multiply and fp32 step serves 16 weight rows.  Q6_K's codes cost more ALU work per
-// byte than Q4_K's, so its one-row GEMV was compute-bound below the read bandwidth (docs/BENCHMARKS.md, "Q6_K
-// pair").  Lane for lane the same exact integer sums and fp32 operations as rows8_q6_k: the same bits.
+// byte than Q4_K's, so its one-row GEMV was compute-bound below the read bandwidth (docs/BENCHMARKS.md, "Two
+// groups per zmm register").  Lane for lane the same exact integer sums and fp32 operations as rows8_q6_k: the
+// same bits.
 PYLLM_INLINE __m512i rows8_pairs_i8_x2(const int8_t* s0, const int8_t* s1) {  // rows8_pairs_i8 of each half
     int64_t v0, v1;
     memcpy(&v0, s0, 8);

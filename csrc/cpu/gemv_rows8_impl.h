@@ -116,7 +116,7 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
 // several rows spends its time on (each row's work per block is that loop; decoding is shared): per activation row
 // and 16 rows, 4 x (2 broadcasts + 2 vpdpbusd) + 6 fp32 operations against twice that in ymm.  For the 5-bit
 // types too (Qwen2.5's Q4_K_M files are mostly Q5_0), where it took 0.8-0.9x the time of the 8-row groups at
-// M = 1, 4 and 8 and the same at M = 2 (docs/BENCHMARKS.md, "Q5_0 rows kernels").
+// M = 1, 4 and 8 and the same at M = 2 (docs/BENCHMARKS.md, "Two groups per zmm register").
 // Lane for lane the same exact int32 sums and the same fp32 operations as rows8_group: the same bits (5-bit codes
 // sum their four code vectors in one int32 accumulator where rows8_group keeps two and adds them: exact either way).
 template <int c>
