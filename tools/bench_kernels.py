@@ -9,9 +9,9 @@
     python tools/bench_kernels.py --rows8 --isa avx2,avx512 --m 1,4,8 --cpu-time   # the decode step's layout
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
-compared with a plain streaming read (pyllm._C.read_sum over 1 GiB with the same thread count).  Matrices are
-4096x14336, 14336x4096 and 4096x4096 (Llama-3-8B's FFN and attention shapes); enough copies of each are cycled
-through that every call reads from DRAM, not from the last-level cache.  Numbers are noisy on a shared
+compared with a plain streaming read (pyllm._C.read_sum over 1 GiB on huge pages, pyllm.roofline.probe_buffer, with
+the same thread count).  Matrices are 4096x14336, 14336x4096 and 4096x4096 (Llama-3-8B's FFN and attention shapes);
+enough copies of each are cycled through that every call reads from DRAM, not from the last-level cache.  Numbers are noisy on a shared
 machine: each point is the best of --repeat rounds of several calls.
 """
 
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyllm import _ext  # noqa: E402
+from pyllm import _ext, roofline  # noqa: E402
 
 # ggml id, block size, bytes per block, fp16 field offsets
 TYPES = {
@@ -62,8 +62,8 @@ def random_weight(name: str, N: int, K: int, rng) -> torch.Tensor:
 
 
 def read_bandwidth(C, threads: int, repeat: int, clock=time.perf_counter) -> float:
-    buf = torch.ones(1 << 30, dtype=torch.uint8)
-    C.read_sum(buf, threads)  # fault pages in
+    buf = roofline.probe_buffer(1 << 30)  # on huge pages, as the weights' copies are
+    C.read_sum(buf, threads)
     best = 0.0
     for _ in range(max(3, repeat)):
         t = clock()
