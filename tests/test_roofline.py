@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pyllm import ops, roofline
+from pyllm.errors import PyllmError
 
 
 def test_the_read_probe_asks_for_huge_pages_before_its_first_write(monkeypatch):
@@ -27,10 +28,34 @@ def test_the_read_probe_asks_for_huge_pages_before_its_first_write(monkeypatch):
     assert bool((buf == 1).all()), "the probe buffer is filled after the advice"
 
 
-def test_the_read_probe_measures_a_rate_on_one_and_two_threads():
-    for threads in (1, 2):
-        rate = roofline.measure_read_bandwidth(threads, gib=1 / 64, repeats=2)
-        assert 1e8 < rate < 1e13, f"{threads} threads: {rate} B/s"
+def test_the_read_probe_times_the_whole_buffer_with_and_without_the_extension(monkeypatch):
+    """Reference: the buffer's bytes over the reads' time, on a clock that advances one second a read.  With the
+    extension the reads are its read_sum on the threads asked for; without it (pyllm._ext.load fails), torch's sum
+    of the same buffer."""
+    from pyllm import _ext
+
+    seen = []
+    real = _ext.load()
+
+    class Counting:
+        def read_sum(self, buf, threads):
+            seen.append((buf.numel(), threads))
+            return real.read_sum(buf, threads)
+
+    ticks = iter(range(1000))
+    monkeypatch.setattr(ops, "advise_huge_pages", lambda t: 0)  # the advice: the test above
+    monkeypatch.setattr(_ext, "load", lambda: Counting())
+    rate = roofline.measure_read_bandwidth(2, gib=1 / 64, repeats=3, clock=lambda: next(ticks))
+    assert rate == 2**24 and seen == [(2**24, 2)] * 4  # one untimed read, then three timed
+
+    def unbuilt():
+        raise PyllmError("no compiler")
+
+    sums = []
+    monkeypatch.setattr(_ext, "load", unbuilt)
+    monkeypatch.setattr(torch.Tensor, "sum", lambda t, *a, **k: sums.append(t.numel()) or torch.tensor(0.0))
+    assert roofline.measure_read_bandwidth(1, gib=1 / 64, repeats=2, clock=lambda: next(ticks)) == 2**24
+    assert sums == [2**22] * 3  # the same bytes as float32
 
 
 def test_a_roofline_cached_by_another_probe_is_not_reused(monkeypatch):

@@ -9,10 +9,10 @@
     python tools/bench_kernels.py --rows8 --isa avx2,avx512 --m 1,4,8 --cpu-time   # the decode step's layout
 
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
-compared with a plain streaming read (pyllm._C.read_sum over 1 GiB on huge pages, pyllm.roofline.probe_buffer, with
+compared with a plain streaming read (pyllm.roofline.measure_read_bandwidth: read_sum over 1 GiB on huge pages, with
 the same thread count).  Matrices are 4096x14336, 14336x4096 and 4096x4096 (Llama-3-8B's FFN and attention shapes);
-enough copies of each are cycled through that every call reads from DRAM, not from the last-level cache.  Numbers are noisy on a shared
-machine: each point is the best of --repeat rounds of several calls.
+enough copies of each are cycled through that every call reads from DRAM, not from the last-level cache.  Numbers
+are noisy on a shared machine: each point is the best of --repeat rounds of several calls.
 """
 
 from __future__ import annotations
@@ -59,17 +59,6 @@ def random_weight(name: str, N: int, K: int, rng) -> torch.Tensor:
     for off in f16:
         raw[:, off:off + 2] = rng.uniform(0.002, 0.02, (nb, 1)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(N, -1))
-
-
-def read_bandwidth(C, threads: int, repeat: int, clock=time.perf_counter) -> float:
-    buf = roofline.probe_buffer(1 << 30)  # on huge pages, as the weights' copies are
-    C.read_sum(buf, threads)
-    best = 0.0
-    for _ in range(max(3, repeat)):
-        t = clock()
-        C.read_sum(buf, threads)
-        best = max(best, buf.numel() / (clock() - t))
-    return best
 
 
 def bench_gemv(C, ws: list[torch.Tensor], tid: int, M: int, repeat: int, gemm: bool = False,
@@ -149,7 +138,7 @@ def main() -> int:
         threads, clock = [1], time.thread_time
     bw = {}
     for t in threads:
-        bw[t] = read_bandwidth(C, t, a.repeat, clock)
+        bw[t] = roofline.measure_read_bandwidth(t, repeats=max(3, a.repeat), clock=clock)
     unit = "GB per CPU-second" if a.cpu_time else "GB/s"
     print(f"# pyllm kernel bench: isa={','.join(isas)}, {'CPU time' if a.cpu_time else 'wall time'}, "
           f"{'int16 activations (precise_x), ' if a.precise_x else ''}"
