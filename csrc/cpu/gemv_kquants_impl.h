@@ -271,14 +271,7 @@ PYLLM_INLINE __m256i rows8_pairs_i8(const int8_t* s) {
 // groups per zmm register").  Lane for lane the same exact integer sums and fp32 operations as rows8_q6_k: the
 // same bits.
 PYLLM_INLINE __m512i rows8_pairs_i8_x2(const int8_t* s0, const int8_t* s1) {  // rows8_pairs_i8 of each half
-    int64_t v0, v1;
-    memcpy(&v0, s0, 8);
-    memcpy(&v1, s1, 8);
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set1_epi64x(v0)), _mm256_set1_epi64x(v1), 1);
-    const __m512i ctl = _mm512_broadcast_i64x4(_mm256_setr_epi8(-1, 0, -1, 0, -1, 1, -1, 1, -1, 2, -1, 2, -1, 3, -1,
-                                                                3, -1, 4, -1, 4, -1, 5, -1, 5, -1, 6, -1, 6, -1, 7,
-                                                                -1, 7));
-    return _mm512_srai_epi16(_mm512_shuffle_epi8(v, ctl), 8);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(rows8_pairs_i8(s0)), rows8_pairs_i8(s1), 1);
 }
 
 PYLLM_INLINE void rows8_q6_k_pair(const block_q6_kx8* g0, const block_q6_kx8* g1, int nb, const uint8_t* xa,
