@@ -478,9 +478,13 @@ def _logprob_run(llm, ids, n, speculative, **kw):
 
 EXTRACT = [{"role": "user", "content": "Maria Lopez is a 34-year-old software engineer from Madrid. She knows "
                                        "Python, Rust and SQL. Extract her details as JSON."}]
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40}, "city": {"type": "string"},
+# Every string bounded, so that a sampled reply closes within the tests' max_tokens whatever it samples (an unbounded
+# skill let one seed's reply repeat a phrase past the limit).
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                           "city": {"type": "string", "maxLength": 40},
                                            "age": {"type": "integer"},
-                                           "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 4}},
+                                           "skills": {"type": "array", "items": {"type": "string", "maxLength": 40},
+                                                      "maxItems": 4}},
           "required": ["name", "city", "age", "skills"], "additionalProperties": False}
 
 
@@ -519,7 +523,7 @@ def test_sampling_under_a_grammar_speculates_within_it():
     drafted = 0
     for seed in range(4):
         llm.reset()
-        toks = list(llm.generate_tokens(ids, max_tokens=120, temperature=0.9, seed=seed, json_schema=PERSON,
+        toks = list(llm.generate_tokens(ids, max_tokens=200, temperature=0.9, seed=seed, json_schema=PERSON,
                                         speculative=_spec(4)))
         drafted += llm.stats.spec.drafted
         assert llm.tokenizer.is_eog(toks[-1]), seed

@@ -4,8 +4,9 @@ References: (1) each sequence run alone through the same step, on a copy of its 
 sequence's rows must not depend on what runs beside it, so tolerance 0 (bit for bit), also for the step after
 (the K/V rows it wrote); (2) the reference backend's step, the plain float32 torch forward per sequence, which must
 equal that forward bit for bit, and which the fast backend's rows must follow within the fast path's accuracy:
-per-row KL below KL_BOUND (4x llama.cpp's mean distance from the same reference on SmolLM2, tests/test_fast_accuracy.py)
-and the same argmax wherever the reference's top-2 gap exceeds 0.5.
+the step's mean KL over its rows below KL_BOUND (4x llama.cpp's mean distance from the same reference on SmolLM2,
+tests/test_fast_accuracy.py), each row's below KL_ROW_BOUND, and the same argmax wherever the reference's top-2 gap
+exceeds 0.5.
 """
 
 import pytest
@@ -19,6 +20,10 @@ from pyllm.runtime.kv_cache import make_kv_cache
 from conftest import pyllm_model
 
 KL_BOUND = 4 * 5.31e-3
+# One row's KL is heavy-tailed: int8 activation rounding turns fp32-level differences into steps of a quantization
+# level, and the speculative rows of unusual token ids have seen 0.052 (llama.cpp's own worst last-position KL over
+# 30 held-out prompts is 0.044).  A row with a wrong cache row or position is off by far more (KL ~0.5 and up).
+KL_ROW_BOUND = 20 * 5.31e-3
 N_CTX = 128
 
 
@@ -170,13 +175,16 @@ def test_reference_step_is_the_torch_forward_and_the_fast_step_follows_it():
             want = ref.model.forward(torch.tensor(p.tokens), p.pos, _copy(p.kv, p.pos), all_logits=p.all_logits)
         assert torch.equal(got.logits, want) and got.argmax is None
     got_fast = fast.model.step(_mixed(fast))
+    kls = []
     for i, (f, r) in enumerate(zip(got_fast, got_ref)):
         lr, lf = torch.log_softmax(r.logits.double(), -1), torch.log_softmax(f.logits.double(), -1)
         kl = (lr.exp() * (lr - lf)).sum(-1)
-        assert float(kl.max()) < KL_BOUND, f"sequence {i}: KL {kl.tolist()}"
+        kls.extend(kl.tolist())
+        assert float(kl.max()) < KL_ROW_BOUND, f"sequence {i}: KL {kl.tolist()}"
         top2 = r.logits.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.5
         assert torch.equal(f.logits.argmax(-1)[clear], r.logits.argmax(-1)[clear]), f"sequence {i}"
+    assert sum(kls) / len(kls) < KL_BOUND, kls
 
 
 def test_step_refuses_what_the_protocol_does_not_define():
