@@ -63,20 +63,41 @@ int64_t row_argmax(const Tensor& y) {
 }
 
 pyllm::PrefillKernel prefill_kernel_named(const std::string& name) {
-    for (auto k : {pyllm::PrefillKernel::F32, pyllm::PrefillKernel::Avx512Bf16, pyllm::PrefillKernel::AmxBf16})
+    for (auto k : pyllm::PREFILL_KERNELS)
         if (name == pyllm::cpu_prefill_name(k)) {
             PYLLM_CHECK_VALUE(pyllm::cpu_prefill_available(k), "gemm: kernel '", name,
                               "' is not available (not compiled in, or this CPU or OS lacks it)");
             return k;
         }
-    PYLLM_CHECK_VALUE(false, "gemm: unknown kernel '", name, "', expected 'f32', 'avx512-bf16' or 'amx-bf16'");
+    PYLLM_CHECK_VALUE(false, "gemm: unknown kernel '", name,
+                      "', expected 'f32', 'avx512-bf16', 'amx-bf16' or 'int8-gemv'");
     return pyllm::PrefillKernel::F32;
+}
+
+// Up to this many rows, mul_mat runs the fused GEMV on 8-row chunks instead of dequantize + fp32 GEMM: measured
+// single-thread on 4096x4096 Q4_0/Q4_K, 2-4 GEMV passes (int8 maddubs: 32 MACs per instruction, W read
+// quantized) take 8-19 ms where dequantizing W alone costs ~30 ms; above ~64 rows the fp32 GEMM wins there.  (The
+// "int8-gemv" prefill kernel, the default without bf16 units, runs these chunks for every M.)
+constexpr int64_t GEMV_CHUNKED_MAX_M = 32;
+
+Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out,
+                    bool precise_x) {
+    const int64_t M = x.size(0);
+    check_tensor("mul_mat", "x", x, at::kFloat, 2);
+    check_tensor("mul_mat", "w", w, at::kByte, 2);
+    Tensor y = make_out("mul_mat", out, M, w.size(0));
+    for (int64_t m0 = 0; m0 < M; m0 += pyllm::GEMV_MAX_M) {
+        const int64_t mr = std::min<int64_t>(pyllm::GEMV_MAX_M, M - m0);
+        gemv(x.narrow(0, m0, mr), w, qtype, y.narrow(0, m0, mr), precise_x);  // row slices of contiguous tensors stay contiguous
+    }
+    return y;
 }
 
 // y = x @ W.T for any M (prefill).  kernel "f32": W is dequantized a tile of rows at a time into an fp32 buffer
 // that stays in cache, and each tile goes through torch's GEMM (MKL / oneDNN).  "amx-bf16" / "avx512-bf16": W
 // dequantized to bf16 strips, x rounded to bf16, fp32 accumulation (csrc/cpu/gemm_amx.cpp).  "" = the default
-// (cpu_prefill_default).  x f32 [M, K] -> y f32 [M, N]
+// (cpu_prefill_default).  "int8-gemv": the fused GEMV on 8-row chunks of x (gemv_chunked) for quantized W, the
+// "f32" path for float W.  x f32 [M, K] -> y f32 [M, N]
 Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out,
             const std::string& kernel) {
     const QTypeTraits& tr = check_qtype("gemm", qtype);
@@ -88,6 +109,10 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     const int64_t N = w.size(0);
     Tensor y = make_out("gemm", out, M, N);
     pyllm::PrefillKernel pk = kernel.empty() ? pyllm::cpu_prefill_default() : prefill_kernel_named(kernel);
+    if (pk == pyllm::PrefillKernel::Int8Gemv) {
+        if (tr.block_size > 1) return gemv_chunked(x, w, qtype, y, false);
+        pk = pyllm::PrefillKernel::F32;  // float weights: their GEMV has no int8 dot to gain and unrolls by M
+    }
     if (pyllm::is_rows8(static_cast<QType>(qtype))) pk = pyllm::PrefillKernel::F32;  // its tiles unpack rows8
     if (pk != pyllm::PrefillKernel::F32) {
         pyllm::gemm_bf16_cpu(pk, static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
@@ -111,23 +136,6 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     return y;
 }
 
-// Up to this many rows, mul_mat runs the fused GEMV on 8-row chunks instead of dequantize + fp32 GEMM: measured
-// single-thread on 4096x4096 Q4_0/Q4_K, 2-4 GEMV passes (int8 maddubs: 32 MACs per instruction, W read
-// quantized) take 8-19 ms where dequantizing W alone costs ~30 ms; above ~64 rows the fp32 GEMM wins.
-constexpr int64_t GEMV_CHUNKED_MAX_M = 32;
-
-Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out,
-                    bool precise_x) {
-    const int64_t M = x.size(0);
-    check_tensor("mul_mat", "x", x, at::kFloat, 2);
-    check_tensor("mul_mat", "w", w, at::kByte, 2);
-    Tensor y = make_out("mul_mat", out, M, w.size(0));
-    for (int64_t m0 = 0; m0 < M; m0 += pyllm::GEMV_MAX_M) {
-        const int64_t mr = std::min<int64_t>(pyllm::GEMV_MAX_M, M - m0);
-        gemv(x.narrow(0, m0, mr), w, qtype, y.narrow(0, m0, mr), precise_x);  // row slices of contiguous tensors stay contiguous
-    }
-    return y;
-}
 
 // The prefill kernel for mul_mat: the default, except that the output projection (precise_x: its error goes
 // straight into the logits, e.g. perplexity's all-position logits) keeps the fp32 GEMM.
@@ -351,9 +359,10 @@ void set_isa(const std::string& name) {
                       "' is not available (not compiled in, or this CPU or OS lacks it)");
     pyllm::cpu_set_isa(isa);
     // The prefill GEMM follows the family as PYLLM_ISA makes it (cpu_prefill_default): AMX tiles for amx,
-    // AVX-512 bf16 for avx512, fp32 below, so one switch moves both kernels for an A/B run.
+    // AVX-512 bf16 for avx512, the int8 GEMVs for avx2 (and avx512 without bf16), fp32 for scalar, so one switch
+    // moves both kernels for an A/B run.
     using pyllm::PrefillKernel;
-    PrefillKernel pk = PrefillKernel::F32;
+    PrefillKernel pk = pyllm::cpu_isa_simd(isa) ? PrefillKernel::Int8Gemv : PrefillKernel::F32;
     if (isa == pyllm::Isa::Amx && pyllm::cpu_prefill_available(PrefillKernel::AmxBf16)) pk = PrefillKernel::AmxBf16;
     else if (isa == pyllm::Isa::Avx512 && pyllm::cpu_prefill_available(PrefillKernel::Avx512Bf16))
         pk = PrefillKernel::Avx512Bf16;
@@ -400,18 +409,18 @@ void register_kernels(py::module& m) {
     m.def("row_argmax", &row_argmax, "first index of y's largest value, -1 where a value is not finite",
           py::arg("y"));
     m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M; kernel 'f32' (dequantized tiles + torch GEMM), "
-          "'avx512-bf16', 'amx-bf16' or '' (the default, prefill_kernel())", py::arg("x"),
+          "'avx512-bf16', 'amx-bf16', 'int8-gemv' (8-row GEMV chunks) or '' (the default, prefill_kernel())", py::arg("x"),
           py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("kernel") = "f32");
     m.def("prefill_kernel", [] { return std::string(pyllm::cpu_prefill_name(pyllm::cpu_prefill_default())); },
           "the GEMM kernel mul_mat uses above the GEMV's rows (PYLLM_ISA can force another)");
     m.def("set_prefill_kernel", [](const std::string& name) {
         pyllm::cpu_set_prefill_kernel(prefill_kernel_named(name));
-    }, "prefill GEMM kernel mul_mat uses: 'f32', 'avx512-bf16' or 'amx-bf16' (must be available)");
+    }, "prefill GEMM kernel mul_mat uses: 'f32', 'avx512-bf16', 'amx-bf16' or 'int8-gemv' (must be available)");
     m.def("gemm_min_rows", &gemm_min_rows, "smallest x row count mul_mat sends to the GEMM (fewer: 8-row GEMVs)",
           py::arg("precise_x") = false);
     m.def("prefill_kernels", [] {
         std::vector<std::string> r;
-        for (auto k : {pyllm::PrefillKernel::F32, pyllm::PrefillKernel::Avx512Bf16, pyllm::PrefillKernel::AmxBf16})
+        for (auto k : pyllm::PREFILL_KERNELS)
             if (pyllm::cpu_prefill_available(k)) r.push_back(pyllm::cpu_prefill_name(k));
         return r;
     }, "prefill GEMM kernels this machine runs");

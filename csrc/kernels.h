@@ -117,13 +117,18 @@ void gemv_each_cpu(const GemvPart* parts, const float* const* x, int n_parts, in
 // ---- Prefill GEMM on bf16 (csrc/cpu/gemm_amx.cpp) ----------------------------------------------------------
 // How mul_mat multiplies above the GEMV's rows.  F32: dequantize tiles + torch's fp32 GEMM (bindings_kernels.cpp).
 // Avx512Bf16: vdpbf16ps.  AmxBf16: AMX tiles (TDPBF16PS).  Both bf16 kernels round W (dequantized exactly) and
-// x to bf16 and accumulate in fp32: ~3e-3 relative error of y against float64.
-enum class PrefillKernel : int { F32 = 0, Avx512Bf16 = 1, AmxBf16 = 2 };
+// x to bf16 and accumulate in fp32: ~3e-3 relative error of y against float64.  Int8Gemv: the decode GEMV's row
+// kernels (int8 activations, W read quantized) 8 rows of x at a time, as llama.cpp multiplies on CPUs without
+// bf16 units; a row's bits do not depend on the rows beside it, which the fp32 GEMM's row blocking breaks.  Float
+// W (F32/F16/BF16) keeps the F32 path under it.
+enum class PrefillKernel : int { F32 = 0, Avx512Bf16 = 1, AmxBf16 = 2, Int8Gemv = 3 };
+constexpr PrefillKernel PREFILL_KERNELS[] = {PrefillKernel::F32, PrefillKernel::Avx512Bf16, PrefillKernel::AmxBf16,
+                                             PrefillKernel::Int8Gemv};
 bool cpu_prefill_available(PrefillKernel k);  // compiled in, the CPU has it and the OS enables its state
-PrefillKernel cpu_prefill_default();          // AMX, else AVX-512 BF16, else f32; PYLLM_ISA narrows it
+PrefillKernel cpu_prefill_default();          // AMX, else AVX-512 BF16, else int8 GEMVs on SIMD, else f32
 void cpu_set_prefill_kernel(PrefillKernel k);  // caller checked availability
 int cpu_prefill_min_rows();                    // mul_mat's rows from which the prefill GEMM beats 8-row GEMVs
-const char* cpu_prefill_name(PrefillKernel k);  // "f32", "avx512-bf16", "amx-bf16"
+const char* cpu_prefill_name(PrefillKernel k);  // "f32", "avx512-bf16", "amx-bf16", "int8-gemv"
 // y[m, n] = sum_k x[m, k] * W[n, k]; k available and not F32.  w: N * row_bytes bytes; x: [M, K]; y: [M, N].
 void gemm_bf16_cpu(PrefillKernel k, QType t, const uint8_t* w, size_t row_bytes, const float* x, float* y, int M,
                    int N, int K);

@@ -124,7 +124,8 @@ def _random_q4_0(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def measure_prefill_flops(threads: int, m: int = 512, n: int = 4096, k: int = 4096, repeats: int = 3) -> tuple:
     """(kernel name, FLOP/s) of the prefill GEMM that mul_mat uses above the GEMV rows, on a 512-token batch
-    against a 4096 x 4096 Q4_0 weight (one Llama-3-8B projection): dequantization included, as in prefill."""
+    against a 4096 x 4096 Q4_0 weight (one Llama-3-8B projection): dequantization included, as in prefill, and for
+    "int8-gemv" on the weight's interleaved copy, which the CPU backend's forward reads under it."""
     from ._ext import load
     from .formats.gguf import GGMLType
 
@@ -135,12 +136,14 @@ def measure_prefill_flops(threads: int, m: int = 512, n: int = 4096, k: int = 40
         w = _random_q4_0(n, k)
         x = torch.randn(m, k)
         kernel = C.prefill_kernel()
-        q4_0 = int(GGMLType.Q4_0)
-        C.gemm(x, w, q4_0, None, kernel)
+        qtype = int(GGMLType.Q4_0)
+        if kernel == "int8-gemv":
+            w, qtype = C.repack_rows8(w, qtype), int(C.rows8_qtype(qtype))
+        C.gemm(x, w, qtype, None, kernel)
         best = 0.0
         for _ in range(repeats):
             t = time.perf_counter()
-            C.gemm(x, w, q4_0, None, kernel)
+            C.gemm(x, w, qtype, None, kernel)
             best = max(best, 2 * m * n * k / (time.perf_counter() - t))
         return kernel, best
     finally:

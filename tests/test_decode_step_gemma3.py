@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import pyllm
-from pyllm import ops
 from pyllm.models.transformer import Transformer
 
 from test_decode_step import _compare, _greedy, _kv
@@ -64,7 +63,7 @@ def gemma3(gemma3_path):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gemma3_cpp_decode_matches_python(gemma3, dtype):
     model = gemma3.model
-    assert type(model) is Transformer and model.linear is ops.qmatmul
+    assert type(model) is Transformer and model.linear == model.backend.qmatmul
     windows = [layer.window for layer in model.spec.layers]
     assert 0 in windows and any(windows) and len(model.rope_tables) == 2
     _compare_forced(model, gemma3.tokenize("The capital of France is"), dtype=dtype)

@@ -1,7 +1,8 @@
 """The prefill GEMM kernels (mul_mat above GEMV_CHUNKED_MAX_M rows; csrc/cpu/gemm_amx.cpp and bindings_kernels.cpp's gemm)
 against float64 on the same dequantized weights, for every kernel this CPU runs.
 
-Kernels: "f32" (dequantized tiles + torch's fp32 GEMM), "avx512-bf16" (vdpbf16ps) and "amx-bf16" (AMX tiles).  A
+Kernels: "f32" (dequantized tiles + torch's fp32 GEMM), "avx512-bf16" (vdpbf16ps), "amx-bf16" (AMX tiles) and
+"int8-gemv" (the decode GEMV on 8-row chunks of x, the default on CPUs without bf16 units).  A
 kernel the CPU (or OS) lacks is skipped with a reason naming it; one it has must run, and test_report_paths prints
 both lists (see them with pytest -rA or -s).
 
@@ -14,6 +15,9 @@ References and tolerances (error metric: test_kernels.rel_err, max|y - ref| / ma
 - bf16 kernels, tight: against x_bf16.double() @ W_bf16.double().T (x and W rounded exactly as the kernels do):
   TOL_BF16_EXACT = 2e-5.  Products of two bf16 are exact in fp32, so only the fp32 accumulation (~sqrt(K) 2^-24)
   remains and a wrong weight, scale, layout or tail shows up by orders of magnitude.
+- int8-gemv: test_kernels.TOL_Q8 = 5e-2 against float64 (x rounded to int8 blocks; float weights keep x in fp32:
+  TOL_F32), and bit for bit the GEMV's result on each 8-row chunk of x, whose tight bound against x rounded
+  exactly as the kernels do is test_kernels.py's (TOL_EXACT).
 Inputs are fresh each run (PYLLM_TEST_SEED replays them); shapes cover M = 9, 17, 100, 513 (not multiples of the
 32-token block), N not a multiple of 16 or of the strip, and K not a multiple of 32 where the type allows (F16).
 """
@@ -32,10 +36,10 @@ import torch
 
 from pyllm import _ext
 from test_awq_kernels import make as make_awq
-from test_kernels import GT, make_weight, rel_err, rng_for, why
+from test_kernels import FLOAT_TYPES, GT, TOL_Q8, make_weight, rel_err, rng_for, why
 
 TOL_F32, TOL_BF16, TOL_BF16_FRO, TOL_BF16_EXACT = 1e-5, 2e-2, 5e-3, 2e-5
-KERNELS = ["f32", "avx512-bf16", "amx-bf16"]
+KERNELS = ["f32", "avx512-bf16", "amx-bf16", "int8-gemv"]
 MS = [9, 17, 100, 513]
 # (type, N, K): legacy blocks need K % 32 == 0, K-quants K % 256 == 0; F16 takes any K.  (1000, 576) spans several
 # strips per thread with a partial last one; K = 4864 (Qwen2.5's down projection) makes the strip narrower.
@@ -59,9 +63,10 @@ def bf16(t: torch.Tensor) -> torch.Tensor:
 
 def check(C, kernel, y, x, w, ref, what):
     """w: an object with W (f32 [N, K]), W64 and colsq, as test_kernels.Weight."""
-    if kernel == "f32":
+    if kernel == "f32" or kernel == "int8-gemv":
+        tol = TOL_Q8 if kernel == "int8-gemv" and what[0] not in FLOAT_TYPES else TOL_F32
         err = rel_err(y, ref, x, w)
-        assert err < TOL_F32, f"{kernel} {what} vs float64: {err:.3g} > {TOL_F32} " + why(what)
+        assert err < tol, f"{kernel} {what} vs float64: {err:.3g} > {tol} " + why(what)
         return
     err = rel_err(y, ref, x, w)
     assert err < TOL_BF16, f"{kernel} {what} vs float64: {err:.3g} > {TOL_BF16} " + why(what)
@@ -125,10 +130,33 @@ def test_threads_out_and_scales(C, kernel):
               ("Q4_K", kernel, s))
 
 
+@pytest.mark.parametrize("name,layout", [("Q4_1", "gguf"), ("Q4_1", "rows8"), ("Q4_K", "rows8"), ("Q6_K", "gguf")])
+def test_int8_gemv_is_the_gemv_on_8_row_chunks(C, name, layout):
+    """int8-gemv gives each row of x the bits the fused GEMV gives it in any chunk of 1..8 rows, on the GGUF rows
+    and on the decode step's interleaved copy (which the CPU backend's forward reads under this kernel): a prompt
+    read in spans of any length, or beside other prompts, gets the same rows.  Float weights, whose GEMV unrolls
+    by M, take the fp32 GEMM."""
+    wt = make_weight(name, 64, 512)
+    raw, qtype = wt.raw, int(GT[name])
+    if layout == "rows8":
+        raw, qtype = C.repack_rows8(raw, qtype), int(C.rows8_qtype(qtype))
+    x = torch.from_numpy(rng_for("pf-i8", name).standard_normal((45, 512), dtype=np.float32))
+    y = C.gemm(x, raw, qtype, None, "int8-gemv")
+    assert torch.equal(y, torch.cat([C.gemv(x[i:i + 8], raw, qtype) for i in range(0, 45, 8)])), why(name, layout)
+    for lo, hi in [(0, 1), (3, 17), (17, 45)]:
+        part = x[lo:hi].contiguous()
+        got = C.gemm(part, raw, qtype, None, "int8-gemv") if hi - lo > 8 else C.gemv(part, raw, qtype)
+        assert torch.equal(got, y[lo:hi]), why(name, layout, lo, hi)
+    check(C, "int8-gemv", y, x, wt, wt.ref(x), (name, layout))
+    f16 = make_weight("F16", 64, 512)
+    assert torch.equal(C.gemm(x, f16.raw, int(GT["F16"]), None, "int8-gemv"),
+                       C.gemm(x, f16.raw, int(GT["F16"]), None, "f32"))
+
+
 def test_mul_mat_uses_the_prefill_kernel(C):
-    """From gemm_min_rows() rows mul_mat runs prefill_kernel() (AMX from 9 rows, AVX-512 bf16 from 20, fp32 above
-    the 32 rows of 8-row GEMV chunks); precise_x (the output projection) keeps the fp32 GEMM above 32 rows and GEMV
-    chunks below."""
+    """From gemm_min_rows() rows mul_mat runs prefill_kernel() (AMX from 9 rows, AVX-512 bf16 from 20, fp32 or the
+    int8 GEMVs above the 32 rows of 8-row GEMV chunks); precise_x (the output projection) keeps the fp32 GEMM above
+    32 rows and GEMV chunks below."""
     wt = make_weight("Q4_0", 100, 160)
     q = int(GT["Q4_0"])
     first = C.gemm_min_rows()
@@ -163,8 +191,9 @@ def test_set_prefill_kernel(C):
 
 
 def test_pyllm_isa_forces_the_path(C):
-    """PYLLM_ISA=avx2 (or scalar) selects the fp32 GEMM; avx512 the AVX-512 bf16 kernel where the CPU has it; unset,
-    the fastest the CPU has.  A fresh process each, as the choice is made once per process."""
+    """PYLLM_ISA=avx2 selects the int8 GEMVs, scalar the fp32 GEMM; avx512 the AVX-512 bf16 kernel where the CPU
+    has it (else the int8 GEMVs); unset, the fastest the CPU has.  A fresh process each, as the choice is made once
+    per process."""
     root = Path(__file__).resolve().parent.parent
     code = "from pyllm import _ext; print(_ext.load().prefill_kernel())"
     got = {}
@@ -176,15 +205,16 @@ def test_pyllm_isa_forces_the_path(C):
             continue
         assert r.returncode == 0, r.stderr[-2000:]
         got[isa] = r.stdout.strip().splitlines()[-1]
-    assert got["avx2"] == "f32" and got["scalar"] == "f32"
+    assert got.get("avx2", "int8-gemv") == "int8-gemv" and got["scalar"] == "f32"
     if "avx512" in got:
-        assert got["avx512"] == ("avx512-bf16" if "avx512-bf16" in C.prefill_kernels() else "f32")
-    # unforced: the fastest kernel the CPU has (AMX tiles, else AVX-512 BF16, else fp32)
+        assert got["avx512"] == ("avx512-bf16" if "avx512-bf16" in C.prefill_kernels() else "int8-gemv")
+    # unforced: the fastest kernel the CPU has (AMX tiles, else AVX-512 BF16, else the int8 GEMVs on SIMD, else fp32)
     env = {k: v for k, v in os.environ.items() if k != "PYLLM_ISA"}
     r = subprocess.run([sys.executable, "-c", code], env=dict(env, PYTHONPATH=str(root)), capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    best = next(k for k in ("amx-bf16", "avx512-bf16", "f32") if k in C.prefill_kernels())
+    simd = "int8-gemv" if C.best_isa() != "scalar" else "f32"
+    best = next(k for k in ("amx-bf16", "avx512-bf16", simd) if k in C.prefill_kernels())
     assert r.stdout.strip().splitlines()[-1] == best
 
 

@@ -330,7 +330,8 @@ void gemm_bf16(bool amx, QType t, const uint8_t* w, size_t row_bytes, const floa
 
 bool cpu_prefill_available(PrefillKernel k) {
     switch (k) {
-        case PrefillKernel::F32: return true;
+        case PrefillKernel::F32:
+        case PrefillKernel::Int8Gemv: return true;
         case PrefillKernel::Avx512Bf16: {
             static const bool ok = cpu_has_avx512_bf16();
             return ok;
@@ -351,7 +352,7 @@ namespace cpu {
 bool amx_usable() { return false; }
 }  // namespace cpu
 
-bool cpu_prefill_available(PrefillKernel k) { return k == PrefillKernel::F32; }
+bool cpu_prefill_available(PrefillKernel k) { return k == PrefillKernel::F32 || k == PrefillKernel::Int8Gemv; }
 
 void gemm_bf16_cpu(PrefillKernel, QType, const uint8_t*, size_t, const float*, float*, int, int, int) {
     abort();  // callers check cpu_prefill_available first
@@ -364,6 +365,7 @@ const char* cpu_prefill_name(PrefillKernel k) {
         case PrefillKernel::F32: return "f32";
         case PrefillKernel::Avx512Bf16: return "avx512-bf16";
         case PrefillKernel::AmxBf16: return "amx-bf16";
+        case PrefillKernel::Int8Gemv: return "int8-gemv";
     }
     return "?";
 }
@@ -377,15 +379,17 @@ PrefillKernel cpu_prefill_default() {
     int k = g_prefill.load(std::memory_order_relaxed);
     if (k >= 0) return static_cast<PrefillKernel>(k);
     // PYLLM_ISA=amx|avx512|avx2|scalar forces the kernels of that ISA (for tests and A/B benchmarks); the
-    // prefill GEMM follows it: avx2 and scalar mean the fp32 path.
+    // prefill GEMM follows it: avx2 means the int8 GEMVs, scalar the fp32 path.
     const char* e = getenv("PYLLM_ISA");
     const std::string isa = e ? e : "";
-    // Unforced: AMX tiles, else vdpbf16ps, else fp32.  On AMD Zen 4 (no AMX) the bf16 kernel runs 196-213
-    // GFLOP/s per core at M = 512 against the fp32 GEMM's 85-96, and pp512 rose 1.9-2.3x on the fixtures.
-    // (On a loaded Sapphire Rapids VM it had measured below fp32 end to end, but that host takes AMX.)
+    // Unforced: AMX tiles, else vdpbf16ps, else the int8 GEMVs, else fp32.  On AMD Zen 4 (no AMX) the bf16 kernel
+    // runs 196-213 GFLOP/s per core at M = 512 against the fp32 GEMM's 85-96, and pp512 rose 1.9-2.3x on the
+    // fixtures.  Without bf16 units (Zen 3, AVX2) the int8 GEMVs' 8-row chunks take per row what the fp32 GEMM
+    // takes at M = 512 and half of its time at M = 64 (Llama-3-8B's and Qwen2.5's shapes, 2 threads), and any
+    // span of a prompt gives its rows the same bits, so prompts are read in long spans and side by side.
     const bool amx = isa.empty() || isa == "amx";
     const bool avx512 = isa.empty() || isa == "amx" || isa == "avx512";
-    PrefillKernel pick = PrefillKernel::F32;
+    PrefillKernel pick = isa == "scalar" || !cpu_isa_simd(cpu_best_isa()) ? PrefillKernel::F32 : PrefillKernel::Int8Gemv;
     if (amx && cpu_prefill_available(PrefillKernel::AmxBf16)) pick = PrefillKernel::AmxBf16;
     else if (avx512 && cpu_prefill_available(PrefillKernel::Avx512Bf16)) pick = PrefillKernel::Avx512Bf16;
     g_prefill.store(static_cast<int>(pick), std::memory_order_relaxed);

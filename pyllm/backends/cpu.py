@@ -6,13 +6,16 @@ be built, take the torch reference inside ops.qmatmul / ops.embedding (ops.py sa
 decode step's copy of the layer matrices and the output projection: those of every type _C.rows8_qtype maps
 (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, the K-quants Q4_K/Q5_K/Q6_K) are repacked with their rows interleaved by 8
 (csrc/common/blocks.h), which its GEMVs read faster (docs/DESIGN.md, "Rows interleaved by 8"). That copy costs
-their size again in RAM; PYLLM_REPACK=0 turns it off. A tied output projection is the token embedding: the copy is
-the step's output GEMV's only, the embedding lookup (C++ step and torch path) keeps reading the loaded tensor.
+their size again in RAM; PYLLM_REPACK=0 turns it off. Where mul_mat runs prefill on the int8 GEMVs (CPUs without
+bf16 units), the forward's layer matrices are read from that copy too (CpuBackend.qmatmul). A tied output
+projection is the token embedding: the copy is the step's output GEMV's only, the embedding lookup (C++ step and
+torch path) keeps reading the loaded tensor.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +26,14 @@ from .base import SeqStep, StepRows, check_seqs, step_one
 # csrc/kernels.h KVType: how a cache part's rows are encoded (the rotated kinds store q8_0 / q4_0 blocks)
 KV_TYPE_IDS = {"f32": 0, "f16": 1, "q8_0": 2, "q4_0": 3}
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class Rows8Copy(NamedTuple):
+    """A matrix's rows interleaved by 8 (the decode step's copy): ``data`` of type ``qtype`` (a QTensor's two fields,
+    so ops.qmatmul takes it), and the ``loaded`` tensor it was made from, kept so that its id stays the key."""
+    data: torch.Tensor
+    qtype: int
+    loaded: torch.Tensor
 
 
 def available_memory() -> int | None:
@@ -158,11 +169,21 @@ class CpuBackend:
         if n_threads:
             ops.set_num_threads(n_threads)
         self.decode_copies = decode_copies
-        self.linear = ops.qmatmul
+        self.linear = self.qmatmul
         self.linear_output = ops.qmatmul_output
         self.embed = ops.embedding
-        self._rows8: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(loaded bytes) -> (repacked, loaded)
+        self._rows8: dict[int, Rows8Copy] = {}  # id(loaded bytes) -> its interleaved copy
         self._repack_fits = True  # prepare_weights: whether the copies fit in memory
+
+    def qmatmul(self, x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor:
+        """ops.qmatmul, on the decode step's interleaved copy of ``w`` where it has one and mul_mat runs every row
+        count on the int8 GEMVs (prefill kernel "int8-gemv", CPUs without bf16 units): the copy's 8-row groups
+        decode each code vector once for 4 rows of x, 1.2-1.8x the GEMVs on GGUF rows at 512 rows for the 4- and
+        5-bit types (Zen 3, 2 threads), and a row of x gets the same bits in any forward, as on the GGUF rows."""
+        copy = self._rows8.get(id(w.data))
+        if copy is not None and ops._C.prefill_kernel() == "int8-gemv":
+            return ops.qmatmul(x, copy, out)
+        return ops.qmatmul(x, w, out)
 
     @staticmethod
     def linear_experts(x: torch.Tensor, ws: list, ids: torch.Tensor) -> list[torch.Tensor] | None:
@@ -189,7 +210,7 @@ class CpuBackend:
     def describe(self) -> dict:
         out = {"backend": self.name, "device": "cpu", "isa": ops.get_isa(), "threads": ops.get_num_threads()}
         if self._rows8:
-            out["repacked_mb"] = round(sum(t.numel() for t, _ in self._rows8.values()) / 2**20, 1)
+            out["repacked_mb"] = round(sum(c.data.numel() for c in self._rows8.values()) / 2**20, 1)
         if ops.huge_pages_mode() == "never":  # the decode step's memory on 4 KiB pages: docs/DESIGN.md "Huge pages"
             out["huge_pages"] = False
         return out
@@ -203,8 +224,8 @@ class CpuBackend:
             return w.data, int(w.qtype)
         key = id(w.data)
         if key not in self._rows8:
-            self._rows8[key] = (ops._C.repack_rows8(w.data.contiguous(), int(w.qtype)), w.data)
-        return self._rows8[key][0], rid
+            self._rows8[key] = Rows8Copy(ops._C.repack_rows8(w.data.contiguous(), int(w.qtype)), rid, w.data)
+        return self._rows8[key].data, rid
 
     def _repacks(self) -> bool:
         """Whether layer matrices get interleaved copies: they fit in memory (prepare_weights) and PYLLM_REPACK is
@@ -275,7 +296,8 @@ class CpuBackend:
         off = -arena.data_ptr() % huge
         for w, span in zip(todo, spans):
             out = arena[off:off + w.data.numel()].view(w.data.shape)
-            self._rows8[id(w.data)] = (ops._C.repack_rows8(w.data.contiguous(), int(w.qtype), out), w.data)
+            self._rows8[id(w.data)] = Rows8Copy(ops._C.repack_rows8(w.data.contiguous(), int(w.qtype), out),
+                                                self._rows8_type(w), w.data)
             off += span
 
     def make_kv_cache(self, kind: str, n_layer: int, n_kv_head: int, max_seq: int, head_dim: int):
@@ -337,14 +359,21 @@ class CpuBackend:
     def prefill_exact_rows(self, model, kv) -> int | None:
         """The fewest rows from which a prompt forward gives each row the bits it gets in any other forward of at
         least that many rows (Decoder.prefill_exact_rows): the bf16 prefill GEMMs sum a row in one order whatever
-        rows share the call, and attention, norms and RoPE run row by row over the cache; None where that does
-        not hold: the fp32 GEMM (torch's matmul blocks by row count), the reference kernels, experts (a token's
-        expert rows are grouped with the other tokens'), LoRA terms (torch matmuls)."""
-        if self.linear is not ops.qmatmul or model.spec.n_expert or getattr(model, "lora_terms", None):
+        rows share the call, as the int8 GEMVs' row kernels do for the types of EXACT_ROW_TYPES (from 2 rows: a
+        one-row forward is the fused step), and attention, norms and RoPE run row by row over the cache; None where that does not hold:
+        the fp32 GEMM (torch's matmul blocks by row count), the int8 GEMVs on float matrices (they unroll by M),
+        the reference kernels, experts (a token's expert rows are grouped with the other tokens'), LoRA terms
+        (torch matmuls)."""
+        if self.linear != self.qmatmul or model.spec.n_expert or getattr(model, "lora_terms", None):
             return None
         try:
-            if ops._C.prefill_kernel() == "f32":
+            kernel = ops._C.prefill_kernel()
+            if kernel == "f32":
                 return None
+            if kernel == "int8-gemv":  # every forward of 2 rows or more on the row kernels, where no row sees
+                # another's (a one-row forward takes the fused step, whose bits are its own)
+                mats = [model.w.get(f"blk.{i}.{n}.weight") for i in range(model.spec.n_layer) for n in LAYER_MATRICES]
+                return 2 if all(int(getattr(w, "qtype", -1)) in EXACT_ROW_TYPES for w in mats) else None
             return int(ops._C.gemm_min_rows(False))
         except (AttributeError, NotImplementedError):  # no extension
             return None
@@ -360,7 +389,7 @@ class CpuBackend:
         context holding their weights, ``kv`` a cache of theirs alone (None where the run is empty: then
         ``max_seq`` is the positions the model's other caches hold), and the token embedding and output head
         where ``ends``.  Its ``hidden`` and ``head`` run the parts; None where fused_decode's would be."""
-        if self.linear is not ops.qmatmul or (kv is not None and not hasattr(kv, "storage_layout")):
+        if self.linear != self.qmatmul or (kv is not None and not hasattr(kv, "storage_layout")):
             return None
         if model.spec.fused_step_gaps("cpu"):
             return None
