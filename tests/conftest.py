@@ -243,14 +243,17 @@ def qwen():
 def unblock_fifo_later(fifo, seconds: float = 3.0):
     """Opens ``fifo`` for writing once a reader waits on it (within ``seconds``) and writes junk: code that opens a
     FIFO blocks until then, so a regression fails with some other error instead of hanging the suite. Returns the
-    thread (join it)."""
+    thread: join it once the code under test has returned (it stops waiting for a reader then, since code that had
+    opened the FIFO could not have returned before this thread let it)."""
     import os
     import threading
     import time
 
+    done = threading.Event()
+
     def run():
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end and not done.is_set():
             try:
                 fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
             except OSError:  # ENXIO: no reader yet
@@ -261,6 +264,11 @@ def unblock_fifo_later(fifo, seconds: float = 3.0):
             os.close(fd)
             return
 
-    t = threading.Thread(target=run, daemon=True)
+    class Unblocker(threading.Thread):
+        def join(self, timeout=None):
+            done.set()
+            super().join(timeout)
+
+    t = Unblocker(target=run, daemon=True)
     t.start()
     return t
