@@ -136,7 +136,6 @@ Tensor gemm(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional
     return y;
 }
 
-
 // The prefill kernel for mul_mat: the default, except that the output projection (precise_x: its error goes
 // straight into the logits, e.g. perplexity's all-position logits) keeps the fp32 GEMM.
 std::string prefill_kernel_for(bool precise_x) { return precise_x ? "f32" : ""; }
@@ -409,8 +408,8 @@ void register_kernels(py::module& m) {
     m.def("row_argmax", &row_argmax, "first index of y's largest value, -1 where a value is not finite",
           py::arg("y"));
     m.def("gemm", &gemm, "y[M,N] = x[M,K] @ W.T for any M; kernel 'f32' (dequantized tiles + torch GEMM), "
-          "'avx512-bf16', 'amx-bf16', 'int8-gemv' (8-row GEMV chunks) or '' (the default, prefill_kernel())", py::arg("x"),
-          py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("kernel") = "f32");
+          "'avx512-bf16', 'amx-bf16', 'int8-gemv' (8-row GEMV chunks) or '' (the default, prefill_kernel())",
+          py::arg("x"), py::arg("w"), py::arg("qtype"), py::arg("out") = py::none(), py::arg("kernel") = "f32");
     m.def("prefill_kernel", [] { return std::string(pyllm::cpu_prefill_name(pyllm::cpu_prefill_default())); },
           "the GEMM kernel mul_mat uses above the GEMV's rows (PYLLM_ISA can force another)");
     m.def("set_prefill_kernel", [](const std::string& name) {

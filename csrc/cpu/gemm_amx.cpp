@@ -389,7 +389,8 @@ PrefillKernel cpu_prefill_default() {
     // span of a prompt gives its rows the same bits, so prompts are read in long spans and side by side.
     const bool amx = isa.empty() || isa == "amx";
     const bool avx512 = isa.empty() || isa == "amx" || isa == "avx512";
-    PrefillKernel pick = isa == "scalar" || !cpu_isa_simd(cpu_best_isa()) ? PrefillKernel::F32 : PrefillKernel::Int8Gemv;
+    const bool simd = isa != "scalar" && cpu_isa_simd(cpu_best_isa());
+    PrefillKernel pick = simd ? PrefillKernel::Int8Gemv : PrefillKernel::F32;
     if (amx && cpu_prefill_available(PrefillKernel::AmxBf16)) pick = PrefillKernel::AmxBf16;
     else if (avx512 && cpu_prefill_available(PrefillKernel::Avx512Bf16)) pick = PrefillKernel::Avx512Bf16;
     g_prefill.store(static_cast<int>(pick), std::memory_order_relaxed);

@@ -178,8 +178,9 @@ class CpuBackend:
     def qmatmul(self, x: torch.Tensor, w, out: torch.Tensor | None = None) -> torch.Tensor:
         """ops.qmatmul, on the decode step's interleaved copy of ``w`` where it has one and mul_mat runs every row
         count on the int8 GEMVs (prefill kernel "int8-gemv", CPUs without bf16 units): the copy's 8-row groups
-        decode each code vector once for 4 rows of x, 1.2-1.8x the GEMVs on GGUF rows at 512 rows for the 4- and
-        5-bit types (Zen 3, 2 threads), and a row of x gets the same bits in any forward, as on the GGUF rows."""
+        decode each code vector once for 4 rows of x, 1.3-1.9x the GEMVs on GGUF rows at 512 rows on Gemma 3's and
+        Qwen2.5's Q4_K / Q5_0 / Q8_0 matrices and level on their Q6_K (Zen 3, 2 threads), and a row of x gets the
+        same bits in any forward, as on the GGUF rows."""
         copy = self._rows8.get(id(w.data))
         if copy is not None and ops._C.prefill_kernel() == "int8-gemv":
             return ops.qmatmul(x, copy, out)
@@ -360,10 +361,10 @@ class CpuBackend:
         """The fewest rows from which a prompt forward gives each row the bits it gets in any other forward of at
         least that many rows (Decoder.prefill_exact_rows): the bf16 prefill GEMMs sum a row in one order whatever
         rows share the call, as the int8 GEMVs' row kernels do for the types of EXACT_ROW_TYPES (from 2 rows: a
-        one-row forward is the fused step), and attention, norms and RoPE run row by row over the cache; None where that does not hold:
-        the fp32 GEMM (torch's matmul blocks by row count), the int8 GEMVs on float matrices (they unroll by M),
-        the reference kernels, experts (a token's expert rows are grouped with the other tokens'), LoRA terms
-        (torch matmuls)."""
+        one-row forward is the fused step), and attention, norms and RoPE run row by row over the cache; None where
+        that does not hold: the fp32 GEMM (torch's matmul blocks by row count), the int8 GEMVs on float matrices
+        (they unroll by M), the reference kernels, experts (a token's expert rows are grouped with the other
+        tokens'), LoRA terms (torch matmuls)."""
         if self.linear != self.qmatmul or model.spec.n_expert or getattr(model, "lora_terms", None):
             return None
         try:
