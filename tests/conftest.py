@@ -4,6 +4,7 @@ The oracle objects are expensive (transformers dequantizes a whole GGUF to float
 session and shared by every test that needs it.
 """
 
+import contextlib
 import functools
 import os
 import signal
@@ -20,6 +21,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 FIXTURES = {"smollm2": "smollm2-135m", "qwen2": "qwen2.5-coder-0.5b", "gemma3": "gemma3-270m"}
+
 
 
 @functools.lru_cache(maxsize=None)
@@ -42,51 +44,34 @@ def gemma3_path():
     return fixture_path("gemma3")
 
 
-def _converted(key: str, what: str, convert, save, load):
-    """transformers' conversion of fixture ``key``'s GGUF (``what``: "model" or "tokenizer"), kept under the user
-    cache: converting a GGUF takes transformers 7-60 s per model and per object (its gguf reader walks every
-    tensor and vocabulary entry in Python), loading the saved conversion 0.2-5 s.  The directory is named by the
-    GGUF's sha256 and the transformers and torch versions, so any change to the file or the converter converts
-    anew; it is written under a temporary name and renamed, so a half-written one is never read.  The oracle stays
-    transformers' own objects: its conversion, saved and loaded back bit for bit (tests/test_model.py's logits and
-    tests/test_tokenizer.py's ids are compared against it either way)."""
-    import shutil
-    import tempfile
+@contextlib.contextmanager
+def _one_gguf_reader():
+    """Within the block, gguf-py's GGUFReader gives one reader per file: transformers parses a GGUF once for the
+    config, once for the weights and once for the tokenizer, and each parse walks every vocabulary entry in Python
+    (5-17 s a fixture).  The reader is only read (its tensors are views of the mapped file), so sharing it changes
+    nothing transformers computes."""
+    import gguf
 
-    import torch
+    cls = gguf.GGUFReader
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = cls(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = cls
+
+
+def _hf_tokenizer_from(d):
     import transformers
 
-    sha = registry.REGISTRY[FIXTURES[key]].sha256
-    d = (registry.cache_dir() / "hf-oracle" / f"{key}-{sha[:16]}-tf{transformers.__version__}-torch{torch.__version__}"
-         / what)
-    if d.is_dir():
-        try:
-            return load(d)
-        except (OSError, ValueError, RuntimeError):  # unreadable: convert again below
-            shutil.rmtree(d, ignore_errors=True)
-    obj = convert()
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{what}-", dir=d.parent))
-    try:
-        save(obj, tmp)
-        tmp.rename(d)
-    except (OSError, ValueError, RuntimeError):
-        # another process won the race, the disk is full, or this transformers refuses to save the object (as its
-        # save_pretrained refuses GGUF-converted models): the conversion in memory still serves
-        shutil.rmtree(tmp, ignore_errors=True)
-    return obj
-
-
-@functools.lru_cache(maxsize=None)
-def hf_tokenizer(key: str):
-    """transformers' tokenizer converted from the GGUF (the oracle for tokenization and chat templates)."""
-    transformers = pytest.importorskip("transformers")
-    path = fixture_path(key)
-    return _converted(key, "tokenizer",
-                      lambda: transformers.AutoTokenizer.from_pretrained(os.path.dirname(path),
-                                                                         gguf_file=os.path.basename(path)),
-                      lambda t, d: t.save_pretrained(d),
-                      lambda d: transformers.AutoTokenizer.from_pretrained(d))
+    return transformers.AutoTokenizer.from_pretrained(d)
 
 
 def _save_model(m, d: Path) -> None:
@@ -112,17 +97,84 @@ def _load_model(d: Path):
     return m
 
 
+def _convert(what: str, path: str):
+    import torch
+    import transformers
+
+    auto = transformers.AutoTokenizer if what == "tokenizer" else transformers.AutoModelForCausalLM
+    kw = {} if what == "tokenizer" else {"dtype": torch.float32}
+    return auto.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), **kw)
+
+
+# what -> (save, load) of transformers' object in the oracle cache
+_ORACLE_IO = {"tokenizer": (lambda t, d: t.save_pretrained(d), _hf_tokenizer_from),
+              "model": (_save_model, _load_model)}
+
+
+def _oracle_dir(key: str, what: str) -> Path:
+    import torch
+    import transformers
+
+    sha = registry.REGISTRY[FIXTURES[key]].sha256
+    return (registry.cache_dir() / "hf-oracle" / f"{key}-{sha[:16]}-tf{transformers.__version__}-torch{torch.__version__}"
+            / what)
+
+
+def _convert_and_keep(key: str, what: str):
+    import shutil
+    import tempfile
+
+    obj = _convert(what, fixture_path(key))
+    d = _oracle_dir(key, what)
+    d.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{what}-", dir=d.parent))
+    try:
+        _ORACLE_IO[what][0](obj, tmp)
+        tmp.rename(d)
+    except (OSError, ValueError, RuntimeError):
+        # another process won the race, the disk is full, or this transformers refuses to save the object (as its
+        # save_pretrained refuses GGUF-converted models): the conversion in memory still serves
+        shutil.rmtree(tmp, ignore_errors=True)
+    return obj
+
+
+def _converted(key: str, what: str):
+    """transformers' conversion of fixture ``key``'s GGUF (``what``: "model" or "tokenizer"), kept under the user
+    cache: converting a GGUF takes transformers 7-60 s per model and per object (its gguf reader walks every
+    tensor and vocabulary entry in Python), loading the saved conversion 0.2-5 s.  The directory is named by the
+    GGUF's sha256 and the transformers and torch versions, so any change to the file or the converter converts
+    anew; it is written under a temporary name and renamed, so a half-written one is never read.  The other object
+    is converted in the same pass when it is not kept yet, so the file is parsed once for both.  The oracle stays
+    transformers' own objects: its conversion, saved and loaded back bit for bit (tests/test_model.py's logits and
+    tests/test_tokenizer.py's ids are compared against it either way)."""
+    import shutil
+
+    d = _oracle_dir(key, what)
+    if d.is_dir():
+        try:
+            return _ORACLE_IO[what][1](d)
+        except (OSError, ValueError, RuntimeError):  # unreadable: convert again below
+            shutil.rmtree(d, ignore_errors=True)
+    other = "model" if what == "tokenizer" else "tokenizer"
+    with _one_gguf_reader():
+        obj = _convert_and_keep(key, what)
+        if not _oracle_dir(key, other).is_dir():
+            _convert_and_keep(key, other)
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def hf_tokenizer(key: str):
+    """transformers' tokenizer converted from the GGUF (the oracle for tokenization and chat templates)."""
+    pytest.importorskip("transformers")
+    return _converted(key, "tokenizer")
+
+
 @functools.lru_cache(maxsize=None)
 def hf_model(key: str):
     """transformers' float32 model dequantized from the GGUF (the oracle for logits)."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    path = fixture_path(key)
-    m = _converted(key, "model",
-                   lambda: transformers.AutoModelForCausalLM.from_pretrained(
-                       os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32),
-                   _save_model, _load_model)
+    pytest.importorskip("transformers")
+    m = _converted(key, "model")
     m.eval()
     return m
 
