@@ -23,6 +23,29 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 FIXTURES = {"smollm2": "smollm2-135m", "qwen2": "qwen2.5-coder-0.5b", "gemma3": "gemma3-270m"}
 
 
+@pytest.fixture(scope="session")
+def _machine_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()  # before any test: the default, one per physical core (as pyllm.ops' default)
+
+
+@pytest.fixture(autouse=True)
+def _threads_restored(_machine_threads):
+    """Each test starts on the machine's default thread count, torch's and the kernels'.  Loading a model with
+    n_threads sets both for the whole process, and the models of pyllm_model are loaded once and shared: without
+    this, every test after one that loaded a model with n_threads=1 ran on one thread, whichever model it used."""
+    import sys
+
+    import torch
+
+    if torch.get_num_threads() != _machine_threads:
+        torch.set_num_threads(_machine_threads)
+    ops = sys.modules.get("pyllm.ops")
+    if ops is not None and not isinstance(ops._C, ops._LazyExtension) and ops.get_num_threads() != _machine_threads:
+        ops.set_num_threads(_machine_threads)  # only once the extension is loaded: a test may mean to load it
+    yield
+
 
 @functools.lru_cache(maxsize=None)
 def fixture_path(key: str) -> str:
