@@ -48,32 +48,41 @@ def test_all_position_logits_match_transformers(key):
     assert rel < 1e-3, f"{key}: worst position max|diff|/max|logit| = {rel:.2e}"
 
 
-@pytest.mark.parametrize("key", KEYS)
-def test_greedy_matches_transformers(key):
-    llm, hf = ref_llm(key), hf_model(key)
-    n = 32
-    exact = 0
-    for prompt in PROMPTS:
+def greedy_agreement(llm, hf, prompts, n=32) -> tuple[int, list[str]]:
+    """(how many of ``prompts`` continue greedily for ``n`` tokens exactly as transformers' ``hf`` would, the
+    failures).  transformers' greedy continuation equals ours exactly when, fed our continuation, its argmax at
+    every step is our next token: one teacher-forced forward pass per prompt checks that (hf.generate takes n
+    passes, each reading the whole float32 model).  A divergence is allowed only where the reference's top-2 gap
+    is below 1e-2 (a near tie, which float32 summation order may break either way)."""
+    exact, failures = 0, []
+    for prompt in prompts:
         ids = llm.tokenize(prompt)
         ours = list(llm.generate_tokens(ids, max_tokens=n, temperature=0))
+        assert ours, f"{prompt!r}: no token generated"
         with torch.no_grad():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, top_k=None, top_p=None,
-                              temperature=None, pad_token_id=llm.tokenizer.eos_id)
-        theirs = out[0, len(ids):].tolist()
-        m = min(len(ours), len(theirs))
-        diff = next((i for i in range(m) if ours[i] != theirs[i]), None)
-        if diff is None and len(ours) == len(theirs):
-            exact += 1
+            h = hf.model(torch.tensor([ids + ours[:-1]])).last_hidden_state[0, len(ids) - 1:]
+            logits = hf.lm_head(h)  # [len(ours), vocab]: the reference's next-token logits after each prefix
+        theirs = logits.argmax(-1).tolist()
+        diff = next((i for i in range(len(ours)) if ours[i] != theirs[i]), None)
+        if diff is None:
+            # fewer than n tokens: ours stopped, which transformers does too only at an end-of-generation token
+            if len(ours) == n or llm.tokenizer.is_eog(ours[-1]):
+                exact += 1
+            else:
+                failures.append(f"{prompt!r}: stopped after {len(ours)} tokens at a token that ends nothing")
             continue
-        if diff is None:  # one stopped earlier: only allowed at an end-of-generation token
-            assert llm.tokenizer.is_eog((ours + theirs)[m]) or m == n, f"{key} {prompt!r}: lengths differ"
-            exact += 1
-            continue
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids + theirs[:diff]])).logits[0, -1]
-        top2 = logits.topk(2).values
+        top2 = logits[diff].topk(2).values
         gap = (top2[0] - top2[1]).item()
-        assert gap < 1e-2, f"{key} {prompt!r}: diverges at token {diff} where the reference's top-2 gap is {gap:.3g}"
+        print(f"{prompt!r}: diverges at token {diff}, reference top-2 gap {gap:.3g}")
+        if gap >= 1e-2:
+            failures.append(f"{prompt!r}: diverges at token {diff} where the reference's top-2 gap is {gap:.3g}")
+    return exact, failures
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_greedy_matches_transformers(key):
+    exact, failures = greedy_agreement(ref_llm(key), hf_model(key), PROMPTS)
+    assert not failures, f"{key}: {failures}"
     assert exact >= 3, f"{key}: only {exact}/4 greedy continuations equal transformers'"
 
 
