@@ -82,14 +82,16 @@ constexpr int64_t GEMV_CHUNKED_MAX_M = 32;
 
 Tensor gemv_chunked(const Tensor& x, const Tensor& w, int64_t qtype, const std::optional<Tensor>& out,
                     bool precise_x) {
-    const int64_t M = x.size(0);
+    const QTypeTraits& tr = check_qtype("mul_mat", qtype);
     check_tensor("mul_mat", "x", x, at::kFloat, 2);
-    check_tensor("mul_mat", "w", w, at::kByte, 2);
+    const int64_t M = x.size(0), K = x.size(1);
+    PYLLM_CHECK_VALUE(M >= 1 && M <= INT32_MAX, "mul_mat: x needs 1..2^31-1 rows, got ", M);
+    check_weight("mul_mat", w, tr, K);
+    check_rows8("mul_mat", "w", w, qtype);
     Tensor y = make_out("mul_mat", out, M, w.size(0));
-    for (int64_t m0 = 0; m0 < M; m0 += pyllm::GEMV_MAX_M) {
-        const int64_t mr = std::min<int64_t>(pyllm::GEMV_MAX_M, M - m0);
-        gemv(x.narrow(0, m0, mr), w, qtype, y.narrow(0, m0, mr), precise_x);  // row slices of contiguous tensors stay contiguous
-    }
+    const pyllm::GemvPart part{static_cast<QType>(qtype), w.data_ptr<uint8_t>(), static_cast<size_t>(w.size(1)),
+                               y.data_ptr<float>(), static_cast<int>(w.size(0))};
+    pyllm::gemv_chunks_cpu(&part, 1, x.data_ptr<float>(), static_cast<int>(M), static_cast<int>(K), precise_x);
     return y;
 }
 

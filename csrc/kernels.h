@@ -107,6 +107,11 @@ struct GemvPart {
 // thread's outputs are still in its cache.
 void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x = false,
                     GemvStats* stats = nullptr, RowArgmax* argmax = nullptr);
+// y [M, N] = x W^T for any M >= 1: x's rows go in row-dot calls of up to GEMV_MAX_M rows, each row's bits
+// gemv_cpu's in any call (the int8-gemv prefill kernel).  The calls are prepared and run in one parallel region,
+// whose tiles take ~32 KiB of a part's weight rows against 128 rows of x, so the weights are read from memory
+// once per 128 rows of x and the activations are quantized on every thread.
+void gemv_chunks_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x = false);
 
 // One-row GEMVs, each over its own matrix and its own activation row, in one parallel region: parts[p].y [N] =
 // W_p x[p] (x[p]: K floats).  llama.cpp's MUL_MAT_ID for decode: a token's selected experts (their slices of the

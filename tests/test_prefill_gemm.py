@@ -36,7 +36,8 @@ import torch
 
 from pyllm import _ext
 from test_awq_kernels import make as make_awq
-from test_kernels import FLOAT_TYPES, GT, TOL_Q8, make_weight, rel_err, rng_for, why
+from test_kernels import (FLOAT_TYPES, GT, K_TYPES, ROWS8_K_TYPES, TOL_Q8, make_weight, rel_err, rng_for, row_kinds,
+                          rows8, why)
 
 TOL_F32, TOL_BF16, TOL_BF16_FRO, TOL_BF16_EXACT = 1e-5, 2e-2, 5e-3, 2e-5
 KERNELS = ["f32", "avx512-bf16", "amx-bf16", "int8-gemv"]
@@ -152,6 +153,38 @@ def test_int8_gemv_is_the_gemv_on_8_row_chunks(C, name, layout):
     assert torch.equal(C.gemm(x, f16.raw, int(GT["F16"]), None, "int8-gemv"),
                        C.gemm(x, f16.raw, int(GT["F16"]), None, "f32"))
 
+
+
+@pytest.mark.parametrize("name,layout", [(n, "gguf") for n in K_TYPES] + [(n, "rows8") for n in ROWS8_K_TYPES])
+def test_int8_gemv_rows_with_outliers_are_the_gemv_on_8_row_chunks(C, name, layout):
+    """Rows whose Q8_K activations drop outliers (sparse) or take a residual row, among plain rows, get from
+    int8-gemv the bits the GEMV gives each 8-row chunk of x, on every ISA path and thread count: its tiles run
+    every chunk's row-dot calls in one region, and a chunk of residual rows (up to 16 activation rows) is split
+    over two calls as the GEMV splits it.  Reference: C.gemv per chunk, tolerance 0."""
+    N, K, M = 64, 2048, 45
+    wt = make_weight(name, N, K)
+    raw, qtype = (wt.raw, int(GT[name])) if layout == "gguf" else rows8(C, name, wt)
+    x = torch.from_numpy(rng_for("pf-outl", name).standard_normal((M, K), dtype=np.float32))
+    x[8:16, 37::48] = 400.0  # the second chunk: all residual (42 outliers a row)
+    x[[1, 20, 33, 44], 37::48] = -400.0
+    x[[2, 21, 40], 37::256] = 400.0  # 8 outliers: sparse
+    kinds = row_kinds(x)
+    assert kinds.count("residual") == 12 and kinds.count("sparse") == 3
+    old_isa, old_threads = C.get_isa(), C.get_num_threads()
+    try:
+        for isa in C.available_isas():
+            C.set_isa(isa)
+            want = torch.cat([C.gemv(x[i:i + 8], raw, qtype) for i in range(0, M, 8)])
+            for threads in (1, 2):
+                C.set_num_threads(threads)
+                assert torch.equal(C.gemm(x, raw, qtype, None, "int8-gemv"), want), why(name, layout, isa, threads)
+            x20 = x[:20]
+            assert torch.equal(C.mul_mat(x20, raw, qtype, None, True),
+                               torch.cat([C.gemv(x20[i:i + 8], raw, qtype, None, True) for i in range(0, 20, 8)])), why(
+                name, layout, isa, "precise_x")
+    finally:
+        C.set_isa(old_isa)
+        C.set_num_threads(old_threads)
 
 def test_mul_mat_uses_the_prefill_kernel(C):
     """From gemm_min_rows() rows mul_mat runs prefill_kernel() (AMX from 9 rows, AVX-512 bf16 from 20, fp32 or the

@@ -467,115 +467,140 @@ RowArgmax combine_argmax(const RowArgmax* parts, int n, int stride, const int64_
     return r;
 }
 
-}  // namespace
+// Q8_K row kinds of x's M rows: kind[m], and outl[m] lists a Sparse row's outliers (n = 0 for the others).
+void classify_q8_K(const float* x, int M, int K, RowKind* kind, Outliers* outl) {
+    for (int m = 0; m < M; ++m) kind[m] = q8_K_outliers(x + static_cast<size_t>(m) * K, K, outl[m]);
+}
 
-void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x,
-                    GemvStats* stats, RowArgmax* argmax) {
+// Cuts x's M rows into row-dot calls: runs of consecutive rows whose activation rows (two for a Residual row) fit
+// GEMV_MAX_M, never across a multiple of `piece` rows.  starts: each run's first row, then M.  kind null: all Plain.
+void cut_runs(const RowKind* kind, int M, int piece, std::vector<int>& starts) {
+    starts.clear();
+    for (int m = 0; m < M;) {
+        starts.push_back(m);
+        const int end = std::min(M, (m / piece + 1) * piece);
+        int rows = 0;
+        while (m < end) {
+            const int need = 1 + (kind != nullptr && kind[m] == RowKind::Residual);
+            if (rows + need > GEMV_MAX_M) break;
+            rows += need;
+            ++m;
+        }
+    }
+    starts.push_back(M);
+}
+
+// One row-dot call made ready: rows m0..m0+M-1 of x (at most GEMV_MAX_M activation rows) against every part, the
+// activations prepared once per format the parts need and shared read-only by every thread that runs some rows of
+// a part (Job::run).  Its buffers are its own, so threads can make ready the calls of different rows at once.
+struct RowsCall {
+    int m0 = 0, M = 0;
+    bool residual = false;  // some row takes a residual row: Q8_K parts write y_buf, summed into y by finish
+    uint8_t needs[GEMV_MAX_M] = {};
+    int first[GEMV_MAX_M + 1] = {};  // row m's activation row; first[M] = rows in all
+    std::vector<float> dense;        // x with the Sparse rows' outliers zeroed (what their Q8_K rows round)
+    std::vector<uint8_t> act_buf[kActCount];
+    std::vector<float> y_buf[kMaxParts];
+    Job job[kMaxParts];
+    size_t total_bytes = 0;
+    int total_rows = 0;
+
+    // kind / outl: the row kinds of all of x's rows (classify_q8_K), or null where no part takes Q8_K.
+    void ready(const RowKernel* const* kern, const GemvPart* parts, int n_parts, const float* x, int row0, int rows,
+               int K, bool simd, const RowKind* kind, const Outliers* outl) {
+        m0 = row0;
+        M = rows;
+        const float* xr = x + static_cast<size_t>(m0) * K;
+        residual = false;
+        bool sparse = false;
+        for (int m = 0; m < M; ++m) {
+            const RowKind k = kind ? kind[m0 + m] : RowKind::Plain;
+            residual |= (needs[m] = k == RowKind::Residual);
+            sparse |= k == RowKind::Sparse;
+            first[m + 1] = first[m] + 1 + needs[m];
+        }
+        const float* xk = xr;  // the rows Q8_K activations are made from
+        if (sparse) {
+            dense.assign(xr, xr + static_cast<size_t>(M) * K);
+            for (int m = 0; m < M; ++m)
+                for (int i = 0; i < outl[m0 + m].n; ++i) dense[static_cast<size_t>(m) * K + outl[m0 + m].idx[i]] = 0.f;
+            xk = dense.data();
+        }
+        bool have[kActCount] = {};
+        Prepared prep[kActCount] = {};
+        total_bytes = 0;
+        total_rows = 0;
+        for (int p = 0; p < n_parts; ++p) {
+            const bool q8k = kern[p]->act == Act::Q8_K;
+            const int a = static_cast<int>(kern[p]->act);
+            const bool res = residual && q8k;  // only Q8_K rows take a residual row, or lose their outliers
+            if (!have[a]) {
+                prep[a] = prepare(kern[p]->act, simd, q8k ? xk : xr, M, K, res, needs, first, first[M], act_buf[a]);
+                have[a] = true;
+            }
+            const GemvPart& P = parts[p];
+            float* yo = P.y + static_cast<size_t>(m0) * P.N;
+            if (res) {
+                const size_t n = static_cast<size_t>(first[M]) * P.N;
+                if (y_buf[p].size() < n) y_buf[p].resize(n);
+                yo = y_buf[p].data();
+            }
+            const int fm = (res ? first[M] : M) - 1;
+            job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
+                      P.t, sparse && q8k ? outl + m0 : nullptr, first, M};
+            total_bytes += P.row_bytes * static_cast<size_t>(P.N);
+            total_rows += P.N;
+        }
+    }
+
+    // y where a part's rows went to y_buf: each row plus its residual row.
+    void finish(const RowKernel* const* kern, const GemvPart* parts, int n_parts) const {
+        if (!residual) return;
+        for (int p = 0; p < n_parts; ++p) {
+            if (kern[p]->act != Act::Q8_K) continue;
+            const int N = parts[p].N;
+            for (int m = 0; m < M; ++m) {
+                const float* a = job[p].y + static_cast<size_t>(first[m]) * N;
+                float* y = parts[p].y + static_cast<size_t>(m0 + m) * N;
+                if (needs[m]) {
+                    for (int n = 0; n < N; ++n) y[n] = a[n] + a[N + n];
+                } else {
+                    std::copy(a, a + N, y);
+                }
+            }
+        }
+    }
+};
+
+// The parts' row kernels for this ISA (the precise_x ones where asked); whether any takes Q8_K activations.
+bool row_kernels(const GemvPart* parts, int n_parts, bool precise_x, const RowKernel** kern) {
     const Tables& tab = tables();
     const Isa isa = cpu_get_isa();
-    const bool simd = cpu_isa_simd(isa);
-    const uint64_t t0 = stats ? now_ns() : 0;
-    if (n_parts > kMaxParts) {  // never from the decode step; keeps the fixed-size tables below honest
-        for (int p = 0; p < n_parts; p += kMaxParts)
-            gemv_parts_cpu(parts + p, std::min(kMaxParts, n_parts - p), x, M, K, precise_x, stats);
-        return;
-    }
-    const RowKernel* kern[kMaxParts];
     bool uses_q8_K = false;
     for (int p = 0; p < n_parts; ++p) {
         kern[p] = &(precise_x ? tab.x16 : tab.k)[static_cast<int>(isa)][static_cast<int>(parts[p].t)];
         uses_q8_K |= kern[p]->act == Act::Q8_K;
     }
+    return uses_q8_K;
+}
 
-    // Which rows carry outliers, and which of them take a residual row, is decided per row: the row kernels give a
-    // row the same bits whatever the other rows of the call, so a row's result never depends on them (verifying
-    // k drafted tokens in one call gives each the logits it gets alone: speculative decoding's greedy equality).
-    // (An all-zero residual row for the others would add exactly 0, at the cost of a whole row's dot.)
-    bool residual = false, sparse = false;
-    thread_local std::vector<uint8_t> needs;
-    thread_local std::vector<float> dense;  // x with the sparse rows' outliers zeroed (what Q8_K rows round)
-    Outliers outl[GEMV_MAX_M];
-    const float* xk = x;  // the rows Q8_K activations are made from
-    int first[GEMV_MAX_M + 1] = {};  // with residual: row m's activation row; first[M] = rows in all
-    if (uses_q8_K) {
-        needs.assign(M, 0);
-        for (int m = 0; m < M; ++m) {
-            const RowKind kind = q8_K_outliers(x + static_cast<size_t>(m) * K, K, outl[m]);
-            residual |= (needs[m] = kind == RowKind::Residual);
-            sparse |= kind == RowKind::Sparse;
-        }
-        for (int m = 0; m < M; ++m) first[m + 1] = first[m] + 1 + needs[m];
-        if (residual && first[M] > GEMV_MAX_M) {  // the rows must fit one row-dot call: consecutive runs that do
-            for (int m0 = 0; m0 < M;) {
-                int mc = 0;
-                while (m0 + mc < M && first[m0 + mc + 1] - first[m0] <= GEMV_MAX_M) ++mc;
-                GemvPart sub[kMaxParts];
-                thread_local std::vector<float> part[kMaxParts];
-                for (int p = 0; p < n_parts; ++p) {
-                    sub[p] = parts[p];
-                    part[p].resize(static_cast<size_t>(mc) * parts[p].N);
-                    sub[p].y = part[p].data();
-                }
-                gemv_parts_cpu(sub, n_parts, x + static_cast<size_t>(m0) * K, mc, K, precise_x, stats,
-                               argmax ? argmax + m0 : nullptr);
-                for (int p = 0; p < n_parts; ++p)
-                    std::copy(part[p].begin(), part[p].begin() + static_cast<size_t>(mc) * parts[p].N,
-                              parts[p].y + static_cast<size_t>(m0) * parts[p].N);
-                m0 += mc;
-            }
-            return;
-        }
-        if (sparse) {
-            dense.assign(x, x + static_cast<size_t>(M) * K);
-            for (int m = 0; m < M; ++m)
-                for (int i = 0; i < outl[m].n; ++i) dense[static_cast<size_t>(m) * K + outl[m].idx[i]] = 0.f;
-            xk = dense.data();
-        }
-    }
-
-    // Activations prepared once per format, shared read-only by all threads and parts.  Only Q8_K rows take a
-    // residual row, or lose their outliers (xk).
-    thread_local std::vector<uint8_t> act_buf[kActCount];
-    bool have[kActCount] = {};
-    Prepared prep[kActCount] = {};
-    Job job[kMaxParts];
-    thread_local std::vector<float> y_buf[kMaxParts];
-    size_t total_bytes = 0;
-    int total_rows = 0;
-    for (int p = 0; p < n_parts; ++p) {
-        const int a = static_cast<int>(kern[p]->act);
-        const bool res = residual && kern[p]->act == Act::Q8_K;
-        if (!have[a]) {
-            prep[a] = prepare(kern[p]->act, simd, kern[p]->act == Act::Q8_K ? xk : x, M, K, res, needs.data(), first,
-                              first[M], act_buf[a]);
-            have[a] = true;
-        }
-        const GemvPart& P = parts[p];
-        float* yo = P.y;
-        if (res) {
-            if (y_buf[p].size() < static_cast<size_t>(first[M]) * P.N) y_buf[p].resize(static_cast<size_t>(first[M]) * P.N);
-            yo = y_buf[p].data();
-        }
-        const int fm = (res ? first[M] : M) - 1;
-        const bool q8k = kern[p]->act == Act::Q8_K;
-        job[p] = {kern[p]->fn[fm], kern[p]->rows[fm], P.w, P.row_bytes, prep[a].xa, prep[a].xs, yo, P.N,
-                  P.t, sparse && q8k ? outl : nullptr, first, M};
-        total_bytes += P.row_bytes * static_cast<size_t>(P.N);
-        total_rows += P.N;
-    }
+// Runs a ready call: all parts' rows in one parallel region split by weight bytes (cut_chunks), then finish.
+void run_rows_call(const RowsCall& call, const RowKernel* const* kern, const GemvPart* parts, int n_parts, int K,
+                   GemvStats* stats, uint64_t t0, RowArgmax* argmax) {
+    const Job* const job = call.job;
+    const int M = call.M;
     const uint64_t t1 = stats ? now_ns() : 0;
-
-    int nt = std::min(cpu_get_num_threads(), total_rows);
-    if (total_bytes < kMinParallelBytes) nt = 1;
+    int nt = std::min(cpu_get_num_threads(), call.total_rows);
+    if (call.total_bytes < kMinParallelBytes) nt = 1;
     // Part 0's rows of y are final as each chunk ends unless its residual rows are added after the region.
-    const bool argmax_in_chunks = argmax != nullptr && job[0].y == parts[0].y;
+    const bool argmax_in_chunks = argmax != nullptr && !(call.residual && kern[0]->act == Act::Q8_K);
     uint64_t busy = 0;
     if (nt <= 1) {
         for (int p = 0; p < n_parts; ++p) job[p].run(K, 0, job[p].N);
         busy = stats ? now_ns() - t1 : 0;
     } else {
         thread_local std::vector<Chunk> chunks;
-        cut_chunks(chunks, job, n_parts, total_bytes, nt, [&](int p) { return kern[p]->group; });
+        cut_chunks(chunks, job, n_parts, call.total_bytes, nt, [&](int p) { return kern[p]->group; });
         const int n_chunks = static_cast<int>(chunks.size());
         const Chunk* const ck = chunks.data();  // chunks is this thread's: the team reads it through a pointer
         const bool timed = stats != nullptr;
@@ -608,29 +633,143 @@ void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, i
             for (int m = 0; m < M; ++m) argmax[m] = combine_argmax(cmax + m, n_chunks0, M, chunk_n0.data());
     }
     const uint64_t t2 = stats ? now_ns() : 0;
-    for (int p = 0; p < n_parts; ++p) {
-        if (!(residual && kern[p]->act == Act::Q8_K)) continue;
-        const int N = parts[p].N;
-        for (int m = 0; m < M; ++m) {
-            const float* a = job[p].y + static_cast<size_t>(first[m]) * N;
-            float* y = parts[p].y + static_cast<size_t>(m) * N;
-            if (needs[m]) {
-                for (int n = 0; n < N; ++n) y[n] = a[n] + a[N + n];
-            } else {
-                std::copy(a, a + N, y);
-            }
-        }
-    }
+    call.finish(kern, parts, n_parts);
     if (argmax != nullptr && (nt <= 1 || !argmax_in_chunks))
         for (int m = 0; m < M; ++m)
-            argmax[m] = row_argmax_cpu(parts[0].y + static_cast<size_t>(m) * parts[0].N, parts[0].N);
+            argmax[m] = row_argmax_cpu(parts[0].y + static_cast<size_t>(call.m0 + m) * parts[0].N, parts[0].N);
     if (stats) {
         stats->calls += 1;
-        stats->bytes += total_bytes;
+        stats->bytes += call.total_bytes;
         stats->quant_ns += t1 - t0 + (now_ns() - t2);
         stats->wall_ns += t2 - t1;
         stats->busy_ns += busy;
         stats->thread_ns += static_cast<uint64_t>(nt) * (t2 - t1);
+    }
+}
+
+// A piece of a GEMV over many rows of x (gemv_chunks_cpu): rows n0..n1-1 of part p against the row-dot calls
+// r0..r1-1.  A tile's weights (~kTileBytes) stay in L1/L2 while those calls' activations pass them, so a weight
+// byte comes from memory once per kTileRuns calls (128 rows of x), not once per call.
+struct Tile {
+    int p, n0, n1, r0, r1;
+};
+
+// Measured on Zen 3, 2 threads, M = 512, SmolLM2's and Qwen2.5's matrices: 16-64 KiB x 8-16 calls within ~10%
+// of each other, 32 KiB x 16 the fastest; 128 KiB or 4 calls 20-40% slower.
+constexpr size_t kTileBytes = 32 * 1024;
+constexpr int kTileRuns = 16;
+
+// Tiles covering every part's rows against n_runs calls: weight rows in runs of ~kTileBytes (a multiple of the
+// kernel's row group), calls kTileRuns at a time, or fewer until there are 8 tiles per thread to balance.
+void cut_tiles(std::vector<Tile>& tiles, const GemvPart* parts, int n_parts, const RowKernel* const* kern,
+               int n_runs, int nt) {
+    int rows[kMaxParts];
+    size_t n_cols = 0;
+    for (int p = 0; p < n_parts; ++p) {
+        const int g = kern[p]->group;
+        rows[p] = (static_cast<int>(std::max<size_t>(1, kTileBytes / parts[p].row_bytes)) + g - 1) / g * g;
+        n_cols += (parts[p].N + rows[p] - 1) / rows[p];
+    }
+    int per = std::min(n_runs, kTileRuns);
+    while (per > 1 && n_cols * ((n_runs + per - 1) / per) < static_cast<size_t>(8) * nt) per = (per + 1) / 2;
+    tiles.clear();
+    for (int p = 0; p < n_parts; ++p)
+        for (int n0 = 0; n0 < parts[p].N; n0 += rows[p])
+            for (int r0 = 0; r0 < n_runs; r0 += per)
+                tiles.push_back({p, n0, std::min(parts[p].N, n0 + rows[p]), r0, std::min(n_runs, r0 + per)});
+}
+
+}  // namespace
+
+void gemv_parts_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x,
+                    GemvStats* stats, RowArgmax* argmax) {
+    const uint64_t t0 = stats ? now_ns() : 0;
+    if (n_parts > kMaxParts) {  // never from the decode step; keeps the fixed-size tables below honest
+        for (int p = 0; p < n_parts; p += kMaxParts)
+            gemv_parts_cpu(parts + p, std::min(kMaxParts, n_parts - p), x, M, K, precise_x, stats);
+        return;
+    }
+    const RowKernel* kern[kMaxParts];
+    const bool uses_q8_K = row_kernels(parts, n_parts, precise_x, kern);
+    // Which rows carry outliers, and which of them take a residual row, is decided per row: the row kernels give a
+    // row the same bits whatever the other rows of the call, so a row's result never depends on them (verifying
+    // k drafted tokens in one call gives each the logits it gets alone: speculative decoding's greedy equality).
+    // (An all-zero residual row for the others would add exactly 0, at the cost of a whole row's dot.)
+    RowKind kind[GEMV_MAX_M];
+    Outliers outl[GEMV_MAX_M];
+    if (uses_q8_K) classify_q8_K(x, M, K, kind, outl);
+    int starts[GEMV_MAX_M + 1], n_runs = 0;
+    {
+        thread_local std::vector<int> cuts;
+        cut_runs(uses_q8_K ? kind : nullptr, M, GEMV_MAX_M, cuts);
+        n_runs = static_cast<int>(cuts.size()) - 1;
+        std::copy(cuts.begin(), cuts.end(), starts);
+    }
+    thread_local RowsCall call;
+    for (int r = 0; r < n_runs; ++r) {  // one run unless residual rows overflow one row-dot call
+        call.ready(kern, parts, n_parts, x, starts[r], starts[r + 1] - starts[r], K, cpu_isa_simd(cpu_get_isa()),
+                   uses_q8_K ? kind : nullptr, outl);
+        run_rows_call(call, kern, parts, n_parts, K, stats, r == 0 ? t0 : (stats ? now_ns() : 0),
+                      argmax ? argmax + starts[r] : nullptr);
+    }
+}
+
+void gemv_chunks_cpu(const GemvPart* parts, int n_parts, const float* x, int M, int K, bool precise_x) {
+    if (n_parts > kMaxParts) {
+        for (int p = 0; p < n_parts; p += kMaxParts)
+            gemv_chunks_cpu(parts + p, std::min(kMaxParts, n_parts - p), x, M, K, precise_x);
+        return;
+    }
+    const RowKernel* kern[kMaxParts];
+    const bool uses_q8_K = row_kernels(parts, n_parts, precise_x, kern);
+    const bool simd = cpu_isa_simd(cpu_get_isa());
+    // This thread's buffers, read by the whole team through these pointers and references.
+    thread_local std::vector<RowKind> kind_tl;
+    thread_local std::vector<Outliers> outl_tl;
+    thread_local std::vector<int> starts_tl;
+    thread_local std::vector<RowsCall> calls_tl;
+    thread_local std::vector<Tile> tiles_tl;
+    if (uses_q8_K) {
+        kind_tl.resize(M);
+        outl_tl.resize(M);
+    }
+    RowKind* const kind = uses_q8_K ? kind_tl.data() : nullptr;
+    Outliers* const outl = outl_tl.data();
+    std::vector<int>& starts = starts_tl;
+    std::vector<RowsCall>& calls = calls_tl;
+    std::vector<Tile>& tiles = tiles_tl;
+    size_t total_bytes = 0;
+    for (int p = 0; p < n_parts; ++p) total_bytes += parts[p].row_bytes * static_cast<size_t>(parts[p].N);
+    const int nt = total_bytes * static_cast<size_t>(M) < kMinParallelBytes * GEMV_MAX_M
+                       ? 1 : std::max(1, cpu_get_num_threads());
+#pragma omp parallel num_threads(nt)
+    {
+        if (kind != nullptr) {
+#pragma omp for schedule(static)
+            for (int m = 0; m < M; ++m) kind[m] = q8_K_outliers(x + static_cast<size_t>(m) * K, K, outl[m]);
+        }
+#pragma omp single
+        {
+            cut_runs(kind, M, GEMV_MAX_M, starts);
+            const int n_runs = static_cast<int>(starts.size()) - 1;
+            if (calls.size() < static_cast<size_t>(n_runs)) calls.resize(n_runs);
+            cut_tiles(tiles, parts, n_parts, kern, n_runs, nt);
+        }
+        const int n_runs = static_cast<int>(starts.size()) - 1;
+        RowsCall* const cs = calls.data();
+#pragma omp for schedule(dynamic, 1)
+        for (int r = 0; r < n_runs; ++r) {
+            cs[r].ready(kern, parts, n_parts, x, starts[r], starts[r + 1] - starts[r], K, simd, kind, outl);
+        }
+        const int n_tiles = static_cast<int>(tiles.size());
+        const Tile* const tl = tiles.data();
+#pragma omp for schedule(dynamic, 1)
+        for (int i = 0; i < n_tiles; ++i) {
+            const Tile t = tl[i];
+            for (int r = t.r0; r < t.r1; ++r) cs[r].job[t.p].run(K, t.n0, t.n1);
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int r = 0; r < n_runs; ++r) cs[r].finish(kern, parts, n_parts);
     }
 }
 
