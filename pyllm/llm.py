@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -39,10 +39,11 @@ class CallLock:
     may release it, and the thread that resumes a stream takes over as its holder (``adopt``): another thread's
     call then waits for the stream, and a call from the resuming thread itself supersedes it (LLM._epoch)."""
 
-    def __init__(self):
+    def __init__(self, on_enter: Callable[[], None] | None = None):
         self._cond = threading.Condition(threading.Lock())
         self._owner: int | None = None  # the thread id that holds it, while _depth > 0
         self._depth = 0
+        self._on_enter = on_enter  # run by every acquire and adopt, holding the lock
 
     def acquire(self) -> None:
         me = threading.get_ident()
@@ -51,6 +52,8 @@ class CallLock:
                 self._cond.wait()
             self._owner = me
             self._depth += 1
+        if self._on_enter is not None:
+            self._on_enter()
 
     def release(self) -> None:
         with self._cond:
@@ -66,6 +69,8 @@ class CallLock:
         with self._cond:
             if self._depth:
                 self._owner = threading.get_ident()
+        if self._on_enter is not None:
+            self._on_enter()
 
     __enter__ = acquire
 
@@ -78,7 +83,7 @@ class LLM(GenerationCalls, BatchCalls, ChatCalls):
     "cuda") name what runs it; ``backend`` (= ``model.backend``) is the backend object (pyllm/backends)."""
 
     def __init__(self, checkpoint, model, kv, n_ctx: int, n_threads: int, load_seconds: float,
-                 context_policy: str = "stop"):
+                 context_policy: str = "stop", own_threads: bool = False):
         self.path = checkpoint.path
         self.gguf = checkpoint.source
         self.config = checkpoint.config
@@ -92,6 +97,10 @@ class LLM(GenerationCalls, BatchCalls, ChatCalls):
         self.kernels = model.backend.name
         self.n_threads = n_threads
         self.load_seconds = load_seconds
+        # Loaded with n_threads: every call runs on them. torch's and the kernels' thread counts are the process's,
+        # so another LLM loaded with its own count would otherwise change this one's (llama-cpp-python applies a
+        # Llama's n_threads on each evaluation).  Without: the process's setting, whatever it is at the time.
+        self.own_threads = own_threads
         self.context_policy = _check_policy(context_policy)
         self.chat_dropped = 0  # messages the last chat() dropped from the front of its history ("shift")
         self.generator = Generator(model, kv, n_ctx)
@@ -100,13 +109,23 @@ class LLM(GenerationCalls, BatchCalls, ChatCalls):
         # What generate_tokens' speculative="auto" / spec_k / spec_ngram default to (the CLI's --spec* flags):
         # {"speculative": "lookup", "spec_k": 5, ...}; empty: DEFAULT_SPECULATIVE for greedy decoding.
         self.spec_options: dict = {}
-        self._lock = CallLock()
+        self._lock = CallLock(on_enter=self._use_own_threads)
         self._grammar_vocab = None  # built on the first structured-output call (grammar_vocab)
         # Bumped by every call that changes the cache. The lock lets one thread in twice, so a stream left
         # suspended while the same thread starts another call must notice, not continue from a foreign cache.
         self._epoch = 0
 
     # ---- text <-> ids -------------------------------------------------------------------------------------------
+    def _use_own_threads(self) -> None:
+        """Puts the LLM's thread count in force where it was loaded with one (own_threads): each call and each
+        resumed stream runs this, which costs a read and a write of two settings."""
+        if not self.own_threads:
+            return
+        n = self.n_threads
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        ops.set_num_threads(n)  # the kernels' setting (read per parallel region); never loads the extension
+
     def tokenize(self, text: str | bytes, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text``; UTF-8 ``bytes`` too, as llama-cpp-python's ``Llama.tokenize(b"...")`` takes it
         (``detokenize`` gives text back, a str)."""
@@ -257,6 +276,10 @@ def load(model: str | os.PathLike = registry.DEFAULT_MODEL, device: str | None =
 
     draft: a smaller model (path, registry name or LLM) with the same vocabulary, for speculative="draft".
 
+    n_threads: the CPU threads this LLM computes on, put in force by each of its calls (torch's and the kernels'
+    counts are the process's, so LLMs loaded with different counts each keep theirs).  None: the process's setting
+    at the time of each call (by default the physical cores).
+
     kernels: the CPU kernels: "fast" runs the fused kernels; "reference" runs float32 matmuls on weights
     dequantized by the torch reference code (cached per weight on first use: for tests and accuracy baselines, not
     for speed; CPU only).  ``backend`` is its old name, deprecated (a DeprecationWarning).
@@ -353,7 +376,7 @@ def from_checkpoint(ckpt, backend, n_ctx: int = 4096, kv_cache: str = "f16", n_t
         ckpt.close()
         raise
     llm = LLM(ckpt, mdl, kv, n_ctx, n_threads or torch.get_num_threads(), time.perf_counter() - t0,
-              context_policy=context_policy)
+              context_policy=context_policy, own_threads=bool(n_threads))
     llm.lora = adapters
     return llm
 
@@ -373,4 +396,5 @@ def _encoder_llm(ckpt, backend, cfg, n_ctx: int, kv_cache: str, n_threads: int |
     except ModelError as e:
         raise in_file(e, Path(ckpt.path).name) from None
     kv = backend.make_kv_cache(kv_cache, cfg.n_layer, cfg.n_kv_head, 1, cfg.head_dim)
-    return LLM(ckpt, mdl, kv, mdl.max_pos, n_threads or torch.get_num_threads(), time.perf_counter() - t0)
+    return LLM(ckpt, mdl, kv, mdl.max_pos, n_threads or torch.get_num_threads(), time.perf_counter() - t0,
+               own_threads=bool(n_threads))

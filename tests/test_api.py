@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import pyllm_model
-from pyllm import PyllmError
+from pyllm import PyllmError, ops
 from pyllm.chat_messages import normalize_messages, parse_tool_calls
 from pyllm.errors import BadRequest, ContextFullError
 from pyllm.runtime.sampler import token_logprobs
@@ -557,3 +557,26 @@ def test_embeddings_rank_paraphrases_above_unrelated(key):
     assert llm.generate("The capital of France is", max_tokens=6, temperature=0) == before
     with pytest.raises(PyllmError):
         llm.embed([])
+
+
+def test_each_llm_runs_on_the_threads_it_was_loaded_with(llm, monkeypatch):
+    """torch's and the kernels' thread counts are settings of the process, so loading a second LLM with
+    n_threads=2 set them for the first one too.  Each LLM loaded with n_threads computes on them (as
+    llama-cpp-python's Llama applies its n_threads on each evaluation): whole calls one after the other, and two
+    streams read in turn.  Reference: both counts read inside the model's step on every forward, tolerance 0."""
+    two = pyllm_model("smollm2", n_ctx=256, n_threads=2)
+    seen = []
+    for model, n in ((llm.model, 1), (two.model, 2)):
+        for name in ("step", "fused_logits"):
+            def spy(*a, _f=getattr(model, name), _n=n, **kw):
+                seen.append((_n, torch.get_num_threads(), ops.get_num_threads()))
+                return _f(*a, **kw)
+            monkeypatch.setattr(model, name, spy)
+    for m in (llm, two, llm):
+        m.reset()
+        m.generate("Count: one, two,", max_tokens=4, temperature=0)
+    streams = [m.create_completion("List three colors:", max_tokens=5, temperature=0, stream=True) for m in (llm, two)]
+    for _ in zip(*streams):  # each next() resumes one LLM's stream after the other's
+        pass
+    assert {n for n, _, _ in seen} == {1, 2} and len(seen) > 20
+    assert all(torch_n == n and ops_n == n for n, torch_n, ops_n in seen), sorted(set(seen))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -232,6 +233,15 @@ def test_run_reports_its_random_seed_and_the_seed_replays_the_sample(smollm2_pat
     verbose = cli(*args, "-v", "--seed", str(out["seed"]))
     assert f"; seed {out['seed']}" in verbose.stderr and verbose.stdout.rstrip("\n") == out["text"]
 
+
+
+def test_chat_verbose_reports_what_it_loaded(smollm2_path, monkeypatch, capsys):
+    """`pyllm chat -v` says on stderr what it loaded and how: the file, the load time, the threads (chat.py
+    _verbose_load, which reads the LLM's attributes)."""
+    cli = cli_in_process(monkeypatch, capsys)
+    r = cli("chat", smollm2_path, "-v", "-n", "4", "--temp", "0", "-t", "1", "--ctx", "128", stdin=b"Hi\n")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"loaded \S+\.gguf in \d+\.\d\ds: llama, weights .* 1 threads, peak RSS", r.stderr), r.stderr
 
 # ---- grammars --------------------------------------------------------------------------------------------------
 
