@@ -37,6 +37,7 @@ CPU_SOURCES = [
     "bindings_decode.cpp",
     "bindings_rows.cpp",
     "cpu/gemv.cpp",
+    "cpu/q8k_outliers.cpp",
     "cpu/isa.cpp",
     "cpu/gemv_generic.cpp",
     "cpu/gemv_avx2_legacy.cpp",
