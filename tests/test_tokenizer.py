@@ -388,7 +388,9 @@ def test_min_tokens_is_a_lower_bound(key):
 
 
 def test_build_is_fast():
-    md = gguf_metadata("qwen2")
+    md = dict(gguf_metadata("qwen2"))
+    # one token renamed: a vocabulary no tokenizer in this process holds, so the model is built, not reused
+    md["tokenizer.ggml.tokens"] = md["tokenizer.ggml.tokens"][:-1] + ["<|not-a-token-of-qwen|>"]
     t = time.process_time()
     Tokenizer.from_gguf(md)
     # ~0.4 s on an idle core; generous so a busy CI box does not flake
@@ -414,6 +416,37 @@ def test_tiny_vocab_works():
     tok = Tokenizer.from_gguf(_tiny_md())
     assert tok.encode("abab<|end|>", add_bos=False) == [2, 2, 3]
     assert tok.is_eog(3)
+
+
+def _tiny_spm_md(score_a: float, score_ab: float) -> dict:
+    # "ab" reads as "\u2581ab": whether "\u2581a" or "ab" merges first follows the two scores
+    return {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", "\u2581", "a", "b",
+                                                                       "\u2581a", "ab"],
+            "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1],
+            "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -1.0, -1.0, score_a, score_ab],
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+
+
+def test_a_vocabulary_in_use_is_built_once_and_any_difference_builds_its_own():
+    """Reference: the tokenizers-library model each tokenizer holds (its identity) and what each encodes. A second
+    build of a vocabulary while the first tokenizer lives takes the first's model; a vocabulary that differs in one
+    token, merge, type or score gets a model of its own, which encodes as that vocabulary alone would."""
+    held = Tokenizer.from_gguf(_tiny_md())
+    assert Tokenizer.from_gguf(_tiny_md())._backend is held._backend
+    variants = {  # metadata, "abab" encoded
+        "no merge": (_tiny_md(**{"tokenizer.ggml.merges": []}), [0, 1, 0, 1]),
+        "another token": (_tiny_md(**{"tokenizer.ggml.tokens": ["a", "b", "ba", "<|end|>"],
+                                      "tokenizer.ggml.merges": ["b a"]}), [0, 2, 1]),
+        "another type": (_tiny_md(**{"tokenizer.ggml.token_type": [1, 1, 4, 3]}), [2, 2]),
+    }
+    for what, (md, ids) in variants.items():
+        tok = Tokenizer.from_gguf(md)
+        assert tok._backend is not held._backend, what
+        assert tok.encode("abab", add_bos=False) == ids, what
+    spm_a = Tokenizer.from_gguf(_tiny_spm_md(-0.5, -0.9))
+    spm_ab = Tokenizer.from_gguf(_tiny_spm_md(-0.9, -0.5))
+    assert spm_ab._backend is not spm_a._backend
+    assert (spm_a.encode("ab", add_bos=False), spm_ab.encode("ab", add_bos=False)) == ([6, 5], [3, 7])
 
 
 @pytest.mark.parametrize(
