@@ -265,6 +265,7 @@ def auto_round_awq():
 def cli_in_process(monkeypatch, capsys, default_stdin: bytes = b""):
     """``run(*argv, stdin=bytes)`` -> SimpleNamespace(returncode, stdout, stderr): pyllm's CLI in this process
     (faster than a subprocess; argparse's SystemExit becomes the return code)."""
+    import gc
     import io
     import sys
     from types import SimpleNamespace
@@ -273,10 +274,15 @@ def cli_in_process(monkeypatch, capsys, default_stdin: bytes = b""):
 
     def run(*args, stdin=default_stdin):
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+        # `pyllm bench` collects garbage before it measures: a second in a process holding a test session, unless
+        # what the session holds is frozen meanwhile (the CLI's own garbage is still collected)
+        gc.freeze()
         try:
             code = main(list(args))
         except SystemExit as e:
             code = e.code
+        finally:
+            gc.unfreeze()
         out, err = capsys.readouterr()
         return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 

@@ -11,6 +11,7 @@ The written folder is returned (auto-round puts it under OUT_DIR/<name>-w4g<G>/ 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -80,9 +81,16 @@ def quantize_auto_round(model, tok, out: Path, group_size: int) -> Path:
     os.environ.setdefault("AR_LOG_LEVEL", "WARNING")
     from auto_round import AutoRound
 
-    ar = AutoRound(model, tok, scheme="W4A16", bits=4, group_size=group_size, sym=False, iters=0,
-                   disable_opt_rtn=True, device_map="cpu")
-    ar.quantize_and_save(str(out), format="auto_awq")
+    # auto-round collects garbage in full many times a run (its clear_memory); inside a process that already holds
+    # much (a test session: ~0.5 s a pass) those passes cost more than the quantization.  Frozen, what was there
+    # before is not walked again; unfrozen after, it is collected as before.
+    gc.freeze()
+    try:
+        ar = AutoRound(model, tok, scheme="W4A16", bits=4, group_size=group_size, sym=False, iters=0,
+                       disable_opt_rtn=True, device_map="cpu")
+        ar.quantize_and_save(str(out), format="auto_awq")
+    finally:
+        gc.unfreeze()
     hits = sorted(p.parent for p in out.rglob("config.json")
                   if "quantization_config" in json.loads(p.read_text()))
     if not hits:
