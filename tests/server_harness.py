@@ -56,6 +56,7 @@ class Server:
             [sys.executable, "-m", "pyllm.cli.main", "serve", model, "--port", str(port), "--threads", "1",
              *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._lines: list[str] = []
+        self._clients: dict = {}
         self._banner = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -103,7 +104,13 @@ class Server:
         return "".join(self._lines)
 
     def client(self, key=KEY, **kw):
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, timeout=300, max_retries=0, **kw)
+        """The official client for this server.  Without options, one per key, shared by the module's tests and
+        their threads (it is thread-safe; making one loads the CA bundle, ~40 ms, and some tests make hundreds)."""
+        if kw:
+            return openai.OpenAI(base_url=self.base + "/v1", api_key=key, timeout=300, max_retries=0, **kw)
+        if key not in self._clients:
+            self._clients[key] = openai.OpenAI(base_url=self.base + "/v1", api_key=key, timeout=300, max_retries=0)
+        return self._clients[key]
 
     def raw(self, path: str, body: bytes | None = None, key: str | None = KEY, method: str | None = None):
         """(status, parsed JSON or text) of one request made without the openai client."""
