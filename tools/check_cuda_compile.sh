@@ -8,7 +8,8 @@
 #      AWQ rows included, against the shared block decoders);
 #   3. csrc/cuda/bindings_cuda.cpp syntax-checked against torch's headers, when torch is importable.
 # Prints the GEMV register/spill summary.  Env: NVCC (default nvcc), JOBS (parallel nvcc calls, default 2),
-# CUDA_ARCHS (the targets, default "80 90"), CUDA_CHECK_OUT (where objects and logs go, default a temp dir).
+# CUDA_ARCHS (the targets, default "80 90"), CUDA_CHECK_OUT (where objects and logs go, default a temp dir),
+# TORCH_DIR (torch's package folder, default: where python3 imports it from).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -123,7 +124,9 @@ echo "other kernels with spills (not fatal): $other"
 # bindings: syntax only (torch's CPU wheels lack c10/cuda's generated config header and the CUDA math library
 # headers the full CUDAContext needs, so a one-line stub stands in for the former; bindings_cuda.cpp uses
 # only c10/cuda stream and guard headers).
-if TORCH_DIR=$(python3 -c "import torch, os; print(os.path.dirname(torch.__file__))" 2>/dev/null); then
+# TORCH_DIR (torch's package folder) may be given: CI resolves it before running this beside a pip install.
+if TORCH_DIR=${TORCH_DIR:-$(python3 -c "import torch, os; print(os.path.dirname(torch.__file__))" 2>/dev/null)} &&
+        [ -n "$TORCH_DIR" ]; then
     CUDA_INC=$(dirname "$(command -v "$NVCC")")/../include
     [ -f "$CUDA_INC/cuda_runtime.h" ] || CUDA_INC=/usr/local/cuda/include
     PY_INC=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['include'])")
