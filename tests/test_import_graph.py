@@ -251,3 +251,21 @@ def test_cli_help_does_not_import_torch():
                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_reading_a_gguf_header_and_pull_do_not_import_torch(smollm2_path):
+    # `pyllm pull` of a cached model and a GGUF's header (what `pull` checks, `info` describes) answer without
+    # torch; only a tensor's data view (GGUFFile.raw) imports it.  Reference: sys.modules of a fresh interpreter.
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom pyllm.formats.gguf import open_gguf\nfrom pyllm.cli.main import main\n"
+            f"gf = open_gguf({smollm2_path!r})\nassert gf.metadata and gf.tensors\n"
+            "assert main(['pull', 'smollm2-135m']) == 0\nprint('torch' in sys.modules)\n"
+            "gf.raw(next(iter(gf.tensors)))\nprint('torch' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-2:] == ["False", "True"], out.stdout

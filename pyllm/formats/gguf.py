@@ -15,13 +15,15 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from pyllm.errors import GGUFError
 from pyllm.safe_io import open_regular
+
+if TYPE_CHECKING:
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -368,7 +370,10 @@ class GGUFFile:
         # One view of the whole mapping; tensors are slices of it. Going through numpy matters: the ndarray holds
         # a buffer export on the mmap, so the mapping cannot be unmapped while any tensor still points into it
         # (torch.frombuffer holds no export, and closing the mmap under it would segfault).
-        self._u8 = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+        # The torch view of it is made at the first raw(): reading the header alone (`pyllm pull`, `info`) then
+        # never imports torch (~2 s).
+        self._bytes: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8)
+        self._u8: torch.Tensor | None = None
 
     def _parse(self, shown: str, mm: mmap.mmap, size: int) -> None:
         magic = mm[:4]
@@ -510,8 +515,12 @@ class GGUFFile:
         keeps the mapping alive on its own, so it stays valid after ``close()``.
         """
         t = self.info(name)
-        if self._u8 is None:
+        if self._bytes is None:
             raise GGUFError(f"{self.path}: file is closed")
+        if self._u8 is None:
+            import torch
+
+            self._u8 = torch.from_numpy(self._bytes)
         v = self._u8[t.offset : t.offset + t.nbytes]
         if len(t.shape) == 2:
             v = v.view(t.shape[0], t.row_bytes)
@@ -565,7 +574,7 @@ class GGUFFile:
     def close(self) -> None:
         """Drop this object's hold on the mapping. Views already handed out keep it mapped until they are freed."""
         self._close_fd()
-        self._u8 = None
+        self._bytes = self._u8 = None
         mm, self._mm = self._mm, None
         if mm is not None:
             try:
