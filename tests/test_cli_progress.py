@@ -234,7 +234,6 @@ def test_run_reports_its_random_seed_and_the_seed_replays_the_sample(smollm2_pat
     assert f"; seed {out['seed']}" in verbose.stderr and verbose.stdout.rstrip("\n") == out["text"]
 
 
-
 def test_chat_verbose_reports_what_it_loaded(smollm2_path, monkeypatch, capsys):
     """`pyllm chat -v` says on stderr what it loaded and how: the file, the load time, the threads (chat.py
     _verbose_load, which reads the LLM's attributes)."""
@@ -242,6 +241,7 @@ def test_chat_verbose_reports_what_it_loaded(smollm2_path, monkeypatch, capsys):
     r = cli("chat", smollm2_path, "-v", "-n", "4", "--temp", "0", "-t", "1", "--ctx", "128", stdin=b"Hi\n")
     assert r.returncode == 0, r.stderr
     assert re.search(r"loaded \S+\.gguf in \d+\.\d\ds: llama, weights .* 1 threads, peak RSS", r.stderr), r.stderr
+
 
 # ---- grammars --------------------------------------------------------------------------------------------------
 
