@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .runtime.kv_cache import KV_KINDS, KVCache, check_kind
+from .runtime.kv_kinds import KV_KINDS, bytes_per_token, check_kind
 
 TOKENIZER_KIND = {"gpt2": "byte-level BPE", "llama": "SentencePiece", "bert": "WordPiece"}
 
@@ -43,7 +43,7 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         n_params += n
     md = gf.metadata
     tok_model = md.get("tokenizer.ggml.model", "?")
-    kv_per_token = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "f16")
+    kv_per_token = bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, "f16")
     info = {
         "file": str(gf.path),
         "name": md.get("general.name", ""),
@@ -64,7 +64,7 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         "tokenizer": f"{TOKENIZER_KIND.get(tok_model, tok_model)} ({tok_model}, pre={md.get('tokenizer.ggml.pre', '-')})",
         "chat_template": "yes" if _template_source(md) else "no (plain fallback)",
         "kv_bytes_per_token_f16": int(kv_per_token),
-        "kv_bytes_per_token_by_kind": {k: KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, k)
+        "kv_bytes_per_token_by_kind": {k: bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, k)
                                        for k in KV_KINDS if _fits(k, cfg.head_dim)},
     }
     yarn = cfg.extra.get("rope_yarn")
@@ -90,7 +90,7 @@ def model_info(gf, cfg, tokenizer=None, template=None, n_ctx: int | None = None,
         info["n_ctx"] = n_ctx
         info["kv_cache"] = kv_kind
         check_kind(kv_kind, cfg.head_dim)
-        info["kv_bytes_per_token"] = KVCache.bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_kind)
+        info["kv_bytes_per_token"] = bytes_per_token(cfg.n_layer, cfg.n_kv_head, cfg.head_dim, kv_kind)
         info["kv_bytes_total"] = int(info["kv_bytes_per_token"] * n_ctx)
     return info
 
@@ -99,7 +99,7 @@ def _embedding_info(cfg) -> dict | None:
     """For an embedding encoder: how its vectors are made (pooling, dimensions, L2 normalisation, whether a prefix
     may be requested); None for a decoder."""
     from .errors import ModelError
-    from .models.encoder import ENCODERS, EncoderSpec
+    from .models.encoder_spec import ENCODERS, EncoderSpec
 
     if cfg.arch not in ENCODERS:
         return None

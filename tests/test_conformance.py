@@ -122,11 +122,11 @@ def test_cpu_step_conforms_to_the_torch_forward(llm, kind):
 def test_every_architecture_is_one_forward():
     """Every supported decoder architecture runs the one Transformer, every embedding encoder the one Encoder; a
     family is its spec entry."""
-    from pyllm.models import ARCHITECTURES
-    from pyllm.models.encoder import ENCODERS, Encoder
-    from pyllm.models.spec import ARCHITECTURES as SPEC_FAMILIES
+    from pyllm.models import ARCHITECTURES, DECODERS, body_class
+    from pyllm.models.encoder import Encoder
+    from pyllm.models.encoder_spec import ENCODERS
     from pyllm.models.transformer import Transformer
 
-    assert set(ARCHITECTURES) == set(SPEC_FAMILIES) | set(ENCODERS)
-    assert {ARCHITECTURES[a] for a in SPEC_FAMILIES} == {Transformer}
-    assert {ARCHITECTURES[a] for a in ENCODERS} == {Encoder}
+    assert set(ARCHITECTURES) == set(DECODERS) | set(ENCODERS)
+    assert {body_class(a) for a in DECODERS} == {Transformer}
+    assert {body_class(a) for a in ENCODERS} == {Encoder}

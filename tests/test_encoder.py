@@ -269,7 +269,7 @@ def test_info_shows_pooling_and_dimensions(bert, nomic):
 
 def test_spec_fields_are_validated_by_name():
     from pyllm.models.config import ModelConfig
-    from pyllm.models.encoder import EncoderSpec
+    from pyllm.models.encoder_spec import EncoderSpec
 
     base = dict(arch="bert", n_layer=2, n_embd=64, n_ff=96, n_head=4, head_dim=16, n_vocab=100, n_pos=128)
     EncoderSpec(**base)

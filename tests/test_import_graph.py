@@ -253,16 +253,19 @@ def test_cli_help_does_not_import_torch():
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_reading_a_gguf_header_and_pull_do_not_import_torch(smollm2_path):
-    # `pyllm pull` of a cached model and a GGUF's header (what `pull` checks, `info` describes) answer without
-    # torch; only a tensor's data view (GGUFFile.raw) imports it.  Reference: sys.modules of a fresh interpreter.
+def test_reading_a_gguf_header_pull_info_and_list_do_not_import_torch(smollm2_path):
+    # `pyllm pull` of a cached model, `pyllm info` (the header, the architecture's spec, KV sizes of a --kv kind) and
+    # `pyllm list` answer without torch; only a tensor's data view (GGUFFile.raw) imports it.  Reference:
+    # sys.modules of a fresh interpreter.
     import os
     import subprocess
     import sys
 
     code = ("import sys\nfrom pyllm.formats.gguf import open_gguf\nfrom pyllm.cli.main import main\n"
             f"gf = open_gguf({smollm2_path!r})\nassert gf.metadata and gf.tensors\n"
-            "assert main(['pull', 'smollm2-135m']) == 0\nprint('torch' in sys.modules)\n"
+            "assert main(['pull', 'smollm2-135m']) == 0\n"
+            f"assert main(['info', {smollm2_path!r}, '--ctx', '512', '--kv', 'f16/q8_0', '--json']) == 0\n"
+            "assert main(['list']) == 0\nprint('torch' in sys.modules)\n"
             "gf.raw(next(iter(gf.tensors)))\nprint('torch' in sys.modules)")
     root = Path(__file__).resolve().parent.parent
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,

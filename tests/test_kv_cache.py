@@ -19,7 +19,8 @@ import torch
 from conftest import pyllm_model
 from pyllm.errors import ContextFullError, PyllmError
 from pyllm.models.transformer import attention
-from pyllm.runtime.kv_cache import KV_KINDS, QK, KVCache, hadamard_rotation, make_kv_cache
+from pyllm.runtime.kv_cache import KVCache, hadamard_rotation, make_kv_cache
+from pyllm.runtime.kv_kinds import KV_KINDS, QK
 
 QUANT = ["q8_0", "q8_rot", "q4_0", "q4_rot"]
 MIXED = ["f16/q8_0", "q8_0/q4_rot", "q4_rot/f32"]  # KEY/VALUE kinds

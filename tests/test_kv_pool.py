@@ -17,7 +17,8 @@ from pyllm import ops
 from pyllm.errors import PyllmError
 from pyllm.runtime import batch
 from pyllm.runtime.slots import Slot, decode_rows_with_argmax, prefill_chunk
-from pyllm.runtime.kv_cache import KV_KINDS, KVCache
+from pyllm.runtime.kv_cache import KVCache
+from pyllm.runtime.kv_kinds import KV_KINDS
 from pyllm.runtime.kv_pool import BlockPool, PagedKVCache, PoolFullError, slot_caches
 
 from conftest import pyllm_model

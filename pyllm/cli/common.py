@@ -406,7 +406,7 @@ def sampling_kwargs(a) -> dict:
 def kv_flag(flag: str, kind: str) -> str:
     """``kind``, a KV cache type given by ``flag``, or PyllmError naming the flag (the cache's own error names only
     the type, and a command line may give several: --kv, -ctk, -ctv, --kl-base)."""
-    from ..runtime.kv_cache import split_kind
+    from ..runtime.kv_kinds import split_kind
 
     try:
         split_kind(kind)
@@ -417,7 +417,7 @@ def kv_flag(flag: str, kind: str) -> str:
 
 def kv_kind_from_args(a) -> str:
     """--kv, with --kv-k / --kv-v overriding its key or value half: the cache kind string ("q8_0", "f16/q4_rot")."""
-    from ..runtime.kv_cache import join_kind, split_kind
+    from ..runtime.kv_kinds import join_kind, split_kind
 
     k, v = split_kind(kv_flag("--kv", a.kv))
     key, value = getattr(a, "kv_k", None), getattr(a, "kv_v", None)

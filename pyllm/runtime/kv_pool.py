@@ -42,7 +42,8 @@ import json
 import torch
 
 from ..errors import PyllmError
-from .kv_cache import BLOCK_BYTES, KV_DTYPES, QK, KVCache, PartLayout, cache_memory, check_kind, split_kind
+from .kv_cache import KV_DTYPES, KVCache, PartLayout, cache_memory
+from .kv_kinds import BLOCK_BYTES, QK, check_kind, split_kind
 from .prompt_cache import PREFILL_CHUNK
 
 # Positions per block: one prefill chunk, the unit of prompt reuse, so a shared prefix is whole blocks and never
