@@ -460,6 +460,11 @@ void register_kernels(py::module& m) {
           "tests only: on a CPU without AVX-512, offer 'avx512' as its VNNI kernels compiled as AVX2 code; returns "
           "whether that is on");
     m.def("avx512_emulated", &pyllm::cpu_avx512_emulated);
+    m.def("rows8_pairs", &pyllm::cpu_rows8_pairs,
+          "whether the AVX-512 rows-by-8 kernels take two 8-row groups per zmm (the default except on AMD CPUs; "
+          "PYLLM_ROWS8_PAIRS=0|1); the same bits either way");
+    m.def("set_rows8_pairs", &pyllm::cpu_set_rows8_pairs, py::arg("on"),
+          "two 8-row groups per zmm in the AVX-512 rows-by-8 kernels or one per ymm (A/B benchmarks, tests)");
     m.def("set_num_threads", &set_num_threads, "threads for pyllm's CPU kernels (torch's own setting untouched)");
     m.def("release_thread_pool", &release_thread_pool, "the calling thread's OpenMP workers exit (a thread done with the "
           "kernels for a while: another thread's regions then keep their spin-waits); false where the runtime cannot");

@@ -35,6 +35,14 @@ bool cpu_isa_from_name(const char* name, Isa* isa);  // false for an unknown nam
 // where the CPU has AVX-512 itself, or lacks AVX2).  Turning it off while avx512 is selected selects the default.
 bool cpu_emulate_avx512(bool on);
 bool cpu_avx512_emulated();
+// Whether the AVX-512 rows-by-8 kernels take two 8-row groups per zmm register ("pairs": Q4_0 ... Q8_0 at any row
+// count, Q4_K / Q5_K / Q6_K at one row) or one group per ymm register.  Both give the same bits; which is faster
+// depends on the core.  On Intel's AVX-512 cores the pairs halve the instructions per weight byte (Xeon VM: Q4_K
+// one-row decode 19 -> 22-24 GB/s, Qwen2.5 tg +7%); on AMD Zen 4 the same kernels ran 1.7-2.6x slower than the
+// groups at one row, from DRAM on huge pages (Gemma 3 tg 76 -> 130 t/s without them).  Default: on except on AMD
+// CPUs; set_rows8_pairs decides instead (PYLLM_ROWS8_PAIRS=0|1 at load, pyllm/_ext.py; A/B benchmarks, tests).
+bool cpu_rows8_pairs();
+void cpu_set_rows8_pairs(bool on);
 // The AVX2 code paths (everything but the GEMV row kernels: quantizers, dequant, attention) serve every ISA
 // above Scalar.
 inline bool cpu_isa_simd(Isa isa) { return isa != Isa::Scalar; }

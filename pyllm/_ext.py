@@ -78,7 +78,7 @@ _cuda_built = False
 
 
 class IsaError(PyllmError):
-    """PYLLM_ISA names kernels this build or CPU cannot run."""
+    """PYLLM_ISA names kernels this build or CPU cannot run, or PYLLM_ROWS8_PAIRS is neither 0 nor 1."""
 
 
 class CacheError(PyllmError):
@@ -100,6 +100,17 @@ def _apply_isa_env(mod) -> None:
         raise IsaError(f"PYLLM_ISA={name}: this CPU (or its OS, or this build) cannot run it; available: "
                        f"{', '.join(avail)}")
     mod.set_isa(name)
+
+
+def _apply_rows8_pairs_env(mod) -> None:
+    """PYLLM_ROWS8_PAIRS=0|1: the AVX-512 rows-by-8 kernels with one 8-row group per ymm register, or two per zmm
+    (csrc/kernels.h cpu_rows8_pairs: the same bits; by default two except on AMD, where they are slower)."""
+    value = os.environ.get("PYLLM_ROWS8_PAIRS", "").strip()
+    if not value:
+        return
+    if value not in ("0", "1"):
+        raise IsaError(f"PYLLM_ROWS8_PAIRS={value}: expected 0 (one 8-row group per register) or 1 (two)")
+    mod.set_rows8_pairs(value == "1")
 
 
 def csrc_dir() -> Path:
@@ -409,6 +420,7 @@ def load():
         raise _error from e
     try:
         _apply_isa_env(mod)
+        _apply_rows8_pairs_env(mod)
     except IsaError as e:
         _error = e
         raise

@@ -32,6 +32,9 @@ VARIABLES = (
     Variable("PYLLM_REPACK", "1", "0: no rows-by-8 copy of the weights for decoding (saves their size in RAM)"),
     Variable("PYLLM_VERBOSE_BUILD", "0", "1: show the compiler's own output while the extension builds"),
     Variable("PYLLM_NO_EXT", "0", "1: never build or load the extension (torch reference kernels only)", user=False),
+    Variable("PYLLM_ROWS8_PAIRS", "1, 0 on AMD CPUs",
+             "0 or 1: the AVX-512 decode GEMVs on one 8-row group per register or two (the same bits; two are "
+             "faster on Intel's cores, slower on AMD Zen 4)", user=False),
     Variable("PYLLM_CUDA_GRAPH", "1", "0: run the CUDA decode step eagerly, without CUDA graphs", user=False),
     Variable("PYLLM_CUDA_ROW_KERNELS", "1", "0: the CUDA decode step in torch ops instead of its row kernels",
              user=False),

@@ -102,6 +102,24 @@ def test_pyllm_isa_amx_without_amx_is_an_error(monkeypatch):
     assert chosen == ["avx512"]
 
 
+def test_pyllm_rows8_pairs_env_sets_the_kernels_and_anything_else_is_an_error(monkeypatch):
+    """PYLLM_ROWS8_PAIRS=0|1 reaches the extension's switch (a stand-in module records it); unset leaves the CPU's
+    default; any other value is the IsaError the CLI prints as one line, not a value silently ignored."""
+    chosen = []
+    mod = SimpleNamespace(set_rows8_pairs=chosen.append)
+    for value in ("0", "1", " 1 "):
+        monkeypatch.setenv("PYLLM_ROWS8_PAIRS", value)
+        _ext._apply_rows8_pairs_env(mod)
+    monkeypatch.delenv("PYLLM_ROWS8_PAIRS")
+    _ext._apply_rows8_pairs_env(mod)
+    assert chosen == [False, True, True]
+    monkeypatch.setenv("PYLLM_ROWS8_PAIRS", "yes")
+    with pytest.raises(_ext.IsaError, match=r"^PYLLM_ROWS8_PAIRS=yes: expected 0 \(one 8-row group per register\) "
+                                            r"or 1 \(two\)$"):
+        _ext._apply_rows8_pairs_env(mod)
+    assert chosen == [False, True, True]
+
+
 # ---- bench ------------------------------------------------------------------------------------------------------
 
 def test_bench_prints_the_header_then_each_row_as_it_is_measured(tmp_path, monkeypatch, capsys):

@@ -251,7 +251,8 @@ def test_gemv_matches_oracle_and_isas_agree(C, name, N, K, M):
 def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks, call=None) -> dict:
     """call(x, w, qtype) (default C.gemv) on each ISA path this CPU has, against each (reference, tolerance, name)
     of checks; scalar and every SIMD path within TOL_ISA; the VNNI dots compute the AVX2 kernels' integer sums in
-    the same fp32 order, so avx512 / amx give the AVX2 bits.  Returns {isa: y}."""
+    the same fp32 order, so avx512 / amx give the AVX2 bits, with the rows-by-8 kernels' two groups per zmm and
+    without (C.set_rows8_pairs: each CPU runs one of them by default).  Returns {isa: y}."""
     (M, K), N = x.shape, w.shape[0]
     call = call or C.gemv
     ys = {}
@@ -265,9 +266,19 @@ def gemv_on_every_isa(C, label, w, qtype, x, wt: Weight, checks, call=None) -> d
     for isa in ys:
         err = rel_err(ys[isa], ys["scalar"], x, wt)
         assert err < TOL_ISA, f"{label}: scalar and {isa} differ by {err:.3g} " + why(N, K, M)
-    for isa in ("avx512", "amx"):
-        if isa in ys:
+    default = C.rows8_pairs()
+    try:
+        for isa in ("avx512", "amx"):
+            if isa not in ys:
+                continue
             assert torch.equal(ys[isa], ys["avx2"]), f"{label}: {isa} and avx2 differ " + why(N, K, M)
+            C.set_isa(isa)
+            C.set_rows8_pairs(not default)
+            assert torch.equal(call(x, w, qtype), ys["avx2"]), \
+                f"{label}: {isa} with rows8 pairs {'on' if not default else 'off'} and avx2 differ " + why(N, K, M)
+            C.set_rows8_pairs(default)
+    finally:
+        C.set_rows8_pairs(default)
     return ys
 
 
@@ -892,6 +903,23 @@ def test_pyllm_isa_env_forces_the_kernels_and_rejects_what_the_cpu_lacks(C):
     assert r.returncode == 1
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pyllm: error:") and f"PYLLM_ISA={bad}" in lines[0], r.stderr
+
+
+def test_rows8_pairs_default_follows_the_cpu_vendor(C):
+    """Reference: /proc/cpuinfo's vendor_id.  The AVX-512 rows-by-8 kernels take two 8-row groups per zmm by default
+    except on AMD CPUs, where they ran 1.7-2.6x slower (csrc/kernels.h cpu_rows8_pairs), unless this run's
+    PYLLM_ROWS8_PAIRS decided; set_rows8_pairs switches it both ways.  (Their bits: gemv_on_every_isa runs both.)"""
+    with open("/proc/cpuinfo") as f:
+        amd = any(line.split(":")[-1].strip() == "AuthenticAMD" for line in f if line.startswith("vendor_id"))
+    env = os.environ.get("PYLLM_ROWS8_PAIRS", "").strip()
+    default = C.rows8_pairs()
+    assert default == (env == "1" if env else not amd), (amd, env, default)
+    try:
+        for on in (not default, default):
+            C.set_rows8_pairs(on)
+            assert C.rows8_pairs() == on
+    finally:
+        C.set_rows8_pairs(default)
 
 
 def test_pyllm_repack_env_switches_the_decode_copy(C):

@@ -11,7 +11,8 @@
 Decode reads every weight byte once per token, so a GEMV's figure of merit is GB/s of weight bytes read,
 compared with a plain streaming read (pyllm.roofline.measure_read_bandwidth: read_sum over 1 GiB on huge pages, with
 the same thread count).  Matrices are 4096x14336, 14336x4096 and 4096x4096 (Llama-3-8B's FFN and attention shapes);
-enough copies of each are cycled through that every call reads from DRAM, not from the last-level cache.  Numbers
+enough copies of each are cycled through that every call reads from DRAM, not from the last-level cache, and they lie
+on huge pages where Linux gives them (as the decode step's weight copies do).  Numbers
 are noisy on a shared machine: each point is the best of --repeat rounds of several calls.
 """
 
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyllm import _ext, roofline  # noqa: E402
+from pyllm import _ext, ops, roofline  # noqa: E402
 
 # ggml id, block size, bytes per block, fp16 field offsets
 TYPES = {
@@ -59,6 +60,15 @@ def random_weight(name: str, N: int, K: int, rng) -> torch.Tensor:
     for off in f16:
         raw[:, off:off + 2] = rng.uniform(0.002, 0.02, (nb, 1)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(N, -1))
+
+
+def on_huge_pages(w: torch.Tensor) -> torch.Tensor:
+    """A copy of ``w`` in memory advised onto huge pages before its first write, as the model's weight copies are
+    (CpuBackend's arena, ops.advise_huge_pages): on 4 KiB pages a stream pays a TLB miss per page, and a kernel that
+    keeps up with memory there can still fall behind it on huge pages."""
+    h = torch.empty_like(w)
+    ops.advise_huge_pages(h)
+    return h.copy_(w)
 
 
 def bench_gemv(C, ws: list[torch.Tensor], tid: int, M: int, repeat: int, gemm: bool = False,
@@ -161,6 +171,7 @@ def main() -> int:
                     wid = int(C.rows8_qtype(tid))
                 except (ValueError, NotImplementedError) as e:
                     sys.exit(f"bench_kernels: --rows8: {e}")
+            ws = [on_huge_pages(w) for w in ws]
             for M in ms:
                 for t in threads:
                     C.set_num_threads(t)

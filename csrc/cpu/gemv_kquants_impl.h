@@ -269,7 +269,7 @@ PYLLM_INLINE __m256i rows8_pairs_i8(const int8_t* s) {
 // broadcast, maddubs, scale multiply and fp32 step serves 16 weight rows.  Q6_K's codes cost more ALU work per
 // byte than Q4_K's, so its one-row GEMV was compute-bound below the read bandwidth (docs/BENCHMARKS.md, "Two
 // groups per zmm register").  Lane for lane the same exact integer sums and fp32 operations as rows8_q6_k: the
-// same bits.
+// same bits.  Like every pair kernel, only where cpu_rows8_pairs() (kernels.h): not on AMD Zen 4, where they lose.
 PYLLM_INLINE __m512i rows8_pairs_i8_x2(const int8_t* s0, const int8_t* s1) {  // rows8_pairs_i8 of each half
     return _mm512_inserti64x4(_mm512_castsi256_si512(rows8_pairs_i8(s0)), rows8_pairs_i8(s1), 1);
 }
@@ -344,7 +344,7 @@ void rows8_q6_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t*
     int g0 = 0;
 #ifdef PYLLM_ROWS8_K_PAIRS
     if constexpr (M == 1)  // the single-stream decode; several rows share each assembled code vector in the groups
-        for (; g0 + 16 <= n; g0 += 16)
+        for (const bool pairs = cpu_rows8_pairs(); pairs && g0 + 16 <= n; g0 += 16)
             rows8_q6_k_pair(reinterpret_cast<const block_q6_kx8*>(w + row_bytes * g0),
                             reinterpret_cast<const block_q6_kx8*>(w + row_bytes * (g0 + 8)), nb, xa, y + g0);
 #endif
@@ -635,7 +635,7 @@ void rows8_q45_k(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t
     // at M = 1 and 1.15-1.2x at M = 2, and with 4 rows its per-row vectors outgrow the registers (1.3x); the groups
     // decode each code vector once for all the rows of a batch or a speculative check.
     if constexpr (M == 1) {
-        for (; g + 16 <= n; g += 16) {
+        for (const bool pairs = cpu_rows8_pairs(); pairs && g + 16 <= n; g += 16) {
             const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
             const G* g1 = reinterpret_cast<const G*>(w + row_bytes * (g + 8));
             rows8_q45_k_pair<G, Five, 1>(g0, g1, nb, xr, bw, y + g, ldy);

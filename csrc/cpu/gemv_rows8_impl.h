@@ -116,7 +116,8 @@ PYLLM_INLINE void rows8_group(const G* gb, int nb, const Q8RowC* a, float* y, si
 // several rows spends its time on (each row's work per block is that loop; decoding is shared): per activation row
 // and 16 rows, 4 x (2 broadcasts + 2 vpdpbusd) + 6 fp32 operations against twice that in ymm.  For the 5-bit
 // types too (Qwen2.5's Q4_K_M files are mostly Q5_0), where it took 0.8-0.9x the time of the 8-row groups at
-// M = 1, 4 and 8 and the same at M = 2 (docs/BENCHMARKS.md, "Two groups per zmm register").
+// M = 1, 4 and 8 and the same at M = 2 (docs/BENCHMARKS.md, "Two groups per zmm register").  That was an Intel
+// core; on AMD Zen 4 the pairs took 1.7-2.6x the groups' time, so they run where cpu_rows8_pairs() (kernels.h).
 // Lane for lane the same exact int32 sums and the same fp32 operations as rows8_group: the same bits (5-bit codes
 // sum their four code vectors in one int32 accumulator where rows8_group keeps two and adds them: exact either way).
 template <int c>
@@ -200,7 +201,7 @@ void rows8_dot(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t* 
     constexpr int C = M < rows8_chunk ? M : rows8_chunk, full = M / C * C;
     int g = 0;
 #ifdef PYLLM_ROWS8_PAIRS
-    for (; g + 16 <= n; g += 16) {
+    for (const bool pairs = cpu_rows8_pairs(); pairs && g + 16 <= n; g += 16) {
         const G* g0 = reinterpret_cast<const G*>(w + row_bytes * g);
         const G* g1 = reinterpret_cast<const G*>(w + row_bytes * (g + 8));
         for (int m = 0; m < full; m += C) rows8_pair<G, C>(g0, g1, nb, a + m, y + m * ldy + g, ldy);
@@ -413,7 +414,7 @@ void rows8_q8_0(int K, int n, const uint8_t* w, size_t row_bytes, const uint8_t*
     for (int m = 0; m < M; ++m) a[m] = T::row(xa + xs * m, K);
     int g = 0;
 #ifdef PYLLM_ROWS8_PAIRS
-    for (; g + 16 <= n; g += 16) {
+    for (const bool pairs = cpu_rows8_pairs(); pairs && g + 16 <= n; g += 16) {
         const block_q8_0x8* g0 = reinterpret_cast<const block_q8_0x8*>(w + row_bytes * g);
         const block_q8_0x8* g1 = reinterpret_cast<const block_q8_0x8*>(w + row_bytes * (g + 8));
         __m512 acc[M];

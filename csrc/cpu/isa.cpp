@@ -72,6 +72,22 @@ Isa pick_default() {
 }
 
 std::atomic<bool> g_emulate_avx512{false};
+std::atomic<int> g_rows8_pairs{-1};  // -1: not decided yet (cpu_rows8_pairs), else 0 / 1
+
+// CPUID leaf 0's vendor string is "AuthenticAMD" (AMD's AVX-512 cores: kernels.h cpu_rows8_pairs).
+bool cpu_is_amd() {
+#if defined(__x86_64__)
+    unsigned r[4];
+    cpuid(0, 0, r);
+    char vendor[13] = {};
+    std::memcpy(vendor, &r[1], 4);
+    std::memcpy(vendor + 4, &r[3], 4);
+    std::memcpy(vendor + 8, &r[2], 4);
+    return std::strcmp(vendor, "AuthenticAMD") == 0;
+#else
+    return false;
+#endif
+}
 
 Isa g_isa = Isa::Scalar;  // set on first use from cpu_best_isa() (PYLLM_ISA: see bindings_kernels.cpp)
 bool g_isa_set = false;
@@ -96,6 +112,16 @@ bool cpu_emulate_avx512(bool on) {
     return g_emulate_avx512;
 }
 bool cpu_avx512_emulated() { return g_emulate_avx512.load(); }
+
+bool cpu_rows8_pairs() {
+    int on = g_rows8_pairs.load(std::memory_order_relaxed);
+    if (on < 0) {  // PYLLM_ROWS8_PAIRS is applied by the extension's loader (pyllm/_ext.py), which checks it
+        on = !cpu_is_amd();
+        g_rows8_pairs.store(on, std::memory_order_relaxed);
+    }
+    return on != 0;
+}
+void cpu_set_rows8_pairs(bool on) { g_rows8_pairs.store(on, std::memory_order_relaxed); }
 
 namespace cpu {
 bool avx512_runs_natively() {
