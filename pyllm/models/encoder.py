@@ -1,10 +1,10 @@
 """Embedding encoders of the BERT family (``bert``, ``nomic-bert``): a bidirectional transformer whose hidden states
 are pooled into one vector per text (pyllm/embed.py pools and normalises them).
 
-EncoderSpec (encoder_spec.py) describes one, as ArchSpec describes a decoder (models/spec.py): derived from the file's ModelConfig,
-validated once, each bad value a ModelError naming its field.  Each difference from a decoder was checked against
-transformers' BertModel / NomicBertModel and llama.cpp's bert graph (llm_build_bert), whose GGUF names these files
-use:
+EncoderSpec (encoder_spec.py) describes one, as ArchSpec describes a decoder (models/spec.py): derived from the
+file's ModelConfig, validated once, each bad value a ModelError naming its field.  Each difference from a decoder
+was checked against transformers' BertModel / NomicBertModel and llama.cpp's bert graph (llm_build_bert), whose GGUF
+names these files use:
 
     x = token_embd[ids] + token_types[0] (+ position_embd[pos]: absolute positions) ; x = LayerNorm(x) (token_embd_norm)
     per layer:  q, k, v = x Wq (+ bq), x Wk (+ bk), x Wv (+ bv)  (or one attn_qkv) ; rotary positions: q, k = rope(q, k)

@@ -7,7 +7,7 @@ entry), in the converter's tensor mapping, and nowhere else.
 
 The spec is derived from a ModelConfig (itself read from GGUF metadata or an AWQ folder's config.json, and checked
 there) and validated once, in ``__post_init__``: a value no body can run fails at load with a ModelError naming
-the field.  Embedding encoders (the BERT family) are another body, described by models/encoder.py's EncoderSpec.
+the field.  Embedding encoders (the BERT family) are another body, described by models/encoder_spec.py's EncoderSpec.
 """
 
 from __future__ import annotations
