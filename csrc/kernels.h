@@ -39,7 +39,7 @@ bool cpu_avx512_emulated();
 // count, Q4_K / Q5_K / Q6_K at one row) or one group per ymm register.  Both give the same bits; which is faster
 // depends on the core.  On Intel's AVX-512 cores the pairs halve the instructions per weight byte (Xeon VM: Q4_K
 // one-row decode 19 -> 22-24 GB/s, Qwen2.5 tg +7%); on AMD Zen 4 the same kernels ran 1.7-2.6x slower than the
-// groups at one row, from DRAM on huge pages (Gemma 3 tg 76 -> 130 t/s without them).  Default: on except on AMD
+// groups at one row, from DRAM on huge pages (Gemma 3 tg 75-78 -> 117-126 t/s without them).  Default: on except on AMD
 // CPUs; set_rows8_pairs decides instead (PYLLM_ROWS8_PAIRS=0|1 at load, pyllm/_ext.py; A/B benchmarks, tests).
 bool cpu_rows8_pairs();
 void cpu_set_rows8_pairs(bool on);
