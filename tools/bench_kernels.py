@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pyllm import _ext, ops, roofline  # noqa: E402
+from pyllm import _ext, roofline  # noqa: E402
+from pyllm.runtime.kv_cache import cache_memory  # noqa: E402
 
 # ggml id, block size, bytes per block, fp16 field offsets
 TYPES = {
@@ -60,15 +61,6 @@ def random_weight(name: str, N: int, K: int, rng) -> torch.Tensor:
     for off in f16:
         raw[:, off:off + 2] = rng.uniform(0.002, 0.02, (nb, 1)).astype(np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(N, -1))
-
-
-def on_huge_pages(w: torch.Tensor) -> torch.Tensor:
-    """A copy of ``w`` in memory advised onto huge pages before its first write, as the model's weight copies are
-    (CpuBackend's arena, ops.advise_huge_pages): on 4 KiB pages a stream pays a TLB miss per page, and a kernel that
-    keeps up with memory there can still fall behind it on huge pages."""
-    h = torch.empty_like(w)
-    ops.advise_huge_pages(h)
-    return h.copy_(w)
 
 
 def bench_gemv(C, ws: list[torch.Tensor], tid: int, M: int, repeat: int, gemm: bool = False,
@@ -171,7 +163,8 @@ def main() -> int:
                     wid = int(C.rows8_qtype(tid))
                 except (ValueError, NotImplementedError) as e:
                     sys.exit(f"bench_kernels: --rows8: {e}")
-            ws = [on_huge_pages(w) for w in ws]
+            # on huge pages, as the decode step's copies are (a 4 KiB page costs a stream a TLB miss)
+            ws = [cache_memory(w.shape, w.dtype, "cpu", zero=False).copy_(w) for w in ws]
             for M in ms:
                 for t in threads:
                     C.set_num_threads(t)
